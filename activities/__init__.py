@@ -1,0 +1,1 @@
+"""Activities: every piece of I/O the workflows do (Postgres, Stripe through the vault)."""

@@ -1,0 +1,104 @@
+"""The one place where Stripe's errors become Temporal failures, retryable or not.
+
+A retry can change nothing about a decline, a refused key or mismatched parameters, so those
+are non-retryable and carry a ChargeFailure the workflow records. Everything else (network,
+5xx, 409 key in use, 429) is retried by Temporal with the same idempotency key.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import stripe
+from temporalio.exceptions import ApplicationError
+
+from billing.models import ChargeFailure
+from billing.redact import redact
+
+# ApplicationError types the workflow tells apart.
+DECLINED = "ChargeDeclined"
+REFUSED = "ChargeRefused"
+SPEND_CAP_EXCEEDED = "SpendCapExceeded"
+RETRYABLE = "StripeUnavailable"
+
+
+def _error_body(exc: stripe.StripeError) -> dict[str, object]:
+    body = exc.json_body
+    error = body.get("error") if isinstance(body, dict) else None
+    return error if isinstance(error, dict) else {}
+
+
+def _id_of(value: object) -> str | None:
+    if isinstance(value, dict):
+        found = value.get("id")
+        return found if isinstance(found, str) else None
+    return value if isinstance(value, str) else None
+
+
+def failure_from(exc: stripe.StripeError, default_code: str, attempts: int) -> ChargeFailure:
+    error = _error_body(exc)
+    code = error.get("code") or exc.code or default_code
+    decline = error.get("decline_code")
+    return ChargeFailure(
+        code=str(code),
+        decline_code=str(decline) if decline else None,
+        message=redact(str(exc.user_message or default_code)),
+        payment_intent_id=_id_of(error.get("payment_intent")),
+        charge_id=_id_of(error.get("charge")),
+        attempts=attempts,
+    )
+
+
+def _non_retryable(kind: str, failure: ChargeFailure) -> ApplicationError:
+    return ApplicationError(
+        f"{failure.code}: {failure.message}", failure, type=kind, non_retryable=True
+    )
+
+
+def declined(failure: ChargeFailure) -> ApplicationError:
+    return _non_retryable(DECLINED, failure)
+
+
+def to_temporal_failure(exc: stripe.StripeError, attempts: int) -> ApplicationError:
+    """Map one Stripe exception to the failure Temporal acts on."""
+    if isinstance(exc, stripe.CardError):
+        failure = failure_from(exc, "card_declined", attempts)
+        if failure.code == "spend_cap_exceeded":
+            return _non_retryable(SPEND_CAP_EXCEEDED, failure)
+        return declined(failure)
+    if isinstance(exc, stripe.RateLimitError):
+        return ApplicationError(
+            "Stripe rate limit reached; retrying with the same idempotency key",
+            type=RETRYABLE,
+            next_retry_delay=timedelta(seconds=1),
+        )
+    if isinstance(exc, stripe.AuthenticationError):
+        # Stripe's own message can quote part of the key: say what to check instead.
+        failure = ChargeFailure(
+            code="authentication_failed",
+            message="the Stripe or vault key was refused (unknown, expired or revoked)",
+            attempts=attempts,
+        )
+        return _non_retryable(REFUSED, failure)
+    if isinstance(exc, stripe.PermissionError):
+        return _non_retryable(REFUSED, failure_from(exc, "permission_denied", attempts))
+    if isinstance(exc, stripe.IdempotencyError):
+        return _non_retryable(REFUSED, failure_from(exc, "idempotency_error", attempts))
+    if isinstance(exc, stripe.InvalidRequestError):
+        return _non_retryable(REFUSED, failure_from(exc, "invalid_request", attempts))
+    # APIConnectionError, 5xx, 409 idempotency_key_in_use: the outcome is unknown or pending,
+    # and a retry with the same key either replays the first result or executes once.
+    status = exc.http_status or "no response"
+    return ApplicationError(
+        f"Stripe did not answer definitively ({status}): {redact(str(exc.user_message))}",
+        type=RETRYABLE,
+    )
+
+
+def is_replayed(exc: stripe.StripeError) -> bool:
+    """Stripe replayed a saved response for this key (e.g. a 500 after the charge committed)."""
+    headers = exc.headers or {}
+    return any(
+        name.lower() == "idempotent-replayed" and str(value).lower() == "true"
+        for name, value in headers.items()
+    )

@@ -1,0 +1,1 @@
+"""Domain rules and infrastructure shared by the workflows, activities, worker and CLI."""

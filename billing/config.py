@@ -1,0 +1,41 @@
+"""Settings from environment variables, with defaults that match the local stack."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class TemporalSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TEMPORAL_", extra="ignore")
+
+    address: str = "127.0.0.1:7233"
+    namespace: str = "default"
+    task_queue: str = "billing"
+    ui_url: str = "http://127.0.0.1:8233"
+
+
+class DatabaseSettings(BaseSettings):
+    model_config = SettingsConfigDict(extra="ignore")
+
+    database_url: str = Field(
+        default="postgresql://postgres@127.0.0.1:5433/billing",
+        description="PostgreSQL holding the billing ledger",
+    )
+
+
+class BillingSettings(BaseSettings):
+    """What the worker needs to charge: where Stripe is and how keys are derived."""
+
+    model_config = SettingsConfigDict(extra="ignore")
+
+    stripe_api_base: str = "http://127.0.0.1:12111"
+    stripe_api_key: SecretStr = SecretStr("sk_test_local_emulator")
+    billing_charge_api: Literal["payment_intents", "charges"] = "payment_intents"
+    billing_key_namespace: str = Field(default="billing", min_length=1)
+    billing_stripe_timeout_seconds: float = Field(default=30.0, gt=0)
+    # Claims older than this are looked up on Stripe before a new request: Stripe keeps
+    # idempotency keys for 24 hours, so a later replay would execute as a new charge.
+    billing_lookup_after_seconds: float = Field(default=23 * 3600, gt=0)

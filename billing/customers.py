@@ -1,0 +1,149 @@
+"""Customers due for billing: CSV import (all rows valid or nothing imported) and upserts."""
+
+from __future__ import annotations
+
+import csv
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import asyncpg
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from billing.errors import CustomerImportError, InvalidInputError
+from billing.keys import validate_customer_id
+from billing.money import parse_amount, validate_amount, validate_currency
+
+CSV_COLUMNS = ("customer_id", "stripe_customer_id", "payment_method", "amount_cents", "currency")
+_STRIPE_CUSTOMER_RE = re.compile(r"cus_[A-Za-z0-9]{1,250}")
+_PAYMENT_METHOD_RE = re.compile(r"pm_[A-Za-z0-9_]{1,250}")
+
+
+class CustomerRow(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    customer_id: str
+    stripe_customer_id: str
+    payment_method: str | None
+    amount_cents: int
+    currency: str
+
+    @field_validator("customer_id")
+    @classmethod
+    def _customer_id(cls, value: str) -> str:
+        return validate_customer_id(value)
+
+    @field_validator("stripe_customer_id")
+    @classmethod
+    def _stripe_customer(cls, value: str) -> str:
+        if not _STRIPE_CUSTOMER_RE.fullmatch(value):
+            raise InvalidInputError(f"stripe_customer_id {value[:60]!r} is not a Stripe id cus_...")
+        return value
+
+    @field_validator("payment_method")
+    @classmethod
+    def _payment_method(cls, value: str | None) -> str | None:
+        if value is not None and not _PAYMENT_METHOD_RE.fullmatch(value):
+            raise InvalidInputError(f"payment_method {value[:60]!r} is not a Stripe id pm_...")
+        return value
+
+    @field_validator("amount_cents")
+    @classmethod
+    def _amount(cls, value: int) -> int:
+        return validate_amount(value)
+
+    @field_validator("currency")
+    @classmethod
+    def _currency(cls, value: str) -> str:
+        return validate_currency(value)
+
+
+def _row_from_csv(fields: dict[str, str | None]) -> CustomerRow:
+    def text(name: str) -> str:
+        value = fields.get(name)
+        if value is None or not value.strip():
+            raise InvalidInputError(f"{name} is empty")
+        return value.strip()
+
+    payment_method = (fields.get("payment_method") or "").strip() or None
+    return CustomerRow(
+        customer_id=text("customer_id"),
+        stripe_customer_id=text("stripe_customer_id"),
+        payment_method=payment_method,
+        amount_cents=parse_amount(text("amount_cents")),
+        currency=text("currency"),
+    )
+
+
+def parse_customers_csv(lines: Iterable[str], source: str = "input") -> list[CustomerRow]:
+    """Validate every row; the first bad one rejects the whole file with its line number."""
+    reader = csv.DictReader(lines, restkey="_extra")
+    missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise CustomerImportError(
+            f"{source}: header must name the columns {', '.join(CSV_COLUMNS)};"
+            f" missing {', '.join(missing)}"
+        )
+    rows: list[CustomerRow] = []
+    seen: dict[str, int] = {}
+    for fields in reader:
+        line = reader.line_num
+        if fields.get("_extra"):
+            raise CustomerImportError(f"{source}, line {line}: more fields than the header names")
+        try:
+            row = _row_from_csv(fields)
+        except (InvalidInputError, ValueError) as exc:
+            raise CustomerImportError(f"{source}, line {line}: {_reason(exc)}") from None
+        if row.customer_id in seen:
+            raise CustomerImportError(
+                f"{source}, line {line}: customer {row.customer_id!r} already appears on line"
+                f" {seen[row.customer_id]}"
+            )
+        seen[row.customer_id] = line
+        rows.append(row)
+    if not rows:
+        raise CustomerImportError(f"{source}: no customer rows after the header")
+    return rows
+
+
+def read_customers_csv(path: Path) -> list[CustomerRow]:
+    try:
+        with path.open(newline="", encoding="utf-8") as handle:
+            return parse_customers_csv(handle, source=str(path))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CustomerImportError(f"cannot read {path}: {exc}") from None
+
+
+def _reason(exc: Exception) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        # pydantic wraps our validators' errors; show the field and our message only.
+        first = errors()[0]
+        field = ".".join(str(part) for part in first.get("loc", ()))
+        message = str(first.get("ctx", {}).get("error", first.get("msg", "")))
+        return f"{field}: {message}" if field else message
+    return str(exc)
+
+
+async def upsert_customers(pool: asyncpg.Pool, rows: Sequence[CustomerRow]) -> int:
+    """Insert or update the rows in one transaction; returns how many were written."""
+    async with pool.acquire() as conn, conn.transaction():
+        await conn.executemany(
+            """
+            INSERT INTO customers (customer_id, stripe_customer_id, payment_method,
+                                   amount_cents, currency)
+            VALUES ($1, $2, $3, $4, $5)
+            ON CONFLICT (customer_id) DO UPDATE SET
+                stripe_customer_id = EXCLUDED.stripe_customer_id,
+                payment_method = EXCLUDED.payment_method,
+                amount_cents = EXCLUDED.amount_cents,
+                currency = EXCLUDED.currency,
+                active = true,
+                updated_at = now()
+            """,
+            [
+                (r.customer_id, r.stripe_customer_id, r.payment_method, r.amount_cents, r.currency)
+                for r in rows
+            ],
+        )
+    return len(rows)

@@ -1,0 +1,29 @@
+"""Connections to the ledger, with errors that say which database could not be reached."""
+
+from __future__ import annotations
+
+import asyncpg
+
+from billing.errors import ServiceUnavailableError
+
+
+def _unavailable(dsn: str, exc: Exception) -> ServiceUnavailableError:
+    # Only the host part: a DSN may carry a password.
+    host = dsn.rsplit("@", 1)[-1]
+    return ServiceUnavailableError(f"cannot reach PostgreSQL at {host} (DATABASE_URL): {exc}")
+
+
+async def connect(dsn: str) -> asyncpg.Connection:
+    try:
+        return await asyncpg.connect(dsn)
+    except (OSError, asyncpg.PostgresError) as exc:
+        raise _unavailable(dsn, exc) from None
+
+
+async def create_pool(dsn: str, *, max_size: int = 20) -> asyncpg.Pool:
+    try:
+        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=max_size, command_timeout=30)
+    except (OSError, asyncpg.PostgresError) as exc:
+        raise _unavailable(dsn, exc) from None
+    assert pool is not None
+    return pool

@@ -1,0 +1,49 @@
+"""Errors a person can act on: each says what was wrong and what was expected."""
+
+
+class BillingError(Exception):
+    """Base class for the project's own errors."""
+
+
+class InvalidInputError(BillingError, ValueError):
+    """Input that can never become valid by retrying (period, amount, currency, id)."""
+
+
+class InvalidPeriodError(InvalidInputError):
+    pass
+
+
+class InvalidAmountError(InvalidInputError):
+    pass
+
+
+class InvalidCurrencyError(InvalidInputError):
+    pass
+
+
+class InvalidCustomerIdError(InvalidInputError):
+    pass
+
+
+class CustomerImportError(InvalidInputError):
+    """A CSV import was rejected; nothing was imported."""
+
+
+class UnknownCustomerError(BillingError):
+    pass
+
+
+class MigrationError(BillingError):
+    pass
+
+
+class LedgerConflictError(BillingError):
+    """The ledger already holds a different result for a charge: never overwritten."""
+
+
+class RunEndedError(BillingError):
+    """A period's run ended without a summary (failed, terminated, timed out)."""
+
+
+class ServiceUnavailableError(BillingError):
+    """Temporal or PostgreSQL could not be reached."""

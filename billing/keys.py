@@ -1,0 +1,40 @@
+"""Identifiers derived from the billing intent alone, so every retry derives the same ones."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+from billing.errors import InvalidCustomerIdError
+from billing.periods import Period
+
+# Safe in SQL, in a Temporal workflow ID, in a URL path and in the Web UI's query language.
+_CUSTOMER_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+KEY_LENGTH = 32
+
+
+def validate_customer_id(customer_id: object) -> str:
+    if not isinstance(customer_id, str) or _CUSTOMER_ID_RE.fullmatch(customer_id) is None:
+        shown = customer_id if not isinstance(customer_id, str) else customer_id[:70]
+        raise InvalidCustomerIdError(
+            f"customer id {shown!r} must be 1-64 characters of letters, digits, '_', '.' or '-',"
+            " starting with a letter or digit"
+        )
+    return customer_id
+
+
+def idempotency_key(namespace: str, customer_id: str, period: Period) -> str:
+    """sha256 of `namespace:customer:period`, first 32 hex characters.
+
+    Never a UUID, timestamp, attempt number, run id or host: a retry must send the same key.
+    """
+    digest = hashlib.sha256(f"{namespace}:{customer_id}:{period}".encode()).hexdigest()
+    return digest[:KEY_LENGTH]
+
+
+def period_workflow_id(period: Period) -> str:
+    return f"billing-period-{period}"
+
+
+def customer_workflow_id(period: Period, customer_id: str) -> str:
+    return f"billing-{period}-{customer_id}"

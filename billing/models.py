@@ -1,0 +1,167 @@
+"""Records that cross a boundary: workflow and activity inputs and outputs, CLI JSON."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+LedgerStatus = Literal["claimed", "charged", "failed", "skipped", "cancelled"]
+TERMINAL_STATUSES: frozenset[str] = frozenset({"charged", "failed", "skipped", "cancelled"})
+Outcome = Literal["charged", "already_billed", "failed", "skipped", "cancelled"]
+
+
+def finished_outcome(status: LedgerStatus) -> Outcome:
+    """A finished ledger row seen again: a charge made earlier counts as already billed."""
+    if status == "claimed":
+        raise ValueError("a claimed row has no outcome yet")
+    return "already_billed" if status == "charged" else status
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Claim(Record):
+    """A customer's row for one period: fixes the key, amount and currency of every attempt."""
+
+    customer_id: str
+    period: str
+    idempotency_key: str
+    amount_cents: int
+    currency: str
+    stripe_customer_id: str
+    payment_method: str | None
+    status: LedgerStatus
+    claimed_at: datetime
+    payment_intent_id: str | None = None
+    charge_id: str | None = None
+    failure_code: str | None = None
+
+
+class ChargeResult(Record):
+    """Stripe accepted the charge."""
+
+    charge_id: str
+    payment_intent_id: str | None
+    amount_cents: int
+    currency: str
+    attempts: int
+    replayed: bool = False
+
+
+class ChargeFailure(Record):
+    """Stripe refused the charge for good (decline, authentication required)."""
+
+    code: str
+    decline_code: str | None = None
+    message: str
+    payment_intent_id: str | None = None
+    charge_id: str | None = None
+    attempts: int = 1
+
+
+class CustomerChargeInput(Record):
+    period: str
+    customer_id: str
+    parent_workflow_id: str | None = None
+
+
+class CustomerOutcome(Record):
+    customer_id: str
+    outcome: Outcome
+    amount_cents: int = 0
+    currency: str | None = None
+    charge_id: str | None = None
+    failure_code: str | None = None
+
+
+class DueCustomer(Record):
+    customer_id: str
+    status: LedgerStatus | None
+
+
+class DuePage(Record):
+    customers: list[DueCustomer]
+    next_cursor: str | None
+
+
+class PeriodPlan(Record):
+    period: str
+    due: int
+    to_charge: int
+    expected_total_cents: int
+
+
+class Counts(BaseModel):
+    """Outcomes counted so far; mutable because the period workflow accumulates them."""
+
+    due: int = 0
+    charged: int = 0
+    already_billed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    cancelled: int = 0
+    total_charged_cents: int = 0
+
+    def add(self, outcome: CustomerOutcome) -> None:
+        setattr(self, outcome.outcome, getattr(self, outcome.outcome) + 1)
+        if outcome.outcome == "charged":
+            self.total_charged_cents += outcome.amount_cents
+
+
+class PeriodState(BaseModel):
+    """Everything a period run carries over continue-as-new."""
+
+    period: str
+    plan: PeriodPlan | None = None
+    cursor: str | None = None
+    listing_done: bool = False
+    in_flight: list[str] = Field(default_factory=list)
+    counts: Counts = Field(default_factory=Counts)
+    runs: int = 1
+
+
+class RunOptions(Record):
+    """How a period run fans out; defaults suit one worker on a small machine."""
+
+    # Children running at once: far below Temporal's 2,000 pending children per run.
+    max_in_flight: int = Field(default=500, ge=1, le=1500)
+    page_size: int = Field(default=500, ge=1, le=5000)
+    # Continue as new well before Temporal's 4,096-event suggestion and 51,200-event limit.
+    history_event_limit: int = Field(default=8000, ge=200, le=40000)
+    billing: Literal["arrears", "advance"] = "arrears"
+
+
+class BillingPeriodInput(Record):
+    period: str | None = None
+    options: RunOptions = Field(default_factory=RunOptions)
+    state: PeriodState | None = None
+
+
+class PeriodSummary(Record):
+    period: str
+    workflow_id: str
+    due: int
+    charged: int
+    already_billed: int
+    failed: int
+    skipped: int
+    cancelled: int
+    total_charged_cents: int
+
+
+class PeriodProgress(Record):
+    period: str
+    workflow_id: str
+    state: str
+    in_flight: int
+    due: int
+    charged: int
+    already_billed: int
+    failed: int
+    skipped: int
+    cancelled: int
+    total_charged_cents: int
+    expected_due: int | None = None

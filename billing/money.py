@@ -1,0 +1,40 @@
+"""Amounts and currencies as Stripe accepts them."""
+
+from __future__ import annotations
+
+import pycountry
+
+from billing.errors import InvalidAmountError, InvalidCurrencyError
+
+# Stripe's ceiling for `amount`: eight digits in the smallest currency unit.
+MAX_AMOUNT_CENTS = 99_999_999
+
+
+def validate_amount(amount: object) -> int:
+    """A positive integer of smallest currency units, at most Stripe's ceiling."""
+    if isinstance(amount, bool) or not isinstance(amount, int):
+        raise InvalidAmountError(f"amount must be a whole number of cents, got {amount!r}")
+    if amount <= 0:
+        raise InvalidAmountError(f"amount must be positive, got {amount}")
+    if amount > MAX_AMOUNT_CENTS:
+        raise InvalidAmountError(f"amount {amount} exceeds Stripe's maximum of {MAX_AMOUNT_CENTS}")
+    return amount
+
+
+def parse_amount(text: str) -> int:
+    """Parse an amount in cents written as digits (no decimals, signs or separators)."""
+    stripped = text.strip()
+    if not stripped.isascii() or not stripped.isdigit():
+        raise InvalidAmountError(f"amount must be a whole number of cents, got {text!r}")
+    return validate_amount(int(stripped))
+
+
+def validate_currency(currency: object) -> str:
+    """A three-letter ISO 4217 code in Stripe's lowercase form."""
+    if not isinstance(currency, str) or len(currency) != 3 or not currency.isascii():
+        raise InvalidCurrencyError(f"currency must be a three-letter ISO code, got {currency!r}")
+    if not currency.islower() or pycountry.currencies.get(alpha_3=currency.upper()) is None:
+        raise InvalidCurrencyError(
+            f"currency {currency!r} is not a lowercase ISO 4217 code such as 'usd' or 'eur'"
+        )
+    return currency

@@ -1,0 +1,79 @@
+"""Billing periods: calendar months written `YYYY-MM`."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Literal
+
+from billing.errors import InvalidPeriodError
+
+_PERIOD_RE = re.compile(r"([0-9]{4})-([0-9]{2})")
+MIN_YEAR = 2000
+MAX_YEAR = 2999
+
+Billing = Literal["arrears", "advance"]
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class Period:
+    year: int
+    month: int
+
+    def __post_init__(self) -> None:
+        if not MIN_YEAR <= self.year <= MAX_YEAR:
+            raise InvalidPeriodError(
+                f"billing period year {self.year} is outside {MIN_YEAR}-{MAX_YEAR}"
+            )
+        if not 1 <= self.month <= 12:
+            raise InvalidPeriodError(f"billing period month {self.month} is not 01-12")
+
+    def __str__(self) -> str:
+        return f"{self.year:04d}-{self.month:02d}"
+
+    @property
+    def starts_at(self) -> datetime:
+        return datetime(self.year, self.month, 1, tzinfo=UTC)
+
+    @property
+    def ends_at(self) -> datetime:
+        """First instant after the period (exclusive end)."""
+        return self.next().starts_at
+
+    def next(self) -> Period:
+        return Period(self.year + self.month // 12, self.month % 12 + 1)
+
+    def previous(self) -> Period:
+        return Period(self.year - (self.month == 1), (self.month - 2) % 12 + 1)
+
+
+def parse_period(text: str) -> Period:
+    """Parse `YYYY-MM`; anything else raises InvalidPeriodError saying what was expected."""
+    if not isinstance(text, str):
+        raise InvalidPeriodError(f"billing period must be a string like 2026-12, got {text!r}")
+    match = _PERIOD_RE.fullmatch(text)
+    if match is None:
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise InvalidPeriodError(
+            f"billing period {shown!r} is not in the form YYYY-MM, e.g. 2026-12"
+        )
+    return Period(int(match.group(1)), int(match.group(2)))
+
+
+def period_for(moment: datetime, billing: Billing = "arrears") -> Period:
+    """The period a run at `moment` bills: the month before it (arrears) or its own (advance)."""
+    if moment.tzinfo is None:
+        raise InvalidPeriodError("the run time must carry a time zone")
+    current = Period(moment.year, moment.month)
+    return current.previous() if billing == "arrears" else current
+
+
+def period_range(first: Period, last: Period) -> list[Period]:
+    """Every period from `first` to `last`, inclusive."""
+    if last < first:
+        raise InvalidPeriodError(f"period range ends ({last}) before it starts ({first})")
+    periods = [first]
+    while periods[-1] < last:
+        periods.append(periods[-1].next())
+    return periods

@@ -1,0 +1,75 @@
+"""Demo customers: created in Stripe (the emulator locally), then written to the ledger."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import stripe
+
+from billing.config import BillingSettings, DatabaseSettings
+from billing.customers import CustomerRow, upsert_customers
+from billing.db import create_pool
+from billing.stripe_client import stripe_session
+
+# One customer in this many gets a card that Stripe declines, so the demo shows failures.
+DECLINE_EVERY = 97
+_CONCURRENCY = 32
+
+
+def demo_amount(index: int) -> int:
+    """A spread of plausible monthly prices, from $9.00 to $98.99."""
+    return 900 + (index * 731) % 9000
+
+
+def demo_card(index: int) -> str:
+    """Stripe's test card for customer `index`: every DECLINE_EVERY-th one is declined."""
+    return "pm_card_chargeCustomerFail" if index % DECLINE_EVERY == 0 else "pm_card_visa"
+
+
+async def create_demo_customers(
+    client: stripe.StripeClient,
+    count: int,
+    prefix: str = "demo",
+    card_for: Callable[[int], str] = demo_card,
+) -> list[CustomerRow]:
+    """Create `count` customers, each with the saved test card `card_for(index)`."""
+    gate = asyncio.Semaphore(_CONCURRENCY)
+
+    async def create(index: int) -> CustomerRow:
+        card = card_for(index)
+        customer_id = f"{prefix}-{index:06d}"
+        async with gate:
+            customer = await client.v1.customers.create_async(
+                {
+                    "name": f"Demo customer {index}",
+                    "metadata": {"customer_id": customer_id},
+                    "payment_method": card,
+                    "invoice_settings": {"default_payment_method": card},
+                },
+                {"idempotency_key": f"seed-{prefix}-{index}"},
+            )
+        default = (
+            customer.invoice_settings.default_payment_method if customer.invoice_settings else None
+        )
+        payment_method = default if isinstance(default, str) else getattr(default, "id", None)
+        return CustomerRow(
+            customer_id=customer_id,
+            stripe_customer_id=customer.id,
+            payment_method=payment_method,
+            amount_cents=demo_amount(index),
+            currency="usd",
+        )
+
+    return list(await asyncio.gather(*(create(i) for i in range(1, count + 1))))
+
+
+async def seed_demo(count: int) -> int:
+    """Create demo customers in the configured Stripe and upsert them into the ledger."""
+    async with stripe_session(BillingSettings()) as client:
+        rows = await create_demo_customers(client, count)
+    pool = await create_pool(DatabaseSettings().database_url)
+    try:
+        return await upsert_customers(pool, rows)
+    finally:
+        await pool.close()

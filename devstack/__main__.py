@@ -1,0 +1,113 @@
+"""python -m devstack up [--no-worker] | down
+
+`up` starts PostgreSQL, the Temporal dev server with its Web UI, the Stripe emulator and a
+worker, writes `.devstack/env` for a second terminal (`source .devstack/env`), and stops it all
+cleanly on Ctrl-C or SIGTERM. `down` stops a stack started elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import time
+
+from devstack.processes import StackError
+from devstack.stack import LocalStack, StackConfig
+
+
+async def up(config: StackConfig) -> None:
+    stack = LocalStack(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stack.start()
+    config.pid_file.write_text(str(os.getpid()))
+    env = stack.environment
+    print(
+        "local stack is up\n"
+        f"  Temporal Web UI   {env['TEMPORAL_UI_URL']}\n"
+        f"  Temporal          {env['TEMPORAL_ADDRESS']} (namespace {env['TEMPORAL_NAMESPACE']})\n"
+        f"  PostgreSQL        {env['DATABASE_URL']}\n"
+        f"  Stripe emulator   {env['STRIPE_EMULATOR_URL']}\n"
+        f"  worker            {'running' if config.worker else 'not started (--no-worker)'}\n"
+        f"  environment       source {config.env_file}\n"
+        f"  logs              {config.log_dir}\n"
+        "Ctrl-C stops everything.",
+        flush=True,
+    )
+    reported: set[str] = set()
+    try:
+        while not stop.is_set():
+            for service in stack.exited():
+                if service.name not in reported:
+                    reported.add(service.name)
+                    print(f"warning: {service.name} exited; see {service.log}", flush=True)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=1)
+            except TimeoutError:
+                pass
+    finally:
+        print("stopping the local stack...", flush=True)
+        stack.stop()
+        config.pid_file.unlink(missing_ok=True)
+        print("stopped", flush=True)
+
+
+def down(config: StackConfig, timeout: float = 90) -> int:
+    if not config.pid_file.exists():
+        print("no local stack is running")
+        return 0
+    pid = int(config.pid_file.read_text())
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        config.pid_file.unlink(missing_ok=True)
+        print("no local stack is running (removed a stale pid file)")
+        return 0
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            print("local stack stopped")
+            return 0
+        time.sleep(0.2)
+    print(f"the local stack (pid {pid}) did not stop within {timeout:.0f} s", file=sys.stderr)
+    return 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m devstack", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    start = commands.add_parser("up", help="start the local stack and wait for Ctrl-C")
+    start.add_argument("--no-worker", action="store_true", help="start everything but the worker")
+    defaults = StackConfig()
+    for field in ("temporal_port", "ui_port", "postgres_port", "emulator_port"):
+        start.add_argument(
+            f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field)
+        )
+    commands.add_parser("down", help="stop the local stack started by `up`")
+    args = parser.parse_args()
+    if args.command == "down":
+        return down(defaults)
+    config = StackConfig(
+        worker=not args.no_worker,
+        temporal_port=args.temporal_port,
+        ui_port=args.ui_port,
+        postgres_port=args.postgres_port,
+        emulator_port=args.emulator_port,
+    )
+    try:
+        asyncio.run(up(config))
+    except StackError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""`starter.py demo`: bill a period of demo customers on the local stack, start to finish."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+
+from billing.config import TemporalSettings
+from billing.errors import ServiceUnavailableError
+from billing.models import PeriodSummary
+from billing.periods import period_for
+from billing.reporting import describe, ui_link
+from billing.runs import period_status, start_period
+from billing.seeding import seed_demo
+from billing.temporal_client import connect
+from devstack.processes import StackError
+from devstack.stack import PROJECT_ROOT, StackConfig, read_env
+
+STACK_START_TIMEOUT = 180
+
+
+async def _stack_reachable(config: StackConfig) -> bool:
+    if not config.env_file.exists():
+        return False
+    try:
+        await connect(TemporalSettings(address=read_env(config.env_file)["TEMPORAL_ADDRESS"]))
+    except (ServiceUnavailableError, KeyError):
+        return False
+    return True
+
+
+async def _start_stack(config: StackConfig) -> subprocess.Popen[bytes]:
+    config.root.mkdir(parents=True, exist_ok=True)
+    log = config.root / "devstack.log"
+    with log.open("ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "devstack", "up"],
+            cwd=PROJECT_ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + STACK_START_TIMEOUT
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise StackError(f"the local stack failed to start; see {log}")
+        if config.pid_file.exists() and await _stack_reachable(config):
+            return process
+        await asyncio.sleep(0.5)
+    process.terminate()
+    raise StackError(f"the local stack did not start within {STACK_START_TIMEOUT} s; see {log}")
+
+
+def _say(message: str, as_json: bool) -> None:
+    # With --json, stdout carries only the summary object.
+    print(message, file=sys.stderr if as_json else sys.stdout, flush=True)
+
+
+async def run_demo(args: argparse.Namespace) -> int:
+    config = StackConfig()
+    stack: subprocess.Popen[bytes] | None = None
+    if not await _stack_reachable(config):
+        _say(
+            "starting the local stack (Temporal, PostgreSQL, Stripe emulator, worker)...", args.json
+        )
+        stack = await _start_stack(config)
+    os.environ.update(read_env(config.env_file))
+    temporal = TemporalSettings()
+    try:
+        period = args.period or period_for(datetime.now(UTC))
+        _say(f"creating {args.customers} demo customers in the Stripe emulator...", args.json)
+        await seed_demo(args.customers)
+        client = await connect(temporal)
+        handle = await start_period(client, period, temporal.task_queue)
+        _say(f"billing {period}: {ui_link(temporal, handle.id)}", args.json)
+        started = time.monotonic()
+        task = asyncio.ensure_future(handle.result())
+        while not task.done():
+            progress = await period_status(client, period)
+            finished = progress.due - progress.in_flight
+            _say(
+                f"  {finished} customers finished, {progress.in_flight} in flight,"
+                f" {progress.charged} charged, {progress.failed} failed",
+                args.json,
+            )
+            await asyncio.wait({task}, timeout=2)
+        summary: PeriodSummary = task.result()
+        elapsed = time.monotonic() - started
+        if args.json:
+            print(summary.model_dump_json())
+        else:
+            print(describe(summary))
+            print(f"  took {elapsed:.1f} s ({summary.due / elapsed:.0f} customers/s)")
+        _say(
+            f"Web UI: {temporal.ui_url}/namespaces/{temporal.namespace}/workflows"
+            f"?query=BillingPeriod%3D%22{period}%22",
+            args.json,
+        )
+    finally:
+        if stack is not None and not args.keep_running:
+            _say("stopping the local stack...", args.json)
+            stack.terminate()
+            stack.wait(120)
+    if (stack is not None and args.keep_running) or stack is None:
+        _say("the local stack is still running: `python -m devstack down` stops it", args.json)
+    return 0

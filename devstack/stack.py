@@ -1,0 +1,183 @@
+"""Bring the whole local stack up and down, and describe it in `.devstack/env`."""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import sys
+from pathlib import Path
+
+import asyncpg
+from pydantic import BaseModel
+
+from billing import search_attributes
+from billing.migrations import migrate
+from devstack.postgres import LocalPostgres
+from devstack.processes import Service, StackError, ensure_port_free, spawn, wait_for_http
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_ROOT = PROJECT_ROOT / ".devstack"
+DATABASE = "billing"
+# A test-mode key: the emulator accepts any sk_test_ key; never a real one here.
+LOCAL_STRIPE_KEY = "sk_test_local_emulator"
+
+
+class StackConfig(BaseModel):
+    root: Path = DEFAULT_ROOT
+    temporal_port: int = 7233
+    ui_port: int = 8233
+    postgres_port: int = 5433
+    emulator_port: int = 12111
+    namespace: str = "default"
+    task_queue: str = "billing"
+    worker: bool = True
+
+    @property
+    def env_file(self) -> Path:
+        return self.root / "env"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.root / "stack.pid"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.root / "logs"
+
+
+def venv_binary(name: str) -> str:
+    path = Path(sys.executable).parent / name
+    if not path.exists():
+        raise StackError(f"{path} is missing: install the project first (pip install -e .)")
+    return str(path)
+
+
+class LocalStack:
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.postgres = LocalPostgres(config.root / "postgres", config.postgres_port)
+        self.services: list[Service] = []
+
+    @property
+    def environment(self) -> dict[str, str]:
+        c = self.config
+        emulator = f"http://127.0.0.1:{c.emulator_port}"
+        return {
+            "TEMPORAL_ADDRESS": f"127.0.0.1:{c.temporal_port}",
+            "TEMPORAL_NAMESPACE": c.namespace,
+            "TEMPORAL_TASK_QUEUE": c.task_queue,
+            "TEMPORAL_UI_URL": f"http://127.0.0.1:{c.ui_port}",
+            "DATABASE_URL": self.postgres.dsn(DATABASE),
+            "STRIPE_API_BASE": emulator,
+            "STRIPE_API_KEY": LOCAL_STRIPE_KEY,
+            "STRIPE_EMULATOR_URL": emulator,
+            "BILLING_CHARGE_API": "payment_intents",
+            "BILLING_KEY_NAMESPACE": "local",
+        }
+
+    async def start(self) -> None:
+        c = self.config
+        c.log_dir.mkdir(parents=True, exist_ok=True)
+        for port, what in (
+            (c.temporal_port, "Temporal"),
+            (c.ui_port, "the Temporal Web UI"),
+            (c.postgres_port, "PostgreSQL"),
+            (c.emulator_port, "the Stripe emulator"),
+        ):
+            ensure_port_free(port, what)
+        try:
+            await self._start_postgres()
+            await self._start_temporal()
+            await self._start_emulator()
+            self.write_env()
+            if c.worker:
+                self.services.append(
+                    spawn(
+                        "worker",
+                        [sys.executable, str(PROJECT_ROOT / "worker.py")],
+                        c.log_dir,
+                        self.environment,
+                    )
+                )
+        except BaseException:
+            self.stop()
+            raise
+
+    async def _start_postgres(self) -> None:
+        await asyncio.to_thread(self.postgres.start)
+        conn = await asyncpg.connect(self.postgres.dsn())
+        try:
+            if not await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", DATABASE):
+                await conn.execute(f"CREATE DATABASE {DATABASE}")
+        finally:
+            await conn.close()
+        await migrate(self.postgres.dsn(DATABASE))
+
+    async def _start_temporal(self) -> None:
+        c = self.config
+        argv = [
+            venv_binary("temporal"),
+            "server",
+            "start-dev",
+            "--ip",
+            "127.0.0.1",
+            "--port",
+            str(c.temporal_port),
+            "--ui-port",
+            str(c.ui_port),
+            "--db-filename",
+            str(c.root / "temporal.db"),
+            "--namespace",
+            c.namespace,
+            "--log-level",
+            "warn",
+        ]
+        for key in search_attributes.ALL:
+            argv += ["--search-attribute", f"{key.name}=Keyword"]
+        service = spawn("temporal", argv, c.log_dir)
+        self.services.append(service)
+        await wait_for_http(service, f"http://127.0.0.1:{c.ui_port}/", timeout=90)
+
+    async def _start_emulator(self) -> None:
+        c = self.config
+        service = spawn(
+            "stripe-emulator",
+            [
+                sys.executable,
+                "-m",
+                "stripe_emulator",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(c.emulator_port),
+            ],
+            c.log_dir,
+        )
+        self.services.append(service)
+        await wait_for_http(service, f"http://127.0.0.1:{c.emulator_port}/_emulator/health")
+
+    def write_env(self) -> None:
+        lines = [f"export {k}={shlex.quote(v)}" for k, v in self.environment.items()]
+        self.config.env_file.write_text("\n".join(lines) + "\n")
+
+    def stop(self) -> None:
+        # Worker first, so in-flight charges finish and are recorded before their services go.
+        for service in reversed(self.services):
+            service.stop()
+        self.services.clear()
+        self.postgres.stop()
+        self.config.env_file.unlink(missing_ok=True)
+
+    def exited(self) -> list[Service]:
+        return [s for s in self.services if not s.alive()]
+
+
+def read_env(env_file: Path) -> dict[str, str]:
+    """Parse the `export K=V` lines written by write_env."""
+    values: dict[str, str] = {}
+    for line in env_file.read_text().splitlines():
+        parts = shlex.split(line)
+        if len(parts) == 2 and parts[0] == "export" and "=" in parts[1]:
+            key, value = parts[1].split("=", 1)
+            values[key] = value
+    return values

@@ -1,0 +1,243 @@
+"""The emulated Stripe objects and their JSON (API) representations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .cards import Card
+
+JSON = dict[str, Any]
+
+
+@dataclass(slots=True)
+class Customer:
+    id: str
+    seq: int
+    created: int
+    email: str | None
+    name: str | None
+    description: str | None
+    metadata: dict[str, str]
+    default_payment_method: str | None = None
+
+    def to_api(self) -> JSON:
+        return {
+            "id": self.id,
+            "object": "customer",
+            "balance": 0,
+            "created": self.created,
+            "currency": None,
+            "default_source": None,
+            "delinquent": False,
+            "description": self.description,
+            "email": self.email,
+            "invoice_settings": {
+                "custom_fields": None,
+                "default_payment_method": self.default_payment_method,
+                "footer": None,
+                "rendering_options": None,
+            },
+            "livemode": False,
+            "metadata": self.metadata,
+            "name": self.name,
+            "phone": None,
+            "preferred_locales": [],
+            "shipping": None,
+            "tax_exempt": "none",
+        }
+
+
+@dataclass(slots=True)
+class PaymentMethod:
+    id: str
+    seq: int
+    created: int
+    card: Card
+    customer: str | None = None
+
+    def to_api(self) -> JSON:
+        return {
+            "id": self.id,
+            "object": "payment_method",
+            "billing_details": {"address": None, "email": None, "name": None, "phone": None},
+            "card": self._card_details() | {"exp_month": 12, "exp_year": 2034},
+            "created": self.created,
+            "customer": self.customer,
+            "livemode": False,
+            "metadata": {},
+            "type": "card",
+        }
+
+    def _card_details(self) -> JSON:
+        return {
+            "brand": self.card.brand,
+            "country": "US",
+            "funding": self.card.funding,
+            "last4": self.card.last4,
+        }
+
+    def charge_details(self) -> JSON:
+        return {"card": self._card_details(), "type": "card"}
+
+
+@dataclass(slots=True)
+class Charge:
+    id: str
+    seq: int
+    created: int
+    amount: int
+    currency: str
+    customer: str | None
+    payment_intent: str | None
+    payment_method: PaymentMethod
+    metadata: dict[str, str]
+    description: str | None
+    idempotency_key: str | None
+    failure_code: str | None = None
+    failure_message: str | None = None
+    decline_code: str | None = None
+    amount_refunded: int = 0
+
+    @property
+    def status(self) -> str:
+        return "failed" if self.failure_code else "succeeded"
+
+    @property
+    def refunded(self) -> bool:
+        return self.amount_refunded == self.amount
+
+    def to_api(self) -> JSON:
+        paid = self.failure_code is None
+        return {
+            "id": self.id,
+            "object": "charge",
+            "amount": self.amount,
+            "amount_captured": self.amount if paid else 0,
+            "amount_refunded": self.amount_refunded,
+            "balance_transaction": None,
+            "captured": paid,
+            "created": self.created,
+            "currency": self.currency,
+            "customer": self.customer,
+            "description": self.description,
+            "disputed": False,
+            "failure_code": self.failure_code,
+            "failure_message": self.failure_message,
+            "livemode": False,
+            "metadata": self.metadata,
+            "outcome": self._outcome(),
+            "paid": paid,
+            "payment_intent": self.payment_intent,
+            "payment_method": self.payment_method.id,
+            "payment_method_details": self.payment_method.charge_details(),
+            "receipt_url": None,
+            "refunded": self.refunded,
+            "status": self.status,
+        }
+
+    def _outcome(self) -> JSON:
+        if self.failure_code is None:
+            return {
+                "network_status": "approved_by_network",
+                "reason": None,
+                "risk_level": "normal",
+                "seller_message": "Payment complete.",
+                "type": "authorized",
+            }
+        return {
+            "network_status": "declined_by_network",
+            "reason": self.decline_code,
+            "risk_level": "normal",
+            "seller_message": "The bank did not return any further details with this decline.",
+            "type": "issuer_declined",
+        }
+
+    def to_ledger(self) -> JSON:
+        return {
+            "id": self.id,
+            "object": "charge",
+            "status": self.status,
+            "amount": self.amount,
+            "currency": self.currency,
+            "customer": self.customer,
+            "payment_intent": self.payment_intent,
+            "payment_method": self.payment_method.id,
+            "metadata": self.metadata,
+            "idempotency_key": self.idempotency_key,
+            "refunded": self.refunded,
+            "amount_refunded": self.amount_refunded,
+            "failure_code": self.failure_code,
+            "created": self.created,
+        }
+
+
+@dataclass(slots=True)
+class PaymentIntent:
+    id: str
+    seq: int
+    created: int
+    amount: int
+    currency: str
+    customer: str | None
+    payment_method: str | None
+    metadata: dict[str, str]
+    description: str | None
+    status: str
+    latest_charge: str | None = None
+    last_payment_error: JSON | None = None
+    next_action: JSON | None = None
+
+    def to_api(self) -> JSON:
+        return {
+            "id": self.id,
+            "object": "payment_intent",
+            "amount": self.amount,
+            "amount_capturable": 0,
+            "amount_received": self.amount if self.status == "succeeded" else 0,
+            "canceled_at": None,
+            "cancellation_reason": None,
+            "capture_method": "automatic",
+            "client_secret": f"{self.id}_secret_emulated",
+            "confirmation_method": "automatic",
+            "created": self.created,
+            "currency": self.currency,
+            "customer": self.customer,
+            "description": self.description,
+            "last_payment_error": self.last_payment_error,
+            "latest_charge": self.latest_charge,
+            "livemode": False,
+            "metadata": self.metadata,
+            "next_action": self.next_action,
+            "payment_method": self.payment_method,
+            "payment_method_types": ["card"],
+            "status": self.status,
+        }
+
+
+@dataclass(slots=True)
+class Refund:
+    id: str
+    seq: int
+    created: int
+    amount: int
+    charge: str
+    payment_intent: str | None
+    currency: str
+    reason: str | None
+    metadata: dict[str, str]
+
+    def to_api(self) -> JSON:
+        return {
+            "id": self.id,
+            "object": "refund",
+            "amount": self.amount,
+            "balance_transaction": None,
+            "charge": self.charge,
+            "created": self.created,
+            "currency": self.currency,
+            "metadata": self.metadata,
+            "payment_intent": self.payment_intent,
+            "reason": self.reason,
+            "status": "succeeded",
+        }

@@ -1,0 +1,1 @@
+"""The /v1 endpoints, one module per Stripe resource."""

@@ -1,0 +1,101 @@
+"""Legacy Charges: create against a customer's card, retrieve, list by customer."""
+
+from __future__ import annotations
+
+from ..cards import Outcome
+from ..errors import invalid, missing_param
+from ..listing import list_object
+from ..payments import declined, record_charge, resolve
+from ..routing import JSON, Call, Route
+from ..validation import (
+    COMMON,
+    LIST,
+    amount,
+    check_known,
+    currency,
+    metadata,
+    require,
+    string,
+)
+
+_CREATE = COMMON | {
+    "amount",
+    "currency",
+    "customer",
+    "source",
+    "payment_method",
+    "metadata",
+    "description",
+    "receipt_email",
+    "statement_descriptor",
+    "statement_descriptor_suffix",
+}
+_LIST = LIST | {"customer"}
+
+
+def _create(call: Call) -> JSON:
+    params, store = call.params, call.store
+    check_known(params, _CREATE)
+    value = require(amount(params), "amount")
+    money = currency(params)
+    customer_id = string(params, "customer")
+    source_id = string(params, "source")
+    method_id = string(params, "payment_method")
+    if source_id is not None and method_id is not None:
+        raise invalid(
+            "You may only specify one of these parameters: source, payment_method.",
+            param="source",
+            code="parameters_exclusive",
+        )
+    param = "payment_method" if method_id is not None else "source"
+    method_id = method_id or source_id
+    if customer_id is None and method_id is None:
+        raise missing_param("source")
+    customer = None
+    if customer_id is not None:
+        customer = store.customers.get(customer_id, param="customer", status=400)
+    charge_metadata = metadata(params)
+    description = string(params, "description")
+    method = resolve(store, customer, method_id, param).materialise(store)
+    card = method.card
+    # The Charges API cannot run 3D Secure, so such cards are simply declined.
+    decline_code = {
+        Outcome.SUCCEED: None,
+        Outcome.DECLINE: card.decline_code,
+        Outcome.AUTHENTICATION_REQUIRED: "authentication_required",
+    }[card.outcome]
+    charge = record_charge(
+        store,
+        method,
+        amount=value,
+        currency=money,
+        customer=customer_id,
+        payment_intent=None,
+        metadata=charge_metadata,
+        description=description,
+        idempotency_key=call.idempotency_key,
+        decline_code=decline_code,
+    )
+    if decline_code is not None:
+        raise declined(charge, decline_code)
+    return charge.to_api()
+
+
+def _retrieve(call: Call) -> JSON:
+    check_known(call.params, COMMON)
+    return call.store.charges.get(call.path["id"]).to_api()
+
+
+def _list(call: Call) -> JSON:
+    check_known(call.params, _LIST)
+    charges = call.store.charges
+    customer = string(call.params, "customer")
+    records = charges.order if customer is None else charges.by_customer.get(customer, [])
+    return list_object(call, charges, records)
+
+
+ROUTES = [
+    Route("POST", "/v1/charges", _create, moves_money=True),
+    Route("GET", "/v1/charges", _list),
+    Route("GET", "/v1/charges/{id}", _retrieve),
+]

@@ -1,0 +1,103 @@
+"""Real services for the tests: one PostgreSQL and one Temporal dev server per session.
+
+Each test gets its own database (a copy of a migrated template) and its own Temporal
+namespace, so workflow IDs like `billing-period-2026-12` never collide between tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+
+from billing import search_attributes
+from billing.migrations import migrate
+from devstack.postgres import LocalPostgres
+
+TEMPLATE_DB = "billing_template"
+NAMESPACES = [f"test-{i}" for i in range(120)]
+_databases = itertools.count()
+_namespaces = iter(NAMESPACES)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def venv_binary(name: str) -> str:
+    path = Path(sys.executable).parent / name
+    if not path.exists():
+        pytest.exit(f"{path} is missing: install the project with its dev extra first")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgres]:
+    server = LocalPostgres(tmp_path_factory.mktemp("postgres") / "data", free_port())
+    server.start()
+    yield server
+    server.stop("immediate")
+
+
+@pytest.fixture(scope="session")
+async def template_database(postgres: LocalPostgres) -> str:
+    conn = await asyncpg.connect(postgres.dsn())
+    try:
+        await conn.execute(f"CREATE DATABASE {TEMPLATE_DB}")
+    finally:
+        await conn.close()
+    await migrate(postgres.dsn(TEMPLATE_DB))
+    return TEMPLATE_DB
+
+
+@pytest.fixture
+async def database_url(postgres: LocalPostgres, template_database: str) -> str:
+    """A fresh, migrated database for one test."""
+    name = f"test_{next(_databases)}"
+    conn = await asyncpg.connect(postgres.dsn())
+    try:
+        await conn.execute(f"CREATE DATABASE {name} TEMPLATE {template_database}")
+    finally:
+        await conn.close()
+    return postgres.dsn(name)
+
+
+@pytest.fixture
+async def db(database_url: str) -> AsyncIterator[asyncpg.Pool]:
+    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=10)
+    assert pool is not None
+    yield pool
+    await pool.close()
+
+
+@pytest.fixture(scope="session")
+async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=venv_binary("temporal"),
+        search_attributes=search_attributes.ALL,
+        data_converter=pydantic_data_converter,
+        dev_server_extra_args=[arg for ns in NAMESPACES for arg in ("--namespace", ns)],
+    )
+    yield env
+    await env.shutdown()
+
+
+@pytest.fixture
+async def temporal_client(temporal_env: WorkflowEnvironment) -> Client:
+    """A client on a namespace no other test uses."""
+    return await Client.connect(
+        temporal_env.client.service_client.config.target_host,
+        namespace=next(_namespaces),
+        data_converter=pydantic_data_converter,
+    )

@@ -1,0 +1,1 @@
+"""Tests of the Stripe emulator (a package so modules can share .support)."""

@@ -1,0 +1,84 @@
+"""Helpers shared by the emulator's tests: raw HTTP calls and the suite's API key."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+API_KEY = "sk_test_emulator_suite_key"
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: Mapping[str, str]
+    body: Any
+
+
+class Raw:
+    """Plain HTTP against the emulator, for what the SDK hides (headers, exact status codes)."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str) -> None:
+        self.session = session
+        self.url = url
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        data: Mapping[str, str] | None = None,
+        *,
+        key: str | None = API_KEY,
+        idempotency_key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Reply:
+        sent = dict(headers or {})
+        if key is not None:
+            sent.setdefault("Authorization", f"Bearer {key}")
+        if idempotency_key is not None:
+            sent["Idempotency-Key"] = idempotency_key
+        options: dict[str, Any] = {"data": data} if method == "POST" else {"params": data}
+        async with self.session.request(
+            method, self.url + path, headers=sent, **options
+        ) as response:
+            return Reply(response.status, response.headers, await response.json())
+
+    async def post(self, path: str, data: Mapping[str, str] | None = None, **kw: Any) -> Reply:
+        return await self.request("POST", path, data, **kw)
+
+    async def get(self, path: str, query: Mapping[str, str] | None = None, **kw: Any) -> Reply:
+        return await self.request("GET", path, query, **kw)
+
+    async def ledger(self) -> dict[str, Any]:
+        return (await self.request("GET", "/_emulator/ledger", key=None)).body  # type: ignore[no-any-return]
+
+    async def request_log(self) -> list[dict[str, Any]]:
+        return (await self.request("GET", "/_emulator/requests", key=None)).body["requests"]  # type: ignore[no-any-return]
+
+    async def faults(self, **changes: Any) -> Reply:
+        async with self.session.post(self.url + "/_emulator/faults", json=changes) as response:
+            return Reply(response.status, response.headers, await response.json())
+
+    async def customer(self, card: str = "pm_card_visa", **extra: str) -> dict[str, Any]:
+        """A customer whose default payment method is ``card`` (attached as a new pm_...)."""
+        reply = await self.post(
+            "/v1/customers",
+            {"payment_method": card, "invoice_settings[default_payment_method]": card, **extra},
+        )
+        assert reply.status == 200, reply.body
+        return reply.body  # type: ignore[no-any-return]
+
+    async def charge(self, customer: str, idempotency_key: str, **extra: str) -> Reply:
+        """An off-session PaymentIntent confirmed at once: how the billing core charges."""
+        params = {
+            "amount": "1999",
+            "currency": "usd",
+            "customer": customer,
+            "confirm": "true",
+            "off_session": "true",
+            **extra,
+        }
+        return await self.post("/v1/payment_intents", params, idempotency_key=idempotency_key)

@@ -1,0 +1,176 @@
+"""Stripe's idempotency: replay, mismatch, in-flight conflicts, what is saved, expiry, scope."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import stripe
+
+from stripe_emulator import RunningEmulator
+
+from .support import Raw
+
+
+async def test_same_key_and_params_replay_the_first_response(raw: Raw) -> None:
+    customer = (await raw.customer())["id"]
+    first = await raw.charge(customer, "replay-1")
+    second = await raw.charge(customer, "replay-1")
+    assert first.status == second.status == 200
+    assert second.body == first.body
+    assert "Idempotent-Replayed" not in first.headers
+    assert second.headers["Idempotent-Replayed"] == "true"
+    assert second.headers["Original-Request"] == first.headers["Request-Id"]
+    assert second.headers["Request-Id"] != first.headers["Request-Id"]
+    assert len((await raw.ledger())["charges"]) == 1
+    log = [e for e in await raw.request_log() if e["idempotency_key"] == "replay-1"]
+    assert [e["replayed"] for e in log] == [False, True]
+
+
+async def test_sdk_sees_the_replayed_object(sdk: stripe.StripeClient, raw: Raw) -> None:
+    customer = (await raw.customer())["id"]
+    params = {"amount": 100, "currency": "usd", "customer": customer, "confirm": True}
+    first = await sdk.v1.payment_intents.create_async(
+        params=params,  # type: ignore[arg-type]
+        options={"idempotency_key": "sdk-replay"},
+    )
+    again = await sdk.v1.payment_intents.create_async(
+        params=params,  # type: ignore[arg-type]
+        options={"idempotency_key": "sdk-replay"},
+    )
+    assert again.id == first.id and again.latest_charge == first.latest_charge
+    assert again.last_response.headers["Idempotent-Replayed"] == "true"
+
+
+async def test_other_params_with_the_same_key_are_an_idempotency_error(
+    sdk: stripe.StripeClient, raw: Raw
+) -> None:
+    customer = (await raw.customer())["id"]
+    await raw.charge(customer, "mismatch")
+    with pytest.raises(stripe.IdempotencyError) as caught:
+        await sdk.v1.payment_intents.create_async(
+            params={"amount": 2000, "currency": "usd", "customer": customer, "confirm": True},
+            options={"idempotency_key": "mismatch"},
+        )
+    assert caught.value.http_status == 400
+    assert caught.value.error is not None and caught.value.error.type == "idempotency_error"
+    assert len((await raw.ledger())["charges"]) == 1
+
+
+async def test_another_endpoint_with_the_same_key_is_an_idempotency_error(raw: Raw) -> None:
+    customer = (await raw.customer())["id"]
+    await raw.charge(customer, "endpoint")
+    reply = await raw.post(
+        "/v1/charges",
+        {"amount": "1999", "currency": "usd", "customer": customer},
+        idempotency_key="endpoint",
+    )
+    assert reply.status == 400
+    assert reply.body["error"]["type"] == "idempotency_error"
+    assert "same endpoint" in reply.body["error"]["message"]
+
+
+async def test_concurrent_same_key_one_executes_the_other_gets_409(
+    emulator: RunningEmulator, sdk: stripe.StripeClient, raw: Raw
+) -> None:
+    customer = (await raw.customer())["id"]
+    emulator.configure(latency_ms=300)
+    first = asyncio.create_task(raw.charge(customer, "in-flight"))
+    await asyncio.sleep(0.1)
+    second = await raw.charge(customer, "in-flight")
+    assert second.status == 409
+    assert second.body["error"]["code"] == "idempotency_key_in_use"
+    # stripe-python raises APIError for a 409 (it has no class of its own).
+    with pytest.raises(stripe.APIError) as caught:
+        await sdk.v1.payment_intents.create_async(
+            params={
+                "amount": 1999,
+                "currency": "usd",
+                "customer": customer,
+                "confirm": True,
+                "off_session": True,
+            },
+            options={"idempotency_key": "in-flight"},
+        )
+    assert caught.value.http_status == 409
+    assert caught.value.error is not None
+    assert caught.value.error.code == "idempotency_key_in_use"
+    assert (await first).status == 200
+    emulator.configure(latency_ms=0)
+    after = await raw.charge(customer, "in-flight")
+    assert after.headers["Idempotent-Replayed"] == "true"
+    assert len((await raw.ledger())["charges"]) == 1
+
+
+async def test_many_concurrent_same_key_requests_charge_once(
+    emulator: RunningEmulator, raw: Raw
+) -> None:
+    customer = (await raw.customer())["id"]
+    emulator.configure(latency_ms=50)
+    replies = await asyncio.gather(*(raw.charge(customer, "stampede") for _ in range(20)))
+    assert sorted(r.status for r in replies).count(200) == 1
+    assert {r.status for r in replies} == {200, 409}
+    assert len((await raw.ledger())["charges"]) == 1
+
+
+async def test_a_402_is_saved_and_replayed(raw: Raw) -> None:
+    customer = (await raw.customer("pm_card_chargeCustomerFail"))["id"]
+    first = await raw.charge(customer, "declined")
+    second = await raw.charge(customer, "declined")
+    assert first.status == second.status == 402
+    assert second.body == first.body
+    assert second.headers["Idempotent-Replayed"] == "true"
+    assert len((await raw.ledger())["charges"]) == 1
+
+
+async def test_validation_failures_are_not_saved(raw: Raw) -> None:
+    customer = (await raw.customer())["id"]
+    refused = await raw.charge(customer, "fix-and-retry", currency="usdx")
+    assert refused.status == 400
+    fixed = await raw.charge(customer, "fix-and-retry")
+    assert fixed.status == 200
+    assert "Idempotent-Replayed" not in fixed.headers
+
+
+async def test_keys_expire_after_the_ttl(emulator: RunningEmulator, raw: Raw) -> None:
+    emulator.configure(idempotency_ttl_seconds=0.2)
+    customer = (await raw.customer())["id"]
+    first = await raw.charge(customer, "short-lived")
+    assert (await raw.charge(customer, "short-lived")).headers["Idempotent-Replayed"] == "true"
+    await asyncio.sleep(0.3)
+    fresh = await raw.charge(customer, "short-lived")
+    assert "Idempotent-Replayed" not in fresh.headers
+    assert fresh.body["id"] != first.body["id"]
+    # After expiry the key may even carry other parameters: it starts a new request.
+    await asyncio.sleep(0.3)
+    other = await raw.charge(customer, "short-lived", amount="5")
+    assert other.status == 200
+    assert len((await raw.ledger())["charges"]) == 3
+
+
+async def test_key_length_limit(raw: Raw) -> None:
+    customer = (await raw.customer())["id"]
+    assert (await raw.charge(customer, "k" * 255)).status == 200
+    too_long = await raw.charge(customer, "k" * 256)
+    assert too_long.status == 400
+    assert "255" in too_long.body["error"]["message"]
+    assert len((await raw.ledger())["charges"]) == 1
+
+
+async def test_keys_are_scoped_per_api_key(raw: Raw) -> None:
+    customer = (await raw.customer())["id"]
+    params = {"amount": "100", "currency": "usd", "customer": customer, "confirm": "true"}
+    mine = await raw.post("/v1/payment_intents", params, idempotency_key="shared")
+    theirs = await raw.post(
+        "/v1/payment_intents", params, idempotency_key="shared", key="sk_test_someone_else"
+    )
+    assert mine.status == theirs.status == 200
+    assert "Idempotent-Replayed" not in theirs.headers
+    assert mine.body["id"] != theirs.body["id"]
+
+
+async def test_get_requests_ignore_the_key(raw: Raw) -> None:
+    first = await raw.get("/v1/customers", idempotency_key="read")
+    await raw.post("/v1/customers", {})
+    second = await raw.get("/v1/customers", idempotency_key="read")
+    assert len(second.body["data"]) == len(first.body["data"]) + 1

@@ -1,0 +1,58 @@
+"""The per-API-key token bucket: 429 with code rate_limit, mapped to RateLimitError."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import stripe
+
+from stripe_emulator import RunningEmulator
+
+from .support import Raw
+
+
+async def test_over_the_rate_is_429_per_api_key(emulator: RunningEmulator, raw: Raw) -> None:
+    emulator.configure(rate_limit_rps=5)
+    replies = [await raw.get("/v1/customers") for _ in range(8)]
+    statuses = [r.status for r in replies]
+    assert statuses[:5] == [200] * 5
+    assert 429 in statuses[5:]
+    limited = next(r for r in replies if r.status == 429)
+    assert limited.body["error"]["code"] == "rate_limit"
+    assert limited.body["error"]["type"] == "invalid_request_error"
+    assert limited.headers["Stripe-Should-Retry"] == "true"
+    assert (await raw.get("/v1/customers", key="sk_test_another_account")).status == 200
+    assert (await raw.ledger())["faults_injected"]["rate_limited"] == statuses.count(429)
+    await asyncio.sleep(0.25)  # a token per 0.2 s
+    assert (await raw.get("/v1/customers")).status == 200
+
+
+async def test_sdk_raises_rate_limit_error(
+    emulator: RunningEmulator, sdk: stripe.StripeClient
+) -> None:
+    emulator.configure(rate_limit_rps=1)
+    await sdk.v1.customers.list_async()
+    with pytest.raises(stripe.RateLimitError) as caught:
+        await sdk.v1.customers.list_async()
+    assert caught.value.http_status == 429
+
+
+async def test_a_rate_limited_request_is_not_saved(emulator: RunningEmulator, raw: Raw) -> None:
+    customer = (await raw.customer())["id"]
+    emulator.configure(rate_limit_rps=4)
+    for _ in range(4):
+        await raw.get("/v1/customers")
+    assert (await raw.charge(customer, "limited")).status == 429
+    await asyncio.sleep(0.3)
+    retried = await raw.charge(customer, "limited")
+    assert retried.status == 200
+    assert "Idempotent-Replayed" not in retried.headers
+
+
+async def test_turning_the_limit_off(emulator: RunningEmulator, raw: Raw) -> None:
+    emulator.configure(rate_limit_rps=1)
+    await raw.get("/v1/customers")
+    assert (await raw.get("/v1/customers")).status == 429
+    emulator.configure(rate_limit_rps=None)
+    assert all([(await raw.get("/v1/customers")).status == 200 for _ in range(5)])

@@ -1,0 +1,248 @@
+"""Each resource through the real SDK: customers, payment methods, intents, charges, refunds."""
+
+from __future__ import annotations
+
+import pytest
+import stripe
+
+from .support import Raw
+
+Client = stripe.StripeClient
+
+
+async def _customer(sdk: Client, card: str = "pm_card_visa") -> stripe.Customer:
+    return await sdk.v1.customers.create_async(
+        params={"payment_method": card, "invoice_settings": {"default_payment_method": card}}
+    )
+
+
+async def _intent(sdk: Client, customer: str, key: str, **extra: object) -> stripe.PaymentIntent:
+    params = {
+        "amount": 2500,
+        "currency": "eur",
+        "customer": customer,
+        "confirm": True,
+        "off_session": True,
+        **extra,
+    }
+    return await sdk.v1.payment_intents.create_async(
+        params=params,  # type: ignore[arg-type]
+        options={"idempotency_key": key},
+    )
+
+
+async def test_customer_create_attaches_a_new_payment_method(sdk: Client) -> None:
+    customer = await sdk.v1.customers.create_async(
+        params={
+            "email": "ada@example.com",
+            "name": "Ada",
+            "description": "first",
+            "metadata": {"account": "42"},
+            "payment_method": "pm_card_visa",
+            "invoice_settings": {"default_payment_method": "pm_card_visa"},
+        }
+    )
+    assert customer.id.startswith("cus_")
+    assert (customer.email, customer.name, customer.metadata["account"]) == (
+        "ada@example.com",
+        "Ada",
+        "42",
+    )
+    default = customer.invoice_settings.default_payment_method
+    assert isinstance(default, str)
+    assert default.startswith("pm_") and default != "pm_card_visa"
+    method = await sdk.v1.payment_methods.retrieve_async(default)
+    assert (method.customer, method.card and method.card.last4) == (customer.id, "4242")
+    fetched = await sdk.v1.customers.retrieve_async(customer.id)
+    assert fetched.invoice_settings.default_payment_method == default
+
+
+async def test_customer_update_merges_metadata_and_sets_default(sdk: Client) -> None:
+    customer = await sdk.v1.customers.create_async(params={"metadata": {"a": "1", "b": "2"}})
+    first = await sdk.v1.payment_methods.attach_async(
+        "pm_card_mastercard", params={"customer": customer.id}
+    )
+    updated = await sdk.v1.customers.update_async(
+        customer.id,
+        params={
+            "metadata": {"b": "", "c": "3"},
+            "invoice_settings": {"default_payment_method": first.id},
+            "email": "new@example.com",
+        },
+    )
+    assert updated.metadata.to_dict() == {"a": "1", "c": "3"}
+    assert updated.invoice_settings.default_payment_method == first.id
+    assert updated.email == "new@example.com"
+
+
+async def test_customer_update_refuses_a_method_it_does_not_have(sdk: Client) -> None:
+    customer = await sdk.v1.customers.create_async()
+    with pytest.raises(stripe.InvalidRequestError) as caught:
+        await sdk.v1.customers.update_async(
+            customer.id, params={"invoice_settings": {"default_payment_method": "pm_card_visa"}}
+        )
+    assert caught.value.param == "invoice_settings[default_payment_method]"
+
+
+async def test_unknown_customer_is_404_resource_missing(sdk: Client) -> None:
+    with pytest.raises(stripe.InvalidRequestError) as caught:
+        await sdk.v1.customers.retrieve_async("cus_nope")
+    assert (caught.value.http_status, caught.value.code, caught.value.param) == (
+        404,
+        "resource_missing",
+        "id",
+    )
+
+
+async def test_payment_methods_attach_list_and_refuse_a_second_owner(sdk: Client) -> None:
+    owner = await _customer(sdk)
+    extra = await sdk.v1.payment_methods.attach_async("pm_card_amex", params={"customer": owner.id})
+    assert extra.card is not None and extra.card.brand == "amex"
+    listed = await sdk.v1.customers.payment_methods.list_async(owner.id)
+    assert listed.data[0].id == extra.id
+    assert len(listed.data) == 2
+    by_query = await sdk.v1.payment_methods.list_async(params={"customer": owner.id})
+    assert [m.id for m in by_query.data] == [m.id for m in listed.data]
+    other = await sdk.v1.customers.create_async()
+    with pytest.raises(stripe.InvalidRequestError):
+        await sdk.v1.payment_methods.attach_async(extra.id, params={"customer": other.id})
+    with pytest.raises(stripe.InvalidRequestError) as caught:
+        await sdk.v1.payment_methods.attach_async("pm_unknown", params={"customer": other.id})
+    assert caught.value.code == "resource_missing"
+
+
+async def test_payment_intent_succeeds_with_a_new_charge(sdk: Client, raw: Raw) -> None:
+    customer = await _customer(sdk)
+    intent = await _intent(sdk, customer.id, "pi-ok", metadata={"billing_key": "k"})
+    assert intent.id.startswith("pi_")
+    assert (intent.status, intent.amount_received, intent.currency) == ("succeeded", 2500, "eur")
+    assert isinstance(intent.latest_charge, str) and intent.latest_charge.startswith("ch_")
+    assert intent.payment_method == customer.invoice_settings.default_payment_method
+    charge = await sdk.v1.charges.retrieve_async(intent.latest_charge)
+    assert (charge.status, charge.payment_intent, charge.amount) == ("succeeded", intent.id, 2500)
+    fetched = await sdk.v1.payment_intents.retrieve_async(intent.id)
+    assert fetched.status == "succeeded"
+    [entry] = (await raw.ledger())["charges"]
+    assert entry["id"] == charge.id
+    assert entry["idempotency_key"] == "pi-ok"
+    assert entry["metadata"] == {"billing_key": "k"}
+
+
+async def test_payment_intent_without_confirm_then_confirm(sdk: Client) -> None:
+    customer = await _customer(sdk)
+    method = customer.invoice_settings.default_payment_method
+    assert isinstance(method, str)
+    intent = await sdk.v1.payment_intents.create_async(
+        params={"amount": 700, "currency": "usd", "customer": customer.id, "payment_method": method}
+    )
+    assert (intent.status, intent.latest_charge) == ("requires_confirmation", None)
+    confirmed = await sdk.v1.payment_intents.confirm_async(intent.id, params={"off_session": True})
+    assert confirmed.status == "succeeded" and confirmed.latest_charge
+    with pytest.raises(stripe.InvalidRequestError) as caught:
+        await sdk.v1.payment_intents.confirm_async(intent.id)
+    assert caught.value.code == "payment_intent_unexpected_state"
+
+
+async def test_payment_intents_list_by_customer_newest_first(sdk: Client) -> None:
+    customer = await _customer(sdk)
+    other = await _customer(sdk)
+    mine = [(await _intent(sdk, customer.id, f"list-{i}")).id for i in range(4)]
+    await _intent(sdk, other.id, "list-other")
+    page = await sdk.v1.payment_intents.list_async(params={"customer": customer.id, "limit": 3})
+    assert [i.id for i in page.data] == mine[::-1][:3]
+    assert page.has_more
+    rest = await sdk.v1.payment_intents.list_async(
+        params={"customer": customer.id, "starting_after": page.data[-1].id}
+    )
+    assert [i.id for i in rest.data] == [mine[0]]
+    assert not rest.has_more
+
+
+async def test_payment_intents_search_by_metadata(sdk: Client) -> None:
+    customer = await _customer(sdk)
+    ids = [
+        (await _intent(sdk, customer.id, f"s-{i}", metadata={"period": p, "n": str(i)})).id
+        for i, p in enumerate(["2026-11", "2026-12", "2026-12", "2026-12"])
+    ]
+    found = await sdk.v1.payment_intents.search_async(
+        params={"query": 'metadata["period"]:"2026-12"', "limit": 2}
+    )
+    assert found.object == "search_result"
+    assert [i.id for i in found.data] == [ids[3], ids[2]]
+    assert found.has_more and found.next_page
+    rest = await sdk.v1.payment_intents.search_async(
+        params={"query": 'metadata["period"]:"2026-12"', "limit": 2, "page": found.next_page}
+    )
+    assert [i.id for i in rest.data] == [ids[1]]
+    both = await sdk.v1.payment_intents.search_async(
+        params={
+            "query": f'metadata["period"]:"2026-12" AND customer:"{customer.id}" AND '
+            'metadata["n"]:"2"'
+        }
+    )
+    assert [i.id for i in both.data] == [ids[2]]
+
+
+@pytest.mark.parametrize("query", ['metadata["period"]', 'metadata["a"]:"b" OR x:"y"', "amount>5"])
+async def test_search_refuses_what_it_cannot_parse(sdk: Client, query: str) -> None:
+    with pytest.raises(stripe.InvalidRequestError) as caught:
+        await sdk.v1.payment_intents.search_async(params={"query": query})
+    assert caught.value.param == "query"
+
+
+async def test_legacy_charge_uses_the_customers_default(sdk: Client) -> None:
+    customer = await _customer(sdk)
+    charge = await sdk.v1.charges.create_async(
+        params={
+            "amount": 1200,
+            "currency": "usd",
+            "customer": customer.id,
+            "metadata": {"invoice": "in_1"},
+            "description": "December",
+        },
+        options={"idempotency_key": "legacy-1"},
+    )
+    assert (charge.object, charge.status, charge.paid, charge.payment_intent) == (
+        "charge",
+        "succeeded",
+        True,
+        None,
+    )
+    assert charge.payment_method == customer.invoice_settings.default_payment_method
+    listed = await sdk.v1.charges.list_async(params={"customer": customer.id})
+    assert [c.id for c in listed.data] == [charge.id]
+    assert (await sdk.v1.charges.retrieve_async(charge.id)).metadata["invoice"] == "in_1"
+
+
+async def test_legacy_charge_with_a_source_and_no_customer(sdk: Client) -> None:
+    charge = await sdk.v1.charges.create_async(
+        params={"amount": 500, "currency": "usd", "source": "tok_visa"}
+    )
+    assert charge.status == "succeeded" and charge.customer is None
+
+
+async def test_refunds_full_partial_and_too_much(sdk: Client, raw: Raw) -> None:
+    customer = await _customer(sdk)
+    intent = await _intent(sdk, customer.id, "refund-me")
+    partial = await sdk.v1.refunds.create_async(
+        params={"payment_intent": intent.id, "amount": 1000, "reason": "requested_by_customer"}
+    )
+    assert (partial.object, partial.amount, partial.charge) == (
+        "refund",
+        1000,
+        intent.latest_charge,
+    )
+    with pytest.raises(stripe.InvalidRequestError) as caught:
+        await sdk.v1.refunds.create_async(params={"charge": partial.charge, "amount": 1501})
+    assert caught.value.code == "amount_too_large"
+    rest = await sdk.v1.refunds.create_async(params={"charge": partial.charge})
+    assert rest.amount == 1500
+    assert (await sdk.v1.refunds.retrieve_async(rest.id)).amount == 1500
+    assert isinstance(intent.latest_charge, str)
+    charge = await sdk.v1.charges.retrieve_async(intent.latest_charge)
+    assert (charge.refunded, charge.amount_refunded) == (True, 2500)
+    [entry] = (await raw.ledger())["charges"]
+    assert (entry["refunded"], entry["amount_refunded"]) == (True, 2500)
+    with pytest.raises(stripe.InvalidRequestError) as again:
+        await sdk.v1.refunds.create_async(params={"charge": partial.charge})
+    assert again.value.code == "charge_already_refunded"

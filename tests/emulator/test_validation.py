@@ -1,0 +1,144 @@
+"""Validation like Stripe's: codes and params, and nothing stored when a request is refused."""
+
+from __future__ import annotations
+
+import pytest
+import stripe
+
+from stripe_emulator.validation import MAX_AMOUNT
+
+from .support import Raw
+
+
+@pytest.mark.parametrize(
+    ("amount", "code"),
+    [
+        (None, "parameter_missing"),
+        ("abc", "parameter_invalid_integer"),
+        ("1.5", "parameter_invalid_integer"),
+        ("0", "parameter_invalid_integer"),
+        ("-100", "parameter_invalid_integer"),
+        ("9" * 40, "parameter_invalid_integer"),
+        (str(MAX_AMOUNT + 1), "amount_too_large"),
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/payment_intents", "/v1/charges"])
+async def test_bad_amounts_are_refused(raw: Raw, path: str, amount: str | None, code: str) -> None:
+    customer = await raw.customer()
+    params = {"currency": "usd", "customer": customer["id"], "confirm": "true"}
+    if path == "/v1/charges":
+        del params["confirm"]
+    if amount is not None:
+        params["amount"] = amount
+    reply = await raw.post(path, params, idempotency_key=f"bad-amount-{path}-{amount}")
+    assert reply.status == 400
+    assert (reply.body["error"]["code"], reply.body["error"]["param"]) == (code, "amount")
+    assert (await raw.ledger())["charges"] == []
+
+
+async def test_the_largest_amount_is_accepted(raw: Raw) -> None:
+    customer = await raw.customer()
+    reply = await raw.charge(customer["id"], "max", amount=str(MAX_AMOUNT))
+    assert reply.status == 200
+    assert reply.body["amount"] == MAX_AMOUNT
+
+
+@pytest.mark.parametrize(
+    ("currency", "code"), [(None, "parameter_missing"), ("USD", None), ("us", None), ("xyz", None)]
+)
+async def test_bad_currencies_are_refused(raw: Raw, currency: str | None, code: str | None) -> None:
+    customer = await raw.customer()
+    params = {"amount": "100", "customer": customer["id"], "confirm": "true"}
+    if currency is not None:
+        params["currency"] = currency
+    reply = await raw.post("/v1/payment_intents", params)
+    assert reply.status == 400
+    assert reply.body["error"]["param"] == "currency"
+    assert reply.body["error"].get("code") == code
+
+
+async def test_unknown_customer_stores_nothing(sdk: stripe.StripeClient, raw: Raw) -> None:
+    with pytest.raises(stripe.InvalidRequestError) as caught:
+        await sdk.v1.payment_intents.create_async(
+            params={"amount": 100, "currency": "usd", "customer": "cus_nope", "confirm": True}
+        )
+    assert (caught.value.http_status, caught.value.code, caught.value.param) == (
+        400,
+        "resource_missing",
+        "customer",
+    )
+    assert (await raw.get("/v1/payment_intents")).body["data"] == []
+    assert (await raw.ledger())["charges"] == []
+
+
+@pytest.mark.parametrize("method", ["pm_card_visa", "pm_not_there", "OTHER"])
+async def test_a_method_the_customer_does_not_have_stores_nothing(
+    sdk: stripe.StripeClient, raw: Raw, method: str
+) -> None:
+    customer = await raw.customer()
+    other = await raw.customer()
+    method_id = other["invoice_settings"]["default_payment_method"] if method == "OTHER" else method
+    with pytest.raises(stripe.InvalidRequestError) as caught:
+        await sdk.v1.payment_intents.create_async(
+            params={
+                "amount": 100,
+                "currency": "usd",
+                "customer": customer["id"],
+                "payment_method": method_id,
+                "confirm": True,
+                "off_session": True,
+            }
+        )
+    assert caught.value.param == "payment_method"
+    assert (await raw.get("/v1/payment_intents")).body["data"] == []
+    methods = await raw.get("/v1/payment_methods", {"customer": customer["id"]})
+    assert len(methods.body["data"]) == 1
+    assert (await raw.ledger())["charges"] == []
+
+
+async def test_a_customer_without_default_cannot_be_charged(raw: Raw) -> None:
+    customer = (await raw.post("/v1/customers", {})).body
+    reply = await raw.charge(customer["id"], "no-default")
+    assert reply.status == 400
+    assert reply.body["error"]["param"] == "payment_method"
+    legacy = await raw.post(
+        "/v1/charges", {"amount": "100", "currency": "usd", "customer": customer["id"]}
+    )
+    assert legacy.status == 400
+    assert (await raw.ledger())["charges"] == []
+
+
+@pytest.mark.parametrize(
+    "hostile", ["../../etc/passwd", "cus_" + "x" * 5000, "cus_'; DROP TABLE x;--", "cus_\u202e"]
+)
+async def test_hostile_ids_are_plain_misses(raw: Raw, hostile: str) -> None:
+    reply = await raw.charge(hostile, "hostile")
+    assert reply.status == 400
+    assert reply.body["error"]["code"] == "resource_missing"
+    assert (await raw.ledger())["charges"] == []
+
+
+async def test_metadata_limits(raw: Raw) -> None:
+    too_many = {f"metadata[k{i}]": "v" for i in range(51)}
+    assert (await raw.post("/v1/customers", too_many)).status == 400
+    long_key = {"metadata[" + "k" * 41 + "]": "v"}
+    assert (await raw.post("/v1/customers", long_key)).status == 400
+    assert (await raw.get("/v1/customers")).body["data"] == []
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        ({"confirm": "yes"}, "confirm"),
+        ({"off_session": "true"}, "off_session"),
+        ({"metadata": "not-a-hash"}, "metadata"),
+    ],
+)
+async def test_other_parameters_are_checked(raw: Raw, params: dict[str, str], param: str) -> None:
+    customer = await raw.customer()
+    reply = await raw.post(
+        "/v1/payment_intents",
+        {"amount": "100", "currency": "usd", "customer": customer["id"], **params},
+    )
+    assert reply.status == 400
+    assert reply.body["error"]["param"] == param

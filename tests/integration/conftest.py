@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+from pydantic import SecretStr
+from temporalio.client import Client
+
+from billing.config import BillingSettings
+from billing.stripe_client import stripe_session
+from stripe_emulator import EmulatorConfig, serve
+from tests.integration.harness import Harness
+
+_keys = itertools.count()
+
+
+@pytest.fixture
+async def harness(
+    temporal_client: Client, db: asyncpg.Pool, database_url: str
+) -> AsyncIterator[Harness]:
+    async with serve(EmulatorConfig()) as emulator:
+        n = next(_keys)
+        settings = BillingSettings(
+            stripe_api_base=emulator.url,
+            stripe_api_key=SecretStr(f"sk_test_harness{n}"),
+            billing_key_namespace=f"test{n}",
+        )
+        async with stripe_session(settings) as stripe_api:
+            harness = Harness(
+                client=temporal_client,
+                pool=db,
+                database_url=database_url,
+                emulator_url=emulator.url,
+                settings=settings,
+                task_queue=f"billing-{n}",
+                stripe=stripe_api,
+            )
+            try:
+                yield harness
+            finally:
+                harness.stop_processes()

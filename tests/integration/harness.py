@@ -1,0 +1,118 @@
+"""A billing stack for one test: its database, namespace, emulator and worker(s)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import asyncpg
+import stripe
+from temporalio.client import Client
+from temporalio.worker import Worker
+
+from billing.config import BillingSettings
+from billing.customers import CustomerRow, upsert_customers
+from billing.seeding import create_demo_customers
+from worker import create_worker
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def always_visa(_: int) -> str:
+    return "pm_card_visa"
+
+
+@dataclass
+class Harness:
+    client: Client
+    pool: asyncpg.Pool
+    database_url: str
+    emulator_url: str
+    settings: BillingSettings
+    task_queue: str
+    stripe: stripe.StripeClient
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    async def seed(
+        self, count: int, card_for: Callable[[int], str] = always_visa, prefix: str = "cust"
+    ) -> list[CustomerRow]:
+        rows = await create_demo_customers(self.stripe, count, prefix=prefix, card_for=card_for)
+        await upsert_customers(self.pool, rows)
+        return rows
+
+    async def _emulator(self, method: str, path: str, body: Any = None) -> Any:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.request(method, self.emulator_url + path, json=body) as response,
+        ):
+            response.raise_for_status()
+            return await response.json()
+
+    async def charges(self) -> list[dict[str, Any]]:
+        ledger = await self._emulator("GET", "/_emulator/ledger")
+        charges: list[dict[str, Any]] = ledger["charges"]
+        return charges
+
+    async def requests(self) -> list[dict[str, Any]]:
+        log = await self._emulator("GET", "/_emulator/requests")
+        requests: list[dict[str, Any]] = log["requests"]
+        return requests
+
+    async def faults_injected(self) -> dict[str, int]:
+        ledger = await self._emulator("GET", "/_emulator/ledger")
+        injected: dict[str, int] = ledger["faults_injected"]
+        return injected
+
+    async def set_faults(self, **faults: Any) -> None:
+        await self._emulator("POST", "/_emulator/faults", faults)
+
+    def worker(self) -> Worker:
+        return create_worker(self.client, self.task_queue, self.pool, self.stripe, self.settings)
+
+    @asynccontextmanager
+    async def running_worker(self) -> AsyncIterator[Worker]:
+        async with self.worker() as worker:
+            yield worker
+
+    def worker_process(self) -> subprocess.Popen[bytes]:
+        """worker.py in its own process, so a test can SIGKILL it."""
+        config = self.client.service_client.config
+        env = {
+            **os.environ,
+            "TEMPORAL_ADDRESS": config.target_host,
+            "TEMPORAL_NAMESPACE": self.client.namespace,
+            "TEMPORAL_TASK_QUEUE": self.task_queue,
+            "DATABASE_URL": self.database_url,
+            "STRIPE_API_BASE": self.settings.stripe_api_base,
+            "STRIPE_API_KEY": self.settings.stripe_api_key.get_secret_value(),
+            "BILLING_CHARGE_API": self.settings.billing_charge_api,
+            "BILLING_KEY_NAMESPACE": self.settings.billing_key_namespace,
+        }
+        process = subprocess.Popen(
+            [sys.executable, str(PROJECT_ROOT / "worker.py")],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.processes.append(process)
+        return process
+
+    async def ledger_rows(self, period: str) -> list[asyncpg.Record]:
+        async with self.pool.acquire() as conn:
+            rows: list[asyncpg.Record] = await conn.fetch(
+                "SELECT * FROM billing_runs WHERE billing_period = $1 ORDER BY customer_id", period
+            )
+            return rows
+
+    def stop_processes(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()

@@ -1,0 +1,120 @@
+"""A period on the real dev server, real Postgres and the emulator: every customer once."""
+
+from __future__ import annotations
+
+import asyncio
+
+from temporalio.api.enums.v1 import EventType
+
+from billing.keys import customer_workflow_id
+from billing.models import CustomerChargeInput, RunOptions
+from billing.periods import Period
+from billing.runs import period_status, start_period
+from tests.integration.harness import Harness
+from tests.integration.invariants import assert_billed_once
+from workflows import CustomerChargeWorkflow
+
+PERIOD = Period(2026, 12)
+
+
+def declines_third(index: int) -> str:
+    return "pm_card_chargeCustomerFail" if index == 3 else "pm_card_visa"
+
+
+async def test_period_bills_every_customer_once(harness: Harness) -> None:
+    customers = await harness.seed(40)
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        summary = await handle.result()
+    assert (summary.due, summary.charged, summary.failed) == (40, 40, 0)
+    assert summary.total_charged_cents == sum(c.amount_cents for c in customers)
+    assert summary.workflow_id == "billing-period-2026-12"
+    await assert_billed_once(harness, str(PERIOD), customers)
+    status = await period_status(harness.client, PERIOD)
+    assert (status.state, status.charged, status.in_flight) == ("completed", 40, 0)
+
+
+async def test_declined_card_fails_once_and_the_rest_are_charged(harness: Harness) -> None:
+    customers = await harness.seed(10, card_for=declines_third)
+    declined = customers[2]
+    async with harness.running_worker():
+        summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    assert (summary.charged, summary.failed) == (9, 1)
+    await assert_billed_once(
+        harness, str(PERIOD), customers, declined=frozenset({declined.customer_id})
+    )
+    row = next(
+        r
+        for r in await harness.ledger_rows(str(PERIOD))
+        if r["customer_id"] == declined.customer_id
+    )
+    assert row["failure_code"] == "card_declined"
+    # Not retried: Stripe saw exactly one request with the declined customer's key.
+    sent = [r for r in await harness.requests() if r["idempotency_key"] == row["idempotency_key"]]
+    assert len(sent) == 1
+
+
+async def test_running_the_same_period_again_charges_nothing_new(harness: Harness) -> None:
+    customers = await harness.seed(20)
+    async with harness.running_worker():
+        # Two starters at once share one run (same workflow ID, USE_EXISTING).
+        first, second = await asyncio.gather(
+            start_period(harness.client, PERIOD, harness.task_queue),
+            start_period(harness.client, PERIOD, harness.task_queue),
+        )
+        assert first.result_run_id == second.result_run_id
+        await first.result()
+        # And after it finished: a new run finds everyone already billed.
+        again = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    assert (again.charged, again.already_billed, again.total_charged_cents) == (0, 20, 0)
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_duplicate_child_start_races_with_the_period(harness: Harness) -> None:
+    customers = await harness.seed(12)
+    racer = customers[5]
+    async with harness.running_worker():
+        # Someone starts one customer's child by hand, with the deterministic ID, first.
+        child = await harness.client.start_workflow(
+            CustomerChargeWorkflow.run,
+            CustomerChargeInput(period=str(PERIOD), customer_id=racer.customer_id),
+            id=customer_workflow_id(PERIOD, racer.customer_id),
+            task_queue=harness.task_queue,
+        )
+        await child.result()
+        summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    assert summary.charged + summary.already_billed == 12
+    assert summary.already_billed == 1
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_response_dropped_after_commit_is_recorded_not_repeated(harness: Harness) -> None:
+    customers = await harness.seed(20)
+    await harness.set_faults(drop_after_commit=0.5, seed=7)
+    async with harness.running_worker():
+        summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    assert summary.charged == 20
+    assert (await harness.faults_injected())["drop_after_commit"] > 0
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_continue_as_new_keeps_children_and_counts(harness: Harness) -> None:
+    customers = await harness.seed(60)
+    options = RunOptions(max_in_flight=8, page_size=10, history_event_limit=200)
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
+        summary = await handle.result()
+    assert (summary.due, summary.charged) == (60, 60)
+    runs = [w async for w in harness.client.list_workflows(f'WorkflowId = "{handle.id}"')]
+    assert len(runs) > 1, "the run never continued as new"
+    endings = []
+    for run in runs:
+        history = await harness.client.get_workflow_handle(
+            handle.id, run_id=run.run_id
+        ).fetch_history()
+        # Bounded: the limit plus at most one window of children's events.
+        assert len(history.events) < 200 + 6 * options.max_in_flight
+        endings.append(history.events[-1].event_type)
+    assert endings.count(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED) == 1
+    assert endings.count(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW) == len(runs) - 1
+    await assert_billed_once(harness, str(PERIOD), customers)

@@ -1,0 +1,111 @@
+"""One customer, one period: claim the row, charge it once, record the result."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError, FailureError
+
+with workflow.unsafe.imports_passed_through():
+    from activities.charging import ChargingActivities, RecordCharge, RecordFailure
+    from activities.stripe_failures import DECLINED, REFUSED
+    from billing.models import (
+        ChargeFailure,
+        Claim,
+        CustomerChargeInput,
+        CustomerOutcome,
+        Outcome,
+        finished_outcome,
+    )
+    from workflows.signals import CHILD_FINISHED
+
+LEDGER_TIMEOUT = timedelta(seconds=30)
+# Retried without limit: a charge is never abandoned while its outcome is unknown; every
+# attempt carries the claim's key, so Stripe executes it at most once.
+CHARGE_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=30),
+)
+# Failures recorded as the customer's outcome rather than failing the workflow.
+RECORDED_FAILURES = frozenset({DECLINED, REFUSED})
+
+
+@workflow.defn(name="CustomerChargeWorkflow")
+class CustomerChargeWorkflow:
+    @workflow.run
+    async def run(self, request: CustomerChargeInput) -> CustomerOutcome:
+        claim = await workflow.execute_local_activity_method(
+            ChargingActivities.claim,
+            request,
+            start_to_close_timeout=LEDGER_TIMEOUT,
+            summary=f"claim {request.customer_id} for {request.period}",
+        )
+        if claim.status == "claimed":
+            outcome = await self._charge(claim)
+        else:
+            outcome = _outcome(claim, finished_outcome(claim.status))
+        await self._report(request, outcome)
+        return outcome
+
+    async def _charge(self, claim: Claim) -> CustomerOutcome:
+        try:
+            result = await workflow.execute_activity_method(
+                ChargingActivities.charge,
+                claim,
+                start_to_close_timeout=timedelta(seconds=60),
+                retry_policy=CHARGE_RETRY,
+                summary=f"charge {claim.amount_cents} {claim.currency} to {claim.customer_id}",
+            )
+        except ActivityError as err:
+            failure = _recorded_failure(err)
+            if failure is None:
+                raise
+            await workflow.execute_local_activity_method(
+                ChargingActivities.record_failure,
+                RecordFailure(claim=claim, failure=failure),
+                start_to_close_timeout=LEDGER_TIMEOUT,
+            )
+            return _outcome(claim, "failed", failure_code=failure.code)
+        await workflow.execute_local_activity_method(
+            ChargingActivities.record_charge,
+            RecordCharge(claim=claim, result=result),
+            start_to_close_timeout=LEDGER_TIMEOUT,
+        )
+        return _outcome(claim, "charged", charge_id=result.charge_id)
+
+    async def _report(self, request: CustomerChargeInput, outcome: CustomerOutcome) -> None:
+        if request.parent_workflow_id is None:
+            return
+        parent = workflow.get_external_workflow_handle(request.parent_workflow_id)
+        try:
+            await parent.signal(CHILD_FINISHED, outcome)
+        except FailureError:
+            # The period run has closed (e.g. terminated); its ledger still holds this outcome.
+            workflow.logger.warning("period workflow gone; outcome kept in the ledger only")
+
+
+def _recorded_failure(err: ActivityError) -> ChargeFailure | None:
+    cause = err.cause
+    if not isinstance(cause, ApplicationError) or cause.type not in RECORDED_FAILURES:
+        return None
+    return ChargeFailure.model_validate(cause.details[0])
+
+
+def _outcome(
+    claim: Claim,
+    outcome: Outcome,
+    *,
+    charge_id: str | None = None,
+    failure_code: str | None = None,
+) -> CustomerOutcome:
+    return CustomerOutcome(
+        customer_id=claim.customer_id,
+        outcome=outcome,
+        amount_cents=claim.amount_cents,
+        currency=claim.currency,
+        charge_id=charge_id or claim.charge_id,
+        failure_code=failure_code or claim.failure_code,
+    )

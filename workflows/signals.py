@@ -1,0 +1,3 @@
+"""Names shared by workflows that would otherwise import each other."""
+
+CHILD_FINISHED = "child_finished"
