@@ -14,8 +14,8 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Callable, Coroutine
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel
 

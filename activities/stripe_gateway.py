@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 import stripe
@@ -58,19 +59,24 @@ class StripeGateway:
         )
 
     async def find(self, claim: Claim, attempts: int) -> ChargeResult | ChargeFailure | None:
-        """Look the claim's charge up by the key in its metadata, listing the customer's
-        charges newest first (read-after-write consistent, unlike Stripe's search) back to
-        the claim's time."""
-        oldest = int(claim.claimed_at.timestamp()) - _CLOCK_SKEW_SECONDS
-        ours: list[stripe.Charge] = []
-        params: dict[str, Any] = {"customer": claim.stripe_customer_id, "limit": _LOOKUP_PAGE}
-        while True:
-            page = await self._client.v1.charges.list_async(params)  # type: ignore[arg-type]
-            ours += [c for c in page.data if _billing_key(c) == claim.idempotency_key]
-            if not page.has_more or not page.data or page.data[-1].created < oldest:
-                break
-            params["starting_after"] = page.data[-1].id
-        for charge in ours:
+        """Look the claim's charge up by the key in its metadata."""
+        if self.api == "payment_intents":
+            intents = await self._ours(self._client.v1.payment_intents.list_async, claim)
+            for intent in intents:
+                if intent.status == "succeeded":
+                    return self._from_intent(claim, intent, attempts, replayed=True)
+            if not intents:
+                return None
+            error = intents[0].last_payment_error
+            return ChargeFailure(
+                code=(error.code if error else None) or "card_declined",
+                decline_code=error.decline_code if error else None,
+                message=(error.message if error else None) or "the payment failed",
+                payment_intent_id=intents[0].id,
+                attempts=attempts,
+            )
+        charges = await self._ours(self._client.v1.charges.list_async, claim)
+        for charge in charges:
             if charge.status == "succeeded":
                 return ChargeResult(
                     charge_id=charge.id,
@@ -80,19 +86,34 @@ class StripeGateway:
                     attempts=attempts,
                     replayed=True,
                 )
-        if ours:
-            failed = ours[0]
-            return ChargeFailure(
-                code=failed.failure_code or "card_declined",
-                message=failed.failure_message or "the charge failed",
-                payment_intent_id=_id(failed.payment_intent),
-                charge_id=failed.id,
-                attempts=attempts,
-            )
-        return None
+        if not charges:
+            return None
+        return ChargeFailure(
+            code=charges[0].failure_code or "card_declined",
+            message=charges[0].failure_message or "the charge failed",
+            charge_id=charges[0].id,
+            attempts=attempts,
+        )
 
     @staticmethod
-    def _from_intent(claim: Claim, intent: stripe.PaymentIntent, attempts: int) -> ChargeResult:
+    async def _ours(lister: Callable[..., Awaitable[Any]], claim: Claim) -> list[Any]:
+        """The customer's objects carrying the claim's key, listed newest first back to the
+        claim's time: listing by customer is read-after-write consistent, Stripe's search is
+        not."""
+        oldest = int(claim.claimed_at.timestamp()) - _CLOCK_SKEW_SECONDS
+        found: list[Any] = []
+        params: dict[str, Any] = {"customer": claim.stripe_customer_id, "limit": _LOOKUP_PAGE}
+        while True:
+            page = await lister(params)
+            found += [o for o in page.data if _billing_key(o) == claim.idempotency_key]
+            if not page.has_more or not page.data or page.data[-1].created < oldest:
+                return found
+            params["starting_after"] = page.data[-1].id
+
+    @staticmethod
+    def _from_intent(
+        claim: Claim, intent: stripe.PaymentIntent, attempts: int, replayed: bool = False
+    ) -> ChargeResult:
         charge_id = _id(intent.latest_charge)
         if intent.status != "succeeded" or charge_id is None:
             raise stripe.APIError(
@@ -105,6 +126,7 @@ class StripeGateway:
             amount_cents=intent.amount,
             currency=intent.currency,
             attempts=attempts,
+            replayed=replayed,
         )
 
 
@@ -115,6 +137,6 @@ def _id(value: object) -> str | None:
     return found if isinstance(found, str) else None
 
 
-def _billing_key(charge: stripe.Charge) -> str | None:
-    metadata = charge.metadata
+def _billing_key(obj: stripe.Charge | stripe.PaymentIntent) -> str | None:
+    metadata = obj.metadata
     return metadata["billing_key"] if metadata and "billing_key" in metadata else None

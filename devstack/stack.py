@@ -125,12 +125,18 @@ class LocalStack:
             str(c.temporal_port),
             "--ui-port",
             str(c.ui_port),
-            "--db-filename",
-            str(c.root / "temporal.db"),
             "--namespace",
             c.namespace,
             "--log-level",
             "warn",
+            "--db-filename",
+            str(c.root / "temporal.db"),
+            # WAL without an fsync per commit: history survives a restart of the stack without
+            # the dev server waiting on the disk for every event.
+            "--sqlite-pragma",
+            "journal_mode=wal",
+            "--sqlite-pragma",
+            "synchronous=off",
         ]
         for key in search_attributes.ALL:
             argv += ["--search-attribute", f"{key.name}=Keyword"]

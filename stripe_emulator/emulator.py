@@ -28,7 +28,7 @@ from .faults import (
     RATE_LIMITED,
     Faults,
 )
-from .idempotency import MAX_KEY_LENGTH, IdempotencyStore, Saved, Scope
+from .idempotency import MAX_KEY_LENGTH, IdempotencyStore, Pending, Saved
 from .ratelimit import RateLimiter
 from .routing import Call, Route
 from .store import Store
@@ -73,7 +73,7 @@ class Emulator:
             "method": request.method,
             "path": request.path,
             "api_key_suffix": None,
-            "idempotency_key": request.headers.get("Idempotency-Key"),
+            "idempotency_key": request.headers.get("Idempotency-Key") or None,
             "params": None,
             "status": None,
             "replayed": False,
@@ -114,26 +114,25 @@ class Emulator:
                 "characters long.",
                 param="Idempotency-Key",
             )
-        scope = (api_key, key)
-        saved = self.idempotency.begin(scope, f"{request.method} {request.path}", params, now)
-        if saved is not None:
+        begun = self.idempotency.begin((api_key, key), f"POST {request.path}", params, now)
+        if isinstance(begun, Saved):
             log["replayed"] = True
             return _respond(
-                saved.status,
-                saved.body,
+                begun.status,
+                begun.body,
                 request_id,
                 {
-                    **saved.headers,
+                    **begun.headers,
                     "Idempotent-Replayed": "true",
-                    "Original-Request": saved.request_id,
+                    "Original-Request": begun.request_id,
                     "Idempotency-Key": key,
                 },
             )
         try:
-            return await self._execute(request, route, call, paths, scope, log, request_id)
+            return await self._execute(request, route, call, paths, begun, log, request_id)
         finally:
             # No-op once a result was saved; otherwise a retry with this key executes afresh.
-            self.idempotency.release(scope)
+            begun.release()
 
     async def _execute(
         self,
@@ -141,7 +140,7 @@ class Emulator:
         route: Route,
         call: Call,
         paths: list[list[str]],
-        scope: Scope | None,
+        pending: Pending | None,
         log: JSON,
         request_id: str,
     ) -> web.StreamResponse:
@@ -169,9 +168,8 @@ class Emulator:
             fault = _fault_error(should_retry=False)
             status, body, headers = fault.status, fault.body(), fault.headers
         payload = _dumps(body)
-        if scope is not None:
-            self.idempotency.save(
-                scope,
+        if pending is not None:
+            pending.save(
                 Saved(status, payload, request_id, headers),
                 time.monotonic(),
                 config.idempotency_ttl_seconds,
@@ -181,7 +179,7 @@ class Emulator:
             # Close without answering: the client sees a connection error, never a response.
             request.protocol.force_close()
         if call.idempotency_key is not None:
-            headers["Idempotency-Key"] = call.idempotency_key
+            headers = {**headers, "Idempotency-Key": call.idempotency_key}
         return _respond(status, payload, request_id, headers)
 
 

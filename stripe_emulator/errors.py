@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-JSON = dict[str, Any]
+JSON = dict[str, Any]  # a JSON object, as sent and received
 
 INVALID_REQUEST = "invalid_request_error"
 

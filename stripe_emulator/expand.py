@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from .errors import invalid
+from .errors import JSON, invalid
 from .forms import Params
-from .routing import JSON
 from .store import Store
 
 # Paths are checked against these names before the request executes, so a typo is a 400 that

@@ -31,13 +31,39 @@ class _Entry:
     expires_at: float = 0.0
 
 
+@dataclass(slots=True)
+class Pending:
+    """The first request of a key, executing: it ends with ``save`` or ``release``. Holding the
+    store itself keeps this right if the emulator is reset meanwhile."""
+
+    store: IdempotencyStore
+    scope: Scope
+    entry: _Entry
+
+    def save(self, saved: Saved, now: float, ttl: float) -> None:
+        self.entry.saved = saved
+        self.entry.expires_at = now + ttl
+        self.store._expiry.append((self.scope, self.entry))
+
+    def release(self) -> None:
+        """Forget a request that ended without a saved result (validation error, fault);
+        a no-op after ``save``."""
+        if self.entry.saved is None and self.store._entries.get(self.scope) is self.entry:
+            del self.store._entries[self.scope]
+
+
 def fingerprint(params: Params) -> bytes:
     canonical = json.dumps(params, sort_keys=True, separators=(",", ":"))
     return hashlib.blake2b(canonical.encode(), digest_size=16).digest()
 
 
-def _error(status: int, message: str, code: str | None = None) -> StripeError:
-    return StripeError(status, message, error_type="idempotency_error", code=code)
+def _mismatch(message: str) -> StripeError:
+    return StripeError(
+        400,
+        f"{message} Try using a key other than the one you used if you meant to execute a "
+        "different request.",
+        error_type="idempotency_error",
+    )
 
 
 class IdempotencyStore:
@@ -46,8 +72,8 @@ class IdempotencyStore:
         # Saved entries in the order they were saved, for expiring them in O(1) amortised.
         self._expiry: deque[tuple[Scope, _Entry]] = deque()
 
-    def begin(self, scope: Scope, endpoint: str, params: Params, now: float) -> Saved | None:
-        """The saved response to replay, or None after marking ``scope`` as executing.
+    def begin(self, scope: Scope, endpoint: str, params: Params, now: float) -> Saved | Pending:
+        """The saved response to replay, or a ``Pending`` marking ``scope`` as executing.
 
         Raises 400 for another endpoint or other parameters, 409 while the first is executing.
         """
@@ -55,44 +81,27 @@ class IdempotencyStore:
         entry = self._entries.get(scope)
         digest = fingerprint(params)
         if entry is None or (entry.saved is not None and entry.expires_at <= now):
-            self._entries[scope] = _Entry(endpoint, digest)
-            return None
-        key = scope[1]
+            entry = self._entries[scope] = _Entry(endpoint, digest)
+            return Pending(self, scope, entry)
         if entry.endpoint != endpoint:
-            raise _error(
-                400,
+            raise _mismatch(
                 "Keys for idempotent requests can only be used for the same endpoint they were "
-                f"first used for ('{entry.endpoint}' vs '{endpoint}'). Try using a key other "
-                f"than '{key}' if you meant to execute a different request.",
+                f"first used for ('{entry.endpoint}' vs '{endpoint}')."
             )
         if entry.fingerprint != digest:
-            raise _error(
-                400,
+            raise _mismatch(
                 "Keys for idempotent requests can only be used with the same parameters they "
-                f"were first used with. Try using a key other than '{key}' if you meant to "
-                "execute a different request.",
+                "were first used with."
             )
         if entry.saved is None:
             # Stripe types this one invalid_request_error; 409 makes stripe-python raise APIError.
             raise StripeError(
                 409,
                 "There is currently another in-progress request using this Stripe "
-                f"Idempotency-Key '{key}'. Please try again later.",
+                f"Idempotency-Key '{scope[1]}'. Please try again later.",
                 code="idempotency_key_in_use",
             )
         return entry.saved
-
-    def save(self, scope: Scope, saved: Saved, now: float, ttl: float) -> None:
-        entry = self._entries[scope]
-        entry.saved = saved
-        entry.expires_at = now + ttl
-        self._expiry.append((scope, entry))
-
-    def release(self, scope: Scope) -> None:
-        """Forget a request that ended without a saved result (validation error, fault)."""
-        entry = self._entries.get(scope)
-        if entry is not None and entry.saved is None:
-            del self._entries[scope]
 
     def _expire(self, now: float) -> None:
         # Only the oldest saved entries are checked here; an entry saved under a longer TTL can

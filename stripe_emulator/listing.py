@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .routing import JSON, Call
+from .errors import JSON
+from .routing import Call
 from .store import R, Table
 from .validation import limit, string
 

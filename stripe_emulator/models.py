@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from .cards import Card
-
-JSON = dict[str, Any]
+from .errors import JSON
 
 
 @dataclass(slots=True)

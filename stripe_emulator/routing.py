@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
+from .errors import JSON
 from .forms import Params
 from .store import Store
-
-JSON = dict[str, Any]
 
 
 @dataclass(slots=True)

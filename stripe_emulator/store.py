@@ -8,7 +8,7 @@ import random
 import time
 from typing import Any, Generic, Protocol, TypeVar
 
-from .errors import no_such
+from .errors import JSON, no_such
 from .models import Charge, Customer, PaymentIntent, PaymentMethod, Refund
 
 APIObject = Customer | PaymentMethod | PaymentIntent | Charge | Refund
@@ -21,7 +21,7 @@ class Record(Protocol):
     @property
     def seq(self) -> int: ...
 
-    def to_api(self) -> dict[str, Any]: ...
+    def to_api(self) -> JSON: ...
 
 
 R = TypeVar("R", bound=Record)

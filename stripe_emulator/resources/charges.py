@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from ..cards import Outcome
-from ..errors import invalid, missing_param
+from ..errors import JSON, invalid, missing_param
 from ..listing import list_object
 from ..payments import declined, record_charge, resolve
-from ..routing import JSON, Call, Route
+from ..routing import Call, Route
 from ..validation import (
     COMMON,
     LIST,

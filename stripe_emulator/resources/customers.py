@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from ..errors import JSON
 from ..listing import list_object
 from ..models import Customer
 from ..payments import not_attached
-from ..routing import JSON, Call, Route
+from ..routing import Call, Route
 from ..validation import COMMON, LIST, check_known, hash_param, metadata, string
 from .payment_methods import attach, attachable
 

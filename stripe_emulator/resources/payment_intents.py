@@ -6,11 +6,11 @@ import bisect
 import re
 
 from ..cards import Outcome
-from ..errors import StripeError, invalid
+from ..errors import JSON, StripeError, invalid
 from ..listing import list_object
 from ..models import PaymentIntent, PaymentMethod
 from ..payments import card_error, declined, record_charge, resolve
-from ..routing import JSON, Call, Route
+from ..routing import Call, Route
 from ..store import seq_of
 from ..validation import (
     COMMON,

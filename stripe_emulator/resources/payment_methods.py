@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from ..cards import lookup_test_card
-from ..errors import invalid, no_such
+from ..errors import JSON, invalid, no_such
 from ..listing import list_object
 from ..models import PaymentMethod
 from ..payments import Source, card_error
-from ..routing import JSON, Call, Route
+from ..routing import Call, Route
 from ..store import Store
 from ..validation import COMMON, LIST, check_known, require, string
 

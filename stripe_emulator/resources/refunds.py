@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..errors import invalid, missing_param
+from ..errors import JSON, invalid, missing_param
 from ..models import Refund
-from ..routing import JSON, Call, Route
+from ..routing import Call, Route
 from ..validation import COMMON, amount, check_known, metadata, string
 
 _CREATE = COMMON | {"charge", "payment_intent", "amount", "reason", "metadata"}

@@ -137,3 +137,22 @@ async def test_declining_cards_fail_to_attach_and_decline_one_off(
     assert one_off.status == 402
     assert one_off.body["error"]["decline_code"] == decline_code
     assert one_off.body["error"]["payment_intent"]["status"] == "requires_payment_method"
+
+
+async def test_a_declined_intent_can_be_confirmed_with_another_card(raw: Raw) -> None:
+    customer = await _customer(raw, "pm_card_chargeCustomerFail")
+    declined = await raw.charge(customer, "decline-then-fix")
+    intent = declined.body["error"]["payment_intent"]
+    visa = await raw.post("/v1/payment_methods/pm_card_visa/attach", {"customer": customer})
+    confirmed = await raw.post(
+        f"/v1/payment_intents/{intent['id']}/confirm",
+        {"payment_method": visa.body["id"], "off_session": "true"},
+        idempotency_key="confirm-with-visa",
+    )
+    assert confirmed.status == 200
+    assert (confirmed.body["status"], confirmed.body["last_payment_error"]) == ("succeeded", None)
+    ledger = (await raw.ledger())["charges"]
+    assert [(c["status"], c["idempotency_key"]) for c in ledger] == [
+        ("failed", "decline-then-fix"),
+        ("succeeded", "confirm-with-visa"),
+    ]

@@ -167,3 +167,14 @@ async def test_serve_takes_a_config() -> None:
     async with serve(config) as running:
         assert running.url.startswith("http://127.0.0.1:") and not running.url.endswith("/")
         assert running.config == config
+
+
+async def test_faults_also_hit_requests_without_a_key(emulator: RunningEmulator, raw: Raw) -> None:
+    emulator.configure(error_after_commit=1)
+    reply = await raw.post(
+        "/v1/charges",
+        {"amount": "100", "currency": "usd", "source": "tok_visa"},
+        headers={"Idempotency-Key": ""},  # empty: no key at all
+    )
+    assert reply.status == 500
+    assert [c["idempotency_key"] for c in (await raw.ledger())["charges"]] == [None]

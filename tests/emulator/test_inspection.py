@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from stripe_emulator import RunningEmulator
@@ -94,3 +95,15 @@ async def test_reset_body_changes_the_config(raw: Raw) -> None:
     assert (body["config"]["latency_ms"], body["config"]["rate_limit_rps"]) == (0, 50)
     async with raw.session.post(raw.url + "/_emulator/reset", data=b"[1]") as response:
         assert response.status == 400
+
+
+async def test_reset_while_a_request_is_executing(emulator: RunningEmulator, raw: Raw) -> None:
+    customer = (await raw.customer())["id"]
+    emulator.configure(latency_ms=200)
+    in_flight = asyncio.create_task(raw.charge(customer, "across-reset"))
+    await asyncio.sleep(0.05)
+    emulator.state.reset({"latency_ms": 0})
+    assert (await in_flight).status == 200
+    # The new state knows nothing of the old request: neither its key nor its charge.
+    assert (await raw.ledger())["charges"] == []
+    assert (await raw.charge(customer, "across-reset")).status == 400  # customer is gone

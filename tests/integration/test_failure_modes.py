@@ -1,0 +1,105 @@
+"""The failure modes of the source documents, each reproduced against real services."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Awaitable, Callable
+
+from billing.periods import Period
+from billing.runs import start_period
+from tests.integration.harness import Harness
+from tests.integration.invariants import assert_billed_once
+
+PERIOD = Period(2026, 12)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.1)
+
+
+async def test_saved_500_after_commit_is_resolved_by_lookup(harness: Harness) -> None:
+    # Stripe committed the charge, answered 500, and replays that 500 for the key: the
+    # worker finds the charge among the customer's payments instead of charging again.
+    customers = await harness.seed(10)
+    await harness.set_faults(error_after_commit=1.0)
+    async with harness.running_worker():
+        summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    assert summary.charged == 10
+    assert (await harness.faults_injected())["error_after_commit"] == 10
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_legacy_charges_api(harness: Harness) -> None:
+    customers = await harness.seed(8)
+    harness.settings = harness.settings.model_copy(update={"billing_charge_api": "charges"})
+    await harness.set_faults(drop_after_commit=0.5, error_after_commit=0.2, seed=3)
+    async with harness.running_worker():
+        summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    assert summary.charged == 8
+    requests = await harness.requests()
+    assert {r["path"] for r in requests if r["method"] == "POST" and "charges" in r["path"]}
+    assert not [r for r in requests if r["path"] == "/v1/payment_intents"]
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_old_claim_is_looked_up_before_a_new_request(harness: Harness) -> None:
+    # Past Stripe's 24-hour key window a replay would execute anew: an old claim is first
+    # looked up, and a charge found there is recorded without another request.
+    customers = await harness.seed(6)
+    await harness.set_faults(drop_after_commit=1.0)
+    harness.settings = harness.settings.model_copy(update={"billing_lookup_after_seconds": 0.001})
+    async with harness.running_worker():
+        summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    assert summary.charged == 6
+    creates = [r for r in await harness.requests() if r["method"] == "POST"]
+    # One create per customer (its response dropped); the retry found it by listing.
+    assert len([r for r in creates if r["path"] == "/v1/payment_intents"]) == 6
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_worker_killed_between_claim_and_charge(harness: Harness) -> None:
+    customers = await harness.seed(10)
+    # Every charge fails before Stripe commits anything, so the claims stand uncharged.
+    await harness.set_faults(error_before_commit=1.0)
+    worker = harness.worker_process()
+    await start_period(harness.client, PERIOD, harness.task_queue)
+
+    async def all_claimed_none_charged() -> bool:
+        rows = await harness.ledger_rows(str(PERIOD))
+        return len(rows) == 10 and not await harness.charges()
+
+    await eventually(all_claimed_none_charged)
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    assert {r["status"] for r in await harness.ledger_rows(str(PERIOD))} == {"claimed"}
+    await harness.set_faults(error_before_commit=0.0)
+    async with harness.running_worker():
+        handle = harness.client.get_workflow_handle("billing-period-2026-12")
+        await handle.result()
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_worker_killed_between_charge_and_record(harness: Harness) -> None:
+    customers = await harness.seed(10)
+    # Stripe commits every charge but the answers are lost: charged in Stripe, not recorded.
+    # A retry with the same key replays the charge; the kill lands before any retry.
+    await harness.set_faults(drop_after_commit=1.0, latency_ms=0)
+    worker = harness.worker_process()
+    await start_period(harness.client, PERIOD, harness.task_queue)
+
+    async def all_committed() -> bool:
+        return len(await harness.charges()) == 10
+
+    await eventually(all_committed)
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    rows = await harness.ledger_rows(str(PERIOD))
+    assert sum(r["status"] == "claimed" for r in rows) > 0, "nothing was left unrecorded"
+    async with harness.running_worker():
+        await harness.client.get_workflow_handle("billing-period-2026-12").result()
+    await assert_billed_once(harness, str(PERIOD), customers)
