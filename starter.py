@@ -1,10 +1,13 @@
-"""Operator's command line: run and inspect billing periods, manage customers, run the demo.
+"""Operator's command line: run, watch and steer billing periods, schedules and customers.
 
 python starter.py run 2026-12 --wait
 python starter.py status 2026-12 --json
-python starter.py migrate
+python starter.py watch 2026-12
+python starter.py pause 2026-12 --reason "amounts look wrong"
+python starter.py skip 2026-12 cust-42 --reason "disputed"
+python starter.py preview 2026-12
+python starter.py schedule create --day 1 --hour 2 --time-zone Europe/Berlin
 python starter.py customers import customers.csv
-python starter.py customers seed-demo --count 1000
 python starter.py demo --customers 1000 --keep-running
 """
 
@@ -12,21 +15,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import getpass
+import os
 import sys
 from collections.abc import Callable, Coroutine
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
-from billing import logs
-from billing.config import DatabaseSettings, TemporalSettings
+from billing import logs, operations, schedules, search_attributes
+from billing.config import BillingSettings, DatabaseSettings, TemporalSettings
 from billing.customers import read_customers_csv, upsert_customers
 from billing.db import create_pool
 from billing.errors import BillingError
 from billing.migrations import migrate
+from billing.models import OperatorRequest, PeriodProgress, SkipRequest
 from billing.periods import Period, parse_period
-from billing.reporting import describe, ui_link
+from billing.preview import preview_period
+from billing.reporting import describe, describe_preview, ui_link
 from billing.runs import period_status, start_period
 from billing.seeding import seed_demo
 from billing.temporal_client import connect
@@ -69,6 +77,119 @@ async def cmd_status(args: argparse.Namespace) -> int:
     client = await connect(TemporalSettings())
     progress = await period_status(client, args.period)
     _emit(progress, args.json, describe(progress))
+    return 0
+
+
+def _operator(args: argparse.Namespace) -> str:
+    name: str = args.operator or os.environ.get("BILLING_OPERATOR") or getpass.getuser()
+    return name
+
+
+async def cmd_control(args: argparse.Namespace) -> int:
+    client = await connect(TemporalSettings())
+    request = OperatorRequest(reason=args.reason, operator=_operator(args))
+    progress = await operations.control(client, args.period, args.command, request)
+    _emit(progress, args.json, describe(progress))
+    return 0
+
+
+async def cmd_skip(args: argparse.Namespace) -> int:
+    client = await connect(TemporalSettings())
+    request = SkipRequest(customer_id=args.customer, reason=args.reason, operator=_operator(args))
+    result = await operations.skip(
+        client, BillingSettings(), DatabaseSettings().database_url, args.period, request
+    )
+    _emit(result, args.json, f"{result.customer_id}: {result.detail}")
+    return 0 if result.skipped else 1
+
+
+async def cmd_watch(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    client = await connect(TemporalSettings())
+    progress: PeriodProgress = await period_status(client, args.period)
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[counts]}"),
+    ) as bar:
+        task = bar.add_task(str(args.period), total=None, counts="")
+        while True:
+            done = progress.due - progress.in_flight
+            bar.update(
+                task,
+                description=f"{args.period} {progress.state}",
+                total=progress.expected_due or progress.due or None,
+                completed=done,
+                counts=f"charged {progress.charged}, failed {progress.failed},"
+                f" in flight {progress.in_flight}",
+            )
+            if progress.state not in ("running", "paused", "cancelling"):
+                break
+            await asyncio.sleep(args.interval)
+            progress = await period_status(client, args.period)
+    print(describe(progress))
+    return 0
+
+
+async def cmd_preview(args: argparse.Namespace) -> int:
+    pool = await create_pool(DatabaseSettings().database_url, max_size=1)
+    try:
+        preview = await preview_period(
+            pool, str(args.period), BillingSettings().billing_cap_multiplier
+        )
+    finally:
+        await pool.close()
+    _emit(preview, args.json, describe_preview(preview))
+    return 0
+
+
+async def cmd_setup(_: argparse.Namespace) -> int:
+    client = await connect(TemporalSettings())
+    added = await search_attributes.register(client)
+    print(f"registered {', '.join(added)}" if added else "search attributes already registered")
+    return 0
+
+
+async def cmd_schedule(args: argparse.Namespace) -> int:
+    temporal = TemporalSettings()
+    client = await connect(temporal)
+    handle = client.get_schedule_handle(args.id)
+    if args.schedule_command == "create":
+        config = schedules.MonthlySchedule(
+            schedule_id=args.id,
+            day_of_month=args.day,
+            hour=args.hour,
+            minute=args.minute,
+            time_zone=args.time_zone,
+            billing=args.billing,
+            overlap=args.overlap,
+            catchup_window=timedelta(hours=args.catchup_hours),
+            paused=args.paused,
+        )
+        await schedules.create_schedule(client, config, temporal.task_queue)
+        print(
+            f"created schedule {args.id}: day {args.day} at {args.hour:02d}:{args.minute:02d}"
+            f" {args.time_zone}, billing in {args.billing}"
+        )
+    elif args.schedule_command == "describe":
+        print(schedules.describe(await handle.describe()))
+    elif args.schedule_command == "pause":
+        await handle.pause(note=args.note)
+        print(f"paused schedule {args.id}")
+    elif args.schedule_command == "unpause":
+        await handle.unpause(note=args.note)
+        print(f"unpaused schedule {args.id}")
+    elif args.schedule_command == "trigger":
+        await handle.trigger()
+        print(f"triggered schedule {args.id}")
+    elif args.schedule_command == "backfill":
+        count = await schedules.backfill(client, args.id, args.start, args.end)
+        print(f"backfilling {count} periods, {args.start} to {args.end}")
+    elif args.schedule_command == "delete":
+        await handle.delete()
+        print(f"deleted schedule {args.id}")
     return 0
 
 
@@ -116,6 +237,91 @@ def parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true")
     status.set_defaults(handler=cmd_status)
 
+    for action, text in (
+        ("pause", "stop starting charges; charges already sent finish"),
+        ("resume", "continue a paused run"),
+        ("cancel", "charge nothing more; customers not yet charged end cancelled"),
+    ):
+        control = commands.add_parser(action, help=text)
+        control.add_argument("period", type=_period, help="YYYY-MM")
+        control.add_argument("--reason", required=True, help="recorded with your name")
+        control.add_argument("--operator", help="default: $BILLING_OPERATOR or your login")
+        control.add_argument("--json", action="store_true")
+        control.set_defaults(handler=cmd_control)
+
+    skip = commands.add_parser("skip", help="do not charge one customer this period")
+    skip.add_argument("period", type=_period, help="YYYY-MM")
+    skip.add_argument("customer", help="the customer id")
+    skip.add_argument("--reason", required=True)
+    skip.add_argument("--operator")
+    skip.add_argument("--json", action="store_true")
+    skip.set_defaults(handler=cmd_skip)
+
+    watch = commands.add_parser("watch", help="a live progress bar until the run ends")
+    watch.add_argument("period", type=_period, help="YYYY-MM")
+    watch.add_argument("--interval", type=float, default=1.0, help="seconds between updates")
+    watch.set_defaults(handler=cmd_watch)
+
+    preview = commands.add_parser("preview", help="who a run would charge; charges nothing")
+    preview.add_argument("period", type=_period, help="YYYY-MM")
+    preview.add_argument("--json", action="store_true")
+    preview.set_defaults(handler=cmd_preview)
+
+    commands.add_parser(
+        "setup", help="register the search attributes on a Temporal cluster"
+    ).set_defaults(handler=cmd_setup)
+
+    schedule = commands.add_parser("schedule", help="monthly runs with Temporal Schedules")
+    schedule_commands = schedule.add_subparsers(dest="schedule_command", required=True)
+    defaults = schedules.MonthlySchedule()
+    for name, text in (
+        ("create", "create the monthly schedule"),
+        ("describe", "show the schedule, its next and recent runs"),
+        ("pause", "stop firing"),
+        ("unpause", "fire again"),
+        ("trigger", "fire now (bills the period the schedule would bill now)"),
+        ("backfill", "run missed periods"),
+        ("delete", "delete the schedule (runs already started go on)"),
+    ):
+        sub = schedule_commands.add_parser(name, help=text)
+        sub.add_argument("--id", default=schedules.DEFAULT_SCHEDULE_ID, help="schedule id")
+        sub.set_defaults(handler=cmd_schedule)
+        if name in ("pause", "unpause"):
+            sub.add_argument("--note", default=None)
+        if name == "backfill":
+            sub.add_argument("--start", type=_period, required=True, help="first period")
+            sub.add_argument("--end", type=_period, required=True, help="last period")
+        if name == "create":
+            sub.add_argument("--day", type=int, default=defaults.day_of_month, help="1-28")
+            sub.add_argument("--hour", type=int, default=defaults.hour)
+            sub.add_argument("--minute", type=int, default=defaults.minute)
+            sub.add_argument("--time-zone", default=defaults.time_zone, help="IANA name")
+            sub.add_argument(
+                "--billing",
+                choices=["arrears", "advance"],
+                default=defaults.billing,
+                help="bill the month that ended (arrears) or the one starting (advance)",
+            )
+            sub.add_argument(
+                "--overlap",
+                choices=[
+                    "skip",
+                    "buffer_one",
+                    "buffer_all",
+                    "cancel_other",
+                    "terminate_other",
+                    "allow_all",
+                ],
+                default=defaults.overlap,
+            )
+            sub.add_argument(
+                "--catchup-hours",
+                type=float,
+                default=defaults.catchup_window.total_seconds() / 3600,
+                help="how late a missed firing still runs",
+            )
+            sub.add_argument("--paused", action="store_true", help="create it paused")
+
     commands.add_parser("migrate", help="apply database migrations").set_defaults(
         handler=cmd_migrate
     )
@@ -148,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(handler(args))
     except BillingError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ValidationError as exc:
+        for error in exc.errors():
+            field = ".".join(str(part) for part in error["loc"])
+            print(f"error: {field}: {error['msg']}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -20,10 +20,15 @@ from temporalio.worker import Worker
 
 import workflows
 from activities.charging import ChargingActivities
-from activities.period import PeriodActivities
+from activities.period import PeriodActivities, scheduled_period
 from activities.stripe_gateway import StripeGateway
-from billing import logs
-from billing.config import BillingSettings, DatabaseSettings, TemporalSettings
+from billing import logs, metrics
+from billing.config import (
+    BillingSettings,
+    DatabaseSettings,
+    ObservabilitySettings,
+    TemporalSettings,
+)
 from billing.db import create_pool
 from billing.migrations import migrate
 from billing.stripe_client import stripe_session
@@ -41,7 +46,7 @@ def create_worker(
 ) -> Worker:
     gateway = StripeGateway(stripe_api, settings.billing_charge_api)
     charging = ChargingActivities(pool, gateway, settings)
-    period = PeriodActivities(pool)
+    period = PeriodActivities(pool, settings)
     return Worker(
         client,
         task_queue=task_queue,
@@ -50,11 +55,15 @@ def create_worker(
             charging.claim,
             charging.charge,
             charging.record_charge,
-            charging.record_failure,
+            charging.record_unbilled,
             period.prepare,
             period.due_customers,
             period.ledger_outcomes,
+            period.set_control,
+            period.skip_customer,
+            period.cancel_unstarted,
             period.close,
+            scheduled_period,
         ],
         # In-flight Stripe calls get this long to finish and be recorded on shutdown.
         graceful_shutdown_timeout=timedelta(seconds=30),
@@ -66,10 +75,12 @@ async def main() -> None:
     temporal = TemporalSettings()
     database = DatabaseSettings()
     settings = BillingSettings()
+    observability = ObservabilitySettings()
     applied = await migrate(database.database_url)
     if applied:
         log.info("applied migrations %s", ", ".join(applied))
-    client = await connect(temporal)
+    metrics.serve(observability)
+    client = await connect(temporal, metrics.temporal_runtime(observability))
     pool = await create_pool(database.database_url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

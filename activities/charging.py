@@ -2,21 +2,52 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import asyncpg
 import stripe
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.stripe_failures import declined, is_replayed, to_temporal_failure
+from activities.stripe_failures import (
+    DECLINED,
+    REFUSED,
+    SPEND_CAP_EXCEEDED,
+    declined,
+    is_replayed,
+    to_temporal_failure,
+)
 from activities.stripe_gateway import StripeGateway
-from billing import ledger
+from billing import ledger, logs, metrics
 from billing.config import BillingSettings
 from billing.errors import UnknownCustomerError
 from billing.keys import idempotency_key
-from billing.models import ChargeFailure, ChargeResult, Claim, CustomerChargeInput, Record
+from billing.models import (
+    ChargeFailure,
+    ChargeResult,
+    Claim,
+    CustomerChargeInput,
+    Gate,
+    LedgerStatus,
+    Record,
+)
 from billing.periods import parse_period
+
+# ApplicationError types for charges an operator stopped before they reached Stripe.
+SKIPPED = "CustomerSkipped"
+CANCELLED = "PeriodCancelled"
+PAUSED = "PeriodPaused"
+# A paused charge waits inside its attempt (no retry storm of hundreds of children), but
+# returns well before the attempt's 60 s start-to-close timeout.
+PAUSE_POLL = 0.5
+PAUSE_HOLD = 40.0
+# The `outcome` of a charge attempt that failed for good; any other failure is an "error".
+FAILED_OUTCOMES = {DECLINED: "declined", REFUSED: "refused", SPEND_CAP_EXCEEDED: "refused"}
+
+log = logging.getLogger("billing.charging")
 
 
 class RecordCharge(Record):
@@ -24,8 +55,9 @@ class RecordCharge(Record):
     result: ChargeResult
 
 
-class RecordFailure(Record):
+class RecordUnbilled(Record):
     claim: Claim
+    status: LedgerStatus
     failure: ChargeFailure
 
 
@@ -43,43 +75,147 @@ class ChargingActivities:
         key = idempotency_key(self._settings.billing_key_namespace, request.customer_id, period)
         try:
             async with self._pool.acquire() as conn:
-                return await ledger.claim(conn, request.customer_id, request.period, key)
+                claim = await ledger.claim(conn, request.customer_id, request.period, key)
         except UnknownCustomerError as exc:
             raise ApplicationError(str(exc), type="UnknownCustomer", non_retryable=True) from exc
+        _log_event(
+            "claim",
+            claim,
+            status=claim.status,
+            amount_cents=claim.amount_cents,
+            currency=claim.currency,
+        )
+        return claim
 
     @activity.defn(name="charge")
     async def charge(self, claim: Claim) -> ChargeResult:
-        attempt = activity.info().attempt
+        await self._pass_gate(claim)
+        try:
+            result = await self._charge(claim)
+        except Exception as error:
+            _report_failure(claim, error)
+            raise
+        _report_charge(claim, result)
+        return result
+
+    async def _charge(self, claim: Claim) -> ChargeResult:
         age = datetime.now(UTC) - claim.claimed_at
         try:
             # Stripe forgets keys after 24 hours: past that a replay would charge again, so an
             # old claim is looked up first.
             if age > timedelta(seconds=self._settings.billing_lookup_after_seconds):
-                found = await self._gateway.find(claim, attempt)
+                found = await self._gateway.find(claim)
                 if found is not None:
                     return _settle(found)
-            return await self._gateway.charge(claim, attempt)
+            return await self._gateway.charge(claim)
         except stripe.StripeError as exc:
             if is_replayed(exc) and (exc.http_status or 0) >= 500:
                 # Stripe saved a 500 raised after the charge began: the key will replay it
                 # for a day, so the truth is in the customer's charges.
-                found = await self._gateway.find(claim, attempt)
+                found = await self._gateway.find(claim)
                 if found is not None:
                     return _settle(found)
-            raise to_temporal_failure(exc, attempt) from None
+            metrics.count_vault_refusal(exc)
+            raise to_temporal_failure(exc) from None
+
+    async def _pass_gate(self, claim: Claim) -> None:
+        """Wait while the period is paused; stop here if it is cancelled or skipped."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PAUSE_HOLD
+        while True:
+            async with self._pool.acquire() as conn:
+                gate: Gate = await ledger.begin_charge(conn, claim)
+            if gate == "go":
+                return
+            if gate == "skipped":
+                raise _stopped(SKIPPED, "skipped", "an operator skipped this customer")
+            if gate == "cancelled":
+                raise _stopped(CANCELLED, "cancelled", "an operator cancelled the period")
+            if loop.time() >= deadline:
+                raise ApplicationError(
+                    "the period is paused", type=PAUSED, next_retry_delay=timedelta(seconds=1)
+                )
+            activity.heartbeat("paused")
+            await asyncio.sleep(PAUSE_POLL)
 
     @activity.defn(name="record_charge")
     async def record_charge(self, request: RecordCharge) -> None:
         async with self._pool.acquire() as conn:
             await ledger.record_charge(conn, request.claim.idempotency_key, request.result)
+        _log_event("record", request.claim, status="charged", charge_id=request.result.charge_id)
 
-    @activity.defn(name="record_failure")
-    async def record_failure(self, request: RecordFailure) -> None:
+    @activity.defn(name="record_unbilled")
+    async def record_unbilled(self, request: RecordUnbilled) -> None:
         async with self._pool.acquire() as conn:
-            await ledger.record_failure(conn, request.claim.idempotency_key, request.failure)
+            await ledger.record_unbilled(
+                conn, request.claim.idempotency_key, request.status, request.failure
+            )
+        _log_event("record", request.claim, status=request.status, code=request.failure.code)
+
+
+def _stopped(kind: str, code: str, message: str) -> ApplicationError:
+    return ApplicationError(
+        message, ChargeFailure(code=code, message=message), type=kind, non_retryable=True
+    )
 
 
 def _settle(found: ChargeResult | ChargeFailure) -> ChargeResult:
     if isinstance(found, ChargeResult):
         return found
     raise declined(found)
+
+
+def _log_event(event: str, claim: Claim, *, level: int = logging.INFO, **fields: Any) -> None:
+    logs.log_event(
+        log,
+        event,
+        level=level,
+        period=claim.period,
+        customer_id=claim.customer_id,
+        workflow_id=activity.info().workflow_id,
+        key_prefix=logs.key_prefix(claim.idempotency_key),
+        **fields,
+    )
+
+
+def _report_charge(claim: Claim, result: ChargeResult) -> None:
+    metrics.charged(result.amount_cents, result.currency, datetime.now(UTC) - claim.claimed_at)
+    _log_event(
+        "charge",
+        claim,
+        outcome="charged",
+        charge_id=result.charge_id,
+        amount_cents=result.amount_cents,
+        currency=result.currency,
+        replayed=result.replayed,
+        attempt=activity.info().attempt,
+    )
+
+
+def _report_failure(claim: Claim, error: Exception) -> None:
+    """A refusal (decline, refused key, cap) is its own event; anything else will be retried."""
+    kind = error.type if isinstance(error, ApplicationError) else None
+    outcome = FAILED_OUTCOMES.get(kind or "", "error")
+    metrics.charge_failed(outcome)
+    details = error.details if isinstance(error, ApplicationError) else ()
+    failure = details[0] if details and isinstance(details[0], ChargeFailure) else None
+    if failure is None or outcome == "error":
+        _log_event(
+            "charge",
+            claim,
+            level=logging.WARNING,
+            outcome=outcome,
+            error=str(error),
+            attempt=activity.info().attempt,
+        )
+        return
+    _log_event(
+        "refusal",
+        claim,
+        level=logging.WARNING,
+        outcome=outcome,
+        kind=kind,
+        code=failure.code,
+        decline_code=failure.decline_code,
+        attempt=activity.info().attempt,
+    )

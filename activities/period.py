@@ -1,12 +1,33 @@
-"""Period-level I/O: plan the run, page through due customers, read outcomes, close."""
+"""Period-level I/O: plan the run, page through due customers, read outcomes, operator
+controls (pause, resume, cancel, skip), close."""
 
 from __future__ import annotations
 
+from datetime import datetime
+from zoneinfo import ZoneInfo
+
 import asyncpg
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
 from billing import ledger
-from billing.models import CustomerOutcome, DuePage, PeriodPlan, PeriodSummary, Record
+from billing.config import BillingSettings
+from billing.errors import UnknownCustomerError
+from billing.keys import idempotency_key
+from billing.models import (
+    CancelPage,
+    Control,
+    Counts,
+    CustomerOutcome,
+    DuePage,
+    OperatorRequest,
+    PeriodPlan,
+    PeriodSummary,
+    Record,
+    SkipRequest,
+    SkipResult,
+)
+from billing.periods import Billing, parse_period, period_for
 
 
 class PrepareRequest(Record):
@@ -25,9 +46,46 @@ class OutcomesRequest(Record):
     customer_ids: list[str]
 
 
+class ControlRequest(Record):
+    period: str
+    control: Control
+    request: OperatorRequest
+
+
+class SkipCustomerRequest(Record):
+    period: str
+    request: SkipRequest
+
+
+class CancelRequest(Record):
+    period: str
+    after: str | None
+    limit: int
+    request: OperatorRequest
+
+
+class ScheduledPeriodRequest(Record):
+    nominal_time: datetime
+    time_zone: str
+    billing: Billing
+
+
+@activity.defn(name="scheduled_period")
+async def scheduled_period(request: ScheduledPeriodRequest) -> str:
+    """The period a schedule's firing bills, read in the schedule's own time zone."""
+    local = request.nominal_time.astimezone(ZoneInfo(request.time_zone))
+    return str(period_for(local, request.billing))
+
+
 class PeriodActivities:
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, settings: BillingSettings) -> None:
         self._pool = pool
+        self._settings = settings
+
+    def _key(self, customer_id: str, period: str) -> str:
+        return idempotency_key(
+            self._settings.billing_key_namespace, customer_id, parse_period(period)
+        )
 
     @activity.defn(name="prepare_period")
     async def prepare(self, request: PrepareRequest) -> PeriodPlan:
@@ -45,6 +103,54 @@ class PeriodActivities:
     async def ledger_outcomes(self, request: OutcomesRequest) -> list[CustomerOutcome]:
         async with self._pool.acquire() as conn:
             return await ledger.outcomes(conn, request.period, request.customer_ids)
+
+    @activity.defn(name="set_control")
+    async def set_control(self, request: ControlRequest) -> None:
+        async with self._pool.acquire() as conn:
+            await ledger.set_control(
+                conn,
+                request.period,
+                request.control,
+                request.request.reason,
+                request.request.operator,
+            )
+
+    @activity.defn(name="skip_customer")
+    async def skip_customer(self, request: SkipCustomerRequest) -> SkipResult:
+        skip = request.request
+        try:
+            async with self._pool.acquire() as conn:
+                return await ledger.request_skip(
+                    conn,
+                    skip.customer_id,
+                    request.period,
+                    self._key(skip.customer_id, request.period),
+                    skip.reason,
+                    skip.operator,
+                )
+        except UnknownCustomerError as exc:
+            raise ApplicationError(str(exc), type="UnknownCustomer", non_retryable=True) from exc
+
+    @activity.defn(name="cancel_unstarted")
+    async def cancel_unstarted(self, request: CancelRequest) -> CancelPage:
+        """Cancel one page of customers after the cursor; count what each one ends as."""
+        async with self._pool.acquire() as conn:
+            page = await ledger.due_page(conn, request.period, request.after, request.limit)
+            open_ids = [c.customer_id for c in page.customers if c.status in (None, "claimed")]
+            await ledger.cancel_customers(
+                conn,
+                request.period,
+                {c: self._key(c, request.period) for c in open_ids},
+                request.request.reason,
+                request.request.operator,
+            )
+            ended = await ledger.outcomes(
+                conn, request.period, [c.customer_id for c in page.customers]
+            )
+        counts = Counts(due=len(page.customers))
+        for outcome in ended:
+            counts.add(outcome)
+        return CancelPage(counts=counts, next_cursor=page.next_cursor)
 
     @activity.defn(name="close_period")
     async def close(self, summary: PeriodSummary) -> None:

@@ -35,7 +35,7 @@ def _id_of(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def failure_from(exc: stripe.StripeError, default_code: str, attempts: int) -> ChargeFailure:
+def failure_from(exc: stripe.StripeError, default_code: str) -> ChargeFailure:
     error = _error_body(exc)
     code = error.get("code") or exc.code or default_code
     decline = error.get("decline_code")
@@ -45,7 +45,6 @@ def failure_from(exc: stripe.StripeError, default_code: str, attempts: int) -> C
         message=redact(str(exc.user_message or default_code)),
         payment_intent_id=_id_of(error.get("payment_intent")),
         charge_id=_id_of(error.get("charge")),
-        attempts=attempts,
     )
 
 
@@ -59,10 +58,10 @@ def declined(failure: ChargeFailure) -> ApplicationError:
     return _non_retryable(DECLINED, failure)
 
 
-def to_temporal_failure(exc: stripe.StripeError, attempts: int) -> ApplicationError:
+def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
     """Map one Stripe exception to the failure Temporal acts on."""
     if isinstance(exc, stripe.CardError):
-        failure = failure_from(exc, "card_declined", attempts)
+        failure = failure_from(exc, "card_declined")
         if failure.code == "spend_cap_exceeded":
             return _non_retryable(SPEND_CAP_EXCEEDED, failure)
         return declined(failure)
@@ -77,15 +76,14 @@ def to_temporal_failure(exc: stripe.StripeError, attempts: int) -> ApplicationEr
         failure = ChargeFailure(
             code="authentication_failed",
             message="the Stripe or vault key was refused (unknown, expired or revoked)",
-            attempts=attempts,
         )
         return _non_retryable(REFUSED, failure)
     if isinstance(exc, stripe.PermissionError):
-        return _non_retryable(REFUSED, failure_from(exc, "permission_denied", attempts))
+        return _non_retryable(REFUSED, failure_from(exc, "permission_denied"))
     if isinstance(exc, stripe.IdempotencyError):
-        return _non_retryable(REFUSED, failure_from(exc, "idempotency_error", attempts))
+        return _non_retryable(REFUSED, failure_from(exc, "idempotency_error"))
     if isinstance(exc, stripe.InvalidRequestError):
-        return _non_retryable(REFUSED, failure_from(exc, "invalid_request", attempts))
+        return _non_retryable(REFUSED, failure_from(exc, "invalid_request"))
     # APIConnectionError, 5xx, 409 idempotency_key_in_use: the outcome is unknown or pending,
     # and a retry with the same key either replays the first result or executes once.
     status = exc.http_status or "no response"

@@ -42,29 +42,28 @@ class StripeGateway:
         self._client = client
         self.api = api
 
-    async def charge(self, claim: Claim, attempts: int) -> ChargeResult:
+    async def charge(self, claim: Claim) -> ChargeResult:
         """Create the charge with the claim's key; raises stripe errors unchanged."""
         options: stripe.RequestOptions = {"idempotency_key": claim.idempotency_key}
         params = charge_params(claim, self.api)
         if self.api == "payment_intents":
             intent = await self._client.v1.payment_intents.create_async(params, options)  # type: ignore[arg-type]
-            return self._from_intent(claim, intent, attempts)
+            return self._from_intent(intent)
         charge = await self._client.v1.charges.create_async(params, options)  # type: ignore[arg-type]
         return ChargeResult(
             charge_id=charge.id,
             payment_intent_id=_id(charge.payment_intent),
             amount_cents=charge.amount,
             currency=charge.currency,
-            attempts=attempts,
         )
 
-    async def find(self, claim: Claim, attempts: int) -> ChargeResult | ChargeFailure | None:
+    async def find(self, claim: Claim) -> ChargeResult | ChargeFailure | None:
         """Look the claim's charge up by the key in its metadata."""
         if self.api == "payment_intents":
             intents = await self._ours(self._client.v1.payment_intents.list_async, claim)
             for intent in intents:
                 if intent.status == "succeeded":
-                    return self._from_intent(claim, intent, attempts, replayed=True)
+                    return self._from_intent(intent, replayed=True)
             if not intents:
                 return None
             error = intents[0].last_payment_error
@@ -73,7 +72,6 @@ class StripeGateway:
                 decline_code=error.decline_code if error else None,
                 message=(error.message if error else None) or "the payment failed",
                 payment_intent_id=intents[0].id,
-                attempts=attempts,
             )
         charges = await self._ours(self._client.v1.charges.list_async, claim)
         for charge in charges:
@@ -83,7 +81,6 @@ class StripeGateway:
                     payment_intent_id=_id(charge.payment_intent),
                     amount_cents=charge.amount,
                     currency=charge.currency,
-                    attempts=attempts,
                     replayed=True,
                 )
         if not charges:
@@ -92,7 +89,6 @@ class StripeGateway:
             code=charges[0].failure_code or "card_declined",
             message=charges[0].failure_message or "the charge failed",
             charge_id=charges[0].id,
-            attempts=attempts,
         )
 
     @staticmethod
@@ -111,9 +107,7 @@ class StripeGateway:
             params["starting_after"] = page.data[-1].id
 
     @staticmethod
-    def _from_intent(
-        claim: Claim, intent: stripe.PaymentIntent, attempts: int, replayed: bool = False
-    ) -> ChargeResult:
+    def _from_intent(intent: stripe.PaymentIntent, replayed: bool = False) -> ChargeResult:
         charge_id = _id(intent.latest_charge)
         if intent.status != "succeeded" or charge_id is None:
             raise stripe.APIError(
@@ -125,7 +119,6 @@ class StripeGateway:
             payment_intent_id=intent.id,
             amount_cents=intent.amount,
             currency=intent.currency,
-            attempts=attempts,
             replayed=replayed,
         )
 

@@ -36,6 +36,20 @@ class BillingSettings(BaseSettings):
     billing_charge_api: Literal["payment_intents", "charges"] = "payment_intents"
     billing_key_namespace: str = Field(default="billing", min_length=1)
     billing_stripe_timeout_seconds: float = Field(default=30.0, gt=0)
+    # The period's vault key is capped at the expected total times this.
+    billing_cap_multiplier: float = Field(default=1.10, ge=1.0, le=10.0)
     # Claims older than this are looked up on Stripe before a new request: Stripe keeps
     # idempotency keys for 24 hours, so a later replay would execute as a new charge.
     billing_lookup_after_seconds: float = Field(default=23 * 3600, gt=0)
+
+
+class ObservabilitySettings(BaseSettings):
+    """How a process reports: its log lines, and where its metrics are scraped (unset: off)."""
+
+    model_config = SettingsConfigDict(extra="ignore")
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
+    log_format: Literal["text", "json"] = "text"
+    metrics_host: str = "127.0.0.1"
+    billing_metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    temporal_metrics_port: int | None = Field(default=None, ge=1, le=65535)

@@ -12,11 +12,15 @@ from billing.models import (
     ChargeFailure,
     ChargeResult,
     Claim,
+    Control,
     CustomerOutcome,
     DueCustomer,
     DuePage,
+    Gate,
     LedgerStatus,
     PeriodPlan,
+    PreviewLine,
+    SkipResult,
     finished_outcome,
 )
 
@@ -26,6 +30,9 @@ _DUE = """
     LEFT JOIN billing_runs r ON r.customer_id = c.customer_id AND r.billing_period = $1
     WHERE (c.active OR r.status IS NOT NULL)
 """
+
+# Rows a run would charge: no row yet, an unfinished claim, or a cancel a new run reopens.
+_OPEN = "(r.status IS NULL OR (r.status IN ('claimed', 'cancelled') AND r.skip_reason IS NULL))"
 
 _CLAIM_COLUMNS = """
     customer_id, billing_period AS period, idempotency_key, amount_cents, currency,
@@ -37,10 +44,9 @@ _CLAIM_COLUMNS = """
 async def plan_period(conn: asyncpg.Connection, period: str) -> PeriodPlan:
     row = await conn.fetchrow(
         f"""
-        SELECT count(*) AS due,
-               count(*) FILTER (WHERE r.status IS NULL OR r.status = 'claimed') AS to_charge,
-               coalesce(sum(coalesce(r.amount_cents, c.amount_cents))
-                        FILTER (WHERE r.status IS NULL OR r.status = 'claimed'), 0) AS total
+        SELECT count(*) AS due, count(*) FILTER (WHERE {_OPEN}) AS to_charge,
+               coalesce(sum(coalesce(r.amount_cents, c.amount_cents)) FILTER (WHERE {_OPEN}), 0)
+                   AS total
         {_DUE}
         """,
         period,
@@ -48,6 +54,19 @@ async def plan_period(conn: asyncpg.Connection, period: str) -> PeriodPlan:
     return PeriodPlan(
         period=period, due=row["due"], to_charge=row["to_charge"], expected_total_cents=row["total"]
     )
+
+
+async def preview_lines(conn: asyncpg.Connection, period: str) -> list[PreviewLine]:
+    """Every due customer with the amount a run would claim (or has claimed) and its row."""
+    rows = await conn.fetch(
+        f"""
+        SELECT c.customer_id, coalesce(r.amount_cents, c.amount_cents) AS amount_cents,
+               coalesce(r.currency, c.currency) AS currency, r.status, {_OPEN} AS open
+        {_DUE} ORDER BY c.customer_id
+        """,
+        period,
+    )
+    return [PreviewLine(**dict(row)) for row in rows]
 
 
 async def due_page(conn: asyncpg.Connection, period: str, after: str | None, limit: int) -> DuePage:
@@ -96,11 +115,15 @@ async def claim(conn: asyncpg.Connection, customer_id: str, period: str, key: st
 async def _finish(
     conn: asyncpg.Connection, key: str, status: LedgerStatus, sets: str, *args: Any
 ) -> None:
-    """Move a claim to a terminal status once; repeating the same result is a no-op."""
+    """Move a claim to a terminal status once; repeating the same result is a no-op.
+
+    `sets` may end in `FROM ... AND` to read another table (its WHERE continues here)."""
+    where = "" if sets.rstrip().endswith("AND") else "WHERE"
     updated = await conn.fetchval(
         f"""
-        UPDATE billing_runs SET status = $2, {sets}, updated_at = now(), completed_at = now()
-        WHERE idempotency_key = $1 AND status = 'claimed' RETURNING 1
+        UPDATE billing_runs SET status = $2, updated_at = now(), completed_at = now(), {sets}
+        {where} billing_runs.idempotency_key = $1 AND billing_runs.status = 'claimed'
+        RETURNING 1
         """,
         key,
         status,
@@ -125,25 +148,36 @@ async def record_charge(conn: asyncpg.Connection, key: str, result: ChargeResult
         conn,
         key,
         "charged",
-        "charge_id = $3, payment_intent_id = $4, attempts = $5",
+        "charge_id = $3, payment_intent_id = $4",
         result.charge_id,
         result.payment_intent_id,
-        result.attempts,
     )
 
 
-async def record_failure(conn: asyncpg.Connection, key: str, failure: ChargeFailure) -> None:
+async def record_unbilled(
+    conn: asyncpg.Connection, key: str, status: LedgerStatus, failure: ChargeFailure
+) -> None:
+    """Finish a claim that was not charged: failed with Stripe's code, or skipped or
+    cancelled with the operator's reason."""
+    if status == "failed":
+        await _finish(
+            conn,
+            key,
+            status,
+            "failure_code = $3, decline_code = $4, failure_message = $5, payment_intent_id = $6",
+            failure.code,
+            failure.decline_code,
+            failure.message[:500],
+            failure.payment_intent_id,
+        )
+        return
     await _finish(
         conn,
         key,
-        "failed",
-        "failure_code = $3, decline_code = $4, failure_message = $5, payment_intent_id = $6,"
-        " attempts = $7",
-        failure.code,
-        failure.decline_code,
-        failure.message[:500],
-        failure.payment_intent_id,
-        failure.attempts,
+        status,
+        """reason = coalesce(skip_reason, p.control_reason), decided_by = coalesce(skip_by,
+        p.control_by) FROM billing_periods p WHERE p.billing_period = billing_runs.billing_period
+        AND""",
     )
 
 
@@ -176,19 +210,152 @@ def outcome_from_row(row: asyncpg.Record) -> CustomerOutcome:
 
 
 async def start_period(conn: asyncpg.Connection, plan: PeriodPlan, workflow_id: str) -> None:
+    """Record a new run of the period. Customers a cancelled run left unbilled are due again:
+    a cancelled row never reached Stripe (see begin_charge)."""
+    async with conn.transaction():
+        await conn.execute(
+            """
+            INSERT INTO billing_periods (billing_period, workflow_id, state, due,
+                                         expected_total_cents)
+            VALUES ($1, $2, 'running', $3, $4)
+            ON CONFLICT (billing_period) DO UPDATE SET
+                workflow_id = EXCLUDED.workflow_id, state = 'running', due = EXCLUDED.due,
+                expected_total_cents = EXCLUDED.expected_total_cents, started_at = now(),
+                finished_at = NULL, summary = NULL, control = 'running', control_reason = NULL,
+                control_by = NULL, control_at = now()
+            """,
+            plan.period,
+            workflow_id,
+            plan.due,
+            plan.expected_total_cents,
+        )
+        await conn.execute(
+            """
+            UPDATE billing_runs SET status = 'claimed', completed_at = NULL, reason = NULL,
+                                    decided_by = NULL, updated_at = now()
+            WHERE billing_period = $1 AND status = 'cancelled' AND charge_started_at IS NULL
+            """,
+            plan.period,
+        )
+
+
+async def set_control(
+    conn: asyncpg.Connection, period: str, control: Control, reason: str, operator: str
+) -> None:
     await conn.execute(
         """
-        INSERT INTO billing_periods (billing_period, workflow_id, state, due, expected_total_cents)
-        VALUES ($1, $2, 'running', $3, $4)
-        ON CONFLICT (billing_period) DO UPDATE SET
-            workflow_id = EXCLUDED.workflow_id, state = 'running', due = EXCLUDED.due,
-            expected_total_cents = EXCLUDED.expected_total_cents, started_at = now(),
-            finished_at = NULL, summary = NULL
+        UPDATE billing_periods
+        SET control = $2, control_reason = $3, control_by = $4, control_at = now()
+        WHERE billing_period = $1
         """,
-        plan.period,
-        workflow_id,
-        plan.due,
-        plan.expected_total_cents,
+        period,
+        control,
+        reason,
+        operator,
+    )
+
+
+async def begin_charge(conn: asyncpg.Connection, claim: Claim) -> Gate:
+    """Decide, atomically with pause, cancel and skip, whether this attempt may call Stripe.
+
+    Once a first attempt has passed, every retry passes too: that charge may already be at
+    Stripe, and only a retry with the same key can learn its outcome.
+    """
+    async with conn.transaction():
+        # FOR SHARE: a pause or cancel committed before this point is seen; one committed
+        # after it waits for this transaction, so the charge counts as already in flight.
+        control = await conn.fetchval(
+            "SELECT control FROM billing_periods WHERE billing_period = $1 FOR SHARE",
+            claim.period,
+        )
+        row = await conn.fetchrow(
+            """
+            SELECT status, charge_started_at, skip_reason FROM billing_runs
+            WHERE idempotency_key = $1 FOR UPDATE
+            """,
+            claim.idempotency_key,
+        )
+        if row is None or row["status"] != "claimed":
+            raise LedgerConflictError(
+                f"claim {claim.idempotency_key[:8]}... is no longer open"
+                f" ({row['status'] if row else 'missing'}); not charging"
+            )
+        if row["charge_started_at"] is None:
+            if row["skip_reason"] is not None:
+                return "skipped"
+            if control in ("paused", "cancelled"):
+                return control  # type: ignore[no-any-return]
+        await conn.execute(
+            """
+            UPDATE billing_runs
+            SET charge_started_at = coalesce(charge_started_at, now()),
+                attempts = attempts + 1, updated_at = now()
+            WHERE idempotency_key = $1
+            """,
+            claim.idempotency_key,
+        )
+        return "go"
+
+
+async def request_skip(
+    conn: asyncpg.Connection, customer_id: str, period: str, key: str, reason: str, operator: str
+) -> SkipResult:
+    """Mark a customer to be skipped this period, unless its charge has started or ended."""
+    row = await conn.fetchrow(
+        """
+        INSERT INTO billing_runs (customer_id, billing_period, idempotency_key, amount_cents,
+                                  currency, stripe_customer_id, payment_method, skip_reason,
+                                  skip_by)
+        SELECT customer_id, $2, $3, amount_cents, currency, stripe_customer_id, payment_method,
+               $4, $5
+        FROM customers WHERE customer_id = $1
+        ON CONFLICT (customer_id, billing_period) DO UPDATE
+            SET skip_reason = EXCLUDED.skip_reason, skip_by = EXCLUDED.skip_by,
+                updated_at = now()
+            WHERE billing_runs.status = 'claimed' AND billing_runs.charge_started_at IS NULL
+        RETURNING status
+        """,
+        customer_id,
+        period,
+        key,
+        reason,
+        operator,
+    )
+    if row is not None:
+        return SkipResult(customer_id=customer_id, skipped=True, detail="skip recorded")
+    current = await conn.fetchrow(
+        "SELECT status FROM billing_runs WHERE customer_id = $1 AND billing_period = $2",
+        customer_id,
+        period,
+    )
+    if current is None:
+        raise UnknownCustomerError(f"customer {customer_id!r} is not in the ledger")
+    detail = (
+        f"already {current['status']}"
+        if current["status"] != "claimed"
+        else "its charge has already been sent to Stripe"
+    )
+    return SkipResult(customer_id=customer_id, skipped=False, detail=f"cannot skip: {detail}")
+
+
+async def cancel_customers(
+    conn: asyncpg.Connection, period: str, keys: dict[str, str], reason: str, operator: str
+) -> None:
+    """Mark customers a cancelled run never started as cancelled (no child, no charge)."""
+    await conn.executemany(
+        """
+        INSERT INTO billing_runs (customer_id, billing_period, idempotency_key, amount_cents,
+                                  currency, stripe_customer_id, payment_method, status, reason,
+                                  decided_by, completed_at)
+        SELECT customer_id, $2, $3, amount_cents, currency, stripe_customer_id, payment_method,
+               'cancelled', $4, $5, now()
+        FROM customers WHERE customer_id = $1
+        ON CONFLICT (customer_id, billing_period) DO UPDATE
+            SET status = 'cancelled', reason = $4, decided_by = $5, completed_at = now(),
+                updated_at = now()
+            WHERE billing_runs.status = 'claimed' AND billing_runs.charge_started_at IS NULL
+        """,
+        [(customer_id, period, key, reason, operator) for customer_id, key in keys.items()],
     )
 
 

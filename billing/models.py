@@ -5,11 +5,16 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from billing.keys import validate_customer_id
 
 LedgerStatus = Literal["claimed", "charged", "failed", "skipped", "cancelled"]
 TERMINAL_STATUSES: frozenset[str] = frozenset({"charged", "failed", "skipped", "cancelled"})
 Outcome = Literal["charged", "already_billed", "failed", "skipped", "cancelled"]
+Control = Literal["running", "paused", "cancelled"]
+# What the ledger says about one charge attempt, just before Stripe would be called.
+Gate = Literal["go", "paused", "cancelled", "skipped"]
 
 
 def finished_outcome(status: LedgerStatus) -> Outcome:
@@ -38,6 +43,7 @@ class Claim(Record):
     payment_intent_id: str | None = None
     charge_id: str | None = None
     failure_code: str | None = None
+    skip_reason: str | None = None
 
 
 class ChargeResult(Record):
@@ -47,7 +53,6 @@ class ChargeResult(Record):
     payment_intent_id: str | None
     amount_cents: int
     currency: str
-    attempts: int
     replayed: bool = False
 
 
@@ -59,7 +64,6 @@ class ChargeFailure(Record):
     message: str
     payment_intent_id: str | None = None
     charge_id: str | None = None
-    attempts: int = 1
 
 
 class CustomerChargeInput(Record):
@@ -111,16 +115,32 @@ class Counts(BaseModel):
             self.total_charged_cents += outcome.amount_cents
 
 
+class ControlState(BaseModel):
+    """The operator's word on a run: running, paused or cancelled, by whom and why."""
+
+    control: Control = "running"
+    reason: str | None = None
+    operator: str | None = None
+
+
 class PeriodState(BaseModel):
     """Everything a period run carries over continue-as-new."""
 
     period: str
+    control: ControlState = Field(default_factory=ControlState)
     plan: PeriodPlan | None = None
     cursor: str | None = None
     listing_done: bool = False
     in_flight: list[str] = Field(default_factory=list)
     counts: Counts = Field(default_factory=Counts)
     runs: int = 1
+
+
+class CancelPage(Record):
+    """Customers a cancelled run will not start, marked cancelled in the ledger."""
+
+    counts: Counts
+    next_cursor: str | None
 
 
 class RunOptions(Record):
@@ -135,9 +155,30 @@ class RunOptions(Record):
 
 
 class BillingPeriodInput(Record):
-    period: str | None = None
+    period: str
     options: RunOptions = Field(default_factory=RunOptions)
     state: PeriodState | None = None
+
+
+class ScheduledBillingInput(Record):
+    """What a schedule starts: the period comes from the firing's nominal time."""
+
+    options: RunOptions = Field(default_factory=RunOptions)
+    time_zone: str = "UTC"
+
+
+class OperatorRequest(Record):
+    reason: str = Field(min_length=1, max_length=500)
+    operator: str = Field(min_length=1, max_length=100)
+
+
+class SkipRequest(OperatorRequest):
+    customer_id: str
+
+    @field_validator("customer_id")
+    @classmethod
+    def _customer_id(cls, value: str) -> str:
+        return validate_customer_id(value)
 
 
 class PeriodSummary(Record):
@@ -150,6 +191,9 @@ class PeriodSummary(Record):
     skipped: int
     cancelled: int
     total_charged_cents: int
+    # Set when an operator cancelled the run: everything above happened before the cancel.
+    cancel_reason: str | None = None
+    cancelled_by: str | None = None
 
 
 class PeriodProgress(Record):
@@ -165,3 +209,31 @@ class PeriodProgress(Record):
     cancelled: int
     total_charged_cents: int
     expected_due: int | None = None
+    reason: str | None = None
+    operator: str | None = None
+
+
+class SkipResult(Record):
+    customer_id: str
+    skipped: bool
+    detail: str
+
+
+class PreviewLine(Record):
+    customer_id: str
+    amount_cents: int
+    currency: str
+    status: LedgerStatus | None
+    # What a run started now would charge (see ledger._OPEN).
+    open: bool
+
+
+class Preview(Record):
+    """What a run of the period would do now, without doing it."""
+
+    period: str
+    to_charge: list[PreviewLine]
+    already_billed: list[PreviewLine]
+    not_billable: list[PreviewLine]
+    expected_total_cents: int
+    cap_cents: int

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pycountry
 
 from billing.errors import InvalidAmountError, InvalidCurrencyError
@@ -38,3 +40,10 @@ def validate_currency(currency: object) -> str:
             f"currency {currency!r} is not a lowercase ISO 4217 code such as 'usd' or 'eur'"
         )
     return currency
+
+
+def spend_cap(expected_total_cents: int, multiplier: float) -> int:
+    """The period key's cap: the expected total with headroom, rounded up to a whole cent."""
+    if multiplier < 1:
+        raise InvalidAmountError(f"cap multiplier {multiplier} would cap below the expected total")
+    return math.ceil(expected_total_cents * multiplier)

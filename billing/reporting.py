@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from billing.config import TemporalSettings
-from billing.models import PeriodProgress, PeriodSummary
+from billing.models import PeriodProgress, PeriodSummary, Preview
 
 
 def describe(summary: PeriodSummary | PeriodProgress) -> str:
@@ -22,3 +22,19 @@ def describe(summary: PeriodSummary | PeriodProgress) -> str:
 
 def ui_link(temporal: TemporalSettings, workflow_id: str) -> str:
     return f"{temporal.ui_url}/namespaces/{temporal.namespace}/workflows/{workflow_id}"
+
+
+def describe_preview(preview: Preview, shown: int = 20) -> str:
+    lines = [
+        f"preview of {preview.period}: nothing is charged",
+        f"  would charge {len(preview.to_charge)} customers, {preview.expected_total_cents}"
+        f" cents in all; the period's key would be capped at {preview.cap_cents} cents",
+    ]
+    lines += [
+        f"    {x.customer_id}: {x.amount_cents} {x.currency}" for x in preview.to_charge[:shown]
+    ]
+    if len(preview.to_charge) > shown:
+        lines.append(f"    ... and {len(preview.to_charge) - shown} more (--json lists all)")
+    lines.append(f"  already billed: {len(preview.already_billed)}")
+    lines.append(f"  not billable this period (failed or skipped): {len(preview.not_billable)}")
+    return "\n".join(lines)

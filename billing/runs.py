@@ -41,8 +41,15 @@ async def start_period(
     )
 
 
-def _progress(summary: PeriodSummary, state: str) -> PeriodProgress:
-    return PeriodProgress(state=state, in_flight=0, **summary.model_dump())
+def _progress(summary: PeriodSummary) -> PeriodProgress:
+    counts = summary.model_dump(exclude={"cancel_reason", "cancelled_by"})
+    return PeriodProgress(
+        state="cancelled" if summary.cancelled_by else "completed",
+        in_flight=0,
+        reason=summary.cancel_reason,
+        operator=summary.cancelled_by,
+        **counts,
+    )
 
 
 async def period_status(client: Client, period: Period) -> PeriodProgress:
@@ -65,11 +72,11 @@ async def period_status(client: Client, period: Period) -> PeriodProgress:
             cancelled=0,
             total_charged_cents=0,
         )
-        return _progress(empty, "not_started")
+        return _progress(empty).model_copy(update={"state": "not_started"})
     status = description.status
     if status == WorkflowExecutionStatus.RUNNING:
         return await handle.query(BillingPeriodWorkflow.progress)
     if status in (WorkflowExecutionStatus.COMPLETED, WorkflowExecutionStatus.CONTINUED_AS_NEW):
-        return _progress(await handle.result(), "completed")
+        return _progress(await handle.result())
     state = status.name.lower() if status else "unknown"
     raise RunEndedError(f"the run of {period} ended {state}: see {workflow_id} in the Web UI")

@@ -2,7 +2,8 @@
 
 from workflows.billing_period import BillingPeriodWorkflow
 from workflows.customer_charge import CustomerChargeWorkflow
+from workflows.scheduled_billing import ScheduledBillingWorkflow
 
-ALL = [BillingPeriodWorkflow, CustomerChargeWorkflow]
+ALL = [BillingPeriodWorkflow, CustomerChargeWorkflow, ScheduledBillingWorkflow]
 
-__all__ = ["ALL", "BillingPeriodWorkflow", "CustomerChargeWorkflow"]
+__all__ = ["ALL", "BillingPeriodWorkflow", "CustomerChargeWorkflow", "ScheduledBillingWorkflow"]

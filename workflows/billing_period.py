@@ -3,6 +3,9 @@
 Children are started in batches within one workflow task (a serial await per start caps the
 rate at a few per second), survive continue-as-new (ParentClosePolicy.ABANDON) and report
 their outcome by signal, so a run that continued as new still hears from them.
+
+Operators pause, resume, cancel and skip through updates, which answer (and refuse, e.g. a
+resume of a cancelled run); the ledger carries their word to charges already scheduled.
 """
 
 from __future__ import annotations
@@ -11,41 +14,42 @@ import asyncio
 from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.common import (
-    SearchAttributeKey,
-    SearchAttributePair,
-    TypedSearchAttributes,
-    WorkflowIDReusePolicy,
-)
+from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 
 with workflow.unsafe.imports_passed_through():
     from activities.period import (
+        CancelRequest,
+        ControlRequest,
         DuePageRequest,
         OutcomesRequest,
         PeriodActivities,
         PrepareRequest,
+        SkipCustomerRequest,
     )
     from billing import search_attributes
-    from billing.errors import InvalidPeriodError
-    from billing.keys import customer_workflow_id
+    from billing.keys import customer_workflow_id, validate_customer_id
     from billing.models import (
         BillingPeriodInput,
+        Control,
+        ControlState,
         CustomerChargeInput,
         CustomerOutcome,
         DueCustomer,
+        OperatorRequest,
         PeriodProgress,
         PeriodState,
         PeriodSummary,
         RunOptions,
+        SkipRequest,
+        SkipResult,
         finished_outcome,
     )
-    from billing.periods import parse_period, period_for
+    from billing.periods import parse_period
     from workflows.customer_charge import CustomerChargeWorkflow
     from workflows.signals import CHILD_FINISHED
 
 ACTIVITY_TIMEOUT = timedelta(seconds=60)
-SCHEDULED_START = SearchAttributeKey.for_datetime("TemporalScheduledStartTime")
 # How long the run waits without news before asking the ledger about adopted children.
 ADOPTED_RECHECK = timedelta(minutes=5)
 
@@ -55,19 +59,20 @@ class BillingPeriodWorkflow:
     @workflow.init
     def __init__(self, request: BillingPeriodInput) -> None:
         self._options: RunOptions = request.options
-        # The period is resolved in run(): an error here would fail the task, not the run.
-        self._state = request.state or PeriodState(period="")
+        self._state = request.state or PeriodState(period=request.period)
         self._in_flight: set[str] = set(self._state.in_flight)
         # Customers whose child existed before this run tried to start it.
         self._adopted: set[str] = set()
         self._buffer: list[DueCustomer] = []
+        self._finished = False
 
     @workflow.run
     async def run(self, request: BillingPeriodInput) -> PeriodSummary:
         state = self._state
-        if not state.period:
-            state.period = _resolve_period(request)
-        period = state.period
+        try:
+            period = str(parse_period(state.period))
+        except ValueError as exc:
+            raise ApplicationError(str(exc), type="InvalidPeriod", non_retryable=True) from exc
         if state.plan is None:
             state.plan = await workflow.execute_activity_method(
                 PeriodActivities.prepare,
@@ -75,11 +80,14 @@ class BillingPeriodWorkflow:
                 start_to_close_timeout=ACTIVITY_TIMEOUT,
                 summary=f"plan {period}: count due customers and the expected total",
             )
-        workflow.upsert_search_attributes([search_attributes.BILLING_PERIOD.value_set(period)])
-        self._describe()
+        self._publish_status()
         while True:
+            await workflow.wait_condition(lambda: self._control.control != "paused")
+            if self._control.control == "cancelled":
+                await self._cancel_the_rest()
+                break
             await self._fill_window()
-            if not self._in_flight and state.listing_done and not self._buffer:
+            if self._exhausted() and not self._in_flight:
                 break
             await self._wait_for_room()
             if self._should_continue_as_new():
@@ -89,8 +97,15 @@ class BillingPeriodWorkflow:
                 workflow.continue_as_new(
                     BillingPeriodInput(period=period, options=self._options, state=state)
                 )
+        self._finished = True
+        control = self._control
+        cancelled = control.control == "cancelled"
         summary = PeriodSummary(
-            period=period, workflow_id=workflow.info().workflow_id, **state.counts.model_dump()
+            period=period,
+            workflow_id=workflow.info().workflow_id,
+            cancel_reason=control.reason if cancelled else None,
+            cancelled_by=control.operator if cancelled else None,
+            **state.counts.model_dump(),
         )
         await workflow.execute_activity_method(
             PeriodActivities.close,
@@ -98,11 +113,75 @@ class BillingPeriodWorkflow:
             start_to_close_timeout=ACTIVITY_TIMEOUT,
             summary=f"close {period}",
         )
-        workflow.set_current_details(
-            f"Finished: {summary.charged} charged, {summary.already_billed} already billed,"
-            f" {summary.failed} failed of {summary.due} due"
-        )
+        self._publish_status()
         return summary
+
+    # -- operator controls -------------------------------------------------------------
+
+    @workflow.update
+    async def pause(self, request: OperatorRequest) -> PeriodProgress:
+        return await self._set_control("paused", request)
+
+    @pause.validator
+    def _validate_pause(self, request: OperatorRequest) -> None:
+        self._refuse_if_over("pause")
+
+    @workflow.update
+    async def resume(self, request: OperatorRequest) -> PeriodProgress:
+        return await self._set_control("running", request)
+
+    @resume.validator
+    def _validate_resume(self, request: OperatorRequest) -> None:
+        self._refuse_if_over("resume")
+
+    @workflow.update
+    async def cancel(self, request: OperatorRequest) -> PeriodProgress:
+        return await self._set_control("cancelled", request)
+
+    @cancel.validator
+    def _validate_cancel(self, request: OperatorRequest) -> None:
+        self._refuse_if_over("cancel")
+
+    @workflow.update
+    async def skip(self, request: SkipRequest) -> SkipResult:
+        return await workflow.execute_activity_method(
+            PeriodActivities.skip_customer,
+            SkipCustomerRequest(period=self._state.period, request=request),
+            start_to_close_timeout=ACTIVITY_TIMEOUT,
+            summary=f"skip {request.customer_id}: {request.reason}",
+        )
+
+    @skip.validator
+    def _validate_skip(self, request: SkipRequest) -> None:
+        self._refuse_if_over("skip a customer of")
+        validate_customer_id(request.customer_id)
+
+    def _refuse_if_over(self, action: str) -> None:
+        if self._control.control == "cancelled":
+            by = self._control.operator
+            raise ApplicationError(f"cannot {action} a run cancelled by {by}: start a new run")
+        if self._finished:
+            raise ApplicationError(f"cannot {action} a run that has finished")
+
+    async def _set_control(self, control: Control, request: OperatorRequest) -> PeriodProgress:
+        self._state.control = ControlState(
+            control=control, reason=request.reason, operator=request.operator
+        )
+        self._publish_status()
+        # The ledger tells charges already scheduled (the charge activity reads it).
+        await workflow.execute_activity_method(
+            PeriodActivities.set_control,
+            ControlRequest(period=self._state.period, control=control, request=request),
+            start_to_close_timeout=ACTIVITY_TIMEOUT,
+            summary=f"{control} by {request.operator}: {request.reason}",
+        )
+        return self.progress()
+
+    @property
+    def _control(self) -> ControlState:
+        return self._state.control
+
+    # -- progress ----------------------------------------------------------------------
 
     @workflow.signal(name=CHILD_FINISHED)
     def child_finished(self, outcome: CustomerOutcome) -> None:
@@ -111,14 +190,57 @@ class BillingPeriodWorkflow:
     @workflow.query
     def progress(self) -> PeriodProgress:
         counts = self._state.counts
+        control = self._control
         return PeriodProgress(
             period=self._state.period,
             workflow_id=workflow.info().workflow_id,
-            state="running",
+            state=self._state_word(),
             in_flight=len(self._in_flight),
             expected_due=self._state.plan.due if self._state.plan else None,
+            reason=control.reason,
+            operator=control.operator,
             **counts.model_dump(),
         )
+
+    def _state_word(self) -> str:
+        control = self._control.control
+        if control == "cancelled":
+            return "cancelled" if self._finished else "cancelling"
+        if self._finished:
+            return "completed"
+        return control
+
+    def _publish_status(self) -> None:
+        """Search attributes and details the Web UI shows for this run."""
+        workflow.upsert_search_attributes(
+            [
+                search_attributes.BILLING_PERIOD.value_set(self._state.period),
+                search_attributes.BILLING_STATUS.value_set(self._state_word()),
+            ]
+        )
+        self._describe()
+
+    def _describe(self) -> None:
+        counts = self._state.counts
+        control = self._control
+        expected = self._state.plan.due if self._state.plan else "?"
+        words = {
+            "running": "Running",
+            "paused": f"PAUSED by {control.operator}: {control.reason}",
+            "cancelling": f"CANCELLED by {control.operator}: {control.reason}; finishing"
+            " charges already sent",
+            "cancelled": f"CANCELLED by {control.operator}: {control.reason}",
+            "completed": "Finished",
+        }
+        workflow.set_current_details(
+            f"{words[self._state_word()]}. {counts.due} of {expected} due customers reached,"
+            f" {len(self._in_flight)} in flight; {counts.charged} charged,"
+            f" {counts.already_billed} already billed, {counts.failed} failed,"
+            f" {counts.skipped} skipped, {counts.cancelled} cancelled;"
+            f" {counts.total_charged_cents} cents charged"
+        )
+
+    # -- fan-out -----------------------------------------------------------------------
 
     def _settle(self, outcome: CustomerOutcome) -> None:
         # Duplicate reports (a child's signal after the ledger already told us) count once.
@@ -126,6 +248,9 @@ class BillingPeriodWorkflow:
             self._in_flight.discard(outcome.customer_id)
             self._adopted.discard(outcome.customer_id)
             self._state.counts.add(outcome)
+
+    def _exhausted(self) -> bool:
+        return self._state.listing_done and not self._buffer
 
     async def _next_batch(self, room: int) -> list[str]:
         """Up to `room` customers to start; customers finished in the ledger are counted."""
@@ -216,15 +341,44 @@ class BillingPeriodWorkflow:
     async def _wait_for_room(self) -> None:
         # Refill when a tenth of the window is free: batches stay large, starts stay cheap.
         low_water = self._options.max_in_flight - max(1, self._options.max_in_flight // 10)
-        exhausted = self._state.listing_done and not self._buffer
+        target = 0 if self._exhausted() else low_water
         try:
             await workflow.wait_condition(
-                lambda: len(self._in_flight) <= (0 if exhausted else low_water),
+                lambda: len(self._in_flight) <= target or self._control.control != "running",
                 timeout=ADOPTED_RECHECK,
             )
         except TimeoutError:
             if self._adopted:
                 await self._settle_from_ledger(sorted(self._adopted))
+
+    async def _cancel_the_rest(self) -> None:
+        """Mark every customer not yet started cancelled, then let in-flight children end:
+        those past the ledger's gate finish their charge, the rest record a cancel."""
+        state = self._state
+        # Listed but not started: the cancel pages list them again from the cursor.
+        state.listing_done = state.listing_done and not self._buffer
+        self._buffer = []
+        while not state.listing_done:
+            page = await workflow.execute_activity_method(
+                PeriodActivities.cancel_unstarted,
+                CancelRequest(
+                    period=state.period,
+                    after=state.cursor,
+                    limit=self._options.page_size,
+                    request=OperatorRequest(
+                        reason=self._control.reason or "cancelled",
+                        operator=self._control.operator or "unknown",
+                    ),
+                ),
+                start_to_close_timeout=ACTIVITY_TIMEOUT,
+                summary="mark customers not started cancelled",
+            )
+            for field, value in page.counts.model_dump().items():
+                setattr(state.counts, field, getattr(state.counts, field) + value)
+            state.cursor = page.next_cursor or state.cursor
+            state.listing_done = page.next_cursor is None
+        self._describe()
+        await workflow.wait_condition(lambda: not self._in_flight)
 
     def _should_continue_as_new(self) -> bool:
         info = workflow.info()
@@ -232,24 +386,3 @@ class BillingPeriodWorkflow:
             info.is_continue_as_new_suggested()
             or info.get_current_history_length() >= self._options.history_event_limit
         )
-
-    def _describe(self) -> None:
-        counts = self._state.counts
-        workflow.set_current_details(
-            f"Running: {counts.due} of {self._state.plan.due if self._state.plan else '?'} due"
-            f" customers reached, {len(self._in_flight)} in flight, {counts.charged} charged,"
-            f" {counts.already_billed} already billed, {counts.failed} failed"
-        )
-
-
-def _resolve_period(request: BillingPeriodInput) -> str:
-    """The period argument, or the month a schedule's nominal start time bills."""
-    try:
-        if request.period is not None:
-            return str(parse_period(request.period))
-        scheduled = workflow.info().typed_search_attributes.get(SCHEDULED_START)
-        if scheduled is None:
-            raise InvalidPeriodError("no billing period given and not started by a schedule")
-        return str(period_for(scheduled, request.options.billing))
-    except InvalidPeriodError as exc:
-        raise ApplicationError(str(exc), type="InvalidPeriod", non_retryable=True) from exc

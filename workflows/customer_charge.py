@@ -9,13 +9,21 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
 with workflow.unsafe.imports_passed_through():
-    from activities.charging import ChargingActivities, RecordCharge, RecordFailure
+    from activities.charging import (
+        CANCELLED,
+        SKIPPED,
+        ChargingActivities,
+        RecordCharge,
+        RecordUnbilled,
+    )
     from activities.stripe_failures import DECLINED, REFUSED
+    from billing import search_attributes
     from billing.models import (
         ChargeFailure,
         Claim,
         CustomerChargeInput,
         CustomerOutcome,
+        LedgerStatus,
         Outcome,
         finished_outcome,
     )
@@ -29,8 +37,13 @@ CHARGE_RETRY = RetryPolicy(
     backoff_coefficient=2.0,
     maximum_interval=timedelta(seconds=30),
 )
-# Failures recorded as the customer's outcome rather than failing the workflow.
-RECORDED_FAILURES = frozenset({DECLINED, REFUSED})
+# Failures recorded as the customer's outcome (ledger status) rather than failing the workflow.
+RECORDED_FAILURES: dict[str, LedgerStatus] = {
+    DECLINED: "failed",
+    REFUSED: "failed",
+    SKIPPED: "skipped",
+    CANCELLED: "cancelled",
+}
 
 
 @workflow.defn(name="CustomerChargeWorkflow")
@@ -47,6 +60,9 @@ class CustomerChargeWorkflow:
             outcome = await self._charge(claim)
         else:
             outcome = _outcome(claim, finished_outcome(claim.status))
+        workflow.upsert_search_attributes(
+            [search_attributes.BILLING_STATUS.value_set(outcome.outcome)]
+        )
         await self._report(request, outcome)
         return outcome
 
@@ -60,15 +76,16 @@ class CustomerChargeWorkflow:
                 summary=f"charge {claim.amount_cents} {claim.currency} to {claim.customer_id}",
             )
         except ActivityError as err:
-            failure = _recorded_failure(err)
-            if failure is None:
+            recorded = _recorded_failure(err)
+            if recorded is None:
                 raise
+            status, failure = recorded
             await workflow.execute_local_activity_method(
-                ChargingActivities.record_failure,
-                RecordFailure(claim=claim, failure=failure),
+                ChargingActivities.record_unbilled,
+                RecordUnbilled(claim=claim, status=status, failure=failure),
                 start_to_close_timeout=LEDGER_TIMEOUT,
             )
-            return _outcome(claim, "failed", failure_code=failure.code)
+            return _outcome(claim, finished_outcome(status), failure_code=failure.code)
         await workflow.execute_local_activity_method(
             ChargingActivities.record_charge,
             RecordCharge(claim=claim, result=result),
@@ -87,11 +104,11 @@ class CustomerChargeWorkflow:
             workflow.logger.warning("period workflow gone; outcome kept in the ledger only")
 
 
-def _recorded_failure(err: ActivityError) -> ChargeFailure | None:
+def _recorded_failure(err: ActivityError) -> tuple[LedgerStatus, ChargeFailure] | None:
     cause = err.cause
     if not isinstance(cause, ApplicationError) or cause.type not in RECORDED_FAILURES:
         return None
-    return ChargeFailure.model_validate(cause.details[0])
+    return RECORDED_FAILURES[cause.type], ChargeFailure.model_validate(cause.details[0])
 
 
 def _outcome(

@@ -1,0 +1,94 @@
+"""The worker's Prometheus metrics: its own on BILLING_METRICS_PORT, Temporal's SDK metrics on
+TEMPORAL_METRICS_PORT. Each port is off while unset.
+
+Two endpoints, because the SDK's exporter lives in Temporal's Rust core and serves only what the
+core records; our counters are plain prometheus_client ones that work (and are tested) without a
+Temporal runtime. Counters count events in this process: Prometheus sums them across workers.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from wsgiref.simple_server import WSGIServer
+
+import stripe
+from prometheus_client import Counter, Histogram, start_http_server
+from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
+
+from billing.config import ObservabilitySettings
+
+CHARGES = Counter(
+    "billing_charges_total",
+    "Charge attempts by outcome: charged, declined, refused (by Stripe or the vault) or"
+    " error (no definitive answer; Temporal retries with the same key).",
+    ["outcome"],
+)
+CHARGED_AMOUNT = Counter(
+    "billing_charged_amount_cents_total",
+    "Money charged, in the currency's minor unit.",
+    ["currency"],
+)
+VAULT_REFUSALS = Counter(
+    "billing_vault_refusals_total",
+    "Charges the vault refused: 402 spend_cap_exceeded, 401 (unknown, revoked or expired key)"
+    " and 403 (endpoint not allowed), by the refusal's code.",
+    ["code"],
+)
+CLAIM_TO_CHARGE = Histogram(
+    "billing_claim_to_charge_seconds",
+    "From a customer's claim to Stripe's acceptance of the charge, retries included.",
+    # Most charges land within seconds; retries, pauses and resumed claims take far longer.
+    buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 3600, 6 * 3600, 24 * 3600),
+)
+# A label value is bounded: a code comes from the vault or Stripe, not from our callers.
+_MAX_CODE_LENGTH = 64
+
+
+def charged(amount_cents: int, currency: str, since_claim: timedelta) -> None:
+    CHARGES.labels(outcome="charged").inc()
+    CHARGED_AMOUNT.labels(currency=currency.lower()).inc(amount_cents)
+    CLAIM_TO_CHARGE.observe(max(since_claim.total_seconds(), 0.0))
+
+
+def charge_failed(outcome: str) -> None:
+    CHARGES.labels(outcome=outcome).inc()
+
+
+def count_vault_refusal(exc: stripe.StripeError) -> None:
+    """Count a 401, a 403 or a 402 spend_cap_exceeded: what the vault answers when it refuses
+    a request before forwarding it."""
+    code = _error_code(exc)
+    if exc.http_status in (401, 403) or (exc.http_status == 402 and code == "spend_cap_exceeded"):
+        VAULT_REFUSALS.labels(code=(code or f"http_{exc.http_status}")[:_MAX_CODE_LENGTH]).inc()
+
+
+def _error_code(exc: stripe.StripeError) -> str | None:
+    # The SDK sets `code` on 402s only; the body holds it for 401s and 403s too.
+    body = exc.json_body
+    error = body.get("error") if isinstance(body, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return str(code) if code else exc.code
+
+
+def serve(settings: ObservabilitySettings) -> WSGIServer | None:
+    """Serve the billing metrics on BILLING_METRICS_PORT from a daemon thread; the server is
+    returned for shutdown(), None while the port is unset."""
+    if settings.billing_metrics_port is None:
+        return None
+    server, _ = start_http_server(settings.billing_metrics_port, settings.metrics_host)
+    return server
+
+
+def temporal_runtime(settings: ObservabilitySettings) -> Runtime | None:
+    """A Temporal runtime exporting the SDK's metrics on TEMPORAL_METRICS_PORT, or None (the
+    default runtime, no metrics) while the port is unset."""
+    if settings.temporal_metrics_port is None:
+        return None
+    prometheus = PrometheusConfig(
+        bind_address=f"{settings.metrics_host}:{settings.temporal_metrics_port}",
+        # Prometheus conventions: `_total` counters, units as suffixes, seconds.
+        counters_total_suffix=True,
+        unit_suffix=True,
+        durations_as_seconds=True,
+    )
+    return Runtime(telemetry=TelemetryConfig(metrics=prometheus))

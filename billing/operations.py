@@ -1,0 +1,79 @@
+"""An operator's word to a running period: pause, resume, cancel, skip (client side)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.service import RPCError, RPCStatusCode
+
+from billing import ledger
+from billing.config import BillingSettings
+from billing.db import create_pool
+from billing.errors import BillingError
+from billing.keys import idempotency_key, period_workflow_id
+from billing.models import OperatorRequest, PeriodProgress, SkipRequest, SkipResult
+from billing.periods import Period
+from workflows.billing_period import BillingPeriodWorkflow
+
+Action = Literal["pause", "resume", "cancel"]
+_NOT_RUNNING = (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION)
+
+
+class OperatorRefusedError(BillingError):
+    """The run refused the request (e.g. resuming a cancelled run); the message says why."""
+
+
+class NotRunningError(BillingError):
+    pass
+
+
+def _refused(exc: WorkflowUpdateFailedError) -> OperatorRefusedError:
+    cause = exc.cause
+    return OperatorRefusedError(str(getattr(cause, "message", None) or cause or exc))
+
+
+async def control(
+    client: Client, period: Period, action: Action, request: OperatorRequest
+) -> PeriodProgress:
+    handle = client.get_workflow_handle_for(BillingPeriodWorkflow.run, period_workflow_id(period))
+    update = {
+        "pause": BillingPeriodWorkflow.pause,
+        "resume": BillingPeriodWorkflow.resume,
+        "cancel": BillingPeriodWorkflow.cancel,
+    }[action]
+    try:
+        return await handle.execute_update(update, request)
+    except WorkflowUpdateFailedError as exc:
+        raise _refused(exc) from None
+    except RPCError as exc:
+        if exc.status in _NOT_RUNNING:
+            raise NotRunningError(f"no run of {period} is running to {action}") from None
+        raise
+
+
+async def skip(
+    client: Client,
+    settings: BillingSettings,
+    database_url: str,
+    period: Period,
+    request: SkipRequest,
+) -> SkipResult:
+    """Skip through the running period, or, when none runs, mark it for the next run."""
+    handle = client.get_workflow_handle_for(BillingPeriodWorkflow.run, period_workflow_id(period))
+    try:
+        return await handle.execute_update(BillingPeriodWorkflow.skip, request)
+    except WorkflowUpdateFailedError as exc:
+        raise _refused(exc) from None
+    except RPCError as exc:
+        if exc.status not in _NOT_RUNNING:
+            raise
+    key = idempotency_key(settings.billing_key_namespace, request.customer_id, period)
+    pool = await create_pool(database_url, max_size=1)
+    try:
+        async with pool.acquire() as conn:
+            return await ledger.request_skip(
+                conn, request.customer_id, str(period), key, request.reason, request.operator
+            )
+    finally:
+        await pool.close()

@@ -1,0 +1,26 @@
+"""A dry run: who a period's run would charge and for how much, charging nothing."""
+
+from __future__ import annotations
+
+import asyncpg
+
+from billing import ledger
+from billing.models import Preview
+from billing.money import spend_cap
+
+
+async def preview_period(pool: asyncpg.Pool, period: str, cap_multiplier: float) -> Preview:
+    async with pool.acquire() as conn:
+        lines = await ledger.preview_lines(conn, period)
+    to_charge = [line for line in lines if line.open]
+    billed = [line for line in lines if line.status == "charged"]
+    other = [line for line in lines if not line.open and line.status != "charged"]
+    total = sum(line.amount_cents for line in to_charge)
+    return Preview(
+        period=period,
+        to_charge=to_charge,
+        already_billed=billed,
+        not_billable=other,
+        expected_total_cents=total,
+        cap_cents=spend_cap(total, cap_multiplier),
+    )

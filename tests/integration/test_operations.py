@@ -1,0 +1,252 @@
+"""Operating a period: pause, resume, cancel, skip, preview, schedules, and what the Web UI
+filters on, against the real dev server."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from billing import operations, schedules
+from billing.keys import period_workflow_id
+from billing.models import OperatorRequest, RunOptions, SkipRequest
+from billing.periods import Period, period_for
+from billing.preview import preview_period
+from billing.runs import period_status, start_period
+from tests.integration.harness import Harness
+from tests.integration.invariants import assert_billed_once
+from tests.integration.test_failure_modes import eventually
+
+PERIOD = Period(2026, 12)
+ALICE = OperatorRequest(reason="amounts look wrong", operator="alice")
+SLOW = RunOptions(max_in_flight=4)
+
+
+async def db_now(harness: Harness) -> datetime:
+    async with harness.pool.acquire() as conn:
+        now: datetime = await conn.fetchval("SELECT now()")
+        return now
+
+
+async def money_requests(harness: Harness) -> int:
+    return sum(
+        r["method"] == "POST" and r["path"] == "/v1/payment_intents"
+        for r in await harness.requests()
+    )
+
+
+async def charged_count(harness: Harness) -> int:
+    return sum(c["status"] == "succeeded" for c in await harness.charges())
+
+
+async def test_pause_stops_new_charges_and_resume_completes(harness: Harness) -> None:
+    customers = await harness.seed(40)
+    await harness.set_faults(latency_ms=150)
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue, SLOW)
+        await eventually(lambda: _at_least(charged_count(harness), 4))
+        progress = await operations.control(harness.client, PERIOD, "pause", ALICE)
+        paused_at = await db_now(harness)
+        assert (progress.state, progress.operator, progress.reason) == (
+            "paused",
+            "alice",
+            "amounts look wrong",
+        )
+        await asyncio.sleep(1.0)
+        settled = await money_requests(harness)
+        await asyncio.sleep(2.0)
+        assert await money_requests(harness) == settled, "Stripe was called while paused"
+        assert (await period_status(harness.client, PERIOD)).state == "paused"
+        assert settled < 40
+        resumed_at = await db_now(harness)
+        await operations.control(
+            harness.client, PERIOD, "resume", OperatorRequest(reason="checked", operator="bob")
+        )
+        summary = await handle.result()
+    assert summary.charged == 40
+    # While paused, no charge passed the ledger's gate.
+    for row in await harness.ledger_rows(str(PERIOD)):
+        assert not paused_at < row["charge_started_at"] < resumed_at
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def _at_least(count: asyncio.Future[int] | object, n: int) -> bool:
+    return await count >= n  # type: ignore[misc, no-any-return]
+
+
+async def test_cancel_charges_nothing_more_and_cancels_the_rest(harness: Harness) -> None:
+    customers = await harness.seed(30)
+    await harness.set_faults(latency_ms=150)
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue, SLOW)
+        await eventually(lambda: _at_least(charged_count(harness), 3))
+        await operations.control(harness.client, PERIOD, "cancel", ALICE)
+        cancelled_at = await db_now(harness)
+        summary = await handle.result()
+        with pytest.raises(operations.NotRunningError):
+            await operations.control(harness.client, PERIOD, "resume", ALICE)
+    charged = await charged_count(harness)
+    assert summary.charged == charged < 30
+    assert summary.charged + summary.cancelled == 30
+    assert (summary.cancelled_by, summary.cancel_reason) == ("alice", "amounts look wrong")
+    rows = await harness.ledger_rows(str(PERIOD))
+    assert {r["status"] for r in rows} == {"charged", "cancelled"}
+    # Nothing passed the gate to Stripe after the cancel; only keys that had were sent.
+    started = {r["idempotency_key"] for r in rows if r["charge_started_at"] is not None}
+    assert all(r["charge_started_at"] < cancelled_at for r in rows if r["charge_started_at"])
+    assert {
+        r["idempotency_key"]
+        for r in await harness.requests()
+        if r["method"] == "POST" and r["path"] == "/v1/payment_intents"
+    } == started
+    for row in rows:
+        if row["status"] == "cancelled":
+            assert (row["reason"], row["decided_by"], row["charge_started_at"]) == (
+                "amounts look wrong",
+                "alice",
+                None,
+            )
+    # A new run bills the customers the cancelled one left, and nobody twice.
+    async with harness.running_worker():
+        rerun = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    assert (rerun.charged, rerun.already_billed) == (30 - charged, charged)
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_resume_is_refused_on_a_cancelled_run(harness: Harness) -> None:
+    await harness.seed(12)
+    await harness.set_faults(latency_ms=300)
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue, SLOW)
+        await operations.control(harness.client, PERIOD, "pause", ALICE)
+        await operations.control(harness.client, PERIOD, "cancel", ALICE)
+        with pytest.raises(operations.OperatorRefusedError, match="cancelled by alice"):
+            await operations.control(harness.client, PERIOD, "resume", ALICE)
+        await handle.result()
+
+
+async def test_skip_before_and_during_a_run(harness: Harness) -> None:
+    customers = await harness.seed(10)
+    first, second = customers[0], customers[1]
+    skip = SkipRequest(customer_id=first.customer_id, reason="disputed", operator="carol")
+    # No run yet: the skip is kept in the ledger for the run.
+    result = await operations.skip(
+        harness.client, harness.settings, harness.database_url, PERIOD, skip
+    )
+    assert result.skipped
+    async with harness.running_worker():
+        summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    assert (summary.charged, summary.skipped) == (9, 1)
+    rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
+    assert (rows[first.customer_id]["status"], rows[first.customer_id]["reason"]) == (
+        "skipped",
+        "disputed",
+    )
+    late = SkipRequest(customer_id=second.customer_id, reason="too late", operator="carol")
+    refused = await operations.skip(
+        harness.client, harness.settings, harness.database_url, PERIOD, late
+    )
+    assert not refused.skipped and "charged" in refused.detail
+    assert not [c for c in await harness.charges() if c["customer"] == first.stripe_customer_id]
+
+
+async def test_preview_matches_what_the_run_charges(harness: Harness) -> None:
+    customers = await harness.seed(
+        15, card_for=lambda i: "pm_card_chargeCustomerFail" if i == 4 else "pm_card_visa"
+    )
+    preview = await preview_period(harness.pool, str(PERIOD), 1.10)
+    assert len(preview.to_charge) == 15 and not preview.already_billed
+    assert preview.expected_total_cents == sum(c.amount_cents for c in customers)
+    assert preview.cap_cents == -(-preview.expected_total_cents * 110 // 100)
+    assert not await money_requests(harness), "a preview must not call Stripe"
+    async with harness.running_worker():
+        summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    assert summary.charged + summary.failed == len(preview.to_charge)
+    assert summary.total_charged_cents == preview.expected_total_cents - customers[3].amount_cents
+    after = await preview_period(harness.pool, str(PERIOD), 1.10)
+    assert (len(after.to_charge), len(after.already_billed), len(after.not_billable)) == (0, 14, 1)
+
+
+async def test_search_attributes_answer_what_the_web_ui_filters(harness: Harness) -> None:
+    await harness.seed(
+        6, card_for=lambda i: "pm_card_chargeCustomerFail" if i == 2 else "pm_card_visa"
+    )
+    async with harness.running_worker():
+        await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+
+    async def count(query: str) -> int:
+        return len([w async for w in harness.client.list_workflows(query)])
+
+    failed = f'BillingPeriod="{PERIOD}" AND BillingStatus="failed"'
+    charged = f'BillingPeriod="{PERIOD}" AND BillingStatus="charged"'
+    await eventually(lambda: _equals(count(failed), 1), timeout=15)
+    await eventually(lambda: _equals(count(charged), 5), timeout=15)
+    [declined] = [w async for w in harness.client.list_workflows(failed)]
+    assert declined.id == f"billing-{PERIOD}-cust-000002"
+    period_run = await harness.client.get_workflow_handle(period_workflow_id(PERIOD)).describe()
+    assert await period_run.static_summary() == f"Billing period {PERIOD}"
+    child = await harness.client.get_workflow_handle(declined.id).describe()
+    assert await child.static_summary() == f"Charge customer cust-000002 for {PERIOD}"
+
+
+async def _equals(value: object, n: int) -> bool:
+    return await value == n  # type: ignore[misc, no-any-return]
+
+
+async def test_schedule_trigger_and_manual_run_bill_each_customer_once(harness: Harness) -> None:
+    customers = await harness.seed(20)
+    await harness.set_faults(latency_ms=50)
+    period = period_for(datetime.now(UTC), "advance")
+    config = schedules.MonthlySchedule(schedule_id="monthly-race", billing="advance", paused=True)
+    async with harness.running_worker():
+        await schedules.create_schedule(harness.client, config, harness.task_queue)
+        schedule = harness.client.get_schedule_handle("monthly-race")
+        manual, _ = await asyncio.gather(
+            start_period(harness.client, period, harness.task_queue, SLOW), schedule.trigger()
+        )
+        await manual.result()
+
+        async def launcher_done() -> bool:
+            runs = [
+                w
+                async for w in harness.client.list_workflows(
+                    'WorkflowType="ScheduledBillingWorkflow"'
+                )
+            ]
+            return bool(runs) and all(r.close_time is not None for r in runs)
+
+        await eventually(launcher_done, timeout=30)
+        await schedule.delete()
+    await assert_billed_once(harness, str(period), customers)
+
+
+async def test_backfill_of_three_months_runs_three_periods(harness: Harness) -> None:
+    customers = await harness.seed(5)
+    config = schedules.MonthlySchedule(schedule_id="monthly-backfill", paused=True)
+    async with harness.running_worker():
+        await schedules.create_schedule(harness.client, config, harness.task_queue)
+        count = await schedules.backfill(
+            harness.client, "monthly-backfill", Period(2026, 1), Period(2026, 3)
+        )
+        assert count == 3
+        for month in (1, 2, 3):
+            period = Period(2026, month)
+
+            async def finished(p: Period = period) -> bool:
+                return (await period_status(harness.client, p)).state == "completed"
+
+            await eventually(finished, timeout=60)
+    for month in (1, 2, 3):
+        await assert_billed_once(harness, str(Period(2026, month)), customers)
+    assert await period_status(harness.client, Period(2026, 4)) is not None
+    assert (await period_status(harness.client, Period(2026, 4))).state == "not_started"
+
+
+def test_backfill_window_is_in_the_schedules_zone() -> None:
+    start, end = schedules.backfill_window(
+        Period(2026, 1), Period(2026, 3), "arrears", "Europe/Berlin"
+    )
+    assert start.isoformat() == "2026-02-01T00:00:00+01:00"
+    assert end - start < timedelta(days=91)
+    assert end.month == 4

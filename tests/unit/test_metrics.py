@@ -1,0 +1,123 @@
+"""billing.metrics: Prometheus names and what each helper counts."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+import stripe
+from prometheus_client import REGISTRY
+from prometheus_client.metrics_core import Metric
+
+from billing import metrics
+from billing.config import ObservabilitySettings
+from tests.conftest import free_port
+
+SNAKE = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
+
+
+def billing_metrics() -> list[Metric]:
+    return [m for m in REGISTRY.collect() if m.name.startswith("billing_")]
+
+
+def value(name: str, **labels: str) -> float:
+    found = REGISTRY.get_sample_value(name, labels)
+    return found or 0.0
+
+
+def test_names_follow_prometheus_conventions() -> None:
+    families = {m.name: m for m in billing_metrics()}
+    assert set(families) == {
+        "billing_charges",
+        "billing_charged_amount_cents",
+        "billing_vault_refusals",
+        "billing_claim_to_charge_seconds",
+    }
+    for family in families.values():
+        assert SNAKE.fullmatch(family.name) and family.documentation
+        for sample in family.samples:
+            assert all(SNAKE.fullmatch(label) for label in sample.labels if label != "le")
+        if family.type == "counter":
+            exposed = {s.name for s in family.samples}
+            assert f"{family.name}_total" in exposed or not family.samples
+        else:
+            assert family.type == "histogram" and family.name.endswith("_seconds")
+
+
+def test_a_charge_moves_every_charge_metric() -> None:
+    before = (
+        value("billing_charges_total", outcome="charged"),
+        value("billing_charged_amount_cents_total", currency="eur"),
+        value("billing_claim_to_charge_seconds_count"),
+        value("billing_claim_to_charge_seconds_bucket", le="5.0"),
+    )
+    metrics.charged(1250, "EUR", timedelta(seconds=3))
+    after = (
+        value("billing_charges_total", outcome="charged"),
+        value("billing_charged_amount_cents_total", currency="eur"),
+        value("billing_claim_to_charge_seconds_count"),
+        value("billing_claim_to_charge_seconds_bucket", le="5.0"),
+    )
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1250, 1, 1]
+
+
+def refusal(kind: type[stripe.StripeError], status: int, code: str | None) -> stripe.StripeError:
+    """The error stripe-python raises for this answer: only 400s and 402s carry `code`."""
+    body = {"error": {"type": "invalid_request_error", "code": code, "message": "refused"}}
+    if issubclass(kind, stripe.CardError | stripe.InvalidRequestError):
+        return kind("refused", None, code, http_status=status, json_body=body)
+    return kind("refused", http_status=status, json_body=body)
+
+
+@pytest.mark.parametrize(
+    ("error", "label", "counted"),
+    [
+        (refusal(stripe.CardError, 402, "spend_cap_exceeded"), "spend_cap_exceeded", True),
+        (refusal(stripe.AuthenticationError, 401, "vault_key_revoked"), "vault_key_revoked", True),
+        (refusal(stripe.AuthenticationError, 401, None), "http_401", True),
+        (
+            refusal(stripe.PermissionError, 403, "endpoint_not_allowed"),
+            "endpoint_not_allowed",
+            True,
+        ),
+        (refusal(stripe.CardError, 402, "card_declined"), "card_declined", False),
+        (refusal(stripe.InvalidRequestError, 400, "parameter_invalid"), "parameter_invalid", False),
+        (refusal(stripe.APIError, 500, None), "http_500", False),
+    ],
+)
+def test_vault_refusals_count_401_403_and_the_spend_cap(
+    error: stripe.StripeError, label: str, counted: bool
+) -> None:
+    before = value("billing_vault_refusals_total", code=label)
+    metrics.count_vault_refusal(error)
+    assert value("billing_vault_refusals_total", code=label) - before == int(counted)
+
+
+@pytest.fixture
+def served() -> Iterator[str]:
+    port = free_port()
+    server = metrics.serve(ObservabilitySettings(billing_metrics_port=port))
+    assert server is not None
+    yield f"http://127.0.0.1:{port}/metrics"
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_endpoint_serves_the_exposition_format(served: str) -> None:
+    metrics.charge_failed("declined")
+    with urllib.request.urlopen(served, timeout=5) as response:  # noqa: S310 - http only
+        text = response.read().decode()
+    assert 'billing_charges_total{outcome="declined"}' in text
+    assert "# TYPE billing_claim_to_charge_seconds histogram" in text
+
+
+def test_ports_left_unset_serve_nothing() -> None:
+    fields = ObservabilitySettings.model_fields
+    assert fields["billing_metrics_port"].default is None
+    assert fields["temporal_metrics_port"].default is None
+    settings = ObservabilitySettings(billing_metrics_port=None, temporal_metrics_port=None)
+    assert metrics.serve(settings) is None
+    assert metrics.temporal_runtime(settings) is None

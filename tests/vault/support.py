@@ -1,0 +1,112 @@
+"""Helpers shared by the vault's tests: the secrets they use, requests as the worker makes
+them, the emulator's ledger and faults, and the cap invariants checked against the tables."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import aiohttp
+import asyncpg
+import stripe
+
+from stripe_emulator import RunningEmulator
+from vault.models import IssueKeyRequest
+
+ADMIN_TOKEN = "adm_test_token_4f9c2e7a1b"  # noqa: S105 (test-only values)
+UPSTREAM_SECRET = "sk_test_vault_upstream_9d1e44c0"  # noqa: S105
+MAX_CAP_CENTS = 5_000_000
+DEFAULT_ENDPOINTS = [
+    "POST /v1/payment_intents",
+    "POST /v1/charges",
+    "GET /v1/payment_intents/*",
+]
+
+
+def key_request(**overrides: Any) -> IssueKeyRequest:
+    fields: dict[str, Any] = {
+        "label": "billing",
+        "period": "2026-12",
+        "cap_cents": 100_000,
+        "currency": "usd",
+        "allowed_endpoints": DEFAULT_ENDPOINTS,
+        "expires_at": datetime.now(UTC) + timedelta(days=1),
+    }
+    return IssueKeyRequest(**(fields | overrides))
+
+
+async def charge(
+    client: stripe.StripeClient,
+    customer: str,
+    amount: int,
+    idempotency_key: str,
+    currency: str = "usd",
+) -> stripe.PaymentIntent:
+    """An off-session recurring charge, as the worker makes it."""
+    return await client.v1.payment_intents.create_async(
+        params={
+            "amount": amount,
+            "currency": currency,
+            "customer": customer,
+            "confirm": True,
+            "off_session": True,
+        },
+        options={"idempotency_key": idempotency_key},
+    )
+
+
+async def emulator_ledger(emulator: RunningEmulator) -> list[dict[str, Any]]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(emulator.url + "/_emulator/ledger") as response,
+    ):
+        charges: list[dict[str, Any]] = (await response.json())["charges"]
+        return charges
+
+
+async def set_faults(emulator: RunningEmulator, **faults: Any) -> None:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(emulator.url + "/_emulator/faults", json=faults) as response,
+    ):
+        assert response.status == 200, await response.text()
+
+
+async def assert_consistent(db: asyncpg.Pool, key_id: str) -> asyncpg.Record:
+    """The key's counters equal the sums over its reservations (per key and per UTC day) and
+    stay within the caps. Returns the key's totals."""
+    key = await db.fetchrow(
+        """
+        SELECT k.cap_cents, k.daily_cap_cents, k.reserved_cents, k.spent_cents,
+               coalesce(sum(r.amount_cents) FILTER (WHERE r.state IN ('pending', 'unknown')), 0)
+                   AS live_reserved,
+               coalesce(sum(r.committed_cents) FILTER (WHERE r.state = 'committed'), 0)
+                   AS live_spent
+        FROM vault_keys k LEFT JOIN vault_reservations r ON r.vault_key_id = k.id
+        WHERE k.id = $1 GROUP BY k.id
+        """,
+        key_id,
+    )
+    assert key["reserved_cents"] == key["live_reserved"]
+    assert key["spent_cents"] == key["live_spent"]
+    assert key["reserved_cents"] + key["spent_cents"] <= key["cap_cents"]
+    days = await db.fetch(
+        """
+        SELECT d.day, d.reserved_cents, d.spent_cents,
+               coalesce(sum(r.amount_cents) FILTER (WHERE r.state IN ('pending', 'unknown')), 0)
+                   AS live_reserved,
+               coalesce(sum(r.committed_cents) FILTER (WHERE r.state = 'committed'), 0)
+                   AS live_spent
+        FROM vault_key_days d
+        LEFT JOIN vault_reservations r ON r.vault_key_id = d.vault_key_id AND r.day = d.day
+        WHERE d.vault_key_id = $1 GROUP BY d.day, d.reserved_cents, d.spent_cents
+        """,
+        key_id,
+    )
+    for day in days:
+        assert (day["reserved_cents"], day["spent_cents"]) == (
+            day["live_reserved"],
+            day["live_spent"],
+        )
+        assert day["reserved_cents"] + day["spent_cents"] <= key["daily_cap_cents"]
+    return key

@@ -1,0 +1,287 @@
+"""The admin API: token, validation of issued keys, inspection, OpenAPI, health."""
+
+from __future__ import annotations
+
+import hmac
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import aiohttp
+import asyncpg
+import pytest
+from jsonschema import Draft202012Validator
+
+from vault import RunningVault
+from vault import admin as admin_module
+from vault.client import VaultAdmin, VaultAuthError, VaultInvalidRequest, VaultNotFound
+
+from .conftest import Issue
+from .support import ADMIN_TOKEN, DEFAULT_ENDPOINTS, MAX_CAP_CENTS, key_request
+
+
+def _issue_body(**overrides: Any) -> dict[str, Any]:
+    return {
+        "label": "billing",
+        "period": "2026-12",
+        "cap_cents": 10_000,
+        "currency": "usd",
+        "allowed_endpoints": DEFAULT_ENDPOINTS,
+        "expires_at": (datetime.now(UTC) + timedelta(days=1)).isoformat(),
+    } | overrides
+
+
+async def _admin_call(
+    http: aiohttp.ClientSession,
+    vault: RunningVault,
+    method: str,
+    path: str,
+    body: Any = None,
+    token: str | None = ADMIN_TOKEN,
+) -> tuple[int, Any]:
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    kwargs: dict[str, Any] = {"data": body} if isinstance(body, str) else {"json": body}
+    async with http.request(method, vault.url + path, headers=headers, **kwargs) as response:
+        return response.status, await response.json()
+
+
+async def test_admin_token_is_required_and_compared_in_constant_time(
+    vault: RunningVault, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compared: list[tuple[int, int]] = []
+    real = hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        compared.append((len(a), len(b)))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)  # vault.admin calls hmac.compare_digest
+    for token in (None, "wrong", ADMIN_TOKEN + "x", ADMIN_TOKEN[:-1]):
+        status, reply = await _admin_call(http, vault, "GET", "/vault/keys", token=token)
+        assert (status, reply["error"]["code"]) == (401, "admin_token_invalid")
+    async with VaultAdmin(vault.url, "not-the-token") as wrong:
+        with pytest.raises(VaultAuthError):
+            await wrong.find_keys()
+    assert (await _admin_call(http, vault, "GET", "/vault/keys"))[0] == 200
+    # Digests are compared, so even a shorter or longer token takes the same comparison.
+    assert compared and all(lengths == (32, 32) for lengths in compared)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"cap_cents": MAX_CAP_CENTS + 1}, "cap_cents"),
+        ({"cap_cents": 0}, "cap_cents"),
+        ({"cap_cents": "100"}, "cap_cents"),
+        ({"cap_cents": 10.5}, "cap_cents"),
+        ({"cap_cents": True}, "cap_cents"),
+        ({"daily_cap_cents": MAX_CAP_CENTS + 1}, "daily_cap_cents"),
+        ({"cap_cents": 2**70}, "cap_cents"),
+        ({"currency": "USD"}, "currency"),
+        ({"period": "2026-13"}, "period"),
+        ({"label": ""}, "label"),
+        ({"expires_at": "2020-01-01T00:00:00Z"}, "expires_at"),
+        ({"expires_at": "2999-01-01T00:00:00"}, "expires_at"),
+        ({"allowed_endpoints": []}, "allowed_endpoints"),
+        ({"allowed_endpoints": ["POST /v1/customers"]}, "allowed_endpoints.0"),
+        ({"allowed_endpoints": ["POST /v1/payment_intents/*/confirm"]}, "allowed_endpoints.0"),
+        ({"allowed_endpoints": ["GET /v1/../x"]}, "allowed_endpoints.0"),
+        ({"vendor": "paypal"}, "vendor"),
+        ({"secret": "vk_mine"}, "secret"),
+    ],
+)
+async def test_invalid_keys_are_refused_naming_the_field(
+    vault: RunningVault, http: aiohttp.ClientSession, overrides: dict[str, Any], field: str
+) -> None:
+    status, reply = await _admin_call(http, vault, "POST", "/vault/keys", _issue_body(**overrides))
+    assert status == 422, reply
+    assert field in [problem["field"] for problem in reply["error"]["fields"]]
+
+
+async def test_an_integral_number_is_an_integer(
+    vault: RunningVault, http: aiohttp.ClientSession
+) -> None:
+    # JSON Schema's integer includes 10000.0, and the OpenAPI document promises JSON Schema.
+    status, reply = await _admin_call(
+        http, vault, "POST", "/vault/keys", _issue_body(cap_cents=10_000.0)
+    )
+    assert (status, reply["cap_cents"]) == (201, 10_000)
+
+
+async def test_malformed_json_is_a_400(vault: RunningVault, http: aiohttp.ClientSession) -> None:
+    status, reply = await _admin_call(http, vault, "POST", "/vault/keys", "{not json")
+    assert (status, reply["error"]["code"]) == (400, "body_invalid")
+
+
+async def test_cap_up_to_the_ceiling_is_accepted(issue: Issue) -> None:
+    assert (await issue(cap_cents=MAX_CAP_CENTS)).cap_cents == MAX_CAP_CENTS
+
+
+async def test_the_client_raises_the_vaults_message(admin: VaultAdmin) -> None:
+    with pytest.raises(VaultInvalidRequest, match="VAULT_MAX_CAP_CENTS"):
+        await admin.issue_key(key_request(cap_cents=MAX_CAP_CENTS + 1))
+    with pytest.raises(VaultNotFound):
+        await admin.get_key("vkey_0000000000000000")
+    with pytest.raises(VaultNotFound):
+        await admin.get_key("../../etc")
+
+
+async def test_keys_are_inspected_and_found_without_their_secret(
+    issue: Issue,
+    admin: VaultAdmin,
+    vault: RunningVault,
+    http: aiohttp.ClientSession,
+    db: asyncpg.Pool,
+) -> None:
+    issued = await issue(label="billing", period="2026-11", daily_cap_cents=5_000)
+    other = await issue(label="other", period="2026-11")
+    await issue(label="billing", period="2026-12")
+    secret = issued.secret.get_secret_value()
+    assert secret.startswith("vk_") and len(secret) == 46
+    stored = await db.fetchrow("SELECT * FROM vault_keys WHERE id = $1", issued.id)
+    assert secret.encode() not in b"".join(str(v).encode() for v in stored.values())
+
+    info = await admin.get_key(issued.id)
+    assert (info.cap_cents, info.reserved_cents, info.spent_cents) == (100_000, 0, 0)
+    assert (info.remaining_cents, info.daily_cap_cents, info.daily_used_cents) == (
+        100_000,
+        5_000,
+        0,
+    )
+    assert (info.currency, info.period, info.label, info.revoked, info.expired) == (
+        "usd",
+        "2026-11",
+        "billing",
+        False,
+        False,
+    )
+    assert info.allowed_endpoints == DEFAULT_ENDPOINTS
+    status, raw = await _admin_call(http, vault, "GET", f"/vault/keys/{issued.id}")
+    assert status == 200 and "secret" not in raw and secret not in str(raw)
+
+    assert [k.id for k in await admin.find_keys(period="2026-11")] == [other.id, issued.id]
+    assert [k.id for k in await admin.find_keys(period="2026-11", label="billing")] == [issued.id]
+    await admin.revoke(issued.id)
+    # Revoked keys are still found: the caller must not issue a new one behind the kill switch.
+    found = await admin.find_keys(period="2026-11", label="billing")
+    assert [(k.id, k.revoked) for k in found] == [(issued.id, True)]
+    status, reply = await _admin_call(http, vault, "GET", "/vault/keys?period=11-2026")
+    assert (status, reply["error"]["fields"][0]["field"]) == (422, "period")
+
+
+async def test_issued_key_masks_its_secret_outside_the_issue_response(issue: Issue) -> None:
+    issued = await issue()
+    secret = issued.secret.get_secret_value()
+    assert secret not in repr(issued)
+    assert secret not in issued.model_dump_json()
+    assert secret not in str(issued.model_dump(mode="json"))
+
+
+async def test_openapi_document_matches_the_routes(
+    vault: RunningVault, http: aiohttp.ClientSession
+) -> None:
+    async with http.get(vault.url + "/vault/openapi.json") as response:
+        assert response.status == 200
+        document = await response.json()
+    assert document["openapi"] == "3.1.0"
+    documented = {
+        (method.upper(), path) for path, item in document["paths"].items() for method in item
+    }
+    assert documented == {(op.method, op.path) for op in admin_module.OPERATIONS}
+
+    def refs(node: Any) -> list[str]:
+        if isinstance(node, dict):
+            own = [node["$ref"]] if "$ref" in node else []
+            return own + [r for v in node.values() for r in refs(v)]
+        if isinstance(node, list):
+            return [r for v in node for r in refs(v)]
+        return []
+
+    schemas = document["components"]["schemas"]
+    for ref in refs(document):
+        assert ref.removeprefix("#/components/schemas/") in schemas, ref
+    issue_op = document["paths"]["/vault/keys"]["post"]
+    assert issue_op["security"] == [{"adminToken": []}]
+    assert set(issue_op["responses"]) == {"201", "400", "401", "422"}
+    request_schema = schemas["IssueKeyRequest"]
+    assert request_schema["properties"]["cap_cents"]["maximum"] == MAX_CAP_CENTS
+    resolve_body = document["paths"]["/vault/keys/{key_id}/reservations/{idempotency_key}/resolve"]
+    resolve_schema = schemas[
+        resolve_body["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"].split(
+            "/"
+        )[-1]
+    ]
+    assert resolve_schema["discriminator"]["propertyName"] == "outcome"
+    assert set(request_schema["required"]) == {
+        "label",
+        "period",
+        "cap_cents",
+        "currency",
+        "allowed_endpoints",
+        "expires_at",
+    }
+    assert request_schema["additionalProperties"] is False
+    audit_params = {
+        p["name"]: p for p in document["paths"]["/vault/keys/{key_id}/audit"]["get"]["parameters"]
+    }
+    assert audit_params["key_id"]["in"] == "path"
+    assert audit_params["limit"]["schema"] == {
+        "default": 100,
+        "maximum": 500,
+        "minimum": 1,
+        "title": "Limit",
+        "type": "integer",
+    }
+    assert audit_params["before"]["schema"]["type"] == "integer"
+
+
+async def test_health_and_readiness(
+    vault: RunningVault, http: aiohttp.ClientSession, db: asyncpg.Pool
+) -> None:
+    for path, expected in (("/vault/health", "ok"), ("/vault/ready", "ready")):
+        async with http.get(vault.url + path) as response:
+            assert (response.status, (await response.json())["status"]) == (200, expected)
+    # Not migrated (or not reachable): not ready.
+    await db.execute("ALTER TABLE vault_keys RENAME TO vault_keys_away")
+    try:
+        async with http.get(vault.url + "/vault/ready") as response:
+            assert response.status == 503
+            assert (await response.json())["error"]["code"] == "database_unavailable"
+    finally:
+        await db.execute("ALTER TABLE vault_keys_away RENAME TO vault_keys")
+
+
+async def test_responses_match_the_openapi_schemas(
+    vault: RunningVault, http: aiohttp.ClientSession
+) -> None:
+    async with http.get(vault.url + "/vault/openapi.json") as response:
+        document = await response.json()
+    for schema in document["components"]["schemas"].values():
+        Draft202012Validator.check_schema(schema)
+
+    def check(operation: dict[str, Any], status: int, body: Any) -> None:
+        content = operation["responses"][str(status)]["content"]["application/json"]
+        schema = {**content["schema"], "components": document["components"]}
+        Draft202012Validator(schema).validate(body)
+
+    paths = document["paths"]
+    status, issued = await _admin_call(http, vault, "POST", "/vault/keys", _issue_body())
+    check(paths["/vault/keys"]["post"], status, issued)
+    key_id = issued["id"]
+    async with http.get(  # one proxied request, so the audit page has an entry
+        vault.url + "/stripe/v1/charges",
+        headers={"Authorization": f"Bearer {issued['secret']}"},
+    ) as response:
+        assert response.status == 403
+    calls = [
+        ("/vault/keys", "get", "/vault/keys?period=2026-12"),
+        ("/vault/keys/{key_id}", "get", f"/vault/keys/{key_id}"),
+        ("/vault/keys/{key_id}/audit", "get", f"/vault/keys/{key_id}/audit"),
+        ("/vault/keys/{key_id}/reservations", "get", f"/vault/keys/{key_id}/reservations"),
+        ("/vault/keys/{key_id}/revoke", "post", f"/vault/keys/{key_id}/revoke"),
+        ("/vault/keys/{key_id}", "get", "/vault/keys/vkey_0000000000000000"),
+        ("/vault/keys/{key_id}/audit", "get", f"/vault/keys/{key_id}/audit?limit=0"),
+        ("/vault/health", "get", "/vault/health"),
+    ]
+    for template, method, path in calls:
+        status, body = await _admin_call(http, vault, method.upper(), path)
+        check(paths[template][method], status, body)

@@ -1,0 +1,210 @@
+"""I4: money accepted through a key never exceeds its cap, under any concurrency, and a replay
+of an idempotency key already counted is not counted again."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+
+import aiohttp
+import asyncpg
+import pytest
+import stripe
+
+from stripe_emulator import RunningEmulator
+from vault import VaultSettings, serve
+from vault.models import IssuedKey
+
+from .conftest import Issue
+from .support import assert_consistent, charge, emulator_ledger
+
+StripeFor = Callable[[IssuedKey], stripe.StripeClient]
+
+
+async def _charge_all(
+    client: stripe.StripeClient, customer: str, amounts: list[int], prefix: str
+) -> list[stripe.PaymentIntent | BaseException]:
+    return await asyncio.gather(
+        *(charge(client, customer, amount, f"{prefix}-{i}") for i, amount in enumerate(amounts)),
+        return_exceptions=True,
+    )
+
+
+def _cap_refusal(result: object) -> bool:
+    return isinstance(result, stripe.CardError) and result.code == "spend_cap_exceeded"
+
+
+async def test_200_concurrent_charges_accept_exactly_what_fits(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+) -> None:
+    key = await issue(cap_cents=57_500)
+    results = await _charge_all(stripe_via_vault(key), customer, [1_000] * 200, "equal")
+
+    accepted = [r for r in results if isinstance(r, stripe.PaymentIntent)]
+    refused = [r for r in results if _cap_refusal(r)]
+    assert len(accepted) == 57  # 57 x 1,000 fits under 57,500; a 58th would not
+    assert len(refused) == 143
+    totals = await assert_consistent(db, key.id)
+    assert (totals["spent_cents"], totals["reserved_cents"]) == (57_000, 0)
+    ledger = await emulator_ledger(emulator)
+    assert len(ledger) == 57
+    assert sum(c["amount"] for c in ledger) == 57_000
+
+
+async def test_mixed_amounts_through_two_vaults_never_pass_the_cap(
+    issue: Issue,
+    vault_settings: VaultSettings,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+) -> None:
+    rng = random.Random(7)
+    amounts = [rng.randint(100, 5_000) for _ in range(200)]
+    cap = sum(amounts) // 3
+    key = await issue(cap_cents=cap)
+    # Two vault processes share the database: the cap lives there, not in either process.
+    async with (
+        serve(vault_settings) as first,
+        serve(vault_settings) as second,
+        aiohttp.ClientSession() as session,
+    ):
+        clients = [
+            stripe.StripeClient(
+                key.secret.get_secret_value(),
+                base_addresses={"api": vault.url + "/stripe"},
+                http_client=stripe.AIOHTTPClient(session=session),
+            )
+            for vault in (first, second)
+        ]
+        results = await asyncio.gather(
+            *(
+                charge(clients[i % 2], customer, amount, f"mixed-{i}")
+                for i, amount in enumerate(amounts)
+            ),
+            return_exceptions=True,
+        )
+
+    accepted = sum(a for a, r in zip(amounts, results, strict=True) if not _cap_refusal(r))
+    assert all(isinstance(r, stripe.PaymentIntent) or _cap_refusal(r) for r in results)
+    assert accepted <= cap
+    assert sum(map(_cap_refusal, results)) > 100  # the cap fits about a third of the money
+    # Nothing was released, so the room only shrank: each refused amount exceeded even the
+    # room left at the end.
+    room = cap - accepted
+    assert all(a > room for a, r in zip(amounts, results, strict=True) if _cap_refusal(r))
+    totals = await assert_consistent(db, key.id)
+    assert totals["spent_cents"] == accepted
+    assert sum(c["amount"] for c in await emulator_ledger(emulator)) == accepted
+
+
+async def test_replays_are_not_counted_twice(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+) -> None:
+    key = await issue(cap_cents=2_500)
+    client = stripe_via_vault(key)
+    first = await charge(client, customer, 2_000, "same-key")
+    # Sequential and concurrent replays: the first result again, never a second charge.
+    again = await charge(client, customer, 2_000, "same-key")
+    burst = await asyncio.gather(
+        *(charge(client, customer, 2_000, "same-key") for _ in range(20)), return_exceptions=True
+    )
+    assert again.id == first.id
+    assert all(r.id == first.id for r in burst if isinstance(r, stripe.PaymentIntent))
+    totals = await assert_consistent(db, key.id)
+    assert (totals["spent_cents"], totals["reserved_cents"]) == (2_000, 0)
+    assert len(await emulator_ledger(emulator)) == 1
+    # Only 500 cents of room remain, so a new key is still refused.
+    with pytest.raises(stripe.CardError) as refused:
+        await charge(client, customer, 2_000, "other-key")
+    assert refused.value.code == "spend_cap_exceeded"
+
+
+async def test_concurrent_requests_with_one_key_forward_one_at_a_time(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+) -> None:
+    key = await issue(cap_cents=10_000)
+    results = await asyncio.gather(
+        *(charge(stripe_via_vault(key), customer, 3_000, "racing") for _ in range(30)),
+        return_exceptions=True,
+    )
+    intents = {r.id for r in results if isinstance(r, stripe.PaymentIntent)}
+    in_flight = [r for r in results if isinstance(r, stripe.APIError) and r.http_status == 409]
+    assert len(intents) == 1
+    assert len(intents) + len(in_flight) > 0
+    assert all(isinstance(r, stripe.PaymentIntent) or r in in_flight for r in results)
+    totals = await assert_consistent(db, key.id)
+    assert (totals["spent_cents"], totals["reserved_cents"]) == (3_000, 0)
+    assert len(await emulator_ledger(emulator)) == 1
+
+
+async def test_replay_with_another_amount_is_refused_not_forwarded(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+) -> None:
+    key = await issue()
+    client = stripe_via_vault(key)
+    await charge(client, customer, 1_000, "reused")
+    with pytest.raises(stripe.IdempotencyError) as refused:
+        await charge(client, customer, 9_000, "reused")
+    assert refused.value.error is not None
+    assert refused.value.error.code == "idempotency_key_reused"
+    assert len(await emulator_ledger(emulator)) == 1
+    assert (await assert_consistent(db, key.id))["spent_cents"] == 1_000
+
+
+async def test_daily_cap_per_utc_day(
+    issue: Issue, stripe_via_vault: StripeFor, customer: str, db: asyncpg.Pool
+) -> None:
+    key = await issue(cap_cents=100_000, daily_cap_cents=5_000)
+    client = stripe_via_vault(key)
+    await charge(client, customer, 3_000, "day-1")
+    with pytest.raises(stripe.CardError) as refused:
+        await charge(client, customer, 2_500, "day-2")
+    assert refused.value.code == "spend_cap_exceeded"
+    assert "daily cap" in str(refused.value.user_message)
+    await charge(client, customer, 2_000, "day-3")  # exactly fills the day
+    await assert_consistent(db, key.id)
+
+    # Move today's usage to yesterday: a new UTC day has the whole daily cap again.
+    async with db.acquire() as conn, conn.transaction():
+        await conn.execute(
+            "UPDATE vault_key_days SET day = day - 1 WHERE vault_key_id = $1", key.id
+        )
+        await conn.execute(
+            "UPDATE vault_reservations SET day = day - 1 WHERE vault_key_id = $1", key.id
+        )
+    await charge(client, customer, 5_000, "day-4")
+    totals = await assert_consistent(db, key.id)
+    assert totals["spent_cents"] == 10_000
+
+
+async def test_currency_other_than_the_keys_is_refused(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+) -> None:
+    key = await issue(currency="usd")
+    with pytest.raises(stripe.InvalidRequestError) as refused:
+        await charge(stripe_via_vault(key), customer, 1_000, "eur-1", currency="eur")
+    assert refused.value.code == "currency_mismatch"
+    assert refused.value.param == "currency"
+    assert await emulator_ledger(emulator) == []
+    assert (await assert_consistent(db, key.id))["reserved_cents"] == 0

@@ -1,0 +1,215 @@
+"""What the upstream's answer does to a reservation: success commits, a definite refusal
+releases, no answer (dropped, timeout, 5xx) keeps it counted as unknown until a replay or
+reconciliation settles it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import aiohttp
+import asyncpg
+import pytest
+import stripe
+
+from stripe_emulator import RunningEmulator
+from vault import VaultSettings, serve
+from vault.client import VaultAdmin, VaultConflict, VaultInvalidRequest, VaultNotFound
+from vault.models import IssuedKey
+
+from .conftest import Issue
+from .support import assert_consistent, charge, emulator_ledger, set_faults
+
+StripeFor = Callable[[IssuedKey], stripe.StripeClient]
+
+
+async def _states(db: asyncpg.Pool, key_id: str) -> dict[str, str]:
+    rows = await db.fetch(
+        "SELECT idempotency_key, state FROM vault_reservations WHERE vault_key_id = $1", key_id
+    )
+    return {row["idempotency_key"]: row["state"] for row in rows}
+
+
+async def test_dropped_response_keeps_the_reservation_until_a_replay_settles_it(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+    admin: VaultAdmin,
+) -> None:
+    key = await issue(cap_cents=10_000)
+    client = stripe_via_vault(key)
+    await set_faults(emulator, drop_after_commit=1.0)
+    with pytest.raises(stripe.APIError) as failed:
+        await charge(client, customer, 6_000, "dropped")
+    assert failed.value.http_status == 502
+
+    assert await _states(db, key.id) == {"dropped": "unknown"}
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (6_000, 0)
+    assert [r.idempotency_key for r in await admin.unknown_reservations(key.id)] == ["dropped"]
+    # Stripe may have charged: the room stays taken.
+    with pytest.raises(stripe.CardError):
+        await charge(client, customer, 6_000, "another")
+
+    await set_faults(emulator, drop_after_commit=0.0)
+    replayed = await charge(client, customer, 6_000, "dropped")
+    assert replayed.status == "succeeded"
+    assert await _states(db, key.id) == {"dropped": "committed"}
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 6_000)
+    assert len(await emulator_ledger(emulator)) == 1
+    decisions = [(e.decision, e.reservation_state) for e in await admin.audit(key.id)]
+    assert decisions == [
+        ("replayed", "committed"),
+        ("refused_cap", None),
+        ("forwarded", "unknown"),
+    ]
+
+
+async def test_decline_releases_the_reservation(
+    issue: Issue, stripe_via_vault: StripeFor, declining_customer: str, db: asyncpg.Pool
+) -> None:
+    key = await issue(cap_cents=10_000)
+    client = stripe_via_vault(key)
+    with pytest.raises(stripe.CardError) as declined:
+        await charge(client, declining_customer, 10_000, "declined")
+    assert declined.value.code == "card_declined"
+    assert await _states(db, key.id) == {"declined": "released"}
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 0)
+
+    # A retry is counted again while in flight, and Stripe replays the decline.
+    with pytest.raises(stripe.CardError):
+        await charge(client, declining_customer, 10_000, "declined")
+    assert await _states(db, key.id) == {"declined": "released"}
+    await assert_consistent(db, key.id)
+
+
+async def test_error_before_commit_is_unknown_then_settled_by_the_replay(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+) -> None:
+    key = await issue()
+    client = stripe_via_vault(key)
+    await set_faults(emulator, error_before_commit=1.0)
+    with pytest.raises(stripe.APIError):
+        await charge(client, customer, 1_500, "flaky")
+    assert await _states(db, key.id) == {"flaky": "unknown"}
+    await set_faults(emulator, error_before_commit=0.0)
+    await charge(client, customer, 1_500, "flaky")
+    assert await _states(db, key.id) == {"flaky": "committed"}
+    assert (await assert_consistent(db, key.id))["spent_cents"] == 1_500
+
+
+async def test_reconciliation_resolves_an_unknown_reservation(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+    admin: VaultAdmin,
+) -> None:
+    key = await issue()
+    client = stripe_via_vault(key)
+    # Stripe saved a 500 after charging: every replay gets the 500 again.
+    await set_faults(emulator, error_after_commit=1.0)
+    for _ in range(2):
+        with pytest.raises(stripe.APIError):
+            await charge(client, customer, 2_000, "charged-then-500")
+        assert await _states(db, key.id) == {"charged-then-500": "unknown"}
+    await set_faults(emulator, error_after_commit=0.0, error_before_commit=1.0)
+    with pytest.raises(stripe.APIError):
+        await charge(client, customer, 700, "never-charged")
+
+    with pytest.raises(VaultInvalidRequest):
+        await admin.resolve(key.id, "charged-then-500", "succeeded", amount_cents=2_001)
+    resolved = await admin.resolve(key.id, "charged-then-500", "succeeded")
+    assert (resolved.state, resolved.committed_cents) == ("committed", 2_000)
+    # Repeating the same resolution is harmless; contradicting it is refused.
+    await admin.resolve(key.id, "charged-then-500", "succeeded")
+    with pytest.raises(VaultConflict):
+        await admin.resolve(key.id, "charged-then-500", "failed")
+    released = await admin.resolve(key.id, "never-charged", "failed")
+    assert released.state == "released"
+    with pytest.raises(VaultNotFound):
+        await admin.resolve(key.id, "no-such-key", "failed")
+
+    assert await admin.unknown_reservations(key.id) == []
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 2_000)
+
+
+async def test_upstream_timeout_is_unknown_and_a_later_replay_commits(
+    vault_settings: VaultSettings,
+    emulator: RunningEmulator,
+    customer: str,
+    db: asyncpg.Pool,
+    issue: Issue,
+) -> None:
+    key = await issue()
+    impatient = vault_settings.model_copy(update={"upstream_timeout_seconds": 0.3})
+    await set_faults(emulator, latency_ms=600)
+    async with serve(impatient) as vault, aiohttp.ClientSession() as session:
+        client = stripe.StripeClient(
+            key.secret.get_secret_value(),
+            base_addresses={"api": vault.url + "/stripe"},
+            http_client=stripe.AIOHTTPClient(session=session),
+        )
+        with pytest.raises(stripe.APIError) as failed:
+            await charge(client, customer, 900, "slow")
+        assert failed.value.http_status == 504
+        assert await _states(db, key.id) == {"slow": "unknown"}
+        await set_faults(emulator, latency_ms=0)
+        # The emulator answers 409 while the first request still executes there; that proves
+        # nothing about the money, so the reservation stays unknown until a real answer.
+        while True:
+            try:
+                await charge(client, customer, 900, "slow")
+                break
+            except stripe.APIError as error:
+                assert error.http_status == 409
+                assert await _states(db, key.id) == {"slow": "unknown"}
+                await asyncio.sleep(0.1)
+    assert await _states(db, key.id) == {"slow": "committed"}
+    assert (await assert_consistent(db, key.id))["spent_cents"] == 900
+
+
+async def test_a_reservation_left_pending_by_a_stopped_vault_is_taken_over_once_stale(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+) -> None:
+    key = await issue()
+    client = stripe_via_vault(key)
+    await set_faults(emulator, drop_after_commit=1.0)
+    with pytest.raises(stripe.APIError):
+        await charge(client, customer, 1_200, "orphan")
+    await set_faults(emulator, drop_after_commit=0.0)
+
+    # As if a vault had stopped mid-request a moment ago: in flight, so a replay must wait.
+    await db.execute(
+        "UPDATE vault_reservations SET state = 'pending' WHERE vault_key_id = $1", key.id
+    )
+    with pytest.raises(stripe.APIError) as busy:
+        await charge(client, customer, 1_200, "orphan")
+    assert busy.value.http_status == 409
+    assert await _states(db, key.id) == {"orphan": "pending"}
+
+    # Older than any request could take: taken over by the next replay.
+    await db.execute(
+        "UPDATE vault_reservations SET updated_at = now() - interval '1 hour'"
+        " WHERE vault_key_id = $1",
+        key.id,
+    )
+    await charge(client, customer, 1_200, "orphan")
+    assert await _states(db, key.id) == {"orphan": "committed"}
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 1_200)
+    assert len(await emulator_ledger(emulator)) == 1

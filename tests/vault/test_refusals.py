@@ -1,0 +1,265 @@
+"""Requests the vault refuses before forwarding, each raising the stripe-python class the worker
+recognises; and the audit log's one row per request."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import aiohttp
+import asyncpg
+import pytest
+import stripe
+
+from stripe_emulator import RunningEmulator
+from vault import RunningVault
+from vault.client import VaultAdmin
+from vault.models import IssuedKey
+
+from .conftest import Issue
+from .support import assert_consistent, charge, emulator_ledger
+
+StripeFor = Callable[[IssuedKey], stripe.StripeClient]
+
+
+class _WithoutIdempotencyKey(stripe.AIOHTTPClient):
+    """The SDK always adds a random Idempotency-Key to a POST; this one drops it."""
+
+    async def request_stream_async(
+        self, method: str, url: str, headers: Mapping[str, str], post_data: Any = None
+    ) -> Any:
+        kept = {name: value for name, value in headers.items() if name != "Idempotency-Key"}
+        return await super().request_stream_async(method, url, kept, post_data)
+
+
+async def _post(
+    http: aiohttp.ClientSession,
+    vault: RunningVault,
+    key: IssuedKey,
+    path: str,
+    body: str | dict[str, str],
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, Any]]:
+    sent = {
+        "Authorization": f"Bearer {key.secret.get_secret_value()}",
+        "Idempotency-Key": "raw-1",
+    }
+    if isinstance(body, str):
+        sent["Content-Type"] = "application/x-www-form-urlencoded"
+    async with http.post(
+        vault.url + "/stripe" + path, data=body, headers=sent | (headers or {})
+    ) as response:
+        return response.status, await response.json()
+
+
+async def test_unknown_key_is_an_authentication_error(
+    vault: RunningVault, customer: str, http: aiohttp.ClientSession
+) -> None:
+    client = stripe.StripeClient(
+        "vk_" + "x" * 43,
+        base_addresses={"api": vault.url + "/stripe"},
+        http_client=stripe.AIOHTTPClient(session=http),
+    )
+    with pytest.raises(stripe.AuthenticationError) as refused:
+        await charge(client, customer, 100, "k")
+    assert refused.value.http_status == 401
+    assert refused.value.error is not None
+    assert refused.value.error.code == "vault_key_invalid"
+
+
+async def test_endpoint_allowlist(
+    issue: Issue, stripe_via_vault: StripeFor, customer: str, emulator: RunningEmulator
+) -> None:
+    charges_only = await issue(allowed_endpoints=["POST /v1/charges"])
+    with pytest.raises(stripe.PermissionError) as refused:
+        await charge(stripe_via_vault(charges_only), customer, 100, "pi-1")
+    assert refused.value.http_status == 403
+    assert refused.value.error is not None
+    assert refused.value.error.code == "endpoint_not_allowed"
+    assert await emulator_ledger(emulator) == []
+
+    key = await issue()  # POST payment_intents, POST charges, GET payment_intents/*
+    client = stripe_via_vault(key)
+    intent = await charge(client, customer, 100, "pi-2")
+    # `*` matches one segment: retrieving an intent is allowed, listing them is not.
+    assert (await client.v1.payment_intents.retrieve_async(intent.id)).id == intent.id
+    with pytest.raises(stripe.PermissionError):
+        await client.v1.payment_intents.list_async()
+    with pytest.raises(stripe.PermissionError):
+        await client.v1.customers.retrieve_async(customer)
+
+
+async def test_expired_key_is_refused(
+    issue: Issue, stripe_via_vault: StripeFor, customer: str, db: asyncpg.Pool
+) -> None:
+    key = await issue()
+    await db.execute(
+        "UPDATE vault_keys SET expires_at = now() - interval '1 second' WHERE id = $1", key.id
+    )
+    with pytest.raises(stripe.AuthenticationError) as refused:
+        await charge(stripe_via_vault(key), customer, 100, "late")
+    assert refused.value.error is not None
+    assert refused.value.error.code == "vault_key_expired"
+
+
+async def test_revoke_is_a_kill_switch(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    admin: VaultAdmin,
+    emulator: RunningEmulator,
+) -> None:
+    key = await issue()
+    client = stripe_via_vault(key)
+    intent = await charge(client, customer, 100, "before")
+    revoked = await admin.revoke(key.id)
+    assert revoked.revoked and revoked.revoked_at is not None
+    with pytest.raises(stripe.AuthenticationError) as refused:
+        await charge(client, customer, 100, "after")
+    assert refused.value.error is not None
+    assert refused.value.error.code == "vault_key_revoked"
+    # Reads too, and replays of what was charged before.
+    with pytest.raises(stripe.AuthenticationError):
+        await client.v1.payment_intents.retrieve_async(intent.id)
+    with pytest.raises(stripe.AuthenticationError):
+        await charge(client, customer, 100, "before")
+    assert len(await emulator_ledger(emulator)) == 1
+    # Revoking again keeps the first revocation time.
+    assert (await admin.revoke(key.id)).revoked_at == revoked.revoked_at
+
+
+async def test_money_moving_request_without_idempotency_key_is_refused(
+    issue: Issue,
+    vault: RunningVault,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+    http: aiohttp.ClientSession,
+) -> None:
+    key = await issue()
+    client = stripe.StripeClient(
+        key.secret.get_secret_value(),
+        base_addresses={"api": vault.url + "/stripe"},
+        http_client=_WithoutIdempotencyKey(session=http),
+    )
+    with pytest.raises(stripe.InvalidRequestError) as refused:
+        await client.v1.payment_intents.create_async(
+            params={"amount": 100, "currency": "usd", "customer": customer, "confirm": True}
+        )
+    assert refused.value.code == "idempotency_key_required"
+    assert await emulator_ledger(emulator) == []
+    assert await db.fetchval("SELECT count(*) FROM vault_reservations") == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "code"),
+    [
+        ("currency=usd", {}, 400, "parameter_missing"),
+        ("amount=10.5&currency=usd", {}, 400, "parameter_invalid_integer"),
+        ("amount=-5&currency=usd", {}, 400, "parameter_invalid_integer"),
+        ("amount=0&currency=usd", {}, 400, "parameter_invalid_integer"),
+        ("amount=100000000&currency=usd", {}, 400, "parameter_invalid_integer"),
+        ("amount=1&amount=99999&currency=usd", {}, 400, "parameter_repeated"),
+        ("amount=100", {}, 400, "parameter_missing"),
+        ("amount=100&currency=usd&customer=sk_test_oops", {}, 400, "secret_in_parameter"),
+        (
+            "amount=100&currency=usd",
+            {"Idempotency-Key": "has space"},
+            400,
+            "idempotency_key_invalid",
+        ),
+        (
+            {"amount": "100", "currency": "usd"},
+            {"Content-Type": "application/json"},
+            400,
+            "content_type_invalid",
+        ),
+    ],
+)
+async def test_malformed_charges_are_refused_before_anything_is_reserved(
+    issue: Issue,
+    vault: RunningVault,
+    http: aiohttp.ClientSession,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+    body: str | dict[str, str],
+    headers: dict[str, str],
+    status: int,
+    code: str,
+) -> None:
+    key = await issue()
+    sent: str | dict[str, str] = body
+    if isinstance(body, dict):
+        sent = "&".join(f"{k}={v}" for k, v in body.items())
+    got_status, reply = await _post(http, vault, key, "/v1/payment_intents", sent, headers)
+    assert (got_status, reply["error"]["code"]) == (status, code)
+    assert await db.fetchval("SELECT count(*) FROM vault_reservations") == 0
+    assert await emulator_ledger(emulator) == []
+
+
+async def test_parameters_in_the_query_string_and_odd_paths_are_refused(
+    issue: Issue, vault: RunningVault, http: aiohttp.ClientSession, db: asyncpg.Pool
+) -> None:
+    key = await issue(allowed_endpoints=["POST /v1/payment_intents", "GET /v1/payment_intents/*"])
+    status, reply = await _post(
+        http, vault, key, "/v1/payment_intents?amount=1", "amount=100&currency=usd"
+    )
+    assert (status, reply["error"]["code"]) == (400, "parameters_in_query")
+    for path in ("/v1/payment_intents/..%2Fcharges", "/v1/payment_intents/a%2Fb", "/v2/x"):
+        async with http.get(
+            vault.url + "/stripe" + path,
+            headers={"Authorization": f"Bearer {key.secret.get_secret_value()}"},
+        ) as response:
+            assert response.status == 404, path
+            assert (await response.json())["error"]["code"] == "url_invalid"
+    assert await db.fetchval("SELECT count(*) FROM vault_reservations") == 0
+
+
+async def test_the_audit_log_has_one_row_per_request(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    vault: RunningVault,
+    customer: str,
+    admin: VaultAdmin,
+    db: asyncpg.Pool,
+    http: aiohttp.ClientSession,
+) -> None:
+    key = await issue(cap_cents=1_500)
+    client = stripe_via_vault(key)
+    intent = await charge(client, customer, 1_000, "a")  # forwarded
+    await charge(client, customer, 1_000, "a")  # replayed
+    with pytest.raises(stripe.CardError):
+        await charge(client, customer, 1_000, "b")  # refused_cap
+    await client.v1.payment_intents.retrieve_async(intent.id)  # forwarded, nothing reserved
+    with pytest.raises(stripe.PermissionError):
+        await client.v1.customers.retrieve_async(customer)  # refused_endpoint
+    await _post(http, vault, key, "/v1/payment_intents", "amount=x&currency=usd")
+    async with http.get(vault.url + "/stripe/v1/charges") as response:  # refused_auth, no key
+        assert response.status == 401
+
+    assert await db.fetchval("SELECT count(*) FROM vault_audit") == 7
+    entries = await admin.audit(key.id)
+    assert [(e.decision, e.refusal_code) for e in entries] == [
+        ("refused_request", "parameter_invalid_integer"),
+        ("refused_endpoint", "endpoint_not_allowed"),
+        ("forwarded", None),
+        ("refused_cap", "spend_cap_exceeded"),
+        ("replayed", None),
+        ("forwarded", None),
+    ]
+    first = entries[-1]
+    assert (first.method, first.path, first.idempotency_key) == ("POST", "/v1/payment_intents", "a")
+    assert (first.amount_cents, first.currency, first.customer) == (1_000, "usd", customer)
+    assert (first.upstream_status, first.reservation_state) == (200, "committed")
+    assert first.latency_ms > 0
+    assert entries[2].path == f"/v1/payment_intents/{intent.id}"
+    assert entries[2].reservation_state is None
+
+    # Pages of two, newest first, following `before`.
+    pages, before = [], None
+    while page := await admin.audit(key.id, limit=2, before=before):
+        pages.append([e.id for e in page])
+        before = page[-1].id
+    assert [i for p in pages for i in p] == [e.id for e in entries]
+    assert [len(p) for p in pages] == [2, 2, 2]
+    await assert_consistent(db, key.id)

@@ -1,0 +1,54 @@
+"""`python -m vault --host H --port P`: run the vault until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+import asyncpg
+from pydantic import ValidationError
+
+from vault.app import serve
+from vault.settings import VaultSettings, describe_settings_error
+
+
+async def _run(settings: VaultSettings, host: str, port: int) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    async with serve(settings, host, port) as vault:
+        print(f"vault listening on {vault.url}", flush=True)
+        await stop.wait()
+        logging.getLogger("vault").info("stopping: finishing in-flight requests")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vault", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8180, help="0 picks a free port")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    try:
+        settings = VaultSettings()
+    except ValidationError as error:
+        print(describe_settings_error(error), file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_run(settings, args.host, args.port))
+    except (OSError, asyncpg.PostgresError) as error:
+        # Unreachable database, port in use. The message names no secret.
+        print(f"vault could not start: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""The admin API under /vault: issue, find, inspect and revoke keys; audit; reservations.
+
+OPERATIONS is the single list the routes are registered from and the OpenAPI document is
+generated from, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import asyncpg
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from vault import reservations, store
+from vault.errors import VaultError, invalid_input
+from vault.models import (
+    IDEMPOTENCY_KEY_PATTERN,
+    KEY_ID_PATTERN,
+    MAX_CAP_CONTEXT,
+    REVEAL_SECRET_CONTEXT,
+    SECRET_PREFIX,
+    AuditPage,
+    AuditQuery,
+    FindKeysQuery,
+    IssuedKey,
+    IssueKeyRequest,
+    KeyInfo,
+    KeyList,
+    ReservationInfo,
+    ReservationList,
+    ReservationsQuery,
+    ResolveRequest,
+    Status,
+)
+from vault.state import STATE, token_digest
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+M = TypeVar("M", bound=BaseModel)
+
+_KEY_ID_RE = re.compile(KEY_ID_PATTERN)
+_IDEMPOTENCY_KEY_RE = re.compile(IDEMPOTENCY_KEY_PATTERN)
+
+
+@dataclass(frozen=True)
+class Operation:
+    method: str
+    path: str
+    operation_id: str
+    summary: str
+    handler: Handler
+    response: type[BaseModel]
+    status: int = 200
+    body: type[BaseModel] | None = None
+    query: type[BaseModel] | None = None
+    admin: bool = True
+    # Statuses beyond those implied by the operation's inputs (401, 404, 400/422).
+    other_errors: tuple[int, ...] = ()
+
+
+def _reply(model: BaseModel, status: int = 200, *, reveal_secret: bool = False) -> web.Response:
+    return web.Response(
+        status=status,
+        body=model.model_dump_json(context={REVEAL_SECRET_CONTEXT: reveal_secret}),
+        content_type="application/json",
+    )
+
+
+async def _body(request: web.Request, model: type[M], **context: object) -> M:
+    try:
+        return model.model_validate_json(await request.read(), context=context)
+    except ValidationError as error:
+        raise invalid_input(error, "request body") from None
+
+
+def _query(request: web.Request, model: type[M]) -> M:
+    query = request.query
+    repeated = [name for name in query if len(query.getall(name)) > 1]
+    if repeated:
+        raise VaultError(
+            422, "parameter_repeated", f"{repeated[0]} is given more than once", param=repeated[0]
+        )
+    try:
+        return model.model_validate(dict(query))
+    except ValidationError as error:
+        raise invalid_input(error, "query") from None
+
+
+def _key_id(request: web.Request) -> str:
+    key_id = request.match_info["key_id"]
+    if _KEY_ID_RE.fullmatch(key_id) is None:
+        raise _no_key(key_id)
+    return key_id
+
+
+def _no_key(key_id: str) -> VaultError:
+    shown = key_id if _KEY_ID_RE.fullmatch(key_id) else "(malformed id)"
+    return VaultError(404, "resource_missing", f"no vault key {shown}", param="key_id")
+
+
+def _requires_admin(handler: Handler) -> Handler:
+    async def checked(request: web.Request) -> web.StreamResponse:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        presented = token_digest(token.strip() if scheme.lower() == "bearer" else "")
+        # Compared in constant time, so response timing reveals nothing about the token.
+        if not hmac.compare_digest(presented, request.app[STATE].admin_token_digest):
+            raise VaultError(
+                401,
+                "admin_token_invalid",
+                "send the admin token as 'Authorization: Bearer <VAULT_ADMIN_TOKEN>'",
+                error_type="authentication_error",
+            )
+        return await handler(request)
+
+    return checked
+
+
+async def issue_key(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    issue = await _body(request, IssueKeyRequest, **{MAX_CAP_CONTEXT: state.settings.max_cap_cents})
+    key_id = "vkey_" + secrets.token_hex(8)
+    secret = SECRET_PREFIX + secrets.token_urlsafe(32)
+    async with state.pool.acquire() as conn:
+        info = await store.insert_key(conn, key_id, secret, issue)
+    return _reply(IssuedKey(**info.model_dump(), secret=secret), status=201, reveal_secret=True)
+
+
+async def find_keys(request: web.Request) -> web.Response:
+    query = _query(request, FindKeysQuery)
+    async with request.app[STATE].pool.acquire() as conn:
+        keys = await store.find_keys(conn, query.period, query.label)
+    return _reply(KeyList(keys=keys))
+
+
+async def get_key(request: web.Request) -> web.Response:
+    key_id = _key_id(request)
+    async with request.app[STATE].pool.acquire() as conn:
+        info = await store.get_key(conn, key_id)
+    if info is None:
+        raise _no_key(key_id)
+    return _reply(info)
+
+
+async def revoke_key(request: web.Request) -> web.Response:
+    key_id = _key_id(request)
+    async with request.app[STATE].pool.acquire() as conn:
+        info = await store.revoke_key(conn, key_id)
+    if info is None:
+        raise _no_key(key_id)
+    return _reply(info)
+
+
+async def audit(request: web.Request) -> web.Response:
+    key_id = _key_id(request)
+    query = _query(request, AuditQuery)
+    async with request.app[STATE].pool.acquire() as conn:
+        await _require_key(conn, key_id)
+        entries = await store.audit_page(conn, key_id, query.limit, query.before)
+    next_before = entries[-1].id if len(entries) == query.limit else None
+    return _reply(AuditPage(entries=entries, next_before=next_before))
+
+
+async def list_reservations(request: web.Request) -> web.Response:
+    key_id = _key_id(request)
+    query = _query(request, ReservationsQuery)
+    state = request.app[STATE]
+    async with state.pool.acquire() as conn:
+        await _require_key(conn, key_id)
+        await reservations.mark_stale_unknown(conn, key_id, state.stale_after)
+        found = await store.list_reservations(conn, key_id, query.state, query.limit)
+    return _reply(ReservationList(reservations=found))
+
+
+async def resolve(request: web.Request) -> web.Response:
+    key_id = _key_id(request)
+    idempotency_key = request.match_info["idempotency_key"]
+    resolution = await _body(request, ResolveRequest)
+    state = request.app[STATE]
+    async with state.pool.acquire() as conn:
+        await _require_key(conn, key_id)
+        if _IDEMPOTENCY_KEY_RE.fullmatch(idempotency_key) is None:
+            raise VaultError(404, "resource_missing", "no reservation for a malformed key")
+        try:
+            info: ReservationInfo = await reservations.resolve(
+                conn,
+                key_id,
+                idempotency_key,
+                resolution.root.outcome,
+                resolution.amount_cents,
+                state.stale_after,
+            )
+        except reservations.NotFound as error:
+            raise VaultError(404, "resource_missing", str(error)) from None
+        except reservations.Conflict as error:
+            raise VaultError(409, "reservation_conflict", str(error)) from None
+        except ValueError as error:
+            raise VaultError(422, "parameter_invalid", str(error), param="amount_cents") from None
+    return _reply(info)
+
+
+async def _require_key(conn: asyncpg.Connection, key_id: str) -> None:
+    if await conn.fetchval("SELECT 1 FROM vault_keys WHERE id = $1", key_id) is None:
+        raise _no_key(key_id)
+
+
+async def health(request: web.Request) -> web.Response:
+    return _reply(Status(status="ok"))
+
+
+async def ready(request: web.Request) -> web.Response:
+    try:
+        async with request.app[STATE].pool.acquire(timeout=2) as conn:
+            # Reachable and migrated: the vault's own table answers.
+            await conn.fetchval("SELECT 1 FROM vault_keys LIMIT 1", timeout=2)
+    except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as error:
+        raise VaultError(
+            503,
+            "database_unavailable",
+            f"the database is not ready: {type(error).__name__}",
+            error_type="api_error",
+        ) from None
+    return _reply(Status(status="ready"))
+
+
+_KEY = "/vault/keys/{key_id}"
+
+OPERATIONS: tuple[Operation, ...] = (
+    Operation(
+        "POST",
+        "/vault/keys",
+        "issueKey",
+        "Issue a key; its secret is in this response only",
+        issue_key,
+        IssuedKey,
+        status=201,
+        body=IssueKeyRequest,
+    ),
+    Operation(
+        "GET",
+        "/vault/keys",
+        "findKeys",
+        "Find keys by period and label, newest first",
+        find_keys,
+        KeyList,
+        query=FindKeysQuery,
+    ),
+    Operation("GET", _KEY, "getKey", "A key's caps, usage, expiry and state", get_key, KeyInfo),
+    Operation(
+        "POST",
+        _KEY + "/revoke",
+        "revokeKey",
+        "Revoke a key: its next request is refused",
+        revoke_key,
+        KeyInfo,
+    ),
+    Operation(
+        "GET",
+        _KEY + "/audit",
+        "keyAudit",
+        "The key's proxied requests, newest first",
+        audit,
+        AuditPage,
+        query=AuditQuery,
+    ),
+    Operation(
+        "GET",
+        _KEY + "/reservations",
+        "keyReservations",
+        "The key's reservations, oldest first",
+        list_reservations,
+        ReservationList,
+        query=ReservationsQuery,
+    ),
+    Operation(
+        "POST",
+        _KEY + "/reservations/{idempotency_key}/resolve",
+        "resolveReservation",
+        "Settle a reservation left unknown with what Stripe's records show",
+        resolve,
+        ReservationInfo,
+        body=ResolveRequest,
+        other_errors=(409,),
+    ),
+    Operation(
+        "GET",
+        "/vault/health",
+        "health",
+        "Liveness",
+        health,
+        Status,
+        admin=False,
+    ),
+    Operation(
+        "GET",
+        "/vault/ready",
+        "ready",
+        "Readiness: the database answers",
+        ready,
+        Status,
+        admin=False,
+        other_errors=(503,),
+    ),
+)
+
+
+def add_routes(router: web.UrlDispatcher) -> None:
+    for operation in OPERATIONS:
+        handler = _requires_admin(operation.handler) if operation.admin else operation.handler
+        router.add_route(operation.method, operation.path, handler)

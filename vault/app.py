@@ -1,0 +1,80 @@
+"""The vault's aiohttp application, and `serve` to run it in-process."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from vault import admin, proxy
+from vault.errors import VaultError
+from vault.openapi import openapi_document
+from vault.settings import VaultSettings
+from vault.state import lifecycle
+
+logger = logging.getLogger("vault")
+
+VERSION = "0.1.0"
+# Finishing in-flight requests on shutdown takes at most the upstream timeout plus a little.
+_SHUTDOWN_MARGIN_SECONDS = 5.0
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: admin.Handler) -> web.StreamResponse:
+    """Every error in one JSON shape, aiohttp's own (404, 405) included."""
+    try:
+        return await handler(request)
+    except VaultError as error:
+        return error.response()
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        allow = {"Allow": error.headers["Allow"]} if "Allow" in error.headers else None
+        return VaultError(error.status, None, error.reason).response(allow)
+    except Exception:
+        logger.exception("admin request failed: %s %s", request.method, request.path)
+        return VaultError(500, "vault_error", "internal error", error_type="api_error").response()
+
+
+def create_app(settings: VaultSettings) -> web.Application:
+    app = web.Application(middlewares=[_errors])
+    app.cleanup_ctx.append(lifecycle(settings))
+    admin.add_routes(app.router)
+    document = openapi_document(admin.OPERATIONS, VERSION, settings.max_cap_cents)
+
+    async def openapi(request: web.Request) -> web.Response:
+        return web.json_response(document)
+
+    app.router.add_get("/vault/openapi.json", openapi)
+    app.router.add_route("*", "/stripe/{tail:.*}", proxy.handle)
+    return app
+
+
+@dataclass(frozen=True)
+class RunningVault:
+    url: str
+
+
+@asynccontextmanager
+async def serve(
+    settings: VaultSettings, host: str = "127.0.0.1", port: int = 0
+) -> AsyncIterator[RunningVault]:
+    """Run the vault on host:port (0: any free port) until the block exits, then stop
+    accepting, finish in-flight requests and close the database pool."""
+    runner = web.AppRunner(
+        create_app(settings),
+        # The audit table is the per-request record; an access log would only add cost.
+        access_log=None,
+        shutdown_timeout=settings.upstream_timeout_seconds + _SHUTDOWN_MARGIN_SECONDS,
+    )
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        bound_port = runner.addresses[0][1]
+        shown_host = f"[{host}]" if ":" in host else host
+        yield RunningVault(url=f"http://{shown_host}:{bound_port}")
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,31 @@
+"""Which Stripe endpoints a key may call, and which of them the vault meters against the cap."""
+
+from __future__ import annotations
+
+import re
+
+# Requests the vault meters: it reads amount and currency from their body and reserves them.
+METERED = frozenset({"POST /v1/payment_intents", "POST /v1/charges"})
+
+# An allowlist entry: a method and a path whose segments may be `*` (one segment). Keys may
+# read anything listed but write only to metered endpoints: many other Stripe POSTs move money
+# too (confirm, capture, invoices, subscriptions), and the cap cannot see their amounts.
+ENTRY_PATTERN = r"^(GET /v1(/([A-Za-z0-9_-]{1,100}|\*)){1,6}|POST /v1/(payment_intents|charges))$"
+# A request path the proxy accepts: plain segments only, so no encoding tricks (`..`, `%2F`)
+# can make the path the allowlist checked differ from the path the upstream serves.
+PATH_RE = re.compile(r"/v1(/[A-Za-z0-9_-]{1,255}){1,8}")
+
+
+def allows(entries: list[str], method: str, path: str) -> bool:
+    """Whether any entry matches `method path`; `*` matches exactly one segment."""
+    segments = path.split("/")
+    for entry in entries:
+        entry_method, _, entry_path = entry.partition(" ")
+        if entry_method != method:
+            continue
+        wanted = entry_path.split("/")
+        if len(wanted) == len(segments) and all(
+            w in ("*", s) for w, s in zip(wanted, segments, strict=True)
+        ):
+            return True
+    return False

@@ -1,0 +1,256 @@
+"""Bodies of the admin API, shared by the server (validation, OpenAPI) and the client."""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime
+from typing import Annotated, Literal
+
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    RootModel,
+    SecretStr,
+    SerializationInfo,
+    StringConstraints,
+    ValidationInfo,
+    WithJsonSchema,
+    field_serializer,
+    field_validator,
+)
+
+from vault.endpoints import ENTRY_PATTERN
+
+KEY_ID_PATTERN = r"^vkey_[0-9a-f]{16}$"
+SECRET_PREFIX = "vk_"  # noqa: S105 (a prefix, not a secret)
+IDEMPOTENCY_KEY_PATTERN = r"^[A-Za-z0-9_.:-]{1,255}$"
+# Validation context: the server's ceiling on caps (VAULT_MAX_CAP_CENTS).
+MAX_CAP_CONTEXT = "max_cap_cents"
+# Serialisation context under which IssuedKey's secret is written out instead of masked.
+REVEAL_SECRET_CONTEXT = "reveal_secret"  # noqa: S105
+
+KeyId = Annotated[str, StringConstraints(pattern=KEY_ID_PATTERN)]
+Period = Annotated[str, StringConstraints(pattern=r"^[0-9]{4}-(0[1-9]|1[0-2])$")]
+Currency = Annotated[str, StringConstraints(pattern=r"^[a-z]{3}$")]
+Label = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9 _.:/@-]{0,99}$")]
+Endpoint = Annotated[str, StringConstraints(pattern=ENTRY_PATTERN)]
+IdempotencyKey = Annotated[str, StringConstraints(pattern=IDEMPOTENCY_KEY_PATTERN)]
+
+
+def _integral_number(value: object) -> object:
+    # JSON Schema counts 100.0 as an integer; "100", 100.5 and true stay refused (strict).
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Cents = Annotated[int, Field(gt=0), BeforeValidator(_integral_number)]
+ReservationState = Literal["pending", "unknown", "committed", "released"]
+Decision = Literal[
+    "forwarded",
+    "replayed",
+    "refused_auth",
+    "refused_endpoint",
+    "refused_request",
+    "refused_cap",
+    "refused_daily_cap",
+    "refused_in_flight",
+]
+
+
+class Body(BaseModel):
+    """A request body: unknown fields and coercions (a cap given as "100") are refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Query(BaseModel):
+    """Query parameters: strings converted to their types, unknown names refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class View(BaseModel):
+    """A response body; fields the client does not know yet are ignored."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class IssueKeyRequest(Body):
+    vendor: Literal["stripe"] = "stripe"
+    label: Label
+    period: Period
+    cap_cents: Cents
+    currency: Currency
+    daily_cap_cents: Cents | None = None
+    allowed_endpoints: list[Endpoint] = Field(
+        min_length=1,
+        max_length=50,
+        description="'METHOD /v1/path' entries; '*' matches one path segment. GET anything,"
+        " POST only the metered 'POST /v1/payment_intents' and 'POST /v1/charges'.",
+    )
+    expires_at: AwareDatetime
+
+    @field_validator("cap_cents", "daily_cap_cents")
+    @classmethod
+    def _within_ceiling(cls, cap: int | None, info: ValidationInfo) -> int | None:
+        ceiling = (info.context or {}).get(MAX_CAP_CONTEXT)
+        if cap is not None and ceiling is not None and cap > ceiling:
+            raise ValueError(f"{cap} exceeds this vault's ceiling VAULT_MAX_CAP_CENTS={ceiling}")
+        return cap
+
+    @field_validator("expires_at")
+    @classmethod
+    def _in_future(cls, expires_at: datetime) -> datetime:
+        if expires_at <= datetime.now(UTC):
+            raise ValueError("must be in the future")
+        return expires_at
+
+    @field_validator("allowed_endpoints")
+    @classmethod
+    def _unique(cls, entries: list[str]) -> list[str]:
+        return list(dict.fromkeys(entries))
+
+
+class KeyInfo(View):
+    id: KeyId
+    vendor: Literal["stripe"]
+    label: str
+    period: str
+    currency: str
+    cap_cents: int
+    daily_cap_cents: int | None
+    reserved_cents: int = Field(description="pending and unknown reservations")
+    spent_cents: int = Field(description="committed reservations")
+    remaining_cents: int = Field(description="cap_cents - reserved_cents - spent_cents")
+    daily_used_cents: int | None = Field(description="reserved + spent today (UTC), if capped")
+    allowed_endpoints: list[str]
+    expires_at: datetime
+    expired: bool
+    revoked: bool
+    revoked_at: datetime | None
+    created_at: datetime
+
+
+class IssuedKey(KeyInfo):
+    """The key as issued: the only response that ever carries its secret."""
+
+    secret: Annotated[
+        SecretStr,
+        WithJsonSchema(
+            {"type": "string", "pattern": r"^vk_[A-Za-z0-9_-]{43}$", "description": "shown once"}
+        ),
+    ]
+
+    @field_serializer("secret", when_used="json")
+    def _reveal_only_to_issuer(self, secret: SecretStr, info: SerializationInfo) -> str:
+        # Masked by default, so a model logged or recorded by accident does not leak the key.
+        if (info.context or {}).get(REVEAL_SECRET_CONTEXT):
+            return secret.get_secret_value()
+        return str(secret)
+
+
+class KeyList(View):
+    keys: list[KeyInfo]
+
+
+class FindKeysQuery(Query):
+    period: Period | None = None
+    label: Label | None = None
+
+
+class AuditEntry(View):
+    id: int
+    at: datetime
+    vault_key_id: str | None
+    method: str
+    path: str
+    idempotency_key: str | None
+    amount_cents: int | None
+    currency: str | None
+    customer: str | None
+    upstream_status: int | None = Field(description="null: refused, or the upstream never answered")
+    decision: Decision
+    refusal_code: str | None
+    reservation_state: ReservationState | None
+    latency_ms: float
+
+
+class AuditPage(View):
+    entries: list[AuditEntry] = Field(description="newest first")
+    next_before: int | None = Field(description="pass as `before` for the next page")
+
+
+class AuditQuery(Query):
+    limit: int = Field(default=100, ge=1, le=500)
+    before: int | None = Field(default=None, ge=1, le=2**62)
+
+
+class ReservationInfo(View):
+    idempotency_key: str
+    endpoint: str
+    state: ReservationState
+    amount_cents: int
+    committed_cents: int | None
+    currency: str
+    customer: str | None
+    day: date
+    attempt: int
+    upstream_status: int | None
+    created_at: datetime
+    updated_at: datetime
+
+
+class ReservationList(View):
+    reservations: list[ReservationInfo]
+
+
+class ReservationsQuery(Query):
+    state: ReservationState | None = None
+    limit: int = Field(default=100, ge=1, le=1000)
+
+
+class ResolveSucceeded(Body):
+    outcome: Literal["succeeded"]
+    amount_cents: Cents | None = Field(
+        default=None, description="amount Stripe charged, if less than the reserved amount"
+    )
+
+
+class ResolveFailed(Body):
+    outcome: Literal["failed"]
+
+
+class ResolveRequest(
+    RootModel[Annotated[ResolveSucceeded | ResolveFailed, Field(discriminator="outcome")]]
+):
+    """What reconciliation found on Stripe for a reservation left in the unknown state."""
+
+    model_config = ConfigDict(frozen=True)
+
+    @property
+    def amount_cents(self) -> int | None:
+        return self.root.amount_cents if isinstance(self.root, ResolveSucceeded) else None
+
+
+class Status(View):
+    status: str
+
+
+class FieldProblem(View):
+    field: str
+    message: str
+
+
+class ErrorDetail(View):
+    """Stripe's error shape, so the Stripe SDK and the admin client read refusals alike."""
+
+    type: str
+    code: str | None = None
+    message: str
+    param: str | None = None
+    fields: list[FieldProblem] | None = None
+
+
+class ErrorResponse(View):
+    error: ErrorDetail

@@ -1,0 +1,397 @@
+"""`/stripe/v1/...`: authenticate the vault key, check the allowlist, reserve, forward, settle,
+and write one audit row, whatever happened."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs
+
+import aiohttp
+import asyncpg
+from aiohttp import web
+from yarl import URL
+
+from vault import reservations, store
+from vault.endpoints import METERED, PATH_RE, allows
+from vault.errors import VaultError
+from vault.models import IDEMPOTENCY_KEY_PATTERN, SECRET_PREFIX, Decision, ReservationState
+from vault.reservations import Charge, Outcome, Reservation
+from vault.state import STATE, VaultState
+from vault.store import AuditRecord, KeyGrant
+
+logger = logging.getLogger("vault.proxy")
+
+FORM = "application/x-www-form-urlencoded"
+_FORWARDED_HEADERS = ("Content-Type", "Idempotency-Key", "Stripe-Version")
+# What the Stripe SDK reads from a response, besides the body.
+_RETURNED_HEADERS = (
+    "Content-Type",
+    "Request-Id",
+    "Idempotent-Replayed",
+    "Stripe-Should-Retry",
+    "Stripe-Version",
+    "Retry-After",
+)
+_DATABASE_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+# Stripe secret and restricted keys, vault secrets: never written to the audit log.
+_SECRET_RE = re.compile(r"(?<![A-Za-z0-9])(?:sk|rk|vk)_[A-Za-z0-9_-]+")
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+_IDEMPOTENCY_KEY_RE = re.compile(IDEMPOTENCY_KEY_PATTERN)
+# Stripe's ceiling on `amount` is eight digits; a sign, decimals or exponent are refused.
+_AMOUNT_RE = re.compile(r"[0-9]{1,8}")
+_CURRENCY_RE = re.compile(r"[a-z]{3}")
+_CUSTOMER_RE = re.compile(r"[A-Za-z0-9_]{1,255}")
+
+
+class Refusal(VaultError):
+    """A request the vault answers itself; `decision` is what the audit row records (None:
+    keep the decision already made, e.g. "forwarded" when the upstream did not answer)."""
+
+    def __init__(
+        self, decision: Decision | None, status: int, code: str, message: str, **kwargs: Any
+    ) -> None:
+        super().__init__(status, code, message, **kwargs)
+        self.decision = decision
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    status: int
+    body: bytes
+    headers: dict[str, str]
+
+    def error_type(self) -> str | None:
+        try:
+            error = json.loads(self.body)["error"]
+        except (ValueError, KeyError, TypeError):
+            return None
+        kind = error.get("type") if isinstance(error, dict) else None
+        return kind if isinstance(kind, str) else None
+
+
+async def handle(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    started = time.perf_counter()
+    # The raw path: percent-encoding is refused below rather than decoded.
+    path = request.rel_url.raw_path.removeprefix("/stripe")
+    record = AuditRecord(method=_clean(request.method, 16), path=_clean(path, 300))
+    try:
+        response = await _proxy(state, request, path, record)
+    except Refusal as refusal:
+        if refusal.decision is not None:
+            record.decision = refusal.decision
+        record.refusal_code = refusal.code
+        response = refusal.response()
+    except Exception:
+        logger.exception("vault failed on %s %s", record.method, record.path)
+        response = VaultError(
+            500,
+            "vault_error",
+            "the vault failed while handling this request; retry with the same Idempotency-Key",
+            error_type="api_error",
+            should_retry=True,
+        ).response()
+    record.latency_ms = (time.perf_counter() - started) * 1000
+    try:
+        async with state.pool.acquire() as conn:
+            await store.insert_audit(conn, record)
+    except _DATABASE_ERRORS:
+        # The answer still goes back: for a charge it says what happened to the money.
+        logger.exception("could not write the audit row of %s %s", record.method, record.path)
+    return response
+
+
+async def _proxy(
+    state: VaultState, request: web.Request, path: str, record: AuditRecord
+) -> web.Response:
+    grant = await _authenticate(state, request, record)
+    if PATH_RE.fullmatch(path) is None:
+        raise Refusal(
+            "refused_request",
+            404,
+            "url_invalid",
+            "Unrecognized request URL: the vault forwards /v1/... paths of letters, digits,"
+            " '_' and '-' only",
+        )
+    _refuse_secret("path", path)
+    endpoint = f"{request.method} {path}"
+    if not allows(grant.allowed_endpoints, request.method, path):
+        raise Refusal(
+            "refused_endpoint",
+            403,
+            "endpoint_not_allowed",
+            f"this vault key may not call {endpoint}",
+        )
+    idempotency_key = request.headers.get("Idempotency-Key")
+    if idempotency_key is not None:
+        record.idempotency_key = _clean(idempotency_key, 255)
+        _refuse_secret("Idempotency-Key", idempotency_key)
+        if _IDEMPOTENCY_KEY_RE.fullmatch(idempotency_key) is None:
+            raise Refusal(
+                "refused_request",
+                400,
+                "idempotency_key_invalid",
+                "Idempotency-Key must be 1-255 letters, digits, '_', '.', ':' or '-'",
+            )
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise Refusal("refused_request", 413, "body_too_large", "the body is too large") from None
+
+    reservation = None
+    if endpoint in METERED:
+        reservation = await _reserve_charge(state, request, grant, endpoint, body, record)
+    record.decision = (
+        "replayed" if reservation is not None and not reservation.counted else "forwarded"
+    )
+
+    try:
+        answer = await _forward(state, request, path, body)
+    except (aiohttp.ClientError, TimeoutError) as failure:
+        if reservation is not None and reservation.owned:
+            record.reservation_state = await _settle(state, reservation, "unknown", None)
+        timed_out = isinstance(failure, TimeoutError)
+        logger.warning(
+            "upstream gave no answer to %s (key %s): %s", endpoint, grant.id, type(failure).__name__
+        )
+        raise Refusal(
+            None,
+            504 if timed_out else 502,
+            "upstream_timeout" if timed_out else "upstream_unavailable",
+            "Stripe did not answer, so the charge may or may not have been made;"
+            " retry with the same Idempotency-Key",
+            error_type="api_error",
+            should_retry=True,
+        ) from None
+    record.upstream_status = answer.status
+    if reservation is not None and reservation.owned:
+        outcome = _outcome(answer, in_doubt=reservation.in_doubt)
+        record.reservation_state = await _settle(state, reservation, outcome, answer.status)
+    body = answer.body
+    if state.upstream_secret in body:
+        body = body.replace(state.upstream_secret, b"[redacted]")
+    return web.Response(status=answer.status, body=body, headers=answer.headers)
+
+
+async def _reserve_charge(
+    state: VaultState,
+    request: web.Request,
+    grant: KeyGrant,
+    endpoint: str,
+    body: bytes,
+    record: AuditRecord,
+) -> Reservation:
+    charge = _charge(request, endpoint, body, record)
+    idempotency_key = request.headers.get("Idempotency-Key")
+    if idempotency_key is None:
+        raise Refusal(
+            "refused_request",
+            400,
+            "idempotency_key_required",
+            "a request that moves money needs an Idempotency-Key header, the same on every"
+            " retry of the same charge",
+        )
+    if charge.currency != grant.currency:
+        raise Refusal(
+            "refused_request",
+            400,
+            "currency_mismatch",
+            f"this vault key charges {grant.currency} only, not {charge.currency}",
+            param="currency",
+        )
+    reservation = await _reserve(state, grant.id, idempotency_key, charge)
+    record.reservation_state = reservation.state
+    return reservation
+
+
+async def _authenticate(state: VaultState, request: web.Request, record: AuditRecord) -> KeyGrant:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token.startswith(SECRET_PREFIX):
+        raise Refusal(
+            "refused_auth",
+            401,
+            "vault_key_invalid",
+            "send a vault key as 'Authorization: Bearer vk_...'",
+        )
+    async with state.pool.acquire() as conn:
+        grant = await store.key_for_secret(conn, token)
+    if grant is None:
+        raise Refusal("refused_auth", 401, "vault_key_invalid", "unknown vault key")
+    record.vault_key_id = grant.id
+    if grant.revoked:
+        raise Refusal("refused_auth", 401, "vault_key_revoked", "this vault key has been revoked")
+    if grant.expired:
+        raise Refusal("refused_auth", 401, "vault_key_expired", "this vault key has expired")
+    return grant
+
+
+def _charge(request: web.Request, endpoint: str, body: bytes, record: AuditRecord) -> Charge:
+    """Amount, currency and customer of a metered request, read exactly as Stripe reads them;
+    anything ambiguous (a repeated field, a query string, another encoding) is refused."""
+    if request.content_type != FORM:
+        raise Refusal(
+            "refused_request", 400, "content_type_invalid", f"send the parameters as {FORM}"
+        )
+    if request.rel_url.raw_query_string:
+        raise Refusal(
+            "refused_request",
+            400,
+            "parameters_in_query",
+            "send the parameters of a request that moves money in its body, not in the URL",
+        )
+    try:
+        fields = parse_qs(
+            body.decode(), keep_blank_values=True, errors="strict", max_num_fields=1000
+        )
+    except ValueError:
+        raise Refusal(
+            "refused_request", 400, "body_invalid", "the body is not a UTF-8 form"
+        ) from None
+    amount = _single(fields, "amount")
+    currency = _single(fields, "currency")
+    customer = _single(fields, "customer")
+    valid_amount = amount is not None and _AMOUNT_RE.fullmatch(amount) is not None
+    record.amount_cents = int(amount) if amount is not None and valid_amount else None
+    record.currency = None if currency is None else _clean(currency, 16)
+    record.customer = None if customer is None else _clean(customer, 255)
+    if amount is None or currency is None:
+        missing = "amount" if amount is None else "currency"
+        raise Refusal(
+            "refused_request",
+            400,
+            "parameter_missing",
+            f"Missing required param: {missing}.",
+            param=missing,
+        )
+    if not valid_amount or int(amount) == 0:
+        raise Refusal(
+            "refused_request",
+            400,
+            "parameter_invalid_integer",
+            "amount must be a positive whole number of cents, at most 99999999",
+            param="amount",
+        )
+    currency = currency.lower()
+    if _CURRENCY_RE.fullmatch(currency) is None:
+        raise Refusal(
+            "refused_request",
+            400,
+            "parameter_invalid",
+            "currency must be a three-letter ISO code",
+            param="currency",
+        )
+    if customer is not None:
+        _refuse_secret("customer", customer)
+    if customer is not None and _CUSTOMER_RE.fullmatch(customer) is None:
+        raise Refusal(
+            "refused_request", 400, "parameter_invalid", "customer is not an id", param="customer"
+        )
+    return Charge(endpoint, int(amount), currency, customer)
+
+
+def _refuse_secret(name: str, value: str) -> None:
+    """Values the vault stores or forwards must never hold a key, even one sent by mistake."""
+    if _SECRET_RE.search(value):
+        raise Refusal(
+            "refused_request",
+            400,
+            "secret_in_parameter",
+            f"{name} contains what looks like a secret key; never send a key there",
+            param=name,
+        )
+
+
+def _single(fields: dict[str, list[str]], name: str) -> str | None:
+    values = fields.get(name)
+    if values is None:
+        return None
+    if len(values) > 1:
+        raise Refusal(
+            "refused_request",
+            400,
+            "parameter_repeated",
+            f"{name} is given more than once",
+            param=name,
+        )
+    return values[0]
+
+
+async def _reserve(
+    state: VaultState, key_id: str, idempotency_key: str, charge: Charge
+) -> Reservation:
+    try:
+        async with state.pool.acquire() as conn:
+            return await reservations.reserve(
+                conn, key_id, idempotency_key, charge, state.stale_after
+            )
+    except reservations.CapExceeded as refused:
+        decision: Decision = "refused_daily_cap" if refused.daily else "refused_cap"
+        raise Refusal(decision, 402, "spend_cap_exceeded", str(refused)) from None
+    except reservations.KeyUnusable as refused:
+        code = "vault_key_revoked" if refused.revoked else "vault_key_expired"
+        raise Refusal("refused_auth", 401, code, str(refused)) from None
+    except reservations.InFlight as refused:
+        raise Refusal(
+            "refused_in_flight", 409, "idempotency_key_in_use", str(refused), should_retry=True
+        ) from None
+    except reservations.Mismatch as refused:
+        raise Refusal(
+            "refused_request",
+            400,
+            "idempotency_key_reused",
+            str(refused),
+            error_type="idempotency_error",
+        ) from None
+
+
+async def _forward(state: VaultState, request: web.Request, path: str, body: bytes) -> _Answer:
+    headers = {"Authorization": state.upstream_authorization}
+    for name in _FORWARDED_HEADERS:
+        value = request.headers.get(name)
+        if value is not None:
+            headers[name] = value
+    query = request.rel_url.raw_query_string
+    url = URL(state.settings.upstream_base + path + (f"?{query}" if query else ""), encoded=True)
+    async with state.upstream.request(
+        request.method, url, data=body or None, headers=headers, allow_redirects=False
+    ) as response:
+        payload = await response.read()
+        returned = {
+            name: response.headers[name] for name in _RETURNED_HEADERS if name in response.headers
+        }
+        return _Answer(response.status, payload, returned)
+
+
+def _outcome(answer: _Answer, *, in_doubt: bool) -> Outcome:
+    """What an upstream answer says about the money of this reservation."""
+    if 200 <= answer.status < 300:
+        return "succeeded"
+    if 400 <= answer.status < 500:
+        # These prove only that this attempt did not execute, not what an earlier one did.
+        not_executed = answer.status in (409, 429) or answer.error_type() == "idempotency_error"
+        return "unknown" if not_executed and in_doubt else "failed"
+    # 5xx (Stripe may have executed before failing) and anything unexpected.
+    return "unknown"
+
+
+async def _settle(
+    state: VaultState, reservation: Reservation, outcome: Outcome, status: int | None
+) -> ReservationState:
+    try:
+        async with state.pool.acquire() as conn:
+            return await reservations.settle(conn, reservation, outcome, status)
+    except _DATABASE_ERRORS:
+        # The reservation stays pending, so counted; once stale it is treated as unknown.
+        logger.exception("could not settle reservation %s as %s", reservation.id, outcome)
+        return "pending"
+
+
+def _clean(text: str, limit: int) -> str:
+    """Text for the audit log: secrets redacted, control characters replaced, length bounded."""
+    return _CONTROL_RE.sub("?", _SECRET_RE.sub("[redacted]", text))[:limit]

@@ -1,0 +1,267 @@
+"""The hard cap: money is reserved in Postgres before a request is forwarded, then settled.
+
+Per key, after every transaction here:
+  reserved_cents == sum(amount_cents) of its pending and unknown reservations
+  spent_cents    == sum(committed_cents) of its committed reservations
+  spent_cents + reserved_cents <= cap_cents, and the same per UTC day under a daily cap.
+
+A reservation is keyed by (vault key, idempotency key). Only one request at a time forwards
+it: the one that moved it to `pending` (its `attempt`), and only that request settles it.
+Locks are always taken in the order reservation row, key row, day row, so no two of these
+transactions can deadlock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+import asyncpg
+
+from vault import store
+from vault.models import ReservationInfo, ReservationState
+
+Outcome = Literal["succeeded", "failed", "unknown"]
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """The money a metered request asks for, as parsed from its body."""
+
+    endpoint: str
+    amount_cents: int
+    currency: str
+    customer: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    id: int
+    attempt: int
+    state: ReservationState
+    # This request holds the reservation pending: it forwards, then settles it.
+    owned: bool
+    # This request added the amount to the key's reserved_cents (a replay does not).
+    counted: bool
+    # An earlier attempt's outcome is unknown, so an answer proving only that this attempt
+    # did not execute (409, 429, idempotency_error) says nothing about the money.
+    in_doubt: bool
+
+
+class Refused(Exception):
+    """The reservation was not made; the request must not be forwarded."""
+
+
+class CapExceeded(Refused):
+    def __init__(self, message: str, *, daily: bool) -> None:
+        super().__init__(message)
+        self.daily = daily
+
+
+class KeyUnusable(Refused):
+    """Revoked or expired after the request was authenticated."""
+
+    def __init__(self, message: str, *, revoked: bool) -> None:
+        super().__init__(message)
+        self.revoked = revoked
+
+
+class InFlight(Refused):
+    """Another request with this idempotency key is being forwarded right now."""
+
+
+class Mismatch(Refused):
+    """The idempotency key was first used for a different request."""
+
+
+class NotFound(Exception):
+    pass
+
+
+class Conflict(Exception):
+    """A resolution that contradicts the reservation's state."""
+
+
+async def reserve(
+    conn: asyncpg.Connection,
+    key_id: str,
+    idempotency_key: str,
+    charge: Charge,
+    stale_after: timedelta,
+) -> Reservation:
+    """Count `charge` against the key's caps, or find the reservation this key already has.
+    The decision is the SQL function vault_reserve (migrations/002_vault.sql): one round trip."""
+    row = await conn.fetchrow(
+        "SELECT * FROM vault_reserve($1, $2, $3, $4, $5, $6, $7)",
+        key_id,
+        idempotency_key,
+        charge.endpoint,
+        charge.amount_cents,
+        charge.currency,
+        charge.customer,
+        stale_after,
+    )
+    decision, detail = row["decision"], row["detail"]
+    if decision == "reserved":
+        return Reservation(row["reservation_id"], row["attempt"], "pending", True, True, False)
+    if decision == "taken_over":
+        return Reservation(row["reservation_id"], row["attempt"], "pending", True, False, True)
+    if decision == "replay":
+        # Stripe replays the saved result; nothing to count or settle.
+        return Reservation(row["reservation_id"], row["attempt"], "committed", False, False, False)
+    if decision == "in_flight":
+        raise InFlight(
+            "a request with this Idempotency-Key is in flight; retry when it has finished"
+        )
+    if decision == "mismatch":
+        raise Mismatch(
+            f"this Idempotency-Key was first used for a different request ({detail});"
+            " use a new key for a new request"
+        )
+    if decision in ("revoked", "expired"):
+        revoked = decision == "revoked"
+        raise KeyUnusable(
+            f"this vault key has {'been revoked' if revoked else 'expired'}", revoked=revoked
+        )
+    daily = decision == "daily_cap"
+    assert daily or decision == "cap", decision
+    cap = "daily cap (UTC day)" if daily else "cap"
+    raise CapExceeded(
+        f"{charge.amount_cents} cents would pass this key's {cap}: {detail} cents remain",
+        daily=daily,
+    )
+
+
+async def settle(
+    conn: asyncpg.Connection,
+    reservation: Reservation,
+    outcome: Outcome,
+    upstream_status: int | None,
+) -> ReservationState:
+    """Record what the upstream answered this request's attempt; returns the state after."""
+    if outcome == "unknown":
+        state: ReservationState | None = await conn.fetchval(
+            """
+            UPDATE vault_reservations
+            SET state = 'unknown', upstream_status = $3, updated_at = now()
+            WHERE id = $1 AND attempt = $2 AND state = 'pending'
+            RETURNING state
+            """,
+            reservation.id,
+            reservation.attempt,
+            upstream_status,
+        )
+    else:
+        target: Literal["committed", "released"] = (
+            "committed" if outcome == "succeeded" else "released"
+        )
+        done = await _finish(
+            conn, reservation.id, reservation.attempt, "pending", target, None, upstream_status
+        )
+        state = target if done else None
+    if state is None:
+        # Taken over meanwhile (this attempt was declared stale): the new owner settles it.
+        state = await conn.fetchval(
+            "SELECT state FROM vault_reservations WHERE id = $1", reservation.id
+        )
+    return state
+
+
+async def _finish(
+    conn: asyncpg.Connection,
+    reservation_id: int,
+    attempt: int,
+    from_state: ReservationState,
+    to_state: Literal["committed", "released"],
+    committed_cents: int | None,
+    upstream_status: int | None,
+) -> bool:
+    """Move the reservation's amount out of reserved, into spent if committed: one statement,
+    each update feeding the next, so the locks are taken reservation, key, day."""
+    moved: int = await conn.fetchval(
+        """
+        WITH r AS (
+            UPDATE vault_reservations
+            SET state = $4, updated_at = now(), upstream_status = coalesce($6, upstream_status),
+                committed_cents = CASE WHEN $4 = 'committed'
+                                       THEN coalesce($5::bigint, amount_cents) END
+            WHERE id = $1 AND attempt = $2 AND state = $3
+            RETURNING vault_key_id, day, amount_cents, coalesce(committed_cents, 0) AS spent
+        ), k AS (
+            UPDATE vault_keys AS k
+            SET reserved_cents = k.reserved_cents - r.amount_cents,
+                spent_cents = k.spent_cents + r.spent
+            FROM r WHERE k.id = r.vault_key_id
+            RETURNING r.vault_key_id, r.day, r.amount_cents, r.spent
+        ), d AS (
+            UPDATE vault_key_days AS d
+            SET reserved_cents = d.reserved_cents - k.amount_cents,
+                spent_cents = d.spent_cents + k.spent
+            FROM k WHERE d.vault_key_id = k.vault_key_id AND d.day = k.day
+        )
+        SELECT count(*) FROM k
+        """,
+        reservation_id,
+        attempt,
+        from_state,
+        to_state,
+        committed_cents,
+        upstream_status,
+    )
+    return moved == 1
+
+
+async def mark_stale_unknown(conn: asyncpg.Connection, key_id: str, stale_after: timedelta) -> None:
+    """Pending reservations older than any request could be were left by a vault that stopped
+    mid-request: their outcome is unknown."""
+    await conn.execute(
+        """
+        UPDATE vault_reservations SET state = 'unknown', updated_at = now()
+        WHERE vault_key_id = $1 AND state = 'pending' AND updated_at <= now() - $2::interval
+        """,
+        key_id,
+        stale_after,
+    )
+
+
+async def resolve(
+    conn: asyncpg.Connection,
+    key_id: str,
+    idempotency_key: str,
+    outcome: Literal["succeeded", "failed"],
+    amount_cents: int | None,
+    stale_after: timedelta,
+) -> ReservationInfo:
+    """Settle an unknown reservation with what reconciliation found on Stripe. Repeating the
+    same resolution is a no-op; contradicting a settled one is refused."""
+    target: Literal["committed", "released"] = "committed" if outcome == "succeeded" else "released"
+    async with conn.transaction():
+        await mark_stale_unknown(conn, key_id, stale_after)
+        row = await conn.fetchrow(
+            """
+            SELECT id, attempt, state, amount_cents, committed_cents FROM vault_reservations
+            WHERE vault_key_id = $1 AND idempotency_key = $2 FOR UPDATE
+            """,
+            key_id,
+            idempotency_key,
+        )
+        if row is None:
+            raise NotFound(f"key {key_id} has no reservation for this idempotency key")
+        if amount_cents is not None and amount_cents > row["amount_cents"]:
+            raise ValueError(
+                f"amount_cents {amount_cents} exceeds the {row['amount_cents']} cents reserved"
+            )
+        state: ReservationState = row["state"]
+        same = state == target and (amount_cents is None or amount_cents == row["committed_cents"])
+        if not same:
+            if state == "pending":
+                raise Conflict("the reservation is in flight; resolve it when it is not")
+            if state != "unknown":
+                raise Conflict(f"the reservation is already {state}")
+            await _finish(conn, row["id"], row["attempt"], "unknown", target, amount_cents, None)
+        info = await conn.fetchrow(
+            f"SELECT {store.RESERVATION_COLUMNS} FROM vault_reservations WHERE id = $1",
+            row["id"],
+        )
+    return store.reservation_info(info)

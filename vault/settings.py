@@ -1,0 +1,60 @@
+"""The vault's configuration, from `VAULT_*` environment variables."""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class VaultSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="VAULT_", extra="ignore", frozen=True)
+
+    database_url: str = Field(
+        default="postgresql://postgres@127.0.0.1:5433/billing",
+        description="PostgreSQL holding the vault tables (migrations/002_vault.sql)",
+    )
+    # No defaults for the secrets: a vault started without them must not start at all.
+    admin_token: SecretStr = Field(description="bearer token of the admin API")
+    upstream_stripe_base: str = Field(
+        default="http://127.0.0.1:12111",
+        pattern=r"^https?://[^\s/]+(/[^\s]*)?$",
+        description="Stripe's API base URL (the local emulator by default)",
+    )
+    upstream_stripe_secret: SecretStr = Field(description="the real Stripe secret key")
+    # No default: the ceiling on any key's cap is a policy each deployment chooses.
+    # At most 2**62, so sums of caps and amounts stay within Postgres' bigint.
+    max_cap_cents: int = Field(gt=0, le=2**62, description="no key may be issued with a larger cap")
+    upstream_timeout_seconds: float = Field(default=30.0, gt=0, le=600)
+    upstream_max_connections: int = Field(default=200, ge=1)
+    # Small on purpose: connections are held only for single statements, never across the
+    # upstream call, and more backends queueing for one key row cost more than they add.
+    database_pool_size: int = Field(default=10, ge=2, le=200)
+
+    @field_validator("admin_token")
+    @classmethod
+    def _long_enough(cls, value: SecretStr) -> SecretStr:
+        # Its own message: pydantic's would state the token's length.
+        if len(value.get_secret_value()) < 16:
+            raise ValueError("must be at least 16 characters")
+        return value
+
+    @field_validator("upstream_stripe_secret")
+    @classmethod
+    def _stripe_secret_shape(cls, value: SecretStr) -> SecretStr:
+        if not value.get_secret_value().startswith(("sk_", "rk_")):
+            raise ValueError("must be a Stripe secret or restricted key (sk_... or rk_...)")
+        return value
+
+    @property
+    def upstream_base(self) -> str:
+        return self.upstream_stripe_base.rstrip("/")
+
+
+def describe_settings_error(error: ValidationError) -> str:
+    """Name each bad setting and why, never its value: the input may hold the other secrets."""
+    lines = []
+    for problem in error.errors(include_input=False, include_url=False):
+        name = "VAULT_" + "_".join(str(part) for part in problem["loc"]).upper()
+        reason = "is required but not set" if problem["type"] == "missing" else problem["msg"]
+        lines.append(f"{name}: {reason}")
+    return "invalid vault settings:\n  " + "\n  ".join(lines)

@@ -1,0 +1,67 @@
+"""What the handlers share for the life of the app: settings, the database, the upstream."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import aiohttp
+import asyncpg
+from aiohttp import web
+
+from vault import store
+from vault.settings import VaultSettings
+
+# How long past the upstream timeout a pending reservation may stay pending before it is
+# treated as unknown: only a vault stopped mid-request leaves one that old.
+_STALE_MARGIN = timedelta(seconds=10)
+
+
+@dataclass(frozen=True)
+class VaultState:
+    settings: VaultSettings
+    pool: asyncpg.Pool
+    upstream: aiohttp.ClientSession
+    upstream_authorization: str = field(repr=False)
+    upstream_secret: bytes = field(repr=False)
+    admin_token_digest: bytes = field(repr=False)
+    stale_after: timedelta
+
+
+STATE = web.AppKey("vault_state", VaultState)
+
+
+def token_digest(token: str) -> bytes:
+    # Tokens are compared as digests: equal length, so the comparison time says nothing.
+    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+
+
+def lifecycle(settings: VaultSettings) -> Callable[[web.Application], AsyncIterator[None]]:
+    """An aiohttp cleanup context opening the pool and the upstream session, and closing them
+    after the last in-flight request has finished."""
+
+    async def run(app: web.Application) -> AsyncIterator[None]:
+        pool = await store.create_pool(settings.database_url, settings.database_pool_size)
+        upstream = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=settings.upstream_max_connections),
+            timeout=aiohttp.ClientTimeout(total=settings.upstream_timeout_seconds),
+        )
+        secret = settings.upstream_stripe_secret.get_secret_value()
+        app[STATE] = VaultState(
+            settings=settings,
+            pool=pool,
+            upstream=upstream,
+            upstream_authorization=f"Bearer {secret}",
+            upstream_secret=secret.encode(),
+            admin_token_digest=token_digest(settings.admin_token.get_secret_value()),
+            stale_after=timedelta(seconds=settings.upstream_timeout_seconds) + _STALE_MARGIN,
+        )
+        try:
+            yield
+        finally:
+            await upstream.close()
+            await pool.close()
+
+    return run

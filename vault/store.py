@@ -1,0 +1,201 @@
+"""The vault's SQL for keys, the audit log and reservation listings (the cap is reservations.py)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, fields
+from typing import Any
+
+import asyncpg
+
+from vault.models import (
+    AuditEntry,
+    IssueKeyRequest,
+    KeyInfo,
+    ReservationInfo,
+    ReservationState,
+)
+
+_TODAY = "(now() AT TIME ZONE 'UTC')::date"
+
+_KEY_VIEW = f"""
+    SELECT k.id, k.vendor, k.label, k.period, k.currency, k.cap_cents, k.daily_cap_cents,
+           k.reserved_cents, k.spent_cents,
+           k.cap_cents - k.reserved_cents - k.spent_cents AS remaining_cents,
+           CASE WHEN k.daily_cap_cents IS NOT NULL
+                THEN coalesce(d.reserved_cents + d.spent_cents, 0) END AS daily_used_cents,
+           k.allowed_endpoints, k.expires_at, k.expires_at <= now() AS expired,
+           k.revoked_at IS NOT NULL AS revoked, k.revoked_at, k.created_at
+    FROM vault_keys k
+    LEFT JOIN vault_key_days d ON d.vault_key_id = k.id AND d.day = {_TODAY}
+"""
+
+RESERVATION_COLUMNS = """
+    idempotency_key, endpoint, state, amount_cents, committed_cents, currency, customer, day,
+    attempt, upstream_status, created_at, updated_at
+"""
+
+
+def secret_digest(secret: str) -> bytes:
+    # A plain hash suffices: the secret is 32 random bytes, so there is nothing to brute-force.
+    return hashlib.sha256(secret.encode()).digest()
+
+
+async def create_pool(dsn: str, size: int) -> asyncpg.Pool:
+    pool = await asyncpg.create_pool(
+        dsn, min_size=min(2, size), max_size=size, command_timeout=30, reset=_keep_session
+    )
+    assert pool is not None
+    return pool
+
+
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """The vault sets no session state (no SET, LISTEN, advisory lock or cursor), so the
+    default reset query, a round trip on every release, is skipped. asyncpg still rolls back
+    a transaction left open."""
+
+
+async def insert_key(
+    conn: asyncpg.Connection, key_id: str, secret: str, request: IssueKeyRequest
+) -> KeyInfo:
+    await conn.execute(
+        """
+        INSERT INTO vault_keys (id, secret_sha256, vendor, label, period, currency, cap_cents,
+                                daily_cap_cents, allowed_endpoints, expires_at)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+        """,
+        key_id,
+        secret_digest(secret),
+        request.vendor,
+        request.label,
+        request.period,
+        request.currency,
+        request.cap_cents,
+        request.daily_cap_cents,
+        request.allowed_endpoints,
+        request.expires_at,
+    )
+    info = await get_key(conn, key_id)
+    assert info is not None
+    return info
+
+
+async def get_key(conn: asyncpg.Connection, key_id: str) -> KeyInfo | None:
+    row = await conn.fetchrow(f"{_KEY_VIEW} WHERE k.id = $1", key_id)
+    return None if row is None else KeyInfo.model_validate(dict(row))
+
+
+async def find_keys(
+    conn: asyncpg.Connection, period: str | None, label: str | None
+) -> list[KeyInfo]:
+    """Newest first, revoked and expired included: a caller looking for "the key of a period"
+    must see a revoked one, or it would issue a fresh key and undo the kill switch."""
+    rows = await conn.fetch(
+        f"""{_KEY_VIEW}
+        WHERE ($1::text IS NULL OR k.period = $1) AND ($2::text IS NULL OR k.label = $2)
+        ORDER BY k.created_at DESC, k.id LIMIT 1000
+        """,
+        period,
+        label,
+    )
+    return [KeyInfo.model_validate(dict(row)) for row in rows]
+
+
+async def revoke_key(conn: asyncpg.Connection, key_id: str) -> KeyInfo | None:
+    # Revoking twice keeps the first time.
+    await conn.execute(
+        "UPDATE vault_keys SET revoked_at = coalesce(revoked_at, now()) WHERE id = $1", key_id
+    )
+    return await get_key(conn, key_id)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyGrant:
+    """What the proxy needs to know about the key a request presented."""
+
+    id: str
+    currency: str
+    allowed_endpoints: list[str]
+    revoked: bool
+    expired: bool
+
+
+async def key_for_secret(conn: asyncpg.Connection, secret: str) -> KeyGrant | None:
+    row = await conn.fetchrow(
+        """
+        SELECT id, currency, allowed_endpoints, revoked_at IS NOT NULL AS revoked,
+               expires_at <= now() AS expired
+        FROM vault_keys WHERE secret_sha256 = $1
+        """,
+        secret_digest(secret),
+    )
+    return None if row is None else KeyGrant(**dict(row))
+
+
+@dataclass(slots=True)
+class AuditRecord:
+    """One proxied request, filled in as the request is handled. Field order is the INSERT's."""
+
+    method: str
+    path: str
+    vault_key_id: str | None = None
+    idempotency_key: str | None = None
+    amount_cents: int | None = None
+    currency: str | None = None
+    customer: str | None = None
+    upstream_status: int | None = None
+    decision: str = "refused_auth"
+    refusal_code: str | None = None
+    reservation_state: ReservationState | None = None
+    latency_ms: float = 0.0
+
+
+async def insert_audit(conn: asyncpg.Connection, record: AuditRecord) -> None:
+    await conn.execute(
+        """
+        INSERT INTO vault_audit (method, path, vault_key_id, idempotency_key, amount_cents,
+                                 currency, customer, upstream_status, decision, refusal_code,
+                                 reservation_state, latency_ms)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+        """,
+        # Not dataclasses.astuple: it deep-copies every field, a cost on every request.
+        *(getattr(record, field.name) for field in fields(record)),
+    )
+
+
+async def audit_page(
+    conn: asyncpg.Connection, key_id: str, limit: int, before: int | None
+) -> list[AuditEntry]:
+    rows = await conn.fetch(
+        """
+        SELECT id, at, vault_key_id, method, path, idempotency_key, amount_cents, currency,
+               customer, upstream_status, decision, refusal_code, reservation_state, latency_ms
+        FROM vault_audit
+        WHERE vault_key_id = $1 AND ($2::bigint IS NULL OR id < $2)
+        ORDER BY id DESC LIMIT $3
+        """,
+        key_id,
+        before,
+        limit,
+    )
+    return [AuditEntry.model_validate(dict(row)) for row in rows]
+
+
+async def list_reservations(
+    conn: asyncpg.Connection, key_id: str, state: ReservationState | None, limit: int
+) -> list[ReservationInfo]:
+    rows = await conn.fetch(
+        f"""
+        SELECT {RESERVATION_COLUMNS} FROM vault_reservations
+        WHERE vault_key_id = $1 AND ($2::text IS NULL OR state = $2)
+        ORDER BY id LIMIT $3
+        """,
+        key_id,
+        state,
+        limit,
+    )
+    return [reservation_info(row) for row in rows]
+
+
+def reservation_info(row: Any) -> ReservationInfo:
+    return ReservationInfo.model_validate(dict(row))
