@@ -21,6 +21,7 @@ from temporalio.worker import Worker
 import workflows
 from activities.charging import ChargingActivities
 from activities.period import PeriodActivities, scheduled_period
+from activities.stripe_access import DirectAccess, StripeAccess, VaultAccess
 from activities.stripe_gateway import StripeGateway
 from billing import logs, metrics
 from billing.config import (
@@ -31,22 +32,27 @@ from billing.config import (
 )
 from billing.db import create_pool
 from billing.migrations import migrate
-from billing.stripe_client import stripe_session
+from billing.stripe_client import stripe_client, stripe_http
 from billing.temporal_client import connect
+from vault.client import VaultAdmin
 
 log = logging.getLogger("billing.worker")
+
+
+def direct_access(stripe_api: stripe.StripeClient, settings: BillingSettings) -> StripeAccess:
+    return DirectAccess(StripeGateway(stripe_api, settings.billing_charge_api))
 
 
 def create_worker(
     client: Client,
     task_queue: str,
     pool: asyncpg.Pool,
-    stripe_api: stripe.StripeClient,
+    access: StripeAccess,
     settings: BillingSettings,
+    admin: VaultAdmin | None = None,
 ) -> Worker:
-    gateway = StripeGateway(stripe_api, settings.billing_charge_api)
-    charging = ChargingActivities(pool, gateway, settings)
-    period = PeriodActivities(pool, settings)
+    charging = ChargingActivities(pool, access, settings)
+    period = PeriodActivities(pool, settings, admin)
     return Worker(
         client,
         task_queue=task_queue,
@@ -86,21 +92,35 @@ async def main() -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    admin: VaultAdmin | None = None
     try:
-        async with (
-            stripe_session(settings) as stripe_api,
-            create_worker(client, temporal.task_queue, pool, stripe_api, settings),
-        ):
-            log.info(
-                "worker polling task queue %r in namespace %r",
-                temporal.task_queue,
-                temporal.namespace,
-            )
-            await stop.wait()
-            log.info("shutting down: finishing in-flight activities")
+        async with stripe_http(settings.billing_stripe_timeout_seconds) as http:
+            if settings.billing_vault_url and settings.billing_vault_admin_token:
+                access: StripeAccess = VaultAccess(
+                    pool, settings.billing_vault_url, settings.billing_charge_api, http
+                )
+                admin = VaultAdmin(settings.billing_vault_url, settings.billing_vault_admin_token)
+                log.info("charging through the vault at %s", settings.billing_vault_url)
+            else:
+                api_key = settings.stripe_api_key.get_secret_value()
+                direct = stripe_client(api_key, settings.stripe_api_base, http)
+                access = direct_access(direct, settings)
+            worker = create_worker(client, temporal.task_queue, pool, access, settings, admin)
+            await _run(worker, temporal, stop)
     finally:
+        if admin is not None:
+            await admin.close()
         await pool.close()
     log.info("worker stopped")
+
+
+async def _run(worker: Worker, temporal: TemporalSettings, stop: asyncio.Event) -> None:
+    async with worker:
+        log.info(
+            "worker polling task queue %r in namespace %r", temporal.task_queue, temporal.namespace
+        )
+        await stop.wait()
+        log.info("shutting down: finishing in-flight activities")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -12,15 +14,17 @@ import stripe
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.stripe_access import StripeAccess
 from activities.stripe_failures import (
     DECLINED,
+    KEY_REFUSED,
+    PERIOD_BLOCKERS,
     REFUSED,
     SPEND_CAP_EXCEEDED,
     declined,
     is_replayed,
     to_temporal_failure,
 )
-from activities.stripe_gateway import StripeGateway
 from billing import ledger, logs, metrics
 from billing.config import BillingSettings
 from billing.errors import UnknownCustomerError
@@ -44,8 +48,15 @@ PAUSED = "PeriodPaused"
 # returns well before the attempt's 60 s start-to-close timeout.
 PAUSE_POLL = 0.5
 PAUSE_HOLD = 40.0
+# Well inside the charge activity's heartbeat timeout (workflows/customer_charge.py).
+HEARTBEAT_EVERY = 2.0
 # The `outcome` of a charge attempt that failed for good; any other failure is an "error".
-FAILED_OUTCOMES = {DECLINED: "declined", REFUSED: "refused", SPEND_CAP_EXCEEDED: "refused"}
+FAILED_OUTCOMES = {
+    DECLINED: "declined",
+    REFUSED: "refused",
+    SPEND_CAP_EXCEEDED: "refused",
+    KEY_REFUSED: "refused",
+}
 
 log = logging.getLogger("billing.charging")
 
@@ -62,11 +73,9 @@ class RecordUnbilled(Record):
 
 
 class ChargingActivities:
-    def __init__(
-        self, pool: asyncpg.Pool, gateway: StripeGateway, settings: BillingSettings
-    ) -> None:
+    def __init__(self, pool: asyncpg.Pool, access: StripeAccess, settings: BillingSettings) -> None:
         self._pool = pool
-        self._gateway = gateway
+        self._access = access
         self._settings = settings
 
     @activity.defn(name="claim")
@@ -100,23 +109,32 @@ class ChargingActivities:
 
     async def _charge(self, claim: Claim) -> ChargeResult:
         age = datetime.now(UTC) - claim.claimed_at
+        gateway = await self._access.gateway_for(claim)
         try:
             # Stripe forgets keys after 24 hours: past that a replay would charge again, so an
             # old claim is looked up first.
             if age > timedelta(seconds=self._settings.billing_lookup_after_seconds):
-                found = await self._gateway.find(claim)
+                found = await gateway.find(claim)
                 if found is not None:
                     return _settle(found)
-            return await self._gateway.charge(claim)
+            async with heartbeating():
+                return await gateway.charge(claim)
         except stripe.StripeError as exc:
             if is_replayed(exc) and (exc.http_status or 0) >= 500:
                 # Stripe saved a 500 raised after the charge began: the key will replay it
                 # for a day, so the truth is in the customer's charges.
-                found = await self._gateway.find(claim)
+                found = await gateway.find(claim)
                 if found is not None:
                     return _settle(found)
             metrics.count_vault_refusal(exc)
-            raise to_temporal_failure(exc) from None
+            failure = to_temporal_failure(exc)
+            if failure.type in PERIOD_BLOCKERS:
+                # Refused before Stripe: the claim waits at the gate for the operator, and a
+                # key replaced since (e.g. after expiry) is read afresh on the next attempt.
+                self._access.forget(claim)
+                async with self._pool.acquire() as conn:
+                    await ledger.reopen_refused_charge(conn, claim.idempotency_key)
+            raise failure from None
 
     async def _pass_gate(self, claim: Claim) -> None:
         """Wait while the period is paused; stop here if it is cancelled or skipped."""
@@ -151,6 +169,23 @@ class ChargingActivities:
                 conn, request.claim.idempotency_key, request.status, request.failure
             )
         _log_event("record", request.claim, status=request.status, code=request.failure.code)
+
+
+@asynccontextmanager
+async def heartbeating(every: float = HEARTBEAT_EVERY) -> AsyncIterator[None]:
+    """Heartbeat while a slow call runs, so a worker that dies mid-call is noticed within
+    the heartbeat timeout instead of the whole start-to-close timeout. Fast calls send none."""
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(every)
+            activity.heartbeat()
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
 
 
 def _stopped(kind: str, code: str, message: str) -> ApplicationError:

@@ -3,14 +3,15 @@ controls (pause, resume, cancel, skip), close."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from zoneinfo import ZoneInfo
 
 import asyncpg
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from billing import ledger
+from activities.stripe_failures import KEY_REFUSED
+from billing import ledger, period_keys
 from billing.config import BillingSettings
 from billing.errors import UnknownCustomerError
 from billing.keys import idempotency_key
@@ -27,7 +28,9 @@ from billing.models import (
     SkipRequest,
     SkipResult,
 )
+from billing.money import spend_cap
 from billing.periods import Billing, parse_period, period_for
+from vault.client import VaultAdmin, VaultAuthError, VaultInvalidRequest
 
 
 class PrepareRequest(Record):
@@ -78,9 +81,12 @@ async def scheduled_period(request: ScheduledPeriodRequest) -> str:
 
 
 class PeriodActivities:
-    def __init__(self, pool: asyncpg.Pool, settings: BillingSettings) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, settings: BillingSettings, admin: VaultAdmin | None = None
+    ) -> None:
         self._pool = pool
         self._settings = settings
+        self._admin = admin
 
     def _key(self, customer_id: str, period: str) -> str:
         return idempotency_key(
@@ -92,7 +98,27 @@ class PeriodActivities:
         async with self._pool.acquire() as conn:
             plan = await ledger.plan_period(conn, request.period)
             await ledger.start_period(conn, plan, request.workflow_id)
-            return plan
+        if self._admin is not None:
+            await self._ensure_keys(plan, self._admin)
+        return plan
+
+    async def _ensure_keys(self, plan: PeriodPlan, admin: VaultAdmin) -> None:
+        """The period's vault key per currency, capped at the expected total with headroom."""
+        grace = timedelta(days=self._settings.billing_vault_key_grace_days)
+        for currency, total in sorted(plan.totals_by_currency.items()):
+            cap = spend_cap(total, self._settings.billing_cap_multiplier)
+            try:
+                await period_keys.ensure_key(
+                    self._pool, admin, parse_period(plan.period), currency, cap, grace
+                )
+            except (period_keys.KeyRevokedError, VaultInvalidRequest, VaultAuthError) as exc:
+                # Revoked (the kill switch), a cap over the vault's ceiling, a wrong admin
+                # token: none of these change by retrying.
+                raise ApplicationError(
+                    f"no vault key for {plan.period} ({currency}): {exc}",
+                    type=KEY_REFUSED,
+                    non_retryable=True,
+                ) from None
 
     @activity.defn(name="due_customers")
     async def due_customers(self, request: DuePageRequest) -> DuePage:

@@ -18,7 +18,11 @@ from billing.redact import redact
 # ApplicationError types the workflow tells apart.
 DECLINED = "ChargeDeclined"
 REFUSED = "ChargeRefused"
+# The period's key itself is refused (cap reached, revoked, expired, not allowed): no charge
+# of the period can pass, so the period pauses for an operator instead of failing customers.
 SPEND_CAP_EXCEEDED = "SpendCapExceeded"
+KEY_REFUSED = "KeyRefused"
+PERIOD_BLOCKERS = frozenset({SPEND_CAP_EXCEEDED, KEY_REFUSED})
 RETRYABLE = "StripeUnavailable"
 
 
@@ -77,9 +81,9 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
             code="authentication_failed",
             message="the Stripe or vault key was refused (unknown, expired or revoked)",
         )
-        return _non_retryable(REFUSED, failure)
+        return _non_retryable(KEY_REFUSED, failure)
     if isinstance(exc, stripe.PermissionError):
-        return _non_retryable(REFUSED, failure_from(exc, "permission_denied"))
+        return _non_retryable(KEY_REFUSED, failure_from(exc, "permission_denied"))
     if isinstance(exc, stripe.IdempotencyError):
         return _non_retryable(REFUSED, failure_from(exc, "idempotency_error"))
     if isinstance(exc, stripe.InvalidRequestError):

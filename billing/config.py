@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -41,6 +41,17 @@ class BillingSettings(BaseSettings):
     # Claims older than this are looked up on Stripe before a new request: Stripe keeps
     # idempotency keys for 24 hours, so a later replay would execute as a new charge.
     billing_lookup_after_seconds: float = Field(default=23 * 3600, gt=0)
+    # With a vault, workers charge through it with per-period keys and never hold the Stripe
+    # secret (STRIPE_API_KEY is then unused); the admin token lets them issue those keys.
+    billing_vault_url: str | None = None
+    billing_vault_admin_token: SecretStr | None = None
+    billing_vault_key_grace_days: int = Field(default=7, ge=1, le=90)
+
+    @model_validator(mode="after")
+    def _vault_needs_token(self) -> BillingSettings:
+        if self.billing_vault_url and self.billing_vault_admin_token is None:
+            raise ValueError("BILLING_VAULT_URL is set: BILLING_VAULT_ADMIN_TOKEN is needed too")
+        return self
 
 
 class ObservabilitySettings(BaseSettings):

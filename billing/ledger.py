@@ -42,17 +42,24 @@ _CLAIM_COLUMNS = """
 
 
 async def plan_period(conn: asyncpg.Connection, period: str) -> PeriodPlan:
-    row = await conn.fetchrow(
+    rows = await conn.fetch(
         f"""
-        SELECT count(*) AS due, count(*) FILTER (WHERE {_OPEN}) AS to_charge,
+        SELECT coalesce(r.currency, c.currency) AS currency, count(*) AS due,
+               count(*) FILTER (WHERE {_OPEN}) AS to_charge,
                coalesce(sum(coalesce(r.amount_cents, c.amount_cents)) FILTER (WHERE {_OPEN}), 0)
                    AS total
         {_DUE}
+        GROUP BY 1
         """,
         period,
     )
+    totals = {row["currency"]: row["total"] for row in rows if row["total"]}
     return PeriodPlan(
-        period=period, due=row["due"], to_charge=row["to_charge"], expected_total_cents=row["total"]
+        period=period,
+        due=sum(row["due"] for row in rows),
+        to_charge=sum(row["to_charge"] for row in rows),
+        expected_total_cents=sum(totals.values()),
+        totals_by_currency=totals,
     )
 
 
@@ -295,6 +302,20 @@ async def begin_charge(conn: asyncpg.Connection, claim: Claim) -> Gate:
             claim.idempotency_key,
         )
         return "go"
+
+
+async def reopen_refused_charge(conn: asyncpg.Connection, key: str) -> bool:
+    """Undo begin_charge for an attempt refused before it reached Stripe (the vault's cap, a
+    refused key), so the claim waits at the gate again; only when no other attempt might have
+    reached Stripe. `attempts` counts requests that may have."""
+    reopened = await conn.fetchval(
+        """
+        UPDATE billing_runs SET charge_started_at = NULL, attempts = 0, updated_at = now()
+        WHERE idempotency_key = $1 AND status = 'claimed' AND attempts = 1 RETURNING 1
+        """,
+        key,
+    )
+    return reopened is not None
 
 
 async def request_skip(

@@ -96,6 +96,7 @@ class PeriodPlan(Record):
     due: int
     to_charge: int
     expected_total_cents: int
+    totals_by_currency: dict[str, int] = Field(default_factory=dict)
 
 
 class Counts(BaseModel):

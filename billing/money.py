@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from decimal import Decimal
 
 import pycountry
 
@@ -46,4 +47,5 @@ def spend_cap(expected_total_cents: int, multiplier: float) -> int:
     """The period key's cap: the expected total with headroom, rounded up to a whole cent."""
     if multiplier < 1:
         raise InvalidAmountError(f"cap multiplier {multiplier} would cap below the expected total")
-    return math.ceil(expected_total_cents * multiplier)
+    # In decimal: 99510 * 1.10 in binary floating point is 109461.00000000001.
+    return math.ceil(Decimal(expected_total_cents) * Decimal(str(multiplier)))

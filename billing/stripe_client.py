@@ -1,4 +1,4 @@
-"""The one way the project opens a Stripe client (async, closed when done)."""
+"""The one way the project opens Stripe clients (async, closed when done)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,24 @@ from billing.config import BillingSettings
 
 
 @asynccontextmanager
-async def stripe_session(settings: BillingSettings) -> AsyncIterator[stripe.StripeClient]:
-    # No max_network_retries: Temporal retries, always with the claim's idempotency key.
-    http = stripe.AIOHTTPClient(timeout=settings.billing_stripe_timeout_seconds)
+async def stripe_http(timeout: float) -> AsyncIterator[stripe.HTTPClient]:
+    """One connection pool shared by every client of a process."""
+    http = stripe.AIOHTTPClient(timeout=timeout)
     try:
-        yield stripe.StripeClient(
-            settings.stripe_api_key.get_secret_value(),
-            base_addresses={"api": settings.stripe_api_base},
-            http_client=http,
-        )
+        yield http
     finally:
         await http.close_async()  # type: ignore[no-untyped-call]
+
+
+def stripe_client(api_key: str, api_base: str, http: stripe.HTTPClient) -> stripe.StripeClient:
+    # No max_network_retries: Temporal retries, always with the claim's idempotency key.
+    return stripe.StripeClient(api_key, base_addresses={"api": api_base}, http_client=http)
+
+
+@asynccontextmanager
+async def stripe_session(settings: BillingSettings) -> AsyncIterator[stripe.StripeClient]:
+    """A client with STRIPE_API_KEY at STRIPE_API_BASE."""
+    async with stripe_http(settings.billing_stripe_timeout_seconds) as http:
+        yield stripe_client(
+            settings.stripe_api_key.get_secret_value(), settings.stripe_api_base, http
+        )

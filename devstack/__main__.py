@@ -33,6 +33,7 @@ async def up(config: StackConfig) -> None:
         f"  Temporal          {env['TEMPORAL_ADDRESS']} (namespace {env['TEMPORAL_NAMESPACE']})\n"
         f"  PostgreSQL        {env['DATABASE_URL']}\n"
         f"  Stripe emulator   {env['STRIPE_EMULATOR_URL']}\n"
+        f"  vault proxy       {env['BILLING_VAULT_URL']}\n"
         f"  worker            {'running' if config.worker else 'not started (--no-worker)'}\n"
         f"  environment       source {config.env_file}\n"
         f"  logs              {config.log_dir}\n"
@@ -86,7 +87,7 @@ def main() -> int:
     start = commands.add_parser("up", help="start the local stack and wait for Ctrl-C")
     start.add_argument("--no-worker", action="store_true", help="start everything but the worker")
     defaults = StackConfig()
-    for field in ("temporal_port", "ui_port", "postgres_port", "emulator_port"):
+    for field in ("temporal_port", "ui_port", "postgres_port", "emulator_port", "vault_port"):
         start.add_argument(
             f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field)
         )
@@ -100,6 +101,7 @@ def main() -> int:
         ui_port=args.ui_port,
         postgres_port=args.postgres_port,
         emulator_port=args.emulator_port,
+        vault_port=args.vault_port,
     )
     try:
         asyncio.run(up(config))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import shlex
 import sys
 from pathlib import Path
@@ -20,6 +21,8 @@ DEFAULT_ROOT = PROJECT_ROOT / ".devstack"
 DATABASE = "billing"
 # A test-mode key: the emulator accepts any sk_test_ key; never a real one here.
 LOCAL_STRIPE_KEY = "sk_test_local_emulator"
+# No local period key may be capped above $100M.
+LOCAL_MAX_CAP_CENTS = 10_000_000_000
 
 
 class StackConfig(BaseModel):
@@ -28,6 +31,7 @@ class StackConfig(BaseModel):
     ui_port: int = 8233
     postgres_port: int = 5433
     emulator_port: int = 12111
+    vault_port: int = 8180
     namespace: str = "default"
     task_queue: str = "billing"
     worker: bool = True
@@ -57,6 +61,8 @@ class LocalStack:
         self.config = config
         self.postgres = LocalPostgres(config.root / "postgres", config.postgres_port)
         self.services: list[Service] = []
+        # A fresh admin token per start: the vault only compares it, it stores nothing.
+        self._vault_token = secrets.token_urlsafe(24)
 
     @property
     def environment(self) -> dict[str, str]:
@@ -73,7 +79,14 @@ class LocalStack:
             "STRIPE_EMULATOR_URL": emulator,
             "BILLING_CHARGE_API": "payment_intents",
             "BILLING_KEY_NAMESPACE": "local",
+            "BILLING_VAULT_URL": f"http://127.0.0.1:{c.vault_port}",
+            "BILLING_VAULT_ADMIN_TOKEN": self._vault_token,
         }
+
+    @property
+    def worker_environment(self) -> dict[str, str]:
+        """The worker charges through the vault and never sees the Stripe secret."""
+        return {k: v for k, v in self.environment.items() if k != "STRIPE_API_KEY"}
 
     async def start(self) -> None:
         c = self.config
@@ -83,12 +96,14 @@ class LocalStack:
             (c.ui_port, "the Temporal Web UI"),
             (c.postgres_port, "PostgreSQL"),
             (c.emulator_port, "the Stripe emulator"),
+            (c.vault_port, "the vault proxy"),
         ):
             ensure_port_free(port, what)
         try:
             await self._start_postgres()
             await self._start_temporal()
             await self._start_emulator()
+            await self._start_vault()
             self.write_env()
             if c.worker:
                 self.services.append(
@@ -96,7 +111,7 @@ class LocalStack:
                         "worker",
                         [sys.executable, str(PROJECT_ROOT / "worker.py")],
                         c.log_dir,
-                        self.environment,
+                        self.worker_environment,
                     )
                 )
         except BaseException:
@@ -161,6 +176,23 @@ class LocalStack:
         )
         self.services.append(service)
         await wait_for_http(service, f"http://127.0.0.1:{c.emulator_port}/_emulator/health")
+
+    async def _start_vault(self) -> None:
+        c = self.config
+        service = spawn(
+            "vault",
+            [sys.executable, "-m", "vault", "--host", "127.0.0.1", "--port", str(c.vault_port)],
+            c.log_dir,
+            {
+                "VAULT_DATABASE_URL": self.postgres.dsn(DATABASE),
+                "VAULT_ADMIN_TOKEN": self._vault_token,
+                "VAULT_UPSTREAM_STRIPE_BASE": f"http://127.0.0.1:{c.emulator_port}",
+                "VAULT_UPSTREAM_STRIPE_SECRET": LOCAL_STRIPE_KEY,
+                "VAULT_MAX_CAP_CENTS": str(LOCAL_MAX_CAP_CENTS),
+            },
+        )
+        self.services.append(service)
+        await wait_for_http(service, f"http://127.0.0.1:{c.vault_port}/vault/health")
 
     def write_env(self) -> None:
         lines = [f"export {k}={shlex.quote(v)}" for k, v in self.environment.items()]

@@ -31,6 +31,7 @@ with workflow.unsafe.imports_passed_through():
     from billing.keys import customer_workflow_id, validate_customer_id
     from billing.models import (
         BillingPeriodInput,
+        ChargeFailure,
         Control,
         ControlState,
         CustomerChargeInput,
@@ -47,9 +48,11 @@ with workflow.unsafe.imports_passed_through():
     )
     from billing.periods import parse_period
     from workflows.customer_charge import CustomerChargeWorkflow
-    from workflows.signals import CHILD_FINISHED
+    from workflows.signals import CHILD_FINISHED, PERIOD_BLOCKED
 
 ACTIVITY_TIMEOUT = timedelta(seconds=60)
+# Who paused a run that paused itself.
+AUTOMATIC = "billing (automatic)"
 # How long the run waits without news before asking the ledger about adopted children.
 ADOPTED_RECHECK = timedelta(minutes=5)
 
@@ -186,6 +189,15 @@ class BillingPeriodWorkflow:
     @workflow.signal(name=CHILD_FINISHED)
     def child_finished(self, outcome: CustomerOutcome) -> None:
         self._settle(outcome)
+
+    @workflow.signal(name=PERIOD_BLOCKED)
+    async def period_blocked(self, failure: ChargeFailure) -> None:
+        """The period's key was refused (cap reached, revoked): stop charging and say why."""
+        if self._control.control == "running":
+            await self._set_control(
+                "paused",
+                OperatorRequest(reason=f"{failure.code}: {failure.message}", operator=AUTOMATIC),
+            )
 
     @workflow.query
     def progress(self) -> PeriodProgress:

@@ -16,10 +16,11 @@ with workflow.unsafe.imports_passed_through():
         RecordCharge,
         RecordUnbilled,
     )
-    from activities.stripe_failures import DECLINED, REFUSED
+    from activities.stripe_failures import DECLINED, PERIOD_BLOCKERS, REFUSED
     from billing import search_attributes
     from billing.models import (
         ChargeFailure,
+        ChargeResult,
         Claim,
         CustomerChargeInput,
         CustomerOutcome,
@@ -27,9 +28,13 @@ with workflow.unsafe.imports_passed_through():
         Outcome,
         finished_outcome,
     )
-    from workflows.signals import CHILD_FINISHED
+    from workflows.signals import CHILD_FINISHED, PERIOD_BLOCKED
 
 LEDGER_TIMEOUT = timedelta(seconds=30)
+# Stripe's own timeout is 30 s; a worker that dies mid-call is noticed by the heartbeat.
+CHARGE_TIMEOUT = timedelta(seconds=60)
+CHARGE_HEARTBEAT_TIMEOUT = timedelta(seconds=10)
+BLOCKED_RETRY = timedelta(seconds=5)
 # Retried without limit: a charge is never abandoned while its outcome is unknown; every
 # attempt carries the claim's key, so Stripe executes it at most once.
 CHARGE_RETRY = RetryPolicy(
@@ -57,7 +62,7 @@ class CustomerChargeWorkflow:
             summary=f"claim {request.customer_id} for {request.period}",
         )
         if claim.status == "claimed":
-            outcome = await self._charge(claim)
+            outcome = await self._charge(request, claim)
         else:
             outcome = _outcome(claim, finished_outcome(claim.status))
         workflow.upsert_search_attributes(
@@ -66,15 +71,9 @@ class CustomerChargeWorkflow:
         await self._report(request, outcome)
         return outcome
 
-    async def _charge(self, claim: Claim) -> CustomerOutcome:
+    async def _charge(self, request: CustomerChargeInput, claim: Claim) -> CustomerOutcome:
         try:
-            result = await workflow.execute_activity_method(
-                ChargingActivities.charge,
-                claim,
-                start_to_close_timeout=timedelta(seconds=60),
-                retry_policy=CHARGE_RETRY,
-                summary=f"charge {claim.amount_cents} {claim.currency} to {claim.customer_id}",
-            )
+            result = await self._charge_until_unblocked(request, claim)
         except ActivityError as err:
             recorded = _recorded_failure(err)
             if recorded is None:
@@ -93,15 +92,44 @@ class CustomerChargeWorkflow:
         )
         return _outcome(claim, "charged", charge_id=result.charge_id)
 
+    async def _charge_until_unblocked(
+        self, request: CustomerChargeInput, claim: Claim
+    ) -> ChargeResult:
+        """Charge; when the period's key is refused, tell the period (which pauses) and try
+        again: the next attempt waits at the ledger's gate until an operator resumes or
+        cancels."""
+        while True:
+            try:
+                return await workflow.execute_activity_method(
+                    ChargingActivities.charge,
+                    claim,
+                    start_to_close_timeout=CHARGE_TIMEOUT,
+                    heartbeat_timeout=CHARGE_HEARTBEAT_TIMEOUT,
+                    retry_policy=CHARGE_RETRY,
+                    summary=f"charge {claim.amount_cents} {claim.currency} to {claim.customer_id}",
+                )
+            except ActivityError as err:
+                cause = err.cause
+                if not isinstance(cause, ApplicationError) or cause.type not in PERIOD_BLOCKERS:
+                    raise
+                failure = ChargeFailure.model_validate(cause.details[0])
+                await self._signal_parent(request, PERIOD_BLOCKED, failure)
+                await workflow.sleep(BLOCKED_RETRY)
+
     async def _report(self, request: CustomerChargeInput, outcome: CustomerOutcome) -> None:
+        await self._signal_parent(request, CHILD_FINISHED, outcome)
+
+    async def _signal_parent(
+        self, request: CustomerChargeInput, signal: str, payload: CustomerOutcome | ChargeFailure
+    ) -> None:
         if request.parent_workflow_id is None:
             return
         parent = workflow.get_external_workflow_handle(request.parent_workflow_id)
         try:
-            await parent.signal(CHILD_FINISHED, outcome)
+            await parent.signal(signal, payload)
         except FailureError:
-            # The period run has closed (e.g. terminated); its ledger still holds this outcome.
-            workflow.logger.warning("period workflow gone; outcome kept in the ledger only")
+            # The period run has closed (e.g. terminated); its ledger still holds the outcome.
+            workflow.logger.warning("period workflow gone; %s not delivered", signal)
 
 
 def _recorded_failure(err: ActivityError) -> tuple[LedgerStatus, ChargeFailure] | None:

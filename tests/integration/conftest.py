@@ -9,7 +9,7 @@ from pydantic import SecretStr
 from temporalio.client import Client
 
 from billing.config import BillingSettings
-from billing.stripe_client import stripe_session
+from billing.stripe_client import stripe_client, stripe_http
 from stripe_emulator import EmulatorConfig, serve
 from tests.integration.harness import Harness
 
@@ -27,7 +27,10 @@ async def harness(
             stripe_api_key=SecretStr(f"sk_test_harness{n}"),
             billing_key_namespace=f"test{n}",
         )
-        async with stripe_session(settings) as stripe_api:
+        async with stripe_http(settings.billing_stripe_timeout_seconds) as http:
+            stripe_api = stripe_client(
+                settings.stripe_api_key.get_secret_value(), settings.stripe_api_base, http
+            )
             harness = Harness(
                 client=temporal_client,
                 pool=db,
@@ -36,6 +39,7 @@ async def harness(
                 settings=settings,
                 task_queue=f"billing-{n}",
                 stripe=stripe_api,
+                http=http,
             )
             try:
                 yield harness

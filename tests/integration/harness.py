@@ -17,12 +17,20 @@ import stripe
 from temporalio.client import Client
 from temporalio.worker import Worker
 
+from activities.stripe_access import StripeAccess, VaultAccess
 from billing.config import BillingSettings
 from billing.customers import CustomerRow, upsert_customers
 from billing.seeding import create_demo_customers
-from worker import create_worker
+from vault.client import VaultAdmin
+from worker import create_worker, direct_access
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class VaultHandle:
+    url: str
+    admin: VaultAdmin
 
 
 def always_visa(_: int) -> str:
@@ -38,6 +46,8 @@ class Harness:
     settings: BillingSettings
     task_queue: str
     stripe: stripe.StripeClient
+    http: stripe.HTTPClient
+    vault: VaultHandle | None = None
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     async def seed(
@@ -74,7 +84,14 @@ class Harness:
         await self._emulator("POST", "/_emulator/faults", faults)
 
     def worker(self) -> Worker:
-        return create_worker(self.client, self.task_queue, self.pool, self.stripe, self.settings)
+        """A worker charging directly, or through the vault when the harness has one."""
+        if self.vault is None:
+            access: StripeAccess = direct_access(self.stripe, self.settings)
+            return create_worker(self.client, self.task_queue, self.pool, access, self.settings)
+        access = VaultAccess(self.pool, self.vault.url, self.settings.billing_charge_api, self.http)
+        return create_worker(
+            self.client, self.task_queue, self.pool, access, self.settings, self.vault.admin
+        )
 
     @asynccontextmanager
     async def running_worker(self) -> AsyncIterator[Worker]:

@@ -20,16 +20,18 @@ from temporalio.client import Client
 from temporalio.worker import Replayer, Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
-from billing import logs, metrics
+from billing import logs, metrics, operations
 from billing.config import ObservabilitySettings, TemporalSettings
+from billing.models import OperatorRequest
 from billing.periods import Period
 from billing.redact import redact
-from billing.runs import start_period
+from billing.runs import period_status, start_period
 from billing.stripe_client import stripe_session
 from billing.temporal_client import connect
 from tests.conftest import free_port
 from tests.integration.harness import Harness
-from worker import create_worker
+from tests.integration.test_failure_modes import eventually
+from worker import create_worker, direct_access
 
 PERIOD = Period(2026, 11)
 # Shaped like a vault key, so the vault's refusal path runs against the emulator (which only
@@ -103,7 +105,11 @@ async def test_metrics_endpoints_move_with_a_run(harness: Harness) -> None:
     async with billing_endpoint() as billing_url:
         before, _ = await scrape(billing_url)
         async with create_worker(
-            client, harness.task_queue, harness.pool, harness.stripe, harness.settings
+            client,
+            harness.task_queue,
+            harness.pool,
+            direct_access(harness.stripe, harness.settings),
+            harness.settings,
         ):
             handle = await start_period(client, PERIOD, harness.task_queue)
             during = asyncio.create_task(scrape(billing_url))
@@ -133,16 +139,28 @@ async def test_a_refused_key_is_counted_and_never_logged(
     async with billing_endpoint() as billing_url, stripe_session(settings) as refused_api:
         before, _ = await scrape(billing_url)
         worker = create_worker(
-            harness.client, harness.task_queue, harness.pool, refused_api, settings
+            harness.client,
+            harness.task_queue,
+            harness.pool,
+            direct_access(refused_api, settings),
+            settings,
         )
         async with worker:
-            summary = await (
-                await start_period(harness.client, PERIOD, harness.task_queue)
-            ).result()
-        after, _ = await scrape(billing_url)
-    assert (summary.charged, summary.failed) == (0, 1)
-    assert delta(before, after, "billing_charges_total", outcome="refused") == 1
-    assert delta(before, after, "billing_vault_refusals_total", code="http_401") == 1
+            handle = await start_period(harness.client, PERIOD, harness.task_queue)
+
+            async def paused() -> bool:
+                return (await period_status(harness.client, PERIOD)).state == "paused"
+
+            # A refused key stops the whole period (it pauses itself) instead of failing it.
+            await eventually(paused, timeout=30)
+            after, _ = await scrape(billing_url)
+            await operations.control(
+                harness.client, PERIOD, "cancel", OperatorRequest(reason="bad key", operator="ops")
+            )
+            summary = await handle.result()
+    assert (summary.charged, summary.failed, summary.cancelled) == (0, 0, 1)
+    assert delta(before, after, "billing_charges_total", outcome="refused") >= 1
+    assert delta(before, after, "billing_vault_refusals_total", code="http_401") >= 1
     text = json_log.getvalue()
     assert PLANTED_KEY not in text and redact(text) == text
     (refusal,) = [line for line in json_lines(json_log) if line.get("event") == "refusal"]

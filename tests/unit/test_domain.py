@@ -20,7 +20,13 @@ from billing.keys import (
     period_workflow_id,
     validate_customer_id,
 )
-from billing.money import MAX_AMOUNT_CENTS, parse_amount, validate_amount, validate_currency
+from billing.money import (
+    MAX_AMOUNT_CENTS,
+    parse_amount,
+    spend_cap,
+    validate_amount,
+    validate_currency,
+)
 from billing.periods import Period, parse_period, period_for, period_range
 
 
@@ -164,3 +170,17 @@ def test_valid_currencies(good: str) -> None:
 def test_invalid_currencies(bad: object) -> None:
     with pytest.raises(InvalidCurrencyError):
         validate_currency(bad)
+
+
+@pytest.mark.parametrize(
+    ("total", "multiplier", "cap"), [(99510, 1.10, 109461), (1, 1.10, 2), (100, 1.0, 100)]
+)
+def test_spend_cap_rounds_up_to_a_cent_without_float_error(
+    total: int, multiplier: float, cap: int
+) -> None:
+    assert spend_cap(total, multiplier) == cap
+
+
+def test_spend_cap_refuses_a_cap_below_the_total() -> None:
+    with pytest.raises(InvalidAmountError, match="below"):
+        spend_cap(100, 0.9)

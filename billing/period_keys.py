@@ -1,0 +1,120 @@
+"""Each period charges through its own vault key: capped at the expected total times
+BILLING_CAP_MULTIPLIER, limited to the charge endpoints, expiring after the period.
+
+Issued (or found) when a run is prepared; the secret, shown once by the vault, is kept in
+`period_vault_keys` for the workers and never passes through workflow history.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+from pydantic import SecretStr
+
+from billing.errors import BillingError
+from billing.models import Record
+from billing.periods import Period
+from vault.client import VaultAdmin
+from vault.models import IssueKeyRequest
+
+LABEL = "billing"
+ALLOWED_ENDPOINTS = [
+    "POST /v1/payment_intents",
+    "GET /v1/payment_intents",
+    "GET /v1/payment_intents/*",
+    "POST /v1/charges",
+    "GET /v1/charges",
+    "GET /v1/charges/*",
+]
+
+
+class KeyRevokedError(BillingError):
+    """The period's key was revoked (the kill switch): no new key is issued behind it."""
+
+
+class PeriodKey(Record):
+    """What a run may record about its key: never the secret."""
+
+    period: str
+    currency: str
+    vault_key_id: str
+    cap_cents: int
+
+
+def key_expiry(period: Period, now: datetime, grace: timedelta) -> datetime:
+    """After the period plus grace; a period billed late (a backfill) gets grace from now."""
+    return max(period.ends_at, now) + grace
+
+
+async def ensure_key(
+    pool: asyncpg.Pool,
+    admin: VaultAdmin,
+    period: Period,
+    currency: str,
+    cap_cents: int,
+    grace: timedelta,
+) -> PeriodKey:
+    """The period's key for the currency: the stored one while it is usable, else a new one."""
+    async with pool.acquire() as conn:
+        row = await conn.fetchrow(
+            "SELECT vault_key_id, cap_cents FROM period_vault_keys"
+            " WHERE billing_period = $1 AND currency = $2",
+            str(period),
+            currency,
+        )
+    if row is not None:
+        info = await admin.get_key(row["vault_key_id"])
+        if info.revoked:
+            raise KeyRevokedError(
+                f"the vault key for {period} ({currency}) was revoked at {info.revoked_at};"
+                " nothing more is charged. Delete its row in period_vault_keys to allow a new key."
+            )
+        if not info.expired:
+            return PeriodKey(
+                period=str(period),
+                currency=currency,
+                vault_key_id=info.id,
+                cap_cents=info.cap_cents,
+            )
+    issued = await admin.issue_key(
+        IssueKeyRequest(
+            label=LABEL,
+            period=str(period),
+            cap_cents=cap_cents,
+            currency=currency,
+            allowed_endpoints=ALLOWED_ENDPOINTS,
+            expires_at=key_expiry(period, datetime.now(UTC), grace),
+        )
+    )
+    async with pool.acquire() as conn:
+        await conn.execute(
+            """
+            INSERT INTO period_vault_keys
+                (billing_period, currency, vault_key_id, secret, cap_cents)
+            VALUES ($1, $2, $3, $4, $5)
+            ON CONFLICT (billing_period, currency) DO UPDATE SET
+                vault_key_id = EXCLUDED.vault_key_id, secret = EXCLUDED.secret,
+                cap_cents = EXCLUDED.cap_cents, created_at = now()
+            """,
+            str(period),
+            currency,
+            issued.id,
+            issued.secret.get_secret_value(),
+            issued.cap_cents,
+        )
+    return PeriodKey(
+        period=str(period), currency=currency, vault_key_id=issued.id, cap_cents=issued.cap_cents
+    )
+
+
+async def read_secret(pool: asyncpg.Pool, period: str, currency: str) -> SecretStr:
+    async with pool.acquire() as conn:
+        secret = await conn.fetchval(
+            "SELECT secret FROM period_vault_keys WHERE billing_period = $1 AND currency = $2",
+            period,
+            currency,
+        )
+    if secret is None:
+        raise BillingError(f"no vault key stored for {period} ({currency}): was it prepared?")
+    return SecretStr(secret)

@@ -1,0 +1,154 @@
+"""Charging through the vault: per-period keys, the hard cap pausing a period, the kill
+switch, and no secret in workflow history."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from pydantic import SecretStr
+
+from billing import operations, period_keys
+from billing.models import OperatorRequest, RunOptions
+from billing.periods import Period
+from billing.runs import period_status, start_period
+from tests.integration.harness import Harness, VaultHandle
+from tests.integration.invariants import assert_billed_once
+from tests.integration.test_failure_modes import eventually
+from vault import VaultSettings, serve
+from vault.client import VaultAdmin
+from vault.models import IssueKeyRequest
+
+PERIOD = Period(2026, 12)
+ADMIN_TOKEN = "admin-token-for-tests-only"  # noqa: S105
+ALICE = OperatorRequest(reason="cap checked", operator="alice")
+
+
+@pytest.fixture
+async def vaulted(harness: Harness) -> AsyncIterator[Harness]:
+    settings = VaultSettings(
+        database_url=harness.database_url,
+        admin_token=SecretStr(ADMIN_TOKEN),
+        upstream_stripe_base=harness.emulator_url,
+        upstream_stripe_secret=harness.settings.stripe_api_key,
+        max_cap_cents=10**9,
+    )
+    async with serve(settings) as running, VaultAdmin(running.url, ADMIN_TOKEN) as admin:
+        harness.vault = VaultHandle(url=running.url, admin=admin)
+        yield harness
+
+
+async def period_key(harness: Harness) -> str:
+    async with harness.pool.acquire() as conn:
+        key_id: str = await conn.fetchval(
+            "SELECT vault_key_id FROM period_vault_keys WHERE billing_period = $1", str(PERIOD)
+        )
+        return key_id
+
+
+async def test_a_period_charges_through_its_capped_key(vaulted: Harness) -> None:
+    customers = await vaulted.seed(20)
+    async with vaulted.running_worker():
+        handle = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
+        summary = await handle.result()
+    assert summary.charged == 20
+    await assert_billed_once(vaulted, str(PERIOD), customers)
+    assert vaulted.vault is not None
+    key = await vaulted.vault.admin.get_key(await period_key(vaulted))
+    total = sum(c.amount_cents for c in customers)
+    assert key.cap_cents == -(-total * 110 // 100)
+    assert (key.spent_cents, key.reserved_cents, key.period) == (total, 0, str(PERIOD))
+    audit = await vaulted.vault.admin.audit(key.id, limit=500)
+    assert sum(e.decision == "forwarded" and e.method == "POST" for e in audit) == 20
+    # The worker held only the vault key: Stripe saw the vault's upstream secret on every call.
+    upstream = vaulted.settings.stripe_api_key.get_secret_value()
+    charges = [r for r in await vaulted.requests() if r["path"] == "/v1/payment_intents"]
+    assert charges and all(r["api_key_suffix"] == upstream[-4:] for r in charges)
+    # No secret in any workflow history of the run.
+    secrets = [
+        ADMIN_TOKEN,
+        vaulted.settings.stripe_api_key.get_secret_value(),
+        (await period_keys.read_secret(vaulted.pool, str(PERIOD), "usd")).get_secret_value(),
+    ]
+    async for execution in vaulted.client.list_workflows():
+        history = await vaulted.client.get_workflow_handle(
+            execution.id, run_id=execution.run_id
+        ).fetch_history()
+        text = json.dumps(history.to_json_dict())
+        assert not any(secret in text for secret in secrets), execution.id
+        assert "vk_" not in text
+
+
+async def test_cap_reached_pauses_the_period_until_an_operator_acts(vaulted: Harness) -> None:
+    customers = await vaulted.seed(10)
+    assert vaulted.vault is not None
+    # The period's key exists already, with room for only the first four customers.
+    room = sum(c.amount_cents for c in customers[:4])
+    issued = await vaulted.vault.admin.issue_key(
+        IssueKeyRequest(
+            label=period_keys.LABEL,
+            period=str(PERIOD),
+            cap_cents=room,
+            currency="usd",
+            allowed_endpoints=period_keys.ALLOWED_ENDPOINTS,
+            expires_at=datetime.now(UTC) + timedelta(days=1),
+        )
+    )
+    async with vaulted.pool.acquire() as conn:
+        await conn.execute(
+            "INSERT INTO period_vault_keys VALUES ($1, 'usd', $2, $3, $4)",
+            str(PERIOD),
+            issued.id,
+            issued.secret.get_secret_value(),
+            room,
+        )
+    async with vaulted.running_worker():
+        handle = await start_period(
+            vaulted.client, PERIOD, vaulted.task_queue, RunOptions(max_in_flight=1)
+        )
+
+        async def paused() -> bool:
+            return (await period_status(vaulted.client, PERIOD)).state == "paused"
+
+        await eventually(paused, timeout=60)
+        progress = await period_status(vaulted.client, PERIOD)
+        assert progress.operator == "billing (automatic)"
+        assert progress.reason is not None and "spend_cap_exceeded" in progress.reason
+        key = await vaulted.vault.admin.get_key(issued.id)
+        assert key.spent_cents + key.reserved_cents <= key.cap_cents
+        await operations.control(vaulted.client, PERIOD, "cancel", ALICE)
+        summary = await handle.result()
+    assert summary.charged == 4
+    assert summary.cancelled == 6
+    succeeded = [c for c in await vaulted.charges() if c["status"] == "succeeded"]
+    assert sum(c["amount"] for c in succeeded) <= room
+
+
+async def test_revoked_key_stops_charging(vaulted: Harness) -> None:
+    await vaulted.seed(12)
+    await vaulted.set_faults(latency_ms=100)
+    assert vaulted.vault is not None
+    async with vaulted.running_worker():
+        handle = await start_period(
+            vaulted.client, PERIOD, vaulted.task_queue, RunOptions(max_in_flight=2)
+        )
+        await eventually(lambda: _charged_at_least(vaulted, 2), timeout=30)
+        await vaulted.vault.admin.revoke(await period_key(vaulted))
+
+        async def paused() -> bool:
+            return (await period_status(vaulted.client, PERIOD)).state == "paused"
+
+        await eventually(paused, timeout=30)
+        charged = len([c for c in await vaulted.charges() if c["status"] == "succeeded"])
+        progress = await period_status(vaulted.client, PERIOD)
+        assert progress.reason is not None and "authentication_failed" in progress.reason
+        await operations.control(vaulted.client, PERIOD, "cancel", ALICE)
+        summary = await handle.result()
+    assert summary.charged == charged < 12
+    assert len([c for c in await vaulted.charges() if c["status"] == "succeeded"]) == charged
+
+
+async def _charged_at_least(harness: Harness, n: int) -> bool:
+    return len([c for c in await harness.charges() if c["status"] == "succeeded"]) >= n
