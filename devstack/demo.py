@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 
 from billing.config import TemporalSettings
@@ -62,17 +64,33 @@ def _say(message: str, as_json: bool) -> None:
     print(message, file=sys.stderr if as_json else sys.stdout, flush=True)
 
 
-async def run_demo(args: argparse.Namespace) -> int:
+@asynccontextmanager
+async def ensure_stack(*, quiet: bool, keep_running: bool) -> AsyncIterator[None]:
+    """Use the running local stack, or start one (stopped again after, unless kept); its
+    settings are put in this process's environment."""
     config = StackConfig()
     stack: subprocess.Popen[bytes] | None = None
     if not await _stack_reachable(config):
         _say(
-            "starting the local stack (Temporal, PostgreSQL, Stripe emulator, worker)...", args.json
+            "starting the local stack (Temporal, PostgreSQL, Stripe emulator, vault, worker)...",
+            quiet,
         )
         stack = await _start_stack(config)
     os.environ.update(read_env(config.env_file))
-    temporal = TemporalSettings()
     try:
+        yield
+    finally:
+        if stack is not None and not keep_running:
+            _say("stopping the local stack...", quiet)
+            stack.terminate()
+            stack.wait(120)
+        else:
+            _say("the local stack is still running: `python -m devstack down` stops it", quiet)
+
+
+async def run_demo(args: argparse.Namespace) -> int:
+    async with ensure_stack(quiet=args.json, keep_running=args.keep_running):
+        temporal = TemporalSettings()
         period = args.period or period_for(datetime.now(UTC))
         _say(f"creating {args.customers} demo customers in the Stripe emulator...", args.json)
         await seed_demo(args.customers)
@@ -102,11 +120,4 @@ async def run_demo(args: argparse.Namespace) -> int:
             f"?query=BillingPeriod%3D%22{period}%22",
             args.json,
         )
-    finally:
-        if stack is not None and not args.keep_running:
-            _say("stopping the local stack...", args.json)
-            stack.terminate()
-            stack.wait(120)
-    if (stack is not None and args.keep_running) or stack is None:
-        _say("the local stack is still running: `python -m devstack down` stops it", args.json)
     return 0
