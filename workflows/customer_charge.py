@@ -83,12 +83,14 @@ class CustomerChargeWorkflow:
                 ChargingActivities.record_unbilled,
                 RecordUnbilled(claim=claim, status=status, failure=failure),
                 start_to_close_timeout=LEDGER_TIMEOUT,
+                summary=f"record {status}: {failure.code}",
             )
             return _outcome(claim, finished_outcome(status), failure_code=failure.code)
         await workflow.execute_local_activity_method(
             ChargingActivities.record_charge,
             RecordCharge(claim=claim, result=result),
             start_to_close_timeout=LEDGER_TIMEOUT,
+            summary=f"record charge {result.charge_id}",
         )
         return _outcome(claim, "charged", charge_id=result.charge_id)
 

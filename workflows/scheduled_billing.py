@@ -50,6 +50,7 @@ class ScheduledBillingWorkflow:
                 billing=request.options.billing,
             ),
             start_to_close_timeout=timedelta(seconds=10),
+            summary=f"which period: nominal time in {request.time_zone}",
         )
         workflow.set_current_details(f"billing {period} (nominal time {nominal.isoformat()})")
         try:
