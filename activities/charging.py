@@ -27,7 +27,7 @@ from activities.stripe_failures import (
 )
 from billing import ledger, logs, metrics
 from billing.config import BillingSettings
-from billing.errors import UnknownCustomerError
+from billing.errors import BillingError, ClaimClosedError, UnknownCustomerError
 from billing.keys import idempotency_key
 from billing.models import (
     ChargeFailure,
@@ -42,6 +42,9 @@ from billing.periods import parse_period
 
 # ApplicationError types for charges an operator stopped before they reached Stripe.
 SKIPPED = "CustomerSkipped"
+UNKNOWN_CUSTOMER = "UnknownCustomer"
+# The claim was finished elsewhere (e.g. cancelled by its run) while this child waited.
+CLAIM_CLOSED = "ClaimClosed"
 CANCELLED = "PeriodCancelled"
 PAUSED = "PeriodPaused"
 # A paused charge waits inside its attempt (no retry storm of hundreds of children), but
@@ -86,7 +89,7 @@ class ChargingActivities:
             async with self._pool.acquire() as conn:
                 claim = await ledger.claim(conn, request.customer_id, request.period, key)
         except UnknownCustomerError as exc:
-            raise ApplicationError(str(exc), type="UnknownCustomer", non_retryable=True) from exc
+            raise ApplicationError(str(exc), type=UNKNOWN_CUSTOMER, non_retryable=True) from exc
         _log_event(
             "claim",
             claim,
@@ -109,7 +112,17 @@ class ChargingActivities:
 
     async def _charge(self, claim: Claim) -> ChargeResult:
         age = datetime.now(UTC) - claim.claimed_at
-        gateway = await self._access.gateway_for(claim)
+        try:
+            gateway = await self._access.gateway_for(claim)
+        except BillingError as exc:
+            # No key for this period and currency (e.g. a customer added after the plan):
+            # the period pauses until an operator acts.
+            raise ApplicationError(
+                str(exc),
+                ChargeFailure(code="no_period_key", message=str(exc)),
+                type=KEY_REFUSED,
+                non_retryable=True,
+            ) from None
         try:
             # Stripe forgets keys after 24 hours: past that a replay would charge again, so an
             # old claim is looked up first.
@@ -120,9 +133,12 @@ class ChargingActivities:
             async with heartbeating():
                 return await gateway.charge(claim)
         except stripe.StripeError as exc:
-            if is_replayed(exc) and (exc.http_status or 0) >= 500:
-                # Stripe saved a 500 raised after the charge began: the key will replay it
-                # for a day, so the truth is in the customer's charges.
+            if isinstance(exc, stripe.IdempotencyError) or (
+                is_replayed(exc) and (exc.http_status or 0) >= 500
+            ):
+                # The key replays a 500 saved after the charge began, or refuses other
+                # parameters (a setting changed mid-period): either way a charge with this
+                # key may exist, and the truth is in the customer's charges.
                 found = await gateway.find(claim)
                 if found is not None:
                     return _settle(found)
@@ -133,7 +149,9 @@ class ChargingActivities:
                 # key replaced since (e.g. after expiry) is read afresh on the next attempt.
                 self._access.forget(claim)
                 async with self._pool.acquire() as conn:
-                    await ledger.reopen_refused_charge(conn, claim.idempotency_key)
+                    await ledger.reopen_refused_charge(
+                        conn, claim.idempotency_key, proven=failure.type == SPEND_CAP_EXCEEDED
+                    )
             raise failure from None
 
     async def _pass_gate(self, claim: Claim) -> None:
@@ -141,8 +159,11 @@ class ChargingActivities:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PAUSE_HOLD
         while True:
-            async with self._pool.acquire() as conn:
-                gate: Gate = await ledger.begin_charge(conn, claim)
+            try:
+                async with self._pool.acquire() as conn:
+                    gate: Gate = await ledger.begin_charge(conn, claim)
+            except ClaimClosedError as exc:
+                raise _stopped(CLAIM_CLOSED, exc.status, str(exc)) from None
             if gate == "go":
                 return
             if gate == "skipped":

@@ -10,6 +10,7 @@ import asyncpg
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.charging import UNKNOWN_CUSTOMER
 from activities.stripe_failures import KEY_REFUSED
 from billing import ledger, period_keys
 from billing.config import BillingSettings
@@ -155,7 +156,7 @@ class PeriodActivities:
                     skip.operator,
                 )
         except UnknownCustomerError as exc:
-            raise ApplicationError(str(exc), type="UnknownCustomer", non_retryable=True) from exc
+            raise ApplicationError(str(exc), type=UNKNOWN_CUSTOMER, non_retryable=True) from exc
 
     @activity.defn(name="cancel_unstarted")
     async def cancel_unstarted(self, request: CancelRequest) -> CancelPage:

@@ -8,11 +8,13 @@ from typing import Any, Literal
 import stripe
 
 from billing.models import ChargeFailure, ChargeResult, Claim
+from billing.redact import redact
 
 ChargeApi = Literal["payment_intents", "charges"]
 # Customers rarely hold more than a few charges a period; pages this size find ours at once.
 _LOOKUP_PAGE = 100
 _CLOCK_SKEW_SECONDS = 3600
+FAILED_INTENT_STATUSES = frozenset({"requires_payment_method", "canceled"})
 
 
 def charge_params(claim: Claim, api: ChargeApi) -> dict[str, Any]:
@@ -66,11 +68,16 @@ class StripeGateway:
                     return self._from_intent(intent, replayed=True)
             if not intents:
                 return None
+            if intents[0].status not in FAILED_INTENT_STATUSES:
+                # Still processing or waiting for a step: not an answer yet; try again later.
+                raise stripe.APIError(
+                    f"payment intent {intents[0].id} is {intents[0].status}", http_status=503
+                )
             error = intents[0].last_payment_error
             return ChargeFailure(
                 code=(error.code if error else None) or "card_declined",
                 decline_code=error.decline_code if error else None,
-                message=(error.message if error else None) or "the payment failed",
+                message=redact((error.message if error else None) or "the payment failed"),
                 payment_intent_id=intents[0].id,
             )
         charges = await self._ours(self._client.v1.charges.list_async, claim)
@@ -87,7 +94,7 @@ class StripeGateway:
             return None
         return ChargeFailure(
             code=charges[0].failure_code or "card_declined",
-            message=charges[0].failure_message or "the charge failed",
+            message=redact(charges[0].failure_message or "the charge failed"),
             charge_id=charges[0].id,
         )
 

@@ -41,6 +41,14 @@ class LedgerConflictError(BillingError):
     """The ledger already holds a different result for a charge: never overwritten."""
 
 
+class ClaimClosedError(LedgerConflictError):
+    """A claim ended (e.g. cancelled by its run) before this attempt could charge it."""
+
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class RunEndedError(BillingError):
     """A period's run ended without a summary (failed, terminated, timed out)."""
 

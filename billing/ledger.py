@@ -7,7 +7,7 @@ from typing import Any
 
 import asyncpg
 
-from billing.errors import LedgerConflictError, UnknownCustomerError
+from billing.errors import ClaimClosedError, LedgerConflictError, UnknownCustomerError
 from billing.models import (
     ChargeFailure,
     ChargeResult,
@@ -31,8 +31,10 @@ _DUE = """
     WHERE (c.active OR r.status IS NOT NULL)
 """
 
-# Rows a run would charge: no row yet, an unfinished claim, or a cancel a new run reopens.
-_OPEN = "(r.status IS NULL OR (r.status IN ('claimed', 'cancelled') AND r.skip_reason IS NULL))"
+# Rows a run would charge: no row yet, an unfinished claim not skipped, or a customer a
+# cancelled run never started (a new run reopens those).
+_OPEN = """(r.status IS NULL OR (r.status = 'claimed' AND r.skip_reason IS NULL)
+           OR (r.status = 'cancelled' AND r.cancelled_before_start))"""
 
 _CLAIM_COLUMNS = """
     customer_id, billing_period AS period, idempotency_key, amount_cents, currency,
@@ -122,14 +124,11 @@ async def claim(conn: asyncpg.Connection, customer_id: str, period: str, key: st
 async def _finish(
     conn: asyncpg.Connection, key: str, status: LedgerStatus, sets: str, *args: Any
 ) -> None:
-    """Move a claim to a terminal status once; repeating the same result is a no-op.
-
-    `sets` may end in `FROM ... AND` to read another table (its WHERE continues here)."""
-    where = "" if sets.rstrip().endswith("AND") else "WHERE"
+    """Move a claim to a terminal status once; repeating the same result is a no-op."""
     updated = await conn.fetchval(
         f"""
         UPDATE billing_runs SET status = $2, updated_at = now(), completed_at = now(), {sets}
-        {where} billing_runs.idempotency_key = $1 AND billing_runs.status = 'claimed'
+        WHERE idempotency_key = $1 AND status = 'claimed'
         RETURNING 1
         """,
         key,
@@ -182,9 +181,10 @@ async def record_unbilled(
         conn,
         key,
         status,
-        """reason = coalesce(skip_reason, p.control_reason), decided_by = coalesce(skip_by,
-        p.control_by) FROM billing_periods p WHERE p.billing_period = billing_runs.billing_period
-        AND""",
+        """reason = coalesce(skip_reason, (SELECT control_reason FROM billing_periods p
+                WHERE p.billing_period = billing_runs.billing_period)),
+           decided_by = coalesce(skip_by, (SELECT control_by FROM billing_periods p
+                WHERE p.billing_period = billing_runs.billing_period))""",
     )
 
 
@@ -217,8 +217,8 @@ def outcome_from_row(row: asyncpg.Record) -> CustomerOutcome:
 
 
 async def start_period(conn: asyncpg.Connection, plan: PeriodPlan, workflow_id: str) -> None:
-    """Record a new run of the period. Customers a cancelled run left unbilled are due again:
-    a cancelled row never reached Stripe (see begin_charge)."""
+    """Record a new run of the period. Customers a cancelled run never started are due
+    again (see migrations/005); a cancelled row never reached Stripe (see begin_charge)."""
     async with conn.transaction():
         await conn.execute(
             """
@@ -239,8 +239,9 @@ async def start_period(conn: asyncpg.Connection, plan: PeriodPlan, workflow_id: 
         await conn.execute(
             """
             UPDATE billing_runs SET status = 'claimed', completed_at = NULL, reason = NULL,
-                                    decided_by = NULL, updated_at = now()
-            WHERE billing_period = $1 AND status = 'cancelled' AND charge_started_at IS NULL
+                                    decided_by = NULL, cancelled_before_start = false,
+                                    updated_at = now()
+            WHERE billing_period = $1 AND status = 'cancelled' AND cancelled_before_start
             """,
             plan.period,
         )
@@ -283,9 +284,10 @@ async def begin_charge(conn: asyncpg.Connection, claim: Claim) -> Gate:
             claim.idempotency_key,
         )
         if row is None or row["status"] != "claimed":
-            raise LedgerConflictError(
+            raise ClaimClosedError(
+                row["status"] if row else "missing",
                 f"claim {claim.idempotency_key[:8]}... is no longer open"
-                f" ({row['status'] if row else 'missing'}); not charging"
+                f" ({row['status'] if row else 'missing'}); not charging",
             )
         if row["charge_started_at"] is None:
             if row["skip_reason"] is not None:
@@ -304,16 +306,19 @@ async def begin_charge(conn: asyncpg.Connection, claim: Claim) -> Gate:
         return "go"
 
 
-async def reopen_refused_charge(conn: asyncpg.Connection, key: str) -> bool:
+async def reopen_refused_charge(conn: asyncpg.Connection, key: str, *, proven: bool) -> bool:
     """Undo begin_charge for an attempt refused before it reached Stripe (the vault's cap, a
-    refused key), so the claim waits at the gate again; only when no other attempt might have
-    reached Stripe. `attempts` counts requests that may have."""
+    refused key), so the claim waits at the gate again. Only when no attempt might have
+    reached Stripe: `proven` (the vault checks a key's earlier reservations before its cap,
+    so a cap refusal proves none is in doubt), or this was the only attempt (`attempts`
+    counts requests that may have reached Stripe)."""
     reopened = await conn.fetchval(
         """
         UPDATE billing_runs SET charge_started_at = NULL, attempts = 0, updated_at = now()
-        WHERE idempotency_key = $1 AND status = 'claimed' AND attempts = 1 RETURNING 1
+        WHERE idempotency_key = $1 AND status = 'claimed' AND ($2 OR attempts = 1) RETURNING 1
         """,
         key,
+        proven,
     )
     return reopened is not None
 
@@ -367,13 +372,13 @@ async def cancel_customers(
         """
         INSERT INTO billing_runs (customer_id, billing_period, idempotency_key, amount_cents,
                                   currency, stripe_customer_id, payment_method, status, reason,
-                                  decided_by, completed_at)
+                                  decided_by, completed_at, cancelled_before_start)
         SELECT customer_id, $2, $3, amount_cents, currency, stripe_customer_id, payment_method,
-               'cancelled', $4, $5, now()
+               'cancelled', $4, $5, now(), true
         FROM customers WHERE customer_id = $1
         ON CONFLICT (customer_id, billing_period) DO UPDATE
             SET status = 'cancelled', reason = $4, decided_by = $5, completed_at = now(),
-                updated_at = now()
+                cancelled_before_start = true, updated_at = now()
             WHERE billing_runs.status = 'claimed' AND billing_runs.charge_started_at IS NULL
         """,
         [(customer_id, period, key, reason, operator) for customer_id, key in keys.items()],

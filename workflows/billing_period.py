@@ -53,8 +53,8 @@ with workflow.unsafe.imports_passed_through():
 ACTIVITY_TIMEOUT = timedelta(seconds=60)
 # Who paused a run that paused itself.
 AUTOMATIC = "billing (automatic)"
-# How long the run waits without news before asking the ledger about adopted children.
-ADOPTED_RECHECK = timedelta(minutes=5)
+# How long the run waits without news before asking the ledger about children in flight.
+LEDGER_RECHECK = timedelta(minutes=5)
 
 
 @workflow.defn(name="BillingPeriodWorkflow")
@@ -64,10 +64,11 @@ class BillingPeriodWorkflow:
         self._options: RunOptions = request.options
         self._state = request.state or PeriodState(period=request.period)
         self._in_flight: set[str] = set(self._state.in_flight)
-        # Customers whose child existed before this run tried to start it.
-        self._adopted: set[str] = set()
         self._buffer: list[DueCustomer] = []
         self._finished = False
+        # Control writes reach the ledger one at a time, each writing the latest word, so a
+        # pause written late cannot overwrite a cancel.
+        self._control_writes = asyncio.Lock()
 
     @workflow.run
     async def run(self, request: BillingPeriodInput) -> PeriodSummary:
@@ -83,6 +84,9 @@ class BillingPeriodWorkflow:
                 start_to_close_timeout=ACTIVITY_TIMEOUT,
                 summary=f"plan {period}: count due customers and the expected total",
             )
+            if self._control.control != "running":
+                # An operator spoke while the plan was made, which reset the ledger's word.
+                await self._write_control()
         self._publish_status()
         while True:
             await workflow.wait_condition(lambda: self._control.control != "paused")
@@ -95,6 +99,8 @@ class BillingPeriodWorkflow:
             await self._wait_for_room()
             if self._should_continue_as_new():
                 await workflow.wait_condition(workflow.all_handlers_finished)
+                # Listed but not started: the next run lists them again from the cursor.
+                state.listing_done = self._exhausted()
                 state.in_flight = sorted(self._in_flight)
                 state.runs += 1
                 workflow.continue_as_new(
@@ -171,14 +177,27 @@ class BillingPeriodWorkflow:
             control=control, reason=request.reason, operator=request.operator
         )
         self._publish_status()
-        # The ledger tells charges already scheduled (the charge activity reads it).
-        await workflow.execute_activity_method(
-            PeriodActivities.set_control,
-            ControlRequest(period=self._state.period, control=control, request=request),
-            start_to_close_timeout=ACTIVITY_TIMEOUT,
-            summary=f"{control} by {request.operator}: {request.reason}",
-        )
+        await self._write_control()
         return self.progress()
+
+    async def _write_control(self) -> None:
+        """Tell the ledger, which charges already scheduled read. One write at a time, each
+        the latest word, so a pause written late cannot overwrite a cancel."""
+        async with self._control_writes:
+            latest = self._state.control
+            await workflow.execute_activity_method(
+                PeriodActivities.set_control,
+                ControlRequest(
+                    period=self._state.period,
+                    control=latest.control,
+                    request=OperatorRequest(
+                        reason=latest.reason or "no reason given",
+                        operator=latest.operator or AUTOMATIC,
+                    ),
+                ),
+                start_to_close_timeout=ACTIVITY_TIMEOUT,
+                summary=f"{latest.control} by {latest.operator}: {latest.reason}",
+            )
 
     @property
     def _control(self) -> ControlState:
@@ -258,7 +277,6 @@ class BillingPeriodWorkflow:
         # Duplicate reports (a child's signal after the ledger already told us) count once.
         if outcome.customer_id in self._in_flight:
             self._in_flight.discard(outcome.customer_id)
-            self._adopted.discard(outcome.customer_id)
             self._state.counts.add(outcome)
 
     def _exhausted(self) -> bool:
@@ -309,7 +327,6 @@ class BillingPeriodWorkflow:
         started = await asyncio.gather(*(self._start_child(c) for c in batch))
         existing = [c for c, ok in zip(batch, started, strict=True) if not ok]
         if existing:
-            self._adopted.update(existing)
             await self._settle_from_ledger(existing)
         self._describe()
 
@@ -357,11 +374,13 @@ class BillingPeriodWorkflow:
         try:
             await workflow.wait_condition(
                 lambda: len(self._in_flight) <= target or self._control.control != "running",
-                timeout=ADOPTED_RECHECK,
+                timeout=LEDGER_RECHECK,
             )
         except TimeoutError:
-            if self._adopted:
-                await self._settle_from_ledger(sorted(self._adopted))
+            # A child that cannot report (started elsewhere, terminated) still ends in the
+            # ledger: ask it about every customer still in flight.
+            if self._in_flight:
+                await self._settle_from_ledger(sorted(self._in_flight))
 
     async def _cancel_the_rest(self) -> None:
         """Mark every customer not yet started cancelled, then let in-flight children end:

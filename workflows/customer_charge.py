@@ -11,7 +11,9 @@ from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 with workflow.unsafe.imports_passed_through():
     from activities.charging import (
         CANCELLED,
+        CLAIM_CLOSED,
         SKIPPED,
+        UNKNOWN_CUSTOMER,
         ChargingActivities,
         RecordCharge,
         RecordUnbilled,
@@ -19,6 +21,7 @@ with workflow.unsafe.imports_passed_through():
     from activities.stripe_failures import DECLINED, PERIOD_BLOCKERS, REFUSED
     from billing import search_attributes
     from billing.models import (
+        TERMINAL_STATUSES,
         ChargeFailure,
         ChargeResult,
         Claim,
@@ -55,12 +58,25 @@ RECORDED_FAILURES: dict[str, LedgerStatus] = {
 class CustomerChargeWorkflow:
     @workflow.run
     async def run(self, request: CustomerChargeInput) -> CustomerOutcome:
-        claim = await workflow.execute_local_activity_method(
-            ChargingActivities.claim,
-            request,
-            start_to_close_timeout=LEDGER_TIMEOUT,
-            summary=f"claim {request.customer_id} for {request.period}",
-        )
+        try:
+            claim = await workflow.execute_local_activity_method(
+                ChargingActivities.claim,
+                request,
+                start_to_close_timeout=LEDGER_TIMEOUT,
+                summary=f"claim {request.customer_id} for {request.period}",
+            )
+        except (ActivityError, ApplicationError) as err:
+            # A local activity's final failure can arrive unwrapped.
+            cause = err.cause if isinstance(err, ActivityError) else err
+            if not isinstance(cause, ApplicationError) or cause.type != UNKNOWN_CUSTOMER:
+                raise
+            # Deactivated or removed after the period listed it: nothing to charge, and the
+            # period still hears of it.
+            unknown = CustomerOutcome(
+                customer_id=request.customer_id, outcome="failed", failure_code="unknown_customer"
+            )
+            await self._report(request, unknown)
+            return unknown
         if claim.status == "claimed":
             outcome = await self._charge(request, claim)
         else:
@@ -75,6 +91,9 @@ class CustomerChargeWorkflow:
         try:
             result = await self._charge_until_unblocked(request, claim)
         except ActivityError as err:
+            closed = _closed_status(err)
+            if closed is not None:
+                return _outcome(claim, finished_outcome(closed))
             recorded = _recorded_failure(err)
             if recorded is None:
                 raise
@@ -132,6 +151,15 @@ class CustomerChargeWorkflow:
         except FailureError:
             # The period run has closed (e.g. terminated); its ledger still holds the outcome.
             workflow.logger.warning("period workflow gone; %s not delivered", signal)
+
+
+def _closed_status(err: ActivityError) -> LedgerStatus | None:
+    """The status the ledger already gave the claim, when another hand finished it."""
+    cause = err.cause
+    if not isinstance(cause, ApplicationError) or cause.type != CLAIM_CLOSED:
+        return None
+    status = ChargeFailure.model_validate(cause.details[0]).code
+    return status if status in TERMINAL_STATUSES else "failed"  # type: ignore[return-value]
 
 
 def _recorded_failure(err: ActivityError) -> tuple[LedgerStatus, ChargeFailure] | None:

@@ -100,7 +100,9 @@ async def test_response_dropped_after_commit_is_recorded_not_repeated(harness: H
 
 async def test_continue_as_new_keeps_children_and_counts(harness: Harness) -> None:
     customers = await harness.seed(60)
-    options = RunOptions(max_in_flight=8, page_size=10, history_event_limit=200)
+    # Pages larger than the window: customers listed but not yet started cross the
+    # continue-as-new and must still be billed.
+    options = RunOptions(max_in_flight=4, page_size=100, history_event_limit=200)
     async with harness.running_worker():
         handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
         summary = await handle.result()
@@ -118,3 +120,15 @@ async def test_continue_as_new_keeps_children_and_counts(harness: Harness) -> No
     assert endings.count(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED) == 1
     assert endings.count(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW) == len(runs) - 1
     await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_a_customer_gone_before_its_claim_is_reported_not_stuck(harness: Harness) -> None:
+    async with harness.running_worker():
+        outcome = await harness.client.execute_workflow(
+            CustomerChargeWorkflow.run,
+            CustomerChargeInput(period=str(PERIOD), customer_id="never-imported"),
+            id=customer_workflow_id(PERIOD, "never-imported"),
+            task_queue=harness.task_queue,
+        )
+    assert (outcome.outcome, outcome.failure_code) == ("failed", "unknown_customer")
+    assert not await harness.requests()
