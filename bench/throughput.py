@@ -1,0 +1,631 @@
+"""End-to-end billing throughput on the local stack, against Temporal's ceiling and a baseline.
+
+Three measurements, one after the other, on the same stack (the running one in `.devstack/env`,
+or one started for the run and stopped after, unless --keep-running):
+
+- ceiling: `FanOutWorkflow` (bench/ceiling_workflows.py) fans out N children that do nothing
+  but signal the parent, exactly as BillingPeriodWorkflow fans out customers; it runs on its own
+  task queue with a Worker inside this process, so the stack's worker is untouched.
+  Children/s.
+- orchestrated: N demo customers (all with pm_card_visa) are created in the emulator and the
+  ledger, and a fresh period of them is billed by `billing.runs.start_period` on the stack's
+  worker, timed from the start to the period's summary. Customers/s.
+- baseline: a plain asyncio loop, no Temporal, bills N other customers for another fresh
+  period through the same code: plan and open the period, list due customers, then with the
+  orchestrated window's concurrency claim (ledger.claim), pass the gate (ledger.begin_charge),
+  charge through the vault with the period's key (or straight to Stripe without
+  BILLING_VAULT_URL), retrying what Temporal would retry with Temporal's policy, record
+  (ledger.record_charge), close. Customers/s.
+
+A period bills every active customer, so for the run the customers already in the ledger are
+set inactive and set active again at the end; the benchmark's own customers are left inactive.
+--emulator-latency-ms and --rate-limit-rps are set on the emulator (POST /_emulator/faults)
+for the orchestrated and baseline runs only, and reset after.
+
+    .venv/bin/python bench/throughput.py --customers 500 --json
+    .venv/bin/python bench/throughput.py --customers 300 --emulator-latency-ms 300 \\
+        --rate-limit-rps 25 --json
+
+Prints one JSON object (with --json, the only thing on stdout) and writes it to bench/results/.
+`cpu_cores` gives, per measurement, the cores each process of the stack used on average and
+`machine_busy_cores` all the machine's: anything else running shows up there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack, contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import aiohttp
+import asyncpg
+import stripe
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from temporalio.client import Client  # noqa: E402
+from temporalio.service import RPCError, RPCStatusCode  # noqa: E402
+from temporalio.worker import PollerBehaviorSimpleMaximum, Worker  # noqa: E402
+
+from activities.stripe_access import DirectAccess, StripeAccess, VaultAccess  # noqa: E402
+from activities.stripe_failures import to_temporal_failure  # noqa: E402
+from activities.stripe_gateway import StripeGateway  # noqa: E402
+from bench.ceiling_workflows import (  # noqa: E402
+    FanOutInput,
+    FanOutResult,
+    FanOutWorkflow,
+    NoopChildWorkflow,
+)
+from billing import ledger, period_keys  # noqa: E402
+from billing.config import BillingSettings, DatabaseSettings, TemporalSettings  # noqa: E402
+from billing.customers import upsert_customers  # noqa: E402
+from billing.db import create_pool  # noqa: E402
+from billing.keys import idempotency_key, period_workflow_id  # noqa: E402
+from billing.migrations import migrate  # noqa: E402
+from billing.models import ChargeFailure, ChargeResult, Claim, RunOptions  # noqa: E402
+from billing.money import spend_cap  # noqa: E402
+from billing.periods import Period  # noqa: E402
+from billing.runs import start_period  # noqa: E402
+from billing.seeding import create_demo_customers  # noqa: E402
+from billing.stripe_client import stripe_client, stripe_http, stripe_session  # noqa: E402
+from billing.temporal_client import connect  # noqa: E402
+from devstack.demo import ensure_stack  # noqa: E402
+from vault.client import VaultAdmin  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+# The retry policy of the charge activity (workflows/customer_charge.py), for the baseline.
+RETRY_INITIAL = 1.0
+RETRY_BACKOFF = 2.0
+RETRY_MAX = 30.0
+BASELINE_WORKFLOW_ID = "bench-baseline"
+T = TypeVar("T")
+QUIET = False
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr if QUIET else sys.stdout, flush=True)
+
+
+# -- CPU accounting (Linux /proc) ---------------------------------------------------------
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_busy_seconds() -> float:
+    with open("/proc/stat") as stat:
+        fields = [int(v) for v in stat.readline().split()[1:]]
+    idle = fields[3] + fields[4]
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _processes() -> Iterator[tuple[int, int, list[str]]]:
+    """(pid, parent pid, argv) of every process we may read."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                argv = [a.decode(errors="replace") for a in cmdline.read().split(b"\0") if a]
+            with open(f"/proc/{entry}/stat") as stat:
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        if argv:
+            yield int(entry), ppid, argv
+
+
+def _port(argv: list[str]) -> str | None:
+    for flag in ("--port", "-p"):
+        if flag in argv and argv.index(flag) + 1 < len(argv):
+            return argv[argv.index(flag) + 1]
+    return None
+
+
+def stack_processes() -> dict[str, list[int]]:
+    """The local stack's processes, found by their command line and the ports in the env."""
+    temporal_port = os.environ["TEMPORAL_ADDRESS"].rsplit(":", 1)[1]
+    ports = {
+        "emulator": str(urlsplit(os.environ.get("STRIPE_EMULATOR_URL", "")).port),
+        "vault": str(urlsplit(os.environ.get("BILLING_VAULT_URL", "")).port),
+        "postgres": str(urlsplit(os.environ["DATABASE_URL"]).port),
+    }
+    found: dict[str, list[int]] = {
+        "temporal": [],
+        "worker": [],
+        "postgres": [],
+        "vault": [],
+        "emulator": [],
+    }
+    postmasters: set[int] = set()
+    table = list(_processes())
+    for pid, _, argv in table:
+        name = Path(argv[0]).name
+        if name == "temporal" and "start-dev" in argv and _port(argv) == temporal_port:
+            found["temporal"].append(pid)
+        elif str(ROOT / "worker.py") in argv:
+            found["worker"].append(pid)
+        elif "-m" in argv and "vault" in argv and _port(argv) == ports["vault"]:
+            found["vault"].append(pid)
+        elif "stripe_emulator" in argv and _port(argv) == ports["emulator"]:
+            found["emulator"].append(pid)
+        elif name == "postgres" and _port(argv) == ports["postgres"]:
+            postmasters.add(pid)
+    found["postgres"] = sorted(postmasters) + [p for p, pp, _ in table if pp in postmasters]
+    found["benchmark"] = [os.getpid()]
+    return found
+
+
+class CpuMeter:
+    """Cores used by each stack process (and the machine) between start() and stop()."""
+
+    def __init__(self) -> None:
+        self._before: dict[str, dict[int, float]] = {}
+        self._machine = 0.0
+        self._started = 0.0
+
+    @staticmethod
+    def _sample() -> dict[str, dict[int, float]]:
+        return {
+            name: {pid: _cpu_seconds(pid) for pid in pids}
+            for name, pids in stack_processes().items()
+        }
+
+    def start(self) -> None:
+        self._before = self._sample()
+        self._machine = _machine_busy_seconds()
+        self._started = time.monotonic()
+
+    def stop(self) -> dict[str, float]:
+        elapsed = time.monotonic() - self._started
+        cores: dict[str, float] = {}
+        for name, now in self._sample().items():
+            before = self._before.get(name, {})
+            # A process started meanwhile (the backend of a new PostgreSQL connection) counts
+            # in full; one that ended meanwhile is lost.
+            used = sum(cpu - before.get(pid, 0.0) for pid, cpu in now.items())
+            cores[name] = round(used / elapsed, 2)
+        cores["machine_busy_cores"] = round((_machine_busy_seconds() - self._machine) / elapsed, 2)
+        return cores
+
+
+# -- the stack's data -----------------------------------------------------------------------
+
+
+async def set_faults(latency_ms: int, rate_limit_rps: float | None) -> None:
+    url = os.environ["STRIPE_EMULATOR_URL"].rstrip("/") + "/_emulator/faults"
+    body = {"latency_ms": latency_ms, "rate_limit_rps": rate_limit_rps}
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"emulator refused {body}: {await response.text()}")
+
+
+async def emulator_rate_limited() -> int:
+    """How many requests the emulator has answered 429 so far."""
+    url = os.environ["STRIPE_EMULATOR_URL"].rstrip("/") + "/_emulator/ledger"
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        counts = (await response.json())["faults_injected"]
+    return int(counts.get("rate_limited", 0))
+
+
+async def fresh_periods(client: Client, pool: asyncpg.Pool, count: int) -> list[Period]:
+    """Periods no run and no ledger row has touched; past ones, so keys expire soon."""
+    async with pool.acquire() as conn:
+        used = {
+            row["p"]
+            for row in await conn.fetch(
+                "SELECT billing_period AS p FROM billing_periods"
+                " UNION SELECT DISTINCT billing_period FROM billing_runs"
+            )
+        }
+    periods: list[Period] = []
+    while len(periods) < count:
+        period = Period(2000 + secrets.randbelow(20), 1 + secrets.randbelow(12))
+        if str(period) in used or period in periods:
+            continue
+        try:
+            await client.get_workflow_handle(period_workflow_id(period)).describe()
+            continue
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+        periods.append(period)
+    return periods
+
+
+async def seed(pool: asyncpg.Pool, count: int, prefix: str) -> list[str]:
+    """N customers in the emulator and the ledger, every one with a card that is charged."""
+    async with stripe_session(BillingSettings()) as client:
+        rows = await create_demo_customers(client, count, prefix, card_for=lambda _: "pm_card_visa")
+    await upsert_customers(pool, rows)
+    return [row.customer_id for row in rows]
+
+
+async def set_active(pool: asyncpg.Pool, customer_ids: list[str], active: bool) -> None:
+    async with pool.acquire() as conn:
+        await conn.execute(
+            "UPDATE customers SET active = $2, updated_at = now()"
+            " WHERE customer_id = ANY($1::text[])",
+            customer_ids,
+            active,
+        )
+
+
+# -- the three measurements ------------------------------------------------------------------
+
+
+async def measure_ceiling(
+    client: Client,
+    customers: int,
+    options: RunOptions,
+    meter: CpuMeter,
+    token: str,
+    workflow_polls: int | None,
+) -> dict[str, Any]:
+    task_queue = f"bench-ceiling-{token}"
+    # Default pollers: the stack's worker (worker.py) sets none either.
+    polling: dict[str, Any] = {}
+    if workflow_polls is not None:
+        polling["workflow_task_poller_behavior"] = PollerBehaviorSimpleMaximum(workflow_polls)
+        polling["nonsticky_to_sticky_poll_ratio"] = 1.0
+    workflows = [FanOutWorkflow, NoopChildWorkflow]
+    async with Worker(client, task_queue=task_queue, workflows=workflows, **polling):
+
+        async def fan_out(prefix: str, count: int) -> FanOutResult:
+            return await client.execute_workflow(
+                FanOutWorkflow.run,
+                FanOutInput(
+                    prefix=prefix,
+                    count=count,
+                    max_in_flight=options.max_in_flight,
+                    history_event_limit=options.history_event_limit,
+                ),
+                id=prefix,
+                task_queue=task_queue,
+            )
+
+        await fan_out(f"bench-warmup-{token}", min(customers, 50))
+        prefix = f"bench-ceiling-{token}"
+        meter.start()
+        started = time.monotonic()
+        result = await fan_out(prefix, customers)
+        elapsed = time.monotonic() - started
+        cpu = meter.stop()
+        # Children signal before their last workflow task: keep the worker until they are
+        # closed, or they stay open on a task queue nobody polls.
+        await drain(client, task_queue)
+    histories = await history_lengths(client, prefix)
+    return {
+        "per_s": customers / elapsed,
+        "seconds": round(elapsed, 2),
+        "finished": result.finished,
+        "runs": result.runs,
+        "max_history_events": max(histories),
+        "cpu_cores": cpu,
+    }
+
+
+async def drain(client: Client, task_queue: str, timeout: float = 120.0) -> None:
+    query = f'TaskQueue="{task_queue}" AND ExecutionStatus="Running"'
+    deadline = time.monotonic() + timeout
+    while (await client.count_workflows(query)).count:
+        if time.monotonic() > deadline:
+            say(f"warning: workflows still running on {task_queue} after {timeout:.0f} s")
+            return
+        await asyncio.sleep(0.5)
+
+
+async def measure_orchestrated(
+    client: Client,
+    pool: asyncpg.Pool,
+    period: Period,
+    customer_ids: list[str],
+    options: RunOptions,
+    meter: CpuMeter,
+    faults: tuple[int, float | None],
+) -> dict[str, Any]:
+    temporal = TemporalSettings()
+    limited = await emulator_rate_limited()
+    await set_faults(*faults)
+    try:
+        meter.start()
+        started = time.monotonic()
+        handle = await start_period(client, period, temporal.task_queue, options)
+        summary = await handle.result()
+        elapsed = time.monotonic() - started
+        cpu = meter.stop()
+    finally:
+        await set_faults(0, None)
+    histories = await history_lengths(client, period_workflow_id(period))
+    return {
+        "per_s": len(customer_ids) / elapsed,
+        "seconds": round(elapsed, 2),
+        "period": str(period),
+        "due": summary.due,
+        "charged": summary.charged,
+        "failed": summary.failed,
+        "emulator_429s": await emulator_rate_limited() - limited,
+        "runs": len(histories),
+        "max_history_events": max(histories),
+        "cpu_cores": cpu,
+    }
+
+
+async def history_lengths(client: Client, workflow_id: str) -> list[int]:
+    """Event count of every run of the workflow ID (continue-as-new makes several)."""
+    lengths: list[int] = []
+    async for execution in client.list_workflows(f'WorkflowId="{workflow_id}"'):
+        handle = client.get_workflow_handle(workflow_id, run_id=execution.run_id)
+        history = await handle.fetch_history()
+        lengths.append(len(history.events))
+    if not lengths:  # visibility lags a little behind the run
+        history = await client.get_workflow_handle(workflow_id).fetch_history()
+        lengths.append(len(history.events))
+    return lengths
+
+
+async def with_retries(call: Callable[[], Awaitable[T]]) -> tuple[T | ChargeFailure, int]:
+    """What the charge activity's retry policy does: the same call, with backoff, until
+    Stripe answers for good; a refusal comes back as its ChargeFailure."""
+    attempt = 1
+    while True:
+        try:
+            return await call(), attempt
+        except stripe.StripeError as exc:
+            failure = to_temporal_failure(exc)
+            if failure.non_retryable:
+                details = failure.details[0] if failure.details else None
+                if isinstance(details, ChargeFailure):
+                    return details, attempt
+                raise
+            delay = min(RETRY_INITIAL * RETRY_BACKOFF ** (attempt - 1), RETRY_MAX)
+            if failure.next_retry_delay is not None:
+                delay = failure.next_retry_delay.total_seconds()
+            await asyncio.sleep(delay)
+            attempt += 1
+
+
+async def measure_baseline(
+    pool: asyncpg.Pool,
+    period: Period,
+    customer_ids: list[str],
+    options: RunOptions,
+    meter: CpuMeter,
+    faults: tuple[int, float | None],
+) -> dict[str, Any]:
+    settings = BillingSettings()
+    name = str(period)
+    retries = 0
+    outcomes = {"charged": 0, "failed": 0}
+    async with AsyncExitStack() as stack:
+        http = await stack.enter_async_context(stripe_http(settings.billing_stripe_timeout_seconds))
+        admin: VaultAdmin | None = None
+        if settings.billing_vault_url and settings.billing_vault_admin_token:
+            admin = VaultAdmin(settings.billing_vault_url, settings.billing_vault_admin_token)
+            stack.push_async_callback(admin.close)
+            access: StripeAccess = VaultAccess(
+                pool, settings.billing_vault_url, settings.billing_charge_api, http
+            )
+        else:
+            api_key = settings.stripe_api_key.get_secret_value()
+            direct = stripe_client(api_key, settings.stripe_api_base, http)
+            access = DirectAccess(StripeGateway(direct, settings.billing_charge_api))
+        gate = asyncio.Semaphore(options.max_in_flight)
+
+        async def bill(customer_id: str) -> None:
+            nonlocal retries
+            async with gate:
+                key = idempotency_key(settings.billing_key_namespace, customer_id, period)
+                async with pool.acquire() as conn:
+                    claim: Claim = await ledger.claim(conn, customer_id, name, key)
+                async with pool.acquire() as conn:
+                    if await ledger.begin_charge(conn, claim) != "go":
+                        raise RuntimeError(f"{customer_id}: the ledger's gate did not open")
+                gateway = await access.gateway_for(claim)
+                result, attempts = await with_retries(lambda: gateway.charge(claim))
+                retries += attempts - 1
+                async with pool.acquire() as conn:
+                    if isinstance(result, ChargeResult):
+                        await ledger.record_charge(conn, key, result)
+                        outcomes["charged"] += 1
+                    else:
+                        await ledger.record_unbilled(conn, key, "failed", result)
+                        outcomes["failed"] += 1
+
+        limited = await emulator_rate_limited()
+        await set_faults(*faults)
+        try:
+            meter.start()
+            started = time.monotonic()
+            async with pool.acquire() as conn:
+                plan = await ledger.plan_period(conn, name)
+                await ledger.start_period(conn, plan, BASELINE_WORKFLOW_ID)
+            if admin is not None:
+                for currency, total in sorted(plan.totals_by_currency.items()):
+                    await period_keys.ensure_key(
+                        pool,
+                        admin,
+                        period,
+                        currency,
+                        spend_cap(total, settings.billing_cap_multiplier),
+                        timedelta(days=settings.billing_vault_key_grace_days),
+                    )
+            due: list[str] = []
+            cursor: str | None = None
+            while True:
+                async with pool.acquire() as conn:
+                    page = await ledger.due_page(conn, name, cursor, options.page_size)
+                due += [c.customer_id for c in page.customers]
+                cursor = page.next_cursor
+                if cursor is None:
+                    break
+            await asyncio.gather(*(bill(c) for c in due))
+            async with pool.acquire() as conn:
+                await ledger.finish_period(conn, name, json.dumps(outcomes))
+            elapsed = time.monotonic() - started
+            cpu = meter.stop()
+        finally:
+            await set_faults(0, None)
+    return {
+        "per_s": len(customer_ids) / elapsed,
+        "seconds": round(elapsed, 2),
+        "period": name,
+        "due": len(due),
+        "through_vault": admin is not None,
+        "retries": retries,
+        "emulator_429s": await emulator_rate_limited() - limited,
+        **outcomes,
+        "cpu_cores": cpu,
+    }
+
+
+@contextmanager
+def step(what: str) -> Iterator[None]:
+    say(f"{what}...")
+    started = time.monotonic()
+    yield
+    say(f"  {what}: {time.monotonic() - started:.1f} s")
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    options = RunOptions(max_in_flight=args.max_in_flight)
+    faults = (args.emulator_latency_ms, args.rate_limit_rps)
+    token = secrets.token_hex(3)
+    n = args.customers
+    async with ensure_stack(quiet=QUIET, keep_running=args.keep_running):
+        database_url = DatabaseSettings().database_url
+        # This process runs the ledger code of the working tree: its schema too (a worker
+        # does the same at start).
+        await migrate(database_url)
+        client = await connect(TemporalSettings())
+        pool = await create_pool(database_url)
+        meter = CpuMeter()
+        await set_faults(0, None)
+        async with pool.acquire() as conn:
+            others: list[str] = [
+                r["customer_id"]
+                for r in await conn.fetch("SELECT customer_id FROM customers WHERE active")
+            ]
+        if others:
+            say(f"setting {len(others)} other active customers inactive for the run")
+        await set_active(pool, others, False)
+        try:
+            orchestrated_period, baseline_period = await fresh_periods(client, pool, 2)
+            with step(f"ceiling: {n} no-op children"):
+                ceiling = await measure_ceiling(
+                    client, n, options, meter, token, args.ceiling_workflow_polls
+                )
+            with step(f"seeding {n} customers for {orchestrated_period}"):
+                mine = await seed(pool, n, f"bench-{token}-o")
+            try:
+                with step(f"orchestrated: billing {orchestrated_period}"):
+                    orchestrated = await measure_orchestrated(
+                        client, pool, orchestrated_period, mine, options, meter, faults
+                    )
+            finally:
+                await set_active(pool, mine, False)
+            with step(f"seeding {n} other customers for {baseline_period}"):
+                theirs = await seed(pool, n, f"bench-{token}-b")
+            try:
+                with step(f"baseline: billing {baseline_period} without Temporal"):
+                    baseline = await measure_baseline(
+                        pool, baseline_period, theirs, options, meter, faults
+                    )
+            finally:
+                await set_active(pool, theirs, False)
+        finally:
+            await set_active(pool, others, True)
+            await pool.close()
+    return {
+        "customers": n,
+        "orchestrated_per_s": round(orchestrated["per_s"], 1),
+        "ceiling_per_s": round(ceiling["per_s"], 1),
+        "ceiling_ratio": round(orchestrated["per_s"] / ceiling["per_s"], 3),
+        "baseline_per_s": round(baseline["per_s"], 1),
+        "ratio": round(orchestrated["per_s"] / baseline["per_s"], 3),
+        "max_history_events": orchestrated["max_history_events"],
+        "emulator_latency_ms": args.emulator_latency_ms,
+        "rate_limit_rps": args.rate_limit_rps,
+        "max_in_flight": options.max_in_flight,
+        "ceiling_workflow_polls": args.ceiling_workflow_polls,
+        "at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine_cpus": os.cpu_count(),
+        "orchestrated": {k: v for k, v in orchestrated.items() if k != "per_s"},
+        "ceiling": {k: v for k, v in ceiling.items() if k != "per_s"},
+        "baseline": {k: v for k, v in baseline.items() if k != "per_s"},
+    }
+
+
+def write_result(result: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = RESULTS / f"throughput-{stamp}-{result['customers']}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
+def parser() -> argparse.ArgumentParser:
+    doc = __doc__ or ""
+    p = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--customers", type=int, default=500, help="N per measurement (default 500)")
+    p.add_argument("--emulator-latency-ms", type=int, default=0, help="added to every request")
+    p.add_argument(
+        "--rate-limit-rps", type=float, default=None, help="emulator's rate limit (default none)"
+    )
+    p.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=RunOptions().max_in_flight,
+        help="the period's window; also the ceiling's and the baseline's concurrency",
+    )
+    p.add_argument(
+        "--ceiling-workflow-polls",
+        type=int,
+        default=None,
+        help="experiment: workflow task pollers of the ceiling's worker, any of them on the"
+        " shared queue (default: the SDK's 5 with 1 in 5 shared, as the stack's worker)",
+    )
+    p.add_argument("--keep-running", action="store_true", help="leave a stack started here up")
+    p.add_argument("--json", action="store_true", help="print only the JSON object on stdout")
+    return p
+
+
+def main() -> int:
+    global QUIET
+    args = parser().parse_args()
+    if args.customers < 1:
+        raise SystemExit("--customers must be at least 1")
+    QUIET = args.json
+    result = asyncio.run(run(args))
+    path = write_result(result)
+    if not args.json:
+        for name in ("orchestrated_per_s", "ceiling_per_s", "baseline_per_s"):
+            print(f"{name:>20}: {result[name]}")
+        for name in ("ceiling_ratio", "ratio", "max_history_events"):
+            print(f"{name:>20}: {result[name]}")
+    say(f"written to {path.relative_to(ROOT)}")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
