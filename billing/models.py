@@ -182,7 +182,9 @@ class SkipRequest(OperatorRequest):
         return validate_customer_id(value)
 
 
-class PeriodSummary(Record):
+class PeriodCounts(Record):
+    """What a period's run has done: the counts `run --json` and `status --json` print."""
+
     period: str
     workflow_id: str
     due: int
@@ -192,23 +194,17 @@ class PeriodSummary(Record):
     skipped: int
     cancelled: int
     total_charged_cents: int
-    # Set when an operator cancelled the run: everything above happened before the cancel.
+
+
+class PeriodSummary(PeriodCounts):
+    # Set when an operator cancelled the run: the counts are what happened before the cancel.
     cancel_reason: str | None = None
     cancelled_by: str | None = None
 
 
-class PeriodProgress(Record):
-    period: str
-    workflow_id: str
+class PeriodProgress(PeriodCounts):
     state: str
     in_flight: int
-    due: int
-    charged: int
-    already_billed: int
-    failed: int
-    skipped: int
-    cancelled: int
-    total_charged_cents: int
     expected_due: int | None = None
     reason: str | None = None
     operator: str | None = None

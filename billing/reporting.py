@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from billing.config import TemporalSettings
-from billing.models import PeriodProgress, PeriodSummary, Preview
+from billing.models import PeriodCounts, PeriodProgress, Preview
 
 
-def describe(summary: PeriodSummary | PeriodProgress) -> str:
+def describe(summary: PeriodCounts) -> str:
     dollars = summary.total_charged_cents / 100
     lines = [
         f"period {summary.period} ({summary.workflow_id})",
