@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -60,6 +60,12 @@ class ObservabilitySettings(BaseSettings):
     model_config = SettingsConfigDict(extra="ignore")
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level_any_case(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
+
     log_format: Literal["text", "json"] = "text"
     metrics_host: str = "127.0.0.1"
     billing_metrics_port: int | None = Field(default=None, ge=1, le=65535)

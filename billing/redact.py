@@ -2,7 +2,9 @@
 
 import re
 
-_SECRET_RE = re.compile(r"\b(sk|rk|pk)_(live|test)_[A-Za-z0-9]+|\bvk_[A-Za-z0-9_-]+")
+# No leading word boundary: a key glued to other text ("token=key_sk_test_...", an escaped
+# "\\nsk_test_...") is still a key. Over-redacting a look-alike is the cheaper mistake.
+_SECRET_RE = re.compile(r"(sk|rk|pk)_(live|test)_[A-Za-z0-9]+|vk_[A-Za-z0-9_-]+")
 
 
 def redact(text: str) -> str:

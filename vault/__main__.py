@@ -11,6 +11,7 @@ import sys
 import asyncpg
 from pydantic import ValidationError
 
+from billing import logs
 from vault.app import serve
 from vault.settings import VaultSettings, describe_settings_error
 
@@ -31,11 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8180, help="0 picks a free port")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
+    # The project's logging: JSON with LOG_FORMAT=json, and every line passes the redactor.
+    logs.configure()
     try:
         settings = VaultSettings()
     except ValidationError as error:

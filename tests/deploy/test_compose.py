@@ -131,6 +131,13 @@ def test_project_environment_is_read_by_the_settings(name: str) -> None:
     assert not missing, f"{name} lacks required settings: {missing}"
 
 
+def test_the_cli_derives_keys_and_caps_as_the_workers_do() -> None:
+    shared = ("TEMPORAL_NAMESPACE", "TEMPORAL_TASK_QUEUE", "DATABASE_URL", "BILLING_KEY_NAMESPACE")
+    shared += ("BILLING_CAP_MULTIPLIER",)
+    cli, worker = environment(SERVICES["cli"]), environment(SERVICES["worker"])
+    assert {n: cli.get(n) for n in shared} == {n: worker[n] for n in shared}
+
+
 def test_secrets_come_from_the_environment_never_the_file() -> None:
     text = COMPOSE_FILE.read_text()
     assert redact(text) == text, "something shaped like a Stripe or vault key is in the file"
@@ -147,8 +154,19 @@ def test_required_variables_are_the_secrets_and_the_cap() -> None:
         "VAULT_ADMIN_TOKEN",
         "STRIPE_SECRET_KEY",
         "VAULT_MAX_CAP_CENTS",
-        "BILLING_VAULT_KEY",
     }
+
+
+def test_workers_charge_through_the_vault_and_never_hold_the_stripe_secret() -> None:
+    vault = SERVICES["vault"]
+    port = vault["command"][vault["command"].index("--port") + 1]
+    workers = [s for s in PROJECT_SERVICES.values() if s["command"] == ["python", "worker.py"]]
+    for worker in workers:
+        env = environment(worker)
+        assert env["BILLING_VAULT_URL"] == f"http://vault:{port}"
+        assert env["BILLING_VAULT_ADMIN_TOKEN"] == environment(vault)["VAULT_ADMIN_TOKEN"]
+        assert "STRIPE_API_KEY" not in env
+        assert not any("<STRIPE_SECRET_KEY>" in value for value in env.values())
 
 
 def test_every_compose_variable_is_documented() -> None:

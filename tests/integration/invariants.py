@@ -16,6 +16,7 @@ async def assert_billed_once(
     customers: Iterable[CustomerRow],
     *,
     declined: frozenset[str] = frozenset(),
+    cancelled: frozenset[str] = frozenset(),
 ) -> None:
     customers = list(customers)
     charges = [c for c in await harness.charges() if c["metadata"].get("billing_period") == period]
@@ -26,7 +27,7 @@ async def assert_billed_once(
 
     # I1: at most one successful charge per (customer, period); exactly one unless declined.
     for row in customers:
-        expected = 0 if row.customer_id in declined else 1
+        expected = 0 if row.customer_id in declined | cancelled else 1
         got = succeeded.get(row.customer_id, [])
         assert len(got) == expected, f"{row.customer_id}: {len(got)} successful charges"
         for charge in got:
@@ -41,6 +42,8 @@ async def assert_billed_once(
         assert row["status"] != "claimed", f"{customer_id} left claimed"
         if customer_id in declined:
             assert row["status"] == "failed" and row["failure_code"], customer_id
+        elif customer_id in cancelled:
+            assert row["status"] == "cancelled" and row["charge_started_at"] is None, customer_id
         else:
             assert row["status"] == "charged", f"{customer_id} is {row['status']}"
             assert row["charge_id"] == succeeded[customer_id][0]["id"]

@@ -107,18 +107,30 @@ async def test_cancel_charges_nothing_more_and_cancels_the_rest(harness: Harness
                 "alice",
                 None,
             )
-    # A new run bills the customers the cancelled one left, and nobody twice.
+    # A new run bills the customers the cancelled one never started, and nobody twice. Those
+    # whose child the cancel stopped at the gate keep it: REJECT_DUPLICATE holds their ID.
+    stopped = frozenset(
+        r["customer_id"]
+        for r in rows
+        if r["status"] == "cancelled" and not r["cancelled_before_start"]
+    )
     async with harness.running_worker():
         rerun = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
-    assert (rerun.charged, rerun.already_billed) == (30 - charged, charged)
-    await assert_billed_once(harness, str(PERIOD), customers)
+    assert (rerun.charged, rerun.already_billed, rerun.cancelled) == (
+        30 - charged - len(stopped),
+        charged,
+        len(stopped),
+    )
+    await assert_billed_once(harness, str(PERIOD), customers, cancelled=stopped)
 
 
 async def test_resume_is_refused_on_a_cancelled_run(harness: Harness) -> None:
     await harness.seed(12)
-    await harness.set_faults(latency_ms=300)
+    # Slow answers keep the cancelled run open (it waits for the charges already sent).
+    await harness.set_faults(latency_ms=3000)
     async with harness.running_worker():
         handle = await start_period(harness.client, PERIOD, harness.task_queue, SLOW)
+        await eventually(lambda: _at_least(money_requests(harness), 1))
         await operations.control(harness.client, PERIOD, "pause", ALICE)
         await operations.control(harness.client, PERIOD, "cancel", ALICE)
         with pytest.raises(operations.OperatorRefusedError, match="cancelled by alice"):

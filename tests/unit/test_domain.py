@@ -184,3 +184,14 @@ def test_spend_cap_rounds_up_to_a_cent_without_float_error(
 def test_spend_cap_refuses_a_cap_below_the_total() -> None:
     with pytest.raises(InvalidAmountError, match="below"):
         spend_cap(100, 0.9)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["token=key_sk_test_abc123", "\\nsk_test_abc123", "x vk_AbC-123_z y", "rk_live_Q1w2"],
+)
+def test_redact_finds_keys_glued_to_other_text(text: str) -> None:
+    from billing.redact import redact
+
+    assert "[redacted key]" in redact(text)
+    assert "abc123" not in redact(text) and "AbC-123" not in redact(text)
