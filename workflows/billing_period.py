@@ -27,7 +27,7 @@ with workflow.unsafe.imports_passed_through():
         PrepareRequest,
         SkipCustomerRequest,
     )
-    from billing import search_attributes
+    from billing import logs, search_attributes
     from billing.keys import customer_workflow_id, validate_customer_id
     from billing.models import (
         BillingPeriodInput,
@@ -153,6 +153,13 @@ class BillingPeriodWorkflow:
 
     @workflow.update
     async def skip(self, request: SkipRequest) -> SkipResult:
+        logs.log_signal(
+            "skip",
+            period=self._state.period,
+            customer_id=request.customer_id,
+            operator=request.operator,
+            reason=request.reason,
+        )
         return await workflow.execute_activity_method(
             PeriodActivities.skip_customer,
             SkipCustomerRequest(period=self._state.period, request=request),
@@ -173,6 +180,9 @@ class BillingPeriodWorkflow:
             raise ApplicationError(f"cannot {action} a run that has finished")
 
     async def _set_control(self, control: Control, request: OperatorRequest) -> PeriodProgress:
+        logs.log_signal(
+            control, period=self._state.period, operator=request.operator, reason=request.reason
+        )
         self._state.control = ControlState(
             control=control, reason=request.reason, operator=request.operator
         )
