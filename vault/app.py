@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from vault import admin, proxy
+from vault import admin, metrics, proxy
 from vault.errors import VaultError
 from vault.openapi import openapi_document
 from vault.settings import VaultSettings
@@ -50,6 +50,7 @@ def create_app(settings: VaultSettings) -> web.Application:
 
     app.router.add_get("/vault/openapi.json", openapi)
     app.router.add_route("*", "/stripe/{tail:.*}", proxy.handle)
+    app.router.add_get("/metrics", metrics.handle)
     return app
 
 

@@ -16,7 +16,7 @@ import asyncpg
 from aiohttp import web
 from yarl import URL
 
-from vault import reservations, store
+from vault import metrics, reservations, store
 from vault.endpoints import METERED, PATH_RE, allows
 from vault.errors import VaultError
 from vault.models import IDEMPOTENCY_KEY_PATTERN, SECRET_PREFIX, Decision, ReservationState
@@ -97,6 +97,7 @@ async def handle(request: web.Request) -> web.Response:
             should_retry=True,
         ).response()
     record.latency_ms = (time.perf_counter() - started) * 1000
+    metrics.observe(record)
     try:
         async with state.pool.acquire() as conn:
             await store.insert_audit(conn, record)

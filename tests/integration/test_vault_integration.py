@@ -7,7 +7,9 @@ import json
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
+import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 
 from billing import operations, period_keys
@@ -48,12 +50,30 @@ async def period_key(harness: Harness) -> str:
         return key_id
 
 
+async def forwarded_count(harness: Harness) -> float:
+    """vault_requests_total{decision="forwarded"} scraped from the vault's /metrics."""
+    assert harness.vault is not None
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(harness.vault.url + "/metrics") as response,
+    ):
+        text = await response.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vault_requests_total" and sample.labels == {"decision": "forwarded"}:
+                return sample.value
+    return 0.0
+
+
 async def test_a_period_charges_through_its_capped_key(vaulted: Harness) -> None:
     customers = await vaulted.seed(20)
+    forwarded_before = await forwarded_count(vaulted)
     async with vaulted.running_worker():
         handle = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
         summary = await handle.result()
     assert summary.charged == 20
+    # The vault's own metrics moved with the run.
+    assert await forwarded_count(vaulted) - forwarded_before >= 20
     await assert_billed_once(vaulted, str(PERIOD), customers)
     assert vaulted.vault is not None
     key = await vaulted.vault.admin.get_key(await period_key(vaulted))
