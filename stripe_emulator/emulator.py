@@ -93,15 +93,16 @@ class Emulator:
     ) -> web.StreamResponse:
         api_key = _api_key(request.headers.get("Authorization"))
         log["api_key_suffix"] = api_key[-4:]
-        now = time.monotonic()
-        if not self.limiter.allow(api_key, now):
-            self.faults.counts[RATE_LIMITED] += 1
-            raise _rate_limited()
         is_post = request.method == "POST"
         encoded = (
             (await request.read()).decode(errors="replace") if is_post else request.query_string
         )
+        # Decoded before the rate limit, so the request log shows what a refused request sent.
         params = log["params"] = forms.decode(encoded)
+        now = time.monotonic()
+        if not self.limiter.allow(api_key, now):
+            self.faults.counts[RATE_LIMITED] += 1
+            raise _rate_limited()
         paths = expand_paths(params)
         key: str | None = log["idempotency_key"]
         call = Call(self.store, params, request.match_info, request.path, key if is_post else None)

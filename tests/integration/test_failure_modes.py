@@ -103,3 +103,27 @@ async def test_worker_killed_between_charge_and_record(harness: Harness) -> None
     async with harness.running_worker():
         await harness.client.get_workflow_handle("billing-period-2026-12").result()
     await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_stripe_rate_is_held_for_the_whole_task_queue(harness: Harness) -> None:
+    # Stripe (the emulator) answers 429 above 6 requests/s; the task queue starts at most 4
+    # activities/s, so not one request is refused and every customer is charged once.
+    customers = await harness.seed(16)
+    await harness.set_faults(rate_limit_rps=6.0)
+    harness.settings = harness.settings.model_copy(update={"billing_stripe_rps": 4.0})
+    async with harness.running_worker():
+        summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    assert summary.charged == 16
+    assert (await harness.faults_injected())["rate_limited"] == 0
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_stripe_429s_are_retried_with_the_same_key(harness: Harness) -> None:
+    # Without the queue's limit, the emulator refuses bursts: retries charge each once.
+    customers = await harness.seed(16)
+    await harness.set_faults(rate_limit_rps=4.0)
+    async with harness.running_worker():
+        summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    assert summary.charged == 16
+    assert (await harness.faults_injected())["rate_limited"] > 0
+    await assert_billed_once(harness, str(PERIOD), customers)
