@@ -24,7 +24,7 @@ from temporalio.client import (
 
 from billing.errors import InvalidInputError
 from billing.models import Record, RunOptions, ScheduledBillingInput
-from billing.periods import Billing, Period
+from billing.periods import Billing, Period, period_range
 from workflows.scheduled_billing import ScheduledBillingWorkflow
 
 Overlap = Literal[
@@ -135,7 +135,7 @@ async def backfill(client: Client, schedule_id: str, first: Period, last: Period
     await handle.backfill(
         ScheduleBackfill(start_at=start, end_at=end, overlap=ScheduleOverlapPolicy.ALLOW_ALL)
     )
-    return len(range((last.year - first.year) * 12 + last.month - first.month + 1))
+    return len(period_range(first, last))
 
 
 def describe(description: ScheduleDescription) -> str:

