@@ -154,10 +154,9 @@ async def cmd_setup(_: argparse.Namespace) -> int:
 
 async def cmd_schedule(args: argparse.Namespace) -> int:
     temporal = TemporalSettings()
-    client = await connect(temporal)
-    handle = client.get_schedule_handle(args.id)
-    if args.schedule_command == "create":
-        config = schedules.MonthlySchedule(
+    # Bad input is refused before anything is contacted.
+    config = (
+        schedules.MonthlySchedule(
             schedule_id=args.id,
             day_of_month=args.day,
             hour=args.hour,
@@ -168,6 +167,12 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
             catchup_window=timedelta(hours=args.catchup_hours),
             paused=args.paused,
         )
+        if args.schedule_command == "create"
+        else None
+    )
+    client = await connect(temporal)
+    handle = client.get_schedule_handle(args.id)
+    if config is not None:
         await schedules.create_schedule(client, config, temporal.task_queue)
         print(
             f"created schedule {args.id}: day {args.day} at {args.hour:02d}:{args.minute:02d}"
@@ -365,4 +370,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: the Temporal client's Rust threads can abort a finalizing
+    # interpreter (temporalio sdk-python issue 300), turning a clean exit into SIGABRT.
+    os._exit(code)
