@@ -42,11 +42,12 @@ from billing.periods import parse_period
 
 # ApplicationError types for charges an operator stopped before they reached Stripe.
 SKIPPED = "CustomerSkipped"
-UNKNOWN_CUSTOMER = "UnknownCustomer"
-# The claim was finished elsewhere (e.g. cancelled by its run) while this child waited.
-CLAIM_CLOSED = "ClaimClosed"
 CANCELLED = "PeriodCancelled"
 PAUSED = "PeriodPaused"
+# The claim was finished elsewhere (e.g. cancelled by its run) while this child waited.
+CLAIM_CLOSED = "ClaimClosed"
+# The customer left the ledger (or became inactive) after the period listed it.
+UNKNOWN_CUSTOMER = "UnknownCustomer"
 # A paused charge waits inside its attempt (no retry storm of hundreds of children), but
 # returns well before the attempt's 60 s start-to-close timeout.
 PAUSE_POLL = 0.5

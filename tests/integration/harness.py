@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,8 @@ from temporalio.worker import Worker
 from activities.stripe_access import StripeAccess, VaultAccess
 from billing.config import BillingSettings
 from billing.customers import CustomerRow, upsert_customers
+from billing.periods import Period
+from billing.runs import period_status
 from billing.seeding import create_demo_customers
 from vault.client import VaultAdmin
 from worker import create_worker, direct_access
@@ -31,6 +35,18 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 class VaultHandle:
     url: str
     admin: VaultAdmin
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 60) -> None:
+    """Wait until `check()` is true; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.1)
+
+
+async def at_least(count: Awaitable[int], n: int) -> bool:
+    return await count >= n
 
 
 def always_visa(_: int) -> str:
@@ -74,6 +90,20 @@ class Harness:
         log = await self._emulator("GET", "/_emulator/requests")
         requests: list[dict[str, Any]] = log["requests"]
         return requests
+
+    async def succeeded(self) -> int:
+        """Successful charges in Stripe's (the emulator's) ledger."""
+        return sum(c["status"] == "succeeded" for c in await self.charges())
+
+    async def money_requests(self) -> int:
+        """Charge requests Stripe received, refused or not."""
+        return sum(
+            r["method"] == "POST" and r["path"] == "/v1/payment_intents"
+            for r in await self.requests()
+        )
+
+    async def in_state(self, period: Period, state: str) -> bool:
+        return (await period_status(self.client, period)).state == state
 
     async def faults_injected(self) -> dict[str, int]:
         ledger = await self._emulator("GET", "/_emulator/ledger")

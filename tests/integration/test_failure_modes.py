@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import signal
-import time
-from collections.abc import Awaitable, Callable
 
 from billing.periods import Period
 from billing.runs import start_period
-from tests.integration.harness import Harness
+from tests.integration.harness import Harness, eventually
 from tests.integration.invariants import assert_billed_once
 
 PERIOD = Period(2026, 12)
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.1)
 
 
 async def test_saved_500_after_commit_is_resolved_by_lookup(harness: Harness) -> None:

@@ -25,12 +25,11 @@ from billing.config import ObservabilitySettings, TemporalSettings
 from billing.models import OperatorRequest
 from billing.periods import Period
 from billing.redact import redact
-from billing.runs import period_status, start_period
+from billing.runs import start_period
 from billing.stripe_client import stripe_session
 from billing.temporal_client import connect
 from tests.conftest import free_port
-from tests.integration.harness import Harness
-from tests.integration.test_failure_modes import eventually
+from tests.integration.harness import Harness, eventually
 from worker import create_worker, direct_access
 
 PERIOD = Period(2026, 11)
@@ -147,12 +146,8 @@ async def test_a_refused_key_is_counted_and_never_logged(
         )
         async with worker:
             handle = await start_period(harness.client, PERIOD, harness.task_queue)
-
-            async def paused() -> bool:
-                return (await period_status(harness.client, PERIOD)).state == "paused"
-
             # A refused key stops the whole period (it pauses itself) instead of failing it.
-            await eventually(paused, timeout=30)
+            await eventually(lambda: harness.in_state(PERIOD, "paused"), timeout=30)
             after, _ = await scrape(billing_url)
             await operations.control(
                 harness.client, PERIOD, "cancel", OperatorRequest(reason="bad key", operator="ops")

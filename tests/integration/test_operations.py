@@ -14,9 +14,8 @@ from billing.models import OperatorRequest, RunOptions, SkipRequest
 from billing.periods import Period, period_for
 from billing.preview import preview_period
 from billing.runs import period_status, start_period
-from tests.integration.harness import Harness
+from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
-from tests.integration.test_failure_modes import eventually
 
 PERIOD = Period(2026, 12)
 ALICE = OperatorRequest(reason="amounts look wrong", operator="alice")
@@ -29,23 +28,12 @@ async def db_now(harness: Harness) -> datetime:
         return now
 
 
-async def money_requests(harness: Harness) -> int:
-    return sum(
-        r["method"] == "POST" and r["path"] == "/v1/payment_intents"
-        for r in await harness.requests()
-    )
-
-
-async def charged_count(harness: Harness) -> int:
-    return sum(c["status"] == "succeeded" for c in await harness.charges())
-
-
 async def test_pause_stops_new_charges_and_resume_completes(harness: Harness) -> None:
     customers = await harness.seed(40)
     await harness.set_faults(latency_ms=150)
     async with harness.running_worker():
         handle = await start_period(harness.client, PERIOD, harness.task_queue, SLOW)
-        await eventually(lambda: _at_least(charged_count(harness), 4))
+        await eventually(lambda: at_least(harness.succeeded(), 4))
         progress = await operations.control(harness.client, PERIOD, "pause", ALICE)
         paused_at = await db_now(harness)
         assert (progress.state, progress.operator, progress.reason) == (
@@ -54,9 +42,9 @@ async def test_pause_stops_new_charges_and_resume_completes(harness: Harness) ->
             "amounts look wrong",
         )
         await asyncio.sleep(1.0)
-        settled = await money_requests(harness)
+        settled = await harness.money_requests()
         await asyncio.sleep(2.0)
-        assert await money_requests(harness) == settled, "Stripe was called while paused"
+        assert await harness.money_requests() == settled, "Stripe was called while paused"
         assert (await period_status(harness.client, PERIOD)).state == "paused"
         assert settled < 40
         resumed_at = await db_now(harness)
@@ -71,22 +59,18 @@ async def test_pause_stops_new_charges_and_resume_completes(harness: Harness) ->
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
-async def _at_least(count: asyncio.Future[int] | object, n: int) -> bool:
-    return await count >= n  # type: ignore[misc, no-any-return]
-
-
 async def test_cancel_charges_nothing_more_and_cancels_the_rest(harness: Harness) -> None:
     customers = await harness.seed(30)
     await harness.set_faults(latency_ms=150)
     async with harness.running_worker():
         handle = await start_period(harness.client, PERIOD, harness.task_queue, SLOW)
-        await eventually(lambda: _at_least(charged_count(harness), 3))
+        await eventually(lambda: at_least(harness.succeeded(), 3))
         await operations.control(harness.client, PERIOD, "cancel", ALICE)
         cancelled_at = await db_now(harness)
         summary = await handle.result()
         with pytest.raises(operations.NotRunningError):
             await operations.control(harness.client, PERIOD, "resume", ALICE)
-    charged = await charged_count(harness)
+    charged = await harness.succeeded()
     assert summary.charged == charged < 30
     assert summary.charged + summary.cancelled == 30
     assert (summary.cancelled_by, summary.cancel_reason) == ("alice", "amounts look wrong")
@@ -130,7 +114,7 @@ async def test_resume_is_refused_on_a_cancelled_run(harness: Harness) -> None:
     await harness.set_faults(latency_ms=3000)
     async with harness.running_worker():
         handle = await start_period(harness.client, PERIOD, harness.task_queue, SLOW)
-        await eventually(lambda: _at_least(money_requests(harness), 1))
+        await eventually(lambda: at_least(harness.money_requests(), 1))
         await operations.control(harness.client, PERIOD, "pause", ALICE)
         await operations.control(harness.client, PERIOD, "cancel", ALICE)
         with pytest.raises(operations.OperatorRefusedError, match="cancelled by alice"):
@@ -171,7 +155,7 @@ async def test_preview_matches_what_the_run_charges(harness: Harness) -> None:
     assert len(preview.to_charge) == 15 and not preview.already_billed
     assert preview.expected_total_cents == sum(c.amount_cents for c in customers)
     assert preview.cap_cents == -(-preview.expected_total_cents * 110 // 100)
-    assert not await money_requests(harness), "a preview must not call Stripe"
+    assert not await harness.money_requests(), "a preview must not call Stripe"
     async with harness.running_worker():
         summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
     assert summary.charged + summary.failed == len(preview.to_charge)
@@ -187,23 +171,20 @@ async def test_search_attributes_answer_what_the_web_ui_filters(harness: Harness
     async with harness.running_worker():
         await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
 
-    async def count(query: str) -> int:
-        return len([w async for w in harness.client.list_workflows(query)])
+    async def count_is(query: str, n: int) -> bool:
+        # Visibility is eventually consistent: what the Web UI lists once it has caught up.
+        return len([w async for w in harness.client.list_workflows(query)]) == n
 
     failed = f'BillingPeriod="{PERIOD}" AND BillingStatus="failed"'
     charged = f'BillingPeriod="{PERIOD}" AND BillingStatus="charged"'
-    await eventually(lambda: _equals(count(failed), 1), timeout=15)
-    await eventually(lambda: _equals(count(charged), 5), timeout=15)
+    await eventually(lambda: count_is(failed, 1), timeout=15)
+    await eventually(lambda: count_is(charged, 5), timeout=15)
     [declined] = [w async for w in harness.client.list_workflows(failed)]
     assert declined.id == f"billing-{PERIOD}-cust-000002"
     period_run = await harness.client.get_workflow_handle(period_workflow_id(PERIOD)).describe()
     assert await period_run.static_summary() == f"Billing period {PERIOD}"
     child = await harness.client.get_workflow_handle(declined.id).describe()
     assert await child.static_summary() == f"Charge customer cust-000002 for {PERIOD}"
-
-
-async def _equals(value: object, n: int) -> bool:
-    return await value == n  # type: ignore[misc, no-any-return]
 
 
 async def test_schedule_trigger_and_manual_run_bill_each_customer_once(harness: Harness) -> None:

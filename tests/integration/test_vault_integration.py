@@ -16,9 +16,8 @@ from billing import operations, period_keys
 from billing.models import OperatorRequest, RunOptions
 from billing.periods import Period
 from billing.runs import period_status, start_period
-from tests.integration.harness import Harness, VaultHandle
+from tests.integration.harness import Harness, VaultHandle, at_least, eventually
 from tests.integration.invariants import assert_billed_once
-from tests.integration.test_failure_modes import eventually
 from vault import VaultSettings, serve
 from vault.client import VaultAdmin
 from vault.models import IssueKeyRequest
@@ -129,10 +128,7 @@ async def test_cap_reached_pauses_the_period_until_an_operator_acts(vaulted: Har
             vaulted.client, PERIOD, vaulted.task_queue, RunOptions(max_in_flight=1)
         )
 
-        async def paused() -> bool:
-            return (await period_status(vaulted.client, PERIOD)).state == "paused"
-
-        await eventually(paused, timeout=60)
+        await eventually(lambda: vaulted.in_state(PERIOD, "paused"), timeout=60)
         progress = await period_status(vaulted.client, PERIOD)
         assert progress.operator == "billing (automatic)"
         assert progress.reason is not None and "spend_cap_exceeded" in progress.reason
@@ -154,13 +150,10 @@ async def test_revoked_key_stops_charging(vaulted: Harness) -> None:
         handle = await start_period(
             vaulted.client, PERIOD, vaulted.task_queue, RunOptions(max_in_flight=2)
         )
-        await eventually(lambda: _charged_at_least(vaulted, 2), timeout=30)
+        await eventually(lambda: at_least(vaulted.succeeded(), 2), timeout=30)
         await vaulted.vault.admin.revoke(await period_key(vaulted))
 
-        async def paused() -> bool:
-            return (await period_status(vaulted.client, PERIOD)).state == "paused"
-
-        await eventually(paused, timeout=30)
+        await eventually(lambda: vaulted.in_state(PERIOD, "paused"), timeout=30)
         charged = len([c for c in await vaulted.charges() if c["status"] == "succeeded"])
         progress = await period_status(vaulted.client, PERIOD)
         assert progress.reason is not None and "authentication_failed" in progress.reason
@@ -168,7 +161,3 @@ async def test_revoked_key_stops_charging(vaulted: Harness) -> None:
         summary = await handle.result()
     assert summary.charged == charged < 12
     assert len([c for c in await vaulted.charges() if c["status"] == "succeeded"]) == charged
-
-
-async def _charged_at_least(harness: Harness, n: int) -> bool:
-    return len([c for c in await harness.charges() if c["status"] == "succeeded"]) >= n
