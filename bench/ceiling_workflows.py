@@ -3,8 +3,9 @@
 `FanOutWorkflow` starts `count` `NoopChildWorkflow` children the way BillingPeriodWorkflow
 does (a window of `max_in_flight`, refilled at a tenth free with one `asyncio.gather` of
 starts, REJECT_DUPLICATE IDs, ParentClosePolicy.ABANDON, a static summary and two search
-attributes per child, continue-as-new at the same history length); each child only signals
-the parent and returns. Run on the benchmark's own task queue, never on the billing worker.
+attributes per child, each child's result awaited, its own children finished before it
+continues as new at the same history length); each child only returns. Run on the benchmark's
+own task queue, never on the billing worker.
 """
 
 from __future__ import annotations
@@ -12,18 +13,15 @@ from __future__ import annotations
 import asyncio
 from functools import partial
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 
 with workflow.unsafe.imports_passed_through():
     from billing import search_attributes
 
-CHILD_DONE = "noop_child_done"
-
 
 class NoopChildInput(BaseModel):
-    parent_workflow_id: str
     index: int
 
 
@@ -33,7 +31,6 @@ class FanOutInput(BaseModel):
     max_in_flight: int
     history_event_limit: int
     next_index: int = 0
-    in_flight: list[int] = Field(default_factory=list)
     finished: int = 0
     runs: int = 1
 
@@ -46,9 +43,8 @@ class FanOutResult(BaseModel):
 @workflow.defn(name="BenchNoopChild")
 class NoopChildWorkflow:
     @workflow.run
-    async def run(self, request: NoopChildInput) -> None:
-        parent = workflow.get_external_workflow_handle(request.parent_workflow_id)
-        await parent.signal(CHILD_DONE, request.index)
+    async def run(self, request: NoopChildInput) -> int:
+        return request.index
 
 
 @workflow.defn(name="BenchFanOut")
@@ -56,13 +52,7 @@ class FanOutWorkflow:
     @workflow.init
     def __init__(self, request: FanOutInput) -> None:
         self._state = request
-        self._in_flight: set[int] = set(request.in_flight)
-
-    @workflow.signal(name=CHILD_DONE)
-    def child_done(self, index: int) -> None:
-        if index in self._in_flight:
-            self._in_flight.discard(index)
-            self._state.finished += 1
+        self._in_flight: set[asyncio.Task[None]] = set()
 
     @workflow.run
     async def run(self, request: FanOutInput) -> FanOutResult:
@@ -73,8 +63,10 @@ class FanOutWorkflow:
             if room > 0 and state.next_index < state.count:
                 batch = list(range(state.next_index, min(state.count, state.next_index + room)))
                 state.next_index += len(batch)
-                self._in_flight.update(batch)
-                await asyncio.gather(*(self._start(i) for i in batch))
+                for handle in await asyncio.gather(*(self._start(i) for i in batch)):
+                    task = asyncio.create_task(self._await_child(handle))
+                    self._in_flight.add(task)
+                    task.add_done_callback(self._in_flight.discard)
             exhausted = state.next_index >= state.count
             if exhausted and not self._in_flight:
                 return FanOutResult(finished=state.finished, runs=state.runs)
@@ -84,19 +76,24 @@ class FanOutWorkflow:
                 info.is_continue_as_new_suggested()
                 or info.get_current_history_length() >= state.history_event_limit
             ):
-                await workflow.wait_condition(workflow.all_handlers_finished)
-                state.in_flight = sorted(self._in_flight)
+                await workflow.wait_condition(partial(self._settled_to, 0))
                 state.runs += 1
                 workflow.continue_as_new(state)
 
     def _settled_to(self, target: int) -> bool:
         return len(self._in_flight) <= target
 
-    async def _start(self, index: int) -> None:
+    async def _await_child(
+        self, handle: workflow.ChildWorkflowHandle[NoopChildWorkflow, int]
+    ) -> None:
+        await handle
+        self._state.finished += 1
+
+    async def _start(self, index: int) -> workflow.ChildWorkflowHandle[NoopChildWorkflow, int]:
         child_id = f"{self._state.prefix}-{index:06d}"
-        await workflow.start_child_workflow(
+        return await workflow.start_child_workflow(
             NoopChildWorkflow.run,
-            NoopChildInput(parent_workflow_id=workflow.info().workflow_id, index=index),
+            NoopChildInput(index=index),
             id=child_id,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
             parent_close_policy=workflow.ParentClosePolicy.ABANDON,

@@ -132,7 +132,9 @@ class PeriodState(BaseModel):
     plan: PeriodPlan | None = None
     cursor: str | None = None
     listing_done: bool = False
-    in_flight: list[str] = Field(default_factory=list)
+    # Customers whose child another run started: the ledger says when they finish. A run's
+    # own children all report before it continues as new.
+    started_elsewhere: list[str] = Field(default_factory=list)
     counts: Counts = Field(default_factory=Counts)
     runs: int = 1
 

@@ -31,7 +31,7 @@ with workflow.unsafe.imports_passed_through():
         Outcome,
         finished_outcome,
     )
-    from workflows.signals import CHILD_FINISHED, PERIOD_BLOCKED
+    from workflows.signals import PERIOD_BLOCKED
 
 LEDGER_TIMEOUT = timedelta(seconds=30)
 # Stripe's own timeout is 30 s; a worker that dies mid-call is noticed by the heartbeat.
@@ -70,13 +70,10 @@ class CustomerChargeWorkflow:
             cause = err.cause if isinstance(err, ActivityError) else err
             if not isinstance(cause, ApplicationError) or cause.type != UNKNOWN_CUSTOMER:
                 raise
-            # Deactivated or removed after the period listed it: nothing to charge, and the
-            # period still hears of it.
-            unknown = CustomerOutcome(
+            # Deactivated or removed after the period listed it: nothing to charge.
+            return CustomerOutcome(
                 customer_id=request.customer_id, outcome="failed", failure_code="unknown_customer"
             )
-            await self._report(request, unknown)
-            return unknown
         if claim.status == "claimed":
             outcome = await self._charge(request, claim)
         else:
@@ -84,7 +81,7 @@ class CustomerChargeWorkflow:
         workflow.upsert_search_attributes(
             [search_attributes.BILLING_STATUS.value_set(outcome.outcome)]
         )
-        await self._report(request, outcome)
+        # The period hears the outcome from this result, not from a signal.
         return outcome
 
     async def _charge(self, request: CustomerChargeInput, claim: Claim) -> CustomerOutcome:
@@ -134,23 +131,20 @@ class CustomerChargeWorkflow:
                 if not isinstance(cause, ApplicationError) or cause.type not in PERIOD_BLOCKERS:
                     raise
                 failure = ChargeFailure.model_validate(cause.details[0])
-                await self._signal_parent(request, PERIOD_BLOCKED, failure)
+                await self._tell_period_blocked(request, failure)
                 await workflow.sleep(BLOCKED_RETRY)
 
-    async def _report(self, request: CustomerChargeInput, outcome: CustomerOutcome) -> None:
-        await self._signal_parent(request, CHILD_FINISHED, outcome)
-
-    async def _signal_parent(
-        self, request: CustomerChargeInput, signal: str, payload: CustomerOutcome | ChargeFailure
+    async def _tell_period_blocked(
+        self, request: CustomerChargeInput, failure: ChargeFailure
     ) -> None:
         if request.parent_workflow_id is None:
             return
         parent = workflow.get_external_workflow_handle(request.parent_workflow_id)
         try:
-            await parent.signal(signal, payload)
+            await parent.signal(PERIOD_BLOCKED, failure)
         except FailureError:
-            # The period run has closed (e.g. terminated); its ledger still holds the outcome.
-            workflow.logger.warning("period workflow gone; %s not delivered", signal)
+            # The period run has closed (e.g. terminated): nobody is left to pause.
+            workflow.logger.warning("period workflow gone; %s not delivered", PERIOD_BLOCKED)
 
 
 def _closed_status(err: ActivityError) -> LedgerStatus | None:

@@ -1,5 +1,4 @@
 """Names shared by workflows that would otherwise import each other."""
 
-CHILD_FINISHED = "child_finished"
 # A child's charge was refused for the whole period (cap reached, key revoked): pause it.
 PERIOD_BLOCKED = "period_blocked"
