@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 PYTHON = VENV / "bin" / "python"
 STAMP = VENV / ".installed"
-PACKAGES = ["billing", "workflows", "activities", "stripe_emulator", "devstack", "vault"]
+PACKAGES = ["billing", "workflows", "activities", "stripe_emulator", "devstack", "vault", "chaos"]
 
 
 def setup() -> None:

@@ -6,6 +6,7 @@ python starter.py watch 2026-12
 python starter.py pause 2026-12 --reason "amounts look wrong"
 python starter.py skip 2026-12 cust-42 --reason "disputed"
 python starter.py preview 2026-12
+python starter.py reconcile 2026-12
 python starter.py schedule create --day 1 --hour 2 --time-zone Europe/Berlin
 python starter.py customers import customers.csv
 python starter.py demo --customers 1000 --keep-running
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import getpass
+import math
 import os
 import sys
 from collections.abc import Callable, Coroutine
@@ -24,18 +26,20 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from temporalio.client import ScheduleHandle
+from temporalio.service import RPCError, RPCStatusCode
 
 from billing import logs, operations, schedules, search_attributes
 from billing.config import BillingSettings, DatabaseSettings, TemporalSettings
 from billing.customers import read_customers_csv, upsert_customers
 from billing.db import create_pool
-from billing.errors import BillingError
+from billing.errors import BillingError, UnknownScheduleError
 from billing.migrations import migrate
 from billing.models import OperatorRequest, PeriodProgress, SkipRequest
-from billing.periods import Period, parse_period
+from billing.periods import Period, parse_period, period_range
 from billing.preview import preview_period
-from billing.reporting import describe, describe_preview, ui_link
-from billing.runs import period_status, start_period
+from billing.reporting import describe, describe_preview, describe_reconciliation, ui_link
+from billing.runs import period_status, start_period, start_reconcile
 from billing.seeding import seed_demo
 from billing.temporal_client import connect
 
@@ -48,9 +52,27 @@ def _period(text: str) -> Period:
 
 
 def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
+    # isascii: "²" and other Unicode digits pass isdigit() but not int().
+    if not text.isascii() or not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
     return int(text)
+
+
+def _number(high: float) -> Callable[[str], float]:
+    """An argparse type: a number above 0 and at most `high` (so no nan, inf or overflow)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not 0 < value <= high:  # nan fails every comparison
+            raise argparse.ArgumentTypeError(
+                f"expected a number above 0 and at most {high:g}, got {text!r}"
+            )
+        return value
+
+    return parse
 
 
 def _emit(model: BaseModel, as_json: bool, text: str) -> None:
@@ -86,16 +108,17 @@ def _operator(args: argparse.Namespace) -> str:
 
 
 async def cmd_control(args: argparse.Namespace) -> int:
-    client = await connect(TemporalSettings())
+    # Bad input is refused before anything is contacted.
     request = OperatorRequest(reason=args.reason, operator=_operator(args))
+    client = await connect(TemporalSettings())
     progress = await operations.control(client, args.period, args.command, request)
     _emit(progress, args.json, describe(progress))
     return 0
 
 
 async def cmd_skip(args: argparse.Namespace) -> int:
-    client = await connect(TemporalSettings())
     request = SkipRequest(customer_id=args.customer, reason=args.reason, operator=_operator(args))
+    client = await connect(TemporalSettings())
     result = await operations.skip(
         client, BillingSettings(), DatabaseSettings().database_url, args.period, request
     )
@@ -145,6 +168,18 @@ async def cmd_preview(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_reconcile(args: argparse.Namespace) -> int:
+    temporal = TemporalSettings()
+    client = await connect(temporal)
+    handle = await start_reconcile(client, args.period, temporal.task_queue)
+    report = await handle.result()
+    _emit(
+        report, args.json, describe_reconciliation(report) + f"\n  {ui_link(temporal, handle.id)}"
+    )
+    # Money on Stripe that the ledger does not account for needs a person.
+    return 1 if report.findings else 0
+
+
 async def cmd_setup(_: argparse.Namespace) -> int:
     client = await connect(TemporalSettings())
     added = await search_attributes.register(client)
@@ -155,6 +190,9 @@ async def cmd_setup(_: argparse.Namespace) -> int:
 async def cmd_schedule(args: argparse.Namespace) -> int:
     temporal = TemporalSettings()
     # Bad input is refused before anything is contacted.
+    reconcile = args.schedule_command == "create" and args.reconcile
+    if reconcile and args.id == schedules.DEFAULT_SCHEDULE_ID:
+        args.id = schedules.RECONCILE_SCHEDULE_ID
     config = (
         schedules.MonthlySchedule(
             schedule_id=args.id,
@@ -166,17 +204,24 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
             overlap=args.overlap,
             catchup_window=timedelta(hours=args.catchup_hours),
             paused=args.paused,
+            action="reconcile" if reconcile else "bill",
         )
         if args.schedule_command == "create"
         else None
     )
+    if args.schedule_command == "backfill":
+        period_range(args.start, args.end)  # raises if the range ends before it starts
     client = await connect(temporal)
     handle = client.get_schedule_handle(args.id)
+    if config is None:
+        await _require_schedule(handle)
     if config is not None:
         await schedules.create_schedule(client, config, temporal.task_queue)
+        when = "every day" if reconcile else f"day {args.day}"
+        what = "reconciling the period billed" if reconcile else "billing"
         print(
-            f"created schedule {args.id}: day {args.day} at {args.hour:02d}:{args.minute:02d}"
-            f" {args.time_zone}, billing in {args.billing}"
+            f"created schedule {args.id}: {when} at {args.hour:02d}:{args.minute:02d}"
+            f" {args.time_zone}, {what} in {args.billing}"
         )
     elif args.schedule_command == "describe":
         print(schedules.describe(await handle.describe()))
@@ -196,6 +241,18 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
         await handle.delete()
         print(f"deleted schedule {args.id}")
     return 0
+
+
+async def _require_schedule(handle: ScheduleHandle) -> None:
+    """An unknown schedule id is a clear error rather than Temporal's NOT_FOUND traceback."""
+    try:
+        await handle.describe()
+    except RPCError as exc:
+        if exc.status != RPCStatusCode.NOT_FOUND:
+            raise
+        raise UnknownScheduleError(
+            f"no schedule {handle.id!r}: `starter.py schedule create` makes one"
+        ) from None
 
 
 async def cmd_migrate(_: argparse.Namespace) -> int:
@@ -264,13 +321,24 @@ def parser() -> argparse.ArgumentParser:
 
     watch = commands.add_parser("watch", help="a live progress bar until the run ends")
     watch.add_argument("period", type=_period, help="YYYY-MM")
-    watch.add_argument("--interval", type=float, default=1.0, help="seconds between updates")
+    watch.add_argument(
+        "--interval", type=_number(3600), default=1.0, help="seconds between updates"
+    )
     watch.set_defaults(handler=cmd_watch)
 
     preview = commands.add_parser("preview", help="who a run would charge; charges nothing")
     preview.add_argument("period", type=_period, help="YYYY-MM")
     preview.add_argument("--json", action="store_true")
     preview.set_defaults(handler=cmd_preview)
+
+    reconcile = commands.add_parser(
+        "reconcile",
+        help="resolve open claims and unknown vault reservations; report Stripe charges the"
+        " ledger does not hold (exit 1 if any)",
+    )
+    reconcile.add_argument("period", type=_period, help="YYYY-MM")
+    reconcile.add_argument("--json", action="store_true", help="print the report as JSON")
+    reconcile.set_defaults(handler=cmd_reconcile)
 
     commands.add_parser(
         "setup", help="register the search attributes on a Temporal cluster"
@@ -321,11 +389,17 @@ def parser() -> argparse.ArgumentParser:
             )
             sub.add_argument(
                 "--catchup-hours",
-                type=float,
+                type=_number(24 * 366),
                 default=defaults.catchup_window.total_seconds() / 3600,
                 help="how late a missed firing still runs",
             )
             sub.add_argument("--paused", action="store_true", help="create it paused")
+            sub.add_argument(
+                "--reconcile",
+                action="store_true",
+                help="a daily reconciliation of the period the schedule would bill, at --hour"
+                f" and --minute (--day unused; id {schedules.RECONCILE_SCHEDULE_ID} by default)",
+            )
 
     commands.add_parser("migrate", help="apply database migrations").set_defaults(
         handler=cmd_migrate

@@ -21,6 +21,7 @@ from temporalio.worker import Worker
 import workflows
 from activities.charging import ChargingActivities
 from activities.period import PeriodActivities, scheduled_period
+from activities.reconcile import ReconcileActivities
 from activities.stripe_access import DirectAccess, StripeAccess, VaultAccess
 from activities.stripe_gateway import StripeGateway
 from billing import logs, metrics
@@ -53,6 +54,7 @@ def create_worker(
 ) -> Worker:
     charging = ChargingActivities(pool, access, settings)
     period = PeriodActivities(pool, settings, admin)
+    reconcile = ReconcileActivities(pool, access, admin)
     return Worker(
         client,
         task_queue=task_queue,
@@ -70,6 +72,10 @@ def create_worker(
             period.cancel_unstarted,
             period.close,
             scheduled_period,
+            reconcile.open_claims,
+            reconcile.settle_claim,
+            reconcile.settle_reservations,
+            reconcile.compare_charges,
         ],
         # In-flight Stripe calls get this long to finish and be recorded on shutdown.
         graceful_shutdown_timeout=timedelta(seconds=30),

@@ -20,6 +20,9 @@ from billing.stripe_client import stripe_client
 class StripeAccess(Protocol):
     async def gateway_for(self, claim: Claim) -> StripeGateway: ...
 
+    async def gateway(self, period: str, currency: str) -> StripeGateway:
+        """The gateway that charges (and reads) the period's charges in the currency."""
+
     def forget(self, claim: Claim) -> None:
         """Drop what is cached for the claim's key (e.g. after the vault refused it)."""
 
@@ -29,6 +32,9 @@ class DirectAccess:
         self._gateway = gateway
 
     async def gateway_for(self, claim: Claim) -> StripeGateway:
+        return self._gateway
+
+    async def gateway(self, period: str, currency: str) -> StripeGateway:
         return self._gateway
 
     def forget(self, claim: Claim) -> None:
@@ -46,10 +52,13 @@ class VaultAccess:
         self._gateways: dict[tuple[str, str], StripeGateway] = {}
 
     async def gateway_for(self, claim: Claim) -> StripeGateway:
-        slot = (claim.period, claim.currency)
+        return await self.gateway(claim.period, claim.currency)
+
+    async def gateway(self, period: str, currency: str) -> StripeGateway:
+        slot = (period, currency)
         gateway = self._gateways.get(slot)
         if gateway is None:
-            secret = await read_secret(self._pool, claim.period, claim.currency)
+            secret = await read_secret(self._pool, period, currency)
             client = stripe_client(secret.get_secret_value(), self._base, self._http)
             gateway = self._gateways[slot] = StripeGateway(client, self._api)
         return gateway

@@ -8,6 +8,7 @@ from typing import Any, Literal
 import stripe
 
 from billing.models import ChargeFailure, ChargeResult, Claim
+from billing.reconciliation import StripeCharge
 from billing.redact import redact
 
 ChargeApi = Literal["payment_intents", "charges"]
@@ -98,20 +99,32 @@ class StripeGateway:
             charge_id=charges[0].id,
         )
 
+    async def period_charges(self, stripe_customer_id: str, period: str) -> list[StripeCharge]:
+        """The customer's succeeded charges whose metadata names the period, whatever their
+        key: reconciliation compares them with the ledger."""
+        lister = (
+            self._client.v1.payment_intents.list_async
+            if self.api == "payment_intents"
+            else self._client.v1.charges.list_async
+        )
+        found = await _listed(
+            lister,
+            stripe_customer_id,
+            None,
+            lambda o: o.status == "succeeded" and _metadata(o, "billing_period") == period,
+        )
+        return [charge for o in found if (charge := _period_charge(o, period)) is not None]
+
     @staticmethod
     async def _ours(lister: Callable[..., Awaitable[Any]], claim: Claim) -> list[Any]:
-        """The customer's objects carrying the claim's key, listed newest first back to the
-        claim's time: listing by customer is read-after-write consistent, Stripe's search is
-        not."""
+        """The customer's objects carrying the claim's key, listed back to the claim's time."""
         oldest = int(claim.claimed_at.timestamp()) - _CLOCK_SKEW_SECONDS
-        found: list[Any] = []
-        params: dict[str, Any] = {"customer": claim.stripe_customer_id, "limit": _LOOKUP_PAGE}
-        while True:
-            page = await lister(params)
-            found += [o for o in page.data if _billing_key(o) == claim.idempotency_key]
-            if not page.has_more or not page.data or page.data[-1].created < oldest:
-                return found
-            params["starting_after"] = page.data[-1].id
+        return await _listed(
+            lister,
+            claim.stripe_customer_id,
+            oldest,
+            lambda o: _metadata(o, "billing_key") == claim.idempotency_key,
+        )
 
     @staticmethod
     def _from_intent(intent: stripe.PaymentIntent, replayed: bool = False) -> ChargeResult:
@@ -137,6 +150,50 @@ def _id(value: object) -> str | None:
     return found if isinstance(found, str) else None
 
 
-def _billing_key(obj: stripe.Charge | stripe.PaymentIntent) -> str | None:
+async def _listed(
+    lister: Callable[..., Awaitable[Any]],
+    stripe_customer_id: str,
+    oldest: int | None,
+    keep: Callable[[Any], bool],
+) -> list[Any]:
+    """The customer's objects that `keep` accepts, listed newest first back to `oldest` (a
+    Unix time; None: all): listing by customer is read-after-write consistent, Stripe's
+    search is not."""
+    found: list[Any] = []
+    params: dict[str, Any] = {"customer": stripe_customer_id, "limit": _LOOKUP_PAGE}
+    while True:
+        page = await lister(params)
+        found += [o for o in page.data if keep(o)]
+        if not page.has_more or not page.data:
+            return found
+        if oldest is not None and page.data[-1].created < oldest:
+            return found
+        params["starting_after"] = page.data[-1].id
+
+
+def _period_charge(obj: stripe.Charge | stripe.PaymentIntent, period: str) -> StripeCharge | None:
+    """A succeeded PaymentIntent or Charge carrying our metadata, as reconciliation sees it."""
+    customer_id = _metadata(obj, "customer_id")
+    charge_id: str | None
+    intent_id: str | None
+    if isinstance(obj, stripe.PaymentIntent):
+        charge_id, intent_id = _id(obj.latest_charge), obj.id
+    else:
+        charge_id, intent_id = obj.id, _id(obj.payment_intent)
+    if customer_id is None or charge_id is None:
+        return None
+    return StripeCharge(
+        charge_id=charge_id,
+        payment_intent_id=intent_id,
+        amount_cents=obj.amount,
+        currency=obj.currency,
+        stripe_customer_id=_id(obj.customer),
+        customer_id=customer_id,
+        period=period,
+        billing_key=_metadata(obj, "billing_key"),
+    )
+
+
+def _metadata(obj: stripe.Charge | stripe.PaymentIntent, name: str) -> str | None:
     metadata = obj.metadata
-    return metadata["billing_key"] if metadata and "billing_key" in metadata else None
+    return metadata[name] if metadata and name in metadata else None

@@ -67,6 +67,7 @@ from bench.ceiling_workflows import (  # noqa: E402
     FanOutWorkflow,
     NoopChildWorkflow,
 )
+from bench.stack_support import write_result  # noqa: E402
 from billing import ledger, period_keys  # noqa: E402
 from billing.config import BillingSettings, DatabaseSettings, TemporalSettings  # noqa: E402
 from billing.customers import upsert_customers  # noqa: E402
@@ -76,14 +77,13 @@ from billing.migrations import migrate  # noqa: E402
 from billing.models import ChargeFailure, ChargeResult, Claim, RunOptions  # noqa: E402
 from billing.money import spend_cap  # noqa: E402
 from billing.periods import Period  # noqa: E402
-from billing.runs import start_period  # noqa: E402
+from billing.runs import drain, start_period  # noqa: E402
 from billing.seeding import create_demo_customers  # noqa: E402
 from billing.stripe_client import stripe_client, stripe_http, stripe_session  # noqa: E402
 from billing.temporal_client import connect  # noqa: E402
 from devstack.demo import ensure_stack  # noqa: E402
 from vault.client import VaultAdmin  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 # The retry policy of the charge activity (workflows/customer_charge.py), for the baseline.
 RETRY_INITIAL = 1.0
 RETRY_BACKOFF = 2.0
@@ -310,7 +310,8 @@ async def measure_ceiling(
         cpu = meter.stop()
         # Children signal before their last workflow task: keep the worker until they are
         # closed, or they stay open on a task queue nobody polls.
-        await drain(client, task_queue)
+        if not await drain(client, task_queue):
+            say(f"warning: workflows still running on {task_queue}")
     histories = await history_lengths(client, prefix)
     return {
         "per_s": customers / elapsed,
@@ -320,16 +321,6 @@ async def measure_ceiling(
         "max_history_events": max(histories),
         "cpu_cores": cpu,
     }
-
-
-async def drain(client: Client, task_queue: str, timeout: float = 120.0) -> None:
-    query = f'TaskQueue="{task_queue}" AND ExecutionStatus="Running"'
-    deadline = time.monotonic() + timeout
-    while (await client.count_workflows(query)).count:
-        if time.monotonic() > deadline:
-            say(f"warning: workflows still running on {task_queue} after {timeout:.0f} s")
-            return
-        await asyncio.sleep(0.5)
 
 
 async def measure_orchestrated(
@@ -573,14 +564,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def write_result(result: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    path = RESULTS / f"throughput-{stamp}-{result['customers']}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    return path
-
-
 def parser() -> argparse.ArgumentParser:
     doc = __doc__ or ""
     p = argparse.ArgumentParser(
@@ -616,7 +599,7 @@ def main() -> int:
         raise SystemExit("--customers must be at least 1")
     QUIET = args.json
     result = asyncio.run(run(args))
-    path = write_result(result)
+    path = write_result("throughput", result)
     if not args.json:
         for name in ("orchestrated_per_s", "ceiling_per_s", "baseline_per_s"):
             print(f"{name:>20}: {result[name]}")

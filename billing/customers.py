@@ -78,6 +78,14 @@ def _row_from_csv(fields: dict[str, str | None]) -> CustomerRow:
 def parse_customers_csv(lines: Iterable[str], source: str = "input") -> list[CustomerRow]:
     """Validate every row; the first bad one rejects the whole file with its line number."""
     reader = csv.DictReader(lines, restkey="_extra")
+    try:
+        return _parse_rows(reader, source)
+    except csv.Error as exc:  # a line the csv module cannot split, e.g. a field over its limit
+        # The inner reader's count: DictReader updates its own only after a row parses.
+        raise CustomerImportError(f"{source}, line {reader.reader.line_num}: {exc}") from None
+
+
+def _parse_rows(reader: csv.DictReader[str], source: str) -> list[CustomerRow]:
     missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or [])]
     if missing:
         raise CustomerImportError(
@@ -108,7 +116,8 @@ def parse_customers_csv(lines: Iterable[str], source: str = "input") -> list[Cus
 
 def read_customers_csv(path: Path) -> list[CustomerRow]:
     try:
-        with path.open(newline="", encoding="utf-8") as handle:
+        # utf-8-sig: spreadsheets often save CSV with a byte-order mark before the header.
+        with path.open(newline="", encoding="utf-8-sig") as handle:
             return parse_customers_csv(handle, source=str(path))
     except (OSError, UnicodeDecodeError) as exc:
         raise CustomerImportError(f"cannot read {path}: {exc}") from None

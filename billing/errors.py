@@ -1,6 +1,13 @@
 """Errors a person can act on: each says what was wrong and what was expected."""
 
 
+def shown(value: object, limit: int = 40) -> str:
+    """`value` quoted for an error message, cut short: a hostile input is never echoed whole."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}..."
+    return repr(value)
+
+
 class BillingError(Exception):
     """Base class for the project's own errors."""
 
@@ -30,6 +37,10 @@ class CustomerImportError(InvalidInputError):
 
 
 class UnknownCustomerError(BillingError):
+    pass
+
+
+class UnknownScheduleError(BillingError):
     pass
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from billing.errors import InvalidCustomerIdError
+from billing.errors import InvalidCustomerIdError, shown
 from billing.periods import Period
 
 # Safe in SQL, in a Temporal workflow ID, in a URL path and in the Web UI's query language.
@@ -15,10 +15,9 @@ KEY_LENGTH = 32
 
 def validate_customer_id(customer_id: object) -> str:
     if not isinstance(customer_id, str) or _CUSTOMER_ID_RE.fullmatch(customer_id) is None:
-        shown = customer_id if not isinstance(customer_id, str) else customer_id[:70]
         raise InvalidCustomerIdError(
-            f"customer id {shown!r} must be 1-64 characters of letters, digits, '_', '.' or '-',"
-            " starting with a letter or digit"
+            f"customer id {shown(customer_id, 70)} must be 1-64 characters of letters, digits,"
+            " '_', '.' or '-', starting with a letter or digit"
         )
     return customer_id
 
@@ -38,3 +37,7 @@ def period_workflow_id(period: Period) -> str:
 
 def customer_workflow_id(period: Period, customer_id: str) -> str:
     return f"billing-{period}-{customer_id}"
+
+
+def reconcile_workflow_id(period: Period) -> str:
+    return f"billing-reconcile-{period}"

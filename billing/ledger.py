@@ -23,6 +23,7 @@ from billing.models import (
     SkipResult,
     finished_outcome,
 )
+from billing.reconciliation import CustomerToCheck, LedgerEntry, OpenClaim
 
 # Customers a period bills: active ones, and any with a row for it (a claim is always finished).
 _DUE = """
@@ -404,3 +405,68 @@ async def status_counts(conn: asyncpg.Connection, period: str) -> dict[str, tupl
         period,
     )
     return {row["status"]: (row["n"], row["cents"]) for row in rows}
+
+
+async def open_claims(conn: asyncpg.Connection, period: str, limit: int) -> list[OpenClaim]:
+    """Claims of the period with no recorded outcome, oldest first, for reconciliation."""
+    rows = await conn.fetch(
+        f"""
+        SELECT {_CLAIM_COLUMNS}, skip_reason, charge_started_at IS NOT NULL AS sent,
+               (SELECT control FROM billing_periods p
+                WHERE p.billing_period = billing_runs.billing_period) AS control
+        FROM billing_runs WHERE billing_period = $1 AND status = 'claimed'
+        ORDER BY claimed_at, customer_id LIMIT $2
+        """,
+        period,
+        limit,
+    )
+    return [
+        OpenClaim(
+            claim=Claim(**{k: v for k, v in row.items() if k not in ("sent", "control")}),
+            sent=row["sent"],
+            control=row["control"],
+        )
+        for row in rows
+    ]
+
+
+async def claim_by_key(conn: asyncpg.Connection, key: str) -> Claim | None:
+    row = await conn.fetchrow(
+        f"SELECT {_CLAIM_COLUMNS} FROM billing_runs WHERE idempotency_key = $1", key
+    )
+    return None if row is None else Claim(**dict(row))
+
+
+async def customers_page(
+    conn: asyncpg.Connection, period: str, after: str | None, limit: int
+) -> list[CustomerToCheck]:
+    """Every customer, active or not, with the Stripe customer its period's row charged (or
+    would charge): whose charges reconciliation lists."""
+    rows = await conn.fetch(
+        """
+        SELECT c.customer_id,
+               coalesce(r.stripe_customer_id, c.stripe_customer_id) AS stripe_customer_id,
+               coalesce(r.currency, c.currency) AS currency
+        FROM customers c
+        LEFT JOIN billing_runs r ON r.customer_id = c.customer_id AND r.billing_period = $1
+        WHERE c.customer_id > $2 ORDER BY c.customer_id LIMIT $3
+        """,
+        period,
+        after or "",
+        limit,
+    )
+    return [CustomerToCheck(**dict(row)) for row in rows]
+
+
+async def ledger_entries(
+    conn: asyncpg.Connection, period: str, customer_ids: Sequence[str]
+) -> dict[str, LedgerEntry]:
+    rows = await conn.fetch(
+        """
+        SELECT customer_id, status, charge_id FROM billing_runs
+        WHERE billing_period = $1 AND customer_id = ANY($2::text[])
+        """,
+        period,
+        list(customer_ids),
+    )
+    return {row["customer_id"]: LedgerEntry(**dict(row)) for row in rows}

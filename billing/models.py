@@ -15,6 +15,8 @@ Outcome = Literal["charged", "already_billed", "failed", "skipped", "cancelled"]
 Control = Literal["running", "paused", "cancelled"]
 # What the ledger says about one charge attempt, just before Stripe would be called.
 Gate = Literal["go", "paused", "cancelled", "skipped"]
+# What a schedule's firing does with the period it resolves.
+ScheduledAction = Literal["bill", "reconcile"]
 
 
 def finished_outcome(status: LedgerStatus) -> Outcome:
@@ -168,6 +170,7 @@ class ScheduledBillingInput(Record):
 
     options: RunOptions = Field(default_factory=RunOptions)
     time_zone: str = "UTC"
+    action: ScheduledAction = "bill"
 
 
 class OperatorRequest(Record):

@@ -7,7 +7,7 @@ from decimal import Decimal
 
 import pycountry
 
-from billing.errors import InvalidAmountError, InvalidCurrencyError
+from billing.errors import InvalidAmountError, InvalidCurrencyError, shown
 
 # Stripe's ceiling for `amount`: eight digits in the smallest currency unit.
 MAX_AMOUNT_CENTS = 99_999_999
@@ -28,14 +28,22 @@ def parse_amount(text: str) -> int:
     """Parse an amount in cents written as digits (no decimals, signs or separators)."""
     stripped = text.strip()
     if not stripped.isascii() or not stripped.isdigit():
-        raise InvalidAmountError(f"amount must be a whole number of cents, got {text!r}")
-    return validate_amount(int(stripped))
+        raise InvalidAmountError(f"amount must be a whole number of cents, got {shown(text)}")
+    significant = stripped.lstrip("0")
+    # Past 4,300 digits int() raises its own, unhelpful ValueError; and 40 are shown at most.
+    if len(significant) > 40:
+        raise InvalidAmountError(
+            f"amount of {len(significant)} digits exceeds Stripe's maximum of {MAX_AMOUNT_CENTS}"
+        )
+    return validate_amount(int(significant or "0"))
 
 
 def validate_currency(currency: object) -> str:
     """A three-letter ISO 4217 code in Stripe's lowercase form."""
     if not isinstance(currency, str) or len(currency) != 3 or not currency.isascii():
-        raise InvalidCurrencyError(f"currency must be a three-letter ISO code, got {currency!r}")
+        raise InvalidCurrencyError(
+            f"currency must be a three-letter ISO code, got {shown(currency)}"
+        )
     if not currency.islower() or pycountry.currencies.get(alpha_3=currency.upper()) is None:
         raise InvalidCurrencyError(
             f"currency {currency!r} is not a lowercase ISO 4217 code such as 'usd' or 'eur'"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.exceptions import ActivityError
 from temporalio.service import RPCError, RPCStatusCode
 
 from billing import ledger
@@ -30,6 +31,9 @@ class NotRunningError(BillingError):
 
 def _refused(exc: WorkflowUpdateFailedError) -> OperatorRefusedError:
     cause = exc.cause
+    # An update that ran an activity fails with "Activity task failed": say what the activity said.
+    while isinstance(cause, ActivityError) and cause.cause is not None:
+        cause = cause.cause
     return OperatorRefusedError(str(getattr(cause, "message", None) or cause or exc))
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal
 
-from billing.errors import InvalidPeriodError
+from billing.errors import InvalidPeriodError, shown
 
 _PERIOD_RE = re.compile(r"([0-9]{4})-([0-9]{2})")
 MIN_YEAR = 2000
@@ -54,9 +54,8 @@ def parse_period(text: str) -> Period:
         raise InvalidPeriodError(f"billing period must be a string like 2026-12, got {text!r}")
     match = _PERIOD_RE.fullmatch(text)
     if match is None:
-        shown = text if len(text) <= 40 else text[:40] + "..."
         raise InvalidPeriodError(
-            f"billing period {shown!r} is not in the form YYYY-MM, e.g. 2026-12"
+            f"billing period {shown(text)} is not in the form YYYY-MM, e.g. 2026-12"
         )
     return Period(int(match.group(1)), int(match.group(2)))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from billing.config import TemporalSettings
 from billing.models import PeriodCounts, PeriodProgress, Preview
+from billing.reconciliation import ReconcileReport
 
 
 def describe(summary: PeriodCounts) -> str:
@@ -37,4 +38,51 @@ def describe_preview(preview: Preview, shown: int = 20) -> str:
         lines.append(f"    ... and {len(preview.to_charge) - shown} more (--json lists all)")
     lines.append(f"  already billed: {len(preview.already_billed)}")
     lines.append(f"  not billable this period (failed or skipped): {len(preview.not_billable)}")
+    return "\n".join(lines)
+
+
+def describe_reconciliation(report: ReconcileReport) -> str:
+    """The report as an operator reads it."""
+    claims = report.claims
+    lines = [
+        f"reconciliation of {report.period} ({report.workflow_id})",
+        f"  open claims: {len(claims)}"
+        + "".join(
+            f", {action} {n}"
+            for action in ("recorded", "redriven", "left")
+            if (n := sum(c.action == action for c in claims))
+        )
+        + (" (more remain: run it again)" if report.more_claims else ""),
+    ]
+    lines += [
+        f"    {c.customer_id}: {c.action}"
+        + (f" {c.outcome}" if c.outcome else "")
+        + (f" {c.charge_id}" if c.charge_id else "")
+        + (f" ({c.detail})" if c.detail else "")
+        for c in claims
+    ]
+    if report.vault_checked:
+        lines.append(f"  vault reservations left unknown: {len(report.reservations)} examined")
+        lines += [
+            f"    {r.vault_key_id} key {r.key_prefix}...: {r.state}"
+            + (f" {r.amount_cents} cents" if r.amount_cents else "")
+            + (f" ({r.detail})" if r.detail else "")
+            for r in report.reservations
+        ]
+    lines.append(
+        f"  Stripe: {report.charges_checked} charges of {report.customers_checked} customers"
+        f" checked; {len(report.duplicates)} duplicates, {len(report.orphans)} orphans,"
+        f" {len(report.findings) - len(report.duplicates) - len(report.orphans)} unrecorded"
+    )
+    lines += [
+        f"    {f.kind.upper()} {f.charge_id} {f.amount_cents} {f.currency} for {f.customer_id}"
+        + (f" (ledger: {f.ledger_status}" if f.ledger_status else " (no ledger row")
+        + (f", charge {f.ledger_charge_id})" if f.ledger_charge_id else ")")
+        for f in report.findings
+    ]
+    if report.unchecked_customers:
+        lines.append(
+            f"  not checked (no vault key of the period for their currency):"
+            f" {', '.join(report.unchecked_customers)}"
+        )
     return "\n".join(lines)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+from typing import TypeVar
+
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.common import (
     SearchAttributePair,
@@ -10,13 +14,19 @@ from temporalio.common import (
     WorkflowIDReusePolicy,
 )
 from temporalio.service import RPCError, RPCStatusCode
+from temporalio.types import MethodAsyncSingleParam, SelfType
 
 from billing import search_attributes
 from billing.errors import RunEndedError
-from billing.keys import period_workflow_id
+from billing.keys import period_workflow_id, reconcile_workflow_id
 from billing.models import BillingPeriodInput, PeriodProgress, PeriodSummary, RunOptions
 from billing.periods import Period
+from billing.reconciliation import ReconcileInput, ReconcileReport
 from workflows.billing_period import BillingPeriodWorkflow
+from workflows.reconcile import ReconcileWorkflow
+
+ArgT = TypeVar("ArgT")
+ResultT = TypeVar("ResultT")
 
 
 async def start_period(
@@ -27,14 +37,49 @@ async def start_period(
     A period has one workflow ID, so starters racing on any number of machines share one run;
     a finished period may run again, and its children then find the ledger already settled.
     """
-    return await client.start_workflow(
+    return await _run_or_join(
+        client,
         BillingPeriodWorkflow.run,
         BillingPeriodInput(period=str(period), options=options or RunOptions()),
-        id=period_workflow_id(period),
+        period_workflow_id(period),
+        task_queue,
+        f"Billing period {period}",
+        period,
+    )
+
+
+async def start_reconcile(
+    client: Client, period: Period, task_queue: str
+) -> WorkflowHandle[ReconcileWorkflow, ReconcileReport]:
+    """Start the period's reconciliation, or attach to the one already running."""
+    return await _run_or_join(
+        client,
+        ReconcileWorkflow.run,
+        ReconcileInput(period=str(period)),
+        reconcile_workflow_id(period),
+        task_queue,
+        f"Reconcile {period}",
+        period,
+    )
+
+
+async def _run_or_join(
+    client: Client,
+    run: MethodAsyncSingleParam[SelfType, ArgT, ResultT],
+    argument: ArgT,
+    workflow_id: str,
+    task_queue: str,
+    summary: str,
+    period: Period,
+) -> WorkflowHandle[SelfType, ResultT]:
+    return await client.start_workflow(
+        run,
+        argument,
+        id=workflow_id,
         task_queue=task_queue,
         id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-        static_summary=f"Billing period {period}",
+        static_summary=summary,
         search_attributes=TypedSearchAttributes(
             [SearchAttributePair(search_attributes.BILLING_PERIOD, str(period))]
         ),
@@ -80,3 +125,15 @@ async def period_status(client: Client, period: Period) -> PeriodProgress:
         return _progress(await handle.result())
     state = status.name.lower() if status else "unknown"
     raise RunEndedError(f"the run of {period} ended {state}: see {workflow_id} in the Web UI")
+
+
+async def drain(client: Client, task_queue: str, timeout: float = 120.0) -> bool:
+    """Wait until no workflow runs on the task queue: a child closes a moment after its
+    parent heard of it. False if some still run after `timeout` seconds."""
+    query = f'TaskQueue="{task_queue}" AND ExecutionStatus="Running"'
+    deadline = time.monotonic() + timeout
+    while (await client.count_workflows(query)).count:
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.5)
+    return True

@@ -1,4 +1,5 @@
-"""Temporal Schedules that bill a period every month (client side: create, backfill, ...)."""
+"""Temporal Schedules that bill a period every month, or reconcile it every day (client side:
+create, backfill, ...)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from temporalio.client import (
 )
 
 from billing.errors import InvalidInputError
-from billing.models import Record, RunOptions, ScheduledBillingInput
+from billing.models import Record, RunOptions, ScheduledAction, ScheduledBillingInput
 from billing.periods import Billing, Period, period_range
 from workflows.scheduled_billing import ScheduledBillingWorkflow
 
@@ -31,6 +32,7 @@ Overlap = Literal[
     "skip", "buffer_one", "buffer_all", "cancel_other", "terminate_other", "allow_all"
 ]
 DEFAULT_SCHEDULE_ID = "billing-monthly"
+RECONCILE_SCHEDULE_ID = "billing-reconcile-daily"
 
 
 def validate_time_zone(name: str) -> str:
@@ -56,6 +58,9 @@ class MonthlySchedule(Record):
     overlap: Overlap = "skip"
     catchup_window: timedelta = timedelta(days=1)
     paused: bool = False
+    # "reconcile" fires every day at hour:minute (day_of_month unused) and reconciles the
+    # period a billing schedule with the same settings bills at that time.
+    action: ScheduledAction = "bill"
 
     @field_validator("time_zone")
     @classmethod
@@ -64,24 +69,33 @@ class MonthlySchedule(Record):
 
 
 def build_schedule(config: MonthlySchedule, task_queue: str, options: RunOptions) -> Schedule:
+    daily = config.action == "reconcile"
+    at = f"{config.hour:02d}:{config.minute:02d}"
     return Schedule(
         action=ScheduleActionStartWorkflow(
             ScheduledBillingWorkflow.run,
             ScheduledBillingInput(
                 options=options.model_copy(update={"billing": config.billing}),
                 time_zone=config.time_zone,
+                action=config.action,
             ),
             id=f"{config.schedule_id}-run",
             task_queue=task_queue,
-            static_summary=f"Monthly billing ({config.billing}) from {config.schedule_id}",
+            static_summary=(
+                f"Daily reconciliation ({config.billing}) from {config.schedule_id}"
+                if daily
+                else f"Monthly billing ({config.billing}) from {config.schedule_id}"
+            ),
         ),
         spec=ScheduleSpec(
             calendars=[
                 ScheduleCalendarSpec(
-                    day_of_month=[ScheduleRange(config.day_of_month)],
+                    day_of_month=[
+                        ScheduleRange(1, 31) if daily else ScheduleRange(config.day_of_month)
+                    ],
                     hour=[ScheduleRange(config.hour)],
                     minute=[ScheduleRange(config.minute)],
-                    comment=f"day {config.day_of_month} at {config.hour:02d}:{config.minute:02d}",
+                    comment=f"every day at {at}" if daily else f"day {config.day_of_month} at {at}",
                 )
             ],
             time_zone_name=config.time_zone,

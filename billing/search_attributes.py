@@ -6,7 +6,7 @@ from temporalio.api.operatorservice.v1 import (
     ListSearchAttributesRequest,
 )
 from temporalio.client import Client
-from temporalio.common import SearchAttributeKey
+from temporalio.common import SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
 
 BILLING_PERIOD = SearchAttributeKey.for_keyword("BillingPeriod")
 CUSTOMER_ID = SearchAttributeKey.for_keyword("CustomerId")
@@ -31,3 +31,10 @@ async def register(client: Client) -> list[str]:
             )
         )
     return sorted(missing)
+
+
+def for_customer(period: str, customer_id: str) -> TypedSearchAttributes:
+    """What a customer's charge workflow is found by in the Web UI."""
+    return TypedSearchAttributes(
+        [SearchAttributePair(BILLING_PERIOD, period), SearchAttributePair(CUSTOMER_ID, customer_id)]
+    )

@@ -14,6 +14,7 @@ from billing.stripe_client import stripe_session
 
 # One customer in this many gets a card that Stripe declines, so the demo shows failures.
 DECLINE_EVERY = 97
+DECLINED_CARD = "pm_card_chargeCustomerFail"
 _CONCURRENCY = 32
 
 
@@ -24,7 +25,7 @@ def demo_amount(index: int) -> int:
 
 def demo_card(index: int) -> str:
     """Stripe's test card for customer `index`: every DECLINE_EVERY-th one is declined."""
-    return "pm_card_chargeCustomerFail" if index % DECLINE_EVERY == 0 else "pm_card_visa"
+    return DECLINED_CARD if index % DECLINE_EVERY == 0 else "pm_card_visa"
 
 
 async def create_demo_customers(

@@ -13,6 +13,8 @@ import subprocess
 import warnings
 from pathlib import Path
 
+from devstack.processes import StackError
+
 # The wheel asks platformdirs for a runtime dir at import; we never use it, so its warning
 # about a missing XDG_RUNTIME_DIR is noise.
 with warnings.catch_warnings():
@@ -41,14 +43,17 @@ class LocalPostgres:
         return self.data_dir.parent / f"{self.data_dir.name}.log"
 
     def _run(self, binary: str, *args: str) -> None:
-        subprocess.run(
+        done = subprocess.run(
             [str(POSTGRES_BIN_PATH / binary), *args],
-            check=True,
             user=self._user,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             timeout=60,
         )
+        if done.returncode:
+            # pg_ctl says why on stderr, which an exit status alone hides.
+            reason = done.stderr.decode(errors="replace").strip()
+            raise StackError(f"{binary} failed: {reason} (log: {self.log_path})")
 
     def _prepare(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)

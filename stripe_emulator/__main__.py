@@ -42,6 +42,8 @@ def _parse(argv: list[str] | None) -> tuple[str, int, EmulatorConfig]:
             help=description,
         )
     args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"argument --port: {args.port} is not a TCP port (0-65535)")
     given = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
     try:
         config = EmulatorConfig.model_validate(given)
@@ -66,7 +68,11 @@ async def _run(host: str, port: int, config: EmulatorConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     host, port, config = _parse(argv)
-    asyncio.run(_run(host, port, config))
+    try:
+        asyncio.run(_run(host, port, config))
+    except OSError as error:  # port in use, unknown host
+        print(f"stripe emulator could not start: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

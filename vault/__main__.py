@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8180, help="0 picks a free port")
     args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"argument --port: {args.port} is not a TCP port (0-65535)")
     # The project's logging: JSON with LOG_FORMAT=json, and every line passes the redactor.
     logs.configure()
     try:

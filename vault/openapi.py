@@ -22,7 +22,9 @@ _ERROR_DESCRIPTIONS = {
     401: "Missing or wrong admin token",
     404: "No such key or reservation",
     409: "Conflicts with the reservation's state",
+    413: "The body is larger than the vault reads (1 MiB)",
     422: "A field failed validation; `error.fields` says which and why",
+    500: "The vault failed, e.g. its database did not answer",
     503: "Not ready",
 }
 
@@ -63,13 +65,14 @@ def openapi_document(
         }
         if op.response is IssuedKey:
             responses[str(op.status)]["links"] = key_links
-        errors = set(op.other_errors)
+        # aiohttp answers 413 past its body limit; any handler answers 500 when Postgres fails.
+        errors = {500, *op.other_errors}
         if op.admin:
             errors.add(401)
         if "{key_id}" in op.path:
             errors.add(404)
         if op.body is not None:
-            errors |= {400, 422}
+            errors |= {400, 413, 422}
         if op.query is not None:
             errors.add(422)
         for status in sorted(errors):

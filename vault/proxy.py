@@ -250,9 +250,13 @@ def _charge(request: web.Request, endpoint: str, body: bytes, record: AuditRecor
         fields = parse_qs(
             body.decode(), keep_blank_values=True, errors="strict", max_num_fields=1000
         )
-    except ValueError:
+    except UnicodeDecodeError:
         raise Refusal(
             "refused_request", 400, "body_invalid", "the body is not a UTF-8 form"
+        ) from None
+    except ValueError:  # parse_qs past max_num_fields
+        raise Refusal(
+            "refused_request", 400, "body_invalid", "the body has more than 1000 fields"
         ) from None
     amount = _single(fields, "amount")
     currency = _single(fields, "currency")

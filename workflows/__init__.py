@@ -2,8 +2,15 @@
 
 from workflows.billing_period import BillingPeriodWorkflow
 from workflows.customer_charge import CustomerChargeWorkflow
+from workflows.reconcile import ReconcileWorkflow
 from workflows.scheduled_billing import ScheduledBillingWorkflow
 
-ALL = [BillingPeriodWorkflow, CustomerChargeWorkflow, ScheduledBillingWorkflow]
+ALL = [BillingPeriodWorkflow, CustomerChargeWorkflow, ScheduledBillingWorkflow, ReconcileWorkflow]
 
-__all__ = ["ALL", "BillingPeriodWorkflow", "CustomerChargeWorkflow", "ScheduledBillingWorkflow"]
+__all__ = [
+    "ALL",
+    "BillingPeriodWorkflow",
+    "CustomerChargeWorkflow",
+    "ReconcileWorkflow",
+    "ScheduledBillingWorkflow",
+]

@@ -1,13 +1,16 @@
-"""What a Temporal Schedule starts: resolve the period, then run (or join) its one workflow.
+"""What a Temporal Schedule starts: resolve the period, then run (or join) its one workflow:
+its billing run, or its reconciliation.
 
 A schedule names its runs `{id}-{time}`, so it cannot start `billing-period-{period}` itself;
 this small workflow does, as a child with the period's deterministic ID. A firing, a trigger,
-a backfill and a manual run of one period therefore share one period workflow.
+a backfill and a manual run of one period therefore share one period workflow (likewise
+`billing-reconcile-{period}`).
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.common import (
@@ -17,22 +20,27 @@ from temporalio.common import (
     WorkflowIDReusePolicy,
 )
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
+from temporalio.types import MethodAsyncSingleParam
 
 with workflow.unsafe.imports_passed_through():
     from activities.period import ScheduledPeriodRequest, scheduled_period
     from billing import search_attributes
-    from billing.keys import period_workflow_id
+    from billing.keys import period_workflow_id, reconcile_workflow_id
     from billing.models import BillingPeriodInput, PeriodSummary, ScheduledBillingInput
     from billing.periods import parse_period
+    from billing.reconciliation import ReconcileInput, ReconcileReport
     from workflows.billing_period import BillingPeriodWorkflow
+    from workflows.reconcile import ReconcileWorkflow
 
 SCHEDULED_START = SearchAttributeKey.for_datetime("TemporalScheduledStartTime")
+ArgT = TypeVar("ArgT")
+ResultT = TypeVar("ResultT")
 
 
 @workflow.defn(name="ScheduledBillingWorkflow")
 class ScheduledBillingWorkflow:
     @workflow.run
-    async def run(self, request: ScheduledBillingInput) -> PeriodSummary | None:
+    async def run(self, request: ScheduledBillingInput) -> PeriodSummary | ReconcileReport | None:
         nominal = workflow.info().typed_search_attributes.get(SCHEDULED_START)
         if nominal is None:
             raise ApplicationError(
@@ -52,20 +60,45 @@ class ScheduledBillingWorkflow:
             start_to_close_timeout=timedelta(seconds=10),
             summary=f"which period: nominal time in {request.time_zone}",
         )
-        workflow.set_current_details(f"billing {period} (nominal time {nominal.isoformat()})")
-        try:
-            handle = await workflow.start_child_workflow(
-                BillingPeriodWorkflow.run,
-                BillingPeriodInput(period=period, options=request.options),
-                id=period_workflow_id(parse_period(period)),
-                id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
-                parent_close_policy=workflow.ParentClosePolicy.ABANDON,
-                static_summary=f"Billing period {period}",
-                search_attributes=TypedSearchAttributes(
-                    [SearchAttributePair(search_attributes.BILLING_PERIOD, period)]
-                ),
+        words = "reconciling" if request.action == "reconcile" else "billing"
+        workflow.set_current_details(f"{words} {period} (nominal time {nominal.isoformat()})")
+        if request.action == "reconcile":
+            return await _run_or_join(
+                ReconcileWorkflow.run,
+                ReconcileInput(period=period),
+                reconcile_workflow_id(parse_period(period)),
+                f"Reconcile {period}",
+                period,
             )
-        except WorkflowAlreadyStartedError:
-            workflow.set_current_details(f"{period} was already running: nothing more started")
-            return None
-        return await handle
+        return await _run_or_join(
+            BillingPeriodWorkflow.run,
+            BillingPeriodInput(period=period, options=request.options),
+            period_workflow_id(parse_period(period)),
+            f"Billing period {period}",
+            period,
+        )
+
+
+async def _run_or_join(
+    run: MethodAsyncSingleParam[Any, ArgT, ResultT],
+    argument: ArgT,
+    workflow_id: str,
+    summary: str,
+    period: str,
+) -> ResultT | None:
+    try:
+        handle = await workflow.start_child_workflow(
+            run,
+            argument,
+            id=workflow_id,
+            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+            parent_close_policy=workflow.ParentClosePolicy.ABANDON,
+            static_summary=summary,
+            search_attributes=TypedSearchAttributes(
+                [SearchAttributePair(search_attributes.BILLING_PERIOD, period)]
+            ),
+        )
+    except WorkflowAlreadyStartedError:
+        workflow.set_current_details(f"{workflow_id} was already running: nothing more started")
+        return None
+    return await handle

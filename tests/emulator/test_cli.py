@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
+import socket
 import sys
 
 import aiohttp
@@ -59,3 +60,25 @@ async def test_cli_refuses_bad_values() -> None:
     _, stderr = await asyncio.wait_for(process.communicate(), 10)
     assert process.returncode == 2
     assert b"error_after_commit" in stderr
+
+
+async def test_cli_says_why_it_cannot_start() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for flags, status, message in (
+            (["--port", port], 1, b"stripe emulator could not start: [Errno 98]"),
+            (["--port", "70000"], 2, b"--port: 70000 is not a TCP port (0-65535)"),
+        ):
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "stripe_emulator",
+                *flags,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            _, stderr = await asyncio.wait_for(process.communicate(), 10)
+            assert process.returncode == status
+            assert message in stderr and b"Traceback" not in stderr

@@ -11,7 +11,10 @@ from temporalio.client import Client
 from billing.config import BillingSettings
 from billing.stripe_client import stripe_client, stripe_http
 from stripe_emulator import EmulatorConfig, serve
-from tests.integration.harness import Harness
+from tests.integration.harness import VAULT_ADMIN_TOKEN, Harness, VaultHandle
+from vault import VaultSettings
+from vault import serve as serve_vault
+from vault.client import VaultAdmin
 
 _keys = itertools.count()
 
@@ -45,3 +48,21 @@ async def harness(
                 yield harness
             finally:
                 harness.stop_processes()
+
+
+@pytest.fixture
+async def vaulted(harness: Harness) -> AsyncIterator[Harness]:
+    """The harness with a vault in front of its emulator: workers charge with period keys."""
+    settings = VaultSettings(
+        database_url=harness.database_url,
+        admin_token=SecretStr(VAULT_ADMIN_TOKEN),
+        upstream_stripe_base=harness.emulator_url,
+        upstream_stripe_secret=harness.settings.stripe_api_key,
+        max_cap_cents=10**9,
+    )
+    async with (
+        serve_vault(settings) as running,
+        VaultAdmin(running.url, VAULT_ADMIN_TOKEN) as admin,
+    ):
+        harness.vault = VaultHandle(url=running.url, admin=admin, admin_token=VAULT_ADMIN_TOKEN)
+        yield harness

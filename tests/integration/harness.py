@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import asyncpg
 import stripe
 from temporalio.client import Client
@@ -25,16 +24,20 @@ from billing.customers import CustomerRow, upsert_customers
 from billing.periods import Period
 from billing.runs import period_status
 from billing.seeding import create_demo_customers
+from chaos.invariants import ledger_rows
+from stripe_emulator.client import EmulatorClient
 from vault.client import VaultAdmin
 from worker import create_worker, direct_access
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+VAULT_ADMIN_TOKEN = "admin-token-for-tests-only"  # noqa: S105
 
 
 @dataclass
 class VaultHandle:
     url: str
     admin: VaultAdmin
+    admin_token: str
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 60) -> None:
@@ -73,23 +76,15 @@ class Harness:
         await upsert_customers(self.pool, rows)
         return rows
 
-    async def _emulator(self, method: str, path: str, body: Any = None) -> Any:
-        async with (
-            aiohttp.ClientSession() as session,
-            session.request(method, self.emulator_url + path, json=body) as response,
-        ):
-            response.raise_for_status()
-            return await response.json()
+    @property
+    def emulator(self) -> EmulatorClient:
+        return EmulatorClient(self.emulator_url)
 
     async def charges(self) -> list[dict[str, Any]]:
-        ledger = await self._emulator("GET", "/_emulator/ledger")
-        charges: list[dict[str, Any]] = ledger["charges"]
-        return charges
+        return await self.emulator.charges()
 
     async def requests(self) -> list[dict[str, Any]]:
-        log = await self._emulator("GET", "/_emulator/requests")
-        requests: list[dict[str, Any]] = log["requests"]
-        return requests
+        return await self.emulator.requests()
 
     async def succeeded(self) -> int:
         """Successful charges in Stripe's (the emulator's) ledger."""
@@ -106,12 +101,10 @@ class Harness:
         return (await period_status(self.client, period)).state == state
 
     async def faults_injected(self) -> dict[str, int]:
-        ledger = await self._emulator("GET", "/_emulator/ledger")
-        injected: dict[str, int] = ledger["faults_injected"]
-        return injected
+        return await self.emulator.faults_injected()
 
     async def set_faults(self, **faults: Any) -> None:
-        await self._emulator("POST", "/_emulator/faults", faults)
+        await self.emulator.configure(**faults)
 
     def worker(self) -> Worker:
         """A worker charging directly, or through the vault when the harness has one."""
@@ -142,6 +135,11 @@ class Harness:
             "BILLING_CHARGE_API": self.settings.billing_charge_api,
             "BILLING_KEY_NAMESPACE": self.settings.billing_key_namespace,
         }
+        if self.vault is not None:
+            # As in production: the worker charges through the vault, without the Stripe key.
+            del env["STRIPE_API_KEY"]
+            env["BILLING_VAULT_URL"] = self.vault.url
+            env["BILLING_VAULT_ADMIN_TOKEN"] = self.vault.admin_token
         process = subprocess.Popen(
             [sys.executable, str(PROJECT_ROOT / "worker.py")],
             env=env,
@@ -152,11 +150,7 @@ class Harness:
         return process
 
     async def ledger_rows(self, period: str) -> list[asyncpg.Record]:
-        async with self.pool.acquire() as conn:
-            rows: list[asyncpg.Record] = await conn.fetch(
-                "SELECT * FROM billing_runs WHERE billing_period = $1 ORDER BY customer_id", period
-            )
-            return rows
+        return await ledger_rows(self.pool, period)
 
     def stop_processes(self) -> None:
         for process in self.processes:

@@ -243,3 +243,20 @@ def test_backfill_window_is_in_the_schedules_zone() -> None:
     assert start.isoformat() == "2026-02-01T00:00:00+01:00"
     assert end - start < timedelta(days=91)
     assert end.month == 4
+
+
+async def test_skipping_an_unknown_customer_during_a_run_says_so(harness: Harness) -> None:
+    await harness.seed(8)
+    await harness.set_faults(latency_ms=150)
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue, SLOW)
+        await operations.control(harness.client, PERIOD, "pause", ALICE)
+        nobody = SkipRequest(customer_id="nobody", reason="disputed", operator="carol")
+        with pytest.raises(operations.OperatorRefusedError, match="'nobody' is not in the ledger"):
+            await operations.skip(
+                harness.client, harness.settings, harness.database_url, PERIOD, nobody
+            )
+        await operations.control(harness.client, PERIOD, "cancel", ALICE)
+        summary = await handle.result()
+    assert (summary.due, summary.charged + summary.cancelled) == (8, 8)
+    assert "nobody" not in {r["customer_id"] for r in await harness.ledger_rows(str(PERIOD))}

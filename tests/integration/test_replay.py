@@ -1,4 +1,4 @@
-"""I6: recorded histories of both workflows replay against the current code.
+"""I6: recorded histories of the workflows replay against the current code.
 
 `tests/histories/*.json` were recorded from real runs (RECORD_HISTORIES=1 pytest -k replay
 writes them anew). A workflow change that breaks determinism fails here.
@@ -42,6 +42,7 @@ async def test_recorded_histories_replay() -> None:
     assert {f.name.split("--")[0] for f in files} >= {
         "BillingPeriodWorkflow",
         "CustomerChargeWorkflow",
+        "ReconcileWorkflow",
     }
     await replay(WorkflowHistory.from_json(f.stem.split("--")[1], f.read_text()) for f in files)
 

@@ -4,41 +4,21 @@ switch, and no secret in workflow history."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import aiohttp
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import SecretStr
 
 from billing import operations, period_keys
 from billing.models import OperatorRequest, RunOptions
 from billing.periods import Period
 from billing.runs import period_status, start_period
-from tests.integration.harness import Harness, VaultHandle, at_least, eventually
+from tests.integration.harness import VAULT_ADMIN_TOKEN, Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
-from vault import VaultSettings, serve
-from vault.client import VaultAdmin
 from vault.models import IssueKeyRequest
 
 PERIOD = Period(2026, 12)
-ADMIN_TOKEN = "admin-token-for-tests-only"  # noqa: S105
 ALICE = OperatorRequest(reason="cap checked", operator="alice")
-
-
-@pytest.fixture
-async def vaulted(harness: Harness) -> AsyncIterator[Harness]:
-    settings = VaultSettings(
-        database_url=harness.database_url,
-        admin_token=SecretStr(ADMIN_TOKEN),
-        upstream_stripe_base=harness.emulator_url,
-        upstream_stripe_secret=harness.settings.stripe_api_key,
-        max_cap_cents=10**9,
-    )
-    async with serve(settings) as running, VaultAdmin(running.url, ADMIN_TOKEN) as admin:
-        harness.vault = VaultHandle(url=running.url, admin=admin)
-        yield harness
 
 
 async def period_key(harness: Harness) -> str:
@@ -87,7 +67,7 @@ async def test_a_period_charges_through_its_capped_key(vaulted: Harness) -> None
     assert charges and all(r["api_key_suffix"] == upstream[-4:] for r in charges)
     # No secret in any workflow history of the run.
     secrets = [
-        ADMIN_TOKEN,
+        VAULT_ADMIN_TOKEN,
         vaulted.settings.stripe_api_key.get_secret_value(),
         (await period_keys.read_secret(vaulted.pool, str(PERIOD), "usd")).get_secret_value(),
     ]

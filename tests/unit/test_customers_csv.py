@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from billing.customers import parse_customers_csv
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from billing.customers import parse_customers_csv, read_customers_csv
 from billing.errors import CustomerImportError
 
 HEADER = "customer_id,stripe_customer_id,payment_method,amount_cents,currency\n"
@@ -45,3 +49,48 @@ def test_bad_row_rejects_the_file_with_its_line(body: str, message: str) -> None
 def test_missing_columns_are_named() -> None:
     with pytest.raises(CustomerImportError, match="missing amount_cents, currency"):
         parse_customers_csv(["customer_id,stripe_customer_id,payment_method\n", "a,cus_A,\n"])
+
+
+GOOD_ROW = "c-{i},cus_A{i},pm_{i},{amount},usd\n"
+BAD_ROWS = [
+    ("x'; DROP TABLE customers;--,cus_A,pm_1,100,usd\n", "customer_id"),
+    ("c-bad,cus_A,pm_1,-100,usd\n", "amount must be a whole number"),
+    ("c-bad,cus_A,pm_1,100,US$\n", "currency"),
+    ("c-bad,cus_A,pm_1," + "9" * 5000 + ",usd\n", "amount of 5000 digits exceeds"),
+    ('c-bad,"' + "x" * 200_000 + '",pm_1,100,usd\n', "field larger than field limit"),
+]
+
+
+@given(
+    before=st.integers(0, 15),
+    after=st.integers(0, 5),
+    which=st.sampled_from(range(len(BAD_ROWS))),  # an index: a 200 kB row makes a long repr
+    amount=st.integers(1, 99_999_999),
+)
+@settings(max_examples=40)
+def test_one_bad_row_anywhere_rejects_the_file_naming_its_line(
+    before: int, after: int, which: int, amount: int
+) -> None:
+    bad = BAD_ROWS[which]
+    good = [GOOD_ROW.format(i=i, amount=amount) for i in range(before + after)]
+    lines = [HEADER, *good[:before], bad[0], *good[before:]]
+    with pytest.raises(CustomerImportError) as refused:
+        parse_customers_csv(lines, source="in.csv")
+    # The header is line 1, so the bad row is on line before + 2.
+    assert str(refused.value).startswith(f"in.csv, line {before + 2}: ")
+    assert bad[1] in str(refused.value)
+    assert len(str(refused.value)) < 300
+
+
+def test_a_spreadsheets_byte_order_mark_is_not_part_of_the_header(tmp_path: Path) -> None:
+    path = tmp_path / "customers.csv"
+    path.write_text("\ufeff" + HEADER + "c-1,cus_A1,pm_123,1500,usd\n", encoding="utf-8")
+    assert [row.customer_id for row in read_customers_csv(path)] == ["c-1"]
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00binary", b"customer_id\n\xc3("])
+def test_a_file_that_is_not_utf8_is_refused(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "customers.csv"
+    path.write_bytes(content)
+    with pytest.raises(CustomerImportError, match="cannot read"):
+        read_customers_csv(path)

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+import re
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, timezone
+from decimal import Decimal
+from urllib.parse import quote
 
+import pycountry
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -12,6 +18,7 @@ from billing.errors import (
     InvalidAmountError,
     InvalidCurrencyError,
     InvalidCustomerIdError,
+    InvalidInputError,
     InvalidPeriodError,
 )
 from billing.keys import (
@@ -195,3 +202,151 @@ def test_redact_finds_keys_glued_to_other_text(text: str) -> None:
 
     assert "[redacted key]" in redact(text)
     assert "abc123" not in redact(text) and "AbC-123" not in redact(text)
+
+
+# -- properties over any input: a valid value or the domain's own error, never anything else --
+
+# What a Temporal workflow ID, a URL path segment, a SQL literal and the Web UI's query
+# language all take without quoting.
+_INERT = re.compile(r"[A-Za-z0-9_.-]+")
+_any_object = st.one_of(
+    st.none(), st.integers(), st.floats(), st.binary(), st.lists(st.text(max_size=3))
+)
+
+
+@given(st.one_of(st.text(max_size=80), st.from_regex(r"[A-Za-z0-9][\w.\-' /%]{0,70}")))
+def test_a_customer_id_is_inert_everywhere_or_refused(text: str) -> None:
+    try:
+        customer_id = validate_customer_id(text)
+    except InvalidCustomerIdError:
+        return
+    assert 1 <= len(customer_id) <= 64 and _INERT.fullmatch(customer_id)
+    assert quote(customer_id, safe="") == customer_id
+    workflow_id = customer_workflow_id(Period(2026, 12), customer_id)
+    assert _INERT.fullmatch(workflow_id)
+
+
+@given(_any_object)
+def test_a_customer_id_that_is_not_text_is_refused(value: object) -> None:
+    with pytest.raises(InvalidCustomerIdError):
+        validate_customer_id(value)
+
+
+@given(st.text(), st.text(), st.integers(2000, 2999), st.integers(1, 12))
+def test_the_key_is_32_hex_digits_whatever_the_input(
+    namespace: str, customer_id: str, year: int, month: int
+) -> None:
+    assert re.fullmatch(
+        r"[0-9a-f]{32}", idempotency_key(namespace, customer_id, Period(year, month))
+    )
+
+
+@given(st.integers(-(10**6), 10**6), st.integers(-100, 100))
+def test_a_period_is_in_range_or_refused(year: int, month: int) -> None:
+    try:
+        period = Period(year, month)
+    except InvalidPeriodError:
+        assert not (2000 <= year <= 2999 and 1 <= month <= 12)
+        return
+    assert parse_period(str(period)) == period
+
+
+@pytest.mark.parametrize(
+    "check", [parse_period, validate_customer_id, parse_amount, validate_currency]
+)
+def test_a_long_bad_value_is_not_echoed_in_full(check: Callable[[str], object]) -> None:
+    with pytest.raises(InvalidInputError) as refused:
+        check("'; DROP TABLE customers;--" * 400)
+    assert len(str(refused.value)) < 250
+
+
+@given(st.integers(2000, 2999), st.integers(1, 12), st.integers(0, 60))
+def test_a_period_range_is_every_month_in_order(year: int, month: int, months: int) -> None:
+    first = Period(year, month)
+    last = first
+    for _ in range(months):
+        if last == Period(2999, 12):
+            break
+        last = last.next()
+    periods = period_range(first, last)
+    assert periods[0] == first and periods[-1] == last
+    assert all(a.next() == b for a, b in itertools.pairwise(periods))
+
+
+@given(
+    st.datetimes(min_value=datetime(2000, 2, 2), max_value=datetime(2999, 12, 30)),
+    st.integers(-14 * 60, 14 * 60),
+)
+def test_arrears_bill_the_month_before_advance(moment: datetime, offset_minutes: int) -> None:
+    aware = moment.replace(tzinfo=timezone(timedelta(minutes=offset_minutes)))
+    advance = period_for(aware, "advance")
+    assert (advance.year, advance.month) == (aware.year, aware.month)
+    assert period_for(aware, "arrears") == advance.previous()
+
+
+@given(st.integers())
+def test_an_amount_is_accepted_exactly_in_stripes_range(amount: int) -> None:
+    try:
+        assert validate_amount(amount) == amount
+    except InvalidAmountError:
+        assert not 1 <= amount <= MAX_AMOUNT_CENTS
+    else:
+        assert 1 <= amount <= MAX_AMOUNT_CENTS
+
+
+@given(_any_object.filter(lambda value: not isinstance(value, int)))
+def test_an_amount_that_is_not_an_integer_is_refused(value: object) -> None:
+    with pytest.raises(InvalidAmountError):
+        validate_amount(value)
+
+
+@given(st.one_of(st.text(), st.from_regex(r"\s*[0-9]{1,60}\s*", fullmatch=True)))
+def test_parse_amount_gives_cents_or_says_why(text: str) -> None:
+    try:
+        amount = parse_amount(text)
+    except InvalidAmountError as refused:
+        assert len(str(refused)) < 150
+        return
+    assert 1 <= amount <= MAX_AMOUNT_CENTS
+    assert amount == int(text.strip())
+
+
+def test_parse_amount_refuses_more_digits_than_int_converts() -> None:
+    with pytest.raises(InvalidAmountError, match="5000 digits exceeds"):
+        parse_amount("9" * 5000)
+    assert parse_amount("0" * 5000 + "100") == 100
+
+
+@given(st.integers(1, MAX_AMOUNT_CENTS), st.integers(0, 5))
+def test_parse_amount_reads_what_validate_amount_accepts(amount: int, zeros: int) -> None:
+    assert parse_amount(f" {'0' * zeros}{amount}\n") == amount
+
+
+@given(st.one_of(st.text(max_size=5), _any_object))
+def test_a_currency_is_a_lowercase_iso_code_or_refused(value: object) -> None:
+    try:
+        currency = validate_currency(value)
+    except InvalidCurrencyError:
+        return
+    assert re.fullmatch(r"[a-z]{3}", currency)
+    assert pycountry.currencies.get(alpha_3=currency.upper()) is not None
+
+
+@given(st.sampled_from([c.alpha_3 for c in pycountry.currencies]))
+def test_every_iso_currency_is_accepted_in_lowercase_only(code: str) -> None:
+    assert validate_currency(code.lower()) == code.lower()
+    with pytest.raises(InvalidCurrencyError):
+        validate_currency(code)
+
+
+@given(
+    st.integers(0, 10**12),
+    st.decimals(min_value=1, max_value=10, places=2, allow_nan=False, allow_infinity=False),
+)
+def test_the_cap_is_the_smallest_whole_cent_at_or_above_total_times_multiplier(
+    total: int, multiplier: Decimal
+) -> None:
+    cap = spend_cap(total, float(multiplier))
+    exact = Decimal(total) * multiplier
+    assert exact <= cap < exact + 1
+    assert spend_cap(total + 1, float(multiplier)) >= cap

@@ -201,7 +201,7 @@ async def test_openapi_document_matches_the_routes(
         assert ref.removeprefix("#/components/schemas/") in schemas, ref
     issue_op = document["paths"]["/vault/keys"]["post"]
     assert issue_op["security"] == [{"adminToken": []}]
-    assert set(issue_op["responses"]) == {"201", "400", "401", "422"}
+    assert set(issue_op["responses"]) == {"201", "400", "401", "413", "422", "500"}
     request_schema = schemas["IssueKeyRequest"]
     assert request_schema["properties"]["cap_cents"]["maximum"] == MAX_CAP_CENTS
     resolve_body = document["paths"]["/vault/keys/{key_id}/reservations/{idempotency_key}/resolve"]
@@ -251,7 +251,7 @@ async def test_health_and_readiness(
 
 
 async def test_responses_match_the_openapi_schemas(
-    vault: RunningVault, http: aiohttp.ClientSession
+    vault: RunningVault, http: aiohttp.ClientSession, db: asyncpg.Pool
 ) -> None:
     async with http.get(vault.url + "/vault/openapi.json") as response:
         document = await response.json()
@@ -285,3 +285,15 @@ async def test_responses_match_the_openapi_schemas(
     for template, method, path in calls:
         status, body = await _admin_call(http, vault, method.upper(), path)
         check(paths[template][method], status, body)
+
+    # The statuses no input in the document can cause are documented too.
+    status, body = await _admin_call(http, vault, "POST", "/vault/keys", "[" + " " * 2**20 + "]")
+    assert status == 413
+    check(paths["/vault/keys"]["post"], status, body)
+    await db.execute("ALTER TABLE vault_keys RENAME TO vault_keys_away")
+    try:
+        status, body = await _admin_call(http, vault, "GET", f"/vault/keys/{key_id}")
+    finally:
+        await db.execute("ALTER TABLE vault_keys_away RENAME TO vault_keys")
+    assert status == 500
+    check(paths["/vault/keys/{key_id}"]["get"], status, body)

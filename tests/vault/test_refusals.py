@@ -174,6 +174,22 @@ async def test_money_moving_request_without_idempotency_key_is_refused(
             400,
             "content_type_invalid",
         ),
+        # Hostile values: SQL, path and encoding tricks, digits Stripe would not read as ours.
+        ("amount=100&currency=usd&customer=cus_x'%20OR%201=1--", {}, 400, "parameter_invalid"),
+        ("amount=100&currency=usd&customer=..%2Fcus_x", {}, 400, "parameter_invalid"),
+        ("amount=%2B100&currency=usd", {}, 400, "parameter_invalid_integer"),
+        ("amount=1e3&currency=usd", {}, 400, "parameter_invalid_integer"),
+        ("amount=%D9%A1%D9%A0%D9%A0&currency=usd", {}, 400, "parameter_invalid_integer"),
+        ("amount=100&currency=us%24", {}, 400, "parameter_invalid"),
+        ("amount=100&currency=usd%00", {}, 400, "parameter_invalid"),
+        ("amount=100&currency=%FF%FE", {}, 400, "body_invalid"),
+        ("amount=100&currency=usd" + "&metadata[k]=v" * 1000, {}, 400, "body_invalid"),
+        (
+            "amount=100&currency=usd",
+            {"Idempotency-Key": "vk_" + "a" * 43},
+            400,
+            "secret_in_parameter",
+        ),
     ],
 )
 async def test_malformed_charges_are_refused_before_anything_is_reserved(
@@ -195,6 +211,19 @@ async def test_malformed_charges_are_refused_before_anything_is_reserved(
     assert (got_status, reply["error"]["code"]) == (status, code)
     assert await db.fetchval("SELECT count(*) FROM vault_reservations") == 0
     assert await emulator_ledger(emulator) == []
+
+
+async def test_a_body_that_is_not_a_form_says_what_is_wrong(
+    issue: Issue, vault: RunningVault, http: aiohttp.ClientSession
+) -> None:
+    key = await issue()
+    for body, message in (
+        ("amount=100&currency=%FF", "not a UTF-8 form"),
+        ("amount=100&currency=usd" + "&x=1" * 1000, "more than 1000 fields"),
+    ):
+        status, reply = await _post(http, vault, key, "/v1/payment_intents", body)
+        assert status == 400
+        assert message in reply["error"]["message"]
 
 
 async def test_parameters_in_the_query_string_and_odd_paths_are_refused(

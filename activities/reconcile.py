@@ -1,0 +1,258 @@
+"""Reconciliation's I/O: open claims and whether a workflow still owns them, lookups on
+Stripe (always by listing the customer's payments, never Stripe's lagging search), the
+vault's reservations left unknown, and the period's charges on Stripe against the ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+import asyncpg
+import stripe
+from temporalio import activity
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
+
+from activities.charging import heartbeating
+from activities.stripe_access import StripeAccess
+from activities.stripe_failures import to_temporal_failure
+from billing import ledger, logs, period_keys
+from billing.errors import BillingError, LedgerConflictError
+from billing.keys import customer_workflow_id, period_workflow_id
+from billing.models import ChargeFailure, ChargeResult, Claim
+from billing.periods import parse_period
+from billing.reconciliation import (
+    ChargesPage,
+    ChargesPageRequest,
+    ChildState,
+    ClaimResolution,
+    ClaimsToResolve,
+    ReconcileInput,
+    ReservationResolution,
+    StripeCharge,
+    classify,
+    left_alone_because,
+    may_release,
+)
+from vault.client import VaultAdmin, VaultAdminError, VaultUnavailable
+from vault.models import ReservationInfo
+
+# Open claims one run resolves; a period normally ends with none, and the next run (the
+# schedule fires daily) takes any rest.
+MAX_CLAIMS = 1000
+# Calls to Temporal or Stripe at once from one activity: well under Stripe's rate limit
+# once the pages' calls add up, and a 429 is retried by Temporal anyway.
+CONCURRENCY = 8
+# A ledger row finished elsewhere with another result: reported, never overwritten.
+LEDGER_CONFLICT = "LedgerConflict"
+# No vault key stored for the claim's period and currency: nothing to look it up with.
+NO_PERIOD_KEY = "NoPeriodKey"
+
+log = logging.getLogger("billing.reconcile")
+T = TypeVar("T")
+
+
+async def _bounded(calls: list[Awaitable[T]]) -> list[T]:
+    limit = asyncio.Semaphore(CONCURRENCY)
+
+    async def one(call: Awaitable[T]) -> T:
+        async with limit:
+            return await call
+
+    return await asyncio.gather(*(one(call) for call in calls))
+
+
+async def _workflow_state(client: Client, workflow_id: str) -> ChildState:
+    try:
+        description = await client.get_workflow_handle(workflow_id).describe()
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            return "absent"
+        raise
+    return "running" if description.status == WorkflowExecutionStatus.RUNNING else "closed"
+
+
+async def _find(access: StripeAccess, claim: Claim) -> ChargeResult | ChargeFailure | None:
+    """The claim's charge on Stripe, looked up by the key in its metadata."""
+    try:
+        gateway = await access.gateway_for(claim)
+    except BillingError as exc:
+        raise ApplicationError(str(exc), type=NO_PERIOD_KEY, non_retryable=True) from None
+    try:
+        return await gateway.find(claim)
+    except stripe.StripeError as exc:
+        raise to_temporal_failure(exc) from None
+
+
+def _log(event: str, period: str, key: str, **fields: Any) -> None:
+    logs.log_event(
+        log,
+        event,
+        period=period,
+        workflow_id=activity.info().workflow_id,
+        key_prefix=logs.key_prefix(key),
+        **fields,
+    )
+
+
+class ReconcileActivities:
+    def __init__(
+        self, pool: asyncpg.Pool, access: StripeAccess, admin: VaultAdmin | None = None
+    ) -> None:
+        self._pool = pool
+        self._access = access
+        self._admin = admin
+
+    @activity.defn(name="reconcile_open_claims")
+    async def open_claims(self, request: ReconcileInput) -> ClaimsToResolve:
+        """The period's open claims, split into those no workflow owns (to resolve) and
+        those left alone, with the reason."""
+        period = parse_period(request.period)
+        async with self._pool.acquire() as conn:
+            found = await ledger.open_claims(conn, request.period, MAX_CLAIMS + 1)
+        taken = found[:MAX_CLAIMS]
+        client = activity.client()
+        period_running = await _workflow_state(client, period_workflow_id(period)) == "running"
+        children = await _bounded(
+            [
+                _workflow_state(client, customer_workflow_id(period, c.claim.customer_id))
+                for c in taken
+            ]
+        )
+        resolve: list[Claim] = []
+        left: list[ClaimResolution] = []
+        for open_claim, child in zip(taken, children, strict=True):
+            reason = left_alone_because(child, period_running, open_claim)
+            if reason is None:
+                resolve.append(open_claim.claim)
+            else:
+                customer_id = open_claim.claim.customer_id
+                left.append(ClaimResolution(customer_id=customer_id, action="left", detail=reason))
+        return ClaimsToResolve(resolve=resolve, left=left, more=len(found) > MAX_CLAIMS)
+
+    @activity.defn(name="reconcile_settle_claim")
+    async def settle_claim(self, claim: Claim) -> ClaimResolution | None:
+        """Record the claim's outcome if Stripe has its charge; None when Stripe has nothing
+        with its key (the workflow then charges it again with that same key)."""
+        found = await _find(self._access, claim)
+        if found is None:
+            return None
+        key = claim.idempotency_key
+        try:
+            async with self._pool.acquire() as conn:
+                if isinstance(found, ChargeResult):
+                    await ledger.record_charge(conn, key, found)
+                    resolution = ClaimResolution(
+                        customer_id=claim.customer_id,
+                        action="recorded",
+                        outcome="charged",
+                        charge_id=found.charge_id,
+                    )
+                else:
+                    await ledger.record_unbilled(conn, key, "failed", found)
+                    resolution = ClaimResolution(
+                        customer_id=claim.customer_id,
+                        action="recorded",
+                        outcome="failed",
+                        charge_id=found.charge_id,
+                        detail=found.code,
+                    )
+        except LedgerConflictError as exc:
+            raise ApplicationError(str(exc), type=LEDGER_CONFLICT, non_retryable=True) from None
+        _log(
+            "reconcile_claim",
+            claim.period,
+            claim.idempotency_key,
+            customer_id=claim.customer_id,
+            action=resolution.action,
+            outcome=resolution.outcome,
+            charge_id=resolution.charge_id,
+        )
+        return resolution
+
+    @activity.defn(name="reconcile_reservations")
+    async def settle_reservations(
+        self, request: ReconcileInput
+    ) -> list[ReservationResolution] | None:
+        """Settle the period's vault reservations left unknown (the vault counts stale
+        pending ones as unknown) with what Stripe has. None without a vault."""
+        if self._admin is None:
+            return None
+        keys = await self._admin.find_keys(period=request.period, label=period_keys.LABEL)
+        resolutions: list[ReservationResolution] = []
+        for key in keys:
+            for reservation in await self._admin.unknown_reservations(key.id):
+                resolutions.append(await self._settle(self._admin, key.id, reservation))
+        return resolutions
+
+    async def _settle(
+        self, admin: VaultAdmin, key_id: str, reservation: ReservationInfo
+    ) -> ReservationResolution:
+        key = reservation.idempotency_key
+        async with self._pool.acquire() as conn:
+            claim = await ledger.claim_by_key(conn, key)
+        unknown = ReservationResolution(
+            vault_key_id=key_id,
+            key_prefix=logs.key_prefix(key),
+            customer_id=claim.customer_id if claim else None,
+            state="unknown",
+        )
+        if claim is None:
+            return unknown.model_copy(update={"detail": "no ledger row has this key"})
+        found = await _find(self._access, claim)
+        if found is None and not may_release(reservation.updated_at, datetime.now(UTC)):
+            return unknown.model_copy(update={"detail": "no charge found yet; released later"})
+        amount = found.amount_cents if isinstance(found, ChargeResult) else None
+        try:
+            info = await admin.resolve(
+                key_id, key, "succeeded" if isinstance(found, ChargeResult) else "failed", amount
+            )
+        except VaultUnavailable:
+            raise
+        except VaultAdminError as exc:
+            # Taken over by a retry meanwhile (409), or an amount the vault refuses: the
+            # vault's own message says which; the next run looks again.
+            return unknown.model_copy(update={"detail": exc.message})
+        state = "committed" if info.state == "committed" else "released"
+        _log("reconcile_reservation", claim.period, key, vault_key_id=key_id, state=state)
+        return unknown.model_copy(update={"state": state, "amount_cents": info.committed_cents})
+
+    @activity.defn(name="reconcile_charges_page")
+    async def compare_charges(self, request: ChargesPageRequest) -> ChargesPage:
+        """One page of customers: their charges of the period on Stripe against the ledger."""
+        async with self._pool.acquire() as conn:
+            customers = await ledger.customers_page(
+                conn, request.period, request.after, request.limit
+            )
+
+        async def listed(stripe_customer_id: str, currency: str) -> list[StripeCharge] | None:
+            try:
+                gateway = await self._access.gateway(request.period, currency)
+            except BillingError:
+                return None
+            return await gateway.period_charges(stripe_customer_id, request.period)
+
+        try:
+            async with heartbeating():
+                found = await _bounded(
+                    [listed(c.stripe_customer_id, c.currency) for c in customers]
+                )
+        except stripe.StripeError as exc:
+            raise to_temporal_failure(exc) from None
+        charges = [charge for listing in found if listing for charge in listing]
+        async with self._pool.acquire() as conn:
+            entries = await ledger.ledger_entries(
+                conn, request.period, sorted({c.customer_id for c in charges})
+            )
+        unchecked = [c for c, listing in zip(customers, found, strict=True) if listing is None]
+        return ChargesPage(
+            findings=classify(charges, entries),
+            customers=len(customers),
+            charges=len(charges),
+            unchecked=[c.customer_id for c in unchecked],
+            next_cursor=customers[-1].customer_id if len(customers) == request.limit else None,
+        )

@@ -1,0 +1,199 @@
+"""Reconciliation's rules: which open claims it may resolve, and how Stripe's charges compare
+with the ledger. Pure functions over records; the I/O is in activities/reconcile.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+from typing import Literal
+
+from pydantic import Field
+
+from billing.models import Claim, Control, LedgerStatus, Outcome, Record
+
+# Where the customer's CustomerChargeWorkflow stands, as Temporal describes it.
+ChildState = Literal["running", "closed", "absent"]
+# orphan: no ledger row for the customer and period; duplicate: the row records another
+# charge; unrecorded: the row ended without a charge (failed, skipped, cancelled).
+FindingKind = Literal["orphan", "duplicate", "unrecorded"]
+ClaimAction = Literal["recorded", "redriven", "left"]
+# An unknown reservation is released (no charge found) only once it has been unknown this
+# long: Stripe may still commit a request the vault stopped waiting for.
+RELEASE_AFTER = timedelta(minutes=10)
+
+
+class ReconcileInput(Record):
+    period: str
+
+
+class OpenClaim(Record):
+    """A claim with no recorded outcome, and what the ledger says about its run."""
+
+    claim: Claim
+    # A request with its key may have reached Stripe (ledger.begin_charge passed).
+    sent: bool
+    control: Control | None
+
+
+class ClaimResolution(Record):
+    customer_id: str
+    action: ClaimAction
+    outcome: Outcome | None = None
+    charge_id: str | None = None
+    detail: str | None = None
+
+
+class ClaimsToResolve(Record):
+    resolve: list[Claim]
+    left: list[ClaimResolution]
+    # More open claims than one run takes; the next run continues.
+    more: bool
+
+
+class ReservationResolution(Record):
+    vault_key_id: str
+    key_prefix: str
+    customer_id: str | None
+    state: Literal["committed", "released", "unknown"]
+    amount_cents: int | None = None
+    detail: str | None = None
+
+
+class CustomerToCheck(Record):
+    customer_id: str
+    stripe_customer_id: str
+    currency: str
+
+
+class StripeCharge(Record):
+    """A succeeded charge on Stripe that carries our metadata."""
+
+    charge_id: str
+    payment_intent_id: str | None
+    amount_cents: int
+    currency: str
+    stripe_customer_id: str | None
+    customer_id: str
+    period: str
+    billing_key: str | None
+
+
+class LedgerEntry(Record):
+    customer_id: str
+    status: LedgerStatus
+    charge_id: str | None
+
+
+class Finding(Record):
+    """A Stripe charge of the period that the ledger does not account for."""
+
+    kind: FindingKind
+    charge_id: str
+    payment_intent_id: str | None
+    customer_id: str
+    stripe_customer_id: str | None
+    amount_cents: int
+    currency: str
+    key_prefix: str | None
+    ledger_status: LedgerStatus | None
+    ledger_charge_id: str | None
+
+
+class ChargesPageRequest(Record):
+    period: str
+    after: str | None
+    limit: int = Field(ge=1, le=1000)
+
+
+class ChargesPage(Record):
+    findings: list[Finding]
+    customers: int
+    charges: int
+    # Customers whose charges could not be listed (no vault key of the period for their
+    # currency): nothing of ours can have charged them, but a planted charge goes unseen.
+    unchecked: list[str]
+    next_cursor: str | None
+
+
+class ReconcileReport(Record):
+    period: str
+    workflow_id: str
+    claims: list[ClaimResolution]
+    more_claims: bool
+    reservations: list[ReservationResolution]
+    # False without a vault (workers charging Stripe directly): no reservations exist.
+    vault_checked: bool
+    customers_checked: int
+    charges_checked: int
+    unchecked_customers: list[str]
+    findings: list[Finding]
+
+    @property
+    def duplicates(self) -> list[Finding]:
+        return [f for f in self.findings if f.kind == "duplicate"]
+
+    @property
+    def orphans(self) -> list[Finding]:
+        return [f for f in self.findings if f.kind == "orphan"]
+
+
+def left_alone_because(
+    child: ChildState, period_running: bool, open_claim: OpenClaim
+) -> str | None:
+    """Why reconciliation must leave a claim alone, or None when it may resolve it.
+
+    A running CustomerChargeWorkflow owns its claim. A closed one is never started again for
+    the period (REJECT_DUPLICATE), so nothing else works on its claim. One that never ran
+    may still be started by its period's run while that runs. A charge never sent while the
+    period is paused waits for the operator, as the ledger's gate would make it.
+    """
+    if child == "running":
+        return "its CustomerChargeWorkflow is running"
+    if child == "absent" and period_running:
+        return "its period's run is running and may still start its workflow"
+    if not open_claim.sent and open_claim.control == "paused":
+        return "the period is paused and this charge was never sent"
+    return None
+
+
+def may_release(updated_at: datetime, now: datetime) -> bool:
+    return now - updated_at >= RELEASE_AFTER
+
+
+def classify(charges: Iterable[StripeCharge], ledger: dict[str, LedgerEntry]) -> list[Finding]:
+    """Stripe's succeeded charges of the period that the ledger does not hold as the
+    customer's charge. `ledger` holds the period's rows by customer id.
+
+    A row still claimed is not judged: its claim is open (a live workflow owns it, or this
+    run could not resolve it and says so), and its charge is recorded when it is resolved.
+    """
+    findings: list[Finding] = []
+    seen: set[str] = set()
+    for charge in charges:
+        if charge.charge_id in seen:
+            continue
+        seen.add(charge.charge_id)
+        entry = ledger.get(charge.customer_id)
+        if entry is not None and (entry.status == "claimed" or entry.charge_id == charge.charge_id):
+            continue
+        if entry is None:
+            kind: FindingKind = "orphan"
+        elif entry.charge_id is not None:
+            kind = "duplicate"
+        else:
+            kind = "unrecorded"
+        findings.append(
+            Finding(
+                kind=kind,
+                charge_id=charge.charge_id,
+                payment_intent_id=charge.payment_intent_id,
+                customer_id=charge.customer_id,
+                stripe_customer_id=charge.stripe_customer_id,
+                amount_cents=charge.amount_cents,
+                currency=charge.currency,
+                key_prefix=charge.billing_key[:8] if charge.billing_key else None,
+                ledger_status=entry.status if entry else None,
+                ledger_charge_id=entry.charge_id if entry else None,
+            )
+        )
+    return findings

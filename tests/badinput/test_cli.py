@@ -1,0 +1,178 @@
+"""The command lines given bad arguments: exit status 2 and one message saying what was wrong.
+
+Bad arguments are refused before anything is contacted: the first group runs every command
+with Temporal, PostgreSQL and Stripe unreachable, so a message about the input (rather than
+"cannot reach ...") proves nothing was started or charged. The second group runs against the
+real dev server and database, where the input is well formed but names something that is not
+there, and checks the ledger and the namespace are left as they were.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+import pytest
+from temporalio.client import Client
+
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+HEADER = "customer_id,stripe_customer_id,payment_method,amount_cents,currency\n"
+HOSTILE_ID = "x'; DROP TABLE customers;--"
+# Subprocesses at once: each is ~0.8 s of CPU, and the machine has 2 cores.
+_CONCURRENCY = 3
+
+
+@dataclass(frozen=True)
+class Exit:
+    code: int
+    stdout: str
+    stderr: str
+
+
+async def run_cli(*argv: str, env: Mapping[str, str]) -> Exit:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        *argv,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode is not None
+    return Exit(process.returncode, stdout.decode(), stderr.decode())
+
+
+def _csv(body: str) -> str:
+    return HEADER + body
+
+
+# argv after `python`, and what the message must say; one or two cases per command, as each
+# costs a Python start-up. `{bad_csv}` is a file whose third line is bad.
+CASES: dict[str, tuple[list[str], str]] = {
+    "run month 13": (["starter.py", "run", "2026-13"], "month 13 is not 01-12"),
+    "run sql period": (["starter.py", "run", "2026-12' OR '1'='1"], "not in the form YYYY-MM"),
+    "status year": (["starter.py", "status", "1999-12"], "year 1999 is outside 2000-2999"),
+    "preview month 0": (["starter.py", "preview", "2026-00"], "month 0 is not 01-12"),
+    "watch nan": (["starter.py", "watch", "2026-12", "--interval", "nan"], "above 0"),
+    "pause empty reason": (
+        ["starter.py", "pause", "2026-12", "--reason", ""],
+        "reason: String should have at least 1 character",
+    ),
+    "resume long operator": (
+        ["starter.py", "resume", "2026-12", "--reason", "ok", "--operator", "o" * 101],
+        "operator: String should have at most 100 characters",
+    ),
+    "skip sql id": (["starter.py", "skip", "2026-12", HOSTILE_ID, "--reason", "r"], "1-64"),
+    "skip url id": (["starter.py", "skip", "2026-12", "../c%2F1?x=1", "--reason", "r"], "1-64"),
+    "schedule hour": (["starter.py", "schedule", "create", "--hour", "25"], "hour:"),
+    "schedule zone": (
+        ["starter.py", "schedule", "create", "--time-zone", "Mars/Olympus"],
+        "not an IANA name",
+    ),
+    "schedule catchup huge": (
+        ["starter.py", "schedule", "create", "--catchup-hours", "1e300"],
+        "--catchup-hours: expected a number above 0 and at most 8784",
+    ),
+    "backfill reversed": (
+        ["starter.py", "schedule", "backfill", "--start", "2026-11", "--end", "2026-09"],
+        "ends (2026-09) before it starts (2026-11)",
+    ),
+    "import bad row": (
+        ["starter.py", "customers", "import", "{bad_csv}"],
+        "line 3: amount must be positive",
+    ),
+    "seed zero": (["starter.py", "customers", "seed-demo", "--count", "0"], "positive whole"),
+    "demo superscript": (["starter.py", "demo", "--customers", "²"], "positive whole"),
+    "vault port": (["-m", "vault", "--port", "70000"], "not a TCP port"),
+}
+
+
+@pytest.fixture(scope="module")
+async def refused(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Exit]:
+    """Every case, run concurrently with every service unreachable."""
+    files = tmp_path_factory.mktemp("cli")
+    bad_csv = files / "customers.csv"
+    bad_csv.write_text(_csv("c-1,cus_A,pm_1,1500,usd\nc-2,cus_B,pm_2,0,usd\n"))
+    closed = free_port()
+    unreachable = {
+        "TEMPORAL_ADDRESS": f"127.0.0.1:{closed}",
+        "DATABASE_URL": f"postgresql://postgres@127.0.0.1:{closed}/billing",
+        "STRIPE_API_BASE": f"http://127.0.0.1:{closed}",
+        # The vault starts only when its settings are complete, and they are not bad here.
+        "VAULT_DATABASE_URL": f"postgresql://postgres@127.0.0.1:{closed}/billing",
+        "VAULT_ADMIN_TOKEN": "adm_test_token_4f9c2e7a1b",
+        "VAULT_UPSTREAM_STRIPE_SECRET": "sk_test_cli_unused",
+        "VAULT_MAX_CAP_CENTS": "100",
+    }
+    gate = asyncio.Semaphore(_CONCURRENCY)
+
+    async def one(argv: list[str]) -> Exit:
+        filled = [a.format(bad_csv=bad_csv) for a in argv]
+        async with gate:
+            return await run_cli(*filled, env=unreachable)
+
+    results = await asyncio.gather(*(one(argv) for argv, _ in CASES.values()))
+    return dict(zip(CASES, results, strict=True))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_arguments_are_refused_before_anything_is_contacted(
+    refused: dict[str, Exit], case: str
+) -> None:
+    result = refused[case]
+    expected = CASES[case][1]
+    assert result.code == 2, result
+    assert expected in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "cannot reach" not in result.stderr and "could not start" not in result.stderr
+    assert result.stdout == ""
+
+
+async def test_a_bad_import_leaves_the_customers_as_they_were(
+    db: asyncpg.Pool, database_url: str, tmp_path: Path
+) -> None:
+    await db.execute(
+        "INSERT INTO customers (customer_id, stripe_customer_id, payment_method, amount_cents,"
+        " currency) VALUES ('c-1', 'cus_A', 'pm_1', 100, 'usd')"
+    )
+    before = [dict(r) for r in await db.fetch("SELECT * FROM customers")]
+    path = tmp_path / "customers.csv"
+    # Rows 2 and 3 are good (one updates c-1); the last is bad, so none may be written.
+    path.write_text(
+        _csv(f"c-1,cus_A,pm_1,999,usd\nc-2,cus_B,pm_2,500,usd\n{HOSTILE_ID},cus_C,,5,usd\n")
+    )
+    result = await run_cli(
+        "starter.py", "customers", "import", str(path), env={"DATABASE_URL": database_url}
+    )
+    assert result.code == 2
+    assert "line 4: customer_id: " in result.stderr and "1-64 characters" in result.stderr
+    assert [dict(r) for r in await db.fetch("SELECT * FROM customers")] == before
+
+
+async def test_unknown_names_on_the_real_stack_are_clear_errors_and_start_nothing(
+    temporal_client: Client, db: asyncpg.Pool, database_url: str
+) -> None:
+    env = {
+        "TEMPORAL_ADDRESS": temporal_client.service_client.config.target_host,
+        "TEMPORAL_NAMESPACE": temporal_client.namespace,
+        "DATABASE_URL": database_url,
+    }
+    for argv, expected in (
+        (["skip", "2026-12", "nobody", "--reason", "r"], "customer 'nobody' is not in the ledger"),
+        (["pause", "2026-12", "--reason", "r"], "no run of 2026-12 is running to pause"),
+        (["schedule", "trigger", "--id", "no-such-schedule"], "no schedule 'no-such-schedule'"),
+    ):
+        result = await run_cli("starter.py", *argv, env=env)
+        assert (result.code, result.stdout) == (2, ""), result
+        assert expected in result.stderr
+        assert "Traceback" not in result.stderr
+    assert [w async for w in temporal_client.list_workflows()] == []
+    assert await db.fetchval("SELECT count(*) FROM billing_runs") == 0

@@ -1,0 +1,362 @@
+"""Reconciliation against the real stack: each kind of leftover a crash or a bug leaves, and a
+clean period; Stripe is the emulator, Temporal and PostgreSQL are real."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from datetime import UTC, datetime
+
+from temporalio.client import WorkflowHistory
+from temporalio.service import RPCError
+
+from activities.stripe_gateway import StripeGateway, charge_params
+from billing import ledger, period_keys
+from billing.customers import CustomerRow
+from billing.keys import (
+    customer_workflow_id,
+    idempotency_key,
+    period_workflow_id,
+    reconcile_workflow_id,
+)
+from billing.models import Claim, CustomerChargeInput, ScheduledBillingInput
+from billing.periods import Period, period_for
+from billing.reconciliation import ReconcileReport
+from billing.runs import start_period, start_reconcile
+from billing.schedules import RECONCILE_SCHEDULE_ID
+from tests.integration.harness import PROJECT_ROOT, Harness, eventually
+from tests.integration.invariants import assert_billed_once
+from tests.integration.test_replay import HISTORIES, replay
+from workflows.customer_charge import CustomerChargeWorkflow
+from workflows.reconcile import ReconcileWorkflow
+
+PERIOD = Period(2026, 12)
+# A task queue no worker polls: workflows started there own their claim and do nothing.
+IDLE_QUEUE = "nobody-polls"
+
+
+def gateway(harness: Harness) -> StripeGateway:
+    return StripeGateway(harness.stripe, harness.settings.billing_charge_api)
+
+
+async def stranded(
+    harness: Harness, customer: CustomerRow, *, at_stripe: bool, terminate: bool = True
+) -> Claim:
+    """What a worker lost mid-charge leaves: the claim taken and its charge begun (and, if
+    `at_stripe`, committed by Stripe, its answer lost), under the customer's workflow, which
+    an operator then terminated (or which still runs, owning the claim)."""
+    key = idempotency_key(harness.settings.billing_key_namespace, customer.customer_id, PERIOD)
+    async with harness.pool.acquire() as conn:
+        claim = await ledger.claim(conn, customer.customer_id, str(PERIOD), key)
+        assert await ledger.begin_charge(conn, claim) == "go"
+    if at_stripe:
+        await gateway(harness).charge(claim)
+    handle = await harness.client.start_workflow(
+        CustomerChargeWorkflow.run,
+        CustomerChargeInput(period=str(PERIOD), customer_id=customer.customer_id),
+        id=customer_workflow_id(PERIOD, customer.customer_id),
+        task_queue=IDLE_QUEUE,
+    )
+    if terminate:
+        await handle.terminate(reason="its worker was lost")
+    return claim
+
+
+async def reconcile(harness: Harness) -> ReconcileReport:
+    async with harness.running_worker():
+        handle = await start_reconcile(harness.client, PERIOD, harness.task_queue)
+        return await handle.result()
+
+
+async def bill(harness: Harness) -> None:
+    async with harness.running_worker():
+        await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+
+
+async def plant(harness: Harness, claim: Claim, key: str) -> str:
+    """A charge made outside the orchestrator with our metadata (e.g. a retry that took a new
+    idempotency key); returns its charge id."""
+    api = harness.settings.billing_charge_api
+    intent = await harness.stripe.v1.payment_intents.create_async(
+        charge_params(claim, api),  # type: ignore[arg-type]
+        {"idempotency_key": key},
+    )
+    assert intent.status == "succeeded" and isinstance(intent.latest_charge, str)
+    return intent.latest_charge
+
+
+async def starter(harness: Harness, *args: str) -> tuple[int, str]:
+    """`starter.py` in its own process against the test's namespace; exit code and stdout."""
+    config = harness.client.service_client.config
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(PROJECT_ROOT / "starter.py"),
+        *args,
+        env={
+            **os.environ,
+            "TEMPORAL_ADDRESS": config.target_host,
+            "TEMPORAL_NAMESPACE": harness.client.namespace,
+            "TEMPORAL_TASK_QUEUE": harness.task_queue,
+        },
+        stdout=asyncio.subprocess.PIPE,
+    )
+    stdout, _ = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, stdout.decode()
+
+
+async def test_a_charge_stripe_took_but_the_ledger_never_recorded_is_recorded(
+    harness: Harness,
+) -> None:
+    customers = await harness.seed(3)
+    claims = [await stranded(harness, c, at_stripe=True) for c in customers]
+    sent = await harness.money_requests()
+    report = await reconcile(harness)
+    by_customer = {c.customer_id: c for c in report.claims}
+    for claim in claims:
+        resolution = by_customer[claim.customer_id]
+        assert (resolution.action, resolution.outcome) == ("recorded", "charged")
+    # Found by listing the customer's payments: not one request more to charge.
+    assert await harness.money_requests() == sent
+    assert report.findings == []
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_a_claim_that_never_reached_stripe_is_charged_once_with_its_key(
+    harness: Harness,
+) -> None:
+    customers = await harness.seed(3)
+    for customer in customers:
+        await stranded(harness, customer, at_stripe=False)
+    assert await harness.succeeded() == 0
+    report = await reconcile(harness)
+    assert {(c.action, c.outcome) for c in report.claims} == {("redriven", "charged")}
+    assert len(report.claims) == 3
+    assert report.findings == []
+    # Charged once each, every request with the claim's key and parameters (I1-I3).
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_a_claim_its_workflow_still_works_on_is_left_alone(harness: Harness) -> None:
+    [customer] = await harness.seed(1)
+    await stranded(harness, customer, at_stripe=True, terminate=False)
+    report = await reconcile(harness)
+    [left] = report.claims
+    assert left.action == "left" and "running" in (left.detail or "")
+    # Its charge at Stripe is its workflow's to record: not a finding, not touched.
+    assert report.findings == []
+    [row] = await harness.ledger_rows(str(PERIOD))
+    assert row["status"] == "claimed"
+    # Once that workflow is gone, the next run records the charge.
+    workflow_id = customer_workflow_id(PERIOD, customer.customer_id)
+    await harness.client.get_workflow_handle(workflow_id).terminate(reason="worker lost")
+    report = await reconcile(harness)
+    assert [(c.action, c.outcome) for c in report.claims] == [("recorded", "charged")]
+    await assert_billed_once(harness, str(PERIOD), [customer])
+
+
+async def test_unknown_reservations_of_charges_stripe_took_are_committed(
+    vaulted: Harness,
+) -> None:
+    # Stripe commits each charge and answers 500 (saved, replayed for the key): the worker
+    # finds the charge by listing, but the vault never learns the outcome.
+    customers = await vaulted.seed(3)
+    await vaulted.set_faults(error_after_commit=1.0)
+    await bill(vaulted)
+    assert vaulted.vault is not None
+    admin = vaulted.vault.admin
+    [key] = await admin.find_keys(period=str(PERIOD), label=period_keys.LABEL)
+    assert len(await admin.unknown_reservations(key.id)) == 3
+    await vaulted.set_faults(error_after_commit=0.0)
+    report = await reconcile(vaulted)
+    assert report.vault_checked
+    assert sorted((r.state, r.amount_cents) for r in report.reservations) == sorted(
+        ("committed", c.amount_cents) for c in customers
+    )
+    settled = await admin.get_key(key.id)
+    assert (settled.spent_cents, settled.reserved_cents) == (
+        sum(c.amount_cents for c in customers),
+        0,
+    )
+    assert report.claims == [] and report.findings == []
+    await assert_billed_once(vaulted, str(PERIOD), customers)
+
+
+async def test_an_unknown_reservation_with_no_charge_is_released_and_its_claim_charged(
+    vaulted: Harness,
+) -> None:
+    # Every attempt fails before Stripe commits (500): the vault keeps each reservation
+    # unknown; then the run is lost (worker gone, workflows terminated).
+    customers = await vaulted.seed(2)
+    await vaulted.set_faults(error_before_commit=1.0)
+    assert vaulted.vault is not None
+    admin = vaulted.vault.admin
+    async with vaulted.running_worker():
+        await start_period(vaulted.client, PERIOD, vaulted.task_queue)
+
+        async def both_unknown() -> bool:
+            keys = await admin.find_keys(period=str(PERIOD), label=period_keys.LABEL)
+            return bool(keys) and len(await admin.unknown_reservations(keys[0].id)) == 2
+
+        await eventually(both_unknown)
+    lost = [period_workflow_id(PERIOD)] + [
+        customer_workflow_id(PERIOD, c.customer_id) for c in customers
+    ]
+    for workflow_id in lost:
+        await vaulted.client.get_workflow_handle(workflow_id).terminate(reason="run lost")
+    async with vaulted.pool.acquire() as conn:
+        # Unknown for longer than a slow request could still commit at Stripe.
+        await conn.execute("UPDATE vault_reservations SET updated_at = now() - interval '1 hour'")
+    await vaulted.set_faults(error_before_commit=0.0)
+    report = await reconcile(vaulted)
+    assert [r.state for r in report.reservations] == ["released", "released"]
+    assert {(c.action, c.outcome) for c in report.claims} == {("redriven", "charged")}
+    [key] = await admin.find_keys(period=str(PERIOD), label=period_keys.LABEL)
+    settled = await admin.get_key(key.id)
+    assert (settled.spent_cents, settled.reserved_cents) == (
+        sum(c.amount_cents for c in customers),
+        0,
+    )
+    await assert_billed_once(vaulted, str(PERIOD), customers)
+
+
+async def test_a_duplicate_charge_is_reported_with_its_id_and_amount(harness: Harness) -> None:
+    customers = await harness.seed(3)
+    await bill(harness)
+    key = idempotency_key(harness.settings.billing_key_namespace, customers[0].customer_id, PERIOD)
+    async with harness.pool.acquire() as conn:
+        claim = await ledger.claim_by_key(conn, key)
+    assert claim is not None
+    duplicate = await plant(harness, claim, claim.idempotency_key + "-retry")
+    async with harness.running_worker():
+        code, out = await starter(harness, "reconcile", str(PERIOD), "--json")
+    assert code == 1, out
+    report = ReconcileReport.model_validate_json(out)
+    [finding] = report.findings
+    assert (finding.kind, finding.charge_id, finding.amount_cents) == (
+        "duplicate",
+        duplicate,
+        claim.amount_cents,
+    )
+    assert finding.customer_id == claim.customer_id
+    assert finding.ledger_charge_id == claim.charge_id != duplicate
+    assert report.orphans == [] and report.claims == []
+
+
+async def test_an_orphan_charge_with_our_metadata_is_reported(harness: Harness) -> None:
+    await harness.seed(2)
+    await bill(harness)
+    # A customer the period never billed, charged by someone else with our metadata.
+    [late] = await harness.seed(1, prefix="late")
+    key = idempotency_key(harness.settings.billing_key_namespace, late.customer_id, PERIOD)
+    claim = Claim(
+        customer_id=late.customer_id,
+        period=str(PERIOD),
+        idempotency_key=key,
+        amount_cents=late.amount_cents,
+        currency=late.currency,
+        stripe_customer_id=late.stripe_customer_id,
+        payment_method=late.payment_method,
+        status="claimed",
+        claimed_at=datetime.now(UTC),
+    )
+    orphan = await plant(harness, claim, key)
+    async with harness.running_worker():
+        code, out = await starter(harness, "reconcile", str(PERIOD))
+    assert code == 1, out
+    assert (
+        f"ORPHAN {orphan} {late.amount_cents} {late.currency} for {late.customer_id}"
+        " (no ledger row)" in out
+    )
+    assert "0 duplicates, 1 orphans" in out
+
+
+async def test_a_clean_period_reports_nothing(harness: Harness) -> None:
+    customers = await harness.seed(4)
+    await bill(harness)
+    report = await reconcile(harness)
+    assert report.claims == [] and report.findings == [] and report.reservations == []
+    assert not report.vault_checked and not report.more_claims
+    assert (report.customers_checked, report.charges_checked) == (4, 4)
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_a_claim_resumed_after_stripes_idempotency_window_is_not_charged_twice(
+    harness: Harness,
+) -> None:
+    # Stripe forgets a key after 24 hours (here: 1 second); claims older than
+    # BILLING_LOOKUP_AFTER_SECONDS are looked up before anything is sent.
+    await harness.set_faults(idempotency_ttl_seconds=1.0)
+    harness.settings = harness.settings.model_copy(update={"billing_lookup_after_seconds": 0.5})
+    customers = await harness.seed(2)
+    resumed, reconciled = [await stranded(harness, c, at_stripe=True) for c in customers]
+    await asyncio.sleep(1.5)
+    async with harness.running_worker():
+        # One claim resumes in a new run of its own workflow (its worker came back a day
+        # late); the other is resolved by reconciliation.
+        outcome = await harness.client.execute_workflow(
+            CustomerChargeWorkflow.run,
+            CustomerChargeInput(period=str(PERIOD), customer_id=resumed.customer_id),
+            id=customer_workflow_id(PERIOD, resumed.customer_id),
+            task_queue=harness.task_queue,
+        )
+        report = await (await start_reconcile(harness.client, PERIOD, harness.task_queue)).result()
+    assert outcome.outcome == "charged"
+    assert [(c.customer_id, c.action) for c in report.claims] == [
+        (reconciled.customer_id, "recorded")
+    ]
+    assert await harness.money_requests() == 2
+    await assert_billed_once(harness, str(PERIOD), customers)
+    # The window had closed: the same request with the same key now charges again, which
+    # only the lookup avoided; reconciliation reports that second charge.
+    second = await gateway(harness).charge(reconciled)
+    assert not second.replayed
+    report = await reconcile(harness)
+    assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", second.charge_id)]
+
+
+async def test_the_daily_schedule_reconciles_the_period_it_would_bill(harness: Harness) -> None:
+    code, out = await starter(harness, "schedule", "create", "--reconcile", "--paused")
+    assert code == 0 and "every day at 02:00" in out, out
+    handle = harness.client.get_schedule_handle(RECONCILE_SCHEDULE_ID)
+    description = await handle.describe()
+    [request] = await harness.client.data_converter.decode(
+        list(description.schedule.action.args),  # type: ignore[attr-defined]
+        [ScheduledBillingInput],
+    )
+    assert request.action == "reconcile"
+    period = period_for(datetime.now(UTC))
+    async with harness.running_worker():
+        await handle.trigger()
+        reconciling = harness.client.get_workflow_handle_for(
+            ReconcileWorkflow.run, reconcile_workflow_id(period)
+        )
+
+        async def finished() -> bool:
+            try:
+                await reconciling.describe()
+            except RPCError:
+                return False
+            return True
+
+        await eventually(finished)
+        report = await reconciling.result()
+    assert report.period == str(period) and report.findings == []
+    await handle.delete()
+
+
+async def test_a_reconcile_history_replays(harness: Harness) -> None:
+    """I6 for ReconcileWorkflow; RECORD_HISTORIES=1 keeps its history in tests/histories."""
+    recorded, redriven = await harness.seed(2)
+    await stranded(harness, recorded, at_stripe=True)
+    await stranded(harness, redriven, at_stripe=False)
+    report = await reconcile(harness)
+    assert sorted(c.action for c in report.claims) == ["recorded", "redriven"]
+    handle = harness.client.get_workflow_handle(reconcile_workflow_id(PERIOD))
+    history: WorkflowHistory = await handle.fetch_history()
+    await replay([history])
+    if os.environ.get("RECORD_HISTORIES"):
+        run_id = (await handle.describe()).run_id
+        name = f"ReconcileWorkflow--{history.workflow_id}--{run_id}.json"
+        (HISTORIES / name).write_text(history.to_json())

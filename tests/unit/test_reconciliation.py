@@ -1,0 +1,175 @@
+"""Reconciliation's rules: which open claims it may touch, and how Stripe's charges compare
+with the ledger."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from billing.keys import reconcile_workflow_id
+from billing.models import Claim, Control, RunOptions, ScheduledBillingInput
+from billing.periods import Period
+from billing.reconciliation import (
+    RELEASE_AFTER,
+    ChildState,
+    ClaimResolution,
+    LedgerEntry,
+    OpenClaim,
+    ReconcileReport,
+    StripeCharge,
+    classify,
+    left_alone_because,
+    may_release,
+)
+from billing.reporting import describe_reconciliation
+from billing.schedules import MonthlySchedule, build_schedule
+
+NOW = datetime(2027, 1, 5, tzinfo=UTC)
+
+
+def open_claim(*, sent: bool = True, control: Control | None = None) -> OpenClaim:
+    claim = Claim(
+        customer_id="cust-1",
+        period="2026-12",
+        idempotency_key="k" * 32,
+        amount_cents=1000,
+        currency="usd",
+        stripe_customer_id="cus_1",
+        payment_method="pm_1",
+        status="claimed",
+        claimed_at=NOW,
+    )
+    return OpenClaim(claim=claim, sent=sent, control=control)
+
+
+def charge(charge_id: str, customer_id: str = "cust-1", amount: int = 1000) -> StripeCharge:
+    return StripeCharge(
+        charge_id=charge_id,
+        payment_intent_id="pi_" + charge_id,
+        amount_cents=amount,
+        currency="usd",
+        stripe_customer_id="cus_1",
+        customer_id=customer_id,
+        period="2026-12",
+        billing_key="abcdef0123456789" * 2,
+    )
+
+
+def entry(charge_id: str | None, status: str = "charged") -> LedgerEntry:
+    return LedgerEntry.model_validate(
+        {"customer_id": "cust-1", "status": status, "charge_id": charge_id}
+    )
+
+
+@pytest.mark.parametrize(
+    ("child", "period_running", "resolvable"),
+    [
+        ("running", False, False),
+        ("running", True, False),
+        # Closed under REJECT_DUPLICATE: the period never starts it again.
+        ("closed", True, True),
+        ("closed", False, True),
+        # Never ran: only once no period run may still start it.
+        ("absent", True, False),
+        ("absent", False, True),
+    ],
+)
+def test_a_claim_is_resolved_only_when_no_workflow_can_own_it(
+    child: ChildState, period_running: bool, resolvable: bool
+) -> None:
+    reason = left_alone_because(child, period_running, open_claim())
+    assert (reason is None) == resolvable
+
+
+def test_an_unsent_charge_of_a_paused_period_waits_for_the_operator() -> None:
+    assert left_alone_because("closed", False, open_claim(sent=False, control="paused"))
+    # Once sent, only the same key can learn its outcome, pause or not.
+    assert left_alone_because("closed", False, open_claim(sent=True, control="paused")) is None
+    assert left_alone_because("closed", False, open_claim(sent=False, control="cancelled")) is None
+
+
+def test_an_unknown_reservation_is_released_only_after_a_while() -> None:
+    assert not may_release(NOW - RELEASE_AFTER + timedelta(seconds=1), NOW)
+    assert may_release(NOW - RELEASE_AFTER, NOW)
+
+
+def test_the_ledgers_own_charge_is_no_finding() -> None:
+    assert classify([charge("ch_1")], {"cust-1": entry("ch_1")}) == []
+
+
+def test_a_second_charge_is_a_duplicate_with_its_id_and_amount() -> None:
+    [finding] = classify([charge("ch_1"), charge("ch_2", amount=1000)], {"cust-1": entry("ch_1")})
+    assert (finding.kind, finding.charge_id, finding.amount_cents) == ("duplicate", "ch_2", 1000)
+    assert finding.ledger_charge_id == "ch_1"
+    assert finding.key_prefix == "abcdef01"
+
+
+def test_a_charge_without_a_row_is_an_orphan() -> None:
+    [finding] = classify([charge("ch_9", customer_id="cust-9")], {})
+    assert (finding.kind, finding.customer_id, finding.ledger_status) == ("orphan", "cust-9", None)
+
+
+def test_a_charge_the_row_does_not_record_is_unrecorded() -> None:
+    [finding] = classify([charge("ch_1")], {"cust-1": entry(None, "failed")})
+    assert (finding.kind, finding.ledger_status) == ("unrecorded", "failed")
+
+
+def test_an_open_claim_is_not_judged_yet() -> None:
+    # Its workflow (or the next reconciliation) records the charge.
+    assert classify([charge("ch_1")], {"cust-1": entry(None, "claimed")}) == []
+
+
+@given(st.lists(st.sampled_from(["ch_1", "ch_2", "ch_3"]), max_size=8))
+def test_each_charge_is_reported_at_most_once_and_never_the_ledgers(ids: list[str]) -> None:
+    findings = classify([charge(i) for i in ids], {"cust-1": entry("ch_1")})
+    reported = [f.charge_id for f in findings]
+    assert len(reported) == len(set(reported))
+    assert set(reported) == set(ids) - {"ch_1"}
+
+
+def test_the_report_reads_with_ids_and_amounts() -> None:
+    report = ReconcileReport(
+        period="2026-12",
+        workflow_id="billing-reconcile-2026-12",
+        claims=[
+            ClaimResolution(
+                customer_id="cust-1", action="recorded", outcome="charged", charge_id="ch_1"
+            )
+        ],
+        more_claims=False,
+        reservations=[],
+        vault_checked=False,
+        customers_checked=2,
+        charges_checked=3,
+        unchecked_customers=[],
+        findings=classify(
+            [charge("ch_1"), charge("ch_2"), charge("ch_3", customer_id="cust-3", amount=500)],
+            {"cust-1": entry("ch_1")},
+        ),
+    )
+    text = describe_reconciliation(report)
+    assert "cust-1: recorded charged ch_1" in text
+    assert "DUPLICATE ch_2 1000 usd for cust-1" in text
+    assert "ORPHAN ch_3 500 usd for cust-3 (no ledger row)" in text
+    assert "1 duplicates, 1 orphans" in text
+    assert [f.charge_id for f in report.duplicates] == ["ch_2"]
+
+
+def test_a_periods_reconciliation_has_one_workflow_id() -> None:
+    assert reconcile_workflow_id(Period(2026, 12)) == "billing-reconcile-2026-12"
+
+
+def test_a_reconcile_schedule_fires_daily_and_says_so_to_its_launcher() -> None:
+    schedule = build_schedule(
+        MonthlySchedule(schedule_id="reconcile", hour=6, action="reconcile"),
+        "billing",
+        RunOptions(),
+    )
+    [calendar] = schedule.spec.calendars
+    assert [(r.start, r.end) for r in calendar.day_of_month] == [(1, 31)]
+    assert calendar.comment == "every day at 06:00"
+    # A payload written before `action` existed still means billing.
+    assert ScheduledBillingInput.model_validate({"time_zone": "UTC"}).action == "bill"

@@ -1,0 +1,191 @@
+"""Reconcile one period: settle what crashes and lost answers left open, and report what
+Stripe holds that the ledger does not account for.
+
+1. Vault reservations left unknown are settled with what Stripe has (committed or released).
+2. Claims with no recorded outcome that no workflow owns (see
+   billing.reconciliation.left_alone_because) are looked up on Stripe by the key in their
+   metadata and recorded; a claim Stripe knows nothing of is charged again, with the same key,
+   by a new run of the customer's own workflow ID: Temporal refuses that run if one appeared
+   meanwhile, so a claim is never worked on twice at once.
+3. Every customer's charges of the period on Stripe are compared with the ledger: duplicates,
+   orphans and unrecorded charges are reported with their ids and amounts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy, WorkflowIDReusePolicy
+from temporalio.exceptions import (
+    ActivityError,
+    ApplicationError,
+    ChildWorkflowError,
+    FailureError,
+    WorkflowAlreadyStartedError,
+)
+
+with workflow.unsafe.imports_passed_through():
+    from activities.reconcile import ReconcileActivities
+    from billing import search_attributes
+    from billing.keys import customer_workflow_id
+    from billing.models import Claim, CustomerChargeInput
+    from billing.periods import parse_period
+    from billing.reconciliation import (
+        ChargesPageRequest,
+        ClaimResolution,
+        Finding,
+        ReconcileInput,
+        ReconcileReport,
+    )
+    from billing.redact import redact
+    from workflows.customer_charge import CustomerChargeWorkflow
+
+ACTIVITY_TIMEOUT = timedelta(seconds=60)
+PAGE_TIMEOUT = timedelta(minutes=10)
+PAGE_HEARTBEAT = timedelta(seconds=20)
+# Bounded, unlike a charge's retries: a reconciliation that cannot read Stripe or the vault
+# says so in its report (or fails), and the next daily run tries again.
+RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=30),
+    maximum_attempts=8,
+)
+# A re-driven charge blocked for longer (e.g. its period's vault key refused) is left open
+# for the next run; its key stays the same, so stopping it is safe.
+REDRIVE_TIMEOUT = timedelta(minutes=15)
+# Claims resolved at once, and customers compared with Stripe per activity.
+CLAIM_BATCH = 20
+PAGE_SIZE = 200
+
+
+@workflow.defn(name="ReconcileWorkflow")
+class ReconcileWorkflow:
+    @workflow.run
+    async def run(self, request: ReconcileInput) -> ReconcileReport:
+        try:
+            parse_period(request.period)
+        except ValueError as exc:
+            raise ApplicationError(str(exc), type="InvalidPeriod", non_retryable=True) from exc
+        reservations = await workflow.execute_activity_method(
+            ReconcileActivities.settle_reservations,
+            request,
+            start_to_close_timeout=PAGE_TIMEOUT,
+            retry_policy=RETRY,
+            summary=f"settle {request.period}'s unknown vault reservations from Stripe",
+        )
+        plan = await workflow.execute_activity_method(
+            ReconcileActivities.open_claims,
+            request,
+            start_to_close_timeout=ACTIVITY_TIMEOUT,
+            retry_policy=RETRY,
+            summary=f"find {request.period}'s open claims no workflow owns",
+        )
+        claims = list(plan.left)
+        for start in range(0, len(plan.resolve), CLAIM_BATCH):
+            batch = plan.resolve[start : start + CLAIM_BATCH]
+            claims += await asyncio.gather(*(self._resolve(claim) for claim in batch))
+        findings, customers, charges, unchecked = await self._compare(request.period)
+        report = ReconcileReport(
+            period=request.period,
+            workflow_id=workflow.info().workflow_id,
+            claims=claims,
+            more_claims=plan.more,
+            reservations=reservations or [],
+            vault_checked=reservations is not None,
+            customers_checked=customers,
+            charges_checked=charges,
+            unchecked_customers=unchecked,
+            findings=findings,
+        )
+        # Ids and amounts only: no key, no secret.
+        workflow.logger.info(
+            "reconciled %s: %d open claims (%s), %d reservations settled, %d findings: %s",
+            request.period,
+            len(claims),
+            ", ".join(f"{c.customer_id} {c.action}" for c in claims) or "none",
+            sum(r.state != "unknown" for r in report.reservations),
+            len(findings),
+            ", ".join(f"{f.kind} {f.charge_id} {f.amount_cents} {f.currency}" for f in findings)
+            or "none",
+        )
+        workflow.set_current_details(
+            f"{len(claims)} open claims, {len(report.duplicates)} duplicates,"
+            f" {len(report.orphans)} orphans, {len(findings)} findings in all"
+        )
+        return report
+
+    async def _resolve(self, claim: Claim) -> ClaimResolution:
+        try:
+            found = await workflow.execute_activity_method(
+                ReconcileActivities.settle_claim,
+                claim,
+                start_to_close_timeout=ACTIVITY_TIMEOUT,
+                retry_policy=RETRY,
+                summary=f"look {claim.customer_id}'s charge up on Stripe",
+            )
+        except ActivityError as err:
+            return _left(claim, f"lookup failed: {_reason(err)}")
+        return found if found is not None else await self._redrive(claim)
+
+    async def _redrive(self, claim: Claim) -> ClaimResolution:
+        """Charge again with the claim's key (Stripe replays a charge it has) and record it,
+        by running the customer's own workflow again."""
+        try:
+            outcome = await workflow.execute_child_workflow(
+                CustomerChargeWorkflow.run,
+                CustomerChargeInput(period=claim.period, customer_id=claim.customer_id),
+                id=customer_workflow_id(parse_period(claim.period), claim.customer_id),
+                id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+                # A charge under way finishes and is recorded even if this run ends.
+                parent_close_policy=workflow.ParentClosePolicy.ABANDON,
+                execution_timeout=REDRIVE_TIMEOUT,
+                static_summary=f"Re-drive {claim.customer_id} for {claim.period} (reconcile)",
+                search_attributes=search_attributes.for_customer(claim.period, claim.customer_id),
+            )
+        except WorkflowAlreadyStartedError:
+            return _left(claim, "a run of its workflow started meanwhile")
+        except ChildWorkflowError as err:
+            return _left(claim, f"re-drive ended without an outcome: {_reason(err)}")
+        return ClaimResolution(
+            customer_id=claim.customer_id,
+            action="redriven",
+            outcome=outcome.outcome,
+            charge_id=outcome.charge_id,
+            detail=outcome.failure_code,
+        )
+
+    async def _compare(self, period: str) -> tuple[list[Finding], int, int, list[str]]:
+        findings: list[Finding] = []
+        customers = charges = 0
+        unchecked: list[str] = []
+        cursor: str | None = None
+        while True:
+            page = await workflow.execute_activity_method(
+                ReconcileActivities.compare_charges,
+                ChargesPageRequest(period=period, after=cursor, limit=PAGE_SIZE),
+                start_to_close_timeout=PAGE_TIMEOUT,
+                heartbeat_timeout=PAGE_HEARTBEAT,
+                retry_policy=RETRY,
+                summary=f"compare Stripe's charges of {period} with the ledger",
+            )
+            known = {f.charge_id for f in findings}
+            # A Stripe customer shared by two of ours is listed twice: report a charge once.
+            findings += [f for f in page.findings if f.charge_id not in known]
+            customers += page.customers
+            charges += page.charges
+            unchecked += page.unchecked
+            cursor = page.next_cursor
+            if cursor is None:
+                return findings, customers, charges, unchecked
+
+
+def _left(claim: Claim, detail: str) -> ClaimResolution:
+    return ClaimResolution(customer_id=claim.customer_id, action="left", detail=detail)
+
+
+def _reason(err: FailureError) -> str:
+    cause = err.cause or err
+    return redact(str(cause))
