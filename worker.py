@@ -79,7 +79,6 @@ def create_worker(
         ],
         # In-flight Stripe calls get this long to finish and be recorded on shutdown.
         graceful_shutdown_timeout=timedelta(seconds=30),
-        max_task_queue_activities_per_second=settings.billing_stripe_rps,
     )
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import asyncpg
 import stripe
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from activities.stripe_access import StripeAccess
 from activities.stripe_failures import (
@@ -39,20 +39,25 @@ from billing.models import (
     Record,
 )
 from billing.periods import parse_period
+from billing.rate_limit import RateLimit, Slot
 
 # ApplicationError types for charges an operator stopped before they reached Stripe.
 SKIPPED = "CustomerSkipped"
 CANCELLED = "PeriodCancelled"
 PAUSED = "PeriodPaused"
+# The attempt's Stripe slot is further off than it may sleep: the workflow sleeps and comes
+# back with the slot (details: the Slot).
+SLOT_AHEAD = "StripeSlotAhead"
 # The claim was finished elsewhere (e.g. cancelled by its run) while this child waited.
 CLAIM_CLOSED = "ClaimClosed"
 # The customer left the ledger (or became inactive) after the period listed it.
 UNKNOWN_CUSTOMER = "UnknownCustomer"
-# A paused charge waits inside its attempt (no retry storm of hundreds of children), but
-# returns well before the attempt's 60 s start-to-close timeout.
-PAUSE_POLL = 0.5
-PAUSE_HOLD = 40.0
-# Well inside the charge activity's heartbeat timeout (workflows/customer_charge.py).
+# The charge is a local activity, run inside its workflow's task: it sleeps for a Stripe slot
+# only this long there, and hands a slot further off to the workflow's timer.
+SLOT_SLEEP_MAX = 2.0
+# Stripe's limit is per account: every worker's charges share the one row.
+STRIPE_RATE_LIMIT = "stripe"
+# Well inside the heartbeat timeout of a regular activity that heartbeats with `heartbeating`.
 HEARTBEAT_EVERY = 2.0
 # The `outcome` of a charge attempt that failed for good; any other failure is an "error".
 FAILED_OUTCOMES = {
@@ -63,6 +68,12 @@ FAILED_OUTCOMES = {
 }
 
 log = logging.getLogger("billing.charging")
+
+
+class ChargeRequest(Record):
+    claim: Claim
+    # A Stripe slot an earlier attempt reserved and the workflow waited for (database clock).
+    slot: datetime | None = None
 
 
 class RecordCharge(Record):
@@ -81,6 +92,8 @@ class ChargingActivities:
         self._pool = pool
         self._access = access
         self._settings = settings
+        rps = settings.billing_stripe_rps
+        self._stripe_rate = RateLimit(pool, STRIPE_RATE_LIMIT, rps) if rps else None
 
     @activity.defn(name="claim")
     async def claim(self, request: CustomerChargeInput) -> Claim:
@@ -88,7 +101,9 @@ class ChargingActivities:
         key = idempotency_key(self._settings.billing_key_namespace, request.customer_id, period)
         try:
             async with self._pool.acquire() as conn:
-                claim = await ledger.claim(conn, request.customer_id, request.period, key)
+                claim = await ledger.claim(
+                    conn, request.customer_id, request.period, key, activity.info().workflow_run_id
+                )
         except UnknownCustomerError as exc:
             raise ApplicationError(str(exc), type=UNKNOWN_CUSTOMER, non_retryable=True) from exc
         _log_event(
@@ -101,7 +116,11 @@ class ChargingActivities:
         return claim
 
     @activity.defn(name="charge")
-    async def charge(self, claim: Claim) -> ChargeResult:
+    async def charge(self, request: ChargeRequest) -> ChargeResult:
+        """A local activity: it never waits long (a paused period, a far Stripe slot) but
+        raises at once, and the workflow waits on a timer or a signal instead."""
+        claim = request.claim
+        await self._wait_for_slot(request)
         await self._pass_gate(claim)
         try:
             result = await self._charge(claim)
@@ -111,8 +130,13 @@ class ChargingActivities:
         _report_charge(claim, result)
         return result
 
-    async def _charge(self, claim: Claim) -> ChargeResult:
+    def _looks_up_first(self, claim: Claim) -> bool:
+        # Stripe forgets keys after 24 hours: past that a replay would charge again, so an
+        # old claim is looked up first.
         age = datetime.now(UTC) - claim.claimed_at
+        return age > timedelta(seconds=self._settings.billing_lookup_after_seconds)
+
+    async def _charge(self, claim: Claim) -> ChargeResult:
         try:
             gateway = await self._access.gateway_for(claim)
         except BillingError as exc:
@@ -125,14 +149,11 @@ class ChargingActivities:
                 non_retryable=True,
             ) from None
         try:
-            # Stripe forgets keys after 24 hours: past that a replay would charge again, so an
-            # old claim is looked up first.
-            if age > timedelta(seconds=self._settings.billing_lookup_after_seconds):
+            if self._looks_up_first(claim):
                 found = await gateway.find(claim)
                 if found is not None:
                     return _settle(found)
-            async with heartbeating():
-                return await gateway.charge(claim)
+            return await gateway.charge(claim)
         except stripe.StripeError as exc:
             if isinstance(exc, stripe.IdempotencyError) or (
                 is_replayed(exc) and (exc.http_status or 0) >= 500
@@ -155,28 +176,49 @@ class ChargingActivities:
                     )
             raise failure from None
 
+    async def _wait_for_slot(self, request: ChargeRequest) -> None:
+        """Take this attempt's place in the cluster's Stripe rate, before the gate so that a
+        pause still stops a charge that waited. The slots cover the requests an attempt
+        makes up front: the create, and an old claim's lookup before it. Lookups after an
+        error (a replayed 500, an idempotency error) are rare and take none: a 429 there is
+        retried with the same key. A retry takes a slot of its own; the slot the workflow
+        waited for serves the first attempt."""
+        if self._stripe_rate is None:
+            return
+        if request.slot is not None and activity.info().attempt == 1:
+            wait = await self._stripe_rate.seconds_until(request.slot)
+            slot = Slot(at=request.slot, wait_seconds=wait)
+        else:
+            slot = await self._stripe_rate.reserve(2 if self._looks_up_first(request.claim) else 1)
+        if slot.wait_seconds > SLOT_SLEEP_MAX:
+            raise ApplicationError(
+                f"the next Stripe slot is {slot.wait_seconds:.1f} s away",
+                slot,
+                type=SLOT_AHEAD,
+                non_retryable=True,
+                category=ApplicationErrorCategory.BENIGN,
+            )
+        await asyncio.sleep(slot.wait_seconds)
+
     async def _pass_gate(self, claim: Claim) -> None:
-        """Wait while the period is paused; stop here if it is cancelled or skipped."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + PAUSE_HOLD
-        while True:
-            try:
-                async with self._pool.acquire() as conn:
-                    gate: Gate = await ledger.begin_charge(conn, claim)
-            except ClaimClosedError as exc:
-                raise _stopped(CLAIM_CLOSED, exc.status, str(exc)) from None
-            if gate == "go":
-                return
-            if gate == "skipped":
-                raise _stopped(SKIPPED, "skipped", "an operator skipped this customer")
-            if gate == "cancelled":
-                raise _stopped(CANCELLED, "cancelled", "an operator cancelled the period")
-            if loop.time() >= deadline:
-                raise ApplicationError(
-                    "the period is paused", type=PAUSED, next_retry_delay=timedelta(seconds=1)
-                )
-            activity.heartbeat("paused")
-            await asyncio.sleep(PAUSE_POLL)
+        """Stop here if the period is paused or cancelled or the customer skipped."""
+        try:
+            async with self._pool.acquire() as conn:
+                gate: Gate = await ledger.begin_charge(conn, claim)
+        except ClaimClosedError as exc:
+            raise _stopped(CLAIM_CLOSED, exc.status, str(exc)) from None
+        if gate == "skipped":
+            raise _stopped(SKIPPED, "skipped", "an operator skipped this customer")
+        if gate == "cancelled":
+            raise _stopped(CANCELLED, "cancelled", "an operator cancelled the period")
+        if gate == "paused":
+            # The workflow waits for the period's word (resume or cancel), not this task.
+            raise ApplicationError(
+                "the period is paused",
+                type=PAUSED,
+                non_retryable=True,
+                category=ApplicationErrorCategory.BENIGN,
+            )
 
     @activity.defn(name="record_charge")
     async def record_charge(self, request: RecordCharge) -> None:
@@ -195,8 +237,10 @@ class ChargingActivities:
 
 @asynccontextmanager
 async def heartbeating(every: float = HEARTBEAT_EVERY) -> AsyncIterator[None]:
-    """Heartbeat while a slow call runs, so a worker that dies mid-call is noticed within
-    the heartbeat timeout instead of the whole start-to-close timeout. Fast calls send none."""
+    """Heartbeat while a slow call of a regular activity runs, so a worker that dies
+    mid-call is noticed within the heartbeat timeout instead of the whole start-to-close
+    timeout. Fast calls send none. (A local activity cannot heartbeat: its workflow task
+    times out instead.)"""
 
     async def beat() -> None:
         while True:

@@ -117,7 +117,9 @@ async def chaos(args: argparse.Namespace) -> dict[str, Any]:
             async with VaultAdmin(
                 env["BILLING_VAULT_URL"], env["BILLING_VAULT_ADMIN_TOKEN"]
             ) as admin:
-                found = await collect(expected, targets.emulator, pool, admin, figures.summary)
+                found = await collect(
+                    expected, targets.emulator, pool, admin, figures.summary, figures.reconcile
+                )
         finally:
             await pool.close()
     finally:
@@ -137,6 +139,8 @@ async def chaos(args: argparse.Namespace) -> dict[str, Any]:
         },
         "worker_exits": figures.worker_exits,
         **found.figures(),
+        # Reservations the run left in doubt, settled by the reconciliation after it.
+        "reservations_reconciled": len(figures.reconcile.reservations) if figures.reconcile else 0,
         "disturbed_at": figures.disturbed_at,
         "summary": figures.summary.model_dump() if figures.summary else None,
         "violations": figures.shortfalls() + found.violations,
@@ -149,7 +153,10 @@ async def chaos(args: argparse.Namespace) -> dict[str, Any]:
 
 def line(result: dict[str, Any]) -> str:
     faults = " ".join(f"{kind}={n}" for kind, n in result["faults"].items())
-    vault = f"{result['vault_spent_cents']}+{result['vault_unresolved']} unresolved"
+    vault = (
+        f"{result['vault_spent_cents']} ({result['reservations_reconciled']} reservations"
+        f" reconciled, {result['vault_unresolved']} unresolved)"
+    )
     return (
         f"chaos seed={result['seed']}: {result['customers']} customers"
         f" ({result['declined']} declined), faults {faults}; duplicates={result['duplicates']}"

@@ -20,11 +20,13 @@ or one started for the run and stopped after, unless --keep-running):
 A period bills every active customer, so for the run the customers already in the ledger are
 set inactive and set active again at the end; the benchmark's own customers are left inactive.
 --emulator-latency-ms and --rate-limit-rps are set on the emulator (POST /_emulator/faults)
-for the orchestrated and baseline runs only, and reset after.
+for the orchestrated and baseline runs only, and reset after. --stripe-rps is the worker's
+BILLING_STRIPE_RPS, the cluster's own limit; a worker reads it at start, so it needs a stack
+started by this run. The baseline has no limit of its own: it retries the emulator's 429s.
 
     .venv/bin/python bench/throughput.py --customers 500 --json
     .venv/bin/python bench/throughput.py --customers 300 --emulator-latency-ms 300 \\
-        --rate-limit-rps 25 --json
+        --rate-limit-rps 25 --stripe-rps 25 --json
 
 Prints one JSON object (with --json, the only thing on stdout) and writes it to bench/results/.
 `cpu_cores` gives, per measurement, the cores each process of the stack used on average and
@@ -500,7 +502,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     faults = (args.emulator_latency_ms, args.rate_limit_rps)
     token = secrets.token_hex(3)
     n = args.customers
-    async with ensure_stack(quiet=QUIET, keep_running=args.keep_running):
+    if args.stripe_rps is not None:
+        os.environ["BILLING_STRIPE_RPS"] = str(args.stripe_rps)
+    async with ensure_stack(quiet=QUIET, keep_running=args.keep_running) as started_here:
+        if args.stripe_rps is not None and not started_here:
+            raise SystemExit(
+                "--stripe-rps is read by the worker at start: stop the running stack"
+                " (python -m devstack down) and let this run start one"
+            )
         database_url = DatabaseSettings().database_url
         # This process runs the ledger code of the working tree: its schema too (a worker
         # does the same at start).
@@ -554,6 +563,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_history_events": orchestrated["max_history_events"],
         "emulator_latency_ms": args.emulator_latency_ms,
         "rate_limit_rps": args.rate_limit_rps,
+        "stripe_rps": args.stripe_rps,
         "max_in_flight": options.max_in_flight,
         "ceiling_workflow_polls": args.ceiling_workflow_polls,
         "at": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -586,6 +596,12 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="experiment: workflow task pollers of the ceiling's worker, any of them on the"
         " shared queue (default: the SDK's 5 with 1 in 5 shared, as the stack's worker)",
+    )
+    p.add_argument(
+        "--stripe-rps",
+        type=float,
+        default=None,
+        help="the stack worker's BILLING_STRIPE_RPS (default none); needs a stack started here",
     )
     p.add_argument("--keep-running", action="store_true", help="leave a stack started here up")
     p.add_argument("--json", action="store_true", help="print only the JSON object on stdout")

@@ -46,9 +46,9 @@ class BillingSettings(BaseSettings):
     billing_vault_url: str | None = None
     billing_vault_admin_token: SecretStr | None = None
     billing_vault_key_grace_days: int = Field(default=7, ge=1, le=90)
-    # Activity starts per second on the task queue, for all workers together: the Temporal
-    # server enforces it, so the cluster stays under Stripe's rate (100/s live, 25/s test).
-    # Charges are nearly all the queue's activities; unset means no limit.
+    # Stripe requests per second for all workers together, so the cluster stays under
+    # Stripe's rate (100/s live, 25/s test): charges take slots in the ledger database
+    # (billing/rate_limit.py). Unset means no limit.
     billing_stripe_rps: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")

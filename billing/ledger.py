@@ -40,7 +40,7 @@ _OPEN = """(r.status IS NULL OR (r.status = 'claimed' AND r.skip_reason IS NULL)
 _CLAIM_COLUMNS = """
     customer_id, billing_period AS period, idempotency_key, amount_cents, currency,
     stripe_customer_id, payment_method, status, claimed_at, payment_intent_id, charge_id,
-    failure_code
+    failure_code, claimed_by_run
 """
 
 
@@ -94,20 +94,29 @@ async def due_page(conn: asyncpg.Connection, period: str, after: str | None, lim
     return DuePage(customers=customers, next_cursor=next_cursor)
 
 
-async def claim(conn: asyncpg.Connection, customer_id: str, period: str, key: str) -> Claim:
-    """Insert the claim, or return the one that exists: a retry charges the same row."""
+async def claim(
+    conn: asyncpg.Connection, customer_id: str, period: str, key: str, run_id: str | None = None
+) -> Claim:
+    """Insert the claim, or return the one that exists: a retry charges the same row.
+    `run_id` is the claiming workflow run's: the last run to claim an open row owns it, so a
+    run whose workflow task is retried after its record knows the charge for its own."""
     async with conn.transaction():
         await conn.execute(
             """
             INSERT INTO billing_runs (customer_id, billing_period, idempotency_key, amount_cents,
-                                      currency, stripe_customer_id, payment_method)
-            SELECT customer_id, $2, $3, amount_cents, currency, stripe_customer_id, payment_method
+                                      currency, stripe_customer_id, payment_method,
+                                      claimed_by_run)
+            SELECT customer_id, $2, $3, amount_cents, currency, stripe_customer_id,
+                   payment_method, $4
             FROM customers WHERE customer_id = $1 AND active
-            ON CONFLICT DO NOTHING
+            ON CONFLICT (customer_id, billing_period) DO UPDATE
+            SET claimed_by_run = EXCLUDED.claimed_by_run
+            WHERE billing_runs.status = 'claimed' AND EXCLUDED.claimed_by_run IS NOT NULL
             """,
             customer_id,
             period,
             key,
+            run_id,
         )
         row = await conn.fetchrow(
             f"SELECT {_CLAIM_COLUMNS} FROM billing_runs"

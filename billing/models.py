@@ -46,6 +46,7 @@ class Claim(Record):
     charge_id: str | None = None
     failure_code: str | None = None
     skip_reason: str | None = None
+    claimed_by_run: str | None = None
 
 
 class ChargeResult(Record):

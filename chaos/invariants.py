@@ -18,6 +18,7 @@ import asyncpg
 from billing import period_keys
 from billing.customers import CustomerRow
 from billing.models import PeriodSummary
+from billing.reconciliation import ReconcileReport
 from stripe_emulator.client import EmulatorClient
 from vault.client import VaultAdmin
 from vault.models import KeyInfo
@@ -145,11 +146,16 @@ def check_billed_once(
 
 
 def check_vault(
-    found: Findings, rows: Sequence[Row], keys: Sequence[KeyInfo], unresolved: Sequence[Row]
+    found: Findings,
+    rows: Sequence[Row],
+    keys: Sequence[KeyInfo],
+    unresolved: Sequence[Row],
+    *,
+    reconciled: bool,
 ) -> None:
     """I4: the period's keys never passed their caps, and the money they counted as spent is
     the ledger's, apart from reservations still unresolved (`unresolved`: their idempotency
-    key, amount and state)."""
+    key, amount and state) until reconciliation has settled them: then none may be left."""
     problem = found.violations.append
     if not keys:
         problem("the vault holds no key for the period")
@@ -161,6 +167,8 @@ def check_vault(
             )
     found.vault_spent_cents = sum(k.spent_cents for k in keys)
     found.vault_unresolved = len(unresolved)
+    if reconciled and unresolved:
+        problem(f"{len(unresolved)} vault reservations still unresolved after reconciliation")
     reserved = sum(k.reserved_cents for k in keys)
     if reserved != sum(r["amount_cents"] for r in unresolved):
         problem(f"the keys hold {reserved} cents reserved, not what their reservations say")
@@ -193,6 +201,22 @@ def check_summary(found: Findings, expected: Expected, summary: PeriodSummary) -
         )
 
 
+def check_reconcile(found: Findings, report: ReconcileReport) -> None:
+    """Reconciliation after the run finds nothing wrong: no duplicate, orphan or unrecorded
+    charge on Stripe, no claim left open."""
+    problem = found.violations.append
+    for finding in report.findings:
+        problem(
+            f"reconciliation: {finding.kind} charge {finding.charge_id} of"
+            f" {finding.amount_cents} {finding.currency}"
+        )
+    for claim in report.claims:
+        problem(f"reconciliation: claim of {claim.customer_id} {claim.action}: {claim.detail}")
+    for reservation in report.reservations:
+        if reservation.state == "unknown":
+            problem(f"reconciliation left a vault reservation unknown: {reservation.detail}")
+
+
 async def ledger_rows(pool: asyncpg.Pool, period: str) -> list[asyncpg.Record]:
     async with pool.acquire() as conn:
         rows: list[asyncpg.Record] = await conn.fetch(
@@ -219,13 +243,17 @@ async def collect(
     pool: asyncpg.Pool,
     admin: VaultAdmin | None,
     summary: PeriodSummary | None = None,
+    reconcile: ReconcileReport | None = None,
 ) -> Findings:
     """Every check above, on the evidence as it is now."""
     rows = await ledger_rows(pool, expected.period)
     found = check_billed_once(expected, await emulator.charges(), await emulator.requests(), rows)
     if admin is not None:
         keys = await admin.find_keys(period=expected.period, label=period_keys.LABEL)
-        check_vault(found, rows, keys, await unresolved_reservations(pool, keys))
+        unresolved = await unresolved_reservations(pool, keys)
+        check_vault(found, rows, keys, unresolved, reconciled=reconcile is not None)
     if summary is not None:
         check_summary(found, expected, summary)
+    if reconcile is not None:
+        check_reconcile(found, reconcile)
     return found

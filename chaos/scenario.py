@@ -1,7 +1,9 @@
 """A period billed while everything around it fails: the worker is SIGKILLed and restarted
 every few seconds, PostgreSQL restarts once, Stripe (the emulator) loses answers, fails
 before and after committing and rate-limits, and the period is started twice more (a second
-starter, a schedule's trigger) while it runs.
+starter, a schedule's trigger) while it runs. Then the daily reconciliation runs once, as it
+would after the period, and settles what the faults left in doubt (the vault's reservations
+for answers lost after Stripe committed).
 
 bench/chaos_run.py runs it on a local stack of its own, tests/integration/test_chaos.py on the
 test session's services; chaos.invariants checks what it leaves behind.
@@ -24,7 +26,8 @@ from temporalio.client import Client
 from billing.customers import CustomerRow, upsert_customers
 from billing.models import PeriodSummary
 from billing.periods import Period
-from billing.runs import drain, start_period
+from billing.reconciliation import ReconcileReport
+from billing.runs import drain, start_period, start_reconcile
 from billing.schedules import MonthlySchedule, create_schedule
 from billing.seeding import DECLINED_CARD, create_demo_customers, demo_card
 from stripe_emulator.client import EmulatorClient
@@ -82,6 +85,7 @@ class Figures:
     # Customers finished when each disturbance happened.
     disturbed_at: dict[str, int] = field(default_factory=dict)
     timed_out: bool = False
+    reconcile: ReconcileReport | None = None
 
     def shortfalls(self) -> list[str]:
         """Why the run proves less than it should: it did not end, or chaos it was meant to
@@ -240,4 +244,17 @@ async def run(
     after = await targets.emulator.faults_injected()
     figures.faults = {kind: n - before.get(kind, 0) for kind, n in after.items()}
     figures.kills, figures.worker_exits = workers.kills, workers.exits
+    if not figures.timed_out:
+        figures.reconcile = await _reconcile(targets, period, plan.timeout)
     return figures
+
+
+async def _reconcile(targets: Targets, period: Period, timeout: float) -> ReconcileReport:
+    worker = targets.start_worker()
+    try:
+        handle = await start_reconcile(targets.client, period, targets.task_queue)
+        async with asyncio.timeout(timeout):
+            return await handle.result()
+    finally:
+        worker.kill()
+        worker.wait()

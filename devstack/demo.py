@@ -65,9 +65,10 @@ def _say(message: str, as_json: bool) -> None:
 
 
 @asynccontextmanager
-async def ensure_stack(*, quiet: bool, keep_running: bool) -> AsyncIterator[None]:
+async def ensure_stack(*, quiet: bool, keep_running: bool) -> AsyncIterator[bool]:
     """Use the running local stack, or start one (stopped again after, unless kept); its
-    settings are put in this process's environment."""
+    settings are put in this process's environment. Yields whether it was started here (its
+    worker then has this process's environment)."""
     config = StackConfig()
     stack: subprocess.Popen[bytes] | None = None
     if not await _stack_reachable(config):
@@ -78,7 +79,7 @@ async def ensure_stack(*, quiet: bool, keep_running: bool) -> AsyncIterator[None
         stack = await _start_stack(config)
     os.environ.update(read_env(config.env_file))
     try:
-        yield
+        yield stack is not None
     finally:
         if stack is not None and not keep_running:
             _say("stopping the local stack...", quiet)

@@ -8,7 +8,8 @@ halved the fan-out's throughput. A child another run started (the parent was ter
 started again) cannot be awaited: the ledger says when it finishes.
 
 Operators pause, resume, cancel and skip through updates, which answer (and refuse, e.g. a
-resume of a cancelled run); the ledger carries their word to charges already scheduled.
+resume of a cancelled run); the ledger carries their word to charges already scheduled, and a
+resume or cancel signals the children in flight, which wait at a paused gate.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes, Workfl
 from temporalio.exceptions import (
     ApplicationError,
     ChildWorkflowError,
+    FailureError,
     WorkflowAlreadyStartedError,
 )
 
@@ -56,7 +58,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from billing.periods import parse_period
     from workflows.customer_charge import CustomerChargeWorkflow
-    from workflows.signals import PERIOD_BLOCKED
+    from workflows.signals import PERIOD_BLOCKED, PERIOD_CONTROL
 
 ACTIVITY_TIMEOUT = timedelta(seconds=60)
 # Who paused a run that paused itself.
@@ -202,6 +204,8 @@ class BillingPeriodWorkflow:
         )
         self._publish_status()
         await self._write_control()
+        if control != "paused":
+            await self._wake_children()
         return self.progress()
 
     async def _write_control(self) -> None:
@@ -222,6 +226,21 @@ class BillingPeriodWorkflow:
                 start_to_close_timeout=ACTIVITY_TIMEOUT,
                 summary=f"{latest.control} by {latest.operator}: {latest.reason}",
             )
+
+    async def _wake_children(self) -> None:
+        """Children wait for the period's word while it is paused, rather than poll the
+        ledger: after a resume or cancel is in the ledger, each child in flight is told."""
+        period = parse_period(self._state.period)
+        await asyncio.gather(
+            *(self._wake(customer_workflow_id(period, c)) for c in sorted(self._in_flight))
+        )
+
+    @staticmethod
+    async def _wake(workflow_id: str) -> None:
+        try:
+            await workflow.get_external_workflow_handle(workflow_id).signal(PERIOD_CONTROL)
+        except FailureError:
+            pass  # finished meanwhile: nothing to wake
 
     @property
     def _control(self) -> ControlState:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -12,8 +12,11 @@ with workflow.unsafe.imports_passed_through():
     from activities.charging import (
         CANCELLED,
         CLAIM_CLOSED,
+        PAUSED,
         SKIPPED,
+        SLOT_AHEAD,
         UNKNOWN_CUSTOMER,
+        ChargeRequest,
         ChargingActivities,
         RecordCharge,
         RecordUnbilled,
@@ -31,13 +34,14 @@ with workflow.unsafe.imports_passed_through():
         Outcome,
         finished_outcome,
     )
-    from workflows.signals import PERIOD_BLOCKED
+    from billing.rate_limit import Slot
+    from workflows.signals import PERIOD_BLOCKED, PERIOD_CONTROL
 
 LEDGER_TIMEOUT = timedelta(seconds=30)
-# Stripe's own timeout is 30 s; a worker that dies mid-call is noticed by the heartbeat.
+# Stripe's own timeout is 30 s, plus a short wait for a Stripe slot and an old claim's
+# lookup. The charge is a local activity: a worker that dies mid-call is noticed when the
+# workflow task times out, and the next worker runs it again with the same key.
 CHARGE_TIMEOUT = timedelta(seconds=60)
-CHARGE_HEARTBEAT_TIMEOUT = timedelta(seconds=10)
-BLOCKED_RETRY = timedelta(seconds=5)
 # Retried without limit: a charge is never abandoned while its outcome is unknown; every
 # attempt carries the claim's key, so Stripe executes it at most once.
 CHARGE_RETRY = RetryPolicy(
@@ -45,6 +49,16 @@ CHARGE_RETRY = RetryPolicy(
     backoff_coefficient=2.0,
     maximum_interval=timedelta(seconds=30),
 )
+# Retries due within this run in the worker, in the same workflow task; later ones (Stripe
+# down for minutes) wait on a workflow timer, so no worker holds the task meanwhile.
+LOCAL_RETRY_THRESHOLD = timedelta(seconds=5)
+# The workflow sleeps until this long before a reserved Stripe slot; the activity sleeps the
+# rest (less than its SLOT_SLEEP_MAX), on the database's clock, so a late timer costs no slot.
+SLOT_LEAD = timedelta(seconds=1)
+# While the period is paused (or told its key was refused), the child waits for the period's
+# signal on resume or cancel; these timers are for a period that cannot send it (terminated).
+PERIOD_WAIT_FIRST = timedelta(seconds=5)
+PERIOD_WAIT_MAX = timedelta(minutes=5)
 # Failures recorded as the customer's outcome (ledger status) rather than failing the workflow.
 RECORDED_FAILURES: dict[str, LedgerStatus] = {
     DECLINED: "failed",
@@ -56,6 +70,14 @@ RECORDED_FAILURES: dict[str, LedgerStatus] = {
 
 @workflow.defn(name="CustomerChargeWorkflow")
 class CustomerChargeWorkflow:
+    def __init__(self) -> None:
+        self._period_signals = 0
+
+    @workflow.signal(name=PERIOD_CONTROL)
+    def period_control(self) -> None:
+        """The period resumed or was cancelled: a charge waiting for it tries again."""
+        self._period_signals += 1
+
     @workflow.run
     async def run(self, request: CustomerChargeInput) -> CustomerOutcome:
         try:
@@ -66,9 +88,8 @@ class CustomerChargeWorkflow:
                 summary=f"claim {request.customer_id} for {request.period}",
             )
         except (ActivityError, ApplicationError) as err:
-            # A local activity's final failure can arrive unwrapped.
-            cause = err.cause if isinstance(err, ActivityError) else err
-            if not isinstance(cause, ApplicationError) or cause.type != UNKNOWN_CUSTOMER:
+            failure = _application_failure(err)
+            if failure is None or failure.type != UNKNOWN_CUSTOMER:
                 raise
             # Deactivated or removed after the period listed it: nothing to charge.
             return CustomerOutcome(
@@ -76,6 +97,9 @@ class CustomerChargeWorkflow:
             )
         if claim.status == "claimed":
             outcome = await self._charge(request, claim)
+        elif claim.status == "charged" and claim.claimed_by_run == workflow.info().run_id:
+            # This run charged it already: its workflow task was retried after the record.
+            outcome = _outcome(claim, "charged")
         else:
             outcome = _outcome(claim, finished_outcome(claim.status))
         workflow.upsert_search_attributes(
@@ -86,12 +110,13 @@ class CustomerChargeWorkflow:
 
     async def _charge(self, request: CustomerChargeInput, claim: Claim) -> CustomerOutcome:
         try:
-            result = await self._charge_until_unblocked(request, claim)
-        except ActivityError as err:
-            closed = _closed_status(err)
+            result = await self._charge_when_allowed(request, claim)
+        except (ActivityError, ApplicationError) as err:
+            cause = _application_failure(err)
+            closed = _closed_status(cause)
             if closed is not None:
                 return _outcome(claim, finished_outcome(closed))
-            recorded = _recorded_failure(err)
+            recorded = _recorded_failure(cause)
             if recorded is None:
                 raise
             status, failure = recorded
@@ -110,29 +135,58 @@ class CustomerChargeWorkflow:
         )
         return _outcome(claim, "charged", charge_id=result.charge_id)
 
-    async def _charge_until_unblocked(
+    async def _charge_when_allowed(
         self, request: CustomerChargeInput, claim: Claim
     ) -> ChargeResult:
-        """Charge; when the period's key is refused, tell the period (which pauses) and try
-        again: the next attempt waits at the ledger's gate until an operator resumes or
-        cancels."""
+        """Charge in a local activity, which never waits long in the workflow task: for a
+        Stripe slot further off, the workflow sleeps and comes back with it; while the period
+        is paused, or its key is refused (the period is told, and pauses), the workflow waits
+        for the period's signal and tries again, and the ledger's gate says go or cancel."""
+        slot: datetime | None = None
+        patience = PERIOD_WAIT_FIRST
         while True:
+            signals_seen = self._period_signals
             try:
-                return await workflow.execute_activity_method(
+                return await workflow.execute_local_activity_method(
                     ChargingActivities.charge,
-                    claim,
+                    ChargeRequest(claim=claim, slot=slot),
                     start_to_close_timeout=CHARGE_TIMEOUT,
-                    heartbeat_timeout=CHARGE_HEARTBEAT_TIMEOUT,
                     retry_policy=CHARGE_RETRY,
+                    local_retry_threshold=LOCAL_RETRY_THRESHOLD,
                     summary=f"charge {claim.amount_cents} {claim.currency} to {claim.customer_id}",
                 )
-            except ActivityError as err:
-                cause = err.cause
-                if not isinstance(cause, ApplicationError) or cause.type not in PERIOD_BLOCKERS:
+            except (ActivityError, ApplicationError) as err:
+                failure = _application_failure(err)
+                if failure is None:
                     raise
-                failure = ChargeFailure.model_validate(cause.details[0])
-                await self._tell_period_blocked(request, failure)
-                await workflow.sleep(BLOCKED_RETRY)
+                if failure.type == SLOT_AHEAD:
+                    ahead = Slot.model_validate(failure.details[0])
+                    slot = ahead.at
+                    await workflow.sleep(
+                        timedelta(seconds=ahead.wait_seconds) - SLOT_LEAD,
+                        summary="wait for a Stripe slot",
+                    )
+                    continue
+                if failure.type in PERIOD_BLOCKERS:
+                    blocked = ChargeFailure.model_validate(failure.details[0])
+                    await self._tell_period_blocked(request, blocked)
+                elif failure.type != PAUSED:
+                    raise
+            slot = None
+            patience = await self._wait_for_period(signals_seen, patience)
+
+    async def _wait_for_period(self, signals_seen: int, patience: timedelta) -> timedelta:
+        """Wait for a signal from the period later than the first `signals_seen`, or for
+        `patience`; returns the patience for the next wait."""
+        try:
+            await workflow.wait_condition(
+                lambda: self._period_signals != signals_seen,
+                timeout=patience,
+                timeout_summary="wait for the period to resume or cancel",
+            )
+        except TimeoutError:
+            return min(patience * 2, PERIOD_WAIT_MAX)
+        return patience
 
     async def _tell_period_blocked(
         self, request: CustomerChargeInput, failure: ChargeFailure
@@ -147,20 +201,26 @@ class CustomerChargeWorkflow:
             workflow.logger.warning("period workflow gone; %s not delivered", PERIOD_BLOCKED)
 
 
-def _closed_status(err: ActivityError) -> LedgerStatus | None:
+def _application_failure(err: ActivityError | ApplicationError) -> ApplicationError | None:
+    """The activity's own failure: a local activity's final failure can arrive unwrapped."""
+    cause = err.cause if isinstance(err, ActivityError) else err
+    return cause if isinstance(cause, ApplicationError) else None
+
+
+def _closed_status(failure: ApplicationError | None) -> LedgerStatus | None:
     """The status the ledger already gave the claim, when another hand finished it."""
-    cause = err.cause
-    if not isinstance(cause, ApplicationError) or cause.type != CLAIM_CLOSED:
+    if failure is None or failure.type != CLAIM_CLOSED:
         return None
-    status = ChargeFailure.model_validate(cause.details[0]).code
+    status = ChargeFailure.model_validate(failure.details[0]).code
     return status if status in TERMINAL_STATUSES else "failed"  # type: ignore[return-value]
 
 
-def _recorded_failure(err: ActivityError) -> tuple[LedgerStatus, ChargeFailure] | None:
-    cause = err.cause
-    if not isinstance(cause, ApplicationError) or cause.type not in RECORDED_FAILURES:
+def _recorded_failure(
+    failure: ApplicationError | None,
+) -> tuple[LedgerStatus, ChargeFailure] | None:
+    if failure is None or failure.type not in RECORDED_FAILURES:
         return None
-    return RECORDED_FAILURES[cause.type], ChargeFailure.model_validate(cause.details[0])
+    return RECORDED_FAILURES[failure.type], ChargeFailure.model_validate(failure.details[0])
 
 
 def _outcome(

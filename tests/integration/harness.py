@@ -140,6 +140,8 @@ class Harness:
             del env["STRIPE_API_KEY"]
             env["BILLING_VAULT_URL"] = self.vault.url
             env["BILLING_VAULT_ADMIN_TOKEN"] = self.vault.admin_token
+        if self.settings.billing_stripe_rps is not None:
+            env["BILLING_STRIPE_RPS"] = str(self.settings.billing_stripe_rps)
         process = subprocess.Popen(
             [sys.executable, str(PROJECT_ROOT / "worker.py")],
             env=env,

@@ -46,7 +46,12 @@ async def test_a_period_under_chaos_charges_every_customer_once(
     assert (figures.kills, figures.postgres_restarts, figures.duplicate_starts) == (2, 1, 2)
     expected = Expected(str(period), seeded.customers, seeded.declined)
     found = await collect(
-        expected, vaulted.emulator, vaulted.pool, vaulted.vault.admin, figures.summary
+        expected,
+        vaulted.emulator,
+        vaulted.pool,
+        vaulted.vault.admin,
+        figures.summary,
+        figures.reconcile,
     )
     assert found.violations == []
     assert (found.duplicates, found.lost) == (0, 0)

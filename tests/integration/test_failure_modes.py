@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import signal
 
+from billing.keys import customer_workflow_id
 from billing.periods import Period
 from billing.runs import start_period
-from tests.integration.harness import Harness, eventually
+from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
+from workflows.signals import PERIOD_CONTROL
 
 PERIOD = Period(2026, 12)
 
@@ -95,9 +97,31 @@ async def test_worker_killed_between_charge_and_record(harness: Harness) -> None
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
-async def test_stripe_rate_is_held_for_the_whole_task_queue(harness: Harness) -> None:
-    # Stripe (the emulator) answers 429 above 6 requests/s; the task queue starts at most 4
-    # activities/s, so not one request is refused and every customer is charged once.
+async def test_a_retried_workflow_task_reports_its_own_charge(harness: Harness) -> None:
+    # A child claims, charges and records in one workflow task. A signal arriving meanwhile
+    # makes the server refuse that task's completion, and the task runs again: its claim now
+    # finds the row charged, by this very run, which is "charged", not "already billed".
+    customers = await harness.seed(1)
+    await harness.set_faults(latency_ms=1500)
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        await eventually(lambda: at_least(harness.money_requests(), 1))
+        child = customer_workflow_id(PERIOD, customers[0].customer_id)
+        await harness.client.get_workflow_handle(child).signal(PERIOD_CONTROL)
+        summary = await handle.result()
+    assert (summary.charged, summary.already_billed) == (1, 0)
+    failed_tasks = [
+        e
+        for e in (await harness.client.get_workflow_handle(child).fetch_history()).events
+        if e.HasField("workflow_task_failed_event_attributes")
+    ]
+    assert failed_tasks, "the signal did not land inside the charging task"
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_stripe_rate_is_held_by_the_shared_limit(harness: Harness) -> None:
+    # Stripe (the emulator) answers 429 above 6 requests/s; charges take slots of 4/s from
+    # the ledger database, so not one request is refused and every customer is charged once.
     customers = await harness.seed(16)
     await harness.set_faults(rate_limit_rps=6.0)
     harness.settings = harness.settings.model_copy(update={"billing_stripe_rps": 4.0})
@@ -105,6 +129,34 @@ async def test_stripe_rate_is_held_for_the_whole_task_queue(harness: Harness) ->
         summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
     assert summary.charged == 16
     assert (await harness.faults_injected())["rate_limited"] == 0
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_two_worker_processes_share_the_stripe_rate(harness: Harness) -> None:
+    # 3 requests/s between them, against Stripe's 4/s: two workers each holding 3/s on its
+    # own would send 6/s and meet 429s within two seconds.
+    customers = await harness.seed(24)
+    await harness.set_faults(rate_limit_rps=4.0)
+    harness.settings = harness.settings.model_copy(update={"billing_stripe_rps": 3.0})
+    workers = [harness.worker_process(), harness.worker_process()]
+    summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    assert all(w.poll() is None for w in workers)
+    assert summary.charged == 24
+    assert (await harness.faults_injected())["rate_limited"] == 0
+    created = [c["created"] for c in await harness.charges()]
+    assert max(created) - min(created) >= 23 / 3 - 1, "charges were not paced at 3/s"
+    # Both processes charged: their identities (pid@host) completed the children's tasks.
+    identities: set[str] = set()
+    for customer in customers:
+        handle = harness.client.get_workflow_handle(
+            customer_workflow_id(PERIOD, customer.customer_id)
+        )
+        identities |= {
+            event.workflow_task_completed_event_attributes.identity
+            for event in (await handle.fetch_history()).events
+            if event.HasField("workflow_task_completed_event_attributes")
+        }
+    assert len(identities) == 2
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
