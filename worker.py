@@ -54,7 +54,7 @@ def create_worker(
 ) -> Worker:
     charging = ChargingActivities(pool, access, settings)
     period = PeriodActivities(pool, settings, admin)
-    reconcile = ReconcileActivities(pool, access, admin)
+    reconcile = ReconcileActivities(pool, access, settings, admin)
     return Worker(
         client,
         task_queue=task_queue,

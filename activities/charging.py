@@ -39,7 +39,7 @@ from billing.models import (
     Record,
 )
 from billing.periods import parse_period
-from billing.rate_limit import RateLimit, Slot
+from billing.rate_limit import Slot, stripe_rate
 
 # ApplicationError types for charges an operator stopped before they reached Stripe.
 SKIPPED = "CustomerSkipped"
@@ -55,8 +55,6 @@ UNKNOWN_CUSTOMER = "UnknownCustomer"
 # The charge is a local activity, run inside its workflow's task: it sleeps for a Stripe slot
 # only this long there, and hands a slot further off to the workflow's timer.
 SLOT_SLEEP_MAX = 2.0
-# Stripe's limit is per account: every worker's charges share the one row.
-STRIPE_RATE_LIMIT = "stripe"
 # Well inside the heartbeat timeout of a regular activity that heartbeats with `heartbeating`.
 HEARTBEAT_EVERY = 2.0
 # The `outcome` of a charge attempt that failed for good; any other failure is an "error".
@@ -92,8 +90,7 @@ class ChargingActivities:
         self._pool = pool
         self._access = access
         self._settings = settings
-        rps = settings.billing_stripe_rps
-        self._stripe_rate = RateLimit(pool, STRIPE_RATE_LIMIT, rps) if rps else None
+        self._stripe_rate = stripe_rate(pool, settings)
 
     @activity.defn(name="claim")
     async def claim(self, request: CustomerChargeInput) -> Claim:

@@ -21,10 +21,12 @@ from activities.charging import heartbeating
 from activities.stripe_access import StripeAccess
 from activities.stripe_failures import to_temporal_failure
 from billing import ledger, logs, period_keys
+from billing.config import BillingSettings
 from billing.errors import BillingError, LedgerConflictError
 from billing.keys import customer_workflow_id, period_workflow_id
 from billing.models import ChargeFailure, ChargeResult, Claim
 from billing.periods import parse_period
+from billing.rate_limit import stripe_rate
 from billing.reconciliation import (
     ChargesPage,
     ChargesPageRequest,
@@ -76,18 +78,6 @@ async def _workflow_state(client: Client, workflow_id: str) -> ChildState:
     return "running" if description.status == WorkflowExecutionStatus.RUNNING else "closed"
 
 
-async def _find(access: StripeAccess, claim: Claim) -> ChargeResult | ChargeFailure | None:
-    """The claim's charge on Stripe, looked up by the key in its metadata."""
-    try:
-        gateway = await access.gateway_for(claim)
-    except BillingError as exc:
-        raise ApplicationError(str(exc), type=NO_PERIOD_KEY, non_retryable=True) from None
-    try:
-        return await gateway.find(claim)
-    except stripe.StripeError as exc:
-        raise to_temporal_failure(exc) from None
-
-
 def _log(event: str, period: str, key: str, **fields: Any) -> None:
     logs.log_event(
         log,
@@ -101,11 +91,33 @@ def _log(event: str, period: str, key: str, **fields: Any) -> None:
 
 class ReconcileActivities:
     def __init__(
-        self, pool: asyncpg.Pool, access: StripeAccess, admin: VaultAdmin | None = None
+        self,
+        pool: asyncpg.Pool,
+        access: StripeAccess,
+        settings: BillingSettings,
+        admin: VaultAdmin | None = None,
     ) -> None:
         self._pool = pool
         self._access = access
         self._admin = admin
+        # Lookups share the cluster's Stripe rate with the charges.
+        self._stripe_rate = stripe_rate(pool, settings)
+
+    async def _stripe_turn(self) -> None:
+        if self._stripe_rate is not None:
+            await self._stripe_rate.wait_turn()
+
+    async def _find(self, claim: Claim) -> ChargeResult | ChargeFailure | None:
+        """The claim's charge on Stripe, looked up by the key in its metadata."""
+        try:
+            gateway = await self._access.gateway_for(claim)
+        except BillingError as exc:
+            raise ApplicationError(str(exc), type=NO_PERIOD_KEY, non_retryable=True) from None
+        await self._stripe_turn()
+        try:
+            return await gateway.find(claim)
+        except stripe.StripeError as exc:
+            raise to_temporal_failure(exc) from None
 
     @activity.defn(name="reconcile_open_claims")
     async def open_claims(self, request: ReconcileInput) -> ClaimsToResolve:
@@ -138,7 +150,7 @@ class ReconcileActivities:
     async def settle_claim(self, claim: Claim) -> ClaimResolution | None:
         """Record the claim's outcome if Stripe has its charge; None when Stripe has nothing
         with its key (the workflow then charges it again with that same key)."""
-        found = await _find(self._access, claim)
+        found = await self._find(claim)
         if found is None:
             return None
         key = claim.idempotency_key
@@ -203,7 +215,7 @@ class ReconcileActivities:
         )
         if claim is None:
             return unknown.model_copy(update={"detail": "no ledger row has this key"})
-        found = await _find(self._access, claim)
+        found = await self._find(claim)
         if found is None and not may_release(reservation.updated_at, datetime.now(UTC)):
             return unknown.model_copy(update={"detail": "no charge found yet; released later"})
         amount = found.amount_cents if isinstance(found, ChargeResult) else None
@@ -234,6 +246,8 @@ class ReconcileActivities:
                 gateway = await self._access.gateway(request.period, currency)
             except BillingError:
                 return None
+            # One turn per customer: a listing rarely needs a second page.
+            await self._stripe_turn()
             return await gateway.period_charges(stripe_customer_id, request.period)
 
         try:

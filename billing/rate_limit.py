@@ -15,10 +15,16 @@ sliding-window log (a row per request, a table it creates itself), rate-sync nee
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime, timedelta
 
 import asyncpg
 from pydantic import BaseModel, ConfigDict
+
+from billing.config import BillingSettings
+
+# Stripe's limit is per account: every worker's calls to Stripe share this one row.
+STRIPE = "stripe"
 
 # The row is created by the first reservation: a limit needs no set-up.
 _RESERVE = """
@@ -54,8 +60,19 @@ class RateLimit:
         assert row is not None
         return Slot(at=row["at"], wait_seconds=max(0.0, float(row["wait"])))
 
+    async def wait_turn(self, requests: int = 1) -> None:
+        """Reserve the next slots and sleep until the first: for callers that may wait."""
+        slot = await self.reserve(requests)
+        await asyncio.sleep(slot.wait_seconds)
+
     async def seconds_until(self, at: datetime) -> float:
         """How long until a slot reserved earlier, on the database's clock (zero if past)."""
         async with self._pool.acquire() as conn:
             wait = await conn.fetchval(_UNTIL, at)
         return max(0.0, float(wait))
+
+
+def stripe_rate(pool: asyncpg.Pool, settings: BillingSettings) -> RateLimit | None:
+    """The cluster's Stripe rate (BILLING_STRIPE_RPS), or None when unset: no limit."""
+    rps = settings.billing_stripe_rps
+    return RateLimit(pool, STRIPE, rps) if rps else None
