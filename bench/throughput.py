@@ -208,6 +208,19 @@ class CpuMeter:
         return cores
 
 
+def worker_memory_mb() -> dict[str, float]:
+    """The stack's worker processes' resident memory now and at its peak (VmHWM), in MiB."""
+    fields = {"VmRSS:": "worker_rss_mb", "VmHWM:": "worker_peak_rss_mb"}
+    memory = dict.fromkeys(fields.values(), 0.0)
+    for pid in stack_processes()["worker"]:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                name, *value = line.split()
+                if name in fields:
+                    memory[fields[name]] += round(int(value[0]) / 1024, 1)
+    return memory
+
+
 # -- the stack's data -----------------------------------------------------------------------
 
 
@@ -310,8 +323,8 @@ async def measure_ceiling(
         result = await fan_out(prefix, customers)
         elapsed = time.monotonic() - started
         cpu = meter.stop()
-        # Children signal before their last workflow task: keep the worker until they are
-        # closed, or they stay open on a task queue nobody polls.
+        # Keep the worker until every child is closed, or one stays open on a task queue
+        # nobody polls.
         if not await drain(client, task_queue):
             say(f"warning: workflows still running on {task_queue}")
     histories = await history_lengths(client, prefix)
@@ -358,6 +371,7 @@ async def measure_orchestrated(
         "runs": len(histories),
         "max_history_events": max(histories),
         "cpu_cores": cpu,
+        **worker_memory_mb(),
     }
 
 
@@ -561,6 +575,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "baseline_per_s": round(baseline["per_s"], 1),
         "ratio": round(orchestrated["per_s"] / baseline["per_s"], 3),
         "max_history_events": orchestrated["max_history_events"],
+        "worker_peak_rss_mb": orchestrated["worker_peak_rss_mb"],
         "emulator_latency_ms": args.emulator_latency_ms,
         "rate_limit_rps": args.rate_limit_rps,
         "stripe_rps": args.stripe_rps,
