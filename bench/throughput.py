@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import secrets
 import sys
 import time
@@ -84,6 +85,7 @@ from billing.seeding import create_demo_customers  # noqa: E402
 from billing.stripe_client import stripe_client, stripe_http, stripe_session  # noqa: E402
 from billing.temporal_client import connect  # noqa: E402
 from devstack.demo import ensure_stack  # noqa: E402
+from devstack.stack import StackConfig  # noqa: E402
 from vault.client import VaultAdmin  # noqa: E402
 
 # The retry policy of the charge activity (workflows/customer_charge.py), for the baseline.
@@ -206,6 +208,26 @@ class CpuMeter:
             cores[name] = round(used / elapsed, 2)
         cores["machine_busy_cores"] = round((_machine_busy_seconds() - self._machine) / elapsed, 2)
         return cores
+
+
+# The dev server's log: a run must leave no warning of a Temporal limit in it (history size or
+# count, pending children, signals, mutable state...).
+TEMPORAL_LOG = StackConfig().log_dir / "temporal.log"
+LIMIT_WARNING = re.compile(r"level=(WARN|ERROR) .*(limit|exceed)", re.IGNORECASE)
+
+
+def temporal_log_size() -> int:
+    return TEMPORAL_LOG.stat().st_size if TEMPORAL_LOG.exists() else 0
+
+
+def temporal_limit_warnings(since: int) -> list[str]:
+    """Lines about a Temporal limit the dev server logged after offset `since`."""
+    if not TEMPORAL_LOG.exists():
+        return []
+    with TEMPORAL_LOG.open("rb") as log:
+        log.seek(since)
+        lines = log.read().decode(errors="replace").splitlines()
+    return [line[:300] for line in lines if LIMIT_WARNING.search(line)]
 
 
 def worker_memory_mb() -> dict[str, float]:
@@ -350,6 +372,7 @@ async def measure_orchestrated(
     temporal = TemporalSettings()
     limited = await emulator_rate_limited()
     await set_faults(*faults)
+    log_offset = temporal_log_size()
     try:
         meter.start()
         started = time.monotonic()
@@ -372,6 +395,7 @@ async def measure_orchestrated(
         "max_history_events": max(histories),
         "cpu_cores": cpu,
         **worker_memory_mb(),
+        "temporal_limit_warnings": temporal_limit_warnings(log_offset),
     }
 
 
@@ -576,6 +600,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "ratio": round(orchestrated["per_s"] / baseline["per_s"], 3),
         "max_history_events": orchestrated["max_history_events"],
         "worker_peak_rss_mb": orchestrated["worker_peak_rss_mb"],
+        "temporal_limit_warnings": len(orchestrated["temporal_limit_warnings"]),
         "emulator_latency_ms": args.emulator_latency_ms,
         "rate_limit_rps": args.rate_limit_rps,
         "stripe_rps": args.stripe_rps,
