@@ -233,14 +233,14 @@ def temporal_limit_warnings(since: int) -> list[str]:
 def worker_memory_mb() -> dict[str, float]:
     """The stack's worker processes' resident memory now and at its peak (VmHWM), in MiB."""
     fields = {"VmRSS:": "worker_rss_mb", "VmHWM:": "worker_peak_rss_mb"}
-    memory = dict.fromkeys(fields.values(), 0.0)
+    kib = dict.fromkeys(fields.values(), 0)
     for pid in stack_processes()["worker"]:
         with open(f"/proc/{pid}/status") as status:
             for line in status:
                 name, *value = line.split()
                 if name in fields:
-                    memory[fields[name]] += round(int(value[0]) / 1024, 1)
-    return memory
+                    kib[fields[name]] += int(value[0])
+    return {name: round(size / 1024, 1) for name, size in kib.items()}
 
 
 # -- the stack's data -----------------------------------------------------------------------
