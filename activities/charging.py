@@ -118,7 +118,9 @@ class ChargingActivities:
         raises at once, and the workflow waits on a timer or a signal instead."""
         claim = request.claim
         await self._wait_for_slot(request)
-        await self._pass_gate(claim)
+        recorded = await self._pass_gate(claim)
+        if recorded is not None:
+            return recorded
         try:
             result = await self._charge(claim)
         except Exception as error:
@@ -197,12 +199,18 @@ class ChargingActivities:
             )
         await asyncio.sleep(slot.wait_seconds)
 
-    async def _pass_gate(self, claim: Claim) -> None:
-        """Stop here if the period is paused or cancelled or the customer skipped."""
+    async def _pass_gate(self, claim: Claim) -> ChargeResult | None:
+        """Stop here if the period is paused or cancelled or the customer skipped. The charge
+        this very run recorded comes back instead: its workflow task was retried after the
+        record (a signal or a worker's death failed it), and the claim's result was replayed
+        from an earlier task, so only the ledger knows."""
         try:
             async with self._pool.acquire() as conn:
                 gate: Gate = await ledger.begin_charge(conn, claim)
         except ClaimClosedError as exc:
+            own = await self._own_charge(claim)
+            if own is not None:
+                return own
             raise _stopped(CLAIM_CLOSED, exc.status, str(exc)) from None
         if gate == "skipped":
             raise _stopped(SKIPPED, "skipped", "an operator skipped this customer")
@@ -216,6 +224,25 @@ class ChargingActivities:
                 non_retryable=True,
                 category=ApplicationErrorCategory.BENIGN,
             )
+        return None
+
+    async def _own_charge(self, claim: Claim) -> ChargeResult | None:
+        async with self._pool.acquire() as conn:
+            row = await ledger.claim_by_key(conn, claim.idempotency_key)
+        if (
+            row is None
+            or row.status != "charged"
+            or row.charge_id is None
+            or row.claimed_by_run != activity.info().workflow_run_id
+        ):
+            return None
+        return ChargeResult(
+            charge_id=row.charge_id,
+            payment_intent_id=row.payment_intent_id,
+            amount_cents=row.amount_cents,
+            currency=row.currency,
+            replayed=True,
+        )
 
     @activity.defn(name="record_charge")
     async def record_charge(self, request: RecordCharge) -> None:

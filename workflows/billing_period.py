@@ -65,6 +65,8 @@ ACTIVITY_TIMEOUT = timedelta(seconds=60)
 AUTOMATIC = "billing (automatic)"
 # How often the ledger is asked about children started elsewhere.
 LEDGER_POLL = timedelta(seconds=10)
+# How long a run waits for its own children before continuing as new without them.
+DRAIN_LIMIT = timedelta(minutes=2)
 
 
 @workflow.defn(name="BillingPeriodWorkflow")
@@ -112,12 +114,19 @@ class BillingPeriodWorkflow:
                 break
             await self._wait_for_room()
             if self._should_continue_as_new():
-                # The next run cannot await this run's children.
-                await workflow.wait_condition(lambda: not self._children)
+                # The next run cannot await this run's children: let them finish, but not for
+                # longer than DRAIN_LIMIT (a charge retried through an outage), after which
+                # the next run learns of the rest from the ledger.
+                try:
+                    await workflow.wait_condition(lambda: not self._children, timeout=DRAIN_LIMIT)
+                except TimeoutError:
+                    workflow.logger.info(
+                        "%d children handed over to the next run", len(self._children)
+                    )
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 # Listed but not started: the next run lists them again from the cursor.
                 state.listing_done = self._exhausted()
-                state.started_elsewhere = sorted(self._elsewhere)
+                state.started_elsewhere = sorted(self._in_flight)
                 state.runs += 1
                 workflow.continue_as_new(
                     BillingPeriodInput(period=period, options=self._options, state=state)
@@ -199,12 +208,15 @@ class BillingPeriodWorkflow:
         logs.log_signal(
             control, period=self._state.period, operator=request.operator, reason=request.reason
         )
+        was_paused = self._control.control == "paused"
         self._state.control = ControlState(
             control=control, reason=request.reason, operator=request.operator
         )
         self._publish_status()
         await self._write_control()
-        if control != "paused":
+        # Only a paused period has children waiting for its word; a signal to a child that
+        # is not waiting would only fail its workflow task and run it again.
+        if was_paused and control != "paused":
             await self._wake_children()
         return self.progress()
 
@@ -436,15 +448,19 @@ class BillingPeriodWorkflow:
         )
 
     async def _wait_for(self, done: Callable[[], bool]) -> None:
-        """Wait until `done`, asking the ledger meanwhile about children started elsewhere."""
+        """Wait until `done`, asking the ledger meanwhile about children started elsewhere
+        (or ended without an outcome), from the moment there are any."""
         while True:
-            try:
-                await workflow.wait_condition(
-                    done, timeout=LEDGER_POLL if self._elsewhere else None
-                )
+            if not self._elsewhere:
+                await workflow.wait_condition(lambda: done() or bool(self._elsewhere))
+            else:
+                try:
+                    await workflow.wait_condition(done, timeout=LEDGER_POLL)
+                except TimeoutError:
+                    await self._settle_from_ledger(sorted(self._elsewhere))
+                    continue
+            if done():
                 return
-            except TimeoutError:
-                await self._settle_from_ledger(sorted(self._elsewhere))
 
     async def _cancel_the_rest(self) -> None:
         """Mark every customer not yet started cancelled, then let in-flight children end:

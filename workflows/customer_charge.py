@@ -6,7 +6,12 @@ from datetime import datetime, timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError, FailureError
+from temporalio.exceptions import (
+    ActivityError,
+    ApplicationError,
+    FailureError,
+)
+from temporalio.exceptions import TimeoutError as TemporalTimeoutError
 
 with workflow.unsafe.imports_passed_through():
     from activities.charging import (
@@ -59,6 +64,11 @@ SLOT_LEAD = timedelta(seconds=1)
 # signal on resume or cancel; these timers are for a period that cannot send it (terminated).
 PERIOD_WAIT_FIRST = timedelta(seconds=5)
 PERIOD_WAIT_MAX = timedelta(minutes=5)
+# Retries that become timers, and waits for the period, add to this run's history: a charge
+# retried for this long gives the workflow a look, and past CHILD_HISTORY_LIMIT events (a
+# Stripe outage of hours, a pause of days) the child continues as new with the same claim.
+CHARGE_ROUND = timedelta(minutes=10)
+CHILD_HISTORY_LIMIT = 2000
 # Failures recorded as the customer's outcome (ledger status) rather than failing the workflow.
 RECORDED_FAILURES: dict[str, LedgerStatus] = {
     DECLINED: "failed",
@@ -145,17 +155,23 @@ class CustomerChargeWorkflow:
         slot: datetime | None = None
         patience = PERIOD_WAIT_FIRST
         while True:
+            _continue_as_new_if_long(request)
             signals_seen = self._period_signals
             try:
                 return await workflow.execute_local_activity_method(
                     ChargingActivities.charge,
                     ChargeRequest(claim=claim, slot=slot),
                     start_to_close_timeout=CHARGE_TIMEOUT,
+                    schedule_to_close_timeout=CHARGE_ROUND,
                     retry_policy=CHARGE_RETRY,
                     local_retry_threshold=LOCAL_RETRY_THRESHOLD,
                     summary=f"charge {claim.amount_cents} {claim.currency} to {claim.customer_id}",
                 )
-            except (ActivityError, ApplicationError) as err:
+            except (ActivityError, ApplicationError, TemporalTimeoutError) as err:
+                if _timed_out(err):
+                    # A round of retries ran out; the key is the same on the next one.
+                    slot = None
+                    continue
                 failure = _application_failure(err)
                 if failure is None:
                     raise
@@ -201,7 +217,21 @@ class CustomerChargeWorkflow:
             workflow.logger.warning("period workflow gone; %s not delivered", PERIOD_BLOCKED)
 
 
-def _application_failure(err: ActivityError | ApplicationError) -> ApplicationError | None:
+def _continue_as_new_if_long(request: CustomerChargeInput) -> None:
+    info = workflow.info()
+    if (
+        info.is_continue_as_new_suggested()
+        or info.get_current_history_length() >= CHILD_HISTORY_LIMIT
+    ):
+        workflow.continue_as_new(request)
+
+
+def _timed_out(err: FailureError) -> bool:
+    cause = err.cause if isinstance(err, ActivityError) else err
+    return isinstance(cause, TemporalTimeoutError)
+
+
+def _application_failure(err: FailureError) -> ApplicationError | None:
     """The activity's own failure: a local activity's final failure can arrive unwrapped."""
     cause = err.cause if isinstance(err, ActivityError) else err
     return cause if isinstance(cause, ApplicationError) else None

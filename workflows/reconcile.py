@@ -122,7 +122,7 @@ class ReconcileWorkflow:
             found = await workflow.execute_activity_method(
                 ReconcileActivities.settle_claim,
                 claim,
-                start_to_close_timeout=ACTIVITY_TIMEOUT,
+                start_to_close_timeout=PAGE_TIMEOUT,  # it waits its turn in the Stripe rate
                 retry_policy=RETRY,
                 summary=f"look {claim.customer_id}'s charge up on Stripe",
             )

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
+
+import pytest
+from temporalio.service import RPCError
 
 from billing.keys import customer_workflow_id
 from billing.periods import Period
@@ -97,26 +101,44 @@ async def test_worker_killed_between_charge_and_record(harness: Harness) -> None
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
-async def test_a_retried_workflow_task_reports_its_own_charge(harness: Harness) -> None:
-    # A child claims, charges and records in one workflow task. A signal arriving meanwhile
-    # makes the server refuse that task's completion, and the task runs again: its claim now
-    # finds the row charged, by this very run, which is "charged", not "already billed".
-    customers = await harness.seed(1)
+@pytest.mark.parametrize(
+    ("customers", "stripe_rps"),
+    [
+        # One task: the retried task's claim finds the row charged by this very run.
+        (1, None),
+        # The second customer's Stripe slot is 4 s off, so its claim was recorded in an
+        # earlier task and is replayed as "claimed": the charge finds its own record instead.
+        (2, 0.25),
+    ],
+    ids=["claim-in-the-same-task", "claim-in-an-earlier-task"],
+)
+async def test_a_retried_workflow_task_reports_its_own_charge(
+    harness: Harness, customers: int, stripe_rps: float | None
+) -> None:
+    # A signal arriving while a child charges makes the server refuse that workflow task's
+    # completion, and the task runs again after the record: the charge is still "charged",
+    # not "already billed".
+    seeded = await harness.seed(customers)
+    harness.settings = harness.settings.model_copy(update={"billing_stripe_rps": stripe_rps})
     await harness.set_faults(latency_ms=1500)
     async with harness.running_worker():
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
-        await eventually(lambda: at_least(harness.money_requests(), 1))
-        child = customer_workflow_id(PERIOD, customers[0].customer_id)
-        await harness.client.get_workflow_handle(child).signal(PERIOD_CONTROL)
+        await eventually(lambda: at_least(harness.money_requests(), customers), timeout=60)
+        # The last request is in flight now; earlier customers may be done.
+        children = [customer_workflow_id(PERIOD, c.customer_id) for c in seeded]
+        for child in children:
+            with contextlib.suppress(RPCError):
+                await harness.client.get_workflow_handle(child).signal(PERIOD_CONTROL)
         summary = await handle.result()
-    assert (summary.charged, summary.already_billed) == (1, 0)
+    assert (summary.charged, summary.already_billed) == (customers, 0)
     failed_tasks = [
         e
+        for child in children
         for e in (await harness.client.get_workflow_handle(child).fetch_history()).events
         if e.HasField("workflow_task_failed_event_attributes")
     ]
-    assert failed_tasks, "the signal did not land inside the charging task"
-    await assert_billed_once(harness, str(PERIOD), customers)
+    assert failed_tasks, "the signal did not land inside a charging task"
+    await assert_billed_once(harness, str(PERIOD), seeded)
 
 
 async def test_stripe_rate_is_held_by_the_shared_limit(harness: Harness) -> None:

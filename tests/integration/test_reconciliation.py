@@ -25,7 +25,7 @@ from billing.periods import Period, period_for
 from billing.reconciliation import ReconcileReport
 from billing.runs import start_period, start_reconcile
 from billing.schedules import RECONCILE_SCHEDULE_ID
-from tests.integration.harness import PROJECT_ROOT, Harness, eventually
+from tests.integration.harness import PROJECT_ROOT, Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
 from tests.integration.test_replay import HISTORIES, replay
 from workflows.customer_charge import CustomerChargeWorkflow
@@ -153,6 +153,26 @@ async def test_a_claim_its_workflow_still_works_on_is_left_alone(harness: Harnes
     await harness.client.get_workflow_handle(workflow_id).terminate(reason="worker lost")
     report = await reconcile(harness)
     assert [(c.action, c.outcome) for c in report.claims] == [("recorded", "charged")]
+    await assert_billed_once(harness, str(PERIOD), [customer])
+
+
+async def test_a_period_whose_child_was_terminated_finishes_once_reconciled(
+    harness: Harness,
+) -> None:
+    # The last child of the period is terminated by hand while Stripe fails: the period
+    # cannot hear from it any more, so it asks the ledger until reconciliation has charged it.
+    [customer] = await harness.seed(1)
+    await harness.set_faults(error_before_commit=1.0)
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        await eventually(lambda: at_least(harness.money_requests(), 1))
+        child = customer_workflow_id(PERIOD, customer.customer_id)
+        await harness.client.get_workflow_handle(child).terminate(reason="stuck, by hand")
+        await harness.set_faults(error_before_commit=0.0)
+        report = await (await start_reconcile(harness.client, PERIOD, harness.task_queue)).result()
+        assert [(c.action, c.outcome) for c in report.claims] == [("redriven", "charged")]
+        summary = await asyncio.wait_for(handle.result(), timeout=60)
+    assert summary.charged + summary.already_billed == 1
     await assert_billed_once(harness, str(PERIOD), [customer])
 
 
