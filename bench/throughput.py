@@ -213,7 +213,7 @@ class CpuMeter:
 # The dev server's log: a run must leave no warning of a Temporal limit in it (history size or
 # count, pending children, signals, mutable state...).
 TEMPORAL_LOG = StackConfig().log_dir / "temporal.log"
-LIMIT_WARNING = re.compile(r"level=(WARN|ERROR) .*(limit|exceed)", re.IGNORECASE)
+LIMIT_WARNING = re.compile(r'level=(WARN|ERROR) msg="[^"]*limit', re.IGNORECASE)
 
 
 def temporal_log_size() -> int:
