@@ -103,8 +103,11 @@ async def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _operator(args: argparse.Namespace) -> str:
-    name: str = args.operator or os.environ.get("BILLING_OPERATOR") or getpass.getuser()
-    return name
+    # A --operator given empty is refused with the request, never replaced by a default.
+    if args.operator is not None:
+        given: str = args.operator
+        return given
+    return os.environ.get("BILLING_OPERATOR") or getpass.getuser()
 
 
 async def cmd_control(args: argparse.Namespace) -> int:

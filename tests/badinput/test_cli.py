@@ -66,6 +66,10 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["starter.py", "pause", "2026-12", "--reason", ""],
         "reason: String should have at least 1 character",
     ),
+    "cancel empty operator": (
+        ["starter.py", "cancel", "2026-12", "--reason", "r", "--operator", ""],
+        "operator: String should have at least 1 character",
+    ),
     "resume long operator": (
         ["starter.py", "resume", "2026-12", "--reason", "ok", "--operator", "o" * 101],
         "operator: String should have at most 100 characters",
