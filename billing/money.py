@@ -38,8 +38,30 @@ def parse_amount(text: str) -> int:
     return validate_amount(int(significant or "0"))
 
 
+# ISO 4217 codes that are not money a customer can be charged in: units of account, bond
+# units, precious metals, the testing code and "no currency".
+NOT_MONEY = frozenset(
+    {
+        "xad",
+        "xag",
+        "xau",
+        "xba",
+        "xbb",
+        "xbc",
+        "xbd",
+        "xdr",
+        "xpd",
+        "xpt",
+        "xsu",
+        "xts",
+        "xua",
+        "xxx",
+    }
+)
+
+
 def validate_currency(currency: object) -> str:
-    """A three-letter ISO 4217 code in Stripe's lowercase form."""
+    """A three-letter ISO 4217 code of money, in Stripe's lowercase form."""
     if not isinstance(currency, str) or len(currency) != 3 or not currency.isascii():
         raise InvalidCurrencyError(
             f"currency must be a three-letter ISO code, got {shown(currency)}"
@@ -47,6 +69,10 @@ def validate_currency(currency: object) -> str:
     if not currency.islower() or pycountry.currencies.get(alpha_3=currency.upper()) is None:
         raise InvalidCurrencyError(
             f"currency {currency!r} is not a lowercase ISO 4217 code such as 'usd' or 'eur'"
+        )
+    if currency in NOT_MONEY:
+        raise InvalidCurrencyError(
+            f"currency {currency!r} is an ISO 4217 unit (metal, fund, test), not money to charge"
         )
     return currency
 
