@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -55,8 +53,6 @@ UNKNOWN_CUSTOMER = "UnknownCustomer"
 # The charge is a local activity, run inside its workflow's task: it sleeps for a Stripe slot
 # only this long there, and hands a slot further off to the workflow's timer.
 SLOT_SLEEP_MAX = 2.0
-# Well inside the heartbeat timeout of a regular activity that heartbeats with `heartbeating`.
-HEARTBEAT_EVERY = 2.0
 # The `outcome` of a charge attempt that failed for good; any other failure is an "error".
 FAILED_OUTCOMES = {
     DECLINED: "declined",
@@ -257,25 +253,6 @@ class ChargingActivities:
                 conn, request.claim.idempotency_key, request.status, request.failure
             )
         _log_event("record", request.claim, status=request.status, code=request.failure.code)
-
-
-@asynccontextmanager
-async def heartbeating(every: float = HEARTBEAT_EVERY) -> AsyncIterator[None]:
-    """Heartbeat while a slow call of a regular activity runs, so a worker that dies
-    mid-call is noticed within the heartbeat timeout instead of the whole start-to-close
-    timeout. Fast calls send none. (A local activity cannot heartbeat: its workflow task
-    times out instead.)"""
-
-    async def beat() -> None:
-        while True:
-            await asyncio.sleep(every)
-            activity.heartbeat()
-
-    task = asyncio.create_task(beat())
-    try:
-        yield
-    finally:
-        task.cancel()
 
 
 def _stopped(kind: str, code: str, message: str) -> ApplicationError:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -17,7 +18,6 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.charging import heartbeating
 from activities.stripe_access import StripeAccess
 from activities.stripe_failures import to_temporal_failure
 from billing import ledger, logs, period_keys
@@ -46,6 +46,8 @@ from vault.models import ReservationInfo
 # Open claims one run resolves; a period normally ends with none, and the next run (the
 # schedule fires daily) takes any rest.
 MAX_CLAIMS = 1000
+# Well inside the page activity's heartbeat timeout (workflows/reconcile.py).
+HEARTBEAT_EVERY = 2.0
 # Calls to Temporal or Stripe at once from one activity: well under Stripe's rate limit
 # once the pages' calls add up, and a 429 is retried by Temporal anyway.
 CONCURRENCY = 8
@@ -56,6 +58,23 @@ NO_PERIOD_KEY = "NoPeriodKey"
 
 log = logging.getLogger("billing.reconcile")
 T = TypeVar("T")
+
+
+@asynccontextmanager
+async def heartbeating(every: float = HEARTBEAT_EVERY) -> AsyncIterator[None]:
+    """Heartbeat while a slow page of Stripe calls runs, so a worker that dies mid-page is
+    noticed within the heartbeat timeout instead of the whole start-to-close timeout."""
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(every)
+            activity.heartbeat()
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
 
 
 async def _bounded(calls: list[Awaitable[T]]) -> list[T]:

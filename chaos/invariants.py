@@ -145,17 +145,10 @@ def check_billed_once(
     return found
 
 
-def check_vault(
-    found: Findings,
-    rows: Sequence[Row],
-    keys: Sequence[KeyInfo],
-    unresolved: Sequence[Row],
-    *,
-    reconciled: bool,
-) -> None:
-    """I4: the period's keys never passed their caps, and the money they counted as spent is
-    the ledger's, apart from reservations still unresolved (`unresolved`: their idempotency
-    key, amount and state) until reconciliation has settled them: then none may be left."""
+def check_vault(found: Findings, keys: Sequence[KeyInfo], unresolved: Sequence[Row]) -> None:
+    """I4, once reconciliation has run: the period's keys never passed their caps, no
+    reservation is left unresolved (`unresolved`: their idempotency key, amount and state),
+    and the money the keys counted as spent is the ledger's."""
     problem = found.violations.append
     if not keys:
         problem("the vault holds no key for the period")
@@ -167,27 +160,15 @@ def check_vault(
             )
     found.vault_spent_cents = sum(k.spent_cents for k in keys)
     found.vault_unresolved = len(unresolved)
-    if reconciled and unresolved:
+    if unresolved:
         problem(f"{len(unresolved)} vault reservations still unresolved after reconciliation")
     reserved = sum(k.reserved_cents for k in keys)
     if reserved != sum(r["amount_cents"] for r in unresolved):
         problem(f"the keys hold {reserved} cents reserved, not what their reservations say")
-    by_key = {r["idempotency_key"]: r for r in rows}
-    charged_in_doubt = 0
-    for reservation in unresolved:
-        key = reservation["idempotency_key"]
-        row = by_key.get(key)
-        if row is None:
-            problem(f"a vault reservation for key {key[:8]}, which the ledger does not hold")
-        elif row["status"] == "charged":
-            charged_in_doubt += reservation["amount_cents"]
-            if reservation["amount_cents"] != row["amount_cents"]:
-                problem(f"{row['customer_id']}: reserved {reservation['amount_cents']} cents")
-    # Reconciliation settles the unresolved ones as succeeded (or failed, for the rest).
-    if found.vault_spent_cents + charged_in_doubt != found.ledger_total_cents:
+    if found.vault_spent_cents != found.ledger_total_cents:
         problem(
-            f"vault spent {found.vault_spent_cents} cents (+ {charged_in_doubt} unresolved for"
-            f" charged customers) != ledger total {found.ledger_total_cents} cents"
+            f"vault spent {found.vault_spent_cents} cents != ledger total"
+            f" {found.ledger_total_cents} cents"
         )
 
 
@@ -250,8 +231,7 @@ async def collect(
     found = check_billed_once(expected, await emulator.charges(), await emulator.requests(), rows)
     if admin is not None:
         keys = await admin.find_keys(period=expected.period, label=period_keys.LABEL)
-        unresolved = await unresolved_reservations(pool, keys)
-        check_vault(found, rows, keys, unresolved, reconciled=reconcile is not None)
+        check_vault(found, keys, await unresolved_reservations(pool, keys))
     if summary is not None:
         check_summary(found, expected, summary)
     if reconcile is not None:
