@@ -129,7 +129,7 @@ class PeriodActivities:
     @activity.defn(name="ledger_outcomes")
     async def ledger_outcomes(self, request: OutcomesRequest) -> list[CustomerOutcome]:
         async with self._pool.acquire() as conn:
-            return await ledger.outcomes(conn, request.period, request.customer_ids)
+            return await ledger.outcomes(conn, request.period, request.customer_ids, awaited=True)
 
     @activity.defn(name="set_control")
     async def set_control(self, request: ControlRequest) -> None:

@@ -199,10 +199,12 @@ async def record_unbilled(
 
 
 async def outcomes(
-    conn: asyncpg.Connection, period: str, customer_ids: Sequence[str]
+    conn: asyncpg.Connection, period: str, customer_ids: Sequence[str], *, awaited: bool = False
 ) -> list[CustomerOutcome]:
-    """Outcomes of customers already finished in the ledger (a row charged earlier counts as
-    already billed); customers without a finished row are left out."""
+    """Outcomes of customers finished in the ledger; customers without a finished row are
+    left out. A charged row counts as already billed, unless `awaited`: the caller saw the
+    customer in flight and waited for it (a child another run started), so it counts the
+    charge as its own."""
     rows = await conn.fetch(
         """
         SELECT customer_id, status, amount_cents, currency, charge_id, failure_code
@@ -212,18 +214,19 @@ async def outcomes(
         period,
         list(customer_ids),
     )
-    return [outcome_from_row(row) for row in rows]
-
-
-def outcome_from_row(row: asyncpg.Record) -> CustomerOutcome:
-    return CustomerOutcome(
-        customer_id=row["customer_id"],
-        outcome=finished_outcome(row["status"]),
-        amount_cents=row["amount_cents"],
-        currency=row["currency"],
-        charge_id=row["charge_id"],
-        failure_code=row["failure_code"],
-    )
+    return [
+        CustomerOutcome(
+            customer_id=row["customer_id"],
+            outcome="charged"
+            if awaited and row["status"] == "charged"
+            else finished_outcome(row["status"]),
+            amount_cents=row["amount_cents"],
+            currency=row["currency"],
+            charge_id=row["charge_id"],
+            failure_code=row["failure_code"],
+        )
+        for row in rows
+    ]
 
 
 async def start_period(conn: asyncpg.Connection, plan: PeriodPlan, workflow_id: str) -> None:

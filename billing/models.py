@@ -73,6 +73,9 @@ class CustomerChargeInput(Record):
     period: str
     customer_id: str
     parent_workflow_id: str | None = None
+    # A child's history grows only while it waits (a Stripe outage of hours, a pause of
+    # days); past this many events it continues as new with the same claim.
+    history_event_limit: int = Field(default=2000, ge=10, le=40000)
 
 
 class CustomerOutcome(Record):
@@ -157,6 +160,11 @@ class RunOptions(Record):
     page_size: int = Field(default=500, ge=1, le=5000)
     # Continue as new well before Temporal's 4,096-event suggestion and 51,200-event limit.
     history_event_limit: int = Field(default=8000, ge=200, le=40000)
+    # Each child's own limit (CustomerChargeInput.history_event_limit).
+    child_history_event_limit: int = Field(default=2000, ge=10, le=40000)
+    # How long a run about to continue as new waits for its own children (the next run
+    # cannot await them): past it, the next run learns of the rest from the ledger.
+    drain_seconds: float = Field(default=120, gt=0, le=3600)
     billing: Literal["arrears", "advance"] = "arrears"
 
 

@@ -65,8 +65,6 @@ ACTIVITY_TIMEOUT = timedelta(seconds=60)
 AUTOMATIC = "billing (automatic)"
 # How often the ledger is asked about children started elsewhere.
 LEDGER_POLL = timedelta(seconds=10)
-# How long a run waits for its own children before continuing as new without them.
-DRAIN_LIMIT = timedelta(minutes=2)
 
 
 @workflow.defn(name="BillingPeriodWorkflow")
@@ -115,10 +113,14 @@ class BillingPeriodWorkflow:
             await self._wait_for_room()
             if self._should_continue_as_new():
                 # The next run cannot await this run's children: let them finish, but not for
-                # longer than DRAIN_LIMIT (a charge retried through an outage), after which
-                # the next run learns of the rest from the ledger.
+                # longer than the drain limit (a charge retried through an outage), after
+                # which the next run learns of the rest from the ledger.
                 try:
-                    await workflow.wait_condition(lambda: not self._children, timeout=DRAIN_LIMIT)
+                    await workflow.wait_condition(
+                        lambda: not self._children,
+                        timeout=timedelta(seconds=self._options.drain_seconds),
+                        timeout_summary="let this run's children finish",
+                    )
                 except TimeoutError:
                     workflow.logger.info(
                         "%d children handed over to the next run", len(self._children)
@@ -400,6 +402,7 @@ class BillingPeriodWorkflow:
                     period=period,
                     customer_id=customer_id,
                     parent_workflow_id=workflow.info().workflow_id,
+                    history_event_limit=self._options.child_history_event_limit,
                 ),
                 id=customer_workflow_id(parse_period(period), customer_id),
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,

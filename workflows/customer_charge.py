@@ -65,10 +65,9 @@ SLOT_LEAD = timedelta(seconds=1)
 PERIOD_WAIT_FIRST = timedelta(seconds=5)
 PERIOD_WAIT_MAX = timedelta(minutes=5)
 # Retries that become timers, and waits for the period, add to this run's history: a charge
-# retried for this long gives the workflow a look, and past CHILD_HISTORY_LIMIT events (a
-# Stripe outage of hours, a pause of days) the child continues as new with the same claim.
+# retried for this long gives the workflow a look, and past the request's history limit the
+# child continues as new with the same claim.
 CHARGE_ROUND = timedelta(minutes=10)
-CHILD_HISTORY_LIMIT = 2000
 # Failures recorded as the customer's outcome (ledger status) rather than failing the workflow.
 RECORDED_FAILURES: dict[str, LedgerStatus] = {
     DECLINED: "failed",
@@ -221,7 +220,7 @@ def _continue_as_new_if_long(request: CustomerChargeInput) -> None:
     info = workflow.info()
     if (
         info.is_continue_as_new_suggested()
-        or info.get_current_history_length() >= CHILD_HISTORY_LIMIT
+        or info.get_current_history_length() >= request.history_event_limit
     ):
         workflow.continue_as_new(request)
 

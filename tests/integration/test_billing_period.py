@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 
 from temporalio.api.enums.v1 import EventType
+from temporalio.client import WorkflowHistory
 
+from billing import ledger
 from billing.keys import customer_workflow_id
-from billing.models import CustomerChargeInput, RunOptions
+from billing.models import BillingPeriodInput, CustomerChargeInput, RunOptions
 from billing.periods import Period
 from billing.runs import period_status, start_period
-from tests.integration.harness import Harness
+from tests.integration.harness import Harness, eventually
 from tests.integration.invariants import assert_billed_once
 from workflows import CustomerChargeWorkflow
 
@@ -107,20 +109,86 @@ async def test_continue_as_new_keeps_children_and_counts(harness: Harness) -> No
         handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
         summary = await handle.result()
     assert (summary.due, summary.charged) == (60, 60)
-    runs = [w async for w in harness.client.list_workflows(f'WorkflowId = "{handle.id}"')]
-    assert len(runs) > 1, "the run never continued as new"
-    endings = []
-    for run in runs:
-        history = await harness.client.get_workflow_handle(
-            handle.id, run_id=run.run_id
-        ).fetch_history()
-        # Bounded: the limit plus what one turn of the loop adds (starts, completions and
-        # their workflow tasks for about a window of children).
-        assert len(history.events) < 200 + 15 * options.max_in_flight
-        endings.append(history.events[-1].event_type)
-    assert endings.count(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED) == 1
-    assert endings.count(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW) == len(runs) - 1
+    # Bounded: the limit plus what one turn of the loop adds (starts, completions and their
+    # workflow tasks for about a window of children).
+    await chain_of_runs(harness, handle.id, bound=200 + 15 * options.max_in_flight)
     await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_children_past_the_drain_limit_are_handed_to_the_next_run(
+    harness: Harness,
+) -> None:
+    # Charges wait for Stripe slots at 4/s, so when the run reaches its history limit its
+    # window is still full; it waits a second for them, then continues as new and learns
+    # of their outcomes from the ledger.
+    customers = await harness.seed(60)
+    harness.settings = harness.settings.model_copy(update={"billing_stripe_rps": 4.0})
+    options = RunOptions(max_in_flight=20, history_event_limit=200, drain_seconds=1)
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
+        summary = await handle.result()
+    assert (summary.due, summary.charged) == (60, 60)
+    runs = await chain_of_runs(harness, handle.id, bound=200 + 15 * options.max_in_flight)
+    handed_over: set[str] = set()
+    for history in runs[:-1]:
+        ended = history.events[-1].workflow_execution_continued_as_new_event_attributes
+        [next_input] = await harness.client.data_converter.decode(
+            ended.input.payloads, [BillingPeriodInput]
+        )
+        assert next_input.state is not None
+        handed_over |= set(next_input.state.started_elsewhere)
+    assert handed_over, "every child finished within the drain limit: nothing was handed over"
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_a_child_waiting_long_continues_as_new_and_charges_once(harness: Harness) -> None:
+    # A child's history grows while it waits at a paused period's gate; past its own limit
+    # it continues as new with the same claim, and charges once when the period resumes.
+    [customer] = await harness.seed(1)
+    period = str(PERIOD)
+    async with harness.pool.acquire() as conn:
+        await ledger.start_period(conn, await ledger.plan_period(conn, period), "by-hand")
+        await ledger.set_control(conn, period, "paused", "checking", "alice")
+    workflow_id = customer_workflow_id(PERIOD, customer.customer_id)
+    request = CustomerChargeInput(
+        period=period, customer_id=customer.customer_id, history_event_limit=10
+    )
+    async with harness.running_worker():
+        await harness.client.start_workflow(
+            CustomerChargeWorkflow.run, request, id=workflow_id, task_queue=harness.task_queue
+        )
+
+        async def continued() -> bool:
+            runs = harness.client.list_workflows(f'WorkflowId = "{workflow_id}"')
+            return len([run async for run in runs]) >= 3
+
+        await eventually(continued)
+        assert await harness.money_requests() == 0, "a paused period's child reached Stripe"
+        async with harness.pool.acquire() as conn:
+            await ledger.set_control(conn, period, "running", "checked", "bob")
+        latest = harness.client.get_workflow_handle_for(CustomerChargeWorkflow.run, workflow_id)
+        await latest.signal(CustomerChargeWorkflow.period_control)
+        outcome = await latest.result()
+    assert outcome.outcome == "charged"
+    await chain_of_runs(harness, workflow_id, bound=10 + 10)
+    await assert_billed_once(harness, period, [customer])
+
+
+async def chain_of_runs(harness: Harness, workflow_id: str, *, bound: int) -> list[WorkflowHistory]:
+    """The histories of the workflow ID's runs, oldest first, after checking that each
+    stayed under `bound` events and all but the last continued as new."""
+    histories = []
+    async for run in harness.client.list_workflows(f'WorkflowId = "{workflow_id}"'):
+        handle = harness.client.get_workflow_handle(workflow_id, run_id=run.run_id)
+        histories.append(await handle.fetch_history())
+    histories.sort(key=lambda h: h.events[0].event_time.ToDatetime())
+    assert len(histories) > 1, "the run never continued as new"
+    for history in histories:
+        assert len(history.events) < bound
+    endings = [h.events[-1].event_type for h in histories]
+    assert endings[-1] == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED
+    assert set(endings[:-1]) == {EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW}
+    return histories
 
 
 async def test_a_customer_gone_before_its_claim_is_reported_not_stuck(harness: Harness) -> None:
