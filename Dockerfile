@@ -17,8 +17,10 @@ COPY devstack/ devstack/
 COPY migrations/ migrations/
 COPY worker.py starter.py ./
 # Editable, so the code runs from /app next to migrations/ (which is not package data);
-# no dev extras: tests and linters stay out of the image.
+# no dev extras: tests and linters stay out of the image. The workflows are compiled here:
+# the sandbox loads them for every workflow run, and the worker cannot write to /app.
 RUN pip install -e . \
+    && python -m compileall -q workflows \
     && useradd --system --uid 10001 --no-create-home --home-dir /app billing
 
 USER billing

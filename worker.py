@@ -9,16 +9,17 @@ start-up, so a new database is ready before the first task.
 from __future__ import annotations
 
 import asyncio
+import compileall
 import logging
 import signal
 from datetime import timedelta
+from pathlib import Path
 
 import asyncpg
 import stripe
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-import workflows
 from activities.charging import ChargingActivities
 from activities.period import PeriodActivities, scheduled_period
 from activities.reconcile import ReconcileActivities
@@ -36,8 +37,29 @@ from billing.migrations import migrate
 from billing.stripe_client import stripe_client, stripe_http
 from billing.temporal_client import connect
 from vault.client import VaultAdmin
+from workflows.billing_period import BillingPeriodWorkflow
+from workflows.customer_charge import CustomerChargeWorkflow
+from workflows.reconcile import ReconcileWorkflow
+from workflows.scheduled_billing import ScheduledBillingWorkflow
 
 log = logging.getLogger("billing.worker")
+
+WORKFLOWS = [
+    BillingPeriodWorkflow,
+    CustomerChargeWorkflow,
+    ScheduledBillingWorkflow,
+    ReconcileWorkflow,
+]
+WORKFLOWS_DIR = Path(__file__).resolve().parent / "workflows"
+
+
+def compile_workflows() -> None:
+    """Write the workflows' bytecode beside their source, as Python does by default. The
+    sandbox imports a workflow's module afresh for every run and, with no bytecode on disk
+    (PYTHONDONTWRITEBYTECODE, a fresh checkout), compiles the source every time: half the
+    worker's event-loop time at 20 children/s. A read-only tree is skipped quietly: the
+    image compiles at build."""
+    compileall.compile_dir(WORKFLOWS_DIR, quiet=2)
 
 
 def direct_access(stripe_api: stripe.StripeClient, settings: BillingSettings) -> StripeAccess:
@@ -52,13 +74,14 @@ def create_worker(
     settings: BillingSettings,
     admin: VaultAdmin | None = None,
 ) -> Worker:
+    compile_workflows()
     charging = ChargingActivities(pool, access, settings)
     period = PeriodActivities(pool, settings, admin)
     reconcile = ReconcileActivities(pool, access, settings, admin)
     return Worker(
         client,
         task_queue=task_queue,
-        workflows=workflows.ALL,
+        workflows=WORKFLOWS,
         activities=[
             charging.claim,
             charging.charge,

@@ -1,16 +1,6 @@
-"""Workflows: orchestration only; every piece of I/O is an activity."""
+"""Workflows: orchestration only; every piece of I/O is an activity.
 
-from workflows.billing_period import BillingPeriodWorkflow
-from workflows.customer_charge import CustomerChargeWorkflow
-from workflows.reconcile import ReconcileWorkflow
-from workflows.scheduled_billing import ScheduledBillingWorkflow
-
-ALL = [BillingPeriodWorkflow, CustomerChargeWorkflow, ScheduledBillingWorkflow, ReconcileWorkflow]
-
-__all__ = [
-    "ALL",
-    "BillingPeriodWorkflow",
-    "CustomerChargeWorkflow",
-    "ReconcileWorkflow",
-    "ScheduledBillingWorkflow",
-]
+This package imports none of its modules: the sandbox imports a workflow's module, and its
+package, afresh for every workflow run, so a child should not pay for the period's code.
+The worker registers them (worker.WORKFLOWS).
+"""

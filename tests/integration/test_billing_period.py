@@ -14,7 +14,7 @@ from billing.periods import Period
 from billing.runs import period_status, start_period
 from tests.integration.harness import Harness, eventually
 from tests.integration.invariants import assert_billed_once
-from workflows import CustomerChargeWorkflow
+from workflows.customer_charge import CustomerChargeWorkflow
 
 PERIOD = Period(2026, 12)
 

@@ -14,11 +14,11 @@ from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
-import workflows
 from billing.models import RunOptions
 from billing.periods import Period
 from billing.runs import start_period
 from tests.integration.harness import Harness
+from worker import WORKFLOWS
 
 HISTORIES = Path(__file__).resolve().parent.parent / "histories"
 KEPT_CHILDREN = ("-cust-000001--", "-cust-000002--")
@@ -29,7 +29,7 @@ async def replay(histories: Iterable[WorkflowHistory]) -> None:
         for history in histories:
             yield history
 
-    replayer = Replayer(workflows=workflows.ALL, data_converter=pydantic_data_converter)
+    replayer = Replayer(workflows=WORKFLOWS, data_converter=pydantic_data_converter)
     await replayer.replay_workflows(each(), raise_on_replay_failure=True)
 
 
