@@ -22,8 +22,17 @@ async def connect(dsn: str) -> asyncpg.Connection:
 
 async def create_pool(dsn: str, *, max_size: int = 20) -> asyncpg.Pool:
     try:
-        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=max_size, command_timeout=30)
+        pool = await asyncpg.create_pool(
+            dsn, min_size=1, max_size=max_size, command_timeout=30, reset=keep_session
+        )
     except (OSError, asyncpg.PostgresError) as exc:
         raise _unavailable(dsn, exc) from None
     assert pool is not None
     return pool
+
+
+async def keep_session(conn: asyncpg.Connection) -> None:
+    """Neither the ledger nor the vault sets session state (no SET, LISTEN, session advisory
+    lock or cursor outside a transaction), so the default reset query, a round trip on every
+    release, is skipped: a charge releases a connection four times. asyncpg still rolls back
+    a transaction left open."""

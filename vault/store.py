@@ -8,6 +8,7 @@ from typing import Any
 
 import asyncpg
 
+from billing.db import keep_session
 from vault.models import (
     AuditEntry,
     IssueKeyRequest,
@@ -43,16 +44,10 @@ def secret_digest(secret: str) -> bytes:
 
 async def create_pool(dsn: str, size: int) -> asyncpg.Pool:
     pool = await asyncpg.create_pool(
-        dsn, min_size=min(2, size), max_size=size, command_timeout=30, reset=_keep_session
+        dsn, min_size=min(2, size), max_size=size, command_timeout=30, reset=keep_session
     )
     assert pool is not None
     return pool
-
-
-async def _keep_session(conn: asyncpg.Connection) -> None:
-    """The vault sets no session state (no SET, LISTEN, advisory lock or cursor), so the
-    default reset query, a round trip on every release, is skipped. asyncpg still rolls back
-    a transaction left open."""
 
 
 async def insert_key(
