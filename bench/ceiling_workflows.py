@@ -1,8 +1,8 @@
 """Temporal's own ceiling for bench/throughput.py: the period workflow's fan-out, minus the work.
 
 `FanOutWorkflow` starts `count` `NoopChildWorkflow` children the way BillingPeriodWorkflow
-does (a window of `max_in_flight`, refilled at a tenth free with one `asyncio.gather` of
-starts, REJECT_DUPLICATE IDs, ParentClosePolicy.ABANDON, a static summary and two search
+does (a window of `max_in_flight`, refilled at a tenth free, each child started and awaited
+by a task of its own, REJECT_DUPLICATE IDs, ParentClosePolicy.ABANDON, a static summary and two search
 attributes per child, each child's result awaited, its own children finished before it
 continues as new at the same history length); each child only returns. Run on the benchmark's
 own task queue, never on the billing worker.
@@ -61,10 +61,10 @@ class FanOutWorkflow:
         while True:
             room = state.max_in_flight - len(self._in_flight)
             if room > 0 and state.next_index < state.count:
-                batch = list(range(state.next_index, min(state.count, state.next_index + room)))
+                batch = range(state.next_index, min(state.count, state.next_index + room))
                 state.next_index += len(batch)
-                for handle in await asyncio.gather(*(self._start(i) for i in batch)):
-                    task = asyncio.create_task(self._await_child(handle))
+                for index in batch:
+                    task = asyncio.create_task(self._run_child(index))
                     self._in_flight.add(task)
                     task.add_done_callback(self._in_flight.discard)
             exhausted = state.next_index >= state.count
@@ -83,10 +83,8 @@ class FanOutWorkflow:
     def _settled_to(self, target: int) -> bool:
         return len(self._in_flight) <= target
 
-    async def _await_child(
-        self, handle: workflow.ChildWorkflowHandle[NoopChildWorkflow, int]
-    ) -> None:
-        await handle
+    async def _run_child(self, index: int) -> None:
+        await (await self._start(index))
         self._state.finished += 1
 
     async def _start(self, index: int) -> workflow.ChildWorkflowHandle[NoopChildWorkflow, int]:

@@ -1,7 +1,9 @@
 """One billing period: fan out a child per due customer, in a bounded window, and sum up.
 
 Children are started in batches within one workflow task (a serial await per start caps the
-rate at a few per second) and report by completing: the run awaits each child's result, and
+rate at a few per second), each by a task of its own that nothing waits for (waiting for a
+batch's starts let the window drain), and report by completing: the run awaits each child's
+result, and
 lets its own children finish before it continues as new. A report by signal would cost every
 customer three more history events and a workflow task, and serialize on the parent: it
 halved the fan-out's throughput. A child another run started (the parent was terminated and
@@ -344,7 +346,9 @@ class BillingPeriodWorkflow:
             if not self._buffer:
                 if state.listing_done:
                     break
-                page = await workflow.execute_activity_method(
+                # Local: one short query, which the window waits for; through the task
+                # queue it took a second under load while the window drained.
+                page = await workflow.execute_local_activity_method(
                     PeriodActivities.due_customers,
                     DuePageRequest(
                         period=state.period, after=state.cursor, limit=self._options.page_size
@@ -378,16 +382,13 @@ class BillingPeriodWorkflow:
         if not batch:
             return
         self._in_flight.update(batch)
-        handles = await asyncio.gather(*(self._start_child(c) for c in batch))
-        for customer_id, handle in zip(batch, handles, strict=True):
-            if handle is None:
-                self._elsewhere.add(customer_id)
-            else:
-                task = asyncio.create_task(self._await_child(customer_id, handle))
-                self._children.add(task)
-                task.add_done_callback(self._children.discard)
-        if self._elsewhere:
-            await self._settle_from_ledger(sorted(self._elsewhere))
+        # Each child is started and awaited by a task of its own: the loop does not wait
+        # for a batch's starts, which the server acknowledges one by one, so the window is
+        # refilled as soon as there is room.
+        for customer_id in batch:
+            task = asyncio.create_task(self._run_child(customer_id))
+            self._children.add(task)
+            task.add_done_callback(self._children.discard)
         self._describe()
 
     async def _start_child(
@@ -418,11 +419,11 @@ class BillingPeriodWorkflow:
         except WorkflowAlreadyStartedError:
             return None
 
-    async def _await_child(
-        self,
-        customer_id: str,
-        handle: workflow.ChildWorkflowHandle[CustomerChargeWorkflow, CustomerOutcome],
-    ) -> None:
+    async def _run_child(self, customer_id: str) -> None:
+        handle = await self._start_child(customer_id)
+        if handle is None:
+            self._elsewhere.add(customer_id)
+            return
         try:
             self._settle(await handle)
         except ChildWorkflowError:
