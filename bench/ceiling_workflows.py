@@ -1,11 +1,11 @@
 """Temporal's own ceiling for bench/throughput.py: the period workflow's fan-out, minus the work.
 
 `FanOutWorkflow` starts `count` `NoopChildWorkflow` children the way BillingPeriodWorkflow
-does (a window of `max_in_flight`, refilled at a tenth free, each child started and awaited
-by a task of its own, REJECT_DUPLICATE IDs, ParentClosePolicy.ABANDON, a static summary and two search
-attributes per child, each child's result awaited, its own children finished before it
-continues as new at the same history length); each child only returns. Run on the benchmark's
-own task queue, never on the billing worker.
+does (a window of `max_in_flight`, refilled at a tenth free, each child started and awaited by
+a task of its own, REJECT_DUPLICATE IDs, ParentClosePolicy.ABANDON, a static summary and two
+search attributes per child, its own children finished before it continues as new at the same
+history length); each child only returns. Run on the benchmark's own task queue, never on
+the billing worker.
 """
 
 from __future__ import annotations

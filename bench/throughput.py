@@ -72,10 +72,16 @@ from bench.ceiling_workflows import (  # noqa: E402
 )
 from bench.stack_support import write_result  # noqa: E402
 from billing import ledger, period_keys  # noqa: E402
-from billing.config import BillingSettings, DatabaseSettings, TemporalSettings  # noqa: E402
+from billing.config import (  # noqa: E402
+    BillingSettings,
+    DatabaseSettings,
+    ObservabilitySettings,
+    TemporalSettings,
+)
 from billing.customers import upsert_customers  # noqa: E402
 from billing.db import create_pool  # noqa: E402
 from billing.keys import idempotency_key, period_workflow_id  # noqa: E402
+from billing.metrics import temporal_runtime  # noqa: E402
 from billing.migrations import migrate  # noqa: E402
 from billing.models import ChargeFailure, ChargeResult, Claim, RunOptions  # noqa: E402
 from billing.money import spend_cap  # noqa: E402
@@ -555,7 +561,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         # This process runs the ledger code of the working tree: its schema too (a worker
         # does the same at start).
         await migrate(database_url)
-        client = await connect(TemporalSettings())
+        # The SDK core's warnings go to stderr through logging, not into the JSON on stdout.
+        runtime = temporal_runtime(ObservabilitySettings(temporal_metrics_port=None))
+        client = await connect(TemporalSettings(), runtime)
         pool = await create_pool(database_url)
         meter = CpuMeter()
         await set_faults(0, None)

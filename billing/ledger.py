@@ -99,31 +99,31 @@ async def claim(
 ) -> Claim:
     """Insert the claim, or return the one that exists: a retry charges the same row.
     `run_id` is the claiming workflow run's: the last run to claim an open row owns it, so a
-    run whose workflow task is retried after its record knows the charge for its own."""
-    async with conn.transaction():
-        await conn.execute(
-            """
-            INSERT INTO billing_runs (customer_id, billing_period, idempotency_key, amount_cents,
-                                      currency, stripe_customer_id, payment_method,
-                                      claimed_by_run)
-            SELECT customer_id, $2, $3, amount_cents, currency, stripe_customer_id,
-                   payment_method, $4
-            FROM customers WHERE customer_id = $1 AND active
-            ON CONFLICT (customer_id, billing_period) DO UPDATE
-            SET claimed_by_run = EXCLUDED.claimed_by_run
-            WHERE billing_runs.status = 'claimed' AND EXCLUDED.claimed_by_run IS NOT NULL
-            """,
-            customer_id,
-            period,
-            key,
-            run_id,
-        )
-        row = await conn.fetchrow(
-            f"SELECT {_CLAIM_COLUMNS} FROM billing_runs"
-            " WHERE customer_id = $1 AND billing_period = $2",
-            customer_id,
-            period,
-        )
+    run whose workflow task is retried after its record knows the charge for its own.
+    Two statements, no transaction around them: the read sees the row as the insert left it
+    or as another hand has moved it on since, and either is the claim to act on."""
+    await conn.execute(
+        """
+        INSERT INTO billing_runs (customer_id, billing_period, idempotency_key, amount_cents,
+                                  currency, stripe_customer_id, payment_method,
+                                  claimed_by_run)
+        SELECT customer_id, $2, $3, amount_cents, currency, stripe_customer_id,
+               payment_method, $4
+        FROM customers WHERE customer_id = $1 AND active
+        ON CONFLICT (customer_id, billing_period) DO UPDATE
+        SET claimed_by_run = EXCLUDED.claimed_by_run
+        WHERE billing_runs.status = 'claimed' AND EXCLUDED.claimed_by_run IS NOT NULL
+        """,
+        customer_id,
+        period,
+        key,
+        run_id,
+    )
+    row = await conn.fetchrow(
+        f"SELECT {_CLAIM_COLUMNS} FROM billing_runs WHERE customer_id = $1 AND billing_period = $2",
+        customer_id,
+        period,
+    )
     if row is None:
         raise UnknownCustomerError(
             f"customer {customer_id!r} is not in the ledger or is inactive; nothing was charged"

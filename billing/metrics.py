@@ -8,12 +8,20 @@ Temporal runtime. Counters count events in this process: Prometheus sums them ac
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 from wsgiref.simple_server import WSGIServer
 
 import stripe
 from prometheus_client import Counter, Histogram, start_http_server
-from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
+from temporalio.runtime import (
+    LogForwardingConfig,
+    LoggingConfig,
+    PrometheusConfig,
+    Runtime,
+    TelemetryConfig,
+    TelemetryFilter,
+)
 
 from billing.config import ObservabilitySettings
 
@@ -79,16 +87,21 @@ def serve(settings: ObservabilitySettings) -> WSGIServer | None:
     return server
 
 
-def temporal_runtime(settings: ObservabilitySettings) -> Runtime | None:
-    """A Temporal runtime exporting the SDK's metrics on TEMPORAL_METRICS_PORT, or None (the
-    default runtime, no metrics) while the port is unset."""
-    if settings.temporal_metrics_port is None:
-        return None
-    prometheus = PrometheusConfig(
-        bind_address=f"{settings.metrics_host}:{settings.temporal_metrics_port}",
-        # Prometheus conventions: `_total` counters, units as suffixes, seconds.
-        counters_total_suffix=True,
-        unit_suffix=True,
-        durations_as_seconds=True,
+def temporal_runtime(settings: ObservabilitySettings) -> Runtime:
+    """The process's Temporal runtime: the SDK core's log lines go through Python's logging
+    (the project's format and redaction; by default the core prints coloured text to stdout),
+    and its metrics are exported on TEMPORAL_METRICS_PORT while that is set."""
+    core_logs = LoggingConfig(
+        filter=TelemetryFilter(core_level="WARN", other_level="ERROR"),
+        forwarding=LogForwardingConfig(logger=logging.getLogger("temporalio.core")),
     )
-    return Runtime(telemetry=TelemetryConfig(metrics=prometheus))
+    prometheus = None
+    if settings.temporal_metrics_port is not None:
+        prometheus = PrometheusConfig(
+            bind_address=f"{settings.metrics_host}:{settings.temporal_metrics_port}",
+            # Prometheus conventions: `_total` counters, units as suffixes, seconds.
+            counters_total_suffix=True,
+            unit_suffix=True,
+            durations_as_seconds=True,
+        )
+    return Runtime(telemetry=TelemetryConfig(logging=core_logs, metrics=prometheus))

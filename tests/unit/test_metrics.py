@@ -120,4 +120,3 @@ def test_ports_left_unset_serve_nothing() -> None:
     assert fields["temporal_metrics_port"].default is None
     settings = ObservabilitySettings(billing_metrics_port=None, temporal_metrics_port=None)
     assert metrics.serve(settings) is None
-    assert metrics.temporal_runtime(settings) is None
