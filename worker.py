@@ -51,6 +51,7 @@ WORKFLOWS = [
     ReconcileWorkflow,
 ]
 WORKFLOWS_DIR = Path(__file__).resolve().parent / "workflows"
+WORKFLOW_TASK_SLOTS = 2000
 
 
 def compile_workflows() -> None:
@@ -100,6 +101,12 @@ def create_worker(
             reconcile.settle_reservations,
             reconcile.compare_charges,
         ],
+        # A child holds a workflow-task slot while its local activities run. With the SDK's
+        # 100 slots a fan-out of 500 took them all, and the period's own task waited on the
+        # sticky queue until it timed out (10 s, at the start of every run of the period).
+        # More slots than children in flight (RunOptions.max_in_flight <= 1,500) leave the
+        # period one.
+        max_concurrent_workflow_tasks=WORKFLOW_TASK_SLOTS,
         # In-flight Stripe calls get this long to finish and be recorded on shutdown.
         graceful_shutdown_timeout=timedelta(seconds=30),
     )

@@ -47,7 +47,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack, contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -57,7 +57,8 @@ import stripe
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from temporalio.client import Client  # noqa: E402
+from temporalio.api.enums.v1 import EventType  # noqa: E402
+from temporalio.client import Client, WorkflowHistory  # noqa: E402
 from temporalio.service import RPCError, RPCStatusCode  # noqa: E402
 from temporalio.worker import PollerBehaviorSimpleMaximum, Worker  # noqa: E402
 
@@ -355,13 +356,14 @@ async def measure_ceiling(
         # nobody polls.
         if not await drain(client, task_queue):
             say(f"warning: workflows still running on {task_queue}")
-    histories = await history_lengths(client, prefix)
+    runs = await workflow_runs(client, prefix)
     return {
         "per_s": customers / elapsed,
         "seconds": round(elapsed, 2),
         "finished": result.finished,
         "runs": result.runs,
-        "max_history_events": max(histories),
+        "max_history_events": max(runs.lengths),
+        "workflow_task_timeouts": runs.task_timeouts,
         "cpu_cores": cpu,
     }
 
@@ -388,7 +390,7 @@ async def measure_orchestrated(
         cpu = meter.stop()
     finally:
         await set_faults(0, None)
-    histories = await history_lengths(client, period_workflow_id(period))
+    runs = await workflow_runs(client, period_workflow_id(period))
     return {
         "per_s": len(customer_ids) / elapsed,
         "seconds": round(elapsed, 2),
@@ -397,25 +399,39 @@ async def measure_orchestrated(
         "charged": summary.charged,
         "failed": summary.failed,
         "emulator_429s": await emulator_rate_limited() - limited,
-        "runs": len(histories),
-        "max_history_events": max(histories),
+        "runs": len(runs.lengths),
+        "max_history_events": max(runs.lengths),
+        "workflow_task_timeouts": runs.task_timeouts,
         "cpu_cores": cpu,
         **worker_memory_mb(),
         "temporal_limit_warnings": temporal_limit_warnings(log_offset),
     }
 
 
-async def history_lengths(client: Client, workflow_id: str) -> list[int]:
-    """Event count of every run of the workflow ID (continue-as-new makes several)."""
-    lengths: list[int] = []
+class Runs(NamedTuple):
+    """The runs of one workflow ID (continue-as-new makes several)."""
+
+    lengths: list[int]
+    # Workflow tasks that timed out: a stalled workflow (e.g. its task left unpolled on the
+    # worker's sticky queue for 10 s) shows up here before it shows up in the rate.
+    task_timeouts: int
+
+
+async def workflow_runs(client: Client, workflow_id: str) -> Runs:
+    histories: list[WorkflowHistory] = []
     async for execution in client.list_workflows(f'WorkflowId="{workflow_id}"'):
         handle = client.get_workflow_handle(workflow_id, run_id=execution.run_id)
-        history = await handle.fetch_history()
-        lengths.append(len(history.events))
-    if not lengths:  # visibility lags a little behind the run
-        history = await client.get_workflow_handle(workflow_id).fetch_history()
-        lengths.append(len(history.events))
-    return lengths
+        histories.append(await handle.fetch_history())
+    if not histories:  # visibility lags a little behind the run
+        histories.append(await client.get_workflow_handle(workflow_id).fetch_history())
+    return Runs(
+        lengths=[len(h.events) for h in histories],
+        task_timeouts=sum(
+            e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT
+            for h in histories
+            for e in h.events
+        ),
+    )
 
 
 async def with_retries(call: Callable[[], Awaitable[T]]) -> tuple[T | ChargeFailure, int]:
@@ -611,6 +627,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "baseline_per_s": round(baseline["per_s"], 1),
         "ratio": round(orchestrated["per_s"] / baseline["per_s"], 3),
         "max_history_events": orchestrated["max_history_events"],
+        "workflow_task_timeouts": orchestrated["workflow_task_timeouts"],
         "worker_peak_rss_mb": orchestrated["worker_peak_rss_mb"],
         "temporal_limit_warnings": len(orchestrated["temporal_limit_warnings"]),
         "emulator_latency_ms": args.emulator_latency_ms,
