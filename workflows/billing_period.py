@@ -3,11 +3,10 @@
 Children are started in batches within one workflow task (a serial await per start caps the
 rate at a few per second), each by a task of its own that nothing waits for (waiting for a
 batch's starts let the window drain), and report by completing: the run awaits each child's
-result, and
-lets its own children finish before it continues as new. A report by signal would cost every
-customer three more history events and a workflow task, and serialize on the parent: it
-halved the fan-out's throughput. A child another run started (the parent was terminated and
-started again) cannot be awaited: the ledger says when it finishes.
+result, and lets its own children finish before it continues as new. A report by signal would
+cost every customer three more history events and a workflow task, and serialize on the
+parent: it halved the fan-out's throughput. A child another run started (the parent was
+terminated and started again) cannot be awaited: the ledger says when it finishes.
 
 Operators pause, resume, cancel and skip through updates, which answer (and refuse, e.g. a
 resume of a cancelled run); the ledger carries their word to charges already scheduled, and a
