@@ -94,6 +94,7 @@ from billing.temporal_client import connect  # noqa: E402
 from devstack.demo import ensure_stack  # noqa: E402
 from devstack.stack import StackConfig  # noqa: E402
 from vault.client import VaultAdmin  # noqa: E402
+from worker import WORKFLOW_TASK_SLOTS  # noqa: E402
 
 # The retry policy of the charge activity (workflows/customer_charge.py), for the baseline.
 RETRY_INITIAL = 1.0
@@ -330,7 +331,14 @@ async def measure_ceiling(
         polling["workflow_task_poller_behavior"] = PollerBehaviorSimpleMaximum(workflow_polls)
         polling["nonsticky_to_sticky_poll_ratio"] = 1.0
     workflows = [FanOutWorkflow, NoopChildWorkflow]
-    async with Worker(client, task_queue=task_queue, workflows=workflows, **polling):
+    # The stack's worker's slots, so the two fan-outs differ only in what the children do.
+    async with Worker(
+        client,
+        task_queue=task_queue,
+        workflows=workflows,
+        max_concurrent_workflow_tasks=WORKFLOW_TASK_SLOTS,
+        **polling,
+    ):
 
         async def fan_out(prefix: str, count: int) -> FanOutResult:
             return await client.execute_workflow(
