@@ -103,7 +103,7 @@ def create_worker(
         ],
         # A child holds a workflow-task slot while its local activities run. With the SDK's
         # 100 slots a fan-out of 500 took them all, and the period's own task waited on the
-        # sticky queue until it timed out (10 s, at the start of every run of the period).
+        # sticky queue until it timed out (10 s, at the start of half the period's runs).
         # More slots than children in flight (RunOptions.max_in_flight <= 1,500) leave the
         # period one.
         max_concurrent_workflow_tasks=WORKFLOW_TASK_SLOTS,
