@@ -41,6 +41,7 @@ import json
 import os
 import re
 import secrets
+import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -101,6 +102,7 @@ RETRY_INITIAL = 1.0
 RETRY_BACKOFF = 2.0
 RETRY_MAX = 30.0
 BASELINE_WORKFLOW_ID = "bench-baseline"
+RSS_SAMPLE_SECONDS = 2.0
 T = TypeVar("T")
 QUIET = False
 
@@ -389,6 +391,8 @@ async def measure_orchestrated(
     limited = await emulator_rate_limited()
     await set_faults(*faults)
     log_offset = temporal_log_size()
+    samples: list[float] = []
+    sampling = asyncio.create_task(sample_worker_rss(samples))
     try:
         meter.start()
         started = time.monotonic()
@@ -397,6 +401,7 @@ async def measure_orchestrated(
         elapsed = time.monotonic() - started
         cpu = meter.stop()
     finally:
+        sampling.cancel()
         await set_faults(0, None)
     runs = await workflow_runs(client, period_workflow_id(period))
     return {
@@ -412,8 +417,20 @@ async def measure_orchestrated(
         "workflow_task_timeouts": runs.task_timeouts,
         "cpu_cores": cpu,
         **worker_memory_mb(),
+        # The peak is one moment (a burst, a replay); the samples show what the run holds.
+        "worker_rss_mb_median": round(statistics.median(samples), 1) if samples else None,
+        "worker_rss_mb_p95": (
+            round(statistics.quantiles(samples, n=20)[-1], 1) if len(samples) > 1 else None
+        ),
         "temporal_limit_warnings": temporal_limit_warnings(log_offset),
     }
+
+
+async def sample_worker_rss(samples: list[float]) -> None:
+    """Append the worker's resident memory (MiB) every RSS_SAMPLE_SECONDS until cancelled."""
+    while True:
+        samples.append(worker_memory_mb()["worker_rss_mb"])
+        await asyncio.sleep(RSS_SAMPLE_SECONDS)
 
 
 class Runs(NamedTuple):
@@ -637,6 +654,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_history_events": orchestrated["max_history_events"],
         "workflow_task_timeouts": orchestrated["workflow_task_timeouts"],
         "worker_peak_rss_mb": orchestrated["worker_peak_rss_mb"],
+        "worker_rss_mb_median": orchestrated["worker_rss_mb_median"],
         "temporal_limit_warnings": len(orchestrated["temporal_limit_warnings"]),
         "emulator_latency_ms": args.emulator_latency_ms,
         "rate_limit_rps": args.rate_limit_rps,
