@@ -34,5 +34,5 @@ async def create_pool(dsn: str, *, max_size: int = 20) -> asyncpg.Pool:
 async def keep_session(conn: asyncpg.Connection) -> None:
     """Neither the ledger nor the vault sets session state (no SET, LISTEN, session advisory
     lock or cursor outside a transaction), so the default reset query, a round trip on every
-    release, is skipped: a charge releases a connection four times. asyncpg still rolls back
+    release, is skipped: a charge releases one three or four times. asyncpg still rolls back
     a transaction left open."""

@@ -6,11 +6,7 @@ from datetime import datetime, timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import (
-    ActivityError,
-    ApplicationError,
-    FailureError,
-)
+from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 from temporalio.exceptions import TimeoutError as TemporalTimeoutError
 
 with workflow.unsafe.imports_passed_through():
@@ -225,14 +221,17 @@ def _continue_as_new_if_long(request: CustomerChargeInput) -> None:
         workflow.continue_as_new(request)
 
 
+def _cause(err: FailureError) -> BaseException | None:
+    """The activity's own failure: a local activity's final failure can arrive unwrapped."""
+    return err.cause if isinstance(err, ActivityError) else err
+
+
 def _timed_out(err: FailureError) -> bool:
-    cause = err.cause if isinstance(err, ActivityError) else err
-    return isinstance(cause, TemporalTimeoutError)
+    return isinstance(_cause(err), TemporalTimeoutError)
 
 
 def _application_failure(err: FailureError) -> ApplicationError | None:
-    """The activity's own failure: a local activity's final failure can arrive unwrapped."""
-    cause = err.cause if isinstance(err, ActivityError) else err
+    cause = _cause(err)
     return cause if isinstance(cause, ApplicationError) else None
 
 
