@@ -6,6 +6,16 @@ import asyncpg
 
 from billing.errors import ServiceUnavailableError
 
+# Errors that say the database could not be reached or dropped the connection (a restart, a
+# failover), as opposed to a statement it refused: only these are worth trying again.
+CONNECTION_ERRORS: tuple[type[Exception], ...] = (
+    OSError,
+    TimeoutError,
+    asyncpg.InterfaceError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.OperatorInterventionError,
+)
+
 
 def _unavailable(dsn: str, exc: Exception) -> ServiceUnavailableError:
     # Only the host part: a DSN may carry a password.

@@ -99,8 +99,9 @@ async def handle(request: web.Request) -> web.Response:
     record.latency_ms = (time.perf_counter() - started) * 1000
     metrics.observe(record)
     try:
-        async with state.pool.acquire() as conn:
-            await store.insert_audit(conn, record)
+        await store.through_outage(
+            state.pool, state.outage_retry, lambda conn: store.insert_audit(conn, record)
+        )
     except _DATABASE_ERRORS:
         # The answer still goes back: for a charge it says what happened to the money.
         logger.exception("could not write the audit row of %s %s", record.method, record.path)
@@ -389,10 +390,14 @@ async def _settle(
     state: VaultState, reservation: Reservation, outcome: Outcome, status: int | None
 ) -> ReservationState:
     try:
-        async with state.pool.acquire() as conn:
-            return await reservations.settle(conn, reservation, outcome, status)
+        return await store.through_outage(
+            state.pool,
+            state.outage_retry,
+            lambda conn: reservations.settle(conn, reservation, outcome, status),
+        )
     except _DATABASE_ERRORS:
-        # The reservation stays pending, so counted; once stale it is treated as unknown.
+        # Down past the retries: the reservation stays pending, so counted; once stale it is
+        # treated as unknown, and reconciliation settles it from Stripe.
         logger.exception("could not settle reservation %s as %s", reservation.id, outcome)
         return "pending"
 

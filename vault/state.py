@@ -17,6 +17,9 @@ from vault.settings import VaultSettings
 # How long past the upstream timeout a pending reservation may stay pending before it is
 # treated as unknown: only a vault stopped mid-request leaves one that old.
 _STALE_MARGIN = timedelta(seconds=10)
+# How long the writes after an upstream answer (settle, audit) keep trying through a database
+# outage: inside the margin above, so a reservation settled late is not yet taken for stale.
+_OUTAGE_RETRY = timedelta(seconds=8)
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class VaultState:
     upstream_secret: bytes = field(repr=False)
     admin_token_digest: bytes = field(repr=False)
     stale_after: timedelta
+    outage_retry: timedelta = _OUTAGE_RETRY
 
 
 STATE = web.AppKey("vault_state", VaultState)

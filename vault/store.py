@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import hashlib
+import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, fields
-from typing import Any
+from datetime import timedelta
+from typing import Any, TypeVar
 
 import asyncpg
+from tenacity import (
+    AsyncRetrying,
+    before_sleep_log,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_exponential_jitter,
+)
 
-from billing.db import keep_session
+from billing.db import CONNECTION_ERRORS, keep_session
 from vault.models import (
     AuditEntry,
     IssueKeyRequest,
@@ -18,6 +28,9 @@ from vault.models import (
 )
 
 _TODAY = "(now() AT TIME ZONE 'UTC')::date"
+
+logger = logging.getLogger("vault.store")
+T = TypeVar("T")
 
 _KEY_VIEW = f"""
     SELECT k.id, k.vendor, k.label, k.period, k.currency, k.cap_cents, k.daily_cap_cents,
@@ -143,6 +156,29 @@ class AuditRecord:
     refusal_code: str | None = None
     reservation_state: ReservationState | None = None
     latency_ms: float = 0.0
+
+
+async def through_outage(
+    pool: asyncpg.Pool, within: timedelta, operation: Callable[[asyncpg.Connection], Awaitable[T]]
+) -> T:
+    """Run `operation` on a pooled connection, again and again while the database cannot be
+    reached, for up to `within`: for writes that record what already happened upstream (a
+    settle, an audit row), which no client retry would bring back. A first try may have
+    committed before the connection dropped: a settle then finds itself done, an audit row
+    may be written twice."""
+
+    async def attempt() -> T:
+        async with pool.acquire() as conn:
+            return await operation(conn)
+
+    retrying = AsyncRetrying(
+        retry=retry_if_exception_type(CONNECTION_ERRORS),
+        stop=stop_after_delay(within.total_seconds()),
+        wait=wait_exponential_jitter(multiplier=0.1, max=1.0, jitter=0.1),
+        before_sleep=before_sleep_log(logger, logging.WARNING),
+        reraise=True,
+    )
+    return await retrying(attempt)
 
 
 async def insert_audit(conn: asyncpg.Connection, record: AuditRecord) -> None:

@@ -12,7 +12,9 @@ import asyncpg
 import pytest
 import stripe
 
+from devstack.postgres import LocalPostgres
 from stripe_emulator import RunningEmulator
+from tests.integration.harness import eventually
 from vault import VaultSettings, serve
 from vault.client import VaultAdmin, VaultConflict, VaultInvalidRequest, VaultNotFound
 from vault.models import IssuedKey
@@ -142,6 +144,43 @@ async def test_reconciliation_resolves_an_unknown_reservation(
     assert await admin.unknown_reservations(key.id) == []
     totals = await assert_consistent(db, key.id)
     assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 2_000)
+
+
+async def test_a_database_outage_while_stripe_charges_still_settles_the_reservation(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+    admin: VaultAdmin,
+    postgres: LocalPostgres,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """PostgreSQL stops while the charge is at Stripe and is back a moment after Stripe has
+    answered: the vault keeps trying its writes, so the money is committed and audited
+    instead of left pending until reconciliation."""
+    key = await issue()
+    client = stripe_via_vault(key)
+    await set_faults(emulator, latency_ms=1_500)
+    charging = asyncio.create_task(charge(client, customer, 2_500, "outage"))
+
+    async def reserved() -> bool:
+        return await _states(db, key.id) == {"outage": "pending"}
+
+    await eventually(reserved, timeout=10)
+    await asyncio.to_thread(postgres.stop)
+    # Stripe answers meanwhile, and the settle finds the database down.
+    await asyncio.sleep(2.5)
+    await asyncio.to_thread(postgres.start)
+
+    intent = await charging
+    assert intent.status == "succeeded"
+    assert [r for r in caplog.records if r.name == "vault.store"], "no write met the outage"
+    assert await _states(db, key.id) == {"outage": "committed"}
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 2_500)
+    audited = [(e.decision, e.reservation_state) for e in await admin.audit(key.id)]
+    assert audited == [("forwarded", "committed")]
 
 
 async def test_upstream_timeout_is_unknown_and_a_later_replay_commits(
