@@ -15,6 +15,9 @@ from typing import Any
 
 import asyncpg
 import stripe
+from temporalio.api.enums.v1 import TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client
 from temporalio.worker import Worker
 
@@ -150,6 +153,22 @@ class Harness:
         )
         self.processes.append(process)
         return process
+
+    async def workers_polling(self, count: int) -> None:
+        """Wait until `count` workers poll the task queue for workflow tasks: a process just
+        started needs a few seconds, and work started before then all goes to the others."""
+
+        async def polling() -> bool:
+            described = await self.client.workflow_service.describe_task_queue(
+                DescribeTaskQueueRequest(
+                    namespace=self.client.namespace,
+                    task_queue=TaskQueue(name=self.task_queue),
+                    task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+                )
+            )
+            return len({poller.identity for poller in described.pollers}) >= count
+
+        await eventually(polling)
 
     async def ledger_rows(self, period: str) -> list[asyncpg.Record]:
         return await ledger_rows(self.pool, period)

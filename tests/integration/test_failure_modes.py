@@ -161,6 +161,7 @@ async def test_two_worker_processes_share_the_stripe_rate(harness: Harness) -> N
     await harness.set_faults(rate_limit_rps=4.0)
     harness.settings = harness.settings.model_copy(update={"billing_stripe_rps": 3.0})
     workers = [harness.worker_process(), harness.worker_process()]
+    await harness.workers_polling(2)
     summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
     assert all(w.poll() is None for w in workers)
     assert summary.charged == 24
