@@ -90,7 +90,7 @@ def create_worker(
             charging.record_unbilled,
             period.prepare,
             period.due_customers,
-            period.ledger_outcomes,
+            period.await_outcomes,
             period.set_control,
             period.skip_customer,
             period.cancel_unstarted,

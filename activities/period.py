@@ -3,19 +3,24 @@ controls (pause, resume, cancel, skip), close."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from zoneinfo import ZoneInfo
 
 import asyncpg
 from temporalio import activity
+from temporalio.client import WorkflowExecutionStatus
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.charging import UNKNOWN_CUSTOMER
 from activities.stripe_failures import KEY_REFUSED
 from billing import ledger, period_keys
 from billing.config import BillingSettings
 from billing.errors import UnknownCustomerError
-from billing.keys import idempotency_key
+from billing.keys import customer_workflow_id, idempotency_key
 from billing.models import (
     CancelPage,
     Control,
@@ -48,6 +53,9 @@ class DuePageRequest(Record):
 class OutcomesRequest(Record):
     period: str
     customer_ids: list[str]
+    # Answer once this many have an outcome, or after wait_seconds with those found.
+    enough: int
+    wait_seconds: float
 
 
 class ControlRequest(Record):
@@ -66,6 +74,12 @@ class CancelRequest(Record):
     after: str | None
     limit: int
     request: OperatorRequest
+
+
+# How often the ledger is read while outcomes are awaited.
+OUTCOMES_POLL_SECONDS = 0.5
+# A child that closed before its claim (its customer was gone) leaves no ledger row.
+ENDED_WITHOUT_CLAIM = "ended_without_claim"
 
 
 class ScheduledPeriodRequest(Record):
@@ -126,10 +140,52 @@ class PeriodActivities:
         async with self._pool.acquire() as conn:
             return await ledger.due_page(conn, request.period, request.after, request.limit)
 
-    @activity.defn(name="ledger_outcomes")
-    async def ledger_outcomes(self, request: OutcomesRequest) -> list[CustomerOutcome]:
+    @activity.defn(name="await_outcomes")
+    async def await_outcomes(self, request: OutcomesRequest) -> list[CustomerOutcome]:
+        """Outcomes of customers whose child the run cannot await (an earlier run started
+        it), read from the ledger once `enough` have one, or when the wait is over."""
+        deadline = time.monotonic() + request.wait_seconds
+        while True:
+            async with self._pool.acquire() as conn:
+                found = await ledger.outcomes(
+                    conn, request.period, request.customer_ids, awaited=True
+                )
+            if len(found) >= request.enough or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(OUTCOMES_POLL_SECONDS)
+        if len(found) < request.enough:
+            found += await self._closed_without_row(request.period, request.customer_ids)
+        return found
+
+    async def _closed_without_row(
+        self, period: str, customer_ids: Sequence[str]
+    ) -> list[CustomerOutcome]:
+        """Children that closed without ever writing a ledger row report through their own
+        result; one that failed or was terminated before its claim charged nothing."""
         async with self._pool.acquire() as conn:
-            return await ledger.outcomes(conn, request.period, request.customer_ids, awaited=True)
+            missing = await ledger.without_rows(conn, period, customer_ids)
+        client = activity.client()
+        outcomes: list[CustomerOutcome] = []
+        for customer_id in missing:
+            handle = client.get_workflow_handle(
+                customer_workflow_id(parse_period(period), customer_id),
+                result_type=CustomerOutcome,
+            )
+            try:
+                description = await handle.describe()
+            except RPCError as exc:
+                if exc.status == RPCStatusCode.NOT_FOUND:
+                    continue
+                raise
+            if description.status == WorkflowExecutionStatus.COMPLETED:
+                outcomes.append(await handle.result())
+            elif description.status != WorkflowExecutionStatus.RUNNING:
+                outcomes.append(
+                    CustomerOutcome(
+                        customer_id=customer_id, outcome="failed", failure_code=ENDED_WITHOUT_CLAIM
+                    )
+                )
+        return outcomes
 
     @activity.defn(name="set_control")
     async def set_control(self, request: ControlRequest) -> None:

@@ -229,6 +229,23 @@ async def outcomes(
     ]
 
 
+async def without_rows(
+    conn: asyncpg.Connection, period: str, customer_ids: Sequence[str]
+) -> list[str]:
+    """The customers that have no row of the period at all: their child never claimed."""
+    missing: list[str] = await conn.fetchval(
+        """
+        SELECT coalesce(array_agg(c ORDER BY c), '{}') FROM unnest($2::text[]) AS c
+        WHERE NOT EXISTS (
+            SELECT 1 FROM billing_runs WHERE billing_period = $1 AND customer_id = c
+        )
+        """,
+        period,
+        list(customer_ids),
+    )
+    return missing
+
+
 async def start_period(conn: asyncpg.Connection, plan: PeriodPlan, workflow_id: str) -> None:
     """Record a new run of the period. Customers a cancelled run never started are due
     again (see migrations/005); a cancelled row never reached Stripe (see begin_charge)."""

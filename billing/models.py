@@ -162,9 +162,6 @@ class RunOptions(Record):
     history_event_limit: int = Field(default=8000, ge=200, le=40000)
     # Each child's own limit (CustomerChargeInput.history_event_limit).
     child_history_event_limit: int = Field(default=2000, ge=10, le=40000)
-    # How long a run about to continue as new waits for its own children (the next run
-    # cannot await them): past it, the next run learns of the rest from the ledger.
-    drain_seconds: float = Field(default=120, gt=0, le=3600)
     billing: Literal["arrears", "advance"] = "arrears"
 
 

@@ -3,10 +3,11 @@
 Children are started in batches within one workflow task (a serial await per start caps the
 rate at a few per second), each by a task of its own that nothing waits for (waiting for a
 batch's starts let the window drain), and report by completing: the run awaits each child's
-result, and lets its own children finish before it continues as new. A report by signal would
-cost every customer three more history events and a workflow task, and serialize on the
-parent: it halved the fan-out's throughput. A child another run started (the parent was
-terminated and started again) cannot be awaited: the ledger says when it finishes.
+result. A report by signal would cost every customer three more history events and a workflow
+task, and serialize on the parent: it halved the fan-out's throughput. A child another run
+started cannot be awaited: the ledger says when it finishes. That is how a run that continues
+as new hands its children in flight to the next one, without waiting for them, which let the
+window drain for seconds at every continue-as-new.
 
 Operators pause, resume, cancel and skip through updates, which answer (and refuse, e.g. a
 resume of a cancelled run); the ledger carries their word to charges already scheduled, and a
@@ -16,7 +17,7 @@ resume or cancel signals the children in flight, which wait at a paused gate.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Iterable
 from datetime import timedelta
 
 from temporalio import workflow
@@ -64,8 +65,8 @@ with workflow.unsafe.imports_passed_through():
 ACTIVITY_TIMEOUT = timedelta(seconds=60)
 # Who paused a run that paused itself.
 AUTOMATIC = "billing (automatic)"
-# How often the ledger is asked about children started elsewhere.
-LEDGER_POLL = timedelta(seconds=10)
+# How long one wait for outcomes of children started elsewhere lasts at most.
+LEDGER_WAIT = timedelta(seconds=10)
 
 
 @workflow.defn(name="BillingPeriodWorkflow")
@@ -79,6 +80,9 @@ class BillingPeriodWorkflow:
         self._in_flight: set[str] = set(self._state.started_elsewhere)
         self._elsewhere: set[str] = set(self._state.started_elsewhere)
         self._children: set[asyncio.Task[None]] = set()
+        # Children whose start the server has not yet answered.
+        self._starting = 0
+        self._ledger_watch: asyncio.Task[None] | None = None
         self._buffer: list[DueCustomer] = []
         self._finished = False
         # Control writes reach the ledger one at a time, each writing the latest word, so a
@@ -103,6 +107,7 @@ class BillingPeriodWorkflow:
                 # An operator spoke while the plan was made, which reset the ledger's word.
                 await self._write_control()
         self._publish_status()
+        self._await_elsewhere(())
         while True:
             await workflow.wait_condition(lambda: self._control.control != "paused")
             if self._control.control == "cancelled":
@@ -113,20 +118,11 @@ class BillingPeriodWorkflow:
                 break
             await self._wait_for_room()
             if self._should_continue_as_new():
-                # The next run cannot await this run's children: let them finish, but not for
-                # longer than the drain limit (a charge retried through an outage), after
-                # which the next run learns of the rest from the ledger.
-                try:
-                    await workflow.wait_condition(
-                        lambda: not self._children,
-                        timeout=timedelta(seconds=self._options.drain_seconds),
-                        timeout_summary="let this run's children finish",
-                    )
-                except TimeoutError:
-                    workflow.logger.info(
-                        "%d children handed over to the next run", len(self._children)
-                    )
-                await workflow.wait_condition(workflow.all_handlers_finished)
+                # Children in flight go to the next run, which learns their outcomes from
+                # the ledger; each must have started, or nothing would ever report it.
+                await workflow.wait_condition(
+                    lambda: self._starting == 0 and workflow.all_handlers_finished()
+                )
                 # Listed but not started: the next run lists them again from the cursor.
                 state.listing_done = self._exhausted()
                 state.started_elsewhere = sorted(self._in_flight)
@@ -419,9 +415,13 @@ class BillingPeriodWorkflow:
             return None
 
     async def _run_child(self, customer_id: str) -> None:
-        handle = await self._start_child(customer_id)
+        self._starting += 1
+        try:
+            handle = await self._start_child(customer_id)
+        finally:
+            self._starting -= 1
         if handle is None:
-            self._elsewhere.add(customer_id)
+            self._await_elsewhere([customer_id])
             return
         try:
             self._settle(await handle)
@@ -429,41 +429,45 @@ class BillingPeriodWorkflow:
             # Terminated or failed by hand: whatever it finished is in the ledger, and
             # reconciliation settles a claim it left open.
             workflow.logger.warning("child of %s ended without an outcome", customer_id)
-            self._elsewhere.add(customer_id)
+            self._await_elsewhere([customer_id])
 
-    async def _settle_from_ledger(self, customer_ids: list[str]) -> None:
-        """Count customers whose child, started elsewhere, has finished."""
-        outcomes = await workflow.execute_activity_method(
-            PeriodActivities.ledger_outcomes,
-            OutcomesRequest(period=self._state.period, customer_ids=customer_ids),
-            start_to_close_timeout=ACTIVITY_TIMEOUT,
-            summary=f"read {len(customer_ids)} outcomes of children started elsewhere",
-        )
-        for outcome in outcomes:
-            self._settle(outcome)
+    def _await_elsewhere(self, customer_ids: Iterable[str]) -> None:
+        """Learn the outcomes of these customers, whose child this run cannot await, from
+        the ledger."""
+        self._elsewhere.update(customer_ids)
+        if self._elsewhere and (self._ledger_watch is None or self._ledger_watch.done()):
+            self._ledger_watch = asyncio.create_task(self._watch_ledger())
+
+    async def _watch_ledger(self) -> None:
+        while self._elsewhere:
+            # A paused period's children wait too: nothing to learn, no history to add.
+            await workflow.wait_condition(lambda: self._control.control != "paused")
+            waiting = sorted(self._elsewhere)
+            outcomes = await workflow.execute_activity_method(
+                PeriodActivities.await_outcomes,
+                OutcomesRequest(
+                    period=self._state.period,
+                    customer_ids=waiting,
+                    # A window's refill: the run needs no more to start more children.
+                    enough=min(len(waiting), self._refill()),
+                    wait_seconds=LEDGER_WAIT.total_seconds(),
+                ),
+                start_to_close_timeout=ACTIVITY_TIMEOUT,
+                summary=f"wait for outcomes of {len(waiting)} children started elsewhere",
+            )
+            for outcome in outcomes:
+                self._settle(outcome)
+
+    def _refill(self) -> int:
+        # Refill when a tenth of the window is free: batches stay large, starts stay cheap.
+        return max(1, self._options.max_in_flight // 10)
 
     async def _wait_for_room(self) -> None:
-        # Refill when a tenth of the window is free: batches stay large, starts stay cheap.
-        low_water = self._options.max_in_flight - max(1, self._options.max_in_flight // 10)
+        low_water = self._options.max_in_flight - self._refill()
         target = 0 if self._exhausted() else low_water
-        await self._wait_for(
+        await workflow.wait_condition(
             lambda: len(self._in_flight) <= target or self._control.control != "running"
         )
-
-    async def _wait_for(self, done: Callable[[], bool]) -> None:
-        """Wait until `done`, asking the ledger meanwhile about children started elsewhere
-        (or ended without an outcome), from the moment there are any."""
-        while True:
-            if not self._elsewhere:
-                await workflow.wait_condition(lambda: done() or bool(self._elsewhere))
-            else:
-                try:
-                    await workflow.wait_condition(done, timeout=LEDGER_POLL)
-                except TimeoutError:
-                    await self._settle_from_ledger(sorted(self._elsewhere))
-                    continue
-            if done():
-                return
 
     async def _cancel_the_rest(self) -> None:
         """Mark every customer not yet started cancelled, then let in-flight children end:
@@ -492,7 +496,7 @@ class BillingPeriodWorkflow:
             state.cursor = page.next_cursor or state.cursor
             state.listing_done = page.next_cursor is None
         self._describe()
-        await self._wait_for(lambda: not self._in_flight)
+        await workflow.wait_condition(lambda: not self._in_flight)
 
     def _should_continue_as_new(self) -> bool:
         info = workflow.info()
