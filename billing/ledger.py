@@ -294,46 +294,22 @@ async def set_control(
 
 
 async def begin_charge(conn: asyncpg.Connection, claim: Claim) -> Gate:
-    """Decide, atomically with pause, cancel and skip, whether this attempt may call Stripe.
+    """Decide, atomically with pause, cancel and skip, whether this attempt may call Stripe:
+    one call of billing_begin_charge (migrations/008_begin_charge.sql).
 
     Once a first attempt has passed, every retry passes too: that charge may already be at
     Stripe, and only a retry with the same key can learn its outcome.
     """
-    async with conn.transaction():
-        # FOR SHARE: a pause or cancel committed before this point is seen; one committed
-        # after it waits for this transaction, so the charge counts as already in flight.
-        control = await conn.fetchval(
-            "SELECT control FROM billing_periods WHERE billing_period = $1 FOR SHARE",
-            claim.period,
+    row = await conn.fetchrow(
+        "SELECT gate, status FROM billing_begin_charge($1, $2)", claim.idempotency_key, claim.period
+    )
+    if row["gate"] == "closed":
+        raise ClaimClosedError(
+            row["status"],
+            f"claim {claim.idempotency_key[:8]}... is no longer open ({row['status']});"
+            " not charging",
         )
-        row = await conn.fetchrow(
-            """
-            SELECT status, charge_started_at, skip_reason FROM billing_runs
-            WHERE idempotency_key = $1 FOR UPDATE
-            """,
-            claim.idempotency_key,
-        )
-        if row is None or row["status"] != "claimed":
-            raise ClaimClosedError(
-                row["status"] if row else "missing",
-                f"claim {claim.idempotency_key[:8]}... is no longer open"
-                f" ({row['status'] if row else 'missing'}); not charging",
-            )
-        if row["charge_started_at"] is None:
-            if row["skip_reason"] is not None:
-                return "skipped"
-            if control in ("paused", "cancelled"):
-                return control  # type: ignore[no-any-return]
-        await conn.execute(
-            """
-            UPDATE billing_runs
-            SET charge_started_at = coalesce(charge_started_at, now()),
-                attempts = attempts + 1, updated_at = now()
-            WHERE idempotency_key = $1
-            """,
-            claim.idempotency_key,
-        )
-        return "go"
+    return row["gate"]  # type: ignore[no-any-return]
 
 
 async def reopen_refused_charge(conn: asyncpg.Connection, key: str, *, proven: bool) -> bool:
