@@ -166,6 +166,7 @@ class PeriodActivities:
             missing = await ledger.without_rows(conn, period, customer_ids)
         client = activity.client()
         outcomes: list[CustomerOutcome] = []
+        ended: list[str] = []
         for customer_id in missing:
             handle = client.get_workflow_handle(
                 customer_workflow_id(parse_period(period), customer_id),
@@ -180,11 +181,15 @@ class PeriodActivities:
             if description.status == WorkflowExecutionStatus.COMPLETED:
                 outcomes.append(await handle.result())
             elif description.status != WorkflowExecutionStatus.RUNNING:
-                outcomes.append(
-                    CustomerOutcome(
-                        customer_id=customer_id, outcome="failed", failure_code=ENDED_WITHOUT_CLAIM
-                    )
-                )
+                ended.append(customer_id)
+        if ended:
+            # It may have claimed after the first read, then failed: a claim, not nothing.
+            async with self._pool.acquire() as conn:
+                ended = await ledger.without_rows(conn, period, ended)
+        outcomes += [
+            CustomerOutcome(customer_id=c, outcome="failed", failure_code=ENDED_WITHOUT_CLAIM)
+            for c in ended
+        ]
         return outcomes
 
     @activity.defn(name="set_control")

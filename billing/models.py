@@ -138,8 +138,8 @@ class PeriodState(BaseModel):
     plan: PeriodPlan | None = None
     cursor: str | None = None
     listing_done: bool = False
-    # Customers whose child another run started: the ledger says when they finish. A run's
-    # own children all report before it continues as new.
+    # Customers whose child another run started, including the children still in flight
+    # when the last run continued as new: the ledger says when they finish.
     started_elsewhere: list[str] = Field(default_factory=list)
     counts: Counts = Field(default_factory=Counts)
     runs: int = 1
@@ -163,6 +163,9 @@ class RunOptions(Record):
     # Each child's own limit (CustomerChargeInput.history_event_limit).
     child_history_event_limit: int = Field(default=2000, ge=10, le=40000)
     billing: Literal["arrears", "advance"] = "arrears"
+    # No longer used (a run hands its children to the next one instead of waiting), but
+    # accepted: schedules created before keep it in the input they start each run with.
+    drain_seconds: float | None = Field(default=None, exclude=True)
 
 
 class BillingPeriodInput(Record):

@@ -17,9 +17,10 @@ from vault.settings import VaultSettings
 # How long past the upstream timeout a pending reservation may stay pending before it is
 # treated as unknown: only a vault stopped mid-request leaves one that old.
 _STALE_MARGIN = timedelta(seconds=10)
-# How long the writes after an upstream answer (settle, audit) keep trying through a database
-# outage: inside the margin above, so a reservation settled late is not yet taken for stale.
-_OUTAGE_RETRY = timedelta(seconds=8)
+# How long each write after an upstream answer (settle, then audit) keeps trying through a
+# database outage: both inside the margin above, so a reservation settled late is not yet
+# taken for stale, and a client waits at most this much longer, twice, for its answer.
+_OUTAGE_RETRY = timedelta(seconds=5)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections.abc import Awaitable, Callable
@@ -162,10 +163,10 @@ async def through_outage(
     pool: asyncpg.Pool, within: timedelta, operation: Callable[[asyncpg.Connection], Awaitable[T]]
 ) -> T:
     """Run `operation` on a pooled connection, again and again while the database cannot be
-    reached, for up to `within`: for writes that record what already happened upstream (a
-    settle, an audit row), which no client retry would bring back. A first try may have
-    committed before the connection dropped: a settle then finds itself done, an audit row
-    may be written twice."""
+    reached, for `within` at most (TimeoutError past it): for writes that record what
+    already happened upstream (a settle, an audit row), which no client retry would bring
+    back. A first try may have committed before the connection dropped: a settle then finds
+    itself done, an audit row may be written twice."""
 
     async def attempt() -> T:
         async with pool.acquire() as conn:
@@ -178,7 +179,9 @@ async def through_outage(
         before_sleep=before_sleep_log(logger, logging.WARNING),
         reraise=True,
     )
-    return await retrying(attempt)
+    # The stop is checked between tries only; one try can hang far longer on a dead host.
+    async with asyncio.timeout(within.total_seconds()):
+        return await retrying(attempt)
 
 
 async def insert_audit(conn: asyncpg.Connection, record: AuditRecord) -> None:

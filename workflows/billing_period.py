@@ -23,6 +23,7 @@ from datetime import timedelta
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 from temporalio.exceptions import (
+    ActivityError,
     ApplicationError,
     ChildWorkflowError,
     FailureError,
@@ -443,18 +444,25 @@ class BillingPeriodWorkflow:
             # A paused period's children wait too: nothing to learn, no history to add.
             await workflow.wait_condition(lambda: self._control.control != "paused")
             waiting = sorted(self._elsewhere)
-            outcomes = await workflow.execute_activity_method(
-                PeriodActivities.await_outcomes,
-                OutcomesRequest(
-                    period=self._state.period,
-                    customer_ids=waiting,
-                    # A window's refill: the run needs no more to start more children.
-                    enough=min(len(waiting), self._refill()),
-                    wait_seconds=LEDGER_WAIT.total_seconds(),
-                ),
-                start_to_close_timeout=ACTIVITY_TIMEOUT,
-                summary=f"wait for outcomes of {len(waiting)} children started elsewhere",
-            )
+            try:
+                outcomes = await workflow.execute_activity_method(
+                    PeriodActivities.await_outcomes,
+                    OutcomesRequest(
+                        period=self._state.period,
+                        customer_ids=waiting,
+                        # A window's refill: the run needs no more to start more children.
+                        enough=min(len(waiting), self._refill()),
+                        wait_seconds=LEDGER_WAIT.total_seconds(),
+                    ),
+                    start_to_close_timeout=ACTIVITY_TIMEOUT,
+                    summary=f"wait for outcomes of {len(waiting)} children started elsewhere",
+                )
+            except ActivityError as err:
+                # Retried without limit, so only a bug ends here; nobody else would ask
+                # again, and the run would wait for these customers forever.
+                workflow.logger.error("waiting for outcomes failed, trying again: %s", err)
+                await workflow.sleep(LEDGER_WAIT)
+                continue
             for outcome in outcomes:
                 self._settle(outcome)
 

@@ -173,3 +173,11 @@ def test_a_reconcile_schedule_fires_daily_and_says_so_to_its_launcher() -> None:
     assert calendar.comment == "every day at 06:00"
     # A payload written before `action` existed still means billing.
     assert ScheduledBillingInput.model_validate({"time_zone": "UTC"}).action == "bill"
+
+
+def test_a_schedule_created_when_runs_drained_their_children_still_starts_runs() -> None:
+    # A schedule keeps the input it was created with; runs then had a drain_seconds option.
+    created = {"time_zone": "UTC", "options": {"max_in_flight": 300, "drain_seconds": 120.0}}
+    scheduled = ScheduledBillingInput.model_validate(created)
+    assert scheduled.options.max_in_flight == 300
+    assert "drain_seconds" not in scheduled.options.model_dump()
