@@ -82,7 +82,9 @@ class IssueKeyRequest(Body):
     period: Period
     cap_cents: Cents
     currency: Currency
-    daily_cap_cents: Cents | None = None
+    daily_cap_cents: Cents | None = Field(
+        default=None, description="at most cap_cents; counted per UTC day"
+    )
     allowed_endpoints: list[Endpoint] = Field(
         min_length=1,
         max_length=50,
@@ -98,6 +100,14 @@ class IssueKeyRequest(Body):
         if cap is not None and ceiling is not None and cap > ceiling:
             raise ValueError(f"{cap} exceeds this vault's ceiling VAULT_MAX_CAP_CENTS={ceiling}")
         return cap
+
+    @field_validator("daily_cap_cents")
+    @classmethod
+    def _within_cap(cls, daily: int | None, info: ValidationInfo) -> int | None:
+        cap = info.data.get("cap_cents")
+        if daily is not None and cap is not None and daily > cap:
+            raise ValueError(f"must not exceed cap_cents ({cap}): a larger daily cap never applies")
+        return daily
 
     @field_validator("expires_at")
     @classmethod

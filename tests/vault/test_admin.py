@@ -75,6 +75,7 @@ async def test_admin_token_is_required_and_compared_in_constant_time(
         ({"cap_cents": 10.5}, "cap_cents"),
         ({"cap_cents": True}, "cap_cents"),
         ({"daily_cap_cents": MAX_CAP_CENTS + 1}, "daily_cap_cents"),
+        ({"cap_cents": 1_000, "daily_cap_cents": 1_001}, "daily_cap_cents"),
         ({"cap_cents": 2**70}, "cap_cents"),
         ({"currency": "USD"}, "currency"),
         ({"period": "2026-13"}, "period"),
