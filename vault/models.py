@@ -32,7 +32,8 @@ MAX_CAP_CONTEXT = "max_cap_cents"
 REVEAL_SECRET_CONTEXT = "reveal_secret"  # noqa: S105
 
 KeyId = Annotated[str, StringConstraints(pattern=KEY_ID_PATTERN)]
-Period = Annotated[str, StringConstraints(pattern=r"^[0-9]{4}-(0[1-9]|1[0-2])$")]
+# Years 2000-2999, as billing.periods allows: a schema pattern, so the OpenAPI document says so.
+Period = Annotated[str, StringConstraints(pattern=r"^2[0-9]{3}-(0[1-9]|1[0-2])$")]
 Currency = Annotated[str, StringConstraints(pattern=r"^[a-z]{3}$")]
 Label = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9 _.:/@-]{0,99}$")]
 Endpoint = Annotated[str, StringConstraints(pattern=ENTRY_PATTERN)]

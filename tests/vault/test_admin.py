@@ -79,6 +79,7 @@ async def test_admin_token_is_required_and_compared_in_constant_time(
         ({"cap_cents": 2**70}, "cap_cents"),
         ({"currency": "USD"}, "currency"),
         ({"period": "2026-13"}, "period"),
+        ({"period": "1999-12"}, "period"),
         ({"label": ""}, "label"),
         ({"expires_at": "2020-01-01T00:00:00Z"}, "expires_at"),
         ({"expires_at": "2999-01-01T00:00:00"}, "expires_at"),

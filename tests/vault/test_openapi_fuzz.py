@@ -105,7 +105,8 @@ def _refused_only_where_the_schema_cannot_say(
         fields = {problem["field"] for problem in response.json()["error"]["fields"]}
         body = case.body if isinstance(case.body, dict) else {}
         daily, cap = body.get("daily_cap_cents"), body.get("cap_cents")
-        above = isinstance(daily, int) and isinstance(cap, int) and daily > cap
+        # Integral floats (1.0) are integers here too.
+        above = all(isinstance(v, int | float) for v in (daily, cap)) and daily > cap
         assert fields <= {"expires_at"} | ({"daily_cap_cents"} if above else set()), response.text
         assert fields, response.text
 
