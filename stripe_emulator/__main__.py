@@ -48,7 +48,13 @@ def _parse(argv: list[str] | None) -> tuple[str, int, EmulatorConfig]:
     try:
         config = EmulatorConfig.model_validate(given)
     except ValidationError as error:
-        parser.error(str(error))
+        # One line per flag, named as typed: pydantic's own text names fields and links docs.
+        parser.error(
+            "; ".join(
+                f"argument --{str(problem['loc'][0]).replace('_', '-')}: {problem['msg']}"
+                for problem in error.errors(include_url=False)
+            )
+        )
     return args.host, args.port, config
 
 
