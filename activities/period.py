@@ -165,11 +165,12 @@ class PeriodActivities:
         async with self._pool.acquire() as conn:
             missing = await ledger.without_rows(conn, period, customer_ids)
         client = activity.client()
+        billed = parse_period(period)
         outcomes: list[CustomerOutcome] = []
         ended: list[str] = []
         for customer_id in missing:
             handle = client.get_workflow_handle(
-                customer_workflow_id(parse_period(period), customer_id),
+                customer_workflow_id(billed, customer_id),
                 result_type=CustomerOutcome,
             )
             try:

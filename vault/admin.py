@@ -217,7 +217,7 @@ async def ready(request: web.Request) -> web.Response:
         async with request.app[STATE].pool.acquire(timeout=2) as conn:
             # Reachable and migrated: the vault's own table answers.
             await conn.fetchval("SELECT 1 FROM vault_keys LIMIT 1", timeout=2)
-    except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as error:
+    except store.DATABASE_ERRORS as error:
         raise VaultError(
             503,
             "database_unavailable",

@@ -12,7 +12,6 @@ from typing import Any
 from urllib.parse import parse_qs
 
 import aiohttp
-import asyncpg
 from aiohttp import web
 from yarl import URL
 
@@ -37,7 +36,6 @@ _RETURNED_HEADERS = (
     "Stripe-Version",
     "Retry-After",
 )
-_DATABASE_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
 # Stripe secret and restricted keys, vault secrets: never written to the audit log.
 _SECRET_RE = re.compile(r"(?<![A-Za-z0-9])(?:sk|rk|vk)_[A-Za-z0-9_-]+")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
@@ -102,7 +100,7 @@ async def handle(request: web.Request) -> web.Response:
         await store.through_outage(
             state.pool, state.outage_retry, lambda conn: store.insert_audit(conn, record)
         )
-    except _DATABASE_ERRORS:
+    except store.DATABASE_ERRORS:
         # The answer still goes back: for a charge it says what happened to the money.
         logger.exception("could not write the audit row of %s %s", record.method, record.path)
     return response
@@ -395,7 +393,7 @@ async def _settle(
             state.outage_retry,
             lambda conn: reservations.settle(conn, reservation, outcome, status),
         )
-    except _DATABASE_ERRORS:
+    except store.DATABASE_ERRORS:
         # Down past the retries: the reservation stays pending, so counted; once stale it is
         # treated as unknown, and reconciliation settles it from Stripe.
         logger.exception("could not settle reservation %s as %s", reservation.id, outcome)

@@ -31,6 +31,8 @@ from vault.models import (
 _TODAY = "(now() AT TIME ZONE 'UTC')::date"
 
 logger = logging.getLogger("vault.store")
+# Any failure of a call to the database, refused statement or lost connection alike.
+DATABASE_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
 T = TypeVar("T")
 
 _KEY_VIEW = f"""
