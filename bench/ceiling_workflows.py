@@ -4,8 +4,8 @@
 does (a window of `max_in_flight`, refilled at a tenth free, each child started and awaited by
 a task of its own, REJECT_DUPLICATE IDs, ParentClosePolicy.ABANDON, a static summary and two
 search attributes per child, its own children finished before it continues as new at the same
-history length); each child only returns. Run on the benchmark's own task queue, never on
-the billing worker.
+history length, both outside the sandbox as the billing worker runs them); each child only
+returns. Run on the benchmark's own task queue, never on the billing worker.
 """
 
 from __future__ import annotations
@@ -40,14 +40,14 @@ class FanOutResult(BaseModel):
     runs: int
 
 
-@workflow.defn(name="BenchNoopChild")
+@workflow.defn(name="BenchNoopChild", sandboxed=False)
 class NoopChildWorkflow:
     @workflow.run
     async def run(self, request: NoopChildInput) -> int:
         return request.index
 
 
-@workflow.defn(name="BenchFanOut")
+@workflow.defn(name="BenchFanOut", sandboxed=False)
 class FanOutWorkflow:
     @workflow.init
     def __init__(self, request: FanOutInput) -> None:

@@ -70,7 +70,8 @@ AUTOMATIC = "billing (automatic)"
 LEDGER_WAIT = timedelta(seconds=10)
 
 
-@workflow.defn(name="BillingPeriodWorkflow")
+# Outside the sandbox for speed; tests replay it inside (see workflows/__init__.py).
+@workflow.defn(name="BillingPeriodWorkflow", sandboxed=False)
 class BillingPeriodWorkflow:
     @workflow.init
     def __init__(self, request: BillingPeriodInput) -> None:

@@ -73,7 +73,8 @@ RECORDED_FAILURES: dict[str, LedgerStatus] = {
 }
 
 
-@workflow.defn(name="CustomerChargeWorkflow")
+# Outside the sandbox for speed; tests replay it inside (see workflows/__init__.py).
+@workflow.defn(name="CustomerChargeWorkflow", sandboxed=False)
 class CustomerChargeWorkflow:
     def __init__(self) -> None:
         self._period_signals = 0

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.worker import Replayer
+from temporalio.worker import Replayer, UnsandboxedWorkflowRunner
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
 from billing.models import RunOptions
 from billing.periods import Period
@@ -25,12 +26,22 @@ KEPT_CHILDREN = ("-cust-000001--", "-cust-000002--")
 
 
 async def replay(histories: Iterable[WorkflowHistory]) -> None:
+    """Replay as the worker runs them, then with every workflow inside the sandbox: the
+    worker runs the period and its children outside it, and this keeps the sandbox's check
+    that workflow code reads no clock, randomness or I/O of its own."""
+    histories = list(histories)
+
     async def each() -> AsyncIterator[WorkflowHistory]:
         for history in histories:
             yield history
 
-    replayer = Replayer(workflows=WORKFLOWS, data_converter=pydantic_data_converter)
-    await replayer.replay_workflows(each(), raise_on_replay_failure=True)
+    for unsandboxed_runner in (UnsandboxedWorkflowRunner(), SandboxedWorkflowRunner()):
+        replayer = Replayer(
+            workflows=WORKFLOWS,
+            data_converter=pydantic_data_converter,
+            unsandboxed_workflow_runner=unsandboxed_runner,
+        )
+        await replayer.replay_workflows(each(), raise_on_replay_failure=True)
 
 
 def _declines_second(index: int) -> str:
