@@ -1,11 +1,12 @@
 """Temporal's own ceiling for bench/throughput.py: the period workflow's fan-out, minus the work.
 
 `FanOutWorkflow` starts `count` `NoopChildWorkflow` children the way BillingPeriodWorkflow
-does (a window of `max_in_flight`, refilled at a tenth free, each child started and awaited by
-a task of its own, REJECT_DUPLICATE IDs, ParentClosePolicy.ABANDON, a static summary and two
-search attributes per child, its own children finished before it continues as new at the same
-history length, both outside the sandbox as the billing worker runs them); each child only
-returns. Run on the benchmark's own task queue, never on the billing worker.
+does (a window of `max_in_flight`, refilled at a tenth free, at most `max_starting` starts
+unacknowledged, each child started and awaited by a task of its own, REJECT_DUPLICATE IDs,
+ParentClosePolicy.ABANDON, a static summary and two search attributes per child, its own
+children finished before it continues as new at the same history length, both outside the
+sandbox as the billing worker runs them); each child only returns. Run on the benchmark's own
+task queue, never on the billing worker.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class FanOutInput(BaseModel):
     prefix: str
     count: int
     max_in_flight: int
+    max_starting: int
     history_event_limit: int
     next_index: int = 0
     finished: int = 0
@@ -53,13 +55,16 @@ class FanOutWorkflow:
     def __init__(self, request: FanOutInput) -> None:
         self._state = request
         self._in_flight: set[asyncio.Task[None]] = set()
+        self._starting = 0
 
     @workflow.run
     async def run(self, request: FanOutInput) -> FanOutResult:
         state = self._state
         low_water = state.max_in_flight - max(1, state.max_in_flight // 10)
         while True:
-            room = state.max_in_flight - len(self._in_flight)
+            room = min(
+                state.max_in_flight - len(self._in_flight), state.max_starting - self._starting
+            )
             if room > 0 and state.next_index < state.count:
                 batch = range(state.next_index, min(state.count, state.next_index + room))
                 state.next_index += len(batch)
@@ -81,10 +86,15 @@ class FanOutWorkflow:
                 workflow.continue_as_new(state)
 
     def _settled_to(self, target: int) -> bool:
-        return len(self._in_flight) <= target
+        return len(self._in_flight) <= target and self._starting < self._state.max_starting
 
     async def _run_child(self, index: int) -> None:
-        await (await self._start(index))
+        self._starting += 1
+        try:
+            handle = await self._start(index)
+        finally:
+            self._starting -= 1
+        await handle
         self._state.finished += 1
 
     async def _start(self, index: int) -> workflow.ChildWorkflowHandle[NoopChildWorkflow, int]:

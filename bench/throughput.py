@@ -349,6 +349,7 @@ async def measure_ceiling(
                     prefix=prefix,
                     count=count,
                     max_in_flight=options.max_in_flight,
+                    max_starting=options.max_starting,
                     history_event_limit=options.history_event_limit,
                 ),
                 id=prefix,

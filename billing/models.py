@@ -157,6 +157,10 @@ class RunOptions(Record):
 
     # Children running at once: far below Temporal's 2,000 pending children per run.
     max_in_flight: int = Field(default=500, ge=1, le=1500)
+    # Children started but not yet acknowledged, at most: the server starts each under the
+    # period's own lock, and a burst of 500 held it for seconds (the period's next workflow
+    # task then waited 10 s on the sticky queue, timed out and was replayed).
+    max_starting: int = Field(default=50, ge=1, le=1500)
     page_size: int = Field(default=500, ge=1, le=5000)
     # Continue as new well before Temporal's 4,096-event suggestion and 51,200-event limit.
     history_event_limit: int = Field(default=8000, ge=200, le=40000)

@@ -372,7 +372,10 @@ class BillingPeriodWorkflow:
         return batch
 
     async def _fill_window(self) -> None:
-        room = self._options.max_in_flight - len(self._in_flight)
+        room = min(
+            self._options.max_in_flight - len(self._in_flight),
+            self._options.max_starting - self._starting,
+        )
         if room <= 0:
             return
         batch = await self._next_batch(room)
@@ -472,10 +475,14 @@ class BillingPeriodWorkflow:
         return max(1, self._options.max_in_flight // 10)
 
     async def _wait_for_room(self) -> None:
+        """Until a refill fits and a start may be sent, or the control changes."""
         low_water = self._options.max_in_flight - self._refill()
         target = 0 if self._exhausted() else low_water
         await workflow.wait_condition(
-            lambda: len(self._in_flight) <= target or self._control.control != "running"
+            lambda: (
+                (len(self._in_flight) <= target and self._starting < self._options.max_starting)
+                or self._control.control != "running"
+            )
         )
 
     async def _cancel_the_rest(self) -> None:

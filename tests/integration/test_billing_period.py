@@ -115,6 +115,30 @@ async def test_continue_as_new_keeps_children_and_counts(harness: Harness) -> No
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
+async def test_few_child_starts_wait_for_the_server_at_once(harness: Harness) -> None:
+    # The server starts each child under the period's own lock; a burst of 500 starts held it
+    # for seconds. However large the window, at most `max_starting` wait for it.
+    customers = await harness.seed(30)
+    options = RunOptions(max_in_flight=20, max_starting=3)
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
+        summary = await handle.result()
+        history = await handle.fetch_history()
+    assert (summary.due, summary.charged) == (30, 30)
+    waiting = most = 0
+    for event in history.events:
+        if event.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED:
+            waiting += 1
+        elif event.event_type in (
+            EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_STARTED,
+            EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_FAILED,
+        ):
+            waiting -= 1
+        most = max(most, waiting)
+    assert most == options.max_starting
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
 async def test_children_in_flight_at_continue_as_new_are_handed_to_the_next_run(
     harness: Harness,
 ) -> None:
