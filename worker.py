@@ -18,7 +18,8 @@ from pathlib import Path
 import asyncpg
 import stripe
 from temporalio.client import Client
-from temporalio.worker import Worker
+from temporalio.worker import UnsandboxedWorkflowRunner, Worker
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
 from activities.charging import ChargingActivities
 from activities.period import PeriodActivities, scheduled_period
@@ -58,8 +59,8 @@ def compile_workflows() -> None:
     """Write the workflows' bytecode beside their source, as Python does by default. The
     sandbox imports a workflow's module afresh for every run and, with no bytecode on disk
     (PYTHONDONTWRITEBYTECODE, a fresh checkout), compiles the source every time: half the
-    worker's event-loop time at 20 children/s. A read-only tree is skipped quietly: the
-    image compiles at build."""
+    worker's event-loop time when the children still ran in it. A read-only tree is skipped
+    quietly: the image compiles at build."""
     compileall.compile_dir(WORKFLOWS_DIR, quiet=2)
 
 
@@ -74,7 +75,11 @@ def create_worker(
     access: StripeAccess,
     settings: BillingSettings,
     admin: VaultAdmin | None = None,
+    *,
+    sandbox_all: bool = False,
 ) -> Worker:
+    """`sandbox_all` runs the period and its children inside the sandbox too, as the tests
+    do: slower, but its checks then cover every path the tests take through them."""
     compile_workflows()
     charging = ChargingActivities(pool, access, settings)
     period = PeriodActivities(pool, settings, admin)
@@ -109,6 +114,9 @@ def create_worker(
         max_concurrent_workflow_tasks=WORKFLOW_TASK_SLOTS,
         # In-flight Stripe calls get this long to finish and be recorded on shutdown.
         graceful_shutdown_timeout=timedelta(seconds=30),
+        unsandboxed_workflow_runner=(
+            SandboxedWorkflowRunner() if sandbox_all else UnsandboxedWorkflowRunner()
+        ),
     )
 
 

@@ -3,10 +3,10 @@
 `FanOutWorkflow` starts `count` `NoopChildWorkflow` children the way BillingPeriodWorkflow
 does (a window of `max_in_flight`, refilled at a tenth free, at most `max_starting` starts
 unacknowledged, each child started and awaited by a task of its own, REJECT_DUPLICATE IDs,
-ParentClosePolicy.ABANDON, a static summary and two search attributes per child, its own
-children finished before it continues as new at the same history length, both outside the
-sandbox as the billing worker runs them); each child only returns. Run on the benchmark's own
-task queue, never on the billing worker.
+ParentClosePolicy.ABANDON, a static summary and two search attributes per child, both
+outside the sandbox as the billing worker runs them); each child only returns. Unlike the
+period, it waits for its children before it continues as new (at the same history length).
+Run on the benchmark's own task queue, never on the billing worker.
 """
 
 from __future__ import annotations

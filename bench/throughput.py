@@ -661,6 +661,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "rate_limit_rps": args.rate_limit_rps,
         "stripe_rps": args.stripe_rps,
         "max_in_flight": options.max_in_flight,
+        "max_starting": options.max_starting,
         "ceiling_workflow_polls": args.ceiling_workflow_polls,
         "at": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine_cpus": os.cpu_count(),

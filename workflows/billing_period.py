@@ -70,7 +70,7 @@ AUTOMATIC = "billing (automatic)"
 LEDGER_WAIT = timedelta(seconds=10)
 
 
-# Outside the sandbox for speed; tests replay it inside (see workflows/__init__.py).
+# Outside the sandbox for speed; the tests run it inside (see workflows/__init__.py).
 @workflow.defn(name="BillingPeriodWorkflow", sandboxed=False)
 class BillingPeriodWorkflow:
     @workflow.init
@@ -471,7 +471,8 @@ class BillingPeriodWorkflow:
                 self._settle(outcome)
 
     def _refill(self) -> int:
-        # Refill when a tenth of the window is free: batches stay large, starts stay cheap.
+        # Refill when a tenth of the window is free: batches stay large, starts stay cheap
+        # (up to `max_starting` of them at once).
         return max(1, self._options.max_in_flight // 10)
 
     async def _wait_for_room(self) -> None:

@@ -73,7 +73,7 @@ RECORDED_FAILURES: dict[str, LedgerStatus] = {
 }
 
 
-# Outside the sandbox for speed; tests replay it inside (see workflows/__init__.py).
+# Outside the sandbox for speed; the tests run it inside (see workflows/__init__.py).
 @workflow.defn(name="CustomerChargeWorkflow", sandboxed=False)
 class CustomerChargeWorkflow:
     def __init__(self) -> None:

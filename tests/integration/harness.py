@@ -111,12 +111,23 @@ class Harness:
 
     def worker(self) -> Worker:
         """A worker charging directly, or through the vault when the harness has one."""
+        access: StripeAccess
         if self.vault is None:
-            access: StripeAccess = direct_access(self.stripe, self.settings)
-            return create_worker(self.client, self.task_queue, self.pool, access, self.settings)
-        access = VaultAccess(self.pool, self.vault.url, self.settings.billing_charge_api, self.http)
+            access = direct_access(self.stripe, self.settings)
+        else:
+            access = VaultAccess(
+                self.pool, self.vault.url, self.settings.billing_charge_api, self.http
+            )
+        admin = None if self.vault is None else self.vault.admin
+        # Every workflow inside the sandbox, whose checks then cover every path tested.
         return create_worker(
-            self.client, self.task_queue, self.pool, access, self.settings, self.vault.admin
+            self.client,
+            self.task_queue,
+            self.pool,
+            access,
+            self.settings,
+            admin,
+            sandbox_all=True,
         )
 
     @asynccontextmanager

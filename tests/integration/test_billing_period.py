@@ -14,6 +14,7 @@ from billing.periods import Period
 from billing.runs import period_status, start_period
 from tests.integration.harness import Harness, eventually
 from tests.integration.invariants import assert_billed_once
+from tests.integration.replay import replay
 from workflows.customer_charge import CustomerChargeWorkflow
 
 PERIOD = Period(2026, 12)
@@ -137,6 +138,7 @@ async def test_few_child_starts_wait_for_the_server_at_once(harness: Harness) ->
         most = max(most, waiting)
     assert most == options.max_starting
     await assert_billed_once(harness, str(PERIOD), customers)
+    await replay([history])
 
 
 async def test_children_in_flight_at_continue_as_new_are_handed_to_the_next_run(

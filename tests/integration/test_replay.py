@@ -7,41 +7,18 @@ writes them anew). A workflow change that breaks determinism fails here.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 from temporalio.client import WorkflowHistory
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.worker import Replayer, UnsandboxedWorkflowRunner
-from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
 from billing.models import RunOptions
 from billing.periods import Period
 from billing.runs import start_period
 from tests.integration.harness import Harness
-from worker import WORKFLOWS
+from tests.integration.replay import replay
 
 HISTORIES = Path(__file__).resolve().parent.parent / "histories"
 KEPT_CHILDREN = ("-cust-000001--", "-cust-000002--")
-
-
-async def replay(histories: Iterable[WorkflowHistory]) -> None:
-    """Replay as the worker runs them, then with every workflow inside the sandbox: the
-    worker runs the period and its children outside it, and this keeps the sandbox's check
-    that workflow code reads no clock, randomness or I/O of its own."""
-    histories = list(histories)
-
-    async def each() -> AsyncIterator[WorkflowHistory]:
-        for history in histories:
-            yield history
-
-    for unsandboxed_runner in (UnsandboxedWorkflowRunner(), SandboxedWorkflowRunner()):
-        replayer = Replayer(
-            workflows=WORKFLOWS,
-            data_converter=pydantic_data_converter,
-            unsandboxed_workflow_runner=unsandboxed_runner,
-        )
-        await replayer.replay_workflows(each(), raise_on_replay_failure=True)
 
 
 def _declines_second(index: int) -> str:
@@ -61,7 +38,8 @@ async def test_recorded_histories_replay() -> None:
 async def test_fresh_run_replays(harness: Harness) -> None:
     await harness.seed(45, card_for=_declines_second)
     period = Period(2027, 1)
-    options = RunOptions(max_in_flight=4, page_size=10, history_event_limit=200)
+    # At most 2 starts unacknowledged in a window of 4: the histories wait for the server.
+    options = RunOptions(max_in_flight=4, max_starting=2, page_size=10, history_event_limit=200)
     async with harness.running_worker():
         handle = await start_period(harness.client, period, harness.task_queue, options)
         await handle.result()
