@@ -54,6 +54,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import asyncpg
 import stripe
+from pydantic import ValidationError
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -583,8 +584,7 @@ def step(what: str) -> Iterator[None]:
     say(f"  {what}: {time.monotonic() - started:.1f} s")
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    options = RunOptions(max_in_flight=args.max_in_flight)
+async def run(args: argparse.Namespace, options: RunOptions) -> dict[str, Any]:
     faults = (args.emulator_latency_ms, args.rate_limit_rps)
     token = secrets.token_hex(3)
     n = args.customers
@@ -694,6 +694,12 @@ def parser() -> argparse.ArgumentParser:
         help="the period's window; also the ceiling's and the baseline's concurrency",
     )
     p.add_argument(
+        "--max-starting",
+        type=int,
+        default=RunOptions().max_starting,
+        help="child starts unacknowledged at once, in the period and the ceiling",
+    )
+    p.add_argument(
         "--ceiling-workflow-polls",
         type=int,
         default=None,
@@ -718,8 +724,13 @@ def main() -> int:
         raise SystemExit("--customers must be at least 1")
     if args.compare_customers is not None and args.compare_customers < 1:
         raise SystemExit("--compare-customers must be at least 1")
+    try:
+        options = RunOptions(max_in_flight=args.max_in_flight, max_starting=args.max_starting)
+    except ValidationError as exc:
+        flags = (f"--{str(e['loc'][0]).replace('_', '-')}: {e['msg']}" for e in exc.errors())
+        raise SystemExit("; ".join(flags)) from None
     QUIET = args.json
-    result = asyncio.run(run(args))
+    result = asyncio.run(run(args, options))
     path = write_result("throughput", result)
     if not args.json:
         for name in ("orchestrated_per_s", "ceiling_per_s", "baseline_per_s"):
