@@ -89,10 +89,7 @@ def create_worker(
         task_queue=task_queue,
         workflows=WORKFLOWS,
         activities=[
-            charging.claim,
-            charging.charge,
-            charging.record_charge,
-            charging.record_unbilled,
+            charging.bill,
             period.prepare,
             period.due_customers,
             period.await_outcomes,

@@ -31,25 +31,26 @@ from billing.models import (
     ChargeFailure,
     ChargeResult,
     Claim,
-    CustomerChargeInput,
+    CustomerOutcome,
     Gate,
     LedgerStatus,
+    Outcome,
     Record,
+    finished_outcome,
 )
 from billing.periods import parse_period
 from billing.rate_limit import Slot, stripe_rate
 
-# ApplicationError types for charges an operator stopped before they reached Stripe.
-SKIPPED = "CustomerSkipped"
-CANCELLED = "PeriodCancelled"
+# The period is paused: the workflow waits for its resume or cancel.
 PAUSED = "PeriodPaused"
 # The attempt's Stripe slot is further off than it may sleep: the workflow sleeps and comes
 # back with the slot (details: the Slot).
 SLOT_AHEAD = "StripeSlotAhead"
-# The claim was finished elsewhere (e.g. cancelled by its run) while this child waited.
-CLAIM_CLOSED = "ClaimClosed"
-# The customer left the ledger (or became inactive) after the period listed it.
-UNKNOWN_CUSTOMER = "UnknownCustomer"
+# What the ledger records for a customer the gate stopped before Stripe.
+STOPPED_BY_OPERATOR = {
+    "skipped": "an operator skipped this customer",
+    "cancelled": "an operator cancelled the period",
+}
 # The charge is a local activity, run inside its workflow's task: it sleeps for a Stripe slot
 # only this long there, and hands a slot further off to the workflow's timer.
 SLOT_SLEEP_MAX = 2.0
@@ -64,21 +65,11 @@ FAILED_OUTCOMES = {
 log = logging.getLogger("billing.charging")
 
 
-class ChargeRequest(Record):
-    claim: Claim
+class BillRequest(Record):
+    period: str
+    customer_id: str
     # A Stripe slot an earlier attempt reserved and the workflow waited for (database clock).
     slot: datetime | None = None
-
-
-class RecordCharge(Record):
-    claim: Claim
-    result: ChargeResult
-
-
-class RecordUnbilled(Record):
-    claim: Claim
-    status: LedgerStatus
-    failure: ChargeFailure
 
 
 class ChargingActivities:
@@ -88,17 +79,65 @@ class ChargingActivities:
         self._settings = settings
         self._stripe_rate = stripe_rate(pool, settings)
 
-    @activity.defn(name="claim")
-    async def claim(self, request: CustomerChargeInput) -> Claim:
-        period = parse_period(request.period)
-        key = idempotency_key(self._settings.billing_key_namespace, request.customer_id, period)
+    @activity.defn(name="bill")
+    async def bill(self, request: BillRequest) -> CustomerOutcome:
+        """Claim the customer's row, charge it once and record the outcome: one local
+        activity, so a customer costs its workflow one marker and one activation. Every
+        attempt starts from the ledger (the claim is found again), so a retry, or a workflow
+        task run again after the record, finishes what an earlier one began with the same
+        key. It never waits long (a paused period, a far Stripe slot): it raises at once and
+        the workflow waits on a timer or a signal instead."""
+        try:
+            claim = await self._claim(request)
+        except UnknownCustomerError:
+            # Deactivated or removed after the period listed it: nothing to charge.
+            return CustomerOutcome(
+                customer_id=request.customer_id, outcome="failed", failure_code="unknown_customer"
+            )
+        if claim.status != "claimed":
+            return _finished(claim)
+        await self._wait_for_slot(claim, request.slot)
         try:
             async with self._pool.acquire() as conn:
-                claim = await ledger.claim(
-                    conn, request.customer_id, request.period, key, activity.info().workflow_run_id
-                )
-        except UnknownCustomerError as exc:
-            raise ApplicationError(str(exc), type=UNKNOWN_CUSTOMER, non_retryable=True) from exc
+                gate: Gate = await ledger.begin_charge(conn, claim)
+        except ClaimClosedError:
+            # Finished by another hand (e.g. cancelled by its run) since it was claimed.
+            async with self._pool.acquire() as conn:
+                closed = await ledger.claim_by_key(conn, claim.idempotency_key)
+            return _finished(closed or claim.model_copy(update={"status": "failed"}))
+        if gate == "paused":
+            # The workflow waits for the period's word (resume or cancel), not this task.
+            raise ApplicationError(
+                "the period is paused",
+                type=PAUSED,
+                non_retryable=True,
+                category=ApplicationErrorCategory.BENIGN,
+            )
+        if gate != "go":
+            stopped = ChargeFailure(code=gate, message=STOPPED_BY_OPERATOR[gate])
+            return await self._record_unbilled(claim, gate, stopped)
+        try:
+            result = await self._charge(claim)
+        except Exception as error:
+            _report_failure(claim, error)
+            failure = _refusal(error)
+            if failure is None:
+                raise
+            return await self._record_unbilled(claim, "failed", failure)
+        _report_charge(claim, result)
+        async with self._pool.acquire() as conn:
+            await ledger.record_charge(conn, claim.idempotency_key, result)
+        _log_event("record", claim, status="charged", charge_id=result.charge_id)
+        return _outcome(claim, "charged", charge_id=result.charge_id)
+
+    async def _claim(self, request: BillRequest) -> Claim:
+        """The claim, made now or found again; a run that claims an open row owns it."""
+        period = parse_period(request.period)
+        key = idempotency_key(self._settings.billing_key_namespace, request.customer_id, period)
+        async with self._pool.acquire() as conn:
+            claim = await ledger.claim(
+                conn, request.customer_id, request.period, key, activity.info().workflow_run_id
+            )
         _log_event(
             "claim",
             claim,
@@ -108,22 +147,13 @@ class ChargingActivities:
         )
         return claim
 
-    @activity.defn(name="charge")
-    async def charge(self, request: ChargeRequest) -> ChargeResult:
-        """A local activity: it never waits long (a paused period, a far Stripe slot) but
-        raises at once, and the workflow waits on a timer or a signal instead."""
-        claim = request.claim
-        await self._wait_for_slot(request)
-        recorded = await self._pass_gate(claim)
-        if recorded is not None:
-            return recorded
-        try:
-            result = await self._charge(claim)
-        except Exception as error:
-            _report_failure(claim, error)
-            raise
-        _report_charge(claim, result)
-        return result
+    async def _record_unbilled(
+        self, claim: Claim, status: LedgerStatus, failure: ChargeFailure
+    ) -> CustomerOutcome:
+        async with self._pool.acquire() as conn:
+            await ledger.record_unbilled(conn, claim.idempotency_key, status, failure)
+        _log_event("record", claim, status=status, code=failure.code)
+        return _outcome(claim, finished_outcome(status), failure_code=failure.code)
 
     def _looks_up_first(self, claim: Claim) -> bool:
         # Stripe forgets keys after 24 hours: past that a replay would charge again, so an
@@ -171,7 +201,7 @@ class ChargingActivities:
                     )
             raise failure from None
 
-    async def _wait_for_slot(self, request: ChargeRequest) -> None:
+    async def _wait_for_slot(self, claim: Claim, reserved: datetime | None) -> None:
         """Take this attempt's place in the cluster's Stripe rate, before the gate so that a
         pause still stops a charge that waited. The slots cover the requests an attempt
         makes up front: the create, and an old claim's lookup before it. Lookups after an
@@ -180,11 +210,11 @@ class ChargingActivities:
         waited for serves the first attempt."""
         if self._stripe_rate is None:
             return
-        if request.slot is not None and activity.info().attempt == 1:
-            wait = await self._stripe_rate.seconds_until(request.slot)
-            slot = Slot(at=request.slot, wait_seconds=wait)
+        if reserved is not None and activity.info().attempt == 1:
+            wait = await self._stripe_rate.seconds_until(reserved)
+            slot = Slot(at=reserved, wait_seconds=wait)
         else:
-            slot = await self._stripe_rate.reserve(2 if self._looks_up_first(request.claim) else 1)
+            slot = await self._stripe_rate.reserve(2 if self._looks_up_first(claim) else 1)
         if slot.wait_seconds > SLOT_SLEEP_MAX:
             raise ApplicationError(
                 f"the next Stripe slot is {slot.wait_seconds:.1f} s away",
@@ -195,69 +225,38 @@ class ChargingActivities:
             )
         await asyncio.sleep(slot.wait_seconds)
 
-    async def _pass_gate(self, claim: Claim) -> ChargeResult | None:
-        """Stop here if the period is paused or cancelled or the customer skipped. The charge
-        this very run recorded comes back instead: its workflow task was retried after the
-        record (a signal or a worker's death failed it), and the claim's result was replayed
-        from an earlier task, so only the ledger knows."""
-        try:
-            async with self._pool.acquire() as conn:
-                gate: Gate = await ledger.begin_charge(conn, claim)
-        except ClaimClosedError as exc:
-            own = await self._own_charge(claim)
-            if own is not None:
-                return own
-            raise _stopped(CLAIM_CLOSED, exc.status, str(exc)) from None
-        if gate == "skipped":
-            raise _stopped(SKIPPED, "skipped", "an operator skipped this customer")
-        if gate == "cancelled":
-            raise _stopped(CANCELLED, "cancelled", "an operator cancelled the period")
-        if gate == "paused":
-            # The workflow waits for the period's word (resume or cancel), not this task.
-            raise ApplicationError(
-                "the period is paused",
-                type=PAUSED,
-                non_retryable=True,
-                category=ApplicationErrorCategory.BENIGN,
-            )
+
+def _refusal(error: Exception) -> ChargeFailure | None:
+    """Stripe's refusal a retry cannot change (a decline, a refused request), recorded as the
+    customer's failure; None for anything Temporal retries or the workflow waits out."""
+    if not isinstance(error, ApplicationError) or error.type not in (DECLINED, REFUSED):
         return None
-
-    async def _own_charge(self, claim: Claim) -> ChargeResult | None:
-        async with self._pool.acquire() as conn:
-            row = await ledger.claim_by_key(conn, claim.idempotency_key)
-        if (
-            row is None
-            or row.status != "charged"
-            or row.charge_id is None
-            or row.claimed_by_run != activity.info().workflow_run_id
-        ):
-            return None
-        return ChargeResult(
-            charge_id=row.charge_id,
-            payment_intent_id=row.payment_intent_id,
-            amount_cents=row.amount_cents,
-            currency=row.currency,
-            replayed=True,
-        )
-
-    @activity.defn(name="record_charge")
-    async def record_charge(self, request: RecordCharge) -> None:
-        async with self._pool.acquire() as conn:
-            await ledger.record_charge(conn, request.claim.idempotency_key, request.result)
-        _log_event("record", request.claim, status="charged", charge_id=request.result.charge_id)
-
-    @activity.defn(name="record_unbilled")
-    async def record_unbilled(self, request: RecordUnbilled) -> None:
-        async with self._pool.acquire() as conn:
-            await ledger.record_unbilled(
-                conn, request.claim.idempotency_key, request.status, request.failure
-            )
-        _log_event("record", request.claim, status=request.status, code=request.failure.code)
+    failure = error.details[0]
+    return failure if isinstance(failure, ChargeFailure) else None
 
 
-def _stopped(kind: str, code: str, message: str) -> ApplicationError:
-    return ApplicationError(
-        message, ChargeFailure(code=code, message=message), type=kind, non_retryable=True
+def _finished(claim: Claim) -> CustomerOutcome:
+    """A row found finished. Charged by this very run, it is "charged": the workflow task ran
+    again after the record (a signal or a worker's death failed it)."""
+    if claim.status == "charged" and claim.claimed_by_run == activity.info().workflow_run_id:
+        return _outcome(claim, "charged")
+    return _outcome(claim, finished_outcome(claim.status))
+
+
+def _outcome(
+    claim: Claim,
+    outcome: Outcome,
+    *,
+    charge_id: str | None = None,
+    failure_code: str | None = None,
+) -> CustomerOutcome:
+    return CustomerOutcome(
+        customer_id=claim.customer_id,
+        outcome=outcome,
+        amount_cents=claim.amount_cents,
+        currency=claim.currency,
+        charge_id=charge_id or claim.charge_id,
+        failure_code=failure_code or claim.failure_code,
     )
 
 

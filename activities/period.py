@@ -15,7 +15,6 @@ from temporalio.client import WorkflowExecutionStatus
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.charging import UNKNOWN_CUSTOMER
 from activities.stripe_failures import KEY_REFUSED
 from billing import ledger, period_keys
 from billing.config import BillingSettings
@@ -80,6 +79,8 @@ class CancelRequest(Record):
 OUTCOMES_POLL_SECONDS = 0.5
 # A child that closed before its claim (its customer was gone) leaves no ledger row.
 ENDED_WITHOUT_CLAIM = "ended_without_claim"
+# ApplicationError type: the customer to skip is not in the ledger, or inactive.
+UNKNOWN_CUSTOMER = "UnknownCustomer"
 
 
 class ScheduledPeriodRequest(Record):

@@ -1,4 +1,4 @@
-"""One customer, one period: claim the row, charge it once, record the result."""
+"""One customer, one period: bill it once (claim, charge, record) and report the outcome."""
 
 from __future__ import annotations
 
@@ -10,42 +10,21 @@ from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 from temporalio.exceptions import TimeoutError as TemporalTimeoutError
 
 with workflow.unsafe.imports_passed_through():
-    from activities.charging import (
-        CANCELLED,
-        CLAIM_CLOSED,
-        PAUSED,
-        SKIPPED,
-        SLOT_AHEAD,
-        UNKNOWN_CUSTOMER,
-        ChargeRequest,
-        ChargingActivities,
-        RecordCharge,
-        RecordUnbilled,
-    )
-    from activities.stripe_failures import DECLINED, PERIOD_BLOCKERS, REFUSED
+    from activities.charging import PAUSED, SLOT_AHEAD, BillRequest, ChargingActivities
+    from activities.stripe_failures import PERIOD_BLOCKERS
     from billing import search_attributes
-    from billing.models import (
-        TERMINAL_STATUSES,
-        ChargeFailure,
-        ChargeResult,
-        Claim,
-        CustomerChargeInput,
-        CustomerOutcome,
-        LedgerStatus,
-        Outcome,
-        finished_outcome,
-    )
+    from billing.models import ChargeFailure, CustomerChargeInput, CustomerOutcome
     from billing.rate_limit import Slot
     from workflows.signals import PERIOD_BLOCKED, PERIOD_CONTROL
 
-LEDGER_TIMEOUT = timedelta(seconds=30)
-# Stripe's own timeout is 30 s, plus a short wait for a Stripe slot and an old claim's
-# lookup. The charge is a local activity: a worker that dies mid-call is noticed when the
-# workflow task times out, and the next worker runs it again with the same key.
-CHARGE_TIMEOUT = timedelta(seconds=60)
+# Stripe's own timeout is 30 s, plus a short wait for a Stripe slot, an old claim's lookup
+# and the ledger's few statements. The bill is a local activity: a worker that dies mid-call
+# is noticed when the workflow task times out, and the next worker runs it again with the
+# same key.
+BILL_TIMEOUT = timedelta(seconds=60)
 # Retried without limit: a charge is never abandoned while its outcome is unknown; every
 # attempt carries the claim's key, so Stripe executes it at most once.
-CHARGE_RETRY = RetryPolicy(
+BILL_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1),
     backoff_coefficient=2.0,
     maximum_interval=timedelta(seconds=30),
@@ -60,17 +39,10 @@ SLOT_LEAD = timedelta(seconds=1)
 # signal on resume or cancel; these timers are for a period that cannot send it (terminated).
 PERIOD_WAIT_FIRST = timedelta(seconds=5)
 PERIOD_WAIT_MAX = timedelta(minutes=5)
-# Retries that become timers, and waits for the period, add to this run's history: a charge
+# Retries that become timers, and waits for the period, add to this run's history: a bill
 # retried for this long gives the workflow a look, and past the request's history limit the
-# child continues as new with the same claim.
-CHARGE_ROUND = timedelta(minutes=10)
-# Failures recorded as the customer's outcome (ledger status) rather than failing the workflow.
-RECORDED_FAILURES: dict[str, LedgerStatus] = {
-    DECLINED: "failed",
-    REFUSED: "failed",
-    SKIPPED: "skipped",
-    CANCELLED: "cancelled",
-}
+# child continues as new (the next run finds the same claim in the ledger).
+BILL_ROUND = timedelta(minutes=10)
 
 
 # Outside the sandbox for speed; the tests run it inside (see workflows/__init__.py).
@@ -86,68 +58,19 @@ class CustomerChargeWorkflow:
 
     @workflow.run
     async def run(self, request: CustomerChargeInput) -> CustomerOutcome:
-        try:
-            claim = await workflow.execute_local_activity_method(
-                ChargingActivities.claim,
-                request,
-                start_to_close_timeout=LEDGER_TIMEOUT,
-                summary=f"claim {request.customer_id} for {request.period}",
-            )
-        except (ActivityError, ApplicationError) as err:
-            failure = _application_failure(err)
-            if failure is None or failure.type != UNKNOWN_CUSTOMER:
-                raise
-            # Deactivated or removed after the period listed it: nothing to charge.
-            return CustomerOutcome(
-                customer_id=request.customer_id, outcome="failed", failure_code="unknown_customer"
-            )
-        if claim.status == "claimed":
-            outcome = await self._charge(request, claim)
-        elif claim.status == "charged" and claim.claimed_by_run == workflow.info().run_id:
-            # This run charged it already: its workflow task was retried after the record.
-            outcome = _outcome(claim, "charged")
-        else:
-            outcome = _outcome(claim, finished_outcome(claim.status))
+        outcome = await self._bill_when_allowed(request)
         workflow.upsert_search_attributes(
             [search_attributes.BILLING_STATUS.value_set(outcome.outcome)]
         )
         # The period hears the outcome from this result, not from a signal.
         return outcome
 
-    async def _charge(self, request: CustomerChargeInput, claim: Claim) -> CustomerOutcome:
-        try:
-            result = await self._charge_when_allowed(request, claim)
-        except (ActivityError, ApplicationError) as err:
-            cause = _application_failure(err)
-            closed = _closed_status(cause)
-            if closed is not None:
-                return _outcome(claim, finished_outcome(closed))
-            recorded = _recorded_failure(cause)
-            if recorded is None:
-                raise
-            status, failure = recorded
-            await workflow.execute_local_activity_method(
-                ChargingActivities.record_unbilled,
-                RecordUnbilled(claim=claim, status=status, failure=failure),
-                start_to_close_timeout=LEDGER_TIMEOUT,
-                summary=f"record {status}: {failure.code}",
-            )
-            return _outcome(claim, finished_outcome(status), failure_code=failure.code)
-        await workflow.execute_local_activity_method(
-            ChargingActivities.record_charge,
-            RecordCharge(claim=claim, result=result),
-            start_to_close_timeout=LEDGER_TIMEOUT,
-            summary=f"record charge {result.charge_id}",
-        )
-        return _outcome(claim, "charged", charge_id=result.charge_id)
-
-    async def _charge_when_allowed(
-        self, request: CustomerChargeInput, claim: Claim
-    ) -> ChargeResult:
-        """Charge in a local activity, which never waits long in the workflow task: for a
-        Stripe slot further off, the workflow sleeps and comes back with it; while the period
-        is paused, or its key is refused (the period is told, and pauses), the workflow waits
-        for the period's signal and tries again, and the ledger's gate says go or cancel."""
+    async def _bill_when_allowed(self, request: CustomerChargeInput) -> CustomerOutcome:
+        """Bill in one local activity (claim, charge, record), which never waits long in the
+        workflow task: for a Stripe slot further off, the workflow sleeps and comes back with
+        it; while the period is paused, or its key is refused (the period is told, and
+        pauses), the workflow waits for the period's signal and tries again, and the
+        ledger's gate says go or cancel."""
         slot: datetime | None = None
         patience = PERIOD_WAIT_FIRST
         while True:
@@ -155,13 +78,13 @@ class CustomerChargeWorkflow:
             signals_seen = self._period_signals
             try:
                 return await workflow.execute_local_activity_method(
-                    ChargingActivities.charge,
-                    ChargeRequest(claim=claim, slot=slot),
-                    start_to_close_timeout=CHARGE_TIMEOUT,
-                    schedule_to_close_timeout=CHARGE_ROUND,
-                    retry_policy=CHARGE_RETRY,
+                    ChargingActivities.bill,
+                    BillRequest(period=request.period, customer_id=request.customer_id, slot=slot),
+                    start_to_close_timeout=BILL_TIMEOUT,
+                    schedule_to_close_timeout=BILL_ROUND,
+                    retry_policy=BILL_RETRY,
                     local_retry_threshold=LOCAL_RETRY_THRESHOLD,
-                    summary=f"charge {claim.amount_cents} {claim.currency} to {claim.customer_id}",
+                    summary=f"bill {request.customer_id} for {request.period}",
                 )
             except (ActivityError, ApplicationError, TemporalTimeoutError) as err:
                 if _timed_out(err):
@@ -234,36 +157,3 @@ def _timed_out(err: FailureError) -> bool:
 def _application_failure(err: FailureError) -> ApplicationError | None:
     cause = _cause(err)
     return cause if isinstance(cause, ApplicationError) else None
-
-
-def _closed_status(failure: ApplicationError | None) -> LedgerStatus | None:
-    """The status the ledger already gave the claim, when another hand finished it."""
-    if failure is None or failure.type != CLAIM_CLOSED:
-        return None
-    status = ChargeFailure.model_validate(failure.details[0]).code
-    return status if status in TERMINAL_STATUSES else "failed"  # type: ignore[return-value]
-
-
-def _recorded_failure(
-    failure: ApplicationError | None,
-) -> tuple[LedgerStatus, ChargeFailure] | None:
-    if failure is None or failure.type not in RECORDED_FAILURES:
-        return None
-    return RECORDED_FAILURES[failure.type], ChargeFailure.model_validate(failure.details[0])
-
-
-def _outcome(
-    claim: Claim,
-    outcome: Outcome,
-    *,
-    charge_id: str | None = None,
-    failure_code: str | None = None,
-) -> CustomerOutcome:
-    return CustomerOutcome(
-        customer_id=claim.customer_id,
-        outcome=outcome,
-        amount_cents=claim.amount_cents,
-        currency=claim.currency,
-        charge_id=charge_id or claim.charge_id,
-        failure_code=failure_code or claim.failure_code,
-    )

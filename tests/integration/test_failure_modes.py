@@ -104,10 +104,11 @@ async def test_worker_killed_between_charge_and_record(harness: Harness) -> None
 @pytest.mark.parametrize(
     ("customers", "stripe_rps"),
     [
-        # One task: the retried task's claim finds the row charged by this very run.
+        # One task: the retried task bills again, and its claim finds the row charged by
+        # this very run.
         (1, None),
-        # The second customer's Stripe slot is 4 s off, so its claim was recorded in an
-        # earlier task and is replayed as "claimed": the charge finds its own record instead.
+        # The second customer's Stripe slot is 4 s off: its first attempt, which claimed,
+        # is replayed from an earlier task, and the next attempt's claim finds the charge.
         (2, 0.25),
     ],
     ids=["claim-in-the-same-task", "claim-in-an-earlier-task"],
