@@ -402,16 +402,6 @@ async def finish_period(conn: asyncpg.Connection, period: str, summary_json: str
     )
 
 
-async def status_counts(conn: asyncpg.Connection, period: str) -> dict[str, tuple[int, int]]:
-    """(count, cents) per ledger status for one period."""
-    rows = await conn.fetch(
-        "SELECT status, count(*) AS n, coalesce(sum(amount_cents), 0) AS cents"
-        " FROM billing_runs WHERE billing_period = $1 GROUP BY status",
-        period,
-    )
-    return {row["status"]: (row["n"], row["cents"]) for row in rows}
-
-
 async def open_claims(conn: asyncpg.Connection, period: str, limit: int) -> list[OpenClaim]:
     """Claims of the period with no recorded outcome, oldest first, for reconciliation."""
     rows = await conn.fetch(

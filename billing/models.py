@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -115,11 +115,24 @@ class Counts(BaseModel):
     skipped: int = 0
     cancelled: int = 0
     total_charged_cents: int = 0
+    charged_by_currency: dict[str, int] = Field(default_factory=dict)
 
     def add(self, outcome: CustomerOutcome) -> None:
         setattr(self, outcome.outcome, getattr(self, outcome.outcome) + 1)
         if outcome.outcome == "charged":
             self.total_charged_cents += outcome.amount_cents
+            if outcome.currency is not None:
+                self._add_charged({outcome.currency: outcome.amount_cents})
+
+    def merge(self, other: Counts) -> None:
+        """Add another page's counts to these."""
+        for field in ("due", *get_args(Outcome), "total_charged_cents"):
+            setattr(self, field, getattr(self, field) + getattr(other, field))
+        self._add_charged(other.charged_by_currency)
+
+    def _add_charged(self, by_currency: dict[str, int]) -> None:
+        for currency, cents in by_currency.items():
+            self.charged_by_currency[currency] = self.charged_by_currency.get(currency, 0) + cents
 
 
 class ControlState(BaseModel):
@@ -211,7 +224,10 @@ class PeriodCounts(Record):
     failed: int
     skipped: int
     cancelled: int
+    # The sum over every currency: a figure only for a period in one currency.
     total_charged_cents: int
+    # Money charged per currency, in each currency's smallest unit (cents, or yen).
+    charged_by_currency: dict[str, int] = Field(default_factory=dict)
 
 
 class PeriodSummary(PeriodCounts):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from decimal import Decimal
 
 import pycountry
@@ -83,3 +84,11 @@ def spend_cap(expected_total_cents: int, multiplier: float) -> int:
         raise InvalidAmountError(f"cap multiplier {multiplier} would cap below the expected total")
     # In decimal: 99510 * 1.10 in binary floating point is 109461.00000000001.
     return math.ceil(Decimal(expected_total_cents) * Decimal(str(multiplier)))
+
+
+def describe_amounts(by_currency: Mapping[str, int]) -> str:
+    """Money per currency for a person to read, never added across currencies, each in the
+    currency's smallest unit as Stripe and the ledger count it ("usd 1,999" is $19.99)."""
+    if not by_currency:
+        return "nothing"
+    return ", ".join(f"{currency} {amount:,}" for currency, amount in sorted(by_currency.items()))

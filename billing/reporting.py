@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from billing.config import TemporalSettings
 from billing.models import PeriodCounts, PeriodProgress, Preview
+from billing.money import describe_amounts
 from billing.reconciliation import ReconcileReport
 
 
 def describe(summary: PeriodCounts) -> str:
-    dollars = summary.total_charged_cents / 100
     lines = [
         f"period {summary.period} ({summary.workflow_id})",
         f"  due {summary.due}: charged {summary.charged}, already billed"
         f" {summary.already_billed}, failed {summary.failed}, skipped {summary.skipped},"
         f" cancelled {summary.cancelled}",
-        f"  total charged {dollars:,.2f} (cents: {summary.total_charged_cents})",
+        f"  charged {describe_amounts(summary.charged_by_currency)}"
+        " (in each currency's smallest unit)",
     ]
     if isinstance(summary, PeriodProgress):
         lines.insert(1, f"  state {summary.state}, in flight {summary.in_flight}")

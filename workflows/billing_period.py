@@ -40,7 +40,7 @@ with workflow.unsafe.imports_passed_through():
         PrepareRequest,
         SkipCustomerRequest,
     )
-    from billing import logs, search_attributes
+    from billing import logs, money, search_attributes
     from billing.keys import customer_workflow_id, validate_customer_id
     from billing.models import (
         BillingPeriodInput,
@@ -320,7 +320,7 @@ class BillingPeriodWorkflow:
             f" {len(self._in_flight)} in flight; {counts.charged} charged,"
             f" {counts.already_billed} already billed, {counts.failed} failed,"
             f" {counts.skipped} skipped, {counts.cancelled} cancelled;"
-            f" {counts.total_charged_cents} cents charged"
+            f" charged {money.describe_amounts(counts.charged_by_currency)} (smallest units)"
         )
 
     # -- fan-out -----------------------------------------------------------------------
@@ -508,8 +508,7 @@ class BillingPeriodWorkflow:
                 start_to_close_timeout=ACTIVITY_TIMEOUT,
                 summary="mark customers not started cancelled",
             )
-            for field, value in page.counts.model_dump().items():
-                setattr(state.counts, field, getattr(state.counts, field) + value)
+            state.counts.merge(page.counts)
             state.cursor = page.next_cursor or state.cursor
             state.listing_done = page.next_cursor is None
         self._describe()

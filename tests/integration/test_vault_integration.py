@@ -10,9 +10,12 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from billing import operations, period_keys
+from billing.customers import upsert_customers
 from billing.models import OperatorRequest, RunOptions
 from billing.periods import Period
+from billing.reporting import describe
 from billing.runs import period_status, start_period
+from billing.seeding import create_demo_customers
 from tests.integration.harness import VAULT_ADMIN_TOKEN, Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
 from vault.models import IssueKeyRequest
@@ -78,6 +81,33 @@ async def test_a_period_charges_through_its_capped_key(vaulted: Harness) -> None
         text = json.dumps(history.to_json_dict())
         assert not any(secret in text for secret in secrets), execution.id
         assert "vk_" not in text
+
+
+async def test_a_period_in_several_currencies_keeps_each_apart(vaulted: Harness) -> None:
+    currencies = ("usd", "eur", "jpy")
+    customers = [
+        row.model_copy(update={"currency": currencies[index % 3]})
+        for index, row in enumerate(await create_demo_customers(vaulted.stripe, 9, prefix="cust"))
+    ]
+    await upsert_customers(vaulted.pool, customers)
+    async with vaulted.running_worker():
+        summary = await (await start_period(vaulted.client, PERIOD, vaulted.task_queue)).result()
+    await assert_billed_once(vaulted, str(PERIOD), customers)
+    expected = {c: sum(x.amount_cents for x in customers if x.currency == c) for c in currencies}
+    assert (summary.charged, summary.charged_by_currency) == (9, expected)
+    assert f"jpy {expected['jpy']:,}" in describe(summary)
+    # One capped key per currency, spent by that currency's charges only.
+    assert vaulted.vault is not None
+    async with vaulted.pool.acquire() as conn:
+        keys = await conn.fetch(
+            "SELECT currency, vault_key_id FROM period_vault_keys WHERE billing_period = $1",
+            str(PERIOD),
+        )
+    spent = {}
+    for row in keys:
+        key = await vaulted.vault.admin.get_key(row["vault_key_id"])
+        spent[key.currency] = key.spent_cents
+    assert spent == expected
 
 
 async def test_cap_reached_pauses_the_period_until_an_operator_acts(vaulted: Harness) -> None:

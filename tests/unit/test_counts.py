@@ -1,0 +1,70 @@
+"""A period's counts: money is summed per currency, never across currencies."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from billing.models import Counts, CustomerOutcome, PeriodSummary
+from billing.money import describe_amounts
+from billing.reporting import describe
+
+OUTCOMES = st.builds(
+    CustomerOutcome,
+    customer_id=st.sampled_from(["a", "b", "c"]),
+    outcome=st.sampled_from(["charged", "already_billed", "failed", "skipped", "cancelled"]),
+    amount_cents=st.integers(min_value=1, max_value=99_999_999),
+    currency=st.sampled_from(["usd", "eur", "jpy"]),
+)
+
+
+def _counted(outcomes: list[CustomerOutcome]) -> Counts:
+    counts = Counts(due=len(outcomes))
+    for outcome in outcomes:
+        counts.add(outcome)
+    return counts
+
+
+@given(st.lists(OUTCOMES, max_size=30))
+def test_charged_money_is_summed_per_currency(outcomes: list[CustomerOutcome]) -> None:
+    counts = _counted(outcomes)
+    charged = [o for o in outcomes if o.outcome == "charged"]
+    assert counts.charged == len(charged)
+    for currency in ("usd", "eur", "jpy"):
+        in_currency = [o.amount_cents for o in charged if o.currency == currency]
+        assert counts.charged_by_currency.get(currency) == (sum(in_currency) or None)
+    assert sum(counts.charged_by_currency.values()) == counts.total_charged_cents
+
+
+@given(st.lists(OUTCOMES, max_size=20), st.lists(OUTCOMES, max_size=20))
+def test_merged_pages_count_as_one(
+    first: list[CustomerOutcome], second: list[CustomerOutcome]
+) -> None:
+    merged = _counted(first)
+    merged.merge(_counted(second))
+    assert merged == _counted(first + second)
+
+
+def test_amounts_are_shown_per_currency_in_smallest_units() -> None:
+    assert describe_amounts({}) == "nothing"
+    assert describe_amounts({"usd": 123_456, "eur": 1_500, "jpy": 700}) == (
+        "eur 1,500, jpy 700, usd 123,456"
+    )
+
+
+def test_a_summary_never_adds_currencies_together() -> None:
+    summary = PeriodSummary(
+        period="2026-12",
+        workflow_id="billing-period-2026-12",
+        due=3,
+        charged=3,
+        already_billed=0,
+        failed=0,
+        skipped=0,
+        cancelled=0,
+        total_charged_cents=125_699,
+        charged_by_currency={"usd": 123_999, "jpy": 1_700},
+    )
+    text = describe(summary)
+    assert "charged jpy 1,700, usd 123,999 (in each currency's smallest unit)" in text
+    assert "125,699" not in text and "1,256.99" not in text
