@@ -147,7 +147,7 @@ async def main() -> None:
                 direct = stripe_client(api_key, settings.stripe_api_base, http)
                 access = direct_access(direct, settings)
             worker = create_worker(client, temporal.task_queue, pool, access, settings, admin)
-            await _run(worker, temporal, stop)
+            await _run(worker, client, temporal.task_queue, stop)
     finally:
         if admin is not None:
             await admin.close()
@@ -155,11 +155,9 @@ async def main() -> None:
     log.info("worker stopped")
 
 
-async def _run(worker: Worker, temporal: TemporalSettings, stop: asyncio.Event) -> None:
+async def _run(worker: Worker, client: Client, task_queue: str, stop: asyncio.Event) -> None:
     async with worker:
-        log.info(
-            "worker polling task queue %r in namespace %r", temporal.task_queue, temporal.namespace
-        )
+        log.info("worker polling task queue %r in namespace %r", task_queue, client.namespace)
         await stop.wait()
         log.info("shutting down: finishing in-flight activities")
 

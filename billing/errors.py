@@ -64,5 +64,9 @@ class RunEndedError(BillingError):
     """A period's run ended without a summary (failed, terminated, timed out)."""
 
 
+class ConfigurationError(BillingError):
+    """A setting (an environment variable, a file it names) is wrong; the message says which."""
+
+
 class ServiceUnavailableError(BillingError):
     """Temporal or PostgreSQL could not be reached."""

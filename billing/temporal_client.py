@@ -1,26 +1,60 @@
-"""One way to reach Temporal, with the data converter every part of the project uses."""
+"""One way to reach Temporal, with the data converter every part of the project uses.
+
+Credentials are read the way Temporal's CLI and SDKs read them (`temporalio.envconfig`), so a
+Temporal Cloud namespace needs no code: `TEMPORAL_API_KEY`, or mTLS with
+`TEMPORAL_TLS_CLIENT_CERT_PATH` and `TEMPORAL_TLS_CLIENT_KEY_PATH` (and
+`TEMPORAL_TLS_SERVER_CA_CERT_PATH`, `TEMPORAL_TLS_SERVER_NAME` for a private CA), or a profile
+(`TEMPORAL_PROFILE`, default "default") of the TOML file `TEMPORAL_CONFIG_FILE` names.
+"""
 
 from __future__ import annotations
 
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.envconfig import ClientConfigProfile, ClientConnectConfig
 from temporalio.runtime import Runtime
 
 from billing.config import TemporalSettings
-from billing.errors import ServiceUnavailableError
+from billing.errors import ConfigurationError, ServiceUnavailableError
+
+
+def connect_config(settings: TemporalSettings) -> ClientConnectConfig:
+    """Where and how to connect. `settings` (given, or TEMPORAL_ADDRESS and
+    TEMPORAL_NAMESPACE) name the server and namespace; a profile's address and namespace
+    serve when neither is set, and the local dev server's when nothing is."""
+    try:
+        profile = ClientConfigProfile.load()
+        config = profile.to_client_connect_config()
+    except FileNotFoundError as exc:
+        raise ConfigurationError(
+            f"Temporal TLS file {exc.filename} does not exist (TEMPORAL_TLS_*_PATH or the"
+            " profile's tls section)"
+        ) from None
+    except RuntimeError as exc:
+        # Only the first line: a TOML error goes on to quote the file, and it may hold a key.
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigurationError(
+            f"cannot load the Temporal client profile (TEMPORAL_PROFILE, TEMPORAL_CONFIG_FILE):"
+            f" {first_line}"
+        ) from None
+    chosen = settings.model_fields_set
+    if "address" in chosen or "target_host" not in config:
+        config["target_host"] = settings.address
+    if "namespace" in chosen or "namespace" not in config:
+        config["namespace"] = settings.namespace
+    return config
 
 
 async def connect(settings: TemporalSettings, runtime: Runtime | None = None) -> Client:
     """`runtime` carries the worker's telemetry (SDK metrics); None is the default runtime."""
+    config = connect_config(settings)
+    address = config["target_host"]
     try:
         return await Client.connect(
-            settings.address,
-            namespace=settings.namespace,
-            data_converter=pydantic_data_converter,
-            runtime=runtime,
+            data_converter=pydantic_data_converter, runtime=runtime, **config
         )
     except RuntimeError as exc:
         raise ServiceUnavailableError(
-            f"cannot reach Temporal at {settings.address} (TEMPORAL_ADDRESS): {exc};"
+            f"cannot reach Temporal at {address} (TEMPORAL_ADDRESS): {exc};"
             " for the local stack run `python -m devstack up`"
         ) from None

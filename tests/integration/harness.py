@@ -135,8 +135,8 @@ class Harness:
         async with self.worker() as worker:
             yield worker
 
-    def worker_process(self) -> subprocess.Popen[bytes]:
-        """worker.py in its own process, so a test can SIGKILL it."""
+    def worker_process(self, **extra_env: str) -> subprocess.Popen[bytes]:
+        """worker.py in its own process, so a test can SIGKILL it; `extra_env` comes last."""
         config = self.client.service_client.config
         env = {
             **os.environ,
@@ -156,6 +156,7 @@ class Harness:
             env["BILLING_VAULT_ADMIN_TOKEN"] = self.vault.admin_token
         if self.settings.billing_stripe_rps is not None:
             env["BILLING_STRIPE_RPS"] = str(self.settings.billing_stripe_rps)
+        env.update(extra_env)
         process = subprocess.Popen(
             [sys.executable, str(PROJECT_ROOT / "worker.py")],
             env=env,
