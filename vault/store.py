@@ -6,9 +6,10 @@ import asyncio
 import hashlib
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, TypeVar
+from uuid import UUID, uuid4
 
 import asyncpg
 from tenacity import (
@@ -159,6 +160,8 @@ class AuditRecord:
     refusal_code: str | None = None
     reservation_state: ReservationState | None = None
     latency_ms: float = 0.0
+    # Makes the insert idempotent (migrations/009_audit_request_id.sql).
+    request_id: UUID = field(default_factory=uuid4)
 
 
 async def through_outage(
@@ -168,7 +171,7 @@ async def through_outage(
     reached, for `within` at most (TimeoutError past it): for writes that record what
     already happened upstream (a settle, an audit row), which no client retry would bring
     back. A first try may have committed before the connection dropped: a settle then finds
-    itself done, an audit row may be written twice."""
+    itself done, and an audit row its request's id."""
 
     async def attempt() -> T:
         async with pool.acquire() as conn:
@@ -191,11 +194,12 @@ async def insert_audit(conn: asyncpg.Connection, record: AuditRecord) -> None:
         """
         INSERT INTO vault_audit (method, path, vault_key_id, idempotency_key, amount_cents,
                                  currency, customer, upstream_status, decision, refusal_code,
-                                 reservation_state, latency_ms)
-        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+                                 reservation_state, latency_ms, request_id)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+        ON CONFLICT (request_id) DO NOTHING
         """,
         # Not dataclasses.astuple: it deep-copies every field, a cost on every request.
-        *(getattr(record, field.name) for field in fields(record)),
+        *(getattr(record, column.name) for column in fields(record)),
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from datetime import timedelta
 
 import aiohttp
 import asyncpg
@@ -15,7 +16,7 @@ import stripe
 from devstack.postgres import LocalPostgres
 from stripe_emulator import RunningEmulator
 from tests.integration.harness import eventually
-from vault import VaultSettings, serve
+from vault import VaultSettings, serve, store
 from vault.client import VaultAdmin, VaultConflict, VaultInvalidRequest, VaultNotFound
 from vault.models import IssuedKey
 
@@ -181,6 +182,26 @@ async def test_a_database_outage_while_stripe_charges_still_settles_the_reservat
     assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 2_500)
     audited = [(e.decision, e.reservation_state) for e in await admin.audit(key.id)]
     assert audited == [("forwarded", "committed")]
+
+
+async def test_an_audit_row_whose_connection_dropped_after_the_commit_is_written_once(
+    db: asyncpg.Pool,
+) -> None:
+    """The vault retries its audit insert through an outage; when the first try committed
+    and only the connection was lost, the retry must not audit the request a second time."""
+    record = store.AuditRecord(method="POST", path="/v1/payment_intents", decision="forwarded")
+    tries = 0
+
+    async def insert_then_lose_the_connection(conn: asyncpg.Connection) -> None:
+        nonlocal tries
+        tries += 1
+        await store.insert_audit(conn, record)
+        if tries == 1:
+            raise asyncpg.ConnectionDoesNotExistError("connection lost after the commit")
+
+    await store.through_outage(db, timedelta(seconds=5), insert_then_lose_the_connection)
+    assert tries == 2
+    assert await db.fetchval("SELECT count(*) FROM vault_audit") == 1
 
 
 async def test_upstream_timeout_is_unknown_and_a_later_replay_commits(
