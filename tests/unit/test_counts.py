@@ -53,17 +53,18 @@ def test_amounts_are_shown_per_currency_in_smallest_units() -> None:
 
 
 def test_a_summary_never_adds_currencies_together() -> None:
+    counts = _counted(
+        [
+            CustomerOutcome(
+                customer_id="a", outcome="charged", amount_cents=123_999, currency="usd"
+            ),
+            CustomerOutcome(customer_id="b", outcome="charged", amount_cents=1_000, currency="jpy"),
+            CustomerOutcome(customer_id="c", outcome="charged", amount_cents=700, currency="jpy"),
+        ]
+    )
+    # As the period workflow builds its summary.
     summary = PeriodSummary(
-        period="2026-12",
-        workflow_id="billing-period-2026-12",
-        due=3,
-        charged=3,
-        already_billed=0,
-        failed=0,
-        skipped=0,
-        cancelled=0,
-        total_charged_cents=125_699,
-        charged_by_currency={"usd": 123_999, "jpy": 1_700},
+        period="2026-12", workflow_id="billing-period-2026-12", **counts.model_dump()
     )
     text = describe(summary)
     assert "charged jpy 1,700, usd 123,999 (in each currency's smallest unit)" in text
