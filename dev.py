@@ -23,7 +23,18 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 PYTHON = VENV / "bin" / "python"
 STAMP = VENV / ".installed"
-PACKAGES = ["billing", "workflows", "activities", "stripe_emulator", "devstack", "vault", "chaos"]
+# What mypy checks, tests and benchmarks included.
+PACKAGES = [
+    "billing",
+    "workflows",
+    "activities",
+    "stripe_emulator",
+    "devstack",
+    "vault",
+    "chaos",
+    "bench",
+    "tests",
+]
 
 
 def setup() -> None:

@@ -132,8 +132,13 @@ def test_project_environment_is_read_by_the_settings(name: str) -> None:
 
 
 def test_the_cli_derives_keys_and_caps_as_the_workers_do() -> None:
-    shared = ("TEMPORAL_NAMESPACE", "TEMPORAL_TASK_QUEUE", "DATABASE_URL", "BILLING_KEY_NAMESPACE")
-    shared += ("BILLING_CAP_MULTIPLIER",)
+    shared = (
+        "TEMPORAL_NAMESPACE",
+        "TEMPORAL_TASK_QUEUE",
+        "DATABASE_URL",
+        "BILLING_KEY_NAMESPACE",
+        "BILLING_CAP_MULTIPLIER",
+    )
     cli, worker = environment(SERVICES["cli"]), environment(SERVICES["worker"])
     assert {n: cli.get(n) for n in shared} == {n: worker[n] for n in shared}
 
@@ -203,7 +208,9 @@ def test_health_checks_ask_what_the_service_serves() -> None:
         if "healthcheck" not in service:
             continue
         probe = " ".join(service["healthcheck"]["test"])
-        port, path = re.search(r"http://127\.0\.0\.1:(\d+)(/[\w/.-]*)", probe).groups()
+        found = re.search(r"http://127\.0\.0\.1:(\d+)(/[\w/.-]*)", probe)
+        assert found, f"{name}'s health check asks no local URL: {probe}"
+        port, path = found.groups()
         argv, env = service["command"], environment(service)
         if port in {v for k, v in env.items() if k.endswith("_METRICS_PORT")}:
             assert path == "/metrics"

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import stripe
 
 API_KEY = "sk_test_emulator_suite_key"
 
@@ -82,3 +83,9 @@ class Raw:
             **extra,
         }
         return await self.post("/v1/payment_intents", params, idempotency_key=idempotency_key)
+
+
+def response_headers(resource: stripe.StripeObject) -> Mapping[str, str]:
+    """The HTTP headers of the response the SDK built `resource` from."""
+    assert resource.last_response is not None
+    return resource.last_response.headers

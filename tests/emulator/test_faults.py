@@ -10,7 +10,7 @@ import stripe
 
 from stripe_emulator import EmulatorConfig, RunningEmulator, serve
 
-from .support import Raw
+from .support import Raw, response_headers
 
 
 def _params(customer: str) -> dict[str, object]:
@@ -43,7 +43,7 @@ async def test_dropped_response_then_retry_returns_the_first_charge(
     emulator.configure(drop_after_commit=0)
     retried = await _create(sdk, customer, "dropped")
     assert retried.latest_charge == committed["id"]
-    assert retried.last_response.headers["Idempotent-Replayed"] == "true"
+    assert response_headers(retried)["Idempotent-Replayed"] == "true"
     ledger = await raw.ledger()
     assert len(ledger["charges"]) == 1
     assert ledger["faults_injected"]["drop_after_commit"] == 1
@@ -112,7 +112,7 @@ async def test_error_before_commit_stores_nothing_and_a_retry_executes(
     emulator.configure(error_before_commit=0)
     intent = await _create(sdk, customer, "before")
     assert intent.status == "succeeded"
-    assert "Idempotent-Replayed" not in intent.last_response.headers
+    assert "Idempotent-Replayed" not in response_headers(intent)
     ledger = await raw.ledger()
     assert len(ledger["charges"]) == 1
     assert ledger["faults_injected"]["error_before_commit"] == 1
@@ -137,7 +137,7 @@ async def _fault_pattern(raw: Raw, customer: str, run: str) -> list[int | str]:
 
 async def test_a_seed_reproduces_the_faults(emulator: RunningEmulator, raw: Raw) -> None:
     faults = {"drop_after_commit": 0.2, "error_before_commit": 0.2, "error_after_commit": 0.2}
-    patterns = []
+    patterns: list[list[int | str]] = []
     for seed in (7, 7, 8):
         emulator.state.reset({**faults, "seed": seed})
         customer = (await raw.customer())["id"]

@@ -9,7 +9,7 @@ import stripe
 
 from stripe_emulator import RunningEmulator
 
-from .support import Raw
+from .support import Raw, response_headers
 
 
 async def test_same_key_and_params_replay_the_first_response(raw: Raw) -> None:
@@ -39,7 +39,7 @@ async def test_sdk_sees_the_replayed_object(sdk: stripe.StripeClient, raw: Raw) 
         options={"idempotency_key": "sdk-replay"},
     )
     assert again.id == first.id and again.latest_charge == first.latest_charge
-    assert again.last_response.headers["Idempotent-Replayed"] == "true"
+    assert response_headers(again)["Idempotent-Replayed"] == "true"
 
 
 async def test_other_params_with_the_same_key_are_an_idempotency_error(

@@ -16,6 +16,11 @@ async def _customer(sdk: Client, card: str = "pm_card_visa") -> stripe.Customer:
     )
 
 
+def _default_method(customer: stripe.Customer) -> str | stripe.PaymentMethod | None:
+    assert customer.invoice_settings is not None
+    return customer.invoice_settings.default_payment_method
+
+
 async def _intent(sdk: Client, customer: str, key: str, **extra: object) -> stripe.PaymentIntent:
     params = {
         "amount": 2500,
@@ -43,18 +48,19 @@ async def test_customer_create_attaches_a_new_payment_method(sdk: Client) -> Non
         }
     )
     assert customer.id.startswith("cus_")
+    assert customer.metadata is not None
     assert (customer.email, customer.name, customer.metadata["account"]) == (
         "ada@example.com",
         "Ada",
         "42",
     )
-    default = customer.invoice_settings.default_payment_method
+    default = _default_method(customer)
     assert isinstance(default, str)
     assert default.startswith("pm_") and default != "pm_card_visa"
     method = await sdk.v1.payment_methods.retrieve_async(default)
     assert (method.customer, method.card and method.card.last4) == (customer.id, "4242")
     fetched = await sdk.v1.customers.retrieve_async(customer.id)
-    assert fetched.invoice_settings.default_payment_method == default
+    assert _default_method(fetched) == default
 
 
 async def test_customer_update_merges_metadata_and_sets_default(sdk: Client) -> None:
@@ -70,8 +76,9 @@ async def test_customer_update_merges_metadata_and_sets_default(sdk: Client) -> 
             "email": "new@example.com",
         },
     )
+    assert updated.metadata is not None
     assert updated.metadata.to_dict() == {"a": "1", "c": "3"}
-    assert updated.invoice_settings.default_payment_method == first.id
+    assert _default_method(updated) == first.id
     assert updated.email == "new@example.com"
 
 
@@ -117,7 +124,7 @@ async def test_payment_intent_succeeds_with_a_new_charge(sdk: Client, raw: Raw) 
     assert intent.id.startswith("pi_")
     assert (intent.status, intent.amount_received, intent.currency) == ("succeeded", 2500, "eur")
     assert isinstance(intent.latest_charge, str) and intent.latest_charge.startswith("ch_")
-    assert intent.payment_method == customer.invoice_settings.default_payment_method
+    assert intent.payment_method == _default_method(customer)
     charge = await sdk.v1.charges.retrieve_async(intent.latest_charge)
     assert (charge.status, charge.payment_intent, charge.amount) == ("succeeded", intent.id, 2500)
     fetched = await sdk.v1.payment_intents.retrieve_async(intent.id)
@@ -130,7 +137,7 @@ async def test_payment_intent_succeeds_with_a_new_charge(sdk: Client, raw: Raw) 
 
 async def test_payment_intent_without_confirm_then_confirm(sdk: Client) -> None:
     customer = await _customer(sdk)
-    method = customer.invoice_settings.default_payment_method
+    method = _default_method(customer)
     assert isinstance(method, str)
     intent = await sdk.v1.payment_intents.create_async(
         params={"amount": 700, "currency": "usd", "customer": customer.id, "payment_method": method}
@@ -167,7 +174,7 @@ async def test_payment_intents_search_by_metadata(sdk: Client) -> None:
     found = await sdk.v1.payment_intents.search_async(
         params={"query": 'metadata["period"]:"2026-12"', "limit": 2}
     )
-    assert found.object == "search_result"
+    assert found["object"] == "search_result"
     assert [i.id for i in found.data] == [ids[3], ids[2]]
     assert found.has_more and found.next_page
     rest = await sdk.v1.payment_intents.search_async(
@@ -208,7 +215,7 @@ async def test_legacy_charge_uses_the_customers_default(sdk: Client) -> None:
         True,
         None,
     )
-    assert charge.payment_method == customer.invoice_settings.default_payment_method
+    assert charge.payment_method == _default_method(customer)
     listed = await sdk.v1.charges.list_async(params={"customer": customer.id})
     assert [c.id for c in listed.data] == [charge.id]
     assert (await sdk.v1.charges.retrieve_async(charge.id)).metadata["invoice"] == "in_1"
@@ -232,10 +239,12 @@ async def test_refunds_full_partial_and_too_much(sdk: Client, raw: Raw) -> None:
         1000,
         intent.latest_charge,
     )
+    assert isinstance(partial.charge, str)
+    charge_id = partial.charge
     with pytest.raises(stripe.InvalidRequestError) as caught:
-        await sdk.v1.refunds.create_async(params={"charge": partial.charge, "amount": 1501})
+        await sdk.v1.refunds.create_async(params={"charge": charge_id, "amount": 1501})
     assert caught.value.code == "amount_too_large"
-    rest = await sdk.v1.refunds.create_async(params={"charge": partial.charge})
+    rest = await sdk.v1.refunds.create_async(params={"charge": charge_id})
     assert rest.amount == 1500
     assert (await sdk.v1.refunds.retrieve_async(rest.id)).amount == 1500
     assert isinstance(intent.latest_charge, str)
@@ -244,5 +253,5 @@ async def test_refunds_full_partial_and_too_much(sdk: Client, raw: Raw) -> None:
     [entry] = (await raw.ledger())["charges"]
     assert (entry["refunded"], entry["amount_refunded"]) == (True, 2500)
     with pytest.raises(stripe.InvalidRequestError) as again:
-        await sdk.v1.refunds.create_async(params={"charge": partial.charge})
+        await sdk.v1.refunds.create_async(params={"charge": charge_id})
     assert again.value.code == "charge_already_refunded"

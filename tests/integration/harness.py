@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
-import stripe
+from stripe import HTTPClient, StripeClient
 from temporalio.api.enums.v1 import TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
@@ -67,8 +67,9 @@ class Harness:
     emulator_url: str
     settings: BillingSettings
     task_queue: str
-    stripe: stripe.StripeClient
-    http: stripe.HTTPClient
+    # Named `stripe`, this field hides the module in the class body: hence the bare names.
+    stripe: StripeClient
+    http: HTTPClient
     vault: VaultHandle | None = None
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import WorkflowHistory
+from temporalio.client import WorkflowHandle, WorkflowHistory
 
 from billing import ledger
 from billing.keys import customer_workflow_id
-from billing.models import BillingPeriodInput, CustomerChargeInput, RunOptions
+from billing.models import BillingPeriodInput, CustomerChargeInput, CustomerOutcome, RunOptions
 from billing.periods import Period
 from billing.runs import period_status, start_period
 from tests.integration.harness import Harness, eventually
@@ -192,6 +192,7 @@ async def test_a_child_waiting_long_continues_as_new_and_charges_once(harness: H
         assert await harness.money_requests() == 0, "a paused period's child reached Stripe"
         async with harness.pool.acquire() as conn:
             await ledger.set_control(conn, period, "running", "checked", "bob")
+        latest: WorkflowHandle[CustomerChargeWorkflow, CustomerOutcome]
         latest = harness.client.get_workflow_handle_for(CustomerChargeWorkflow.run, workflow_id)
         await latest.signal(CustomerChargeWorkflow.period_control)
         outcome = await latest.result()

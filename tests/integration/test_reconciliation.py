@@ -8,7 +8,7 @@ import os
 import sys
 from datetime import UTC, datetime
 
-from temporalio.client import WorkflowHistory
+from temporalio.client import WorkflowHandle, WorkflowHistory
 from temporalio.service import RPCError
 
 from activities.stripe_gateway import StripeGateway, charge_params
@@ -27,7 +27,8 @@ from billing.runs import start_period, start_reconcile
 from billing.schedules import RECONCILE_SCHEDULE_ID
 from tests.integration.harness import PROJECT_ROOT, Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
-from tests.integration.test_replay import HISTORIES, replay
+from tests.integration.replay import replay
+from tests.integration.test_replay import HISTORIES
 from workflows.customer_charge import CustomerChargeWorkflow
 from workflows.reconcile import ReconcileWorkflow
 
@@ -349,6 +350,7 @@ async def test_the_daily_schedule_reconciles_the_period_it_would_bill(harness: H
     period = period_for(datetime.now(UTC))
     async with harness.running_worker():
         await handle.trigger()
+        reconciling: WorkflowHandle[ReconcileWorkflow, ReconcileReport]
         reconciling = harness.client.get_workflow_handle_for(
             ReconcileWorkflow.run, reconcile_workflow_id(period)
         )

@@ -1,0 +1,1 @@
+"""Benchmark scripts, run as files (python bench/throughput.py); a package for imports and mypy."""
