@@ -4,10 +4,14 @@ Credentials are read the way Temporal's CLI and SDKs read them (`temporalio.envc
 Temporal Cloud namespace needs no code: `TEMPORAL_API_KEY`, or mTLS with
 `TEMPORAL_TLS_CLIENT_CERT_PATH` and `TEMPORAL_TLS_CLIENT_KEY_PATH` (and
 `TEMPORAL_TLS_SERVER_CA_CERT_PATH`, `TEMPORAL_TLS_SERVER_NAME` for a private CA), or a profile
-(`TEMPORAL_PROFILE`, default "default") of the TOML file `TEMPORAL_CONFIG_FILE` names.
+(`TEMPORAL_PROFILE`, default "default") of the TOML file `TEMPORAL_CONFIG_FILE` names. Unlike
+the CLI, a profile file is read only when one of those two is set: a developer's own profile
+in their home directory must not point a billing worker at another server.
 """
 
 from __future__ import annotations
+
+import os
 
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -22,8 +26,9 @@ def connect_config(settings: TemporalSettings) -> ClientConnectConfig:
     """Where and how to connect. `settings` (given, or TEMPORAL_ADDRESS and
     TEMPORAL_NAMESPACE) name the server and namespace; a profile's address and namespace
     serve when neither is set, and the local dev server's when nothing is."""
+    named = any(os.environ.get(name) for name in ("TEMPORAL_CONFIG_FILE", "TEMPORAL_PROFILE"))
     try:
-        profile = ClientConfigProfile.load()
+        profile = ClientConfigProfile.load(disable_file=not named)
         config = profile.to_client_connect_config()
     except FileNotFoundError as exc:
         raise ConfigurationError(

@@ -36,6 +36,17 @@ def test_nothing_set_is_the_local_dev_server() -> None:
     }
 
 
+def test_a_profile_in_the_home_directory_is_read_only_when_asked_for(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    home_profiles = tmp_path / "temporalio" / "temporal.toml"
+    home_profiles.parent.mkdir()
+    home_profiles.write_text(PROFILES.replace("profile.cloud", "profile.default"))
+    assert "api_key" not in connect_config(TemporalSettings())
+    monkeypatch.setenv("TEMPORAL_PROFILE", "default")
+    assert connect_config(TemporalSettings()).get("api_key") == API_KEY
+
+
 def test_an_api_key_turns_tls_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TEMPORAL_API_KEY", API_KEY)
     config = connect_config(TemporalSettings(address="billing.a1b2c.tmprl.cloud:7233"))
