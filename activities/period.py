@@ -33,7 +33,7 @@ from billing.models import (
     SkipRequest,
     SkipResult,
 )
-from billing.money import spend_cap
+from billing.money import spend_caps
 from billing.periods import Billing, parse_period, period_for
 from vault.client import VaultAdmin, VaultAuthError, VaultInvalidRequest
 
@@ -121,8 +121,8 @@ class PeriodActivities:
     async def _ensure_keys(self, plan: PeriodPlan, admin: VaultAdmin) -> None:
         """The period's vault key per currency, capped at the expected total with headroom."""
         grace = timedelta(days=self._settings.billing_vault_key_grace_days)
-        for currency, total in sorted(plan.totals_by_currency.items()):
-            cap = spend_cap(total, self._settings.billing_cap_multiplier)
+        caps = spend_caps(plan.totals_by_currency, self._settings.billing_cap_multiplier)
+        for currency, cap in caps.items():
             try:
                 await period_keys.ensure_key(
                     self._pool, admin, parse_period(plan.period), currency, cap, grace

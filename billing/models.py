@@ -266,5 +266,9 @@ class Preview(Record):
     to_charge: list[PreviewLine]
     already_billed: list[PreviewLine]
     not_billable: list[PreviewLine]
+    # Sums over every currency, figures only for a period in one currency; the run issues a
+    # key per currency, capped as caps_by_currency says.
     expected_total_cents: int
     cap_cents: int
+    totals_by_currency: dict[str, int] = Field(default_factory=dict)
+    caps_by_currency: dict[str, int] = Field(default_factory=dict)

@@ -86,6 +86,11 @@ def spend_cap(expected_total_cents: int, multiplier: float) -> int:
     return math.ceil(Decimal(expected_total_cents) * Decimal(str(multiplier)))
 
 
+def spend_caps(totals_by_currency: Mapping[str, int], multiplier: float) -> dict[str, int]:
+    """A period's keys' caps, one per currency: a run issues them, a preview shows them."""
+    return {c: spend_cap(total, multiplier) for c, total in sorted(totals_by_currency.items())}
+
+
 def describe_amounts(by_currency: Mapping[str, int]) -> str:
     """Money per currency for a person to read, never added across currencies, each in the
     currency's smallest unit as Stripe and the ledger count it ("usd 1,999" is $19.99)."""

@@ -6,7 +6,7 @@ import asyncpg
 
 from billing import ledger
 from billing.models import Preview
-from billing.money import spend_cap
+from billing.money import spend_cap, spend_caps
 
 
 async def preview_period(pool: asyncpg.Pool, period: str, cap_multiplier: float) -> Preview:
@@ -16,6 +16,9 @@ async def preview_period(pool: asyncpg.Pool, period: str, cap_multiplier: float)
     billed = [line for line in lines if line.status == "charged"]
     other = [line for line in lines if not line.open and line.status != "charged"]
     total = sum(line.amount_cents for line in to_charge)
+    totals: dict[str, int] = {}
+    for line in to_charge:
+        totals[line.currency] = totals.get(line.currency, 0) + line.amount_cents
     return Preview(
         period=period,
         to_charge=to_charge,
@@ -23,4 +26,6 @@ async def preview_period(pool: asyncpg.Pool, period: str, cap_multiplier: float)
         not_billable=other,
         expected_total_cents=total,
         cap_cents=spend_cap(total, cap_multiplier),
+        totals_by_currency=totals,
+        caps_by_currency=spend_caps(totals, cap_multiplier),
     )

@@ -29,8 +29,11 @@ def ui_link(temporal: TemporalSettings, workflow_id: str) -> str:
 def describe_preview(preview: Preview, shown: int = 20) -> str:
     lines = [
         f"preview of {preview.period}: nothing is charged",
-        f"  would charge {len(preview.to_charge)} customers, {preview.expected_total_cents}"
-        f" cents in all; the period's key would be capped at {preview.cap_cents} cents",
+        f"  would charge {len(preview.to_charge)} customers"
+        f" {describe_amounts(preview.totals_by_currency)}; the period's keys would be capped at"
+        f" {describe_amounts(preview.caps_by_currency)} (in each currency's smallest unit)"
+        if preview.to_charge
+        else "  would charge nobody",
     ]
     lines += [
         f"    {x.customer_id}: {x.amount_cents} {x.currency}" for x in preview.to_charge[:shown]

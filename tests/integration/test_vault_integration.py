@@ -13,6 +13,7 @@ from billing import operations, period_keys
 from billing.customers import upsert_customers
 from billing.models import OperatorRequest, RunOptions
 from billing.periods import Period
+from billing.preview import preview_period
 from billing.reporting import describe
 from billing.runs import period_status, start_period
 from billing.seeding import create_demo_customers
@@ -90,24 +91,28 @@ async def test_a_period_in_several_currencies_keeps_each_apart(vaulted: Harness)
         for index, row in enumerate(await create_demo_customers(vaulted.stripe, 9, prefix="cust"))
     ]
     await upsert_customers(vaulted.pool, customers)
+    preview = await preview_period(
+        vaulted.pool, str(PERIOD), vaulted.settings.billing_cap_multiplier
+    )
     async with vaulted.running_worker():
         summary = await (await start_period(vaulted.client, PERIOD, vaulted.task_queue)).result()
     await assert_billed_once(vaulted, str(PERIOD), customers)
     expected = {c: sum(x.amount_cents for x in customers if x.currency == c) for c in currencies}
     assert (summary.charged, summary.charged_by_currency) == (9, expected)
     assert f"jpy {expected['jpy']:,}" in describe(summary)
-    # One capped key per currency, spent by that currency's charges only.
+    assert preview.totals_by_currency == expected
+    # One capped key per currency, as the preview said, spent by its own currency only.
     assert vaulted.vault is not None
     async with vaulted.pool.acquire() as conn:
         keys = await conn.fetch(
             "SELECT currency, vault_key_id FROM period_vault_keys WHERE billing_period = $1",
             str(PERIOD),
         )
-    spent = {}
+    spent, caps = {}, {}
     for row in keys:
         key = await vaulted.vault.admin.get_key(row["vault_key_id"])
-        spent[key.currency] = key.spent_cents
-    assert spent == expected
+        spent[key.currency], caps[key.currency] = key.spent_cents, key.cap_cents
+    assert (spent, caps) == (expected, preview.caps_by_currency)
 
 
 async def test_cap_reached_pauses_the_period_until_an_operator_acts(vaulted: Harness) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from billing.models import Counts, CustomerOutcome, PeriodSummary
-from billing.money import describe_amounts
-from billing.reporting import describe
+from billing.models import Counts, CustomerOutcome, PeriodSummary, Preview, PreviewLine
+from billing.money import describe_amounts, spend_cap, spend_caps
+from billing.reporting import describe, describe_preview
 
 OUTCOMES = st.builds(
     CustomerOutcome,
@@ -69,3 +69,31 @@ def test_a_summary_never_adds_currencies_together() -> None:
     text = describe(summary)
     assert "charged jpy 1,700, usd 123,999 (in each currency's smallest unit)" in text
     assert "125,699" not in text and "1,256.99" not in text
+
+
+def test_each_currency_has_its_own_cap() -> None:
+    assert spend_caps({"usd": 99_510, "jpy": 1_001}, 1.10) == {
+        "jpy": spend_cap(1_001, 1.10),
+        "usd": spend_cap(99_510, 1.10),
+    }
+
+
+def test_a_preview_shows_each_currencys_total_and_cap() -> None:
+    lines = [
+        PreviewLine(customer_id="a", amount_cents=1_999, currency="usd", status=None, open=True),
+        PreviewLine(customer_id="b", amount_cents=1_700, currency="jpy", status=None, open=True),
+    ]
+    preview = Preview(
+        period="2026-12",
+        to_charge=lines,
+        already_billed=[],
+        not_billable=[],
+        expected_total_cents=3_699,
+        cap_cents=spend_cap(3_699, 1.10),
+        totals_by_currency={"usd": 1_999, "jpy": 1_700},
+        caps_by_currency=spend_caps({"usd": 1_999, "jpy": 1_700}, 1.10),
+    )
+    text = describe_preview(preview)
+    assert "would charge 2 customers jpy 1,700, usd 1,999;" in text
+    assert "capped at jpy 1,870, usd 2,199 (in each currency's smallest unit)" in text
+    assert "3,699" not in text and "3699" not in text
