@@ -639,8 +639,8 @@ async def run(args: argparse.Namespace, options: RunOptions) -> dict[str, Any]:
         try:
             orchestrated_period, baseline_period = await fresh_periods(client, pool, 2)
 
-            # Half the ceiling before the orchestrated run and half after, so that a server
-            # slowing as its database grows weighs on both sides alike.
+            # Half the ceiling before the orchestrated run and half after, so that drift over
+            # the run (the dev server's database grows) weighs on both sides alike.
             async def ceiling_half(count: int, which: str) -> dict[str, Any]:
                 with step(f"ceiling, {which}: {count} no-op children"):
                     return await measure_ceiling(

@@ -15,10 +15,10 @@ async def preview_period(pool: asyncpg.Pool, period: str, cap_multiplier: float)
     to_charge = [line for line in lines if line.open]
     billed = [line for line in lines if line.status == "charged"]
     other = [line for line in lines if not line.open and line.status != "charged"]
-    total = sum(line.amount_cents for line in to_charge)
     totals: dict[str, int] = {}
     for line in to_charge:
         totals[line.currency] = totals.get(line.currency, 0) + line.amount_cents
+    total = sum(totals.values())
     return Preview(
         period=period,
         to_charge=to_charge,

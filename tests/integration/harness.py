@@ -113,13 +113,14 @@ class Harness:
     def worker(self) -> Worker:
         """A worker charging directly, or through the vault when the harness has one."""
         access: StripeAccess
+        admin: VaultAdmin | None = None
         if self.vault is None:
             access = direct_access(self.stripe, self.settings)
         else:
             access = VaultAccess(
                 self.pool, self.vault.url, self.settings.billing_charge_api, self.http
             )
-        admin = None if self.vault is None else self.vault.admin
+            admin = self.vault.admin
         # Every workflow inside the sandbox, whose checks then cover every path tested.
         return create_worker(
             self.client,
