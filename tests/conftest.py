@@ -21,6 +21,7 @@ from temporalio.testing import WorkflowEnvironment
 from billing import search_attributes
 from billing.migrations import migrate
 from devstack.postgres import LocalPostgres
+from devstack.stack import DEV_SERVER_TUNING
 
 TEMPLATE_DB = "billing_template"
 NAMESPACES = [f"test-{i}" for i in range(120)]
@@ -87,7 +88,10 @@ async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
         dev_server_existing_path=venv_binary("temporal"),
         search_attributes=search_attributes.ALL,
         data_converter=pydantic_data_converter,
-        dev_server_extra_args=[arg for ns in NAMESPACES for arg in ("--namespace", ns)],
+        dev_server_extra_args=[
+            *DEV_SERVER_TUNING,
+            *(arg for ns in NAMESPACES for arg in ("--namespace", ns)),
+        ],
     )
     yield env
     await env.shutdown()
