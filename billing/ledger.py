@@ -100,10 +100,11 @@ async def claim(
     """Insert the claim, or return the one that exists: a retry charges the same row.
     `run_id` is the claiming workflow run's: the last run to claim an open row owns it, so a
     run whose workflow task is retried after its record knows the charge for its own.
-    Two statements, no transaction around them: the read sees the row as the insert left it
-    or as another hand has moved it on since, and either is the claim to act on."""
-    await conn.execute(
-        """
+    One statement when the row is new or open (the insert returns it); a finished row, or a
+    customer no longer active, is read by a second, with no transaction around the two: the
+    read sees the row as another hand has moved it on since, which is the claim to act on."""
+    row = await conn.fetchrow(
+        f"""
         INSERT INTO billing_runs (customer_id, billing_period, idempotency_key, amount_cents,
                                   currency, stripe_customer_id, payment_method,
                                   claimed_by_run)
@@ -113,17 +114,20 @@ async def claim(
         ON CONFLICT (customer_id, billing_period) DO UPDATE
         SET claimed_by_run = EXCLUDED.claimed_by_run
         WHERE billing_runs.status = 'claimed' AND EXCLUDED.claimed_by_run IS NOT NULL
+        RETURNING {_CLAIM_COLUMNS}
         """,
         customer_id,
         period,
         key,
         run_id,
     )
-    row = await conn.fetchrow(
-        f"SELECT {_CLAIM_COLUMNS} FROM billing_runs WHERE customer_id = $1 AND billing_period = $2",
-        customer_id,
-        period,
-    )
+    if row is None:
+        row = await conn.fetchrow(
+            f"""SELECT {_CLAIM_COLUMNS} FROM billing_runs
+            WHERE customer_id = $1 AND billing_period = $2""",
+            customer_id,
+            period,
+        )
     if row is None:
         raise UnknownCustomerError(
             f"customer {customer_id!r} is not in the ledger or is inactive; nothing was charged"
