@@ -16,9 +16,10 @@ import stripe
 from devstack.postgres import LocalPostgres
 from stripe_emulator import RunningEmulator
 from tests.integration.harness import eventually
-from vault import VaultSettings, serve, store
+from vault import VaultSettings, reservations, serve, store
 from vault.client import VaultAdmin, VaultConflict, VaultInvalidRequest, VaultNotFound
 from vault.models import IssuedKey
+from vault.reservations import Charge
 
 from .conftest import Issue
 from .support import assert_consistent, charge, emulator_ledger, set_faults
@@ -273,3 +274,28 @@ async def test_a_reservation_left_pending_by_a_stopped_vault_is_taken_over_once_
     totals = await assert_consistent(db, key.id)
     assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 1_200)
     assert len(await emulator_ledger(emulator)) == 1
+
+
+async def test_a_revoke_between_the_key_check_and_the_reservation_stops_a_takeover(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+) -> None:
+    key = await issue()
+    await set_faults(emulator, drop_after_commit=1.0)
+    with pytest.raises(stripe.APIError):
+        await charge(stripe_via_vault(key), customer, 1_200, "in-doubt")
+    await set_faults(emulator, drop_after_commit=0.0)
+    assert await _states(db, key.id) == {"in-doubt": "unknown"}
+
+    # The retry passed the vault's key check; the revoke commits before its reservation.
+    await db.execute("UPDATE vault_keys SET revoked_at = now() WHERE id = $1", key.id)
+    retry = Charge("POST /v1/payment_intents", 1_200, "usd", customer)
+    async with db.acquire() as conn:
+        with pytest.raises(reservations.KeyUnusable, match="revoked"):
+            await reservations.reserve(conn, key.id, "in-doubt", retry, timedelta(minutes=5))
+    # Left in doubt, still counted, for reconciliation to settle from Stripe.
+    assert await _states(db, key.id) == {"in-doubt": "unknown"}
+    assert (await assert_consistent(db, key.id))["reserved_cents"] == 1_200
