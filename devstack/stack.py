@@ -24,9 +24,10 @@ LOCAL_STRIPE_KEY = "sk_test_local_emulator"
 # No local period key may be capped above $100M.
 LOCAL_MAX_CAP_CENTS = 10_000_000_000
 # One partition per task queue (the server's default is four). A single dev server serves
-# every partition itself, so more only cost it forwarding tasks and polls between them: over
-# 4,000 customers the server spent 16-17 ms per customer with one, 20-21 with four, and
-# billed 13% faster (README, "Performance"). A cluster of several matching hosts keeps four.
+# every partition itself, so more only cost it matching across them: in alternating runs
+# over 4,000 customers it spent 16-17 ms of CPU per customer with one against 20-21 with
+# four, and the period billed 54-60/s against 48-50/s (README, "Performance"). A cluster
+# spreads its partitions over its matching hosts and keeps its own setting.
 DEV_SERVER_TUNING = (
     "--dynamic-config-value",
     "matching.numTaskqueueReadPartitions=1",
