@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import itertools
 import socket
-import sys
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import asyncpg
 import pytest
@@ -20,8 +18,9 @@ from temporalio.testing import WorkflowEnvironment
 
 from billing import search_attributes
 from billing.migrations import migrate
+from devstack import stack
 from devstack.postgres import LocalPostgres
-from devstack.stack import DEV_SERVER_TUNING
+from devstack.processes import StackError
 
 TEMPLATE_DB = "billing_template"
 NAMESPACES = [f"test-{i}" for i in range(120)]
@@ -37,10 +36,10 @@ def free_port() -> int:
 
 
 def venv_binary(name: str) -> str:
-    path = Path(sys.executable).parent / name
-    if not path.exists():
-        pytest.exit(f"{path} is missing: install the project with its dev extra first")
-    return str(path)
+    try:
+        return stack.venv_binary(name)
+    except StackError as missing:
+        pytest.exit(str(missing))
 
 
 @pytest.fixture(scope="session")
@@ -89,7 +88,7 @@ async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
         search_attributes=search_attributes.ALL,
         data_converter=pydantic_data_converter,
         dev_server_extra_args=[
-            *DEV_SERVER_TUNING,
+            *stack.DEV_SERVER_TUNING,
             *(arg for ns in NAMESPACES for arg in ("--namespace", ns)),
         ],
     )
