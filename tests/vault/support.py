@@ -8,6 +8,7 @@ from typing import Any
 
 import aiohttp
 import asyncpg
+import pytest
 import stripe
 
 from stripe_emulator import RunningEmulator
@@ -70,6 +71,20 @@ async def set_faults(emulator: RunningEmulator, **faults: Any) -> None:
         session.post(emulator.url + "/_emulator/faults", json=faults) as response,
     ):
         assert response.status == 200, await response.text()
+
+
+async def charge_in_doubt(
+    emulator: RunningEmulator,
+    client: stripe.StripeClient,
+    customer: str,
+    amount: int,
+    idempotency_key: str,
+) -> None:
+    """A charge Stripe makes but whose answer is lost on the way back: in doubt."""
+    await set_faults(emulator, drop_after_commit=1.0)
+    with pytest.raises(stripe.APIError):
+        await charge(client, customer, amount, idempotency_key)
+    await set_faults(emulator, drop_after_commit=0.0)
 
 
 async def assert_consistent(db: asyncpg.Pool, key_id: str) -> asyncpg.Record:

@@ -22,7 +22,7 @@ from vault.models import IssuedKey
 from vault.reservations import Charge
 
 from .conftest import Issue
-from .support import assert_consistent, charge, emulator_ledger, set_faults
+from .support import assert_consistent, charge, charge_in_doubt, emulator_ledger, set_faults
 
 StripeFor = Callable[[IssuedKey], stripe.StripeClient]
 
@@ -249,10 +249,7 @@ async def test_a_reservation_left_pending_by_a_stopped_vault_is_taken_over_once_
 ) -> None:
     key = await issue()
     client = stripe_via_vault(key)
-    await set_faults(emulator, drop_after_commit=1.0)
-    with pytest.raises(stripe.APIError):
-        await charge(client, customer, 1_200, "orphan")
-    await set_faults(emulator, drop_after_commit=0.0)
+    await charge_in_doubt(emulator, client, customer, 1_200, "orphan")
 
     # As if a vault had stopped mid-request a moment ago: in flight, so a replay must wait.
     await db.execute(
@@ -284,10 +281,7 @@ async def test_a_revoke_between_the_key_check_and_the_reservation_stops_a_takeov
     emulator: RunningEmulator,
 ) -> None:
     key = await issue()
-    await set_faults(emulator, drop_after_commit=1.0)
-    with pytest.raises(stripe.APIError):
-        await charge(stripe_via_vault(key), customer, 1_200, "in-doubt")
-    await set_faults(emulator, drop_after_commit=0.0)
+    await charge_in_doubt(emulator, stripe_via_vault(key), customer, 1_200, "in-doubt")
     assert await _states(db, key.id) == {"in-doubt": "unknown"}
 
     # The retry passed the vault's key check; the revoke commits before its reservation.
