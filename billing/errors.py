@@ -2,10 +2,11 @@
 
 
 def shown(value: object, limit: int = 40) -> str:
-    """`value` quoted for an error message, cut short: a hostile input is never echoed whole."""
-    if isinstance(value, str) and len(value) > limit:
-        return f"{value[:limit]!r}..."
-    return repr(value)
+    """`value` quoted for an error message, cut after `limit` characters of its quoted form:
+    a hostile input is never echoed whole, and its escapes (10 characters for one astral
+    character) count against the limit."""
+    quoted = repr(value)
+    return quoted if len(quoted) <= limit else f"{quoted[:limit]}..."
 
 
 class BillingError(Exception):

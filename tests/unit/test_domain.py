@@ -302,6 +302,13 @@ def test_an_amount_that_is_not_an_integer_is_refused(value: object) -> None:
         validate_amount(value)
 
 
+def test_an_escaped_input_is_cut_as_shown() -> None:
+    # Forty astral characters are 400 once escaped: the cut counts what the message shows.
+    with pytest.raises(InvalidAmountError) as refused:
+        parse_amount("\U0001019d" * 40)
+    assert len(str(refused.value)) < 100
+
+
 @given(st.one_of(st.text(), st.from_regex(r"\s*[0-9]{1,60}\s*", fullmatch=True)))
 def test_parse_amount_gives_cents_or_says_why(text: str) -> None:
     try:
