@@ -17,6 +17,7 @@ from pathlib import Path
 
 import asyncpg
 import stripe
+import uvloop
 from temporalio.client import Client
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
@@ -163,4 +164,6 @@ async def _run(worker: Worker, client: Client, task_queue: str, stop: asyncio.Ev
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    # uvloop: a faster event loop under asyncpg, aiohttp and the SDK's own callbacks; the
+    # worker's CPU per customer fell by about a sixth (README, "Performance").
+    uvloop.run(main())

@@ -7,6 +7,7 @@ import asyncio
 import signal
 import sys
 
+import uvloop
 from pydantic import ValidationError
 
 from .app import create_app
@@ -75,7 +76,8 @@ async def _run(host: str, port: int, config: EmulatorConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     host, port, config = _parse(argv)
     try:
-        asyncio.run(_run(host, port, config))
+        # uvloop, as the worker and the vault run on, so the emulator costs the stack little.
+        uvloop.run(_run(host, port, config))
     except OSError as error:  # port in use, unknown host
         print(f"stripe emulator could not start: {error}", file=sys.stderr)
         return 1
