@@ -126,7 +126,12 @@ class ChargingActivities:
             return await self._record_unbilled(claim, "failed", failure)
         _report_charge(claim, result)
         async with self._pool.acquire() as conn:
-            await ledger.record_charge(conn, claim.idempotency_key, result)
+            recorded = await ledger.record_charge(conn, claim.idempotency_key, result)
+        if recorded:
+            # Not in _report_charge: an attempt whose record failed is retried, and Stripe
+            # replays the same charge to the retry.
+            since_claim = datetime.now(UTC) - claim.claimed_at
+            metrics.charge_recorded(result.amount_cents, result.currency, since_claim)
         _log_event("record", claim, status="charged", charge_id=result.charge_id)
         return _outcome(claim, "charged", charge_id=result.charge_id)
 
@@ -280,7 +285,7 @@ def _log_event(event: str, claim: Claim, *, level: int = logging.INFO, **fields:
 
 
 def _report_charge(claim: Claim, result: ChargeResult) -> None:
-    metrics.charged(result.amount_cents, result.currency, datetime.now(UTC) - claim.claimed_at)
+    metrics.charge_attempted("charged")
     _log_event(
         "charge",
         claim,
@@ -297,7 +302,7 @@ def _report_failure(claim: Claim, error: Exception) -> None:
     """A refusal (decline, refused key, cap) is its own event; anything else will be retried."""
     kind = error.type if isinstance(error, ApplicationError) else None
     outcome = FAILED_OUTCOMES.get(kind or "", "error")
-    metrics.charge_failed(outcome)
+    metrics.charge_attempted(outcome)
     details = error.details if isinstance(error, ApplicationError) else ()
     failure = details[0] if details and isinstance(details[0], ChargeFailure) else None
     if failure is None or outcome == "error":

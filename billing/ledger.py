@@ -137,8 +137,9 @@ async def claim(
 
 async def _finish(
     conn: asyncpg.Connection, key: str, status: LedgerStatus, sets: str, *args: Any
-) -> None:
-    """Move a claim to a terminal status once; repeating the same result is a no-op."""
+) -> bool:
+    """Move a claim to a terminal status once; repeating the same result is a no-op. True
+    when this call moved it, False for a repeat."""
     updated = await conn.fetchval(
         f"""
         UPDATE billing_runs SET status = $2, updated_at = now(), completed_at = now(), {sets}
@@ -161,10 +162,13 @@ async def _finish(
                 f"claim {key[:8]}... is already {current['status']}"
                 f" (charge {current['charge_id']}); refusing to record {status} over it"
             )
+    return updated is not None
 
 
-async def record_charge(conn: asyncpg.Connection, key: str, result: ChargeResult) -> None:
-    await _finish(
+async def record_charge(conn: asyncpg.Connection, key: str, result: ChargeResult) -> bool:
+    """Record the claim's charge; False when this very charge was recorded already (an
+    attempt whose record committed but whose answer was lost)."""
+    return await _finish(
         conn,
         key,
         "charged",

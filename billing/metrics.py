@@ -33,7 +33,8 @@ CHARGES = Counter(
 )
 CHARGED_AMOUNT = Counter(
     "billing_charged_amount_cents_total",
-    "Money charged, in the currency's minor unit.",
+    "Money charged, in the currency's minor unit: once per charge the ledger records, however"
+    " many attempts Stripe answered for it.",
     ["currency"],
 )
 VAULT_REFUSALS = Counter(
@@ -44,7 +45,7 @@ VAULT_REFUSALS = Counter(
 )
 CLAIM_TO_CHARGE = Histogram(
     "billing_claim_to_charge_seconds",
-    "From a customer's claim to Stripe's acceptance of the charge, retries included.",
+    "From a customer's claim to the ledger's record of its charge, retries included.",
     # Most charges land within seconds; retries, pauses and resumed claims take far longer.
     buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 3600, 6 * 3600, 24 * 3600),
 )
@@ -52,14 +53,15 @@ CLAIM_TO_CHARGE = Histogram(
 _MAX_CODE_LENGTH = 64
 
 
-def charged(amount_cents: int, currency: str, since_claim: timedelta) -> None:
-    CHARGES.labels(outcome="charged").inc()
+def charge_attempted(outcome: str) -> None:
+    """One attempt's answer; a retry that Stripe replays is counted again."""
+    CHARGES.labels(outcome=outcome).inc()
+
+
+def charge_recorded(amount_cents: int, currency: str, since_claim: timedelta) -> None:
+    """A charge the ledger has just recorded: its money, counted once."""
     CHARGED_AMOUNT.labels(currency=currency.lower()).inc(amount_cents)
     CLAIM_TO_CHARGE.observe(max(since_claim.total_seconds(), 0.0))
-
-
-def charge_failed(outcome: str) -> None:
-    CHARGES.labels(outcome=outcome).inc()
 
 
 def count_vault_refusal(exc: stripe.StripeError) -> None:

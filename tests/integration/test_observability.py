@@ -130,6 +130,43 @@ async def test_metrics_endpoints_move_with_a_run(harness: Harness) -> None:
     assert "temporal_activity_execution_latency_seconds_bucket" in temporal_text
 
 
+async def test_a_charge_retried_after_its_record_failed_counts_its_money_once(
+    harness: Harness,
+) -> None:
+    (customer,) = await harness.seed(1)
+    # The ledger refuses the first record of a charge: the attempt fails after Stripe took
+    # the charge, and its retry gets the same charge back from Stripe's replay.
+    await harness.pool.execute(
+        """
+        CREATE SEQUENCE charge_records;
+        CREATE FUNCTION refuse_first_charge_record() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF nextval('charge_records') = 1 THEN
+                RAISE EXCEPTION 'the ledger is briefly unavailable';
+            END IF;
+            RETURN NEW;
+        END $$;
+        CREATE TRIGGER refuse_first_charge_record BEFORE UPDATE ON billing_runs FOR EACH ROW
+            WHEN (NEW.status = 'charged') EXECUTE FUNCTION refuse_first_charge_record();
+        """
+    )
+    async with billing_endpoint() as billing_url:
+        before, _ = await scrape(billing_url)
+        async with harness.running_worker():
+            handle = await start_period(harness.client, PERIOD, harness.task_queue)
+            summary = await handle.result()
+        after, _ = await scrape(billing_url)
+    assert summary.charged == 1
+    assert await harness.pool.fetchval("SELECT last_value FROM charge_records") == 2
+    assert len(await harness.charges()) == 1
+    assert delta(before, after, "billing_charges_total", outcome="charged") == 2
+    assert (
+        delta(before, after, "billing_charged_amount_cents_total", currency="usd")
+        == customer.amount_cents
+    )
+    assert delta(before, after, "billing_claim_to_charge_seconds_count") == 1
+
+
 async def test_a_refused_key_is_counted_and_never_logged(
     harness: Harness, json_log: io.StringIO
 ) -> None:

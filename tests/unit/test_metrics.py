@@ -47,21 +47,29 @@ def test_names_follow_prometheus_conventions() -> None:
             assert family.type == "histogram" and family.name.endswith("_seconds")
 
 
-def test_a_charge_moves_every_charge_metric() -> None:
-    before = (
+def charge_samples() -> list[float]:
+    return [
         value("billing_charges_total", outcome="charged"),
         value("billing_charged_amount_cents_total", currency="eur"),
         value("billing_claim_to_charge_seconds_count"),
         value("billing_claim_to_charge_seconds_bucket", le="5.0"),
-    )
-    metrics.charged(1250, "EUR", timedelta(seconds=3))
-    after = (
-        value("billing_charges_total", outcome="charged"),
-        value("billing_charged_amount_cents_total", currency="eur"),
-        value("billing_claim_to_charge_seconds_count"),
-        value("billing_claim_to_charge_seconds_bucket", le="5.0"),
-    )
-    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1250, 1, 1]
+    ]
+
+
+def moved(before: list[float]) -> list[float]:
+    return [a - b for a, b in zip(charge_samples(), before, strict=True)]
+
+
+def test_an_attempt_counts_no_money() -> None:
+    before = charge_samples()
+    metrics.charge_attempted("charged")
+    assert moved(before) == [1, 0, 0, 0]
+
+
+def test_a_recorded_charge_counts_its_money_once() -> None:
+    before = charge_samples()
+    metrics.charge_recorded(1250, "EUR", timedelta(seconds=3))
+    assert moved(before) == [0, 1250, 1, 1]
 
 
 def refusal(kind: type[stripe.StripeError], status: int, code: str | None) -> stripe.StripeError:
@@ -107,7 +115,7 @@ def served() -> Iterator[str]:
 
 
 def test_the_endpoint_serves_the_exposition_format(served: str) -> None:
-    metrics.charge_failed("declined")
+    metrics.charge_attempted("declined")
     with urllib.request.urlopen(served, timeout=5) as response:  # noqa: S310 - http only
         text = response.read().decode()
     assert 'billing_charges_total{outcome="declined"}' in text
