@@ -35,6 +35,13 @@ DEV_SERVER_TUNING = (
     "matching.numTaskqueueWritePartitions=1",
 )
 
+# The dev server's Go garbage collector lets the heap grow to five times what is live before
+# it collects (GOGC=400; Go's default is 100). In alternating runs over 4,000 customers the
+# dev server spent 15.6-17.6 ms of CPU per customer against 18.6-20.1, for a resident size of
+# up to 1.3 GB against 0.5 GB (README, "Performance"). GOMEMLIMIT makes it collect harder
+# before its heap passes 1 GiB.
+DEV_SERVER_ENV = {"GOGC": "400", "GOMEMLIMIT": "1GiB"}
+
 
 class StackConfig(BaseModel):
     root: Path = DEFAULT_ROOT
@@ -167,7 +174,7 @@ class LocalStack:
         ]
         for key in search_attributes.ALL:
             argv += ["--search-attribute", f"{key.name}=Keyword"]
-        service = spawn("temporal", argv, c.log_dir)
+        service = spawn("temporal", argv, c.log_dir, env=DEV_SERVER_ENV)
         self.services.append(service)
         await wait_for_http(service, f"http://127.0.0.1:{c.ui_port}/", timeout=90)
 
