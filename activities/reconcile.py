@@ -20,7 +20,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.stripe_access import StripeAccess
 from activities.stripe_failures import to_temporal_failure
-from billing import ledger, logs, period_keys
+from billing import ledger, logs, metrics, period_keys
 from billing.config import BillingSettings
 from billing.errors import BillingError, LedgerConflictError
 from billing.keys import customer_workflow_id, period_workflow_id
@@ -176,7 +176,9 @@ class ReconcileActivities:
         try:
             async with self._pool.acquire() as conn:
                 if isinstance(found, ChargeResult):
-                    await ledger.record_charge(conn, key, found)
+                    if await ledger.record_charge(conn, key, found):
+                        since_claim = datetime.now(UTC) - claim.claimed_at
+                        metrics.charge_recorded(found.amount_cents, found.currency, since_claim)
                     resolution = ClaimResolution(
                         customer_id=claim.customer_id,
                         action="recorded",

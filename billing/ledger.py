@@ -166,8 +166,8 @@ async def _finish(
 
 
 async def record_charge(conn: asyncpg.Connection, key: str, result: ChargeResult) -> bool:
-    """Record the claim's charge; False when this very charge was recorded already (an
-    attempt whose record committed but whose answer was lost)."""
+    """Record the claim's charge; False when this very charge was recorded already, by a
+    concurrent attempt or by reconciliation."""
     return await _finish(
         conn,
         key,

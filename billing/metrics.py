@@ -33,8 +33,9 @@ CHARGES = Counter(
 )
 CHARGED_AMOUNT = Counter(
     "billing_charged_amount_cents_total",
-    "Money charged, in the currency's minor unit: once per charge the ledger records, however"
-    " many attempts Stripe answered for it.",
+    "Money charged, in the currency's minor unit: at most once per charge, when the ledger"
+    " records it (by the bill or by reconciliation), however many attempts Stripe answered"
+    " for it. A record whose commit's answer was lost is not counted.",
     ["currency"],
 )
 VAULT_REFUSALS = Counter(

@@ -8,6 +8,7 @@ import os
 import sys
 from datetime import UTC, datetime
 
+from prometheus_client import REGISTRY
 from temporalio.client import WorkflowHandle, WorkflowHistory
 from temporalio.service import RPCError
 
@@ -64,6 +65,12 @@ async def stranded(
     return claim
 
 
+def charged_cents() -> float:
+    return (
+        REGISTRY.get_sample_value("billing_charged_amount_cents_total", {"currency": "usd"}) or 0.0
+    )
+
+
 async def reconcile(harness: Harness) -> ReconcileReport:
     async with harness.running_worker():
         handle = await start_reconcile(harness.client, PERIOD, harness.task_queue)
@@ -113,7 +120,10 @@ async def test_a_charge_stripe_took_but_the_ledger_never_recorded_is_recorded(
     customers = await harness.seed(3)
     claims = [await stranded(harness, c, at_stripe=True) for c in customers]
     sent = await harness.money_requests()
+    money_before = charged_cents()
     report = await reconcile(harness)
+    # Their money is counted now, when the ledger first records it.
+    assert charged_cents() - money_before == sum(c.amount_cents for c in customers)
     by_customer = {c.customer_id: c for c in report.claims}
     for claim in claims:
         resolution = by_customer[claim.customer_id]
