@@ -165,5 +165,5 @@ async def _run(worker: Worker, client: Client, task_queue: str, stop: asyncio.Ev
 
 if __name__ == "__main__":
     # uvloop: a faster event loop under asyncpg, aiohttp and the SDK's own callbacks; the
-    # worker's CPU per customer fell by about a sixth (README, "Performance").
+    # worker's CPU per customer fell by 5-15% (README, "Performance").
     uvloop.run(main())

@@ -2,11 +2,13 @@
 
 
 def shown(value: object, limit: int = 40) -> str:
-    """`value` quoted for an error message, cut after `limit` characters of its quoted form:
-    a hostile input is never echoed whole, and its escapes (10 characters for one astral
-    character) count against the limit."""
+    """`value` quoted for an error message, at most `limit` characters of it: a hostile input
+    is never echoed whole. The cut counts the quoted form, so escapes (10 characters for one
+    astral character) cannot stretch it."""
     quoted = repr(value)
-    return quoted if len(quoted) <= limit else f"{quoted[:limit]}..."
+    if len(quoted) <= limit + 2:  # the value and its two quotes
+        return quoted
+    return f"{quoted[: limit + 1]}..."
 
 
 class BillingError(Exception):
