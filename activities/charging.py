@@ -130,8 +130,7 @@ class ChargingActivities:
         if recorded:
             # Not in _report_charge: an attempt whose record failed is retried, and Stripe
             # replays the same charge to the retry.
-            since_claim = datetime.now(UTC) - claim.claimed_at
-            metrics.charge_recorded(result.amount_cents, result.currency, since_claim)
+            metrics.charge_recorded(result.amount_cents, result.currency, claim.claimed_at)
         _log_event("record", claim, status="charged", charge_id=result.charge_id)
         return _outcome(claim, "charged", charge_id=result.charge_id)
 

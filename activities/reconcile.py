@@ -177,8 +177,9 @@ class ReconcileActivities:
             async with self._pool.acquire() as conn:
                 if isinstance(found, ChargeResult):
                     if await ledger.record_charge(conn, key, found):
-                        since_claim = datetime.now(UTC) - claim.claimed_at
-                        metrics.charge_recorded(found.amount_cents, found.currency, since_claim)
+                        metrics.charge_recorded(
+                            found.amount_cents, found.currency, claim.claimed_at
+                        )
                     resolution = ClaimResolution(
                         customer_id=claim.customer_id,
                         action="recorded",

@@ -9,7 +9,7 @@ Temporal runtime. Counters count events in this process: Prometheus sums them ac
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from datetime import UTC, datetime
 from wsgiref.simple_server import WSGIServer
 
 import stripe
@@ -59,9 +59,10 @@ def charge_attempted(outcome: str) -> None:
     CHARGES.labels(outcome=outcome).inc()
 
 
-def charge_recorded(amount_cents: int, currency: str, since_claim: timedelta) -> None:
+def charge_recorded(amount_cents: int, currency: str, claimed_at: datetime) -> None:
     """A charge the ledger has just recorded: its money, counted once."""
     CHARGED_AMOUNT.labels(currency=currency.lower()).inc(amount_cents)
+    since_claim = datetime.now(UTC) - claimed_at
     CLAIM_TO_CHARGE.observe(max(since_claim.total_seconds(), 0.0))
 
 

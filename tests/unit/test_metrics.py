@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import urllib.request
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import stripe
@@ -68,7 +68,7 @@ def test_an_attempt_counts_no_money() -> None:
 
 def test_a_recorded_charge_counts_its_money_once() -> None:
     before = charge_samples()
-    metrics.charge_recorded(1250, "EUR", timedelta(seconds=3))
+    metrics.charge_recorded(1250, "EUR", datetime.now(UTC) - timedelta(seconds=3))
     assert moved(before) == [0, 1250, 1, 1]
 
 
