@@ -179,6 +179,10 @@ class RunOptions(Record):
     history_event_limit: int = Field(default=8000, ge=200, le=40000)
     # Each child's own limit (CustomerChargeInput.history_event_limit).
     child_history_event_limit: int = Field(default=2000, ge=10, le=40000)
+    # A run due to continue as new first lets its children in flight finish, for up to
+    # this long (they take about a second), then hands the rest to the next run; 0 hands
+    # them over at once.
+    hand_over_after_seconds: float = Field(default=5.0, ge=0, le=600)
     billing: Literal["arrears", "advance"] = "arrears"
     # No longer used (a run hands its children to the next one instead of waiting), but
     # accepted: schedules created before keep it in the input they start each run with.

@@ -6,8 +6,8 @@ batch's starts let the window drain), and report by completing: the run awaits e
 result. A report by signal would cost every customer three more history events and a workflow
 task, and serialize on the parent: it halved the fan-out's throughput. A child another run
 started cannot be awaited: the ledger says when it finishes. That is how a run that continues
-as new hands its children in flight to the next one, without waiting for them, which let the
-window drain for seconds at every continue-as-new.
+as new hands over the children still in flight after a short wait for them, so that one slow
+charge does not hold the period.
 
 Operators pause, resume, cancel and skip through updates, which answer (and refuse, e.g. a
 resume of a cancelled run); the ledger carries their word to charges already scheduled, and a
@@ -120,11 +120,7 @@ class BillingPeriodWorkflow:
                 break
             await self._wait_for_room()
             if self._should_continue_as_new():
-                # Children in flight go to the next run, which learns their outcomes from
-                # the ledger; each must have started, or nothing would ever report it.
-                await workflow.wait_condition(
-                    lambda: self._starting == 0 and workflow.all_handlers_finished()
-                )
+                await self._settle_before_continuing()
                 # Listed but not started: the next run lists them again from the cursor.
                 state.listing_done = self._exhausted()
                 state.started_elsewhere = sorted(self._in_flight)
@@ -513,6 +509,29 @@ class BillingPeriodWorkflow:
             state.listing_done = page.next_cursor is None
         self._describe()
         await workflow.wait_condition(lambda: not self._in_flight)
+
+    async def _settle_before_continuing(self) -> None:
+        """Let the children in flight finish, for up to `hand_over_after_seconds`, before
+        the run continues as new. A child that reports meanwhile makes the server refuse
+        the continue-as-new (UnhandledCommand), and the worker then drops the run from its
+        cache and replays all of it: about a second at 4,000 events, up to three times
+        while the last children reported. Those left after the wait (a charge waiting for
+        Stripe, or for a paused period) go to the next run, which learns their outcomes
+        from the ledger; each must have started, or nothing would ever report it."""
+        wait = self._options.hand_over_after_seconds
+        if wait > 0:
+            try:
+                await workflow.wait_condition(
+                    lambda: not self._children and workflow.all_handlers_finished(),
+                    timeout=timedelta(seconds=wait),
+                    timeout_summary="let the children in flight finish before continuing",
+                )
+                return
+            except TimeoutError:
+                pass
+        await workflow.wait_condition(
+            lambda: self._starting == 0 and workflow.all_handlers_finished()
+        )
 
     def _should_continue_as_new(self) -> bool:
         info = workflow.info()

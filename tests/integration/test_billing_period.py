@@ -9,7 +9,13 @@ from temporalio.client import WorkflowHandle, WorkflowHistory
 
 from billing import ledger
 from billing.keys import customer_workflow_id
-from billing.models import BillingPeriodInput, CustomerChargeInput, CustomerOutcome, RunOptions
+from billing.models import (
+    BillingPeriodInput,
+    CustomerChargeInput,
+    CustomerOutcome,
+    PeriodState,
+    RunOptions,
+)
 from billing.periods import Period
 from billing.runs import period_status, start_period
 from tests.integration.harness import Harness, eventually
@@ -18,6 +24,7 @@ from tests.integration.replay import replay
 from workflows.customer_charge import CustomerChargeWorkflow
 
 PERIOD = Period(2026, 12)
+WORKFLOW_TASK_FAILED = EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED
 
 
 def declines_third(index: int) -> str:
@@ -105,14 +112,22 @@ async def test_continue_as_new_keeps_children_and_counts(harness: Harness) -> No
     customers = await harness.seed(60)
     # Pages larger than the window: customers listed but not yet started cross the
     # continue-as-new and must still be billed.
-    options = RunOptions(max_in_flight=4, page_size=100, history_event_limit=200)
+    options = RunOptions(
+        max_in_flight=4, page_size=100, history_event_limit=200, hand_over_after_seconds=60
+    )
     async with harness.running_worker():
         handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
         summary = await handle.result()
     assert (summary.due, summary.charged) == (60, 60)
     # Bounded: the limit plus what one turn of the loop adds (starts, completions and their
     # workflow tasks for about a window of children).
-    await chain_of_runs(harness, handle.id, bound=200 + 15 * options.max_in_flight)
+    runs = await chain_of_runs(harness, handle.id, bound=200 + 15 * options.max_in_flight)
+    # Each run let its children finish before it continued as new, so none reported while
+    # it did: the server refused no continue-as-new, and no run handed a child over.
+    for history in runs:
+        failed = [e for e in history.events if e.event_type == WORKFLOW_TASK_FAILED]
+        assert failed == []
+    assert not any(state.started_elsewhere for state in await handed_over(harness, runs))
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
@@ -145,25 +160,20 @@ async def test_children_in_flight_at_continue_as_new_are_handed_to_the_next_run(
     harness: Harness,
 ) -> None:
     # Charges wait for Stripe slots at 4/s, so when the run reaches its history limit its
-    # window is full; it continues as new at once, and the next run learns of their
-    # outcomes from the ledger.
+    # window is full of children that take seconds to finish; after a second it continues
+    # as new, and the next run learns of their outcomes from the ledger.
     customers = await harness.seed(60)
     harness.settings = harness.settings.model_copy(update={"billing_stripe_rps": 4.0})
-    options = RunOptions(max_in_flight=20, history_event_limit=200)
+    options = RunOptions(max_in_flight=20, history_event_limit=200, hand_over_after_seconds=1)
     async with harness.running_worker():
         handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
         summary = await handle.result()
     assert (summary.due, summary.charged) == (60, 60)
     runs = await chain_of_runs(harness, handle.id, bound=200 + 15 * options.max_in_flight)
-    handed_over: set[str] = set()
-    for history in runs[:-1]:
-        ended = history.events[-1].workflow_execution_continued_as_new_event_attributes
-        [next_input] = await harness.client.data_converter.decode(
-            ended.input.payloads, [BillingPeriodInput]
-        )
-        assert next_input.state is not None
-        handed_over |= set(next_input.state.started_elsewhere)
-    assert handed_over, "every child finished before its run continued as new"
+    states = await handed_over(harness, runs)
+    assert any(state.started_elsewhere for state in states), (
+        "every child finished before its run continued as new"
+    )
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
@@ -219,6 +229,19 @@ async def test_a_child_closed_before_its_claim_does_not_hold_the_period(harness:
         summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
     assert (summary.due, summary.charged, summary.failed) == (4, 3, 1)
     await assert_billed_once(harness, str(PERIOD), others)
+
+
+async def handed_over(harness: Harness, runs: list[WorkflowHistory]) -> list[PeriodState]:
+    """What each run but the last handed to the next as it continued as new."""
+    states = []
+    for history in runs[:-1]:
+        ended = history.events[-1].workflow_execution_continued_as_new_event_attributes
+        [next_input] = await harness.client.data_converter.decode(
+            ended.input.payloads, [BillingPeriodInput]
+        )
+        assert next_input.state is not None
+        states.append(next_input.state)
+    return states
 
 
 async def chain_of_runs(harness: Harness, workflow_id: str, *, bound: int) -> list[WorkflowHistory]:
