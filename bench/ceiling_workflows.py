@@ -4,8 +4,10 @@
 does (a window of `max_in_flight`, refilled at a tenth free, at most `max_starting` starts
 unacknowledged, each child started and awaited by a task of its own, REJECT_DUPLICATE IDs,
 ParentClosePolicy.ABANDON, a static summary and two search attributes per child, both
-outside the sandbox as the billing worker runs them); each child only returns. Unlike the
-period, it waits for its children before it continues as new (at the same history length).
+outside the sandbox as the billing worker runs them); each child only returns. Like the
+period, it lets its children finish before it continues as new (at the same history length),
+though for as long as they take: the period hands over those still running after
+`RunOptions.hand_over_after_seconds`.
 Run on the benchmark's own task queue, never on the billing worker.
 """
 
