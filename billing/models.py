@@ -184,8 +184,8 @@ class RunOptions(Record):
     # them over at once.
     hand_over_after_seconds: float = Field(default=5.0, ge=0, le=600)
     billing: Literal["arrears", "advance"] = "arrears"
-    # No longer used (a run hands its children to the next one instead of waiting), but
-    # accepted: schedules created before keep it in the input they start each run with.
+    # No longer used (hand_over_after_seconds bounds the wait now), but accepted:
+    # schedules created before keep it in the input they start each run with.
     drain_seconds: float | None = Field(default=None, exclude=True)
 
 

@@ -120,7 +120,9 @@ class BillingPeriodWorkflow:
                 break
             await self._wait_for_room()
             if self._should_continue_as_new():
-                await self._settle_before_continuing()
+                await self._let_children_finish()
+                if self._exhausted() and not self._in_flight:
+                    continue  # nothing left to hand over: the loop finishes the period
                 # Listed but not started: the next run lists them again from the cursor.
                 state.listing_done = self._exhausted()
                 state.started_elsewhere = sorted(self._in_flight)
@@ -510,16 +512,13 @@ class BillingPeriodWorkflow:
         self._describe()
         await workflow.wait_condition(lambda: not self._in_flight)
 
-    async def _settle_before_continuing(self) -> None:
-        """Let the children in flight finish, for up to `hand_over_after_seconds`, before
-        the run continues as new. A child that reports meanwhile makes the server refuse
-        the continue-as-new (UnhandledCommand), and the worker then drops the run from its
-        cache and replays all of it: about a second at 4,000 events, up to three times
-        while the last children reported. Those left after the wait (a charge waiting for
-        Stripe, or for a paused period) go to the next run, which learns their outcomes
-        from the ledger; each must have started, or nothing would ever report it."""
+    async def _let_children_finish(self) -> None:
+        """Before continuing as new: a child reporting meanwhile makes the server refuse the
+        continue-as-new, and the worker replay the whole run. Those still running after
+        `hand_over_after_seconds` (none can finish while the period is paused) go to the
+        next run, through the ledger; each must have started, or nothing would report it."""
         wait = self._options.hand_over_after_seconds
-        if wait > 0:
+        if wait > 0 and self._control.control != "paused":
             try:
                 await workflow.wait_condition(
                     lambda: not self._children and workflow.all_handlers_finished(),

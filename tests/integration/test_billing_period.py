@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from temporalio.api.enums.v1 import EventType
+from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
 from temporalio.client import WorkflowHandle, WorkflowHistory
 
 from billing import ledger
@@ -24,7 +24,7 @@ from tests.integration.replay import replay
 from workflows.customer_charge import CustomerChargeWorkflow
 
 PERIOD = Period(2026, 12)
-WORKFLOW_TASK_FAILED = EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED
+UNHANDLED_COMMAND = WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_UNHANDLED_COMMAND
 
 
 def declines_third(index: int) -> str:
@@ -108,7 +108,7 @@ async def test_response_dropped_after_commit_is_recorded_not_repeated(harness: H
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
-async def test_continue_as_new_keeps_children_and_counts(harness: Harness) -> None:
+async def test_continue_as_new_lets_children_finish_and_counts(harness: Harness) -> None:
     customers = await harness.seed(60)
     # Pages larger than the window: customers listed but not yet started cross the
     # continue-as-new and must still be billed.
@@ -125,8 +125,12 @@ async def test_continue_as_new_keeps_children_and_counts(harness: Harness) -> No
     # Each run let its children finish before it continued as new, so none reported while
     # it did: the server refused no continue-as-new, and no run handed a child over.
     for history in runs:
-        failed = [e for e in history.events if e.event_type == WORKFLOW_TASK_FAILED]
-        assert failed == []
+        refused = [
+            e
+            for e in history.events
+            if e.workflow_task_failed_event_attributes.cause == UNHANDLED_COMMAND
+        ]
+        assert refused == []
     assert not any(state.started_elsewhere for state in await handed_over(harness, runs))
     await assert_billed_once(harness, str(PERIOD), customers)
 
@@ -174,6 +178,9 @@ async def test_children_in_flight_at_continue_as_new_are_handed_to_the_next_run(
     assert any(state.started_elsewhere for state in states), (
         "every child finished before its run continued as new"
     )
+    waited = [e for e in runs[0].events if e.event_type == EventType.EVENT_TYPE_TIMER_FIRED]
+    assert waited, "the first run did not wait for its children before handing them over"
+    await replay(runs)
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
@@ -233,7 +240,7 @@ async def test_a_child_closed_before_its_claim_does_not_hold_the_period(harness:
 
 async def handed_over(harness: Harness, runs: list[WorkflowHistory]) -> list[PeriodState]:
     """What each run but the last handed to the next as it continued as new."""
-    states = []
+    states: list[PeriodState] = []
     for history in runs[:-1]:
         ended = history.events[-1].workflow_execution_continued_as_new_event_attributes
         [next_input] = await harness.client.data_converter.decode(
