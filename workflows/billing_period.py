@@ -17,6 +17,7 @@ resume or cancel signals the children in flight, which wait at a paused gate.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterable
 from datetime import timedelta
 
@@ -519,15 +520,12 @@ class BillingPeriodWorkflow:
         next run, through the ledger; each must have started, or nothing would report it."""
         wait = self._options.hand_over_after_seconds
         if wait > 0 and self._control.control != "paused":
-            try:
+            with contextlib.suppress(TimeoutError):
                 await workflow.wait_condition(
                     lambda: not self._children and workflow.all_handlers_finished(),
                     timeout=timedelta(seconds=wait),
                     timeout_summary="let the children in flight finish before continuing",
                 )
-                return
-            except TimeoutError:
-                pass
         await workflow.wait_condition(
             lambda: self._starting == 0 and workflow.all_handlers_finished()
         )
