@@ -4,7 +4,10 @@
 does (a window of `max_in_flight`, refilled at a tenth free, at most `max_starting` starts
 unacknowledged, each child started and awaited by a task of its own, REJECT_DUPLICATE IDs,
 ParentClosePolicy.ABANDON, a static summary and two search attributes per child, both
-outside the sandbox as the billing worker runs them); each child only returns. Like the
+outside the sandbox as the billing worker runs them). `NoopChildWorkflow` only returns (the
+ceiling); `ShapedChildWorkflow` has the billing child's shape without its work (the shaped
+ceiling): the bill as a local activity with the same options, answering at once with a
+charged customer's outcome, then the BillingStatus upsert, and that outcome as result. Like the
 period, it lets its children finish before it continues as new (at the same history length),
 though for as long as they take: the period hands over those still running after
 `RunOptions.hand_over_after_seconds`.
@@ -15,13 +18,23 @@ from __future__ import annotations
 
 import asyncio
 from functools import partial
+from typing import Literal
 
 from pydantic import BaseModel
-from temporalio import workflow
+from temporalio import activity, workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 
 with workflow.unsafe.imports_passed_through():
     from billing import search_attributes
+    from billing.models import CustomerOutcome
+    from workflows.customer_charge import (
+        BILL_RETRY,
+        BILL_ROUND,
+        BILL_TIMEOUT,
+        LOCAL_RETRY_THRESHOLD,
+    )
+
+ChildType = Literal["BenchNoopChild", "BenchShapedChild"]
 
 
 class NoopChildInput(BaseModel):
@@ -37,6 +50,7 @@ class FanOutInput(BaseModel):
     next_index: int = 0
     finished: int = 0
     runs: int = 1
+    child_type: ChildType = "BenchNoopChild"
 
 
 class FanOutResult(BaseModel):
@@ -49,6 +63,37 @@ class NoopChildWorkflow:
     @workflow.run
     async def run(self, request: NoopChildInput) -> int:
         return request.index
+
+
+@activity.defn(name="BenchShapedBill")
+async def shaped_bill(request: NoopChildInput) -> CustomerOutcome:
+    """What the bill of a charged customer returns, at once."""
+    return CustomerOutcome(
+        customer_id=f"bench-{request.index:06d}",
+        outcome="charged",
+        amount_cents=4_999,
+        currency="usd",
+        charge_id=f"pi_bench{request.index:020d}",
+    )
+
+
+@workflow.defn(name="BenchShapedChild", sandboxed=False)
+class ShapedChildWorkflow:
+    @workflow.run
+    async def run(self, request: NoopChildInput) -> CustomerOutcome:
+        outcome = await workflow.execute_local_activity(
+            shaped_bill,
+            request,
+            start_to_close_timeout=BILL_TIMEOUT,
+            schedule_to_close_timeout=BILL_ROUND,
+            retry_policy=BILL_RETRY,
+            local_retry_threshold=LOCAL_RETRY_THRESHOLD,
+            summary=f"bill bench-{request.index:06d}",
+        )
+        workflow.upsert_search_attributes(
+            [search_attributes.BILLING_STATUS.value_set(outcome.outcome)]
+        )
+        return outcome
 
 
 @workflow.defn(name="BenchFanOut", sandboxed=False)
@@ -99,15 +144,15 @@ class FanOutWorkflow:
         await handle
         self._state.finished += 1
 
-    async def _start(self, index: int) -> workflow.ChildWorkflowHandle[NoopChildWorkflow, int]:
+    async def _start(self, index: int) -> workflow.ChildWorkflowHandle[object, object]:
         child_id = f"{self._state.prefix}-{index:06d}"
         return await workflow.start_child_workflow(
-            NoopChildWorkflow.run,
+            self._state.child_type,
             NoopChildInput(index=index),
             id=child_id,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
             parent_close_policy=workflow.ParentClosePolicy.ABANDON,
-            static_summary=f"Benchmark no-op child {index}",
+            static_summary=f"Benchmark child {index}",
             search_attributes=TypedSearchAttributes(
                 [
                     SearchAttributePair(search_attributes.BILLING_PERIOD, self._state.prefix),

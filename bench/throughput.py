@@ -7,6 +7,10 @@ or one started for the run and stopped after, unless --keep-running):
   exactly as BillingPeriodWorkflow fans out customers; it runs on its own task queue with a
   Worker inside this process, so the stack's worker is untouched. Half the children before the
   orchestrated run and half after (`ceiling_halves_per_s`); children/s over both.
+- shaped ceiling (--shaped-ceiling): the same, with children of the billing child's shape that
+  do no work (`ShapedChildWorkflow`: the bill as a local activity answering at once, the
+  BillingStatus upsert), each half right after the ceiling's. It splits the gap to the ceiling
+  into what the child's shape costs Temporal and what the billing work costs on top.
 - orchestrated: N demo customers (all with pm_card_visa) are created in the emulator and the
   ledger, and a fresh period of them is billed by `billing.runs.start_period` on the stack's
   worker, timed from the start to the period's summary. Customers/s.
@@ -69,10 +73,13 @@ from activities.stripe_access import DirectAccess, StripeAccess, VaultAccess  # 
 from activities.stripe_failures import to_temporal_failure  # noqa: E402
 from activities.stripe_gateway import StripeGateway  # noqa: E402
 from bench.ceiling_workflows import (  # noqa: E402
+    ChildType,
     FanOutInput,
     FanOutResult,
     FanOutWorkflow,
     NoopChildWorkflow,
+    ShapedChildWorkflow,
+    shaped_bill,
 )
 from bench.stack_support import write_result  # noqa: E402
 from billing import ledger, period_keys  # noqa: E402
@@ -327,6 +334,7 @@ async def measure_ceiling(
     meter: CpuMeter,
     token: str,
     workflow_polls: int | None,
+    child_type: ChildType,
 ) -> dict[str, Any]:
     task_queue = f"bench-ceiling-{token}"
     # Default pollers: the stack's worker (worker.py) sets none either.
@@ -334,12 +342,13 @@ async def measure_ceiling(
     if workflow_polls is not None:
         polling["workflow_task_poller_behavior"] = PollerBehaviorSimpleMaximum(workflow_polls)
         polling["nonsticky_to_sticky_poll_ratio"] = 1.0
-    workflows = [FanOutWorkflow, NoopChildWorkflow]
+    workflows = [FanOutWorkflow, NoopChildWorkflow, ShapedChildWorkflow]
     # The stack's worker's slots, so the two fan-outs differ only in what the children do.
     async with Worker(
         client,
         task_queue=task_queue,
         workflows=workflows,
+        activities=[shaped_bill],
         max_concurrent_workflow_tasks=WORKFLOW_TASK_SLOTS,
         **polling,
     ):
@@ -353,6 +362,7 @@ async def measure_ceiling(
                     max_in_flight=options.max_in_flight,
                     max_starting=options.max_starting,
                     history_event_limit=options.history_event_limit,
+                    child_type=child_type,
                 ),
                 id=prefix,
                 task_queue=task_queue,
@@ -642,18 +652,27 @@ async def run(args: argparse.Namespace, options: RunOptions) -> dict[str, Any]:
 
             # Half the ceiling before the orchestrated run and half after, so that drift over
             # the run (the dev server's database grows) weighs on both sides alike.
-            async def ceiling_half(count: int, which: str) -> dict[str, Any]:
-                with step(f"ceiling, {which}: {count} no-op children"):
-                    return await measure_ceiling(
-                        client,
-                        count,
-                        options,
-                        meter,
-                        f"{token}-{which}",
-                        args.ceiling_workflow_polls,
-                    )
+            kinds: dict[ChildType, str] = {"BenchNoopChild": "no-op"}
+            if args.shaped_ceiling:
+                kinds["BenchShapedChild"] = "shaped"
+            halves: dict[ChildType, list[dict[str, Any]]] = {kind: [] for kind in kinds}
 
-            ceilings = [await ceiling_half((m + 1) // 2, "before")]
+            async def ceiling_halves(count: int, which: str) -> None:
+                for kind, name in kinds.items():
+                    with step(f"ceiling, {which}: {count} {name} children"):
+                        halves[kind].append(
+                            await measure_ceiling(
+                                client,
+                                count,
+                                options,
+                                meter,
+                                f"{token}-{name}-{which}",
+                                args.ceiling_workflow_polls,
+                                kind,
+                            )
+                        )
+
+            await ceiling_halves((m + 1) // 2, "before")
             with step(f"seeding {n} customers for {orchestrated_period}"):
                 mine = await seed(pool, n, f"bench-{token}-o")
             try:
@@ -664,7 +683,7 @@ async def run(args: argparse.Namespace, options: RunOptions) -> dict[str, Any]:
             finally:
                 await set_active(pool, mine, False)
             if m > 1:
-                ceilings.append(await ceiling_half(m // 2, "after"))
+                await ceiling_halves(m // 2, "after")
             with step(f"seeding {m} other customers for {baseline_period}"):
                 theirs = await seed(pool, m, f"bench-{token}-b")
             try:
@@ -677,13 +696,18 @@ async def run(args: argparse.Namespace, options: RunOptions) -> dict[str, Any]:
         finally:
             await set_active(pool, others, True)
             await pool.close()
-    ceiling = combined(ceilings)
+    ceiling = combined(halves["BenchNoopChild"])
+    shaped = combined(halves["BenchShapedChild"]) if args.shaped_ceiling else None
     return {
         "customers": n,
         "compare_customers": m,
         "orchestrated_per_s": round(orchestrated["per_s"], 1),
         "ceiling_per_s": round(ceiling["per_s"], 1),
         "ceiling_ratio": round(orchestrated["per_s"] / ceiling["per_s"], 3),
+        "shaped_ceiling_per_s": round(shaped["per_s"], 1) if shaped else None,
+        "shaped_ceiling_ratio": (
+            round(orchestrated["per_s"] / shaped["per_s"], 3) if shaped else None
+        ),
         "baseline_per_s": round(baseline["per_s"], 1),
         "ratio": round(orchestrated["per_s"] / baseline["per_s"], 3),
         "max_history_events": orchestrated["max_history_events"],
@@ -701,7 +725,13 @@ async def run(args: argparse.Namespace, options: RunOptions) -> dict[str, Any]:
         "machine_cpus": os.cpu_count(),
         "orchestrated": {k: v for k, v in orchestrated.items() if k != "per_s"},
         "ceiling": {k: v for k, v in ceiling.items() if k != "per_s"},
-        "ceiling_halves_per_s": [round(c["per_s"], 1) for c in ceilings],
+        "ceiling_halves_per_s": [round(c["per_s"], 1) for c in halves["BenchNoopChild"]],
+        "shaped_ceiling": (
+            {k: v for k, v in shaped.items() if k != "per_s"}
+            | {"halves_per_s": [round(c["per_s"], 1) for c in halves["BenchShapedChild"]]}
+            if shaped
+            else None
+        ),
         "baseline": {k: v for k, v in baseline.items() if k != "per_s"},
     }
 
@@ -742,6 +772,11 @@ def parser() -> argparse.ArgumentParser:
         " shared queue (default: the SDK's 5 with 1 in 5 shared, as the stack's worker)",
     )
     p.add_argument(
+        "--shaped-ceiling",
+        action="store_true",
+        help="also measure children of the billing child's shape that do no work",
+    )
+    p.add_argument(
         "--stripe-rps",
         type=float,
         default=None,
@@ -769,10 +804,11 @@ def main() -> int:
     result = uvloop.run(run(args, options))
     path = write_result("throughput", result)
     if not args.json:
-        for name in ("orchestrated_per_s", "ceiling_per_s", "baseline_per_s"):
-            print(f"{name:>20}: {result[name]}")
-        for name in ("ceiling_ratio", "ratio", "max_history_events"):
-            print(f"{name:>20}: {result[name]}")
+        rates = ["orchestrated_per_s", "ceiling_per_s", "shaped_ceiling_per_s", "baseline_per_s"]
+        ratios = ["ceiling_ratio", "shaped_ceiling_ratio", "ratio", "max_history_events"]
+        for name in rates + ratios:
+            if result[name] is not None:
+                print(f"{name:>20}: {result[name]}")
     say(f"written to {path.relative_to(ROOT)}")
     print(json.dumps(result))
     return 0
