@@ -1,6 +1,6 @@
 """Temporal's own ceiling for bench/throughput.py: the period workflow's fan-out, minus the work.
 
-`FanOutWorkflow` starts `count` `NoopChildWorkflow` children the way BillingPeriodWorkflow
+`FanOutWorkflow` starts `count` children of one `ChildKind` the way BillingPeriodWorkflow
 does (a window of `max_in_flight`, refilled at a tenth free, at most `max_starting` starts
 unacknowledged, each child started and awaited by a task of its own, REJECT_DUPLICATE IDs,
 ParentClosePolicy.ABANDON, a static summary and two search attributes per child, both
@@ -17,8 +17,10 @@ Run on the benchmark's own task queue, never on the billing worker.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
+from enum import StrEnum
 from functools import partial
-from typing import Literal
+from typing import Any
 
 from pydantic import BaseModel
 from temporalio import activity, workflow
@@ -34,7 +36,12 @@ with workflow.unsafe.imports_passed_through():
         LOCAL_RETRY_THRESHOLD,
     )
 
-ChildType = Literal["BenchNoopChild", "BenchShapedChild"]
+
+class ChildKind(StrEnum):
+    """A child's workflow type, which the fan-out starts by name."""
+
+    NOOP = "BenchNoopChild"
+    SHAPED = "BenchShapedChild"
 
 
 class NoopChildInput(BaseModel):
@@ -50,7 +57,7 @@ class FanOutInput(BaseModel):
     next_index: int = 0
     finished: int = 0
     runs: int = 1
-    child_type: ChildType = "BenchNoopChild"
+    child: ChildKind = ChildKind.NOOP
 
 
 class FanOutResult(BaseModel):
@@ -58,7 +65,7 @@ class FanOutResult(BaseModel):
     runs: int
 
 
-@workflow.defn(name="BenchNoopChild", sandboxed=False)
+@workflow.defn(name=ChildKind.NOOP, sandboxed=False)
 class NoopChildWorkflow:
     @workflow.run
     async def run(self, request: NoopChildInput) -> int:
@@ -77,7 +84,7 @@ async def shaped_bill(request: NoopChildInput) -> CustomerOutcome:
     )
 
 
-@workflow.defn(name="BenchShapedChild", sandboxed=False)
+@workflow.defn(name=ChildKind.SHAPED, sandboxed=False)
 class ShapedChildWorkflow:
     @workflow.run
     async def run(self, request: NoopChildInput) -> CustomerOutcome:
@@ -88,7 +95,7 @@ class ShapedChildWorkflow:
             schedule_to_close_timeout=BILL_ROUND,
             retry_policy=BILL_RETRY,
             local_retry_threshold=LOCAL_RETRY_THRESHOLD,
-            summary=f"bill bench-{request.index:06d}",
+            summary=f"bill child {request.index}",
         )
         workflow.upsert_search_attributes(
             [search_attributes.BILLING_STATUS.value_set(outcome.outcome)]
@@ -144,10 +151,10 @@ class FanOutWorkflow:
         await handle
         self._state.finished += 1
 
-    async def _start(self, index: int) -> workflow.ChildWorkflowHandle[object, object]:
+    async def _start(self, index: int) -> workflow.ChildWorkflowHandle[Any, Any]:
         child_id = f"{self._state.prefix}-{index:06d}"
         return await workflow.start_child_workflow(
-            self._state.child_type,
+            self._state.child,
             NoopChildInput(index=index),
             id=child_id,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
@@ -160,3 +167,18 @@ class FanOutWorkflow:
                 ]
             ),
         )
+
+
+@dataclass(frozen=True)
+class CeilingChild:
+    """What a worker needs to run one kind of child, and its name in the benchmark's output."""
+
+    name: str
+    workflow: type
+    activities: tuple[Any, ...] = ()
+
+
+CEILING_CHILDREN = {
+    ChildKind.NOOP: CeilingChild("no-op", NoopChildWorkflow),
+    ChildKind.SHAPED: CeilingChild("shaped", ShapedChildWorkflow, (shaped_bill,)),
+}

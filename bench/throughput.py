@@ -1,7 +1,8 @@
 """End-to-end billing throughput on the local stack, against Temporal's ceiling and a baseline.
 
-Three measurements, one after the other, on the same stack (the running one in `.devstack/env`,
-or one started for the run and stopped after, unless --keep-running):
+Three measurements (four with --shaped-ceiling), one after the other, on the same stack (the
+running one in `.devstack/env`, or one started for the run and stopped after, unless
+--keep-running):
 
 - ceiling: `FanOutWorkflow` (bench/ceiling_workflows.py) fans out N children that do nothing,
   exactly as BillingPeriodWorkflow fans out customers; it runs on its own task queue with a
@@ -9,8 +10,9 @@ or one started for the run and stopped after, unless --keep-running):
   orchestrated run and half after (`ceiling_halves_per_s`); children/s over both.
 - shaped ceiling (--shaped-ceiling): the same, with children of the billing child's shape that
   do no work (`ShapedChildWorkflow`: the bill as a local activity answering at once, the
-  BillingStatus upsert), each half right after the ceiling's. It splits the gap to the ceiling
-  into what the child's shape costs Temporal and what the billing work costs on top.
+  BillingStatus upsert): no-op, shaped, orchestrated, shaped, no-op. It splits the gap to the
+  ceiling into what the child's shape costs Temporal (and the worker) and what the billing
+  work costs on top.
 - orchestrated: N demo customers (all with pm_card_visa) are created in the emulator and the
   ledger, and a fresh period of them is billed by `billing.runs.start_period` on the stack's
   worker, timed from the start to the period's summary. Customers/s.
@@ -73,13 +75,11 @@ from activities.stripe_access import DirectAccess, StripeAccess, VaultAccess  # 
 from activities.stripe_failures import to_temporal_failure  # noqa: E402
 from activities.stripe_gateway import StripeGateway  # noqa: E402
 from bench.ceiling_workflows import (  # noqa: E402
-    ChildType,
+    CEILING_CHILDREN,
+    ChildKind,
     FanOutInput,
     FanOutResult,
     FanOutWorkflow,
-    NoopChildWorkflow,
-    ShapedChildWorkflow,
-    shaped_bill,
 )
 from bench.stack_support import write_result  # noqa: E402
 from billing import ledger, period_keys  # noqa: E402
@@ -334,7 +334,7 @@ async def measure_ceiling(
     meter: CpuMeter,
     token: str,
     workflow_polls: int | None,
-    child_type: ChildType,
+    child: ChildKind,
 ) -> dict[str, Any]:
     task_queue = f"bench-ceiling-{token}"
     # Default pollers: the stack's worker (worker.py) sets none either.
@@ -342,13 +342,13 @@ async def measure_ceiling(
     if workflow_polls is not None:
         polling["workflow_task_poller_behavior"] = PollerBehaviorSimpleMaximum(workflow_polls)
         polling["nonsticky_to_sticky_poll_ratio"] = 1.0
-    workflows = [FanOutWorkflow, NoopChildWorkflow, ShapedChildWorkflow]
-    # The stack's worker's slots, so the two fan-outs differ only in what the children do.
+    children = CEILING_CHILDREN[child]
+    # The stack's worker's slots, so the fan-outs differ only in what the children do.
     async with Worker(
         client,
         task_queue=task_queue,
-        workflows=workflows,
-        activities=[shaped_bill],
+        workflows=[FanOutWorkflow, children.workflow],
+        activities=list(children.activities),
         max_concurrent_workflow_tasks=WORKFLOW_TASK_SLOTS,
         **polling,
     ):
@@ -362,7 +362,7 @@ async def measure_ceiling(
                     max_in_flight=options.max_in_flight,
                     max_starting=options.max_starting,
                     history_event_limit=options.history_event_limit,
-                    child_type=child_type,
+                    child=child,
                 ),
                 id=prefix,
                 task_queue=task_queue,
@@ -652,13 +652,14 @@ async def run(args: argparse.Namespace, options: RunOptions) -> dict[str, Any]:
 
             # Half the ceiling before the orchestrated run and half after, so that drift over
             # the run (the dev server's database grows) weighs on both sides alike.
-            kinds: dict[ChildType, str] = {"BenchNoopChild": "no-op"}
-            if args.shaped_ceiling:
-                kinds["BenchShapedChild"] = "shaped"
-            halves: dict[ChildType, list[dict[str, Any]]] = {kind: [] for kind in kinds}
+            # With the shaped ceiling, in mirror order after it, so that neither kind of
+            # child runs later on average.
+            kinds = [ChildKind.NOOP, *([ChildKind.SHAPED] if args.shaped_ceiling else [])]
+            halves: dict[ChildKind, list[dict[str, Any]]] = {kind: [] for kind in kinds}
 
-            async def ceiling_halves(count: int, which: str) -> None:
-                for kind, name in kinds.items():
+            async def ceiling_halves(count: int, which: str, order: list[ChildKind]) -> None:
+                for kind in order:
+                    name = CEILING_CHILDREN[kind].name
                     with step(f"ceiling, {which}: {count} {name} children"):
                         halves[kind].append(
                             await measure_ceiling(
@@ -672,7 +673,7 @@ async def run(args: argparse.Namespace, options: RunOptions) -> dict[str, Any]:
                             )
                         )
 
-            await ceiling_halves((m + 1) // 2, "before")
+            await ceiling_halves((m + 1) // 2, "before", kinds)
             with step(f"seeding {n} customers for {orchestrated_period}"):
                 mine = await seed(pool, n, f"bench-{token}-o")
             try:
@@ -683,7 +684,7 @@ async def run(args: argparse.Namespace, options: RunOptions) -> dict[str, Any]:
             finally:
                 await set_active(pool, mine, False)
             if m > 1:
-                await ceiling_halves(m // 2, "after")
+                await ceiling_halves(m // 2, "after", kinds[::-1])
             with step(f"seeding {m} other customers for {baseline_period}"):
                 theirs = await seed(pool, m, f"bench-{token}-b")
             try:
@@ -696,17 +697,17 @@ async def run(args: argparse.Namespace, options: RunOptions) -> dict[str, Any]:
         finally:
             await set_active(pool, others, True)
             await pool.close()
-    ceiling = combined(halves["BenchNoopChild"])
-    shaped = combined(halves["BenchShapedChild"]) if args.shaped_ceiling else None
+    ceiling = combined(halves[ChildKind.NOOP])
+    shaped = combined(halves[ChildKind.SHAPED]) if args.shaped_ceiling else None
     return {
         "customers": n,
         "compare_customers": m,
         "orchestrated_per_s": round(orchestrated["per_s"], 1),
         "ceiling_per_s": round(ceiling["per_s"], 1),
         "ceiling_ratio": round(orchestrated["per_s"] / ceiling["per_s"], 3),
-        "shaped_ceiling_per_s": round(shaped["per_s"], 1) if shaped else None,
+        "shaped_ceiling_per_s": round(shaped["per_s"], 1) if shaped is not None else None,
         "shaped_ceiling_ratio": (
-            round(orchestrated["per_s"] / shaped["per_s"], 3) if shaped else None
+            round(orchestrated["per_s"] / shaped["per_s"], 3) if shaped is not None else None
         ),
         "baseline_per_s": round(baseline["per_s"], 1),
         "ratio": round(orchestrated["per_s"] / baseline["per_s"], 3),
@@ -725,11 +726,11 @@ async def run(args: argparse.Namespace, options: RunOptions) -> dict[str, Any]:
         "machine_cpus": os.cpu_count(),
         "orchestrated": {k: v for k, v in orchestrated.items() if k != "per_s"},
         "ceiling": {k: v for k, v in ceiling.items() if k != "per_s"},
-        "ceiling_halves_per_s": [round(c["per_s"], 1) for c in halves["BenchNoopChild"]],
+        "ceiling_halves_per_s": [round(c["per_s"], 1) for c in halves[ChildKind.NOOP]],
         "shaped_ceiling": (
             {k: v for k, v in shaped.items() if k != "per_s"}
-            | {"halves_per_s": [round(c["per_s"], 1) for c in halves["BenchShapedChild"]]}
-            if shaped
+            | {"halves_per_s": [round(c["per_s"], 1) for c in halves[ChildKind.SHAPED]]}
+            if shaped is not None
             else None
         ),
         "baseline": {k: v for k, v in baseline.items() if k != "per_s"},
@@ -805,8 +806,8 @@ def main() -> int:
     path = write_result("throughput", result)
     if not args.json:
         rates = ["orchestrated_per_s", "ceiling_per_s", "shaped_ceiling_per_s", "baseline_per_s"]
-        ratios = ["ceiling_ratio", "shaped_ceiling_ratio", "ratio", "max_history_events"]
-        for name in rates + ratios:
+        others = ["ceiling_ratio", "shaped_ceiling_ratio", "ratio", "max_history_events"]
+        for name in rates + others:
             if result[name] is not None:
                 print(f"{name:>20}: {result[name]}")
     say(f"written to {path.relative_to(ROOT)}")
