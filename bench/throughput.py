@@ -37,6 +37,8 @@ started by this run. The baseline has no limit of its own: it retries the emulat
 Prints one JSON object (with --json, the only thing on stdout) and writes it to bench/results/.
 `cpu_cores` gives, per measurement, the cores each process of the stack used on average and
 `machine_busy_cores` all the machine's: anything else running shows up there.
+`cpu_ms_per_customer` gives the CPU time each spent per customer (per child in a ceiling), and
+`machine` the machine's.
 """
 
 from __future__ import annotations
@@ -216,17 +218,27 @@ class CpuMeter:
         self._machine = _machine_busy_seconds()
         self._started = time.monotonic()
 
-    def stop(self) -> dict[str, float]:
+    def stop(self, customers: int) -> dict[str, dict[str, float]]:
+        """`cpu_cores`: each process's cores on average, and the machine's; and
+        `cpu_ms_per_customer`: the CPU time each spent per customer (or child), in ms."""
         elapsed = time.monotonic() - self._started
-        cores: dict[str, float] = {}
+        used: dict[str, float] = {}
         for name, now in self._sample().items():
             before = self._before.get(name, {})
             # A process started meanwhile (the backend of a new PostgreSQL connection) counts
             # in full; one that ended meanwhile is lost.
-            used = sum(cpu - before.get(pid, 0.0) for pid, cpu in now.items())
-            cores[name] = round(used / elapsed, 2)
-        cores["machine_busy_cores"] = round((_machine_busy_seconds() - self._machine) / elapsed, 2)
-        return cores
+            used[name] = sum(cpu - before.get(pid, 0.0) for pid, cpu in now.items())
+        machine = _machine_busy_seconds() - self._machine
+        return {
+            "cpu_cores": {
+                **{name: round(cpu / elapsed, 2) for name, cpu in used.items()},
+                "machine_busy_cores": round(machine / elapsed, 2),
+            },
+            "cpu_ms_per_customer": {
+                name: round(cpu * 1000 / customers, 2)
+                for name, cpu in {**used, "machine": machine}.items()
+            },
+        }
 
 
 # The dev server's log: a run must leave no warning of a Temporal limit in it (history size or
@@ -374,7 +386,7 @@ async def measure_ceiling(
         started = time.monotonic()
         result = await fan_out(prefix, customers)
         elapsed = time.monotonic() - started
-        cpu = meter.stop()
+        cpu = meter.stop(customers)
         # Keep the worker until every child is closed, or one stays open on a task queue
         # nobody polls.
         if not await drain(client, task_queue):
@@ -387,7 +399,7 @@ async def measure_ceiling(
         "runs": result.runs,
         "max_history_events": max(runs.lengths),
         "workflow_task_timeouts": runs.task_timeouts,
-        "cpu_cores": cpu,
+        **cpu,
     }
 
 
@@ -412,7 +424,7 @@ async def measure_orchestrated(
         handle = await start_period(client, period, temporal.task_queue, options)
         summary = await handle.result()
         elapsed = time.monotonic() - started
-        cpu = meter.stop()
+        cpu = meter.stop(len(customer_ids))
     finally:
         sampling.cancel()
         await set_faults(0, None)
@@ -428,7 +440,7 @@ async def measure_orchestrated(
         "runs": len(runs.lengths),
         "max_history_events": max(runs.lengths),
         "workflow_task_timeouts": runs.task_timeouts,
-        "cpu_cores": cpu,
+        **cpu,
         **worker_memory_mb(),
         # The peak is one moment (a burst, a replay); the samples show what the run holds.
         "worker_rss_mb_median": round(statistics.median(samples), 1) if samples else None,
@@ -571,7 +583,7 @@ async def measure_baseline(
             async with pool.acquire() as conn:
                 await ledger.finish_period(conn, name, json.dumps(outcomes))
             elapsed = time.monotonic() - started
-            cpu = meter.stop()
+            cpu = meter.stop(len(customer_ids))
         finally:
             await set_faults(0, None)
     return {
@@ -583,7 +595,7 @@ async def measure_baseline(
         "retries": retries,
         "emulator_429s": await emulator_rate_limited() - limited,
         **outcomes,
-        "cpu_cores": cpu,
+        **cpu,
     }
 
 
@@ -596,20 +608,27 @@ def step(what: str) -> Iterator[None]:
 
 
 def combined(ceilings: list[dict[str, Any]]) -> dict[str, Any]:
-    """One ceiling from its halves: all children over all the time, the worst history, and
-    each process's cores weighted by time."""
+    """One ceiling from its halves: all children over all the time, the worst history, each
+    process's cores weighted by time and its CPU per child by children."""
     seconds = sum(c["seconds"] for c in ceilings)
+    finished = sum(c["finished"] for c in ceilings)
     processes = ceilings[0]["cpu_cores"].keys()
     return {
-        "per_s": sum(c["finished"] for c in ceilings) / seconds,
+        "per_s": finished / seconds,
         "seconds": round(seconds, 2),
-        "finished": sum(c["finished"] for c in ceilings),
+        "finished": finished,
         "runs": sum(c["runs"] for c in ceilings),
         "max_history_events": max(c["max_history_events"] for c in ceilings),
         "workflow_task_timeouts": sum(c["workflow_task_timeouts"] for c in ceilings),
         "cpu_cores": {
             p: round(sum(c["cpu_cores"][p] * c["seconds"] for c in ceilings) / seconds, 2)
             for p in processes
+        },
+        "cpu_ms_per_customer": {
+            p: round(
+                sum(c["cpu_ms_per_customer"][p] * c["finished"] for c in ceilings) / finished, 2
+            )
+            for p in ceilings[0]["cpu_ms_per_customer"]
         },
     }
 
