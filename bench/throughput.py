@@ -199,7 +199,8 @@ def stack_processes() -> dict[str, list[int]]:
 
 
 class CpuMeter:
-    """Cores used by each stack process (and the machine) between start() and stop()."""
+    """CPU used by each stack process (and the machine) between start() and stop(): cores,
+    and time per customer."""
 
     def __init__(self) -> None:
         self._before: dict[str, dict[int, float]] = {}
@@ -386,7 +387,7 @@ async def measure_ceiling(
         started = time.monotonic()
         result = await fan_out(prefix, customers)
         elapsed = time.monotonic() - started
-        cpu = meter.stop(customers)
+        cpu = meter.stop(result.finished)
         # Keep the worker until every child is closed, or one stays open on a task queue
         # nobody polls.
         if not await drain(client, task_queue):
