@@ -106,7 +106,11 @@ from billing.temporal_client import connect  # noqa: E402
 from devstack.demo import ensure_stack  # noqa: E402
 from devstack.stack import StackConfig  # noqa: E402
 from vault.client import VaultAdmin  # noqa: E402
-from worker import WORKFLOW_TASK_SLOTS  # noqa: E402
+from worker import (  # noqa: E402
+    NONSTICKY_TO_STICKY_POLL_RATIO,
+    WORKFLOW_TASK_POLLERS,
+    WORKFLOW_TASK_SLOTS,
+)
 
 # The retry policy of the charge activity (workflows/customer_charge.py), for the baseline.
 RETRY_INITIAL = 1.0
@@ -350,20 +354,18 @@ async def measure_ceiling(
     child: ChildKind,
 ) -> dict[str, Any]:
     task_queue = f"bench-ceiling-{token}"
-    # Default pollers: the stack's worker (worker.py) sets none either.
-    polling: dict[str, Any] = {}
-    if workflow_polls is not None:
-        polling["workflow_task_poller_behavior"] = PollerBehaviorSimpleMaximum(workflow_polls)
-        polling["nonsticky_to_sticky_poll_ratio"] = 1.0
     children = CEILING_CHILDREN[child]
-    # The stack's worker's slots, so the fan-outs differ only in what the children do.
+    # The stack's worker's slots and pollers (unless --ceiling-workflow-polls sets how many),
+    # so the fan-outs differ only in what the children do.
+    polls = WORKFLOW_TASK_POLLERS if workflow_polls is None else workflow_polls
     async with Worker(
         client,
         task_queue=task_queue,
         workflows=[FanOutWorkflow, children.workflow],
         activities=list(children.activities),
         max_concurrent_workflow_tasks=WORKFLOW_TASK_SLOTS,
-        **polling,
+        workflow_task_poller_behavior=PollerBehaviorSimpleMaximum(polls),
+        nonsticky_to_sticky_poll_ratio=NONSTICKY_TO_STICKY_POLL_RATIO,
     ):
 
         async def fan_out(prefix: str, count: int) -> FanOutResult:
@@ -789,8 +791,8 @@ def parser() -> argparse.ArgumentParser:
         "--ceiling-workflow-polls",
         type=int,
         default=None,
-        help="experiment: workflow task pollers of the ceiling's worker, any of them on the"
-        " shared queue (default: the SDK's 5 with 1 in 5 shared, as the stack's worker)",
+        help="experiment: workflow task pollers of the ceiling's worker, half of them on the"
+        f" shared queue (default: {WORKFLOW_TASK_POLLERS}, as the stack's worker)",
     )
     p.add_argument(
         "--shaped-ceiling",
