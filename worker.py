@@ -19,7 +19,7 @@ import asyncpg
 import stripe
 import uvloop
 from temporalio.client import Client
-from temporalio.worker import PollerBehaviorSimpleMaximum, UnsandboxedWorkflowRunner, Worker
+from temporalio.worker import PollerBehaviorAutoscaling, UnsandboxedWorkflowRunner, Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
 from activities.charging import ChargingActivities
@@ -54,14 +54,15 @@ WORKFLOWS = [
 ]
 WORKFLOWS_DIR = Path(__file__).resolve().parent / "workflows"
 WORKFLOW_TASK_SLOTS = 2000
-# Workflow-task pollers, half of them on the shared queue (the SDK's default is 5, one in five
-# shared). A child's first workflow task goes to the shared queue: with a poller waiting there
-# the server hands it over at once; with none it writes the task to the queue's backlog and
-# reads it back, which nine in ten children met with the default. In alternating runs over
-# 2,000 customers the period billed 51.8, 53.7 and 59.7/s against 50.3, 51.3 and 46.5/s, the
-# dev server spending 15.9-18.6 ms of CPU per customer against 17.9-21.9 (README,
-# "Performance").
-WORKFLOW_TASK_POLLERS = 20
+# Workflow-task pollers that scale with the tasks waiting (Temporal's recommended setting; the
+# SDK's default is a fixed 5, one in five on the shared queue). A child's first workflow task
+# goes to the shared queue: with a poller waiting there the server hands it over at once; with
+# none it writes the task to the queue's backlog and reads it back, which nine in ten children
+# met with the default. Over 2,000 customers the period billed 53.8 and 56.0/s this way (and
+# 51.8-59.7/s with a fixed 20, half shared) against 46.5-51.3/s with the default, the no-op
+# ceiling unmoved with its worker polling alike (README, "Performance").
+WORKFLOW_TASK_POLLING = PollerBehaviorAutoscaling()
+# As measured: half the pollers on the shared queue (the SDK's default is one in five).
 NONSTICKY_TO_STICKY_POLL_RATIO = 1.0
 
 
@@ -119,7 +120,7 @@ def create_worker(
         # More slots than children in flight (RunOptions.max_in_flight <= 1,500) leave the
         # period one.
         max_concurrent_workflow_tasks=WORKFLOW_TASK_SLOTS,
-        workflow_task_poller_behavior=PollerBehaviorSimpleMaximum(WORKFLOW_TASK_POLLERS),
+        workflow_task_poller_behavior=WORKFLOW_TASK_POLLING,
         nonsticky_to_sticky_poll_ratio=NONSTICKY_TO_STICKY_POLL_RATIO,
         # In-flight Stripe calls get this long to finish and be recorded on shutdown.
         graceful_shutdown_timeout=timedelta(seconds=30),

@@ -71,7 +71,7 @@ sys.path.insert(0, str(ROOT))
 from temporalio.api.enums.v1 import EventType  # noqa: E402
 from temporalio.client import Client, WorkflowHistory  # noqa: E402
 from temporalio.service import RPCError, RPCStatusCode  # noqa: E402
-from temporalio.worker import PollerBehaviorSimpleMaximum, Worker  # noqa: E402
+from temporalio.worker import PollerBehavior, PollerBehaviorSimpleMaximum, Worker  # noqa: E402
 
 from activities.stripe_access import DirectAccess, StripeAccess, VaultAccess  # noqa: E402
 from activities.stripe_failures import to_temporal_failure  # noqa: E402
@@ -108,7 +108,7 @@ from devstack.stack import StackConfig  # noqa: E402
 from vault.client import VaultAdmin  # noqa: E402
 from worker import (  # noqa: E402
     NONSTICKY_TO_STICKY_POLL_RATIO,
-    WORKFLOW_TASK_POLLERS,
+    WORKFLOW_TASK_POLLING,
     WORKFLOW_TASK_SLOTS,
 )
 
@@ -355,16 +355,20 @@ async def measure_ceiling(
 ) -> dict[str, Any]:
     task_queue = f"bench-ceiling-{token}"
     children = CEILING_CHILDREN[child]
-    # The stack's worker's slots and pollers (unless --ceiling-workflow-polls sets how many),
-    # so the fan-outs differ only in what the children do.
-    polls = WORKFLOW_TASK_POLLERS if workflow_polls is None else workflow_polls
+    # The stack's worker's slots and pollers (unless --ceiling-workflow-polls sets a fixed
+    # number), so the fan-outs differ only in what the children do.
+    polling: PollerBehavior = (
+        WORKFLOW_TASK_POLLING
+        if workflow_polls is None
+        else PollerBehaviorSimpleMaximum(workflow_polls)
+    )
     async with Worker(
         client,
         task_queue=task_queue,
         workflows=[FanOutWorkflow, children.workflow],
         activities=list(children.activities),
         max_concurrent_workflow_tasks=WORKFLOW_TASK_SLOTS,
-        workflow_task_poller_behavior=PollerBehaviorSimpleMaximum(polls),
+        workflow_task_poller_behavior=polling,
         nonsticky_to_sticky_poll_ratio=NONSTICKY_TO_STICKY_POLL_RATIO,
     ):
 
@@ -791,8 +795,8 @@ def parser() -> argparse.ArgumentParser:
         "--ceiling-workflow-polls",
         type=int,
         default=None,
-        help="experiment: workflow task pollers of the ceiling's worker, half of them on the"
-        f" shared queue (default: {WORKFLOW_TASK_POLLERS}, as the stack's worker)",
+        help="experiment: a fixed number of workflow task pollers for the ceiling's worker,"
+        " half of them on the shared queue (default: autoscaling, as the stack's worker)",
     )
     p.add_argument(
         "--shaped-ceiling",
