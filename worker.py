@@ -62,7 +62,9 @@ WORKFLOW_TASK_SLOTS = 2000
 # 51.8-59.7/s with a fixed 20, half shared) against 46.5-51.3/s with the default, the no-op
 # ceiling unmoved with its worker polling alike (README, "Performance").
 WORKFLOW_TASK_POLLING = PollerBehaviorAutoscaling()
-# As measured: half the pollers on the shared queue (the SDK's default is one in five).
+# The ratio the measured runs used. The SDK documents it for a fixed maximum, where it puts half
+# the pollers on the shared queue (its default, 0.2, one in five); what autoscaling makes of it
+# is not documented.
 NONSTICKY_TO_STICKY_POLL_RATIO = 1.0
 
 
