@@ -60,7 +60,7 @@ WORKFLOW_TASK_SLOTS = 2000
 # none it writes the task to the queue's backlog and reads it back, which nine in ten children
 # met with the default. Over 2,000 customers the period billed 53.8 and 56.0/s this way (and
 # 51.8-59.7/s with a fixed 20, half shared) against 46.5-51.3/s with the default, the no-op
-# ceiling unmoved with its worker polling alike (README, "Performance").
+# ceiling unmoved with its worker polling alike (bench/FINDINGS.md).
 WORKFLOW_TASK_POLLING = PollerBehaviorAutoscaling()
 # The ratio the measured runs used. The SDK documents it for a fixed maximum, where it puts half
 # the pollers on the shared queue (its default, 0.2, one in five); what autoscaling makes of it
@@ -179,5 +179,5 @@ async def _run(worker: Worker, client: Client, task_queue: str, stop: asyncio.Ev
 
 if __name__ == "__main__":
     # uvloop: a faster event loop under asyncpg, aiohttp and the SDK's own callbacks; the
-    # worker's CPU per customer fell by 5-15% (README, "Performance").
+    # worker's CPU per customer fell by 5-15% (bench/FINDINGS.md).
     uvloop.run(main())

@@ -27,7 +27,7 @@ LOCAL_MAX_CAP_CENTS = 10_000_000_000
 # One partition per task queue (the server's default is four). A single dev server serves
 # every partition itself, so more only cost it matching across them: in alternating runs
 # over 4,000 customers it spent 16-17 ms of CPU per customer with one against 20-21 with
-# four, and the period billed 54-60/s against 48-50/s (README, "Performance"). A cluster
+# four, and the period billed 54-60/s against 48-50/s (bench/FINDINGS.md). A cluster
 # spreads its partitions over its matching hosts and keeps its own setting.
 DEV_SERVER_TUNING = (
     "--dynamic-config-value",
@@ -39,7 +39,7 @@ DEV_SERVER_TUNING = (
 # The dev server's Go garbage collector lets the heap grow to five times what is live before
 # it collects (GOGC=400; Go's default is 100). In alternating runs over 4,000 customers the
 # dev server spent 15.6-17.6 ms of CPU per customer against 18.6-20.1, for a resident size of
-# up to 1.3 GB against 0.5 GB without a limit (README, "Performance"). GOMEMLIMIT, a soft
+# up to 1.3 GB against 0.5 GB without a limit (bench/FINDINGS.md). GOMEMLIMIT, a soft
 # limit, makes it collect harder as its heap nears 1 GiB: 0.98 GB resident at most over 4,000.
 DEV_SERVER_ENV = {"GOGC": "400", "GOMEMLIMIT": "1GiB"}
 
