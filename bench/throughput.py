@@ -38,7 +38,8 @@ Prints one JSON object (with --json, the only thing on stdout) and writes it to 
 `cpu_cores` gives, per measurement, the cores each process of the stack used on average and
 `machine_busy_cores` all the machine's: anything else running shows up there.
 `cpu_ms_per_customer` gives the CPU time each spent per customer (per child in a ceiling), and
-`machine` the machine's.
+`machine` the machine's. `orchestrated.other_pollers` names any worker besides the stack's
+that polled its task queue during the run (a warning says so too): its share is not measured.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import json
 import os
 import re
 import secrets
+import socket
 import statistics
 import sys
 import time
@@ -68,7 +70,9 @@ from pydantic import ValidationError
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from temporalio.api.enums.v1 import EventType  # noqa: E402
+from temporalio.api.enums.v1 import EventType, TaskQueueType  # noqa: E402
+from temporalio.api.taskqueue.v1 import TaskQueue  # noqa: E402
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest  # noqa: E402
 from temporalio.client import Client, WorkflowHistory  # noqa: E402
 from temporalio.service import RPCError, RPCStatusCode  # noqa: E402
 from temporalio.worker import PollerBehavior, PollerBehaviorSimpleMaximum, Worker  # noqa: E402
@@ -166,6 +170,26 @@ def _port(argv: list[str]) -> str | None:
         if flag in argv and argv.index(flag) + 1 < len(argv):
             return argv[argv.index(flag) + 1]
     return None
+
+
+async def other_pollers(client: Client, task_queue: str, since: datetime) -> list[str]:
+    """Workers other than the stack's that polled the task queue's workflow tasks since
+    `since`: one started by hand shares the run's children, and the figures then mix two
+    workers (the CPU meter counts only the stack's). Identities are the SDK's default,
+    pid@host."""
+    ours = {f"{pid}@{socket.gethostname()}" for pid in stack_processes()["worker"]}
+    response = await client.workflow_service.describe_task_queue(
+        DescribeTaskQueueRequest(
+            namespace=client.namespace,
+            task_queue=TaskQueue(name=task_queue),
+            task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+        )
+    )
+    return sorted(
+        poller.identity
+        for poller in response.pollers
+        if poller.identity not in ours and poller.last_access_time.ToDatetime(UTC) >= since
+    )
 
 
 def stack_processes() -> dict[str, list[int]]:
@@ -427,6 +451,7 @@ async def measure_orchestrated(
     sampling = asyncio.create_task(sample_worker_rss(samples))
     try:
         meter.start()
+        started_at = datetime.now(UTC)
         started = time.monotonic()
         handle = await start_period(client, period, temporal.task_queue, options)
         summary = await handle.result()
@@ -436,8 +461,17 @@ async def measure_orchestrated(
         sampling.cancel()
         await set_faults(0, None)
     runs = await workflow_runs(client, period_workflow_id(period))
+    others = await other_pollers(client, temporal.task_queue, started_at)
+    if others:
+        print(
+            f"warning: other workers polled {temporal.task_queue} during the run"
+            f" ({', '.join(others)}): they took part of it, so these figures do not measure"
+            " the stack's worker alone",
+            file=sys.stderr,
+        )
     return {
         "per_s": len(customer_ids) / elapsed,
+        "other_pollers": others,
         "seconds": round(elapsed, 2),
         "period": str(period),
         "due": summary.due,
