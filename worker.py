@@ -58,9 +58,9 @@ WORKFLOW_TASK_SLOTS = 2000
 # SDK's default is a fixed 5, one in five on the shared queue). A child's first workflow task
 # goes to the shared queue: with a poller waiting there the server hands it over at once; with
 # none it writes the task to the queue's backlog and reads it back, which nine in ten children
-# met with the default. Over 2,000 customers the period billed 53.8 and 56.0/s this way (and
-# 51.8-59.7/s with a fixed 20, half shared) against 46.5-51.3/s with the default, the no-op
-# ceiling unmoved with its worker polling alike (bench/FINDINGS.md).
+# met with the default. Over 10,000 customers the period billed 53.9 and 56.0/s this way
+# against 53.9 and 53.2/s with the default, the machine spending 4% less CPU per customer; the
+# no-op ceiling, its worker polling alike, gained as much (bench/FINDINGS.md).
 WORKFLOW_TASK_POLLING = PollerBehaviorAutoscaling()
 # The ratio the measured runs used. The SDK documents it for a fixed maximum, where it puts half
 # the pollers on the shared queue (its default, 0.2, one in five); what autoscaling makes of it
