@@ -176,15 +176,20 @@ async def other_pollers(client: Client, task_queue: str, since: datetime) -> lis
     """Workers other than the stack's that polled the task queue's workflow tasks since
     `since`: one started by hand shares the run's children, and the figures then mix two
     workers (the CPU meter counts only the stack's). Identities are the SDK's default,
-    pid@host."""
+    pid@host. The local stack's queue has one partition, so its pollers are all listed."""
     ours = {f"{pid}@{socket.gethostname()}" for pid in stack_processes()["worker"]}
-    response = await client.workflow_service.describe_task_queue(
-        DescribeTaskQueueRequest(
-            namespace=client.namespace,
-            task_queue=TaskQueue(name=task_queue),
-            task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+    try:
+        response = await client.workflow_service.describe_task_queue(
+            DescribeTaskQueueRequest(
+                namespace=client.namespace,
+                task_queue=TaskQueue(name=task_queue),
+                task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+            )
         )
-    )
+    except RPCError as exc:
+        # The run is measured already; its figures are kept, unchecked.
+        print(f"warning: could not list the pollers of {task_queue}: {exc}", file=sys.stderr)
+        return []
     return sorted(
         poller.identity
         for poller in response.pollers
@@ -192,8 +197,17 @@ async def other_pollers(client: Client, task_queue: str, since: datetime) -> lis
     )
 
 
+def _stack_supervisor() -> int | None:
+    """The pid of `python -m devstack up`, whose child the stack's worker is."""
+    try:
+        return int(StackConfig().pid_file.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def stack_processes() -> dict[str, list[int]]:
-    """The local stack's processes, found by their command line and the ports in the env."""
+    """The local stack's processes, found by their command line and the ports in the env; the
+    worker also by its parent, so a worker started by hand from the same file is not counted."""
     temporal_port = os.environ["TEMPORAL_ADDRESS"].rsplit(":", 1)[1]
     ports = {
         "emulator": str(urlsplit(os.environ.get("STRIPE_EMULATOR_URL", "")).port),
@@ -208,12 +222,13 @@ def stack_processes() -> dict[str, list[int]]:
         "emulator": [],
     }
     postmasters: set[int] = set()
+    supervisor = _stack_supervisor()
     table = list(_processes())
-    for pid, _, argv in table:
+    for pid, ppid, argv in table:
         name = Path(argv[0]).name
         if name == "temporal" and "start-dev" in argv and _port(argv) == temporal_port:
             found["temporal"].append(pid)
-        elif str(ROOT / "worker.py") in argv:
+        elif str(ROOT / "worker.py") in argv and supervisor in (None, ppid):
             found["worker"].append(pid)
         elif "-m" in argv and "vault" in argv and _port(argv) == ports["vault"]:
             found["vault"].append(pid)
