@@ -60,7 +60,7 @@ WORKFLOW_TASK_SLOTS = 2000
 # none it writes the task to the queue's backlog and reads it back, which nine in ten children
 # met with the default. Over 10,000 customers the period billed 53.9 and 56.0/s this way
 # against 53.9 and 53.2/s with the default, the machine spending 4% less CPU per customer; the
-# no-op ceiling, its worker polling alike, gained as much (bench/FINDINGS.md).
+# no-op ceiling, its worker polling alike, gained more (bench/FINDINGS.md).
 WORKFLOW_TASK_POLLING = PollerBehaviorAutoscaling()
 # The ratio the measured runs used. The SDK documents it for a fixed maximum, where it puts half
 # the pollers on the shared queue (its default, 0.2, one in five); what autoscaling makes of it
