@@ -27,7 +27,7 @@ from activities.period import PeriodActivities, scheduled_period
 from activities.reconcile import ReconcileActivities
 from activities.stripe_access import DirectAccess, StripeAccess, VaultAccess
 from activities.stripe_gateway import StripeGateway
-from billing import logs, metrics
+from billing import logs, metrics, payload_walks
 from billing.config import (
     BillingSettings,
     DatabaseSettings,
@@ -94,6 +94,7 @@ def create_worker(
     """`sandbox_all` runs the period and its children inside the sandbox too, as the tests
     do: slower, but its checks then cover every path the tests take through them."""
     compile_workflows()
+    payload_walks.skip_identity_walks()
     charging = ChargingActivities(pool, access, settings)
     period = PeriodActivities(pool, settings, admin)
     reconcile = ReconcileActivities(pool, access, settings, admin)

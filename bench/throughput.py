@@ -88,7 +88,7 @@ from bench.ceiling_workflows import (  # noqa: E402
     FanOutWorkflow,
 )
 from bench.stack_support import write_result  # noqa: E402
-from billing import ledger, period_keys  # noqa: E402
+from billing import ledger, payload_walks, period_keys  # noqa: E402
 from billing.config import (  # noqa: E402
     BillingSettings,
     DatabaseSettings,
@@ -401,6 +401,8 @@ async def measure_ceiling(
         if workflow_polls is None
         else PollerBehaviorSimpleMaximum(workflow_polls)
     )
+    # As the stack's worker does (worker.create_worker).
+    payload_walks.skip_identity_walks()
     async with Worker(
         client,
         task_queue=task_queue,
