@@ -4,10 +4,10 @@ can change nothing.
 temporalio walks every workflow activation three times (storage references, storage
 retrieval, codec decode) and every completion three times (codec encode, storage, storage
 references), in Python, whether or not a payload codec or external storage is configured
-(sdk-python #1075 made the walks unconditional). With neither configured, every walk hands
-each payload back as it was. The billing worker spent a tenth of its CPU per customer on them
-(bench/FINDINGS.md), so a worker whose data converter has neither skips them; with a codec or
-storage configured the SDK's own walks run.
+(the generic walks came with sdk-python #1075; older versions decoded only with a codec set).
+With neither configured, every walk hands each payload back as it was. The billing worker
+spent a seventh of its CPU per customer on them (bench/FINDINGS.md), so a worker whose data
+converter has neither skips them; with a codec or storage configured the SDK's own walks run.
 
 What is lost with the walks: the SDK's own error for a payload stored externally reaching a
 worker with no storage configured. That payload still fails the workflow task, at decoding.
