@@ -5,12 +5,14 @@ temporalio walks every workflow activation three times (storage references, stor
 retrieval, codec decode) and every completion three times (codec encode, storage, storage
 references), in Python, whether or not a payload codec or external storage is configured
 (the generic walks came with sdk-python #1075; older versions decoded only with a codec set).
-With neither configured, every walk hands each payload back as it was. The billing worker
+With neither configured, every walk hands each payload back as it was (Nexus system
+payloads aside, which the walks open and check; we use no Nexus). The billing worker
 spent a seventh of its CPU per customer on them (bench/FINDINGS.md), so a worker whose data
 converter has neither skips them; with a codec or storage configured the SDK's own walks run.
 
 What is lost with the walks: the SDK's own error for a payload stored externally reaching a
-worker with no storage configured. That payload still fails the workflow task, at decoding.
+worker with no storage configured; such a payload then fails only where the converter cannot
+decode it. No client of ours stores payloads externally.
 
 Checked against one SDK version: any other keeps its walks, with a warning, until this is
 checked against it (or the SDK skips them itself).
