@@ -18,7 +18,13 @@ from yarl import URL
 from vault import metrics, reservations, store
 from vault.endpoints import METERED, PATH_RE, allows
 from vault.errors import VaultError
-from vault.models import IDEMPOTENCY_KEY_PATTERN, SECRET_PREFIX, Decision, ReservationState
+from vault.models import (
+    IDEMPOTENCY_KEY_PATTERN,
+    SECRET_MIN_LENGTH,
+    SECRET_PREFIX,
+    Decision,
+    ReservationState,
+)
 from vault.reservations import Charge, Outcome, Reservation
 from vault.state import STATE, VaultState
 from vault.store import AuditRecord, KeyGrant
@@ -36,8 +42,14 @@ _RETURNED_HEADERS = (
     "Stripe-Version",
     "Retry-After",
 )
-# Stripe secret and restricted keys, vault secrets: never written to the audit log.
-_SECRET_RE = re.compile(r"(?<![A-Za-z0-9])(?:sk|rk|vk)_[A-Za-z0-9_-]+")
+# Stripe secret and restricted keys, vault secrets: never written to the audit log. A key
+# glued to other text ("X" + key in a path segment) is found by its mode or its length; a
+# bare "sk_" is a key only at a word's start, so "task_queue" is not one.
+_SECRET_RE = re.compile(
+    r"(?<![A-Za-z0-9])(?:sk|rk|vk)_[A-Za-z0-9_-]+"
+    r"|(?:sk|rk)_(?:test|live)_[A-Za-z0-9_-]+"
+    rf"|{SECRET_PREFIX}[A-Za-z0-9_-]{{{SECRET_MIN_LENGTH},}}"
+)
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 _IDEMPOTENCY_KEY_RE = re.compile(IDEMPOTENCY_KEY_PATTERN)
 # Stripe's ceiling on `amount` is eight digits; a sign, decimals or exponent are refused.
@@ -119,6 +131,8 @@ async def _proxy(
             " '_' and '-' only",
         )
     _refuse_secret("path", path)
+    # Decoded, so a percent-encoded key is found too.
+    _refuse_secret("query string", request.rel_url.query_string)
     endpoint = f"{request.method} {path}"
     if not allows(grant.allowed_endpoints, request.method, path):
         raise Refusal(
@@ -257,6 +271,11 @@ def _charge(request: web.Request, endpoint: str, body: bytes, record: AuditRecor
         raise Refusal(
             "refused_request", 400, "body_invalid", "the body has more than 1000 fields"
         ) from None
+    # Every field, not only those read here: the body is forwarded and kept by Stripe.
+    for name, values in fields.items():
+        _refuse_secret("a field name", name)
+        for value in values:
+            _refuse_secret(name[:100], value)
     amount = _single(fields, "amount")
     currency = _single(fields, "currency")
     customer = _single(fields, "customer")
@@ -290,8 +309,6 @@ def _charge(request: web.Request, endpoint: str, body: bytes, record: AuditRecor
             "currency must be a three-letter ISO code",
             param="currency",
         )
-    if customer is not None:
-        _refuse_secret("customer", customer)
     if customer is not None and _CUSTOMER_RE.fullmatch(customer) is None:
         raise Refusal(
             "refused_request", 400, "parameter_invalid", "customer is not an id", param="customer"

@@ -11,6 +11,7 @@ import asyncpg
 import pytest
 import stripe
 from aiohttp import web
+from yarl import URL
 
 from stripe_emulator import RunningEmulator
 from vault import RunningVault, VaultSettings, serve
@@ -46,7 +47,8 @@ async def test_no_secret_in_audit_rows_reservations_or_responses(
     replies: list[str] = []
 
     async def raw(method: str, path: str, **kwargs: object) -> None:
-        async with http.request(method, vault.url + path, **kwargs) as response:  # type: ignore[arg-type]
+        url = URL(vault.url + path, encoded=True)  # sent as written, percent-escapes too
+        async with http.request(method, url, **kwargs) as response:  # type: ignore[arg-type]
             replies.append(f"{response.status} {dict(response.headers)} {await response.text()}")
 
     await charge(client, customer, 1_000, "ok")
@@ -71,6 +73,12 @@ async def test_no_secret_in_audit_rows_reservations_or_responses(
         data=f"amount=1&currency=usd&customer={UPSTREAM_SECRET}",
     )
     await raw("GET", f"/stripe/v1/payment_intents/{vk}", headers=bearer)
+    # Glued to other text, or in a query string, percent-encoded or not.
+    await raw("GET", f"/stripe/v1/payment_intents/X{vk}", headers=bearer)
+    await raw("GET", f"/stripe/v1/payment_intents/pi{UPSTREAM_SECRET}", headers=bearer)
+    await raw("GET", f"/stripe/v1/charges?customer={vk}", headers=bearer)
+    encoded = UPSTREAM_SECRET.replace("_", "%5F")
+    await raw("GET", f"/stripe/v1/charges?customer=x{encoded}", headers=bearer)
     await raw("GET", "/stripe/v1/charges", headers={"Authorization": f"Bearer {UPSTREAM_SECRET}"})
     await raw("GET", "/stripe/v1/charges", headers={"Authorization": f"Bearer {vk}x"})
     await raw("GET", f"/vault/keys/{key.id}", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
@@ -87,8 +95,21 @@ async def test_no_secret_in_audit_rows_reservations_or_responses(
     assert secrets_seen.found_in("\n".join(replies)) == []
     stored = await _table_text(db)
     assert secrets_seen.found_in(stored) == []
-    assert await db.fetchval("SELECT count(*) FROM vault_audit") == 9  # proxied requests only
+    assert all(reply.startswith("400 ") for reply in replies[3:7]), replies[3:7]
+    assert await db.fetchval("SELECT count(*) FROM vault_audit") == 13  # proxied requests only
     assert "[redacted]" in stored  # the vk_ secret sent as a path and idempotency key
+
+
+async def test_words_holding_sk_are_not_taken_for_keys(
+    issue: Issue, vault: RunningVault, http: aiohttp.ClientSession, db: asyncpg.Pool
+) -> None:
+    key = await issue(allowed_endpoints=["GET /v1/charges"])
+    async with http.get(
+        vault.url + "/stripe/v1/charges?expand[]=data.outcome.risk_level&task_queue=a",
+        headers={"Authorization": f"Bearer {key.secret.get_secret_value()}"},
+    ):
+        pass
+    assert await db.fetchval("SELECT decision FROM vault_audit") == "forwarded"
 
 
 @pytest.fixture
