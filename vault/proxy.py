@@ -3,7 +3,6 @@ and write one audit row, whatever happened."""
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -74,14 +73,6 @@ class _Answer:
     status: int
     body: bytes
     headers: dict[str, str]
-
-    def error_type(self) -> str | None:
-        try:
-            error = json.loads(self.body)["error"]
-        except (ValueError, KeyError, TypeError):
-            return None
-        kind = error.get("type") if isinstance(error, dict) else None
-        return kind if isinstance(kind, str) else None
 
 
 async def handle(request: web.Request) -> web.Response:
@@ -394,9 +385,14 @@ def _outcome(answer: _Answer, *, in_doubt: bool) -> Outcome:
     if 200 <= answer.status < 300:
         return "succeeded"
     if 400 <= answer.status < 500:
-        # These prove only that this attempt did not execute, not what an earlier one did.
-        not_executed = answer.status in (409, 429) or answer.error_type() == "idempotency_error"
-        return "unknown" if not_executed and in_doubt else "failed"
+        if not in_doubt:
+            return "failed"
+        # An earlier attempt may have executed. Only a decline (executed now, so nothing was
+        # saved under the key before, or replayed) or a replayed answer speaks for it; the
+        # rest (401, 403, 409, 429, an idempotency error, a validation error) come before
+        # Stripe looks at the key, and prove only that this attempt did not execute.
+        replayed = answer.headers.get("Idempotent-Replayed", "").lower() == "true"
+        return "failed" if answer.status == 402 or replayed else "unknown"
     # 5xx (Stripe may have executed before failing) and anything unexpected.
     return "unknown"
 

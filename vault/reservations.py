@@ -44,8 +44,8 @@ class Reservation:
     owned: bool
     # This request added the amount to the key's reserved_cents (a replay does not).
     counted: bool
-    # An earlier attempt's outcome is unknown, so an answer proving only that this attempt
-    # did not execute (409, 429, idempotency_error) says nothing about the money.
+    # An earlier attempt's outcome is unknown, so only a success, a decline or a replayed
+    # answer settles it; any other refusal proves only that this attempt did not execute.
     in_doubt: bool
 
 

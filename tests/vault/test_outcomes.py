@@ -12,6 +12,7 @@ import aiohttp
 import asyncpg
 import pytest
 import stripe
+from pydantic import SecretStr
 
 from devstack.postgres import LocalPostgres
 from stripe_emulator import RunningEmulator
@@ -21,7 +22,7 @@ from vault.client import VaultAdmin, VaultConflict, VaultInvalidRequest, VaultNo
 from vault.models import IssuedKey
 from vault.reservations import Charge
 
-from .conftest import Issue
+from .conftest import Issue, Secrets
 from .support import assert_consistent, charge, charge_in_doubt, emulator_ledger, set_faults
 
 StripeFor = Callable[[IssuedKey], stripe.StripeClient]
@@ -293,3 +294,38 @@ async def test_a_revoke_between_the_key_check_and_the_reservation_stops_a_takeov
     # Left in doubt, still counted, for reconciliation to settle from Stripe.
     assert await _states(db, key.id) == {"in-doubt": "unknown"}
     assert (await assert_consistent(db, key.id))["reserved_cents"] == 1_200
+
+
+async def test_an_in_doubt_retry_refused_before_stripe_reads_its_key_stays_unknown(
+    vault_settings: VaultSettings,
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+    secrets_seen: Secrets,
+) -> None:
+    key = await issue(cap_cents=10_000)
+    await charge_in_doubt(emulator, stripe_via_vault(key), customer, 6_000, "in-doubt")
+
+    # The Stripe secret was rolled badly: Stripe answers the retry 401 before it looks at the
+    # idempotency key, which says nothing about the first attempt's money.
+    rolled = "rk_live_rolled_badly_0000"
+    secrets_seen.values.append(rolled)
+    broken = vault_settings.model_copy(update={"upstream_stripe_secret": SecretStr(rolled)})
+    async with serve(broken) as vault, aiohttp.ClientSession() as session:
+        client = stripe.StripeClient(
+            key.secret.get_secret_value(),
+            base_addresses={"api": vault.url + "/stripe"},
+            http_client=stripe.AIOHTTPClient(session=session),
+        )
+        with pytest.raises(stripe.AuthenticationError):
+            await charge(client, customer, 6_000, "in-doubt")
+    assert await _states(db, key.id) == {"in-doubt": "unknown"}
+    assert (await assert_consistent(db, key.id))["reserved_cents"] == 6_000
+    assert len(await emulator_ledger(emulator)) == 1
+
+    # A replay through the mended vault settles it from Stripe's saved answer.
+    await charge(stripe_via_vault(key), customer, 6_000, "in-doubt")
+    assert await _states(db, key.id) == {"in-doubt": "committed"}
+    assert (await assert_consistent(db, key.id))["spent_cents"] == 6_000
