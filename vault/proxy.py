@@ -352,6 +352,12 @@ async def _reserve(
         raise Refusal(
             "refused_in_flight", 409, "idempotency_key_in_use", str(refused), should_retry=True
         ) from None
+    except reservations.ReplayExpired as refused:
+        # Retryable: once reconciliation settles the reservation, or the caller's lookup
+        # finds the charge, the next attempt goes on.
+        raise Refusal(
+            "refused_request", 409, "idempotency_key_expired", str(refused), should_retry=True
+        ) from None
     except reservations.Mismatch as refused:
         raise Refusal(
             "refused_request",

@@ -75,6 +75,11 @@ class Mismatch(Refused):
     """The idempotency key was first used for a different request."""
 
 
+class ReplayExpired(Refused):
+    """The key's reservation is older than Stripe keeps idempotency keys: a retry would
+    execute as a new charge."""
+
+
 class NotFound(Exception):
     pass
 
@@ -91,7 +96,8 @@ async def reserve(
     stale_after: timedelta,
 ) -> Reservation:
     """Count `charge` against the key's caps, or find the reservation this key already has.
-    The decision is the SQL function vault_reserve (migrations/002_vault.sql): one round trip."""
+    The decision is the SQL function vault_reserve (migrations/011_replay_window.sql): one
+    round trip."""
     row = await conn.fetchrow(
         "SELECT * FROM vault_reserve($1, $2, $3, $4, $5, $6, $7)",
         key_id,
@@ -113,6 +119,12 @@ async def reserve(
     if decision == "in_flight":
         raise InFlight(
             "a request with this Idempotency-Key is in flight; retry when it has finished"
+        )
+    if decision == "replay_expired":
+        raise ReplayExpired(
+            "this Idempotency-Key was first sent 23 hours ago or more, and Stripe keeps keys"
+            " for 24: a retry could charge again. Look the charge up on Stripe; reconciliation"
+            " settles one left unknown, and a new charge needs a new key"
         )
     if decision == "mismatch":
         raise Mismatch(

@@ -329,3 +329,41 @@ async def test_an_in_doubt_retry_refused_before_stripe_reads_its_key_stays_unkno
     await charge(stripe_via_vault(key), customer, 6_000, "in-doubt")
     assert await _states(db, key.id) == {"in-doubt": "committed"}
     assert (await assert_consistent(db, key.id))["spent_cents"] == 6_000
+
+
+async def test_a_charge_first_sent_23_hours_ago_is_neither_replayed_nor_taken_over(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+    admin: VaultAdmin,
+) -> None:
+    key = await issue(cap_cents=10_000)
+    client = stripe_via_vault(key)
+    await charge(client, customer, 6_000, "committed")
+    await charge_in_doubt(emulator, client, customer, 3_000, "in-doubt")
+    # As if both were first sent 23 hours ago: Stripe forgets keys at 24, so a retry would
+    # charge again, and neither a replay nor a takeover counts anything.
+    await db.execute(
+        "UPDATE vault_reservations SET created_at = now() - interval '23 hours'"
+        " WHERE vault_key_id = $1",
+        key.id,
+    )
+    for idempotency_key, amount in (("committed", 6_000), ("in-doubt", 3_000)):
+        with pytest.raises(stripe.APIError) as refused:
+            await charge(client, customer, amount, idempotency_key)
+        error = refused.value.json_body["error"]  # type: ignore[index]
+        assert (refused.value.http_status, error["code"]) == (409, "idempotency_key_expired")
+    assert await _states(db, key.id) == {"committed": "committed", "in-doubt": "unknown"}
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (3_000, 6_000)
+    assert len(await emulator_ledger(emulator)) == 2
+
+    # Reconciliation settles the one in doubt from Stripe; a retry is still refused, and the
+    # caller's lookup finds the charge instead.
+    await admin.resolve(key.id, "in-doubt", "succeeded", 3_000)
+    with pytest.raises(stripe.APIError, match="Look the charge up on Stripe"):
+        await charge(client, customer, 3_000, "in-doubt")
+    assert (await assert_consistent(db, key.id))["spent_cents"] == 9_000
+    assert len(await emulator_ledger(emulator)) == 2
