@@ -170,7 +170,9 @@ class ChargingActivities:
             gateway = await self._access.gateway_for(claim)
         except BillingError as exc:
             # No key for this period and currency (e.g. a customer added after the plan):
-            # the period pauses until an operator acts.
+            # the period pauses until an operator acts. Nothing was sent, so the claim waits
+            # at the gate again, where a skip or a cancel reaches it.
+            await self._reopen(claim, proven=False)
             raise ApplicationError(
                 str(exc),
                 ChargeFailure(code="no_period_key", message=str(exc)),
@@ -199,11 +201,13 @@ class ChargingActivities:
                 # Refused before Stripe: the claim waits at the gate for the operator, and a
                 # key replaced since (e.g. after expiry) is read afresh on the next attempt.
                 self._access.forget(claim)
-                async with self._pool.acquire() as conn:
-                    await ledger.reopen_refused_charge(
-                        conn, claim.idempotency_key, proven=failure.type == SPEND_CAP_EXCEEDED
-                    )
+                await self._reopen(claim, proven=failure.type == SPEND_CAP_EXCEEDED)
             raise failure from None
+
+    async def _reopen(self, claim: Claim, *, proven: bool) -> None:
+        """Undo the gate for an attempt refused before Stripe (see reopen_refused_charge)."""
+        async with self._pool.acquire() as conn:
+            await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven=proven)
 
     async def _wait_for_slot(self, claim: Claim, reserved: datetime | None) -> None:
         """Take this attempt's place in the cluster's Stripe rate, before the gate so that a

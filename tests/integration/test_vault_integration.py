@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from billing import operations, period_keys
 from billing.customers import upsert_customers
-from billing.models import OperatorRequest, RunOptions
+from billing.models import OperatorRequest, RunOptions, SkipRequest
 from billing.periods import Period
 from billing.preview import preview_period
 from billing.reporting import describe
@@ -176,3 +176,37 @@ async def test_revoked_key_stops_charging(vaulted: Harness) -> None:
         summary = await handle.result()
     assert summary.charged == charged < 12
     assert len([c for c in await vaulted.charges() if c["status"] == "succeeded"]) == charged
+
+
+async def test_a_customer_without_a_period_key_waits_at_the_gate(vaulted: Harness) -> None:
+    customers = await vaulted.seed(4)
+    late = customers[-1]
+    await vaulted.set_faults(latency_ms=300)
+    async with vaulted.running_worker():
+        handle = await start_period(
+            vaulted.client, PERIOD, vaulted.task_queue, RunOptions(max_in_flight=1, page_size=1)
+        )
+
+        async def planned() -> bool:
+            async with vaulted.pool.acquire() as conn:
+                return bool(await conn.fetchval("SELECT count(*) FROM period_vault_keys"))
+
+        await eventually(planned, timeout=30)
+        # Its currency changed after the plan issued the period's keys: none is in euros.
+        async with vaulted.pool.acquire() as conn:
+            await conn.execute(
+                "UPDATE customers SET currency = 'eur' WHERE customer_id = $1", late.customer_id
+            )
+        await eventually(lambda: vaulted.in_state(PERIOD, "paused"), timeout=60)
+        progress = await period_status(vaulted.client, PERIOD)
+        assert progress.reason is not None and "no_period_key" in progress.reason
+        # Nothing reached Stripe, so the claim is open again: the operator's skip reaches it.
+        skip = SkipRequest(customer_id=late.customer_id, reason="no euro key", operator="alice")
+        skipped = await operations.skip(
+            vaulted.client, vaulted.settings, vaulted.database_url, PERIOD, skip
+        )
+        assert skipped.skipped, skipped.detail
+        await operations.control(vaulted.client, PERIOD, "resume", ALICE)
+        summary = await handle.result()
+    assert (summary.charged, summary.skipped) == (3, 1)
+    assert not [c for c in await vaulted.charges() if c["currency"] == "eur"]
