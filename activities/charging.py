@@ -140,7 +140,12 @@ class ChargingActivities:
         key = idempotency_key(self._settings.billing_key_namespace, request.customer_id, period)
         async with self._pool.acquire() as conn:
             claim = await ledger.claim(
-                conn, request.customer_id, request.period, key, activity.info().workflow_run_id
+                conn,
+                request.customer_id,
+                request.period,
+                key,
+                activity.info().workflow_run_id,
+                charge_api=self._settings.billing_charge_api,
             )
         _log_event(
             "claim",

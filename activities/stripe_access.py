@@ -11,8 +11,8 @@ from typing import Protocol
 import asyncpg
 import stripe
 
-from activities.stripe_gateway import ChargeApi, StripeGateway
-from billing.models import Claim
+from activities.stripe_gateway import StripeGateway
+from billing.models import ChargeApi, Claim
 from billing.period_keys import read_secret
 from billing.stripe_client import stripe_client
 

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from typing import Any
 
 import stripe
 
-from billing.models import ChargeFailure, ChargeResult, Claim
+from billing.models import ChargeApi, ChargeFailure, ChargeResult, Claim
 from billing.reconciliation import StripeCharge
 from billing.redact import redact
 
-ChargeApi = Literal["payment_intents", "charges"]
 # Customers rarely hold more than a few charges a period; pages this size find ours at once.
 _LOOKUP_PAGE = 100
 _CLOCK_SKEW_SECONDS = 3600
@@ -43,13 +42,18 @@ def charge_params(claim: Claim, api: ChargeApi) -> dict[str, Any]:
 class StripeGateway:
     def __init__(self, client: stripe.StripeClient, api: ChargeApi) -> None:
         self._client = client
-        self.api = api
+        self._api = api
+
+    def _api_for(self, claim: Claim) -> ChargeApi:
+        """The claim's own API: a setting changed since must not change its requests."""
+        return claim.charge_api or self._api
 
     async def charge(self, claim: Claim) -> ChargeResult:
         """Create the charge with the claim's key; raises stripe errors unchanged."""
         options: stripe.RequestOptions = {"idempotency_key": claim.idempotency_key}
-        params = charge_params(claim, self.api)
-        if self.api == "payment_intents":
+        api = self._api_for(claim)
+        params = charge_params(claim, api)
+        if api == "payment_intents":
             intent = await self._client.v1.payment_intents.create_async(params, options)  # type: ignore[arg-type]
             return self._from_intent(intent)
         charge = await self._client.v1.charges.create_async(params, options)  # type: ignore[arg-type]
@@ -62,7 +66,7 @@ class StripeGateway:
 
     async def find(self, claim: Claim) -> ChargeResult | ChargeFailure | None:
         """Look the claim's charge up by the key in its metadata."""
-        if self.api == "payment_intents":
+        if self._api_for(claim) == "payment_intents":
             intents = await self._ours(self._client.v1.payment_intents.list_async, claim)
             for intent in intents:
                 if intent.status == "succeeded":
@@ -104,7 +108,7 @@ class StripeGateway:
         key: reconciliation compares them with the ledger."""
         lister = (
             self._client.v1.payment_intents.list_async
-            if self.api == "payment_intents"
+            if self._api == "payment_intents"
             else self._client.v1.charges.list_async
         )
         found = await _listed(

@@ -595,7 +595,9 @@ async def measure_baseline(
             async with gate:
                 key = idempotency_key(settings.billing_key_namespace, customer_id, period)
                 async with pool.acquire() as conn:
-                    claim: Claim = await ledger.claim(conn, customer_id, name, key)
+                    claim: Claim = await ledger.claim(
+                        conn, customer_id, name, key, charge_api=settings.billing_charge_api
+                    )
                 async with pool.acquire() as conn:
                     if await ledger.begin_charge(conn, claim) != "go":
                         raise RuntimeError(f"{customer_id}: the ledger's gate did not open")

@@ -7,6 +7,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from billing.models import ChargeApi
+
 
 class TemporalSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TEMPORAL_", extra="ignore")
@@ -33,7 +35,7 @@ class BillingSettings(BaseSettings):
 
     stripe_api_base: str = "http://127.0.0.1:12111"
     stripe_api_key: SecretStr = SecretStr("sk_test_local_emulator")
-    billing_charge_api: Literal["payment_intents", "charges"] = "payment_intents"
+    billing_charge_api: ChargeApi = "payment_intents"
     billing_key_namespace: str = Field(default="billing", min_length=1)
     billing_stripe_timeout_seconds: float = Field(default=30.0, gt=0)
     # The period's vault key is capped at the expected total times this.

@@ -9,6 +9,7 @@ import asyncpg
 
 from billing.errors import ClaimClosedError, LedgerConflictError, UnknownCustomerError
 from billing.models import (
+    ChargeApi,
     ChargeFailure,
     ChargeResult,
     Claim,
@@ -40,7 +41,7 @@ _OPEN = """(r.status IS NULL OR (r.status = 'claimed' AND r.skip_reason IS NULL)
 _CLAIM_COLUMNS = """
     customer_id, billing_period AS period, idempotency_key, amount_cents, currency,
     stripe_customer_id, payment_method, status, claimed_at, payment_intent_id, charge_id,
-    failure_code, claimed_by_run
+    failure_code, claimed_by_run, charge_api
 """
 
 
@@ -95,11 +96,19 @@ async def due_page(conn: asyncpg.Connection, period: str, after: str | None, lim
 
 
 async def claim(
-    conn: asyncpg.Connection, customer_id: str, period: str, key: str, run_id: str | None = None
+    conn: asyncpg.Connection,
+    customer_id: str,
+    period: str,
+    key: str,
+    run_id: str | None = None,
+    *,
+    charge_api: ChargeApi,
 ) -> Claim:
     """Insert the claim, or return the one that exists: a retry charges the same row.
     `run_id` is the claiming workflow run's: the last run to claim an open row owns it, so a
     run whose workflow task is retried after its record knows the charge for its own.
+    `charge_api` is fixed by the first claim that records one: every request of the claim
+    goes to the same endpoint with the same key, whatever the setting says later.
     One statement when the row is new or open (the insert returns it); a finished row, or a
     customer no longer active, is read by a second, with no transaction around the two: the
     read sees the row as another hand has moved it on since, which is the claim to act on."""
@@ -107,12 +116,17 @@ async def claim(
         f"""
         INSERT INTO billing_runs (customer_id, billing_period, idempotency_key, amount_cents,
                                   currency, stripe_customer_id, payment_method,
-                                  claimed_by_run)
+                                  claimed_by_run, charge_api)
         SELECT customer_id, $2, $3, amount_cents, currency, stripe_customer_id,
-               payment_method, $4
+               payment_method, $4, $5
         FROM customers WHERE customer_id = $1 AND active
         ON CONFLICT (customer_id, billing_period) DO UPDATE
-        SET claimed_by_run = EXCLUDED.claimed_by_run
+        SET claimed_by_run = EXCLUDED.claimed_by_run,
+            -- A row made before the API was recorded (or by a skip) takes this claim's,
+            -- unless an attempt may have reached Stripe under a setting nobody recorded.
+            charge_api = CASE WHEN billing_runs.charge_started_at IS NULL
+                              THEN coalesce(billing_runs.charge_api, EXCLUDED.charge_api)
+                              ELSE billing_runs.charge_api END
         WHERE billing_runs.status = 'claimed' AND EXCLUDED.claimed_by_run IS NOT NULL
         RETURNING {_CLAIM_COLUMNS}
         """,
@@ -120,6 +134,7 @@ async def claim(
         period,
         key,
         run_id,
+        charge_api,
     )
     if row is None:
         row = await conn.fetchrow(

@@ -15,6 +15,8 @@ Outcome = Literal["charged", "already_billed", "failed", "skipped", "cancelled"]
 Control = Literal["running", "paused", "cancelled"]
 # What the ledger says about one charge attempt, just before Stripe would be called.
 Gate = Literal["go", "paused", "cancelled", "skipped"]
+# Which Stripe API charges: PaymentIntents, or the legacy Charges API.
+ChargeApi = Literal["payment_intents", "charges"]
 # What a schedule's firing does with the period it resolves.
 ScheduledAction = Literal["bill", "reconcile"]
 
@@ -47,6 +49,9 @@ class Claim(Record):
     failure_code: str | None = None
     skip_reason: str | None = None
     claimed_by_run: str | None = None
+    # The API every request of the claim uses, fixed when claimed (same key, same endpoint);
+    # None for a claim made before the API was recorded: the worker's setting.
+    charge_api: ChargeApi | None = None
 
 
 class ChargeResult(Record):

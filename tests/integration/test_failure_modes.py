@@ -8,7 +8,9 @@ import signal
 import pytest
 from temporalio.service import RPCError
 
-from billing.keys import customer_workflow_id
+from activities.stripe_gateway import charge_params
+from billing import ledger
+from billing.keys import customer_workflow_id, idempotency_key
 from billing.periods import Period
 from billing.runs import start_period
 from tests.integration.harness import Harness, at_least, eventually
@@ -40,6 +42,33 @@ async def test_legacy_charges_api(harness: Harness) -> None:
     requests = await harness.requests()
     assert {r["path"] for r in requests if r["method"] == "POST" and "charges" in r["path"]}
     assert not [r for r in requests if r["path"] == "/v1/payment_intents"]
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_a_charge_in_doubt_keeps_its_api_when_the_setting_changes(harness: Harness) -> None:
+    customers = await harness.seed(3)
+    # A worker set to the legacy Charges API claimed and charged them, and lost the answers.
+    async with harness.pool.acquire() as conn:
+        for customer in customers:
+            key = idempotency_key(
+                harness.settings.billing_key_namespace, customer.customer_id, PERIOD
+            )
+            claim = await ledger.claim(
+                conn, customer.customer_id, str(PERIOD), key, charge_api="charges"
+            )
+            assert await ledger.begin_charge(conn, claim) == "go"
+            await harness.stripe.v1.charges.create_async(
+                charge_params(claim, "charges"),  # type: ignore[arg-type]
+                {"idempotency_key": key},
+            )
+    # Redeployed with PaymentIntents, the retries still reach /v1/charges with the same key and
+    # Stripe replays the charges; another endpoint for the key would be refused as an
+    # idempotency error, and customers who paid recorded as failed.
+    assert harness.settings.billing_charge_api == "payment_intents"
+    async with harness.running_worker():
+        summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    assert summary.charged == 3
+    assert not [r for r in await harness.requests() if r["path"] == "/v1/payment_intents"]
     await assert_billed_once(harness, str(PERIOD), customers)
 
 

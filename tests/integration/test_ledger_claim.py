@@ -24,15 +24,23 @@ async def test_a_claim_is_inserted_once_and_the_last_run_owns_it_while_open(
     (customer,) = await harness.seed(1)
     first_key = key(customer.customer_id)
     async with harness.pool.acquire() as conn:
-        first = await ledger.claim(conn, customer.customer_id, PERIOD, first_key, "run-1")
+        first = await ledger.claim(
+            conn, customer.customer_id, PERIOD, first_key, "run-1", charge_api="payment_intents"
+        )
         # Another run's claim of the open row, even with another key (a namespace changed).
         other_key = key(customer.customer_id, "other")
-        second = await ledger.claim(conn, customer.customer_id, PERIOD, other_key, "run-2")
-        unowned = await ledger.claim(conn, customer.customer_id, PERIOD, first_key)
+        # A worker set to another API since: the claim keeps the one it was made with.
+        second = await ledger.claim(
+            conn, customer.customer_id, PERIOD, other_key, "run-2", charge_api="charges"
+        )
+        unowned = await ledger.claim(
+            conn, customer.customer_id, PERIOD, first_key, charge_api="payment_intents"
+        )
     assert (first.status, first.claimed_by_run) == ("claimed", "run-1")
     assert first.idempotency_key == first_key
     assert (first.amount_cents, first.currency) == (customer.amount_cents, customer.currency)
     assert (second.claimed_by_run, second.idempotency_key) == ("run-2", first_key)
+    assert first.charge_api == second.charge_api == "payment_intents"
     assert second.claimed_at == first.claimed_at
     # No run given (a script, the baseline): the row is read, its owner kept.
     assert unowned.claimed_by_run == "run-2"
@@ -43,7 +51,9 @@ async def test_a_finished_claim_is_returned_as_it_is(harness: Harness) -> None:
     (customer,) = await harness.seed(1)
     claim_key = key(customer.customer_id)
     async with harness.pool.acquire() as conn:
-        claim = await ledger.claim(conn, customer.customer_id, PERIOD, claim_key, "run-1")
+        claim = await ledger.claim(
+            conn, customer.customer_id, PERIOD, claim_key, "run-1", charge_api="payment_intents"
+        )
         await ledger.record_charge(
             conn,
             claim_key,
@@ -54,18 +64,26 @@ async def test_a_finished_claim_is_returned_as_it_is(harness: Harness) -> None:
                 currency=claim.currency,
             ),
         )
-        again = await ledger.claim(conn, customer.customer_id, PERIOD, claim_key, "run-2")
+        again = await ledger.claim(
+            conn, customer.customer_id, PERIOD, claim_key, "run-2", charge_api="payment_intents"
+        )
     assert (again.status, again.charge_id, again.claimed_by_run) == ("charged", "ch_1", "run-1")
 
 
 async def test_a_customer_deactivated_after_its_claim_keeps_it(harness: Harness) -> None:
     kept_id, gone_id = (c.customer_id for c in await harness.seed(2))
     async with harness.pool.acquire() as conn:
-        await ledger.claim(conn, kept_id, PERIOD, key(kept_id), "run-1")
+        await ledger.claim(
+            conn, kept_id, PERIOD, key(kept_id), "run-1", charge_api="payment_intents"
+        )
         await conn.execute("UPDATE customers SET active = false")
-        kept = await ledger.claim(conn, kept_id, PERIOD, key(kept_id), "run-2")
+        kept = await ledger.claim(
+            conn, kept_id, PERIOD, key(kept_id), "run-2", charge_api="payment_intents"
+        )
         with pytest.raises(UnknownCustomerError, match="inactive; nothing was charged"):
-            await ledger.claim(conn, gone_id, PERIOD, key(gone_id), "run-2")
+            await ledger.claim(
+                conn, gone_id, PERIOD, key(gone_id), "run-2", charge_api="payment_intents"
+            )
     # The insert finds no active customer, so the row is read as it is, owner and all.
     assert (kept.status, kept.claimed_by_run) == ("claimed", "run-1")
     assert len(await harness.ledger_rows(PERIOD)) == 1

@@ -50,7 +50,9 @@ async def stranded(
     an operator then terminated (or which still runs, owning the claim)."""
     key = idempotency_key(harness.settings.billing_key_namespace, customer.customer_id, PERIOD)
     async with harness.pool.acquire() as conn:
-        claim = await ledger.claim(conn, customer.customer_id, str(PERIOD), key)
+        claim = await ledger.claim(
+            conn, customer.customer_id, str(PERIOD), key, charge_api="payment_intents"
+        )
         assert await ledger.begin_charge(conn, claim) == "go"
     if at_stripe:
         await gateway(harness).charge(claim)
