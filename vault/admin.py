@@ -24,7 +24,6 @@ from vault.models import (
     KEY_ID_PATTERN,
     MAX_CAP_CONTEXT,
     REVEAL_SECRET_CONTEXT,
-    SECRET_BYTES,
     SECRET_PREFIX,
     AuditPage,
     AuditQuery,
@@ -125,7 +124,7 @@ async def issue_key(request: web.Request) -> web.Response:
     state = request.app[STATE]
     issue = await _body(request, IssueKeyRequest, **{MAX_CAP_CONTEXT: state.settings.max_cap_cents})
     key_id = "vkey_" + secrets.token_hex(8)
-    secret = SECRET_PREFIX + secrets.token_urlsafe(SECRET_BYTES)
+    secret = SECRET_PREFIX + secrets.token_urlsafe(32)
     async with state.pool.acquire() as conn:
         info = await store.insert_key(conn, key_id, secret, issue)
     return _reply(IssuedKey(**info.model_dump(), secret=secret), status=201, reveal_secret=True)

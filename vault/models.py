@@ -25,10 +25,6 @@ from vault.endpoints import ENTRY_PATTERN
 
 KEY_ID_PATTERN = r"^vkey_[0-9a-f]{16}$"
 SECRET_PREFIX = "vk_"  # noqa: S105 (a prefix, not a secret)
-# A vault secret is the prefix and token_urlsafe(SECRET_BYTES): 43 characters after it. This
-# many mark one glued to other text.
-SECRET_BYTES = 32
-SECRET_MIN_LENGTH = 40
 IDEMPOTENCY_KEY_PATTERN = r"^[A-Za-z0-9_.:-]{1,255}$"
 # Validation context: the server's ceiling on caps (VAULT_MAX_CAP_CENTS).
 MAX_CAP_CONTEXT = "max_cap_cents"

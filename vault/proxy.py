@@ -14,16 +14,11 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from billing.redact import SECRET_RE, redact
 from vault import metrics, reservations, store
 from vault.endpoints import METERED, PATH_RE, allows
 from vault.errors import VaultError
-from vault.models import (
-    IDEMPOTENCY_KEY_PATTERN,
-    SECRET_MIN_LENGTH,
-    SECRET_PREFIX,
-    Decision,
-    ReservationState,
-)
+from vault.models import IDEMPOTENCY_KEY_PATTERN, SECRET_PREFIX, Decision, ReservationState
 from vault.reservations import Charge, Outcome, Reservation
 from vault.state import STATE, VaultState
 from vault.store import AuditRecord, KeyGrant
@@ -40,14 +35,6 @@ _RETURNED_HEADERS = (
     "Stripe-Should-Retry",
     "Stripe-Version",
     "Retry-After",
-)
-# Stripe secret and restricted keys, vault secrets: never written to the audit log. A key
-# glued to other text ("X" + key in a path segment) is found by its mode or its length; a
-# bare "sk_" is a key only at a word's start, so "task_queue" is not one.
-_SECRET_RE = re.compile(
-    r"(?<![A-Za-z0-9])(?:sk|rk|vk)_[A-Za-z0-9_-]+"
-    r"|(?:sk|rk)_(?:test|live)_[A-Za-z0-9_-]+"
-    rf"|{SECRET_PREFIX}[A-Za-z0-9_-]{{{SECRET_MIN_LENGTH},}}"
 )
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 _IDEMPOTENCY_KEY_RE = re.compile(IDEMPOTENCY_KEY_PATTERN)
@@ -309,7 +296,7 @@ def _charge(request: web.Request, endpoint: str, body: bytes, record: AuditRecor
 
 def _refuse_secret(name: str, value: str) -> None:
     """Values the vault stores or forwards must never hold a key, even one sent by mistake."""
-    if _SECRET_RE.search(value):
+    if SECRET_RE.search(value):
         raise Refusal(
             "refused_request",
             400,
@@ -421,4 +408,4 @@ async def _settle(
 
 def _clean(text: str, limit: int) -> str:
     """Text for the audit log: secrets redacted, control characters replaced, length bounded."""
-    return _CONTROL_RE.sub("?", _SECRET_RE.sub("[redacted]", text))[:limit]
+    return _CONTROL_RE.sub("?", redact(text))[:limit]

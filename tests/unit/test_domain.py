@@ -197,13 +197,27 @@ def test_spend_cap_refuses_a_cap_below_the_total() -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["token=key_sk_test_abc123", "\\nsk_test_abc123", "x vk_AbC-123_z y", "rk_live_Q1w2"],
+    [
+        "token=key_sk_test_abc123",
+        "\\nsk_test_abc123",
+        "x vk_AbC-123_z y",
+        "rk_live_Q1w2",
+        "/v1/payment_intents/Xsk_live_abc123",
+        "sk_abc123",
+    ],
 )
 def test_redact_finds_keys_glued_to_other_text(text: str) -> None:
     from billing.redact import redact
 
     assert "[redacted key]" in redact(text)
     assert "abc123" not in redact(text) and "AbC-123" not in redact(text)
+
+
+def test_redact_leaves_words_that_hold_a_prefix() -> None:
+    from billing.redact import redact
+
+    text = "task_queue=billing expand[]=outcome.risk_level disk_used"
+    assert redact(text) == text
 
 
 # -- properties over any input: a valid value or the domain's own error, never anything else --

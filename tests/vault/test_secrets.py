@@ -97,7 +97,7 @@ async def test_no_secret_in_audit_rows_reservations_or_responses(
     assert secrets_seen.found_in(stored) == []
     assert all(reply.startswith("400 ") for reply in replies[3:7]), replies[3:7]
     assert await db.fetchval("SELECT count(*) FROM vault_audit") == 13  # proxied requests only
-    assert "[redacted]" in stored  # the vk_ secret sent as a path and idempotency key
+    assert "[redacted key]" in stored  # the vk_ secret sent as a path and idempotency key
 
 
 async def test_words_holding_sk_are_not_taken_for_keys(
