@@ -3,14 +3,15 @@
 import re
 
 # Stripe secret, restricted and publishable keys, and vault secrets (the vault refuses any
-# request holding one). No leading word boundary for a key with its mode or the vault's
-# prefix: glued to other text ("token=key_sk_test_...", an escaped "\\nsk_test_...", a path
-# segment "X" + key) it is still a key. A bare "sk_" or "rk_" counts at a word's start only,
-# so "task_queue" is not one. Over-redacting a look-alike is the cheaper mistake.
+# request holding one). Glued to other text ("token=key_sk_test_...", an escaped
+# "\\nsk_test_...", a path segment "X" + key), a key is known by its shape: its mode or the
+# vault's prefix, then at least 16 characters, as every real key has; at a word's start,
+# any length. So "task_queue", "is_sk_enabled", "network_live_status" or a placeholder
+# "sk_test_..." are not keys; over-redacting a rarer look-alike is the cheaper mistake.
 SECRET_RE = re.compile(
-    r"(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9_-]+"
-    r"|vk_[A-Za-z0-9_-]+"
-    r"|(?<![A-Za-z0-9])(?:sk|rk)_[A-Za-z0-9_-]+"
+    r"(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9]{16,}"
+    r"|vk_[A-Za-z0-9_-]{16,}"
+    r"|(?<![A-Za-z0-9_])(?:(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9]+|vk_[A-Za-z0-9_-]+)"
 )
 
 

@@ -42,6 +42,7 @@ BEGIN
         ELSIF existing.state <> 'released'
               AND existing.created_at <= now() - interval '23 hours' THEN
             decision := 'replay_expired';
+            detail := existing.state;
             reservation_id := NULL;
             RETURN;
         ELSIF existing.state = 'committed' THEN

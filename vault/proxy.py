@@ -8,7 +8,7 @@ import re
 import time
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, unquote_plus
 
 import aiohttp
 from aiohttp import web
@@ -109,8 +109,11 @@ async def _proxy(
             " '_' and '-' only",
         )
     _refuse_secret("path", path)
-    # Decoded, so a percent-encoded key is found too.
+    # Nothing forwarded may carry a key: the query string (decoded, so a percent-encoded key
+    # is found too), the forwarded headers and, once read, the body.
     _refuse_secret("query string", request.rel_url.query_string)
+    for name in _FORWARDED_HEADERS:
+        _refuse_secret(name, request.headers.get(name, ""))
     endpoint = f"{request.method} {path}"
     if not allows(grant.allowed_endpoints, request.method, path):
         raise Refusal(
@@ -122,7 +125,6 @@ async def _proxy(
     idempotency_key = request.headers.get("Idempotency-Key")
     if idempotency_key is not None:
         record.idempotency_key = _clean(idempotency_key, 255)
-        _refuse_secret("Idempotency-Key", idempotency_key)
         if _IDEMPOTENCY_KEY_RE.fullmatch(idempotency_key) is None:
             raise Refusal(
                 "refused_request",
@@ -134,6 +136,7 @@ async def _proxy(
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise Refusal("refused_request", 413, "body_too_large", "the body is too large") from None
+    _refuse_secret("the body", unquote_plus(body.decode("utf-8", "replace")))
 
     reservation = None
     if endpoint in METERED:
@@ -249,11 +252,6 @@ def _charge(request: web.Request, endpoint: str, body: bytes, record: AuditRecor
         raise Refusal(
             "refused_request", 400, "body_invalid", "the body has more than 1000 fields"
         ) from None
-    # Every field, not only those read here: the body is forwarded and kept by Stripe.
-    for name, values in fields.items():
-        _refuse_secret("a field name", name)
-        for value in values:
-            _refuse_secret(name[:100], value)
     amount = _single(fields, "amount")
     currency = _single(fields, "currency")
     customer = _single(fields, "customer")
@@ -340,10 +338,13 @@ async def _reserve(
             "refused_in_flight", 409, "idempotency_key_in_use", str(refused), should_retry=True
         ) from None
     except reservations.ReplayExpired as refused:
-        # Retryable: once reconciliation settles the reservation, or the caller's lookup
-        # finds the charge, the next attempt goes on.
+        # One in doubt is retried once reconciliation releases it; a charged one never.
         raise Refusal(
-            "refused_request", 409, "idempotency_key_expired", str(refused), should_retry=True
+            "refused_request",
+            409,
+            "idempotency_key_expired",
+            str(refused),
+            should_retry=not refused.committed,
         ) from None
     except reservations.Mismatch as refused:
         raise Refusal(
@@ -382,8 +383,8 @@ def _outcome(answer: _Answer, *, in_doubt: bool) -> Outcome:
             return "failed"
         # An earlier attempt may have executed. Only a decline (executed now, so nothing was
         # saved under the key before, or replayed) or a replayed answer speaks for it; the
-        # rest (401, 403, 409, 429, an idempotency error, a validation error) come before
-        # Stripe looks at the key, and prove only that this attempt did not execute.
+        # rest (401, 403, 409, 429, an idempotency error, a validation error) prove only that
+        # this attempt did not execute.
         replayed = answer.headers.get("Idempotent-Replayed", "").lower() == "true"
         return "failed" if answer.status == 402 or replayed else "unknown"
     # 5xx (Stripe may have executed before failing) and anything unexpected.

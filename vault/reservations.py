@@ -79,6 +79,10 @@ class ReplayExpired(Refused):
     """The key's reservation is older than Stripe keeps idempotency keys: a retry would
     execute as a new charge."""
 
+    def __init__(self, message: str, *, committed: bool) -> None:
+        super().__init__(message)
+        self.committed = committed
+
 
 class NotFound(Exception):
     pass
@@ -121,10 +125,17 @@ async def reserve(
             "a request with this Idempotency-Key is in flight; retry when it has finished"
         )
     if decision == "replay_expired":
+        committed = detail == "committed"
+        settles = (
+            "it was charged: look the charge up on Stripe"
+            if committed
+            else "its outcome is unknown: reconciliation settles it from Stripe, and a retry"
+            " goes on once it is released"
+        )
         raise ReplayExpired(
             "this Idempotency-Key was first sent 23 hours ago or more, and Stripe keeps keys"
-            " for 24: a retry could charge again. Look the charge up on Stripe; reconciliation"
-            " settles one left unknown, and a new charge needs a new key"
+            f" for 24, so a retry could charge again; {settles}. A new charge needs a new key",
+            committed=committed,
         )
     if decision == "mismatch":
         raise Mismatch(
@@ -136,8 +147,10 @@ async def reserve(
         raise KeyUnusable(
             f"this vault key has {'been revoked' if revoked else 'expired'}", revoked=revoked
         )
+    if decision not in ("cap", "daily_cap"):
+        # A database migrated past this vault's code: refuse rather than guess.
+        raise RuntimeError(f"vault_reserve answered {decision!r}, which this vault does not know")
     daily = decision == "daily_cap"
-    assert daily or decision == "cap", decision
     cap = "daily cap (UTC day)" if daily else "cap"
     raise CapExceeded(
         f"{charge.amount_cents} cents would pass this key's {cap}: {detail} cents remain",

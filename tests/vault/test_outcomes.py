@@ -355,6 +355,9 @@ async def test_a_charge_first_sent_23_hours_ago_is_neither_replayed_nor_taken_ov
             await charge(client, customer, amount, idempotency_key)
         error = refused.value.json_body["error"]  # type: ignore[index]
         assert (refused.value.http_status, error["code"]) == (409, "idempotency_key_expired")
+        # Only the one in doubt can go on, once reconciliation releases it.
+        retry = "true" if idempotency_key == "in-doubt" else "false"
+        assert (refused.value.headers or {}).get("Stripe-Should-Retry") == retry
     assert await _states(db, key.id) == {"committed": "committed", "in-doubt": "unknown"}
     totals = await assert_consistent(db, key.id)
     assert (totals["reserved_cents"], totals["spent_cents"]) == (3_000, 6_000)
@@ -363,7 +366,7 @@ async def test_a_charge_first_sent_23_hours_ago_is_neither_replayed_nor_taken_ov
     # Reconciliation settles the one in doubt from Stripe; a retry is still refused, and the
     # caller's lookup finds the charge instead.
     await admin.resolve(key.id, "in-doubt", "succeeded", 3_000)
-    with pytest.raises(stripe.APIError, match="Look the charge up on Stripe"):
+    with pytest.raises(stripe.APIError, match="it was charged: look the charge up on Stripe"):
         await charge(client, customer, 3_000, "in-doubt")
     assert (await assert_consistent(db, key.id))["spent_cents"] == 9_000
     assert len(await emulator_ledger(emulator)) == 2

@@ -196,7 +196,12 @@ async def test_money_moving_request_without_idempotency_key_is_refused(
             400,
             "secret_in_parameter",
         ),
-        ("amount=100&currency=usd&metadata[xsk_live_abc]=1", {}, 400, "secret_in_parameter"),
+        (
+            "amount=100&currency=usd&metadata[note]=Xsk_live_" + "a1" * 12,
+            {},
+            400,
+            "secret_in_parameter",
+        ),
     ],
 )
 async def test_malformed_charges_are_refused_before_anything_is_reserved(

@@ -79,6 +79,9 @@ async def test_no_secret_in_audit_rows_reservations_or_responses(
     await raw("GET", f"/stripe/v1/charges?customer={vk}", headers=bearer)
     encoded = UPSTREAM_SECRET.replace("_", "%5F")
     await raw("GET", f"/stripe/v1/charges?customer=x{encoded}", headers=bearer)
+    # In a body a GET should not have, or a header the vault forwards.
+    await raw("GET", "/stripe/v1/payment_intents/pi_1", headers=bearer | form, data=f"x={vk}")
+    await raw("GET", "/stripe/v1/charges", headers=bearer | {"Stripe-Version": UPSTREAM_SECRET})
     await raw("GET", "/stripe/v1/charges", headers={"Authorization": f"Bearer {UPSTREAM_SECRET}"})
     await raw("GET", "/stripe/v1/charges", headers={"Authorization": f"Bearer {vk}x"})
     await raw("GET", f"/vault/keys/{key.id}", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
@@ -95,8 +98,8 @@ async def test_no_secret_in_audit_rows_reservations_or_responses(
     assert secrets_seen.found_in("\n".join(replies)) == []
     stored = await _table_text(db)
     assert secrets_seen.found_in(stored) == []
-    assert all(reply.startswith("400 ") for reply in replies[3:7]), replies[3:7]
-    assert await db.fetchval("SELECT count(*) FROM vault_audit") == 13  # proxied requests only
+    assert [reply[:3] for reply in replies[3:9]] == ["400"] * 6, replies[3:9]
+    assert await db.fetchval("SELECT count(*) FROM vault_audit") == 15  # proxied requests only
     assert "[redacted key]" in stored  # the vk_ secret sent as a path and idempotency key
 
 
