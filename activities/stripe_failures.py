@@ -24,6 +24,11 @@ SPEND_CAP_EXCEEDED = "SpendCapExceeded"
 KEY_REFUSED = "KeyRefused"
 PERIOD_BLOCKERS = frozenset({SPEND_CAP_EXCEEDED, KEY_REFUSED})
 RETRYABLE = "StripeUnavailable"
+# The vault will not replay a key Stripe may have forgotten (first sent 23 hours ago or more).
+# The claim is that old too, so each attempt looks it up on Stripe first; one in doubt waits
+# for reconciliation to release it, which it does no sooner than this.
+KEY_EXPIRED_CODE = "idempotency_key_expired"
+KEY_EXPIRED_RETRY = timedelta(minutes=10)
 
 
 def _error_body(exc: stripe.StripeError) -> dict[str, object]:
@@ -88,6 +93,12 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
         return _non_retryable(REFUSED, failure_from(exc, "idempotency_error"))
     if isinstance(exc, stripe.InvalidRequestError):
         return _non_retryable(REFUSED, failure_from(exc, "invalid_request"))
+    if _error_body(exc).get("code") == KEY_EXPIRED_CODE:
+        return ApplicationError(
+            f"{KEY_EXPIRED_CODE}: {redact(str(exc.user_message))}",
+            type=RETRYABLE,
+            next_retry_delay=KEY_EXPIRED_RETRY,
+        )
     # APIConnectionError, 5xx, 409 idempotency_key_in_use: the outcome is unknown or pending,
     # and a retry with the same key either replays the first result or executes once.
     status = exc.http_status or "no response"

@@ -87,3 +87,39 @@ async def test_a_customer_deactivated_after_its_claim_keeps_it(harness: Harness)
     # The insert finds no active customer, so the row is read as it is, owner and all.
     assert (kept.status, kept.claimed_by_run) == ("claimed", "run-1")
     assert len(await harness.ledger_rows(PERIOD)) == 1
+
+
+async def test_a_row_without_an_api_takes_the_claims_unless_it_was_sent(harness: Harness) -> None:
+    skipped, sent = await harness.seed(2)
+    async with harness.pool.acquire() as conn:
+        # A skip's row, and a row claimed and sent before the API was recorded.
+        await ledger.request_skip(
+            conn, skipped.customer_id, PERIOD, key(skipped.customer_id), "why", "alice"
+        )
+        await ledger.claim(
+            conn, sent.customer_id, PERIOD, key(sent.customer_id), "run-1", charge_api="charges"
+        )
+        await conn.execute(
+            "UPDATE billing_runs SET charge_api = NULL, charge_started_at = now()"
+            " WHERE customer_id = $1",
+            sent.customer_id,
+        )
+        taken = await ledger.claim(
+            conn,
+            skipped.customer_id,
+            PERIOD,
+            key(skipped.customer_id),
+            "run-2",
+            charge_api="charges",
+        )
+        kept = await ledger.claim(
+            conn,
+            sent.customer_id,
+            PERIOD,
+            key(sent.customer_id),
+            "run-2",
+            charge_api="payment_intents",
+        )
+    assert taken.charge_api == "charges"
+    # It may have reached Stripe under a setting nobody recorded: the worker's setting decides.
+    assert kept.charge_api is None

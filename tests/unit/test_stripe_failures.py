@@ -1,0 +1,50 @@
+"""activities.stripe_failures: which Stripe answers Temporal retries, and how soon."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import stripe
+
+from activities.stripe_failures import (
+    DECLINED,
+    KEY_EXPIRED_RETRY,
+    KEY_REFUSED,
+    RETRYABLE,
+    to_temporal_failure,
+)
+
+
+def _error(cls: type[stripe.StripeError], status: int, **error: str) -> stripe.StripeError:
+    return cls(error.get("message", "refused"), http_status=status, json_body={"error": error})
+
+
+def test_a_key_past_stripes_window_is_retried_no_sooner_than_a_reconcile() -> None:
+    failure = to_temporal_failure(
+        _error(stripe.APIError, 409, code="idempotency_key_expired", type="invalid_request_error")
+    )
+    assert (failure.type, failure.non_retryable) == (RETRYABLE, False)
+    assert failure.next_retry_delay == KEY_EXPIRED_RETRY >= timedelta(minutes=10)
+
+
+def test_a_key_in_use_is_retried_at_the_policys_pace() -> None:
+    failure = to_temporal_failure(
+        _error(stripe.APIError, 409, code="idempotency_key_in_use", type="invalid_request_error")
+    )
+    assert (failure.type, failure.non_retryable, failure.next_retry_delay) == (
+        RETRYABLE,
+        False,
+        None,
+    )
+
+
+def test_declines_and_refused_keys_are_final() -> None:
+    body = {"error": {"code": "card_declined", "message": "declined"}}
+    declined = to_temporal_failure(
+        stripe.CardError(  # type: ignore[no-untyped-call]
+            "declined", None, "card_declined", http_status=402, json_body=body
+        )
+    )
+    refused = to_temporal_failure(_error(stripe.AuthenticationError, 401))
+    assert (declined.type, declined.non_retryable) == (DECLINED, True)
+    assert (refused.type, refused.non_retryable) == (KEY_REFUSED, True)
