@@ -33,6 +33,7 @@ from billing.reconciliation import (
     ChildState,
     ClaimResolution,
     ClaimsToResolve,
+    CustomerToCheck,
     ReconcileInput,
     ReservationResolution,
     StripeCharge,
@@ -263,20 +264,20 @@ class ReconcileActivities:
                 conn, request.period, request.after, request.limit
             )
 
-        async def listed(stripe_customer_id: str, currency: str) -> list[StripeCharge] | None:
+        async def listed(customer: CustomerToCheck) -> list[StripeCharge] | None:
             try:
-                gateway = await self._access.gateway(request.period, currency)
+                gateway = await self._access.gateway(request.period, customer.currency)
             except BillingError:
                 return None
             # One turn per customer: a listing rarely needs a second page.
             await self._stripe_turn()
-            return await gateway.period_charges(stripe_customer_id, request.period)
+            return await gateway.period_charges(
+                customer.stripe_customer_id, request.period, customer.charge_api
+            )
 
         try:
             async with heartbeating():
-                found = await _bounded(
-                    [listed(c.stripe_customer_id, c.currency) for c in customers]
-                )
+                found = await _bounded([listed(c) for c in customers])
         except stripe.StripeError as exc:
             raise to_temporal_failure(exc) from None
         charges = [charge for listing in found if listing for charge in listing]

@@ -103,12 +103,15 @@ class StripeGateway:
             charge_id=charges[0].id,
         )
 
-    async def period_charges(self, stripe_customer_id: str, period: str) -> list[StripeCharge]:
+    async def period_charges(
+        self, stripe_customer_id: str, period: str, api: ChargeApi | None
+    ) -> list[StripeCharge]:
         """The customer's succeeded charges whose metadata names the period, whatever their
-        key: reconciliation compares them with the ledger."""
+        key, listed through `api` (its claim's; None: the setting's): reconciliation compares
+        them with the ledger."""
         lister = (
             self._client.v1.payment_intents.list_async
-            if self._api == "payment_intents"
+            if (api or self._api) == "payment_intents"
             else self._client.v1.charges.list_async
         )
         found = await _listed(

@@ -277,6 +277,26 @@ async def test_a_duplicate_charge_is_reported_with_its_id_and_amount(harness: Ha
     assert report.orphans == [] and report.claims == []
 
 
+async def test_a_duplicate_is_found_through_its_claims_api_after_the_setting_changed(
+    harness: Harness,
+) -> None:
+    customers = await harness.seed(2)
+    harness.settings = harness.settings.model_copy(update={"billing_charge_api": "charges"})
+    await bill(harness)
+    key = idempotency_key(harness.settings.billing_key_namespace, customers[0].customer_id, PERIOD)
+    async with harness.pool.acquire() as conn:
+        claim = await ledger.claim_by_key(conn, key)
+    assert claim is not None and claim.charge_api == "charges"
+    duplicate = await harness.stripe.v1.charges.create_async(
+        charge_params(claim, "charges"),  # type: ignore[arg-type]
+        {"idempotency_key": key + "-retry"},
+    )
+    # Redeployed with PaymentIntents: the claims' charges are still listed where they are.
+    harness.settings = harness.settings.model_copy(update={"billing_charge_api": "payment_intents"})
+    report = await reconcile(harness)
+    assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", duplicate.id)]
+
+
 async def test_an_orphan_charge_with_our_metadata_is_reported(harness: Harness) -> None:
     await harness.seed(2)
     await bill(harness)
