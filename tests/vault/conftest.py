@@ -20,7 +20,7 @@ from vault import RunningVault, VaultSettings, serve
 from vault.client import VaultAdmin
 from vault.models import IssuedKey
 
-from .support import ADMIN_TOKEN, MAX_CAP_CENTS, UPSTREAM_SECRET, key_request
+from .support import ADMIN_TOKEN, MAX_CAP_CENTS, UPSTREAM_SECRET, key_request, via_vault
 
 
 class Secrets:
@@ -105,11 +105,7 @@ async def stripe_via_vault(
     async with aiohttp.ClientSession() as session:
 
         def client(key: IssuedKey) -> stripe.StripeClient:
-            return stripe.StripeClient(
-                key.secret.get_secret_value(),
-                base_addresses={"api": vault.url + "/stripe"},
-                http_client=stripe.AIOHTTPClient(session=session),
-            )
+            return via_vault(key.secret.get_secret_value(), vault.url, session)
 
         yield client
 

@@ -24,6 +24,15 @@ DEFAULT_ENDPOINTS = [
 ]
 
 
+def via_vault(secret: str, vault_url: str, session: aiohttp.ClientSession) -> stripe.StripeClient:
+    """The stock Stripe SDK, async over aiohttp, calling Stripe through the vault."""
+    return stripe.StripeClient(
+        secret,
+        base_addresses={"api": vault_url + "/stripe"},
+        http_client=stripe.AIOHTTPClient(session=session),
+    )
+
+
 def key_request(**overrides: Any) -> IssueKeyRequest:
     fields: dict[str, Any] = {
         "label": "billing",

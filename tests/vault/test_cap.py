@@ -17,7 +17,7 @@ from vault import VaultSettings, serve
 from vault.models import IssuedKey
 
 from .conftest import Issue
-from .support import assert_consistent, charge, emulator_ledger
+from .support import assert_consistent, charge, emulator_ledger, via_vault
 
 StripeFor = Callable[[IssuedKey], stripe.StripeClient]
 
@@ -74,11 +74,7 @@ async def test_mixed_amounts_through_two_vaults_never_pass_the_cap(
         aiohttp.ClientSession() as session,
     ):
         clients = [
-            stripe.StripeClient(
-                key.secret.get_secret_value(),
-                base_addresses={"api": vault.url + "/stripe"},
-                http_client=stripe.AIOHTTPClient(session=session),
-            )
+            via_vault(key.secret.get_secret_value(), vault.url, session)
             for vault in (first, second)
         ]
         results = await asyncio.gather(

@@ -23,7 +23,14 @@ from vault.models import IssuedKey
 from vault.reservations import Charge
 
 from .conftest import Issue, Secrets
-from .support import assert_consistent, charge, charge_in_doubt, emulator_ledger, set_faults
+from .support import (
+    assert_consistent,
+    charge,
+    charge_in_doubt,
+    emulator_ledger,
+    set_faults,
+    via_vault,
+)
 
 StripeFor = Callable[[IssuedKey], stripe.StripeClient]
 
@@ -217,11 +224,7 @@ async def test_upstream_timeout_is_unknown_and_a_later_replay_commits(
     impatient = vault_settings.model_copy(update={"upstream_timeout_seconds": 0.3})
     await set_faults(emulator, latency_ms=600)
     async with serve(impatient) as vault, aiohttp.ClientSession() as session:
-        client = stripe.StripeClient(
-            key.secret.get_secret_value(),
-            base_addresses={"api": vault.url + "/stripe"},
-            http_client=stripe.AIOHTTPClient(session=session),
-        )
+        client = via_vault(key.secret.get_secret_value(), vault.url, session)
         with pytest.raises(stripe.APIError) as failed:
             await charge(client, customer, 900, "slow")
         assert failed.value.http_status == 504
@@ -314,11 +317,7 @@ async def test_an_in_doubt_retry_refused_before_stripe_reads_its_key_stays_unkno
     secrets_seen.values.append(rolled)
     broken = vault_settings.model_copy(update={"upstream_stripe_secret": SecretStr(rolled)})
     async with serve(broken) as vault, aiohttp.ClientSession() as session:
-        client = stripe.StripeClient(
-            key.secret.get_secret_value(),
-            base_addresses={"api": vault.url + "/stripe"},
-            http_client=stripe.AIOHTTPClient(session=session),
-        )
+        client = via_vault(key.secret.get_secret_value(), vault.url, session)
         with pytest.raises(stripe.AuthenticationError):
             await charge(client, customer, 6_000, "in-doubt")
     assert await _states(db, key.id) == {"in-doubt": "unknown"}

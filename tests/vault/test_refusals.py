@@ -17,7 +17,7 @@ from vault.client import VaultAdmin
 from vault.models import IssuedKey
 
 from .conftest import Issue
-from .support import assert_consistent, charge, emulator_ledger
+from .support import assert_consistent, charge, emulator_ledger, via_vault
 
 StripeFor = Callable[[IssuedKey], stripe.StripeClient]
 
@@ -55,11 +55,7 @@ async def _post(
 async def test_unknown_key_is_an_authentication_error(
     vault: RunningVault, customer: str, http: aiohttp.ClientSession
 ) -> None:
-    client = stripe.StripeClient(
-        "vk_" + "x" * 43,
-        base_addresses={"api": vault.url + "/stripe"},
-        http_client=stripe.AIOHTTPClient(session=http),
-    )
+    client = via_vault("vk_" + "x" * 43, vault.url, http)
     with pytest.raises(stripe.AuthenticationError) as refused:
         await charge(client, customer, 100, "k")
     assert refused.value.http_status == 401

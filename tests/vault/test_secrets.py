@@ -18,7 +18,7 @@ from vault import RunningVault, VaultSettings, serve
 from vault.models import IssuedKey
 
 from .conftest import Issue, Secrets
-from .support import ADMIN_TOKEN, UPSTREAM_SECRET, charge, charge_in_doubt
+from .support import ADMIN_TOKEN, UPSTREAM_SECRET, charge, charge_in_doubt, via_vault
 
 StripeFor = Callable[[IssuedKey], stripe.StripeClient]
 
@@ -170,11 +170,7 @@ async def test_unreachable_upstream_is_logged_without_secrets(
         update={"upstream_stripe_base": f"http://127.0.0.1:{closed_port}"}
     )
     async with serve(nowhere) as vault, aiohttp.ClientSession() as session:
-        client = stripe.StripeClient(
-            key.secret.get_secret_value(),
-            base_addresses={"api": vault.url + "/stripe"},
-            http_client=stripe.AIOHTTPClient(session=session),
-        )
+        client = via_vault(key.secret.get_secret_value(), vault.url, session)
         with pytest.raises(stripe.APIError) as failed:
             await charge(client, customer, 100, "nowhere")
     assert failed.value.http_status == 502
