@@ -175,11 +175,11 @@ class ChargingActivities:
             gateway = await self._access.gateway_for(claim)
         except BillingError as exc:
             # No key for this period and currency (e.g. a customer added after the plan):
-            # the period pauses until an operator acts. No attempt of this claim was ever sent:
-            # keys are never removed, so none existed for its period and currency. The claim
-            # waits at the gate again, where a skip or a cancel reaches it, even if an earlier
-            # reopen was lost.
-            await self._reopen(claim, proven=True)
+            # the period pauses until an operator acts. Nothing was sent, so the claim waits
+            # at the gate again, where a skip or a cancel reaches it. Only if this was its
+            # first attempt: an operator may have deleted a revoked key's row after an
+            # earlier attempt reached Stripe with it.
+            await self._reopen(claim, proven=False)
             raise ApplicationError(
                 str(exc),
                 ChargeFailure(code="no_period_key", message=str(exc)),

@@ -7,6 +7,7 @@ import re
 
 from billing.errors import InvalidCustomerIdError, shown
 from billing.periods import Period
+from billing.redact import SECRET_RE
 
 # Safe in SQL, in a Temporal workflow ID, in a URL path and in the Web UI's query language.
 _CUSTOMER_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -18,6 +19,13 @@ def validate_customer_id(customer_id: object) -> str:
         raise InvalidCustomerIdError(
             f"customer id {shown(customer_id, 70)} must be 1-64 characters of letters, digits,"
             " '_', '.' or '-', starting with a letter or digit"
+        )
+    if SECRET_RE.search(customer_id):
+        # Not shown: it may be a key pasted by mistake. The vault refuses any request that
+        # carries one, so none of this customer's charges could pass.
+        raise InvalidCustomerIdError(
+            "a customer id must not contain what looks like a Stripe or vault key"
+            " (sk_live_..., rk_test_..., vk_...)"
         )
     return customer_id
 

@@ -11,7 +11,7 @@ import re
 SECRET_RE = re.compile(
     r"(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9]{16,}"
     r"|vk_[A-Za-z0-9_-]{16,}"
-    r"|(?<![A-Za-z0-9_])(?:(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9]+|vk_[A-Za-z0-9_-]+)"
+    r"|(?<![A-Za-z0-9_])(?:(?:sk|rk|pk)_(?:live|test)_|vk_)[A-Za-z0-9][A-Za-z0-9_-]*"
 )
 
 

@@ -143,6 +143,13 @@ def test_hostile_customer_ids_are_refused(bad: str) -> None:
         validate_customer_id(bad)
 
 
+@pytest.mark.parametrize("looks_like_a_key", ["vk_1", "Novk_enterprise_customer1", "sk_test_42"])
+def test_a_customer_id_shaped_like_a_key_is_refused_unshown(looks_like_a_key: str) -> None:
+    with pytest.raises(InvalidCustomerIdError, match="looks like a Stripe or vault key") as refused:
+        validate_customer_id(looks_like_a_key)
+    assert looks_like_a_key not in str(refused.value)
+
+
 @pytest.mark.parametrize("good", [1, 999, MAX_AMOUNT_CENTS])
 def test_valid_amounts(good: int) -> None:
     assert validate_amount(good) == good
@@ -212,6 +219,12 @@ def test_redact_finds_keys_glued_to_other_text(text: str) -> None:
 
     assert "[redacted key]" in redact(text)
     assert "abc123" not in redact(text)
+
+
+def test_redact_takes_a_whole_key_with_underscores() -> None:
+    from billing.redact import redact
+
+    assert redact("key sk_test_local_emulator, vk_a_b-c") == "key [redacted key], [redacted key]"
 
 
 def test_redact_leaves_words_that_hold_a_prefix() -> None:

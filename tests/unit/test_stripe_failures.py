@@ -13,18 +13,20 @@ from activities.stripe_failures import (
     RETRYABLE,
     to_temporal_failure,
 )
+from workflows.customer_charge import BILL_ROUND
 
 
 def _error(cls: type[stripe.StripeError], status: int, **error: str) -> stripe.StripeError:
     return cls(error.get("message", "refused"), http_status=status, json_body={"error": error})
 
 
-def test_a_key_past_stripes_window_is_retried_no_sooner_than_a_reconcile() -> None:
+def test_a_key_past_stripes_window_is_retried_slowly_within_a_round() -> None:
     failure = to_temporal_failure(
         _error(stripe.APIError, 409, code="idempotency_key_expired", type="invalid_request_error")
     )
     assert (failure.type, failure.non_retryable) == (RETRYABLE, False)
-    assert failure.next_retry_delay == KEY_EXPIRED_RETRY >= timedelta(minutes=10)
+    assert failure.next_retry_delay == KEY_EXPIRED_RETRY
+    assert timedelta(minutes=1) <= KEY_EXPIRED_RETRY < BILL_ROUND
 
 
 def test_a_key_in_use_is_retried_at_the_policys_pace() -> None:
