@@ -44,14 +44,15 @@ class StripeGateway:
         self._client = client
         self._api = api
 
-    def _api_for(self, claim: Claim) -> ChargeApi:
-        """The claim's own API: a setting changed since must not change its requests."""
-        return claim.charge_api or self._api
+    def _api_for(self, recorded: ChargeApi | None) -> ChargeApi:
+        """The API a claim recorded: a setting changed since must not change its requests;
+        the setting's for a claim from before the API was recorded."""
+        return recorded or self._api
 
     async def charge(self, claim: Claim) -> ChargeResult:
         """Create the charge with the claim's key; raises stripe errors unchanged."""
         options: stripe.RequestOptions = {"idempotency_key": claim.idempotency_key}
-        api = self._api_for(claim)
+        api = self._api_for(claim.charge_api)
         params = charge_params(claim, api)
         if api == "payment_intents":
             intent = await self._client.v1.payment_intents.create_async(params, options)  # type: ignore[arg-type]
@@ -66,7 +67,7 @@ class StripeGateway:
 
     async def find(self, claim: Claim) -> ChargeResult | ChargeFailure | None:
         """Look the claim's charge up by the key in its metadata."""
-        if self._api_for(claim) == "payment_intents":
+        if self._api_for(claim.charge_api) == "payment_intents":
             intents = await self._ours(self._client.v1.payment_intents.list_async, claim)
             for intent in intents:
                 if intent.status == "succeeded":
@@ -111,7 +112,7 @@ class StripeGateway:
         them with the ledger."""
         lister = (
             self._client.v1.payment_intents.list_async
-            if (api or self._api) == "payment_intents"
+            if self._api_for(api) == "payment_intents"
             else self._client.v1.charges.list_async
         )
         found = await _listed(
