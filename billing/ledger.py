@@ -338,13 +338,20 @@ async def begin_charge(conn: asyncpg.Connection, claim: Claim) -> Gate:
 async def reopen_refused_charge(conn: asyncpg.Connection, key: str, *, proven: bool) -> bool:
     """Undo begin_charge for an attempt refused before it reached Stripe (the vault's cap, a
     refused key), so the claim waits at the gate again. Only when no attempt might have
-    reached Stripe: `proven` (the vault checks a key's earlier reservations before its cap,
-    so a cap refusal proves none is in doubt), or this was the only attempt (`attempts`
-    counts requests that may have reached Stripe)."""
+    reached Stripe: this was the only attempt (`attempts` counts requests that may have
+    reached Stripe), or `proven` by a cap refusal. The vault checks a key's earlier
+    reservations before its cap, so the refusal proves none is in doubt under that key only:
+    it counts if the period's key is older than the claim's first attempt, i.e. every
+    attempt went through it, not through a key replaced since (e.g. after expiry)."""
     reopened = await conn.fetchval(
         """
-        UPDATE billing_runs SET charge_started_at = NULL, attempts = 0, updated_at = now()
-        WHERE idempotency_key = $1 AND status = 'claimed' AND ($2 OR attempts = 1) RETURNING 1
+        UPDATE billing_runs r SET charge_started_at = NULL, attempts = 0, updated_at = now()
+        WHERE r.idempotency_key = $1 AND r.status = 'claimed' AND (
+            r.attempts = 1
+            OR $2 AND r.charge_started_at >= (
+                SELECT k.created_at FROM period_vault_keys k
+                WHERE k.billing_period = r.billing_period AND k.currency = r.currency))
+        RETURNING 1
         """,
         key,
         proven,
