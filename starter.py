@@ -30,7 +30,7 @@ from temporalio.client import ScheduleHandle
 from temporalio.service import RPCError, RPCStatusCode
 
 from billing import logs, operations, schedules, search_attributes
-from billing.config import BillingSettings, DatabaseSettings, TemporalSettings
+from billing.config import BillingSettings, DatabaseSettings, TemporalSettings, load_settings
 from billing.customers import read_customers_csv, upsert_customers
 from billing.db import create_pool
 from billing.errors import BillingError, UnknownScheduleError
@@ -80,7 +80,7 @@ def _emit(model: BaseModel, as_json: bool, text: str) -> None:
 
 
 async def cmd_run(args: argparse.Namespace) -> int:
-    temporal = TemporalSettings()
+    temporal = load_settings(TemporalSettings)
     client = await connect(temporal)
     handle = await start_period(client, args.period, temporal.task_queue)
     if not args.wait:
@@ -96,7 +96,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
-    client = await connect(TemporalSettings())
+    client = await connect(load_settings(TemporalSettings))
     progress = await period_status(client, args.period)
     _emit(progress, args.json, describe(progress))
     return 0
@@ -113,7 +113,7 @@ def _operator(args: argparse.Namespace) -> str:
 async def cmd_control(args: argparse.Namespace) -> int:
     # Bad input is refused before anything is contacted.
     request = OperatorRequest(reason=args.reason, operator=_operator(args))
-    client = await connect(TemporalSettings())
+    client = await connect(load_settings(TemporalSettings))
     progress = await operations.control(client, args.period, args.command, request)
     _emit(progress, args.json, describe(progress))
     return 0
@@ -121,9 +121,13 @@ async def cmd_control(args: argparse.Namespace) -> int:
 
 async def cmd_skip(args: argparse.Namespace) -> int:
     request = SkipRequest(customer_id=args.customer, reason=args.reason, operator=_operator(args))
-    client = await connect(TemporalSettings())
+    client = await connect(load_settings(TemporalSettings))
     result = await operations.skip(
-        client, BillingSettings(), DatabaseSettings().database_url, args.period, request
+        client,
+        load_settings(BillingSettings),
+        load_settings(DatabaseSettings).database_url,
+        args.period,
+        request,
     )
     _emit(result, args.json, f"{result.customer_id}: {result.detail}")
     return 0 if result.skipped else 1
@@ -132,7 +136,7 @@ async def cmd_skip(args: argparse.Namespace) -> int:
 async def cmd_watch(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    client = await connect(TemporalSettings())
+    client = await connect(load_settings(TemporalSettings))
     progress: PeriodProgress = await period_status(client, args.period)
     with Progress(
         TextColumn("[bold]{task.description}"),
@@ -160,10 +164,10 @@ async def cmd_watch(args: argparse.Namespace) -> int:
 
 
 async def cmd_preview(args: argparse.Namespace) -> int:
-    pool = await create_pool(DatabaseSettings().database_url, max_size=1)
+    pool = await create_pool(load_settings(DatabaseSettings).database_url, max_size=1)
     try:
         preview = await preview_period(
-            pool, str(args.period), BillingSettings().billing_cap_multiplier
+            pool, str(args.period), load_settings(BillingSettings).billing_cap_multiplier
         )
     finally:
         await pool.close()
@@ -172,7 +176,7 @@ async def cmd_preview(args: argparse.Namespace) -> int:
 
 
 async def cmd_reconcile(args: argparse.Namespace) -> int:
-    temporal = TemporalSettings()
+    temporal = load_settings(TemporalSettings)
     client = await connect(temporal)
     handle = await start_reconcile(client, args.period, temporal.task_queue)
     report = await handle.result()
@@ -184,14 +188,14 @@ async def cmd_reconcile(args: argparse.Namespace) -> int:
 
 
 async def cmd_setup(_: argparse.Namespace) -> int:
-    client = await connect(TemporalSettings())
+    client = await connect(load_settings(TemporalSettings))
     added = await search_attributes.register(client)
     print(f"registered {', '.join(added)}" if added else "search attributes already registered")
     return 0
 
 
 async def cmd_schedule(args: argparse.Namespace) -> int:
-    temporal = TemporalSettings()
+    temporal = load_settings(TemporalSettings)
     # Bad input is refused before anything is contacted.
     reconcile = args.schedule_command == "create" and args.reconcile
     if reconcile and args.id == schedules.DEFAULT_SCHEDULE_ID:
@@ -259,14 +263,14 @@ async def _require_schedule(handle: ScheduleHandle) -> None:
 
 
 async def cmd_migrate(_: argparse.Namespace) -> int:
-    applied = await migrate(DatabaseSettings().database_url)
+    applied = await migrate(load_settings(DatabaseSettings).database_url)
     print("applied " + ", ".join(applied) if applied else "database is up to date")
     return 0
 
 
 async def cmd_import(args: argparse.Namespace) -> int:
     rows = read_customers_csv(args.file)
-    pool = await create_pool(DatabaseSettings().database_url)
+    pool = await create_pool(load_settings(DatabaseSettings).database_url)
     try:
         written = await upsert_customers(pool, rows)
     finally:
@@ -430,9 +434,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logs.configure("WARNING")
     handler: Callable[[argparse.Namespace], Coroutine[Any, Any, int]] = args.handler
     try:
+        logs.configure("WARNING")
         return asyncio.run(handler(args))
     except BillingError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -12,6 +12,7 @@ import asyncio
 import compileall
 import logging
 import signal
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,7 +33,9 @@ from billing.config import (
     BillingSettings,
     DatabaseSettings,
     ObservabilitySettings,
+    SettingsError,
     TemporalSettings,
+    load_settings,
 )
 from billing.db import create_pool
 from billing.migrations import migrate
@@ -135,10 +138,10 @@ def create_worker(
 
 async def main() -> None:
     logs.configure()
-    temporal = TemporalSettings()
-    database = DatabaseSettings()
-    settings = BillingSettings()
-    observability = ObservabilitySettings()
+    temporal = load_settings(TemporalSettings)
+    database = load_settings(DatabaseSettings)
+    settings = load_settings(BillingSettings)
+    observability = load_settings(ObservabilitySettings)
     applied = await migrate(database.database_url)
     if applied:
         log.info("applied migrations %s", ", ".join(applied))
@@ -181,4 +184,8 @@ async def _run(worker: Worker, client: Client, task_queue: str, stop: asyncio.Ev
 if __name__ == "__main__":
     # uvloop: a faster event loop under asyncpg, aiohttp and the SDK's own callbacks; the
     # worker's CPU per customer fell by 5-15% (bench/FINDINGS.md).
-    uvloop.run(main())
+    try:
+        uvloop.run(main())
+    except SettingsError as error:
+        print(f"worker: {error}", file=sys.stderr)
+        sys.exit(2)

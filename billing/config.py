@@ -2,16 +2,40 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, TypeVar
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from billing.errors import BillingError
 from billing.models import ChargeApi
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+class SettingsError(BillingError):
+    """The environment holds a missing or bad setting."""
+
+
+def load_settings(cls: type[S]) -> S:
+    """`cls` from the environment. A bad value is reported by its variable's name and why,
+    never by its value: pydantic's own message would show the input, secrets included."""
+    try:
+        return cls()
+    except ValidationError as error:
+        prefix = cls.model_config.get("env_prefix") or ""
+        lines = []
+        for problem in error.errors(include_input=False, include_url=False):
+            name = prefix + "_".join(str(part) for part in problem["loc"]).upper()
+            reason = "is required but not set" if problem["type"] == "missing" else problem["msg"]
+            lines.append(f"{name}: {reason}" if problem["loc"] else reason)
+        raise SettingsError("invalid settings:\n  " + "\n  ".join(lines)) from None
 
 
 class TemporalSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TEMPORAL_", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="TEMPORAL_", extra="ignore", hide_input_in_errors=True
+    )
 
     address: str = "127.0.0.1:7233"
     namespace: str = "default"
@@ -20,7 +44,7 @@ class TemporalSettings(BaseSettings):
 
 
 class DatabaseSettings(BaseSettings):
-    model_config = SettingsConfigDict(extra="ignore")
+    model_config = SettingsConfigDict(extra="ignore", hide_input_in_errors=True)
 
     database_url: str = Field(
         default="postgresql://postgres@127.0.0.1:5433/billing",
@@ -31,7 +55,7 @@ class DatabaseSettings(BaseSettings):
 class BillingSettings(BaseSettings):
     """What the worker needs to charge: where Stripe is and how keys are derived."""
 
-    model_config = SettingsConfigDict(extra="ignore")
+    model_config = SettingsConfigDict(extra="ignore", hide_input_in_errors=True)
 
     stripe_api_base: str = "http://127.0.0.1:12111"
     stripe_api_key: SecretStr = SecretStr("sk_test_local_emulator")
@@ -63,7 +87,7 @@ class BillingSettings(BaseSettings):
 class ObservabilitySettings(BaseSettings):
     """How a process reports: its log lines, and where its metrics are scraped (unset: off)."""
 
-    model_config = SettingsConfigDict(extra="ignore")
+    model_config = SettingsConfigDict(extra="ignore", hide_input_in_errors=True)
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
 

@@ -14,7 +14,7 @@ from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 from temporalio import workflow
 
-from billing.config import ObservabilitySettings
+from billing.config import ObservabilitySettings, load_settings
 from billing.redact import redact
 
 # LogRecord attributes that are not an event's fields (taskName is new in Python 3.12).
@@ -74,7 +74,7 @@ def formatter(log_format: str) -> logging.Formatter:
 
 
 def configure(level: str | None = None) -> None:
-    settings = ObservabilitySettings()
+    settings = load_settings(ObservabilitySettings)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(formatter(settings.log_format))
     logging.basicConfig(level=level or settings.log_level, handlers=[handler])

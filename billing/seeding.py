@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import stripe
 
-from billing.config import BillingSettings, DatabaseSettings
+from billing.config import BillingSettings, DatabaseSettings, load_settings
 from billing.customers import CustomerRow, upsert_customers
 from billing.db import create_pool
 from billing.stripe_client import stripe_session
@@ -67,9 +67,9 @@ async def create_demo_customers(
 
 async def seed_demo(count: int) -> int:
     """Create demo customers in the configured Stripe and upsert them into the ledger."""
-    async with stripe_session(BillingSettings()) as client:
+    async with stripe_session(load_settings(BillingSettings)) as client:
         rows = await create_demo_customers(client, count)
-    pool = await create_pool(DatabaseSettings().database_url)
+    pool = await create_pool(load_settings(DatabaseSettings).database_url)
     try:
         return await upsert_customers(pool, rows)
     finally:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 
-from billing.config import TemporalSettings
+from billing.config import TemporalSettings, load_settings
 from billing.errors import ServiceUnavailableError
 from billing.models import PeriodSummary
 from billing.periods import period_for
@@ -91,7 +91,7 @@ async def ensure_stack(*, quiet: bool, keep_running: bool) -> AsyncIterator[bool
 
 async def run_demo(args: argparse.Namespace) -> int:
     async with ensure_stack(quiet=args.json, keep_running=args.keep_running):
-        temporal = TemporalSettings()
+        temporal = load_settings(TemporalSettings)
         period = args.period or period_for(datetime.now(UTC))
         _say(f"creating {args.customers} demo customers in the Stripe emulator...", args.json)
         await seed_demo(args.customers)

@@ -10,11 +10,11 @@ import sys
 
 import asyncpg
 import uvloop
-from pydantic import ValidationError
 
 from billing import logs
+from billing.config import SettingsError, load_settings
 from vault.app import serve
-from vault.settings import VaultSettings, describe_settings_error
+from vault.settings import VaultSettings
 
 
 async def _run(settings: VaultSettings, host: str, port: int) -> None:
@@ -35,12 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"argument --port: {args.port} is not a TCP port (0-65535)")
-    # The project's logging: JSON with LOG_FORMAT=json, and every line passes the redactor.
-    logs.configure()
     try:
-        settings = VaultSettings()
-    except ValidationError as error:
-        print(describe_settings_error(error), file=sys.stderr)
+        # The project's logging: JSON with LOG_FORMAT=json, and every line passes the redactor.
+        logs.configure()
+        settings = load_settings(VaultSettings)
+    except SettingsError as error:
+        print(f"vault: {error}", file=sys.stderr)
         return 2
     try:
         # uvloop, as the worker runs on: the vault is one hop on every charge.

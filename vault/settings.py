@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class VaultSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="VAULT_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix="VAULT_", extra="ignore", frozen=True, hide_input_in_errors=True
+    )
 
     database_url: str = Field(
         default="postgresql://postgres@127.0.0.1:5433/billing",
@@ -48,13 +50,3 @@ class VaultSettings(BaseSettings):
     @property
     def upstream_base(self) -> str:
         return self.upstream_stripe_base.rstrip("/")
-
-
-def describe_settings_error(error: ValidationError) -> str:
-    """Name each bad setting and why, never its value: the input may hold the other secrets."""
-    lines = []
-    for problem in error.errors(include_input=False, include_url=False):
-        name = "VAULT_" + "_".join(str(part) for part in problem["loc"]).upper()
-        reason = "is required but not set" if problem["type"] == "missing" else problem["msg"]
-        lines.append(f"{name}: {reason}")
-    return "invalid vault settings:\n  " + "\n  ".join(lines)

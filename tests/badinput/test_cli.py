@@ -140,6 +140,25 @@ def test_bad_arguments_are_refused_before_anything_is_contacted(
     assert result.stdout == ""
 
 
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"BILLING_VAULT_URL": "http://127.0.0.1:1"}, "BILLING_VAULT_ADMIN_TOKEN is needed too"),
+        ({"BILLING_CAP_MULTIPLIER": "0.5"}, "BILLING_CAP_MULTIPLIER: Input should be greater"),
+        ({"TEMPORAL_UI_URL": "x" * 0, "LOG_LEVEL": "LOUD"}, "LOG_LEVEL: Input should be"),
+    ],
+)
+async def test_a_worker_with_a_bad_setting_names_it_and_shows_no_value(
+    env: dict[str, str], expected: str
+) -> None:
+    secret = "sk_test_" + "Q7" * 12  # the whole environment is the input pydantic would show
+    result = await run_cli("worker.py", env={"STRIPE_API_KEY": secret, **env})
+    assert (result.code, result.stdout) == (2, ""), result
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr and "input_value" not in result.stderr
+    assert "Q7Q7" not in result.stderr
+
+
 async def test_a_bad_import_leaves_the_customers_as_they_were(
     db: asyncpg.Pool, database_url: str, tmp_path: Path
 ) -> None:
