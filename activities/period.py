@@ -122,10 +122,11 @@ class PeriodActivities:
         """The period's vault key per currency, capped at the expected total with headroom."""
         grace = timedelta(days=self._settings.billing_vault_key_grace_days)
         caps = spend_caps(plan.totals_by_currency, self._settings.billing_cap_multiplier)
+        box = self._settings.secret_box()
         for currency, cap in caps.items():
             try:
                 await period_keys.ensure_key(
-                    self._pool, admin, parse_period(plan.period), currency, cap, grace
+                    self._pool, admin, box, parse_period(plan.period), currency, cap, grace
                 )
             except (period_keys.KeyRevokedError, VaultInvalidRequest, VaultAuthError) as exc:
                 # Revoked (the kill switch), a cap over the vault's ceiling, a wrong admin

@@ -14,6 +14,7 @@ import stripe
 from activities.stripe_gateway import StripeGateway
 from billing.models import ChargeApi, Claim
 from billing.period_keys import read_secret
+from billing.sealing import SecretBox
 from billing.stripe_client import stripe_client
 
 
@@ -43,9 +44,15 @@ class DirectAccess:
 
 class VaultAccess:
     def __init__(
-        self, pool: asyncpg.Pool, vault_url: str, api: ChargeApi, http: stripe.HTTPClient
+        self,
+        pool: asyncpg.Pool,
+        box: SecretBox,
+        vault_url: str,
+        api: ChargeApi,
+        http: stripe.HTTPClient,
     ) -> None:
         self._pool = pool
+        self._box = box
         self._base = vault_url.rstrip("/") + "/stripe"
         self._api = api
         self._http = http
@@ -58,7 +65,7 @@ class VaultAccess:
         slot = (period, currency)
         gateway = self._gateways.get(slot)
         if gateway is None:
-            secret = await read_secret(self._pool, period, currency)
+            secret = await read_secret(self._pool, self._box, period, currency)
             client = stripe_client(secret.get_secret_value(), self._base, self._http)
             gateway = self._gateways[slot] = StripeGateway(client, self._api)
         return gateway

@@ -581,8 +581,9 @@ async def measure_baseline(
         if settings.billing_vault_url and settings.billing_vault_admin_token:
             admin = VaultAdmin(settings.billing_vault_url, settings.billing_vault_admin_token)
             stack.push_async_callback(admin.close)
+            box = settings.secret_box()
             access: StripeAccess = VaultAccess(
-                pool, settings.billing_vault_url, settings.billing_charge_api, http
+                pool, box, settings.billing_vault_url, settings.billing_charge_api, http
             )
         else:
             api_key = settings.stripe_api_key.get_secret_value()
@@ -625,6 +626,7 @@ async def measure_baseline(
                     await period_keys.ensure_key(
                         pool,
                         admin,
+                        box,
                         period,
                         currency,
                         spend_cap(total, settings.billing_cap_multiplier),

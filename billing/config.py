@@ -9,6 +9,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from billing.errors import BillingError
 from billing.models import ChargeApi
+from billing.sealing import SETTING, SecretBox
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -72,16 +73,34 @@ class BillingSettings(BaseSettings):
     billing_vault_url: str | None = None
     billing_vault_admin_token: SecretStr | None = None
     billing_vault_key_grace_days: int = Field(default=7, ge=1, le=90)
+    # Fernet keys, newest first, that seal those keys' secrets in the ledger database
+    # (billing/sealing.py): whoever reads the database cannot charge with them.
+    billing_key_encryption_keys: SecretStr | None = None
     # Stripe requests per second for all workers together, so the cluster stays under
     # Stripe's rate (100/s live, 25/s test): charges take slots in the ledger database
     # (billing/rate_limit.py). Unset means no limit.
     billing_stripe_rps: float | None = Field(default=None, gt=0)
 
+    @field_validator("billing_key_encryption_keys")
+    @classmethod
+    def _encryption_keys_valid(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            SecretBox(value)
+        return value
+
     @model_validator(mode="after")
-    def _vault_needs_token(self) -> BillingSettings:
-        if self.billing_vault_url and self.billing_vault_admin_token is None:
-            raise ValueError("BILLING_VAULT_URL is set: BILLING_VAULT_ADMIN_TOKEN is needed too")
+    def _vault_needs_its_secrets(self) -> BillingSettings:
+        if self.billing_vault_url:
+            for name in ("billing_vault_admin_token", "billing_key_encryption_keys"):
+                if getattr(self, name) is None:
+                    raise ValueError(f"BILLING_VAULT_URL is set: {name.upper()} is needed too")
         return self
+
+    def secret_box(self) -> SecretBox:
+        """What seals the period keys' secrets; only a worker with a vault needs one."""
+        if self.billing_key_encryption_keys is None:
+            raise SettingsError(f"{SETTING} is not set: it seals the period keys' secrets")
+        return SecretBox(self.billing_key_encryption_keys)
 
 
 class ObservabilitySettings(BaseSettings):

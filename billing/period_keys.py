@@ -1,8 +1,9 @@
 """Each period charges through its own vault key: capped at the expected total times
 BILLING_CAP_MULTIPLIER, limited to the charge endpoints, expiring after the period.
 
-Issued (or found) when a run is prepared; the secret, shown once by the vault, is kept in
-`period_vault_keys` for the workers and never passes through workflow history.
+Issued (or found) when a run is prepared; the secret, shown once by the vault, is kept
+sealed in `period_vault_keys` for the workers (billing/sealing.py) and never passes through
+workflow history.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pydantic import SecretStr
 from billing.errors import BillingError
 from billing.models import Record
 from billing.periods import Period
+from billing.sealing import SecretBox
 from vault.client import VaultAdmin
 from vault.models import IssueKeyRequest
 
@@ -50,6 +52,7 @@ def key_expiry(period: Period, now: datetime, grace: timedelta) -> datetime:
 async def ensure_key(
     pool: asyncpg.Pool,
     admin: VaultAdmin,
+    box: SecretBox,
     period: Period,
     currency: str,
     cap_cents: int,
@@ -91,16 +94,17 @@ async def ensure_key(
         await conn.execute(
             """
             INSERT INTO period_vault_keys
-                (billing_period, currency, vault_key_id, secret, cap_cents)
+                (billing_period, currency, vault_key_id, sealed_secret, cap_cents)
             VALUES ($1, $2, $3, $4, $5)
             ON CONFLICT (billing_period, currency) DO UPDATE SET
-                vault_key_id = EXCLUDED.vault_key_id, secret = EXCLUDED.secret,
-                cap_cents = EXCLUDED.cap_cents, created_at = now()
+                vault_key_id = EXCLUDED.vault_key_id, secret = NULL,
+                sealed_secret = EXCLUDED.sealed_secret, cap_cents = EXCLUDED.cap_cents,
+                created_at = now()
             """,
             str(period),
             currency,
             issued.id,
-            issued.secret.get_secret_value(),
+            box.seal(issued.secret),
             issued.cap_cents,
         )
     return PeriodKey(
@@ -108,13 +112,27 @@ async def ensure_key(
     )
 
 
-async def read_secret(pool: asyncpg.Pool, period: str, currency: str) -> SecretStr:
+async def read_secret(pool: asyncpg.Pool, box: SecretBox, period: str, currency: str) -> SecretStr:
+    what = f"the vault key for {period} ({currency})"
     async with pool.acquire() as conn:
-        secret = await conn.fetchval(
-            "SELECT secret FROM period_vault_keys WHERE billing_period = $1 AND currency = $2",
+        row = await conn.fetchrow(
+            "SELECT secret, sealed_secret FROM period_vault_keys"
+            " WHERE billing_period = $1 AND currency = $2",
             period,
             currency,
         )
-    if secret is None:
-        raise BillingError(f"no vault key stored for {period} ({currency}): was it prepared?")
-    return SecretStr(secret)
+        if row is None:
+            raise BillingError(f"no vault key stored for {period} ({currency}): was it prepared?")
+        if row["sealed_secret"] is not None:
+            return box.open(row["sealed_secret"], what)
+        # Stored in plain text before migrations/013_sealed_period_keys.sql: sealed now.
+        secret = SecretStr(row["secret"])
+        await conn.execute(
+            "UPDATE period_vault_keys SET sealed_secret = $3, secret = NULL"
+            " WHERE billing_period = $1 AND currency = $2 AND secret = $4",
+            period,
+            currency,
+            box.seal(secret),
+            row["secret"],
+        )
+        return secret

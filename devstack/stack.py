@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from billing import search_attributes
 from billing.migrations import migrate
+from billing.sealing import new_key
 from devstack.postgres import LocalPostgres
 from devstack.processes import Service, StackError, ensure_port_free, spawn, wait_for_http
 
@@ -67,6 +68,10 @@ class StackConfig(BaseModel):
     def log_dir(self) -> Path:
         return self.root / "logs"
 
+    @property
+    def key_encryption_file(self) -> Path:
+        return self.root / "key-encryption-key"
+
 
 def venv_binary(name: str) -> str:
     path = Path(sys.executable).parent / name
@@ -100,7 +105,18 @@ class LocalStack:
             "BILLING_KEY_NAMESPACE": "local",
             "BILLING_VAULT_URL": f"http://127.0.0.1:{c.vault_port}",
             "BILLING_VAULT_ADMIN_TOKEN": self._vault_token,
+            "BILLING_KEY_ENCRYPTION_KEYS": self._key_encryption_key(),
         }
+
+    def _key_encryption_key(self) -> str:
+        """Kept with the database it seals keys in: a new one per start could not open the
+        period keys stored by the last."""
+        path = self.config.key_encryption_file
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch(mode=0o600)
+            path.write_text(new_key())
+        return path.read_text().strip()
 
     @property
     def worker_environment(self) -> dict[str, str]:

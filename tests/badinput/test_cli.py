@@ -145,7 +145,7 @@ def test_bad_arguments_are_refused_before_anything_is_contacted(
     [
         ({"BILLING_VAULT_URL": "http://127.0.0.1:1"}, "BILLING_VAULT_ADMIN_TOKEN is needed too"),
         ({"BILLING_CAP_MULTIPLIER": "0.5"}, "BILLING_CAP_MULTIPLIER: Input should be greater"),
-        ({"TEMPORAL_UI_URL": "x" * 0, "LOG_LEVEL": "LOUD"}, "LOG_LEVEL: Input should be"),
+        ({"LOG_LEVEL": "LOUD"}, "LOG_LEVEL: Input should be"),
     ],
 )
 async def test_a_worker_with_a_bad_setting_names_it_and_shows_no_value(

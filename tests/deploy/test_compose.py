@@ -32,7 +32,7 @@ BILLING_SETTINGS: tuple[type[BaseSettings], ...] = (
     BillingSettings,
     ObservabilitySettings,
 )
-SECRET_NAME = re.compile(r"PASSWORD|PWD|SECRET|TOKEN|API_KEY")
+SECRET_NAME = re.compile(r"PASSWORD|PWD|SECRET|TOKEN|API_KEY|ENCRYPTION_KEY")
 COMMAND_FLAG = re.compile(r"^--[a-z][a-z-]*$")
 
 COMPOSE, INTERPOLATION = load()
@@ -159,6 +159,7 @@ def test_required_variables_are_the_secrets_and_the_cap() -> None:
         "VAULT_ADMIN_TOKEN",
         "STRIPE_SECRET_KEY",
         "VAULT_MAX_CAP_CENTS",
+        "BILLING_KEY_ENCRYPTION_KEYS",
     }
 
 
@@ -170,6 +171,7 @@ def test_workers_charge_through_the_vault_and_never_hold_the_stripe_secret() -> 
         env = environment(worker)
         assert env["BILLING_VAULT_URL"] == f"http://vault:{port}"
         assert env["BILLING_VAULT_ADMIN_TOKEN"] == environment(vault)["VAULT_ADMIN_TOKEN"]
+        assert env["BILLING_KEY_ENCRYPTION_KEYS"] == "<BILLING_KEY_ENCRYPTION_KEYS>"
         assert "STRIPE_API_KEY" not in env
         assert not any("<STRIPE_SECRET_KEY>" in value for value in env.values())
 

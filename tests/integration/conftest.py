@@ -11,7 +11,7 @@ from temporalio.client import Client
 from billing.config import BillingSettings
 from billing.stripe_client import stripe_client, stripe_http
 from stripe_emulator import EmulatorConfig, serve
-from tests.integration.harness import VAULT_ADMIN_TOKEN, Harness, VaultHandle
+from tests.integration.harness import KEY_ENCRYPTION_KEYS, VAULT_ADMIN_TOKEN, Harness, VaultHandle
 from vault import VaultSettings
 from vault import serve as serve_vault
 from vault.client import VaultAdmin
@@ -29,6 +29,7 @@ async def harness(
             stripe_api_base=emulator.url,
             stripe_api_key=SecretStr(f"sk_test_harness{n}"),
             billing_key_namespace=f"test{n}",
+            billing_key_encryption_keys=SecretStr(KEY_ENCRYPTION_KEYS),
         )
         async with stripe_http(settings.billing_stripe_timeout_seconds) as http:
             stripe_api = stripe_client(

@@ -34,6 +34,8 @@ from worker import create_worker, direct_access
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 VAULT_ADMIN_TOKEN = "admin-token-for-tests-only"  # noqa: S105
+# A Fernet key for the tests only: it seals the period keys' secrets in the ledger.
+KEY_ENCRYPTION_KEYS = "dGVzdHMtb25seS1rZXktZW5jcnlwdGlvbi1rZXktMzI="
 
 
 @dataclass
@@ -118,7 +120,11 @@ class Harness:
             access = direct_access(self.stripe, self.settings)
         else:
             access = VaultAccess(
-                self.pool, self.vault.url, self.settings.billing_charge_api, self.http
+                self.pool,
+                self.settings.secret_box(),
+                self.vault.url,
+                self.settings.billing_charge_api,
+                self.http,
             )
             admin = self.vault.admin
         # Every workflow inside the sandbox, whose checks then cover every path tested.
@@ -156,6 +162,7 @@ class Harness:
             del env["STRIPE_API_KEY"]
             env["BILLING_VAULT_URL"] = self.vault.url
             env["BILLING_VAULT_ADMIN_TOKEN"] = self.vault.admin_token
+            env["BILLING_KEY_ENCRYPTION_KEYS"] = KEY_ENCRYPTION_KEYS
         if self.settings.billing_stripe_rps is not None:
             env["BILLING_STRIPE_RPS"] = str(self.settings.billing_stripe_rps)
         env.update(extra_env)

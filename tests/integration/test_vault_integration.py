@@ -70,11 +70,16 @@ async def test_a_period_charges_through_its_capped_key(vaulted: Harness) -> None
     charges = [r for r in await vaulted.requests() if r["path"] == "/v1/payment_intents"]
     assert charges and all(r["api_key_suffix"] == upstream[-4:] for r in charges)
     # No secret in any workflow history of the run.
+    box = vaulted.settings.secret_box()
     secrets = [
         VAULT_ADMIN_TOKEN,
         vaulted.settings.stripe_api_key.get_secret_value(),
-        (await period_keys.read_secret(vaulted.pool, str(PERIOD), "usd")).get_secret_value(),
+        (await period_keys.read_secret(vaulted.pool, box, str(PERIOD), "usd")).get_secret_value(),
     ]
+    # The ledger keeps the period key's secret sealed only.
+    async with vaulted.pool.acquire() as conn:
+        stored = await conn.fetchrow("SELECT secret, sealed_secret FROM period_vault_keys")
+    assert stored["secret"] is None and secrets[-1].encode() not in stored["sealed_secret"]
     async for execution in vaulted.client.list_workflows():
         history = await vaulted.client.get_workflow_handle(
             execution.id, run_id=execution.run_id
@@ -132,10 +137,12 @@ async def test_cap_reached_pauses_the_period_until_an_operator_acts(vaulted: Har
     )
     async with vaulted.pool.acquire() as conn:
         await conn.execute(
-            "INSERT INTO period_vault_keys VALUES ($1, 'usd', $2, $3, $4)",
+            "INSERT INTO period_vault_keys"
+            " (billing_period, currency, vault_key_id, sealed_secret, cap_cents)"
+            " VALUES ($1, 'usd', $2, $3, $4)",
             str(PERIOD),
             issued.id,
-            issued.secret.get_secret_value(),
+            vaulted.settings.secret_box().seal(issued.secret),
             room,
         )
     async with vaulted.running_worker():

@@ -1,0 +1,52 @@
+"""How the ledger keeps a period key's secret: sealed, and a row from before sealing is
+sealed in place the first time a worker reads it."""
+
+from __future__ import annotations
+
+import asyncpg
+import pytest
+from pydantic import SecretStr
+
+from billing.period_keys import read_secret
+from billing.sealing import SecretBox, UnsealError, new_key
+
+SECRET = SecretStr("vk_" + "plain0" * 8)
+
+
+async def stored(db: asyncpg.Pool) -> asyncpg.Record:
+    row: asyncpg.Record = await db.fetchrow("SELECT secret, sealed_secret FROM period_vault_keys")
+    return row
+
+
+async def test_a_key_stored_in_plain_text_is_sealed_when_first_read(db: asyncpg.Pool) -> None:
+    # As migrations before 013 left it.
+    await db.execute(
+        "INSERT INTO period_vault_keys (billing_period, currency, vault_key_id, secret, cap_cents)"
+        " VALUES ('2026-12', 'usd', 'vkey_00000000000000aa', $1, 100)",
+        SECRET.get_secret_value(),
+    )
+    box = SecretBox(SecretStr(new_key()))
+    assert await read_secret(db, box, "2026-12", "usd") == SECRET
+    row = await stored(db)
+    assert row["secret"] is None and SECRET.get_secret_value().encode() not in row["sealed_secret"]
+    assert await read_secret(db, box, "2026-12", "usd") == SECRET
+
+
+async def test_a_row_needs_one_secret_plain_or_sealed(db: asyncpg.Pool) -> None:
+    with pytest.raises(asyncpg.CheckViolationError):
+        await db.execute(
+            "INSERT INTO period_vault_keys (billing_period, currency, vault_key_id, cap_cents)"
+            " VALUES ('2026-12', 'usd', 'vkey_00000000000000ab', 100)"
+        )
+
+
+async def test_a_key_sealed_with_a_key_since_removed_says_so(db: asyncpg.Pool) -> None:
+    await db.execute(
+        "INSERT INTO period_vault_keys"
+        " (billing_period, currency, vault_key_id, sealed_secret, cap_cents)"
+        " VALUES ('2026-12', 'eur', 'vkey_00000000000000ac', $1, 100)",
+        SecretBox(SecretStr(new_key())).seal(SECRET),
+    )
+    with pytest.raises(UnsealError, match=r"the vault key for 2026-12 \(eur\) cannot be") as err:
+        await read_secret(db, SecretBox(SecretStr(new_key())), "2026-12", "eur")
+    assert "plain0" not in str(err.value)
