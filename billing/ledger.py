@@ -362,19 +362,32 @@ async def reopen_refused_charge(conn: asyncpg.Connection, key: str, *, proven: b
 async def request_skip(
     conn: asyncpg.Connection, customer_id: str, period: str, key: str, reason: str, operator: str
 ) -> SkipResult:
-    """Mark a customer to be skipped this period, unless its charge has started or ended."""
+    """Skip a customer this period, unless its charge has started or ended.
+
+    A customer no run has claimed yet is written skipped at once: a run that lists it counts
+    it so, and one whose cursor has passed it (or that does not list it, an inactive
+    customer) leaves no claim open behind. An open claim keeps its status and stops at the
+    gate as skipped. A customer a cancelled run never started is skipped too, so the next
+    run does not reopen it."""
     row = await conn.fetchrow(
         """
         INSERT INTO billing_runs (customer_id, billing_period, idempotency_key, amount_cents,
                                   currency, stripe_customer_id, payment_method, skip_reason,
-                                  skip_by)
+                                  skip_by, status, reason, decided_by, completed_at)
         SELECT customer_id, $2, $3, amount_cents, currency, stripe_customer_id, payment_method,
-               $4, $5
+               $4, $5, 'skipped', $4, $5, now()
         FROM customers WHERE customer_id = $1
         ON CONFLICT (customer_id, billing_period) DO UPDATE
             SET skip_reason = EXCLUDED.skip_reason, skip_by = EXCLUDED.skip_by,
-                updated_at = now()
-            WHERE billing_runs.status = 'claimed' AND billing_runs.charge_started_at IS NULL
+                status = CASE billing_runs.status WHEN 'cancelled' THEN 'skipped'
+                              ELSE billing_runs.status END,
+                reason = CASE billing_runs.status WHEN 'cancelled' THEN EXCLUDED.reason
+                              ELSE billing_runs.reason END,
+                decided_by = CASE billing_runs.status WHEN 'cancelled' THEN EXCLUDED.decided_by
+                                  ELSE billing_runs.decided_by END,
+                cancelled_before_start = false, updated_at = now()
+            WHERE (billing_runs.status = 'claimed' AND billing_runs.charge_started_at IS NULL)
+               OR (billing_runs.status = 'cancelled' AND billing_runs.cancelled_before_start)
         RETURNING status
         """,
         customer_id,

@@ -90,27 +90,30 @@ async def test_a_customer_deactivated_after_its_claim_keeps_it(harness: Harness)
 
 
 async def test_a_row_without_an_api_takes_the_claims_unless_it_was_sent(harness: Harness) -> None:
-    skipped, sent = await harness.seed(2)
+    unsent, sent = await harness.seed(2)
     async with harness.pool.acquire() as conn:
-        # A skip's row, and a row claimed and sent before the API was recorded.
-        await ledger.request_skip(
-            conn, skipped.customer_id, PERIOD, key(skipped.customer_id), "why", "alice"
-        )
-        await ledger.claim(
-            conn, sent.customer_id, PERIOD, key(sent.customer_id), "run-1", charge_api="charges"
-        )
+        # Two rows claimed before the API was recorded, one of them sent.
+        for customer in (unsent, sent):
+            await ledger.claim(
+                conn,
+                customer.customer_id,
+                PERIOD,
+                key(customer.customer_id),
+                "run-1",
+                charge_api="charges",
+            )
+        await conn.execute("UPDATE billing_runs SET charge_api = NULL")
         await conn.execute(
-            "UPDATE billing_runs SET charge_api = NULL, charge_started_at = now()"
-            " WHERE customer_id = $1",
+            "UPDATE billing_runs SET charge_started_at = now() WHERE customer_id = $1",
             sent.customer_id,
         )
         taken = await ledger.claim(
             conn,
-            skipped.customer_id,
+            unsent.customer_id,
             PERIOD,
-            key(skipped.customer_id),
+            key(unsent.customer_id),
             "run-2",
-            charge_api="charges",
+            charge_api="payment_intents",
         )
         kept = await ledger.claim(
             conn,
@@ -120,6 +123,6 @@ async def test_a_row_without_an_api_takes_the_claims_unless_it_was_sent(harness:
             "run-2",
             charge_api="payment_intents",
         )
-    assert taken.charge_api == "charges"
+    assert taken.charge_api == "payment_intents"
     # It may have reached Stripe under a setting nobody recorded: the worker's setting decides.
     assert kept.charge_api is None

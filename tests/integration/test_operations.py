@@ -147,6 +147,59 @@ async def test_skip_before_and_during_a_run(harness: Harness) -> None:
     assert not [c for c in await harness.charges() if c["customer"] == first.stripe_customer_id]
 
 
+async def test_a_skip_after_a_cancelled_run_holds_for_the_next_run(harness: Harness) -> None:
+    customers = await harness.seed(12)
+    await harness.set_faults(latency_ms=300)
+    last = customers[-1]
+    skip = SkipRequest(customer_id=last.customer_id, reason="disputed", operator="carol")
+    async with harness.running_worker():
+        handle = await start_period(
+            harness.client, PERIOD, harness.task_queue, RunOptions(max_in_flight=2)
+        )
+        await eventually(lambda: at_least(harness.succeeded(), 1))
+        await operations.control(harness.client, PERIOD, "cancel", ALICE)
+        assert (await handle.result()).cancelled > 0
+        # The cancelled run never started the last customer; the next run would.
+        result = await operations.skip(
+            harness.client, harness.settings, harness.database_url, PERIOD, skip
+        )
+        assert result.skipped, result.detail
+        await harness.set_faults(latency_ms=0)
+        rerun = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    assert rerun.skipped == 1
+    assert not [c for c in await harness.charges() if c["customer"] == last.stripe_customer_id]
+    rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
+    assert (rows[last.customer_id]["status"], rows[last.customer_id]["reason"]) == (
+        "skipped",
+        "disputed",
+    )
+
+
+async def test_a_skip_of_a_customer_the_run_does_not_list_leaves_no_claim(
+    harness: Harness,
+) -> None:
+    customers = await harness.seed(10)
+    gone = customers[0]
+    async with harness.pool.acquire() as conn:
+        await conn.execute(
+            "UPDATE customers SET active = false WHERE customer_id = $1", gone.customer_id
+        )
+    await harness.set_faults(latency_ms=200)
+    skip = SkipRequest(customer_id=gone.customer_id, reason="disputed", operator="carol")
+    async with harness.running_worker():
+        handle = await start_period(
+            harness.client, PERIOD, harness.task_queue, RunOptions(max_in_flight=2)
+        )
+        await eventually(lambda: at_least(harness.succeeded(), 2))
+        result = await operations.skip(
+            harness.client, harness.settings, harness.database_url, PERIOD, skip
+        )
+        summary = await handle.result()
+    assert result.skipped and summary.charged == 9
+    rows = await harness.ledger_rows(str(PERIOD))
+    assert [r["customer_id"] for r in rows if r["status"] == "claimed"] == []
+
+
 async def test_preview_matches_what_the_run_charges(harness: Harness) -> None:
     customers = await harness.seed(
         15, card_for=lambda i: "pm_card_chargeCustomerFail" if i == 4 else "pm_card_visa"
