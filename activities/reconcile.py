@@ -244,7 +244,11 @@ class ReconcileActivities:
         amount = found.amount_cents if isinstance(found, ChargeResult) else None
         try:
             info = await admin.resolve(
-                key_id, key, "succeeded" if isinstance(found, ChargeResult) else "failed", amount
+                key_id,
+                key,
+                "succeeded" if isinstance(found, ChargeResult) else "failed",
+                amount,
+                attempt=reservation.attempt,
             )
         except VaultUnavailable:
             raise

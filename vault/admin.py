@@ -192,6 +192,7 @@ async def resolve(request: web.Request) -> web.Response:
                 idempotency_key,
                 resolution.root.outcome,
                 resolution.amount_cents,
+                resolution.root.attempt,
                 state.stale_after,
             )
         except reservations.NotFound as error:

@@ -137,10 +137,14 @@ class VaultAdmin:
         idempotency_key: str,
         outcome: Literal["succeeded", "failed"],
         amount_cents: int | None = None,
+        *,
+        attempt: int | None = None,
     ) -> ReservationInfo:
-        fields = {"outcome": outcome} | (
-            {} if amount_cents is None else {"amount_cents": amount_cents}
-        )
+        fields: dict[str, object] = {"outcome": outcome}
+        if amount_cents is not None:
+            fields["amount_cents"] = amount_cents
+        if attempt is not None:
+            fields["attempt"] = attempt
         body = ResolveRequest.model_validate(fields)
         return await self._call(
             "POST",

@@ -46,6 +46,7 @@ def _integral_number(value: object) -> object:
 
 
 Cents = Annotated[int, Field(gt=0), BeforeValidator(_integral_number)]
+Attempt = Annotated[int, Field(ge=1), BeforeValidator(_integral_number)]
 ReservationState = Literal["pending", "unknown", "committed", "released"]
 Decision = Literal[
     "forwarded",
@@ -221,14 +222,24 @@ class ReservationsQuery(Query):
     limit: int = Field(default=100, ge=1, le=1000)
 
 
-class ResolveSucceeded(Body):
+class _Resolution(Body):
+    # Without it a retry that took the reservation over between the lookup and this call,
+    # and whose charge Stripe took, would be settled by the older attempt's finding.
+    attempt: Attempt | None = Field(
+        default=None,
+        description="the reservation's attempt the outcome was found for; refused (409) if a"
+        " retry has taken the reservation over since",
+    )
+
+
+class ResolveSucceeded(_Resolution):
     outcome: Literal["succeeded"]
     amount_cents: Cents | None = Field(
         default=None, description="amount Stripe charged, if less than the reserved amount"
     )
 
 
-class ResolveFailed(Body):
+class ResolveFailed(_Resolution):
     outcome: Literal["failed"]
 
 

@@ -256,10 +256,12 @@ async def resolve(
     idempotency_key: str,
     outcome: Literal["succeeded", "failed"],
     amount_cents: int | None,
+    attempt: int | None,
     stale_after: timedelta,
 ) -> ReservationInfo:
-    """Settle an unknown reservation with what reconciliation found on Stripe. Repeating the
-    same resolution is a no-op; contradicting a settled one is refused."""
+    """Settle an unknown reservation with what reconciliation found on Stripe for its
+    `attempt` (any, if None). Repeating the same resolution is a no-op; contradicting a
+    settled one, or settling an attempt a retry has replaced, is refused."""
     target: Literal["committed", "released"] = "committed" if outcome == "succeeded" else "released"
     async with conn.transaction():
         await mark_stale_unknown(conn, key_id, stale_after)
@@ -273,6 +275,11 @@ async def resolve(
         )
         if row is None:
             raise NotFound(f"key {key_id} has no reservation for this idempotency key")
+        if attempt is not None and attempt != row["attempt"]:
+            raise Conflict(
+                f"the reservation was retried since attempt {attempt} was looked up (it is at"
+                f" attempt {row['attempt']}): look it up on Stripe again"
+            )
         if amount_cents is not None and amount_cents > row["amount_cents"]:
             raise ValueError(
                 f"amount_cents {amount_cents} exceeds the {row['amount_cents']} cents reserved"

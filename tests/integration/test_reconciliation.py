@@ -8,10 +8,13 @@ import os
 import sys
 from datetime import UTC, datetime
 
+import pytest
+import stripe
 from prometheus_client import REGISTRY
 from temporalio.client import WorkflowHandle, WorkflowHistory
 from temporalio.service import RPCError
 
+from activities.reconcile import ReconcileActivities
 from activities.stripe_gateway import StripeGateway, charge_params
 from billing import ledger, period_keys
 from billing.customers import CustomerRow
@@ -21,7 +24,13 @@ from billing.keys import (
     period_workflow_id,
     reconcile_workflow_id,
 )
-from billing.models import Claim, CustomerChargeInput, ScheduledBillingInput
+from billing.models import (
+    ChargeFailure,
+    ChargeResult,
+    Claim,
+    CustomerChargeInput,
+    ScheduledBillingInput,
+)
 from billing.periods import Period, period_for
 from billing.reconciliation import ReconcileReport
 from billing.runs import start_period, start_reconcile
@@ -252,6 +261,58 @@ async def test_an_unknown_reservation_with_no_charge_is_released_and_its_claim_c
         0,
     )
     await assert_billed_once(vaulted, str(PERIOD), customers)
+
+
+async def test_a_reservation_a_retry_took_over_after_the_lookup_is_not_released(
+    vaulted: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Unknown for an hour with nothing at Stripe: releasable. But between reconciliation's
+    # lookup and its release, a retry with the same key takes the reservation over; Stripe
+    # takes that charge and its answer is lost, so the reservation is unknown again.
+    [customer] = await vaulted.seed(1)
+    await vaulted.set_faults(error_before_commit=1.0)
+    assert vaulted.vault is not None
+    admin = vaulted.vault.admin
+    async with vaulted.running_worker():
+        await start_period(vaulted.client, PERIOD, vaulted.task_queue)
+
+        async def unknown() -> bool:
+            keys = await admin.find_keys(period=str(PERIOD), label=period_keys.LABEL)
+            return bool(keys) and len(await admin.unknown_reservations(keys[0].id)) == 1
+
+        await eventually(unknown)
+        for workflow_id in (
+            period_workflow_id(PERIOD),
+            customer_workflow_id(PERIOD, customer.customer_id),
+        ):
+            await vaulted.client.get_workflow_handle(workflow_id).terminate(reason="run lost")
+    async with vaulted.pool.acquire() as conn:
+        await conn.execute("UPDATE vault_reservations SET updated_at = now() - interval '1 hour'")
+    await vaulted.set_faults(error_before_commit=0.0)
+    lookup = ReconcileActivities._find
+    retried: list[bool] = []
+
+    async def a_retry_lands_after_the_lookup(
+        self: ReconcileActivities, claim: Claim
+    ) -> ChargeResult | ChargeFailure | None:
+        found = await lookup(self, claim)
+        if not retried:
+            retried.append(True)
+            await vaulted.set_faults(drop_after_commit=1.0)
+            with pytest.raises(stripe.StripeError):
+                await (await self._access.gateway_for(claim)).charge(claim)
+            await vaulted.set_faults(drop_after_commit=0.0)
+        return found
+
+    monkeypatch.setattr(ReconcileActivities, "_find", a_retry_lands_after_the_lookup)
+    report = await reconcile(vaulted)
+    assert retried and await vaulted.succeeded() == 1
+    [reservation] = report.reservations
+    assert reservation.state == "unknown" and "retried since attempt" in (reservation.detail or "")
+    # I4: the charge Stripe took still counts against the cap.
+    [key] = await admin.find_keys(period=str(PERIOD), label=period_keys.LABEL)
+    settled = await admin.get_key(key.id)
+    assert settled.spent_cents + settled.reserved_cents == customer.amount_cents
 
 
 async def test_a_duplicate_charge_is_reported_with_its_id_and_amount(harness: Harness) -> None:

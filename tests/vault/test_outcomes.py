@@ -140,7 +140,10 @@ async def test_reconciliation_resolves_an_unknown_reservation(
 
     with pytest.raises(VaultInvalidRequest):
         await admin.resolve(key.id, "charged-then-500", "succeeded", amount_cents=2_001)
-    resolved = await admin.resolve(key.id, "charged-then-500", "succeeded")
+    # Found for the first attempt, but a retry (the second) has taken it over since.
+    with pytest.raises(VaultConflict, match="retried since attempt 1"):
+        await admin.resolve(key.id, "charged-then-500", "succeeded", attempt=1)
+    resolved = await admin.resolve(key.id, "charged-then-500", "succeeded", attempt=2)
     assert (resolved.state, resolved.committed_cents) == ("committed", 2_000)
     # Repeating the same resolution is harmless; contradicting it is refused.
     await admin.resolve(key.id, "charged-then-500", "succeeded")
