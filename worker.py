@@ -156,14 +156,15 @@ async def main() -> None:
     try:
         async with stripe_http(settings.billing_stripe_timeout_seconds) as http:
             if settings.billing_vault_url and settings.billing_vault_admin_token:
+                admin = VaultAdmin(settings.billing_vault_url, settings.billing_vault_admin_token)
                 access: StripeAccess = VaultAccess(
                     pool,
                     settings.secret_box(),
                     settings.billing_vault_url,
                     settings.billing_charge_api,
                     http,
+                    admin,
                 )
-                admin = VaultAdmin(settings.billing_vault_url, settings.billing_vault_admin_token)
                 log.info("charging through the vault at %s", settings.billing_vault_url)
             else:
                 api_key = settings.stripe_api_key.get_secret_value()

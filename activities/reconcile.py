@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -19,7 +19,8 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.stripe_access import StripeAccess
-from activities.stripe_failures import to_temporal_failure
+from activities.stripe_failures import to_temporal_failure, vault_key_expired
+from activities.stripe_gateway import StripeGateway
 from billing import ledger, logs, metrics, period_keys
 from billing.config import BillingSettings
 from billing.errors import BillingError, LedgerConflictError
@@ -120,6 +121,8 @@ class ReconcileActivities:
         self._pool = pool
         self._access = access
         self._admin = admin
+        # (period, currency) whose key has expired: read with a lookup key straight away.
+        self._expired: set[tuple[str, str]] = set()
         # Lookups share the cluster's Stripe rate with the charges.
         self._stripe_rate = stripe_rate(pool, settings)
 
@@ -127,15 +130,31 @@ class ReconcileActivities:
         if self._stripe_rate is not None:
             await self._stripe_rate.wait_turn()
 
+    async def _reading(
+        self, period: str, currency: str, read: Callable[[StripeGateway], Awaitable[T]]
+    ) -> T:
+        """`read` through the period's key, or through a lookup key once that has expired
+        (the daily reconciliation checks a period for weeks after its key's grace)."""
+        slot = (period, currency)
+        if slot not in self._expired:
+            gateway = await self._access.gateway(period, currency)
+            await self._stripe_turn()
+            try:
+                return await read(gateway)
+            except stripe.StripeError as exc:
+                if not vault_key_expired(exc):
+                    raise
+            self._expired.add(slot)
+        gateway = await self._access.lookup_gateway(period, currency)
+        await self._stripe_turn()
+        return await read(gateway)
+
     async def _find(self, claim: Claim) -> ChargeResult | ChargeFailure | None:
         """The claim's charge on Stripe, looked up by the key in its metadata."""
         try:
-            gateway = await self._access.gateway_for(claim)
+            return await self._reading(claim.period, claim.currency, lambda g: g.find(claim))
         except BillingError as exc:
             raise ApplicationError(str(exc), type=NO_PERIOD_KEY, non_retryable=True) from None
-        await self._stripe_turn()
-        try:
-            return await gateway.find(claim)
         except stripe.StripeError as exc:
             raise to_temporal_failure(exc) from None
 
@@ -270,14 +289,16 @@ class ReconcileActivities:
 
         async def listed(customer: CustomerToCheck) -> list[StripeCharge] | None:
             try:
-                gateway = await self._access.gateway(request.period, customer.currency)
+                # One turn per customer: a listing rarely needs a second page.
+                return await self._reading(
+                    request.period,
+                    customer.currency,
+                    lambda g: g.period_charges(
+                        customer.stripe_customer_id, request.period, customer.charge_api
+                    ),
+                )
             except BillingError:
                 return None
-            # One turn per customer: a listing rarely needs a second page.
-            await self._stripe_turn()
-            return await gateway.period_charges(
-                customer.stripe_customer_id, request.period, customer.charge_api
-            )
 
         try:
             async with heartbeating():

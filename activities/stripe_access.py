@@ -6,16 +6,23 @@ its own capped vault key, read from the ledger database the first time it is nee
 
 from __future__ import annotations
 
+import asyncio
+from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
 import asyncpg
 import stripe
 
 from activities.stripe_gateway import StripeGateway
+from billing.errors import BillingError
 from billing.models import ChargeApi, Claim
-from billing.period_keys import read_secret
+from billing.period_keys import issue_lookup_key, read_secret
 from billing.sealing import SecretBox
 from billing.stripe_client import stripe_client
+from vault.client import VaultAdmin
+
+# A lookup key is replaced this long before it expires, so no listing starts on a dying key.
+LOOKUP_RENEW_BEFORE = timedelta(minutes=10)
 
 
 class StripeAccess(Protocol):
@@ -26,6 +33,10 @@ class StripeAccess(Protocol):
 
     def forget(self, claim: Claim) -> None:
         """Drop what is cached for the claim's key (e.g. after the vault refused it)."""
+
+    async def lookup_gateway(self, period: str, currency: str) -> StripeGateway:
+        """A gateway that reads the period's charges in the currency, once the period's own
+        key has expired."""
 
 
 class DirectAccess:
@@ -41,6 +52,9 @@ class DirectAccess:
     def forget(self, claim: Claim) -> None:
         pass
 
+    async def lookup_gateway(self, period: str, currency: str) -> StripeGateway:
+        return self._gateway
+
 
 class VaultAccess:
     def __init__(
@@ -50,13 +64,17 @@ class VaultAccess:
         vault_url: str,
         api: ChargeApi,
         http: stripe.HTTPClient,
+        admin: VaultAdmin | None = None,
     ) -> None:
         self._pool = pool
         self._box = box
         self._base = vault_url.rstrip("/") + "/stripe"
         self._api = api
         self._http = http
+        self._admin = admin
         self._gateways: dict[tuple[str, str], StripeGateway] = {}
+        self._lookups: dict[tuple[str, str], tuple[StripeGateway, datetime]] = {}
+        self._lookup_lock = asyncio.Lock()
 
     async def gateway_for(self, claim: Claim) -> StripeGateway:
         return await self.gateway(claim.period, claim.currency)
@@ -72,3 +90,21 @@ class VaultAccess:
 
     def forget(self, claim: Claim) -> None:
         self._gateways.pop((claim.period, claim.currency), None)
+
+    async def lookup_gateway(self, period: str, currency: str) -> StripeGateway:
+        if self._admin is None:
+            raise BillingError(
+                f"the vault key for {period} ({currency}) has expired, and without"
+                " BILLING_VAULT_ADMIN_TOKEN no key to read its charges can be issued"
+            )
+        slot = (period, currency)
+        # One issue for the listings that ask at once.
+        async with self._lookup_lock:
+            cached = self._lookups.get(slot)
+            if cached is not None and cached[1] - datetime.now(UTC) > LOOKUP_RENEW_BEFORE:
+                return cached[0]
+            issued = await issue_lookup_key(self._admin, period, currency)
+            client = stripe_client(issued.secret.get_secret_value(), self._base, self._http)
+            gateway = StripeGateway(client, self._api)
+            self._lookups[slot] = (gateway, issued.expires_at)
+            return gateway

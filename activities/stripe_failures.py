@@ -32,6 +32,11 @@ KEY_EXPIRED_CODE = "idempotency_key_expired"
 KEY_EXPIRED_RETRY = timedelta(minutes=4)
 
 
+def vault_key_expired(exc: stripe.StripeError) -> bool:
+    """The vault refused the request because the vault key itself has expired."""
+    return exc.http_status == 401 and _error_body(exc).get("code") == "vault_key_expired"
+
+
 def _error_body(exc: stripe.StripeError) -> dict[str, object]:
     body = exc.json_body
     error = body.get("error") if isinstance(body, dict) else None

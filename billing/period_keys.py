@@ -18,7 +18,7 @@ from billing.models import Record
 from billing.periods import Period
 from billing.sealing import SecretBox
 from vault.client import VaultAdmin
-from vault.models import IssueKeyRequest
+from vault.models import IssuedKey, IssueKeyRequest
 
 LABEL = "billing"
 ALLOWED_ENDPOINTS = [
@@ -29,6 +29,12 @@ ALLOWED_ENDPOINTS = [
     "GET /v1/charges",
     "GET /v1/charges/*",
 ]
+# Reconciliation reads a period's charges for weeks after the period (the daily schedule
+# checks the period it would bill), past its key's expiry: it then reads with a key of its
+# own that moves no money and lives an hour, kept in the worker's memory only.
+LOOKUP_LABEL = "billing-lookup"
+LOOKUP_ENDPOINTS = [entry for entry in ALLOWED_ENDPOINTS if entry.startswith("GET ")]
+LOOKUP_LIFETIME = timedelta(hours=1)
 
 
 class KeyRevokedError(BillingError):
@@ -109,6 +115,21 @@ async def ensure_key(
         )
     return PeriodKey(
         period=str(period), currency=currency, vault_key_id=issued.id, cap_cents=issued.cap_cents
+    )
+
+
+async def issue_lookup_key(admin: VaultAdmin, period: str, currency: str) -> IssuedKey:
+    """A key that can only read the period's charges in the currency."""
+    return await admin.issue_key(
+        IssueKeyRequest(
+            label=LOOKUP_LABEL,
+            period=period,
+            # The vault needs a cap; with no endpoint that moves money it is never reached.
+            cap_cents=1,
+            currency=currency,
+            allowed_endpoints=LOOKUP_ENDPOINTS,
+            expires_at=datetime.now(UTC) + LOOKUP_LIFETIME,
+        )
     )
 
 

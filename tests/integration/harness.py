@@ -119,14 +119,15 @@ class Harness:
         if self.vault is None:
             access = direct_access(self.stripe, self.settings)
         else:
+            admin = self.vault.admin
             access = VaultAccess(
                 self.pool,
                 self.settings.secret_box(),
                 self.vault.url,
                 self.settings.billing_charge_api,
                 self.http,
+                admin,
             )
-            admin = self.vault.admin
         # Every workflow inside the sandbox, whose checks then cover every path tested.
         return create_worker(
             self.client,

@@ -338,6 +338,31 @@ async def test_a_duplicate_charge_is_reported_with_its_id_and_amount(harness: Ha
     assert report.orphans == [] and report.claims == []
 
 
+async def test_a_period_whose_key_has_expired_is_still_reconciled(vaulted: Harness) -> None:
+    # Billed in arrears, a period is reconciled daily for weeks, past its key's grace.
+    customers = await vaulted.seed(3)
+    await bill(vaulted)
+    key = idempotency_key(vaulted.settings.billing_key_namespace, customers[0].customer_id, PERIOD)
+    async with vaulted.pool.acquire() as conn:
+        claim = await ledger.claim_by_key(conn, key)
+        await conn.execute(
+            "UPDATE vault_keys SET expires_at = now() - interval '1 second' WHERE period = $1",
+            str(PERIOD),
+        )
+    assert claim is not None
+    duplicate = await plant(vaulted, claim, claim.idempotency_key + "-retry")
+    report = await reconcile(vaulted)
+    assert report.customers_checked == len(customers) and report.unchecked_customers == []
+    assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", duplicate)]
+    # It read with a key of its own that can move no money.
+    assert vaulted.vault is not None
+    [lookup] = await vaulted.vault.admin.find_keys(
+        period=str(PERIOD), label=period_keys.LOOKUP_LABEL
+    )
+    assert all(entry.startswith("GET ") for entry in lookup.allowed_endpoints)
+    assert lookup.expires_at - datetime.now(UTC) <= period_keys.LOOKUP_LIFETIME
+
+
 async def test_a_duplicate_is_found_through_its_claims_api_after_the_setting_changed(
     harness: Harness,
 ) -> None:
