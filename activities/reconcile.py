@@ -293,9 +293,7 @@ class ReconcileActivities:
                 return await self._reading(
                     request.period,
                     customer.currency,
-                    lambda g: g.period_charges(
-                        customer.stripe_customer_id, request.period, customer.charge_api
-                    ),
+                    lambda g: g.period_charges(customer.stripe_customer_id, request.period),
                 )
             except BillingError:
                 return None

@@ -104,19 +104,13 @@ class StripeGateway:
             charge_id=charges[0].id,
         )
 
-    async def period_charges(
-        self, stripe_customer_id: str, period: str, api: ChargeApi | None
-    ) -> list[StripeCharge]:
+    async def period_charges(self, stripe_customer_id: str, period: str) -> list[StripeCharge]:
         """The customer's succeeded charges whose metadata names the period, whatever their
-        key, listed through `api` (its claim's; None: the setting's): reconciliation compares
-        them with the ledger."""
-        lister = (
-            self._client.v1.payment_intents.list_async
-            if self._api_for(api) == "payment_intents"
-            else self._client.v1.charges.list_async
-        )
+        key: reconciliation compares them with the ledger. Listed as Charges, whichever API
+        made them: Stripe copies a PaymentIntent's metadata to its charge when it confirms
+        it, so a duplicate made through the other API is seen too."""
         found = await _listed(
-            lister,
+            self._client.v1.charges.list_async,
             stripe_customer_id,
             None,
             lambda o: o.status == "succeeded" and _metadata(o, "billing_period") == period,
@@ -179,26 +173,20 @@ async def _listed(
         params["starting_after"] = page.data[-1].id
 
 
-def _period_charge(obj: stripe.Charge | stripe.PaymentIntent, period: str) -> StripeCharge | None:
-    """A succeeded PaymentIntent or Charge carrying our metadata, as reconciliation sees it."""
-    customer_id = _metadata(obj, "customer_id")
-    charge_id: str | None
-    intent_id: str | None
-    if isinstance(obj, stripe.PaymentIntent):
-        charge_id, intent_id = _id(obj.latest_charge), obj.id
-    else:
-        charge_id, intent_id = obj.id, _id(obj.payment_intent)
-    if customer_id is None or charge_id is None:
+def _period_charge(charge: stripe.Charge, period: str) -> StripeCharge | None:
+    """A succeeded charge carrying our metadata, as reconciliation sees it."""
+    customer_id = _metadata(charge, "customer_id")
+    if customer_id is None:
         return None
     return StripeCharge(
-        charge_id=charge_id,
-        payment_intent_id=intent_id,
-        amount_cents=obj.amount,
-        currency=obj.currency,
-        stripe_customer_id=_id(obj.customer),
+        charge_id=charge.id,
+        payment_intent_id=_id(charge.payment_intent),
+        amount_cents=charge.amount,
+        currency=charge.currency,
+        stripe_customer_id=_id(charge.customer),
         customer_id=customer_id,
         period=period,
-        billing_key=_metadata(obj, "billing_key"),
+        billing_key=_metadata(charge, "billing_key"),
     )
 
 

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from billing.models import ChargeApi, Claim, Control, LedgerStatus, Outcome, Record
+from billing.models import Claim, Control, LedgerStatus, Outcome, Record
 
 # Where the customer's CustomerChargeWorkflow stands, as Temporal describes it.
 ChildState = Literal["running", "closed", "absent"]
@@ -63,8 +63,6 @@ class CustomerToCheck(Record):
     customer_id: str
     stripe_customer_id: str
     currency: str
-    # The API its claim charges through (None: no claim, or one made before it was recorded).
-    charge_api: ChargeApi | None = None
 
 
 class StripeCharge(Record):

@@ -383,6 +383,23 @@ async def test_a_duplicate_is_found_through_its_claims_api_after_the_setting_cha
     assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", duplicate.id)]
 
 
+async def test_a_duplicate_made_through_the_other_api_is_reported(harness: Harness) -> None:
+    customers = await harness.seed(2)
+    await bill(harness)
+    key = idempotency_key(harness.settings.billing_key_namespace, customers[0].customer_id, PERIOD)
+    async with harness.pool.acquire() as conn:
+        claim = await ledger.claim_by_key(conn, key)
+    assert claim is not None and claim.charge_api == "payment_intents"
+    # A second charge with our metadata through the legacy Charges API (a worker or a
+    # script still on that setting).
+    duplicate = await harness.stripe.v1.charges.create_async(
+        charge_params(claim, "charges"),  # type: ignore[arg-type]
+        {"idempotency_key": key + "-legacy"},
+    )
+    report = await reconcile(harness)
+    assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", duplicate.id)]
+
+
 async def test_an_orphan_charge_with_our_metadata_is_reported(harness: Harness) -> None:
     await harness.seed(2)
     await bill(harness)
