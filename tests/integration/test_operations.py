@@ -4,18 +4,23 @@ filters on, against the real dev server."""
 from __future__ import annotations
 
 import asyncio
+import os
+from collections.abc import Awaitable
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from temporalio.client import WorkflowExecution
 
 from billing import operations, schedules
 from billing.keys import period_workflow_id
-from billing.models import OperatorRequest, RunOptions, SkipRequest
+from billing.models import OperatorRequest, PeriodSummary, RunOptions, SkipRequest
 from billing.periods import Period, period_for
 from billing.preview import preview_period
 from billing.runs import period_status, start_period
 from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
+from tests.integration.replay import replay
+from tests.integration.test_replay import HISTORIES
 
 PERIOD = Period(2026, 12)
 ALICE = OperatorRequest(reason="amounts look wrong", operator="alice")
@@ -265,6 +270,47 @@ async def test_schedule_trigger_and_manual_run_bill_each_customer_once(harness: 
         await eventually(launcher_done, timeout=30)
         await schedule.delete()
     await assert_billed_once(harness, str(period), customers)
+
+
+async def test_a_scheduled_launch_returns_once_its_period_has_started(harness: Harness) -> None:
+    """A schedule skips a firing while its last launch is still open (overlap `skip`), so a
+    launch that waited for its period would let a period paused for weeks drop the next
+    month. I6 for ScheduledBillingWorkflow too: RECORD_HISTORIES=1 keeps its history."""
+    customers = await harness.seed(6)
+    await harness.set_faults(latency_ms=500)
+    period = period_for(datetime.now(UTC), "advance")
+    config = schedules.MonthlySchedule(schedule_id="monthly-launch", billing="advance", paused=True)
+    async with harness.running_worker():
+        await schedules.create_schedule(
+            harness.client, config, harness.task_queue, RunOptions(max_in_flight=1)
+        )
+        schedule = harness.client.get_schedule_handle(config.schedule_id)
+        await schedule.trigger()
+
+        async def launched() -> list[WorkflowExecution]:
+            query = 'WorkflowType="ScheduledBillingWorkflow" AND ExecutionStatus="Completed"'
+            return [w async for w in harness.client.list_workflows(query)]
+
+        await eventually(lambda: _nonempty(launched()), timeout=30)
+        [launcher] = await launched()
+        history = await harness.client.get_workflow_handle(
+            launcher.id, run_id=launcher.run_id
+        ).fetch_history()
+        if os.environ.get("RECORD_HISTORIES"):
+            name = f"ScheduledBillingWorkflow--{history.workflow_id}--{launcher.run_id}.json"
+            (HISTORIES / name).write_text(history.to_json())
+        await replay([history])
+        assert (await period_status(harness.client, period)).state == "running"
+        summary = await harness.client.get_workflow_handle(
+            period_workflow_id(period), result_type=PeriodSummary
+        ).result()
+        await schedule.delete()
+    assert summary.charged == len(customers)
+    await assert_billed_once(harness, str(period), customers)
+
+
+async def _nonempty(found: Awaitable[list[WorkflowExecution]]) -> bool:
+    return bool(await found)
 
 
 async def test_backfill_of_three_months_runs_three_periods(harness: Harness) -> None:
