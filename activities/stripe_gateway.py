@@ -108,12 +108,17 @@ class StripeGateway:
         """The customer's succeeded charges whose metadata names the period, whatever their
         key: reconciliation compares them with the ledger. Listed as Charges, whichever API
         made them: Stripe copies a PaymentIntent's metadata to its charge when it confirms
-        it, so a duplicate made through the other API is seen too."""
+        it, so a duplicate made through the other API is seen too. A charge refunded in full
+        is left out: a person has settled it."""
         found = await _listed(
             self._client.v1.charges.list_async,
             stripe_customer_id,
             None,
-            lambda o: o.status == "succeeded" and _metadata(o, "billing_period") == period,
+            lambda o: (
+                o.status == "succeeded"
+                and not o.refunded
+                and _metadata(o, "billing_period") == period
+            ),
         )
         return [charge for o in found if (charge := _period_charge(o, period)) is not None]
 

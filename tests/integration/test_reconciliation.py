@@ -383,6 +383,22 @@ async def test_a_duplicate_is_found_through_its_claims_api_after_the_setting_cha
     assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", duplicate.id)]
 
 
+async def test_a_duplicate_refunded_in_full_is_no_longer_reported(harness: Harness) -> None:
+    customers = await harness.seed(2)
+    await bill(harness)
+    key = idempotency_key(harness.settings.billing_key_namespace, customers[0].customer_id, PERIOD)
+    async with harness.pool.acquire() as conn:
+        claim = await ledger.claim_by_key(conn, key)
+    assert claim is not None
+    refunded = await plant(harness, claim, key + "-retry")
+    partly = await plant(harness, claim, key + "-again")
+    await harness.stripe.v1.refunds.create_async({"charge": refunded})
+    await harness.stripe.v1.refunds.create_async({"charge": partly, "amount": 1})
+    # The person refunded one duplicate in full; the other keeps all but a cent.
+    report = await reconcile(harness)
+    assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", partly)]
+
+
 async def test_a_duplicate_made_through_the_other_api_is_reported(harness: Harness) -> None:
     customers = await harness.seed(2)
     await bill(harness)
