@@ -132,6 +132,9 @@ class BillingPeriodWorkflow:
                     BillingPeriodInput(period=period, options=self._options, state=state)
                 )
         self._finished = True
+        # An update accepted before (a skip, a pause) gets its answer, not "workflow
+        # completed before the update completed".
+        await workflow.wait_condition(workflow.all_handlers_finished)
         control = self._control
         cancelled = control.control == "cancelled"
         summary = PeriodSummary(
