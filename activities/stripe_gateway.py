@@ -67,7 +67,19 @@ class StripeGateway:
 
     async def find(self, claim: Claim) -> ChargeResult | ChargeFailure | None:
         """Look the claim's charge up by the key in its metadata."""
-        if self._api_for(claim.charge_api) == "payment_intents":
+        api = self._api_for(claim.charge_api)
+        found = await self._find_through(api, claim)
+        if found is None and claim.charge_api is None:
+            # Claimed before claims recorded their API (migrations/012): it may have gone
+            # out through the other one, under an earlier setting.
+            other: ChargeApi = "charges" if api == "payment_intents" else "payment_intents"
+            found = await self._find_through(other, claim)
+        return found
+
+    async def _find_through(
+        self, api: ChargeApi, claim: Claim
+    ) -> ChargeResult | ChargeFailure | None:
+        if api == "payment_intents":
             intents = await self._ours(self._client.v1.payment_intents.list_async, claim)
             for intent in intents:
                 if intent.status == "succeeded":

@@ -416,6 +416,34 @@ async def test_a_duplicate_made_through_the_other_api_is_reported(harness: Harne
     assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", duplicate.id)]
 
 
+async def test_a_claim_from_before_its_api_was_recorded_is_found_through_either(
+    harness: Harness,
+) -> None:
+    # Claimed before migration 012 (no API recorded) and charged through Charges, its answer
+    # lost; the workers now run with PaymentIntents, which refuse the same key.
+    [customer] = await harness.seed(1)
+    key = idempotency_key(harness.settings.billing_key_namespace, customer.customer_id, PERIOD)
+    async with harness.pool.acquire() as conn:
+        claim = await ledger.claim(
+            conn, customer.customer_id, str(PERIOD), key, charge_api="charges"
+        )
+        assert await ledger.begin_charge(conn, claim) == "go"
+        await conn.execute("UPDATE billing_runs SET charge_api = NULL")
+    charged = await StripeGateway(harness.stripe, "charges").charge(claim)
+    handle = await harness.client.start_workflow(
+        CustomerChargeWorkflow.run,
+        CustomerChargeInput(period=str(PERIOD), customer_id=customer.customer_id),
+        id=customer_workflow_id(PERIOD, customer.customer_id),
+        task_queue=IDLE_QUEUE,
+    )
+    await handle.terminate(reason="its worker was lost")
+    assert harness.settings.billing_charge_api == "payment_intents"
+    report = await reconcile(harness)
+    [row] = await harness.ledger_rows(str(PERIOD))
+    assert (row["status"], row["charge_id"]) == ("charged", charged.charge_id), report.claims
+    assert await harness.succeeded() == 1  # charged once, never again
+
+
 async def test_an_orphan_charge_with_our_metadata_is_reported(harness: Harness) -> None:
     await harness.seed(2)
     await bill(harness)
