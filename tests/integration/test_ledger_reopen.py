@@ -61,18 +61,7 @@ async def test_a_first_attempt_refused_before_stripe_is_reopened(harness: Harnes
         assert await attempts(conn, claim) == (False, 0)
 
 
-async def test_a_retry_refused_by_a_refused_key_stays_started(harness: Harness) -> None:
-    claim = await claimed(harness)
-    async with harness.pool.acquire() as conn:
-        await ledger.begin_charge(conn, claim)
-        await ledger.begin_charge(conn, claim)
-        await key_made(conn, claim, -timedelta(hours=1))
-        # The first attempt may have reached Stripe; only the retry was refused.
-        assert not await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven=False)
-        assert await attempts(conn, claim) == (True, 2)
-
-
-async def test_a_cap_refusal_reopens_a_retry_only_under_the_key_it_began_with(
+async def test_a_retry_is_reopened_only_by_a_cap_refusal_under_the_key_it_began_with(
     harness: Harness,
 ) -> None:
     claim = await claimed(harness)
@@ -82,11 +71,16 @@ async def test_a_cap_refusal_reopens_a_retry_only_under_the_key_it_began_with(
         # The key was replaced after the first attempt (it expired, the next run issued
         # another): the new key's cap knows nothing of what went through the old one.
         await key_made(conn, claim, timedelta(seconds=1))
-        assert not await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven=True)
+        for proven in (False, True):
+            assert not await ledger.reopen_refused_charge(
+                conn, claim.idempotency_key, proven=proven
+            )
         assert await attempts(conn, claim) == (True, 2)
-        # Every attempt went through the refusing key, which checks its own earlier
-        # reservations before its cap: nothing is in doubt.
+        # Every attempt went through one key. A refused key proves only that the retry did
+        # not reach Stripe; its cap refusal proves nothing is in doubt, since it checks the
+        # key's own earlier reservations first.
         await key_made(conn, claim, -timedelta(seconds=1))
+        assert not await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven=False)
         assert await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven=True)
         assert await attempts(conn, claim) == (False, 0)
 

@@ -39,6 +39,7 @@ from tests.integration.harness import PROJECT_ROOT, Harness, at_least, eventuall
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import replay
 from tests.integration.test_replay import HISTORIES
+from vault.client import VaultAdmin
 from workflows.customer_charge import CustomerChargeWorkflow
 from workflows.reconcile import ReconcileWorkflow
 
@@ -91,6 +92,17 @@ async def reconcile(harness: Harness) -> ReconcileReport:
 async def bill(harness: Harness) -> None:
     async with harness.running_worker():
         await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+
+
+async def billed(harness: Harness, count: int) -> Claim:
+    """`count` customers billed; the first one's claim, charged."""
+    customers = await harness.seed(count)
+    await bill(harness)
+    key = idempotency_key(harness.settings.billing_key_namespace, customers[0].customer_id, PERIOD)
+    async with harness.pool.acquire() as conn:
+        claim = await ledger.claim_by_key(conn, key)
+    assert claim is not None
+    return claim
 
 
 async def plant(harness: Harness, claim: Claim, key: str) -> str:
@@ -225,32 +237,38 @@ async def test_unknown_reservations_of_charges_stripe_took_are_committed(
     await assert_billed_once(vaulted, str(PERIOD), customers)
 
 
-async def test_an_unknown_reservation_with_no_charge_is_released_and_its_claim_charged(
-    vaulted: Harness,
-) -> None:
-    # Every attempt fails before Stripe commits (500): the vault keeps each reservation
-    # unknown; then the run is lost (worker gone, workflows terminated).
-    customers = await vaulted.seed(2)
+async def lost_in_doubt(vaulted: Harness, customers: list[CustomerRow]) -> VaultAdmin:
+    """Every attempt fails before Stripe commits (500), so the vault keeps each reservation
+    unknown; then the run is lost (workflows terminated), and the reservations have been
+    unknown for longer than a slow request could still commit at Stripe."""
     await vaulted.set_faults(error_before_commit=1.0)
     assert vaulted.vault is not None
     admin = vaulted.vault.admin
     async with vaulted.running_worker():
         await start_period(vaulted.client, PERIOD, vaulted.task_queue)
 
-        async def both_unknown() -> bool:
+        async def all_unknown() -> bool:
             keys = await admin.find_keys(period=str(PERIOD), label=period_keys.LABEL)
-            return bool(keys) and len(await admin.unknown_reservations(keys[0].id)) == 2
+            unknown = await admin.unknown_reservations(keys[0].id) if keys else []
+            return len(unknown) == len(customers)
 
-        await eventually(both_unknown)
+        await eventually(all_unknown)
     lost = [period_workflow_id(PERIOD)] + [
         customer_workflow_id(PERIOD, c.customer_id) for c in customers
     ]
     for workflow_id in lost:
         await vaulted.client.get_workflow_handle(workflow_id).terminate(reason="run lost")
     async with vaulted.pool.acquire() as conn:
-        # Unknown for longer than a slow request could still commit at Stripe.
         await conn.execute("UPDATE vault_reservations SET updated_at = now() - interval '1 hour'")
     await vaulted.set_faults(error_before_commit=0.0)
+    return admin
+
+
+async def test_an_unknown_reservation_with_no_charge_is_released_and_its_claim_charged(
+    vaulted: Harness,
+) -> None:
+    customers = await vaulted.seed(2)
+    admin = await lost_in_doubt(vaulted, customers)
     report = await reconcile(vaulted)
     assert [r.state for r in report.reservations] == ["released", "released"]
     assert {(c.action, c.outcome) for c in report.claims} == {("redriven", "charged")}
@@ -270,25 +288,7 @@ async def test_a_reservation_a_retry_took_over_after_the_lookup_is_not_released(
     # lookup and its release, a retry with the same key takes the reservation over; Stripe
     # takes that charge and its answer is lost, so the reservation is unknown again.
     [customer] = await vaulted.seed(1)
-    await vaulted.set_faults(error_before_commit=1.0)
-    assert vaulted.vault is not None
-    admin = vaulted.vault.admin
-    async with vaulted.running_worker():
-        await start_period(vaulted.client, PERIOD, vaulted.task_queue)
-
-        async def unknown() -> bool:
-            keys = await admin.find_keys(period=str(PERIOD), label=period_keys.LABEL)
-            return bool(keys) and len(await admin.unknown_reservations(keys[0].id)) == 1
-
-        await eventually(unknown)
-        for workflow_id in (
-            period_workflow_id(PERIOD),
-            customer_workflow_id(PERIOD, customer.customer_id),
-        ):
-            await vaulted.client.get_workflow_handle(workflow_id).terminate(reason="run lost")
-    async with vaulted.pool.acquire() as conn:
-        await conn.execute("UPDATE vault_reservations SET updated_at = now() - interval '1 hour'")
-    await vaulted.set_faults(error_before_commit=0.0)
+    admin = await lost_in_doubt(vaulted, [customer])
     lookup = ReconcileActivities._find
     retried: list[bool] = []
 
@@ -316,12 +316,7 @@ async def test_a_reservation_a_retry_took_over_after_the_lookup_is_not_released(
 
 
 async def test_a_duplicate_charge_is_reported_with_its_id_and_amount(harness: Harness) -> None:
-    customers = await harness.seed(3)
-    await bill(harness)
-    key = idempotency_key(harness.settings.billing_key_namespace, customers[0].customer_id, PERIOD)
-    async with harness.pool.acquire() as conn:
-        claim = await ledger.claim_by_key(conn, key)
-    assert claim is not None
+    claim = await billed(harness, 3)
     duplicate = await plant(harness, claim, claim.idempotency_key + "-retry")
     async with harness.running_worker():
         code, out = await starter(harness, "reconcile", str(PERIOD), "--json")
@@ -340,19 +335,15 @@ async def test_a_duplicate_charge_is_reported_with_its_id_and_amount(harness: Ha
 
 async def test_a_period_whose_key_has_expired_is_still_reconciled(vaulted: Harness) -> None:
     # Billed in arrears, a period is reconciled daily for weeks, past its key's grace.
-    customers = await vaulted.seed(3)
-    await bill(vaulted)
-    key = idempotency_key(vaulted.settings.billing_key_namespace, customers[0].customer_id, PERIOD)
+    claim = await billed(vaulted, 3)
     async with vaulted.pool.acquire() as conn:
-        claim = await ledger.claim_by_key(conn, key)
         await conn.execute(
             "UPDATE vault_keys SET expires_at = now() - interval '1 second' WHERE period = $1",
             str(PERIOD),
         )
-    assert claim is not None
     duplicate = await plant(vaulted, claim, claim.idempotency_key + "-retry")
     report = await reconcile(vaulted)
-    assert report.customers_checked == len(customers) and report.unchecked_customers == []
+    assert report.customers_checked == 3 and report.unchecked_customers == []
     assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", duplicate)]
     # It read with a key of its own that can move no money.
     assert vaulted.vault is not None
@@ -366,16 +357,12 @@ async def test_a_period_whose_key_has_expired_is_still_reconciled(vaulted: Harne
 async def test_a_duplicate_is_found_through_its_claims_api_after_the_setting_changed(
     harness: Harness,
 ) -> None:
-    customers = await harness.seed(2)
     harness.settings = harness.settings.model_copy(update={"billing_charge_api": "charges"})
-    await bill(harness)
-    key = idempotency_key(harness.settings.billing_key_namespace, customers[0].customer_id, PERIOD)
-    async with harness.pool.acquire() as conn:
-        claim = await ledger.claim_by_key(conn, key)
-    assert claim is not None and claim.charge_api == "charges"
+    claim = await billed(harness, 2)
+    assert claim.charge_api == "charges"
     duplicate = await harness.stripe.v1.charges.create_async(
         charge_params(claim, "charges"),  # type: ignore[arg-type]
-        {"idempotency_key": key + "-retry"},
+        {"idempotency_key": claim.idempotency_key + "-retry"},
     )
     # Redeployed with PaymentIntents: the claims' charges are still listed where they are.
     harness.settings = harness.settings.model_copy(update={"billing_charge_api": "payment_intents"})
@@ -384,14 +371,9 @@ async def test_a_duplicate_is_found_through_its_claims_api_after_the_setting_cha
 
 
 async def test_a_duplicate_refunded_in_full_is_no_longer_reported(harness: Harness) -> None:
-    customers = await harness.seed(2)
-    await bill(harness)
-    key = idempotency_key(harness.settings.billing_key_namespace, customers[0].customer_id, PERIOD)
-    async with harness.pool.acquire() as conn:
-        claim = await ledger.claim_by_key(conn, key)
-    assert claim is not None
-    refunded = await plant(harness, claim, key + "-retry")
-    partly = await plant(harness, claim, key + "-again")
+    claim = await billed(harness, 2)
+    refunded = await plant(harness, claim, claim.idempotency_key + "-retry")
+    partly = await plant(harness, claim, claim.idempotency_key + "-again")
     await harness.stripe.v1.refunds.create_async({"charge": refunded})
     await harness.stripe.v1.refunds.create_async({"charge": partly, "amount": 1})
     # The person refunded one duplicate in full; the other keeps all but a cent.
@@ -400,17 +382,13 @@ async def test_a_duplicate_refunded_in_full_is_no_longer_reported(harness: Harne
 
 
 async def test_a_duplicate_made_through_the_other_api_is_reported(harness: Harness) -> None:
-    customers = await harness.seed(2)
-    await bill(harness)
-    key = idempotency_key(harness.settings.billing_key_namespace, customers[0].customer_id, PERIOD)
-    async with harness.pool.acquire() as conn:
-        claim = await ledger.claim_by_key(conn, key)
-    assert claim is not None and claim.charge_api == "payment_intents"
+    claim = await billed(harness, 2)
+    assert claim.charge_api == "payment_intents"
     # A second charge with our metadata through the legacy Charges API (a worker or a
     # script still on that setting).
     duplicate = await harness.stripe.v1.charges.create_async(
         charge_params(claim, "charges"),  # type: ignore[arg-type]
-        {"idempotency_key": key + "-legacy"},
+        {"idempotency_key": claim.idempotency_key + "-legacy"},
     )
     report = await reconcile(harness)
     assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", duplicate.id)]
