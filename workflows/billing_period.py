@@ -69,6 +69,8 @@ ACTIVITY_TIMEOUT = timedelta(seconds=60)
 AUTOMATIC = "billing (automatic)"
 # How long one wait for outcomes of children started elsewhere lasts at most.
 LEDGER_WAIT = timedelta(seconds=10)
+# Runs recorded before this patch closed without waiting for updates still in flight.
+ANSWER_UPDATES_BEFORE_CLOSE = "answer-updates-before-close"
 
 
 # Outside the sandbox for speed; the tests run it inside (see workflows/__init__.py).
@@ -132,9 +134,10 @@ class BillingPeriodWorkflow:
                     BillingPeriodInput(period=period, options=self._options, state=state)
                 )
         self._finished = True
-        # An update accepted before (a skip, a pause) gets its answer, not "workflow
-        # completed before the update completed".
-        await workflow.wait_condition(workflow.all_handlers_finished)
+        if workflow.patched(ANSWER_UPDATES_BEFORE_CLOSE):
+            # An update accepted before (a skip, a pause) gets its answer, not "workflow
+            # completed before the update completed".
+            await workflow.wait_condition(workflow.all_handlers_finished)
         control = self._control
         cancelled = control.control == "cancelled"
         summary = PeriodSummary(
