@@ -207,7 +207,7 @@ class ChargingActivities:
             if failure.type in PERIOD_BLOCKERS:
                 # Refused before Stripe: the claim waits at the gate for the operator, and a
                 # key replaced since (e.g. after expiry) is read afresh on the next attempt.
-                self._access.forget(claim)
+                self._access.forget(claim.period, claim.currency)
                 await self._reopen(claim, proven=failure.type == SPEND_CAP_EXCEEDED)
             raise failure from None
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -19,11 +20,11 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.stripe_access import StripeAccess
-from activities.stripe_failures import to_temporal_failure, vault_key_expired
+from activities.stripe_failures import to_temporal_failure, vault_key_unusable
 from activities.stripe_gateway import StripeGateway
 from billing import ledger, logs, metrics, period_keys
 from billing.config import BillingSettings
-from billing.errors import BillingError, LedgerConflictError
+from billing.errors import LedgerConflictError
 from billing.keys import customer_workflow_id, period_workflow_id
 from billing.models import ChargeFailure, ChargeResult, Claim
 from billing.periods import parse_period
@@ -42,6 +43,7 @@ from billing.reconciliation import (
     left_alone_because,
     may_release,
 )
+from billing.sealing import UnsealError
 from vault.client import VaultAdmin, VaultAdminError, VaultUnavailable
 from vault.models import ReservationInfo
 
@@ -57,6 +59,10 @@ CONCURRENCY = 8
 LEDGER_CONFLICT = "LedgerConflict"
 # No vault key stored for the claim's period and currency: nothing to look it up with.
 NO_PERIOD_KEY = "NoPeriodKey"
+# The period's key cannot be decrypted with BILLING_KEY_ENCRYPTION_KEYS.
+KEY_UNREADABLE = "KeyUnreadable"
+# How long reads of a period whose key was seen expired or revoked skip it for a lookup key.
+RECHECK_UNUSABLE_SECONDS = 600.0
 
 log = logging.getLogger("billing.reconcile")
 T = TypeVar("T")
@@ -121,8 +127,9 @@ class ReconcileActivities:
         self._pool = pool
         self._access = access
         self._admin = admin
-        # (period, currency) whose key has expired: read with a lookup key straight away.
-        self._expired: set[tuple[str, str]] = set()
+        # (period, currency) whose key was seen expired or revoked, and when (monotonic):
+        # read with a lookup key straight away for a while.
+        self._unusable: dict[tuple[str, str], float] = {}
         # Lookups share the cluster's Stripe rate with the charges.
         self._stripe_rate = stripe_rate(pool, settings)
 
@@ -134,26 +141,40 @@ class ReconcileActivities:
         self, period: str, currency: str, read: Callable[[StripeGateway], Awaitable[T]]
     ) -> T:
         """`read` through the period's key, or through a lookup key once that has expired
-        (the daily reconciliation checks a period for weeks after its key's grace)."""
+        or was revoked (the daily reconciliation checks a period for weeks after its key's
+        grace). The period's key is tried again now and then: an operator may replace it."""
         slot = (period, currency)
-        if slot not in self._expired:
-            gateway = await self._access.gateway(period, currency)
-            await self._stripe_turn()
-            try:
-                return await read(gateway)
-            except stripe.StripeError as exc:
-                if not vault_key_expired(exc):
-                    raise
-            self._expired.add(slot)
-        gateway = await self._access.lookup_gateway(period, currency)
+        seen = self._unusable.get(slot)
+        try:
+            if seen is None or time.monotonic() - seen > RECHECK_UNUSABLE_SECONDS:
+                gateway = await self._access.gateway(period, currency)
+                await self._stripe_turn()
+                try:
+                    result = await read(gateway)
+                except stripe.StripeError as exc:
+                    if not vault_key_unusable(exc):
+                        raise
+                    self._access.forget(period, currency)
+                    self._unusable[slot] = time.monotonic()
+                else:
+                    self._unusable.pop(slot, None)
+                    return result
+            gateway = await self._access.lookup_gateway(period, currency)
+        except UnsealError as exc:
+            # A setting to fix, not a customer to skip.
+            raise ApplicationError(str(exc), type=KEY_UNREADABLE, non_retryable=True) from None
         await self._stripe_turn()
         return await read(gateway)
+
+    def _can_charge(self, period: str, currency: str) -> bool:
+        """False once the period's key was seen expired or revoked (by the last read)."""
+        return (period, currency) not in self._unusable
 
     async def _find(self, claim: Claim) -> ChargeResult | ChargeFailure | None:
         """The claim's charge on Stripe, looked up by the key in its metadata."""
         try:
             return await self._reading(claim.period, claim.currency, lambda g: g.find(claim))
-        except BillingError as exc:
+        except period_keys.NoPeriodKeyError as exc:
             raise ApplicationError(str(exc), type=NO_PERIOD_KEY, non_retryable=True) from None
         except stripe.StripeError as exc:
             raise to_temporal_failure(exc) from None
@@ -191,7 +212,15 @@ class ReconcileActivities:
         with its key (the workflow then charges it again with that same key)."""
         found = await self._find(claim)
         if found is None:
-            return None
+            if self._can_charge(claim.period, claim.currency):
+                return None
+            return ClaimResolution(
+                customer_id=claim.customer_id,
+                action="left",
+                detail="Stripe has no charge with its key, and its period's vault key has"
+                " expired or was revoked: to charge it, delete the key's row in"
+                " period_vault_keys and run the period again, which issues a new one",
+            )
         key = claim.idempotency_key
         try:
             async with self._pool.acquire() as conn:
@@ -295,7 +324,7 @@ class ReconcileActivities:
                     customer.currency,
                     lambda g: g.period_charges(customer.stripe_customer_id, request.period),
                 )
-            except BillingError:
+            except period_keys.NoPeriodKeyError:
                 return None
 
         try:

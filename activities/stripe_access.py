@@ -31,12 +31,13 @@ class StripeAccess(Protocol):
     async def gateway(self, period: str, currency: str) -> StripeGateway:
         """The gateway that charges (and reads) the period's charges in the currency."""
 
-    def forget(self, claim: Claim) -> None:
-        """Drop what is cached for the claim's key (e.g. after the vault refused it)."""
+    def forget(self, period: str, currency: str) -> None:
+        """Drop what is cached for the period's key (e.g. after the vault refused it), so
+        that the next call reads a key replaced since."""
 
     async def lookup_gateway(self, period: str, currency: str) -> StripeGateway:
         """A gateway that reads the period's charges in the currency, once the period's own
-        key has expired."""
+        key has expired or was revoked."""
 
 
 class DirectAccess:
@@ -49,7 +50,7 @@ class DirectAccess:
     async def gateway(self, period: str, currency: str) -> StripeGateway:
         return self._gateway
 
-    def forget(self, claim: Claim) -> None:
+    def forget(self, period: str, currency: str) -> None:
         pass
 
     async def lookup_gateway(self, period: str, currency: str) -> StripeGateway:
@@ -88,13 +89,13 @@ class VaultAccess:
             gateway = self._gateways[slot] = StripeGateway(client, self._api)
         return gateway
 
-    def forget(self, claim: Claim) -> None:
-        self._gateways.pop((claim.period, claim.currency), None)
+    def forget(self, period: str, currency: str) -> None:
+        self._gateways.pop((period, currency), None)
 
     async def lookup_gateway(self, period: str, currency: str) -> StripeGateway:
         if self._admin is None:
             raise BillingError(
-                f"the vault key for {period} ({currency}) has expired, and without"
+                f"the vault key for {period} ({currency}) can no longer be used, and without"
                 " BILLING_VAULT_ADMIN_TOKEN no key to read its charges can be issued"
             )
         slot = (period, currency)

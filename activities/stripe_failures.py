@@ -32,9 +32,10 @@ KEY_EXPIRED_CODE = "idempotency_key_expired"
 KEY_EXPIRED_RETRY = timedelta(minutes=4)
 
 
-def vault_key_expired(exc: stripe.StripeError) -> bool:
-    """The vault refused the request because the vault key itself has expired."""
-    return exc.http_status == 401 and _error_body(exc).get("code") == "vault_key_expired"
+def vault_key_unusable(exc: stripe.StripeError) -> bool:
+    """The vault refused the request because the vault key has expired or was revoked."""
+    code = _error_body(exc).get("code")
+    return exc.http_status == 401 and code in ("vault_key_expired", "vault_key_revoked")
 
 
 def _error_body(exc: stripe.StripeError) -> dict[str, object]:

@@ -37,6 +37,10 @@ LOOKUP_ENDPOINTS = [entry for entry in ALLOWED_ENDPOINTS if entry.startswith("GE
 LOOKUP_LIFETIME = timedelta(hours=1)
 
 
+class NoPeriodKeyError(BillingError):
+    """No key is stored for the period and currency: the run was not prepared for it."""
+
+
 class KeyRevokedError(BillingError):
     """The period's key was revoked (the kill switch): no new key is issued behind it."""
 
@@ -143,7 +147,9 @@ async def read_secret(pool: asyncpg.Pool, box: SecretBox, period: str, currency:
             currency,
         )
         if row is None:
-            raise BillingError(f"no vault key stored for {period} ({currency}): was it prepared?")
+            raise NoPeriodKeyError(
+                f"no vault key stored for {period} ({currency}): was it prepared?"
+            )
         if row["sealed_secret"] is not None:
             return box.open(row["sealed_secret"], what)
         # Stored in plain text before migrations/013_sealed_period_keys.sql: sealed now.

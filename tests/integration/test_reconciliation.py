@@ -11,7 +11,8 @@ from datetime import UTC, datetime
 import pytest
 import stripe
 from prometheus_client import REGISTRY
-from temporalio.client import WorkflowHandle, WorkflowHistory
+from pydantic import SecretStr
+from temporalio.client import WorkflowFailureError, WorkflowHandle, WorkflowHistory
 from temporalio.service import RPCError
 
 from activities.reconcile import ReconcileActivities
@@ -35,6 +36,7 @@ from billing.periods import Period, period_for
 from billing.reconciliation import ReconcileReport
 from billing.runs import start_period, start_reconcile
 from billing.schedules import RECONCILE_SCHEDULE_ID
+from billing.sealing import SecretBox, new_key
 from tests.integration.harness import PROJECT_ROOT, Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import replay
@@ -333,18 +335,37 @@ async def test_a_duplicate_charge_is_reported_with_its_id_and_amount(harness: Ha
     assert report.orphans == [] and report.claims == []
 
 
-async def test_a_period_whose_key_has_expired_is_still_reconciled(vaulted: Harness) -> None:
-    # Billed in arrears, a period is reconciled daily for weeks, past its key's grace.
-    claim = await billed(vaulted, 3)
+async def unusable(vaulted: Harness, how: str) -> None:
+    """The period's key expired (its grace is over) or revoked (the kill switch)."""
+    assert vaulted.vault is not None
+    [key] = await vaulted.vault.admin.find_keys(period=str(PERIOD), label=period_keys.LABEL)
+    if how == "revoked":
+        await vaulted.vault.admin.revoke(key.id)
+        return
     async with vaulted.pool.acquire() as conn:
         await conn.execute(
-            "UPDATE vault_keys SET expires_at = now() - interval '1 second' WHERE period = $1",
-            str(PERIOD),
+            "UPDATE vault_keys SET expires_at = now() - interval '1 second' WHERE id = $1", key.id
         )
+
+
+@pytest.mark.parametrize("how", ["expired", "revoked"])
+async def test_a_period_whose_key_can_no_longer_be_used_is_still_reconciled(
+    vaulted: Harness, how: str
+) -> None:
+    # Billed in arrears, a period is reconciled daily for weeks, past its key's grace.
+    claim = await billed(vaulted, 3)
     duplicate = await plant(vaulted, claim, claim.idempotency_key + "-retry")
+    # A claim whose charge never reached Stripe, its workflow gone.
+    [late] = await vaulted.seed(1, prefix="late")
+    await stranded(vaulted, late, at_stripe=False)
+    await unusable(vaulted, how)
     report = await reconcile(vaulted)
-    assert report.customers_checked == 3 and report.unchecked_customers == []
+    assert report.customers_checked == 4 and report.unchecked_customers == []
     assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", duplicate)]
+    # Nothing to charge it with: left at once, with what to do, not re-driven to a refusal.
+    [left] = report.claims
+    assert (left.customer_id, left.action) == (late.customer_id, "left")
+    assert left.detail is not None and "delete the key's row" in left.detail
     # It read with a key of its own that can move no money.
     assert vaulted.vault is not None
     [lookup] = await vaulted.vault.admin.find_keys(
@@ -352,6 +373,20 @@ async def test_a_period_whose_key_has_expired_is_still_reconciled(vaulted: Harne
     )
     assert all(entry.startswith("GET ") for entry in lookup.allowed_endpoints)
     assert lookup.expires_at - datetime.now(UTC) <= period_keys.LOOKUP_LIFETIME
+
+
+async def test_a_period_key_the_worker_cannot_decrypt_fails_reconciliation(
+    vaulted: Harness,
+) -> None:
+    await billed(vaulted, 2)
+    async with vaulted.pool.acquire() as conn:
+        await conn.execute(
+            "UPDATE period_vault_keys SET sealed_secret = $1",
+            SecretBox(SecretStr(new_key())).seal(SecretStr("vk_sealed_elsewhere")),
+        )
+    with pytest.raises(WorkflowFailureError) as failed:
+        await reconcile(vaulted)
+    assert "cannot be decrypted with BILLING_KEY_ENCRYPTION_KEYS" in str(failed.value.cause.cause)
 
 
 async def test_a_duplicate_is_found_through_its_claims_api_after_the_setting_changed(
