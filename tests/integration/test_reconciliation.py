@@ -13,6 +13,7 @@ import stripe
 from prometheus_client import REGISTRY
 from pydantic import SecretStr
 from temporalio.client import WorkflowFailureError, WorkflowHandle, WorkflowHistory
+from temporalio.exceptions import ActivityError
 from temporalio.service import RPCError
 
 from activities.reconcile import ReconcileActivities
@@ -386,7 +387,9 @@ async def test_a_period_key_the_worker_cannot_decrypt_fails_reconciliation(
         )
     with pytest.raises(WorkflowFailureError) as failed:
         await reconcile(vaulted)
-    assert "cannot be decrypted with BILLING_KEY_ENCRYPTION_KEYS" in str(failed.value.cause.cause)
+    activity_failure = failed.value.cause
+    assert isinstance(activity_failure, ActivityError)
+    assert "cannot be decrypted with BILLING_KEY_ENCRYPTION_KEYS" in str(activity_failure.cause)
 
 
 async def test_a_duplicate_is_found_through_its_claims_api_after_the_setting_changed(
