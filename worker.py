@@ -39,6 +39,7 @@ from billing.config import (
 )
 from billing.db import create_pool
 from billing.migrations import migrate
+from billing.period_keys import seal_plain_secrets
 from billing.stripe_client import stripe_client, stripe_http
 from billing.temporal_client import connect
 from vault.client import VaultAdmin
@@ -157,9 +158,13 @@ async def main() -> None:
         async with stripe_http(settings.billing_stripe_timeout_seconds) as http:
             if settings.billing_vault_url and settings.billing_vault_admin_token:
                 admin = VaultAdmin(settings.billing_vault_url, settings.billing_vault_admin_token)
+                box = settings.secret_box()
+                sealed = await seal_plain_secrets(pool, box)
+                if sealed:
+                    log.info("sealed %d period keys stored in plain text", sealed)
                 access: StripeAccess = VaultAccess(
                     pool,
-                    settings.secret_box(),
+                    box,
                     settings.billing_vault_url,
                     settings.billing_charge_api,
                     http,

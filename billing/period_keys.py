@@ -138,7 +138,6 @@ async def issue_lookup_key(admin: VaultAdmin, period: str, currency: str) -> Iss
 
 
 async def read_secret(pool: asyncpg.Pool, box: SecretBox, period: str, currency: str) -> SecretStr:
-    what = f"the vault key for {period} ({currency})"
     async with pool.acquire() as conn:
         row = await conn.fetchrow(
             "SELECT secret, sealed_secret FROM period_vault_keys"
@@ -146,20 +145,30 @@ async def read_secret(pool: asyncpg.Pool, box: SecretBox, period: str, currency:
             period,
             currency,
         )
-        if row is None:
-            raise NoPeriodKeyError(
-                f"no vault key stored for {period} ({currency}): was it prepared?"
-            )
-        if row["sealed_secret"] is not None:
-            return box.open(row["sealed_secret"], what)
-        # Stored in plain text before migrations/013_sealed_period_keys.sql: sealed now.
-        secret = SecretStr(row["secret"])
-        await conn.execute(
-            "UPDATE period_vault_keys SET sealed_secret = $3, secret = NULL"
-            " WHERE billing_period = $1 AND currency = $2 AND secret = $4",
-            period,
-            currency,
-            box.seal(secret),
-            row["secret"],
+    if row is None:
+        raise NoPeriodKeyError(f"no vault key stored for {period} ({currency}): was it prepared?")
+    if row["sealed_secret"] is not None:
+        return box.open(row["sealed_secret"], f"the vault key for {period} ({currency})")
+    await seal_plain_secrets(pool, box)
+    return SecretStr(row["secret"])
+
+
+async def seal_plain_secrets(pool: asyncpg.Pool, box: SecretBox) -> int:
+    """Seal every key still stored in plain text (before migrations/013_sealed_period_keys.sql,
+    or by an older worker); a worker does at start-up. Returns how many it sealed."""
+    async with pool.acquire() as conn:
+        rows = await conn.fetch(
+            "SELECT billing_period, currency, secret FROM period_vault_keys"
+            " WHERE secret IS NOT NULL"
         )
-        return secret
+        for row in rows:
+            # Only if still the same secret: a key replaced meanwhile is sealed already.
+            await conn.execute(
+                "UPDATE period_vault_keys SET sealed_secret = $3, secret = NULL"
+                " WHERE billing_period = $1 AND currency = $2 AND secret = $4",
+                row["billing_period"],
+                row["currency"],
+                box.seal(SecretStr(row["secret"])),
+                row["secret"],
+            )
+    return len(rows)

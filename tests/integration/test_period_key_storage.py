@@ -1,5 +1,5 @@
 """How the ledger keeps a period key's secret: sealed, and a row from before sealing is
-sealed in place the first time a worker reads it."""
+sealed when a worker starts, or first reads it."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pydantic import SecretStr
 
 from billing.period_keys import read_secret
 from billing.sealing import SecretBox, UnsealError, new_key
+from tests.integration.harness import Harness, eventually
 
 SECRET = SecretStr("vk_" + "plain0" * 8)
 
@@ -50,3 +51,30 @@ async def test_a_key_sealed_with_a_key_since_removed_says_so(db: asyncpg.Pool) -
     with pytest.raises(UnsealError, match=r"the vault key for 2026-12 \(eur\) cannot be") as err:
         await read_secret(db, SecretBox(SecretStr(new_key())), "2026-12", "eur")
     assert "plain0" not in str(err.value)
+
+
+async def test_a_worker_seals_every_key_stored_in_plain_text_when_it_starts(
+    vaulted: Harness,
+) -> None:
+    # Keys of earlier periods that no run will read again.
+    for index, currency in enumerate(("usd", "eur")):
+        await vaulted.pool.execute(
+            "INSERT INTO period_vault_keys"
+            " (billing_period, currency, vault_key_id, secret, cap_cents)"
+            " VALUES ('2026-10', $1, $2, $3, 100)",
+            currency,
+            f"vkey_00000000000000b{index}",
+            SECRET.get_secret_value(),
+        )
+    vaulted.worker_process()
+
+    async def sealed() -> bool:
+        plain = await vaulted.pool.fetchval(
+            "SELECT count(*) FROM period_vault_keys WHERE secret IS NOT NULL"
+        )
+        return plain == 0
+
+    await eventually(sealed, timeout=60)
+    box = vaulted.settings.secret_box()
+    for currency in ("usd", "eur"):
+        assert await read_secret(vaulted.pool, box, "2026-10", currency) == SECRET
