@@ -69,7 +69,7 @@ async def test_a_worker_seals_every_key_stored_in_plain_text_when_it_starts(
     vaulted.worker_process()
 
     async def sealed() -> bool:
-        plain = await vaulted.pool.fetchval(
+        plain: int = await vaulted.pool.fetchval(
             "SELECT count(*) FROM period_vault_keys WHERE secret IS NOT NULL"
         )
         return plain == 0
