@@ -138,42 +138,52 @@ class ReconcileActivities:
             await self._stripe_rate.wait_turn()
 
     async def _reading(
-        self, period: str, currency: str, read: Callable[[StripeGateway], Awaitable[T]]
-    ) -> T:
-        """`read` through the period's key, or through a lookup key once that has expired
-        or was revoked (the daily reconciliation checks a period for weeks after its key's
-        grace). The period's key is tried again now and then: an operator may replace it."""
+        self,
+        period: str,
+        currency: str,
+        read: Callable[[StripeGateway], Awaitable[T]],
+        *,
+        recheck: bool = False,
+    ) -> tuple[T, bool]:
+        """`read` through the period's key, or through a lookup key once that has expired,
+        was revoked or its row deleted (the daily reconciliation checks a period for weeks
+        after its key's grace). Returns what `read` found, and whether the period's key
+        served it, i.e. can still charge. After a refusal the period's key is skipped for a
+        while, unless `recheck`: an operator may replace it."""
         slot = (period, currency)
         seen = self._unusable.get(slot)
         try:
-            if seen is None or time.monotonic() - seen > RECHECK_UNUSABLE_SECONDS:
-                gateway = await self._access.gateway(period, currency)
-                await self._stripe_turn()
+            if recheck or seen is None or time.monotonic() - seen > RECHECK_UNUSABLE_SECONDS:
                 try:
+                    gateway = await self._access.gateway(period, currency)
+                    await self._stripe_turn()
                     result = await read(gateway)
+                except period_keys.NoPeriodKeyError:
+                    pass
                 except stripe.StripeError as exc:
                     if not vault_key_unusable(exc):
                         raise
-                    self._access.forget(period, currency)
-                    self._unusable[slot] = time.monotonic()
                 else:
                     self._unusable.pop(slot, None)
-                    return result
+                    return result, True
+                self._access.forget(period, currency)
+                self._unusable[slot] = time.monotonic()
             gateway = await self._access.lookup_gateway(period, currency)
         except UnsealError as exc:
             # A setting to fix, not a customer to skip.
             raise ApplicationError(str(exc), type=KEY_UNREADABLE, non_retryable=True) from None
         await self._stripe_turn()
-        return await read(gateway)
+        return await read(gateway), False
 
-    def _can_charge(self, period: str, currency: str) -> bool:
-        """False once the period's key was seen expired or revoked (by the last read)."""
-        return (period, currency) not in self._unusable
-
-    async def _find(self, claim: Claim) -> ChargeResult | ChargeFailure | None:
-        """The claim's charge on Stripe, looked up by the key in its metadata."""
+    async def _find(
+        self, claim: Claim, *, recheck: bool = False
+    ) -> tuple[ChargeResult | ChargeFailure | None, bool]:
+        """The claim's charge on Stripe, looked up by the key in its metadata, and whether
+        the period's key can still charge (see _reading)."""
         try:
-            return await self._reading(claim.period, claim.currency, lambda g: g.find(claim))
+            return await self._reading(
+                claim.period, claim.currency, lambda g: g.find(claim), recheck=recheck
+            )
         except period_keys.NoPeriodKeyError as exc:
             raise ApplicationError(str(exc), type=NO_PERIOD_KEY, non_retryable=True) from None
         except stripe.StripeError as exc:
@@ -210,9 +220,10 @@ class ReconcileActivities:
     async def settle_claim(self, claim: Claim) -> ClaimResolution | None:
         """Record the claim's outcome if Stripe has its charge; None when Stripe has nothing
         with its key (the workflow then charges it again with that same key)."""
-        found = await self._find(claim)
+        # The period's key is tried first whatever was seen before: a "left" must be sure.
+        found, can_charge = await self._find(claim, recheck=True)
         if found is None:
-            if self._can_charge(claim.period, claim.currency):
+            if can_charge:
                 return None
             return ClaimResolution(
                 customer_id=claim.customer_id,
@@ -286,7 +297,7 @@ class ReconcileActivities:
         )
         if claim is None:
             return unknown.model_copy(update={"detail": "no ledger row has this key"})
-        found = await self._find(claim)
+        found, _ = await self._find(claim)
         if found is None and not may_release(reservation.updated_at, datetime.now(UTC)):
             return unknown.model_copy(update={"detail": "no charge found yet; released later"})
         amount = found.amount_cents if isinstance(found, ChargeResult) else None
@@ -319,13 +330,14 @@ class ReconcileActivities:
         async def listed(customer: CustomerToCheck) -> list[StripeCharge] | None:
             try:
                 # One turn per customer: a listing rarely needs a second page.
-                return await self._reading(
+                charges, _ = await self._reading(
                     request.period,
                     customer.currency,
                     lambda g: g.period_charges(customer.stripe_customer_id, request.period),
                 )
             except period_keys.NoPeriodKeyError:
                 return None
+            return charges
 
         try:
             async with heartbeating():

@@ -14,9 +14,8 @@ import asyncpg
 import stripe
 
 from activities.stripe_gateway import StripeGateway
-from billing.errors import BillingError
 from billing.models import ChargeApi, Claim
-from billing.period_keys import issue_lookup_key, read_secret
+from billing.period_keys import NoPeriodKeyError, issue_lookup_key, read_secret
 from billing.sealing import SecretBox
 from billing.stripe_client import stripe_client
 from vault.client import VaultAdmin
@@ -94,7 +93,7 @@ class VaultAccess:
 
     async def lookup_gateway(self, period: str, currency: str) -> StripeGateway:
         if self._admin is None:
-            raise BillingError(
+            raise NoPeriodKeyError(
                 f"the vault key for {period} ({currency}) can no longer be used, and without"
                 " BILLING_VAULT_ADMIN_TOKEN no key to read its charges can be issued"
             )

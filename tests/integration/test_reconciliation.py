@@ -296,9 +296,9 @@ async def test_a_reservation_a_retry_took_over_after_the_lookup_is_not_released(
     retried: list[bool] = []
 
     async def a_retry_lands_after_the_lookup(
-        self: ReconcileActivities, claim: Claim
-    ) -> ChargeResult | ChargeFailure | None:
-        found = await lookup(self, claim)
+        self: ReconcileActivities, claim: Claim, *, recheck: bool = False
+    ) -> tuple[ChargeResult | ChargeFailure | None, bool]:
+        found = await lookup(self, claim, recheck=recheck)
         if not retried:
             retried.append(True)
             await vaulted.set_faults(drop_after_commit=1.0)
@@ -337,11 +337,14 @@ async def test_a_duplicate_charge_is_reported_with_its_id_and_amount(harness: Ha
 
 
 async def unusable(vaulted: Harness, how: str) -> None:
-    """The period's key expired (its grace is over) or revoked (the kill switch)."""
+    """The period's key expired (its grace is over) or revoked (the kill switch), or revoked
+    and its row deleted (an operator about to issue a new one)."""
     assert vaulted.vault is not None
     [key] = await vaulted.vault.admin.find_keys(period=str(PERIOD), label=period_keys.LABEL)
-    if how == "revoked":
+    if how in ("revoked", "deleted"):
         await vaulted.vault.admin.revoke(key.id)
+        if how == "deleted":
+            await vaulted.pool.execute("DELETE FROM period_vault_keys")
         return
     async with vaulted.pool.acquire() as conn:
         await conn.execute(
@@ -349,7 +352,7 @@ async def unusable(vaulted: Harness, how: str) -> None:
         )
 
 
-@pytest.mark.parametrize("how", ["expired", "revoked"])
+@pytest.mark.parametrize("how", ["expired", "revoked", "deleted"])
 async def test_a_period_whose_key_can_no_longer_be_used_is_still_reconciled(
     vaulted: Harness, how: str
 ) -> None:
