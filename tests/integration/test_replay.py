@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 from temporalio.client import WorkflowHistory
 
 from billing.models import RunOptions
@@ -25,6 +26,9 @@ def _declines_second(index: int) -> str:
     return "pm_card_chargeCustomerFail" if index == 2 else "pm_card_visa"
 
 
+# One history, recorded before the period answered its updates on closing, ends with a skip
+# still in flight on purpose: replayed as it was, the SDK warns of it.
+@pytest.mark.filterwarnings("ignore::temporalio.workflow.UnfinishedUpdateHandlersWarning")
 async def test_recorded_histories_replay() -> None:
     files = sorted(HISTORIES.glob("*.json"))
     assert {f.name.split("--")[0] for f in files} >= {
