@@ -9,7 +9,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import asyncpg
@@ -30,6 +29,7 @@ from billing.models import ChargeFailure, ChargeResult, Claim
 from billing.periods import parse_period
 from billing.rate_limit import stripe_rate
 from billing.reconciliation import (
+    RELEASE_AFTER,
     ChargesPage,
     ChargesPageRequest,
     ChildState,
@@ -41,7 +41,6 @@ from billing.reconciliation import (
     StripeCharge,
     classify,
     left_alone_because,
-    may_release,
 )
 from billing.sealing import UnsealError
 from vault.client import VaultAdmin, VaultAdminError, VaultUnavailable
@@ -298,16 +297,16 @@ class ReconcileActivities:
         if claim is None:
             return unknown.model_copy(update={"detail": "no ledger row has this key"})
         found, _ = await self._find(claim)
-        if found is None and not may_release(reservation.updated_at, datetime.now(UTC)):
-            return unknown.model_copy(update={"detail": "no charge found yet; released later"})
-        amount = found.amount_cents if isinstance(found, ChargeResult) else None
+        charged = isinstance(found, ChargeResult)
         try:
             info = await admin.resolve(
                 key_id,
                 key,
-                "succeeded" if isinstance(found, ChargeResult) else "failed",
-                amount,
+                "succeeded" if charged else "failed",
+                found.amount_cents if isinstance(found, ChargeResult) else None,
                 attempt=reservation.attempt,
+                # Stripe may still commit a request the vault stopped waiting for.
+                min_idle_seconds=None if charged else int(RELEASE_AFTER.total_seconds()),
             )
         except VaultUnavailable:
             raise

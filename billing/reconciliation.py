@@ -4,7 +4,7 @@ with the ledger. Pure functions over records; the I/O is in activities/reconcile
 from __future__ import annotations
 
 from collections.abc import Iterable
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Literal
 
 from pydantic import Field
@@ -17,8 +17,8 @@ ChildState = Literal["running", "closed", "absent"]
 # charge; unrecorded: the row ended without a charge (failed, skipped, cancelled).
 FindingKind = Literal["orphan", "duplicate", "unrecorded"]
 ClaimAction = Literal["recorded", "redriven", "left"]
-# An unknown reservation is released (no charge found) only once it has been unknown this
-# long: Stripe may still commit a request the vault stopped waiting for.
+# An unknown reservation is released (no charge found) only once it has not changed for this
+# long, by the vault's clock: Stripe may still commit a request the vault stopped waiting for.
 RELEASE_AFTER = timedelta(minutes=10)
 
 
@@ -154,10 +154,6 @@ def left_alone_because(
     if not open_claim.sent and open_claim.control == "paused":
         return "the period is paused and this charge was never sent"
     return None
-
-
-def may_release(updated_at: datetime, now: datetime) -> bool:
-    return now - updated_at >= RELEASE_AFTER
 
 
 def classify(charges: Iterable[StripeCharge], ledger: dict[str, LedgerEntry]) -> list[Finding]:

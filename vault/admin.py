@@ -193,6 +193,7 @@ async def resolve(request: web.Request) -> web.Response:
                 resolution.root.outcome,
                 resolution.amount_cents,
                 resolution.root.attempt,
+                resolution.min_idle,
                 state.stale_after,
             )
         except reservations.NotFound as error:

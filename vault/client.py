@@ -139,12 +139,15 @@ class VaultAdmin:
         amount_cents: int | None = None,
         *,
         attempt: int | None = None,
+        min_idle_seconds: int | None = None,
     ) -> ReservationInfo:
         fields: dict[str, object] = {"outcome": outcome}
         if amount_cents is not None:
             fields["amount_cents"] = amount_cents
         if attempt is not None:
             fields["attempt"] = attempt
+        if min_idle_seconds is not None:
+            fields["min_idle_seconds"] = min_idle_seconds
         body = ResolveRequest.model_validate(fields)
         return await self._call(
             "POST",

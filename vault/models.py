@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -47,6 +47,7 @@ def _integral_number(value: object) -> object:
 
 Cents = Annotated[int, Field(gt=0), BeforeValidator(_integral_number)]
 Attempt = Annotated[int, Field(ge=1), BeforeValidator(_integral_number)]
+Seconds = Annotated[int, Field(ge=1, le=30 * 86400), BeforeValidator(_integral_number)]
 ReservationState = Literal["pending", "unknown", "committed", "released"]
 Decision = Literal[
     "forwarded",
@@ -241,6 +242,13 @@ class ResolveSucceeded(_Resolution):
 
 class ResolveFailed(_Resolution):
     outcome: Literal["failed"]
+    # By the vault's own clock: a caller's clock ahead would release a request Stripe may
+    # still commit.
+    min_idle_seconds: Seconds | None = Field(
+        default=None,
+        description="release only if the reservation has not changed for this long, by the"
+        " vault's clock; refused (409) otherwise",
+    )
 
 
 class ResolveRequest(
@@ -253,6 +261,11 @@ class ResolveRequest(
     @property
     def amount_cents(self) -> int | None:
         return self.root.amount_cents if isinstance(self.root, ResolveSucceeded) else None
+
+    @property
+    def min_idle(self) -> timedelta | None:
+        seconds = self.root.min_idle_seconds if isinstance(self.root, ResolveFailed) else None
+        return None if seconds is None else timedelta(seconds=seconds)
 
 
 class Status(View):

@@ -257,17 +257,20 @@ async def resolve(
     outcome: Literal["succeeded", "failed"],
     amount_cents: int | None,
     attempt: int | None,
+    min_idle: timedelta | None,
     stale_after: timedelta,
 ) -> ReservationInfo:
     """Settle an unknown reservation with what reconciliation found on Stripe for its
-    `attempt` (any, if None). Repeating the same resolution is a no-op; contradicting a
-    settled one, or settling an attempt a retry has replaced, is refused."""
+    `attempt` (any, if None); a release only once it has not changed for `min_idle`.
+    Repeating the same resolution is a no-op; contradicting a settled one, settling an
+    attempt a retry has replaced, or releasing one that changed too lately is refused."""
     target: Literal["committed", "released"] = "committed" if outcome == "succeeded" else "released"
     async with conn.transaction():
         await mark_stale_unknown(conn, key_id, stale_after)
         row = await conn.fetchrow(
             """
-            SELECT id, attempt, state, amount_cents, committed_cents FROM vault_reservations
+            SELECT id, attempt, state, amount_cents, committed_cents, now() - updated_at AS idle
+            FROM vault_reservations
             WHERE vault_key_id = $1 AND idempotency_key = $2 FOR UPDATE
             """,
             key_id,
@@ -291,6 +294,11 @@ async def resolve(
                 raise Conflict("the reservation is in flight; resolve it when it is not")
             if state != "unknown":
                 raise Conflict(f"the reservation is already {state}")
+            if target == "released" and min_idle is not None and row["idle"] < min_idle:
+                raise Conflict(
+                    f"the reservation changed {row['idle'].total_seconds():.0f} s ago, less than"
+                    f" {min_idle.total_seconds():.0f} s: Stripe may still commit it; later"
+                )
             await _finish(conn, row["id"], row["attempt"], "unknown", target, amount_cents, None)
         info = await conn.fetchrow(
             f"SELECT {store.RESERVATION_COLUMNS} FROM vault_reservations WHERE id = $1",

@@ -284,6 +284,24 @@ async def test_an_unknown_reservation_with_no_charge_is_released_and_its_claim_c
     await assert_billed_once(vaulted, str(PERIOD), customers)
 
 
+async def test_an_unknown_reservation_changed_lately_is_not_released_yet(
+    vaulted: Harness,
+) -> None:
+    [customer] = await vaulted.seed(1)
+    admin = await lost_in_doubt(vaulted, [customer])
+    # Unknown a moment ago by the vault's clock, whatever the worker's clock says.
+    await vaulted.pool.execute("UPDATE vault_reservations SET updated_at = now()")
+    report = await reconcile(vaulted)
+    [reservation] = report.reservations
+    assert reservation.state == "unknown"
+    assert "Stripe may still commit it" in (reservation.detail or "")
+    # The claim is then charged again with its key (a takeover of that reservation): the
+    # money counts once.
+    [key] = await admin.find_keys(period=str(PERIOD), label=period_keys.LABEL)
+    settled = await admin.get_key(key.id)
+    assert settled.spent_cents + settled.reserved_cents == customer.amount_cents
+
+
 async def test_a_reservation_a_retry_took_over_after_the_lookup_is_not_released(
     vaulted: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -3,7 +3,7 @@ with the ledger."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
 import pytest
 from hypothesis import given
@@ -13,7 +13,6 @@ from billing.keys import reconcile_workflow_id
 from billing.models import Claim, Control, RunOptions, ScheduledBillingInput
 from billing.periods import Period
 from billing.reconciliation import (
-    RELEASE_AFTER,
     ChildState,
     ClaimResolution,
     LedgerEntry,
@@ -22,7 +21,6 @@ from billing.reconciliation import (
     StripeCharge,
     classify,
     left_alone_because,
-    may_release,
 )
 from billing.reporting import describe_reconciliation
 from billing.schedules import MonthlySchedule, build_schedule
@@ -89,11 +87,6 @@ def test_an_unsent_charge_of_a_paused_period_waits_for_the_operator() -> None:
     # Once sent, only the same key can learn its outcome, pause or not.
     assert left_alone_because("closed", False, open_claim(sent=True, control="paused")) is None
     assert left_alone_because("closed", False, open_claim(sent=False, control="cancelled")) is None
-
-
-def test_an_unknown_reservation_is_released_only_after_a_while() -> None:
-    assert not may_release(NOW - RELEASE_AFTER + timedelta(seconds=1), NOW)
-    assert may_release(NOW - RELEASE_AFTER, NOW)
 
 
 def test_the_ledgers_own_charge_is_no_finding() -> None:

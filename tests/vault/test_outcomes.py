@@ -149,7 +149,14 @@ async def test_reconciliation_resolves_an_unknown_reservation(
     await admin.resolve(key.id, "charged-then-500", "succeeded")
     with pytest.raises(VaultConflict):
         await admin.resolve(key.id, "charged-then-500", "failed")
-    released = await admin.resolve(key.id, "never-charged", "failed")
+    # Unknown only a moment ago, by the vault's clock: Stripe may still commit it.
+    with pytest.raises(VaultConflict, match="Stripe may still commit it"):
+        await admin.resolve(key.id, "never-charged", "failed", min_idle_seconds=600)
+    await db.execute(
+        "UPDATE vault_reservations SET updated_at = now() - interval '601 seconds'"
+        " WHERE idempotency_key = 'never-charged'"
+    )
+    released = await admin.resolve(key.id, "never-charged", "failed", min_idle_seconds=600)
     assert released.state == "released"
     with pytest.raises(VaultNotFound):
         await admin.resolve(key.id, "no-such-key", "failed")
