@@ -83,9 +83,17 @@ async def cmd_run(args: argparse.Namespace) -> int:
     temporal = load_settings(TemporalSettings)
     client = await connect(temporal)
     handle = await start_period(client, args.period, temporal.task_queue)
+    progress = await period_status(client, args.period)
+    if progress.state == "cancelling":
+        # Joined, not started: its summary would read as this run's.
+        raise BillingError(
+            f"the run of {args.period} was cancelled by {progress.operator} and is still"
+            " finishing the charges it had sent: nothing new was started. Run it again once"
+            f" it has ended (`python starter.py status {args.period}`)"
+        )
     if not args.wait:
         _emit(
-            await period_status(client, args.period),
+            progress,
             args.json,
             f"period {args.period} running as {handle.id}\n  {ui_link(temporal, handle.id)}",
         )

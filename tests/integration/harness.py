@@ -144,6 +144,27 @@ class Harness:
         async with self.worker() as worker:
             yield worker
 
+    async def starter(self, *args: str) -> tuple[int, str, str]:
+        """`starter.py` in its own process against the test's namespace and task queue:
+        exit code, stdout and stderr."""
+        config = self.client.service_client.config
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(PROJECT_ROOT / "starter.py"),
+            *args,
+            env={
+                **os.environ,
+                "TEMPORAL_ADDRESS": config.target_host,
+                "TEMPORAL_NAMESPACE": self.client.namespace,
+                "TEMPORAL_TASK_QUEUE": self.task_queue,
+            },
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        stdout, stderr = await process.communicate()
+        assert process.returncode is not None
+        return process.returncode, stdout.decode(), stderr.decode()
+
     def worker_process(self, **extra_env: str) -> subprocess.Popen[bytes]:
         """worker.py in its own process, so a test can SIGKILL it; `extra_env` comes last."""
         config = self.client.service_client.config

@@ -113,6 +113,25 @@ async def test_cancel_charges_nothing_more_and_cancels_the_rest(harness: Harness
     await assert_billed_once(harness, str(PERIOD), customers, cancelled=stopped)
 
 
+async def test_run_refuses_to_join_a_cancelled_run_still_finishing(harness: Harness) -> None:
+    await harness.seed(6)
+    await harness.set_faults(latency_ms=1500)
+    async with harness.running_worker():
+        handle = await start_period(
+            harness.client, PERIOD, harness.task_queue, RunOptions(max_in_flight=2)
+        )
+        await eventually(lambda: at_least(harness.money_requests(), 2))
+        await operations.control(harness.client, PERIOD, "cancel", ALICE)
+        code, out, err = await harness.starter("run", str(PERIOD), "--wait")
+        assert (code, out) == (2, ""), err
+        assert "was cancelled by alice and is still finishing" in err
+        await handle.result()
+        # Once it has ended, a run starts afresh and bills the rest.
+        code, out, err = await harness.starter("run", str(PERIOD), "--wait")
+    assert code == 0, err
+    assert await harness.succeeded() == 6
+
+
 async def test_resume_is_refused_on_a_cancelled_run(harness: Harness) -> None:
     await harness.seed(12)
     # Slow answers keep the cancelled run open (it waits for the charges already sent).

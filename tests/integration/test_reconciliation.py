@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 from datetime import UTC, datetime
 
 import pytest
@@ -38,7 +37,7 @@ from billing.reconciliation import ReconcileReport
 from billing.runs import start_period, start_reconcile
 from billing.schedules import RECONCILE_SCHEDULE_ID
 from billing.sealing import SecretBox, new_key
-from tests.integration.harness import PROJECT_ROOT, Harness, at_least, eventually
+from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import replay
 from tests.integration.test_replay import HISTORIES
@@ -118,26 +117,6 @@ async def plant(harness: Harness, claim: Claim, key: str) -> str:
     )
     assert intent.status == "succeeded" and isinstance(intent.latest_charge, str)
     return intent.latest_charge
-
-
-async def starter(harness: Harness, *args: str) -> tuple[int, str]:
-    """`starter.py` in its own process against the test's namespace; exit code and stdout."""
-    config = harness.client.service_client.config
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(PROJECT_ROOT / "starter.py"),
-        *args,
-        env={
-            **os.environ,
-            "TEMPORAL_ADDRESS": config.target_host,
-            "TEMPORAL_NAMESPACE": harness.client.namespace,
-            "TEMPORAL_TASK_QUEUE": harness.task_queue,
-        },
-        stdout=asyncio.subprocess.PIPE,
-    )
-    stdout, _ = await process.communicate()
-    assert process.returncode is not None
-    return process.returncode, stdout.decode()
 
 
 async def test_a_charge_stripe_took_but_the_ledger_never_recorded_is_recorded(
@@ -340,7 +319,7 @@ async def test_a_duplicate_charge_is_reported_with_its_id_and_amount(harness: Ha
     claim = await billed(harness, 3)
     duplicate = await plant(harness, claim, claim.idempotency_key + "-retry")
     async with harness.running_worker():
-        code, out = await starter(harness, "reconcile", str(PERIOD), "--json")
+        code, out, _ = await harness.starter("reconcile", str(PERIOD), "--json")
     assert code == 1, out
     report = ReconcileReport.model_validate_json(out)
     [finding] = report.findings
@@ -500,7 +479,7 @@ async def test_an_orphan_charge_with_our_metadata_is_reported(harness: Harness) 
     )
     orphan = await plant(harness, claim, key)
     async with harness.running_worker():
-        code, out = await starter(harness, "reconcile", str(PERIOD))
+        code, out, _ = await harness.starter("reconcile", str(PERIOD))
     assert code == 1, out
     assert (
         f"ORPHAN {orphan} {late.amount_cents} {late.currency} for {late.customer_id}"
@@ -554,7 +533,7 @@ async def test_a_claim_resumed_after_stripes_idempotency_window_is_not_charged_t
 
 
 async def test_the_daily_schedule_reconciles_the_period_it_would_bill(harness: Harness) -> None:
-    code, out = await starter(harness, "schedule", "create", "--reconcile", "--paused")
+    code, out, _ = await harness.starter("schedule", "create", "--reconcile", "--paused")
     assert code == 0 and "every day at 02:00" in out, out
     handle = harness.client.get_schedule_handle(RECONCILE_SCHEDULE_ID)
     description = await handle.describe()
