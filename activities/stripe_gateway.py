@@ -100,7 +100,8 @@ class StripeGateway:
             )
         charges = await self._ours(self._client.v1.charges.list_async, claim)
         for charge in charges:
-            if charge.status == "succeeded":
+            # Pending (a bank debit) is what charge() records too: the charge was made.
+            if charge.status in ("succeeded", "pending"):
                 return ChargeResult(
                     charge_id=charge.id,
                     payment_intent_id=_id(charge.payment_intent),
