@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from billing.keys import reconcile_workflow_id
-from billing.models import Claim, Control, RunOptions, ScheduledBillingInput
+from billing.models import Control, RunOptions, ScheduledBillingInput
 from billing.periods import Period
 from billing.reconciliation import (
     ChildState,
@@ -24,23 +24,13 @@ from billing.reconciliation import (
 )
 from billing.reporting import describe_reconciliation
 from billing.schedules import MonthlySchedule, build_schedule
+from tests.unit.claims import CLAIM
 
 NOW = datetime(2027, 1, 5, tzinfo=UTC)
 
 
 def open_claim(*, sent: bool = True, control: Control | None = None) -> OpenClaim:
-    claim = Claim(
-        customer_id="cust-1",
-        period="2026-12",
-        idempotency_key="k" * 32,
-        amount_cents=1000,
-        currency="usd",
-        stripe_customer_id="cus_1",
-        payment_method="pm_1",
-        status="claimed",
-        claimed_at=NOW,
-    )
-    return OpenClaim(claim=claim, sent=sent, control=control)
+    return OpenClaim(claim=CLAIM, sent=sent, control=control)
 
 
 def charge(charge_id: str, customer_id: str = "cust-1", amount: int = 1000) -> StripeCharge:

@@ -4,7 +4,6 @@ make (a bank debit stays pending for days): Stripe's listing is stood in for her
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
 
@@ -12,20 +11,10 @@ import pytest
 import stripe
 
 from activities.stripe_gateway import StripeGateway
-from billing.models import ChargeFailure, ChargeResult, Claim
+from billing.models import ChargeFailure, ChargeResult
+from tests.unit.claims import CLAIM as LEDGER_CLAIM
 
-CLAIM = Claim(
-    customer_id="cust-1",
-    period="2026-12",
-    idempotency_key="0" * 32,
-    amount_cents=1_500,
-    currency="usd",
-    stripe_customer_id="cus_1",
-    payment_method="pm_1",
-    status="claimed",
-    claimed_at=datetime(2026, 12, 1, tzinfo=UTC),
-    charge_api="charges",
-)
+CLAIM = LEDGER_CLAIM.model_copy(update={"charge_api": "charges"})
 
 
 def charge(status: str, **extra: Any) -> stripe.Charge:
@@ -34,7 +23,7 @@ def charge(status: str, **extra: Any) -> stripe.Charge:
             "id": f"ch_{status}",
             "object": "charge",
             "status": status,
-            "amount": 1_500,
+            "amount": CLAIM.amount_cents,
             "currency": "usd",
             "payment_intent": None,
             "created": int(CLAIM.claimed_at.timestamp()) + 5,
