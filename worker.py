@@ -39,7 +39,8 @@ from billing.config import (
 )
 from billing.db import create_pool
 from billing.migrations import migrate
-from billing.period_keys import seal_plain_secrets
+from billing.period_keys import reseal_secrets
+from billing.sealing import SETTING
 from billing.stripe_client import stripe_client, stripe_http
 from billing.temporal_client import connect
 from vault.client import VaultAdmin
@@ -159,9 +160,15 @@ async def main() -> None:
             if settings.billing_vault_url and settings.billing_vault_admin_token:
                 admin = VaultAdmin(settings.billing_vault_url, settings.billing_vault_admin_token)
                 box = settings.secret_box()
-                sealed = await seal_plain_secrets(pool, box)
-                if sealed:
-                    log.info("sealed %d period keys stored in plain text", sealed)
+                sealed, unopened = await reseal_secrets(pool, box)
+                log.info("sealed %d period keys with the first encryption key", sealed)
+                if unopened:
+                    log.warning(
+                        "%d period keys are sealed with a key not in %s: their periods"
+                        " cannot charge or be reconciled until it is put back",
+                        unopened,
+                        SETTING,
+                    )
                 access: StripeAccess = VaultAccess(
                     pool,
                     box,

@@ -149,26 +149,44 @@ async def read_secret(pool: asyncpg.Pool, box: SecretBox, period: str, currency:
         raise NoPeriodKeyError(f"no vault key stored for {period} ({currency}): was it prepared?")
     if row["sealed_secret"] is not None:
         return box.open(row["sealed_secret"], f"the vault key for {period} ({currency})")
-    await seal_plain_secrets(pool, box)
+    await reseal_secrets(pool, box)
     return SecretStr(row["secret"])
 
 
-async def seal_plain_secrets(pool: asyncpg.Pool, box: SecretBox) -> int:
-    """Seal every key still stored in plain text (before migrations/013_sealed_period_keys.sql,
-    or by an older worker); a worker does at start-up. Returns how many it sealed."""
+async def reseal_secrets(pool: asyncpg.Pool, box: SecretBox) -> tuple[int, int]:
+    """Seal every stored key with the first of the box's keys: one kept in plain text
+    (before migrations/013_sealed_period_keys.sql, or by an older worker), or sealed with an
+    older key (rotation); a worker does at start-up. Returns how many rows it sealed, and
+    how many no key of the box opens (left as they are)."""
+    sealed = unopened = 0
     async with pool.acquire() as conn:
         rows = await conn.fetch(
-            "SELECT billing_period, currency, secret FROM period_vault_keys"
-            " WHERE secret IS NOT NULL"
+            "SELECT billing_period, currency, secret, sealed_secret FROM period_vault_keys"
         )
         for row in rows:
-            # Only if still the same secret: a key replaced meanwhile is sealed already.
-            await conn.execute(
-                "UPDATE period_vault_keys SET sealed_secret = $3, secret = NULL"
-                " WHERE billing_period = $1 AND currency = $2 AND secret = $4",
+            if row["secret"] is not None:
+                again: bytes | None = box.seal(SecretStr(row["secret"]))
+            else:
+                again = box.reseal(row["sealed_secret"])
+                if again is None:
+                    unopened += 1
+                if again is None or again == row["sealed_secret"]:
+                    continue
+            # Only if the row still holds what was read: a key replaced meanwhile is sealed.
+            sealed += await conn.fetchval(
+                """
+                WITH done AS (
+                    UPDATE period_vault_keys SET sealed_secret = $3, secret = NULL
+                    WHERE billing_period = $1 AND currency = $2
+                      AND secret IS NOT DISTINCT FROM $4
+                      AND sealed_secret IS NOT DISTINCT FROM $5
+                    RETURNING 1)
+                SELECT count(*) FROM done
+                """,
                 row["billing_period"],
                 row["currency"],
-                box.seal(SecretStr(row["secret"])),
+                again,
                 row["secret"],
+                row["sealed_secret"],
             )
-    return len(rows)
+    return sealed, unopened

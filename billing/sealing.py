@@ -3,8 +3,8 @@ database or its backups (an operator's report, a replica) cannot charge with the
 
 Fernet (AES-128-CBC with HMAC-SHA256, from `cryptography`) under the keys of
 BILLING_KEY_ENCRYPTION_KEYS, comma-separated and newest first: the first seals, any of them
-opens, so a key is rotated by putting a new one first and keeping the old one until nothing
-sealed with it is needed.
+opens. A worker seals every stored secret again with the first key when it starts, so a key
+is rotated by putting a new one first, restarting the workers, then dropping the old one.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class SecretBox:
                     " in URL-safe base64, 44 characters); make one with"
                     " `python -m billing.sealing`"
                 ) from None
+        self._first = fernets[0]
         self._fernet = MultiFernet(fernets)
 
     def __repr__(self) -> str:
@@ -51,6 +52,19 @@ class SecretBox:
 
     def seal(self, secret: SecretStr) -> bytes:
         return self._fernet.encrypt(secret.get_secret_value().encode())
+
+    def reseal(self, sealed: bytes) -> bytes | None:
+        """`sealed` as the first key seals it: itself if that key opens it, else sealed
+        again with it; None if no key opens it."""
+        try:
+            self._first.decrypt(sealed)
+            return sealed
+        except InvalidToken:
+            pass
+        try:
+            return self._fernet.rotate(sealed)
+        except InvalidToken:
+            return None
 
     def open(self, sealed: bytes, what: str) -> SecretStr:
         try:

@@ -1,5 +1,6 @@
-"""How the ledger keeps a period key's secret: sealed, and a row from before sealing is
-sealed when a worker starts, or first reads it."""
+"""How the ledger keeps a period key's secret: sealed, and sealed again with the first
+encryption key (a row from before sealing, or after a rotation) when a worker starts, or
+first reads it in plain text."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncpg
 import pytest
 from pydantic import SecretStr
 
-from billing.period_keys import read_secret
+from billing.period_keys import read_secret, reseal_secrets
 from billing.sealing import SecretBox, UnsealError, new_key
 from tests.integration.harness import Harness, eventually
 
@@ -78,3 +79,22 @@ async def test_a_worker_seals_every_key_stored_in_plain_text_when_it_starts(
     box = vaulted.settings.secret_box()
     for currency in ("usd", "eur"):
         assert await read_secret(vaulted.pool, box, "2026-10", currency) == SECRET
+
+
+async def test_a_rotation_reseals_every_key_the_old_key_sealed(db: asyncpg.Pool) -> None:
+    old, new = new_key(), new_key()
+    for index, (currency, key) in enumerate((("usd", old), ("eur", new), ("gbp", new_key()))):
+        await db.execute(
+            "INSERT INTO period_vault_keys"
+            " (billing_period, currency, vault_key_id, sealed_secret, cap_cents)"
+            " VALUES ('2026-11', $1, $2, $3, 100)",
+            currency,
+            f"vkey_00000000000000c{index}",
+            SecretBox(SecretStr(key)).seal(SECRET),
+        )
+    # The new key first, the old one kept: the usd key moves, the eur one is there already,
+    # and the gbp one was sealed with a key this worker does not have.
+    assert await reseal_secrets(db, SecretBox(SecretStr(f"{new},{old}"))) == (1, 1)
+    only_new = SecretBox(SecretStr(new))
+    for currency in ("usd", "eur"):
+        assert await read_secret(db, only_new, "2026-11", currency) == SECRET

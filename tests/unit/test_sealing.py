@@ -31,6 +31,16 @@ def test_a_new_key_first_seals_and_the_old_one_still_opens() -> None:
     assert SecretBox(SecretStr(new)).open(rotated.seal(SECRET), "the key") == SECRET
 
 
+def test_reseal_moves_a_secret_to_the_first_key_and_leaves_one_already_there() -> None:
+    old, new = new_key(), new_key()
+    sealed_before = SecretBox(SecretStr(old)).seal(SECRET)
+    rotated = SecretBox(SecretStr(f"{new},{old}"))
+    again = rotated.reseal(sealed_before)
+    assert again is not None and SecretBox(SecretStr(new)).open(again, "the key") == SECRET
+    assert rotated.reseal(again) == again
+    assert SecretBox(SecretStr(new_key())).reseal(sealed_before) is None
+
+
 def test_a_missing_key_or_an_altered_row_is_a_clear_error_without_the_secret() -> None:
     sealed = SecretBox(SecretStr(new_key())).seal(SECRET)
     other = SecretBox(SecretStr(new_key()))
