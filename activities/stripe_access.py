@@ -12,6 +12,7 @@ from typing import Protocol
 
 import asyncpg
 import stripe
+from pydantic import SecretStr
 
 from activities.stripe_gateway import StripeGateway
 from billing.models import ChargeApi, Claim
@@ -84,9 +85,14 @@ class VaultAccess:
         gateway = self._gateways.get(slot)
         if gateway is None:
             secret = await read_secret(self._pool, self._box, period, currency)
-            client = stripe_client(secret.get_secret_value(), self._base, self._http)
-            gateway = self._gateways[slot] = StripeGateway(client, self._api)
+            gateway = self._gateways[slot] = self._through(secret)
         return gateway
+
+    def _through(self, secret: SecretStr) -> StripeGateway:
+        """A gateway calling Stripe through the vault with this vault key."""
+        return StripeGateway(
+            stripe_client(secret.get_secret_value(), self._base, self._http), self._api
+        )
 
     def forget(self, period: str, currency: str) -> None:
         self._gateways.pop((period, currency), None)
@@ -104,7 +110,6 @@ class VaultAccess:
             if cached is not None and cached[1] - datetime.now(UTC) > LOOKUP_RENEW_BEFORE:
                 return cached[0]
             issued = await issue_lookup_key(self._admin, period, currency)
-            client = stripe_client(issued.secret.get_secret_value(), self._base, self._http)
-            gateway = StripeGateway(client, self._api)
+            gateway = self._through(issued.secret)
             self._lookups[slot] = (gateway, issued.expires_at)
             return gateway
