@@ -115,7 +115,8 @@ async def test_cancel_charges_nothing_more_and_cancels_the_rest(harness: Harness
 
 async def test_run_refuses_to_join_a_cancelled_run_still_finishing(harness: Harness) -> None:
     await harness.seed(6)
-    await harness.set_faults(latency_ms=1500)
+    # Long enough that the sent charges outlast the CLI's start on a loaded machine.
+    await harness.set_faults(latency_ms=10_000)
     async with harness.running_worker():
         handle = await start_period(
             harness.client, PERIOD, harness.task_queue, RunOptions(max_in_flight=2)
@@ -125,6 +126,7 @@ async def test_run_refuses_to_join_a_cancelled_run_still_finishing(harness: Harn
         code, out, err = await harness.starter("run", str(PERIOD), "--wait")
         assert (code, out) == (2, ""), err
         assert "was cancelled by alice and is still finishing" in err
+        await harness.set_faults(latency_ms=0)
         await handle.result()
         # Once it has ended, a run starts afresh and bills the rest.
         code, out, err = await harness.starter("run", str(PERIOD), "--wait")
