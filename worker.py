@@ -157,8 +157,15 @@ async def main() -> None:
     admin: VaultAdmin | None = None
     try:
         async with stripe_http(settings.billing_stripe_timeout_seconds) as http:
-            if settings.billing_vault_url and settings.billing_vault_admin_token:
-                admin = VaultAdmin(settings.billing_vault_url, settings.billing_vault_admin_token)
+            token = settings.vault_token()
+            if settings.billing_vault_url and token:
+                if settings.billing_vault_worker_token is None:
+                    log.warning(
+                        "calling the vault with its admin token: set BILLING_VAULT_WORKER_TOKEN"
+                        " (the vault's VAULT_WORKER_TOKEN) instead, so a worker taken over can"
+                        " issue keys only within the vault's worker budget"
+                    )
+                admin = VaultAdmin(settings.billing_vault_url, token)
                 box = settings.secret_box()
                 sealed, unopened = await reseal_secrets(pool, box)
                 log.info("sealed %d period keys with the first encryption key", sealed)

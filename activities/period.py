@@ -35,7 +35,7 @@ from billing.models import (
 )
 from billing.money import spend_caps
 from billing.periods import Billing, parse_period, period_for
-from vault.client import VaultAdmin, VaultAuthError, VaultInvalidRequest
+from vault.client import VaultAdmin, VaultAuthError, VaultForbidden, VaultInvalidRequest
 
 
 class PrepareRequest(Record):
@@ -128,9 +128,14 @@ class PeriodActivities:
                 await period_keys.ensure_key(
                     self._pool, admin, box, parse_period(plan.period), currency, cap, grace
                 )
-            except (period_keys.KeyRevokedError, VaultInvalidRequest, VaultAuthError) as exc:
-                # Revoked (the kill switch), a cap over the vault's ceiling, a wrong admin
-                # token: none of these change by retrying.
+            except (
+                period_keys.KeyRevokedError,
+                VaultInvalidRequest,
+                VaultAuthError,
+                VaultForbidden,
+            ) as exc:
+                # Revoked (the kill switch), a cap over the vault's ceiling, a wrong token, a
+                # worker budget spent: each needs an operator, not a retry.
                 raise ApplicationError(
                     f"no vault key for {plan.period} ({currency}): {exc}",
                     type=KEY_REFUSED,

@@ -578,8 +578,9 @@ async def measure_baseline(
     async with AsyncExitStack() as stack:
         http = await stack.enter_async_context(stripe_http(settings.billing_stripe_timeout_seconds))
         admin: VaultAdmin | None = None
-        if settings.billing_vault_url and settings.billing_vault_admin_token:
-            admin = VaultAdmin(settings.billing_vault_url, settings.billing_vault_admin_token)
+        token = settings.vault_token()
+        if settings.billing_vault_url and token:
+            admin = VaultAdmin(settings.billing_vault_url, token)
             stack.push_async_callback(admin.close)
             box = settings.secret_box()
             access: StripeAccess = VaultAccess(

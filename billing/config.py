@@ -69,8 +69,12 @@ class BillingSettings(BaseSettings):
     # idempotency keys for 24 hours, so a later replay would execute as a new charge.
     billing_lookup_after_seconds: float = Field(default=23 * 3600, gt=0)
     # With a vault, workers charge through it with per-period keys and never hold the Stripe
-    # secret (STRIPE_API_KEY is then unused); the admin token lets them issue those keys.
+    # secret (STRIPE_API_KEY is then unused); the worker token lets them issue those keys
+    # within the vault's worker budget. The admin token still works in its place, for
+    # deployments from before the worker token, but a worker taken over could then mint keys
+    # without limit.
     billing_vault_url: str | None = None
+    billing_vault_worker_token: SecretStr | None = None
     billing_vault_admin_token: SecretStr | None = None
     billing_vault_key_grace_days: int = Field(default=7, ge=1, le=90)
     # Fernet keys, newest first, that seal those keys' secrets in the ledger database
@@ -91,10 +95,17 @@ class BillingSettings(BaseSettings):
     @model_validator(mode="after")
     def _vault_needs_its_secrets(self) -> BillingSettings:
         if self.billing_vault_url:
-            for name in ("billing_vault_admin_token", "billing_key_encryption_keys"):
-                if getattr(self, name) is None:
-                    raise ValueError(f"BILLING_VAULT_URL is set: {name.upper()} is needed too")
+            if self.billing_vault_worker_token is None and self.billing_vault_admin_token is None:
+                raise ValueError(
+                    "BILLING_VAULT_URL is set: BILLING_VAULT_WORKER_TOKEN is needed too"
+                )
+            if self.billing_key_encryption_keys is None:
+                raise ValueError(f"BILLING_VAULT_URL is set: {SETTING} is needed too")
         return self
+
+    def vault_token(self) -> SecretStr | None:
+        """What workers call the vault with: the worker token, else the admin token."""
+        return self.billing_vault_worker_token or self.billing_vault_admin_token
 
     def secret_box(self) -> SecretBox:
         """What seals the period keys' secrets; only a worker with a vault needs one."""

@@ -11,13 +11,14 @@ import re
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from datetime import timedelta
+from typing import Literal, TypeVar
 
 import asyncpg
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from vault import reservations, store
+from vault import budget, reservations, store
 from vault.errors import VaultError, invalid_input
 from vault.models import (
     IDEMPOTENCY_KEY_PATTERN,
@@ -42,6 +43,10 @@ from vault.state import STATE, token_digest
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 M = TypeVar("M", bound=BaseModel)
+# Who may call an operation: anyone; the admin token only; either token.
+Access = Literal["public", "admin", "worker"]
+Role = Literal["admin", "worker"]
+ROLE = web.RequestKey("vault_role", str)
 
 _KEY_ID_RE = re.compile(KEY_ID_PATTERN)
 _IDEMPOTENCY_KEY_RE = re.compile(IDEMPOTENCY_KEY_PATTERN)
@@ -58,7 +63,7 @@ class Operation:
     status: int = 200
     body: type[BaseModel] | None = None
     query: type[BaseModel] | None = None
-    admin: bool = True
+    access: Access = "admin"
     # Statuses beyond those implied by the operation's inputs (401, 404, 400/422).
     other_errors: tuple[int, ...] = ()
 
@@ -103,18 +108,39 @@ def _no_key(key_id: str) -> VaultError:
     return VaultError(404, "resource_missing", f"no vault key {shown}", param="key_id")
 
 
-def _requires_admin(handler: Handler) -> Handler:
+def _role(request: web.Request) -> Role | None:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    presented = token_digest(token.strip() if scheme.lower() == "bearer" else "")
+    state = request.app[STATE]
+    # Compared in constant time, so response timing reveals nothing about either token.
+    is_admin = hmac.compare_digest(presented, state.admin_token_digest)
+    worker = state.worker_token_digest
+    is_worker = worker is not None and hmac.compare_digest(presented, worker)
+    return "admin" if is_admin else "worker" if is_worker else None
+
+
+def _authorized(access: Access, handler: Handler) -> Handler:
+    if access == "public":
+        return handler
+
     async def checked(request: web.Request) -> web.StreamResponse:
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        presented = token_digest(token.strip() if scheme.lower() == "bearer" else "")
-        # Compared in constant time, so response timing reveals nothing about the token.
-        if not hmac.compare_digest(presented, request.app[STATE].admin_token_digest):
+        role = _role(request)
+        if role is None:
             raise VaultError(
                 401,
-                "admin_token_invalid",
-                "send the admin token as 'Authorization: Bearer <VAULT_ADMIN_TOKEN>'",
+                "token_invalid",
+                "send the admin or worker token as 'Authorization: Bearer <token>'",
                 error_type="authentication_error",
             )
+        if role == "worker" and access == "admin":
+            raise VaultError(
+                403,
+                "admin_token_required",
+                f"{request.method} {request.path} needs the admin token: the worker token"
+                " issues keys within its budget, reads keys and reservations and resolves them",
+                error_type="permission_error",
+            )
+        request[ROLE] = role
         return await handler(request)
 
     return checked
@@ -125,8 +151,23 @@ async def issue_key(request: web.Request) -> web.Response:
     issue = await _body(request, IssueKeyRequest, **{MAX_CAP_CONTEXT: state.settings.max_cap_cents})
     key_id = "vkey_" + secrets.token_hex(8)
     secret = SECRET_PREFIX + secrets.token_urlsafe(32)
-    async with state.pool.acquire() as conn:
-        info = await store.insert_key(conn, key_id, secret, issue)
+    by = request[ROLE]
+    async with state.pool.acquire() as conn, conn.transaction():
+        if by == "worker":
+            settings = state.settings
+            assert settings.worker_budget_cents is not None  # required with the worker token
+            try:
+                await budget.check(
+                    conn,
+                    issue,
+                    settings.worker_budget_cents,
+                    timedelta(days=settings.worker_budget_days),
+                )
+            except budget.WorkerKeyRefused as error:
+                raise VaultError(
+                    403, "worker_key_refused", str(error), error_type="permission_error"
+                ) from None
+        info = await store.insert_key(conn, key_id, secret, issue, by)
     return _reply(IssuedKey(**info.model_dump(), secret=secret), status=201, reveal_secret=True)
 
 
@@ -241,6 +282,8 @@ OPERATIONS: tuple[Operation, ...] = (
         IssuedKey,
         status=201,
         body=IssueKeyRequest,
+        access="worker",
+        other_errors=(403,),
     ),
     Operation(
         "GET",
@@ -250,8 +293,17 @@ OPERATIONS: tuple[Operation, ...] = (
         find_keys,
         KeyList,
         query=FindKeysQuery,
+        access="worker",
     ),
-    Operation("GET", _KEY, "getKey", "A key's caps, usage, expiry and state", get_key, KeyInfo),
+    Operation(
+        "GET",
+        _KEY,
+        "getKey",
+        "A key's caps, usage, expiry and state",
+        get_key,
+        KeyInfo,
+        access="worker",
+    ),
     Operation(
         "POST",
         _KEY + "/revoke",
@@ -277,6 +329,7 @@ OPERATIONS: tuple[Operation, ...] = (
         list_reservations,
         ReservationList,
         query=ReservationsQuery,
+        access="worker",
     ),
     Operation(
         "POST",
@@ -286,6 +339,7 @@ OPERATIONS: tuple[Operation, ...] = (
         resolve,
         ReservationInfo,
         body=ResolveRequest,
+        access="worker",
         other_errors=(409,),
     ),
     Operation(
@@ -295,7 +349,7 @@ OPERATIONS: tuple[Operation, ...] = (
         "Liveness",
         health,
         Status,
-        admin=False,
+        access="public",
     ),
     Operation(
         "GET",
@@ -304,7 +358,7 @@ OPERATIONS: tuple[Operation, ...] = (
         "Readiness: the database answers",
         ready,
         Status,
-        admin=False,
+        access="public",
         other_errors=(503,),
     ),
 )
@@ -312,5 +366,6 @@ OPERATIONS: tuple[Operation, ...] = (
 
 def add_routes(router: web.UrlDispatcher) -> None:
     for operation in OPERATIONS:
-        handler = _requires_admin(operation.handler) if operation.admin else operation.handler
-        router.add_route(operation.method, operation.path, handler)
+        router.add_route(
+            operation.method, operation.path, _authorized(operation.access, operation.handler)
+        )

@@ -41,7 +41,11 @@ class VaultAdminError(Exception):
 
 
 class VaultAuthError(VaultAdminError):
-    """401: the admin token is missing or wrong."""
+    """401: the token is missing or wrong."""
+
+
+class VaultForbidden(VaultAdminError):
+    """403: the worker token may not do this (an admin-only call, a key past its budget)."""
 
 
 class VaultInvalidRequest(VaultAdminError):
@@ -63,6 +67,7 @@ class VaultUnavailable(VaultAdminError):
 _ERRORS: dict[int, type[VaultAdminError]] = {
     400: VaultInvalidRequest,
     401: VaultAuthError,
+    403: VaultForbidden,
     404: VaultNotFound,
     409: VaultConflict,
     422: VaultInvalidRequest,
@@ -70,9 +75,11 @@ _ERRORS: dict[int, type[VaultAdminError]] = {
 
 
 class VaultAdmin:
-    def __init__(self, base_url: str, admin_token: str | SecretStr, *, timeout: float = 10.0):
+    """With the admin token, or the worker token for what workers need (vault/budget.py)."""
+
+    def __init__(self, base_url: str, token: str | SecretStr, *, timeout: float = 10.0):
         self._base = base_url.rstrip("/") + "/vault"
-        self._token = admin_token if isinstance(admin_token, SecretStr) else SecretStr(admin_token)
+        self._token = token if isinstance(token, SecretStr) else SecretStr(token)
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
 

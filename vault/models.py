@@ -143,6 +143,9 @@ class KeyInfo(View):
     revoked: bool
     revoked_at: datetime | None
     created_at: datetime
+    issued_by: Literal["admin", "worker"] = Field(
+        description="the token that issued it; worker keys count against the worker budget"
+    )
 
 
 class IssuedKey(KeyInfo):

@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
-from vault.admin import Operation
+from vault.admin import Access, Operation
 from vault.models import ErrorResponse, IdempotencyKey, IssuedKey, KeyId
 
 _REF = "#/components/schemas/{model}"
@@ -17,9 +17,16 @@ _PATH_PARAMETERS: dict[str, dict[str, Any]] = {
     "key_id": TypeAdapter(KeyId).json_schema(),
     "idempotency_key": TypeAdapter(IdempotencyKey).json_schema(),
 }
+_SECURITY: dict[Access, list[dict[str, list[str]]]] = {
+    "public": [],
+    "admin": [{"adminToken": []}],
+    "worker": [{"adminToken": []}, {"workerToken": []}],
+}
 _ERROR_DESCRIPTIONS = {
     400: "Malformed request (body not JSON)",
-    401: "Missing or wrong admin token",
+    401: "Missing or wrong token",
+    403: "The worker token may not do this: an admin-only operation, or a key past the"
+    " worker budget or its window",
     404: "No such key or reservation",
     409: "Conflicts with the reservation's state",
     413: "The body is larger than the vault reads (1 MiB)",
@@ -67,8 +74,10 @@ def openapi_document(
             responses[str(op.status)]["links"] = key_links
         # aiohttp answers 413 past its body limit; any handler answers 500 when Postgres fails.
         errors = {500, *op.other_errors}
-        if op.admin:
+        if op.access != "public":
             errors.add(401)
+        if op.access == "admin":
+            errors.add(403)
         if "{key_id}" in op.path:
             errors.add(404)
         if op.body is not None:
@@ -83,7 +92,7 @@ def openapi_document(
         operation: dict[str, Any] = {
             "operationId": op.operation_id,
             "summary": op.summary,
-            "security": [{"adminToken": []}] if op.admin else [],
+            "security": _SECURITY[op.access],
             "responses": responses,
         }
         if parameters:
@@ -110,7 +119,10 @@ def openapi_document(
         "paths": paths,
         "components": {
             "schemas": schemas,
-            "securitySchemes": {"adminToken": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {
+                "adminToken": {"type": "http", "scheme": "bearer"},
+                "workerToken": {"type": "http", "scheme": "bearer"},
+            },
         },
     }
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -17,6 +17,25 @@ class VaultSettings(BaseSettings):
     )
     # No defaults for the secrets: a vault started without them must not start at all.
     admin_token: SecretStr = Field(description="bearer token of the admin API")
+    # Workers hold this one instead: it issues keys only within the budget below, and cannot
+    # revoke keys or read the audit log (vault/budget.py).
+    worker_token: SecretStr | None = Field(
+        default=None, description="bearer token for workers; needs VAULT_WORKER_BUDGET_CENTS"
+    )
+    # No default, like the ceiling below: how much a taken-over worker could spend is a policy.
+    worker_budget_cents: int | None = Field(
+        default=None,
+        gt=0,
+        le=2**62,
+        description="per currency: caps of live worker keys plus what dead ones took, over"
+        " the window",
+    )
+    worker_budget_days: int = Field(
+        default=45,
+        ge=1,
+        le=366,
+        description="the budget's rolling window; no worker key lives longer",
+    )
     upstream_stripe_base: str = Field(
         default="http://127.0.0.1:12111",
         pattern=r"^https?://[^\s/]+(/[^\s]*)?$",
@@ -32,11 +51,11 @@ class VaultSettings(BaseSettings):
     # upstream call, and more backends queueing for one key row cost more than they add.
     database_pool_size: int = Field(default=10, ge=2, le=200)
 
-    @field_validator("admin_token")
+    @field_validator("admin_token", "worker_token")
     @classmethod
-    def _long_enough(cls, value: SecretStr) -> SecretStr:
+    def _long_enough(cls, value: SecretStr | None) -> SecretStr | None:
         # Its own message: pydantic's would state the token's length.
-        if len(value.get_secret_value()) < 16:
+        if value is not None and len(value.get_secret_value()) < 16:
             raise ValueError("must be at least 16 characters")
         return value
 
@@ -46,6 +65,16 @@ class VaultSettings(BaseSettings):
         if not value.get_secret_value().startswith(("sk_", "rk_")):
             raise ValueError("must be a Stripe secret or restricted key (sk_... or rk_...)")
         return value
+
+    @model_validator(mode="after")
+    def _worker_token_needs_budget(self) -> VaultSettings:
+        if self.worker_token is None:
+            return self
+        if self.worker_budget_cents is None:
+            raise ValueError("VAULT_WORKER_TOKEN is set: VAULT_WORKER_BUDGET_CENTS is needed too")
+        if self.worker_token.get_secret_value() == self.admin_token.get_secret_value():
+            raise ValueError("VAULT_WORKER_TOKEN must differ from VAULT_ADMIN_TOKEN")
+        return self
 
     @property
     def upstream_base(self) -> str:

@@ -31,6 +31,7 @@ class VaultState:
     upstream_authorization: str = field(repr=False)
     upstream_secret: bytes = field(repr=False)
     admin_token_digest: bytes = field(repr=False)
+    worker_token_digest: bytes | None = field(repr=False)
     stale_after: timedelta
     outage_retry: timedelta = _OUTAGE_RETRY
 
@@ -61,6 +62,11 @@ def lifecycle(settings: VaultSettings) -> Callable[[web.Application], AsyncItera
             upstream_authorization=f"Bearer {secret}",
             upstream_secret=secret.encode(),
             admin_token_digest=token_digest(settings.admin_token.get_secret_value()),
+            worker_token_digest=(
+                None
+                if settings.worker_token is None
+                else token_digest(settings.worker_token.get_secret_value())
+            ),
             stale_after=timedelta(seconds=settings.upstream_timeout_seconds) + _STALE_MARGIN,
         )
         try:

@@ -43,7 +43,7 @@ _KEY_VIEW = f"""
            CASE WHEN k.daily_cap_cents IS NOT NULL
                 THEN coalesce(d.reserved_cents + d.spent_cents, 0) END AS daily_used_cents,
            k.allowed_endpoints, k.expires_at, k.expires_at <= now() AS expired,
-           k.revoked_at IS NOT NULL AS revoked, k.revoked_at, k.created_at
+           k.revoked_at IS NOT NULL AS revoked, k.revoked_at, k.created_at, k.issued_by
     FROM vault_keys k
     LEFT JOIN vault_key_days d ON d.vault_key_id = k.id AND d.day = {_TODAY}
 """
@@ -68,13 +68,17 @@ async def create_pool(dsn: str, size: int) -> asyncpg.Pool:
 
 
 async def insert_key(
-    conn: asyncpg.Connection, key_id: str, secret: str, request: IssueKeyRequest
+    conn: asyncpg.Connection,
+    key_id: str,
+    secret: str,
+    request: IssueKeyRequest,
+    issued_by: str,
 ) -> KeyInfo:
     await conn.execute(
         """
         INSERT INTO vault_keys (id, secret_sha256, vendor, label, period, currency, cap_cents,
-                                daily_cap_cents, allowed_endpoints, expires_at)
-        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+                                daily_cap_cents, allowed_endpoints, expires_at, issued_by)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
         """,
         key_id,
         secret_digest(secret),
@@ -86,6 +90,7 @@ async def insert_key(
         request.daily_cap_cents,
         request.allowed_endpoints,
         request.expires_at,
+        issued_by,
     )
     info = await get_key(conn, key_id)
     assert info is not None

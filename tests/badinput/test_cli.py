@@ -143,7 +143,7 @@ def test_bad_arguments_are_refused_before_anything_is_contacted(
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
-        ({"BILLING_VAULT_URL": "http://127.0.0.1:1"}, "BILLING_VAULT_ADMIN_TOKEN is needed too"),
+        ({"BILLING_VAULT_URL": "http://127.0.0.1:1"}, "BILLING_VAULT_WORKER_TOKEN is needed too"),
         ({"BILLING_CAP_MULTIPLIER": "0.5"}, "BILLING_CAP_MULTIPLIER: Input should be greater"),
         ({"LOG_LEVEL": "LOUD"}, "LOG_LEVEL: Input should be"),
     ],

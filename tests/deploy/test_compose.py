@@ -159,18 +159,21 @@ def test_required_variables_are_the_secrets_and_the_cap() -> None:
         "VAULT_ADMIN_TOKEN",
         "STRIPE_SECRET_KEY",
         "VAULT_MAX_CAP_CENTS",
+        "VAULT_WORKER_TOKEN",
+        "VAULT_WORKER_BUDGET_CENTS",
         "BILLING_KEY_ENCRYPTION_KEYS",
     }
 
 
-def test_workers_charge_through_the_vault_and_never_hold_the_stripe_secret() -> None:
+def test_workers_charge_through_the_vault_and_hold_neither_stripe_secret_nor_admin_token() -> None:
     vault = SERVICES["vault"]
     port = vault["command"][vault["command"].index("--port") + 1]
     workers = [s for s in PROJECT_SERVICES.values() if s["command"] == ["python", "worker.py"]]
     for worker in workers:
         env = environment(worker)
         assert env["BILLING_VAULT_URL"] == f"http://vault:{port}"
-        assert env["BILLING_VAULT_ADMIN_TOKEN"] == environment(vault)["VAULT_ADMIN_TOKEN"]
+        assert env["BILLING_VAULT_WORKER_TOKEN"] == environment(vault)["VAULT_WORKER_TOKEN"]
+        assert not any("<VAULT_ADMIN_TOKEN>" in value for value in env.values())
         assert env["BILLING_KEY_ENCRYPTION_KEYS"] == "<BILLING_KEY_ENCRYPTION_KEYS>"
         assert "STRIPE_API_KEY" not in env
         assert not any("<STRIPE_SECRET_KEY>" in value for value in env.values())

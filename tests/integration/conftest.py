@@ -11,7 +11,13 @@ from temporalio.client import Client
 from billing.config import BillingSettings
 from billing.stripe_client import stripe_client, stripe_http
 from stripe_emulator import EmulatorConfig, serve
-from tests.integration.harness import KEY_ENCRYPTION_KEYS, VAULT_ADMIN_TOKEN, Harness, VaultHandle
+from tests.integration.harness import (
+    KEY_ENCRYPTION_KEYS,
+    VAULT_ADMIN_TOKEN,
+    VAULT_WORKER_TOKEN,
+    Harness,
+    VaultHandle,
+)
 from vault import VaultSettings
 from vault import serve as serve_vault
 from vault.client import VaultAdmin
@@ -60,10 +66,13 @@ async def vaulted(harness: Harness) -> AsyncIterator[Harness]:
         upstream_stripe_base=harness.emulator_url,
         upstream_stripe_secret=harness.settings.stripe_api_key,
         max_cap_cents=10**9,
+        worker_token=SecretStr(VAULT_WORKER_TOKEN),
+        worker_budget_cents=10**10,
     )
     async with (
         serve_vault(settings) as running,
         VaultAdmin(running.url, VAULT_ADMIN_TOKEN) as admin,
+        VaultAdmin(running.url, VAULT_WORKER_TOKEN) as worker,
     ):
-        harness.vault = VaultHandle(url=running.url, admin=admin, admin_token=VAULT_ADMIN_TOKEN)
+        harness.vault = VaultHandle(url=running.url, admin=admin, worker=worker)
         yield harness

@@ -34,6 +34,7 @@ from worker import create_worker, direct_access
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 VAULT_ADMIN_TOKEN = "admin-token-for-tests-only"  # noqa: S105
+VAULT_WORKER_TOKEN = "worker-token-for-tests-only"  # noqa: S105
 # A Fernet key for the tests only: it seals the period keys' secrets in the ledger.
 KEY_ENCRYPTION_KEYS = "dGVzdHMtb25seS1rZXktZW5jcnlwdGlvbi1rZXktMzI="
 
@@ -41,8 +42,9 @@ KEY_ENCRYPTION_KEYS = "dGVzdHMtb25seS1rZXktZW5jcnlwdGlvbi1rZXktMzI="
 @dataclass
 class VaultHandle:
     url: str
+    # The operator's client; workers get `worker`, with the worker token, as in production.
     admin: VaultAdmin
-    admin_token: str
+    worker: VaultAdmin
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 60) -> None:
@@ -119,7 +121,7 @@ class Harness:
         if self.vault is None:
             access = direct_access(self.stripe, self.settings)
         else:
-            admin = self.vault.admin
+            admin = self.vault.worker
             access = VaultAccess(
                 self.pool,
                 self.settings.secret_box(),
@@ -183,7 +185,7 @@ class Harness:
             # As in production: the worker charges through the vault, without the Stripe key.
             del env["STRIPE_API_KEY"]
             env["BILLING_VAULT_URL"] = self.vault.url
-            env["BILLING_VAULT_ADMIN_TOKEN"] = self.vault.admin_token
+            env["BILLING_VAULT_WORKER_TOKEN"] = VAULT_WORKER_TOKEN
             env["BILLING_KEY_ENCRYPTION_KEYS"] = KEY_ENCRYPTION_KEYS
         if self.settings.billing_stripe_rps is not None:
             env["BILLING_STRIPE_RPS"] = str(self.settings.billing_stripe_rps)

@@ -7,7 +7,10 @@ import json
 from datetime import UTC, datetime, timedelta
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from temporalio.client import WorkflowFailureError
+from temporalio.exceptions import ActivityError, ApplicationError
 
 from billing import operations, period_keys
 from billing.customers import upsert_customers
@@ -17,7 +20,13 @@ from billing.preview import preview_period
 from billing.reporting import describe
 from billing.runs import period_status, start_period
 from billing.seeding import create_demo_customers
-from tests.integration.harness import VAULT_ADMIN_TOKEN, Harness, at_least, eventually
+from tests.integration.harness import (
+    VAULT_ADMIN_TOKEN,
+    VAULT_WORKER_TOKEN,
+    Harness,
+    at_least,
+    eventually,
+)
 from tests.integration.invariants import assert_billed_once
 from vault.models import IssueKeyRequest
 
@@ -63,6 +72,7 @@ async def test_a_period_charges_through_its_capped_key(vaulted: Harness) -> None
     total = sum(c.amount_cents for c in customers)
     assert key.cap_cents == -(-total * 110 // 100)
     assert (key.spent_cents, key.reserved_cents, key.period) == (total, 0, str(PERIOD))
+    assert key.issued_by == "worker"
     audit = await vaulted.vault.admin.audit(key.id, limit=500)
     assert sum(e.decision == "forwarded" and e.method == "POST" for e in audit) == 20
     # The worker held only the vault key: Stripe saw the vault's upstream secret on every call.
@@ -73,6 +83,7 @@ async def test_a_period_charges_through_its_capped_key(vaulted: Harness) -> None
     box = vaulted.settings.secret_box()
     secrets = [
         VAULT_ADMIN_TOKEN,
+        VAULT_WORKER_TOKEN,
         vaulted.settings.stripe_api_key.get_secret_value(),
         (await period_keys.read_secret(vaulted.pool, box, str(PERIOD), "usd")).get_secret_value(),
     ]
@@ -183,6 +194,34 @@ async def test_revoked_key_stops_charging(vaulted: Harness) -> None:
         summary = await handle.result()
     assert summary.charged == charged < 12
     assert len([c for c in await vaulted.charges() if c["status"] == "succeeded"]) == charged
+
+
+async def test_a_period_past_the_worker_budget_charges_nothing_and_says_why(
+    vaulted: Harness,
+) -> None:
+    await vaulted.seed(3)
+    assert vaulted.vault is not None
+    # Another period's keys have taken the workers' whole budget for the window.
+    for _ in range(10):
+        await vaulted.vault.worker.issue_key(
+            IssueKeyRequest(
+                label="billing-period",
+                period="2026-11",
+                cap_cents=10**9,
+                currency="usd",
+                allowed_endpoints=["POST /v1/payment_intents"],
+                expires_at=datetime.now(UTC) + timedelta(days=1),
+            )
+        )
+    async with vaulted.running_worker():
+        handle = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
+        with pytest.raises(WorkflowFailureError) as failed:
+            await handle.result()
+    assert isinstance(failed.value.cause, ActivityError)
+    cause = failed.value.cause.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "KeyRefused"
+    assert "VAULT_WORKER_BUDGET_CENTS" in cause.message and "revoke unused" in cause.message
+    assert await vaulted.charges() == []
 
 
 async def test_a_customer_without_a_period_key_waits_at_the_gate(vaulted: Harness) -> None:

@@ -20,14 +20,22 @@ from vault import RunningVault, VaultSettings, serve
 from vault.client import VaultAdmin
 from vault.models import IssuedKey
 
-from .support import ADMIN_TOKEN, MAX_CAP_CENTS, UPSTREAM_SECRET, key_request, via_vault
+from .support import (
+    ADMIN_TOKEN,
+    MAX_CAP_CENTS,
+    UPSTREAM_SECRET,
+    WORKER_BUDGET_CENTS,
+    WORKER_TOKEN,
+    key_request,
+    via_vault,
+)
 
 
 class Secrets:
     """Every secret a test handled: none may appear in logs, audit rows or responses."""
 
     def __init__(self) -> None:
-        self.values = [ADMIN_TOKEN, UPSTREAM_SECRET]
+        self.values = [ADMIN_TOKEN, WORKER_TOKEN, UPSTREAM_SECRET]
 
     def found_in(self, text: str) -> list[str]:
         return [secret for secret in self.values if secret in text]
@@ -61,6 +69,8 @@ def vault_settings(database_url: str, emulator: RunningEmulator) -> VaultSetting
         upstream_stripe_secret=UPSTREAM_SECRET,
         max_cap_cents=MAX_CAP_CENTS,
         upstream_timeout_seconds=5,
+        worker_token=WORKER_TOKEN,
+        worker_budget_cents=WORKER_BUDGET_CENTS,
     )
 
 
@@ -73,6 +83,13 @@ async def vault(vault_settings: VaultSettings) -> AsyncIterator[RunningVault]:
 @pytest.fixture
 async def admin(vault: RunningVault) -> AsyncIterator[VaultAdmin]:
     async with VaultAdmin(vault.url, ADMIN_TOKEN) as client:
+        yield client
+
+
+@pytest.fixture
+async def worker(vault: RunningVault) -> AsyncIterator[VaultAdmin]:
+    """The client as workers hold it: with the worker token."""
+    async with VaultAdmin(vault.url, WORKER_TOKEN) as client:
         yield client
 
 

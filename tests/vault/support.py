@@ -15,8 +15,11 @@ from stripe_emulator import RunningEmulator
 from vault.models import IssueKeyRequest
 
 ADMIN_TOKEN = "adm_test_token_4f9c2e7a1b"  # noqa: S105 (test-only values)
+WORKER_TOKEN = "wrk_test_token_8d3b6f0c5e"  # noqa: S105
 UPSTREAM_SECRET = "sk_test_51VaultUpstream9d1e44c0"  # noqa: S105
 MAX_CAP_CENTS = 5_000_000
+# Three keys of key_request()'s default cap.
+WORKER_BUDGET_CENTS = 300_000
 DEFAULT_ENDPOINTS = [
     "POST /v1/payment_intents",
     "POST /v1/charges",

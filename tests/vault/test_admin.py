@@ -57,7 +57,7 @@ async def test_admin_token_is_required_and_compared_in_constant_time(
     monkeypatch.setattr(hmac, "compare_digest", spy)  # vault.admin calls hmac.compare_digest
     for token in (None, "wrong", ADMIN_TOKEN + "x", ADMIN_TOKEN[:-1]):
         status, reply = await _admin_call(http, vault, "GET", "/vault/keys", token=token)
-        assert (status, reply["error"]["code"]) == (401, "admin_token_invalid")
+        assert (status, reply["error"]["code"]) == (401, "token_invalid")
     async with VaultAdmin(vault.url, "not-the-token") as wrong:
         with pytest.raises(VaultAuthError):
             await wrong.find_keys()
@@ -202,8 +202,11 @@ async def test_openapi_document_matches_the_routes(
     for ref in refs(document):
         assert ref.removeprefix("#/components/schemas/") in schemas, ref
     issue_op = document["paths"]["/vault/keys"]["post"]
-    assert issue_op["security"] == [{"adminToken": []}]
-    assert set(issue_op["responses"]) == {"201", "400", "401", "413", "422", "500"}
+    assert issue_op["security"] == [{"adminToken": []}, {"workerToken": []}]
+    assert set(issue_op["responses"]) == {"201", "400", "401", "403", "413", "422", "500"}
+    revoke_op = document["paths"]["/vault/keys/{key_id}/revoke"]["post"]
+    assert revoke_op["security"] == [{"adminToken": []}]
+    assert "403" in revoke_op["responses"]
     request_schema = schemas["IssueKeyRequest"]
     assert request_schema["properties"]["cap_cents"]["maximum"] == MAX_CAP_CENTS
     resolve_body = document["paths"]["/vault/keys/{key_id}/reservations/{idempotency_key}/resolve"]
