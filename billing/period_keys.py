@@ -18,17 +18,11 @@ from billing.models import Record
 from billing.periods import Period
 from billing.sealing import SecretBox
 from vault.client import VaultAdmin
+from vault.endpoints import WORKER_ENDPOINTS
 from vault.models import IssuedKey, IssueKeyRequest
 
 LABEL = "billing"
-ALLOWED_ENDPOINTS = [
-    "POST /v1/payment_intents",
-    "GET /v1/payment_intents",
-    "GET /v1/payment_intents/*",
-    "POST /v1/charges",
-    "GET /v1/charges",
-    "GET /v1/charges/*",
-]
+ALLOWED_ENDPOINTS = list(WORKER_ENDPOINTS)
 # Reconciliation reads a period's charges for weeks after the period (the daily schedule
 # checks the period it would bill), past its key's expiry: it then reads with a key of its
 # own that moves no money and lives an hour, kept in the worker's memory only.

@@ -27,6 +27,7 @@ LOCAL_STRIPE_KEY = "sk_test_local_emulator"
 LOCAL_MAX_CAP_CENTS = 10_000_000_000
 # Room for many periods' keys: the local stack bills what benchmarks and demos ask for.
 LOCAL_WORKER_BUDGET_CENTS = 100 * LOCAL_MAX_CAP_CENTS
+LOCAL_WORKER_CURRENCIES = "usd,eur,gbp,jpy"
 # One partition per task queue (the server's default is four). A single dev server serves
 # every partition itself, so more only cost it matching across them: in alternating runs
 # over 4,000 customers it spent 16-17 ms of CPU per customer with one against 20-21 with
@@ -236,6 +237,7 @@ class LocalStack:
                 "VAULT_MAX_CAP_CENTS": str(LOCAL_MAX_CAP_CENTS),
                 "VAULT_WORKER_TOKEN": self._worker_token,
                 "VAULT_WORKER_BUDGET_CENTS": str(LOCAL_WORKER_BUDGET_CENTS),
+                "VAULT_WORKER_CURRENCIES": LOCAL_WORKER_CURRENCIES,
             },
         )
         self.services.append(service)

@@ -11,7 +11,6 @@ import re
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Literal, TypeVar
 
 import asyncpg
@@ -128,7 +127,8 @@ def _authorized(access: Access, handler: Handler) -> Handler:
         if role is None:
             raise VaultError(
                 401,
-                "token_invalid",
+                # The code from before the worker token, for clients that match on it.
+                "admin_token_invalid",
                 "send the admin or worker token as 'Authorization: Bearer <token>'",
                 error_type="authentication_error",
             )
@@ -146,27 +146,28 @@ def _authorized(access: Access, handler: Handler) -> Handler:
     return checked
 
 
+def _worker_policy(request: web.Request) -> budget.WorkerPolicy | None:
+    """The policy the call is held to: the worker budget for the worker token, else none."""
+    return request.app[STATE].worker_policy if request[ROLE] == "worker" else None
+
+
+def _refused(error: budget.WorkerKeyRefused) -> VaultError:
+    return VaultError(403, "worker_key_refused", str(error), error_type="permission_error")
+
+
 async def issue_key(request: web.Request) -> web.Response:
     state = request.app[STATE]
     issue = await _body(request, IssueKeyRequest, **{MAX_CAP_CONTEXT: state.settings.max_cap_cents})
     key_id = "vkey_" + secrets.token_hex(8)
     secret = SECRET_PREFIX + secrets.token_urlsafe(32)
     by = request[ROLE]
+    policy = _worker_policy(request)
     async with state.pool.acquire() as conn, conn.transaction():
-        if by == "worker":
-            settings = state.settings
-            assert settings.worker_budget_cents is not None  # required with the worker token
+        if policy is not None:
             try:
-                await budget.check(
-                    conn,
-                    issue,
-                    settings.worker_budget_cents,
-                    timedelta(days=settings.worker_budget_days),
-                )
+                issue = await budget.admit(conn, issue, policy)
             except budget.WorkerKeyRefused as error:
-                raise VaultError(
-                    403, "worker_key_refused", str(error), error_type="permission_error"
-                ) from None
+                raise _refused(error) from None
         info = await store.insert_key(conn, key_id, secret, issue, by)
     return _reply(IssuedKey(**info.model_dump(), secret=secret), status=201, reveal_secret=True)
 
@@ -236,11 +237,14 @@ async def resolve(request: web.Request) -> web.Response:
                 resolution.root.attempt,
                 resolution.min_idle,
                 state.stale_after,
+                _worker_policy(request),
             )
         except reservations.NotFound as error:
             raise VaultError(404, "resource_missing", str(error)) from None
         except reservations.Conflict as error:
             raise VaultError(409, "reservation_conflict", str(error)) from None
+        except budget.WorkerKeyRefused as error:
+            raise _refused(error) from None
         except ValueError as error:
             raise VaultError(422, "parameter_invalid", str(error), param="amount_cents") from None
     return _reply(info)

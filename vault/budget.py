@@ -1,19 +1,23 @@
 """What the worker token may issue: keys within a rolling budget per currency.
 
 Workers hold the worker token, not the admin token, so a worker taken over cannot mint keys
-without limit. Per currency, the caps of live worker keys plus what expired or revoked ones
-took (spent, and reserved while unresolved) over the last VAULT_WORKER_BUDGET_DAYS stay
-within VAULT_WORKER_BUDGET_CENTS. No worker key lives longer than that window, so every live
-one is counted; a key with no metered endpoint (a lookup key) moves no money and is free.
+without limit. A worker key may allow only the billing workers' endpoints, in the currencies
+listed, and lives at most the window (a longer expiry is shortened to it). Per currency, what
+worker keys could have moved in the window stays within the budget: the cap of each live
+worker key, what each worker key dead within the window took (spent, and reserved while
+unresolved), and the cents the worker token freed by settling reservations as failed or for
+less, on any key, since a charge it called failed may have gone through. Keys with no metered
+endpoint (lookup keys) move no money themselves.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import asyncpg
 
-from vault.endpoints import METERED
+from vault.endpoints import METERED, WORKER_ENDPOINTS
 from vault.models import IssueKeyRequest
 
 
@@ -21,46 +25,89 @@ class WorkerKeyRefused(Exception):
     """The worker token may not issue this key; the message says why and what to do."""
 
 
-def moves_money(request: IssueKeyRequest) -> bool:
-    return not METERED.isdisjoint(request.allowed_endpoints)
+@dataclass(frozen=True)
+class WorkerPolicy:
+    budget_cents: int
+    window: timedelta
+    currencies: frozenset[str]
 
 
-async def check(
-    conn: asyncpg.Connection, request: IssueKeyRequest, budget_cents: int, window: timedelta
-) -> None:
-    """Refuse a worker's key that outlives the window or overruns the budget. Call inside the
-    transaction that inserts the key: it holds the currency's lock until then, so two issues
-    cannot both take the last room."""
-    now: datetime = await conn.fetchval("SELECT now()")
-    if request.expires_at > now + window:
-        raise WorkerKeyRefused(
-            f"a worker key may live at most {window.days} days (VAULT_WORKER_BUDGET_DAYS);"
-            f" this one expires {request.expires_at.isoformat()}: raise the window, or issue a"
-            " key that expires sooner"
-        )
-    if not moves_money(request):
-        return
+async def _lock(conn: asyncpg.Connection, currency: str) -> None:
+    # Held to the end of the caller's transaction: two issues (or an issue and a release)
+    # cannot both take the last room of a currency.
     await conn.execute(
         "SELECT pg_advisory_xact_lock(hashtextextended('vault-worker-budget:' || $1, 0))",
-        request.currency,
+        currency,
     )
+
+
+async def _room(conn: asyncpg.Connection, currency: str, policy: WorkerPolicy) -> int:
+    """Cents of the budget left in the currency; takes the currency's lock first."""
+    await _lock(conn, currency)
     used: int = await conn.fetchval(
         """
-        SELECT coalesce(sum(CASE WHEN revoked_at IS NULL AND expires_at > $3 THEN cap_cents
-                                 ELSE spent_cents + reserved_cents END), 0)
+        SELECT coalesce(sum(worker_released_cents + CASE
+                   WHEN issued_by <> 'worker' OR NOT allowed_endpoints && $3::text[] THEN 0
+                   WHEN revoked_at IS NULL AND expires_at > now() THEN cap_cents
+                   ELSE spent_cents + reserved_cents END), 0)
         FROM vault_keys
-        WHERE issued_by = 'worker' AND currency = $1 AND created_at > $3 - $2::interval
-              AND allowed_endpoints && $4::text[]
+        WHERE currency = $1
+              AND (revoked_at IS NULL AND expires_at > now()
+                   OR least(revoked_at, expires_at) > now() - $2::interval)
         """,
-        request.currency,
-        window,
-        now,
+        currency,
+        policy.window,
         sorted(METERED),
     )
-    if used + request.cap_cents > budget_cents:
+    return policy.budget_cents - used
+
+
+def _past_budget(what: str, currency: str, short: int, policy: WorkerPolicy) -> WorkerKeyRefused:
+    return WorkerKeyRefused(
+        f"{what} would take worker keys {short} {currency} past"
+        f" VAULT_WORKER_BUDGET_CENTS={policy.budget_cents} for the last {policy.window.days}"
+        " days: revoke unused worker keys (GET /vault/keys lists them; a revoked key counts"
+        " only what it took), raise the budget, or do this with the admin token"
+    )
+
+
+async def admit(
+    conn: asyncpg.Connection, request: IssueKeyRequest, policy: WorkerPolicy
+) -> IssueKeyRequest:
+    """The key to issue for a worker: `request`, its expiry shortened to the window if need
+    be; refused past the policy. Call inside the transaction that inserts the key."""
+    if request.currency not in policy.currencies:
         raise WorkerKeyRefused(
-            f"a cap of {request.cap_cents} {request.currency} would take worker keys to"
-            f" {used + request.cap_cents}, past VAULT_WORKER_BUDGET_CENTS={budget_cents} for the"
-            f" last {window.days} days: revoke unused worker keys (GET /vault/keys lists them;"
-            " a revoked key counts only what it took) or raise the budget"
+            f"currency {request.currency} is not in VAULT_WORKER_CURRENCIES"
+            f" ({','.join(sorted(policy.currencies))}): add it, or issue with the admin token"
         )
+    outside = [e for e in request.allowed_endpoints if e not in WORKER_ENDPOINTS]
+    if outside:
+        raise WorkerKeyRefused(
+            f"a worker key may allow only {', '.join(WORKER_ENDPOINTS)}; not {outside[0]}"
+        )
+    now: datetime = await conn.fetchval("SELECT now()")
+    latest = now + policy.window
+    admitted = request.model_copy(update={"expires_at": min(request.expires_at, latest)})
+    if not METERED.isdisjoint(request.allowed_endpoints):
+        room = await _room(conn, request.currency, policy)
+        if request.cap_cents > room:
+            short = request.cap_cents - room
+            raise _past_budget(f"a cap of {request.cap_cents}", request.currency, short, policy)
+    return admitted
+
+
+async def count_release(
+    conn: asyncpg.Connection, key_id: str, currency: str, cents: int, policy: WorkerPolicy
+) -> None:
+    """The worker token frees `cents` of a key's cap (a reservation settled as failed, or
+    for less): counted against the budget, refused past it. Call inside the transaction
+    that frees them."""
+    room = await _room(conn, currency, policy)
+    if cents > room:
+        raise _past_budget(f"freeing {cents} reserved", currency, cents - room, policy)
+    await conn.execute(
+        "UPDATE vault_keys SET worker_released_cents = worker_released_cents + $2 WHERE id = $1",
+        key_id,
+        cents,
+    )

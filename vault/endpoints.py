@@ -6,6 +6,16 @@ import re
 
 # Requests the vault meters: it reads amount and currency from their body and reserves them.
 METERED = frozenset({"POST /v1/payment_intents", "POST /v1/charges"})
+# All a key issued with the worker token may allow: the billing workers' charges and the
+# lookups of them (billing/period_keys.py), so such a key cannot read the rest of the account.
+WORKER_ENDPOINTS = (
+    "POST /v1/payment_intents",
+    "GET /v1/payment_intents",
+    "GET /v1/payment_intents/*",
+    "POST /v1/charges",
+    "GET /v1/charges",
+    "GET /v1/charges/*",
+)
 
 # An allowlist entry: a method and a path whose segments may be `*` (one segment). Keys may
 # read anything listed but write only to metered endpoints: many other Stripe POSTs move money

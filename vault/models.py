@@ -34,7 +34,8 @@ REVEAL_SECRET_CONTEXT = "reveal_secret"  # noqa: S105
 KeyId = Annotated[str, StringConstraints(pattern=KEY_ID_PATTERN)]
 # Years 2000-2999, as billing.periods allows: a schema pattern, so the OpenAPI document says so.
 Period = Annotated[str, StringConstraints(pattern=r"^2[0-9]{3}-(0[1-9]|1[0-2])$")]
-Currency = Annotated[str, StringConstraints(pattern=r"^[a-z]{3}$")]
+CURRENCY_PATTERN = r"^[a-z]{3}$"
+Currency = Annotated[str, StringConstraints(pattern=CURRENCY_PATTERN)]
 Label = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9 _.:/@-]{0,99}$")]
 Endpoint = Annotated[str, StringConstraints(pattern=ENTRY_PATTERN)]
 IdempotencyKey = Annotated[str, StringConstraints(pattern=IDEMPOTENCY_KEY_PATTERN)]
@@ -143,8 +144,10 @@ class KeyInfo(View):
     revoked: bool
     revoked_at: datetime | None
     created_at: datetime
+    # Defaulted, so a newer client reads the keys of a vault from before the worker token.
     issued_by: Literal["admin", "worker"] = Field(
-        description="the token that issued it; worker keys count against the worker budget"
+        default="admin",
+        description="the token that issued it; worker keys count against the worker budget",
     )
 
 

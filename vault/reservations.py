@@ -19,7 +19,7 @@ from typing import Literal
 
 import asyncpg
 
-from vault import store
+from vault import budget, store
 from vault.models import ReservationInfo, ReservationState
 
 Outcome = Literal["succeeded", "failed", "unknown"]
@@ -259,17 +259,21 @@ async def resolve(
     attempt: int | None,
     min_idle: timedelta | None,
     stale_after: timedelta,
+    worker_policy: budget.WorkerPolicy | None = None,
 ) -> ReservationInfo:
     """Settle an unknown reservation with what reconciliation found on Stripe for its
     `attempt` (any, if None); a release only once it has not changed for `min_idle`.
     Repeating the same resolution is a no-op; contradicting a settled one, settling an
-    attempt a retry has replaced, or releasing one that changed too lately is refused."""
+    attempt a retry has replaced, or releasing one that changed too lately is refused.
+    With `worker_policy` (the worker token's call), cents it frees count against the
+    worker budget (budget.WorkerKeyRefused past it)."""
     target: Literal["committed", "released"] = "committed" if outcome == "succeeded" else "released"
     async with conn.transaction():
         await mark_stale_unknown(conn, key_id, stale_after)
         row = await conn.fetchrow(
             """
-            SELECT id, attempt, state, amount_cents, committed_cents, now() - updated_at AS idle
+            SELECT id, attempt, state, amount_cents, committed_cents, now() - updated_at AS idle,
+                   (SELECT currency FROM vault_keys WHERE id = $1) AS key_currency
             FROM vault_reservations
             WHERE vault_key_id = $1 AND idempotency_key = $2 FOR UPDATE
             """,
@@ -299,6 +303,11 @@ async def resolve(
                     f"the reservation changed {row['idle'].total_seconds():.0f} s ago, less than"
                     f" {min_idle.total_seconds():.0f} s: Stripe may still commit it; later"
                 )
+            # A charge settled as failed, or for less, frees cap it may have taken after all.
+            kept = 0 if target == "released" else amount_cents or row["amount_cents"]
+            freed = row["amount_cents"] - kept
+            if worker_policy is not None and freed > 0:
+                await budget.count_release(conn, key_id, row["key_currency"], freed, worker_policy)
             await _finish(conn, row["id"], row["attempt"], "unknown", target, amount_cents, None)
         info = await conn.fetchrow(
             f"SELECT {store.RESERVATION_COLUMNS} FROM vault_reservations WHERE id = $1",

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import re
+from datetime import timedelta
+from typing import Annotated
+
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from vault.budget import WorkerPolicy
+from vault.models import CURRENCY_PATTERN
 
 
 class VaultSettings(BaseSettings):
@@ -36,6 +43,10 @@ class VaultSettings(BaseSettings):
         le=366,
         description="the budget's rolling window; no worker key lives longer",
     )
+    # Required with the token: the budget is per currency, so each one allowed adds to it.
+    worker_currencies: Annotated[frozenset[str], NoDecode] = Field(
+        default=frozenset(), description="comma-separated currencies worker keys may be in"
+    )
     upstream_stripe_base: str = Field(
         default="http://127.0.0.1:12111",
         pattern=r"^https?://[^\s/]+(/[^\s]*)?$",
@@ -66,15 +77,40 @@ class VaultSettings(BaseSettings):
             raise ValueError("must be a Stripe secret or restricted key (sk_... or rk_...)")
         return value
 
+    @field_validator("worker_currencies", mode="before")
+    @classmethod
+    def _currency_list(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        currencies = frozenset(c.strip() for c in value.split(",") if c.strip())
+        wrong = sorted(c for c in currencies if not re.fullmatch(CURRENCY_PATTERN, c))
+        if wrong:
+            raise ValueError(f"{wrong[0]!r} is not a lowercase ISO currency code like usd")
+        return currencies
+
     @model_validator(mode="after")
-    def _worker_token_needs_budget(self) -> VaultSettings:
+    def _worker_token_needs_a_policy(self) -> VaultSettings:
         if self.worker_token is None:
             return self
-        if self.worker_budget_cents is None:
-            raise ValueError("VAULT_WORKER_TOKEN is set: VAULT_WORKER_BUDGET_CENTS is needed too")
+        for name, value in (
+            ("VAULT_WORKER_BUDGET_CENTS", self.worker_budget_cents),
+            ("VAULT_WORKER_CURRENCIES", self.worker_currencies),
+        ):
+            if not value:
+                raise ValueError(f"VAULT_WORKER_TOKEN is set: {name} is needed too")
         if self.worker_token.get_secret_value() == self.admin_token.get_secret_value():
             raise ValueError("VAULT_WORKER_TOKEN must differ from VAULT_ADMIN_TOKEN")
         return self
+
+    def worker_policy(self) -> WorkerPolicy | None:
+        """What the worker token may issue; None without one."""
+        if self.worker_token is None or self.worker_budget_cents is None:
+            return None
+        return WorkerPolicy(
+            budget_cents=self.worker_budget_cents,
+            window=timedelta(days=self.worker_budget_days),
+            currencies=self.worker_currencies,
+        )
 
     @property
     def upstream_base(self) -> str:

@@ -12,6 +12,7 @@ import asyncpg
 from aiohttp import web
 
 from vault import store
+from vault.budget import WorkerPolicy
 from vault.settings import VaultSettings
 
 # How long past the upstream timeout a pending reservation may stay pending before it is
@@ -32,6 +33,7 @@ class VaultState:
     upstream_secret: bytes = field(repr=False)
     admin_token_digest: bytes = field(repr=False)
     worker_token_digest: bytes | None = field(repr=False)
+    worker_policy: WorkerPolicy | None
     stale_after: timedelta
     outage_retry: timedelta = _OUTAGE_RETRY
 
@@ -67,6 +69,7 @@ def lifecycle(settings: VaultSettings) -> Callable[[web.Application], AsyncItera
                 if settings.worker_token is None
                 else token_digest(settings.worker_token.get_secret_value())
             ),
+            worker_policy=settings.worker_policy(),
             stale_after=timedelta(seconds=settings.upstream_timeout_seconds) + _STALE_MARGIN,
         )
         try:

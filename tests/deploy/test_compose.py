@@ -161,6 +161,7 @@ def test_required_variables_are_the_secrets_and_the_cap() -> None:
         "VAULT_MAX_CAP_CENTS",
         "VAULT_WORKER_TOKEN",
         "VAULT_WORKER_BUDGET_CENTS",
+        "VAULT_WORKER_CURRENCIES",
         "BILLING_KEY_ENCRYPTION_KEYS",
     }
 

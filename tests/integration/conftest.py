@@ -68,6 +68,7 @@ async def vaulted(harness: Harness) -> AsyncIterator[Harness]:
         max_cap_cents=10**9,
         worker_token=SecretStr(VAULT_WORKER_TOKEN),
         worker_budget_cents=10**10,
+        worker_currencies="usd,eur,jpy",  # parsed from text
     )
     async with (
         serve_vault(settings) as running,

@@ -25,6 +25,7 @@ from .support import (
     MAX_CAP_CENTS,
     UPSTREAM_SECRET,
     WORKER_BUDGET_CENTS,
+    WORKER_CURRENCIES,
     WORKER_TOKEN,
     key_request,
     via_vault,
@@ -71,6 +72,7 @@ def vault_settings(database_url: str, emulator: RunningEmulator) -> VaultSetting
         upstream_timeout_seconds=5,
         worker_token=WORKER_TOKEN,
         worker_budget_cents=WORKER_BUDGET_CENTS,
+        worker_currencies=WORKER_CURRENCIES,  # parsed from text
     )
 
 

@@ -20,6 +20,7 @@ UPSTREAM_SECRET = "sk_test_51VaultUpstream9d1e44c0"  # noqa: S105
 MAX_CAP_CENTS = 5_000_000
 # Three keys of key_request()'s default cap.
 WORKER_BUDGET_CENTS = 300_000
+WORKER_CURRENCIES = "usd,eur"
 DEFAULT_ENDPOINTS = [
     "POST /v1/payment_intents",
     "POST /v1/charges",

@@ -57,7 +57,7 @@ async def test_admin_token_is_required_and_compared_in_constant_time(
     monkeypatch.setattr(hmac, "compare_digest", spy)  # vault.admin calls hmac.compare_digest
     for token in (None, "wrong", ADMIN_TOKEN + "x", ADMIN_TOKEN[:-1]):
         status, reply = await _admin_call(http, vault, "GET", "/vault/keys", token=token)
-        assert (status, reply["error"]["code"]) == (401, "token_invalid")
+        assert (status, reply["error"]["code"]) == (401, "admin_token_invalid")
     async with VaultAdmin(vault.url, "not-the-token") as wrong:
         with pytest.raises(VaultAuthError):
             await wrong.find_keys()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
@@ -11,6 +12,7 @@ import pytest
 import stripe
 from pydantic import ValidationError
 
+from stripe_emulator import RunningEmulator
 from vault import VaultSettings, serve
 from vault.client import VaultAdmin, VaultAuthError, VaultForbidden
 from vault.models import IssuedKey
@@ -23,6 +25,7 @@ from .support import (
     WORKER_TOKEN,
     charge,
     key_request,
+    set_faults,
 )
 
 LOOKUP_ONLY = ["GET /v1/charges", "GET /v1/payment_intents/*"]
@@ -61,6 +64,7 @@ async def test_worker_keys_stop_at_the_budget_and_other_keys_do_not_count(
     with pytest.raises(VaultForbidden, match="VAULT_WORKER_BUDGET_CENTS=300000") as refused:
         await _issue(worker, secrets_seen, cap_cents=1)
     assert refused.value.code == "worker_key_refused"
+    assert "1 usd past" in refused.value.message
     assert "revoke unused worker keys" in refused.value.message
     # The budget is per currency; keys that move no money and the admin's keys are free.
     await _issue(worker, secrets_seen, currency="eur")
@@ -69,7 +73,29 @@ async def test_worker_keys_stop_at_the_budget_and_other_keys_do_not_count(
     assert len(await admin.find_keys(period="2026-12")) == 6
 
 
-async def test_a_dead_worker_key_counts_what_it_took_and_an_old_one_nothing(
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        # Each currency allowed adds a budget, so only those listed are.
+        ({"currency": "gbp"}, "currency gbp is not in VAULT_WORKER_CURRENCIES"),
+        # Not even free lookup keys may read the rest of the account.
+        ({"allowed_endpoints": ["GET /v1/customers/*"]}, "not GET /v1/customers/*"),
+        ({"allowed_endpoints": ["GET /v1/*"]}, "not GET /v1/*"),
+    ],
+)
+async def test_a_worker_key_stays_in_the_workers_currencies_and_endpoints(
+    worker: VaultAdmin,
+    secrets_seen: Secrets,
+    issue: Issue,
+    overrides: dict[str, object],
+    message: str,
+) -> None:
+    with pytest.raises(VaultForbidden, match=re.escape(message)):
+        await _issue(worker, secrets_seen, **overrides)
+    await issue(**overrides)
+
+
+async def test_a_dead_worker_key_counts_what_it_took_within_the_window(
     worker: VaultAdmin,
     admin: VaultAdmin,
     secrets_seen: Secrets,
@@ -87,34 +113,92 @@ async def test_a_dead_worker_key_counts_what_it_took_and_an_old_one_nothing(
     # Revoked, a key counts only what it took: 40,000 here, nothing for the unused one.
     await admin.revoke(spent.id)
     await admin.revoke(unused.id)
-    async with db.acquire() as conn:
-        await conn.execute(
-            "UPDATE vault_keys SET expires_at = now() - interval '1 second' WHERE id = $1",
-            expiring.id,
-        )
+    await _age(db, expiring.id, expires_days_ago=0)
     await _issue(worker, secrets_seen, cap_cents=WORKER_BUDGET_CENTS - 40_000)
-    with pytest.raises(VaultForbidden, match="would take worker keys to 300001"):
+    with pytest.raises(VaultForbidden, match="1 usd past"):
         await _issue(worker, secrets_seen, cap_cents=1)
-    # Issued before the window: no longer counted (such a key has expired by then).
-    async with db.acquire() as conn:
-        await conn.execute(
-            "UPDATE vault_keys SET created_at = now() - interval '46 days' WHERE id = $1",
-            spent.id,
-        )
+    # A key dead for longer than the window no longer counts; a live one always does,
+    # however old (the window may have been shortened since it was issued).
+    await _age(db, spent.id, revoked_days_ago=46)
     await _issue(worker, secrets_seen, cap_cents=40_000)
+    async with db.acquire() as conn:
+        await conn.execute("UPDATE vault_keys SET created_at = now() - interval '400 days'")
+    with pytest.raises(VaultForbidden, match="1 usd past"):
+        await _issue(worker, secrets_seen, cap_cents=1)
+
+
+async def _age(
+    db: asyncpg.Pool,
+    key_id: str,
+    *,
+    expires_days_ago: int | None = None,
+    revoked_days_ago: int | None = None,
+) -> None:
+    async with db.acquire() as conn:
+        if expires_days_ago is not None:
+            await conn.execute(
+                "UPDATE vault_keys SET expires_at = now() - make_interval(days => $2)"
+                " - interval '1 second' WHERE id = $1",
+                key_id,
+                expires_days_ago,
+            )
+        if revoked_days_ago is not None:
+            await conn.execute(
+                "UPDATE vault_keys SET revoked_at = now() - make_interval(days => $2)"
+                " WHERE id = $1",
+                key_id,
+                revoked_days_ago,
+            )
 
 
 async def test_a_worker_key_lives_no_longer_than_the_budget_window(
     worker: VaultAdmin, secrets_seen: Secrets, issue: Issue
 ) -> None:
-    far = datetime.now(UTC) + timedelta(days=46)
-    with pytest.raises(VaultForbidden, match="at most 45 days") as refused:
-        await _issue(worker, secrets_seen, expires_at=far)
-    assert "raise the window" in refused.value.message
-    # Not even a lookup key: the window is what makes every live worker key counted.
-    with pytest.raises(VaultForbidden):
-        await _issue(worker, secrets_seen, expires_at=far, allowed_endpoints=LOOKUP_ONLY)
-    assert (await issue(expires_at=far)).issued_by == "admin"
+    far = datetime.now(UTC) + timedelta(days=90)
+    shortened = await _issue(worker, secrets_seen, expires_at=far)
+    window_end = datetime.now(UTC) + timedelta(days=45)
+    assert abs(shortened.expires_at - window_end) < timedelta(minutes=1)
+    near = datetime.now(UTC) + timedelta(days=2)
+    assert (await _issue(worker, secrets_seen, expires_at=near)).expires_at == near
+    assert (await issue(expires_at=far)).expires_at == far
+
+
+async def test_cents_a_worker_frees_count_against_the_budget(
+    worker: VaultAdmin,
+    admin: VaultAdmin,
+    secrets_seen: Secrets,
+    issue: Issue,
+    db: asyncpg.Pool,
+    customer: str,
+    emulator: RunningEmulator,
+    stripe_via_vault: Callable[[IssuedKey], stripe.StripeClient],
+) -> None:
+    """Settled as failed, a charge in doubt frees its room for another: had it gone through
+    after all, a worker lying about it would spend past the cap, so the budget counts it."""
+    mine = await _issue(worker, secrets_seen, cap_cents=WORKER_BUDGET_CENTS - 50_000)
+    theirs = await issue(cap_cents=100_000)
+    await set_faults(emulator, drop_after_commit=1.0)
+    for key, idempotency_key in ((mine, "in-doubt-1"), (theirs, "in-doubt-2")):
+        with pytest.raises(stripe.APIError):
+            await charge(stripe_via_vault(key), customer, 30_000, idempotency_key)
+    await set_faults(emulator, drop_after_commit=0.0)
+    await worker.resolve(mine.id, "in-doubt-1", "failed")
+    # On the admin's key too: 60,000 freed in all would pass the 50,000 left.
+    with pytest.raises(VaultForbidden, match="freeing 30000 reserved") as refused:
+        await worker.resolve(theirs.id, "in-doubt-2", "failed")
+    assert "10000 usd past" in refused.value.message
+    assert [r.idempotency_key for r in await admin.unknown_reservations(theirs.id)] == [
+        "in-doubt-2"
+    ]
+    # Settled as charged for less, the rest is freed: 5,000, which fits.
+    await worker.resolve(theirs.id, "in-doubt-2", "succeeded", amount_cents=25_000)
+    async with db.acquire() as conn:
+        freed = await conn.fetchval(
+            "SELECT sum(worker_released_cents) FROM vault_keys WHERE currency = 'usd'"
+        )
+    assert freed == 30_000 + 5_000
+    with pytest.raises(VaultForbidden, match="a cap of 15001 would take worker keys 1 usd past"):
+        await _issue(worker, secrets_seen, cap_cents=15_001)
 
 
 async def test_concurrent_worker_keys_never_pass_the_budget(
@@ -133,9 +217,17 @@ async def test_concurrent_worker_keys_never_pass_the_budget(
 @pytest.mark.parametrize(
     ("worker_settings", "message"),
     [
-        ({"worker_token": WORKER_TOKEN}, "VAULT_WORKER_BUDGET_CENTS is needed too"),
         (
-            {"worker_token": ADMIN_TOKEN, "worker_budget_cents": 1},
+            {"worker_token": WORKER_TOKEN, "worker_currencies": "usd"},
+            "VAULT_WORKER_BUDGET_CENTS is needed too",
+        ),
+        (
+            {"worker_token": WORKER_TOKEN, "worker_budget_cents": 1},
+            "VAULT_WORKER_CURRENCIES is needed too",
+        ),
+        ({"worker_currencies": "usd, EUR"}, "'EUR' is not a lowercase ISO currency code"),
+        (
+            {"worker_token": ADMIN_TOKEN, "worker_budget_cents": 1, "worker_currencies": "usd"},
             "VAULT_WORKER_TOKEN must differ from VAULT_ADMIN_TOKEN",
         ),
         ({"worker_token": "short", "worker_budget_cents": 1}, "at least 16 characters"),
