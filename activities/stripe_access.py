@@ -19,7 +19,7 @@ from billing.models import ChargeApi, Claim
 from billing.period_keys import NoPeriodKeyError, issue_lookup_key, read_secret
 from billing.sealing import SecretBox
 from billing.stripe_client import stripe_client
-from vault.client import VaultAdmin
+from vault.client import VaultAdmin, VaultForbidden
 
 # A lookup key is replaced this long before it expires, so no listing starts on a dying key.
 LOOKUP_RENEW_BEFORE = timedelta(minutes=10)
@@ -101,7 +101,7 @@ class VaultAccess:
         if self._admin is None:
             raise NoPeriodKeyError(
                 f"the vault key for {period} ({currency}) can no longer be used, and without"
-                " BILLING_VAULT_ADMIN_TOKEN no key to read its charges can be issued"
+                " BILLING_VAULT_WORKER_TOKEN no key to read its charges can be issued"
             )
         slot = (period, currency)
         # One issue for the listings that ask at once.
@@ -109,7 +109,14 @@ class VaultAccess:
             cached = self._lookups.get(slot)
             if cached is not None and cached[1] - datetime.now(UTC) > LOOKUP_RENEW_BEFORE:
                 return cached[0]
-            issued = await issue_lookup_key(self._admin, period, currency)
+            try:
+                issued = await issue_lookup_key(self._admin, period, currency)
+            except VaultForbidden as exc:
+                # E.g. a currency the vault's worker policy does not list: no retry changes it.
+                raise NoPeriodKeyError(
+                    f"the vault key for {period} ({currency}) can no longer be used, and the"
+                    f" vault refused a key to read its charges: {exc.message}"
+                ) from None
             gateway = self._through(issued.secret)
             self._lookups[slot] = (gateway, issued.expires_at)
             return gateway

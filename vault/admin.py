@@ -224,7 +224,14 @@ async def resolve(request: web.Request) -> web.Response:
     resolution = await _body(request, ResolveRequest)
     state = request.app[STATE]
     async with state.pool.acquire() as conn:
-        await _require_key(conn, key_id)
+        if await _require_key(conn, key_id) != "worker" and request[ROLE] == "worker":
+            # Only its own keys' releases are counted against the worker budget.
+            raise VaultError(
+                403,
+                "admin_token_required",
+                f"{key_id} was issued with the admin token: settle its reservations with it",
+                error_type="permission_error",
+            )
         if _IDEMPOTENCY_KEY_RE.fullmatch(idempotency_key) is None:
             raise VaultError(404, "resource_missing", "no reservation for a malformed key")
         try:
@@ -250,9 +257,14 @@ async def resolve(request: web.Request) -> web.Response:
     return _reply(info)
 
 
-async def _require_key(conn: asyncpg.Connection, key_id: str) -> None:
-    if await conn.fetchval("SELECT 1 FROM vault_keys WHERE id = $1", key_id) is None:
+async def _require_key(conn: asyncpg.Connection, key_id: str) -> str:
+    """Who issued the key: "admin" or "worker"."""
+    issued_by: str | None = await conn.fetchval(
+        "SELECT issued_by FROM vault_keys WHERE id = $1", key_id
+    )
+    if issued_by is None:
         raise _no_key(key_id)
+    return issued_by
 
 
 async def health(request: web.Request) -> web.Response:

@@ -3,11 +3,11 @@
 Workers hold the worker token, not the admin token, so a worker taken over cannot mint keys
 without limit. A worker key may allow only the billing workers' endpoints, in the currencies
 listed, and lives at most the window (a longer expiry is shortened to it). Per currency, what
-worker keys could have moved in the window stays within the budget: the cap of each live
-worker key, what each worker key dead within the window took (spent, and reserved while
-unresolved), and the cents the worker token freed by settling reservations as failed or for
-less, on any key, since a charge it called failed may have gone through. Keys with no metered
-endpoint (lookup keys) move no money themselves.
+worker keys could have moved stays within the budget: the cap of each live worker key, what
+each worker key dead within the window took (spent, and reserved while unresolved), and the
+cents the worker token freed on them by settling a reservation as failed or for less, since a
+charge it called failed may have gone through and the freed room be charged again. Keys with
+no metered endpoint (lookup keys) move no money and are not counted.
 """
 
 from __future__ import annotations
@@ -47,11 +47,10 @@ async def _room(conn: asyncpg.Connection, currency: str, policy: WorkerPolicy) -
     used: int = await conn.fetchval(
         """
         SELECT coalesce(sum(worker_released_cents + CASE
-                   WHEN issued_by <> 'worker' OR NOT allowed_endpoints && $3::text[] THEN 0
                    WHEN revoked_at IS NULL AND expires_at > now() THEN cap_cents
                    ELSE spent_cents + reserved_cents END), 0)
         FROM vault_keys
-        WHERE currency = $1
+        WHERE issued_by = 'worker' AND currency = $1 AND allowed_endpoints && $3::text[]
               AND (revoked_at IS NULL AND expires_at > now()
                    OR least(revoked_at, expires_at) > now() - $2::interval)
         """,
@@ -62,12 +61,14 @@ async def _room(conn: asyncpg.Connection, currency: str, policy: WorkerPolicy) -
     return policy.budget_cents - used
 
 
-def _past_budget(what: str, currency: str, short: int, policy: WorkerPolicy) -> WorkerKeyRefused:
+def _past_budget(
+    what: str, currency: str, short: int, policy: WorkerPolicy, otherwise: str
+) -> WorkerKeyRefused:
     return WorkerKeyRefused(
         f"{what} would take worker keys {short} {currency} past"
         f" VAULT_WORKER_BUDGET_CENTS={policy.budget_cents} for the last {policy.window.days}"
         " days: revoke unused worker keys (GET /vault/keys lists them; a revoked key counts"
-        " only what it took), raise the budget, or do this with the admin token"
+        f" only what it took), raise the budget, or {otherwise}"
     )
 
 
@@ -93,19 +94,36 @@ async def admit(
         room = await _room(conn, request.currency, policy)
         if request.cap_cents > room:
             short = request.cap_cents - room
-            raise _past_budget(f"a cap of {request.cap_cents}", request.currency, short, policy)
+            raise _past_budget(
+                f"a cap of {request.cap_cents}",
+                request.currency,
+                short,
+                policy,
+                "wait for a key of the window to expire",
+            )
     return admitted
 
 
 async def count_release(
-    conn: asyncpg.Connection, key_id: str, currency: str, cents: int, policy: WorkerPolicy
+    conn: asyncpg.Connection, key_id: str, cents: int, policy: WorkerPolicy
 ) -> None:
-    """The worker token frees `cents` of a key's cap (a reservation settled as failed, or
-    for less): counted against the budget, refused past it. Call inside the transaction
-    that frees them."""
-    room = await _room(conn, currency, policy)
-    if cents > room:
-        raise _past_budget(f"freeing {cents} reserved", currency, cents - room, policy)
+    """The worker token frees `cents` of its key's cap (a reservation settled as failed, or
+    for less): counted against the budget, and refused past it while the key is live (a
+    dead key's total is the same either way). Call inside the transaction that frees them."""
+    key = await conn.fetchrow(
+        "SELECT currency, revoked_at IS NULL AND expires_at > now() AS live"
+        " FROM vault_keys WHERE id = $1",
+        key_id,
+    )
+    room = await _room(conn, key["currency"], policy)
+    if key["live"] and cents > room:
+        raise _past_budget(
+            f"freeing {cents} reserved",
+            key["currency"],
+            cents - room,
+            policy,
+            "settle it with the admin token",
+        )
     await conn.execute(
         "UPDATE vault_keys SET worker_released_cents = worker_released_cents + $2 WHERE id = $1",
         key_id,

@@ -272,8 +272,7 @@ async def resolve(
         await mark_stale_unknown(conn, key_id, stale_after)
         row = await conn.fetchrow(
             """
-            SELECT id, attempt, state, amount_cents, committed_cents, now() - updated_at AS idle,
-                   (SELECT currency FROM vault_keys WHERE id = $1) AS key_currency
+            SELECT id, attempt, state, amount_cents, committed_cents, now() - updated_at AS idle
             FROM vault_reservations
             WHERE vault_key_id = $1 AND idempotency_key = $2 FOR UPDATE
             """,
@@ -307,7 +306,7 @@ async def resolve(
             kept = 0 if target == "released" else amount_cents or row["amount_cents"]
             freed = row["amount_cents"] - kept
             if worker_policy is not None and freed > 0:
-                await budget.count_release(conn, key_id, row["key_currency"], freed, worker_policy)
+                await budget.count_release(conn, key_id, freed, worker_policy)
             await _finish(conn, row["id"], row["attempt"], "unknown", target, amount_cents, None)
         info = await conn.fetchrow(
             f"SELECT {store.RESERVATION_COLUMNS} FROM vault_reservations WHERE id = $1",

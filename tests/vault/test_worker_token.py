@@ -175,23 +175,26 @@ async def test_cents_a_worker_frees_count_against_the_budget(
 ) -> None:
     """Settled as failed, a charge in doubt frees its room for another: had it gone through
     after all, a worker lying about it would spend past the cap, so the budget counts it."""
-    mine = await _issue(worker, secrets_seen, cap_cents=WORKER_BUDGET_CENTS - 50_000)
+    mine = await _issue(worker, secrets_seen, cap_cents=200_000)
+    other = await _issue(worker, secrets_seen, cap_cents=50_000)
     theirs = await issue(cap_cents=100_000)
     await set_faults(emulator, drop_after_commit=1.0)
-    for key, idempotency_key in ((mine, "in-doubt-1"), (theirs, "in-doubt-2")):
+    for key, idempotency_key in ((mine, "a"), (mine, "b"), (other, "c"), (theirs, "d")):
         with pytest.raises(stripe.APIError):
-            await charge(stripe_via_vault(key), customer, 30_000, idempotency_key)
+            await charge(stripe_via_vault(key), customer, 30_000, f"in-doubt-{idempotency_key}")
     await set_faults(emulator, drop_after_commit=0.0)
-    await worker.resolve(mine.id, "in-doubt-1", "failed")
-    # On the admin's key too: 60,000 freed in all would pass the 50,000 left.
+    # 250,000 of live caps leave 50,000: freeing 30,000 fits, another 30,000 does not.
+    await worker.resolve(mine.id, "in-doubt-a", "failed")
     with pytest.raises(VaultForbidden, match="freeing 30000 reserved") as refused:
-        await worker.resolve(theirs.id, "in-doubt-2", "failed")
+        await worker.resolve(mine.id, "in-doubt-b", "failed")
     assert "10000 usd past" in refused.value.message
-    assert [r.idempotency_key for r in await admin.unknown_reservations(theirs.id)] == [
-        "in-doubt-2"
-    ]
+    assert "settle it with the admin token" in refused.value.message
+    assert {r.idempotency_key for r in await admin.unknown_reservations(mine.id)} == {"in-doubt-b"}
     # Settled as charged for less, the rest is freed: 5,000, which fits.
-    await worker.resolve(theirs.id, "in-doubt-2", "succeeded", amount_cents=25_000)
+    await worker.resolve(mine.id, "in-doubt-b", "succeeded", amount_cents=25_000)
+    # The admin's keys are settled by the admin: the budget does not count them.
+    with pytest.raises(VaultForbidden, match="issued with the admin token"):
+        await worker.resolve(theirs.id, "in-doubt-d", "failed")
     async with db.acquire() as conn:
         freed = await conn.fetchval(
             "SELECT sum(worker_released_cents) FROM vault_keys WHERE currency = 'usd'"
@@ -199,6 +202,12 @@ async def test_cents_a_worker_frees_count_against_the_budget(
     assert freed == 30_000 + 5_000
     with pytest.raises(VaultForbidden, match="a cap of 15001 would take worker keys 1 usd past"):
         await _issue(worker, secrets_seen, cap_cents=15_001)
+    # Freed on a dead key, reserved cents only change name: allowed with no room left.
+    await admin.revoke(other.id)
+    await _issue(worker, secrets_seen, cap_cents=15_000 + 50_000 - 30_000)
+    await worker.resolve(other.id, "in-doubt-c", "failed")
+    with pytest.raises(VaultForbidden, match="1 usd past"):
+        await _issue(worker, secrets_seen, cap_cents=1)
 
 
 async def test_concurrent_worker_keys_never_pass_the_budget(
