@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from billing.db import check_dsn
 from billing.errors import BillingError
 from billing.models import ChargeApi
 from billing.sealing import SETTING, SecretBox
@@ -47,7 +55,7 @@ class TemporalSettings(BaseSettings):
 class DatabaseSettings(BaseSettings):
     model_config = SettingsConfigDict(extra="ignore", hide_input_in_errors=True)
 
-    database_url: str = Field(
+    database_url: Annotated[str, AfterValidator(check_dsn)] = Field(
         default="postgresql://postgres@127.0.0.1:5433/billing",
         description="PostgreSQL holding the billing ledger",
     )

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 import asyncpg
 
-from billing.errors import ServiceUnavailableError
+from billing.errors import ConfigurationError, ServiceUnavailableError
 
 # Errors that say the database could not be reached or dropped the connection (a restart, a
 # failover), as opposed to a statement it refused: only these are worth trying again.
@@ -15,6 +17,25 @@ CONNECTION_ERRORS: tuple[type[Exception], ...] = (
     asyncpg.PostgresConnectionError,
     asyncpg.OperatorInterventionError,
 )
+
+
+_MALFORMED = (
+    "is not a valid PostgreSQL URL (postgresql://user:password@host:port/database):"
+    " percent-encode any '/', '#', '?', '@' or ':' in the user name or password"
+)
+
+
+def check_dsn(dsn: str) -> str:
+    """`dsn` if asyncpg can parse it. The error never quotes it, nor the parser's own message:
+    both may hold the password."""
+    try:
+        parts = urlsplit(dsn)
+        _ = parts.port
+    except ValueError:
+        raise ValueError(_MALFORMED) from None
+    if parts.scheme not in ("postgresql", "postgres") or not parts.hostname:
+        raise ValueError(_MALFORMED)
+    return dsn
 
 
 def _unavailable(dsn: str, exc: Exception) -> ServiceUnavailableError:
@@ -28,6 +49,8 @@ async def connect(dsn: str) -> asyncpg.Connection:
         return await asyncpg.connect(dsn)
     except (OSError, asyncpg.PostgresError) as exc:
         raise _unavailable(dsn, exc) from None
+    except ValueError:  # asyncpg's parser, quoting the part it choked on
+        raise ConfigurationError(f"DATABASE_URL {_MALFORMED}") from None
 
 
 async def create_pool(dsn: str, *, max_size: int = 20) -> asyncpg.Pool:
@@ -37,6 +60,8 @@ async def create_pool(dsn: str, *, max_size: int = 20) -> asyncpg.Pool:
         )
     except (OSError, asyncpg.PostgresError) as exc:
         raise _unavailable(dsn, exc) from None
+    except ValueError:  # asyncpg's parser, quoting the part it choked on
+        raise ConfigurationError(f"DATABASE_URL {_MALFORMED}") from None
     assert pool is not None
     return pool
 

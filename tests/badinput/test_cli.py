@@ -159,6 +159,33 @@ async def test_a_worker_with_a_bad_setting_names_it_and_shows_no_value(
     assert "Q7Q7" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("argv", "variable"),
+    [
+        (["starter.py", "preview", "2026-12"], "DATABASE_URL"),
+        (["worker.py"], "DATABASE_URL"),
+        (["-m", "vault"], "VAULT_DATABASE_URL"),
+    ],
+)
+async def test_a_malformed_database_url_is_named_and_its_password_not_shown(
+    argv: list[str], variable: str
+) -> None:
+    # Unescaped '/' and '#' in the password: the URL parser's own message quotes a piece.
+    url = "postgresql://billing:Pa55w/0rd#S3cret@127.0.0.1:5432/billing"
+    env = {
+        variable: url,
+        "VAULT_ADMIN_TOKEN": "adm_test_token_4f9c2e7a1b",
+        "VAULT_UPSTREAM_STRIPE_SECRET": "sk_test_cli_unused",
+        "VAULT_MAX_CAP_CENTS": "100",
+    }
+    result = await run_cli(*argv, env=env)
+    assert (result.code, result.stdout) == (2, ""), result
+    assert f"{variable}: Value error, is not a valid PostgreSQL URL" in result.stderr
+    assert "percent-encode" in result.stderr
+    assert "Pa55w" not in result.stderr and "S3cret" not in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 async def test_a_bad_import_leaves_the_customers_as_they_were(
     db: asyncpg.Pool, database_url: str, tmp_path: Path
 ) -> None:
