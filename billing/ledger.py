@@ -27,16 +27,17 @@ from billing.models import (
 from billing.reconciliation import CustomerToCheck, LedgerEntry, OpenClaim
 
 # Customers a period bills: active ones, and any with a row for it (a claim is always finished).
+# A customer a cancelled run never started counts as having no row: billed only while active,
+# at its amount, currency and card of now (start_period reopens it so).
 _DUE = """
     FROM customers c
     LEFT JOIN billing_runs r ON r.customer_id = c.customer_id AND r.billing_period = $1
+        AND NOT (r.status = 'cancelled' AND r.cancelled_before_start)
     WHERE (c.active OR r.status IS NOT NULL)
 """
 
-# Rows a run would charge: no row yet, an unfinished claim not skipped, or a customer a
-# cancelled run never started (a new run reopens those).
-_OPEN = """(r.status IS NULL OR (r.status = 'claimed' AND r.skip_reason IS NULL)
-           OR (r.status = 'cancelled' AND r.cancelled_before_start))"""
+# Rows a run would charge: no row yet, or an unfinished claim not skipped.
+_OPEN = """(r.status IS NULL OR (r.status = 'claimed' AND r.skip_reason IS NULL))"""
 
 _CLAIM_COLUMNS = """
     customer_id, billing_period AS period, idempotency_key, amount_cents, currency,
@@ -271,7 +272,9 @@ async def without_rows(
 
 async def start_period(conn: asyncpg.Connection, plan: PeriodPlan, workflow_id: str) -> None:
     """Record a new run of the period. Customers a cancelled run never started are due
-    again (see migrations/005); a cancelled row never reached Stripe (see begin_charge)."""
+    again (see migrations/005) if still active, as they are now: nothing of theirs reached
+    Stripe (see begin_charge), so the claim takes their amount, currency, card and API
+    afresh. An inactive one stays cancelled, and reopens if it is active at a later run."""
     async with conn.transaction():
         await conn.execute(
             """
@@ -291,10 +294,16 @@ async def start_period(conn: asyncpg.Connection, plan: PeriodPlan, workflow_id: 
         )
         await conn.execute(
             """
-            UPDATE billing_runs SET status = 'claimed', completed_at = NULL, reason = NULL,
-                                    decided_by = NULL, cancelled_before_start = false,
-                                    updated_at = now()
-            WHERE billing_period = $1 AND status = 'cancelled' AND cancelled_before_start
+            UPDATE billing_runs r
+            SET status = 'claimed', completed_at = NULL, reason = NULL, decided_by = NULL,
+                cancelled_before_start = false, updated_at = now(), claimed_at = now(),
+                amount_cents = c.amount_cents, currency = c.currency,
+                stripe_customer_id = c.stripe_customer_id, payment_method = c.payment_method,
+                charge_api = NULL, claimed_by_run = NULL
+            FROM customers c
+            WHERE r.billing_period = $1 AND r.status = 'cancelled' AND r.cancelled_before_start
+                  AND r.charge_started_at IS NULL
+                  AND c.customer_id = r.customer_id AND c.active
             """,
             plan.period,
         )

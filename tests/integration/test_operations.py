@@ -113,6 +113,42 @@ async def test_cancel_charges_nothing_more_and_cancels_the_rest(harness: Harness
     await assert_billed_once(harness, str(PERIOD), customers, cancelled=stopped)
 
 
+async def test_a_rerun_bills_those_the_cancel_never_started_as_they_are_now(
+    harness: Harness,
+) -> None:
+    customers = {c.customer_id: c for c in await harness.seed(12)}
+    await harness.set_faults(latency_ms=300)
+    async with harness.running_worker():
+        handle = await start_period(
+            harness.client, PERIOD, harness.task_queue, RunOptions(max_in_flight=2)
+        )
+        await eventually(lambda: at_least(harness.succeeded(), 2))
+        await operations.control(harness.client, PERIOD, "cancel", ALICE)
+        await handle.result()
+    rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
+    gone, repriced = sorted(c for c, r in rows.items() if r["cancelled_before_start"])[-2:]
+    # Between the runs one customer leaves and another's price changes.
+    async with harness.pool.acquire() as conn:
+        await conn.execute("UPDATE customers SET active = false WHERE customer_id = $1", gone)
+        new_amount = await conn.fetchval(
+            "UPDATE customers SET amount_cents = amount_cents + 5000 WHERE customer_id = $1"
+            " RETURNING amount_cents",
+            repriced,
+        )
+    await harness.set_faults(latency_ms=0)
+    async with harness.running_worker():
+        rerun = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    assert rerun.due == 11
+    rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
+    assert (rows[gone]["status"], rows[gone]["cancelled_before_start"]) == ("cancelled", True)
+    assert (rows[repriced]["status"], rows[repriced]["amount_cents"]) == ("charged", new_amount)
+    paid = {
+        c["customer"]: c["amount"] for c in await harness.charges() if c["status"] == "succeeded"
+    }
+    assert customers[gone].stripe_customer_id not in paid
+    assert paid[customers[repriced].stripe_customer_id] == new_amount
+
+
 async def test_run_refuses_to_join_a_cancelled_run_still_finishing(harness: Harness) -> None:
     await harness.seed(6)
     # Long enough that the sent charges outlast the CLI's start on a loaded machine.
