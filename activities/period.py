@@ -246,7 +246,12 @@ class PeriodActivities:
         counts = Counts(due=len(page.customers))
         for outcome in ended:
             counts.add(outcome)
-        return CancelPage(counts=counts, next_cursor=page.next_cursor)
+        finished = {outcome.customer_id for outcome in ended}
+        return CancelPage(
+            counts=counts,
+            next_cursor=page.next_cursor,
+            sent=[c for c in open_ids if c not in finished],
+        )
 
     @activity.defn(name="close_period")
     async def close(self, summary: PeriodSummary) -> None:

@@ -436,7 +436,10 @@ async def cancel_customers(
         FROM customers WHERE customer_id = $1
         ON CONFLICT (customer_id, billing_period) DO UPDATE
             SET status = 'cancelled', reason = $4, decided_by = $5, completed_at = now(),
-                cancelled_before_start = true, updated_at = now()
+                -- A row a child claimed (one of a terminated run's, still running) keeps
+                -- that child's ID, which a later run cannot start again: not reopened.
+                cancelled_before_start = billing_runs.claimed_by_run IS NULL,
+                updated_at = now()
             WHERE billing_runs.status = 'claimed' AND billing_runs.charge_started_at IS NULL
         """,
         [(customer_id, period, key, reason, operator) for customer_id, key in keys.items()],

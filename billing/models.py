@@ -168,6 +168,9 @@ class CancelPage(Record):
 
     counts: Counts
     next_cursor: str | None
+    # Claimed and sent to Stripe by a child of another run (one terminated, its children
+    # left running): the cancel cannot stop them, so the run waits for their outcomes.
+    sent: list[str] = Field(default_factory=list)
 
 
 class RunOptions(Record):

@@ -514,6 +514,10 @@ class BillingPeriodWorkflow:
                 summary="mark customers not started cancelled",
             )
             state.counts.merge(page.counts)
+            if page.sent:
+                # Counted due already: their outcome is added when the ledger has it.
+                self._in_flight.update(page.sent)
+                self._await_elsewhere(page.sent)
             state.cursor = page.next_cursor or state.cursor
             state.listing_done = page.next_cursor is None
         self._describe()

@@ -11,9 +11,16 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from temporalio.client import WorkflowExecution
 
-from billing import operations, schedules
-from billing.keys import period_workflow_id
-from billing.models import OperatorRequest, PeriodSummary, RunOptions, SkipRequest
+from billing import ledger, operations, schedules
+from billing.keys import idempotency_key, period_workflow_id
+from billing.models import (
+    ChargeResult,
+    Claim,
+    OperatorRequest,
+    PeriodSummary,
+    RunOptions,
+    SkipRequest,
+)
 from billing.periods import Period, period_for
 from billing.preview import preview_period
 from billing.runs import period_status, start_period
@@ -147,6 +154,61 @@ async def test_a_rerun_bills_those_the_cancel_never_started_as_they_are_now(
     }
     assert customers[gone].stripe_customer_id not in paid
     assert paid[customers[repriced].stripe_customer_id] == new_amount
+
+
+async def _claim_as_another_run(harness: Harness, customer_id: str, *, send: bool) -> Claim:
+    """What a child of a terminated run, left running, did: claim, and maybe send."""
+    namespace = harness.settings.billing_key_namespace
+    async with harness.pool.acquire() as conn:
+        claim = await ledger.claim(
+            conn,
+            customer_id,
+            str(PERIOD),
+            idempotency_key(namespace, customer_id, PERIOD),
+            "run-of-a-terminated-period",
+            charge_api="payment_intents",
+        )
+        if send:
+            assert await ledger.begin_charge(conn, claim) == "go"
+    return claim
+
+
+async def test_a_cancel_waits_for_charges_another_runs_children_sent(harness: Harness) -> None:
+    first, claimed, sent = (c.customer_id for c in await harness.seed(3))
+    await _claim_as_another_run(harness, claimed, send=False)
+    in_doubt = await _claim_as_another_run(harness, sent, send=True)
+    await harness.set_faults(latency_ms=2000)
+    async with harness.running_worker():
+        handle = await start_period(
+            harness.client, PERIOD, harness.task_queue, RunOptions(max_in_flight=1)
+        )
+        await eventually(lambda: at_least(harness.money_requests(), 1))
+        await operations.control(harness.client, PERIOD, "cancel", ALICE)
+        # The cancel cannot stop a charge already at Stripe: the run waits for its outcome.
+        await asyncio.sleep(4)
+        assert (await period_status(harness.client, PERIOD)).state == "cancelling"
+        async with harness.pool.acquire() as conn:
+            await ledger.record_charge(
+                conn,
+                in_doubt.idempotency_key,
+                ChargeResult(
+                    charge_id="ch_late", payment_intent_id="pi_late", amount_cents=1, currency="usd"
+                ),
+            )
+        summary = await handle.result()
+    history = await handle.fetch_history()
+    if os.environ.get("RECORD_HISTORIES"):
+        name = f"BillingPeriodWorkflow--{history.workflow_id}--{handle.result_run_id}.json"
+        (HISTORIES / name).write_text(history.to_json())
+    await replay([history])
+    assert (summary.due, summary.charged, summary.cancelled) == (3, 2, 1)
+    rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
+    assert (rows[first]["status"], rows[sent]["status"]) == ("charged", "charged")
+    # The claimed one keeps its child's ID: it stays cancelled, not reopened by a rerun.
+    assert (rows[claimed]["status"], rows[claimed]["cancelled_before_start"]) == (
+        "cancelled",
+        False,
+    )
 
 
 async def test_run_refuses_to_join_a_cancelled_run_still_finishing(harness: Harness) -> None:
