@@ -246,16 +246,38 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
     elif args.schedule_command == "unpause":
         await handle.unpause(note=args.note)
         print(f"unpaused schedule {args.id}")
+        _warn_missed(args.id, await schedules.missed_launches(client, args.id))
     elif args.schedule_command == "trigger":
         await handle.trigger()
         print(f"triggered schedule {args.id}")
     elif args.schedule_command == "backfill":
-        count = await schedules.backfill(client, args.id, args.start, args.end)
-        print(f"backfilling {count} periods, {args.start} to {args.end}")
+        launches = await schedules.backfill(client, args.id, args.start, args.end)
+        print(
+            f"backfilling {len(launches)} launches, {args.start} to {args.end}: "
+            + ", ".join(t.isoformat() for t in launches)
+        )
     elif args.schedule_command == "delete":
         await handle.delete()
         print(f"deleted schedule {args.id}")
     return 0
+
+
+def _warn_missed(schedule_id: str, missed: list[schedules.Missed]) -> None:
+    if not missed:
+        return
+    print(
+        f"WARNING: while paused, {schedule_id} skipped {len(missed)} launch(es), which Temporal"
+        " does not make up: " + ", ".join(m.at.isoformat() for m in missed),
+        file=sys.stderr,
+    )
+    periods = [m.period for m in missed if m.period is not None]
+    if periods:
+        print(
+            f"  unbilled by it: {', '.join(map(str, periods))}; to bill them:"
+            f" python starter.py schedule backfill --id {schedule_id}"
+            f" --start {periods[0]} --end {periods[-1]}",
+            file=sys.stderr,
+        )
 
 
 async def _require_schedule(handle: ScheduleHandle) -> None:

@@ -3,11 +3,13 @@ create, backfill, ...)."""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from typing import Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from pydantic import Field, field_validator
+from google.protobuf.timestamp_pb2 import Timestamp
+from pydantic import Field, field_validator, model_validator
+from temporalio.api.workflowservice.v1 import ListScheduleMatchingTimesRequest
 from temporalio.client import (
     Client,
     Schedule,
@@ -25,7 +27,7 @@ from temporalio.client import (
 
 from billing.errors import InvalidInputError
 from billing.models import Record, RunOptions, ScheduledAction, ScheduledBillingInput
-from billing.periods import Billing, Period, period_range
+from billing.periods import Billing, Period, period_for
 from workflows.scheduled_billing import ScheduledBillingWorkflow
 
 Overlap = Literal[
@@ -66,6 +68,38 @@ class MonthlySchedule(Record):
     @classmethod
     def _zone(cls, value: str) -> str:
         return validate_time_zone(value)
+
+    @model_validator(mode="after")
+    def _fires_every_month(self) -> MonthlySchedule:
+        if self.action == "bill":
+            gap = first_skipped(self.day_of_month, self.hour, self.minute, self.time_zone)
+            if gap is not None:
+                raise ValueError(
+                    f"day {self.day_of_month} at {self.hour:02d}:{self.minute:02d} does not"
+                    f" exist in {self.time_zone} on {gap} (the clocks skip it), so that month"
+                    " would not be billed: choose another hour or day"
+                )
+        return self
+
+
+# Zones change their rules rarely, and announce them: a schedule is checked this far ahead.
+_YEARS_CHECKED = 20
+
+
+def first_skipped(day: int, hour: int, minute: int, time_zone: str) -> date | None:
+    """The first day, in the coming years, on which `day` at hour:minute does not exist in the
+    zone because the clocks jump over it: Temporal fires nothing that month."""
+    zone = ZoneInfo(time_zone)
+    today = datetime.now(zone).date()
+    for year in range(today.year, today.year + _YEARS_CHECKED):
+        for month in range(1, 13):
+            local = datetime(year, month, day, hour, minute)
+            if local.date() < today:
+                continue
+            there_and_back = local.replace(tzinfo=zone).astimezone(UTC).astimezone(zone)
+            if there_and_back.replace(tzinfo=None) != local:
+                return local.date()
+    return None
 
 
 def build_schedule(config: MonthlySchedule, task_queue: str, options: RunOptions) -> Schedule:
@@ -133,23 +167,90 @@ def backfill_window(
     )
 
 
-async def backfill(client: Client, schedule_id: str, first: Period, last: Period) -> int:
-    """Run the schedule for each period from `first` to `last`; returns how many periods."""
+async def backfill(client: Client, schedule_id: str, first: Period, last: Period) -> list[datetime]:
+    """Run the schedule for each period from `first` to `last`, all now; returns the nominal
+    times launched. Refused if one is still ahead, or none falls in the window."""
     handle = client.get_schedule_handle(schedule_id)
-    description = await handle.describe()
-    action = description.schedule.action
-    assert isinstance(action, ScheduleActionStartWorkflow)
-    # A described schedule carries its action's arguments still encoded.
-    [request] = await client.data_converter.decode(
-        list(action.args),
-        [ScheduledBillingInput],
-    )
+    request = await _launch_input(client, await handle.describe())
     start, end = backfill_window(first, last, request.options.billing, request.time_zone)
+    launches = await matching_times(client, schedule_id, start, end)
+    if not launches:
+        raise InvalidInputError(
+            f"the schedule {schedule_id} fires at no time that bills {first} to {last}"
+        )
+    ahead = [t for t in launches if t > datetime.now(UTC)]
+    if ahead:
+        # A backfill starts every launch at once, now: a later one would bill before its time.
+        raise InvalidInputError(
+            f"the schedule bills {period_for(ahead[0], request.options.billing)} on"
+            f" {ahead[0].isoformat()}, not yet: backfill only periods whose launch is past"
+        )
     # Each period is its own workflow: backfilled months run side by side.
     await handle.backfill(
         ScheduleBackfill(start_at=start, end_at=end, overlap=ScheduleOverlapPolicy.ALLOW_ALL)
     )
-    return len(period_range(first, last))
+    return launches
+
+
+async def _launch_input(client: Client, description: ScheduleDescription) -> ScheduledBillingInput:
+    action = description.schedule.action
+    assert isinstance(action, ScheduleActionStartWorkflow)
+    # A described schedule carries its action's arguments still encoded.
+    [request] = await client.data_converter.decode(list(action.args), [ScheduledBillingInput])
+    assert isinstance(request, ScheduledBillingInput)
+    return request
+
+
+class Missed(Record):
+    """A launch the schedule did not make (Temporal skips those due while it is paused)."""
+
+    at: datetime
+    period: Period | None = Field(description="the period it would have billed")
+
+
+async def missed_launches(client: Client, schedule_id: str) -> list[Missed]:
+    """The schedule's launches due since its last one (or its creation) that never ran: a
+    paused schedule skips its firings for good, even once unpaused within the catch-up
+    window. Only a billing schedule's name a period; a daily reconciliation's do not."""
+    description = await client.get_schedule_handle(schedule_id).describe()
+    info = description.info
+    since = max([info.created_at, *(a.scheduled_at for a in info.recent_actions)])
+    now = datetime.now(UTC)
+    if now <= since:
+        return []
+    request = await _launch_input(client, description)
+    due = [t for t in await matching_times(client, schedule_id, since, now) if t > since]
+    bills = request.action == "bill"
+    return [
+        Missed(
+            at=t,
+            period=period_for(t.astimezone(ZoneInfo(request.time_zone)), request.options.billing)
+            if bills
+            else None,
+        )
+        for t in due
+    ]
+
+
+async def matching_times(
+    client: Client, schedule_id: str, start: datetime, end: datetime
+) -> list[datetime]:
+    """When the schedule fires (its nominal times) from `start` to `end`, as Temporal says."""
+    found = await client.workflow_service.list_schedule_matching_times(
+        ListScheduleMatchingTimesRequest(
+            namespace=client.namespace,
+            schedule_id=schedule_id,
+            start_time=_timestamp(start),
+            end_time=_timestamp(end),
+        )
+    )
+    return [t.ToDatetime(tzinfo=UTC) for t in found.start_time]
+
+
+def _timestamp(moment: datetime) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromDatetime(moment.astimezone(UTC))
+    return stamp
 
 
 def describe(description: ScheduleDescription) -> str:

@@ -9,9 +9,11 @@ from collections.abc import Awaitable
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from temporalio.client import WorkflowExecution
+from pydantic import ValidationError
+from temporalio.client import ScheduleIntervalSpec, ScheduleSpec, WorkflowExecution
 
 from billing import ledger, operations, schedules
+from billing.errors import InvalidInputError
 from billing.keys import idempotency_key, period_workflow_id
 from billing.models import (
     ChargeResult,
@@ -437,10 +439,12 @@ async def test_backfill_of_three_months_runs_three_periods(harness: Harness) -> 
     config = schedules.MonthlySchedule(schedule_id="monthly-backfill", paused=True)
     async with harness.running_worker():
         await schedules.create_schedule(harness.client, config, harness.task_queue)
-        count = await schedules.backfill(
+        launches = await schedules.backfill(
             harness.client, "monthly-backfill", Period(2026, 1), Period(2026, 3)
         )
-        assert count == 3
+        assert [t.isoformat() for t in launches] == [
+            f"2026-{month:02d}-01T02:00:00+00:00" for month in (2, 3, 4)
+        ]
         for month in (1, 2, 3):
             period = Period(2026, month)
 
@@ -452,6 +456,45 @@ async def test_backfill_of_three_months_runs_three_periods(harness: Harness) -> 
         await assert_billed_once(harness, str(Period(2026, month)), customers)
     assert await period_status(harness.client, Period(2026, 4)) is not None
     assert (await period_status(harness.client, Period(2026, 4))).state == "not_started"
+
+
+async def test_a_backfill_never_bills_a_period_before_its_launch(harness: Harness) -> None:
+    config = schedules.MonthlySchedule(schedule_id="monthly-ahead", paused=True)
+    await schedules.create_schedule(harness.client, config, harness.task_queue)
+    with pytest.raises(InvalidInputError, match="bills 2098-12 on 2099-01-01T02:00:00"):
+        await schedules.backfill(harness.client, "monthly-ahead", Period(2098, 12), Period(2099, 1))
+    assert [w async for w in harness.client.list_workflows()] == []
+
+
+async def test_unpausing_names_the_launches_the_pause_skipped(harness: Harness) -> None:
+    config = schedules.MonthlySchedule(schedule_id="often", paused=True)
+    schedule = schedules.build_schedule(config, harness.task_queue, RunOptions())
+    # Every second instead of monthly, so that a test can wait through firings.
+    schedule.spec = ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=1))])
+    handle = await harness.client.create_schedule("often", schedule)
+    await asyncio.sleep(2.5)
+    missed = await schedules.missed_launches(harness.client, "often")
+    assert len(missed) >= 2
+    assert {m.period for m in missed} == {period_for(datetime.now(UTC))}
+    code, out, err = await harness.starter("schedule", "unpause", "--id", "often")
+    await handle.delete()
+    assert (code, out.strip()) == (0, "unpaused schedule often"), err
+    assert "WARNING: while paused, often skipped" in err
+    last = period_for(datetime.now(UTC))
+    assert f"schedule backfill --id often --start {last} --end {last}" in err
+
+
+def test_a_monthly_time_the_clocks_skip_is_refused() -> None:
+    # Berlin's clocks jump from 02:00 to 03:00 on the last Sunday of March: 2027-03-28.
+    with pytest.raises(
+        ValidationError, match="02:30 does not exist in Europe/Berlin on 2027-03-28"
+    ):
+        schedules.MonthlySchedule(day_of_month=28, hour=2, minute=30, time_zone="Europe/Berlin")
+    # An hour the clocks never skip, or a daily reconciliation (the next day covers it).
+    schedules.MonthlySchedule(day_of_month=28, hour=3, minute=30, time_zone="Europe/Berlin")
+    schedules.MonthlySchedule(
+        day_of_month=28, hour=2, minute=30, time_zone="Europe/Berlin", action="reconcile"
+    )
 
 
 def test_backfill_window_is_in_the_schedules_zone() -> None:
