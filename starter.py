@@ -21,7 +21,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Coroutine
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +33,10 @@ from billing import logs, operations, schedules, search_attributes
 from billing.config import BillingSettings, DatabaseSettings, TemporalSettings, load_settings
 from billing.customers import read_customers_csv, upsert_customers
 from billing.db import create_pool
-from billing.errors import BillingError, UnknownScheduleError
+from billing.errors import BillingError, InvalidInputError, UnknownScheduleError
 from billing.migrations import migrate
 from billing.models import OperatorRequest, PeriodProgress, SkipRequest
-from billing.periods import Period, parse_period, period_range
+from billing.periods import Period, parse_period, period_for, period_range
 from billing.preview import preview_period
 from billing.reporting import describe, describe_preview, describe_reconciliation, ui_link
 from billing.runs import period_status, start_period, start_reconcile
@@ -80,6 +80,13 @@ def _emit(model: BaseModel, as_json: bool, text: str) -> None:
 
 
 async def cmd_run(args: argparse.Namespace) -> int:
+    # Next month may be billed early (in advance, near the turn of a month); later is a typo.
+    latest = period_for(datetime.now(UTC), "advance").next()
+    if latest < args.period and not args.ahead:
+        raise InvalidInputError(
+            f"{args.period} has not begun, and a run now charges its customers ahead of"
+            f" time: check the period, or pass --ahead to bill it now"
+        )
     temporal = load_settings(TemporalSettings)
     client = await connect(temporal)
     handle = await start_period(client, args.period, temporal.task_queue)
@@ -329,6 +336,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("period", type=_period, help="YYYY-MM")
     run.add_argument("--wait", action="store_true", help="wait for the run and print its summary")
     run.add_argument("--json", action="store_true", help="print one JSON object")
+    run.add_argument(
+        "--ahead", action="store_true", help="bill a period later than next month anyway"
+    )
     run.set_defaults(handler=cmd_run)
 
     status = commands.add_parser("status", help="counts of a period's run")

@@ -86,7 +86,12 @@ def parse_customers_csv(lines: Iterable[str], source: str = "input") -> list[Cus
 
 
 def _parse_rows(reader: csv.DictReader[str], source: str) -> list[CustomerRow]:
-    missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or [])]
+    header = list(reader.fieldnames or [])
+    # DictReader keeps the last of two same-named columns: which one the file meant is a guess.
+    twice = sorted({name for name in header if header.count(name) > 1})
+    if twice:
+        raise CustomerImportError(f"{source}: header names {', '.join(twice)} more than once")
+    missing = [c for c in CSV_COLUMNS if c not in header]
     if missing:
         raise CustomerImportError(
             f"{source}: header must name the columns {', '.join(CSV_COLUMNS)};"

@@ -51,6 +51,13 @@ def test_missing_columns_are_named() -> None:
         parse_customers_csv(["customer_id,stripe_customer_id,payment_method\n", "a,cus_A,\n"])
 
 
+def test_a_column_named_twice_is_refused() -> None:
+    # Which amount the file meant is a guess: the csv module would keep the last, 99.
+    header = "customer_id,stripe_customer_id,amount_cents,payment_method,currency,amount_cents\n"
+    with pytest.raises(CustomerImportError, match="header names amount_cents more than once"):
+        parse_customers_csv([header, "c-1,cus_A,1500,pm_1,usd,99\n"])
+
+
 GOOD_ROW = "c-{i},cus_A{i},pm_{i},{amount},usd\n"
 BAD_ROWS = [
     ("x'; DROP TABLE customers;--,cus_A,pm_1,100,usd\n", "customer_id"),
