@@ -26,19 +26,30 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
-from temporalio.client import ScheduleHandle
+from temporalio.client import (
+    ScheduleAlreadyRunningError,
+    ScheduleHandle,
+    WorkflowFailureError,
+    WorkflowHandle,
+)
 from temporalio.service import RPCError, RPCStatusCode
 
 from billing import logs, operations, schedules, search_attributes
 from billing.config import BillingSettings, DatabaseSettings, TemporalSettings, load_settings
 from billing.customers import read_customers_csv, upsert_customers
 from billing.db import create_pool
-from billing.errors import BillingError, InvalidInputError, UnknownScheduleError
+from billing.errors import BillingError, InvalidInputError, NoWorkerError, UnknownScheduleError
 from billing.migrations import migrate
-from billing.models import OperatorRequest, PeriodProgress, SkipRequest
+from billing.models import OperatorRequest, PeriodProgress, PeriodSummary, SkipRequest
 from billing.periods import Period, parse_period, period_for, period_range
 from billing.preview import preview_period
-from billing.reporting import describe, describe_preview, describe_reconciliation, ui_link
+from billing.reporting import (
+    describe,
+    describe_preview,
+    describe_reconciliation,
+    failure_chain,
+    ui_link,
+)
 from billing.runs import period_status, start_period, start_reconcile
 from billing.seeding import seed_demo
 from billing.temporal_client import connect
@@ -90,7 +101,14 @@ async def cmd_run(args: argparse.Namespace) -> int:
     temporal = load_settings(TemporalSettings)
     client = await connect(temporal)
     handle = await start_period(client, args.period, temporal.task_queue)
-    progress = await period_status(client, args.period)
+    try:
+        progress = await period_status(client, args.period)
+    except NoWorkerError as exc:
+        print(f"warning: {exc}", file=sys.stderr)
+        if args.wait:
+            return await _wait_and_report(handle, args, temporal)
+        print(f"period {args.period} started as {handle.id}\n  {ui_link(temporal, handle.id)}")
+        return 0
     if progress.state == "cancelling":
         # Joined, not started: its summary would read as this run's.
         raise BillingError(
@@ -105,6 +123,12 @@ async def cmd_run(args: argparse.Namespace) -> int:
             f"period {args.period} running as {handle.id}\n  {ui_link(temporal, handle.id)}",
         )
         return 0
+    return await _wait_and_report(handle, args, temporal)
+
+
+async def _wait_and_report(
+    handle: WorkflowHandle[Any, PeriodSummary], args: argparse.Namespace, temporal: TemporalSettings
+) -> int:
     summary = await handle.result()
     _emit(summary, args.json, describe(summary) + f"\n  {ui_link(temporal, handle.id)}")
     return 0
@@ -122,7 +146,12 @@ def _operator(args: argparse.Namespace) -> str:
     if args.operator is not None:
         given: str = args.operator
         return given
-    return os.environ.get("BILLING_OPERATOR") or getpass.getuser()
+    try:
+        return os.environ.get("BILLING_OPERATOR") or getpass.getuser()
+    except (KeyError, OSError):  # no login name: a container's uid without a passwd entry
+        raise InvalidInputError(
+            "no operator name to record: pass --operator or set BILLING_OPERATOR"
+        ) from None
 
 
 async def cmd_control(args: argparse.Namespace) -> int:
@@ -238,7 +267,13 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
     if config is None:
         await _require_schedule(handle)
     if config is not None:
-        await schedules.create_schedule(client, config, temporal.task_queue)
+        try:
+            await schedules.create_schedule(client, config, temporal.task_queue)
+        except ScheduleAlreadyRunningError:
+            raise InvalidInputError(
+                f"a schedule {args.id!r} exists already: `schedule describe --id {args.id}`"
+                " shows it; delete it first to create it anew, or pass another --id"
+            ) from None
         when = "every day" if reconcile else f"day {args.day}"
         what = "reconciling the period billed" if reconcile else "billing"
         print(
@@ -481,6 +516,10 @@ def main(argv: list[str] | None = None) -> int:
     except BillingError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except WorkflowFailureError as exc:
+        # The run itself failed (exit 1 means reconciliation findings): its causes, in order.
+        print(f"error: {failure_chain(exc)}", file=sys.stderr)
+        return 3
     except ValidationError as exc:
         for error in exc.errors():
             field = ".".join(str(part) for part in error["loc"])

@@ -73,3 +73,7 @@ class ConfigurationError(BillingError):
 
 class ServiceUnavailableError(BillingError):
     """Temporal or PostgreSQL could not be reached."""
+
+
+class NoWorkerError(ServiceUnavailableError):
+    """A run is open, but no worker answered for it."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from temporalio.client import WorkflowFailureError
+from temporalio.exceptions import ActivityError, ChildWorkflowError, FailureError
+
 from billing.config import TemporalSettings
 from billing.models import PeriodCounts, PeriodProgress, Preview
 from billing.money import describe_amounts
@@ -90,3 +93,25 @@ def describe_reconciliation(report: ReconcileReport) -> str:
             f" {', '.join(report.unchecked_customers)}"
         )
     return "\n".join(lines)
+
+
+def failure_chain(error: BaseException) -> str:
+    """A Temporal failure and its causes in a few words each, the root cause last (our
+    activities' messages carry no secret)."""
+    parts: list[str] = []
+    current: BaseException | None = error
+    while current is not None:
+        if isinstance(current, WorkflowFailureError):
+            parts.append("the workflow failed")
+        elif isinstance(current, ActivityError):
+            parts.append(f"its activity {current.activity_type} failed")
+        elif isinstance(current, ChildWorkflowError):
+            parts.append(f"its child {current.workflow_type} failed")
+        elif isinstance(current, FailureError):
+            parts.append(current.message)
+        else:
+            parts.append(str(current) or type(current).__name__)
+        current = (
+            current.cause if isinstance(current, WorkflowFailureError | FailureError) else None
+        )
+    return ": ".join(parts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import timedelta
 from typing import TypeVar
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
@@ -17,13 +18,16 @@ from temporalio.service import RPCError, RPCStatusCode
 from temporalio.types import MethodAsyncSingleParam, SelfType
 
 from billing import search_attributes
-from billing.errors import RunEndedError
+from billing.errors import NoWorkerError, RunEndedError
 from billing.keys import period_workflow_id, reconcile_workflow_id
 from billing.models import BillingPeriodInput, PeriodProgress, PeriodSummary, RunOptions
 from billing.periods import Period
 from billing.reconciliation import ReconcileInput, ReconcileReport
 from workflows.billing_period import BillingPeriodWorkflow
 from workflows.reconcile import ReconcileWorkflow
+
+# A worker answers a query in milliseconds; without one the server would wait much longer.
+QUERY_TIMEOUT = timedelta(seconds=10)
 
 ArgT = TypeVar("ArgT")
 ResultT = TypeVar("ResultT")
@@ -120,7 +124,16 @@ async def period_status(client: Client, period: Period) -> PeriodProgress:
         return _progress(empty).model_copy(update={"state": "not_started"})
     status = description.status
     if status == WorkflowExecutionStatus.RUNNING:
-        return await handle.query(BillingPeriodWorkflow.progress)
+        try:
+            return await handle.query(BillingPeriodWorkflow.progress, rpc_timeout=QUERY_TIMEOUT)
+        except RPCError as exc:
+            if exc.status not in (RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED):
+                raise
+            raise NoWorkerError(
+                f"the run of {period} ({workflow_id}) is running, but no worker answered its"
+                f" query within {QUERY_TIMEOUT.total_seconds():.0f} s: is a worker polling"
+                f" task queue {description.task_queue}? It charges nobody until one does"
+            ) from None
     if status in (WorkflowExecutionStatus.COMPLETED, WorkflowExecutionStatus.CONTINUED_AS_NEW):
         return _progress(await handle.result())
     state = status.name.lower() if status else "unknown"

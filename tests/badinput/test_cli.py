@@ -9,7 +9,9 @@ there, and checks the ledger and the namespace are left as they were.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import getpass
 import os
 import sys
 from collections.abc import Mapping
@@ -20,6 +22,8 @@ import asyncpg
 import pytest
 from temporalio.client import Client
 
+import starter
+from billing.errors import InvalidInputError
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -227,3 +231,13 @@ async def test_unknown_names_on_the_real_stack_are_clear_errors_and_start_nothin
         assert "Traceback" not in result.stderr
     assert [w async for w in temporal_client.list_workflows()] == []
     assert await db.fetchval("SELECT count(*) FROM billing_runs") == 0
+
+
+def test_an_operator_without_a_login_name_is_asked_for_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_login() -> str:
+        raise OSError("No username set in the environment")
+
+    monkeypatch.setattr(getpass, "getuser", no_login)
+    monkeypatch.delenv("BILLING_OPERATOR", raising=False)
+    with pytest.raises(InvalidInputError, match="pass --operator or set BILLING_OPERATOR"):
+        starter._operator(argparse.Namespace(operator=None))

@@ -484,6 +484,29 @@ async def test_unpausing_names_the_launches_the_pause_skipped(harness: Harness) 
     assert f"schedule backfill --id often --start {last} --end {last}" in err
 
 
+async def test_run_with_no_worker_says_it_started_and_nobody_answers(harness: Harness) -> None:
+    await harness.seed(1)
+    code, out, err = await harness.starter("run", str(PERIOD))
+    assert (code, out.splitlines()[0]) == (
+        0,
+        f"period {PERIOD} started as {period_workflow_id(PERIOD)}",
+    )
+    assert "no worker answered its query within 10 s" in err and "Traceback" not in err
+    # Started indeed: a worker now bills it.
+    async with harness.running_worker():
+        summary = await harness.client.get_workflow_handle(
+            period_workflow_id(PERIOD), result_type=PeriodSummary
+        ).result()
+    assert summary.charged == 1
+
+
+async def test_creating_a_schedule_twice_is_a_clear_error(harness: Harness) -> None:
+    assert (await harness.starter("schedule", "create", "--id", "twice", "--paused"))[0] == 0
+    code, out, err = await harness.starter("schedule", "create", "--id", "twice", "--paused")
+    assert (code, out) == (2, "")
+    assert "a schedule 'twice' exists already" in err and "Traceback" not in err
+
+
 def test_a_monthly_time_the_clocks_skip_is_refused() -> None:
     # Berlin's clocks jump from 02:00 to 03:00 on the last Sunday of March: 2027-03-28.
     with pytest.raises(

@@ -218,6 +218,13 @@ async def test_a_period_past_the_worker_budget_charges_nothing_and_says_why(
         handle = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
         with pytest.raises(WorkflowFailureError) as failed:
             await handle.result()
+        # The operator's CLI says the same in a line, not a traceback, with its own exit code.
+        code, out, err = await vaulted.starter("run", str(PERIOD), "--wait")
+    assert (code, out) == (3, ""), err
+    assert err.startswith(
+        "error: the workflow failed: its activity prepare_period failed: no vault key for"
+    )
+    assert "VAULT_WORKER_BUDGET_CENTS" in err and "Traceback" not in err
     assert isinstance(failed.value.cause, ActivityError)
     cause = failed.value.cause.cause
     assert isinstance(cause, ApplicationError) and cause.type == "KeyRefused"
