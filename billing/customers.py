@@ -8,11 +8,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import asyncpg
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from billing.errors import CustomerImportError, InvalidInputError
 from billing.keys import validate_customer_id
-from billing.money import parse_amount, validate_amount, validate_currency
+from billing.money import parse_amount, validate_amount, validate_amount_in, validate_currency
 
 CSV_COLUMNS = ("customer_id", "stripe_customer_id", "payment_method", "amount_cents", "currency")
 _STRIPE_CUSTOMER_RE = re.compile(r"cus_[A-Za-z0-9]{1,250}")
@@ -56,6 +56,11 @@ class CustomerRow(BaseModel):
     @classmethod
     def _currency(cls, value: str) -> str:
         return validate_currency(value)
+
+    @model_validator(mode="after")
+    def _amount_in_currency(self) -> CustomerRow:
+        validate_amount_in(self.amount_cents, self.currency)
+        return self
 
 
 def _row_from_csv(fields: dict[str, str | None]) -> CustomerRow:

@@ -6,9 +6,8 @@ import math
 from collections.abc import Mapping
 from decimal import Decimal
 
-import pycountry
-
 from billing.errors import InvalidAmountError, InvalidCurrencyError, shown
+from billing.stripe_currencies import STRIPE_CURRENCIES, THREE_DECIMAL
 
 # Stripe's ceiling for `amount`: eight digits in the smallest currency unit.
 MAX_AMOUNT_CENTS = 99_999_999
@@ -39,43 +38,29 @@ def parse_amount(text: str) -> int:
     return validate_amount(int(significant or "0"))
 
 
-# ISO 4217 codes that are not money a customer can be charged in: units of account, bond
-# units, precious metals, the testing code and "no currency".
-NOT_MONEY = frozenset(
-    {
-        "xad",
-        "xag",
-        "xau",
-        "xba",
-        "xbb",
-        "xbc",
-        "xbd",
-        "xdr",
-        "xpd",
-        "xpt",
-        "xsu",
-        "xts",
-        "xua",
-        "xxx",
-    }
-)
-
-
 def validate_currency(currency: object) -> str:
-    """A three-letter ISO 4217 code of money, in Stripe's lowercase form."""
+    """A currency Stripe charges in, in its lowercase form."""
     if not isinstance(currency, str) or len(currency) != 3 or not currency.isascii():
         raise InvalidCurrencyError(
             f"currency must be a three-letter ISO code, got {shown(currency)}"
         )
-    if not currency.islower() or pycountry.currencies.get(alpha_3=currency.upper()) is None:
+    if currency not in STRIPE_CURRENCIES:
+        lower = " (in lowercase)" if currency.lower() in STRIPE_CURRENCIES else ""
         raise InvalidCurrencyError(
-            f"currency {currency!r} is not a lowercase ISO 4217 code such as 'usd' or 'eur'"
-        )
-    if currency in NOT_MONEY:
-        raise InvalidCurrencyError(
-            f"currency {currency!r} is an ISO 4217 unit (metal, fund, test), not money to charge"
+            f"currency {currency!r} is not one Stripe charges in{lower}: a lowercase ISO 4217"
+            " code such as 'usd' or 'eur'"
         )
     return currency
+
+
+def validate_amount_in(amount: int, currency: str) -> int:
+    """`amount` as Stripe charges it in `currency`: three-decimal ones to the hundredth."""
+    if currency in THREE_DECIMAL and amount % 10:
+        raise InvalidAmountError(
+            f"amount {amount} {currency} must end in 0: Stripe charges {currency} in"
+            " thousandths rounded to the hundredth"
+        )
+    return amount
 
 
 def spend_cap(expected_total_cents: int, multiplier: float) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any, TypeVar
 
+from billing.stripe_currencies import STRIPE_CURRENCIES
+
 from .errors import invalid, missing_param
 from .forms import Params
 
@@ -14,16 +16,7 @@ MAX_AMOUNT = 99_999_999
 _INTEGER = re.compile(r"-?[0-9]{1,18}")
 
 # Stripe's settlement currencies (the list its "Invalid currency" error prints).
-_CURRENCY_CODES = (
-    "usd aed afn all amd ang aoa ars aud awg azn bam bbd bdt bgn bhd bif bmd bnd bob brl bsd bwp "
-    "byn bzd cad cdf chf clp cny cop crc cve czk djf dkk dop dzd egp etb eur fjd fkp gbp gel gip "
-    "gmd gnf gtq gyd hkd hnl htg huf idr ils inr isk jmd jod jpy kes kgs khr kmf krw kwd kyd kzt "
-    "lak lbp lkr lrd lsl mad mdl mga mkd mmk mnt mop mur mvr mwk mxn myr mzn nad ngn nio nok npr "
-    "nzd omr pab pen pgk php pkr pln pyg qar ron rsd rub rwf sar sbd scr sek sgd shp sle sos srd "
-    "std szl thb tjs tnd top try ttd twd tzs uah ugx uyu uzs vnd vuv wst xaf xcd xof xpf yer zar "
-    "zmw"
-)
-CURRENCIES = frozenset(_CURRENCY_CODES.split())
+CURRENCIES = STRIPE_CURRENCIES
 
 METADATA_MAX_KEYS = 50
 METADATA_KEY_MAX = 40

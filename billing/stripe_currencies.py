@@ -1,0 +1,19 @@
+"""The currencies Stripe charges in, as its "Invalid currency" error lists them: billing
+validates against this list, and the Stripe emulator answers with it."""
+
+from __future__ import annotations
+
+_CODES = (
+    "usd aed afn all amd ang aoa ars aud awg azn bam bbd bdt bgn bhd bif bmd bnd bob brl bsd bwp "
+    "byn bzd cad cdf chf clp cny cop crc cve czk djf dkk dop dzd egp etb eur fjd fkp gbp gel gip "
+    "gmd gnf gtq gyd hkd hnl htg huf idr ils inr isk jmd jod jpy kes kgs khr kmf krw kwd kyd kzt "
+    "lak lbp lkr lrd lsl mad mdl mga mkd mmk mnt mop mur mvr mwk mxn myr mzn nad ngn nio nok npr "
+    "nzd omr pab pen pgk php pkr pln pyg qar ron rsd rub rwf sar sbd scr sek sgd shp sle sos srd "
+    "std szl thb tjs tnd top try ttd twd tzs uah ugx uyu uzs vnd vuv wst xaf xcd xof xpf yer zar "
+    "zmw"
+)
+STRIPE_CURRENCIES = frozenset(_CODES.split())
+
+# Amounts in these are in thousandths, but Stripe charges them to the hundredth: the last digit
+# must be 0.
+THREE_DECIMAL = frozenset({"bhd", "jod", "kwd", "omr", "tnd"})
