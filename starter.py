@@ -36,7 +36,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from billing import logs, operations, schedules, search_attributes
 from billing.config import BillingSettings, DatabaseSettings, TemporalSettings, load_settings
-from billing.customers import read_customers_csv, upsert_customers
+from billing.customers import changes_to_open_runs, read_customers_csv, upsert_customers
 from billing.db import create_pool
 from billing.errors import BillingError, InvalidInputError, NoWorkerError, UnknownScheduleError
 from billing.migrations import migrate
@@ -344,6 +344,17 @@ async def cmd_import(args: argparse.Namespace) -> int:
     rows = read_customers_csv(args.file)
     pool = await create_pool(load_settings(DatabaseSettings).database_url)
     try:
+        changes = await changes_to_open_runs(pool, rows)
+        if changes and not args.while_running:
+            shown = ", ".join(f"{c.customer_id} ({c.was} -> {c.becomes})" for c in changes[:5])
+            periods = ", ".join(sorted({c.period for c in changes}))
+            raise InvalidInputError(
+                f"{args.file} changes the price of {len(changes)} customers the open run of"
+                f" {periods} has not billed yet: {shown}{', ...' if len(changes) > 5 else ''}."
+                " That run would bill them at the new price and the others at the old (a new"
+                " currency pauses it). Import once it has ended, or pass --while-running;"
+                " nothing was imported"
+            )
         written = await upsert_customers(pool, rows)
     finally:
         await pool.close()
@@ -491,6 +502,11 @@ def parser() -> argparse.ArgumentParser:
     customer_commands = customers.add_subparsers(dest="customers_command", required=True)
     imp = customer_commands.add_parser("import", help="import a CSV (all rows or none)")
     imp.add_argument("file", type=Path)
+    imp.add_argument(
+        "--while-running",
+        action="store_true",
+        help="change prices a running period has not billed yet anyway",
+    )
     imp.set_defaults(handler=cmd_import)
     seed = customer_commands.add_parser("seed-demo", help="create demo customers")
     seed.add_argument("--count", type=_positive, default=1000)

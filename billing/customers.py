@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from billing.errors import CustomerImportError, InvalidInputError
 from billing.keys import validate_customer_id
+from billing.models import Record
 from billing.money import parse_amount, validate_amount, validate_amount_in, validate_currency
 
 CSV_COLUMNS = ("customer_id", "stripe_customer_id", "payment_method", "amount_cents", "currency")
@@ -166,3 +167,49 @@ async def upsert_customers(pool: asyncpg.Pool, rows: Sequence[CustomerRow]) -> i
             ],
         )
     return len(rows)
+
+
+class RunningChange(Record):
+    """An import changing what an open period run has yet to charge a customer."""
+
+    period: str
+    customer_id: str
+    was: str
+    becomes: str
+
+
+async def changes_to_open_runs(
+    pool: asyncpg.Pool, rows: Sequence[CustomerRow]
+) -> list[RunningChange]:
+    """Customers whose amount or currency the rows change while a period's run has not yet
+    claimed them: that run would bill some customers at the old price and these at the new,
+    and a new currency (with no vault key in that period) pauses it."""
+    async with pool.acquire() as conn:
+        found = await conn.fetch(
+            """
+            SELECT p.billing_period, c.customer_id, c.amount_cents, c.currency,
+                   n.amount_cents AS new_amount, n.currency AS new_currency
+            FROM unnest($1::text[], $2::bigint[], $3::text[])
+                AS n(customer_id, amount_cents, currency)
+            JOIN customers c ON c.customer_id = n.customer_id AND c.active
+            JOIN billing_periods p ON p.state = 'running'
+            LEFT JOIN billing_runs r
+                ON r.customer_id = c.customer_id AND r.billing_period = p.billing_period
+            -- A claim holds the price it was made with: only customers not yet claimed change.
+            WHERE (c.amount_cents, c.currency) <> (n.amount_cents, n.currency)
+                  AND r.status IS NULL
+            ORDER BY p.billing_period, c.customer_id
+            """,
+            [r.customer_id for r in rows],
+            [r.amount_cents for r in rows],
+            [r.currency for r in rows],
+        )
+    return [
+        RunningChange(
+            period=row["billing_period"],
+            customer_id=row["customer_id"],
+            was=f"{row['amount_cents']} {row['currency']}",
+            becomes=f"{row['new_amount']} {row['new_currency']}",
+        )
+        for row in found
+    ]

@@ -23,6 +23,7 @@ import pytest
 from temporalio.client import Client
 
 import starter
+from billing import ledger
 from billing.errors import InvalidInputError
 from tests.conftest import free_port
 
@@ -189,6 +190,31 @@ async def test_a_malformed_database_url_is_named_and_its_password_not_shown(
     assert "percent-encode" in result.stderr
     assert "Pa55w" not in result.stderr and "S3cret" not in result.stderr
     assert "Traceback" not in result.stderr
+
+
+async def test_an_import_repricing_customers_a_running_period_has_not_billed_is_refused(
+    db: asyncpg.Pool, database_url: str, tmp_path: Path
+) -> None:
+    await db.execute(
+        "INSERT INTO customers (customer_id, stripe_customer_id, payment_method, amount_cents,"
+        " currency) VALUES ('c-1', 'cus_A', 'pm_1', 100, 'usd'), ('c-2', 'cus_B', 'pm_2', 100,"
+        " 'usd')"
+    )
+    async with db.acquire() as conn:
+        plan = await ledger.plan_period(conn, "2026-12")
+        await ledger.start_period(conn, plan, "billing-period-2026-12")
+    path = tmp_path / "customers.csv"
+    path.write_text(_csv("c-1,cus_A,pm_1,100,usd\nc-2,cus_B,pm_2,250,usd\n"))
+    argv = ["starter.py", "customers", "import", str(path)]
+    env = {"DATABASE_URL": database_url}
+    refused = await run_cli(*argv, env=env)
+    assert (refused.code, refused.stdout) == (2, ""), refused
+    assert "changes the price of 1 customers the open run of 2026-12" in refused.stderr
+    assert "c-2 (100 usd -> 250 usd)" in refused.stderr and "nothing was imported" in refused.stderr
+    assert await db.fetchval("SELECT amount_cents FROM customers WHERE customer_id = 'c-2'") == 100
+    forced = await run_cli(*argv, "--while-running", env=env)
+    assert forced.code == 0, forced
+    assert await db.fetchval("SELECT amount_cents FROM customers WHERE customer_id = 'c-2'") == 250
 
 
 async def test_a_bad_import_leaves_the_customers_as_they_were(
