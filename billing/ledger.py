@@ -26,13 +26,31 @@ from billing.models import (
 )
 from billing.reconciliation import CustomerToCheck, LedgerEntry, OpenClaim
 
+# A row a cancelled run wrote for a customer it never started: nothing of it reached Stripe.
+_NEVER_STARTED = (
+    "{r}.status = 'cancelled' AND {r}.cancelled_before_start AND {r}.charge_started_at IS NULL"
+)
+# What a claim of such a row takes afresh from the customer (the rest of the row is reset).
+_REFRESHED = (
+    "amount_cents",
+    "currency",
+    "stripe_customer_id",
+    "payment_method",
+    "claimed_at",
+    "reason",
+    "decided_by",
+)
+_REOPENED = (
+    "CASE WHEN billing_runs.status = 'cancelled' THEN EXCLUDED.{c} ELSE billing_runs.{c} END"
+)
+
 # Customers a period bills: active ones, and any with a row for it (a claim is always finished).
 # A customer a cancelled run never started counts as having no row: billed only while active,
-# at its amount, currency and card of now (start_period reopens it so).
-_DUE = """
+# at its amount, currency and card of now (its claim takes the row over so).
+_DUE = f"""
     FROM customers c
     LEFT JOIN billing_runs r ON r.customer_id = c.customer_id AND r.billing_period = $1
-        AND NOT (r.status = 'cancelled' AND r.cancelled_before_start)
+        AND NOT ({_NEVER_STARTED.format(r="r")})
     WHERE (c.active OR r.status IS NOT NULL)
 """
 
@@ -127,8 +145,13 @@ async def claim(
             -- unless an attempt may have reached Stripe under a setting nobody recorded.
             charge_api = CASE WHEN billing_runs.charge_started_at IS NULL
                               THEN coalesce(billing_runs.charge_api, EXCLUDED.charge_api)
-                              ELSE billing_runs.charge_api END
-        WHERE billing_runs.status = 'claimed' AND EXCLUDED.claimed_by_run IS NOT NULL
+                              ELSE billing_runs.charge_api END,
+            -- A customer a cancelled run never started is claimed afresh, as it is now:
+            -- nothing of that row reached Stripe.
+            {", ".join(f"{c} = {_REOPENED.format(c=c)}" for c in _REFRESHED)},
+            status = 'claimed', completed_at = NULL, cancelled_before_start = false
+        WHERE EXCLUDED.claimed_by_run IS NOT NULL AND (
+            billing_runs.status = 'claimed' OR ({_NEVER_STARTED.format(r="billing_runs")}))
         RETURNING {_CLAIM_COLUMNS}
         """,
         customer_id,
@@ -272,41 +295,23 @@ async def without_rows(
 
 async def start_period(conn: asyncpg.Connection, plan: PeriodPlan, workflow_id: str) -> None:
     """Record a new run of the period. Customers a cancelled run never started are due
-    again (see migrations/005) if still active, as they are now: nothing of theirs reached
-    Stripe (see begin_charge), so the claim takes their amount, currency, card and API
-    afresh. An inactive one stays cancelled, and reopens if it is active at a later run."""
-    async with conn.transaction():
-        await conn.execute(
-            """
-            INSERT INTO billing_periods (billing_period, workflow_id, state, due,
-                                         expected_total_cents)
-            VALUES ($1, $2, 'running', $3, $4)
-            ON CONFLICT (billing_period) DO UPDATE SET
-                workflow_id = EXCLUDED.workflow_id, state = 'running', due = EXCLUDED.due,
-                expected_total_cents = EXCLUDED.expected_total_cents, started_at = now(),
-                finished_at = NULL, summary = NULL, control = 'running', control_reason = NULL,
-                control_by = NULL, control_at = now()
-            """,
-            plan.period,
-            workflow_id,
-            plan.due,
-            plan.expected_total_cents,
-        )
-        await conn.execute(
-            """
-            UPDATE billing_runs r
-            SET status = 'claimed', completed_at = NULL, reason = NULL, decided_by = NULL,
-                cancelled_before_start = false, updated_at = now(), claimed_at = now(),
-                amount_cents = c.amount_cents, currency = c.currency,
-                stripe_customer_id = c.stripe_customer_id, payment_method = c.payment_method,
-                charge_api = NULL, claimed_by_run = NULL
-            FROM customers c
-            WHERE r.billing_period = $1 AND r.status = 'cancelled' AND r.cancelled_before_start
-                  AND r.charge_started_at IS NULL
-                  AND c.customer_id = r.customer_id AND c.active
-            """,
-            plan.period,
-        )
+    again (see migrations/005) while active: their claim takes the row over (see claim)."""
+    await conn.execute(
+        """
+        INSERT INTO billing_periods (billing_period, workflow_id, state, due,
+                                     expected_total_cents)
+        VALUES ($1, $2, 'running', $3, $4)
+        ON CONFLICT (billing_period) DO UPDATE SET
+            workflow_id = EXCLUDED.workflow_id, state = 'running', due = EXCLUDED.due,
+            expected_total_cents = EXCLUDED.expected_total_cents, started_at = now(),
+            finished_at = NULL, summary = NULL, control = 'running', control_reason = NULL,
+            control_by = NULL, control_at = now()
+        """,
+        plan.period,
+        workflow_id,
+        plan.due,
+        plan.expected_total_cents,
+    )
 
 
 async def set_control(

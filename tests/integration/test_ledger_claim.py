@@ -126,3 +126,42 @@ async def test_a_row_without_an_api_takes_the_claims_unless_it_was_sent(harness:
     assert taken.charge_api == "payment_intents"
     # It may have reached Stripe under a setting nobody recorded: the worker's setting decides.
     assert kept.charge_api is None
+
+
+async def test_a_customer_a_cancelled_run_never_started_is_claimed_afresh_once_active(
+    harness: Harness,
+) -> None:
+    (customer,) = await harness.seed(1)
+    customer_id = customer.customer_id
+    async with harness.pool.acquire() as conn:
+        await ledger.cancel_customers(conn, PERIOD, {customer_id: key(customer_id)}, "r", "alice")
+        await conn.execute(
+            "UPDATE customers SET active = false WHERE customer_id = $1", customer_id
+        )
+        # Inactive at the next run's start: not due, and its row stays cancelled.
+        await ledger.start_period(conn, await ledger.plan_period(conn, PERIOD), "wf")
+        assert (await ledger.plan_period(conn, PERIOD)).due == 0
+        # Active again during that run, at a new price: listed as if it had no row...
+        await conn.execute(
+            "UPDATE customers SET active = true, amount_cents = 4321 WHERE customer_id = $1",
+            customer_id,
+        )
+        page = await ledger.due_page(conn, PERIOD, None, 10)
+        assert [(c.customer_id, c.status) for c in page.customers] == [(customer_id, None)]
+        # ...and its child's claim takes the row over, as the customer is now.
+        claim = await ledger.claim(
+            conn, customer_id, PERIOD, key(customer_id), "run-2", charge_api="charges"
+        )
+        assert (claim.status, claim.amount_cents, claim.claimed_by_run) == (
+            "claimed",
+            4321,
+            "run-2",
+        )
+        assert claim.charge_api == "charges"
+        assert await ledger.begin_charge(conn, claim) == "go"
+    [row] = await harness.ledger_rows(PERIOD)
+    assert (row["cancelled_before_start"], row["reason"], row["completed_at"]) == (
+        False,
+        None,
+        None,
+    )
