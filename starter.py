@@ -107,7 +107,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
         print(f"warning: {exc}", file=sys.stderr)
         if args.wait:
             return await _wait_and_report(handle, args, temporal)
-        print(f"period {args.period} started as {handle.id}\n  {ui_link(temporal, handle.id)}")
+        print(f"period {args.period} open as {handle.id}\n  {ui_link(temporal, handle.id)}")
         return 0
     if progress.state == "cancelling":
         # Joined, not started: its summary would read as this run's.
@@ -531,6 +531,10 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(handler(args))
     except BillingError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except RPCError as exc:
+        # Temporal refused a call: its own words carry no secret of ours.
+        print(f"error: Temporal answered {exc.status.name}: {exc.message}", file=sys.stderr)
         return 2
     except WorkflowFailureError as exc:
         # The run itself failed (exit 1 means reconciliation findings): its causes, in order.

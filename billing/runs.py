@@ -28,6 +28,11 @@ from workflows.reconcile import ReconcileWorkflow
 
 # A worker answers a query in milliseconds; without one the server would wait much longer.
 QUERY_TIMEOUT = timedelta(seconds=10)
+_NO_WORKER = (
+    RPCStatusCode.DEADLINE_EXCEEDED,
+    RPCStatusCode.CANCELLED,
+    RPCStatusCode.FAILED_PRECONDITION,
+)
 
 ArgT = TypeVar("ArgT")
 ResultT = TypeVar("ResultT")
@@ -127,12 +132,15 @@ async def period_status(client: Client, period: Period) -> PeriodProgress:
         try:
             return await handle.query(BillingPeriodWorkflow.progress, rpc_timeout=QUERY_TIMEOUT)
         except RPCError as exc:
-            if exc.status not in (RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED):
+            # No answer in time, or (once the server has seen no poller for a while) a
+            # refusal: either way no worker is there to say how the run stands.
+            if exc.status not in _NO_WORKER:
                 raise
             raise NoWorkerError(
-                f"the run of {period} ({workflow_id}) is running, but no worker answered its"
-                f" query within {QUERY_TIMEOUT.total_seconds():.0f} s: is a worker polling"
-                f" task queue {description.task_queue}? It charges nobody until one does"
+                f"the run of {period} ({workflow_id}) is open, but no worker answered its"
+                f" query within {QUERY_TIMEOUT.total_seconds():.0f} s, so whether it runs, is"
+                f" paused or is being cancelled is unknown: is a worker polling task queue"
+                f" {description.task_queue}? Nothing is charged until one does"
             ) from None
     if status in (WorkflowExecutionStatus.COMPLETED, WorkflowExecutionStatus.CONTINUED_AS_NEW):
         return _progress(await handle.result())

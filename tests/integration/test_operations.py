@@ -484,12 +484,12 @@ async def test_unpausing_names_the_launches_the_pause_skipped(harness: Harness) 
     assert f"schedule backfill --id often --start {last} --end {last}" in err
 
 
-async def test_run_with_no_worker_says_it_started_and_nobody_answers(harness: Harness) -> None:
+async def test_run_with_no_worker_says_the_run_is_open_and_nobody_answers(harness: Harness) -> None:
     await harness.seed(1)
     code, out, err = await harness.starter("run", str(PERIOD))
     assert (code, out.splitlines()[0]) == (
         0,
-        f"period {PERIOD} started as {period_workflow_id(PERIOD)}",
+        f"period {PERIOD} open as {period_workflow_id(PERIOD)}",
     )
     assert "no worker answered its query within 10 s" in err and "Traceback" not in err
     # Started indeed: a worker now bills it.
