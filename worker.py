@@ -33,11 +33,11 @@ from billing.config import (
     BillingSettings,
     DatabaseSettings,
     ObservabilitySettings,
-    SettingsError,
     TemporalSettings,
     load_settings,
 )
 from billing.db import create_pool
+from billing.errors import BillingError, ServiceUnavailableError
 from billing.migrations import migrate
 from billing.period_keys import reseal_secrets
 from billing.sealing import SETTING
@@ -210,6 +210,9 @@ if __name__ == "__main__":
     # worker's CPU per customer fell by 5-15% (bench/FINDINGS.md).
     try:
         uvloop.run(main())
-    except SettingsError as error:
+    except ServiceUnavailableError as error:
+        print(f"worker: {error}", file=sys.stderr)
+        sys.exit(1)
+    except BillingError as error:  # settings, configuration
         print(f"worker: {error}", file=sys.stderr)
         sys.exit(2)

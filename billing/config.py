@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, TypeVar
+from typing import Literal, TypeVar
 
 from pydantic import (
-    AfterValidator,
     Field,
     SecretStr,
     ValidationError,
@@ -14,7 +13,6 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from billing.db import check_dsn
 from billing.errors import BillingError
 from billing.models import ChargeApi
 from billing.sealing import SETTING, SecretBox
@@ -55,7 +53,7 @@ class TemporalSettings(BaseSettings):
 class DatabaseSettings(BaseSettings):
     model_config = SettingsConfigDict(extra="ignore", hide_input_in_errors=True)
 
-    database_url: Annotated[str, AfterValidator(check_dsn)] = Field(
+    database_url: str = Field(
         default="postgresql://postgres@127.0.0.1:5433/billing",
         description="PostgreSQL holding the billing ledger",
     )

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
-
 import asyncpg
 
 from billing.errors import ConfigurationError, ServiceUnavailableError
@@ -25,17 +23,10 @@ _MALFORMED = (
 )
 
 
-def check_dsn(dsn: str) -> str:
-    """`dsn` if asyncpg can parse it. The error never quotes it, nor the parser's own message:
-    both may hold the password."""
-    try:
-        parts = urlsplit(dsn)
-        _ = parts.port
-    except ValueError:
-        raise ValueError(_MALFORMED) from None
-    if parts.scheme not in ("postgresql", "postgres") or not parts.hostname:
-        raise ValueError(_MALFORMED)
-    return dsn
+def malformed_url(variable: str) -> ConfigurationError:
+    """For a URL asyncpg cannot parse: its own message quotes the part it choked on, which
+    may be the password, so it is never shown."""
+    return ConfigurationError(f"{variable} {_MALFORMED}")
 
 
 def _unavailable(dsn: str, exc: Exception) -> ServiceUnavailableError:
@@ -49,8 +40,8 @@ async def connect(dsn: str) -> asyncpg.Connection:
         return await asyncpg.connect(dsn)
     except (OSError, asyncpg.PostgresError) as exc:
         raise _unavailable(dsn, exc) from None
-    except ValueError:  # asyncpg's parser, quoting the part it choked on
-        raise ConfigurationError(f"DATABASE_URL {_MALFORMED}") from None
+    except ValueError:  # asyncpg's parser
+        raise malformed_url("DATABASE_URL") from None
 
 
 async def create_pool(dsn: str, *, max_size: int = 20) -> asyncpg.Pool:
@@ -60,8 +51,8 @@ async def create_pool(dsn: str, *, max_size: int = 20) -> asyncpg.Pool:
         )
     except (OSError, asyncpg.PostgresError) as exc:
         raise _unavailable(dsn, exc) from None
-    except ValueError:  # asyncpg's parser, quoting the part it choked on
-        raise ConfigurationError(f"DATABASE_URL {_MALFORMED}") from None
+    except ValueError:  # asyncpg's parser
+        raise malformed_url("DATABASE_URL") from None
     assert pool is not None
     return pool
 

@@ -13,6 +13,7 @@ import uvloop
 
 from billing import logs
 from billing.config import SettingsError, load_settings
+from billing.errors import ConfigurationError
 from vault.app import serve
 from vault.settings import VaultSettings
 
@@ -49,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         # Unreachable database, port in use. The message names no secret.
         print(f"vault could not start: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
+    except ConfigurationError as error:
+        print(f"vault: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

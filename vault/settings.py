@@ -6,10 +6,9 @@ import re
 from datetime import timedelta
 from typing import Annotated
 
-from pydantic import AfterValidator, Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from billing.db import check_dsn
 from vault.budget import WorkerPolicy
 from vault.models import CURRENCY_PATTERN
 
@@ -19,7 +18,7 @@ class VaultSettings(BaseSettings):
         env_prefix="VAULT_", extra="ignore", frozen=True, hide_input_in_errors=True
     )
 
-    database_url: Annotated[str, AfterValidator(check_dsn)] = Field(
+    database_url: str = Field(
         default="postgresql://postgres@127.0.0.1:5433/billing",
         description="PostgreSQL holding the vault tables (migrations/002_vault.sql)",
     )

@@ -20,7 +20,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from billing.db import CONNECTION_ERRORS, keep_session
+from billing.db import CONNECTION_ERRORS, keep_session, malformed_url
 from vault.models import (
     AuditEntry,
     IssueKeyRequest,
@@ -60,9 +60,12 @@ def secret_digest(secret: str) -> bytes:
 
 
 async def create_pool(dsn: str, size: int) -> asyncpg.Pool:
-    pool = await asyncpg.create_pool(
-        dsn, min_size=min(2, size), max_size=size, command_timeout=30, reset=keep_session
-    )
+    try:
+        pool = await asyncpg.create_pool(
+            dsn, min_size=min(2, size), max_size=size, command_timeout=30, reset=keep_session
+        )
+    except ValueError:  # asyncpg's parser
+        raise malformed_url("VAULT_DATABASE_URL") from None
     assert pool is not None
     return pool
 

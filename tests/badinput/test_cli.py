@@ -186,10 +186,24 @@ async def test_a_malformed_database_url_is_named_and_its_password_not_shown(
     }
     result = await run_cli(*argv, env=env)
     assert (result.code, result.stdout) == (2, ""), result
-    assert f"{variable}: Value error, is not a valid PostgreSQL URL" in result.stderr
+    assert f"{variable} is not a valid PostgreSQL URL" in result.stderr
     assert "percent-encode" in result.stderr
     assert "Pa55w" not in result.stderr and "S3cret" not in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql:///billing?host=/nonexistent/socket-dir",  # a Unix socket
+        "postgresql://billing@127.0.0.1:1,127.0.0.1:2/billing",  # hosts to fail over between
+    ],
+)
+async def test_urls_asyncpg_takes_are_not_refused_as_malformed(url: str) -> None:
+    result = await run_cli("starter.py", "preview", "2026-12", env={"DATABASE_URL": url})
+    assert result.code == 2, result
+    assert "cannot reach PostgreSQL" in result.stderr
+    assert "not a valid PostgreSQL URL" not in result.stderr
 
 
 async def test_an_import_repricing_customers_a_running_period_has_not_billed_is_refused(
