@@ -308,8 +308,9 @@ def _warn_missed(schedule_id: str, missed: list[schedules.Missed]) -> None:
     if not missed:
         return
     print(
-        f"WARNING: while paused, {schedule_id} skipped {len(missed)} launch(es), which Temporal"
-        " does not make up: " + ", ".join(m.at.isoformat() for m in missed),
+        f"WARNING: {schedule_id} launched nothing at {len(missed)} of its times, and Temporal"
+        " does not make them up (a paused schedule skips its times): "
+        + ", ".join(m.at.isoformat() for m in missed),
         file=sys.stderr,
     )
     periods = [m.period for m in missed if m.period is not None]

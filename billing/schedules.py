@@ -182,8 +182,8 @@ async def backfill(client: Client, schedule_id: str, first: Period, last: Period
     if ahead:
         # A backfill starts every launch at once, now: a later one would bill before its time.
         raise InvalidInputError(
-            f"the schedule bills {period_for(ahead[0], request.options.billing)} on"
-            f" {ahead[0].isoformat()}, not yet: backfill only periods whose launch is past"
+            f"the schedule bills {_billed_at(ahead[0], request)} on {ahead[0].isoformat()},"
+            " not yet: backfill only periods whose launch is past"
         )
     # Each period is its own workflow: backfilled months run side by side.
     await handle.backfill(
@@ -208,43 +208,50 @@ class Missed(Record):
     period: Period | None = Field(description="the period it would have billed")
 
 
+# How many of its latest actions Temporal keeps in a schedule's description.
+_RECENT_ACTIONS_KEPT = 10
+
+
 async def missed_launches(client: Client, schedule_id: str) -> list[Missed]:
-    """The schedule's launches due since its last one (or its creation) that never ran: a
-    paused schedule skips its firings for good, even once unpaused within the catch-up
-    window. Only a billing schedule's name a period; a daily reconciliation's do not."""
+    """The schedule's times that launched nothing, since its creation (or the oldest action
+    Temporal still lists): a paused schedule skips its times for good, even once unpaused
+    within the catch-up window. Only a billing schedule's name a period."""
     description = await client.get_schedule_handle(schedule_id).describe()
     info = description.info
-    since = max([info.created_at, *(a.scheduled_at for a in info.recent_actions)])
+    launched = {a.scheduled_at for a in info.recent_actions}
+    since = info.created_at
+    if len(info.recent_actions) >= _RECENT_ACTIONS_KEPT:
+        since = min(launched)
     now = datetime.now(UTC)
     if now <= since:
         return []
     request = await _launch_input(client, description)
-    due = [t for t in await matching_times(client, schedule_id, since, now) if t > since]
+    due = [t for t in await matching_times(client, schedule_id, since, now) if t not in launched]
     bills = request.action == "bill"
-    return [
-        Missed(
-            at=t,
-            period=period_for(t.astimezone(ZoneInfo(request.time_zone)), request.options.billing)
-            if bills
-            else None,
-        )
-        for t in due
-    ]
+    return [Missed(at=t, period=_billed_at(t, request) if bills else None) for t in due]
+
+
+def _billed_at(moment: datetime, request: ScheduledBillingInput) -> Period:
+    """The period a launch at `moment` bills, by the schedule's own zone and mode."""
+    return period_for(moment.astimezone(ZoneInfo(request.time_zone)), request.options.billing)
 
 
 async def matching_times(
     client: Client, schedule_id: str, start: datetime, end: datetime
 ) -> list[datetime]:
-    """When the schedule fires (its nominal times) from `start` to `end`, as Temporal says."""
+    """When the schedule fires (its nominal times) from `start` to `end`, both included, as
+    Temporal says."""
     found = await client.workflow_service.list_schedule_matching_times(
         ListScheduleMatchingTimesRequest(
             namespace=client.namespace,
             schedule_id=schedule_id,
-            start_time=_timestamp(start),
+            # Temporal leaves out a time equal to the start; a backfill includes it.
+            start_time=_timestamp(start - timedelta(seconds=1)),
             end_time=_timestamp(end),
         )
     )
-    return [t.ToDatetime(tzinfo=UTC) for t in found.start_time]
+    times = (t.ToDatetime(tzinfo=UTC) for t in found.start_time)
+    return [t for t in times if start <= t <= end]
 
 
 def _timestamp(moment: datetime) -> Timestamp:

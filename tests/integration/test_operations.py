@@ -463,7 +463,27 @@ async def test_a_backfill_never_bills_a_period_before_its_launch(harness: Harnes
     await schedules.create_schedule(harness.client, config, harness.task_queue)
     with pytest.raises(InvalidInputError, match="bills 2098-12 on 2099-01-01T02:00:00"):
         await schedules.backfill(harness.client, "monthly-ahead", Period(2098, 12), Period(2099, 1))
+    # The period is the schedule zone's: there, this launch is on 2099-01-01, billing 2098-12.
+    zoned = schedules.MonthlySchedule(
+        schedule_id="monthly-auckland", paused=True, time_zone="Pacific/Auckland"
+    )
+    await schedules.create_schedule(harness.client, zoned, harness.task_queue)
+    with pytest.raises(InvalidInputError, match="bills 2098-12 on 2098-12-31T13:00:00"):
+        await schedules.backfill(
+            harness.client, "monthly-auckland", Period(2098, 12), Period(2098, 12)
+        )
     assert [w async for w in harness.client.list_workflows()] == []
+
+
+async def test_a_backfill_includes_a_launch_at_the_first_instant_of_its_window(
+    harness: Harness,
+) -> None:
+    config = schedules.MonthlySchedule(schedule_id="midnight", hour=0, paused=True)
+    await schedules.create_schedule(harness.client, config, harness.task_queue)
+    launches = await schedules.backfill(
+        harness.client, "midnight", Period(2026, 1), Period(2026, 1)
+    )
+    assert [t.isoformat() for t in launches] == ["2026-02-01T00:00:00+00:00"]
 
 
 async def test_unpausing_names_the_launches_the_pause_skipped(harness: Harness) -> None:
@@ -479,7 +499,7 @@ async def test_unpausing_names_the_launches_the_pause_skipped(harness: Harness) 
     code, out, err = await harness.starter("schedule", "unpause", "--id", "often")
     await handle.delete()
     assert (code, out.strip()) == (0, "unpaused schedule often"), err
-    assert "WARNING: while paused, often skipped" in err
+    assert "WARNING: often launched nothing at" in err and "paused schedule skips" in err
     last = period_for(datetime.now(UTC))
     assert f"schedule backfill --id often --start {last} --end {last}" in err
 
