@@ -71,6 +71,8 @@ AUTOMATIC = "billing (automatic)"
 LEDGER_WAIT = timedelta(seconds=10)
 # Runs recorded before this patch closed without waiting for updates still in flight.
 ANSWER_UPDATES_BEFORE_CLOSE = "answer-updates-before-close"
+# A cancel waits for charges another run's children sent (CancelPage.sent).
+CANCEL_AWAITS_SENT = "cancel-awaits-sent"
 
 
 # Outside the sandbox for speed; the tests run it inside (see workflows/__init__.py).
@@ -514,7 +516,8 @@ class BillingPeriodWorkflow:
                 summary="mark customers not started cancelled",
             )
             state.counts.merge(page.counts)
-            if page.sent:
+            # Patched: a worker of before may have run this page's task, and not waited.
+            if page.sent and workflow.patched(CANCEL_AWAITS_SENT):
                 # Counted due already: their outcome is added when the ledger has it.
                 self._in_flight.update(page.sent)
                 self._await_elsewhere(page.sent)
