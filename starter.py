@@ -353,7 +353,8 @@ async def cmd_import(args: argparse.Namespace) -> int:
                 f"{args.file} changes the price of {len(changes)} customers the open run of"
                 f" {periods} has not billed yet: {shown}{', ...' if len(changes) > 5 else ''}."
                 " That run would bill them at the new price and the others at the old (a new"
-                " currency pauses it). Import once it has ended, or pass --while-running;"
+                " currency pauses it). Import once it has ended, or pass --while-running (also"
+                " if that run failed or was terminated, which leaves it open in the ledger);"
                 " nothing was imported"
             )
         written = await upsert_customers(pool, rows)

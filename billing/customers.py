@@ -191,7 +191,8 @@ async def changes_to_open_runs(
                    n.amount_cents AS new_amount, n.currency AS new_currency
             FROM unnest($1::text[], $2::bigint[], $3::text[])
                 AS n(customer_id, amount_cents, currency)
-            JOIN customers c ON c.customer_id = n.customer_id AND c.active
+            -- Inactive ones too: the import makes them active.
+            JOIN customers c ON c.customer_id = n.customer_id
             JOIN billing_periods p ON p.state = 'running'
             LEFT JOIN billing_runs r
                 ON r.customer_id = c.customer_id AND r.billing_period = p.billing_period

@@ -211,19 +211,23 @@ async def test_an_import_repricing_customers_a_running_period_has_not_billed_is_
 ) -> None:
     await db.execute(
         "INSERT INTO customers (customer_id, stripe_customer_id, payment_method, amount_cents,"
-        " currency) VALUES ('c-1', 'cus_A', 'pm_1', 100, 'usd'), ('c-2', 'cus_B', 'pm_2', 100,"
-        " 'usd')"
+        " currency, active) VALUES ('c-1', 'cus_A', 'pm_1', 100, 'usd', true),"
+        " ('c-2', 'cus_B', 'pm_2', 100, 'usd', true), ('c-3', 'cus_C', 'pm_3', 100, 'usd', false)"
     )
     async with db.acquire() as conn:
         plan = await ledger.plan_period(conn, "2026-12")
         await ledger.start_period(conn, plan, "billing-period-2026-12")
     path = tmp_path / "customers.csv"
-    path.write_text(_csv("c-1,cus_A,pm_1,100,usd\nc-2,cus_B,pm_2,250,usd\n"))
+    # c-3, inactive now, is made active by the import: in a new currency, it would pause the run.
+    path.write_text(
+        _csv("c-1,cus_A,pm_1,100,usd\nc-2,cus_B,pm_2,250,usd\nc-3,cus_C,pm_3,100,eur\n")
+    )
     argv = ["starter.py", "customers", "import", str(path)]
     env = {"DATABASE_URL": database_url}
     refused = await run_cli(*argv, env=env)
     assert (refused.code, refused.stdout) == (2, ""), refused
-    assert "changes the price of 1 customers the open run of 2026-12" in refused.stderr
+    assert "changes the price of 2 customers the open run of 2026-12" in refused.stderr
+    assert "c-3 (100 usd -> 100 eur)" in refused.stderr
     assert "c-2 (100 usd -> 250 usd)" in refused.stderr and "nothing was imported" in refused.stderr
     assert await db.fetchval("SELECT amount_cents FROM customers WHERE customer_id = 'c-2'") == 100
     forced = await run_cli(*argv, "--while-running", env=env)
