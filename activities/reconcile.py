@@ -49,6 +49,9 @@ from vault.models import ReservationInfo
 # Open claims one run resolves; a period normally ends with none, and the next run (the
 # schedule fires daily) takes any rest.
 MAX_CLAIMS = 1000
+# Reservations one report lists (a workflow result is bounded); the rest are counted in the
+# worker's log.
+MAX_SHOWN = 1000
 # Well inside the page activity's heartbeat timeout (workflows/reconcile.py).
 HEARTBEAT_EVERY = 2.0
 # Calls to Temporal or Stripe at once from one activity: well under Stripe's rate limit
@@ -275,12 +278,25 @@ class ReconcileActivities:
         pending ones as unknown) with what Stripe has. None without a vault."""
         if self._admin is None:
             return None
-        keys = await self._admin.find_keys(period=request.period, label=period_keys.LABEL)
+        admin = self._admin
+        keys = await admin.find_keys(period=request.period, label=period_keys.LABEL)
         resolutions: list[ReservationResolution] = []
         for key in keys:
-            for reservation in await self._admin.unknown_reservations(key.id):
-                resolutions.append(await self._settle(self._admin, key.id, reservation))
-        return resolutions
+            # All of them, every run: a backlog that never settles cannot hide the rest.
+            found = await admin.unknown_reservations(key.id)
+            resolutions += await _bounded([self._settle(admin, key.id, r) for r in found])
+        # Settled ones first: the report is bounded (each settlement is logged anyway).
+        resolutions.sort(key=lambda r: r.state == "unknown")
+        if len(resolutions) > MAX_SHOWN:
+            left = sum(r.state == "unknown" for r in resolutions)
+            log.warning(
+                "%s: %d vault reservations examined (%d still unknown), the first %d reported",
+                request.period,
+                len(resolutions),
+                left,
+                MAX_SHOWN,
+            )
+        return resolutions[:MAX_SHOWN]
 
     async def _settle(
         self, admin: VaultAdmin, key_id: str, reservation: ReservationInfo

@@ -214,8 +214,8 @@ async def list_reservations(request: web.Request) -> web.Response:
     async with state.pool.acquire() as conn:
         await _require_key(conn, key_id)
         await reservations.mark_stale_unknown(conn, key_id, state.stale_after)
-        found = await store.list_reservations(conn, key_id, query.state, query.limit)
-    return _reply(ReservationList(reservations=found))
+        page = await store.list_reservations(conn, key_id, query.state, query.limit, query.after)
+    return _reply(page)
 
 
 async def resolve(request: web.Request) -> web.Response:

@@ -128,15 +128,25 @@ class VaultAdmin:
         page = await self._call("GET", f"/keys/{_segment(key_id)}/audit", AuditPage, query=query)
         return page.entries
 
-    async def unknown_reservations(self, key_id: str, limit: int = 1000) -> list[ReservationInfo]:
-        """Reservations whose outcome the vault does not know: reconcile them with Stripe."""
-        listing = await self._call(
-            "GET",
-            f"/keys/{_segment(key_id)}/reservations",
-            ReservationList,
-            query={"state": "unknown", "limit": str(limit)},
-        )
-        return listing.reservations
+    async def unknown_reservations(
+        self, key_id: str, page_size: int = 1000
+    ) -> list[ReservationInfo]:
+        """Every reservation whose outcome the vault does not know, oldest first, read a page
+        at a time: reconcile them with Stripe."""
+        found: list[ReservationInfo] = []
+        after: int | None = None
+        while True:
+            query = {"state": "unknown", "limit": str(page_size)}
+            page = await self._call(
+                "GET",
+                f"/keys/{_segment(key_id)}/reservations",
+                ReservationList,
+                query=query | ({"after": str(after)} if after is not None else {}),
+            )
+            found += page.reservations
+            if page.next_after is None:
+                return found
+            after = page.next_after
 
     async def resolve(
         self,

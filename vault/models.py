@@ -222,11 +222,18 @@ class ReservationInfo(View):
 
 class ReservationList(View):
     reservations: list[ReservationInfo]
+    # Defaulted, so a newer client reads a vault from before pages.
+    next_after: int | None = Field(
+        default=None, description="pass as `after` for the next page; none after the last"
+    )
 
 
 class ReservationsQuery(Query):
     state: ReservationState | None = None
     limit: int = Field(default=100, ge=1, le=1000)
+    after: int | None = Field(
+        default=None, ge=0, le=2**62, description="a page's `next_after`: the page after it"
+    )
 
 
 class _Resolution(Body):

@@ -26,6 +26,7 @@ from vault.models import (
     IssueKeyRequest,
     KeyInfo,
     ReservationInfo,
+    ReservationList,
     ReservationState,
 )
 
@@ -230,19 +231,29 @@ async def audit_page(
 
 
 async def list_reservations(
-    conn: asyncpg.Connection, key_id: str, state: ReservationState | None, limit: int
-) -> list[ReservationInfo]:
+    conn: asyncpg.Connection,
+    key_id: str,
+    state: ReservationState | None,
+    limit: int,
+    after: int | None,
+) -> ReservationList:
+    """Oldest first, a page at a time: `next_after` leads to the next page."""
     rows = await conn.fetch(
         f"""
-        SELECT {RESERVATION_COLUMNS} FROM vault_reservations
+        SELECT id, {RESERVATION_COLUMNS} FROM vault_reservations
         WHERE vault_key_id = $1 AND ($2::text IS NULL OR state = $2)
+              AND ($4::bigint IS NULL OR id > $4)
         ORDER BY id LIMIT $3
         """,
         key_id,
         state,
         limit,
+        after,
     )
-    return [reservation_info(row) for row in rows]
+    return ReservationList(
+        reservations=[reservation_info(row) for row in rows],
+        next_after=rows[-1]["id"] if len(rows) == limit else None,
+    )
 
 
 def reservation_info(row: Any) -> ReservationInfo:

@@ -17,13 +17,14 @@ from pydantic import SecretStr
 from devstack.postgres import LocalPostgres
 from stripe_emulator import RunningEmulator
 from tests.integration.harness import eventually
-from vault import VaultSettings, reservations, serve, store
+from vault import RunningVault, VaultSettings, reservations, serve, store
 from vault.client import VaultAdmin, VaultConflict, VaultInvalidRequest, VaultNotFound
 from vault.models import IssuedKey
 from vault.reservations import Charge
 
 from .conftest import Issue, Secrets
 from .support import (
+    ADMIN_TOKEN,
     assert_consistent,
     charge,
     charge_in_doubt,
@@ -379,3 +380,40 @@ async def test_a_charge_first_sent_23_hours_ago_is_neither_replayed_nor_taken_ov
         await charge(client, customer, 3_000, "in-doubt")
     assert (await assert_consistent(db, key.id))["spent_cents"] == 9_000
     assert len(await emulator_ledger(emulator)) == 2
+
+
+async def test_unknown_reservations_are_read_page_by_page_to_the_last(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    emulator: RunningEmulator,
+    admin: VaultAdmin,
+    http: aiohttp.ClientSession,
+    vault: RunningVault,
+) -> None:
+    key = await issue(cap_cents=10_000)
+    client = stripe_via_vault(key)
+    await set_faults(emulator, drop_after_commit=1.0)
+    for n in range(5):
+        with pytest.raises(stripe.APIError):
+            await charge(client, customer, 100, f"dropped-{n}")
+    await set_faults(emulator, drop_after_commit=0.0)
+    await charge(client, customer, 100, "settled")
+    found = await admin.unknown_reservations(key.id, page_size=2)
+    assert [r.idempotency_key for r in found] == [f"dropped-{n}" for n in range(5)]
+    # The API itself: a full page says where the next one starts; the last says none.
+    pages = []
+    after: int | None = None
+    while True:
+        query = {"state": "unknown", "limit": "2"} | ({"after": str(after)} if after else {})
+        async with http.get(
+            f"{vault.url}/vault/keys/{key.id}/reservations",
+            params=query,
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        ) as response:
+            page = await response.json()
+        pages.append(len(page["reservations"]))
+        after = page["next_after"]
+        if after is None:
+            break
+    assert pages == [2, 2, 1]
