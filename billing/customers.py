@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from billing.errors import CustomerImportError, InvalidInputError
 from billing.keys import validate_customer_id
+from billing.ledger import NEVER_STARTED
 from billing.models import Record
 from billing.money import parse_amount, validate_amount, validate_amount_in, validate_currency
 
@@ -186,7 +187,7 @@ async def changes_to_open_runs(
     and a new currency (with no vault key in that period) pauses it."""
     async with pool.acquire() as conn:
         found = await conn.fetch(
-            """
+            f"""
             SELECT p.billing_period, c.customer_id, c.amount_cents, c.currency,
                    n.amount_cents AS new_amount, n.currency AS new_currency
             FROM unnest($1::text[], $2::bigint[], $3::text[])
@@ -196,9 +197,10 @@ async def changes_to_open_runs(
             JOIN billing_periods p ON p.state = 'running'
             LEFT JOIN billing_runs r
                 ON r.customer_id = c.customer_id AND r.billing_period = p.billing_period
-            -- A claim holds the price it was made with: only customers not yet claimed change.
+            -- A claim holds the price it was made with: only customers not yet claimed (no
+            -- row, or one a cancelled run never started) change.
             WHERE (c.amount_cents, c.currency) <> (n.amount_cents, n.currency)
-                  AND r.status IS NULL
+                  AND (r.status IS NULL OR ({NEVER_STARTED.format(r="r")}))
             ORDER BY p.billing_period, c.customer_id
             """,
             [r.customer_id for r in rows],

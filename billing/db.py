@@ -29,10 +29,16 @@ def malformed_url(variable: str) -> ConfigurationError:
     return ConfigurationError(f"{variable} {_MALFORMED}")
 
 
+def where(dsn: str) -> str:
+    """The URL's hosts and database, for a message: no user, password or parameters, any of
+    which may hold a secret (`?password=...` too). Cut after the last '@' first, since an
+    unescaped '?' or '#' may be part of the password."""
+    after_user = dsn.rsplit("@", 1)[1] if "@" in dsn else dsn.split("://", 1)[-1]
+    return after_user.split("?", 1)[0]
+
+
 def _unavailable(dsn: str, exc: Exception) -> ServiceUnavailableError:
-    # Only the host part: a DSN may carry a password.
-    host = dsn.rsplit("@", 1)[-1]
-    return ServiceUnavailableError(f"cannot reach PostgreSQL at {host} (DATABASE_URL): {exc}")
+    return ServiceUnavailableError(f"cannot reach PostgreSQL at {where(dsn)} (DATABASE_URL): {exc}")
 
 
 async def connect(dsn: str) -> asyncpg.Connection:

@@ -27,7 +27,7 @@ from billing.models import (
 from billing.reconciliation import CustomerToCheck, LedgerEntry, OpenClaim
 
 # A row a cancelled run wrote for a customer it never started: nothing of it reached Stripe.
-_NEVER_STARTED = (
+NEVER_STARTED = (
     "{r}.status = 'cancelled' AND {r}.cancelled_before_start AND {r}.charge_started_at IS NULL"
 )
 # What a claim of such a row takes afresh from the customer (the rest of the row is reset).
@@ -37,6 +37,7 @@ _REFRESHED = (
     "stripe_customer_id",
     "payment_method",
     "claimed_at",
+    "updated_at",
     "reason",
     "decided_by",
 )
@@ -50,7 +51,7 @@ _REOPENED = (
 _DUE = f"""
     FROM customers c
     LEFT JOIN billing_runs r ON r.customer_id = c.customer_id AND r.billing_period = $1
-        AND NOT ({_NEVER_STARTED.format(r="r")})
+        AND NOT ({NEVER_STARTED.format(r="r")})
     WHERE (c.active OR r.status IS NOT NULL)
 """
 
@@ -143,7 +144,8 @@ async def claim(
         SET claimed_by_run = EXCLUDED.claimed_by_run,
             -- A row made before the API was recorded (or by a skip) takes this claim's,
             -- unless an attempt may have reached Stripe under a setting nobody recorded.
-            charge_api = CASE WHEN billing_runs.charge_started_at IS NULL
+            charge_api = CASE WHEN billing_runs.status = 'cancelled' THEN EXCLUDED.charge_api
+                              WHEN billing_runs.charge_started_at IS NULL
                               THEN coalesce(billing_runs.charge_api, EXCLUDED.charge_api)
                               ELSE billing_runs.charge_api END,
             -- A customer a cancelled run never started is claimed afresh, as it is now:
@@ -151,7 +153,7 @@ async def claim(
             {", ".join(f"{c} = {_REOPENED.format(c=c)}" for c in _REFRESHED)},
             status = 'claimed', completed_at = NULL, cancelled_before_start = false
         WHERE EXCLUDED.claimed_by_run IS NOT NULL AND (
-            billing_runs.status = 'claimed' OR ({_NEVER_STARTED.format(r="billing_runs")}))
+            billing_runs.status = 'claimed' OR ({NEVER_STARTED.format(r="billing_runs")}))
         RETURNING {_CLAIM_COLUMNS}
         """,
         customer_id,
@@ -253,13 +255,16 @@ async def outcomes(
     customer in flight and waited for it (a child another run started), so it counts the
     charge as its own."""
     rows = await conn.fetch(
-        """
+        f"""
         SELECT customer_id, status, amount_cents, currency, charge_id, failure_code
         FROM billing_runs
         WHERE billing_period = $1 AND customer_id = ANY($2::text[]) AND status <> 'claimed'
+              -- An awaited child may yet take over a row a cancelled run never started.
+              AND NOT ($3 AND {NEVER_STARTED.format(r="billing_runs")})
         """,
         period,
         list(customer_ids),
+        awaited,
     )
     return [
         CustomerOutcome(
@@ -279,12 +284,14 @@ async def outcomes(
 async def without_rows(
     conn: asyncpg.Connection, period: str, customer_ids: Sequence[str]
 ) -> list[str]:
-    """The customers that have no row of the period at all: their child never claimed."""
+    """The customers with no row of the period their child claimed: none at all, or one a
+    cancelled run wrote for a customer it never started."""
     missing: list[str] = await conn.fetchval(
-        """
-        SELECT coalesce(array_agg(c ORDER BY c), '{}') FROM unnest($2::text[]) AS c
+        f"""
+        SELECT coalesce(array_agg(c ORDER BY c), '{{}}') FROM unnest($2::text[]) AS c
         WHERE NOT EXISTS (
-            SELECT 1 FROM billing_runs WHERE billing_period = $1 AND customer_id = c
+            SELECT 1 FROM billing_runs r WHERE r.billing_period = $1 AND r.customer_id = c
+                AND NOT ({NEVER_STARTED.format(r="r")})
         )
         """,
         period,

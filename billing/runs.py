@@ -140,7 +140,8 @@ async def period_status(client: Client, period: Period) -> PeriodProgress:
                 f"the run of {period} ({workflow_id}) is open, but no worker answered its"
                 f" query within {QUERY_TIMEOUT.total_seconds():.0f} s, so whether it runs, is"
                 f" paused or is being cancelled is unknown: is a worker polling task queue"
-                f" {description.task_queue}? Nothing is charged until one does"
+                f" {description.task_queue}? Nothing is charged until one does (Temporal:"
+                f" {exc.message})"
             ) from None
     if status in (WorkflowExecutionStatus.COMPLETED, WorkflowExecutionStatus.CONTINUED_AS_NEW):
         return _progress(await handle.result())

@@ -221,7 +221,8 @@ async def missed_launches(client: Client, schedule_id: str) -> list[Missed]:
     launched = {a.scheduled_at for a in info.recent_actions}
     since = info.created_at
     if len(info.recent_actions) >= _RECENT_ACTIONS_KEPT:
-        since = min(launched)
+        # A backfilled action's time may be before the schedule existed.
+        since = max(since, min(launched))
     now = datetime.now(UTC)
     if now <= since:
         return []

@@ -24,6 +24,9 @@ from temporalio.client import Client
 
 import starter
 from billing import ledger
+from billing.db import where
+from billing.keys import idempotency_key
+from billing.periods import Period
 from billing.errors import InvalidInputError
 from tests.conftest import free_port
 
@@ -195,8 +198,10 @@ async def test_a_malformed_database_url_is_named_and_its_password_not_shown(
 @pytest.mark.parametrize(
     "url",
     [
-        "postgresql:///billing?host=/nonexistent/socket-dir",  # a Unix socket
-        "postgresql://billing@127.0.0.1:1,127.0.0.1:2/billing",  # hosts to fail over between
+        # A Unix socket, its password a parameter.
+        "postgresql:///billing?host=/nonexistent/socket-dir&password=Pa55wS3cret",
+        # Hosts to fail over between.
+        "postgresql://billing:Pa55wS3cret@127.0.0.1:1,127.0.0.1:2/billing",
     ],
 )
 async def test_urls_asyncpg_takes_are_not_refused_as_malformed(url: str) -> None:
@@ -204,6 +209,20 @@ async def test_urls_asyncpg_takes_are_not_refused_as_malformed(url: str) -> None
     assert result.code == 2, result
     assert "cannot reach PostgreSQL" in result.stderr
     assert "not a valid PostgreSQL URL" not in result.stderr
+    assert "Pa55w" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("postgresql://u:pa?ss@db:5432/billing?password=x", "db:5432/billing"),
+        ("postgresql://u:pa#ss@db/billing", "db/billing"),
+        ("postgresql://u:p@ss@h1:1,h2:2/billing", "h1:1,h2:2/billing"),
+        ("postgresql:///billing?host=/run/pg&password=x", "/billing"),
+    ],
+)
+def test_a_database_url_is_shown_without_user_password_or_parameters(url: str, shown: str) -> None:
+    assert where(url) == shown
 
 
 async def test_an_import_repricing_customers_a_running_period_has_not_billed_is_refused(
@@ -215,18 +234,29 @@ async def test_an_import_repricing_customers_a_running_period_has_not_billed_is_
         " ('c-2', 'cus_B', 'pm_2', 100, 'usd', true), ('c-3', 'cus_C', 'pm_3', 100, 'usd', false)"
     )
     async with db.acquire() as conn:
+        # c-4 a cancelled run never started: the open run claims it at its price of then.
+        await conn.execute(
+            "INSERT INTO customers (customer_id, stripe_customer_id, payment_method,"
+            " amount_cents, currency) VALUES ('c-4', 'cus_D', 'pm_4', 100, 'usd')"
+        )
+        key = idempotency_key("billing", "c-4", Period(2026, 12))
+        await ledger.cancel_customers(conn, "2026-12", {"c-4": key}, "r", "alice")
         plan = await ledger.plan_period(conn, "2026-12")
         await ledger.start_period(conn, plan, "billing-period-2026-12")
     path = tmp_path / "customers.csv"
     # c-3, inactive now, is made active by the import: in a new currency, it would pause the run.
     path.write_text(
-        _csv("c-1,cus_A,pm_1,100,usd\nc-2,cus_B,pm_2,250,usd\nc-3,cus_C,pm_3,100,eur\n")
+        _csv(
+            "c-1,cus_A,pm_1,100,usd\nc-2,cus_B,pm_2,250,usd\nc-3,cus_C,pm_3,100,eur\n"
+            "c-4,cus_D,pm_4,300,usd\n"
+        )
     )
     argv = ["starter.py", "customers", "import", str(path)]
     env = {"DATABASE_URL": database_url}
     refused = await run_cli(*argv, env=env)
     assert (refused.code, refused.stdout) == (2, ""), refused
-    assert "changes the price of 2 customers the open run of 2026-12" in refused.stderr
+    assert "changes the price of 3 customers the open run of 2026-12" in refused.stderr
+    assert "c-4 (100 usd -> 300 usd)" in refused.stderr
     assert "c-3 (100 usd -> 100 eur)" in refused.stderr
     assert "c-2 (100 usd -> 250 usd)" in refused.stderr and "nothing was imported" in refused.stderr
     assert await db.fetchval("SELECT amount_cents FROM customers WHERE customer_id = 'c-2'") == 100

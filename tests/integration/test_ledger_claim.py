@@ -165,3 +165,30 @@ async def test_a_customer_a_cancelled_run_never_started_is_claimed_afresh_once_a
         None,
         None,
     )
+
+
+async def test_a_run_awaiting_a_child_does_not_take_a_never_started_row_for_its_outcome(
+    harness: Harness,
+) -> None:
+    (customer,) = await harness.seed(1)
+    customer_id = customer.customer_id
+    async with harness.pool.acquire() as conn:
+        await ledger.cancel_customers(conn, PERIOD, {customer_id: key(customer_id)}, "r", "alice")
+        # A cancel page counts it cancelled; a run awaiting its child (started elsewhere, not
+        # yet claimed) waits, since that child will take the row over.
+        [cancelled] = await ledger.outcomes(conn, PERIOD, [customer_id])
+        assert cancelled.outcome == "cancelled"
+        assert await ledger.outcomes(conn, PERIOD, [customer_id], awaited=True) == []
+        assert await ledger.without_rows(conn, PERIOD, [customer_id]) == [customer_id]
+        claim = await ledger.claim(
+            conn, customer_id, PERIOD, key(customer_id), "run-2", charge_api="payment_intents"
+        )
+        await ledger.record_charge(
+            conn,
+            claim.idempotency_key,
+            ChargeResult(
+                charge_id="ch_1", payment_intent_id="pi_1", amount_cents=1, currency="usd"
+            ),
+        )
+        [charged] = await ledger.outcomes(conn, PERIOD, [customer_id], awaited=True)
+    assert charged.outcome == "charged"
