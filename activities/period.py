@@ -183,9 +183,11 @@ class PeriodActivities:
             try:
                 description = await handle.describe()
             except RPCError as exc:
-                if exc.status == RPCStatusCode.NOT_FOUND:
-                    continue
-                raise
+                if exc.status != RPCStatusCode.NOT_FOUND:
+                    raise
+                # Gone past the retention while awaited: ended, as far as anyone can tell.
+                ended.append(customer_id)
+                continue
             if description.status == WorkflowExecutionStatus.COMPLETED:
                 outcomes.append(await handle.result())
             elif description.status != WorkflowExecutionStatus.RUNNING:

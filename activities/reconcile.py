@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -52,6 +53,9 @@ MAX_CLAIMS = 1000
 # Reservations one report lists (a workflow result is bounded); the rest are counted in the
 # worker's log.
 MAX_SHOWN = 1000
+# How long one run settles reservations, well inside the activity's start-to-close timeout
+# (PAGE_TIMEOUT in workflows/reconcile.py); the next run takes the rest.
+SETTLE_BUDGET_SECONDS = 240.0
 # Well inside the page activity's heartbeat timeout (workflows/reconcile.py).
 HEARTBEAT_EVERY = 2.0
 # Calls to Temporal or Stripe at once from one activity: well under Stripe's rate limit
@@ -280,21 +284,29 @@ class ReconcileActivities:
             return None
         admin = self._admin
         keys = await admin.find_keys(period=request.period, label=period_keys.LABEL)
-        resolutions: list[ReservationResolution] = []
-        for key in keys:
-            # All of them, every run: a backlog that never settles cannot hide the rest.
-            found = await admin.unknown_reservations(key.id)
-            resolutions += await _bounded([self._settle(admin, key.id, r) for r in found])
-        # Settled ones first: the report is bounded (each settlement is logged anyway).
-        resolutions.sort(key=lambda r: r.state == "unknown")
-        if len(resolutions) > MAX_SHOWN:
-            left = sum(r.state == "unknown" for r in resolutions)
+        todo = [(key.id, r) for key in keys for r in await admin.unknown_reservations(key.id)]
+        # In a new order each run, for as long as the budget lasts: a backlog that never
+        # settles takes no fixed place ahead of the rest, and the run goes on to its claims.
+        random.shuffle(todo)
+        deadline = time.monotonic() + SETTLE_BUDGET_SECONDS
+
+        async def settle(key_id: str, found: ReservationInfo) -> ReservationResolution | None:
+            if time.monotonic() > deadline:
+                return None
+            return await self._settle(admin, key_id, found)
+
+        async with heartbeating():
+            settled = await _bounded([settle(key_id, found) for key_id, found in todo])
+        resolutions = [r for r in settled if r is not None]
+        # Those still unknown first, for a person to act on; each settlement is logged.
+        resolutions.sort(key=lambda r: r.state != "unknown")
+        if len(resolutions) < len(todo) or len(resolutions) > MAX_SHOWN:
             log.warning(
-                "%s: %d vault reservations examined (%d still unknown), the first %d reported",
+                "%s: %d vault reservations unknown, %d examined in the time given, %d reported",
                 request.period,
+                len(todo),
                 len(resolutions),
-                left,
-                MAX_SHOWN,
+                min(len(resolutions), MAX_SHOWN),
             )
         return resolutions[:MAX_SHOWN]
 

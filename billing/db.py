@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 import asyncpg
 
 from billing.errors import ConfigurationError, ServiceUnavailableError
@@ -31,10 +33,14 @@ def malformed_url(variable: str) -> ConfigurationError:
 
 def where(dsn: str) -> str:
     """The URL's hosts and database, for a message: no user, password or parameters, any of
-    which may hold a secret (`?password=...` too). Cut after the last '@' first, since an
-    unescaped '?' or '#' may be part of the password."""
-    after_user = dsn.rsplit("@", 1)[1] if "@" in dsn else dsn.split("://", 1)[-1]
-    return after_user.split("?", 1)[0]
+    which may hold a secret (`?password=...` too). Split as asyncpg splits it, so that an
+    '@' in a parameter is not taken for the end of the user part."""
+    parts = urlsplit(dsn)
+    if "@" in dsn and "@" not in parts.netloc:
+        # An '@' elsewhere: in a parameter, or after a '/', '?' or '#' the password holds
+        # unescaped. Which part is the password is a guess, so none of it is shown.
+        return "the host the URL names"
+    return parts.netloc.rpartition("@")[2] + parts.path
 
 
 def _unavailable(dsn: str, exc: Exception) -> ServiceUnavailableError:

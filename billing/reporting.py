@@ -69,7 +69,10 @@ def describe_reconciliation(report: ReconcileReport) -> str:
         for c in claims
     ]
     if report.vault_checked:
-        lines.append(f"  vault reservations left unknown: {len(report.reservations)} examined")
+        lines.append(
+            f"  vault reservations left unknown: {len(report.reservations)} examined"
+            " (a backlog is taken in turns; the worker's log counts any rest)"
+        )
         lines += [
             f"    {r.vault_key_id} key {r.key_prefix}...: {r.state}"
             + (f" {r.amount_cents} cents" if r.amount_cents else "")

@@ -25,9 +25,9 @@ from temporalio.client import Client
 import starter
 from billing import ledger
 from billing.db import where
+from billing.errors import InvalidInputError
 from billing.keys import idempotency_key
 from billing.periods import Period
-from billing.errors import InvalidInputError
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -215,10 +215,14 @@ async def test_urls_asyncpg_takes_are_not_refused_as_malformed(url: str) -> None
 @pytest.mark.parametrize(
     ("url", "shown"),
     [
-        ("postgresql://u:pa?ss@db:5432/billing?password=x", "db:5432/billing"),
-        ("postgresql://u:pa#ss@db/billing", "db/billing"),
+        ("postgresql://u:secret@db:5432/billing?password=x", "db:5432/billing"),
         ("postgresql://u:p@ss@h1:1,h2:2/billing", "h1:1,h2:2/billing"),
         ("postgresql:///billing?host=/run/pg&password=x", "/billing"),
+        # An '@' outside the user part: none of the URL is shown.
+        ("postgresql://u:pa?ss@db:5432/billing", "the host the URL names"),
+        ("postgresql://u:pa/ss@db/billing", "the host the URL names"),
+        ("postgresql:///billing?user=ops@corp&password=S3cret", "the host the URL names"),
+        ("postgresql://db/billing?application_name=a@b&password=S3c@ret", "the host the URL names"),
     ],
 )
 def test_a_database_url_is_shown_without_user_password_or_parameters(url: str, shown: str) -> None:

@@ -15,6 +15,7 @@ from temporalio.client import WorkflowFailureError, WorkflowHandle, WorkflowHist
 from temporalio.exceptions import ActivityError
 from temporalio.service import RPCError
 
+from activities import reconcile as reconcile_activities
 from activities.reconcile import ReconcileActivities
 from activities.stripe_gateway import StripeGateway, charge_params
 from billing import ledger, period_keys
@@ -216,6 +217,26 @@ async def test_unknown_reservations_of_charges_stripe_took_are_committed(
         0,
     )
     assert report.claims == [] and report.findings == []
+    await assert_billed_once(vaulted, str(PERIOD), customers)
+
+
+async def test_unknown_reservations_past_the_time_given_wait_for_the_next_run(
+    vaulted: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    customers = await vaulted.seed(3)
+    await vaulted.set_faults(error_after_commit=1.0)
+    await bill(vaulted)
+    await vaulted.set_faults(error_after_commit=0.0)
+    assert vaulted.vault is not None
+    [key] = await vaulted.vault.admin.find_keys(period=str(PERIOD), label=period_keys.LABEL)
+    # No time at all: none is examined, and the rest of reconciliation still runs.
+    monkeypatch.setattr(reconcile_activities, "SETTLE_BUDGET_SECONDS", -1.0)
+    first = await reconcile(vaulted)
+    assert (first.vault_checked, first.reservations, first.findings) == (True, [], [])
+    assert len(await vaulted.vault.admin.unknown_reservations(key.id)) == 3
+    monkeypatch.undo()
+    second = await reconcile(vaulted)
+    assert sorted(r.state for r in second.reservations) == ["committed"] * 3
     await assert_billed_once(vaulted, str(PERIOD), customers)
 
 
