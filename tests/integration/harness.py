@@ -122,14 +122,7 @@ class Harness:
             access = direct_access(self.stripe, self.settings)
         else:
             admin = self.vault.worker
-            access = VaultAccess(
-                self.pool,
-                self.settings.secret_box(),
-                self.vault.url,
-                self.settings.billing_charge_api,
-                self.http,
-                admin,
-            )
+            access = self.vault_access()
         # Every workflow inside the sandbox, whose checks then cover every path tested.
         return create_worker(
             self.client,
@@ -139,6 +132,18 @@ class Harness:
             self.settings,
             admin,
             sandbox_all=True,
+        )
+
+    def vault_access(self) -> VaultAccess:
+        """Stripe through the harness's vault, as a worker holds it (the worker token)."""
+        assert self.vault is not None
+        return VaultAccess(
+            self.pool,
+            self.settings.secret_box(),
+            self.vault.url,
+            self.settings.billing_charge_api,
+            self.http,
+            self.vault.worker,
         )
 
     @asynccontextmanager

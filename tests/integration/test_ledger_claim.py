@@ -128,13 +128,20 @@ async def test_a_row_without_an_api_takes_the_claims_unless_it_was_sent(harness:
     assert kept.charge_api is None
 
 
-async def test_a_customer_a_cancelled_run_never_started_is_claimed_afresh_once_active(
-    harness: Harness,
-) -> None:
+async def never_started(harness: Harness) -> str:
+    """A customer a cancelled run never started: its row written cancelled by the cancel."""
     (customer,) = await harness.seed(1)
     customer_id = customer.customer_id
     async with harness.pool.acquire() as conn:
         await ledger.cancel_customers(conn, PERIOD, {customer_id: key(customer_id)}, "r", "alice")
+    return customer_id
+
+
+async def test_a_customer_a_cancelled_run_never_started_is_claimed_afresh_once_active(
+    harness: Harness,
+) -> None:
+    customer_id = await never_started(harness)
+    async with harness.pool.acquire() as conn:
         await conn.execute(
             "UPDATE customers SET active = false WHERE customer_id = $1", customer_id
         )
@@ -170,10 +177,8 @@ async def test_a_customer_a_cancelled_run_never_started_is_claimed_afresh_once_a
 async def test_a_run_awaiting_a_child_does_not_take_a_never_started_row_for_its_outcome(
     harness: Harness,
 ) -> None:
-    (customer,) = await harness.seed(1)
-    customer_id = customer.customer_id
+    customer_id = await never_started(harness)
     async with harness.pool.acquire() as conn:
-        await ledger.cancel_customers(conn, PERIOD, {customer_id: key(customer_id)}, "r", "alice")
         # A cancel page counts it cancelled; a run awaiting its child (started elsewhere, not
         # yet claimed) waits, since that child will take the row over.
         [cancelled] = await ledger.outcomes(conn, PERIOD, [customer_id])

@@ -7,10 +7,16 @@ import asyncio
 import os
 from collections.abc import Awaitable
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
-from temporalio.client import ScheduleIntervalSpec, ScheduleSpec, WorkflowExecution
+from temporalio.client import (
+    ScheduleIntervalSpec,
+    ScheduleSpec,
+    WorkflowExecution,
+    WorkflowHandle,
+)
 
 from billing import ledger, operations, schedules
 from billing.errors import InvalidInputError
@@ -122,18 +128,25 @@ async def test_cancel_charges_nothing_more_and_cancels_the_rest(harness: Harness
     await assert_billed_once(harness, str(PERIOD), customers, cancelled=stopped)
 
 
+async def cancelled_once_charging(
+    harness: Harness, max_in_flight: int
+) -> WorkflowHandle[Any, PeriodSummary]:
+    """A run cancelled by Alice once its first charge is at Stripe; the worker must run."""
+    handle = await start_period(
+        harness.client, PERIOD, harness.task_queue, RunOptions(max_in_flight=max_in_flight)
+    )
+    await eventually(lambda: at_least(harness.money_requests(), 1))
+    await operations.control(harness.client, PERIOD, "cancel", ALICE)
+    return handle
+
+
 async def test_a_rerun_bills_those_the_cancel_never_started_as_they_are_now(
     harness: Harness,
 ) -> None:
     customers = {c.customer_id: c for c in await harness.seed(12)}
     await harness.set_faults(latency_ms=300)
     async with harness.running_worker():
-        handle = await start_period(
-            harness.client, PERIOD, harness.task_queue, RunOptions(max_in_flight=2)
-        )
-        await eventually(lambda: at_least(harness.succeeded(), 2))
-        await operations.control(harness.client, PERIOD, "cancel", ALICE)
-        await handle.result()
+        await (await cancelled_once_charging(harness, max_in_flight=2)).result()
     rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
     gone, repriced = sorted(c for c, r in rows.items() if r["cancelled_before_start"])[-2:]
     # Between the runs one customer leaves and another's price changes.
@@ -181,11 +194,7 @@ async def test_a_cancel_waits_for_charges_another_runs_children_sent(harness: Ha
     in_doubt = await _claim_as_another_run(harness, sent, send=True)
     await harness.set_faults(latency_ms=2000)
     async with harness.running_worker():
-        handle = await start_period(
-            harness.client, PERIOD, harness.task_queue, RunOptions(max_in_flight=1)
-        )
-        await eventually(lambda: at_least(harness.money_requests(), 1))
-        await operations.control(harness.client, PERIOD, "cancel", ALICE)
+        handle = await cancelled_once_charging(harness, max_in_flight=1)
         # The cancel cannot stop a charge already at Stripe: the run waits for its outcome.
         await asyncio.sleep(4)
         assert (await period_status(harness.client, PERIOD)).state == "cancelling"

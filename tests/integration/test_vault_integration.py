@@ -12,7 +12,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ActivityError, ApplicationError
 
-from activities.stripe_access import VaultAccess
 from billing import operations, period_keys
 from billing.customers import upsert_customers
 from billing.models import OperatorRequest, RunOptions, SkipRequest
@@ -235,15 +234,7 @@ async def test_a_period_past_the_worker_budget_charges_nothing_and_says_why(
 async def test_a_lookup_key_the_vault_refuses_leaves_the_period_unreadable(
     vaulted: Harness,
 ) -> None:
-    assert vaulted.vault is not None
-    access = VaultAccess(
-        vaulted.pool,
-        vaulted.settings.secret_box(),
-        vaulted.vault.url,
-        vaulted.settings.billing_charge_api,
-        vaulted.http,
-        vaulted.vault.worker,
-    )
+    access = vaulted.vault_access()
     # Not a failure to retry: its customers are reported unchecked, with the vault's reason.
     with pytest.raises(period_keys.NoPeriodKeyError, match="not in VAULT_WORKER_CURRENCIES"):
         await access.lookup_gateway(str(PERIOD), "gbp")
