@@ -44,7 +44,7 @@ from billing.reconciliation import (
     left_alone_because,
 )
 from billing.sealing import UnsealError
-from vault.client import VaultAdmin, VaultAdminError, VaultUnavailable
+from vault.client import VaultAdmin, VaultAdminError
 from vault.models import ReservationInfo
 
 # Open claims one run resolves; a period normally ends with none, and the next run (the
@@ -283,11 +283,6 @@ class ReconcileActivities:
         if self._admin is None:
             return None
         admin = self._admin
-        keys = await admin.find_keys(period=request.period, label=period_keys.LABEL)
-        todo = [(key.id, r) for key in keys for r in await admin.unknown_reservations(key.id)]
-        # In a new order each run, for as long as the budget lasts: a backlog that never
-        # settles takes no fixed place ahead of the rest, and the run goes on to its claims.
-        random.shuffle(todo)
         deadline = time.monotonic() + SETTLE_BUDGET_SECONDS
 
         async def settle(key_id: str, found: ReservationInfo) -> ReservationResolution | None:
@@ -296,6 +291,11 @@ class ReconcileActivities:
             return await self._settle(admin, key_id, found)
 
         async with heartbeating():
+            keys = await admin.find_keys(period=request.period, label=period_keys.LABEL)
+            todo = [(k.id, r) for k in keys for r in await admin.unknown_reservations(k.id)]
+            # In a new order each run, for as long as the budget lasts: a backlog that never
+            # settles takes no fixed place ahead of the rest, and the run goes on to its claims.
+            random.shuffle(todo)
             settled = await _bounded([settle(key_id, found) for key_id, found in todo])
         resolutions = [r for r in settled if r is not None]
         # Those still unknown first, for a person to act on; each settlement is logged.
@@ -324,9 +324,9 @@ class ReconcileActivities:
         )
         if claim is None:
             return unknown.model_copy(update={"detail": "no ledger row has this key"})
-        found, _ = await self._find(claim)
-        charged = isinstance(found, ChargeResult)
         try:
+            found, _ = await self._find(claim)
+            charged = isinstance(found, ChargeResult)
             info = await admin.resolve(
                 key_id,
                 key,
@@ -336,11 +336,11 @@ class ReconcileActivities:
                 # Stripe may still commit a request the vault stopped waiting for.
                 min_idle_seconds=None if charged else int(RELEASE_AFTER.total_seconds()),
             )
-        except VaultUnavailable:
-            raise
-        except VaultAdminError as exc:
-            # Taken over by a retry meanwhile (409), or an amount the vault refuses: the
-            # vault's own message says which; the next run looks again.
+        except (ApplicationError, VaultAdminError) as exc:
+            # One reservation's trouble leaves it unknown for the next run, and the rest of
+            # reconciliation goes on: Stripe's rate or an intent still processing, no key to
+            # read with, the vault away, a retry that took it over (409), an amount the vault
+            # refuses. The message (ours, Stripe's or the vault's) says which.
             return unknown.model_copy(update={"detail": exc.message})
         state = "committed" if info.state == "committed" else "released"
         _log("reconcile_reservation", claim.period, key, vault_key_id=key_id, state=state)

@@ -35,12 +35,18 @@ def where(dsn: str) -> str:
     """The URL's hosts and database, for a message: no user, password or parameters, any of
     which may hold a secret (`?password=...` too). Split as asyncpg splits it, so that an
     '@' in a parameter is not taken for the end of the user part."""
-    parts = urlsplit(dsn)
-    if "@" in dsn and "@" not in parts.netloc:
-        # An '@' elsewhere: in a parameter, or after a '/', '?' or '#' the password holds
-        # unescaped. Which part is the password is a guess, so none of it is shown.
-        return "the host the URL names"
-    return parts.netloc.rpartition("@")[2] + parts.path
+    hidden = "the host the URL names"
+    try:
+        parts = urlsplit(dsn)
+    except ValueError:
+        return hidden
+    at_signs = parts.netloc.count("@")
+    if at_signs > 1 or dsn.count("@") != at_signs:
+        # An '@' in the user name or password, in a parameter, or after a '/', '?' or '#'
+        # the password holds unescaped: which part is the password is a guess, so none of
+        # the URL is shown.
+        return hidden
+    return parts.netloc.rpartition("@")[2] + parts.path.split(";", 1)[0]
 
 
 def _unavailable(dsn: str, exc: Exception) -> ServiceUnavailableError:

@@ -73,6 +73,7 @@ class ReconcileWorkflow:
             ReconcileActivities.settle_reservations,
             request,
             start_to_close_timeout=PAGE_TIMEOUT,
+            heartbeat_timeout=PAGE_HEARTBEAT,
             retry_policy=RETRY,
             summary=f"settle {request.period}'s unknown vault reservations from Stripe",
         )

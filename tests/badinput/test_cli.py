@@ -216,13 +216,18 @@ async def test_urls_asyncpg_takes_are_not_refused_as_malformed(url: str) -> None
     ("url", "shown"),
     [
         ("postgresql://u:secret@db:5432/billing?password=x", "db:5432/billing"),
-        ("postgresql://u:p@ss@h1:1,h2:2/billing", "h1:1,h2:2/billing"),
+        ("postgresql://u:secret@h1:1,h2:2/billing", "h1:1,h2:2/billing"),
+        ("postgresql://u:p@ss@h1:1,h2:2/billing", "the host the URL names"),
         ("postgresql:///billing?host=/run/pg&password=x", "/billing"),
         # An '@' outside the user part: none of the URL is shown.
         ("postgresql://u:pa?ss@db:5432/billing", "the host the URL names"),
         ("postgresql://u:pa/ss@db/billing", "the host the URL names"),
         ("postgresql:///billing?user=ops@corp&password=S3cret", "the host the URL names"),
         ("postgresql://db/billing?application_name=a@b&password=S3c@ret", "the host the URL names"),
+        ("postgresql://ops@corp:2024/Winter!@127.0.0.1:1/billing", "the host the URL names"),
+        ("postgresql://ops@127.0.0.1:2024#Winter@db/billing", "the host the URL names"),
+        ("postgresql://u:S3[cret@[::1]/billing", "the host the URL names"),
+        ("postgresql://db/billing;password=S3cret", "db/billing"),
     ],
 )
 def test_a_database_url_is_shown_without_user_password_or_parameters(url: str, shown: str) -> None:

@@ -12,7 +12,7 @@ import stripe
 from prometheus_client import REGISTRY
 from pydantic import SecretStr
 from temporalio.client import WorkflowFailureError, WorkflowHandle, WorkflowHistory
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.service import RPCError
 
 from activities import reconcile as reconcile_activities
@@ -238,6 +238,34 @@ async def test_unknown_reservations_past_the_time_given_wait_for_the_next_run(
     second = await reconcile(vaulted)
     assert sorted(r.state for r in second.reservations) == ["committed"] * 3
     await assert_billed_once(vaulted, str(PERIOD), customers)
+
+
+async def test_one_reservation_stripe_cannot_answer_for_is_left_and_the_rest_settled(
+    vaulted: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    customers = await vaulted.seed(3)
+    await vaulted.set_faults(error_after_commit=1.0)
+    await bill(vaulted)
+    await vaulted.set_faults(error_after_commit=0.0)
+    unlucky = customers[0].customer_id
+    find = ReconcileActivities._find
+
+    async def rate_limited(
+        self: ReconcileActivities, claim: Claim, *, recheck: bool = False
+    ) -> tuple[ChargeResult | ChargeFailure | None, bool]:
+        if claim.customer_id == unlucky:
+            raise ApplicationError("Stripe answered 429 rate_limit", type="RateLimited")
+        return await find(self, claim, recheck=recheck)
+
+    monkeypatch.setattr(ReconcileActivities, "_find", rate_limited)
+    report = await reconcile(vaulted)
+    by_customer = {r.customer_id: r for r in report.reservations}
+    assert (by_customer[unlucky].state, by_customer[unlucky].detail) == (
+        "unknown",
+        "Stripe answered 429 rate_limit",
+    )
+    assert sorted(r.state for r in report.reservations) == ["committed", "committed", "unknown"]
+    assert report.findings == []
 
 
 async def lost_in_doubt(vaulted: Harness, customers: list[CustomerRow]) -> VaultAdmin:
