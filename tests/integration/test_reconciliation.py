@@ -193,19 +193,25 @@ async def test_a_period_whose_child_was_terminated_finishes_once_reconciled(
     await assert_billed_once(harness, str(PERIOD), [customer])
 
 
-async def test_unknown_reservations_of_charges_stripe_took_are_committed(
-    vaulted: Harness,
-) -> None:
-    # Stripe commits each charge and answers 500 (saved, replayed for the key): the worker
-    # finds the charge by listing, but the vault never learns the outcome.
+async def charged_in_doubt_at_the_vault(vaulted: Harness) -> list[CustomerRow]:
+    """Three customers billed while Stripe commits each charge and answers 500 (saved,
+    replayed for the key): the worker finds each charge by listing, but the vault never
+    learns the outcome, so their reservations stay unknown."""
     customers = await vaulted.seed(3)
     await vaulted.set_faults(error_after_commit=1.0)
     await bill(vaulted)
+    await vaulted.set_faults(error_after_commit=0.0)
+    return customers
+
+
+async def test_unknown_reservations_of_charges_stripe_took_are_committed(
+    vaulted: Harness,
+) -> None:
+    customers = await charged_in_doubt_at_the_vault(vaulted)
     assert vaulted.vault is not None
     admin = vaulted.vault.admin
     [key] = await admin.find_keys(period=str(PERIOD), label=period_keys.LABEL)
     assert len(await admin.unknown_reservations(key.id)) == 3
-    await vaulted.set_faults(error_after_commit=0.0)
     report = await reconcile(vaulted)
     assert report.vault_checked
     assert sorted((r.state, r.amount_cents) for r in report.reservations) == sorted(
@@ -223,10 +229,7 @@ async def test_unknown_reservations_of_charges_stripe_took_are_committed(
 async def test_unknown_reservations_past_the_time_given_wait_for_the_next_run(
     vaulted: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    customers = await vaulted.seed(3)
-    await vaulted.set_faults(error_after_commit=1.0)
-    await bill(vaulted)
-    await vaulted.set_faults(error_after_commit=0.0)
+    customers = await charged_in_doubt_at_the_vault(vaulted)
     assert vaulted.vault is not None
     [key] = await vaulted.vault.admin.find_keys(period=str(PERIOD), label=period_keys.LABEL)
     # No time at all: none is examined, and the rest of reconciliation still runs.
@@ -243,10 +246,7 @@ async def test_unknown_reservations_past_the_time_given_wait_for_the_next_run(
 async def test_one_reservation_stripe_cannot_answer_for_is_left_and_the_rest_settled(
     vaulted: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    customers = await vaulted.seed(3)
-    await vaulted.set_faults(error_after_commit=1.0)
-    await bill(vaulted)
-    await vaulted.set_faults(error_after_commit=0.0)
+    customers = await charged_in_doubt_at_the_vault(vaulted)
     unlucky = customers[0].customer_id
     find = ReconcileActivities._find
 
