@@ -73,6 +73,8 @@ LEDGER_WAIT = timedelta(seconds=10)
 ANSWER_UPDATES_BEFORE_CLOSE = "answer-updates-before-close"
 # A cancel waits for charges another run's children sent (CancelPage.sent).
 CANCEL_AWAITS_SENT = "cancel-awaits-sent"
+# A refused key reported once every outcome is in pauses nothing.
+NO_PAUSE_ONCE_FINISHED = "no-pause-once-finished"
 
 
 # Outside the sandbox for speed; the tests run it inside (see workflows/__init__.py).
@@ -271,6 +273,9 @@ class BillingPeriodWorkflow:
     @workflow.signal(name=PERIOD_BLOCKED)
     async def period_blocked(self, failure: ChargeFailure) -> None:
         """The period's key was refused (cap reached, revoked): stop charging and say why."""
+        if self._finished and workflow.patched(NO_PAUSE_ONCE_FINISHED):
+            # Every outcome is in: a pause now would only be left in the ledger after the run.
+            return
         if self._control.control == "running":
             await self._set_control(
                 "paused",

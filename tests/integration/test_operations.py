@@ -22,6 +22,7 @@ from billing import ledger, operations, schedules
 from billing.errors import InvalidInputError
 from billing.keys import idempotency_key, period_workflow_id
 from billing.models import (
+    ChargeFailure,
     ChargeResult,
     Claim,
     OperatorRequest,
@@ -36,6 +37,7 @@ from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import replay
 from tests.integration.test_replay import HISTORIES
+from workflows.signals import PERIOD_BLOCKED
 
 PERIOD = Period(2026, 12)
 ALICE = OperatorRequest(reason="amounts look wrong", operator="alice")
@@ -220,6 +222,48 @@ async def test_a_cancel_waits_for_charges_another_runs_children_sent(harness: Ha
         "cancelled",
         False,
     )
+
+
+async def test_a_blocked_charge_reported_after_the_last_outcome_pauses_nothing(
+    harness: Harness,
+) -> None:
+    await harness.seed(2)
+    [idle] = await harness.seed(1, prefix="idle")
+    async with harness.pool.acquire() as conn:
+        await conn.execute(
+            "UPDATE customers SET active = false WHERE customer_id = $1", idle.customer_id
+        )
+    skip = SkipRequest(customer_id=idle.customer_id, reason="left", operator="carol")
+    await harness.set_faults(latency_ms=1500)
+    async with harness.running_worker(), harness.pool.acquire() as conn, conn.transaction():
+        # Holding the customer's row keeps the skip's insert waiting: the run, all of its
+        # customers done, waits for that update before it closes.
+        await conn.execute(
+            "SELECT 1 FROM customers WHERE customer_id = $1 FOR UPDATE", idle.customer_id
+        )
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        await eventually(lambda: at_least(harness.money_requests(), 2))
+        skipping = asyncio.create_task(
+            operations.skip(harness.client, harness.settings, harness.database_url, PERIOD, skip)
+        )
+        await eventually(lambda: harness.in_state(PERIOD, "completed"))
+        # A child's report of a refused key, arriving now, has nothing left to pause.
+        await handle.signal(PERIOD_BLOCKED, ChargeFailure(code="spend_cap_exceeded", message="x"))
+        await asyncio.sleep(1)
+        await conn.execute("ROLLBACK; BEGIN")
+        await skipping
+        summary = await handle.result()
+    history = await handle.fetch_history()
+    if os.environ.get("RECORD_HISTORIES"):
+        name = f"BillingPeriodWorkflow--{history.workflow_id}--{handle.result_run_id}.json"
+        (HISTORIES / name).write_text(history.to_json())
+    await replay([history])
+    assert summary.charged == 2
+    async with harness.pool.acquire() as conn:
+        control = await conn.fetchval(
+            "SELECT control FROM billing_periods WHERE billing_period = $1", str(PERIOD)
+        )
+    assert control == "running"
 
 
 async def test_run_refuses_to_join_a_cancelled_run_still_finishing(harness: Harness) -> None:
