@@ -130,6 +130,16 @@ async def test_cancel_charges_nothing_more_and_cancels_the_rest(harness: Harness
     await assert_billed_once(harness, str(PERIOD), customers, cancelled=stopped)
 
 
+async def replays(handle: WorkflowHandle[Any, PeriodSummary]) -> None:
+    """The run's history replays with the current code (RECORD_HISTORIES=1 keeps it in
+    tests/histories)."""
+    history = await handle.fetch_history()
+    if os.environ.get("RECORD_HISTORIES"):
+        name = f"BillingPeriodWorkflow--{history.workflow_id}--{handle.result_run_id}.json"
+        (HISTORIES / name).write_text(history.to_json())
+    await replay([history])
+
+
 async def cancelled_once_charging(
     harness: Harness, max_in_flight: int
 ) -> WorkflowHandle[Any, PeriodSummary]:
@@ -209,11 +219,7 @@ async def test_a_cancel_waits_for_charges_another_runs_children_sent(harness: Ha
                 ),
             )
         summary = await handle.result()
-    history = await handle.fetch_history()
-    if os.environ.get("RECORD_HISTORIES"):
-        name = f"BillingPeriodWorkflow--{history.workflow_id}--{handle.result_run_id}.json"
-        (HISTORIES / name).write_text(history.to_json())
-    await replay([history])
+    await replays(handle)
     assert (summary.due, summary.charged, summary.cancelled) == (3, 2, 1)
     rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
     assert (rows[first]["status"], rows[sent]["status"]) == ("charged", "charged")
@@ -253,11 +259,7 @@ async def test_a_blocked_charge_reported_after_the_last_outcome_pauses_nothing(
         await conn.execute("ROLLBACK; BEGIN")
         await skipping
         summary = await handle.result()
-    history = await handle.fetch_history()
-    if os.environ.get("RECORD_HISTORIES"):
-        name = f"BillingPeriodWorkflow--{history.workflow_id}--{handle.result_run_id}.json"
-        (HISTORIES / name).write_text(history.to_json())
-    await replay([history])
+    await replays(handle)
     assert summary.charged == 2
     async with harness.pool.acquire() as conn:
         control = await conn.fetchval(
