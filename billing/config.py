@@ -4,13 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, TypeVar
 
-from pydantic import (
-    Field,
-    SecretStr,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from billing.errors import BillingError
