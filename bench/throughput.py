@@ -40,6 +40,9 @@ Prints one JSON object (with --json, the only thing on stdout) and writes it to 
 `cpu_ms_per_customer` gives the CPU time each spent per customer (per child in a ceiling), and
 `machine` the machine's. `orchestrated.other_pollers` names any worker besides the stack's
 that polled its task queue during the run (a warning says so too): its share is not measured.
+`parent_tasks`, `parent_task_ms` and `parent_busy` give, for the period's runs and the
+ceiling's parent, its workflow tasks, the mean time each was in flight, and the share of the
+measurement that one was (read from the histories).
 """
 
 from __future__ import annotations
@@ -447,6 +450,7 @@ async def measure_ceiling(
         "runs": result.runs,
         "max_history_events": max(runs.lengths),
         "workflow_task_timeouts": runs.task_timeouts,
+        **runs.parent_figures(elapsed),
         **cpu,
     }
 
@@ -498,6 +502,7 @@ async def measure_orchestrated(
         "runs": len(runs.lengths),
         "max_history_events": max(runs.lengths),
         "workflow_task_timeouts": runs.task_timeouts,
+        **runs.parent_figures(elapsed),
         **cpu,
         **worker_memory_mb(),
         # The peak is one moment (a burst, a replay); the samples show what the run holds.
@@ -523,6 +528,35 @@ class Runs(NamedTuple):
     # Workflow tasks that timed out: a stalled workflow (e.g. its task left unpolled on the
     # worker's sticky queue for 10 s) shows up here before it shows up in the rate.
     task_timeouts: int
+    # Its workflow tasks that completed, and the seconds they were in flight in all (from
+    # started to completed: the worker's activation, the way there and back, and the wait
+    # for the workflow's lock on the server). A parent busy most of the run is what bounds
+    # a fan-out (bench/FINDINGS.md).
+    tasks: int
+    task_seconds: float
+
+    def parent_figures(self, elapsed: float) -> dict[str, float | int]:
+        return {
+            "parent_tasks": self.tasks,
+            "parent_task_ms": round(1000 * self.task_seconds / max(1, self.tasks), 1),
+            "parent_busy": round(self.task_seconds / elapsed, 3),
+        }
+
+
+def task_seconds(history: WorkflowHistory) -> tuple[int, float]:
+    """How many workflow tasks of the history completed, and their seconds in flight."""
+    started: dict[int, datetime] = {}
+    count, seconds = 0, 0.0
+    for event in history.events:
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED:
+            started[event.event_id] = event.event_time.ToDatetime()
+        elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
+            attributes = event.workflow_task_completed_event_attributes
+            begun = started.get(attributes.started_event_id)
+            if begun is not None:
+                count += 1
+                seconds += (event.event_time.ToDatetime() - begun).total_seconds()
+    return count, seconds
 
 
 async def workflow_runs(client: Client, workflow_id: str) -> Runs:
@@ -532,6 +566,7 @@ async def workflow_runs(client: Client, workflow_id: str) -> Runs:
         histories.append(await handle.fetch_history())
     if not histories:  # visibility lags a little behind the run
         histories.append(await client.get_workflow_handle(workflow_id).fetch_history())
+    tasks = [task_seconds(h) for h in histories]
     return Runs(
         lengths=[len(h.events) for h in histories],
         task_timeouts=sum(
@@ -539,6 +574,8 @@ async def workflow_runs(client: Client, workflow_id: str) -> Runs:
             for h in histories
             for e in h.events
         ),
+        tasks=sum(count for count, _ in tasks),
+        task_seconds=sum(seconds for _, seconds in tasks),
     )
 
 
@@ -675,6 +712,7 @@ def combined(ceilings: list[dict[str, Any]]) -> dict[str, Any]:
     process's cores weighted by time and its CPU per child by children."""
     seconds = sum(c["seconds"] for c in ceilings)
     finished = sum(c["finished"] for c in ceilings)
+    tasks = sum(c["parent_tasks"] for c in ceilings)
     processes = ceilings[0]["cpu_cores"].keys()
     return {
         "per_s": finished / seconds,
@@ -683,6 +721,11 @@ def combined(ceilings: list[dict[str, Any]]) -> dict[str, Any]:
         "runs": sum(c["runs"] for c in ceilings),
         "max_history_events": max(c["max_history_events"] for c in ceilings),
         "workflow_task_timeouts": sum(c["workflow_task_timeouts"] for c in ceilings),
+        "parent_tasks": tasks,
+        "parent_task_ms": round(
+            sum(c["parent_task_ms"] * c["parent_tasks"] for c in ceilings) / max(1, tasks), 1
+        ),
+        "parent_busy": round(sum(c["parent_busy"] * c["seconds"] for c in ceilings) / seconds, 3),
         "cpu_cores": {
             p: round(sum(c["cpu_cores"][p] * c["seconds"] for c in ceilings) / seconds, 2)
             for p in processes
