@@ -16,6 +16,10 @@ CONNECTION_ERRORS: tuple[type[Exception], ...] = (
     asyncpg.InterfaceError,
     asyncpg.PostgresConnectionError,
     asyncpg.OperatorInterventionError,
+    # A pooled connection whose session the server ended mid-statement (a restart) can
+    # still believe a statement is in progress (asyncpg issue 1069): seen on the retry of a
+    # vault write during a restart. Whoever meets it drops that connection first.
+    asyncpg.InternalClientError,
 )
 
 

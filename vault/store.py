@@ -34,7 +34,13 @@ _TODAY = "(now() AT TIME ZONE 'UTC')::date"
 
 logger = logging.getLogger("vault.store")
 # Any failure of a call to the database, refused statement or lost connection alike.
-DATABASE_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+DATABASE_ERRORS = (
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    OSError,
+    TimeoutError,
+)
 T = TypeVar("T")
 
 _KEY_VIEW = f"""
@@ -184,7 +190,12 @@ async def through_outage(
 
     async def attempt() -> T:
         async with pool.acquire() as conn:
-            return await operation(conn)
+            try:
+                return await operation(conn)
+            except asyncpg.InternalClientError:
+                # The connection is unusable (see CONNECTION_ERRORS): the pool opens another.
+                conn.terminate()
+                raise
 
     retrying = AsyncRetrying(
         retry=retry_if_exception_type(CONNECTION_ERRORS),

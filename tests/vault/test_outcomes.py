@@ -224,6 +224,36 @@ async def test_an_audit_row_whose_connection_dropped_after_the_commit_is_written
     assert await db.fetchval("SELECT count(*) FROM vault_audit") == 1
 
 
+async def test_a_connection_left_mid_statement_is_dropped_and_the_write_goes_on(
+    db: asyncpg.Pool,
+) -> None:
+    """After a restart asyncpg can hand back a connection that still believes a statement
+    is in progress (InternalClientError): the vault dropped the audit row and answered 500
+    in place of the charge's own answer. The write now goes on through another connection."""
+    record = store.AuditRecord(method="POST", path="/v1/payment_intents", decision="forwarded")
+    backends: list[int] = []
+
+    async def insert_after_a_broken_connection(conn: asyncpg.Connection) -> None:
+        backends.append(conn.get_server_pid())
+        if len(backends) == 1:
+            raise asyncpg.InternalClientError(
+                "cannot switch to state 12; another operation (2) is in progress"
+            )
+        await store.insert_audit(conn, record)
+
+    await store.through_outage(db, timedelta(seconds=5), insert_after_a_broken_connection)
+    assert len(backends) == 2
+    assert await db.fetchval("SELECT count(*) FROM vault_audit") == 1
+
+    async def broken_one_closed() -> bool:
+        query = "SELECT count(*) FROM pg_stat_activity WHERE pid = $1"
+        left: int = await db.fetchval(query, backends[0])
+        return left == 0
+
+    # Not handed back to the pool: its session is gone.
+    await eventually(broken_one_closed, timeout=5)
+
+
 async def test_upstream_timeout_is_unknown_and_a_later_replay_commits(
     vault_settings: VaultSettings,
     emulator: RunningEmulator,
