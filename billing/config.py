@@ -13,6 +13,9 @@ from billing.sealing import SETTING, SecretBox
 
 S = TypeVar("S", bound=BaseSettings)
 
+# The oldest a claim may be before it is looked up on Stripe first (billing_lookup_after_seconds).
+LOOKUP_AFTER_MAX_SECONDS = 23 * 3600
+
 
 class SettingsError(BillingError):
     """The environment holds a missing or bad setting."""
@@ -66,8 +69,9 @@ class BillingSettings(BaseSettings):
     # The period's vault key is capped at the expected total times this.
     billing_cap_multiplier: float = Field(default=1.10, ge=1.0, le=10.0)
     # Claims older than this are looked up on Stripe before a new request: Stripe keeps
-    # idempotency keys for 24 hours, so a later replay would execute as a new charge.
-    billing_lookup_after_seconds: float = Field(default=23 * 3600, gt=0)
+    # idempotency keys for 24 hours, so a later replay would execute as a new charge. At most
+    # 23 hours, an hour for clocks that disagree (the vault refuses replays from then on too).
+    billing_lookup_after_seconds: float = Field(default=LOOKUP_AFTER_MAX_SECONDS, gt=0)
     # With a vault, workers charge through it with per-period keys and never hold the Stripe
     # secret (STRIPE_API_KEY is then unused); the worker token lets them issue those keys
     # within the vault's worker budget. The admin token still works in its place, for
@@ -84,6 +88,17 @@ class BillingSettings(BaseSettings):
     # Stripe's rate (100/s live, 25/s test): charges take slots in the ledger database
     # (billing/rate_limit.py). Unset means no limit.
     billing_stripe_rps: float | None = Field(default=None, gt=0)
+
+    @field_validator("billing_lookup_after_seconds")
+    @classmethod
+    def _looked_up_within_stripes_window(cls, value: float) -> float:
+        if value > LOOKUP_AFTER_MAX_SECONDS:
+            raise ValueError(
+                f"at most {LOOKUP_AFTER_MAX_SECONDS} (23 hours): Stripe forgets an idempotency"
+                " key after 24 hours, so a claim retried later without a lookup first could be"
+                " charged a second time"
+            )
+        return value
 
     @field_validator("billing_key_encryption_keys")
     @classmethod

@@ -154,6 +154,9 @@ def test_bad_arguments_are_refused_before_anything_is_contacted(
     [
         ({"BILLING_VAULT_URL": "http://127.0.0.1:1"}, "BILLING_VAULT_WORKER_TOKEN is needed too"),
         ({"BILLING_CAP_MULTIPLIER": "0.5"}, "BILLING_CAP_MULTIPLIER: Input should be greater"),
+        # Past Stripe's key window a retry without a lookup first would charge again.
+        ({"BILLING_LOOKUP_AFTER_SECONDS": "90000"}, "could be charged a second time"),
+        ({"BILLING_LOOKUP_AFTER_SECONDS": "inf"}, "at most 82800 (23 hours)"),
         ({"LOG_LEVEL": "LOUD"}, "LOG_LEVEL: Input should be"),
     ],
 )
