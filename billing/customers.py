@@ -10,11 +10,12 @@ from pathlib import Path
 import asyncpg
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from billing.errors import CustomerImportError, InvalidInputError
+from billing.errors import CustomerImportError, InvalidInputError, shown
 from billing.keys import validate_customer_id
 from billing.ledger import NEVER_STARTED
 from billing.models import Record
 from billing.money import parse_amount, validate_amount, validate_amount_in, validate_currency
+from billing.redact import SECRET_RE
 
 CSV_COLUMNS = ("customer_id", "stripe_customer_id", "payment_method", "amount_cents", "currency")
 _STRIPE_CUSTOMER_RE = re.compile(r"cus_[A-Za-z0-9]{1,250}")
@@ -39,14 +40,24 @@ class CustomerRow(BaseModel):
     @classmethod
     def _stripe_customer(cls, value: str) -> str:
         if not _STRIPE_CUSTOMER_RE.fullmatch(value):
-            raise InvalidInputError(f"stripe_customer_id {value[:60]!r} is not a Stripe id cus_...")
+            raise InvalidInputError(
+                f"stripe_customer_id {shown(value, 60)} is not a Stripe id cus_..."
+            )
         return value
 
     @field_validator("payment_method")
     @classmethod
     def _payment_method(cls, value: str | None) -> str | None:
-        if value is not None and not _PAYMENT_METHOD_RE.fullmatch(value):
-            raise InvalidInputError(f"payment_method {value[:60]!r} is not a Stripe id pm_...")
+        if value is None:
+            return value
+        if not _PAYMENT_METHOD_RE.fullmatch(value):
+            raise InvalidInputError(f"payment_method {shown(value, 60)} is not a Stripe id pm_...")
+        if SECRET_RE.search(value):
+            # The vault refuses any request carrying a key: no charge of this row could pass.
+            raise InvalidInputError(
+                "payment_method must not contain what looks like a Stripe or vault key"
+                " (sk_live_..., rk_test_..., vk_...)"
+            )
         return value
 
     @field_validator("amount_cents")

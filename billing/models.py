@@ -8,6 +8,7 @@ from typing import Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from billing.keys import validate_customer_id
+from billing.redact import redact
 
 LedgerStatus = Literal["claimed", "charged", "failed", "skipped", "cancelled"]
 TERMINAL_STATUSES: frozenset[str] = frozenset({"charged", "failed", "skipped", "cancelled"})
@@ -214,6 +215,12 @@ class ScheduledBillingInput(Record):
 class OperatorRequest(Record):
     reason: str = Field(min_length=1, max_length=500)
     operator: str = Field(min_length=1, max_length=100)
+
+    @field_validator("reason", "operator")
+    @classmethod
+    def _no_key(cls, value: str) -> str:
+        # Kept in workflow history and the ledger: a key pasted by mistake never reaches them.
+        return redact(value)
 
 
 class SkipRequest(OperatorRequest):

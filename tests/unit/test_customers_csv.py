@@ -103,3 +103,24 @@ def test_a_file_that_is_not_utf8_is_refused(tmp_path: Path, content: bytes) -> N
     path.write_bytes(content)
     with pytest.raises(CustomerImportError, match="cannot read"):
         read_customers_csv(path)
+
+
+KEY = "sk_live_" + "51HqLyjWDarjtT1zdp7dcXYZ"
+
+
+@pytest.mark.parametrize(
+    ("row", "column"),
+    [
+        (f"c-1,{KEY},pm_1,1500,usd\n", "stripe_customer_id"),
+        (f"c-1,cus_A,{KEY},1500,usd\n", "payment_method"),
+        (f"c-1,cus_A,pm_card_vk_{'0123456789abcdef'}XYZ,1500,usd\n", "payment_method"),
+        (f"c-1,cus_A,pm_1,{KEY},usd\n", "amount"),
+    ],
+)
+def test_a_key_pasted_into_a_column_is_refused_and_never_echoed(row: str, column: str) -> None:
+    # A key-shaped card id would pass the import and then be refused by the vault at charge
+    # time; a key anywhere would be echoed to the terminal and to CI logs.
+    with pytest.raises(CustomerImportError, match=f"line 2: {column}") as refused:
+        parse_customers_csv((HEADER + row).splitlines(True), source="in.csv")
+    assert "51HqLy" not in str(refused.value)
+    assert "0123456789abcdef" not in str(refused.value)

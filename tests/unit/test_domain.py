@@ -26,6 +26,7 @@ from billing.keys import (
     period_workflow_id,
     validate_customer_id,
 )
+from billing.models import SkipRequest
 from billing.money import (
     MAX_AMOUNT_CENTS,
     parse_amount,
@@ -400,3 +401,20 @@ def test_the_cap_is_the_smallest_whole_cent_at_or_above_total_times_multiplier(
     exact = Decimal(total) * multiplier
     assert exact <= cap < exact + 1
     assert spend_cap(total + 1, float(multiplier)) >= cap
+
+
+def test_a_key_given_as_a_period_or_an_amount_is_not_echoed() -> None:
+    key = "sk_live_" + "51HqLyjWDarjtT1zdp7dcXYZ"
+    for parse, refusal in ((parse_period, InvalidPeriodError), (parse_amount, InvalidAmountError)):
+        with pytest.raises(refusal) as refused:
+            parse(key)
+        assert "51HqLy" not in str(refused.value) and "[redacted key]" in str(refused.value)
+
+
+def test_an_operators_reason_and_name_keep_no_key() -> None:
+    key = "rk_test_" + "Zx9Zx9Zx9Zx9Zx9Zx9Zx9"
+    request = SkipRequest(customer_id="c-1", reason=f"pasted {key} by mistake", operator=key)
+    assert (request.reason, request.operator) == (
+        "pasted [redacted key] by mistake",
+        "[redacted key]",
+    )
