@@ -20,7 +20,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.stripe_access import StripeAccess
-from activities.stripe_failures import to_temporal_failure, vault_key_unusable
+from activities.stripe_failures import REFUSED, to_temporal_failure, vault_key_unusable
 from activities.stripe_gateway import StripeGateway
 from billing import ledger, logs, metrics, period_keys
 from billing.config import BillingSettings
@@ -363,6 +363,21 @@ class ReconcileActivities:
                     lambda g: g.period_charges(customer.stripe_customer_id, request.period),
                 )
             except period_keys.NoPeriodKeyError:
+                return None
+            except stripe.StripeError as exc:
+                failure = to_temporal_failure(exc)
+                if failure.type != REFUSED:
+                    # Retried (rate limit, outage), or a refused key, which no customer's
+                    # listing would pass: the page fails, as before.
+                    raise
+                # Refused for this customer alone (e.g. its Stripe customer was deleted): the
+                # rest of the page is still compared, and this one is reported unchecked.
+                log.warning(
+                    "could not list the charges of %s for %s: %s",
+                    customer.customer_id,
+                    request.period,
+                    failure.message,
+                )
                 return None
             return charges
 

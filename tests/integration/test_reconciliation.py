@@ -34,7 +34,7 @@ from billing.models import (
     ScheduledBillingInput,
 )
 from billing.periods import Period, period_for
-from billing.reconciliation import ReconcileReport
+from billing.reconciliation import ReconcileReport, StripeCharge
 from billing.runs import start_period, start_reconcile
 from billing.schedules import RECONCILE_SCHEDULE_ID
 from billing.sealing import SecretBox, new_key
@@ -380,6 +380,39 @@ async def test_a_duplicate_charge_is_reported_with_its_id_and_amount(harness: Ha
     assert finding.customer_id == claim.customer_id
     assert finding.ledger_charge_id == claim.charge_id != duplicate
     assert report.orphans == [] and report.claims == []
+
+
+async def test_a_customer_stripe_will_not_list_is_left_unchecked_and_the_rest_compared(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Stripe answers 400 resource_missing for the charges of a customer deleted since; that
+    # refusal used to fail the whole page, and each daily run after it.
+    claim = await billed(harness, 3)
+    duplicate = await plant(harness, claim, claim.idempotency_key + "-retry")
+    async with harness.pool.acquire() as conn:
+        gone = await conn.fetchrow(
+            "SELECT customer_id, stripe_customer_id FROM customers WHERE customer_id <> $1"
+            " ORDER BY customer_id LIMIT 1",
+            claim.customer_id,
+        )
+    listing = StripeGateway.period_charges
+
+    async def refused_for_one(
+        self: StripeGateway, stripe_customer_id: str, period: str
+    ) -> list[StripeCharge]:
+        if stripe_customer_id == gone["stripe_customer_id"]:
+            raise stripe.InvalidRequestError(  # type: ignore[no-untyped-call]
+                f"No such customer: '{stripe_customer_id}'",
+                "customer",
+                code="resource_missing",
+                http_status=400,
+            )
+        return await listing(self, stripe_customer_id, period)
+
+    monkeypatch.setattr(StripeGateway, "period_charges", refused_for_one)
+    report = await reconcile(harness)
+    assert report.unchecked_customers == [gone["customer_id"]]
+    assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", duplicate)]
 
 
 async def unusable(vaulted: Harness, how: str) -> None:
