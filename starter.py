@@ -25,6 +25,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 from pydantic import BaseModel, ValidationError
 from temporalio.client import (
     ScheduleAlreadyRunningError,
@@ -542,6 +543,13 @@ def main(argv: list[str] | None = None) -> int:
         # The run itself failed (exit 1 means reconciliation findings): its causes, in order.
         print(f"error: {failure_chain(exc)}", file=sys.stderr)
         return 3
+    except asyncpg.UndefinedTableError as exc:
+        print(
+            f"error: the database has no billing ledger ({exc}): apply the migrations with"
+            " 'python starter.py migrate' (a worker applies them too when it starts)",
+            file=sys.stderr,
+        )
+        return 2
     except ValidationError as exc:
         for error in exc.errors():
             field = ".".join(str(part) for part in error["loc"])

@@ -28,6 +28,7 @@ from billing.db import where
 from billing.errors import InvalidInputError
 from billing.keys import idempotency_key
 from billing.periods import Period
+from devstack.postgres import LocalPostgres
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -275,6 +276,26 @@ async def test_an_import_repricing_customers_a_running_period_has_not_billed_is_
     forced = await run_cli(*argv, "--while-running", env=env)
     assert forced.code == 0, forced
     assert await db.fetchval("SELECT amount_cents FROM customers WHERE customer_id = 'c-2'") == 250
+
+
+@pytest.mark.parametrize("argv", [["preview", "2026-12"], ["customers", "import", "IN.csv"]])
+async def test_a_database_never_migrated_is_named_with_what_to_do(
+    postgres: LocalPostgres, tmp_path: Path, argv: list[str]
+) -> None:
+    path = tmp_path / "customers.csv"
+    path.write_text(_csv("c-1,cus_A,pm_1,100,usd\n"))
+    conn = await asyncpg.connect(postgres.dsn())
+    try:
+        await conn.execute(f"CREATE DATABASE never_migrated_{argv[0]}")
+    finally:
+        await conn.close()
+    command = [str(path) if a == "IN.csv" else a for a in argv]
+    result = await run_cli(
+        "starter.py", *command, env={"DATABASE_URL": postgres.dsn(f"never_migrated_{argv[0]}")}
+    )
+    assert (result.code, result.stdout) == (2, ""), result
+    assert "python starter.py migrate" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 async def test_a_bad_import_leaves_the_customers_as_they_were(
