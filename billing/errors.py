@@ -5,8 +5,8 @@ from billing.redact import redact
 
 def shown(value: object, limit: int = 40) -> str:
     """`value` quoted for an error message, at most `limit` characters of it: a hostile input
-    is never echoed whole, nor anything shaped like a key. The cut counts the quoted form, so escapes (10 characters for one
-    astral character) cannot stretch it."""
+    is never echoed whole, nor anything shaped like a key. The cut counts the quoted form, so
+    escapes (10 characters for one astral character) cannot stretch it."""
     # Redacted before the cut, so that a cut key is still found whole.
     quoted = repr(redact(value) if isinstance(value, str) else value)
     if len(quoted) <= limit + 2:  # the value and its two quotes
