@@ -351,10 +351,11 @@ async def cmd_import(args: argparse.Namespace) -> int:
             shown = ", ".join(f"{c.customer_id} ({c.was} -> {c.becomes})" for c in changes[:5])
             periods = ", ".join(sorted({c.period for c in changes}))
             raise InvalidInputError(
-                f"{args.file} changes the price of {len(changes)} customers the open run of"
-                f" {periods} has not billed yet: {shown}{', ...' if len(changes) > 5 else ''}."
-                " That run would bill them at the new price and the others at the old (a new"
-                " currency pauses it). Import once it has ended, or pass --while-running (also"
+                f"{args.file} adds or changes the price of {len(changes)} customers the open"
+                f" run of {periods} has not billed yet:"
+                f" {shown}{', ...' if len(changes) > 5 else ''}. That run may bill them at a"
+                " price its plan and its key's cap did not count (a new currency pauses it)."
+                " Import once it has ended, or pass --while-running (also"
                 " if that run failed or was terminated, which leaves it open in the ledger);"
                 " nothing was imported"
             )

@@ -193,26 +193,27 @@ class RunningChange(Record):
 async def changes_to_open_runs(
     pool: asyncpg.Pool, rows: Sequence[CustomerRow]
 ) -> list[RunningChange]:
-    """Customers whose amount or currency the rows change while a period's run has not yet
-    claimed them: that run would bill some customers at the old price and these at the new,
-    and a new currency (with no vault key in that period) pauses it."""
+    """Customers the rows add, make active again, or reprice while a period's run has not yet
+    claimed them: that run may bill them, at a price its plan and its vault key's cap did not
+    count (a new currency, with no key in that period, pauses it), and bill some customers at
+    the old price and these at the new."""
     async with pool.acquire() as conn:
         found = await conn.fetch(
             f"""
-            SELECT p.billing_period, c.customer_id, c.amount_cents, c.currency,
+            SELECT p.billing_period, n.customer_id, c.active, c.amount_cents, c.currency,
                    n.amount_cents AS new_amount, n.currency AS new_currency
             FROM unnest($1::text[], $2::bigint[], $3::text[])
                 AS n(customer_id, amount_cents, currency)
-            -- Inactive ones too: the import makes them active.
-            JOIN customers c ON c.customer_id = n.customer_id
+            LEFT JOIN customers c ON c.customer_id = n.customer_id
             JOIN billing_periods p ON p.state = 'running'
             LEFT JOIN billing_runs r
-                ON r.customer_id = c.customer_id AND r.billing_period = p.billing_period
+                ON r.customer_id = n.customer_id AND r.billing_period = p.billing_period
             -- A claim holds the price it was made with: only customers not yet claimed (no
             -- row, or one a cancelled run never started) change.
-            WHERE (c.amount_cents, c.currency) <> (n.amount_cents, n.currency)
+            WHERE (c.customer_id IS NULL OR NOT c.active
+                   OR (c.amount_cents, c.currency) <> (n.amount_cents, n.currency))
                   AND (r.status IS NULL OR ({NEVER_STARTED.format(r="r")}))
-            ORDER BY p.billing_period, c.customer_id
+            ORDER BY p.billing_period, n.customer_id
             """,
             [r.customer_id for r in rows],
             [r.amount_cents for r in rows],
@@ -222,8 +223,15 @@ async def changes_to_open_runs(
         RunningChange(
             period=row["billing_period"],
             customer_id=row["customer_id"],
-            was=f"{row['amount_cents']} {row['currency']}",
+            was=_was(row),
             becomes=f"{row['new_amount']} {row['new_currency']}",
         )
         for row in found
     ]
+
+
+def _was(row: asyncpg.Record) -> str:
+    if row["active"] is None:
+        return "new"
+    price = f"{row['amount_cents']} {row['currency']}"
+    return price if row["active"] else f"inactive, {price}"

@@ -244,7 +244,8 @@ async def test_an_import_repricing_customers_a_running_period_has_not_billed_is_
     await db.execute(
         "INSERT INTO customers (customer_id, stripe_customer_id, payment_method, amount_cents,"
         " currency, active) VALUES ('c-1', 'cus_A', 'pm_1', 100, 'usd', true),"
-        " ('c-2', 'cus_B', 'pm_2', 100, 'usd', true), ('c-3', 'cus_C', 'pm_3', 100, 'usd', false)"
+        " ('c-2', 'cus_B', 'pm_2', 100, 'usd', true), ('c-3', 'cus_C', 'pm_3', 100, 'usd', false),"
+        " ('c-6', 'cus_F', 'pm_6', 100, 'usd', false)"
     )
     async with db.acquire() as conn:
         # c-4 a cancelled run never started: the open run claims it at its price of then.
@@ -261,16 +262,19 @@ async def test_an_import_repricing_customers_a_running_period_has_not_billed_is_
     path.write_text(
         _csv(
             "c-1,cus_A,pm_1,100,usd\nc-2,cus_B,pm_2,250,usd\nc-3,cus_C,pm_3,100,eur\n"
-            "c-4,cus_D,pm_4,300,usd\n"
+            "c-4,cus_D,pm_4,300,usd\nc-5,cus_E,pm_5,100,eur\nc-6,cus_F,pm_6,100,usd\n"
         )
     )
     argv = ["starter.py", "customers", "import", str(path)]
     env = {"DATABASE_URL": database_url}
     refused = await run_cli(*argv, env=env)
     assert (refused.code, refused.stdout) == (2, ""), refused
-    assert "changes the price of 3 customers the open run of 2026-12" in refused.stderr
+    assert "adds or changes the price of 5 customers the open run of 2026-12" in refused.stderr
     assert "c-4 (100 usd -> 300 usd)" in refused.stderr
-    assert "c-3 (100 usd -> 100 eur)" in refused.stderr
+    # Made active again, or new: either may join the run's list at a price it never counted.
+    assert "c-3 (inactive, 100 usd -> 100 eur)" in refused.stderr
+    assert "c-5 (new -> 100 eur)" in refused.stderr
+    assert "c-6 (inactive, 100 usd -> 100 usd)" in refused.stderr
     assert "c-2 (100 usd -> 250 usd)" in refused.stderr and "nothing was imported" in refused.stderr
     assert await db.fetchval("SELECT amount_cents FROM customers WHERE customer_id = 'c-2'") == 100
     forced = await run_cli(*argv, "--while-running", env=env)
