@@ -239,10 +239,12 @@ async def _finish(
 
 async def mark_stale_unknown(conn: asyncpg.Connection, key_id: str, stale_after: timedelta) -> None:
     """Pending reservations older than any request could be were left by a vault that stopped
-    mid-request: their outcome is unknown."""
+    mid-request (or whose settle a database outage cut off): their outcome is unknown. Their
+    `updated_at` stays the time the attempt was sent: how long Stripe has had to commit it,
+    which a release waits on, did not start again when it was found stale."""
     await conn.execute(
         """
-        UPDATE vault_reservations SET state = 'unknown', updated_at = now()
+        UPDATE vault_reservations SET state = 'unknown'
         WHERE vault_key_id = $1 AND state = 'pending' AND updated_at <= now() - $2::interval
         """,
         key_id,

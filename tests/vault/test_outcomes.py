@@ -318,6 +318,33 @@ async def test_a_reservation_left_pending_by_a_stopped_vault_is_taken_over_once_
     assert len(await emulator_ledger(emulator)) == 1
 
 
+async def test_a_reservation_found_stale_is_idle_since_its_attempt_was_sent(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+    admin: VaultAdmin,
+) -> None:
+    key = await issue()
+    client = stripe_via_vault(key)
+    await set_faults(emulator, error_before_commit=1.0)
+    with pytest.raises(stripe.APIError):
+        await charge(client, customer, 700, "cut-off")
+    # As if its settle had been cut off by a database restart an hour ago: left pending.
+    await db.execute(
+        "UPDATE vault_reservations SET state = 'pending', updated_at = now() - interval '1 hour'"
+        " WHERE vault_key_id = $1",
+        key.id,
+    )
+    # Found stale now, but Stripe has had an hour to commit it: a release need not wait
+    # another ten minutes (a chaos run left one unknown so, right after its period).
+    released = await admin.resolve(key.id, "cut-off", "failed", min_idle_seconds=600)
+    assert released.state == "released"
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 0)
+
+
 async def test_a_revoke_between_the_key_check_and_the_reservation_stops_a_takeover(
     issue: Issue,
     stripe_via_vault: StripeFor,
