@@ -228,8 +228,9 @@ async def cmd_reconcile(args: argparse.Namespace) -> int:
     _emit(
         report, args.json, describe_reconciliation(report) + f"\n  {ui_link(temporal, handle.id)}"
     )
-    # Money on Stripe that the ledger does not account for needs a person.
-    return 1 if report.findings else 0
+    # Money on Stripe that the ledger does not account for, or customers nobody could check
+    # (e.g. every listing refused to a key of the wrong account), needs a person.
+    return 1 if report.findings or report.unchecked_customers else 0
 
 
 async def cmd_setup(_: argparse.Namespace) -> int:

@@ -216,11 +216,14 @@ class OperatorRequest(Record):
     reason: str = Field(min_length=1, max_length=500)
     operator: str = Field(min_length=1, max_length=100)
 
-    @field_validator("reason", "operator")
+    # Before the length check, which then counts the redacted text: the period rebuilds this
+    # request from its state, and a text grown past the limit would fail its workflow task.
+    @field_validator("reason", "operator", mode="before")
     @classmethod
-    def _no_key(cls, value: str) -> str:
-        # Kept in workflow history and the ledger: a key pasted by mistake never reaches them.
-        return redact(value)
+    def _no_key(cls, value: object) -> object:
+        # Kept in the ledger and the period's state, and sent redacted by the starter: a key
+        # pasted by mistake goes no further than the request that carried it.
+        return redact(value) if isinstance(value, str) else value
 
 
 class SkipRequest(OperatorRequest):

@@ -109,8 +109,9 @@ class ChargesPage(Record):
     findings: list[Finding]
     customers: int
     charges: int
-    # Customers whose charges could not be listed (no vault key of the period for their
-    # currency): nothing of ours can have charged them, but a planted charge goes unseen.
+    # Customers whose charges could not be listed: no vault key of the period for their
+    # currency (nothing of ours can have charged them), or Stripe refused the listing (e.g.
+    # the customer was deleted there). A charge of theirs goes unseen.
     unchecked: list[str]
     next_cursor: str | None
 

@@ -92,7 +92,8 @@ def describe_reconciliation(report: ReconcileReport) -> str:
     ]
     if report.unchecked_customers:
         lines.append(
-            f"  not checked (no vault key of the period for their currency):"
+            f"  not checked (no vault key of the period for their currency, or Stripe refused"
+            f" to list their charges: the worker's log says which):"
             f" {', '.join(report.unchecked_customers)}"
         )
     return "\n".join(lines)

@@ -410,9 +410,34 @@ async def test_a_customer_stripe_will_not_list_is_left_unchecked_and_the_rest_co
         return await listing(self, stripe_customer_id, period)
 
     monkeypatch.setattr(StripeGateway, "period_charges", refused_for_one)
-    report = await reconcile(harness)
+    async with harness.running_worker():
+        code, out, _ = await harness.starter("reconcile", str(PERIOD), "--json")
+    report = ReconcileReport.model_validate_json(out)
     assert report.unchecked_customers == [gone["customer_id"]]
     assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", duplicate)]
+    assert code == 1
+
+
+async def test_customers_left_unchecked_alone_make_the_reconcile_command_exit_1(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # E.g. a key of the wrong Stripe account: every listing refused, nothing found. That is
+    # no clean bill of health.
+    await billed(harness, 2)
+
+    async def refused(self: StripeGateway, stripe_customer_id: str, period: str) -> None:
+        raise stripe.InvalidRequestError(  # type: ignore[no-untyped-call]
+            f"No such customer: '{stripe_customer_id}'; a similar object exists in live mode",
+            "customer",
+            code="resource_missing",
+            http_status=400,
+        )
+
+    monkeypatch.setattr(StripeGateway, "period_charges", refused)
+    async with harness.running_worker():
+        code, out, _ = await harness.starter("reconcile", str(PERIOD))
+    assert code == 1, out
+    assert "not checked" in out and "Stripe refused to list their charges" in out
 
 
 async def unusable(vaulted: Harness, how: str) -> None:
