@@ -104,16 +104,20 @@ def parse_customers_csv(lines: Iterable[str], source: str = "input") -> list[Cus
 
 
 def _parse_rows(reader: csv.DictReader[str], source: str) -> list[CustomerRow]:
-    header = list(reader.fieldnames or [])
+    # Values are read stripped, so are the names: "customer_id, amount_cents" is no typo.
+    header = [name.strip() for name in reader.fieldnames or []]
+    reader.fieldnames = header
     # DictReader keeps the last of two same-named columns: which one the file meant is a guess.
     twice = sorted({name for name in header if header.count(name) > 1})
     if twice:
         raise CustomerImportError(f"{source}: header names {', '.join(twice)} more than once")
     missing = [c for c in CSV_COLUMNS if c not in header]
     if missing:
+        separator = next((s for s in (";", "\t", "|") if len(header) == 1 and s in header[0]), None)
+        hint = f" (the columns look separated by {separator!r}: separate them with commas)"
         raise CustomerImportError(
             f"{source}: header must name the columns {', '.join(CSV_COLUMNS)};"
-            f" missing {', '.join(missing)}"
+            f" missing {', '.join(missing)}{hint if separator else ''}"
         )
     rows: list[CustomerRow] = []
     seen: dict[str, int] = {}
@@ -142,8 +146,13 @@ def read_customers_csv(path: Path) -> list[CustomerRow]:
         # utf-8-sig: spreadsheets often save CSV with a byte-order mark before the header.
         with path.open(newline="", encoding="utf-8-sig") as handle:
             return parse_customers_csv(handle, source=str(path))
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise CustomerImportError(f"cannot read {path}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise CustomerImportError(
+            f"cannot read {path}: it is not UTF-8 ({exc.reason} at byte {exc.start}); save it"
+            " as UTF-8 (CSV UTF-8 in a spreadsheet's Save As)"
+        ) from None
 
 
 def _reason(exc: Exception) -> str:

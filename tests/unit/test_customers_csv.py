@@ -124,3 +124,23 @@ def test_a_key_pasted_into_a_column_is_refused_and_never_echoed(row: str, column
         parse_customers_csv((HEADER + row).splitlines(True), source="in.csv")
     assert "51HqLy" not in str(refused.value)
     assert "0123456789abcdef" not in str(refused.value)
+
+
+def test_spaces_around_the_header_names_are_not_missing_columns() -> None:
+    header = "customer_id, stripe_customer_id, payment_method, amount_cents, currency\n"
+    [row] = parse_customers_csv([header, "c-1, cus_A, pm_1, 1500, usd\n"])
+    assert (row.customer_id, row.amount_cents, row.currency) == ("c-1", 1500, "usd")
+
+
+@pytest.mark.parametrize("separator", [";", "\t"])
+def test_a_file_separated_otherwise_is_told_to_use_commas(separator: str) -> None:
+    header = separator.join(HEADER.strip().split(",")) + "\n"
+    with pytest.raises(CustomerImportError, match="separate them with commas"):
+        parse_customers_csv([header, separator.join(["c-1", "cus_A", "", "1", "usd"]) + "\n"])
+
+
+def test_a_latin1_file_is_told_to_be_saved_as_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "customers.csv"
+    path.write_bytes((HEADER + "c-1,cus_A,pm_1,1500,usd\n# M\xfcller\n").encode("latin-1"))
+    with pytest.raises(CustomerImportError, match=r"not UTF-8 .*save it as UTF-8"):
+        read_customers_csv(path)
