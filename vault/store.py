@@ -34,13 +34,7 @@ _TODAY = "(now() AT TIME ZONE 'UTC')::date"
 
 logger = logging.getLogger("vault.store")
 # Any failure of a call to the database, refused statement or lost connection alike.
-DATABASE_ERRORS = (
-    asyncpg.PostgresError,
-    asyncpg.InterfaceError,
-    asyncpg.InternalClientError,
-    OSError,
-    TimeoutError,
-)
+DATABASE_ERRORS = (asyncpg.PostgresError, *CONNECTION_ERRORS)
 T = TypeVar("T")
 
 _KEY_VIEW = f"""
