@@ -333,8 +333,10 @@ class ReconcileActivities:
                 "succeeded" if charged else "failed",
                 found.amount_cents if isinstance(found, ChargeResult) else None,
                 attempt=reservation.attempt,
-                # Stripe may still commit a request the vault stopped waiting for.
-                min_idle_seconds=None if charged else int(RELEASE_AFTER.total_seconds()),
+                # With nothing on Stripe, a request the vault stopped waiting for may still
+                # commit. A failure Stripe recorded is the key's answer for good: every
+                # request with the key gets it replayed, so there is nothing to wait for.
+                min_idle_seconds=None if found is not None else int(RELEASE_AFTER.total_seconds()),
             )
         except (ApplicationError, VaultAdminError) as exc:
             # One reservation's trouble leaves it unknown for the next run, and the rest of

@@ -17,8 +17,9 @@ ChildState = Literal["running", "closed", "absent"]
 # charge; unrecorded: the row ended without a charge (failed, skipped, cancelled).
 FindingKind = Literal["orphan", "duplicate", "unrecorded"]
 ClaimAction = Literal["recorded", "redriven", "left"]
-# An unknown reservation is released (no charge found) only once it has not changed for this
-# long, by the vault's clock: Stripe may still commit a request the vault stopped waiting for.
+# An unknown reservation whose key Stripe has nothing for is released only once it has not
+# changed for this long, by the vault's clock: Stripe may still commit a request the vault
+# stopped waiting for.
 RELEASE_AFTER = timedelta(minutes=10)
 
 

@@ -195,7 +195,10 @@ def check_reconcile(found: Findings, report: ReconcileReport) -> None:
         problem(f"reconciliation: claim of {claim.customer_id} {claim.action}: {claim.detail}")
     for reservation in report.reservations:
         if reservation.state == "unknown":
-            problem(f"reconciliation left a vault reservation unknown: {reservation.detail}")
+            problem(
+                f"reconciliation left the vault reservation of {reservation.customer_id}"
+                f" unknown: {reservation.detail}"
+            )
 
 
 async def ledger_rows(pool: asyncpg.Pool, period: str) -> list[asyncpg.Record]:

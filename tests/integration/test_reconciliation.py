@@ -226,6 +226,31 @@ async def test_unknown_reservations_of_charges_stripe_took_are_committed(
     await assert_billed_once(vaulted, str(PERIOD), customers)
 
 
+async def test_an_unknown_reservation_of_a_decline_stripe_recorded_is_released_at_once(
+    vaulted: Harness,
+) -> None:
+    # Stripe commits the decline and answers 500, saved and replayed for the key: the
+    # worker finds the failed charge by listing and records the decline, and the vault is
+    # left with an unknown reservation it changed a moment ago. A key whose request Stripe
+    # ran to a failure can charge nothing more, so there is no commit to wait for.
+    customers = await vaulted.seed(
+        2, card_for=lambda i: "pm_card_chargeCustomerFail" if i == 1 else "pm_card_visa"
+    )
+    await vaulted.set_faults(error_after_commit=1.0)
+    await bill(vaulted)
+    await vaulted.set_faults(error_after_commit=0.0)
+    report = await reconcile(vaulted)
+    by_customer = {r.customer_id: r for r in report.reservations}
+    assert [by_customer[c.customer_id].state for c in customers] == ["released", "committed"]
+    assert vaulted.vault is not None
+    [key] = await vaulted.vault.admin.find_keys(period=str(PERIOD), label=period_keys.LABEL)
+    settled = await vaulted.vault.admin.get_key(key.id)
+    assert (settled.spent_cents, settled.reserved_cents) == (customers[1].amount_cents, 0)
+    await assert_billed_once(
+        vaulted, str(PERIOD), customers, declined=frozenset({customers[0].customer_id})
+    )
+
+
 async def test_unknown_reservations_past_the_time_given_wait_for_the_next_run(
     vaulted: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
