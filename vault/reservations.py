@@ -264,7 +264,8 @@ async def resolve(
     worker_policy: budget.WorkerPolicy | None = None,
 ) -> ReservationInfo:
     """Settle an unknown reservation with what reconciliation found on Stripe for its
-    `attempt` (any, if None); a release only once it has not changed for `min_idle`.
+    `attempt` (any, if None); a release only once it has not changed for `min_idle` past
+    `stale_after`, the longest the vault waits on Stripe.
     Repeating the same resolution is a no-op; contradicting a settled one, settling an
     attempt a retry has replaced, or releasing one that changed too lately is refused.
     With `worker_policy` (the worker token's call), cents it frees count against the
@@ -299,10 +300,18 @@ async def resolve(
                 raise Conflict("the reservation is in flight; resolve it when it is not")
             if state != "unknown":
                 raise Conflict(f"the reservation is already {state}")
-            if target == "released" and min_idle is not None and row["idle"] < min_idle:
+            # A reservation found stale last changed when its attempt was sent, and with a
+            # long upstream timeout Stripe may take the request late in the vault's wait.
+            if (
+                target == "released"
+                and min_idle is not None
+                and row["idle"] < min_idle + stale_after
+            ):
                 raise Conflict(
                     f"the reservation changed {row['idle'].total_seconds():.0f} s ago, less than"
-                    f" {min_idle.total_seconds():.0f} s: Stripe may still commit it; later"
+                    f" {min_idle.total_seconds():.0f} s after the vault's"
+                    f" {stale_after.total_seconds():.0f} s wait on Stripe: Stripe may still"
+                    " commit it; later"
                 )
             # A charge settled as failed, or for less, frees cap it may have taken after all.
             kept = 0 if target == "released" else amount_cents or row["amount_cents"]

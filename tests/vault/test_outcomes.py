@@ -153,8 +153,16 @@ async def test_reconciliation_resolves_an_unknown_reservation(
     # Unknown only a moment ago, by the vault's clock: Stripe may still commit it.
     with pytest.raises(VaultConflict, match="Stripe may still commit it"):
         await admin.resolve(key.id, "never-charged", "failed", min_idle_seconds=600)
+    # The wait counts past the vault's longest wait on Stripe (its 5 s upstream timeout and
+    # a 10 s margin): a reservation found stale last changed when its attempt was sent.
     await db.execute(
         "UPDATE vault_reservations SET updated_at = now() - interval '601 seconds'"
+        " WHERE idempotency_key = 'never-charged'"
+    )
+    with pytest.raises(VaultConflict, match="after the vault's 15 s wait on Stripe"):
+        await admin.resolve(key.id, "never-charged", "failed", min_idle_seconds=600)
+    await db.execute(
+        "UPDATE vault_reservations SET updated_at = now() - interval '616 seconds'"
         " WHERE idempotency_key = 'never-charged'"
     )
     released = await admin.resolve(key.id, "never-charged", "failed", min_idle_seconds=600)
