@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from decimal import Decimal
 
 from billing.errors import InvalidAmountError, InvalidCurrencyError, shown
-from billing.stripe_currencies import STRIPE_CURRENCIES, THREE_DECIMAL
+from billing.stripe_currencies import STRIPE_CURRENCIES, THREE_DECIMAL, WHOLE_UNITS_ONLY
 
 # Stripe's ceiling for `amount`: eight digits in the smallest currency unit.
 MAX_AMOUNT_CENTS = 99_999_999
@@ -54,11 +54,17 @@ def validate_currency(currency: object) -> str:
 
 
 def validate_amount_in(amount: int, currency: str) -> int:
-    """`amount` as Stripe charges it in `currency`: three-decimal ones to the hundredth."""
+    """`amount` as Stripe charges it in `currency`: three-decimal ones to the hundredth,
+    and those it takes in whole units only to the unit."""
     if currency in THREE_DECIMAL and amount % 10:
         raise InvalidAmountError(
             f"amount {amount} {currency} must end in 0: Stripe charges {currency} in"
             " thousandths rounded to the hundredth"
+        )
+    if currency in WHOLE_UNITS_ONLY and amount % 100:
+        raise InvalidAmountError(
+            f"amount {amount} {currency} must end in 00: Stripe charges {currency} in"
+            f" hundredths but only whole units (100 is 1 {currency})"
         )
     return amount
 

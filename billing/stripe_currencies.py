@@ -17,3 +17,6 @@ STRIPE_CURRENCIES = frozenset(_CODES.split())
 # Amounts in these are in thousandths, but Stripe charges them to the hundredth: the last digit
 # must be 0.
 THREE_DECIMAL = frozenset({"bhd", "jod", "kwd", "omr", "tnd"})
+# Two-decimal in the API, but Stripe takes only whole units (amounts in multiples of 100):
+# a fraction is refused with invalid_charge_amount_no_decimal_compatible.
+WHOLE_UNITS_ONLY = frozenset({"isk"})

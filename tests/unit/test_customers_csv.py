@@ -33,6 +33,7 @@ def test_valid_file() -> None:
         ("c-1,cus_A,pm_1,1500,xyz\n", "line 2: currency"),
         ("c-1,cus_A,pm_1,1500,ghs\n", "line 2: currency: currency 'ghs' is not one Stripe"),
         ("c-1,cus_A,pm_1,1235,kwd\n", "line 2: amount 1235 kwd must end in 0"),
+        ("c-1,cus_A,pm_1,550,isk\n", "line 2: amount 550 isk must end in 00"),
         ("x'; DROP TABLE customers;--,cus_A,pm_1,1500,usd\n", "line 2: customer_id"),
         ("c-1,acct_A,pm_1,1500,usd\n", "line 2: stripe_customer_id"),
         ("c-1,cus_A,card_1,1500,usd\n", "line 2: payment_method"),

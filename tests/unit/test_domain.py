@@ -201,6 +201,12 @@ def test_a_three_decimal_currency_is_charged_to_the_hundredth() -> None:
         validate_amount_in(1235, "kwd")
 
 
+def test_icelandic_krona_is_charged_in_whole_units() -> None:
+    assert validate_amount_in(500, "isk") == 500
+    with pytest.raises(InvalidAmountError, match="550 isk must end in 00"):
+        validate_amount_in(550, "isk")
+
+
 @pytest.mark.parametrize(
     ("total", "multiplier", "cap"), [(99510, 1.10, 109461), (1, 1.10, 2), (100, 1.0, 100)]
 )
