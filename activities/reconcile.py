@@ -10,7 +10,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import asyncpg
 import stripe
@@ -30,7 +30,6 @@ from billing.models import ChargeFailure, ChargeResult, Claim
 from billing.periods import parse_period
 from billing.rate_limit import stripe_rate
 from billing.reconciliation import (
-    RELEASE_AFTER,
     ChargesPage,
     ChargesPageRequest,
     ChildState,
@@ -42,6 +41,7 @@ from billing.reconciliation import (
     StripeCharge,
     classify,
     left_alone_because,
+    release_wait,
 )
 from billing.sealing import UnsealError
 from vault.client import VaultAdmin, VaultAdminError
@@ -326,17 +326,19 @@ class ReconcileActivities:
             return unknown.model_copy(update={"detail": "no ledger row has this key"})
         try:
             found, _ = await self._find(claim)
-            charged = isinstance(found, ChargeResult)
+            outcome: Literal["succeeded", "failed"]
+            if isinstance(found, ChargeResult):
+                outcome, amount, wait = "succeeded", found.amount_cents, None
+            else:
+                outcome, amount = "failed", None
+                wait = release_wait(found, reservation.upstream_status)
             info = await admin.resolve(
                 key_id,
                 key,
-                "succeeded" if charged else "failed",
-                found.amount_cents if isinstance(found, ChargeResult) else None,
+                outcome,
+                amount,
                 attempt=reservation.attempt,
-                # With nothing on Stripe, a request the vault stopped waiting for may still
-                # commit. A failure Stripe recorded is the key's answer for good: every
-                # request with the key gets it replayed, so there is nothing to wait for.
-                min_idle_seconds=None if found is not None else int(RELEASE_AFTER.total_seconds()),
+                min_idle_seconds=None if wait is None else int(wait.total_seconds()),
             )
         except (ApplicationError, VaultAdminError) as exc:
             # One reservation's trouble leaves it unknown for the next run, and the rest of

@@ -26,8 +26,9 @@ PERIOD_BLOCKERS = frozenset({SPEND_CAP_EXCEEDED, KEY_REFUSED})
 RETRYABLE = "StripeUnavailable"
 # The vault will not replay a key Stripe may have forgotten (first sent 23 hours ago or more).
 # The claim is that old too, so each attempt looks it up on Stripe first; one in doubt waits
-# for reconciliation to release it (10 minutes at the soonest). Shorter than a round of the
-# bill's retries (BILL_ROUND), which a longer wait would only time out.
+# for reconciliation to release it (10 minutes past the vault's upstream timeout at the
+# soonest). Shorter than a round of the bill's retries (BILL_ROUND), which a longer wait
+# would only time out.
 KEY_EXPIRED_CODE = "idempotency_key_expired"
 KEY_EXPIRED_RETRY = timedelta(minutes=4)
 

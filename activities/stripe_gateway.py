@@ -69,11 +69,12 @@ class StripeGateway:
         """Look the claim's charge up by the key in its metadata."""
         api = self._api_for(claim.charge_api)
         found = await self._find_through(api, claim)
-        if found is None and claim.charge_api is None:
+        if not isinstance(found, ChargeResult) and claim.charge_api is None:
             # Claimed before claims recorded their API (migrations/012): it may have gone
-            # out through the other one, under an earlier setting.
+            # out through the other one, under an earlier setting, and a charge made there
+            # outweighs a failure here.
             other: ChargeApi = "charges" if api == "payment_intents" else "payment_intents"
-            found = await self._find_through(other, claim)
+            found = await self._find_through(other, claim) or found
         return found
 
     async def _find_through(

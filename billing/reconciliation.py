@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from billing.models import Claim, Control, LedgerStatus, Outcome, Record
+from billing.models import ChargeFailure, Claim, Control, LedgerStatus, Outcome, Record
 
 # Where the customer's CustomerChargeWorkflow stands, as Temporal describes it.
 ChildState = Literal["running", "closed", "absent"]
@@ -17,10 +17,13 @@ ChildState = Literal["running", "closed", "absent"]
 # charge; unrecorded: the row ended without a charge (failed, skipped, cancelled).
 FindingKind = Literal["orphan", "duplicate", "unrecorded"]
 ClaimAction = Literal["recorded", "redriven", "left"]
-# An unknown reservation whose key Stripe has nothing for is released only once it has not
-# changed for this long, by the vault's clock: Stripe may still commit a request the vault
-# stopped waiting for.
+# An unknown reservation with no charge on Stripe is released only once it has not changed
+# for this long, by the vault's clock: Stripe may still commit a request the vault stopped
+# waiting for.
 RELEASE_AFTER = timedelta(minutes=10)
+# What the vault records when Stripe itself answered an attempt with an error: the request ran
+# and ended, whatever it did.
+STRIPE_ERROR_ANSWER = 500
 
 
 class ReconcileInput(Record):
@@ -137,6 +140,18 @@ class ReconcileReport(Record):
     @property
     def orphans(self) -> list[Finding]:
         return [f for f in self.findings if f.kind == "orphan"]
+
+
+def release_wait(found: ChargeFailure | None, upstream_status: int | None) -> timedelta | None:
+    """How long an unknown reservation Stripe shows no charge for must have been left alone
+    before it is released: not at all when Stripe answered its last attempt (a 500: that
+    request ended) and shows the key's charge failed, so nothing of it is still in flight.
+    Otherwise RELEASE_AFTER: with no answer (a timeout, a dropped connection, a settle cut
+    off), the request may still commit; and a failure alone may be another request's (one
+    with our metadata under another key, or the key's first use over 24 hours ago)."""
+    if isinstance(found, ChargeFailure) and upstream_status == STRIPE_ERROR_ANSWER:
+        return None
+    return RELEASE_AFTER
 
 
 def left_alone_because(

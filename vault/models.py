@@ -259,8 +259,9 @@ class ResolveFailed(_Resolution):
     # still commit.
     min_idle_seconds: Seconds | None = Field(
         default=None,
-        description="release only if the reservation has not changed for this long, by the"
-        " vault's clock; refused (409) otherwise",
+        description="release only if the reservation has not changed for this long past the"
+        " vault's longest wait on Stripe (its upstream timeout plus 10 s), by the vault's"
+        " clock; refused (409) otherwise",
     )
 
 

@@ -241,10 +241,12 @@ async def mark_stale_unknown(conn: asyncpg.Connection, key_id: str, stale_after:
     """Pending reservations older than any request could be were left by a vault that stopped
     mid-request (or whose settle a database outage cut off): their outcome is unknown. Their
     `updated_at` stays the time the attempt was sent: how long Stripe has had to commit it,
-    which a release waits on, did not start again when it was found stale."""
+    which a release waits on, did not start again when it was found stale. Its
+    `upstream_status` is cleared: no answer to this attempt was recorded, and one left from
+    an attempt before a takeover must not speak for it."""
     await conn.execute(
         """
-        UPDATE vault_reservations SET state = 'unknown'
+        UPDATE vault_reservations SET state = 'unknown', upstream_status = NULL
         WHERE vault_key_id = $1 AND state = 'pending' AND updated_at <= now() - $2::interval
         """,
         key_id,

@@ -355,6 +355,32 @@ async def test_an_unknown_reservation_changed_lately_is_not_released_yet(
     assert settled.spent_cents + settled.reserved_cents == customer.amount_cents
 
 
+async def test_a_failure_made_under_another_key_does_not_release_an_unanswered_one(
+    vaulted: Harness,
+) -> None:
+    # The vault stopped waiting for the last attempt a moment ago (no answer recorded), and
+    # Stripe shows a declined charge with the claim's metadata, made under another key (a
+    # script's retry): it says nothing of the vault's request, which may still commit.
+    [customer] = await vaulted.seed(1, card_for=lambda _: "pm_card_chargeCustomerFail")
+    await lost_in_doubt(vaulted, [customer])
+    await vaulted.pool.execute(
+        "UPDATE vault_reservations SET upstream_status = NULL, updated_at = now()"
+    )
+    key = idempotency_key(vaulted.settings.billing_key_namespace, customer.customer_id, PERIOD)
+    async with vaulted.pool.acquire() as conn:
+        claim = await ledger.claim_by_key(conn, key)
+    assert claim is not None
+    with pytest.raises(stripe.CardError):
+        await vaulted.stripe.v1.payment_intents.create_async(
+            charge_params(claim, "payment_intents"),  # type: ignore[arg-type]
+            {"idempotency_key": key + "-by-a-script"},
+        )
+    report = await reconcile(vaulted)
+    [reservation] = report.reservations
+    assert reservation.state == "unknown"
+    assert "Stripe may still commit it" in (reservation.detail or "")
+
+
 async def test_a_reservation_a_retry_took_over_after_the_lookup_is_not_released(
     vaulted: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:

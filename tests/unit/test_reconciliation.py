@@ -10,9 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from billing.keys import reconcile_workflow_id
-from billing.models import Control, RunOptions, ScheduledBillingInput
+from billing.models import ChargeFailure, Control, RunOptions, ScheduledBillingInput
 from billing.periods import Period
 from billing.reconciliation import (
+    RELEASE_AFTER,
     ChildState,
     ClaimResolution,
     LedgerEntry,
@@ -21,6 +22,7 @@ from billing.reconciliation import (
     StripeCharge,
     classify,
     left_alone_because,
+    release_wait,
 )
 from billing.reporting import describe_reconciliation
 from billing.schedules import MonthlySchedule, build_schedule
@@ -164,3 +166,26 @@ def test_a_schedule_created_when_runs_drained_their_children_still_starts_runs()
     scheduled = ScheduledBillingInput.model_validate(created)
     assert scheduled.options.max_in_flight == 300
     assert "drain_seconds" not in scheduled.options.model_dump()
+
+
+DECLINED = ChargeFailure(code="card_declined", message="Your card was declined.")
+
+
+def test_a_failure_stripe_answered_the_last_attempt_for_is_released_at_once() -> None:
+    assert release_wait(DECLINED, 500) is None
+
+
+@pytest.mark.parametrize(
+    ("found", "upstream_status"),
+    [
+        (None, 500),  # nothing on Stripe: the wait as ever
+        (DECLINED, None),  # no answer (a timeout, a drop, a settle cut off): may still commit
+        (DECLINED, 409),  # the attempt did not run: an earlier one may still be running
+        (DECLINED, 429),
+        (DECLINED, 504),  # a gateway's answer, not Stripe's
+    ],
+)
+def test_a_release_waits_unless_stripe_answered_and_shows_a_failure(
+    found: ChargeFailure | None, upstream_status: int | None
+) -> None:
+    assert release_wait(found, upstream_status) == RELEASE_AFTER

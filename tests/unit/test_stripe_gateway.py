@@ -68,3 +68,31 @@ async def test_a_failed_charge_is_found_as_failed_with_stripes_code() -> None:
 
 async def test_nothing_with_the_claims_key_is_none() -> None:
     assert await gateway(Listing([])).find(CLAIM) is None
+
+
+async def test_a_claim_of_unrecorded_api_charged_through_the_other_is_found_charged() -> None:
+    # Claimed before claims recorded their API: declined through Charges, then charged
+    # through PaymentIntents under another setting. The charge made outweighs the failure.
+    intent = stripe.PaymentIntent.construct_from(
+        {
+            "id": "pi_1",
+            "object": "payment_intent",
+            "status": "succeeded",
+            "latest_charge": "ch_by_intent",
+            "amount": CLAIM.amount_cents,
+            "currency": "usd",
+            "created": int(CLAIM.claimed_at.timestamp()) + 60,
+            "metadata": {"billing_key": CLAIM.idempotency_key},
+        },
+        "sk_test_unit",
+    )
+    failed = Listing([charge("failed", failure_code="card_declined", failure_message="no")])
+    client = SimpleNamespace(
+        v1=SimpleNamespace(
+            charges=SimpleNamespace(list_async=failed),
+            payment_intents=SimpleNamespace(list_async=Listing([intent])),  # type: ignore[list-item]
+        )
+    )
+    legacy = CLAIM.model_copy(update={"charge_api": None})
+    found = await StripeGateway(client, "charges").find(legacy)  # type: ignore[arg-type]
+    assert isinstance(found, ChargeResult) and found.charge_id == "ch_by_intent"

@@ -345,8 +345,12 @@ async def test_a_reservation_found_stale_is_idle_since_its_attempt_was_sent(
         " WHERE vault_key_id = $1",
         key.id,
     )
-    # Found stale now, but Stripe has had an hour to commit it: a release need not wait
-    # another ten minutes (a chaos run left one unknown so, right after its period).
+    # Found stale now, it shows no answer: the 500 it kept was an earlier attempt's (a
+    # release skips its wait for a failure only on an answer to the last attempt).
+    [stale] = await admin.unknown_reservations(key.id)
+    assert (stale.state, stale.upstream_status) == ("unknown", None)
+    # But Stripe has had an hour to commit it: a release need not wait another ten minutes
+    # (a chaos run left one unknown so, right after its period).
     released = await admin.resolve(key.id, "cut-off", "failed", min_idle_seconds=600)
     assert released.state == "released"
     totals = await assert_consistent(db, key.id)
