@@ -6,14 +6,17 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, unquote_plus
 
 import aiohttp
+import asyncpg
 from aiohttp import web
 from yarl import URL
 
+from billing.db import CONNECTION_ERRORS
 from billing.redact import SECRET_RE, redact
 from vault import metrics, reservations, store
 from vault.endpoints import METERED, PATH_RE, allows
@@ -24,6 +27,7 @@ from vault.state import STATE, VaultState
 from vault.store import AuditRecord, KeyGrant
 
 logger = logging.getLogger("vault.proxy")
+T = TypeVar("T")
 
 FORM = "application/x-www-form-urlencoded"
 _FORWARDED_HEADERS = ("Content-Type", "Idempotency-Key", "Stripe-Version")
@@ -86,13 +90,13 @@ async def handle(request: web.Request) -> web.Response:
         ).response()
     record.latency_ms = (time.perf_counter() - started) * 1000
     metrics.observe(record)
-    try:
-        await store.through_outage(
-            state.pool, state.outage_retry, lambda conn: store.insert_audit(conn, record)
-        )
-    except store.DATABASE_ERRORS:
-        # The answer still goes back: for a charge it says what happened to the money.
-        logger.exception("could not write the audit row of %s %s", record.method, record.path)
+    # The answer goes back even if the row cannot be written yet: for a charge it says what
+    # happened to the money.
+    await _record(
+        state,
+        lambda conn: store.insert_audit(conn, record),
+        f"write the audit row of {record.method} {record.path}",
+    )
     return response
 
 
@@ -394,17 +398,43 @@ def _outcome(answer: _Answer, *, in_doubt: bool) -> Outcome:
 async def _settle(
     state: VaultState, reservation: Reservation, outcome: Outcome, status: int | None
 ) -> ReservationState:
+    settled = await _record(
+        state,
+        lambda conn: reservations.settle(conn, reservation, outcome, status),
+        f"settle reservation {reservation.id} as {outcome}",
+    )
+    # Not yet written: the reservation stays pending, so counted, until the write behind
+    # the answer lands (found stale meanwhile, it still takes it).
+    return "pending" if settled is None else settled
+
+
+async def _record(
+    state: VaultState, write: Callable[[asyncpg.Connection], Awaitable[T]], what: str
+) -> T | None:
+    """Write what already happened upstream (a settle, an audit row), which no client retry
+    would bring back, through a database outage: for `outage_retry` while the client waits,
+    then on behind its answer (None) for `late_write_within`. A vault stopped before that
+    leaves a settle to reconciliation, and loses the audit row."""
     try:
-        return await store.through_outage(
-            state.pool,
-            state.outage_retry,
-            lambda conn: reservations.settle(conn, reservation, outcome, status),
-        )
+        return await store.through_outage(state.pool, state.outage_retry, write)
+    except CONNECTION_ERRORS:
+        logger.warning("could not %s yet: trying on behind the answer", what)
     except store.DATABASE_ERRORS:
-        # Down past the retries: the reservation stays pending, so counted; once stale it is
-        # treated as unknown, and reconciliation settles it from Stripe.
-        logger.exception("could not settle reservation %s as %s", reservation.id, outcome)
-        return "pending"
+        logger.exception("could not %s", what)
+        return None
+    await state.behind.spawn(_record_late(state, write, what))
+    return None
+
+
+async def _record_late(
+    state: VaultState, write: Callable[[asyncpg.Connection], Awaitable[object]], what: str
+) -> None:
+    try:
+        await store.through_outage(state.pool, state.late_write_within, write)
+    except store.DATABASE_ERRORS:
+        logger.exception("could not %s", what)
+    else:
+        logger.info("managed to %s once the database was back", what)
 
 
 def _clean(text: str, limit: int) -> str:

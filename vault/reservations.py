@@ -13,6 +13,7 @@ transactions can deadlock.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -23,6 +24,8 @@ from vault import budget, store
 from vault.models import ReservationInfo, ReservationState
 
 Outcome = Literal["succeeded", "failed", "unknown"]
+# An attempt's answer settles its reservation while it is pending, or unknown (found stale).
+_OPEN: tuple[ReservationState, ...] = ("pending", "unknown")
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,13 +167,15 @@ async def settle(
     outcome: Outcome,
     upstream_status: int | None,
 ) -> ReservationState:
-    """Record what the upstream answered this request's attempt; returns the state after."""
+    """Record what the upstream answered this request's attempt; returns the state after.
+    The attempt may have been found stale meanwhile (its settle held up by a database
+    outage): unknown, it still takes this answer, which is what reconciliation would seek."""
     if outcome == "unknown":
         state: ReservationState | None = await conn.fetchval(
             """
             UPDATE vault_reservations
             SET state = 'unknown', upstream_status = $3, updated_at = now()
-            WHERE id = $1 AND attempt = $2 AND state = 'pending'
+            WHERE id = $1 AND attempt = $2 AND state IN ('pending', 'unknown')
             RETURNING state
             """,
             reservation.id,
@@ -182,11 +187,12 @@ async def settle(
             "committed" if outcome == "succeeded" else "released"
         )
         done = await _finish(
-            conn, reservation.id, reservation.attempt, "pending", target, None, upstream_status
+            conn, reservation.id, reservation.attempt, _OPEN, target, None, upstream_status
         )
         state = target if done else None
     if state is None:
-        # Taken over meanwhile (this attempt was declared stale): the new owner settles it.
+        # Taken over meanwhile (this attempt was found stale), or settled: the new owner or
+        # reconciliation has it.
         state = await conn.fetchval(
             "SELECT state FROM vault_reservations WHERE id = $1", reservation.id
         )
@@ -197,7 +203,7 @@ async def _finish(
     conn: asyncpg.Connection,
     reservation_id: int,
     attempt: int,
-    from_state: ReservationState,
+    from_states: Sequence[ReservationState],
     to_state: Literal["committed", "released"],
     committed_cents: int | None,
     upstream_status: int | None,
@@ -211,7 +217,7 @@ async def _finish(
             SET state = $4, updated_at = now(), upstream_status = coalesce($6, upstream_status),
                 committed_cents = CASE WHEN $4 = 'committed'
                                        THEN coalesce($5::bigint, amount_cents) END
-            WHERE id = $1 AND attempt = $2 AND state = $3
+            WHERE id = $1 AND attempt = $2 AND state = ANY($3::text[])
             RETURNING vault_key_id, day, amount_cents, coalesce(committed_cents, 0) AS spent
         ), k AS (
             UPDATE vault_keys AS k
@@ -229,7 +235,7 @@ async def _finish(
         """,
         reservation_id,
         attempt,
-        from_state,
+        list(from_states),
         to_state,
         committed_cents,
         upstream_status,
@@ -320,7 +326,7 @@ async def resolve(
             freed = row["amount_cents"] - kept
             if worker_policy is not None and freed > 0:
                 await budget.count_release(conn, key_id, freed, worker_policy)
-            await _finish(conn, row["id"], row["attempt"], "unknown", target, amount_cents, None)
+            await _finish(conn, row["id"], row["attempt"], ("unknown",), target, amount_cents, None)
         info = await conn.fetchrow(
             f"SELECT {store.RESERVATION_COLUMNS} FROM vault_reservations WHERE id = $1",
             row["id"],

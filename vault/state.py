@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import aiohttp
+import aiojobs
 import asyncpg
 from aiohttp import web
 
@@ -22,6 +23,11 @@ _STALE_MARGIN = timedelta(seconds=10)
 # database outage: both inside the margin above, so a reservation settled late is not yet
 # taken for stale, and a client waits at most this much longer, twice, for its answer.
 _OUTAGE_RETRY = timedelta(seconds=5)
+# How long such a write goes on trying behind the answer, when the outage lasts longer: a
+# settle that lands saves reconciliation its work, and the cap its wait.
+_LATE_WRITE_WITHIN = timedelta(minutes=5)
+# At shutdown, how long writes still trying behind an answer have to land.
+_LATE_WRITE_DRAIN_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -35,7 +41,10 @@ class VaultState:
     worker_token_digest: bytes | None = field(repr=False)
     worker_policy: WorkerPolicy | None
     stale_after: timedelta
+    # The writes that go on trying behind an answer.
+    behind: aiojobs.Scheduler
     outage_retry: timedelta = _OUTAGE_RETRY
+    late_write_within: timedelta = _LATE_WRITE_WITHIN
 
 
 STATE = web.AppKey("vault_state", VaultState)
@@ -71,10 +80,13 @@ def lifecycle(settings: VaultSettings) -> Callable[[web.Application], AsyncItera
             ),
             worker_policy=settings.worker_policy(),
             stale_after=timedelta(seconds=settings.upstream_timeout_seconds) + _STALE_MARGIN,
+            # Unbounded: a write waiting for a slot would hold up the answer it follows.
+            behind=aiojobs.Scheduler(limit=None),
         )
         try:
             yield
         finally:
+            await app[STATE].behind.wait_and_close(_LATE_WRITE_DRAIN_SECONDS)
             await upstream.close()
             await pool.close()
 

@@ -5,6 +5,7 @@ reconciliation settles it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -210,6 +211,70 @@ async def test_a_database_outage_while_stripe_charges_still_settles_the_reservat
     assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 2_500)
     audited = [(e.decision, e.reservation_state) for e in await admin.audit(key.id)]
     assert audited == [("forwarded", "committed")]
+
+
+async def test_a_database_outage_past_the_retries_settles_the_reservation_once_it_ends(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+    admin: VaultAdmin,
+    postgres: LocalPostgres,
+) -> None:
+    """PostgreSQL stays down past the 5 s the client waits for each write: the answer goes
+    back with the reservation pending, and its settle and audit row land once PostgreSQL is
+    back, with no reconciliation."""
+    key = await issue()
+    client = stripe_via_vault(key)
+    await set_faults(emulator, latency_ms=1_000)
+    charging = asyncio.create_task(charge(client, customer, 2_500, "long-outage"))
+
+    async def reserved() -> bool:
+        return await _states(db, key.id) == {"long-outage": "pending"}
+
+    await eventually(reserved, timeout=10)
+    await asyncio.to_thread(postgres.stop)
+    try:
+        intent = await charging
+    finally:
+        await asyncio.to_thread(postgres.start)
+    assert intent.status == "succeeded"
+
+    async def settled() -> bool:
+        return await _states(db, key.id) == {"long-outage": "committed"}
+
+    await eventually(settled, timeout=30)
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 2_500)
+
+    async def audited() -> bool:
+        return [(e.decision, e.reservation_state) for e in await admin.audit(key.id)] == [
+            ("forwarded", "pending")
+        ]
+
+    await eventually(audited, timeout=30)
+
+
+async def test_an_answer_settled_late_still_settles_its_attempt_found_stale(
+    issue: Issue, db: asyncpg.Pool
+) -> None:
+    key = await issue()
+    charge = Charge("POST /v1/payment_intents", 900, "usd", None)
+    async with db.acquire() as conn:
+        reservation = await reservations.reserve(
+            conn, key.id, "late", charge, timedelta(seconds=15)
+        )
+        # Found stale while its settle waited for the database: unknown now.
+        await conn.execute(
+            "UPDATE vault_reservations SET state = 'unknown' WHERE id = $1", reservation.id
+        )
+        assert await reservations.settle(conn, reservation, "succeeded", 200) == "committed"
+        # An answer for an attempt a retry has since replaced settles nothing.
+        stale = dataclasses.replace(reservation, attempt=reservation.attempt - 1)
+        assert await reservations.settle(conn, stale, "failed", 402) == "committed"
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 900)
 
 
 async def test_an_audit_row_whose_connection_dropped_after_the_commit_is_written_once(
