@@ -75,6 +75,9 @@ ANSWER_UPDATES_BEFORE_CLOSE = "answer-updates-before-close"
 CANCEL_AWAITS_SENT = "cancel-awaits-sent"
 # A refused key reported once every outcome is in pauses nothing.
 NO_PAUSE_ONCE_FINISHED = "no-pause-once-finished"
+# Waiting on children started elsewhere (the ledger polled every LEDGER_WAIT) continues as
+# new when the history is long, as the fan-out does: such a child may take hours.
+LONG_WAITS_CONTINUE = "long-waits-continue-as-new"
 
 
 # Outside the sandbox for speed; the tests run it inside (see workflows/__init__.py).
@@ -100,6 +103,8 @@ class BillingPeriodWorkflow:
 
     @workflow.run
     async def run(self, request: BillingPeriodInput) -> PeriodSummary:
+        # Decided once, before any command: runs recorded before it waited on regardless.
+        self._long_waits_continue = workflow.patched(LONG_WAITS_CONTINUE)
         state = self._state
         try:
             period = str(parse_period(state.period))
@@ -121,22 +126,15 @@ class BillingPeriodWorkflow:
             await workflow.wait_condition(lambda: self._control.control != "paused")
             if self._control.control == "cancelled":
                 await self._cancel_the_rest()
+                if self._in_flight:  # it stopped waiting for them: the history is long
+                    await self._continue_as_new(period)
                 break
             await self._fill_window()
             if self._exhausted() and not self._in_flight:
                 break
             await self._wait_for_room()
             if self._should_continue_as_new():
-                await self._let_children_finish()
-                if self._exhausted() and not self._in_flight:
-                    continue  # nothing left to hand over: the loop finishes the period
-                # Listed but not started: the next run lists them again from the cursor.
-                state.listing_done = self._exhausted()
-                state.started_elsewhere = sorted(self._in_flight)
-                state.runs += 1
-                workflow.continue_as_new(
-                    BillingPeriodInput(period=period, options=self._options, state=state)
-                )
+                await self._continue_as_new(period)
         self._finished = True
         if workflow.patched(ANSWER_UPDATES_BEFORE_CLOSE):
             # An update accepted before (a skip, a pause) gets its answer, not "workflow
@@ -488,15 +486,20 @@ class BillingPeriodWorkflow:
         return max(1, self._options.max_in_flight // 10)
 
     async def _wait_for_room(self) -> None:
-        """Until a refill fits and a start may be sent, or the control changes."""
+        """Until a refill fits and a start may be sent, the control changes, or the history
+        is long enough to continue as new."""
         low_water = self._options.max_in_flight - self._refill()
         target = 0 if self._exhausted() else low_water
         await workflow.wait_condition(
             lambda: (
                 (len(self._in_flight) <= target and self._starting < self._options.max_starting)
                 or self._control.control != "running"
+                or self._long_wait_ends()
             )
         )
+
+    def _long_wait_ends(self) -> bool:
+        return self._long_waits_continue and self._should_continue_as_new()
 
     async def _cancel_the_rest(self) -> None:
         """Mark every customer not yet started cancelled, then let in-flight children end:
@@ -529,7 +532,22 @@ class BillingPeriodWorkflow:
             state.cursor = page.next_cursor or state.cursor
             state.listing_done = page.next_cursor is None
         self._describe()
-        await workflow.wait_condition(lambda: not self._in_flight)
+        await workflow.wait_condition(lambda: not self._in_flight or self._long_wait_ends())
+
+    async def _continue_as_new(self, period: str) -> None:
+        """Hand the customers in flight to a new run; returns only when, once the children
+        were let finish, none is left to hand over (the loop then finishes the period)."""
+        await self._let_children_finish()
+        if self._exhausted() and not self._in_flight:
+            return
+        state = self._state
+        # Listed but not started: the next run lists them again from the cursor.
+        state.listing_done = self._exhausted()
+        state.started_elsewhere = sorted(self._in_flight)
+        state.runs += 1
+        workflow.continue_as_new(
+            BillingPeriodInput(period=period, options=self._options, state=state)
+        )
 
     async def _let_children_finish(self) -> None:
         """Before continuing as new: a child reporting meanwhile makes the server refuse the

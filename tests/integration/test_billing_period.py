@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
+import pytest
+from temporalio import activity
 from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
 from temporalio.client import WorkflowHandle, WorkflowHistory
 
+from activities.period import OutcomesRequest, PeriodActivities
 from billing import ledger
 from billing.keys import customer_workflow_id
 from billing.models import (
     BillingPeriodInput,
     CustomerChargeInput,
     CustomerOutcome,
+    OperatorRequest,
     PeriodState,
+    PeriodSummary,
     RunOptions,
 )
 from billing.periods import Period
@@ -21,6 +27,8 @@ from billing.runs import period_status, start_period
 from tests.integration.harness import Harness, eventually
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import replay
+from tests.integration.test_replay import HISTORIES
+from workflows.billing_period import BillingPeriodWorkflow
 from workflows.customer_charge import CustomerChargeWorkflow
 
 PERIOD = Period(2026, 12)
@@ -236,6 +244,81 @@ async def test_a_child_closed_before_its_claim_does_not_hold_the_period(harness:
         summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
     assert (summary.due, summary.charged, summary.failed) == (4, 3, 1)
     await assert_billed_once(harness, str(PERIOD), others)
+
+
+async def blocked_elsewhere(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, cancel: bool
+) -> tuple[PeriodSummary, list[WorkflowHistory]]:
+    """Three customers, one of whose child runs already (started by another run, on a task
+    queue nobody polls): the period learns its outcome from the ledger, polled every 0.2 s
+    here (LEDGER_WAIT in production), for as long as that child runs. Its history must not
+    grow past its limit meanwhile, whether it waits at the end of its fan-out or after a
+    cancel. Returns the summary and every run's history, once that child is terminated."""
+    polled = PeriodActivities.await_outcomes
+
+    @activity.defn(name="await_outcomes")
+    async def quickly(self: PeriodActivities, request: OutcomesRequest) -> list[CustomerOutcome]:
+        # Bound to the class by hand, it gets the payload undecoded.
+        quick = OutcomesRequest.model_validate(request).model_copy(update={"wait_seconds": 0.2})
+        return await polled(self, quick)
+
+    monkeypatch.setattr(PeriodActivities, "await_outcomes", quickly)
+    customers = await harness.seed(3)
+    stuck = customers[-1].customer_id
+    blocker = await harness.client.start_workflow(
+        CustomerChargeWorkflow.run,
+        CustomerChargeInput(period=str(PERIOD), customer_id=stuck),
+        id=customer_workflow_id(PERIOD, stuck),
+        task_queue="nobody-polls",
+    )
+    limit = 200
+    async with harness.running_worker():
+        handle = await start_period(
+            harness.client, PERIOD, harness.task_queue, RunOptions(history_event_limit=limit)
+        )
+        if cancel:
+            # Once the others are charged, while it waits for the one started elsewhere.
+            async def waiting() -> bool:
+                status = await period_status(harness.client, PERIOD)
+                return (status.charged, status.in_flight) == (2, 1)
+
+            await eventually(waiting)
+            await handle.execute_update(
+                BillingPeriodWorkflow.cancel, OperatorRequest(reason="wrong prices", operator="ann")
+            )
+
+        async def continued() -> bool:
+            runs = harness.client.list_workflows(f'WorkflowId = "{handle.id}"')
+            return len([run async for run in runs]) >= 3
+
+        await eventually(continued, timeout=120)
+        await blocker.terminate(reason="the test is done with it")
+        summary = await handle.result()
+    runs = await chain_of_runs(harness, handle.id, bound=limit + 30)
+    assert all(stuck in state.started_elsewhere for state in await handed_over(harness, runs))
+    await replay(runs)
+    return summary, runs
+
+
+async def test_a_period_waiting_long_on_a_child_started_elsewhere_continues_as_new(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    summary, _ = await blocked_elsewhere(harness, monkeypatch, cancel=False)
+    # The child terminated before its claim: the customer is reported, not billed.
+    assert (summary.due, summary.charged, summary.failed) == (3, 2, 1)
+
+
+async def test_a_cancelled_period_waiting_long_on_a_child_continues_as_new(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    summary, runs = await blocked_elsewhere(harness, monkeypatch, cancel=True)
+    assert summary.cancelled_by == "ann" and summary.cancel_reason == "wrong prices"
+    assert (summary.due, summary.charged, summary.failed) == (3, 2, 1)
+    if os.environ.get("RECORD_HISTORIES"):
+        # A run that continued as new while cancelling, and the next one.
+        for history in runs[:2]:
+            name = f"BillingPeriodWorkflow--{history.workflow_id}--{history.run_id}.json"
+            (HISTORIES / name).write_text(history.to_json())
 
 
 async def handed_over(harness: Harness, runs: list[WorkflowHistory]) -> list[PeriodState]:
