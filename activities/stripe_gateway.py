@@ -74,7 +74,9 @@ class StripeGateway:
             # out through the other one, under an earlier setting, and a charge made there
             # outweighs a failure here.
             other: ChargeApi = "charges" if api == "payment_intents" else "payment_intents"
-            found = await self._find_through(other, claim) or found
+            elsewhere = await self._find_through(other, claim)
+            if found is None or isinstance(elsewhere, ChargeResult):
+                found = elsewhere
         return found
 
     async def _find_through(

@@ -3,6 +3,7 @@ and write one audit row, whatever happened."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -418,10 +419,15 @@ async def _record(
     try:
         return await store.through_outage(state.pool, state.outage_retry, write)
     except CONNECTION_ERRORS:
-        logger.warning("could not %s yet: trying on behind the answer", what)
+        pass
     except store.DATABASE_ERRORS:
         logger.exception("could not %s", what)
         return None
+    if state.behind.pending_count >= state.behind.pending_limit:
+        # Spawning would wait for room, holding up the answer.
+        logger.error("could not %s: %d writes already wait behind answers", what, len(state.behind))
+        return None
+    logger.warning("could not %s yet: trying on behind the answer", what)
     await state.behind.spawn(_record_late(state, write, what))
     return None
 
@@ -433,6 +439,10 @@ async def _record_late(
         await store.through_outage(state.pool, state.late_write_within, write)
     except store.DATABASE_ERRORS:
         logger.exception("could not %s", what)
+    except asyncio.CancelledError:
+        # The vault stops: a settle is left to reconciliation, an audit row is lost.
+        logger.error("could not %s before the vault stopped", what)
+        raise
     else:
         logger.info("managed to %s once the database was back", what)
 
