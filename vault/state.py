@@ -30,8 +30,8 @@ _LATE_WRITE_WITHIN = timedelta(minutes=5)
 _LATE_WRITE_DRAIN_SECONDS = 5.0
 # A few at a time, so a long outage costs the database a few tries a second, and its return
 # a few connections, whatever the backlog; past the backlog's bound a write is given up.
-LATE_WRITES_AT_ONCE = 4
-LATE_WRITES_WAITING = 10_000
+_LATE_WRITES_AT_ONCE = 4
+_LATE_WRITES_WAITING = 10_000
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,9 @@ def lifecycle(settings: VaultSettings) -> Callable[[web.Application], AsyncItera
             ),
             worker_policy=settings.worker_policy(),
             stale_after=timedelta(seconds=settings.upstream_timeout_seconds) + _STALE_MARGIN,
-            behind=aiojobs.Scheduler(limit=LATE_WRITES_AT_ONCE, pending_limit=LATE_WRITES_WAITING),
+            behind=aiojobs.Scheduler(
+                limit=_LATE_WRITES_AT_ONCE, pending_limit=_LATE_WRITES_WAITING
+            ),
         )
         try:
             yield
