@@ -17,6 +17,12 @@ REFUSALS = Counter(
     "Requests the vault answered itself, by refusal code (e.g. spend_cap_exceeded).",
     ["code"],
 )
+LATE_WRITES = Counter(
+    "vault_late_writes_total",
+    "Writes (settle, audit) a database outage held past the client's wait, by how they"
+    " ended: deferred behind the answer, then landed or lost.",
+    ["kind", "result"],
+)
 DURATION = Histogram(
     "vault_request_duration_seconds",
     "Time the vault spent on a proxied request, the upstream call included.",

@@ -9,7 +9,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 from urllib.parse import parse_qs, unquote_plus
 
 import aiohttp
@@ -96,6 +96,7 @@ async def handle(request: web.Request) -> web.Response:
     await _record(
         state,
         lambda conn: store.insert_audit(conn, record),
+        "audit",
         f"write the audit row of {record.method} {record.path}",
     )
     return response
@@ -402,6 +403,7 @@ async def _settle(
     settled = await _record(
         state,
         lambda conn: reservations.settle(conn, reservation, outcome, status),
+        "settle",
         f"settle reservation {reservation.id} as {outcome}",
     )
     # Not yet written: the reservation stays pending, so counted, until the write behind
@@ -410,7 +412,10 @@ async def _settle(
 
 
 async def _record(
-    state: VaultState, write: Callable[[asyncpg.Connection], Awaitable[T]], what: str
+    state: VaultState,
+    write: Callable[[asyncpg.Connection], Awaitable[T]],
+    kind: Literal["settle", "audit"],
+    what: str,
 ) -> T | None:
     """Write what already happened upstream (a settle, an audit row), which no client retry
     would bring back, through a database outage: for `outage_retry` while the client waits,
@@ -426,25 +431,33 @@ async def _record(
     if state.behind.pending_count >= state.behind.pending_limit:
         # Spawning would wait for room, holding up the answer.
         logger.error("could not %s: %d writes already wait behind answers", what, len(state.behind))
+        metrics.LATE_WRITES.labels(kind=kind, result="lost").inc()
         return None
     logger.warning("could not %s yet: trying on behind the answer", what)
-    await state.behind.spawn(_record_late(state, write, what))
+    metrics.LATE_WRITES.labels(kind=kind, result="deferred").inc()
+    await state.behind.spawn(_record_late(state, write, kind, what))
     return None
 
 
 async def _record_late(
-    state: VaultState, write: Callable[[asyncpg.Connection], Awaitable[object]], what: str
+    state: VaultState,
+    write: Callable[[asyncpg.Connection], Awaitable[object]],
+    kind: Literal["settle", "audit"],
+    what: str,
 ) -> None:
+    result = "lost"
     try:
         await store.through_outage(state.pool, state.late_write_within, write)
+        result = "landed"
+        logger.info("managed to %s once the database was back", what)
     except store.DATABASE_ERRORS:
         logger.exception("could not %s", what)
     except asyncio.CancelledError:
         # The vault stops: a settle is left to reconciliation, an audit row is lost.
         logger.error("could not %s before the vault stopped", what)
         raise
-    else:
-        logger.info("managed to %s once the database was back", what)
+    finally:
+        metrics.LATE_WRITES.labels(kind=kind, result=result).inc()
 
 
 def _clean(text: str, limit: int) -> str:

@@ -13,6 +13,7 @@ import aiohttp
 import asyncpg
 import pytest
 import stripe
+from prometheus_client import REGISTRY
 from pydantic import SecretStr
 
 from devstack.postgres import LocalPostgres
@@ -227,6 +228,7 @@ async def test_a_database_outage_past_the_retries_settles_the_reservation_once_i
     back, with no reconciliation."""
     key = await issue()
     client = stripe_via_vault(key)
+    landed = {kind: late_writes(kind, "landed") for kind in ("settle", "audit")}
     await set_faults(emulator, latency_ms=1_000)
     charging = asyncio.create_task(charge(client, customer, 2_500, "long-outage"))
 
@@ -254,6 +256,22 @@ async def test_a_database_outage_past_the_retries_settles_the_reservation_once_i
         ]
 
     await eventually(audited, timeout=30)
+
+    async def counted() -> bool:
+        # What an operator watches: each write went behind its answer, and landed.
+        return {kind: late_writes(kind, "landed") - n for kind, n in landed.items()} == {
+            "settle": 1,
+            "audit": 1,
+        }
+
+    await eventually(counted, timeout=5)
+
+
+def late_writes(kind: str, result: str) -> float:
+    return (
+        REGISTRY.get_sample_value("vault_late_writes_total", {"kind": kind, "result": result})
+        or 0.0
+    )
 
 
 async def test_an_answer_settled_late_still_settles_its_attempt_found_stale(
