@@ -289,7 +289,7 @@ async def blocked_elsewhere(
 
         async def continued() -> bool:
             runs = harness.client.list_workflows(f'WorkflowId = "{handle.id}"')
-            return len([run async for run in runs]) >= 3
+            return len([run async for run in runs]) >= 2
 
         await eventually(continued, timeout=120)
         await blocker.terminate(reason="the test is done with it")
