@@ -27,7 +27,9 @@ class CustomerRow(BaseModel):
 
     customer_id: str
     stripe_customer_id: str
-    payment_method: str | None
+    # Named, always: with none, a PaymentIntent takes the Stripe customer's `default_source`
+    # (a legacy card), not its invoice default, and most customers have none.
+    payment_method: str
     amount_cents: int
     currency: str
 
@@ -47,9 +49,12 @@ class CustomerRow(BaseModel):
 
     @field_validator("payment_method")
     @classmethod
-    def _payment_method(cls, value: str | None) -> str | None:
-        if value is None:
-            return value
+    def _payment_method(cls, value: str) -> str:
+        if not value:
+            raise InvalidInputError(
+                "payment_method is empty: name the payment method to charge (pm_...); Stripe"
+                " charges a customer's invoice default only if it is named"
+            )
         if not _PAYMENT_METHOD_RE.fullmatch(value):
             raise InvalidInputError(f"payment_method {shown(value, 60)} is not a Stripe id pm_...")
         if SECRET_RE.search(value):
@@ -83,11 +88,11 @@ def _row_from_csv(fields: dict[str, str | None]) -> CustomerRow:
             raise InvalidInputError(f"{name} is empty")
         return value.strip()
 
-    payment_method = (fields.get("payment_method") or "").strip() or None
     return CustomerRow(
         customer_id=text("customer_id"),
         stripe_customer_id=text("stripe_customer_id"),
-        payment_method=payment_method,
+        # Checked in the model, after the columns before it, like them.
+        payment_method=(fields.get("payment_method") or "").strip(),
         amount_cents=parse_amount(text("amount_cents")),
         currency=text("currency"),
     )

@@ -53,7 +53,7 @@ async def create_demo_customers(
         default = (
             customer.invoice_settings.default_payment_method if customer.invoice_settings else None
         )
-        payment_method = default if isinstance(default, str) else getattr(default, "id", None)
+        payment_method = default if isinstance(default, str) else getattr(default, "id", "")
         return CustomerRow(
             customer_id=customer_id,
             stripe_customer_id=customer.id,

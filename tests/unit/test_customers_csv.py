@@ -16,11 +16,11 @@ HEADER = "customer_id,stripe_customer_id,payment_method,amount_cents,currency\n"
 
 def test_valid_file() -> None:
     rows = parse_customers_csv(
-        (HEADER + "c-1,cus_A1,pm_123,1500,usd\nc-2,cus_B2,,99,eur\n").splitlines(True)
+        (HEADER + "c-1,cus_A1,pm_123,1500,usd\nc-2,cus_B2,pm_456,99,eur\n").splitlines(True)
     )
     assert [(r.customer_id, r.payment_method, r.amount_cents) for r in rows] == [
         ("c-1", "pm_123", 1500),
-        ("c-2", None, 99),
+        ("c-2", "pm_456", 99),
     ]
 
 
@@ -34,6 +34,7 @@ def test_valid_file() -> None:
         ("c-1,cus_A,pm_1,1500,ghs\n", "line 2: currency: currency 'ghs' is not one Stripe"),
         ("c-1,cus_A,pm_1,1235,kwd\n", "line 2: amount 1235 kwd must end in 0"),
         ("c-1,cus_A,pm_1,550,isk\n", "line 2: amount 550 isk must end in 00"),
+        ("c-1,cus_A,,1500,usd\n", "line 2: payment_method: payment_method is empty: name the"),
         ("x'; DROP TABLE customers;--,cus_A,pm_1,1500,usd\n", "line 2: customer_id"),
         ("c-1,acct_A,pm_1,1500,usd\n", "line 2: stripe_customer_id"),
         ("c-1,cus_A,card_1,1500,usd\n", "line 2: payment_method"),
