@@ -177,6 +177,29 @@ async def test_reconciliation_resolves_an_unknown_reservation(
     assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 2_000)
 
 
+async def postgres_stopped_mid_charge(
+    client: stripe.StripeClient,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+    postgres: LocalPostgres,
+    key_id: str,
+    idempotency_key: str,
+    latency_ms: int,
+) -> asyncio.Task[stripe.PaymentIntent]:
+    """A charge of 2,500 cents through the vault, Stripe answering after `latency_ms`, and
+    PostgreSQL stopped once the charge is reserved; returns the charge, still in flight."""
+    await set_faults(emulator, latency_ms=latency_ms)
+    charging = asyncio.create_task(charge(client, customer, 2_500, idempotency_key))
+
+    async def reserved() -> bool:
+        return await _states(db, key_id) == {idempotency_key: "pending"}
+
+    await eventually(reserved, timeout=10)
+    await asyncio.to_thread(postgres.stop)
+    return charging
+
+
 async def test_a_database_outage_while_stripe_charges_still_settles_the_reservation(
     issue: Issue,
     stripe_via_vault: StripeFor,
@@ -191,15 +214,9 @@ async def test_a_database_outage_while_stripe_charges_still_settles_the_reservat
     answered: the vault keeps trying its writes, so the money is committed and audited
     instead of left pending until reconciliation."""
     key = await issue()
-    client = stripe_via_vault(key)
-    await set_faults(emulator, latency_ms=1_500)
-    charging = asyncio.create_task(charge(client, customer, 2_500, "outage"))
-
-    async def reserved() -> bool:
-        return await _states(db, key.id) == {"outage": "pending"}
-
-    await eventually(reserved, timeout=10)
-    await asyncio.to_thread(postgres.stop)
+    charging = await postgres_stopped_mid_charge(
+        stripe_via_vault(key), customer, db, emulator, postgres, key.id, "outage", 1_500
+    )
     # Stripe answers meanwhile, and the settle finds the database down.
     await asyncio.sleep(2.5)
     await asyncio.to_thread(postgres.start)
@@ -227,16 +244,10 @@ async def test_a_database_outage_past_the_retries_settles_the_reservation_once_i
     back with the reservation pending, and its settle and audit row land once PostgreSQL is
     back, with no reconciliation."""
     key = await issue()
-    client = stripe_via_vault(key)
     landed = {kind: late_writes(kind, "landed") for kind in ("settle", "audit")}
-    await set_faults(emulator, latency_ms=1_000)
-    charging = asyncio.create_task(charge(client, customer, 2_500, "long-outage"))
-
-    async def reserved() -> bool:
-        return await _states(db, key.id) == {"long-outage": "pending"}
-
-    await eventually(reserved, timeout=10)
-    await asyncio.to_thread(postgres.stop)
+    charging = await postgres_stopped_mid_charge(
+        stripe_via_vault(key), customer, db, emulator, postgres, key.id, "long-outage", 1_000
+    )
     try:
         intent = await charging
     finally:
