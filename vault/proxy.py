@@ -29,6 +29,8 @@ from vault.store import AuditRecord, KeyGrant
 
 logger = logging.getLogger("vault.proxy")
 T = TypeVar("T")
+# What a database outage can hold up after Stripe has answered.
+LateWrite = Literal["settle", "audit"]
 
 FORM = "application/x-www-form-urlencoded"
 _FORWARDED_HEADERS = ("Content-Type", "Idempotency-Key", "Stripe-Version")
@@ -414,7 +416,7 @@ async def _settle(
 async def _record(
     state: VaultState,
     write: Callable[[asyncpg.Connection], Awaitable[T]],
-    kind: Literal["settle", "audit"],
+    kind: LateWrite,
     what: str,
 ) -> T | None:
     """Write what already happened upstream (a settle, an audit row), which no client retry
@@ -442,7 +444,7 @@ async def _record(
 async def _record_late(
     state: VaultState,
     write: Callable[[asyncpg.Connection], Awaitable[object]],
-    kind: Literal["settle", "audit"],
+    kind: LateWrite,
     what: str,
 ) -> None:
     result = "lost"

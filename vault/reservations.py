@@ -175,12 +175,13 @@ async def settle(
             """
             UPDATE vault_reservations
             SET state = 'unknown', upstream_status = $3, updated_at = now()
-            WHERE id = $1 AND attempt = $2 AND state IN ('pending', 'unknown')
+            WHERE id = $1 AND attempt = $2 AND state = ANY($4::text[])
             RETURNING state
             """,
             reservation.id,
             reservation.attempt,
             upstream_status,
+            list(_OPEN),
         )
     else:
         target: Literal["committed", "released"] = (
