@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -15,6 +16,13 @@ from billing.redact import redact
 _LOOKUP_PAGE = 100
 _CLOCK_SKEW_SECONDS = 3600
 FAILED_INTENT_STATUSES = frozenset({"requires_payment_method", "canceled"})
+# Our one request creates and confirms a PaymentIntent off-session, so these waits for a next
+# step (a confirm, a customer's action) are passed within it. Found on an intent this old,
+# Stripe left it there after answering that request with an error, and nothing moves it on:
+# the claim fails, where it would otherwise wait on it for ever. Younger, Stripe may still
+# roll the request forward.
+STALLED_INTENT_STATUSES = frozenset({"requires_confirmation", "requires_action"})
+STALLED_AFTER_SECONDS = 3600
 
 
 def charge_params(claim: Claim, api: ChargeApi) -> dict[str, Any]:
@@ -89,17 +97,26 @@ class StripeGateway:
                     return self._from_intent(intent, replayed=True)
             if not intents:
                 return None
-            if intents[0].status not in FAILED_INTENT_STATUSES:
+            latest = intents[0]
+            if _stalled(latest):
+                return ChargeFailure(
+                    code="payment_intent_incomplete",
+                    message=f"Stripe left payment intent {latest.id} in {latest.status} after"
+                    " an error and charged nothing; cancel it on Stripe, and bill the customer"
+                    " there if this period is still due",
+                    payment_intent_id=latest.id,
+                )
+            if latest.status not in FAILED_INTENT_STATUSES:
                 # Still processing or waiting for a step: not an answer yet; try again later.
                 raise stripe.APIError(
-                    f"payment intent {intents[0].id} is {intents[0].status}", http_status=503
+                    f"payment intent {latest.id} is {latest.status}", http_status=503
                 )
-            error = intents[0].last_payment_error
+            error = latest.last_payment_error
             return ChargeFailure(
                 code=(error.code if error else None) or "card_declined",
                 decline_code=error.decline_code if error else None,
                 message=redact((error.message if error else None) or "the payment failed"),
-                payment_intent_id=intents[0].id,
+                payment_intent_id=latest.id,
             )
         charges = await self._ours(self._client.v1.charges.list_async, claim)
         for charge in charges:
@@ -164,6 +181,13 @@ class StripeGateway:
             currency=intent.currency,
             replayed=replayed,
         )
+
+
+def _stalled(intent: stripe.PaymentIntent) -> bool:
+    return (
+        intent.status in STALLED_INTENT_STATUSES
+        and time.time() - intent.created >= STALLED_AFTER_SECONDS
+    )
 
 
 def _id(value: object) -> str | None:

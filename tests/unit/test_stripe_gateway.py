@@ -1,8 +1,10 @@
-"""`StripeGateway.find` over the legacy Charges API, for charge states the emulator does not
-make (a bank debit stays pending for days): Stripe's listing is stood in for here."""
+"""`StripeGateway.find`, for states the emulator does not make (a bank debit stays pending for
+days; Stripe leaves a PaymentIntent unconfirmed after an error): Stripe's listing is stood in
+for here."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -10,7 +12,7 @@ from typing import Any
 import pytest
 import stripe
 
-from activities.stripe_gateway import StripeGateway
+from activities.stripe_gateway import STALLED_AFTER_SECONDS, StripeGateway
 from billing.models import ChargeFailure, ChargeResult
 from tests.unit.claims import CLAIM as LEDGER_CLAIM
 
@@ -27,6 +29,24 @@ def charge(status: str, **extra: Any) -> stripe.Charge:
             "currency": "usd",
             "payment_intent": None,
             "created": int(CLAIM.claimed_at.timestamp()) + 5,
+            "metadata": {"billing_key": CLAIM.idempotency_key},
+            **extra,
+        },
+        "sk_test_unit",
+    )
+
+
+def intent(status: str, created: int, **extra: Any) -> stripe.PaymentIntent:
+    return stripe.PaymentIntent.construct_from(
+        {
+            "id": f"pi_{status}",
+            "object": "payment_intent",
+            "status": status,
+            "latest_charge": None,
+            "last_payment_error": None,
+            "amount": CLAIM.amount_cents,
+            "currency": "usd",
+            "created": created,
             "metadata": {"billing_key": CLAIM.idempotency_key},
             **extra,
         },
@@ -73,26 +93,62 @@ async def test_nothing_with_the_claims_key_is_none() -> None:
 async def test_a_claim_of_unrecorded_api_charged_through_the_other_is_found_charged() -> None:
     # Claimed before claims recorded their API: declined through Charges, then charged
     # through PaymentIntents under another setting. The charge made outweighs the failure.
-    intent = stripe.PaymentIntent.construct_from(
-        {
-            "id": "pi_1",
-            "object": "payment_intent",
-            "status": "succeeded",
-            "latest_charge": "ch_by_intent",
-            "amount": CLAIM.amount_cents,
-            "currency": "usd",
-            "created": int(CLAIM.claimed_at.timestamp()) + 60,
-            "metadata": {"billing_key": CLAIM.idempotency_key},
-        },
-        "sk_test_unit",
-    )
+    made = intent("succeeded", int(CLAIM.claimed_at.timestamp()) + 60, latest_charge="ch_by_intent")
     failed = Listing([charge("failed", failure_code="card_declined", failure_message="no")])
     client = SimpleNamespace(
         v1=SimpleNamespace(
             charges=SimpleNamespace(list_async=failed),
-            payment_intents=SimpleNamespace(list_async=Listing([intent])),  # type: ignore[list-item]
+            payment_intents=SimpleNamespace(list_async=Listing([made])),  # type: ignore[list-item]
         )
     )
     legacy = CLAIM.model_copy(update={"charge_api": None})
     found = await StripeGateway(client, "charges").find(legacy)  # type: ignore[arg-type]
     assert isinstance(found, ChargeResult) and found.charge_id == "ch_by_intent"
+
+
+def intents_gateway(*intents: stripe.PaymentIntent) -> StripeGateway:
+    listing = Listing(list(intents))  # type: ignore[arg-type]
+    client = SimpleNamespace(
+        v1=SimpleNamespace(payment_intents=SimpleNamespace(list_async=listing))
+    )
+    return StripeGateway(client, "payment_intents")  # type: ignore[arg-type]
+
+
+INTENT_CLAIM = CLAIM.model_copy(update={"charge_api": "payment_intents"})
+LONG_AGO = int(time.time()) - STALLED_AFTER_SECONDS - 60
+
+
+@pytest.mark.parametrize("status", ["requires_confirmation", "requires_action"])
+async def test_an_intent_stripe_left_waiting_for_a_step_fails_the_claim_once_it_is_old(
+    status: str,
+) -> None:
+    # Stripe answered the create-and-confirm with an error and left the intent unconfirmed:
+    # nothing will move it on, so waiting on it would hold the claim for ever.
+    found = await intents_gateway(intent(status, LONG_AGO)).find(INTENT_CLAIM)
+    assert isinstance(found, ChargeFailure)
+    assert (found.code, found.payment_intent_id) == ("payment_intent_incomplete", f"pi_{status}")
+    assert f"pi_{status} in {status}" in found.message
+
+
+@pytest.mark.parametrize(
+    ("status", "created"),
+    [
+        # Stripe may still roll the request forward.
+        ("requires_confirmation", int(time.time()) - 60),
+        # A bank debit settles in days: it is an answer still to come, however old.
+        ("processing", LONG_AGO),
+    ],
+)
+async def test_an_intent_still_on_its_way_is_not_an_answer_yet(status: str, created: int) -> None:
+    with pytest.raises(stripe.APIError, match=f"pi_{status} is {status}") as raised:
+        await intents_gateway(intent(status, created)).find(INTENT_CLAIM)
+    assert raised.value.http_status == 503
+
+
+async def test_a_charge_made_outweighs_an_intent_left_unconfirmed() -> None:
+    # A later request with the key (e.g. after Stripe forgot it) charged.
+    now = int(time.time())
+    stalled = intent("requires_confirmation", LONG_AGO)
+    made = intent("succeeded", now, latest_charge="ch_made")
+    found = await intents_gateway(made, stalled).find(INTENT_CLAIM)
+    assert isinstance(found, ChargeResult) and found.charge_id == "ch_made"
