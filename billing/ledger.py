@@ -92,7 +92,9 @@ async def preview_lines(conn: asyncpg.Connection, period: str) -> list[PreviewLi
     rows = await conn.fetch(
         f"""
         SELECT c.customer_id, coalesce(r.amount_cents, c.amount_cents) AS amount_cents,
-               coalesce(r.currency, c.currency) AS currency, r.status, {_OPEN} AS open
+               coalesce(r.currency, c.currency) AS currency, r.status, {_OPEN} AS open,
+               CASE WHEN r.status IS NULL THEN c.payment_method
+                    ELSE r.payment_method END IS NOT NULL AS has_payment_method
         {_DUE} ORDER BY c.customer_id
         """,
         period,

@@ -279,6 +279,9 @@ class PreviewLine(Record):
     status: LedgerStatus | None
     # What a run started now would charge (see ledger._OPEN).
     open: bool
+    # False for a row imported before a payment method was required: its charge would name
+    # none, and Stripe would take the customer's legacy default source, or refuse.
+    has_payment_method: bool
 
 
 class Preview(Record):
@@ -294,3 +297,8 @@ class Preview(Record):
     cap_cents: int
     totals_by_currency: dict[str, int] = Field(default_factory=dict)
     caps_by_currency: dict[str, int] = Field(default_factory=dict)
+
+    @property
+    def without_payment_method(self) -> list[str]:
+        """Customers a run would charge naming no payment method."""
+        return [line.customer_id for line in self.to_charge if not line.has_payment_method]

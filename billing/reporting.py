@@ -43,6 +43,13 @@ def describe_preview(preview: Preview, shown: int = 20) -> str:
     ]
     if len(preview.to_charge) > shown:
         lines.append(f"    ... and {len(preview.to_charge) - shown} more (--json lists all)")
+    if missing := preview.without_payment_method:
+        lines.append(
+            f"  warning: {len(missing)} of them have no payment method, so Stripe would charge"
+            " their legacy default source or refuse; import them again with payment_method: "
+            + ", ".join(missing[:shown])
+            + (f" and {len(missing) - shown} more" if len(missing) > shown else "")
+        )
     lines.append(f"  already billed: {len(preview.already_billed)}")
     lines.append(f"  not billable this period (failed or skipped): {len(preview.not_billable)}")
     return "\n".join(lines)

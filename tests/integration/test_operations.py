@@ -32,6 +32,7 @@ from billing.models import (
 )
 from billing.periods import Period, period_for
 from billing.preview import preview_period
+from billing.reporting import describe_preview
 from billing.runs import period_status, start_period
 from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
@@ -396,6 +397,36 @@ async def test_preview_matches_what_the_run_charges(harness: Harness) -> None:
     assert summary.total_charged_cents == preview.expected_total_cents - customers[3].amount_cents
     after = await preview_period(harness.pool, str(PERIOD), 1.10)
     assert (len(after.to_charge), len(after.already_billed), len(after.not_billable)) == (0, 14, 1)
+
+
+async def test_preview_names_customers_a_run_would_charge_with_no_payment_method(
+    harness: Harness,
+) -> None:
+    # Rows imported before the import required a payment method; one of them already claimed,
+    # then imported again with one: its claim still names none.
+    customers = await harness.seed(3)
+    async with harness.pool.acquire() as conn:
+        await conn.execute(
+            "UPDATE customers SET payment_method = NULL WHERE customer_id = ANY($1::text[])",
+            [customers[0].customer_id, customers[1].customer_id],
+        )
+        await ledger.claim(
+            conn,
+            customers[1].customer_id,
+            str(PERIOD),
+            idempotency_key(
+                harness.settings.billing_key_namespace, customers[1].customer_id, PERIOD
+            ),
+            charge_api=harness.settings.billing_charge_api,
+        )
+        await conn.execute(
+            "UPDATE customers SET payment_method = 'pm_reimported' WHERE customer_id = $1",
+            customers[1].customer_id,
+        )
+    preview = await preview_period(harness.pool, str(PERIOD), 1.10)
+    missing = [customers[0].customer_id, customers[1].customer_id]
+    assert preview.without_payment_method == missing
+    assert "warning: 2 of them have no payment method" in describe_preview(preview)
 
 
 async def test_search_attributes_answer_what_the_web_ui_filters(harness: Harness) -> None:

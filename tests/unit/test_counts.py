@@ -78,22 +78,46 @@ def test_each_currency_has_its_own_cap() -> None:
     }
 
 
-def test_a_preview_shows_each_currencys_total_and_cap() -> None:
-    lines = [
-        PreviewLine(customer_id="a", amount_cents=1_999, currency="usd", status=None, open=True),
-        PreviewLine(customer_id="b", amount_cents=1_700, currency="jpy", status=None, open=True),
-    ]
-    preview = Preview(
+def preview_of(*lines: PreviewLine) -> Preview:
+    totals: dict[str, int] = {}
+    for line in lines:
+        totals[line.currency] = totals.get(line.currency, 0) + line.amount_cents
+    total = sum(totals.values())
+    return Preview(
         period="2026-12",
-        to_charge=lines,
+        to_charge=list(lines),
         already_billed=[],
         not_billable=[],
-        expected_total_cents=3_699,
-        cap_cents=spend_cap(3_699, 1.10),
-        totals_by_currency={"usd": 1_999, "jpy": 1_700},
-        caps_by_currency=spend_caps({"usd": 1_999, "jpy": 1_700}, 1.10),
+        expected_total_cents=total,
+        cap_cents=spend_cap(total, 1.10),
+        totals_by_currency=totals,
+        caps_by_currency=spend_caps(totals, 1.10),
     )
-    text = describe_preview(preview)
+
+
+def line(customer_id: str, amount_cents: int, currency: str, *, method: bool = True) -> PreviewLine:
+    return PreviewLine(
+        customer_id=customer_id,
+        amount_cents=amount_cents,
+        currency=currency,
+        status=None,
+        open=True,
+        has_payment_method=method,
+    )
+
+
+def test_a_preview_shows_each_currencys_total_and_cap() -> None:
+    text = describe_preview(preview_of(line("a", 1_999, "usd"), line("b", 1_700, "jpy")))
     assert "would charge 2 customers jpy 1,700, usd 1,999;" in text
     assert "capped at jpy 1,870, usd 2,199 (in each currency's smallest unit)" in text
     assert "3,699" not in text and "3699" not in text
+    assert "warning" not in text
+
+
+def test_a_preview_warns_of_customers_with_no_payment_method() -> None:
+    lines = [line(f"c{i}", 100, "usd", method=i % 2 == 0) for i in range(50)]
+    preview = preview_of(*lines)
+    assert preview.without_payment_method == [f"c{i}" for i in range(1, 50, 2)]
+    text = describe_preview(preview, shown=3)
+    assert "warning: 25 of them have no payment method" in text
+    assert "import them again with payment_method: c1, c3, c5 and 22 more" in text
