@@ -41,6 +41,7 @@ from billing.reconciliation import (
     StripeCharge,
     classify,
     left_alone_because,
+    left_unknown_because,
     release_wait,
 )
 from billing.sealing import UnsealError
@@ -330,6 +331,8 @@ class ReconcileActivities:
             if isinstance(found, ChargeResult):
                 outcome, amount, wait = "succeeded", found.amount_cents, None
             else:
+                if reason := left_unknown_because(found):
+                    return unknown.model_copy(update={"detail": reason})
                 outcome, amount = "failed", None
                 wait = release_wait(found, reservation.upstream_status)
             info = await admin.resolve(

@@ -9,20 +9,22 @@ from typing import Any
 import stripe
 
 from billing.models import ChargeApi, ChargeFailure, ChargeResult, Claim
-from billing.reconciliation import StripeCharge
+from billing.reconciliation import INCOMPLETE_INTENT, StripeCharge
 from billing.redact import redact
 
 # Customers rarely hold more than a few charges a period; pages this size find ours at once.
 _LOOKUP_PAGE = 100
 _CLOCK_SKEW_SECONDS = 3600
 FAILED_INTENT_STATUSES = frozenset({"requires_payment_method", "canceled"})
-# Our one request creates and confirms a PaymentIntent off-session, so these waits for a next
-# step (a confirm, a customer's action) are passed within it. Found on an intent this old,
-# Stripe left it there after answering that request with an error, and nothing moves it on:
-# the claim fails, where it would otherwise wait on it for ever. Younger, Stripe may still
-# roll the request forward.
-STALLED_INTENT_STATUSES = frozenset({"requires_confirmation", "requires_action"})
-STALLED_AFTER_SECONDS = 3600
+# Our one request creates and confirms a PaymentIntent, so it never waits for a confirm. One
+# found so, two hours after it was made (one past the clock skew allowed), was left there by
+# Stripe after answering that request with an error: the claim fails, where it would
+# otherwise wait on it for ever. Stripe may yet roll the request forward, so the failure says
+# to cancel the intent, and its vault reservation stays counted until then
+# (billing.reconciliation.left_unknown_because). (`requires_action` is not here: off-session,
+# it waits on the customer, e.g. a bank account's microdeposits, and may still debit.)
+STALLED_INTENT_STATUS = "requires_confirmation"
+STALLED_AFTER_SECONDS = 3600 + _CLOCK_SKEW_SECONDS
 
 
 def charge_params(claim: Claim, api: ChargeApi) -> dict[str, Any]:
@@ -100,9 +102,10 @@ class StripeGateway:
             latest = intents[0]
             if _stalled(latest):
                 return ChargeFailure(
-                    code="payment_intent_incomplete",
+                    code=INCOMPLETE_INTENT,
                     message=f"Stripe left payment intent {latest.id} in {latest.status} after"
-                    " an error and charged nothing; cancel it on Stripe, and bill the customer"
+                    " answering its request with an error, and may still complete it: cancel"
+                    " it on Stripe (a cancelled intent charges nothing), then bill the customer"
                     " there if this period is still due",
                     payment_intent_id=latest.id,
                 )
@@ -185,7 +188,7 @@ class StripeGateway:
 
 def _stalled(intent: stripe.PaymentIntent) -> bool:
     return (
-        intent.status in STALLED_INTENT_STATUSES
+        intent.status == STALLED_INTENT_STATUS
         and time.time() - intent.created >= STALLED_AFTER_SECONDS
     )
 

@@ -24,6 +24,9 @@ RELEASE_AFTER = timedelta(minutes=10)
 # What the vault records when Stripe itself answered an attempt with an error: the request ran
 # and ended, whatever it did.
 STRIPE_ERROR_ANSWER = 500
+# The failure of a PaymentIntent Stripe left unconfirmed after an error
+# (activities/stripe_gateway.py): not final until a person cancels it.
+INCOMPLETE_INTENT = "payment_intent_incomplete"
 
 
 class ReconcileInput(Record):
@@ -152,6 +155,15 @@ def release_wait(found: ChargeFailure | None, upstream_status: int | None) -> ti
     if isinstance(found, ChargeFailure) and upstream_status == STRIPE_ERROR_ANSWER:
         return None
     return RELEASE_AFTER
+
+
+def left_unknown_because(found: ChargeFailure | None) -> str | None:
+    """Why an unknown reservation must stay counted whatever its age, or None: its intent was
+    left unconfirmed and Stripe may still complete it. Once a person cancels it, the failure
+    found is final and the reservation is released."""
+    if isinstance(found, ChargeFailure) and found.code == INCOMPLETE_INTENT:
+        return found.message
+    return None
 
 
 def left_alone_because(

@@ -43,16 +43,27 @@ def describe_preview(preview: Preview, shown: int = 20) -> str:
     ]
     if len(preview.to_charge) > shown:
         lines.append(f"    ... and {len(preview.to_charge) - shown} more (--json lists all)")
-    if missing := preview.without_payment_method:
+    missing = [x for x in preview.to_charge if not x.has_payment_method]
+    if unclaimed := [x.customer_id for x in missing if x.status is None]:
         lines.append(
-            f"  warning: {len(missing)} of them have no payment method, so Stripe would charge"
-            " their legacy default source or refuse; import them again with payment_method: "
-            + ", ".join(missing[:shown])
-            + (f" and {len(missing) - shown} more" if len(missing) > shown else "")
+            f"  warning: {len(unclaimed)} of them have no payment method, so Stripe would charge"
+            " their legacy default source or refuse; import them again with payment_method"
+            f" before the run: {_some(unclaimed, shown)}"
+        )
+    if claimed := [x.customer_id for x in missing if x.status is not None]:
+        lines.append(
+            f"  warning: {len(claimed)} of them were claimed with no payment method, which no"
+            " import changes now, so Stripe would charge their legacy default source or"
+            f" refuse; skip them if that is wrong: {_some(claimed, shown)}"
         )
     lines.append(f"  already billed: {len(preview.already_billed)}")
     lines.append(f"  not billable this period (failed or skipped): {len(preview.not_billable)}")
     return "\n".join(lines)
+
+
+def _some(customer_ids: list[str], shown: int) -> str:
+    more = len(customer_ids) - shown
+    return ", ".join(customer_ids[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 def describe_reconciliation(report: ReconcileReport) -> str:

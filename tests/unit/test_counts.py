@@ -5,7 +5,14 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from billing.models import Counts, CustomerOutcome, PeriodSummary, Preview, PreviewLine
+from billing.models import (
+    Counts,
+    CustomerOutcome,
+    LedgerStatus,
+    PeriodSummary,
+    Preview,
+    PreviewLine,
+)
 from billing.money import describe_amounts, spend_cap, spend_caps
 from billing.reporting import describe, describe_preview
 
@@ -95,12 +102,19 @@ def preview_of(*lines: PreviewLine) -> Preview:
     )
 
 
-def line(customer_id: str, amount_cents: int, currency: str, *, method: bool = True) -> PreviewLine:
+def line(
+    customer_id: str,
+    amount_cents: int,
+    currency: str,
+    *,
+    method: bool = True,
+    status: LedgerStatus | None = None,
+) -> PreviewLine:
     return PreviewLine(
         customer_id=customer_id,
         amount_cents=amount_cents,
         currency=currency,
-        status=None,
+        status=status,
         open=True,
         has_payment_method=method,
     )
@@ -120,4 +134,14 @@ def test_a_preview_warns_of_customers_with_no_payment_method() -> None:
     assert preview.without_payment_method == [f"c{i}" for i in range(1, 50, 2)]
     text = describe_preview(preview, shown=3)
     assert "warning: 25 of them have no payment method" in text
-    assert "import them again with payment_method: c1, c3, c5 and 22 more" in text
+    assert "import them again with payment_method before the run: c1, c3, c5 and 22 more" in text
+    assert "claimed" not in text
+
+
+def test_a_preview_tells_claimed_customers_with_no_payment_method_apart() -> None:
+    # A claim keeps what it was claimed with: importing again changes nothing it sends.
+    preview = preview_of(line("a", 100, "usd", method=False, status="claimed"))
+    text = describe_preview(preview)
+    assert "1 of them were claimed with no payment method" in text
+    assert "skip them if that is wrong: a" in text
+    assert "import them again" not in text

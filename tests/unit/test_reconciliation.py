@@ -13,6 +13,7 @@ from billing.keys import reconcile_workflow_id
 from billing.models import ChargeFailure, Control, RunOptions, ScheduledBillingInput
 from billing.periods import Period
 from billing.reconciliation import (
+    INCOMPLETE_INTENT,
     RELEASE_AFTER,
     ChildState,
     ClaimResolution,
@@ -22,6 +23,7 @@ from billing.reconciliation import (
     StripeCharge,
     classify,
     left_alone_because,
+    left_unknown_because,
     release_wait,
 )
 from billing.reporting import describe_reconciliation
@@ -189,3 +191,14 @@ def test_a_release_waits_unless_stripe_answered_and_shows_a_failure(
     found: ChargeFailure | None, upstream_status: int | None
 ) -> None:
     assert release_wait(found, upstream_status) == RELEASE_AFTER
+
+
+def test_an_intent_left_unconfirmed_keeps_its_reservation_counted_until_cancelled() -> None:
+    # Stripe may still complete it: its cap room stays counted whatever the reservation's age,
+    # and the report says what a person must do. Cancelled, it is a failure like any other.
+    stalled = ChargeFailure(
+        code=INCOMPLETE_INTENT, message="cancel pi_1 on Stripe", payment_intent_id="pi_1"
+    )
+    assert left_unknown_because(stalled) == "cancel pi_1 on Stripe"
+    assert left_unknown_because(DECLINED) is None
+    assert left_unknown_because(None) is None
