@@ -299,6 +299,6 @@ class Preview(Record):
     caps_by_currency: dict[str, int] = Field(default_factory=dict)
 
     @property
-    def without_payment_method(self) -> list[str]:
-        """Customers a run would charge naming no payment method."""
-        return [line.customer_id for line in self.to_charge if not line.has_payment_method]
+    def without_payment_method(self) -> list[PreviewLine]:
+        """Those a run would charge naming no payment method."""
+        return [line for line in self.to_charge if not line.has_payment_method]

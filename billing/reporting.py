@@ -43,7 +43,7 @@ def describe_preview(preview: Preview, shown: int = 20) -> str:
     ]
     if len(preview.to_charge) > shown:
         lines.append(f"    ... and {len(preview.to_charge) - shown} more (--json lists all)")
-    missing = [x for x in preview.to_charge if not x.has_payment_method]
+    missing = preview.without_payment_method
     if unclaimed := [x.customer_id for x in missing if x.status is None]:
         lines.append(
             f"  warning: {len(unclaimed)} of them have no payment method, so Stripe would charge"

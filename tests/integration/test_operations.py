@@ -425,7 +425,7 @@ async def test_preview_names_customers_a_run_would_charge_with_no_payment_method
         )
     preview = await preview_period(harness.pool, str(PERIOD), 1.10)
     missing = [customers[0].customer_id, customers[1].customer_id]
-    assert preview.without_payment_method == missing
+    assert [x.customer_id for x in preview.without_payment_method] == missing
     text = describe_preview(preview)
     assert "1 of them have no payment method" in text and customers[0].customer_id in text
     assert "1 of them were claimed with no payment method" in text
