@@ -124,6 +124,15 @@ def _parse_rows(reader: csv.DictReader[str], source: str) -> list[CustomerRow]:
             f"{source}: header must name the columns {', '.join(CSV_COLUMNS)};"
             f" missing {', '.join(missing)}{hint if separator else ''}"
         )
+    # A column this import does not know (e.g. "active") would be dropped without a word,
+    # while the operator counts on it.
+    unknown = [repr(n) if n else "an unnamed column" for n in header if n not in CSV_COLUMNS]
+    if unknown:
+        raise CustomerImportError(
+            f"{source}: header names {', '.join(unknown)}, which the import does not read: it"
+            f" takes only {', '.join(CSV_COLUMNS)} (and makes each customer active); remove"
+            " the other columns"
+        )
     rows: list[CustomerRow] = []
     seen: dict[str, int] = {}
     for fields in reader:

@@ -62,6 +62,21 @@ def test_a_column_named_twice_is_refused() -> None:
         parse_customers_csv([header, "c-1,cus_A,1500,pm_1,usd,99\n"])
 
 
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        # "active" is not read: the import makes every customer it names active, so a row
+        # meant to stay inactive would be charged by the next run.
+        ("active", "'active'"),
+        ("", "an unnamed column"),  # a trailing comma, whatever the column holds
+    ],
+)
+def test_a_column_the_import_does_not_read_is_refused(extra: str, named: str) -> None:
+    header = HEADER.strip() + f",{extra}\n"
+    with pytest.raises(CustomerImportError, match=f"header names {named}, which the import"):
+        parse_customers_csv([header, "c-1,cus_A,pm_1,1500,usd,false\n"])
+
+
 GOOD_ROW = "c-{i},cus_A{i},pm_{i},{amount},usd\n"
 BAD_ROWS = [
     ("x'; DROP TABLE customers;--,cus_A,pm_1,100,usd\n", "customer_id"),
