@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import os
 
+from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.envconfig import ClientConfigProfile, ClientConnectConfig
 from temporalio.runtime import Runtime
+from temporalio.service import RPCError, RPCStatusCode
 
 from billing.config import TemporalSettings
 from billing.errors import ConfigurationError, ServiceUnavailableError
@@ -55,7 +57,7 @@ async def connect(settings: TemporalSettings, runtime: Runtime | None = None) ->
     config = connect_config(settings)
     address = config["target_host"]
     try:
-        return await Client.connect(
+        client = await Client.connect(
             data_converter=pydantic_data_converter, runtime=runtime, **config
         )
     except RuntimeError as exc:
@@ -63,3 +65,23 @@ async def connect(settings: TemporalSettings, runtime: Runtime | None = None) ->
             f"cannot reach Temporal at {address} (TEMPORAL_ADDRESS): {exc};"
             " for the local stack run `python -m devstack up`"
         ) from None
+    await _check_namespace(client, address)
+    return client
+
+
+async def _check_namespace(client: Client, address: str) -> None:
+    """In a namespace that does not exist every workflow reads as never started, so a status
+    would say a billed period never ran, and a cancel that there is no run to cancel."""
+    try:
+        await client.workflow_service.describe_namespace(
+            DescribeNamespaceRequest(namespace=client.namespace)
+        )
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            raise ConfigurationError(
+                f"Temporal at {address} has no namespace {client.namespace!r}"
+                " (TEMPORAL_NAMESPACE, or the profile's namespace): check its name"
+            ) from None
+        if exc.status != RPCStatusCode.PERMISSION_DENIED:
+            raise
+        # A key scoped to its namespace may not describe it; its own calls say what is wrong.

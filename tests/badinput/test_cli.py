@@ -344,6 +344,22 @@ async def test_unknown_names_on_the_real_stack_are_clear_errors_and_start_nothin
     assert await db.fetchval("SELECT count(*) FROM billing_runs") == 0
 
 
+async def test_a_namespace_that_does_not_exist_is_named_not_read_as_no_run(
+    temporal_client: Client,
+) -> None:
+    # Every workflow of a missing namespace reads as never started: a status said a billed
+    # period never ran, and a cancel that nothing was running.
+    env = {
+        "TEMPORAL_ADDRESS": temporal_client.service_client.config.target_host,
+        "TEMPORAL_NAMESPACE": "prod-typo",
+    }
+    for argv in (["status", "2026-12"], ["cancel", "2026-12", "--reason", "r"]):
+        result = await run_cli("starter.py", *argv, env=env)
+        assert (result.code, result.stdout) == (2, ""), result
+        assert "has no namespace 'prod-typo' (TEMPORAL_NAMESPACE" in result.stderr
+        assert "Traceback" not in result.stderr
+
+
 def test_an_operator_without_a_login_name_is_asked_for_one(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_login() -> str:
         raise OSError("No username set in the environment")
