@@ -117,6 +117,14 @@ async def cmd_run(args: argparse.Namespace) -> int:
             " finishing the charges it had sent: nothing new was started. Run it again once"
             f" it has ended (`python starter.py status {args.period}`)"
         )
+    if progress.state == "paused":
+        # Joined a paused run: it charges nothing until resumed, and --wait waits for that.
+        print(
+            f"warning: the run of {args.period} is paused by {progress.operator}"
+            f" ({progress.reason}): nothing is charged until"
+            f" `python starter.py resume {args.period} --reason ...`",
+            file=sys.stderr,
+        )
     if not args.wait:
         _emit(
             progress,

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import asyncio
+from datetime import timedelta
+from typing import Literal, TypeVar
 
-from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.client import (
+    Client,
+    WorkflowHandle,
+    WorkflowUpdateFailedError,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
+    WorkflowUpdateStage,
+)
 from temporalio.exceptions import ActivityError
 from temporalio.service import RPCError, RPCStatusCode
+from temporalio.workflow import UpdateMethodMultiParam
 
 from billing import ledger
 from billing.config import BillingSettings
 from billing.db import create_pool
-from billing.errors import BillingError
+from billing.errors import BillingError, NoWorkerError
 from billing.keys import idempotency_key, period_workflow_id
 from billing.models import OperatorRequest, PeriodProgress, SkipRequest, SkipResult
 from billing.periods import Period
@@ -19,6 +28,11 @@ from workflows.billing_period import BillingPeriodWorkflow
 
 Action = Literal["pause", "resume", "cancel"]
 _NOT_RUNNING = (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION)
+# How long a worker has to take up an operator's request. Once taken up it runs to its end
+# (its ledger write may retry through an outage); until then no worker may be there at all.
+ACCEPT_TIMEOUT = timedelta(seconds=15)
+Request = TypeVar("Request")
+Answer = TypeVar("Answer")
 
 
 class OperatorRefusedError(BillingError):
@@ -47,13 +61,35 @@ async def control(
         "cancel": BillingPeriodWorkflow.cancel,
     }[action]
     try:
-        return await handle.execute_update(update, request)
+        return await _update(handle, update, request, f"the {action} of {period}")
     except WorkflowUpdateFailedError as exc:
         raise _refused(exc) from None
     except RPCError as exc:
         if exc.status in _NOT_RUNNING:
             raise NotRunningError(f"no run of {period} is running to {action}") from None
         raise
+
+
+async def _update(
+    handle: WorkflowHandle[BillingPeriodWorkflow, object],
+    update: UpdateMethodMultiParam[[BillingPeriodWorkflow, Request], Answer],
+    request: Request,
+    what: str,
+) -> Answer:
+    """Run an update, waiting at most ACCEPT_TIMEOUT for a worker to take it up: with no
+    worker polling, the call would otherwise wait for ever, saying nothing."""
+    try:
+        async with asyncio.timeout(ACCEPT_TIMEOUT.total_seconds()):
+            started = await handle.start_update(
+                update, request, wait_for_stage=WorkflowUpdateStage.ACCEPTED
+            )
+    except (WorkflowUpdateRPCTimeoutOrCancelledError, TimeoutError):
+        raise NoWorkerError(
+            f"no worker took up {what} within {ACCEPT_TIMEOUT.total_seconds():.0f} s: is a"
+            " worker polling the period's task queue? Temporal holds the request until one"
+            " does, so it may still take effect: check with `python starter.py status`"
+        ) from None
+    return await started.result()
 
 
 async def skip(
@@ -66,7 +102,12 @@ async def skip(
     """Skip through the running period, or, when none runs, mark it for the next run."""
     handle = client.get_workflow_handle_for(BillingPeriodWorkflow.run, period_workflow_id(period))
     try:
-        return await handle.execute_update(BillingPeriodWorkflow.skip, request)
+        return await _update(
+            handle,
+            BillingPeriodWorkflow.skip,
+            request,
+            f"the skip of {request.customer_id} in {period}",
+        )
     except WorkflowUpdateFailedError as exc:
         raise _refused(exc) from None
     except RPCError as exc:

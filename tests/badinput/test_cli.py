@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import asyncpg
@@ -23,11 +24,14 @@ import pytest
 from temporalio.client import Client
 
 import starter
-from billing import ledger
+from billing import ledger, operations
+from billing.config import BillingSettings
 from billing.db import where
-from billing.errors import InvalidInputError
+from billing.errors import InvalidInputError, NoWorkerError
 from billing.keys import idempotency_key
+from billing.models import OperatorRequest, SkipRequest
 from billing.periods import Period
+from billing.runs import start_period
 from devstack.postgres import LocalPostgres
 from tests.conftest import free_port
 
@@ -358,6 +362,24 @@ async def test_a_namespace_that_does_not_exist_is_named_not_read_as_no_run(
         assert (result.code, result.stdout) == (2, ""), result
         assert "has no namespace 'prod-typo' (TEMPORAL_NAMESPACE" in result.stderr
         assert "Traceback" not in result.stderr
+
+
+async def test_an_operator_request_no_worker_takes_up_is_an_error_not_a_hang(
+    temporal_client: Client, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A run open on a task queue no worker polls: pause, resume, cancel and skip waited for
+    # ever, printing nothing.
+    monkeypatch.setattr(operations, "ACCEPT_TIMEOUT", timedelta(seconds=1))
+    period = Period(2026, 12)
+    handle = await start_period(temporal_client, period, "nobody-polls-this")
+    request = OperatorRequest(reason="wrong prices", operator="ops")
+    for action in ("pause", "cancel"):
+        with pytest.raises(NoWorkerError, match=f"no worker took up the {action} of 2026-12"):
+            await operations.control(temporal_client, period, action, request)
+    skip = SkipRequest(customer_id="c-1", reason="r", operator="ops")
+    with pytest.raises(NoWorkerError, match="no worker took up the skip of c-1 in 2026-12"):
+        await operations.skip(temporal_client, BillingSettings(), database_url, period, skip)
+    await handle.terminate("test over")
 
 
 def test_an_operator_without_a_login_name_is_asked_for_one(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -70,6 +70,10 @@ async def test_pause_stops_new_charges_and_resume_completes(harness: Harness) ->
         assert await harness.money_requests() == settled, "Stripe was called while paused"
         assert (await period_status(harness.client, PERIOD)).state == "paused"
         assert settled < 40
+        # Starting it again joins the paused run, and says so rather than "running".
+        code, _, stderr = await harness.starter("run", str(PERIOD))
+        assert code == 0
+        assert f"the run of {PERIOD} is paused by alice (amounts look wrong)" in stderr
         resumed_at = await db_now(harness)
         await operations.control(
             harness.client, PERIOD, "resume", OperatorRequest(reason="checked", operator="bob")
