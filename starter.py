@@ -560,6 +560,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    except asyncpg.PostgresError as exc:
+        # E.g. a read-only or unprivileged DATABASE_URL; PostgreSQL's message names no secret.
+        print(f"error: PostgreSQL refused: {exc} ({type(exc).__name__})", file=sys.stderr)
+        return 2
     except ValidationError as exc:
         for error in exc.errors():
             field = ".".join(str(part) for part in error["loc"])

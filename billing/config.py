@@ -65,13 +65,15 @@ class BillingSettings(BaseSettings):
     stripe_api_key: SecretStr = SecretStr("sk_test_local_emulator")
     billing_charge_api: ChargeApi = "payment_intents"
     billing_key_namespace: str = Field(default="billing", min_length=1)
-    billing_stripe_timeout_seconds: float = Field(default=30.0, gt=0)
+    billing_stripe_timeout_seconds: float = Field(default=30.0, gt=0, allow_inf_nan=False)
     # The period's vault key is capped at the expected total times this.
     billing_cap_multiplier: float = Field(default=1.10, ge=1.0, le=10.0)
     # Claims older than this are looked up on Stripe before a new request: Stripe keeps
     # idempotency keys for 24 hours, so a later replay would execute as a new charge. At most
     # 23 hours, an hour for clocks that disagree (the vault refuses replays from then on too).
-    billing_lookup_after_seconds: float = Field(default=LOOKUP_AFTER_MAX_SECONDS, gt=0)
+    billing_lookup_after_seconds: float = Field(
+        default=LOOKUP_AFTER_MAX_SECONDS, gt=0, allow_inf_nan=False
+    )
     # With a vault, workers charge through it with per-period keys and never hold the Stripe
     # secret (STRIPE_API_KEY is then unused); the worker token lets them issue those keys
     # within the vault's worker budget. The admin token still works in its place, for
@@ -86,8 +88,8 @@ class BillingSettings(BaseSettings):
     billing_key_encryption_keys: SecretStr | None = None
     # Stripe requests per second for all workers together, so the cluster stays under
     # Stripe's rate (100/s live, 25/s test): charges take slots in the ledger database
-    # (billing/rate_limit.py). Unset means no limit.
-    billing_stripe_rps: float | None = Field(default=None, gt=0)
+    # (billing/rate_limit.py). Unset means no limit; under one request a minute is a typo.
+    billing_stripe_rps: float | None = Field(default=None, ge=1 / 60, allow_inf_nan=False)
 
     @field_validator("billing_lookup_after_seconds")
     @classmethod

@@ -64,6 +64,8 @@ async def connect(dsn: str) -> asyncpg.Connection:
         raise _unavailable(dsn, exc) from None
     except ValueError:  # asyncpg's parser
         raise malformed_url("DATABASE_URL") from None
+    except OverflowError as exc:  # a port past 65535: the socket's words quote no secret
+        raise ConfigurationError(f"DATABASE_URL: {exc}") from None
 
 
 async def create_pool(dsn: str, *, max_size: int = 20) -> asyncpg.Pool:
@@ -75,6 +77,8 @@ async def create_pool(dsn: str, *, max_size: int = 20) -> asyncpg.Pool:
         raise _unavailable(dsn, exc) from None
     except ValueError:  # asyncpg's parser
         raise malformed_url("DATABASE_URL") from None
+    except OverflowError as exc:  # a port past 65535: the socket's words quote no secret
+        raise ConfigurationError(f"DATABASE_URL: {exc}") from None
     assert pool is not None
     return pool
 

@@ -161,7 +161,10 @@ def test_bad_arguments_are_refused_before_anything_is_contacted(
         ({"BILLING_CAP_MULTIPLIER": "0.5"}, "BILLING_CAP_MULTIPLIER: Input should be greater"),
         # Past Stripe's key window a retry without a lookup first would charge again.
         ({"BILLING_LOOKUP_AFTER_SECONDS": "90000"}, "could be charged a second time"),
-        ({"BILLING_LOOKUP_AFTER_SECONDS": "inf"}, "at most 82800 (23 hours)"),
+        ({"BILLING_LOOKUP_AFTER_SECONDS": "inf"}, "should be a finite number"),
+        ({"BILLING_STRIPE_TIMEOUT_SECONDS": "inf"}, "should be a finite number"),
+        # A rate so low its first slot overflowed the rate limiter's arithmetic.
+        ({"BILLING_STRIPE_RPS": "1e-300"}, "BILLING_STRIPE_RPS: Input should be greater than"),
         ({"LOG_LEVEL": "LOUD"}, "LOG_LEVEL: Input should be"),
     ],
 )
@@ -304,6 +307,37 @@ async def test_a_database_never_migrated_is_named_with_what_to_do(
     assert (result.code, result.stdout) == (2, ""), result
     assert "python starter.py migrate" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+async def test_a_database_or_address_refused_is_one_line_not_a_traceback(
+    db: asyncpg.Pool, database_url: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "customers.csv"
+    path.write_text(_csv("c-1,cus_A,pm_1,100,usd\n"))
+    cases = [
+        # A read-only database (a replica's URL, say): PostgreSQL refuses the write.
+        (
+            ["customers", "import", str(path)],
+            {"DATABASE_URL": database_url + "?default_transaction_read_only=on"},
+            "PostgreSQL refused: cannot execute INSERT in a read-only transaction",
+        ),
+        (
+            ["preview", "2026-12"],
+            {"DATABASE_URL": "postgresql://postgres@127.0.0.1:99999/billing"},
+            "DATABASE_URL: connect(): port must be 0-65535",
+        ),
+        (
+            ["status", "2026-12"],
+            {"TEMPORAL_ADDRESS": "127.0.0.1:99999"},
+            "TEMPORAL_ADDRESS '127.0.0.1:99999': ",
+        ),
+    ]
+    for argv, env, expected in cases:
+        result = await run_cli("starter.py", *argv, env=env)
+        assert (result.code, result.stdout) == (2, ""), result
+        assert expected in result.stderr
+        assert "Traceback" not in result.stderr
+    assert await db.fetchval("SELECT count(*) FROM customers") == 0
 
 
 async def test_a_bad_import_leaves_the_customers_as_they_were(
