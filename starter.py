@@ -183,7 +183,8 @@ async def cmd_skip(args: argparse.Namespace) -> int:
         request,
     )
     _emit(result, args.json, f"{result.customer_id}: {result.detail}")
-    return 0 if result.skipped else 1
+    # Refused (its charge was sent, or it ended otherwise): 1 is reconciliation's findings.
+    return 0 if result.skipped else 2
 
 
 async def cmd_watch(args: argparse.Namespace) -> int:

@@ -428,6 +428,9 @@ async def request_skip(
     )
     if current is None:
         raise UnknownCustomerError(f"customer {customer_id!r} is not in the ledger")
+    if current["status"] == "skipped":
+        # Asked again: what was asked for holds.
+        return SkipResult(customer_id=customer_id, skipped=True, detail="already skipped")
     detail = (
         f"already {current['status']}"
         if current["status"] != "claimed"

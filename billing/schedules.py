@@ -37,8 +37,16 @@ DEFAULT_SCHEDULE_ID = "billing-monthly"
 RECONCILE_SCHEDULE_ID = "billing-reconcile-daily"
 
 
+# Names the tz database holds that stand for no place: "localtime" is whatever zone the host
+# reading it runs in (the CLI's, the server's and the worker's may differ), and a launch near
+# midnight on the 1st would bill another month on another host.
+_NO_PLACE = frozenset({"localtime", "posixrules", "Factory"})
+
+
 def validate_time_zone(name: str) -> str:
     try:
+        if name in _NO_PLACE:
+            raise ValueError(name)
         ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError):
         raise InvalidInputError(

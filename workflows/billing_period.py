@@ -202,13 +202,17 @@ class BillingPeriodWorkflow:
 
     @skip.validator
     def _validate_skip(self, request: SkipRequest) -> None:
-        self._refuse_if_over("skip a customer of")
+        self._refuse_if_over("skip a customer of", "skip it again: the skip is kept for the next")
         validate_customer_id(request.customer_id)
 
-    def _refuse_if_over(self, action: str) -> None:
+    def _refuse_if_over(self, action: str, then: str = "start a new") -> None:
         if self._control.control == "cancelled":
+            # Still finishing the charges it sent: a new run is refused until it ends.
             by = self._control.operator
-            raise ApplicationError(f"cannot {action} a run cancelled by {by}: start a new run")
+            raise ApplicationError(
+                f"cannot {action} a run cancelled by {by}: once it has ended"
+                f" (`python starter.py status`), {then} run"
+            )
         if self._finished:
             raise ApplicationError(f"cannot {action} a run that has finished")
 

@@ -330,6 +330,10 @@ async def test_skip_before_and_during_a_run(harness: Harness) -> None:
         harness.client, harness.settings, harness.database_url, PERIOD, late
     )
     assert not refused.skipped and "charged" in refused.detail
+    again = await operations.skip(
+        harness.client, harness.settings, harness.database_url, PERIOD, skip
+    )
+    assert (again.skipped, again.detail) == (True, "already skipped")
     assert not [c for c in await harness.charges() if c["customer"] == first.stripe_customer_id]
 
 

@@ -37,6 +37,7 @@ from billing.money import (
     validate_currency,
 )
 from billing.periods import Period, parse_period, period_for, period_range
+from billing.schedules import validate_time_zone
 from billing.stripe_currencies import STRIPE_CURRENCIES
 
 
@@ -434,3 +435,15 @@ def test_a_redacted_reason_still_fits_its_limit() -> None:
         OperatorRequest(reason="x" * 495 + " vk_1", operator="alice")
     request = OperatorRequest(reason="x" * 480 + " vk_1", operator="alice")
     assert OperatorRequest.model_validate_json(request.model_dump_json()) == request
+
+
+@pytest.mark.parametrize("name", ["localtime", "posixrules", "Factory", "Mars/Olympus"])
+def test_a_schedule_zone_must_name_a_place(name: str) -> None:
+    # "localtime" is each host's own zone: the CLI's, the server's and the worker's may differ.
+    with pytest.raises(InvalidInputError, match=f"time zone '{name}' is not an IANA name"):
+        validate_time_zone(name)
+
+
+@pytest.mark.parametrize("name", ["UTC", "Europe/Berlin", "America/Argentina/Buenos_Aires"])
+def test_a_schedule_zone_naming_a_place_is_taken(name: str) -> None:
+    assert validate_time_zone(name) == name
