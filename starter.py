@@ -537,6 +537,11 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
+def _first_line(exc: Exception) -> str:
+    # asyncpg adds DETAIL and HINT lines (e.g. the failing row): the error is one line.
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     handler: Callable[[argparse.Namespace], Coroutine[Any, Any, int]] = args.handler
@@ -554,16 +559,23 @@ def main(argv: list[str] | None = None) -> int:
         # The run itself failed (exit 1 means reconciliation findings): its causes, in order.
         print(f"error: {failure_chain(exc)}", file=sys.stderr)
         return 3
-    except asyncpg.UndefinedTableError as exc:
+    except (
+        asyncpg.UndefinedTableError,
+        asyncpg.UndefinedColumnError,
+        asyncpg.UndefinedFunctionError,
+    ) as exc:
         print(
-            f"error: the database has no billing ledger ({exc}): apply the migrations with"
-            " 'python starter.py migrate' (a worker applies them too when it starts)",
+            f"error: the database lacks part of the billing ledger ({_first_line(exc)}): apply"
+            " the migrations with 'python starter.py migrate' (a worker applies them too when"
+            " it starts)",
             file=sys.stderr,
         )
         return 2
     except asyncpg.PostgresError as exc:
         # E.g. a read-only or unprivileged DATABASE_URL; PostgreSQL's message names no secret.
-        print(f"error: PostgreSQL refused: {exc} ({type(exc).__name__})", file=sys.stderr)
+        print(
+            f"error: PostgreSQL refused: {_first_line(exc)} ({type(exc).__name__})", file=sys.stderr
+        )
         return 2
     except ValidationError as exc:
         for error in exc.errors():

@@ -30,7 +30,8 @@ Action = Literal["pause", "resume", "cancel"]
 _NOT_RUNNING = (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION)
 # How long a worker has to take up an operator's request. Once taken up it runs to its end
 # (its ledger write may retry through an outage); until then no worker may be there at all.
-ACCEPT_TIMEOUT = timedelta(seconds=15)
+# Long enough for a busy worker that first replays a long history.
+ACCEPT_TIMEOUT = timedelta(seconds=30)
 Request = TypeVar("Request")
 Answer = TypeVar("Answer")
 
@@ -78,16 +79,20 @@ async def _update(
 ) -> Answer:
     """Run an update, waiting at most ACCEPT_TIMEOUT for a worker to take it up: with no
     worker polling, the call would otherwise wait for ever, saying nothing."""
+    deadline = asyncio.timeout(ACCEPT_TIMEOUT.total_seconds())
     try:
-        async with asyncio.timeout(ACCEPT_TIMEOUT.total_seconds()):
+        async with deadline:
             started = await handle.start_update(
                 update, request, wait_for_stage=WorkflowUpdateStage.ACCEPTED
             )
     except (WorkflowUpdateRPCTimeoutOrCancelledError, TimeoutError):
+        if not deadline.expired():
+            # The SDK reports a cancel from outside (Ctrl-C) in the same words.
+            raise asyncio.CancelledError from None
         raise NoWorkerError(
             f"no worker took up {what} within {ACCEPT_TIMEOUT.total_seconds():.0f} s: is a"
             " worker polling the period's task queue? Temporal holds the request until one"
-            " does, so it may still take effect: check with `python starter.py status`"
+            " does, so it may still take effect once a worker runs (the Web UI shows it)"
         ) from None
     return await started.result()
 

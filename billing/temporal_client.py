@@ -12,6 +12,7 @@ in their home directory must not point a billing worker at another server.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client
@@ -22,6 +23,8 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from billing.config import TemporalSettings
 from billing.errors import ConfigurationError, ServiceUnavailableError
+
+NAMESPACE_CHECK_TIMEOUT = timedelta(seconds=10)
 
 
 def connect_config(settings: TemporalSettings) -> ClientConnectConfig:
@@ -76,7 +79,9 @@ async def _check_namespace(client: Client, address: str) -> None:
     would say a billed period never ran, and a cancel that there is no run to cancel."""
     try:
         await client.workflow_service.describe_namespace(
-            DescribeNamespaceRequest(namespace=client.namespace)
+            DescribeNamespaceRequest(namespace=client.namespace),
+            retry=True,
+            timeout=NAMESPACE_CHECK_TIMEOUT,
         )
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:

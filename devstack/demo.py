@@ -30,7 +30,12 @@ async def _stack_reachable(config: StackConfig) -> bool:
     if not config.env_file.exists():
         return False
     try:
-        await connect(TemporalSettings(address=read_env(config.env_file)["TEMPORAL_ADDRESS"]))
+        env = read_env(config.env_file)
+        # The stack's own namespace, not one the shell may have set for another server.
+        stack = TemporalSettings(
+            address=env["TEMPORAL_ADDRESS"], namespace=env["TEMPORAL_NAMESPACE"]
+        )
+        await connect(stack)
     except (ServiceUnavailableError, KeyError):
         return False
     return True

@@ -182,6 +182,11 @@ class BillingPeriodWorkflow:
 
     @cancel.validator
     def _validate_cancel(self, request: OperatorRequest) -> None:
+        if self._control.control == "cancelled" and not self._finished:
+            raise ApplicationError(
+                f"the run is already cancelled, by {self._control.operator}, and is finishing"
+                " the charges it had sent"
+            )
         self._refuse_if_over("cancel")
 
     @workflow.update
@@ -211,7 +216,7 @@ class BillingPeriodWorkflow:
             by = self._control.operator
             raise ApplicationError(
                 f"cannot {action} a run cancelled by {by}: once it has ended"
-                f" (`python starter.py status`), {then} run"
+                f" (`python starter.py status {self._state.period}`), {then} run"
             )
         if self._finished:
             raise ApplicationError(f"cannot {action} a run that has finished")

@@ -32,7 +32,9 @@ from billing.keys import idempotency_key
 from billing.models import OperatorRequest, SkipRequest
 from billing.periods import Period
 from billing.runs import start_period
+from devstack import demo
 from devstack.postgres import LocalPostgres
+from devstack.stack import StackConfig
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -413,7 +415,27 @@ async def test_an_operator_request_no_worker_takes_up_is_an_error_not_a_hang(
     skip = SkipRequest(customer_id="c-1", reason="r", operator="ops")
     with pytest.raises(NoWorkerError, match="no worker took up the skip of c-1 in 2026-12"):
         await operations.skip(temporal_client, BillingSettings(), database_url, period, skip)
+    # A cancel from outside (Ctrl-C) before the deadline is that, not "no worker".
+    monkeypatch.setattr(operations, "ACCEPT_TIMEOUT", timedelta(seconds=30))
+    waiting = asyncio.create_task(operations.control(temporal_client, period, "pause", request))
+    await asyncio.sleep(0.5)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
     await handle.terminate("test over")
+
+
+async def test_the_demo_finds_its_stack_whatever_namespace_the_shell_names(
+    temporal_client: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = StackConfig(root=tmp_path)
+    address = temporal_client.service_client.config.target_host
+    namespace = temporal_client.namespace
+    config.env_file.write_text(
+        f"export TEMPORAL_ADDRESS={address}\nexport TEMPORAL_NAMESPACE={namespace}\n"
+    )
+    monkeypatch.setenv("TEMPORAL_NAMESPACE", "billing-staging")  # another server's
+    assert await demo._stack_reachable(config)
 
 
 def test_an_operator_without_a_login_name_is_asked_for_one(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -424,3 +446,19 @@ def test_an_operator_without_a_login_name_is_asked_for_one(monkeypatch: pytest.M
     monkeypatch.delenv("BILLING_OPERATOR", raising=False)
     with pytest.raises(InvalidInputError, match="pass --operator or set BILLING_OPERATOR"):
         starter._operator(argparse.Namespace(operator=None))
+
+
+@pytest.mark.parametrize("error", [asyncpg.UndefinedColumnError, asyncpg.UndefinedFunctionError])
+def test_a_database_an_older_release_migrated_is_told_to_migrate(
+    error: type[asyncpg.PostgresError],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    async def older_schema(_: argparse.Namespace) -> int:
+        raise error("column r.cancelled_before_start does not exist")
+
+    monkeypatch.setattr(starter, "cmd_preview", older_schema)
+    assert starter.main(["preview", "2026-12"]) == 2
+    stderr = capsys.readouterr().err
+    assert "cancelled_before_start does not exist" in stderr
+    assert "apply the migrations with 'python starter.py migrate'" in stderr
