@@ -187,10 +187,14 @@ class ReconcileActivities:
     ) -> tuple[ChargeResult | ChargeFailure | None, bool]:
         """The claim's charge on Stripe, looked up by the key in its metadata, and whether
         the period's key can still charge (see _reading)."""
+        return await self._read_for(claim, lambda g: g.find(claim), recheck=recheck)
+
+    async def _read_for(
+        self, claim: Claim, read: Callable[[StripeGateway], Awaitable[T]], *, recheck: bool = False
+    ) -> tuple[T, bool]:
+        """_reading for one claim, its errors as the workflow acts on them."""
         try:
-            return await self._reading(
-                claim.period, claim.currency, lambda g: g.find(claim), recheck=recheck
-            )
+            return await self._reading(claim.period, claim.currency, read, recheck=recheck)
         except period_keys.NoPeriodKeyError as exc:
             raise ApplicationError(str(exc), type=NO_PERIOD_KEY, non_retryable=True) from None
         except stripe.StripeError as exc:
@@ -231,7 +235,7 @@ class ReconcileActivities:
         found, can_charge = await self._find(claim, recheck=True)
         if found is None:
             if can_charge:
-                return None
+                return await self._charged_otherwise(claim)
             return ClaimResolution(
                 customer_id=claim.customer_id,
                 action="left",
@@ -274,6 +278,30 @@ class ReconcileActivities:
             charge_id=resolution.charge_id,
         )
         return resolution
+
+    async def _charged_otherwise(self, claim: Claim) -> ClaimResolution | None:
+        """Before the claim is charged again: None unless Stripe already holds a charge of
+        the period for the customer that its key's lookup did not find (made under another
+        key, e.g. an earlier BILLING_KEY_NAMESPACE or a script, or through the other API).
+        A second charge would bill the customer twice; which charge stands is a person's
+        call."""
+        charges, _ = await self._read_for(
+            claim, lambda g: g.period_charges(claim.stripe_customer_id, claim.period)
+        )
+        held = [c for c in charges if c.customer_id == claim.customer_id]
+        if not held:
+            return None
+        first = held[0]
+        keyed = "its own key" if first.billing_key == claim.idempotency_key else "another key"
+        return ClaimResolution(
+            customer_id=claim.customer_id,
+            action="left",
+            charge_id=first.charge_id,
+            detail=f"Stripe already holds charge {first.charge_id} of this period for this"
+            f" customer, made under {keyed} or through the other API: charging again would bill"
+            " it twice. Record that charge for the claim, or refund it and run the period"
+            " again, by hand",
+        )
 
     @activity.defn(name="reconcile_reservations")
     async def settle_reservations(

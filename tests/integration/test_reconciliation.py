@@ -120,6 +120,32 @@ async def plant(harness: Harness, claim: Claim, key: str) -> str:
     return intent.latest_charge
 
 
+@pytest.mark.parametrize("through", ["another key", "the other API"])
+async def test_a_claim_stripe_already_charged_otherwise_is_not_charged_again(
+    harness: Harness, through: str
+) -> None:
+    # The lost run's claim never reached Stripe, but its customer was charged for the period
+    # under another key (an earlier BILLING_KEY_NAMESPACE, a script with our metadata) or
+    # through the legacy Charges API: the key's lookup finds nothing, and a re-drive would
+    # bill the customer twice.
+    [customer] = await harness.seed(1)
+    claim = await stranded(harness, customer, at_stripe=False)
+    if through == "another key":
+        other = idempotency_key("old-namespace", customer.customer_id, PERIOD)
+        paid = await plant(harness, claim.model_copy(update={"idempotency_key": other}), other)
+    else:
+        made = await harness.stripe.v1.charges.create_async(
+            charge_params(claim, "charges"),  # type: ignore[arg-type]
+            {"idempotency_key": claim.idempotency_key + "-legacy"},
+        )
+        paid = made.id
+    report = await reconcile(harness)
+    assert await harness.succeeded() == 1
+    [left] = report.claims
+    assert (left.action, left.charge_id) == ("left", paid)
+    assert left.detail and "charging again would bill it twice" in left.detail
+
+
 async def test_a_charge_stripe_took_but_the_ledger_never_recorded_is_recorded(
     harness: Harness,
 ) -> None:
