@@ -189,21 +189,27 @@ def classify(charges: Iterable[StripeCharge], ledger: dict[str, LedgerEntry]) ->
     """Stripe's succeeded charges of the period that the ledger does not hold as the
     customer's charge. `ledger` holds the period's rows by customer id.
 
-    A row still claimed is not judged: its claim is open (a live workflow owns it, or this
-    run could not resolve it and says so), and its charge is recorded when it is resolved.
+    A row still claimed is judged on its second charge only: its claim is open (a live
+    workflow owns it, or this run could not resolve it and says so) and records one charge
+    when it is resolved, but whichever it records, any other is a duplicate.
     """
     findings: list[Finding] = []
     seen: set[str] = set()
+    open_claims_charged: set[str] = set()
     for charge in charges:
         if charge.charge_id in seen:
             continue
         seen.add(charge.charge_id)
         entry = ledger.get(charge.customer_id)
-        if entry is not None and (entry.status == "claimed" or entry.charge_id == charge.charge_id):
+        if entry is not None and entry.status == "claimed":
+            if charge.customer_id not in open_claims_charged:
+                open_claims_charged.add(charge.customer_id)
+                continue
+        elif entry is not None and entry.charge_id == charge.charge_id:
             continue
         if entry is None:
             kind: FindingKind = "orphan"
-        elif entry.charge_id is not None:
+        elif entry.charge_id is not None or entry.status == "claimed":
             kind = "duplicate"
         else:
             kind = "unrecorded"

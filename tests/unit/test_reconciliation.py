@@ -109,6 +109,18 @@ def test_an_open_claim_is_not_judged_yet() -> None:
     assert classify([charge("ch_1")], {"cust-1": entry(None, "claimed")}) == []
 
 
+def test_an_open_claims_second_charge_is_a_duplicate_whichever_it_records() -> None:
+    # The claim may stay open for good (its key expired, its lookup fails): its customer's
+    # extra charges must not wait for it to be reported.
+    charges = [charge("ch_2"), charge("ch_1"), charge("ch_2")]
+    [finding] = classify(charges, {"cust-1": entry(None, "claimed")})
+    assert (finding.kind, finding.charge_id, finding.ledger_status) == (
+        "duplicate",
+        "ch_1",
+        "claimed",
+    )
+
+
 @given(st.lists(st.sampled_from(["ch_1", "ch_2", "ch_3"]), max_size=8))
 def test_each_charge_is_reported_at_most_once_and_never_the_ledgers(ids: list[str]) -> None:
     findings = classify([charge(i) for i in ids], {"cust-1": entry("ch_1")})
