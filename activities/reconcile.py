@@ -427,8 +427,26 @@ class ReconcileActivities:
                 conn, request.period, sorted({c.customer_id for c in charges})
             )
         unchecked = [c for c, listing in zip(customers, found, strict=True) if listing is None]
+        findings = classify(charges, entries)
+        for f in findings:
+            # Every one, where a person can find it: the report lists the first MAX_LISTED.
+            logs.log_event(
+                log,
+                "reconcile_finding",
+                level=logging.WARNING,
+                period=request.period,
+                workflow_id=activity.info().workflow_id,
+                kind=f.kind,
+                customer_id=f.customer_id,
+                charge_id=f.charge_id,
+                amount_cents=f.amount_cents,
+                currency=f.currency,
+                ledger_status=f.ledger_status,
+                ledger_charge_id=f.ledger_charge_id,
+                key_prefix=f.key_prefix,
+            )
         return ChargesPage(
-            findings=classify(charges, entries),
+            findings=findings,
             customers=len(customers),
             charges=len(charges),
             unchecked=[c.customer_id for c in unchecked],

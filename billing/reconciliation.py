@@ -4,6 +4,7 @@ with the ledger. Pure functions over records; the I/O is in activities/reconcile
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Literal
 
@@ -123,6 +124,41 @@ class ChargesPage(Record):
     next_cursor: str | None
 
 
+# The most findings (and unchecked customers) a report lists: past Temporal's 2 MB payload
+# limit (about 6,000 findings) its workflow could never complete. Each finding is logged by
+# the activity that found it (event reconcile_finding), and the report counts them all.
+MAX_LISTED = 1000
+
+
+@dataclass
+class Comparison:
+    """Stripe's charges against the ledger, summed over the pages compared so far (the
+    reconcile workflow's own state, not a record passed on)."""
+
+    findings: list[Finding] = field(default_factory=list)
+    finding_counts: dict[FindingKind, int] = field(default_factory=dict)
+    customers_checked: int = 0
+    charges_checked: int = 0
+    unchecked_customers: list[str] = field(default_factory=list)
+    unchecked_count: int = 0
+    # Every finding's charge so far: a Stripe customer shared by two of ours is listed twice.
+    seen: set[str] = field(default_factory=set)
+
+    def add(self, page: ChargesPage) -> None:
+        for finding in page.findings:
+            if finding.charge_id in self.seen:
+                continue
+            self.seen.add(finding.charge_id)
+            self.finding_counts[finding.kind] = self.finding_counts.get(finding.kind, 0) + 1
+            if len(self.findings) < MAX_LISTED:
+                self.findings.append(finding)
+        self.customers_checked += page.customers
+        self.charges_checked += page.charges
+        self.unchecked_count += len(page.unchecked)
+        room = MAX_LISTED - len(self.unchecked_customers)
+        self.unchecked_customers += page.unchecked[: max(room, 0)]
+
+
 class ReconcileReport(Record):
     period: str
     workflow_id: str
@@ -133,8 +169,11 @@ class ReconcileReport(Record):
     vault_checked: bool
     customers_checked: int
     charges_checked: int
+    # The first MAX_LISTED of each; the counts cover all.
     unchecked_customers: list[str]
     findings: list[Finding]
+    finding_counts: dict[FindingKind, int]
+    unchecked_count: int
 
     @property
     def duplicates(self) -> list[Finding]:

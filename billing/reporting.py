@@ -97,10 +97,12 @@ def describe_reconciliation(report: ReconcileReport) -> str:
             + (f" ({r.detail})" if r.detail else "")
             for r in report.reservations
         ]
+    counts = report.finding_counts
     lines.append(
         f"  Stripe: {report.charges_checked} charges of {report.customers_checked} customers"
-        f" checked; {len(report.duplicates)} duplicates, {len(report.orphans)} orphans,"
-        f" {len(report.findings) - len(report.duplicates) - len(report.orphans)} unrecorded"
+        f" checked; {counts.get('duplicate', 0)} duplicates, {counts.get('orphan', 0)} orphans,"
+        f" {counts.get('unrecorded', 0)} unrecorded"
+        + _listed_of(len(report.findings), sum(counts.values()), "reconcile_finding")
     )
     lines += [
         f"    {f.kind.upper()} {f.charge_id} {f.amount_cents} {f.currency} for {f.customer_id}"
@@ -113,8 +115,15 @@ def describe_reconciliation(report: ReconcileReport) -> str:
             f"  not checked (no vault key of the period for their currency, or Stripe refused"
             f" to list their charges: the worker's log says which):"
             f" {', '.join(report.unchecked_customers)}"
+            + _listed_of(len(report.unchecked_customers), report.unchecked_count, "its lines")
         )
     return "\n".join(lines)
+
+
+def _listed_of(listed: int, total: int, where: str) -> str:
+    if total <= listed:
+        return ""
+    return f" (the first {listed} of {total} listed here; the worker's log has all: {where})"
 
 
 def failure_chain(error: BaseException) -> str:

@@ -35,7 +35,7 @@ with workflow.unsafe.imports_passed_through():
     from billing.reconciliation import (
         ChargesPageRequest,
         ClaimResolution,
-        Finding,
+        Comparison,
         ReconcileInput,
         ReconcileReport,
     )
@@ -88,7 +88,7 @@ class ReconcileWorkflow:
         for start in range(0, len(plan.resolve), CLAIM_BATCH):
             batch = plan.resolve[start : start + CLAIM_BATCH]
             claims += await asyncio.gather(*(self._resolve(claim) for claim in batch))
-        findings, customers, charges, unchecked = await self._compare(request.period)
+        compared = await self._compare(request.period)
         report = ReconcileReport(
             period=request.period,
             workflow_id=workflow.info().workflow_id,
@@ -96,25 +96,26 @@ class ReconcileWorkflow:
             more_claims=plan.more,
             reservations=reservations or [],
             vault_checked=reservations is not None,
-            customers_checked=customers,
-            charges_checked=charges,
-            unchecked_customers=unchecked,
-            findings=findings,
+            customers_checked=compared.customers_checked,
+            charges_checked=compared.charges_checked,
+            unchecked_customers=compared.unchecked_customers,
+            unchecked_count=compared.unchecked_count,
+            findings=compared.findings,
+            finding_counts=compared.finding_counts,
         )
-        # Ids and amounts only: no key, no secret.
+        counts = compared.finding_counts
+        # Counts only: each finding was logged by the activity that found it.
         workflow.logger.info(
-            "reconciled %s: %d open claims (%s), %d reservations settled, %d findings: %s",
+            "reconciled %s: %d open claims (%s), %d reservations settled, findings: %s",
             request.period,
             len(claims),
             ", ".join(f"{c.customer_id} {c.action}" for c in claims) or "none",
             sum(r.state != "unknown" for r in report.reservations),
-            len(findings),
-            ", ".join(f"{f.kind} {f.charge_id} {f.amount_cents} {f.currency}" for f in findings)
-            or "none",
+            ", ".join(f"{n} {kind}" for kind, n in counts.items()) or "none",
         )
         workflow.set_current_details(
-            f"{len(claims)} open claims, {len(report.duplicates)} duplicates,"
-            f" {len(report.orphans)} orphans, {len(findings)} findings in all"
+            f"{len(claims)} open claims, {counts.get('duplicate', 0)} duplicates,"
+            f" {counts.get('orphan', 0)} orphans, {sum(counts.values())} findings in all"
         )
         return report
 
@@ -158,10 +159,8 @@ class ReconcileWorkflow:
             detail=outcome.failure_code,
         )
 
-    async def _compare(self, period: str) -> tuple[list[Finding], int, int, list[str]]:
-        findings: list[Finding] = []
-        customers = charges = 0
-        unchecked: list[str] = []
+    async def _compare(self, period: str) -> Comparison:
+        compared = Comparison()
         cursor: str | None = None
         while True:
             page = await workflow.execute_activity_method(
@@ -172,15 +171,10 @@ class ReconcileWorkflow:
                 retry_policy=RETRY,
                 summary=f"compare Stripe's charges of {period} with the ledger",
             )
-            known = {f.charge_id for f in findings}
-            # A Stripe customer shared by two of ours is listed twice: report a charge once.
-            findings += [f for f in page.findings if f.charge_id not in known]
-            customers += page.customers
-            charges += page.charges
-            unchecked += page.unchecked
+            compared.add(page)
             cursor = page.next_cursor
             if cursor is None:
-                return findings, customers, charges, unchecked
+                return compared
 
 
 def _left(claim: Claim, detail: str) -> ClaimResolution:

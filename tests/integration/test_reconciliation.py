@@ -11,6 +11,7 @@ import pytest
 import stripe
 from prometheus_client import REGISTRY
 from pydantic import SecretStr
+from temporalio import activity
 from temporalio.client import WorkflowFailureError, WorkflowHandle, WorkflowHistory
 from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.service import RPCError
@@ -34,7 +35,14 @@ from billing.models import (
     ScheduledBillingInput,
 )
 from billing.periods import Period, period_for
-from billing.reconciliation import ReconcileReport, StripeCharge
+from billing.reconciliation import (
+    MAX_LISTED,
+    ChargesPage,
+    ChargesPageRequest,
+    Finding,
+    ReconcileReport,
+    StripeCharge,
+)
 from billing.runs import start_period, start_reconcile
 from billing.schedules import RECONCILE_SCHEDULE_ID
 from billing.sealing import SecretBox, new_key
@@ -144,6 +152,49 @@ async def test_a_claim_stripe_already_charged_otherwise_is_not_charged_again(
     [left] = report.claims
     assert (left.action, left.charge_id) == ("left", paid)
     assert left.detail and "charging again would bill it twice" in left.detail
+
+
+async def test_a_period_with_thousands_of_findings_still_gets_its_report(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # E.g. every customer charged a second time under a new key namespace: 8,000 findings of
+    # about 330 bytes each once passed Temporal's 2 MB payload limit, and the workflow task
+    # failed for ever. Stripe is stood in for by pages of findings.
+    total, size = 8000, 200
+
+    async def page(self: ReconcileActivities, request: ChargesPageRequest) -> ChargesPage:
+        request = ChargesPageRequest.model_validate(request)  # undecoded: a bound method
+        start = int(request.after or 0)
+        findings = [
+            Finding(
+                kind="duplicate",
+                charge_id=f"ch_{start + i:024x}",
+                payment_intent_id=f"pi_{start + i:024x}",
+                customer_id=f"cust-{start + i:06d}",
+                stripe_customer_id=f"cus_{start + i:024x}",
+                amount_cents=1631,
+                currency="usd",
+                key_prefix="0e3f8694",
+                ledger_status="charged",
+                ledger_charge_id=f"ch_{10**6 + start + i:024x}",
+            )
+            for i in range(size)
+        ]
+        end = start + size
+        return ChargesPage(
+            findings=findings,
+            customers=size,
+            charges=2 * size,
+            unchecked=[],
+            next_cursor=str(end) if end < total else None,
+        )
+
+    monkeypatch.setattr(
+        ReconcileActivities, "compare_charges", activity.defn(name="reconcile_charges_page")(page)
+    )
+    report = await asyncio.wait_for(reconcile(harness), timeout=120)
+    assert report.finding_counts == {"duplicate": total}
+    assert len(report.findings) == MAX_LISTED
 
 
 async def test_a_charge_stripe_took_but_the_ledger_never_recorded_is_recorded(

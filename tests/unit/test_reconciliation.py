@@ -9,14 +9,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from billing import reconciliation
 from billing.keys import reconcile_workflow_id
 from billing.models import ChargeFailure, Control, RunOptions, ScheduledBillingInput
 from billing.periods import Period
 from billing.reconciliation import (
     INCOMPLETE_INTENT,
     RELEASE_AFTER,
+    ChargesPage,
     ChildState,
     ClaimResolution,
+    Comparison,
+    Finding,
+    FindingKind,
     LedgerEntry,
     OpenClaim,
     ReconcileReport,
@@ -148,6 +153,8 @@ def test_the_report_reads_with_ids_and_amounts() -> None:
             [charge("ch_1"), charge("ch_2"), charge("ch_3", customer_id="cust-3", amount=500)],
             {"cust-1": entry("ch_1")},
         ),
+        finding_counts={"duplicate": 1, "orphan": 1},
+        unchecked_count=0,
     )
     text = describe_reconciliation(report)
     assert "cust-1: recorded charged ch_1" in text
@@ -155,6 +162,54 @@ def test_the_report_reads_with_ids_and_amounts() -> None:
     assert "ORPHAN ch_3 500 usd for cust-3 (no ledger row)" in text
     assert "1 duplicates, 1 orphans" in text
     assert [f.charge_id for f in report.duplicates] == ["ch_2"]
+
+
+def finding(charge_id: str, kind: FindingKind = "duplicate") -> Finding:
+    [found] = classify([charge(charge_id)], {"cust-1": entry("ch_ledger")})
+    return found.model_copy(update={"kind": kind})
+
+
+def test_a_comparison_counts_every_finding_once_and_lists_a_bounded_number(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Thousands of findings once passed Temporal's 2 MB limit on the report, and its
+    # workflow never completed.
+    monkeypatch.setattr(reconciliation, "MAX_LISTED", 3)
+    compared = Comparison()
+    first = [finding(f"ch_{i}") for i in range(4)] + [finding("ch_9", "orphan")]
+    compared.add(
+        ChargesPage(findings=first, customers=2, charges=6, unchecked=["a", "b"], next_cursor="x")
+    )
+    # A Stripe customer shared by two of ours: its charges come again on another page.
+    again = [finding("ch_1"), finding("ch_5")]
+    compared.add(
+        ChargesPage(findings=again, customers=1, charges=2, unchecked=["c", "d"], next_cursor=None)
+    )
+    assert compared.finding_counts == {"duplicate": 5, "orphan": 1}
+    assert [f.charge_id for f in compared.findings] == ["ch_0", "ch_1", "ch_2"]
+    assert (compared.customers_checked, compared.charges_checked) == (3, 8)
+    assert (compared.unchecked_customers, compared.unchecked_count) == (["a", "b", "c"], 4)
+
+
+def test_a_report_says_how_many_findings_it_does_not_list() -> None:
+    listed = [finding("ch_1"), finding("ch_2")]
+    report = ReconcileReport(
+        period="2026-12",
+        workflow_id="billing-reconcile-2026-12",
+        claims=[],
+        more_claims=False,
+        reservations=[],
+        vault_checked=False,
+        customers_checked=5000,
+        charges_checked=9000,
+        unchecked_customers=["c-1"],
+        findings=listed,
+        finding_counts={"duplicate": 4000},
+        unchecked_count=7,
+    )
+    text = describe_reconciliation(report)
+    assert "4000 duplicates, 0 orphans, 0 unrecorded (the first 2 of 4000 listed here" in text
+    assert "c-1 (the first 1 of 7 listed here" in text
 
 
 def test_a_periods_reconciliation_has_one_workflow_id() -> None:
