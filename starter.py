@@ -237,9 +237,7 @@ async def cmd_reconcile(args: argparse.Namespace) -> int:
     _emit(
         report, args.json, describe_reconciliation(report) + f"\n  {ui_link(temporal, handle.id)}"
     )
-    # Money on Stripe that the ledger does not account for, or customers nobody could check
-    # (e.g. every listing refused to a key of the wrong account), needs a person.
-    return 1 if report.findings or report.unchecked_customers else 0
+    return 1 if report.needs_a_person else 0
 
 
 async def cmd_setup(_: argparse.Namespace) -> int:

@@ -239,6 +239,7 @@ class ReconcileActivities:
             return ClaimResolution(
                 customer_id=claim.customer_id,
                 action="left",
+                needs_person=True,
                 detail="Stripe has no charge with its key, and its period's vault key has"
                 " expired or was revoked: to charge it, delete the key's row in"
                 " period_vault_keys and run the period again, which issues a new one",
@@ -296,6 +297,7 @@ class ReconcileActivities:
         return ClaimResolution(
             customer_id=claim.customer_id,
             action="left",
+            needs_person=True,
             charge_id=first.charge_id,
             detail=f"Stripe already holds charge {first.charge_id} of this period for this"
             f" customer, made under {keyed} or through the other API: charging again would bill"
@@ -360,7 +362,7 @@ class ReconcileActivities:
                 outcome, amount, wait = "succeeded", found.amount_cents, None
             else:
                 if reason := left_unknown_because(found):
-                    return unknown.model_copy(update={"detail": reason})
+                    return unknown.model_copy(update={"detail": reason, "needs_person": True})
                 outcome, amount = "failed", None
                 wait = release_wait(found, reservation.upstream_status)
             info = await admin.resolve(

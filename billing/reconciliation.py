@@ -49,6 +49,8 @@ class ClaimResolution(Record):
     outcome: Outcome | None = None
     charge_id: str | None = None
     detail: str | None = None
+    # Left for a person to act on, as `detail` says; not for a workflow that finishes it.
+    needs_person: bool = False
 
 
 class ClaimsToResolve(Record):
@@ -65,6 +67,8 @@ class ReservationResolution(Record):
     state: Literal["committed", "released", "unknown"]
     amount_cents: int | None = None
     detail: str | None = None
+    # Left unknown until a person acts, as `detail` says; not one a later run settles.
+    needs_person: bool = False
 
 
 class CustomerToCheck(Record):
@@ -174,6 +178,18 @@ class ReconcileReport(Record):
     findings: list[Finding]
     finding_counts: dict[FindingKind, int]
     unchecked_count: int
+
+    @property
+    def needs_a_person(self) -> bool:
+        """Money on Stripe the ledger does not account for, customers nobody could check
+        (e.g. every listing refused to a key of the wrong account), or a claim or reservation
+        left for a person."""
+        return bool(
+            self.finding_counts
+            or self.unchecked_count
+            or any(c.needs_person for c in self.claims)
+            or any(r.needs_person for r in self.reservations)
+        )
 
     @property
     def duplicates(self) -> list[Finding]:

@@ -148,7 +148,7 @@ class ReconcileWorkflow:
                 search_attributes=search_attributes.for_customer(claim.period, claim.customer_id),
             )
         except WorkflowAlreadyStartedError:
-            return _left(claim, "a run of its workflow started meanwhile")
+            return _left(claim, "a run of its workflow started meanwhile", needs_person=False)
         except ChildWorkflowError as err:
             return _left(claim, f"re-drive ended without an outcome: {_reason(err)}")
         return ClaimResolution(
@@ -177,8 +177,10 @@ class ReconcileWorkflow:
                 return compared
 
 
-def _left(claim: Claim, detail: str) -> ClaimResolution:
-    return ClaimResolution(customer_id=claim.customer_id, action="left", detail=detail)
+def _left(claim: Claim, detail: str, *, needs_person: bool = True) -> ClaimResolution:
+    return ClaimResolution(
+        customer_id=claim.customer_id, action="left", detail=detail, needs_person=needs_person
+    )
 
 
 def _reason(err: FailureError) -> str:

@@ -150,7 +150,8 @@ async def test_a_claim_stripe_already_charged_otherwise_is_not_charged_again(
     report = await reconcile(harness)
     assert await harness.succeeded() == 1
     [left] = report.claims
-    assert (left.action, left.charge_id) == ("left", paid)
+    assert (left.action, left.charge_id, left.needs_person) == ("left", paid, True)
+    assert report.needs_a_person
     assert left.detail and "charging again would bill it twice" in left.detail
 
 
@@ -195,6 +196,19 @@ async def test_a_period_with_thousands_of_findings_still_gets_its_report(
     report = await asyncio.wait_for(reconcile(harness), timeout=120)
     assert report.finding_counts == {"duplicate": total}
     assert len(report.findings) == MAX_LISTED
+
+
+async def test_reconcile_exits_1_when_it_leaves_a_claim_for_a_person(vaulted: Harness) -> None:
+    # No finding and every customer checked, but a claim only a person can settle: the
+    # daily schedule and the operator must not read it as all clear.
+    await billed(vaulted, 1)
+    [late] = await vaulted.seed(1, prefix="late")
+    await stranded(vaulted, late, at_stripe=False)
+    await unusable(vaulted, "expired")
+    async with vaulted.running_worker():
+        code, out, _ = await vaulted.starter("reconcile", str(PERIOD))
+    assert "delete the key's row" in out
+    assert code == 1, out
 
 
 async def test_a_charge_stripe_took_but_the_ledger_never_recorded_is_recorded(
@@ -600,7 +614,7 @@ async def test_a_period_whose_key_can_no_longer_be_used_is_still_reconciled(
     assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", duplicate)]
     # Nothing to charge it with: left at once, with what to do, not re-driven to a refusal.
     [left] = report.claims
-    assert (left.customer_id, left.action) == (late.customer_id, "left")
+    assert (left.customer_id, left.action, left.needs_person) == (late.customer_id, "left", True)
     assert left.detail is not None and "delete the key's row" in left.detail
     # It read with a key of its own that can move no money.
     assert vaulted.vault is not None

@@ -25,6 +25,7 @@ from billing.reconciliation import (
     LedgerEntry,
     OpenClaim,
     ReconcileReport,
+    ReservationResolution,
     StripeCharge,
     classify,
     left_alone_because,
@@ -210,6 +211,46 @@ def test_a_report_says_how_many_findings_it_does_not_list() -> None:
     text = describe_reconciliation(report)
     assert "4000 duplicates, 0 orphans, 0 unrecorded (the first 2 of 4000 listed here" in text
     assert "c-1 (the first 1 of 7 listed here" in text
+
+
+def quiet_report(**changes: object) -> ReconcileReport:
+    report = ReconcileReport(
+        period="2026-12",
+        workflow_id="billing-reconcile-2026-12",
+        claims=[ClaimResolution(customer_id="c-1", action="left", detail="its workflow runs")],
+        more_claims=False,
+        reservations=[
+            ReservationResolution(
+                vault_key_id="vkey_1", key_prefix="abcdef01", customer_id="c-2", state="unknown"
+            )
+        ],
+        vault_checked=True,
+        customers_checked=2,
+        charges_checked=2,
+        unchecked_customers=[],
+        findings=[],
+        finding_counts={},
+        unchecked_count=0,
+    )
+    return report.model_copy(update=changes)
+
+
+def test_a_report_needs_a_person_only_for_what_no_later_run_settles() -> None:
+    # A claim its workflow owns, a reservation still in its wait: a later run settles them.
+    assert not quiet_report().needs_a_person
+    left = ClaimResolution(customer_id="c-3", action="left", detail="key", needs_person=True)
+    stalled = ReservationResolution(
+        vault_key_id="vkey_1",
+        key_prefix="0123abcd",
+        customer_id="c-4",
+        state="unknown",
+        detail="cancel pi_1",
+        needs_person=True,
+    )
+    assert quiet_report(claims=[left]).needs_a_person
+    assert quiet_report(reservations=[stalled]).needs_a_person
+    assert quiet_report(finding_counts={"orphan": 1}).needs_a_person
+    assert quiet_report(unchecked_count=1).needs_a_person
 
 
 def test_a_periods_reconciliation_has_one_workflow_id() -> None:
