@@ -191,14 +191,6 @@ class ReconcileReport(Record):
             or any(r.needs_person for r in self.reservations)
         )
 
-    @property
-    def duplicates(self) -> list[Finding]:
-        return [f for f in self.findings if f.kind == "duplicate"]
-
-    @property
-    def orphans(self) -> list[Finding]:
-        return [f for f in self.findings if f.kind == "orphan"]
-
 
 def release_wait(found: ChargeFailure | None, upstream_status: int | None) -> timedelta | None:
     """How long an unknown reservation Stripe shows no charge for must have been left alone

@@ -162,7 +162,7 @@ def test_the_report_reads_with_ids_and_amounts() -> None:
     assert "DUPLICATE ch_2 1000 usd for cust-1" in text
     assert "ORPHAN ch_3 500 usd for cust-3 (no ledger row)" in text
     assert "1 duplicates, 1 orphans" in text
-    assert [f.charge_id for f in report.duplicates] == ["ch_2"]
+    assert [f.charge_id for f in report.findings if f.kind == "duplicate"] == ["ch_2"]
 
 
 def finding(charge_id: str, kind: FindingKind = "duplicate") -> Finding:
