@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -57,28 +59,29 @@ def _unavailable(dsn: str, exc: Exception) -> ServiceUnavailableError:
     return ServiceUnavailableError(f"cannot reach PostgreSQL at {where(dsn)} (DATABASE_URL): {exc}")
 
 
-async def connect(dsn: str) -> asyncpg.Connection:
+@contextmanager
+def _reaching(dsn: str) -> Iterator[None]:
+    """What connecting to `dsn` raises, as errors that say which setting to fix."""
     try:
-        return await asyncpg.connect(dsn)
+        yield
     except (OSError, asyncpg.PostgresError) as exc:
         raise _unavailable(dsn, exc) from None
     except ValueError:  # asyncpg's parser
         raise malformed_url("DATABASE_URL") from None
     except OverflowError as exc:  # a port past 65535: the socket's words quote no secret
         raise ConfigurationError(f"DATABASE_URL: {exc}") from None
+
+
+async def connect(dsn: str) -> asyncpg.Connection:
+    with _reaching(dsn):
+        return await asyncpg.connect(dsn)
 
 
 async def create_pool(dsn: str, *, max_size: int = 20) -> asyncpg.Pool:
-    try:
+    with _reaching(dsn):
         pool = await asyncpg.create_pool(
             dsn, min_size=1, max_size=max_size, command_timeout=30, reset=keep_session
         )
-    except (OSError, asyncpg.PostgresError) as exc:
-        raise _unavailable(dsn, exc) from None
-    except ValueError:  # asyncpg's parser
-        raise malformed_url("DATABASE_URL") from None
-    except OverflowError as exc:  # a port past 65535: the socket's words quote no secret
-        raise ConfigurationError(f"DATABASE_URL: {exc}") from None
     assert pool is not None
     return pool
 
