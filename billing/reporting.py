@@ -115,15 +115,16 @@ def describe_reconciliation(report: ReconcileReport) -> str:
             f"  not checked (no vault key of the period for their currency, or Stripe refused"
             f" to list their charges: the worker's log says which):"
             f" {', '.join(report.unchecked_customers)}"
-            + _listed_of(len(report.unchecked_customers), report.unchecked_count, "its lines")
+            + _listed_of(len(report.unchecked_customers), report.unchecked_count)
         )
     return "\n".join(lines)
 
 
-def _listed_of(listed: int, total: int, where: str) -> str:
+def _listed_of(listed: int, total: int, logged_as: str | None = None) -> str:
     if total <= listed:
         return ""
-    return f" (the first {listed} of {total} listed here; the worker's log has all: {where})"
+    logged = f"; the worker's log has each ({logged_as})" if logged_as else ""
+    return f" (the first {listed} of {total} listed here{logged})"
 
 
 def failure_chain(error: BaseException) -> str:
