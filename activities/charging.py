@@ -191,7 +191,7 @@ class ChargingActivities:
                 found = await gateway.find(claim)
                 if found is not None:
                     return _settle(found)
-            return await gateway.charge(claim)
+            return _settle(await gateway.charge(claim))
         except stripe.StripeError as exc:
             if isinstance(exc, stripe.IdempotencyError) or (
                 is_replayed(exc) and (exc.http_status or 0) >= 500

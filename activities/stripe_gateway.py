@@ -59,14 +59,21 @@ class StripeGateway:
         the setting's for a claim from before the API was recorded."""
         return recorded or self._api
 
-    async def charge(self, claim: Claim) -> ChargeResult:
+    async def charge(self, claim: Claim) -> ChargeResult | ChargeFailure:
         """Create the charge with the claim's key; raises stripe errors unchanged."""
         options: stripe.RequestOptions = {"idempotency_key": claim.idempotency_key}
         api = self._api_for(claim.charge_api)
         params = charge_params(claim, api)
         if api == "payment_intents":
             intent = await self._client.v1.payment_intents.create_async(params, options)  # type: ignore[arg-type]
-            return self._from_intent(intent)
+            if intent.status == "succeeded":
+                return self._from_intent(intent)
+            # Stripe replays the intent as its first answer left it (e.g. a bank debit still
+            # processing) for as long as it keeps the key: where it stands now is listed.
+            found = await self._find_through(api, claim)
+            if found is None:
+                raise _not_succeeded(intent)
+            return found
         charge = await self._client.v1.charges.create_async(params, options)  # type: ignore[arg-type]
         return ChargeResult(
             charge_id=charge.id,
@@ -173,10 +180,7 @@ class StripeGateway:
     def _from_intent(intent: stripe.PaymentIntent, replayed: bool = False) -> ChargeResult:
         charge_id = _id(intent.latest_charge)
         if intent.status != "succeeded" or charge_id is None:
-            raise stripe.APIError(
-                f"payment intent {intent.id} is {intent.status}, expected succeeded",
-                http_status=502,
-            )
+            raise _not_succeeded(intent)
         return ChargeResult(
             charge_id=charge_id,
             payment_intent_id=intent.id,
@@ -184,6 +188,12 @@ class StripeGateway:
             currency=intent.currency,
             replayed=replayed,
         )
+
+
+def _not_succeeded(intent: stripe.PaymentIntent) -> stripe.APIError:
+    return stripe.APIError(
+        f"payment intent {intent.id} is {intent.status}, expected succeeded", http_status=502
+    )
 
 
 def _stalled(intent: stripe.PaymentIntent) -> bool:

@@ -776,7 +776,7 @@ async def test_a_claim_resumed_after_stripes_idempotency_window_is_not_charged_t
     # The window had closed: the same request with the same key now charges again, which
     # only the lookup avoided; reconciliation reports that second charge.
     second = await gateway(harness).charge(reconciled)
-    assert not second.replayed
+    assert isinstance(second, ChargeResult) and not second.replayed
     report = await reconcile(harness)
     assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", second.charge_id)]
 

@@ -1,6 +1,6 @@
-"""`StripeGateway.find`, for states the emulator does not make (a bank debit stays pending for
-days; Stripe leaves a PaymentIntent unconfirmed after an error): Stripe's listing is stood in
-for here."""
+"""`StripeGateway.find`, and `charge` settling on it, for states the emulator does not make (a
+bank debit stays pending for days; Stripe leaves a PaymentIntent unconfirmed after an error):
+Stripe's answers are stood in for here."""
 
 from __future__ import annotations
 
@@ -156,3 +156,55 @@ async def test_a_charge_made_outweighs_an_intent_left_unconfirmed() -> None:
     made = intent("succeeded", now, latest_charge="ch_made")
     found = await intents_gateway(made, stalled).find(INTENT_CLAIM)
     assert isinstance(found, ChargeResult) and found.charge_id == "ch_made"
+
+
+@dataclass
+class Creating:
+    """Stands in for `v1.payment_intents.create_async`: answers with the given intent, as
+    Stripe replays the answer it saved with the key."""
+
+    answer: stripe.PaymentIntent
+    calls: int = 0
+
+    async def __call__(self, params: dict[str, Any], options: dict[str, Any]) -> Any:
+        self.calls += 1
+        return self.answer
+
+
+def creating_gateway(answer: stripe.PaymentIntent, *listed: stripe.PaymentIntent) -> StripeGateway:
+    client = SimpleNamespace(
+        v1=SimpleNamespace(
+            payment_intents=SimpleNamespace(
+                create_async=Creating(answer),
+                list_async=Listing(list(listed)),  # type: ignore[arg-type]
+            )
+        )
+    )
+    return StripeGateway(client, "payment_intents")  # type: ignore[arg-type]
+
+
+async def test_a_create_answered_before_the_intent_ended_settles_on_where_it_stands_now() -> None:
+    # The first answer was `processing` (a bank debit); Stripe replays it with the key for a
+    # day, while the listing says the intent has since succeeded: the claim is charged now.
+    now = int(time.time())
+    answered = intent("processing", now)
+    done = intent("succeeded", now, latest_charge="ch_settled")
+    found = await creating_gateway(answered, done).charge(INTENT_CLAIM)
+    assert isinstance(found, ChargeResult) and found.charge_id == "ch_settled"
+
+
+async def test_a_create_answered_before_the_intent_failed_settles_as_the_failure() -> None:
+    now = int(time.time())
+    error = {"code": "card_declined", "decline_code": "insufficient_funds", "message": "no"}
+    failed = intent("requires_payment_method", now, last_payment_error=error)
+    found = await creating_gateway(intent("processing", now), failed).charge(INTENT_CLAIM)
+    assert isinstance(found, ChargeFailure)
+    assert (found.code, found.decline_code) == ("card_declined", "insufficient_funds")
+
+
+async def test_a_create_whose_intent_is_still_on_its_way_is_tried_again() -> None:
+    now = int(time.time())
+    still = intent("processing", now)
+    with pytest.raises(stripe.APIError, match="pi_processing is processing") as raised:
+        await creating_gateway(still, still).charge(INTENT_CLAIM)
+    assert raised.value.http_status == 503
