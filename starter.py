@@ -41,7 +41,7 @@ from billing.customers import changes_to_open_runs, read_customers_csv, upsert_c
 from billing.db import create_pool
 from billing.errors import BillingError, InvalidInputError, NoWorkerError, UnknownScheduleError
 from billing.migrations import migrate
-from billing.models import OperatorRequest, PeriodProgress, PeriodSummary, SkipRequest
+from billing.models import OpenRun, OperatorRequest, PeriodProgress, PeriodSummary, SkipRequest
 from billing.periods import Period, parse_period, period_for, period_range
 from billing.preview import preview_period
 from billing.reporting import (
@@ -108,7 +108,11 @@ async def cmd_run(args: argparse.Namespace) -> int:
         print(f"warning: {exc}", file=sys.stderr)
         if args.wait:
             return await _wait_and_report(handle, args, temporal)
-        print(f"period {args.period} open as {handle.id}\n  {ui_link(temporal, handle.id)}")
+        _emit(
+            OpenRun(period=str(args.period), workflow_id=handle.id),
+            args.json,
+            f"period {args.period} open as {handle.id}\n  {ui_link(temporal, handle.id)}",
+        )
         return 0
     if progress.state == "cancelling":
         # Joined, not started: its summary would read as this run's.

@@ -266,6 +266,14 @@ class PeriodProgress(PeriodCounts):
     operator: str | None = None
 
 
+class OpenRun(Record):
+    """A run started or joined that no worker answered for: how it stands is unknown."""
+
+    period: str
+    workflow_id: str
+    state: Literal["no_worker"] = "no_worker"
+
+
 class SkipResult(Record):
     customer_id: str
     skipped: bool

@@ -25,6 +25,7 @@ from billing.models import (
     ChargeFailure,
     ChargeResult,
     Claim,
+    OpenRun,
     OperatorRequest,
     PeriodSummary,
     RunOptions,
@@ -608,6 +609,13 @@ async def test_run_with_no_worker_says_the_run_is_open_and_nobody_answers(harnes
         f"period {PERIOD} open as {period_workflow_id(PERIOD)}",
     )
     assert "no worker answered its query within 10 s" in err and "Traceback" not in err
+    # Asked for JSON, a script gets JSON (joining the same run), the warning on stderr.
+    code, out, err = await harness.starter("run", str(PERIOD), "--json")
+    assert (code, OpenRun.model_validate_json(out)) == (
+        0,
+        OpenRun(period=str(PERIOD), workflow_id=period_workflow_id(PERIOD)),
+    )
+    assert "no worker answered" in err
     # Started indeed: a worker now bills it.
     async with harness.running_worker():
         summary = await harness.client.get_workflow_handle(
