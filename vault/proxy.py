@@ -10,7 +10,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
-from urllib.parse import parse_qs, unquote_plus
+from urllib.parse import parse_qs, parse_qsl, unquote_plus
 
 import aiohttp
 import asyncpg
@@ -145,6 +145,15 @@ async def _proxy(
     except web.HTTPRequestEntityTooLarge:
         raise Refusal("refused_request", 413, "body_too_large", "the body is too large") from None
     _refuse_secret("the body", unquote_plus(body.decode("utf-8", "replace")))
+    if body and request.method == "GET":
+        raise Refusal(
+            "refused_request",
+            400,
+            "body_not_allowed",
+            "a GET sends its parameters in the URL, not in a body",
+        )
+    _refuse_expansion("the query string", request.rel_url.raw_query_string)
+    _refuse_expansion("the body", body.decode("utf-8", "replace"))
 
     reservation = None
     if endpoint in METERED:
@@ -310,6 +319,21 @@ def _refuse_secret(name: str, value: str) -> None:
             f"{name} contains what looks like a secret key; never send a key there",
             param=name,
         )
+
+
+def _refuse_expansion(where: str, raw: str) -> None:
+    """Stripe's `expand` puts other objects inside the one asked for (a charge's customer and
+    card): it would let a key read what its allowlist refuses. The workers never expand."""
+    for name, _ in parse_qsl(raw, keep_blank_values=True, errors="replace"):
+        if name == "expand" or name.startswith("expand["):
+            raise Refusal(
+                "refused_request",
+                400,
+                "parameter_not_allowed",
+                f"{where} asks Stripe to expand objects into the answer, which a vault key may"
+                " not: read each object through an endpoint the key allows",
+                param="expand",
+            )
 
 
 def _single(fields: dict[str, list[str]], name: str) -> str | None:

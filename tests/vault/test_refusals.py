@@ -252,6 +252,41 @@ async def test_parameters_in_the_query_string_and_odd_paths_are_refused(
     assert await db.fetchval("SELECT count(*) FROM vault_reservations") == 0
 
 
+async def test_expanding_objects_the_allowlist_refuses_is_refused(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    vault: RunningVault,
+    customer: str,
+    admin: VaultAdmin,
+    http: aiohttp.ClientSession,
+) -> None:
+    # A key that may read charges only: `expand` would put the customer, and its card, in
+    # the answer, though the key may not read customers.
+    key = await issue(allowed_endpoints=["POST /v1/charges", "GET /v1/charges"])
+    await stripe_via_vault(key).v1.charges.create_async(
+        {"amount": 500, "currency": "usd", "customer": customer}, {"idempotency_key": "setup"}
+    )
+    auth = {"Authorization": f"Bearer {key.secret.get_secret_value()}"}
+    listing = f"{vault.url}/stripe/v1/charges?customer={customer}"
+    async with http.get(listing, headers=auth) as response:
+        assert response.status == 200
+        assert isinstance((await response.json())["data"][0]["customer"], str)
+    for query in ("&expand[]=data.customer", "&expand%5B0%5D=data.customer", "&expand=x"):
+        async with http.get(listing + query, headers=auth) as response:
+            reply = await response.json()
+            assert (response.status, reply["error"]["code"]) == (400, "parameter_not_allowed")
+            assert reply["error"]["message"].startswith("the query string asks Stripe to expand")
+    body = f"amount=500&currency=usd&customer={customer}&expand[]=customer"
+    status, reply = await _post(http, vault, key, "/v1/charges", body)
+    assert (status, reply["error"]["code"]) == (400, "parameter_not_allowed")
+    # Nor may a GET carry parameters in a body, where the URL's check would not see them.
+    async with http.get(listing, headers=auth, data="expand[]=data.customer") as response:
+        reply = await response.json()
+        assert (response.status, reply["error"]["code"]) == (400, "body_not_allowed")
+    refused = [e.refusal_code for e in await admin.audit(key.id) if e.refusal_code]
+    assert refused == ["body_not_allowed"] + ["parameter_not_allowed"] * 4
+
+
 async def test_the_audit_log_has_one_row_per_request(
     issue: Issue,
     stripe_via_vault: StripeFor,
