@@ -121,11 +121,13 @@ class StripeGateway:
                 raise stripe.APIError(
                     f"payment intent {latest.id} is {latest.status}", http_status=503
                 )
+            # Stripe leaves out what does not apply (no decline_code for an expired card), and
+            # the SDK raises on a field left out.
             error = latest.last_payment_error
             return ChargeFailure(
-                code=(error.code if error else None) or "card_declined",
-                decline_code=error.decline_code if error else None,
-                message=redact((error.message if error else None) or "the payment failed"),
+                code=getattr(error, "code", None) or "card_declined",
+                decline_code=getattr(error, "decline_code", None),
+                message=redact(getattr(error, "message", None) or "the payment failed"),
                 payment_intent_id=latest.id,
             )
         charges = await self._ours(self._client.v1.charges.list_async, claim)

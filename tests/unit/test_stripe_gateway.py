@@ -208,3 +208,12 @@ async def test_a_create_whose_intent_is_still_on_its_way_is_tried_again() -> Non
     with pytest.raises(stripe.APIError, match="pi_processing is processing") as raised:
         await creating_gateway(still, still).charge(INTENT_CLAIM)
     assert raised.value.http_status == 503
+
+
+async def test_a_failed_intent_whose_error_has_no_decline_code_is_found_failed() -> None:
+    # Stripe leaves decline_code out for an expired card, a wrong CVC, a processing error.
+    error = {"code": "expired_card", "message": "Your card has expired.", "type": "card_error"}
+    failed = intent("requires_payment_method", int(time.time()) - 60, last_payment_error=error)
+    found = await intents_gateway(failed).find(INTENT_CLAIM)
+    assert isinstance(found, ChargeFailure)
+    assert (found.code, found.decline_code) == ("expired_card", None)
