@@ -204,6 +204,11 @@ class ChargingActivities:
                     return _settle(found)
             metrics.count_vault_refusal(exc)
             failure = to_temporal_failure(exc)
+            if isinstance(exc, stripe.RateLimitError):
+                # Stripe executes nothing it rate-limits: if this was the claim's only
+                # attempt, nothing of it is at Stripe, so the retry passes the gate afresh
+                # and a pause, cancel or skip meanwhile still stops it.
+                await self._reopen(claim, proven=False)
             if failure.type in PERIOD_BLOCKERS:
                 # Refused before Stripe: the claim waits at the gate for the operator, and a
                 # key replaced since (e.g. after expiry) is read afresh on the next attempt.

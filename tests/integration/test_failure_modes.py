@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
 
 import pytest
+import stripe
+from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
+from temporalio.testing import ActivityEnvironment
 
-from activities.stripe_gateway import charge_params
+from activities.charging import PAUSED, BillRequest, ChargingActivities
+from activities.stripe_access import DirectAccess
+from activities.stripe_gateway import StripeGateway, charge_params
 from billing import ledger
 from billing.keys import customer_workflow_id, idempotency_key
+from billing.models import ChargeFailure, ChargeResult, Claim, Control, PeriodPlan
 from billing.periods import Period
 from billing.runs import start_period
 from tests.integration.harness import Harness, at_least, eventually
@@ -30,6 +37,49 @@ async def test_saved_500_after_commit_is_resolved_by_lookup(harness: Harness) ->
     assert summary.charged == 10
     assert (await harness.faults_injected())["error_after_commit"] == 10
     await assert_billed_once(harness, str(PERIOD), customers)
+
+
+class RateLimitedOnce(StripeGateway):
+    """Stripe's limiter refuses the first create (429: nothing executed, nothing saved with
+    the key); the rest reach the emulator."""
+
+    refused = False
+
+    async def charge(self, claim: Claim) -> ChargeResult | ChargeFailure:
+        if not self.refused:
+            self.refused = True
+            raise stripe.RateLimitError("Too many requests", http_status=429)
+        return await super().charge(claim)
+
+
+@pytest.mark.parametrize("control", ["cancelled", "paused"])
+async def test_a_stop_reaches_a_charge_whose_only_request_stripe_rate_limited(
+    harness: Harness, control: Control
+) -> None:
+    (customer,) = await harness.seed(1)
+    async with harness.pool.acquire() as conn:
+        plan = PeriodPlan(period=str(PERIOD), due=1, to_charge=1, expected_total_cents=0)
+        await ledger.start_period(conn, plan, "billing-period-2026-12")
+    gateway = RateLimitedOnce(harness.stripe, harness.settings.billing_charge_api)
+    charging = ChargingActivities(harness.pool, DirectAccess(gateway), harness.settings)
+    request = BillRequest(period=str(PERIOD), customer_id=customer.customer_id)
+
+    def attempt(number: int) -> ActivityEnvironment:
+        env = ActivityEnvironment()
+        env.info = dataclasses.replace(env.info, attempt=number, is_local=True)
+        return env
+
+    with pytest.raises(ApplicationError, match="rate limit"):
+        await attempt(1).run(charging.bill, request)
+    # Before the retry, an operator stops the period: nothing of this charge is at Stripe.
+    async with harness.pool.acquire() as conn:
+        await ledger.set_control(conn, str(PERIOD), control, "wrong prices", "ops")
+    try:
+        outcome: str | None = (await attempt(2).run(charging.bill, request)).outcome
+    except ApplicationError as err:
+        outcome = err.type
+    assert outcome == ("cancelled" if control == "cancelled" else PAUSED)
+    assert await harness.charges() == []
 
 
 async def test_legacy_charges_api(harness: Harness) -> None:
