@@ -35,6 +35,8 @@ with workflow.unsafe.imports_passed_through():
 SCHEDULED_START = SearchAttributeKey.for_datetime("TemporalScheduledStartTime")
 # Launches recorded before this patch waited for the run they started.
 RETURN_ONCE_STARTED = "return-once-started"
+# Launches recorded before this patch started a period again after its run had completed.
+KEEP_FINISHED_PERIODS = "keep-finished-periods"
 ArgT = TypeVar("ArgT")
 ResultT = TypeVar("ResultT")
 
@@ -65,19 +67,31 @@ class ScheduledBillingWorkflow:
         words = "reconciling" if request.action == "reconcile" else "billing"
         workflow.set_current_details(f"{words} {period} (nominal time {nominal.isoformat()})")
         if request.action == "reconcile":
+            # Reconciled again on every firing: each finds what changed since.
             return await _run_or_join(
                 ReconcileWorkflow.run,
                 ReconcileInput(period=period),
                 reconcile_workflow_id(parse_period(period)),
                 f"Reconcile {period}",
                 period,
+                WorkflowIDReusePolicy.ALLOW_DUPLICATE,
             )
+        # A period whose run completed (cancelled ones too) is not started again: a backfill
+        # over a billed month, or a time the clocks repeat, would charge the customers added
+        # since, or undo an operator's cancel. Billing one again is `starter.py run`'s, by
+        # hand. A failed or terminated run is started again.
+        reuse = (
+            WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY
+            if workflow.patched(KEEP_FINISHED_PERIODS)
+            else WorkflowIDReusePolicy.ALLOW_DUPLICATE
+        )
         return await _run_or_join(
             BillingPeriodWorkflow.run,
             BillingPeriodInput(period=period, options=request.options),
             period_workflow_id(parse_period(period)),
             f"Billing period {period}",
             period,
+            reuse,
         )
 
 
@@ -87,13 +101,14 @@ async def _run_or_join(
     workflow_id: str,
     summary: str,
     period: str,
+    reuse: WorkflowIDReusePolicy,
 ) -> ResultT | None:
     try:
         handle = await workflow.start_child_workflow(
             run,
             argument,
             id=workflow_id,
-            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+            id_reuse_policy=reuse,
             parent_close_policy=workflow.ParentClosePolicy.ABANDON,
             static_summary=summary,
             search_attributes=TypedSearchAttributes(
@@ -101,7 +116,7 @@ async def _run_or_join(
             ),
         )
     except WorkflowAlreadyStartedError:
-        workflow.set_current_details(f"{workflow_id} was already running: nothing more started")
+        workflow.set_current_details(f"{workflow_id} runs or has run: nothing more started")
         return None
     if workflow.patched(RETURN_ONCE_STARTED):
         # The schedule skips a firing while this launch is open (overlap `skip`): waiting

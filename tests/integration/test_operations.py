@@ -555,6 +555,37 @@ async def test_backfill_of_three_months_runs_three_periods(harness: Harness) -> 
     assert (await period_status(harness.client, Period(2026, 4))).state == "not_started"
 
 
+async def test_a_backfill_over_a_billed_period_starts_nothing_in_it(harness: Harness) -> None:
+    """A completed period is not started again by a launch (a backfill, a time the clocks
+    repeat): it would charge the customers added since, or undo an operator's cancel."""
+    customers = await harness.seed(3)
+    september, october = Period(2026, 9), Period(2026, 10)
+    config = schedules.MonthlySchedule(schedule_id="monthly-again", paused=True)
+
+    async def completed(period: Period) -> bool:
+        return (await period_status(harness.client, period)).state == "completed"
+
+    async def launched(count: int) -> bool:
+        query = 'WorkflowType="ScheduledBillingWorkflow" AND ExecutionStatus="Completed"'
+        return len([w async for w in harness.client.list_workflows(query)]) == count
+
+    async with harness.running_worker():
+        await schedules.create_schedule(harness.client, config, harness.task_queue)
+        await schedules.backfill(harness.client, config.schedule_id, september, september)
+        await eventually(lambda: completed(september), timeout=60)
+        billed = await harness.client.get_workflow_handle(period_workflow_id(september)).describe()
+        # A customer signs up in November; the operator backfills September to October.
+        (late,) = await harness.seed(1, prefix="late")
+        await schedules.backfill(harness.client, config.schedule_id, september, october)
+        await eventually(lambda: launched(3), timeout=60)
+        await eventually(lambda: completed(october), timeout=60)
+    again = await harness.client.get_workflow_handle(period_workflow_id(september)).describe()
+    assert again.run_id == billed.run_id
+    await assert_billed_once(harness, str(september), customers)
+    assert late.customer_id not in {r["customer_id"] for r in await harness.ledger_rows("2026-09")}
+    await assert_billed_once(harness, str(october), [*customers, late])
+
+
 async def test_a_backfill_never_bills_a_period_before_its_launch(harness: Harness) -> None:
     config = schedules.MonthlySchedule(schedule_id="monthly-ahead", paused=True)
     await schedules.create_schedule(harness.client, config, harness.task_queue)
