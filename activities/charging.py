@@ -227,13 +227,14 @@ class ChargingActivities:
         makes up front: the create, and an old claim's lookup before it. Lookups after an
         error (a replayed 500, an idempotency error) are rare and take none: a 429 there is
         retried with the same key. A retry takes a slot of its own; the slot the workflow
-        waited for serves the first attempt."""
+        waited for serves the first attempt, unless it is long past (rate_limit.LATE_LIMIT)."""
         if self._stripe_rate is None:
             return
+        slot: Slot | None = None
         if reserved is not None and activity.info().attempt == 1:
             wait = await self._stripe_rate.seconds_until(reserved)
-            slot = Slot(at=reserved, wait_seconds=wait)
-        else:
+            slot = None if wait is None else Slot(at=reserved, wait_seconds=wait)
+        if slot is None:
             slot = await self._stripe_rate.reserve(2 if self._looks_up_first(claim) else 1)
         if slot.wait_seconds > SLOT_SLEEP_MAX:
             raise ApplicationError(

@@ -25,6 +25,10 @@ from billing.config import BillingSettings
 
 # Stripe's limit is per account: every worker's calls to Stripe share this one row.
 STRIPE = "stripe"
+# A slot sent late goes out with the slots reserved after it: within a second's worth, which
+# Stripe's limiter allows at once. One later than this (its workflow's timer fired late, a
+# worker restarted) is given up for a new one, or many such would go out together.
+LATE_LIMIT = timedelta(seconds=1)
 
 # The row is created by the first reservation: a limit needs no set-up.
 _RESERVE = """
@@ -65,11 +69,12 @@ class RateLimit:
         slot = await self.reserve(requests)
         await asyncio.sleep(slot.wait_seconds)
 
-    async def seconds_until(self, at: datetime) -> float:
-        """How long until a slot reserved earlier, on the database's clock (zero if past)."""
+    async def seconds_until(self, at: datetime) -> float | None:
+        """How long until a slot reserved earlier, on the database's clock: zero once due,
+        None once more than LATE_LIMIT past (reserve a new one)."""
         async with self._pool.acquire() as conn:
-            wait = await conn.fetchval(_UNTIL, at)
-        return max(0.0, float(wait))
+            wait = float(await conn.fetchval(_UNTIL, at))
+        return None if wait < -LATE_LIMIT.total_seconds() else max(0.0, wait)
 
 
 def stripe_rate(pool: asyncpg.Pool, settings: BillingSettings) -> RateLimit | None:

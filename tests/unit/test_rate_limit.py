@@ -8,7 +8,7 @@ import itertools
 import asyncpg
 import pytest
 
-from billing.rate_limit import RateLimit
+from billing.rate_limit import LATE_LIMIT, RateLimit
 
 
 async def test_concurrent_reservations_get_evenly_spaced_slots(db: asyncpg.Pool) -> None:
@@ -54,7 +54,7 @@ async def test_an_idle_limit_gives_a_slot_now_and_a_held_one_counts_down(
     held = await limit.reserve()
     assert 0.4 < held.wait_seconds <= 0.5
     await asyncio.sleep(0.2)
-    assert 0.2 < await limit.seconds_until(held.at) <= 0.3
+    assert 0.2 < (await limit.seconds_until(held.at) or 0) <= 0.3
     await asyncio.sleep(0.3)
     assert await limit.seconds_until(held.at) == 0
     # A limit idle longer than its interval does not bank the slots it did not use.
@@ -62,3 +62,17 @@ async def test_an_idle_limit_gives_a_slot_now_and_a_held_one_counts_down(
     first, second = await asyncio.gather(limit.reserve(), limit.reserve())
     assert sorted([first.wait_seconds, second.wait_seconds])[0] == 0
     assert abs((second.at - first.at).total_seconds()) == pytest.approx(0.5, abs=1e-6)
+
+
+async def test_a_slot_long_past_is_given_up_so_late_senders_do_not_go_out_together(
+    db: asyncpg.Pool,
+) -> None:
+    # Slots whose senders come late (timers fired late, a worker restarted) would all go out
+    # at once: within a second's worth that Stripe allows, past it a sender reserves anew.
+    limit = RateLimit(db, "test", per_second=4)
+    slots = [await limit.reserve() for _ in range(8)]
+    # Slots every 0.25 s; the last 0.375 s past, the first five more than a second past.
+    await asyncio.sleep(slots[-1].wait_seconds + LATE_LIMIT.total_seconds() - 0.625)
+    waits = [await limit.seconds_until(s.at) for s in slots]
+    assert waits[:5] == [None] * 5
+    assert waits[5:] == [0.0] * 3
