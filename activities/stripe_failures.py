@@ -90,10 +90,17 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
         )
     if isinstance(exc, stripe.AuthenticationError):
         # Stripe's own message can quote part of the key: say what to check instead.
-        failure = ChargeFailure(
-            code="authentication_failed",
-            message="the Stripe or vault key was refused (unknown, expired or revoked)",
-        )
+        if _error_body(exc).get("code") == "vault_key_expired":
+            failure = ChargeFailure(
+                code="vault_key_expired",
+                message="the period's vault key has expired: cancel this run, then run the"
+                " period again, whose preparation issues a new key",
+            )
+        else:
+            failure = ChargeFailure(
+                code="authentication_failed",
+                message="the Stripe or vault key was refused (unknown, expired or revoked)",
+            )
         return _non_retryable(KEY_REFUSED, failure)
     if isinstance(exc, stripe.PermissionError):
         return _non_retryable(KEY_REFUSED, failure_from(exc, "permission_denied"))

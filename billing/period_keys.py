@@ -29,6 +29,9 @@ ALLOWED_ENDPOINTS = list(WORKER_ENDPOINTS)
 LOOKUP_LABEL = "billing-lookup"
 LOOKUP_ENDPOINTS = [entry for entry in ALLOWED_ENDPOINTS if entry.startswith("GET ")]
 LOOKUP_LIFETIME = timedelta(hours=1)
+# A run takes minutes to hours, and may be paused for a while: a stored key with less life
+# left than this is not reused, or the run would stop part-billed when it expires.
+REUSE_MIN_LIFE = timedelta(days=1)
 
 
 class NoPeriodKeyError(BillingError):
@@ -62,7 +65,8 @@ async def ensure_key(
     cap_cents: int,
     grace: timedelta,
 ) -> PeriodKey:
-    """The period's key for the currency: the stored one while it is usable, else a new one."""
+    """The period's key for the currency: the stored one while it is usable for another
+    REUSE_MIN_LIFE, else a new one."""
     async with pool.acquire() as conn:
         row = await conn.fetchrow(
             "SELECT vault_key_id, cap_cents FROM period_vault_keys"
@@ -77,7 +81,7 @@ async def ensure_key(
                 f"the vault key for {period} ({currency}) was revoked at {info.revoked_at};"
                 " nothing more is charged. Delete its row in period_vault_keys to allow a new key."
             )
-        if not info.expired:
+        if info.expires_at - datetime.now(UTC) >= REUSE_MIN_LIFE:
             return PeriodKey(
                 period=str(period),
                 currency=currency,

@@ -143,7 +143,7 @@ async def test_cap_reached_pauses_the_period_until_an_operator_acts(vaulted: Har
             cap_cents=room,
             currency="usd",
             allowed_endpoints=period_keys.ALLOWED_ENDPOINTS,
-            expires_at=datetime.now(UTC) + timedelta(days=1),
+            expires_at=datetime.now(UTC) + timedelta(days=2),
         )
     )
     async with vaulted.pool.acquire() as conn:
@@ -173,6 +173,44 @@ async def test_cap_reached_pauses_the_period_until_an_operator_acts(vaulted: Har
     assert summary.cancelled == 6
     succeeded = [c for c in await vaulted.charges() if c["status"] == "succeeded"]
     assert sum(c["amount"] for c in succeeded) <= room
+
+
+async def test_a_stored_key_near_its_expiry_is_replaced_not_reused(vaulted: Harness) -> None:
+    """A rerun late in the key's life would stop part-billed when the key expired, and a
+    resume would only pause it again: its preparation issues a new key instead."""
+    assert vaulted.vault is not None
+    box = vaulted.settings.secret_box()
+    grace = timedelta(days=7)
+
+    async def ensure() -> period_keys.PeriodKey:
+        assert vaulted.vault is not None
+        return await period_keys.ensure_key(
+            vaulted.pool, vaulted.vault.worker, box, PERIOD, "usd", 5_000, grace
+        )
+
+    first = await ensure()
+    assert (await ensure()).vault_key_id == first.vault_key_id  # a week left: reused
+    near = period_keys.REUSE_MIN_LIFE - timedelta(minutes=1)
+    issued = await vaulted.vault.worker.issue_key(
+        IssueKeyRequest(
+            label=period_keys.LABEL,
+            period=str(PERIOD),
+            cap_cents=5_000,
+            currency="usd",
+            allowed_endpoints=period_keys.ALLOWED_ENDPOINTS,
+            expires_at=datetime.now(UTC) + near,
+        )
+    )
+    async with vaulted.pool.acquire() as conn:
+        await conn.execute(
+            "UPDATE period_vault_keys SET vault_key_id = $1, sealed_secret = $2",
+            issued.id,
+            box.seal(issued.secret),
+        )
+    replaced = await ensure()
+    assert replaced.vault_key_id not in (issued.id, first.vault_key_id)
+    info = await vaulted.vault.worker.get_key(replaced.vault_key_id)
+    assert info.expires_at - datetime.now(UTC) > grace - timedelta(minutes=1)
 
 
 async def test_revoked_key_stops_charging(vaulted: Harness) -> None:

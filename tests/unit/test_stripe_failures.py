@@ -50,3 +50,13 @@ def test_declines_and_refused_keys_are_final() -> None:
     refused = to_temporal_failure(_error(stripe.AuthenticationError, 401))
     assert (declined.type, declined.non_retryable) == (DECLINED, True)
     assert (refused.type, refused.non_retryable) == (KEY_REFUSED, True)
+
+
+def test_an_expired_vault_key_says_how_to_get_a_new_one() -> None:
+    # A resume would only pause the run again: a new key comes with a new run's preparation.
+    failure = to_temporal_failure(
+        _error(stripe.AuthenticationError, 401, code="vault_key_expired", message="expired")
+    )
+    assert (failure.type, failure.non_retryable) == (KEY_REFUSED, True)
+    assert failure.message.startswith("vault_key_expired: the period's vault key has expired:")
+    assert "cancel this run, then run the period again" in failure.message
