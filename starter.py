@@ -28,6 +28,7 @@ from typing import Any
 import asyncpg
 from pydantic import BaseModel, ValidationError
 from temporalio.client import (
+    Client,
     ScheduleAlreadyRunningError,
     ScheduleHandle,
     WorkflowFailureError,
@@ -35,7 +36,7 @@ from temporalio.client import (
 )
 from temporalio.service import RPCError, RPCStatusCode
 
-from billing import logs, operations, schedules, search_attributes
+from billing import ledger, logs, operations, schedules, search_attributes
 from billing.config import BillingSettings, DatabaseSettings, TemporalSettings, load_settings
 from billing.customers import changes_to_open_runs, read_customers_csv, upsert_customers
 from billing.db import create_pool
@@ -51,7 +52,7 @@ from billing.reporting import (
     failure_chain,
     ui_link,
 )
-from billing.runs import period_status, start_period, start_reconcile
+from billing.runs import period_status, start_period, start_reconcile, status_from_ledger
 from billing.seeding import seed_demo
 from billing.temporal_client import connect
 
@@ -149,9 +150,31 @@ async def _wait_and_report(
 
 async def cmd_status(args: argparse.Namespace) -> int:
     client = await connect(load_settings(TemporalSettings))
-    progress = await period_status(client, args.period)
+    progress = await _period_status(client, args.period)
     _emit(progress, args.json, describe(progress))
     return 0
+
+
+async def _period_status(client: Client, period: Period) -> PeriodProgress:
+    """The period's status, from the ledger when Temporal holds no run of it."""
+    progress = await period_status(client, period)
+    if progress.state != "not_started":
+        return progress
+    try:
+        pool = await create_pool(load_settings(DatabaseSettings).database_url, max_size=1)
+    except BillingError as exc:
+        print(
+            f"warning: Temporal holds no run of {period}, and the ledger, which remembers runs"
+            f" Temporal no longer keeps, could not be read: {exc}",
+            file=sys.stderr,
+        )
+        return progress
+    try:
+        async with pool.acquire() as conn:
+            record = await ledger.period_record(conn, str(period))
+    finally:
+        await pool.close()
+    return status_from_ledger(period, record, progress)
 
 
 def _operator(args: argparse.Namespace) -> str:
@@ -195,7 +218,7 @@ async def cmd_watch(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     client = await connect(load_settings(TemporalSettings))
-    progress: PeriodProgress = await period_status(client, args.period)
+    progress: PeriodProgress = await _period_status(client, args.period)
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),

@@ -20,6 +20,8 @@ from billing.models import (
     Gate,
     LedgerStatus,
     PeriodPlan,
+    PeriodRecord,
+    PeriodSummary,
     PreviewLine,
     SkipResult,
     finished_outcome,
@@ -471,6 +473,22 @@ async def finish_period(conn: asyncpg.Connection, period: str, summary_json: str
         """,
         period,
         summary_json,
+    )
+
+
+async def period_record(conn: asyncpg.Connection, period: str) -> PeriodRecord | None:
+    """What the ledger remembers of the period's last run; None if none was started."""
+    row = await conn.fetchrow(
+        "SELECT workflow_id, state, summary FROM billing_periods WHERE billing_period = $1",
+        period,
+    )
+    if row is None:
+        return None
+    summary = row["summary"]
+    return PeriodRecord(
+        workflow_id=row["workflow_id"],
+        state=row["state"],
+        summary=None if summary is None else PeriodSummary.model_validate_json(summary),
     )
 
 

@@ -266,6 +266,14 @@ class PeriodProgress(PeriodCounts):
     operator: str | None = None
 
 
+class PeriodRecord(Record):
+    """The ledger's row of a period's last run: the summary once it completed."""
+
+    workflow_id: str
+    state: Literal["running", "completed"]
+    summary: PeriodSummary | None
+
+
 class OpenRun(Record):
     """A run started or joined that no worker answered for: how it stands is unknown."""
 

@@ -20,7 +20,13 @@ from temporalio.types import MethodAsyncSingleParam, SelfType
 from billing import search_attributes
 from billing.errors import NoWorkerError, RunEndedError
 from billing.keys import period_workflow_id, reconcile_workflow_id
-from billing.models import BillingPeriodInput, PeriodProgress, PeriodSummary, RunOptions
+from billing.models import (
+    BillingPeriodInput,
+    PeriodProgress,
+    PeriodRecord,
+    PeriodSummary,
+    RunOptions,
+)
 from billing.periods import Period
 from billing.reconciliation import ReconcileInput, ReconcileReport
 from workflows.billing_period import BillingPeriodWorkflow
@@ -106,8 +112,26 @@ def _progress(summary: PeriodSummary) -> PeriodProgress:
     )
 
 
+def status_from_ledger(
+    period: Period, record: PeriodRecord | None, not_started: PeriodProgress
+) -> PeriodProgress:
+    """The status of a period Temporal holds no run of: none was started, or its last run
+    closed longer ago than the namespace keeps runs (its retention). The ledger remembers a
+    completed run's summary."""
+    if record is None:
+        return not_started
+    if record.summary is not None:
+        return _progress(record.summary)
+    raise RunEndedError(
+        f"the ledger shows a run of {period} ({record.workflow_id}) that never finished, and"
+        " Temporal no longer holds it (terminated, or closed longer ago than the namespace"
+        f" keeps runs): run the period again to finish it (`python starter.py run {period}`)"
+    )
+
+
 async def period_status(client: Client, period: Period) -> PeriodProgress:
-    """What the period's latest run says: live counts while running, the summary after."""
+    """What the period's latest run says: live counts while running, the summary after;
+    `not_started` when Temporal holds no run (see status_from_ledger)."""
     workflow_id = period_workflow_id(period)
     handle = client.get_workflow_handle_for(BillingPeriodWorkflow.run, workflow_id)
     try:

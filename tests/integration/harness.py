@@ -164,6 +164,7 @@ class Harness:
                 "TEMPORAL_ADDRESS": config.target_host,
                 "TEMPORAL_NAMESPACE": self.client.namespace,
                 "TEMPORAL_TASK_QUEUE": self.task_queue,
+                "DATABASE_URL": self.database_url,
             },
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,

@@ -27,6 +27,8 @@ from billing.models import (
     Claim,
     OpenRun,
     OperatorRequest,
+    PeriodPlan,
+    PeriodProgress,
     PeriodSummary,
     RunOptions,
     SkipRequest,
@@ -653,6 +655,37 @@ async def test_run_with_no_worker_says_the_run_is_open_and_nobody_answers(harnes
             period_workflow_id(PERIOD), result_type=PeriodSummary
         ).result()
     assert summary.charged == 1
+
+
+async def test_status_of_a_period_temporal_no_longer_holds_comes_from_the_ledger(
+    harness: Harness,
+) -> None:
+    # Past the namespace's retention Temporal holds no run of a period; the ledger still has
+    # its row, as here, where no workflow ever ran.
+    workflow_id = period_workflow_id(PERIOD)
+    billed = PeriodSummary(
+        period=str(PERIOD),
+        workflow_id=workflow_id,
+        due=3,
+        charged=3,
+        already_billed=0,
+        failed=0,
+        skipped=0,
+        cancelled=0,
+        total_charged_cents=3_000,
+    )
+    plan = PeriodPlan(period=str(PERIOD), due=3, to_charge=3, expected_total_cents=3_000)
+    async with harness.pool.acquire() as conn:
+        await ledger.start_period(conn, plan, workflow_id)
+        code, out, err = await harness.starter("status", str(PERIOD))
+        assert (code, out) == (2, ""), err
+        assert f"the ledger shows a run of {PERIOD} ({workflow_id}) that never finished" in err
+        await ledger.finish_period(conn, str(PERIOD), billed.model_dump_json())
+    code, out, err = await harness.starter("status", str(PERIOD), "--json")
+    status = PeriodProgress.model_validate_json(out)
+    assert (code, status.state, status.charged) == (0, "completed", 3), err
+    code, out, _ = await harness.starter("status", "2026-11", "--json")
+    assert PeriodProgress.model_validate_json(out).state == "not_started"
 
 
 async def test_creating_a_schedule_twice_is_a_clear_error(harness: Harness) -> None:
