@@ -487,5 +487,8 @@ async def _record_late(
 
 
 def _clean(text: str, limit: int) -> str:
-    """Text for the audit log: secrets redacted, control characters replaced, length bounded."""
-    return _CONTROL_RE.sub("?", redact(text))[:limit]
+    """Text for the audit log: secrets redacted, control characters and what is not UTF-8
+    (aiohttp keeps a header's stray bytes as lone surrogates, which Postgres refuses)
+    replaced, length bounded."""
+    storable = text.encode("utf-8", "replace").decode("utf-8")
+    return _CONTROL_RE.sub("?", redact(storable))[:limit]

@@ -3,6 +3,7 @@ recognises; and the audit log's one row per request."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -10,6 +11,7 @@ import aiohttp
 import asyncpg
 import pytest
 import stripe
+from yarl import URL
 
 from stripe_emulator import RunningEmulator
 from vault import RunningVault
@@ -285,6 +287,29 @@ async def test_expanding_objects_the_allowlist_refuses_is_refused(
         assert (response.status, reply["error"]["code"]) == (400, "body_not_allowed")
     refused = [e.refusal_code for e in await admin.audit(key.id) if e.refusal_code]
     assert refused == ["body_not_allowed"] + ["parameter_not_allowed"] * 4
+
+
+async def test_a_request_with_bytes_that_are_not_utf8_in_a_header_is_audited(
+    issue: Issue, vault: RunningVault, db: asyncpg.Pool
+) -> None:
+    key = await issue()
+    body = b"amount=100&currency=usd"
+    host = URL(vault.url)
+    assert host.host is not None and host.port is not None
+    reader, writer = await asyncio.open_connection(host.host, host.port)
+    writer.write(
+        b"POST /stripe/v1/payment_intents HTTP/1.1\r\nHost: vault\r\n"
+        b"Authorization: Bearer " + key.secret.get_secret_value().encode() + b"\r\n"
+        b"Content-Type: application/x-www-form-urlencoded\r\n"
+        b"Idempotency-Key: charge-\xff\r\nConnection: close\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    await writer.drain()
+    answer = await reader.read()
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 400")
+    rows = await db.fetch("SELECT decision, refusal_code, idempotency_key FROM vault_audit")
+    assert [tuple(r) for r in rows] == [("refused_request", "idempotency_key_invalid", "charge-?")]
 
 
 async def test_the_audit_log_has_one_row_per_request(
