@@ -158,8 +158,10 @@ async def _proxy(
     reservation = None
     if endpoint in METERED:
         reservation = await _reserve_charge(state, request, grant, endpoint, body, record)
+    # Committed already: Stripe answers from what it saved with the key. A takeover of one in
+    # doubt may execute now, or replay: its answer says which.
     record.decision = (
-        "replayed" if reservation is not None and not reservation.counted else "forwarded"
+        "replayed" if reservation is not None and reservation.state == "committed" else "forwarded"
     )
 
     try:
@@ -181,6 +183,8 @@ async def _proxy(
             should_retry=True,
         ) from None
     record.upstream_status = answer.status
+    if _replayed(answer):
+        record.decision = "replayed"
     if reservation is not None and reservation.owned:
         outcome = _outcome(answer, in_doubt=reservation.in_doubt)
         record.reservation_state = await _settle(state, reservation, outcome, answer.status)
@@ -417,10 +421,14 @@ def _outcome(answer: _Answer, *, in_doubt: bool) -> Outcome:
         # saved under the key before, or replayed) or a replayed answer speaks for it; the
         # rest (401, 403, 409, 429, an idempotency error, a validation error) prove only that
         # this attempt did not execute.
-        replayed = answer.headers.get("Idempotent-Replayed", "").lower() == "true"
-        return "failed" if answer.status == 402 or replayed else "unknown"
+        return "failed" if answer.status == 402 or _replayed(answer) else "unknown"
     # 5xx (Stripe may have executed before failing) and anything unexpected.
     return "unknown"
+
+
+def _replayed(answer: _Answer) -> bool:
+    """Stripe answered from what it saved with the Idempotency-Key, executing nothing."""
+    return answer.headers.get("Idempotent-Replayed", "").lower() == "true"
 
 
 async def _settle(

@@ -83,6 +83,29 @@ async def test_dropped_response_keeps_the_reservation_until_a_replay_settles_it(
     ]
 
 
+async def test_a_retry_stripe_executes_anew_is_audited_as_forwarded_not_replayed(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    emulator: RunningEmulator,
+    admin: VaultAdmin,
+) -> None:
+    # Stripe failed before executing anything and saved nothing: the retry takes the
+    # reservation over and is the request that charges, which the audit must say.
+    key = await issue()
+    client = stripe_via_vault(key)
+    await set_faults(emulator, error_before_commit=1.0)
+    with pytest.raises(stripe.APIError):
+        await charge(client, customer, 1_500, "flaky")
+    await set_faults(emulator, error_before_commit=0.0)
+    intent = await charge(client, customer, 1_500, "flaky")
+    assert intent.last_response is not None
+    assert intent.last_response.headers.get("Idempotent-Replayed") is None
+    assert len(await emulator_ledger(emulator)) == 1
+    decisions = [(e.decision, e.reservation_state) for e in await admin.audit(key.id)]
+    assert decisions == [("forwarded", "committed"), ("forwarded", "unknown")]
+
+
 async def test_decline_releases_the_reservation(
     issue: Issue, stripe_via_vault: StripeFor, declining_customer: str, db: asyncpg.Pool
 ) -> None:
