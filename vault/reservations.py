@@ -103,7 +103,7 @@ async def reserve(
     stale_after: timedelta,
 ) -> Reservation:
     """Count `charge` against the key's caps, or find the reservation this key already has.
-    The decision is the SQL function vault_reserve (migrations/011_replay_window.sql): one
+    The decision is the SQL function vault_reserve (migrations/015_takeover_daily_cap.sql): one
     round trip."""
     row = await conn.fetchrow(
         "SELECT * FROM vault_reserve($1, $2, $3, $4, $5, $6, $7)",

@@ -17,7 +17,7 @@ from vault import VaultSettings, serve
 from vault.models import IssuedKey
 
 from .conftest import Issue
-from .support import assert_consistent, charge, emulator_ledger, via_vault
+from .support import assert_consistent, charge, emulator_ledger, set_faults, via_vault
 
 StripeFor = Callable[[IssuedKey], stripe.StripeClient]
 
@@ -188,6 +188,53 @@ async def test_daily_cap_per_utc_day(
     await charge(client, customer, 5_000, "day-4")
     totals = await assert_consistent(db, key.id)
     assert totals["spent_cents"] == 10_000
+
+
+async def test_a_retry_in_doubt_from_an_earlier_utc_day_counts_against_today(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+) -> None:
+    key = await issue(cap_cents=10_000, daily_cap_cents=1_000)
+    client = stripe_via_vault(key)
+    # Sent at 23:59 and answered 500 before Stripe executed anything: in doubt, counted.
+    await set_faults(emulator, error_before_commit=1.0)
+    with pytest.raises(stripe.APIError):
+        await charge(client, customer, 1_000, "late-evening")
+    await set_faults(emulator, error_before_commit=0.0)
+    async with db.acquire() as conn, conn.transaction():  # midnight passes
+        await conn.execute(
+            "UPDATE vault_key_days SET day = day - 1 WHERE vault_key_id = $1", key.id
+        )
+        await conn.execute(
+            "UPDATE vault_reservations SET day = day - 1 WHERE vault_key_id = $1", key.id
+        )
+    await charge(client, customer, 1_000, "after-midnight")  # fills today's cap
+    # The retry would move its money today, past today's cap: refused, left in doubt.
+    with pytest.raises(stripe.CardError) as refused:
+        await charge(client, customer, 1_000, "late-evening")
+    assert refused.value.code == "spend_cap_exceeded"
+    assert "daily cap" in str(refused.value.user_message)
+    assert len(await emulator_ledger(emulator)) == 1
+    await assert_consistent(db, key.id)
+    # Another day with room: the retry goes, and is counted on that day.
+    async with db.acquire() as conn, conn.transaction():
+        await conn.execute(
+            "UPDATE vault_key_days SET day = day - 1 WHERE vault_key_id = $1", key.id
+        )
+        await conn.execute(
+            "UPDATE vault_reservations SET day = day - 1 WHERE vault_key_id = $1", key.id
+        )
+    await charge(client, customer, 1_000, "late-evening")
+    await assert_consistent(db, key.id)
+    used_today = await db.fetchval(
+        "SELECT spent_cents FROM vault_key_days WHERE vault_key_id = $1"
+        " AND day = (now() AT TIME ZONE 'UTC')::date",
+        key.id,
+    )
+    assert used_today == 1_000
 
 
 async def test_currency_other_than_the_keys_is_refused(
