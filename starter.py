@@ -318,6 +318,7 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
         )
     elif args.schedule_command == "describe":
         print(schedules.describe(await handle.describe()))
+        _warn_missed(args.id, await schedules.missed_launches(client, args.id))
     elif args.schedule_command == "pause":
         await handle.pause(note=args.note)
         print(f"paused schedule {args.id}")
@@ -345,7 +346,8 @@ def _warn_missed(schedule_id: str, missed: list[schedules.Missed]) -> None:
         return
     print(
         f"WARNING: {schedule_id} launched nothing at {len(missed)} of its times, and Temporal"
-        " does not make them up (a paused schedule skips its times): "
+        " does not make them up (a paused schedule skips its times, and so does one Temporal"
+        " could not fire within its catch-up window): "
         + ", ".join(m.at.isoformat() for m in missed),
         file=sys.stderr,
     )

@@ -626,6 +626,9 @@ async def test_unpausing_names_the_launches_the_pause_skipped(harness: Harness) 
     missed = await schedules.missed_launches(harness.client, "often")
     assert len(missed) >= 2
     assert {m.period for m in missed} == {period_for(datetime.now(UTC))}
+    # `describe` names them too (as it does firings missed in an outage past the catch-up).
+    code, _, err = await harness.starter("schedule", "describe", "--id", "often")
+    assert code == 0 and "WARNING: often launched nothing at" in err
     code, out, err = await harness.starter("schedule", "unpause", "--id", "often")
     await handle.delete()
     assert (code, out.strip()) == (0, "unpaused schedule often"), err
