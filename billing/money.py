@@ -7,7 +7,12 @@ from collections.abc import Mapping
 from decimal import Decimal
 
 from billing.errors import InvalidAmountError, InvalidCurrencyError, shown
-from billing.stripe_currencies import STRIPE_CURRENCIES, THREE_DECIMAL, WHOLE_UNITS_ONLY
+from billing.stripe_currencies import (
+    MINIMUM_CHARGE,
+    STRIPE_CURRENCIES,
+    THREE_DECIMAL,
+    WHOLE_UNITS_ONLY,
+)
 
 # Stripe's ceiling for `amount`: eight digits in the smallest currency unit.
 MAX_AMOUNT_CENTS = 99_999_999
@@ -54,8 +59,14 @@ def validate_currency(currency: object) -> str:
 
 
 def validate_amount_in(amount: int, currency: str) -> int:
-    """`amount` as Stripe charges it in `currency`: three-decimal ones to the hundredth,
-    and those it takes in whole units only to the unit."""
+    """`amount` as Stripe charges it in `currency`: at least its minimum charge, three-decimal
+    ones to the hundredth, and those it takes in whole units only to the unit."""
+    minimum = MINIMUM_CHARGE.get(currency)
+    if minimum is not None and amount < minimum:
+        raise InvalidAmountError(
+            f"amount {amount} {currency} is below Stripe's minimum charge of {minimum}"
+            f" {currency} (amounts are in the currency's smallest unit: is it in cents?)"
+        )
     if currency in THREE_DECIMAL and amount % 10:
         raise InvalidAmountError(
             f"amount {amount} {currency} must end in 0: Stripe charges {currency} in"

@@ -20,3 +20,32 @@ THREE_DECIMAL = frozenset({"bhd", "jod", "kwd", "omr", "tnd"})
 # Two-decimal in the API, but Stripe takes only whole units (amounts in multiples of 100):
 # a fraction is refused with invalid_charge_amount_no_decimal_compatible.
 WHOLE_UNITS_ONLY = frozenset({"isk"})
+# Stripe's minimum charge per currency, in its smallest unit, as Stripe publishes them for
+# charges settled in the same currency (its "Minimum and maximum charge amounts"); below it
+# Stripe refuses the charge with amount_too_small. Stripe publishes none for the others.
+MINIMUM_CHARGE = {
+    "usd": 50,
+    "aed": 200,
+    "aud": 50,
+    "bgn": 100,
+    "brl": 50,
+    "cad": 50,
+    "chf": 50,
+    "czk": 1500,
+    "dkk": 250,
+    "eur": 50,
+    "gbp": 30,
+    "hkd": 400,
+    "huf": 17500,
+    "inr": 50,
+    "jpy": 50,
+    "mxn": 1000,
+    "myr": 200,
+    "nok": 300,
+    "nzd": 50,
+    "pln": 200,
+    "ron": 200,
+    "sek": 300,
+    "sgd": 50,
+    "thb": 1000,
+}

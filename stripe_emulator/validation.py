@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, TypeVar
 
-from billing.stripe_currencies import STRIPE_CURRENCIES
+from billing.stripe_currencies import MINIMUM_CHARGE, STRIPE_CURRENCIES
 
 from .errors import invalid, missing_param
 from .forms import Params
@@ -76,6 +76,17 @@ def amount(params: Params) -> int | None:
             code="amount_too_large",
         )
     return value
+
+
+def at_least_minimum(value: int, money: str) -> None:
+    """Stripe refuses a charge below its minimum for the currency."""
+    minimum = MINIMUM_CHARGE.get(money)
+    if minimum is not None and value < minimum:
+        raise invalid(
+            f"Amount must be at least {minimum} {money} in the currency's smallest unit.",
+            param="amount",
+            code="amount_too_small",
+        )
 
 
 def currency(params: Params) -> str:

@@ -11,6 +11,7 @@ from ..validation import (
     COMMON,
     LIST,
     amount,
+    at_least_minimum,
     check_known,
     currency,
     metadata,
@@ -38,6 +39,7 @@ def _create(call: Call) -> JSON:
     check_known(params, _CREATE)
     value = require(amount(params), "amount")
     money = currency(params)
+    at_least_minimum(value, money)
     customer_id = string(params, "customer")
     source_id = string(params, "source")
     method_id = string(params, "payment_method")

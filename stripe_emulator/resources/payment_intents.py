@@ -16,6 +16,7 @@ from ..validation import (
     COMMON,
     LIST,
     amount,
+    at_least_minimum,
     boolean,
     check_known,
     currency,
@@ -54,6 +55,7 @@ def _create(call: Call) -> JSON:
     check_known(params, _CREATE)
     value = require(amount(params), "amount")
     money = currency(params)
+    at_least_minimum(value, money)
     customer_id = string(params, "customer")
     customer = None
     if customer_id is not None:

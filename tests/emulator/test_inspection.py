@@ -20,7 +20,7 @@ async def test_ledger_lists_every_charge_in_creation_order(raw: Raw) -> None:
     bad = (await raw.customer("pm_card_chargeCustomerFail"))["id"]
     first = await raw.charge(good, "ledger-1", **{"metadata[billing_key]": "a"})
     await raw.charge(bad, "ledger-2")
-    legacy = await raw.post("/v1/charges", {"amount": "10", "currency": "gbp", "customer": good})
+    legacy = await raw.post("/v1/charges", {"amount": "1000", "currency": "gbp", "customer": good})
     charges = (await raw.ledger())["charges"]
     assert [c["status"] for c in charges] == ["succeeded", "failed", "succeeded"]
     assert charges[0] == {

@@ -20,6 +20,7 @@ from .support import Raw
         ("-100", "parameter_invalid_integer"),
         ("9" * 40, "parameter_invalid_integer"),
         (str(MAX_AMOUNT + 1), "amount_too_large"),
+        ("49", "amount_too_small"),  # Stripe's minimum charge in usd is 50
     ],
 )
 @pytest.mark.parametrize("path", ["/v1/payment_intents", "/v1/charges"])

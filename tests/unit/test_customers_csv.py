@@ -38,7 +38,7 @@ def test_valid_file() -> None:
         ("x'; DROP TABLE customers;--,cus_A,pm_1,1500,usd\n", "line 2: customer_id"),
         ("c-1,acct_A,pm_1,1500,usd\n", "line 2: stripe_customer_id"),
         ("c-1,cus_A,card_1,1500,usd\n", "line 2: payment_method"),
-        ("c-1,cus_A,pm_1,1500,usd\nc-1,cus_B,pm_2,10,usd\n", "line 3: customer 'c-1' already"),
+        ("c-1,cus_A,pm_1,1500,usd\nc-1,cus_B,pm_2,1000,usd\n", "line 3: customer 'c-1' already"),
         ("c-1,cus_A,pm_1,1500,usd,extra\n", "line 2: more fields"),
         (",cus_A,pm_1,1500,usd\n", "line 2: customer_id is empty"),
         ("c-1,cus_A,pm_1,100000000,usd\n", "line 2: amount 100000000 exceeds"),
@@ -83,6 +83,7 @@ BAD_ROWS = [
     ("c-bad,cus_A,pm_1,-100,usd\n", "amount must be a whole number"),
     ("c-bad,cus_A,pm_1,100,US$\n", "currency"),
     ("c-bad,cus_A,pm_1," + "9" * 5000 + ",usd\n", "amount of 5000 digits exceeds"),
+    ("c-bad,cus_A,pm_1,49,usd\n", "amount 49 usd is below Stripe's minimum charge of 50 usd"),
     ('c-bad,"' + "x" * 200_000 + '",pm_1,100,usd\n', "field larger than field limit"),
 ]
 
@@ -91,7 +92,7 @@ BAD_ROWS = [
     before=st.integers(0, 15),
     after=st.integers(0, 5),
     which=st.sampled_from(range(len(BAD_ROWS))),  # an index: a 200 kB row makes a long repr
-    amount=st.integers(1, 99_999_999),
+    amount=st.integers(50, 99_999_999),
 )
 @settings(max_examples=40)
 def test_one_bad_row_anywhere_rejects_the_file_naming_its_line(

@@ -202,6 +202,20 @@ def test_a_three_decimal_currency_is_charged_to_the_hundredth() -> None:
         validate_amount_in(1235, "kwd")
 
 
+@pytest.mark.parametrize(
+    ("amount", "currency", "minimum"), [(49, "usd", 50), (29, "gbp", 30), (1, "jpy", 50)]
+)
+def test_an_amount_below_stripes_minimum_charge_is_refused(
+    amount: int, currency: str, minimum: int
+) -> None:
+    # Stripe refuses it (amount_too_small) and the customer would fail for the period.
+    assert validate_amount_in(minimum, currency) == minimum
+    with pytest.raises(InvalidAmountError, match=f"minimum charge of {minimum} {currency}"):
+        validate_amount_in(amount, currency)
+    # Stripe publishes no minimum for every currency: those are not checked here.
+    assert validate_amount_in(1, "kes") == 1
+
+
 def test_icelandic_krona_is_charged_in_whole_units() -> None:
     assert validate_amount_in(500, "isk") == 500
     with pytest.raises(InvalidAmountError, match="550 isk must end in 00"):
