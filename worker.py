@@ -158,7 +158,8 @@ async def main() -> None:
     try:
         async with stripe_http(settings.billing_stripe_timeout_seconds) as http:
             token = settings.vault_token()
-            if settings.billing_vault_url and token:
+            # The settings refuse a token without a URL, and a URL without a token.
+            if settings.billing_vault_url and token is not None:
                 if settings.billing_vault_worker_token is None:
                     log.warning(
                         "calling the vault with its admin token: set BILLING_VAULT_WORKER_TOKEN"
@@ -189,6 +190,10 @@ async def main() -> None:
                 api_key = settings.stripe_api_key.get_secret_value()
                 direct = stripe_client(api_key, settings.stripe_api_base, http)
                 access = direct_access(direct, settings)
+                log.info(
+                    "charging Stripe directly at %s, with no vault and no spend cap",
+                    settings.stripe_api_base,
+                )
             worker = create_worker(client, temporal.task_queue, pool, access, settings, admin)
             await _run(worker, client, temporal.task_queue, stop)
     finally:

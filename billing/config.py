@@ -109,6 +109,16 @@ class BillingSettings(BaseSettings):
             SecretBox(value)
         return value
 
+    @field_validator("billing_vault_url", "billing_vault_worker_token", "billing_vault_admin_token")
+    @classmethod
+    def _not_blank(cls, value: str | SecretStr | None) -> str | SecretStr | None:
+        # A blank value (`NAME=` in an env file) would read as unset: the worker would charge
+        # Stripe directly, with no spend cap, and say nothing.
+        text = value.get_secret_value() if isinstance(value, SecretStr) else value
+        if text is not None and not text.strip():
+            raise ValueError("is set but blank: give it a value, or unset it")
+        return value
+
     @model_validator(mode="after")
     def _vault_needs_its_secrets(self) -> BillingSettings:
         if self.billing_vault_url:
@@ -118,6 +128,11 @@ class BillingSettings(BaseSettings):
                 )
             if self.billing_key_encryption_keys is None:
                 raise ValueError(f"BILLING_VAULT_URL is set: {SETTING} is needed too")
+        elif self.vault_token() is not None:
+            raise ValueError(
+                "a vault token is set but BILLING_VAULT_URL is not: set it too, or a worker"
+                " would charge Stripe directly, with no spend cap"
+            )
         return self
 
     def vault_token(self) -> SecretStr | None:

@@ -160,6 +160,12 @@ def test_bad_arguments_are_refused_before_anything_is_contacted(
     ("env", "expected"),
     [
         ({"BILLING_VAULT_URL": "http://127.0.0.1:1"}, "BILLING_VAULT_WORKER_TOKEN is needed too"),
+        # Blank in an env file: read as unset, the worker charged around the vault, uncapped.
+        (
+            {"BILLING_VAULT_URL": "http://127.0.0.1:1", "BILLING_VAULT_WORKER_TOKEN": ""},
+            "BILLING_VAULT_WORKER_TOKEN: Value error, is set but blank",
+        ),
+        ({"BILLING_VAULT_WORKER_TOKEN": "a-worker-token-0123"}, "BILLING_VAULT_URL is not"),
         ({"BILLING_CAP_MULTIPLIER": "0.5"}, "BILLING_CAP_MULTIPLIER: Input should be greater"),
         # Past Stripe's key window a retry without a lookup first would charge again.
         ({"BILLING_LOOKUP_AFTER_SECONDS": "90000"}, "could be charged a second time"),
