@@ -18,6 +18,7 @@ from activities.stripe_failures import (
     KEY_REFUSED,
     PERIOD_BLOCKERS,
     REFUSED,
+    RETRYABLE,
     SPEND_CAP_EXCEEDED,
     declined,
     is_replayed,
@@ -210,9 +211,16 @@ class ChargingActivities:
                 # and a pause, cancel or skip meanwhile still stops it.
                 await self._reopen(claim, proven=False)
             if failure.type in PERIOD_BLOCKERS:
-                # Refused before Stripe: the claim waits at the gate for the operator, and a
-                # key replaced since (e.g. after expiry) is read afresh on the next attempt.
-                self._access.forget(claim.period, claim.currency)
+                if await self._access.replaced(claim.period, claim.currency, gateway.vault_key_id):
+                    # This worker charged with a key a later run's preparation has replaced
+                    # (revoked and deleted, near its expiry): the retry takes the new one,
+                    # and nothing pauses.
+                    raise ApplicationError(
+                        f"the vault refused a period key replaced since ({failure.message});"
+                        " retrying with the new key",
+                        type=RETRYABLE,
+                    ) from None
+                # Refused before Stripe: the claim waits at the gate for the operator.
                 await self._reopen(claim, proven=failure.type == SPEND_CAP_EXCEEDED)
             raise failure from None
 

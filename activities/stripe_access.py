@@ -16,7 +16,7 @@ from pydantic import SecretStr
 
 from activities.stripe_gateway import StripeGateway
 from billing.models import ChargeApi, Claim
-from billing.period_keys import NoPeriodKeyError, issue_lookup_key, read_secret
+from billing.period_keys import NoPeriodKeyError, issue_lookup_key, read_key, stored_key_id
 from billing.sealing import SecretBox
 from billing.stripe_client import stripe_client
 from vault.client import VaultAdmin, VaultForbidden
@@ -35,6 +35,11 @@ class StripeAccess(Protocol):
         """Drop what is cached for the period's key (e.g. after the vault refused it), so
         that the next call reads a key replaced since."""
 
+    async def replaced(self, period: str, currency: str, refused: str | None) -> bool:
+        """After the vault refused the period's key `refused` (a gateway's vault_key_id):
+        forget it, and say whether the ledger now stores another (a later run's preparation
+        replaced it), which the next call charges with."""
+
     async def lookup_gateway(self, period: str, currency: str) -> StripeGateway:
         """A gateway that reads the period's charges in the currency, once the period's own
         key has expired or was revoked."""
@@ -52,6 +57,9 @@ class DirectAccess:
 
     def forget(self, period: str, currency: str) -> None:
         pass
+
+    async def replaced(self, period: str, currency: str, refused: str | None) -> bool:
+        return False
 
     async def lookup_gateway(self, period: str, currency: str) -> StripeGateway:
         return self._gateway
@@ -84,18 +92,27 @@ class VaultAccess:
         slot = (period, currency)
         gateway = self._gateways.get(slot)
         if gateway is None:
-            secret = await read_secret(self._pool, self._box, period, currency)
-            gateway = self._gateways[slot] = self._through(secret)
+            key = await read_key(self._pool, self._box, period, currency)
+            gateway = self._gateways[slot] = self._through(key.secret, key.vault_key_id)
         return gateway
 
-    def _through(self, secret: SecretStr) -> StripeGateway:
+    def _through(self, secret: SecretStr, vault_key_id: str | None = None) -> StripeGateway:
         """A gateway calling Stripe through the vault with this vault key."""
-        return StripeGateway(
-            stripe_client(secret.get_secret_value(), self._base, self._http), self._api
-        )
+        client = stripe_client(secret.get_secret_value(), self._base, self._http)
+        return StripeGateway(client, self._api, vault_key_id)
 
     def forget(self, period: str, currency: str) -> None:
         self._gateways.pop((period, currency), None)
+
+    async def replaced(self, period: str, currency: str, refused: str | None) -> bool:
+        slot = (period, currency)
+        cached = self._gateways.get(slot)
+        if cached is not None and cached.vault_key_id == refused:
+            del self._gateways[slot]
+        if refused is None:
+            return False
+        stored = await stored_key_id(self._pool, period, currency)
+        return stored is not None and stored != refused
 
     async def lookup_gateway(self, period: str, currency: str) -> StripeGateway:
         if self._admin is None:

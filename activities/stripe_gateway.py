@@ -50,9 +50,13 @@ def charge_params(claim: Claim, api: ChargeApi) -> dict[str, Any]:
 
 
 class StripeGateway:
-    def __init__(self, client: stripe.StripeClient, api: ChargeApi) -> None:
+    def __init__(
+        self, client: stripe.StripeClient, api: ChargeApi, vault_key_id: str | None = None
+    ) -> None:
         self._client = client
         self._api = api
+        # The period's vault key this gateway charges with; None for Stripe directly.
+        self.vault_key_id = vault_key_id
 
     def _api_for(self, recorded: ChargeApi | None) -> ChargeApi:
         """The API a claim recorded: a setting changed since must not change its requests;
@@ -70,7 +74,15 @@ class StripeGateway:
                 return self._from_intent(intent)
             # Stripe replays the intent as its first answer left it (e.g. a bank debit still
             # processing) for as long as it keeps the key: where it stands now is listed.
-            found = await self._find_through(api, claim)
+            try:
+                found = await self._find_through(api, claim)
+            except stripe.RateLimitError:
+                # Not the create's 429 (which proves nothing was sent): this one's intent exists.
+                raise stripe.APIError(
+                    f"payment intent {intent.id} is {intent.status}, and Stripe's rate limit"
+                    " refused looking it up",
+                    http_status=503,
+                ) from None
             if found is None:
                 raise _not_succeeded(intent)
             return found

@@ -135,10 +135,17 @@ async def issue_lookup_key(admin: VaultAdmin, period: str, currency: str) -> Iss
     )
 
 
-async def read_secret(pool: asyncpg.Pool, box: SecretBox, period: str, currency: str) -> SecretStr:
+class StoredKey(Record):
+    """The period's key as the ledger stores it: which vault key, and its secret."""
+
+    vault_key_id: str
+    secret: SecretStr
+
+
+async def read_key(pool: asyncpg.Pool, box: SecretBox, period: str, currency: str) -> StoredKey:
     async with pool.acquire() as conn:
         row = await conn.fetchrow(
-            "SELECT secret, sealed_secret FROM period_vault_keys"
+            "SELECT vault_key_id, secret, sealed_secret FROM period_vault_keys"
             " WHERE billing_period = $1 AND currency = $2",
             period,
             currency,
@@ -146,9 +153,22 @@ async def read_secret(pool: asyncpg.Pool, box: SecretBox, period: str, currency:
     if row is None:
         raise NoPeriodKeyError(f"no vault key stored for {period} ({currency}): was it prepared?")
     if row["sealed_secret"] is not None:
-        return box.open(row["sealed_secret"], f"the vault key for {period} ({currency})")
-    await reseal_secrets(pool, box)
-    return SecretStr(row["secret"])
+        secret = box.open(row["sealed_secret"], f"the vault key for {period} ({currency})")
+    else:
+        await reseal_secrets(pool, box)
+        secret = SecretStr(row["secret"])
+    return StoredKey(vault_key_id=row["vault_key_id"], secret=secret)
+
+
+async def stored_key_id(pool: asyncpg.Pool, period: str, currency: str) -> str | None:
+    async with pool.acquire() as conn:
+        key_id: str | None = await conn.fetchval(
+            "SELECT vault_key_id FROM period_vault_keys"
+            " WHERE billing_period = $1 AND currency = $2",
+            period,
+            currency,
+        )
+    return key_id
 
 
 async def reseal_secrets(pool: asyncpg.Pool, box: SecretBox) -> tuple[int, int]:

@@ -8,7 +8,7 @@ import asyncpg
 import pytest
 from pydantic import SecretStr
 
-from billing.period_keys import read_secret, reseal_secrets
+from billing.period_keys import read_key, reseal_secrets
 from billing.sealing import SecretBox, UnsealError, new_key
 from tests.integration.harness import Harness, eventually
 
@@ -28,10 +28,10 @@ async def test_a_key_stored_in_plain_text_is_sealed_when_first_read(db: asyncpg.
         SECRET.get_secret_value(),
     )
     box = SecretBox(SecretStr(new_key()))
-    assert await read_secret(db, box, "2026-12", "usd") == SECRET
+    assert (await read_key(db, box, "2026-12", "usd")).secret == SECRET
     row = await stored(db)
     assert row["secret"] is None and SECRET.get_secret_value().encode() not in row["sealed_secret"]
-    assert await read_secret(db, box, "2026-12", "usd") == SECRET
+    assert (await read_key(db, box, "2026-12", "usd")).secret == SECRET
 
 
 async def test_a_row_needs_one_secret_plain_or_sealed(db: asyncpg.Pool) -> None:
@@ -50,7 +50,7 @@ async def test_a_key_sealed_with_a_key_since_removed_says_so(db: asyncpg.Pool) -
         SecretBox(SecretStr(new_key())).seal(SECRET),
     )
     with pytest.raises(UnsealError, match=r"the vault key for 2026-12 \(eur\) cannot be") as err:
-        await read_secret(db, SecretBox(SecretStr(new_key())), "2026-12", "eur")
+        await read_key(db, SecretBox(SecretStr(new_key())), "2026-12", "eur")
     assert "plain0" not in str(err.value)
 
 
@@ -78,7 +78,7 @@ async def test_a_worker_seals_every_key_stored_in_plain_text_when_it_starts(
     await eventually(sealed, timeout=60)
     box = vaulted.settings.secret_box()
     for currency in ("usd", "eur"):
-        assert await read_secret(vaulted.pool, box, "2026-10", currency) == SECRET
+        assert (await read_key(vaulted.pool, box, "2026-10", currency)).secret == SECRET
 
 
 async def test_a_rotation_reseals_every_key_the_old_key_sealed(db: asyncpg.Pool) -> None:
@@ -97,4 +97,4 @@ async def test_a_rotation_reseals_every_key_the_old_key_sealed(db: asyncpg.Pool)
     assert await reseal_secrets(db, SecretBox(SecretStr(f"{new},{old}"))) == (1, 1)
     only_new = SecretBox(SecretStr(new))
     for currency in ("usd", "eur"):
-        assert await read_secret(db, only_new, "2026-11", currency) == SECRET
+        assert (await read_key(db, only_new, "2026-11", currency)).secret == SECRET

@@ -85,7 +85,9 @@ async def test_a_period_charges_through_its_capped_key(vaulted: Harness) -> None
         VAULT_ADMIN_TOKEN,
         VAULT_WORKER_TOKEN,
         vaulted.settings.stripe_api_key.get_secret_value(),
-        (await period_keys.read_secret(vaulted.pool, box, str(PERIOD), "usd")).get_secret_value(),
+        (
+            await period_keys.read_key(vaulted.pool, box, str(PERIOD), "usd")
+        ).secret.get_secret_value(),
     ]
     # The ledger keeps the period key's secret sealed only.
     async with vaulted.pool.acquire() as conn:
@@ -211,6 +213,35 @@ async def test_a_stored_key_near_its_expiry_is_replaced_not_reused(vaulted: Harn
     assert replaced.vault_key_id not in (issued.id, first.vault_key_id)
     info = await vaulted.vault.worker.get_key(replaced.vault_key_id)
     assert info.expires_at - datetime.now(UTC) > grace - timedelta(minutes=1)
+
+
+@pytest.mark.parametrize("how", ["revoked and deleted", "near its expiry"])
+async def test_a_rerun_charges_with_the_key_its_preparation_gave_not_the_one_cached(
+    vaulted: Harness, how: str
+) -> None:
+    """A worker that charged the first run holds its key; a rerun's preparation replaced it
+    (after the revoke-and-delete the kill switch's message advises, or late in its life).
+    The rerun charges with the new key instead of pausing on the old one."""
+    assert vaulted.vault is not None
+    await vaulted.seed(3)
+    async with vaulted.running_worker():  # one long-lived worker, as in production
+        first = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
+        assert (await first.result()).charged == 3
+        old = await period_key(vaulted)
+        async with vaulted.pool.acquire() as conn:
+            if how == "revoked and deleted":
+                await vaulted.vault.admin.revoke(old)
+                await conn.execute("DELETE FROM period_vault_keys")
+            else:
+                await conn.execute(
+                    "UPDATE vault_keys SET expires_at = now() + interval '20 hours' WHERE id = $1",
+                    old,
+                )
+        await vaulted.seed(2, prefix="late")
+        rerun = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
+        summary = await rerun.result()
+    assert await period_key(vaulted) != old
+    assert (summary.charged, summary.already_billed) == (2, 3)
 
 
 async def test_revoked_key_stops_charging(vaulted: Harness) -> None:

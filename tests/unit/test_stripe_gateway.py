@@ -217,3 +217,20 @@ async def test_a_failed_intent_whose_error_has_no_decline_code_is_found_failed()
     found = await intents_gateway(failed).find(INTENT_CLAIM)
     assert isinstance(found, ChargeFailure)
     assert (found.code, found.decline_code) == ("expired_card", None)
+
+
+async def test_a_rate_limited_lookup_after_a_create_is_not_taken_for_the_creates_429() -> None:
+    # A 429 on the create proves nothing reached Stripe (the claim goes back to the gate);
+    # this one came after the create made the intent.
+    async def limited(params: dict[str, Any]) -> Any:
+        raise stripe.RateLimitError("Too many requests", http_status=429)
+
+    intents = SimpleNamespace(
+        create_async=Creating(intent("processing", int(time.time()))), list_async=limited
+    )
+    client = SimpleNamespace(v1=SimpleNamespace(payment_intents=intents))
+    gateway = StripeGateway(client, "payment_intents")  # type: ignore[arg-type]
+    with pytest.raises(stripe.APIError) as raised:
+        await gateway.charge(INTENT_CLAIM)
+    assert not isinstance(raised.value, stripe.RateLimitError)
+    assert raised.value.http_status == 503
