@@ -160,15 +160,9 @@ async def _period_status(client: Client, period: Period) -> PeriodProgress:
     progress = await period_status(client, period)
     if progress.state != "not_started":
         return progress
-    try:
-        pool = await create_pool(load_settings(DatabaseSettings).database_url, max_size=1)
-    except BillingError as exc:
-        print(
-            f"warning: Temporal holds no run of {period}, and the ledger, which remembers runs"
-            f" Temporal no longer keeps, could not be read: {exc}",
-            file=sys.stderr,
-        )
-        return progress
+    # "not_started" is only true if the ledger, which remembers runs Temporal no longer
+    # keeps, has none either: unreadable, it is an error, not a guess.
+    pool = await create_pool(load_settings(DatabaseSettings).database_url, max_size=1)
     try:
         async with pool.acquire() as conn:
             record = await ledger.period_record(conn, str(period))

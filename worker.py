@@ -116,6 +116,7 @@ def create_worker(
             period.skip_customer,
             period.cancel_unstarted,
             period.close,
+            period.completed,
             scheduled_period,
             reconcile.open_claims,
             reconcile.settle_claim,

@@ -142,6 +142,14 @@ class PeriodActivities:
                     non_retryable=True,
                 ) from None
 
+    @activity.defn(name="period_completed")
+    async def completed(self, period: str) -> bool:
+        """Whether the ledger shows a run of the period that completed (cancelled ones too),
+        which it remembers past the namespace's retention."""
+        async with self._pool.acquire() as conn:
+            record = await ledger.period_record(conn, period)
+        return record is not None and record.state == "completed"
+
     @activity.defn(name="due_customers")
     async def due_customers(self, request: DuePageRequest) -> DuePage:
         async with self._pool.acquire() as conn:

@@ -23,7 +23,7 @@ from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.types import MethodAsyncSingleParam
 
 with workflow.unsafe.imports_passed_through():
-    from activities.period import ScheduledPeriodRequest, scheduled_period
+    from activities.period import PeriodActivities, ScheduledPeriodRequest, scheduled_period
     from billing import search_attributes
     from billing.keys import period_workflow_id, reconcile_workflow_id
     from billing.models import BillingPeriodInput, PeriodSummary, ScheduledBillingInput
@@ -79,12 +79,22 @@ class ScheduledBillingWorkflow:
         # A period whose run completed (cancelled ones too) is not started again: a backfill
         # over a billed month, or a time the clocks repeat, would charge the customers added
         # since, or undo an operator's cancel. Billing one again is `starter.py run`'s, by
-        # hand. A failed or terminated run is started again.
-        reuse = (
-            WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY
-            if workflow.patched(KEEP_FINISHED_PERIODS)
-            else WorkflowIDReusePolicy.ALLOW_DUPLICATE
-        )
+        # hand. A failed or terminated run is started again. The ledger remembers a run
+        # past the namespace's retention; the reuse policy covers a run completing meanwhile.
+        reuse = WorkflowIDReusePolicy.ALLOW_DUPLICATE
+        if workflow.patched(KEEP_FINISHED_PERIODS):
+            if await workflow.execute_local_activity_method(
+                PeriodActivities.completed,
+                period,
+                start_to_close_timeout=timedelta(seconds=10),
+                summary=f"has a run of {period} completed?",
+            ):
+                workflow.set_current_details(
+                    f"a run of {period} has completed: nothing started (bill it again by hand:"
+                    f" `python starter.py run {period}`)"
+                )
+                return None
+            reuse = WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY
         return await _run_or_join(
             BillingPeriodWorkflow.run,
             BillingPeriodInput(period=period, options=request.options),

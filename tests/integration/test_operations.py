@@ -561,8 +561,10 @@ async def test_a_backfill_over_a_billed_period_starts_nothing_in_it(harness: Har
     """A completed period is not started again by a launch (a backfill, a time the clocks
     repeat): it would charge the customers added since, or undo an operator's cancel."""
     customers = await harness.seed(3)
-    september, october = Period(2026, 9), Period(2026, 10)
+    august, september, october = Period(2026, 8), Period(2026, 9), Period(2026, 10)
     config = schedules.MonthlySchedule(schedule_id="monthly-again", paused=True)
+    # August was billed so long ago that Temporal no longer holds its run; the ledger does.
+    await _billed_in_the_ledger_only(harness, august, charged=0)
 
     async def completed(period: Period) -> bool:
         return (await period_status(harness.client, period)).state == "completed"
@@ -578,14 +580,16 @@ async def test_a_backfill_over_a_billed_period_starts_nothing_in_it(harness: Har
         billed = await harness.client.get_workflow_handle(period_workflow_id(september)).describe()
         # A customer signs up in November; the operator backfills September to October.
         (late,) = await harness.seed(1, prefix="late")
-        await schedules.backfill(harness.client, config.schedule_id, september, october)
-        await eventually(lambda: launched(3), timeout=60)
+        await schedules.backfill(harness.client, config.schedule_id, august, october)
+        await eventually(lambda: launched(4), timeout=60)
         await eventually(lambda: completed(october), timeout=60)
     again = await harness.client.get_workflow_handle(period_workflow_id(september)).describe()
     assert again.run_id == billed.run_id
     await assert_billed_once(harness, str(september), customers)
     assert late.customer_id not in {r["customer_id"] for r in await harness.ledger_rows("2026-09")}
     await assert_billed_once(harness, str(october), [*customers, late])
+    assert await harness.ledger_rows(str(august)) == []
+    assert (await period_status(harness.client, august)).state == "not_started"  # no run
 
 
 async def test_a_backfill_never_bills_a_period_before_its_launch(harness: Harness) -> None:
@@ -660,30 +664,38 @@ async def test_run_with_no_worker_says_the_run_is_open_and_nobody_answers(harnes
     assert summary.charged == 1
 
 
+async def _billed_in_the_ledger_only(harness: Harness, period: Period, charged: int) -> None:
+    """The ledger's row of a run that completed, as it stays once Temporal drops the run."""
+    workflow_id = period_workflow_id(period)
+    plan = PeriodPlan(period=str(period), due=charged, to_charge=charged, expected_total_cents=0)
+    summary = PeriodSummary(
+        period=str(period),
+        workflow_id=workflow_id,
+        due=charged,
+        charged=charged,
+        already_billed=0,
+        failed=0,
+        skipped=0,
+        cancelled=0,
+        total_charged_cents=1_000 * charged,
+    )
+    async with harness.pool.acquire() as conn:
+        await ledger.start_period(conn, plan, workflow_id)
+        await ledger.finish_period(conn, str(period), summary.model_dump_json())
+
+
 async def test_status_of_a_period_temporal_no_longer_holds_comes_from_the_ledger(
     harness: Harness,
 ) -> None:
     # Past the namespace's retention Temporal holds no run of a period; the ledger still has
     # its row, as here, where no workflow ever ran.
-    workflow_id = period_workflow_id(PERIOD)
-    billed = PeriodSummary(
-        period=str(PERIOD),
-        workflow_id=workflow_id,
-        due=3,
-        charged=3,
-        already_billed=0,
-        failed=0,
-        skipped=0,
-        cancelled=0,
-        total_charged_cents=3_000,
-    )
     plan = PeriodPlan(period=str(PERIOD), due=3, to_charge=3, expected_total_cents=3_000)
     async with harness.pool.acquire() as conn:
-        await ledger.start_period(conn, plan, workflow_id)
-        code, out, err = await harness.starter("status", str(PERIOD))
-        assert (code, out) == (2, ""), err
-        assert f"the ledger shows a run of {PERIOD} ({workflow_id}) that never finished" in err
-        await ledger.finish_period(conn, str(PERIOD), billed.model_dump_json())
+        await ledger.start_period(conn, plan, period_workflow_id(PERIOD))
+    code, out, err = await harness.starter("status", str(PERIOD))
+    assert (code, out) == (2, ""), err
+    assert f"a run of {PERIOD} ({period_workflow_id(PERIOD)}) that never finished" in err
+    await _billed_in_the_ledger_only(harness, PERIOD, charged=3)
     code, out, err = await harness.starter("status", str(PERIOD), "--json")
     status = PeriodProgress.model_validate_json(out)
     assert (code, status.state, status.charged) == (0, "completed", 3), err
