@@ -95,7 +95,9 @@ class Emulator:
         log["api_key_suffix"] = api_key[-4:]
         is_post = request.method == "POST"
         encoded = (
-            (await request.read()).decode(errors="replace") if is_post else request.query_string
+            (await request.read()).decode(errors="replace")
+            if is_post
+            else request.rel_url.raw_query_string
         )
         # Decoded before the rate limit, so the request log shows what a refused request sent.
         params = log["params"] = forms.decode(encoded)
