@@ -352,6 +352,7 @@ class ReconcileActivities:
             key_prefix=logs.key_prefix(key),
             customer_id=claim.customer_id if claim else None,
             state="unknown",
+            currency=reservation.currency,
         )
         if claim is None:
             return unknown.model_copy(update={"detail": "no ledger row has this key"})

@@ -65,7 +65,9 @@ class ReservationResolution(Record):
     key_prefix: str
     customer_id: str | None
     state: Literal["committed", "released", "unknown"]
+    # In the smallest unit of `currency` (the key's).
     amount_cents: int | None = None
+    currency: str | None = None
     detail: str | None = None
     # Left unknown until a person acts, as `detail` says; not one a later run settles.
     needs_person: bool = False

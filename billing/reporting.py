@@ -93,7 +93,7 @@ def describe_reconciliation(report: ReconcileReport) -> str:
         )
         lines += [
             f"    {r.vault_key_id} key {r.key_prefix}...: {r.state}"
-            + (f" {r.amount_cents} cents" if r.amount_cents else "")
+            + (f" {r.amount_cents} {r.currency}" if r.amount_cents else "")
             + (f" ({r.detail})" if r.detail else "")
             for r in report.reservations
         ]

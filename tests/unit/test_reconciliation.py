@@ -253,6 +253,21 @@ def test_a_report_needs_a_person_only_for_what_no_later_run_settles() -> None:
     assert quiet_report(unchecked_count=1).needs_a_person
 
 
+def test_a_reservation_settled_is_shown_in_its_own_currency() -> None:
+    # 150,000 in yen is not $1,500: the line names the key's currency, never "cents".
+    committed = ReservationResolution(
+        vault_key_id="vkey_jp",
+        key_prefix="abcd1234",
+        customer_id="c-jp",
+        state="committed",
+        amount_cents=150_000,
+        currency="jpy",
+    )
+    text = describe_reconciliation(quiet_report(reservations=[committed]))
+    assert "vkey_jp key abcd1234...: committed 150000 jpy" in text
+    assert "cents" not in text
+
+
 def test_a_periods_reconciliation_has_one_workflow_id() -> None:
     assert reconcile_workflow_id(Period(2026, 12)) == "billing-reconcile-2026-12"
 
