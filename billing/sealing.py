@@ -3,8 +3,10 @@ database or its backups (an operator's report, a replica) cannot charge with the
 
 Fernet (AES-128-CBC with HMAC-SHA256, from `cryptography`) under the keys of
 BILLING_KEY_ENCRYPTION_KEYS, comma-separated and newest first: the first seals, any of them
-opens. A worker seals every stored secret again with the first key when it starts, so a key
-is rotated by putting a new one first, restarting the workers, then dropping the old one.
+opens. A worker seals every stored secret again with the first key when it starts. Workers
+restart one at a time, so a key is rotated in three rollouts: the new one added last (each
+worker opens what any seals), then put first, then the old one dropped. Put first at once,
+the first worker restarted would reseal every secret with a key the others do not have.
 """
 
 from __future__ import annotations

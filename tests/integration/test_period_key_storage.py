@@ -98,3 +98,24 @@ async def test_a_rotation_reseals_every_key_the_old_key_sealed(db: asyncpg.Pool)
     only_new = SecretBox(SecretStr(new))
     for currency in ("usd", "eur"):
         assert (await read_key(db, only_new, "2026-11", currency)).secret == SECRET
+
+
+async def test_a_rolling_rotation_keeps_every_worker_able_to_read_the_keys(
+    db: asyncpg.Pool,
+) -> None:
+    # Workers restart one at a time: first every one gets the new key last, then first.
+    old, new = new_key(), new_key()
+    await db.execute(
+        "INSERT INTO period_vault_keys"
+        " (billing_period, currency, vault_key_id, sealed_secret, cap_cents)"
+        " VALUES ('2026-12', 'usd', 'vkey_00000000000000r1', $1, 100)",
+        SecretBox(SecretStr(old)).seal(SECRET),
+    )
+    not_yet_restarted = SecretBox(SecretStr(f"{old},{new}"))
+    assert await reseal_secrets(db, not_yet_restarted) == (0, 0)  # nothing sealed anew
+    # The first worker restarted with the new key first seals with it; the others still read.
+    await reseal_secrets(db, SecretBox(SecretStr(f"{new},{old}")))
+    assert (await read_key(db, not_yet_restarted, "2026-12", "usd")).secret == SECRET
+    # Put first at once, that worker would have locked out those holding the old key only.
+    with pytest.raises(UnsealError, match="cannot be decrypted"):
+        await read_key(db, SecretBox(SecretStr(old)), "2026-12", "usd")
