@@ -5,6 +5,7 @@ Stripe's answers are stood in for here."""
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -107,11 +108,22 @@ async def test_a_claim_of_unrecorded_api_charged_through_the_other_is_found_char
     assert isinstance(found, ChargeResult) and found.charge_id == "ch_by_intent"
 
 
-def intents_gateway(*intents: stripe.PaymentIntent) -> StripeGateway:
-    listing = Listing(list(intents))  # type: ignore[arg-type]
-    client = SimpleNamespace(
-        v1=SimpleNamespace(payment_intents=SimpleNamespace(list_async=listing))
+def intents_gateway(
+    *listed: stripe.PaymentIntent,
+    created: stripe.PaymentIntent | None = None,
+    lister: Callable[[dict[str, Any]], Awaitable[Any]] | None = None,
+) -> StripeGateway:
+    """A gateway whose listing holds `listed` (or is `lister`), and whose create answers
+    `created`, as Stripe replays the answer it saved with the key."""
+
+    async def create(params: dict[str, Any], options: dict[str, Any]) -> Any:
+        return created
+
+    intents = SimpleNamespace(
+        create_async=create,
+        list_async=lister or Listing(list(listed)),  # type: ignore[arg-type]
     )
+    client = SimpleNamespace(v1=SimpleNamespace(payment_intents=intents))
     return StripeGateway(client, "payment_intents")  # type: ignore[arg-type]
 
 
@@ -158,38 +170,13 @@ async def test_a_charge_made_outweighs_an_intent_left_unconfirmed() -> None:
     assert isinstance(found, ChargeResult) and found.charge_id == "ch_made"
 
 
-@dataclass
-class Creating:
-    """Stands in for `v1.payment_intents.create_async`: answers with the given intent, as
-    Stripe replays the answer it saved with the key."""
-
-    answer: stripe.PaymentIntent
-    calls: int = 0
-
-    async def __call__(self, params: dict[str, Any], options: dict[str, Any]) -> Any:
-        self.calls += 1
-        return self.answer
-
-
-def creating_gateway(answer: stripe.PaymentIntent, *listed: stripe.PaymentIntent) -> StripeGateway:
-    client = SimpleNamespace(
-        v1=SimpleNamespace(
-            payment_intents=SimpleNamespace(
-                create_async=Creating(answer),
-                list_async=Listing(list(listed)),  # type: ignore[arg-type]
-            )
-        )
-    )
-    return StripeGateway(client, "payment_intents")  # type: ignore[arg-type]
-
-
 async def test_a_create_answered_before_the_intent_ended_settles_on_where_it_stands_now() -> None:
     # The first answer was `processing` (a bank debit); Stripe replays it with the key for a
     # day, while the listing says the intent has since succeeded: the claim is charged now.
     now = int(time.time())
     answered = intent("processing", now)
     done = intent("succeeded", now, latest_charge="ch_settled")
-    found = await creating_gateway(answered, done).charge(INTENT_CLAIM)
+    found = await intents_gateway(done, created=answered).charge(INTENT_CLAIM)
     assert isinstance(found, ChargeResult) and found.charge_id == "ch_settled"
 
 
@@ -197,7 +184,7 @@ async def test_a_create_answered_before_the_intent_failed_settles_as_the_failure
     now = int(time.time())
     error = {"code": "card_declined", "decline_code": "insufficient_funds", "message": "no"}
     failed = intent("requires_payment_method", now, last_payment_error=error)
-    found = await creating_gateway(intent("processing", now), failed).charge(INTENT_CLAIM)
+    found = await intents_gateway(failed, created=intent("processing", now)).charge(INTENT_CLAIM)
     assert isinstance(found, ChargeFailure)
     assert (found.code, found.decline_code) == ("card_declined", "insufficient_funds")
 
@@ -206,7 +193,7 @@ async def test_a_create_whose_intent_is_still_on_its_way_is_tried_again() -> Non
     now = int(time.time())
     still = intent("processing", now)
     with pytest.raises(stripe.APIError, match="pi_processing is processing") as raised:
-        await creating_gateway(still, still).charge(INTENT_CLAIM)
+        await intents_gateway(still, created=still).charge(INTENT_CLAIM)
     assert raised.value.http_status == 503
 
 
@@ -225,11 +212,7 @@ async def test_a_rate_limited_lookup_after_a_create_is_not_taken_for_the_creates
     async def limited(params: dict[str, Any]) -> Any:
         raise stripe.RateLimitError("Too many requests", http_status=429)
 
-    intents = SimpleNamespace(
-        create_async=Creating(intent("processing", int(time.time()))), list_async=limited
-    )
-    client = SimpleNamespace(v1=SimpleNamespace(payment_intents=intents))
-    gateway = StripeGateway(client, "payment_intents")  # type: ignore[arg-type]
+    gateway = intents_gateway(created=intent("processing", int(time.time())), lister=limited)
     with pytest.raises(stripe.APIError) as raised:
         await gateway.charge(INTENT_CLAIM)
     assert not isinstance(raised.value, stripe.RateLimitError)

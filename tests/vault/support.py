@@ -4,7 +4,7 @@ them, the emulator's ledger and faults, and the cap invariants checked against t
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import asyncpg
@@ -92,12 +92,14 @@ async def charge_in_doubt(
     customer: str,
     amount: int,
     idempotency_key: str,
+    fault: Literal["drop_after_commit", "error_before_commit"] = "drop_after_commit",
 ) -> None:
-    """A charge Stripe makes but whose answer is lost on the way back: in doubt."""
-    await set_faults(emulator, drop_after_commit=1.0)
+    """A charge in doubt: one Stripe makes but whose answer is lost on the way back, or
+    (error_before_commit) one it answers with a 500 before executing anything."""
+    await set_faults(emulator, **{fault: 1.0})
     with pytest.raises(stripe.APIError):
         await charge(client, customer, amount, idempotency_key)
-    await set_faults(emulator, drop_after_commit=0.0)
+    await set_faults(emulator, **{fault: 0.0})
 
 
 async def assert_consistent(db: asyncpg.Pool, key_id: str) -> asyncpg.Record:

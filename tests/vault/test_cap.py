@@ -17,7 +17,7 @@ from vault import VaultSettings, serve
 from vault.models import IssuedKey
 
 from .conftest import Issue
-from .support import assert_consistent, charge, emulator_ledger, set_faults, via_vault
+from .support import assert_consistent, charge, charge_in_doubt, emulator_ledger, via_vault
 
 StripeFor = Callable[[IssuedKey], stripe.StripeClient]
 
@@ -164,6 +164,17 @@ async def test_replay_with_another_amount_is_refused_not_forwarded(
     assert (await assert_consistent(db, key.id))["spent_cents"] == 1_000
 
 
+async def _a_utc_day_passes(db: asyncpg.Pool, key_id: str) -> None:
+    """Move the key's use so far to the day before: today starts with the whole daily cap."""
+    async with db.acquire() as conn, conn.transaction():
+        await conn.execute(
+            "UPDATE vault_key_days SET day = day - 1 WHERE vault_key_id = $1", key_id
+        )
+        await conn.execute(
+            "UPDATE vault_reservations SET day = day - 1 WHERE vault_key_id = $1", key_id
+        )
+
+
 async def test_daily_cap_per_utc_day(
     issue: Issue, stripe_via_vault: StripeFor, customer: str, db: asyncpg.Pool
 ) -> None:
@@ -178,13 +189,7 @@ async def test_daily_cap_per_utc_day(
     await assert_consistent(db, key.id)
 
     # Move today's usage to yesterday: a new UTC day has the whole daily cap again.
-    async with db.acquire() as conn, conn.transaction():
-        await conn.execute(
-            "UPDATE vault_key_days SET day = day - 1 WHERE vault_key_id = $1", key.id
-        )
-        await conn.execute(
-            "UPDATE vault_reservations SET day = day - 1 WHERE vault_key_id = $1", key.id
-        )
+    await _a_utc_day_passes(db, key.id)
     await charge(client, customer, 5_000, "day-4")
     totals = await assert_consistent(db, key.id)
     assert totals["spent_cents"] == 10_000
@@ -200,17 +205,8 @@ async def test_a_retry_in_doubt_from_an_earlier_utc_day_counts_against_today(
     key = await issue(cap_cents=10_000, daily_cap_cents=1_000)
     client = stripe_via_vault(key)
     # Sent at 23:59 and answered 500 before Stripe executed anything: in doubt, counted.
-    await set_faults(emulator, error_before_commit=1.0)
-    with pytest.raises(stripe.APIError):
-        await charge(client, customer, 1_000, "late-evening")
-    await set_faults(emulator, error_before_commit=0.0)
-    async with db.acquire() as conn, conn.transaction():  # midnight passes
-        await conn.execute(
-            "UPDATE vault_key_days SET day = day - 1 WHERE vault_key_id = $1", key.id
-        )
-        await conn.execute(
-            "UPDATE vault_reservations SET day = day - 1 WHERE vault_key_id = $1", key.id
-        )
+    await charge_in_doubt(emulator, client, customer, 1_000, "late-evening", "error_before_commit")
+    await _a_utc_day_passes(db, key.id)  # midnight passes
     await charge(client, customer, 1_000, "after-midnight")  # fills today's cap
     # The retry would move its money today, past today's cap: refused, left in doubt.
     with pytest.raises(stripe.CardError) as refused:
@@ -220,13 +216,7 @@ async def test_a_retry_in_doubt_from_an_earlier_utc_day_counts_against_today(
     assert len(await emulator_ledger(emulator)) == 1
     await assert_consistent(db, key.id)
     # Another day with room: the retry goes, and is counted on that day.
-    async with db.acquire() as conn, conn.transaction():
-        await conn.execute(
-            "UPDATE vault_key_days SET day = day - 1 WHERE vault_key_id = $1", key.id
-        )
-        await conn.execute(
-            "UPDATE vault_reservations SET day = day - 1 WHERE vault_key_id = $1", key.id
-        )
+    await _a_utc_day_passes(db, key.id)
     await charge(client, customer, 1_000, "late-evening")
     await assert_consistent(db, key.id)
     used_today = await db.fetchval(

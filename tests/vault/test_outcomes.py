@@ -94,10 +94,7 @@ async def test_a_retry_stripe_executes_anew_is_audited_as_forwarded_not_replayed
     # reservation over and is the request that charges, which the audit must say.
     key = await issue()
     client = stripe_via_vault(key)
-    await set_faults(emulator, error_before_commit=1.0)
-    with pytest.raises(stripe.APIError):
-        await charge(client, customer, 1_500, "flaky")
-    await set_faults(emulator, error_before_commit=0.0)
+    await charge_in_doubt(emulator, client, customer, 1_500, "flaky", "error_before_commit")
     intent = await charge(client, customer, 1_500, "flaky")
     assert intent.last_response is not None
     assert intent.last_response.headers.get("Idempotent-Replayed") is None
