@@ -93,7 +93,9 @@ async def preview_lines(conn: asyncpg.Connection, period: str) -> list[PreviewLi
     """Every due customer with the amount a run would claim (or has claimed) and its row."""
     rows = await conn.fetch(
         f"""
-        SELECT c.customer_id, coalesce(r.amount_cents, c.amount_cents) AS amount_cents,
+        SELECT c.customer_id,
+               coalesce(r.stripe_customer_id, c.stripe_customer_id) AS stripe_customer_id,
+               coalesce(r.amount_cents, c.amount_cents) AS amount_cents,
                coalesce(r.currency, c.currency) AS currency, r.status, {_OPEN} AS open,
                CASE WHEN r.status IS NULL THEN c.payment_method
                     ELSE r.payment_method END IS NOT NULL AS has_payment_method

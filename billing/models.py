@@ -290,6 +290,7 @@ class SkipResult(Record):
 
 class PreviewLine(Record):
     customer_id: str
+    stripe_customer_id: str
     amount_cents: int
     currency: str
     status: LedgerStatus | None
@@ -318,3 +319,18 @@ class Preview(Record):
     def without_payment_method(self) -> list[PreviewLine]:
         """Those a run would charge naming no payment method."""
         return [line for line in self.to_charge if not line.has_payment_method]
+
+    @property
+    def sharing_a_stripe_customer(self) -> dict[str, list[str]]:
+        """Stripe customers a run would charge under one customer id while another of theirs
+        is charged or billed this period, with those ids: one customer imported twice under
+        other ids (`acme-1`, `ACME-1`) is charged twice, as each id has its own key."""
+        ids: dict[str, list[str]] = {}
+        for line in [*self.already_billed, *self.to_charge]:
+            ids.setdefault(line.stripe_customer_id, []).append(line.customer_id)
+        charged_now = {line.stripe_customer_id for line in self.to_charge}
+        return {
+            stripe_id: sorted(customer_ids)
+            for stripe_id, customer_ids in sorted(ids.items())
+            if len(customer_ids) > 1 and stripe_id in charged_now
+        }

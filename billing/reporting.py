@@ -56,6 +56,13 @@ def describe_preview(preview: Preview, shown: int = 20) -> str:
             " import changes now, so Stripe would charge their legacy default source or"
             f" refuse; skip them if that is wrong: {_some(claimed, shown)}"
         )
+    if shared := preview.sharing_a_stripe_customer:
+        lines.append(
+            f"  warning: {len(shared)} Stripe customers would be charged more than once this"
+            " period, under different customer ids (one customer imported twice under another"
+            " spelling?); skip the extra ids if so: "
+            + _some([f"{stripe_id} ({', '.join(ids)})" for stripe_id, ids in shared.items()], shown)
+        )
     lines.append(f"  already billed: {len(preview.already_billed)}")
     lines.append(f"  not billable this period (failed or skipped): {len(preview.not_billable)}")
     return "\n".join(lines)

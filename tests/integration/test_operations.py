@@ -19,6 +19,7 @@ from temporalio.client import (
 )
 
 from billing import ledger, operations, schedules
+from billing.customers import upsert_customers
 from billing.errors import InvalidInputError
 from billing.keys import idempotency_key, period_workflow_id
 from billing.models import (
@@ -440,6 +441,24 @@ async def test_preview_names_customers_a_run_would_charge_with_no_payment_method
     text = describe_preview(preview)
     assert "1 of them have no payment method" in text and customers[0].customer_id in text
     assert "1 of them were claimed with no payment method" in text
+
+
+async def test_preview_warns_of_a_stripe_customer_charged_under_two_ids(harness: Harness) -> None:
+    # Billed as cust-000001; a later export spells it CUST-000001: a new id, with its own key.
+    first, other = await harness.seed(2)
+    async with harness.running_worker():
+        await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    respelt = first.customer_id.upper()
+    await upsert_customers(harness.pool, [first.model_copy(update={"customer_id": respelt})])
+    preview = await preview_period(harness.pool, str(PERIOD), 1.10)
+    assert [x.customer_id for x in preview.to_charge] == [respelt]
+    assert preview.sharing_a_stripe_customer == {
+        first.stripe_customer_id: [respelt, first.customer_id]
+    }
+    text = describe_preview(preview)
+    assert "1 Stripe customers would be charged more than once this period" in text
+    assert f"{first.stripe_customer_id} ({respelt}, {first.customer_id})" in text
+    assert other.stripe_customer_id not in text
 
 
 async def test_search_attributes_answer_what_the_web_ui_filters(harness: Harness) -> None:

@@ -112,6 +112,7 @@ def line(
 ) -> PreviewLine:
     return PreviewLine(
         customer_id=customer_id,
+        stripe_customer_id=f"cus_{customer_id}",
         amount_cents=amount_cents,
         currency=currency,
         status=status,
