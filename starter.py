@@ -38,7 +38,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from billing import ledger, logs, operations, schedules, search_attributes
 from billing.config import BillingSettings, DatabaseSettings, TemporalSettings, load_settings
-from billing.customers import changes_to_open_runs, read_customers_csv, upsert_customers
+from billing.customers import import_customers, read_customers_csv
 from billing.db import create_pool
 from billing.errors import BillingError, InvalidInputError, NoWorkerError, UnknownScheduleError
 from billing.migrations import migrate
@@ -377,7 +377,7 @@ async def cmd_import(args: argparse.Namespace) -> int:
     rows = read_customers_csv(args.file)
     pool = await create_pool(load_settings(DatabaseSettings).database_url)
     try:
-        changes = await changes_to_open_runs(pool, rows)
+        changes = await import_customers(pool, rows, while_running=args.while_running)
         if changes and not args.while_running:
             shown = ", ".join(f"{c.customer_id} ({c.was} -> {c.becomes})" for c in changes[:5])
             periods = ", ".join(sorted({c.period for c in changes}))
@@ -390,10 +390,9 @@ async def cmd_import(args: argparse.Namespace) -> int:
                 " if that run failed or was terminated, which leaves it open in the ledger);"
                 " nothing was imported"
             )
-        written = await upsert_customers(pool, rows)
     finally:
         await pool.close()
-    print(f"imported {written} customers from {args.file}")
+    print(f"imported {len(rows)} customers from {args.file}")
     return 0
 
 

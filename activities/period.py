@@ -112,8 +112,7 @@ class PeriodActivities:
     @activity.defn(name="prepare_period")
     async def prepare(self, request: PrepareRequest) -> PeriodPlan:
         async with self._pool.acquire() as conn:
-            plan = await ledger.plan_period(conn, request.period)
-            await ledger.start_period(conn, plan, request.workflow_id)
+            plan = await ledger.open_period(conn, request.period, request.workflow_id)
         if self._admin is not None:
             await self._ensure_keys(plan, self._admin)
         return plan

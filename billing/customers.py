@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from billing.errors import CustomerImportError, InvalidInputError, shown
 from billing.keys import validate_customer_id
-from billing.ledger import NEVER_STARTED
+from billing.ledger import IMPORT_LOCK, NEVER_STARTED
 from billing.models import Record
 from billing.money import parse_amount, validate_amount, validate_amount_in, validate_currency
 from billing.redact import SECRET_RE
@@ -180,11 +180,32 @@ def _reason(exc: Exception) -> str:
     return str(exc)
 
 
-async def upsert_customers(pool: asyncpg.Pool, rows: Sequence[CustomerRow]) -> int:
-    """Insert or update the rows in one transaction; returns how many were written."""
+async def import_customers(
+    pool: asyncpg.Pool, rows: Sequence[CustomerRow], *, while_running: bool
+) -> list[RunningChange]:
+    """Write the rows, unless they change what an open run has yet to charge (see
+    changes_to_open_runs) and not `while_running`: those changes are returned either way,
+    and then nothing is written. Checked and written as one step to a run's opening
+    (ledger.open_period), which waits for it, or which it waits for."""
     async with pool.acquire() as conn, conn.transaction():
-        await conn.executemany(
-            """
+        await conn.execute(IMPORT_LOCK)
+        changes = await changes_to_open_runs(conn, rows)
+        if while_running or not changes:
+            await _write(conn, rows)
+    return changes
+
+
+async def upsert_customers(pool: asyncpg.Pool, rows: Sequence[CustomerRow]) -> int:
+    """Insert or update the rows in one transaction, whatever runs (demo and test seeding);
+    returns how many were written."""
+    async with pool.acquire() as conn, conn.transaction():
+        await _write(conn, rows)
+    return len(rows)
+
+
+async def _write(conn: asyncpg.Connection, rows: Sequence[CustomerRow]) -> None:
+    await conn.executemany(
+        """
             INSERT INTO customers (customer_id, stripe_customer_id, payment_method,
                                    amount_cents, currency)
             VALUES ($1, $2, $3, $4, $5)
@@ -196,12 +217,11 @@ async def upsert_customers(pool: asyncpg.Pool, rows: Sequence[CustomerRow]) -> i
                 active = true,
                 updated_at = now()
             """,
-            [
-                (r.customer_id, r.stripe_customer_id, r.payment_method, r.amount_cents, r.currency)
-                for r in rows
-            ],
-        )
-    return len(rows)
+        [
+            (r.customer_id, r.stripe_customer_id, r.payment_method, r.amount_cents, r.currency)
+            for r in rows
+        ],
+    )
 
 
 class RunningChange(Record):
@@ -214,34 +234,33 @@ class RunningChange(Record):
 
 
 async def changes_to_open_runs(
-    pool: asyncpg.Pool, rows: Sequence[CustomerRow]
+    conn: asyncpg.Connection, rows: Sequence[CustomerRow]
 ) -> list[RunningChange]:
     """Customers the rows add, make active again, or reprice while a period's run has not yet
     claimed them: that run may bill them, at a price its plan and its vault key's cap did not
     count (a new currency, with no key in that period, pauses it), and bill some customers at
     the old price and these at the new."""
-    async with pool.acquire() as conn:
-        found = await conn.fetch(
-            f"""
-            SELECT p.billing_period, n.customer_id, c.active, c.amount_cents, c.currency,
-                   n.amount_cents AS new_amount, n.currency AS new_currency
-            FROM unnest($1::text[], $2::bigint[], $3::text[])
-                AS n(customer_id, amount_cents, currency)
-            LEFT JOIN customers c ON c.customer_id = n.customer_id
-            JOIN billing_periods p ON p.state = 'running'
-            LEFT JOIN billing_runs r
-                ON r.customer_id = n.customer_id AND r.billing_period = p.billing_period
-            -- A claim holds the price it was made with: only customers not yet claimed (no
-            -- row, or one a cancelled run never started) change.
-            WHERE (c.customer_id IS NULL OR NOT c.active
-                   OR (c.amount_cents, c.currency) <> (n.amount_cents, n.currency))
-                  AND (r.status IS NULL OR ({NEVER_STARTED.format(r="r")}))
-            ORDER BY p.billing_period, n.customer_id
-            """,
-            [r.customer_id for r in rows],
-            [r.amount_cents for r in rows],
-            [r.currency for r in rows],
-        )
+    found = await conn.fetch(
+        f"""
+        SELECT p.billing_period, n.customer_id, c.active, c.amount_cents, c.currency,
+               n.amount_cents AS new_amount, n.currency AS new_currency
+        FROM unnest($1::text[], $2::bigint[], $3::text[])
+            AS n(customer_id, amount_cents, currency)
+        LEFT JOIN customers c ON c.customer_id = n.customer_id
+        JOIN billing_periods p ON p.state = 'running'
+        LEFT JOIN billing_runs r
+            ON r.customer_id = n.customer_id AND r.billing_period = p.billing_period
+        -- A claim holds the price it was made with: only customers not yet claimed (no
+        -- row, or one a cancelled run never started) change.
+        WHERE (c.customer_id IS NULL OR NOT c.active
+               OR (c.amount_cents, c.currency) <> (n.amount_cents, n.currency))
+              AND (r.status IS NULL OR ({NEVER_STARTED.format(r="r")}))
+        ORDER BY p.billing_period, n.customer_id
+        """,
+        [r.customer_id for r in rows],
+        [r.amount_cents for r in rows],
+        [r.currency for r in rows],
+    )
     return [
         RunningChange(
             period=row["billing_period"],

@@ -306,6 +306,21 @@ async def without_rows(
     return missing
 
 
+# Taken by a run's opening, and conflicting with the import's (billing.customers): either the
+# plan counts an import, or the import sees the run open.
+OPENING_LOCK = "LOCK TABLE billing_periods IN ROW EXCLUSIVE MODE"
+IMPORT_LOCK = "LOCK TABLE billing_periods IN SHARE MODE"
+
+
+async def open_period(conn: asyncpg.Connection, period: str, workflow_id: str) -> PeriodPlan:
+    """Plan the period and record its new run, as one step to a customer import."""
+    async with conn.transaction():
+        await conn.execute(OPENING_LOCK)
+        plan = await plan_period(conn, period)
+        await start_period(conn, plan, workflow_id)
+    return plan
+
+
 async def start_period(conn: asyncpg.Connection, plan: PeriodPlan, workflow_id: str) -> None:
     """Record a new run of the period. Customers a cancelled run never started are due
     again (see migrations/005) while active: their claim takes the row over (see claim)."""

@@ -1,0 +1,79 @@
+"""A customer import and a run's opening are one step to each other: either the run's plan
+counts what the import wrote, or the import sees the run open and refuses (unless told
+`--while-running`). Checked apart, a run opened between the import's check and its write
+billed the new customers at prices its plan and its key's cap never counted."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import asyncpg
+
+from billing import ledger
+from billing.customers import CustomerRow, import_customers
+from billing.models import PeriodPlan
+
+PERIOD = "2026-12"
+WORKFLOW_ID = "billing-period-2026-12"
+NEW = CustomerRow(
+    customer_id="c-2",
+    stripe_customer_id="cus_B",
+    payment_method="pm_2",
+    amount_cents=250,
+    currency="usd",
+)
+
+
+async def _a_customer(db: asyncpg.Pool) -> None:
+    await db.execute(
+        "INSERT INTO customers (customer_id, stripe_customer_id, payment_method, amount_cents,"
+        " currency) VALUES ('c-1', 'cus_A', 'pm_1', 100, 'usd')"
+    )
+
+
+async def _is_waiting(task: asyncio.Future[Any]) -> bool:
+    await asyncio.sleep(0.5)
+    return not task.done()
+
+
+async def test_an_import_waits_for_a_run_being_opened_then_sees_it_open(
+    db: asyncpg.Pool,
+) -> None:
+    await _a_customer(db)
+    async with db.acquire() as conn, conn.transaction():
+        # A run's opening half done: planned, not yet recorded.
+        await conn.execute(ledger.OPENING_LOCK)
+        plan = await ledger.plan_period(conn, PERIOD)
+        importing = asyncio.create_task(import_customers(db, [NEW], while_running=False))
+        assert await _is_waiting(importing)
+        await ledger.start_period(conn, plan, WORKFLOW_ID)
+    changes = await importing
+    assert [(c.customer_id, c.was, c.becomes) for c in changes] == [("c-2", "new", "250 usd")]
+    assert await db.fetchval("SELECT count(*) FROM customers") == 1  # nothing written
+
+
+async def test_a_run_being_opened_waits_for_an_import_and_counts_it(db: asyncpg.Pool) -> None:
+    await _a_customer(db)
+    async with db.acquire() as conn, conn.transaction():
+        # An import half done: checked, one row written, not yet committed.
+        await conn.execute(ledger.IMPORT_LOCK)
+        await conn.execute(
+            "INSERT INTO customers (customer_id, stripe_customer_id, payment_method,"
+            " amount_cents, currency) VALUES ('c-2', 'cus_B', 'pm_2', 250, 'usd')"
+        )
+
+        async def open_run() -> PeriodPlan:
+            async with db.acquire() as other:
+                return await ledger.open_period(other, PERIOD, WORKFLOW_ID)
+
+        opening = asyncio.create_task(open_run())
+        assert await _is_waiting(opening)
+    plan = await opening
+    assert plan == PeriodPlan(
+        period=PERIOD,
+        due=2,
+        to_charge=2,
+        expected_total_cents=350,
+        totals_by_currency={"usd": 350},
+    )
