@@ -22,7 +22,8 @@ THREE_DECIMAL = frozenset({"bhd", "jod", "kwd", "omr", "tnd"})
 WHOLE_UNITS_ONLY = frozenset({"isk"})
 # Stripe's minimum charge per currency, in its smallest unit, as Stripe publishes them for
 # charges settled in the same currency (its "Minimum and maximum charge amounts"); below it
-# Stripe refuses the charge with amount_too_small. Stripe publishes none for the others.
+# Stripe refuses the charge with amount_too_small. In the others it asks for the equivalent of
+# the settlement currency's minimum at the day's rate, which cannot be checked here.
 MINIMUM_CHARGE = {
     "usd": 50,
     "aed": 200,
