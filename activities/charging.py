@@ -214,7 +214,8 @@ class ChargingActivities:
                 if await self._access.replaced(claim.period, claim.currency, gateway.vault_key_id):
                     # This worker charged with a key a later run's preparation has replaced
                     # (revoked and deleted, near its expiry): the retry takes the new one,
-                    # and nothing pauses.
+                    # and nothing pauses. Refused before Stripe, it passes the gate afresh.
+                    await self._reopen(claim, proven=False)
                     raise ApplicationError(
                         f"the vault refused a period key replaced since ({failure.message});"
                         " retrying with the new key",

@@ -76,11 +76,12 @@ class StripeGateway:
             # processing) for as long as it keeps the key: where it stands now is listed.
             try:
                 found = await self._find_through(api, claim)
-            except stripe.RateLimitError:
-                # Not the create's 429 (which proves nothing was sent): this one's intent exists.
+            except stripe.StripeError as exc:
+                # Not the create's refusal (a 429, a refused key), which proves nothing was
+                # sent: this create made its intent, so the charge is not to be reopened.
                 raise stripe.APIError(
-                    f"payment intent {intent.id} is {intent.status}, and Stripe's rate limit"
-                    " refused looking it up",
+                    f"payment intent {intent.id} is {intent.status}, and looking it up was"
+                    f" refused ({exc.http_status})",
                     http_status=503,
                 ) from None
             if found is None:

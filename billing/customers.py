@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from billing.errors import CustomerImportError, InvalidInputError, shown
 from billing.keys import validate_customer_id
-from billing.ledger import IMPORT_LOCK, NEVER_STARTED
+from billing.ledger import NEVER_STARTED, OPENING_LOCK
 from billing.models import Record
 from billing.money import parse_amount, validate_amount, validate_amount_in, validate_currency
 from billing.redact import SECRET_RE
@@ -188,7 +188,7 @@ async def import_customers(
     and then nothing is written. Checked and written as one step to a run's opening
     (ledger.open_period), which waits for it, or which it waits for."""
     async with pool.acquire() as conn, conn.transaction():
-        await conn.execute(IMPORT_LOCK)
+        await conn.execute(OPENING_LOCK)
         changes = await changes_to_open_runs(conn, rows)
         if while_running or not changes:
             await _write(conn, rows)

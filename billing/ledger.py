@@ -306,10 +306,10 @@ async def without_rows(
     return missing
 
 
-# Taken by a run's opening, and conflicting with the import's (billing.customers): either the
-# plan counts an import, or the import sees the run open.
-OPENING_LOCK = "LOCK TABLE billing_periods IN ROW EXCLUSIVE MODE"
-IMPORT_LOCK = "LOCK TABLE billing_periods IN SHARE MODE"
+# Held by a run's opening and by a customer import (billing.customers) for their
+# transaction: either the plan counts an import, or the import sees the run open. An advisory
+# lock, so that nothing else (a pause, a charge) waits for an import.
+OPENING_LOCK = "SELECT pg_advisory_xact_lock(hashtext('billing: a run opening, or an import'))"
 
 
 async def open_period(conn: asyncpg.Connection, period: str, workflow_id: str) -> PeriodPlan:

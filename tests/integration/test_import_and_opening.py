@@ -57,7 +57,7 @@ async def test_a_run_being_opened_waits_for_an_import_and_counts_it(db: asyncpg.
     await _a_customer(db)
     async with db.acquire() as conn, conn.transaction():
         # An import half done: checked, one row written, not yet committed.
-        await conn.execute(ledger.IMPORT_LOCK)
+        await conn.execute(ledger.OPENING_LOCK)
         await conn.execute(
             "INSERT INTO customers (customer_id, stripe_customer_id, payment_method,"
             " amount_cents, currency) VALUES ('c-2', 'cus_B', 'pm_2', 250, 'usd')"
@@ -77,3 +77,18 @@ async def test_a_run_being_opened_waits_for_an_import_and_counts_it(db: asyncpg.
         expected_total_cents=350,
         totals_by_currency={"usd": 350},
     )
+
+
+async def test_a_pause_does_not_wait_for_an_import(db: asyncpg.Pool) -> None:
+    # An operator's pause, or the vault's, must stop charges at once, however long an import.
+    await _a_customer(db)
+    async with db.acquire() as conn:
+        await ledger.open_period(conn, PERIOD, WORKFLOW_ID)
+    async with db.acquire() as conn, conn.transaction():
+        await conn.execute(ledger.OPENING_LOCK)  # an import under way
+
+        async def pause() -> None:
+            async with db.acquire() as other:
+                await ledger.set_control(other, PERIOD, "paused", "wrong prices", "alice")
+
+        await asyncio.wait_for(pause(), timeout=2)

@@ -242,6 +242,12 @@ async def test_a_rerun_charges_with_the_key_its_preparation_gave_not_the_one_cac
         summary = await rerun.result()
     assert await period_key(vaulted) != old
     assert (summary.charged, summary.already_billed) == (2, 3)
+    # The refused attempt never reached Stripe, so it is not counted as one that may have.
+    async with vaulted.pool.acquire() as conn:
+        attempts = await conn.fetch(
+            "SELECT attempts FROM billing_runs WHERE customer_id LIKE 'late-%'"
+        )
+    assert [r["attempts"] for r in attempts] == [1, 1]
 
 
 async def test_revoked_key_stops_charging(vaulted: Harness) -> None:

@@ -206,14 +206,23 @@ async def test_a_failed_intent_whose_error_has_no_decline_code_is_found_failed()
     assert (found.code, found.decline_code) == ("expired_card", None)
 
 
-async def test_a_rate_limited_lookup_after_a_create_is_not_taken_for_the_creates_429() -> None:
-    # A 429 on the create proves nothing reached Stripe (the claim goes back to the gate);
-    # this one came after the create made the intent.
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        stripe.RateLimitError("Too many requests", http_status=429),
+        stripe.AuthenticationError("this vault key has been revoked", http_status=401),
+    ],
+)
+async def test_a_refused_lookup_after_a_create_is_not_taken_for_the_creates_refusal(
+    refusal: stripe.StripeError,
+) -> None:
+    # A 429 or a refused key on the create proves nothing reached Stripe (the claim goes back
+    # to the gate); these came after the create made the intent.
     async def limited(params: dict[str, Any]) -> Any:
-        raise stripe.RateLimitError("Too many requests", http_status=429)
+        raise refusal
 
     gateway = intents_gateway(created=intent("processing", int(time.time())), lister=limited)
     with pytest.raises(stripe.APIError) as raised:
         await gateway.charge(INTENT_CLAIM)
-    assert not isinstance(raised.value, stripe.RateLimitError)
+    assert type(raised.value) is stripe.APIError
     assert raised.value.http_status == 503
