@@ -56,6 +56,17 @@ def key_expiry(period: Period, now: datetime, grace: timedelta) -> datetime:
     return max(period.ends_at, now) + grace
 
 
+async def stored_key_id(pool: asyncpg.Pool, period: str, currency: str) -> str | None:
+    async with pool.acquire() as conn:
+        key_id: str | None = await conn.fetchval(
+            "SELECT vault_key_id FROM period_vault_keys"
+            " WHERE billing_period = $1 AND currency = $2",
+            period,
+            currency,
+        )
+    return key_id
+
+
 async def ensure_key(
     pool: asyncpg.Pool,
     admin: VaultAdmin,
@@ -67,15 +78,9 @@ async def ensure_key(
 ) -> PeriodKey:
     """The period's key for the currency: the stored one while it is usable for another
     REUSE_MIN_LIFE, else a new one."""
-    async with pool.acquire() as conn:
-        row = await conn.fetchrow(
-            "SELECT vault_key_id, cap_cents FROM period_vault_keys"
-            " WHERE billing_period = $1 AND currency = $2",
-            str(period),
-            currency,
-        )
-    if row is not None:
-        info = await admin.get_key(row["vault_key_id"])
+    stored = await stored_key_id(pool, str(period), currency)
+    if stored is not None:
+        info = await admin.get_key(stored)
         if info.revoked:
             raise KeyRevokedError(
                 f"the vault key for {period} ({currency}) was revoked at {info.revoked_at};"
@@ -158,17 +163,6 @@ async def read_key(pool: asyncpg.Pool, box: SecretBox, period: str, currency: st
         await reseal_secrets(pool, box)
         secret = SecretStr(row["secret"])
     return StoredKey(vault_key_id=row["vault_key_id"], secret=secret)
-
-
-async def stored_key_id(pool: asyncpg.Pool, period: str, currency: str) -> str | None:
-    async with pool.acquire() as conn:
-        key_id: str | None = await conn.fetchval(
-            "SELECT vault_key_id FROM period_vault_keys"
-            " WHERE billing_period = $1 AND currency = $2",
-            period,
-            currency,
-        )
-    return key_id
 
 
 async def reseal_secrets(pool: asyncpg.Pool, box: SecretBox) -> tuple[int, int]:

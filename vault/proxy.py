@@ -144,7 +144,8 @@ async def _proxy(
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise Refusal("refused_request", 413, "body_too_large", "the body is too large") from None
-    _refuse_secret("the body", unquote_plus(body.decode("utf-8", "replace")))
+    text = body.decode("utf-8", "replace")
+    _refuse_secret("the body", unquote_plus(text))
     if body and request.method == "GET":
         raise Refusal(
             "refused_request",
@@ -153,7 +154,7 @@ async def _proxy(
             "a GET sends its parameters in the URL, not in a body",
         )
     _refuse_expansion("the query string", request.rel_url.raw_query_string)
-    _refuse_expansion("the body", body.decode("utf-8", "replace"))
+    _refuse_expansion("the body", text)
 
     reservation = None
     if endpoint in METERED:
