@@ -43,7 +43,13 @@ from billing.db import create_pool
 from billing.errors import BillingError, InvalidInputError, NoWorkerError, UnknownScheduleError
 from billing.migrations import migrate
 from billing.models import OpenRun, OperatorRequest, PeriodProgress, PeriodSummary, SkipRequest
-from billing.periods import Period, parse_period, period_for, period_range
+from billing.periods import (
+    LATE_MONTHS,
+    Period,
+    check_run_by_hand,
+    parse_period,
+    period_range,
+)
 from billing.preview import preview_period
 from billing.reporting import (
     describe,
@@ -93,13 +99,7 @@ def _emit(model: BaseModel, as_json: bool, text: str) -> None:
 
 
 async def cmd_run(args: argparse.Namespace) -> int:
-    # Next month may be billed early (in advance, near the turn of a month); later is a typo.
-    latest = period_for(datetime.now(UTC), "advance").next()
-    if latest < args.period and not args.ahead:
-        raise InvalidInputError(
-            f"{args.period} has not begun, and a run now charges its customers ahead of"
-            f" time: check the period, or pass --ahead to bill it now"
-        )
+    check_run_by_hand(args.period, datetime.now(UTC), ahead=args.ahead, late=args.late)
     temporal = load_settings(TemporalSettings)
     client = await connect(temporal)
     handle = await start_period(client, args.period, temporal.task_queue)
@@ -418,6 +418,11 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print one JSON object")
     run.add_argument(
         "--ahead", action="store_true", help="bill a period later than next month anyway"
+    )
+    run.add_argument(
+        "--late",
+        action="store_true",
+        help=f"bill a period more than {LATE_MONTHS} months before this one anyway",
     )
     run.set_defaults(handler=cmd_run)
 

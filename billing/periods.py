@@ -15,6 +15,11 @@ MAX_YEAR = 2999
 
 Billing = Literal["arrears", "advance"]
 
+# A run by hand bills today's active customers. A period this many months before the current
+# one is refused without --late: `2016-12` typed for `2026-12` would charge every customer for
+# a month before most of them joined. Three months leave room for a run missed in an outage.
+LATE_MONTHS = 3
+
 
 @dataclass(frozen=True, order=True, slots=True)
 class Period:
@@ -76,3 +81,28 @@ def period_range(first: Period, last: Period) -> list[Period]:
     while periods[-1] < last:
         periods.append(periods[-1].next())
     return periods
+
+
+def check_run_by_hand(
+    period: Period, now: datetime, *, ahead: bool = False, late: bool = False
+) -> None:
+    """Refuse a period an operator most likely mistyped, unless told it is meant.
+
+    Next month may be billed early (in advance, near the turn of a month); later is refused
+    without `ahead`. A period more than LATE_MONTHS before the current one is refused without
+    `late`."""
+    current = period_for(now, "advance")
+    if current.next() < period and not ahead:
+        raise InvalidPeriodError(
+            f"{period} has not begun, and a run now charges its customers ahead of"
+            " time: check the period, or pass --ahead to bill it now"
+        )
+    earliest = current
+    for _ in range(LATE_MONTHS):
+        earliest = earliest.previous()
+    if period < earliest and not late:
+        raise InvalidPeriodError(
+            f"{period} is more than {LATE_MONTHS} months before the current month ({current}),"
+            " and a run now charges every active customer for it, those who joined since"
+            " included: check the period, or pass --late to bill it now"
+        )

@@ -75,6 +75,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     "run month 13": (["starter.py", "run", "2026-13"], "month 13 is not 01-12"),
     "run sql period": (["starter.py", "run", "2026-12' OR '1'='1"], "not in the form YYYY-MM"),
     "run years ahead": (["starter.py", "run", "2099-01"], "2099-01 has not begun"),
+    "run years back": (["starter.py", "run", "2016-12"], "2016-12 is more than 3 months before"),
     "status year": (["starter.py", "status", "1999-12"], "year 1999 is outside 2000-2999"),
     "preview month 0": (["starter.py", "preview", "2026-00"], "month 0 is not 01-12"),
     "watch nan": (["starter.py", "watch", "2026-12", "--interval", "nan"], "above 0"),

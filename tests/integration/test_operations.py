@@ -44,7 +44,8 @@ from tests.integration.replay import replay
 from tests.integration.test_replay import HISTORIES
 from workflows.signals import PERIOD_BLOCKED
 
-PERIOD = Period(2026, 12)
+# The current month: `run` refuses a period long past, so a fixed one would expire.
+PERIOD = period_for(datetime.now(UTC), "advance")
 ALICE = OperatorRequest(reason="amounts look wrong", operator="alice")
 SLOW = RunOptions(max_in_flight=4)
 
@@ -718,7 +719,7 @@ async def test_status_of_a_period_temporal_no_longer_holds_comes_from_the_ledger
     code, out, err = await harness.starter("status", str(PERIOD), "--json")
     status = PeriodProgress.model_validate_json(out)
     assert (code, status.state, status.charged) == (0, "completed", 3), err
-    code, out, _ = await harness.starter("status", "2026-11", "--json")
+    code, out, _ = await harness.starter("status", str(PERIOD.previous()), "--json")
     assert PeriodProgress.model_validate_json(out).state == "not_started"
 
 

@@ -15,7 +15,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 from billing import operations, period_keys
 from billing.customers import upsert_customers
 from billing.models import OperatorRequest, RunOptions, SkipRequest
-from billing.periods import Period
+from billing.periods import period_for
 from billing.preview import preview_period
 from billing.reporting import describe
 from billing.runs import period_status, start_period
@@ -30,7 +30,8 @@ from tests.integration.harness import (
 from tests.integration.invariants import assert_billed_once
 from vault.models import IssueKeyRequest
 
-PERIOD = Period(2026, 12)
+# The current month: `run` refuses a period long past, so a fixed one would expire.
+PERIOD = period_for(datetime.now(UTC), "advance")
 ALICE = OperatorRequest(reason="cap checked", operator="alice")
 
 
@@ -281,7 +282,7 @@ async def test_a_period_past_the_worker_budget_charges_nothing_and_says_why(
         await vaulted.vault.worker.issue_key(
             IssueKeyRequest(
                 label="billing-period",
-                period="2026-11",
+                period=str(PERIOD.previous()),
                 cap_cents=10**9,
                 currency="usd",
                 allowed_endpoints=["POST /v1/payment_intents"],

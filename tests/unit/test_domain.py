@@ -36,7 +36,14 @@ from billing.money import (
     validate_amount_in,
     validate_currency,
 )
-from billing.periods import Period, parse_period, period_for, period_range
+from billing.periods import (
+    LATE_MONTHS,
+    Period,
+    check_run_by_hand,
+    parse_period,
+    period_for,
+    period_range,
+)
 from billing.schedules import validate_time_zone
 from billing.stripe_currencies import STRIPE_CURRENCIES
 
@@ -88,11 +95,30 @@ def test_period_for_arrears_and_advance() -> None:
     moment = datetime(2027, 1, 1, 2, 0, tzinfo=UTC)
     assert str(period_for(moment)) == "2026-12"
     assert str(period_for(moment, "advance")) == "2027-01"
-    # The nominal time is read in its own zone: 1 Jan 01:00 in UTC+2 is still 31 Dec in UTC.
+    # The nominal time is read in its own zone: 1 Jan 01:00 in UTC+9 is still 31 Dec in UTC.
     tokyo = datetime(2027, 1, 1, 1, 0, tzinfo=timezone(timedelta(hours=9)))
     assert str(period_for(tokyo, "advance")) == "2027-01"
     with pytest.raises(InvalidPeriodError, match="time zone"):
         period_for(datetime(2027, 1, 1))
+
+
+def test_a_run_by_hand_refuses_a_period_far_ahead_or_long_past_unless_told() -> None:
+    now = datetime(2026, 12, 1, 0, 30, tzinfo=UTC)
+    for text in ("2026-09", "2026-11", "2026-12", "2027-01"):
+        check_run_by_hand(parse_period(text), now)
+    with pytest.raises(InvalidPeriodError, match=r"2027-02 has not begun.*--ahead"):
+        check_run_by_hand(Period(2027, 2), now, late=True)
+    check_run_by_hand(Period(2027, 2), now, ahead=True)
+    # A typo of a decade: every active customer would pay for a month before they joined.
+    with pytest.raises(
+        InvalidPeriodError,
+        match=rf"2016-12 is more than {LATE_MONTHS} months before the current month \(2026-12\)"
+        ".*--late",
+    ):
+        check_run_by_hand(Period(2016, 12), now, ahead=True)
+    with pytest.raises(InvalidPeriodError, match="2026-08 is more than"):
+        check_run_by_hand(Period(2026, 8), now)
+    check_run_by_hand(Period(2016, 12), now, late=True)
 
 
 def test_period_range() -> None:
