@@ -7,7 +7,9 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from billing.errors import InvalidAmountError
 from billing.keys import validate_customer_id
+from billing.money import validate_amount_in
 from billing.redact import redact
 
 LedgerStatus = Literal["claimed", "charged", "failed", "skipped", "cancelled"]
@@ -319,6 +321,18 @@ class Preview(Record):
     def without_payment_method(self) -> list[PreviewLine]:
         """Those a run would charge naming no payment method."""
         return [line for line in self.to_charge if not line.has_payment_method]
+
+    @property
+    def with_amounts_stripe_refuses(self) -> list[tuple[PreviewLine, str]]:
+        """Those a run would charge an amount Stripe refuses (below its minimum charge, finer
+        than the currency takes), each with why: rows imported before the import checked."""
+        refused = []
+        for line in self.to_charge:
+            try:
+                validate_amount_in(line.amount_cents, line.currency)
+            except InvalidAmountError as exc:
+                refused.append((line, str(exc)))
+        return refused
 
     @property
     def sharing_a_stripe_customer(self) -> dict[str, list[str]]:

@@ -6,7 +6,7 @@ from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ActivityError, ChildWorkflowError, FailureError
 
 from billing.config import TemporalSettings
-from billing.models import PeriodCounts, PeriodProgress, Preview
+from billing.models import PeriodCounts, PeriodProgress, Preview, PreviewLine
 from billing.money import describe_amounts
 from billing.reconciliation import ReconcileReport
 
@@ -56,6 +56,20 @@ def describe_preview(preview: Preview, shown: int = 20) -> str:
             " import changes now, so Stripe would charge their legacy default source or"
             f" refuse; skip them if that is wrong: {_some(claimed, shown)}"
         )
+    refused = preview.with_amounts_stripe_refuses
+    if refused_new := [(x, why) for x, why in refused if x.status is None]:
+        lines.append(
+            f"  warning: {len(refused_new)} of them have an amount Stripe refuses, so they would"
+            " end failed; import them again with the amount in the currency's smallest unit"
+            f" before the run: {_some([_why(x, why) for x, why in refused_new], shown)}"
+        )
+    if refused_claimed := [(x, why) for x, why in refused if x.status is not None]:
+        lines.append(
+            f"  warning: {len(refused_claimed)} of them were claimed with an amount Stripe"
+            " refuses, which no import changes now, so they would end failed; bill them by"
+            " hand:"
+            f" {_some([_why(x, why) for x, why in refused_claimed], shown)}"
+        )
     if shared := preview.sharing_a_stripe_customer:
         lines.append(
             f"  warning: {len(shared)} Stripe customers would be charged more than once this"
@@ -66,6 +80,10 @@ def describe_preview(preview: Preview, shown: int = 20) -> str:
     lines.append(f"  already billed: {len(preview.already_billed)}")
     lines.append(f"  not billable this period (failed or skipped): {len(preview.not_billable)}")
     return "\n".join(lines)
+
+
+def _why(line: PreviewLine, why: str) -> str:
+    return f"{line.customer_id} ({why})"
 
 
 def _some(customer_ids: list[str], shown: int) -> str:

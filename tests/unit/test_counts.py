@@ -140,6 +140,39 @@ def test_a_preview_warns_of_customers_with_no_payment_method() -> None:
     assert "claimed" not in text
 
 
+def test_a_preview_warns_of_amounts_stripe_refuses() -> None:
+    # Imported before the import checked Stripe's minimums: 49 usd meant as $49.
+    preview = preview_of(
+        line("a", 49, "usd"),
+        line("b", 4_900, "usd"),
+        line("c", 1_050, "isk"),
+        line("d", 30, "eur", status="claimed"),
+    )
+    assert [(x.customer_id, why) for x, why in preview.with_amounts_stripe_refuses] == [
+        (
+            "a",
+            "amount 49 usd is below Stripe's minimum charge of 50 usd (amounts are in the"
+            " currency's smallest unit: is it in cents?)",
+        ),
+        (
+            "c",
+            "amount 1050 isk must end in 00: Stripe charges isk in hundredths but only whole"
+            " units (100 is 1 isk)",
+        ),
+        (
+            "d",
+            "amount 30 eur is below Stripe's minimum charge of 50 eur (amounts are in the"
+            " currency's smallest unit: is it in cents?)",
+        ),
+    ]
+    text = describe_preview(preview, shown=1)
+    assert "warning: 2 of them have an amount Stripe refuses, so they would end failed" in text
+    assert "before the run: a (amount 49 usd is below Stripe's minimum charge" in text
+    assert "and 1 more" in text
+    assert "1 of them were claimed with an amount Stripe refuses" in text
+    assert "bill them by hand: d (amount 30 eur" in text
+
+
 def test_a_preview_tells_claimed_customers_with_no_payment_method_apart() -> None:
     # A claim keeps what it was claimed with: importing again changes nothing it sends.
     preview = preview_of(line("a", 100, "usd", method=False, status="claimed"))
