@@ -135,6 +135,7 @@ def _parse_rows(reader: csv.DictReader[str], source: str) -> list[CustomerRow]:
         )
     rows: list[CustomerRow] = []
     seen: dict[str, int] = {}
+    spellings: dict[tuple[str, str], tuple[str, int]] = {}
     for fields in reader:
         line = reader.line_num
         if fields.get("_extra"):
@@ -149,10 +150,23 @@ def _parse_rows(reader: csv.DictReader[str], source: str) -> list[CustomerRow]:
                 f" {seen[row.customer_id]}"
             )
         seen[row.customer_id] = line
+        spelt = spellings.setdefault(_spelling(row), (row.customer_id, line))
+        if spelt[0] != row.customer_id:
+            raise CustomerImportError(
+                f"{source}, line {line}: customer {row.customer_id!r} is {spelt[0]!r} (line"
+                f" {spelt[1]}) spelt another way, with the same Stripe customer: both would be"
+                " charged each period; keep one of them"
+            )
         rows.append(row)
     if not rows:
         raise CustomerImportError(f"{source}: no customer rows after the header")
     return rows
+
+
+def _spelling(row: CustomerRow) -> tuple[str, str]:
+    """Ids that differ only in case may be two customers, but not with one Stripe customer:
+    then they are one customer imported twice, each id with its own key and charge."""
+    return row.customer_id.lower(), row.stripe_customer_id
 
 
 def read_customers_csv(path: Path) -> list[CustomerRow]:
@@ -189,10 +203,38 @@ async def import_customers(
     (ledger.open_period), which waits for it, or which it waits for."""
     async with pool.acquire() as conn, conn.transaction():
         await conn.execute(OPENING_LOCK)
+        await _refuse_respelt(conn, rows)
         changes = await changes_to_open_runs(conn, rows)
         if while_running or not changes:
             await _write(conn, rows)
     return changes
+
+
+async def _refuse_respelt(conn: asyncpg.Connection, rows: Sequence[CustomerRow]) -> None:
+    """Refuse new ids that are an active customer's spelt another way (see _spelling)."""
+    found = await conn.fetch(
+        """
+        SELECT n.customer_id AS new_id, c.customer_id AS existing_id, c.stripe_customer_id
+        FROM unnest($1::text[], $2::text[]) AS n(customer_id, stripe_customer_id)
+        JOIN customers c ON lower(c.customer_id) = lower(n.customer_id)
+            AND c.customer_id <> n.customer_id AND c.active
+            AND c.stripe_customer_id = n.stripe_customer_id
+        ORDER BY n.customer_id
+        """,
+        [r.customer_id for r in rows],
+        [r.stripe_customer_id for r in rows],
+    )
+    if found:
+        shown = ", ".join(
+            f"{r['new_id']!r} for {r['existing_id']!r} ({r['stripe_customer_id']})"
+            for r in found[:5]
+        )
+        raise CustomerImportError(
+            f"{len(found)} customer ids are those of active customers spelt another way, with"
+            f" the same Stripe customer: {shown}{', ...' if len(found) > 5 else ''}. Imported,"
+            " each would be charged twice a period, once per id. Use the ids already imported;"
+            " nothing was imported"
+        )
 
 
 async def upsert_customers(pool: asyncpg.Pool, rows: Sequence[CustomerRow]) -> int:

@@ -1,7 +1,8 @@
 """A customer import and a run's opening are one step to each other: either the run's plan
 counts what the import wrote, or the import sees the run open and refuses (unless told
 `--while-running`). Checked apart, a run opened between the import's check and its write
-billed the new customers at prices its plan and its key's cap never counted."""
+billed the new customers at prices its plan and its key's cap never counted. And what an import
+refuses against the customers already there."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import asyncio
 from typing import Any
 
 import asyncpg
+import pytest
 
 from billing import ledger
 from billing.customers import CustomerRow, import_customers
+from billing.errors import CustomerImportError
 from billing.models import PeriodPlan
 
 PERIOD = "2026-12"
@@ -92,3 +95,24 @@ async def test_a_pause_does_not_wait_for_an_import(db: asyncpg.Pool) -> None:
                 await ledger.set_control(other, PERIOD, "paused", "wrong prices", "alice")
 
         await asyncio.wait_for(pause(), timeout=2)
+
+
+async def test_an_active_customers_id_spelt_another_way_is_refused(db: asyncpg.Pool) -> None:
+    """`C-1` for `c-1` with the same Stripe customer: a second id, each charged every period.
+    Another Stripe customer makes it another customer (ids may be case-sensitive), and an
+    inactive `c-1` may be renamed."""
+    await _a_customer(db)
+    respelt = NEW.model_copy(update={"customer_id": "C-1", "stripe_customer_id": "cus_A"})
+    with pytest.raises(
+        CustomerImportError,
+        match=r"1 customer ids are those of active customers spelt another way, with the same"
+        r" Stripe customer: 'C-1' for 'c-1' \(cus_A\)\. .* nothing was imported",
+    ):
+        await import_customers(db, [NEW, respelt], while_running=False)
+    assert await db.fetchval("SELECT count(*) FROM customers") == 1
+    other = respelt.model_copy(update={"stripe_customer_id": "cus_C"})
+    assert await import_customers(db, [other], while_running=False) == []
+    await db.execute("UPDATE customers SET active = false WHERE customer_id = 'c-1'")
+    assert await import_customers(db, [respelt], while_running=False) == []
+    active = await db.fetch("SELECT customer_id, stripe_customer_id FROM customers WHERE active")
+    assert [tuple(r) for r in active] == [("C-1", "cus_A")]

@@ -39,6 +39,11 @@ def test_valid_file() -> None:
         ("c-1,acct_A,pm_1,1500,usd\n", "line 2: stripe_customer_id"),
         ("c-1,cus_A,card_1,1500,usd\n", "line 2: payment_method"),
         ("c-1,cus_A,pm_1,1500,usd\nc-1,cus_B,pm_2,1000,usd\n", "line 3: customer 'c-1' already"),
+        (
+            "acme-1,cus_A,pm_1,1500,usd\nACME-1,cus_A,pm_2,1500,usd\n",
+            "line 3: customer 'ACME-1' is 'acme-1' \\(line 2\\) spelt another way, with the same"
+            " Stripe customer",
+        ),
         ("c-1,cus_A,pm_1,1500,usd,extra\n", "line 2: more fields"),
         (",cus_A,pm_1,1500,usd\n", "line 2: customer_id is empty"),
         ("c-1,cus_A,pm_1,100000000,usd\n", "line 2: amount 100000000 exceeds"),
@@ -48,6 +53,13 @@ def test_valid_file() -> None:
 def test_bad_row_rejects_the_file_with_its_line(body: str, message: str) -> None:
     with pytest.raises(CustomerImportError, match=message):
         parse_customers_csv((HEADER + body).splitlines(True), source="in.csv")
+
+
+def test_ids_differing_in_case_are_two_customers_with_two_stripe_customers() -> None:
+    rows = parse_customers_csv(
+        (HEADER + "acme-1,cus_A,pm_1,1500,usd\nACME-1,cus_B,pm_2,1500,usd\n").splitlines(True)
+    )
+    assert [r.customer_id for r in rows] == ["acme-1", "ACME-1"]
 
 
 def test_missing_columns_are_named() -> None:
