@@ -321,7 +321,7 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
         print(f"unpaused schedule {args.id}")
         _warn_missed(args.id, await schedules.missed_launches(client, args.id))
     elif args.schedule_command == "trigger":
-        await handle.trigger()
+        await schedules.trigger(handle)
         print(f"triggered schedule {args.id}")
     elif args.schedule_command == "backfill":
         launches = await schedules.backfill(client, args.id, args.start, args.end)

@@ -200,6 +200,13 @@ async def backfill(client: Client, schedule_id: str, first: Period, last: Period
     return launches
 
 
+async def trigger(handle: ScheduleHandle) -> None:
+    """Fire the schedule now. Never dropped by its overlap policy, as a firing is while an
+    earlier launch is still open: a launch starts (or joins) its period's one workflow, so
+    two at once bill each customer once."""
+    await handle.trigger(overlap=ScheduleOverlapPolicy.ALLOW_ALL)
+
+
 async def _launch_input(client: Client, description: ScheduleDescription) -> ScheduledBillingInput:
     action = description.schedule.action
     assert isinstance(action, ScheduleActionStartWorkflow)

@@ -7,6 +7,7 @@ import asyncio
 import os
 from collections.abc import Awaitable
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any
 
 import pytest
@@ -510,6 +511,33 @@ async def test_schedule_trigger_and_manual_run_bill_each_customer_once(harness: 
         await eventually(launcher_done, timeout=30)
         await schedule.delete()
     await assert_billed_once(harness, str(period), customers)
+
+
+async def test_a_trigger_while_a_launch_is_open_is_not_dropped(harness: Harness) -> None:
+    # A schedule's overlap policy (here `skip`) drops a firing while an earlier launch is open;
+    # an operator's trigger would be dropped too, with "triggered" printed.
+    customers = await harness.seed(3)
+    config = schedules.MonthlySchedule(schedule_id="monthly-twice", billing="advance", paused=True)
+    await schedules.create_schedule(harness.client, config, harness.task_queue)
+    query = 'WorkflowType="ScheduledBillingWorkflow" AND TemporalScheduledById="monthly-twice"'
+
+    async def launches(count: int, status: str = "") -> bool:
+        found = harness.client.list_workflows(query + status)
+        return len([w async for w in found]) == count
+
+    # No worker yet, so the first launch stays open, as one does behind a busy worker.
+    for count in (1, 2):
+        code, out, err = await harness.starter("schedule", "trigger", "--id", "monthly-twice")
+        assert (code, out) == (0, "triggered schedule monthly-twice\n"), err
+        await eventually(partial(launches, count), timeout=30)
+    async with harness.running_worker():
+        await eventually(lambda: launches(2, ' AND ExecutionStatus="Completed"'), timeout=30)
+        summary = await harness.client.get_workflow_handle(
+            period_workflow_id(PERIOD), result_type=PeriodSummary
+        ).result()
+    await harness.client.get_schedule_handle("monthly-twice").delete()
+    assert summary.charged == len(customers)
+    await assert_billed_once(harness, str(PERIOD), customers)
 
 
 async def test_a_scheduled_launch_returns_once_its_period_has_started(harness: Harness) -> None:
