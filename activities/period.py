@@ -125,10 +125,18 @@ class PeriodActivities:
         for currency, cap in caps.items():
             try:
                 await period_keys.ensure_key(
-                    self._pool, admin, box, parse_period(plan.period), currency, cap, grace
+                    self._pool,
+                    admin,
+                    box,
+                    parse_period(plan.period),
+                    currency,
+                    cap,
+                    grace,
+                    expected_cents=plan.totals_by_currency[currency],
                 )
             except (
                 period_keys.KeyRevokedError,
+                period_keys.KeyTooSmallError,
                 VaultInvalidRequest,
                 VaultAuthError,
                 VaultForbidden,

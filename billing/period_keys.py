@@ -42,6 +42,10 @@ class KeyRevokedError(BillingError):
     """The period's key was revoked (the kill switch): no new key is issued behind it."""
 
 
+class KeyTooSmallError(BillingError):
+    """The period's stored key has less room left than the run expects to charge."""
+
+
 class PeriodKey(Record):
     """What a run may record about its key: never the secret."""
 
@@ -75,9 +79,13 @@ async def ensure_key(
     currency: str,
     cap_cents: int,
     grace: timedelta,
+    expected_cents: int,
 ) -> PeriodKey:
     """The period's key for the currency: the stored one while it is usable for another
-    REUSE_MIN_LIFE, else a new one."""
+    REUSE_MIN_LIFE, else a new one capped at `cap_cents`. A stored key with less room than
+    the run's `expected_cents` (a rerun after customers were added) is refused, so that the
+    run charges nobody rather than stop part-billed at the cap. It is not replaced: its cap
+    may be an operator's on purpose."""
     stored = await stored_key_id(pool, str(period), currency)
     if stored is not None:
         info = await admin.get_key(stored)
@@ -87,6 +95,18 @@ async def ensure_key(
                 " nothing more is charged. Delete its row in period_vault_keys to allow a new key."
             )
         if info.expires_at - datetime.now(UTC) >= REUSE_MIN_LIFE:
+            # Not less what it holds reserved: those are the claims in doubt this run takes
+            # over, counted in `expected_cents` already.
+            room = info.cap_cents - info.spent_cents
+            if room < expected_cents:
+                raise KeyTooSmallError(
+                    f"the vault key for {period} ({currency}) has {room} {currency} left of"
+                    f" its cap of {info.cap_cents}, less than the {expected_cents} {currency}"
+                    " this run expects to charge (customers added since it was issued?), so"
+                    " the run would stop part-billed at the cap; nothing was charged. Delete"
+                    " its row in period_vault_keys (and revoke the key, which no run uses"
+                    " then) and run again: the run issues a key capped for what it charges"
+                )
             return PeriodKey(
                 period=str(period),
                 currency=currency,

@@ -47,6 +47,10 @@ class VaultHandle:
     worker: VaultAdmin
 
 
+# Seconds a `starter.py` call may take in a test.
+STARTER_TIMEOUT = 120
+
+
 async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 60) -> None:
     """Wait until `check()` is true; fail the test after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -169,7 +173,15 @@ class Harness:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
-        stdout, stderr = await process.communicate()
+        try:
+            stdout, stderr = await asyncio.wait_for(process.communicate(), STARTER_TIMEOUT)
+        except TimeoutError:
+            # e.g. `run --wait` on a run that paused: fail the test rather than hang the suite.
+            process.kill()
+            await process.wait()
+            raise AssertionError(
+                f"starter.py {' '.join(args)} did not exit within {STARTER_TIMEOUT} s"
+            ) from None
         assert process.returncode is not None
         return process.returncode, stdout.decode(), stderr.decode()
 

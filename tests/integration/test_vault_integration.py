@@ -137,45 +137,59 @@ async def test_a_period_in_several_currencies_keeps_each_apart(vaulted: Harness)
 async def test_cap_reached_pauses_the_period_until_an_operator_acts(vaulted: Harness) -> None:
     customers = await vaulted.seed(10)
     assert vaulted.vault is not None
-    # The period's key exists already, with room for only the first four customers.
-    room = sum(c.amount_cents for c in customers[:4])
-    issued = await vaulted.vault.admin.issue_key(
-        IssueKeyRequest(
-            label=period_keys.LABEL,
-            period=str(PERIOD),
-            cap_cents=room,
-            currency="usd",
-            allowed_endpoints=period_keys.ALLOWED_ENDPOINTS,
-            expires_at=datetime.now(UTC) + timedelta(days=2),
-        )
-    )
-    async with vaulted.pool.acquire() as conn:
-        await conn.execute(
-            "INSERT INTO period_vault_keys"
-            " (billing_period, currency, vault_key_id, sealed_secret, cap_cents)"
-            " VALUES ($1, 'usd', $2, $3, $4)",
-            str(PERIOD),
-            issued.id,
-            vaulted.settings.secret_box().seal(issued.secret),
-            room,
-        )
+    await vaulted.set_faults(latency_ms=200)
     async with vaulted.running_worker():
         handle = await start_period(
             vaulted.client, PERIOD, vaulted.task_queue, RunOptions(max_in_flight=1)
         )
-
+        await eventually(lambda: at_least(vaulted.succeeded(), 1))
+        # Prices raised tenfold mid-run (an import --while-running): the claims made from now
+        # on charge more than the key's cap, set from the plan, has room for.
+        async with vaulted.pool.acquire() as conn:
+            await conn.execute("UPDATE customers SET amount_cents = amount_cents * 10")
         await eventually(lambda: vaulted.in_state(PERIOD, "paused"), timeout=60)
         progress = await period_status(vaulted.client, PERIOD)
         assert progress.operator == "billing (automatic)"
         assert progress.reason is not None and "spend_cap_exceeded" in progress.reason
-        key = await vaulted.vault.admin.get_key(issued.id)
+        key = await vaulted.vault.admin.get_key(await period_key(vaulted))
         assert key.spent_cents + key.reserved_cents <= key.cap_cents
         await operations.control(vaulted.client, PERIOD, "cancel", ALICE)
         summary = await handle.result()
-    assert summary.charged == 4
-    assert summary.cancelled == 6
+    assert 1 <= summary.charged < 10
+    assert summary.charged + summary.cancelled == 10
     succeeded = [c for c in await vaulted.charges() if c["status"] == "succeeded"]
-    assert sum(c["amount"] for c in succeeded) <= room
+    assert len(succeeded) == summary.charged
+    assert sum(c["amount"] for c in succeeded) <= key.cap_cents
+    assert key.cap_cents < sum(c.amount_cents for c in customers) * 2
+
+
+async def test_a_rerun_expecting_more_than_its_key_has_left_charges_nobody(
+    vaulted: Harness,
+) -> None:
+    """Customers added after a period's run: its key, capped for the first run, has room for
+    few of them, so a rerun would stop part-billed at the cap. It stops before any charge,
+    saying what to do; done, the next rerun bills them."""
+    assert vaulted.vault is not None
+    first = await vaulted.seed(3)
+    async with vaulted.running_worker():
+        assert (
+            await (await start_period(vaulted.client, PERIOD, vaulted.task_queue)).result()
+        ).charged == 3
+        added = await vaulted.seed(3, prefix="late")
+        code, out, err = await vaulted.starter("run", str(PERIOD), "--wait")
+        assert (code, out) == (3, ""), err
+        assert "its activity prepare_period failed: no vault key for" in err
+        assert "this run expects to charge (customers added since it was issued?)" in err
+        assert "nothing was charged. Delete its row in period_vault_keys" in err
+        assert await vaulted.money_requests() == 3
+        old = await period_key(vaulted)
+        await vaulted.vault.admin.revoke(old)
+        async with vaulted.pool.acquire() as conn:
+            await conn.execute("DELETE FROM period_vault_keys")
+        rerun = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
+        assert (await rerun.result()).charged == 3
+    assert await period_key(vaulted) != old
+    await assert_billed_once(vaulted, str(PERIOD), [*first, *added])
 
 
 async def test_a_stored_key_near_its_expiry_is_replaced_not_reused(vaulted: Harness) -> None:
@@ -185,14 +199,17 @@ async def test_a_stored_key_near_its_expiry_is_replaced_not_reused(vaulted: Harn
     box = vaulted.settings.secret_box()
     grace = timedelta(days=7)
 
-    async def ensure() -> period_keys.PeriodKey:
+    async def ensure(expected_cents: int = 4_000) -> period_keys.PeriodKey:
         assert vaulted.vault is not None
         return await period_keys.ensure_key(
-            vaulted.pool, vaulted.vault.worker, box, PERIOD, "usd", 5_000, grace
+            vaulted.pool, vaulted.vault.worker, box, PERIOD, "usd", 5_000, grace, expected_cents
         )
 
     first = await ensure()
     assert (await ensure()).vault_key_id == first.vault_key_id  # a week left: reused
+    with pytest.raises(period_keys.KeyTooSmallError, match="has 5000 usd left of its cap"):
+        await ensure(5_001)  # not replaced: its cap may be an operator's
+    assert (await ensure(5_000)).vault_key_id == first.vault_key_id
     near = period_keys.REUSE_MIN_LIFE - timedelta(minutes=1)
     issued = await vaulted.vault.worker.issue_key(
         IssueKeyRequest(
