@@ -38,6 +38,7 @@ from billing.config import (
 )
 from billing.db import create_pool
 from billing.errors import BillingError, ServiceUnavailableError
+from billing.liveness import Heartbeat
 from billing.migrations import migrate
 from billing.period_keys import reseal_secrets
 from billing.sealing import SETTING
@@ -148,7 +149,10 @@ async def main() -> None:
     applied = await migrate(database.database_url)
     if applied:
         log.info("applied migrations %s", ", ".join(applied))
-    metrics.serve(observability)
+    heartbeat = Heartbeat()
+    metrics.serve(observability, heartbeat)
+    # Held, so that it is not collected; cancelled when the worker stops.
+    beating = asyncio.create_task(heartbeat.run())
     client = await connect(temporal, metrics.temporal_runtime(observability))
     pool = await create_pool(database.database_url)
     stop = asyncio.Event()
@@ -201,6 +205,7 @@ async def main() -> None:
         if admin is not None:
             await admin.close()
         await pool.close()
+        beating.cancel()
     log.info("worker stopped")
 
 

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from wsgiref.simple_server import WSGIServer
 
 import stripe
-from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client import Counter, Histogram, make_wsgi_app, start_http_server
 from temporalio.runtime import (
     LogForwardingConfig,
     LoggingConfig,
@@ -24,6 +24,7 @@ from temporalio.runtime import (
 )
 
 from billing.config import ObservabilitySettings
+from billing.liveness import Heartbeat, with_health
 
 CHARGES = Counter(
     "billing_charges_total",
@@ -82,12 +83,15 @@ def _error_code(exc: stripe.StripeError) -> str | None:
     return str(code) if code else exc.code
 
 
-def serve(settings: ObservabilitySettings) -> WSGIServer | None:
-    """Serve the billing metrics on BILLING_METRICS_PORT from a daemon thread; the server is
-    returned for shutdown(), None while the port is unset."""
+def serve(settings: ObservabilitySettings, heartbeat: Heartbeat | None = None) -> WSGIServer | None:
+    """Serve the billing metrics on BILLING_METRICS_PORT from a daemon thread, with `/health`
+    when given the loop's `heartbeat`; the server is returned for shutdown(), None while the
+    port is unset."""
     if settings.billing_metrics_port is None:
         return None
     server, _ = start_http_server(settings.billing_metrics_port, settings.metrics_host)
+    if heartbeat is not None:
+        server.set_app(with_health(make_wsgi_app(), heartbeat))
     return server
 
 

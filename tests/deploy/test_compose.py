@@ -15,7 +15,7 @@ from check_jsonschema.builtin_schemas import get_builtin_schema
 from pydantic_settings import BaseSettings
 
 import starter
-from billing import search_attributes
+from billing import liveness, search_attributes
 from billing.config import (
     BillingSettings,
     DatabaseSettings,
@@ -218,6 +218,9 @@ def test_health_checks_ask_what_the_service_serves() -> None:
         assert found, f"{name}'s health check asks no local URL: {probe}"
         port, path = found.groups()
         argv, env = service["command"], environment(service)
+        if port == env.get("BILLING_METRICS_PORT"):
+            assert path in ("/metrics", liveness.HEALTH_PATH)
+            continue
         if port in {v for k, v in env.items() if k.endswith("_METRICS_PORT")}:
             assert path == "/metrics"
             continue

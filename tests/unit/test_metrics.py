@@ -35,6 +35,7 @@ def test_names_follow_prometheus_conventions() -> None:
         "billing_charged_amount_cents",
         "billing_vault_refusals",
         "billing_claim_to_charge_seconds",
+        "billing_worker_event_loop_lag_seconds",
     }
     for family in families.values():
         assert SNAKE.fullmatch(family.name) and family.documentation
@@ -44,7 +45,7 @@ def test_names_follow_prometheus_conventions() -> None:
             exposed = {s.name for s in family.samples}
             assert f"{family.name}_total" in exposed or not family.samples
         else:
-            assert family.type == "histogram" and family.name.endswith("_seconds")
+            assert family.type in ("histogram", "gauge") and family.name.endswith("_seconds")
 
 
 def charge_samples() -> list[float]:
