@@ -4,8 +4,9 @@ controls (pause, resume, cancel, skip), close."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta
 from zoneinfo import ZoneInfo
 
@@ -111,11 +112,24 @@ class PeriodActivities:
 
     @activity.defn(name="prepare_period")
     async def prepare(self, request: PrepareRequest) -> PeriodPlan:
+        if self._admin is not None:
+            # Before the run is recorded, which would reset the period's record (a completed
+            # run's summary) for a run that then fails.
+            await self._check_stored_keys(request.period, self._admin)
         async with self._pool.acquire() as conn:
             plan = await ledger.open_period(conn, request.period, request.workflow_id)
         if self._admin is not None:
             await self._ensure_keys(plan, self._admin)
         return plan
+
+    async def _check_stored_keys(self, period: str, admin: VaultAdmin) -> None:
+        async with self._pool.acquire() as conn:
+            unsent = await ledger.unsent_totals(conn, period)
+        for currency, total in sorted(unsent.items()):
+            with _needs_operator(period, currency):
+                await period_keys.check_stored_key(
+                    self._pool, admin, parse_period(period), currency, total
+                )
 
     async def _ensure_keys(self, plan: PeriodPlan, admin: VaultAdmin) -> None:
         """The period's vault key per currency, capped at the expected total with headroom."""
@@ -123,31 +137,10 @@ class PeriodActivities:
         caps = spend_caps(plan.totals_by_currency, self._settings.billing_cap_multiplier)
         box = self._settings.secret_box()
         for currency, cap in caps.items():
-            try:
+            with _needs_operator(plan.period, currency):
                 await period_keys.ensure_key(
-                    self._pool,
-                    admin,
-                    box,
-                    parse_period(plan.period),
-                    currency,
-                    cap,
-                    grace,
-                    expected_cents=plan.totals_by_currency[currency],
+                    self._pool, admin, box, parse_period(plan.period), currency, cap, grace
                 )
-            except (
-                period_keys.KeyRevokedError,
-                period_keys.KeyTooSmallError,
-                VaultInvalidRequest,
-                VaultAuthError,
-                VaultForbidden,
-            ) as exc:
-                # Revoked (the kill switch), a cap over the vault's ceiling, a wrong token, a
-                # worker budget spent: each needs an operator, not a retry.
-                raise ApplicationError(
-                    f"no vault key for {plan.period} ({currency}): {exc}",
-                    type=KEY_REFUSED,
-                    non_retryable=True,
-                ) from None
 
     @activity.defn(name="period_completed")
     async def completed(self, period: str) -> bool:
@@ -274,3 +267,22 @@ class PeriodActivities:
     async def close(self, summary: PeriodSummary) -> None:
         async with self._pool.acquire() as conn:
             await ledger.finish_period(conn, summary.period, summary.model_dump_json())
+
+
+@contextlib.contextmanager
+def _needs_operator(period: str, currency: str) -> Iterator[None]:
+    """A key refused for a reason a retry cannot change, as the run's failure."""
+    try:
+        yield
+    except (
+        period_keys.KeyRevokedError,
+        period_keys.KeyTooSmallError,
+        VaultInvalidRequest,
+        VaultAuthError,
+        VaultForbidden,
+    ) as exc:
+        # Revoked (the kill switch), too small for the run, a cap over the vault's ceiling, a
+        # wrong token, a worker budget spent: each needs an operator, not a retry.
+        raise ApplicationError(
+            f"no vault key for {period} ({currency}): {exc}", type=KEY_REFUSED, non_retryable=True
+        ) from None

@@ -669,7 +669,6 @@ async def measure_baseline(
                         currency,
                         spend_cap(total, settings.billing_cap_multiplier),
                         timedelta(days=settings.billing_vault_key_grace_days),
-                        expected_cents=total,
                     )
             due: list[str] = []
             cursor: str | None = None

@@ -89,6 +89,21 @@ async def plan_period(conn: asyncpg.Connection, period: str) -> PeriodPlan:
     )
 
 
+async def unsent_totals(conn: asyncpg.Connection, period: str) -> dict[str, int]:
+    """Per currency, what a run would charge customers no attempt of which has reached
+    Stripe: none of it is held in a vault key's spend or reservations yet."""
+    rows = await conn.fetch(
+        f"""
+        SELECT coalesce(r.currency, c.currency) AS currency,
+               sum(coalesce(r.amount_cents, c.amount_cents)) AS total
+        {_DUE} AND {_OPEN} AND r.charge_started_at IS NULL
+        GROUP BY 1
+        """,
+        period,
+    )
+    return {row["currency"]: row["total"] for row in rows}
+
+
 async def preview_lines(conn: asyncpg.Connection, period: str) -> list[PreviewLine]:
     """Every due customer with the amount a run would claim (or has claimed) and its row."""
     rows = await conn.fetch(
