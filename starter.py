@@ -324,7 +324,7 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
         await schedules.trigger(handle)
         print(f"triggered schedule {args.id}")
     elif args.schedule_command == "backfill":
-        launches = await schedules.backfill(client, args.id, args.start, args.end)
+        launches = await schedules.backfill(client, args.id, args.start, args.end, late=args.late)
         print(
             f"backfilling {len(launches)} launches, {args.start} to {args.end}: "
             + ", ".join(t.isoformat() for t in launches)
@@ -496,6 +496,11 @@ def parser() -> argparse.ArgumentParser:
         if name == "backfill":
             sub.add_argument("--start", type=_period, required=True, help="first period")
             sub.add_argument("--end", type=_period, required=True, help="last period")
+            sub.add_argument(
+                "--late",
+                action="store_true",
+                help=f"bill periods more than {LATE_MONTHS} months before this one anyway",
+            )
         if name == "create":
             sub.add_argument("--day", type=int, default=defaults.day_of_month, help="1-28")
             sub.add_argument("--hour", type=int, default=defaults.hour)

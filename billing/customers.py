@@ -230,10 +230,10 @@ async def _refuse_respelt(conn: asyncpg.Connection, rows: Sequence[CustomerRow])
             for r in found[:5]
         )
         raise CustomerImportError(
-            f"{len(found)} customer ids are those of active customers spelt another way, with"
-            f" the same Stripe customer: {shown}{', ...' if len(found) > 5 else ''}. Imported,"
-            " each would be charged twice a period, once per id. Use the ids already imported;"
-            " nothing was imported"
+            f"{len({r['new_id'] for r in found})} customer ids are those of active customers"
+            f" spelt another way, with the same Stripe customer: {shown}"
+            f"{', ...' if len(found) > 5 else ''}. Imported, each would be charged twice a"
+            " period, once per id. Use the ids already imported; nothing was imported"
         )
 
 

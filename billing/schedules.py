@@ -27,7 +27,7 @@ from temporalio.client import (
 
 from billing.errors import InvalidInputError
 from billing.models import Record, RunOptions, ScheduledAction, ScheduledBillingInput
-from billing.periods import Billing, Period, period_for
+from billing.periods import Billing, Period, check_run_by_hand, period_for
 from workflows.scheduled_billing import ScheduledBillingWorkflow
 
 Overlap = Literal[
@@ -175,11 +175,17 @@ def backfill_window(
     )
 
 
-async def backfill(client: Client, schedule_id: str, first: Period, last: Period) -> list[datetime]:
+async def backfill(
+    client: Client, schedule_id: str, first: Period, last: Period, *, late: bool = False
+) -> list[datetime]:
     """Run the schedule for each period from `first` to `last`, all now; returns the nominal
-    times launched. Refused if one is still ahead, or none falls in the window."""
+    times launched. Refused if one is still ahead, or none falls in the window, or (billing,
+    unless `late`) one is long past, as `run` refuses it."""
     handle = client.get_schedule_handle(schedule_id)
     request = await _launch_input(client, await handle.describe())
+    if request.action == "bill":
+        # Later periods are refused below, by their launch times.
+        check_run_by_hand(first, datetime.now(UTC), ahead=True, late=late)
     start, end = backfill_window(first, last, request.options.billing, request.time_zone)
     launches = await matching_times(client, schedule_id, start, end)
     if not launches:
