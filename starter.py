@@ -47,6 +47,7 @@ from billing.periods import (
     LATE_MONTHS,
     Period,
     check_run_by_hand,
+    is_late,
     parse_period,
     period_range,
 )
@@ -350,7 +351,8 @@ def _warn_missed(schedule_id: str, missed: list[schedules.Missed]) -> None:
         print(
             f"  unbilled by it: {', '.join(map(str, periods))}; to bill them:"
             f" python starter.py schedule backfill --id {schedule_id}"
-            f" --start {periods[0]} --end {periods[-1]}",
+            f" --start {periods[0]} --end {periods[-1]}"
+            + (" --late" if is_late(periods[0], datetime.now(UTC)) else ""),
             file=sys.stderr,
         )
 

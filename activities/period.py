@@ -4,10 +4,10 @@ controls (pause, resume, cancel, skip), close."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timedelta
+from functools import partial
 from zoneinfo import ZoneInfo
 
 import asyncpg
@@ -112,35 +112,51 @@ class PeriodActivities:
 
     @activity.defn(name="prepare_period")
     async def prepare(self, request: PrepareRequest) -> PeriodPlan:
-        if self._admin is not None:
-            # Before the run is recorded, which would reset the period's record (a completed
-            # run's summary) for a run that then fails.
-            await self._check_stored_keys(request.period, self._admin)
+        admin = self._admin
         async with self._pool.acquire() as conn:
-            plan = await ledger.open_period(conn, request.period, request.workflow_id)
-        if self._admin is not None:
-            await self._ensure_keys(plan, self._admin)
-        return plan
+            # The keys before the run is recorded: one refused leaves the period's record as
+            # it was, and an import waits, so that the plan the keys are checked for holds.
+            return await ledger.open_period(
+                conn,
+                request.period,
+                request.workflow_id,
+                None if admin is None else partial(self._ensure_keys, admin=admin),
+            )
 
-    async def _check_stored_keys(self, period: str, admin: VaultAdmin) -> None:
-        async with self._pool.acquire() as conn:
-            unsent = await ledger.unsent_totals(conn, period)
-        for currency, total in sorted(unsent.items()):
-            with _needs_operator(period, currency):
-                await period_keys.check_stored_key(
-                    self._pool, admin, parse_period(period), currency, total
-                )
-
-    async def _ensure_keys(self, plan: PeriodPlan, admin: VaultAdmin) -> None:
+    async def _ensure_keys(
+        self, plan: PeriodPlan, unsent: dict[str, int], *, admin: VaultAdmin
+    ) -> None:
         """The period's vault key per currency, capped at the expected total with headroom."""
         grace = timedelta(days=self._settings.billing_vault_key_grace_days)
         caps = spend_caps(plan.totals_by_currency, self._settings.billing_cap_multiplier)
         box = self._settings.secret_box()
         for currency, cap in caps.items():
-            with _needs_operator(plan.period, currency):
+            try:
                 await period_keys.ensure_key(
-                    self._pool, admin, box, parse_period(plan.period), currency, cap, grace
+                    self._pool,
+                    admin,
+                    box,
+                    parse_period(plan.period),
+                    currency,
+                    cap,
+                    grace,
+                    unsent.get(currency, 0),
                 )
+            except (
+                period_keys.KeyRevokedError,
+                period_keys.KeyTooSmallError,
+                VaultInvalidRequest,
+                VaultAuthError,
+                VaultForbidden,
+            ) as exc:
+                # Revoked (the kill switch), too small for the run, a cap over the vault's
+                # ceiling, a wrong token, a worker budget spent: each needs an operator, not
+                # a retry.
+                raise ApplicationError(
+                    f"no vault key for {plan.period} ({currency}): {exc}",
+                    type=KEY_REFUSED,
+                    non_retryable=True,
+                ) from None
 
     @activity.defn(name="period_completed")
     async def completed(self, period: str) -> bool:
@@ -267,22 +283,3 @@ class PeriodActivities:
     async def close(self, summary: PeriodSummary) -> None:
         async with self._pool.acquire() as conn:
             await ledger.finish_period(conn, summary.period, summary.model_dump_json())
-
-
-@contextlib.contextmanager
-def _needs_operator(period: str, currency: str) -> Iterator[None]:
-    """A key refused for a reason a retry cannot change, as the run's failure."""
-    try:
-        yield
-    except (
-        period_keys.KeyRevokedError,
-        period_keys.KeyTooSmallError,
-        VaultInvalidRequest,
-        VaultAuthError,
-        VaultForbidden,
-    ) as exc:
-        # Revoked (the kill switch), too small for the run, a cap over the vault's ceiling, a
-        # wrong token, a worker budget spent: each needs an operator, not a retry.
-        raise ApplicationError(
-            f"no vault key for {period} ({currency}): {exc}", type=KEY_REFUSED, non_retryable=True
-        ) from None

@@ -669,6 +669,7 @@ async def measure_baseline(
                         currency,
                         spend_cap(total, settings.billing_cap_multiplier),
                         timedelta(days=settings.billing_vault_key_grace_days),
+                        total,
                     )
             due: list[str] = []
             cursor: str | None = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import asyncpg
@@ -90,13 +90,16 @@ async def plan_period(conn: asyncpg.Connection, period: str) -> PeriodPlan:
 
 
 async def unsent_totals(conn: asyncpg.Connection, period: str) -> dict[str, int]:
-    """Per currency, what a run would charge customers no attempt of which has reached
-    Stripe: none of it is held in a vault key's spend or reservations yet."""
+    """Per currency, what a run would charge for claims no attempt of which went out through
+    the period's current key (none yet, or all before the key was issued): none of it is in
+    that key's spend or reservations."""
     rows = await conn.fetch(
         f"""
         SELECT coalesce(r.currency, c.currency) AS currency,
                sum(coalesce(r.amount_cents, c.amount_cents)) AS total
-        {_DUE} AND {_OPEN} AND r.charge_started_at IS NULL
+        {_DUE} AND {_OPEN} AND (r.charge_started_at IS NULL OR r.charge_started_at < (
+            SELECT k.created_at FROM period_vault_keys k
+            WHERE k.billing_period = $1 AND k.currency = r.currency))
         GROUP BY 1
         """,
         period,
@@ -327,11 +330,24 @@ async def without_rows(
 OPENING_LOCK = "SELECT pg_advisory_xact_lock(hashtext('billing: a run opening, or an import'))"
 
 
-async def open_period(conn: asyncpg.Connection, period: str, workflow_id: str) -> PeriodPlan:
-    """Plan the period and record its new run, as one step to a customer import."""
+# What a run's opening checks before it is recorded: the plan, and what it has yet to send.
+BeforeRecording = Callable[[PeriodPlan, dict[str, int]], Awaitable[None]]
+
+
+async def open_period(
+    conn: asyncpg.Connection,
+    period: str,
+    workflow_id: str,
+    before_recording: BeforeRecording | None = None,
+) -> PeriodPlan:
+    """Plan the period and record its new run, as one step to a customer import. In between,
+    under the same lock, `before_recording` gets the plan and `unsent_totals`: what it raises
+    leaves the period's record as it was (a completed run's summary)."""
     async with conn.transaction():
         await conn.execute(OPENING_LOCK)
         plan = await plan_period(conn, period)
+        if before_recording is not None:
+            await before_recording(plan, await unsent_totals(conn, period))
         await start_period(conn, plan, workflow_id)
     return plan
 

@@ -19,7 +19,7 @@ from billing.periods import Period
 from billing.sealing import SecretBox
 from vault.client import VaultAdmin
 from vault.endpoints import WORKER_ENDPOINTS
-from vault.models import IssuedKey, IssueKeyRequest, KeyInfo
+from vault.models import IssuedKey, IssueKeyRequest
 
 LABEL = "billing"
 ALLOWED_ENDPOINTS = list(WORKER_ENDPOINTS)
@@ -71,34 +71,6 @@ async def stored_key_id(pool: asyncpg.Pool, period: str, currency: str) -> str |
     return key_id
 
 
-async def check_stored_key(
-    pool: asyncpg.Pool, admin: VaultAdmin, period: Period, currency: str, unsent_cents: int
-) -> None:
-    """Refuse, before a run is recorded, the period's stored key for the currency if the run
-    could not charge with it: revoked, or kept (see ensure_key) with less room than the
-    charges the run has yet to send, `unsent_cents` (a rerun after customers were added,
-    which would stop part-billed at the cap). Claims already sent are counted in the key's
-    spend or reservations, not in `unsent_cents`. Such a key is not replaced by a new one:
-    the kill switch was pulled, or the cap is an operator's (or needs an operator's word)."""
-    stored = await stored_key_id(pool, str(period), currency)
-    if stored is None:
-        return
-    info = await admin.get_key(stored)
-    _refuse_revoked(info, period, currency)
-    if not _kept(info):
-        return
-    room = info.cap_cents - info.spent_cents - info.reserved_cents
-    if room < unsent_cents:
-        raise KeyTooSmallError(
-            f"the vault key for {period} ({currency}) has {room} {currency} left of its cap of"
-            f" {info.cap_cents}, less than the {unsent_cents} {currency} this run has yet to"
-            " charge (customers added since it was issued?), so the run would stop part-billed"
-            " at the cap; nothing was charged. Delete its row in period_vault_keys (and revoke"
-            " the key, which no run uses then) and run again: the run issues a key capped for"
-            " what is left"
-        )
-
-
 async def ensure_key(
     pool: asyncpg.Pool,
     admin: VaultAdmin,
@@ -107,14 +79,35 @@ async def ensure_key(
     currency: str,
     cap_cents: int,
     grace: timedelta,
+    unsent_cents: int,
 ) -> PeriodKey:
     """The period's key for the currency: the stored one while it is usable for another
-    REUSE_MIN_LIFE, else a new one capped at `cap_cents`."""
+    REUSE_MIN_LIFE, else a new one capped at `cap_cents`.
+
+    A stored key is refused, not replaced, if revoked (the kill switch), or if kept with less
+    room than `unsent_cents`, what the run has yet to send (a rerun after customers were
+    added, which would stop part-billed at the cap): its cap may be an operator's. Charges
+    already sent with it are in its spend or reservations, not in `unsent_cents`."""
     stored = await stored_key_id(pool, str(period), currency)
     if stored is not None:
         info = await admin.get_key(stored)
-        _refuse_revoked(info, period, currency)
-        if _kept(info):
+        if info.revoked:
+            raise KeyRevokedError(
+                f"the vault key for {period} ({currency}) was revoked at {info.revoked_at};"
+                " nothing more is charged. Delete its row in period_vault_keys to allow a new key."
+            )
+        if info.expires_at - datetime.now(UTC) >= REUSE_MIN_LIFE:
+            room = info.cap_cents - info.spent_cents - info.reserved_cents
+            if room < unsent_cents:
+                raise KeyTooSmallError(
+                    f"the vault key for {period} ({currency}) has {room} {currency} left of its"
+                    f" cap of {info.cap_cents}, less than the {unsent_cents} {currency} this run"
+                    " has yet to charge (customers added since it was issued?), so the run"
+                    " would stop part-billed at the cap; nothing was charged. Reconcile the"
+                    " period if charges in doubt hold part of the cap; otherwise revoke the key,"
+                    " delete its row in period_vault_keys and run again: the run issues a key"
+                    " capped for what is left"
+                )
             return PeriodKey(
                 period=str(period),
                 currency=currency,
@@ -151,19 +144,6 @@ async def ensure_key(
     return PeriodKey(
         period=str(period), currency=currency, vault_key_id=issued.id, cap_cents=issued.cap_cents
     )
-
-
-def _refuse_revoked(info: KeyInfo, period: Period, currency: str) -> None:
-    if info.revoked:
-        raise KeyRevokedError(
-            f"the vault key for {period} ({currency}) was revoked at {info.revoked_at};"
-            " nothing more is charged. Delete its row in period_vault_keys to allow a new key."
-        )
-
-
-def _kept(info: KeyInfo) -> bool:
-    """Whether a run keeps the stored key rather than have a new one issued."""
-    return info.expires_at - datetime.now(UTC) >= REUSE_MIN_LIFE
 
 
 async def issue_lookup_key(admin: VaultAdmin, period: str, currency: str) -> IssuedKey:

@@ -83,6 +83,14 @@ def period_range(first: Period, last: Period) -> list[Period]:
     return periods
 
 
+def is_late(period: Period, now: datetime) -> bool:
+    """Whether `period` is more than LATE_MONTHS before the current month."""
+    earliest = period_for(now, "advance")
+    for _ in range(LATE_MONTHS):
+        earliest = earliest.previous()
+    return period < earliest
+
+
 def check_run_by_hand(
     period: Period, now: datetime, *, ahead: bool = False, late: bool = False
 ) -> None:
@@ -97,10 +105,7 @@ def check_run_by_hand(
             f"{period} has not begun, and a run now charges its customers ahead of"
             " time: check the period, or pass --ahead to bill it now"
         )
-    earliest = current
-    for _ in range(LATE_MONTHS):
-        earliest = earliest.previous()
-    if period < earliest and not late:
+    if is_late(period, now) and not late:
         raise InvalidPeriodError(
             f"{period} is more than {LATE_MONTHS} months before the current month ({current}),"
             " and a run now charges every active customer for it, those who joined since"

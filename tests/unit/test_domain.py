@@ -40,6 +40,7 @@ from billing.periods import (
     LATE_MONTHS,
     Period,
     check_run_by_hand,
+    is_late,
     parse_period,
     period_for,
     period_range,
@@ -119,6 +120,7 @@ def test_a_run_by_hand_refuses_a_period_far_ahead_or_long_past_unless_told() -> 
     with pytest.raises(InvalidPeriodError, match="2026-08 is more than"):
         check_run_by_hand(Period(2026, 8), now)
     check_run_by_hand(Period(2016, 12), now, late=True)
+    assert is_late(Period(2026, 8), now) and not is_late(Period(2026, 9), now)
 
 
 def test_period_range() -> None:
