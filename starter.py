@@ -116,12 +116,18 @@ async def cmd_run(args: argparse.Namespace) -> int:
             f"period {args.period} open as {handle.id}\n  {ui_link(temporal, handle.id)}",
         )
         return 0
-    if progress.state == "cancelling":
-        # Joined, not started: its summary would read as this run's.
+    if progress.state in ("cancelling", "cancelled"):
+        # Joined, not started (a new run is cancelled only by an operator, later): its
+        # summary would read as this run's. It may have ended since it was joined.
+        where = (
+            "is still finishing the charges it had sent"
+            if progress.state == "cancelling"
+            else "ended as this command joined it"
+        )
         raise BillingError(
-            f"the run of {args.period} was cancelled by {progress.operator} and is still"
-            " finishing the charges it had sent: nothing new was started. Run it again once"
-            f" it has ended (`python starter.py status {args.period}`)"
+            f"the run of {args.period} was cancelled by {progress.operator} and {where}:"
+            " nothing new was started. Run it again once it has ended"
+            f" (`python starter.py status {args.period}`)"
         )
     if progress.state == "paused":
         # Joined a paused run: it charges nothing until resumed, and --wait waits for that.

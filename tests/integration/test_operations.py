@@ -13,15 +13,17 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 from temporalio.client import (
+    Client,
     ScheduleIntervalSpec,
     ScheduleSpec,
     WorkflowExecution,
     WorkflowHandle,
 )
 
+import starter
 from billing import ledger, operations, schedules
 from billing.customers import upsert_customers
-from billing.errors import InvalidInputError
+from billing.errors import BillingError, InvalidInputError
 from billing.keys import idempotency_key, period_workflow_id
 from billing.models import (
     ChargeFailure,
@@ -298,6 +300,36 @@ async def test_run_refuses_to_join_a_cancelled_run_still_finishing(harness: Harn
         code, out, err = await harness.starter("run", str(PERIOD), "--wait")
     assert code == 0, err
     assert await harness.succeeded() == 6
+
+
+async def test_run_joining_a_cancelled_run_as_it_ends_says_nothing_was_started(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`run` joins the cancelled run still finishing, which ends before `run` reads its
+    status: it said "running" (and, waiting, printed that run's summary as its own)."""
+    await harness.seed(6)
+    await harness.set_faults(latency_ms=2_000)
+    config = harness.client.service_client.config
+    monkeypatch.setenv("TEMPORAL_ADDRESS", config.target_host)
+    monkeypatch.setenv("TEMPORAL_NAMESPACE", harness.client.namespace)
+    monkeypatch.setenv("TEMPORAL_TASK_QUEUE", harness.task_queue)
+    async with harness.running_worker():
+        handle = await start_period(
+            harness.client, PERIOD, harness.task_queue, RunOptions(max_in_flight=2)
+        )
+        await eventually(lambda: at_least(harness.money_requests(), 2))
+        await operations.control(harness.client, PERIOD, "cancel", ALICE)
+
+        async def status_once_ended(client: Client, period: Period) -> PeriodProgress:
+            await handle.result()  # the joined run ends between the join and the status
+            return await period_status(client, period)
+
+        monkeypatch.setattr(starter, "period_status", status_once_ended)
+        with pytest.raises(
+            BillingError, match="cancelled by alice and ended as this command joined it"
+        ):
+            await starter.cmd_run(starter.parser().parse_args(["run", str(PERIOD)]))
+    assert await harness.succeeded() == 2
 
 
 async def test_resume_is_refused_on_a_cancelled_run(harness: Harness) -> None:
