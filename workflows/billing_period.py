@@ -78,6 +78,10 @@ NO_PAUSE_ONCE_FINISHED = "no-pause-once-finished"
 # Waiting on children started elsewhere (the ledger polled every LEDGER_WAIT) continues as
 # new when the history is long, as the fan-out does: such a child may take hours.
 LONG_WAITS_CONTINUE = "long-waits-continue-as-new"
+# The cancel is in the ledger before customers are marked cancelled: a child of an earlier
+# run claiming such a row meanwhile would otherwise pass the gate while the ledger still said
+# running, and charge a customer this run counts cancelled.
+CANCEL_AFTER_CONTROL_WRITTEN = "cancel-after-control-written"
 
 
 # Outside the sandbox for speed; the tests run it inside (see workflows/__init__.py).
@@ -514,6 +518,9 @@ class BillingPeriodWorkflow:
         """Mark every customer not yet started cancelled, then let in-flight children end:
         those past the ledger's gate finish their charge, the rest record a cancel."""
         state = self._state
+        if workflow.patched(CANCEL_AFTER_CONTROL_WRITTEN):
+            async with self._control_writes:
+                pass  # the cancel's own write, scheduled in the same task, has landed
         # Listed but not started: the cancel pages list them again from the cursor.
         state.listing_done = state.listing_done and not self._buffer
         self._buffer = []

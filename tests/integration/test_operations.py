@@ -233,6 +233,7 @@ async def test_a_cancel_waits_for_charges_another_runs_children_sent(harness: Ha
             )
         summary = await handle.result()
     await replays(handle)
+    assert await _cancel_written_before_customers_cancelled(handle)
     assert (summary.due, summary.charged, summary.cancelled) == (3, 2, 1)
     rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
     assert (rows[first]["status"], rows[sent]["status"]) == ("charged", "charged")
@@ -241,6 +242,26 @@ async def test_a_cancel_waits_for_charges_another_runs_children_sent(harness: Ha
         "cancelled",
         False,
     )
+
+
+async def _cancel_written_before_customers_cancelled(
+    handle: WorkflowHandle[Any, PeriodSummary],
+) -> bool:
+    """Whether the run marked customers cancelled only once the ledger had the cancel: a
+    child of an earlier run claiming one meanwhile would otherwise pass the gate."""
+    scheduled: dict[int, str] = {}
+    written = None
+    async for event in handle.fetch_history_events():
+        if event.HasField("activity_task_scheduled_event_attributes"):
+            name = event.activity_task_scheduled_event_attributes.activity_type.name
+            scheduled[event.event_id] = name
+            if name == "cancel_unstarted":
+                return written is not None
+        elif event.HasField("activity_task_completed_event_attributes"):
+            started = event.activity_task_completed_event_attributes.scheduled_event_id
+            if scheduled.get(started) == "set_control":
+                written = event.event_id
+    return False
 
 
 async def test_a_blocked_charge_reported_after_the_last_outcome_pauses_nothing(
