@@ -4,8 +4,9 @@ controls (pause, resume, cancel, skip), close."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta
 from functools import partial
 from zoneinfo import ZoneInfo
@@ -114,49 +115,43 @@ class PeriodActivities:
     async def prepare(self, request: PrepareRequest) -> PeriodPlan:
         admin = self._admin
         async with self._pool.acquire() as conn:
-            # The keys before the run is recorded: one refused leaves the period's record as
-            # it was, and an import waits, so that the plan the keys are checked for holds.
+            # The keys before the run is recorded, on the opening's connection (a second one
+            # from the pool could wait behind other openings for ever): one refused leaves the
+            # period's record as it was, and an import waits, so the plan they serve holds.
             return await ledger.open_period(
                 conn,
                 request.period,
                 request.workflow_id,
-                None if admin is None else partial(self._ensure_keys, admin=admin),
+                None if admin is None else partial(self._ensure_keys, conn, admin),
             )
 
     async def _ensure_keys(
-        self, plan: PeriodPlan, unsent: dict[str, int], *, admin: VaultAdmin
+        self,
+        conn: asyncpg.Connection,
+        admin: VaultAdmin,
+        plan: PeriodPlan,
+        unsent: dict[str, int],
     ) -> None:
-        """The period's vault key per currency, capped at the expected total with headroom."""
-        grace = timedelta(days=self._settings.billing_vault_key_grace_days)
+        """The period's vault key per currency, capped at the expected total with headroom.
+        Every stored key is checked before any is issued: a new key whose row a later refusal
+        rolled back would count against the vault's worker budget until it expired."""
+        period = parse_period(plan.period)
         caps = spend_caps(plan.totals_by_currency, self._settings.billing_cap_multiplier)
-        box = self._settings.secret_box()
-        for currency, cap in caps.items():
-            try:
-                await period_keys.ensure_key(
-                    self._pool,
-                    admin,
-                    box,
-                    parse_period(plan.period),
-                    currency,
-                    cap,
-                    grace,
-                    unsent.get(currency, 0),
+        to_issue: list[str] = []
+        for currency in caps:
+            with _needs_operator(plan.period, currency):
+                kept = await period_keys.kept_key(
+                    conn, admin, period, currency, unsent.get(currency, 0)
                 )
-            except (
-                period_keys.KeyRevokedError,
-                period_keys.KeyTooSmallError,
-                VaultInvalidRequest,
-                VaultAuthError,
-                VaultForbidden,
-            ) as exc:
-                # Revoked (the kill switch), too small for the run, a cap over the vault's
-                # ceiling, a wrong token, a worker budget spent: each needs an operator, not
-                # a retry.
-                raise ApplicationError(
-                    f"no vault key for {plan.period} ({currency}): {exc}",
-                    type=KEY_REFUSED,
-                    non_retryable=True,
-                ) from None
+            if kept is None:
+                to_issue.append(currency)
+        grace = timedelta(days=self._settings.billing_vault_key_grace_days)
+        box = self._settings.secret_box()
+        for currency in to_issue:
+            with _needs_operator(plan.period, currency):
+                await period_keys.issue_key(
+                    conn, admin, box, period, currency, caps[currency], grace
+                )
 
     @activity.defn(name="period_completed")
     async def completed(self, period: str) -> bool:
@@ -283,3 +278,22 @@ class PeriodActivities:
     async def close(self, summary: PeriodSummary) -> None:
         async with self._pool.acquire() as conn:
             await ledger.finish_period(conn, summary.period, summary.model_dump_json())
+
+
+@contextlib.contextmanager
+def _needs_operator(period: str, currency: str) -> Iterator[None]:
+    """A key refused for a reason no retry changes fails the run, saying why."""
+    try:
+        yield
+    except (
+        period_keys.KeyRevokedError,
+        period_keys.KeyTooSmallError,
+        VaultInvalidRequest,
+        VaultAuthError,
+        VaultForbidden,
+    ) as exc:
+        # Revoked (the kill switch), too small for the run, a cap over the vault's ceiling, a
+        # wrong token, a worker budget spent: each needs an operator, not a retry.
+        raise ApplicationError(
+            f"no vault key for {period} ({currency}): {exc}", type=KEY_REFUSED, non_retryable=True
+        ) from None

@@ -60,60 +60,69 @@ def key_expiry(period: Period, now: datetime, grace: timedelta) -> datetime:
     return max(period.ends_at, now) + grace
 
 
-async def stored_key_id(pool: asyncpg.Pool, period: str, currency: str) -> str | None:
-    async with pool.acquire() as conn:
-        key_id: str | None = await conn.fetchval(
-            "SELECT vault_key_id FROM period_vault_keys"
-            " WHERE billing_period = $1 AND currency = $2",
-            period,
-            currency,
-        )
+async def stored_key_id(
+    db: asyncpg.Pool | asyncpg.Connection, period: str, currency: str
+) -> str | None:
+    key_id: str | None = await db.fetchval(
+        "SELECT vault_key_id FROM period_vault_keys WHERE billing_period = $1 AND currency = $2",
+        period,
+        currency,
+    )
     return key_id
 
 
-async def ensure_key(
-    pool: asyncpg.Pool,
+async def kept_key(
+    db: asyncpg.Pool | asyncpg.Connection,
+    admin: VaultAdmin,
+    period: Period,
+    currency: str,
+    unsent_cents: int,
+) -> PeriodKey | None:
+    """The period's stored key for the currency, if a run keeps it: usable for another
+    REUSE_MIN_LIFE. None when there is none, or it is to be replaced (see issue_key).
+
+    A stored key is refused, not replaced, if revoked (the kill switch), or if kept with less
+    room than `unsent_cents`, what the run has yet to send (a rerun after customers were
+    added, which would stop part-billed at the cap): its cap may be an operator's. Charges
+    already sent with it are in its spend or reservations, not in `unsent_cents`."""
+    stored = await stored_key_id(db, str(period), currency)
+    if stored is None:
+        return None
+    info = await admin.get_key(stored)
+    if info.revoked:
+        raise KeyRevokedError(
+            f"the vault key for {period} ({currency}) was revoked at {info.revoked_at};"
+            " nothing more is charged. Delete its row in period_vault_keys to allow a new key."
+        )
+    if info.expires_at - datetime.now(UTC) < REUSE_MIN_LIFE:
+        return None
+    room = info.cap_cents - info.spent_cents - info.reserved_cents
+    if room < unsent_cents:
+        raise KeyTooSmallError(
+            f"the vault key for {period} ({currency}) has {room} {currency} left of its"
+            f" cap of {info.cap_cents}, less than the {unsent_cents} {currency} this run"
+            " has yet to charge (customers added since it was issued?), so the run"
+            " would stop part-billed at the cap; nothing was charged. Reconcile the"
+            " period if charges in doubt hold part of the cap; otherwise revoke the key,"
+            " delete its row in period_vault_keys and run again: the run issues a key"
+            " capped for what is left"
+        )
+    return PeriodKey(
+        period=str(period), currency=currency, vault_key_id=info.id, cap_cents=info.cap_cents
+    )
+
+
+async def issue_key(
+    db: asyncpg.Pool | asyncpg.Connection,
     admin: VaultAdmin,
     box: SecretBox,
     period: Period,
     currency: str,
     cap_cents: int,
     grace: timedelta,
-    unsent_cents: int,
 ) -> PeriodKey:
-    """The period's key for the currency: the stored one while it is usable for another
-    REUSE_MIN_LIFE, else a new one capped at `cap_cents`.
-
-    A stored key is refused, not replaced, if revoked (the kill switch), or if kept with less
-    room than `unsent_cents`, what the run has yet to send (a rerun after customers were
-    added, which would stop part-billed at the cap): its cap may be an operator's. Charges
-    already sent with it are in its spend or reservations, not in `unsent_cents`."""
-    stored = await stored_key_id(pool, str(period), currency)
-    if stored is not None:
-        info = await admin.get_key(stored)
-        if info.revoked:
-            raise KeyRevokedError(
-                f"the vault key for {period} ({currency}) was revoked at {info.revoked_at};"
-                " nothing more is charged. Delete its row in period_vault_keys to allow a new key."
-            )
-        if info.expires_at - datetime.now(UTC) >= REUSE_MIN_LIFE:
-            room = info.cap_cents - info.spent_cents - info.reserved_cents
-            if room < unsent_cents:
-                raise KeyTooSmallError(
-                    f"the vault key for {period} ({currency}) has {room} {currency} left of its"
-                    f" cap of {info.cap_cents}, less than the {unsent_cents} {currency} this run"
-                    " has yet to charge (customers added since it was issued?), so the run"
-                    " would stop part-billed at the cap; nothing was charged. Reconcile the"
-                    " period if charges in doubt hold part of the cap; otherwise revoke the key,"
-                    " delete its row in period_vault_keys and run again: the run issues a key"
-                    " capped for what is left"
-                )
-            return PeriodKey(
-                period=str(period),
-                currency=currency,
-                vault_key_id=info.id,
-                cap_cents=info.cap_cents,
-            )
+    """A new key for the period and currency, capped at `cap_cents`, stored in place of any
+    other."""
     issued = await admin.issue_key(
         IssueKeyRequest(
             label=LABEL,
@@ -124,26 +133,43 @@ async def ensure_key(
             expires_at=key_expiry(period, datetime.now(UTC), grace),
         )
     )
-    async with pool.acquire() as conn:
-        await conn.execute(
-            """
-            INSERT INTO period_vault_keys
-                (billing_period, currency, vault_key_id, sealed_secret, cap_cents)
-            VALUES ($1, $2, $3, $4, $5)
-            ON CONFLICT (billing_period, currency) DO UPDATE SET
-                vault_key_id = EXCLUDED.vault_key_id, secret = NULL,
-                sealed_secret = EXCLUDED.sealed_secret, cap_cents = EXCLUDED.cap_cents,
-                created_at = now()
-            """,
-            str(period),
-            currency,
-            issued.id,
-            box.seal(issued.secret),
-            issued.cap_cents,
-        )
+    await db.execute(
+        """
+        INSERT INTO period_vault_keys
+            (billing_period, currency, vault_key_id, sealed_secret, cap_cents)
+        VALUES ($1, $2, $3, $4, $5)
+        ON CONFLICT (billing_period, currency) DO UPDATE SET
+            vault_key_id = EXCLUDED.vault_key_id, secret = NULL,
+            sealed_secret = EXCLUDED.sealed_secret, cap_cents = EXCLUDED.cap_cents,
+            created_at = now()
+        """,
+        str(period),
+        currency,
+        issued.id,
+        box.seal(issued.secret),
+        issued.cap_cents,
+    )
     return PeriodKey(
         period=str(period), currency=currency, vault_key_id=issued.id, cap_cents=issued.cap_cents
     )
+
+
+async def ensure_key(
+    db: asyncpg.Pool | asyncpg.Connection,
+    admin: VaultAdmin,
+    box: SecretBox,
+    period: Period,
+    currency: str,
+    cap_cents: int,
+    grace: timedelta,
+    unsent_cents: int,
+) -> PeriodKey:
+    """The period's key for the currency: the stored one if kept (see kept_key), else a new
+    one."""
+    kept = await kept_key(db, admin, period, currency, unsent_cents)
+    if kept is not None:
+        return kept
+    return await issue_key(db, admin, box, period, currency, cap_cents, grace)
 
 
 async def issue_lookup_key(admin: VaultAdmin, period: str, currency: str) -> IssuedKey:

@@ -196,6 +196,43 @@ async def test_a_rerun_expecting_more_than_its_key_has_left_charges_nobody(
     await assert_billed_once(vaulted, str(PERIOD), [*first, *added])
 
 
+async def test_a_stored_key_refused_leaves_no_new_key_in_another_currency(
+    vaulted: Harness,
+) -> None:
+    """Every stored key is checked before any is issued: a new key whose row the refusal
+    rolled back would count against the worker budget until it expired."""
+    assert vaulted.vault is not None
+    usd, eur = await vaulted.seed(2)
+    await upsert_customers(vaulted.pool, [eur.model_copy(update={"currency": "eur"})])
+    small = await vaulted.vault.worker.issue_key(
+        IssueKeyRequest(
+            label=period_keys.LABEL,
+            period=str(PERIOD),
+            cap_cents=usd.amount_cents - 1,
+            currency="usd",
+            allowed_endpoints=period_keys.ALLOWED_ENDPOINTS,
+            expires_at=datetime.now(UTC) + timedelta(days=2),
+        )
+    )
+    async with vaulted.pool.acquire() as conn:
+        await conn.execute(
+            "INSERT INTO period_vault_keys"
+            " (billing_period, currency, vault_key_id, sealed_secret, cap_cents)"
+            " VALUES ($1, 'usd', $2, $3, $4)",
+            str(PERIOD),
+            small.id,
+            vaulted.settings.secret_box().seal(small.secret),
+            small.cap_cents,
+        )
+    async with vaulted.running_worker():
+        handle = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+    keys = await vaulted.vault.admin.find_keys(period=str(PERIOD))
+    assert [k.id for k in keys] == [small.id]
+    assert await vaulted.money_requests() == 0
+
+
 async def test_a_stored_key_near_its_expiry_is_replaced_not_reused(vaulted: Harness) -> None:
     """A rerun late in the key's life would stop part-billed when the key expired, and a
     resume would only pause it again: its preparation issues a new key instead."""
