@@ -329,7 +329,8 @@ async def test_run_joining_a_cancelled_run_as_it_ends_says_nothing_was_started(
     """`run` joins the cancelled run still finishing, which ends before `run` reads its
     status: it said "running" (and, waiting, printed that run's summary as its own)."""
     await harness.seed(6)
-    await harness.set_faults(latency_ms=2_000)
+    # Long enough that the sent charges outlast the join on a loaded machine.
+    await harness.set_faults(latency_ms=6_000)
     config = harness.client.service_client.config
     monkeypatch.setenv("TEMPORAL_ADDRESS", config.target_host)
     monkeypatch.setenv("TEMPORAL_NAMESPACE", harness.client.namespace)
