@@ -23,7 +23,8 @@ from devstack.postgres import LocalPostgres
 from devstack.processes import StackError
 
 TEMPLATE_DB = "billing_template"
-NAMESPACES = [f"test-{i}" for i in range(120)]
+# Registered when the dev server starts: one per test that takes a Temporal client.
+NAMESPACES = [f"test-{i}" for i in range(200)]
 _databases = itertools.count()
 _namespaces = iter(NAMESPACES)
 
@@ -99,8 +100,11 @@ async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
 @pytest.fixture
 async def temporal_client(temporal_env: WorkflowEnvironment) -> Client:
     """A client on a namespace no other test uses."""
+    namespace = next(_namespaces, None)
+    if namespace is None:
+        raise RuntimeError(f"all {len(NAMESPACES)} test namespaces are taken: raise NAMESPACES")
     return await Client.connect(
         temporal_env.client.service_client.config.target_host,
-        namespace=next(_namespaces),
+        namespace=namespace,
         data_converter=pydantic_data_converter,
     )
