@@ -17,7 +17,8 @@ running one in `.devstack/env`, or one started for the run and stopped after, un
   ledger, and a fresh period of them is billed by `billing.runs.start_period` on the stack's
   worker, timed from the start to the period's summary. Customers/s.
 - baseline: a plain asyncio loop, no Temporal, bills N other customers for another fresh
-  period through the same code: plan and open the period, list due customers, then with the
+  period through the same code: open the period as a run's preparation does (plan, keys,
+  record), list due customers, then with the
   orchestrated window's concurrency claim (ledger.claim), pass the gate (ledger.begin_charge),
   charge through the vault with the period's key (or straight to Stripe without
   BILLING_VAULT_URL), retrying what Temporal would retry with Temporal's policy, record
@@ -59,7 +60,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack, contextmanager
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlsplit
@@ -80,6 +81,7 @@ from temporalio.client import Client, WorkflowHistory  # noqa: E402
 from temporalio.service import RPCError, RPCStatusCode  # noqa: E402
 from temporalio.worker import PollerBehavior, PollerBehaviorSimpleMaximum, Worker  # noqa: E402
 
+from activities.period import PeriodActivities, PrepareRequest  # noqa: E402
 from activities.stripe_access import DirectAccess, StripeAccess, VaultAccess  # noqa: E402
 from activities.stripe_failures import to_temporal_failure  # noqa: E402
 from activities.stripe_gateway import StripeGateway  # noqa: E402
@@ -91,7 +93,7 @@ from bench.ceiling_workflows import (  # noqa: E402
     FanOutWorkflow,
 )
 from bench.stack_support import write_result  # noqa: E402
-from billing import ledger, payload_walks, period_keys  # noqa: E402
+from billing import ledger, payload_walks  # noqa: E402
 from billing.config import (  # noqa: E402
     BillingSettings,
     DatabaseSettings,
@@ -104,7 +106,6 @@ from billing.keys import idempotency_key, period_workflow_id  # noqa: E402
 from billing.metrics import temporal_runtime  # noqa: E402
 from billing.migrations import migrate  # noqa: E402
 from billing.models import ChargeFailure, ChargeResult, Claim, RunOptions  # noqa: E402
-from billing.money import spend_cap  # noqa: E402
 from billing.periods import Period  # noqa: E402
 from billing.runs import drain, start_period  # noqa: E402
 from billing.seeding import create_demo_customers  # noqa: E402
@@ -656,21 +657,10 @@ async def measure_baseline(
         try:
             meter.start()
             started = time.monotonic()
-            async with pool.acquire() as conn:
-                plan = await ledger.plan_period(conn, name)
-                await ledger.start_period(conn, plan, BASELINE_WORKFLOW_ID)
-            if admin is not None:
-                for currency, total in sorted(plan.totals_by_currency.items()):
-                    await period_keys.ensure_key(
-                        pool,
-                        admin,
-                        box,
-                        period,
-                        currency,
-                        spend_cap(total, settings.billing_cap_multiplier),
-                        timedelta(days=settings.billing_vault_key_grace_days),
-                        total,
-                    )
+            # Opened as a run's preparation opens it: the plan, the keys, the record.
+            await PeriodActivities(pool, settings, admin).prepare(
+                PrepareRequest(period=name, workflow_id=BASELINE_WORKFLOW_ID)
+            )
             due: list[str] = []
             cursor: str | None = None
             while True:

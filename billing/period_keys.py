@@ -79,7 +79,7 @@ async def kept_key(
     unsent_cents: int,
 ) -> PeriodKey | None:
     """The period's stored key for the currency, if a run keeps it: usable for another
-    REUSE_MIN_LIFE. None when there is none, or it is to be replaced (see issue_key).
+    REUSE_MIN_LIFE. None when there is none, or it is to be replaced by issue_key.
 
     A stored key is refused, not replaced, if revoked (the kill switch), or if kept with less
     room than `unsent_cents`, what the run has yet to send (a rerun after customers were
@@ -152,24 +152,6 @@ async def issue_key(
     return PeriodKey(
         period=str(period), currency=currency, vault_key_id=issued.id, cap_cents=issued.cap_cents
     )
-
-
-async def ensure_key(
-    db: asyncpg.Pool | asyncpg.Connection,
-    admin: VaultAdmin,
-    box: SecretBox,
-    period: Period,
-    currency: str,
-    cap_cents: int,
-    grace: timedelta,
-    unsent_cents: int,
-) -> PeriodKey:
-    """The period's key for the currency: the stored one if kept (see kept_key), else a new
-    one."""
-    kept = await kept_key(db, admin, period, currency, unsent_cents)
-    if kept is not None:
-        return kept
-    return await issue_key(db, admin, box, period, currency, cap_cents, grace)
 
 
 async def issue_lookup_key(admin: VaultAdmin, period: str, currency: str) -> IssuedKey:

@@ -241,9 +241,12 @@ async def test_a_stored_key_near_its_expiry_is_replaced_not_reused(vaulted: Harn
     grace = timedelta(days=7)
 
     async def ensure(unsent_cents: int = 4_000) -> period_keys.PeriodKey:
+        """The key a run's preparation ends with: the stored one if kept, else a new one."""
         assert vaulted.vault is not None
-        return await period_keys.ensure_key(
-            vaulted.pool, vaulted.vault.worker, box, PERIOD, "usd", 5_000, grace, unsent_cents
+        admin = vaulted.vault.worker
+        kept = await period_keys.kept_key(vaulted.pool, admin, PERIOD, "usd", unsent_cents)
+        return kept or await period_keys.issue_key(
+            vaulted.pool, admin, box, PERIOD, "usd", 5_000, grace
         )
 
     first = await ensure()
