@@ -24,6 +24,7 @@ from activities.stripe_failures import (
     is_replayed,
     to_temporal_failure,
 )
+from activities.stripe_gateway import StripeGateway
 from billing import ledger, logs, metrics
 from billing.config import BillingSettings
 from billing.errors import BillingError, ClaimClosedError, UnknownCustomerError
@@ -98,9 +99,18 @@ class ChargingActivities:
         if claim.status != "claimed":
             return _finished(claim)
         await self._wait_for_slot(claim, request.slot)
+        # The key is chosen before the gate, which records it on the claim (see
+        # ledger.reopen_refused_charge). A missing key is acted on past the gate only, so a
+        # pause, cancel or skip still reaches the claim.
+        gateway: StripeGateway | BillingError
+        try:
+            gateway = await self._access.gateway_for(claim)
+        except BillingError as exc:
+            gateway = exc
+        key_id = gateway.vault_key_id if isinstance(gateway, StripeGateway) else None
         try:
             async with self._pool.acquire() as conn:
-                gate: Gate = await ledger.begin_charge(conn, claim)
+                gate: Gate = await ledger.begin_charge(conn, claim, key_id)
         except ClaimClosedError:
             # Finished by another hand (e.g. cancelled by its run) since it was claimed.
             async with self._pool.acquire() as conn:
@@ -118,7 +128,7 @@ class ChargingActivities:
             stopped = ChargeFailure(code=gate, message=STOPPED_BY_OPERATOR[gate])
             return await self._record_unbilled(claim, gate, stopped)
         try:
-            result = await self._charge(claim)
+            result = await self._charge(claim, gateway)
         except Exception as error:
             _report_failure(claim, error)
             failure = _refusal(error)
@@ -171,22 +181,20 @@ class ChargingActivities:
         age = datetime.now(UTC) - claim.claimed_at
         return age > timedelta(seconds=self._settings.billing_lookup_after_seconds)
 
-    async def _charge(self, claim: Claim) -> ChargeResult:
-        try:
-            gateway = await self._access.gateway_for(claim)
-        except BillingError as exc:
+    async def _charge(self, claim: Claim, gateway: StripeGateway | BillingError) -> ChargeResult:
+        if isinstance(gateway, BillingError):
             # No key for this period and currency (e.g. a customer added after the plan):
             # the period pauses until an operator acts. Nothing was sent, so the claim waits
             # at the gate again, where a skip or a cancel reaches it. Only if this was its
             # first attempt: an operator may have deleted a revoked key's row after an
             # earlier attempt reached Stripe with it.
-            await self._reopen(claim, proven=False)
+            await self._reopen(claim)
             raise ApplicationError(
-                str(exc),
-                ChargeFailure(code="no_period_key", message=str(exc)),
+                str(gateway),
+                ChargeFailure(code="no_period_key", message=str(gateway)),
                 type=KEY_REFUSED,
                 non_retryable=True,
-            ) from None
+            )
         try:
             if self._looks_up_first(claim):
                 found = await gateway.find(claim)
@@ -209,26 +217,27 @@ class ChargingActivities:
                 # Stripe executes nothing it rate-limits: if this was the claim's only
                 # attempt, nothing of it is at Stripe, so the retry passes the gate afresh
                 # and a pause, cancel or skip meanwhile still stops it.
-                await self._reopen(claim, proven=False)
+                await self._reopen(claim)
             if failure.type in PERIOD_BLOCKERS:
                 if await self._access.replaced(claim.period, claim.currency, gateway.vault_key_id):
                     # This worker charged with a key a later run's preparation has replaced
                     # (revoked and deleted, near its expiry): the retry takes the new one,
                     # and nothing pauses. Refused before Stripe, it passes the gate afresh.
-                    await self._reopen(claim, proven=False)
+                    await self._reopen(claim)
                     raise ApplicationError(
                         f"the vault refused a period key replaced since ({failure.message});"
                         " retrying with the new key",
                         type=RETRYABLE,
                     ) from None
                 # Refused before Stripe: the claim waits at the gate for the operator.
-                await self._reopen(claim, proven=failure.type == SPEND_CAP_EXCEEDED)
+                capped = failure.type == SPEND_CAP_EXCEEDED
+                await self._reopen(claim, proven_by=gateway.vault_key_id if capped else None)
             raise failure from None
 
-    async def _reopen(self, claim: Claim, *, proven: bool) -> None:
+    async def _reopen(self, claim: Claim, *, proven_by: str | None = None) -> None:
         """Undo the gate for an attempt refused before Stripe (see reopen_refused_charge)."""
         async with self._pool.acquire() as conn:
-            await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven=proven)
+            await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven_by=proven_by)
 
     async def _wait_for_slot(self, claim: Claim, reserved: datetime | None) -> None:
         """Take this attempt's place in the cluster's Stripe rate, before the gate so that a

@@ -638,10 +638,10 @@ async def measure_baseline(
                     claim: Claim = await ledger.claim(
                         conn, customer_id, name, key, charge_api=settings.billing_charge_api
                     )
-                async with pool.acquire() as conn:
-                    if await ledger.begin_charge(conn, claim) != "go":
-                        raise RuntimeError(f"{customer_id}: the ledger's gate did not open")
                 gateway = await access.gateway_for(claim)
+                async with pool.acquire() as conn:
+                    if await ledger.begin_charge(conn, claim, gateway.vault_key_id) != "go":
+                        raise RuntimeError(f"{customer_id}: the ledger's gate did not open")
                 result, attempts = await with_retries(lambda: gateway.charge(claim))
                 retries += attempts - 1
                 async with pool.acquire() as conn:

@@ -389,15 +389,20 @@ async def set_control(
     )
 
 
-async def begin_charge(conn: asyncpg.Connection, claim: Claim) -> Gate:
+async def begin_charge(conn: asyncpg.Connection, claim: Claim, vault_key_id: str | None) -> Gate:
     """Decide, atomically with pause, cancel and skip, whether this attempt may call Stripe:
-    one call of billing_begin_charge (migrations/008_begin_charge.sql).
+    one call of billing_begin_charge (migrations/016_sent_through.sql). An attempt that
+    passes names the vault key it sends through (None without the vault); the claim keeps
+    every such key (see reopen_refused_charge).
 
     Once a first attempt has passed, every retry passes too: that charge may already be at
     Stripe, and only a retry with the same key can learn its outcome.
     """
     row = await conn.fetchrow(
-        "SELECT gate, status FROM billing_begin_charge($1, $2)", claim.idempotency_key, claim.period
+        "SELECT gate, status FROM billing_begin_charge($1, $2, $3)",
+        claim.idempotency_key,
+        claim.period,
+        vault_key_id,
     )
     if row["gate"] == "closed":
         raise ClaimClosedError(
@@ -408,26 +413,26 @@ async def begin_charge(conn: asyncpg.Connection, claim: Claim) -> Gate:
     return row["gate"]  # type: ignore[no-any-return]
 
 
-async def reopen_refused_charge(conn: asyncpg.Connection, key: str, *, proven: bool) -> bool:
+async def reopen_refused_charge(
+    conn: asyncpg.Connection, key: str, *, proven_by: str | None = None
+) -> bool:
     """Undo begin_charge for an attempt refused before it reached Stripe (the vault's cap, a
     refused key), so the claim waits at the gate again. Only when no attempt might have
     reached Stripe: this was the only attempt (`attempts` counts requests that may have
-    reached Stripe), or `proven` by a cap refusal. The vault checks a key's earlier
-    reservations before its cap, so the refusal proves none is in doubt under that key only:
-    it counts if the period's key is older than the claim's first attempt, i.e. every
-    attempt went through it, not through a key replaced since (e.g. after expiry)."""
+    reached Stripe), or it is proven by a cap refusal of the vault key `proven_by`. The vault
+    checks a key's earlier reservations before its cap, so that refusal proves none is in
+    doubt under that key only: it counts if every attempt went through it (`sent_through`),
+    not through a key replaced since that a worker may still hold."""
     reopened = await conn.fetchval(
         """
-        UPDATE billing_runs r SET charge_started_at = NULL, attempts = 0, updated_at = now()
-        WHERE r.idempotency_key = $1 AND r.status = 'claimed' AND (
-            r.attempts = 1
-            OR $2 AND r.charge_started_at >= (
-                SELECT k.created_at FROM period_vault_keys k
-                WHERE k.billing_period = r.billing_period AND k.currency = r.currency))
+        UPDATE billing_runs r
+        SET charge_started_at = NULL, attempts = 0, sent_through = NULL, updated_at = now()
+        WHERE r.idempotency_key = $1 AND r.status = 'claimed'
+            AND (r.attempts = 1 OR $2::text IS NOT NULL AND r.sent_through = ARRAY[$2::text])
         RETURNING 1
         """,
         key,
-        proven,
+        proven_by,
     )
     return reopened is not None
 

@@ -106,7 +106,7 @@ async def test_a_charge_in_doubt_keeps_its_api_when_the_setting_changes(harness:
             claim = await ledger.claim(
                 conn, customer.customer_id, str(PERIOD), key, charge_api="charges"
             )
-            assert await ledger.begin_charge(conn, claim) == "go"
+            assert await ledger.begin_charge(conn, claim, None) == "go"
             await harness.stripe.v1.charges.create_async(
                 charge_params(claim, "charges"),  # type: ignore[arg-type]
                 {"idempotency_key": key},

@@ -3,8 +3,6 @@ when no attempt of it can have reached Stripe."""
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import asyncpg
 
 from billing import ledger
@@ -14,6 +12,8 @@ from billing.periods import Period
 from tests.integration.harness import Harness
 
 PERIOD = Period(2026, 12)
+K1 = "vkey_0000000000000001"
+K2 = "vkey_0000000000000002"
 
 
 async def claimed(harness: Harness) -> Claim:
@@ -25,22 +25,18 @@ async def claimed(harness: Harness) -> Claim:
         )
 
 
-async def key_made(conn: asyncpg.Connection, claim: Claim, since_first_attempt: timedelta) -> None:
-    """The period's vault key, made `since_first_attempt` after the claim's first attempt."""
+async def stored(conn: asyncpg.Connection, claim: Claim, vault_key_id: str) -> None:
+    """The period's stored key is now `vault_key_id`, as a rerun's preparation leaves it."""
     await conn.execute(
         """
-        INSERT INTO period_vault_keys (billing_period, currency, vault_key_id, secret, cap_cents,
-                                       created_at)
-        SELECT billing_period, currency, 'vkey_0000000000000001', 'vk_test', 100, $2
-        FROM billing_runs WHERE idempotency_key = $1
-        ON CONFLICT (billing_period, currency) DO UPDATE SET created_at = EXCLUDED.created_at
+        INSERT INTO period_vault_keys (billing_period, currency, vault_key_id, secret, cap_cents)
+        VALUES ($1, $2, $3, 'vk_test', 100)
+        ON CONFLICT (billing_period, currency) DO UPDATE
+        SET vault_key_id = EXCLUDED.vault_key_id, created_at = now()
         """,
-        claim.idempotency_key,
-        await conn.fetchval(
-            "SELECT charge_started_at FROM billing_runs WHERE idempotency_key = $1",
-            claim.idempotency_key,
-        )
-        + since_first_attempt,
+        claim.period,
+        claim.currency,
+        vault_key_id,
     )
 
 
@@ -53,42 +49,75 @@ async def attempts(conn: asyncpg.Connection, claim: Claim) -> tuple[bool, int]:
     return row["started"], row["attempts"]
 
 
+async def sent_through(conn: asyncpg.Connection, claim: Claim) -> list[str] | None:
+    keys: list[str] | None = await conn.fetchval(
+        "SELECT sent_through FROM billing_runs WHERE idempotency_key = $1", claim.idempotency_key
+    )
+    return keys
+
+
 async def test_a_first_attempt_refused_before_stripe_is_reopened(harness: Harness) -> None:
     claim = await claimed(harness)
     async with harness.pool.acquire() as conn:
-        assert await ledger.begin_charge(conn, claim) == "go"
-        assert await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven=False)
+        assert await ledger.begin_charge(conn, claim, K1) == "go"
+        assert await sent_through(conn, claim) == [K1]
+        assert await ledger.reopen_refused_charge(conn, claim.idempotency_key)
         assert await attempts(conn, claim) == (False, 0)
+        assert await sent_through(conn, claim) is None
 
 
-async def test_a_retry_is_reopened_only_by_a_cap_refusal_under_the_key_it_began_with(
+async def test_a_retry_is_reopened_by_a_cap_refusal_of_the_one_key_every_attempt_used(
     harness: Harness,
 ) -> None:
     claim = await claimed(harness)
     async with harness.pool.acquire() as conn:
-        await ledger.begin_charge(conn, claim)
-        await ledger.begin_charge(conn, claim)
-        # The key was replaced after the first attempt (it expired, the next run issued
-        # another): the new key's cap knows nothing of what went through the old one.
-        await key_made(conn, claim, timedelta(seconds=1))
-        for proven in (False, True):
-            assert not await ledger.reopen_refused_charge(
-                conn, claim.idempotency_key, proven=proven
-            )
+        await ledger.begin_charge(conn, claim, K1)
+        await ledger.begin_charge(conn, claim, K1)
+        assert await sent_through(conn, claim) == [K1]
+        # A refusal that is not the cap's proves only that this retry did not reach Stripe,
+        # and another key's cap knows nothing of what went through K1.
+        assert not await ledger.reopen_refused_charge(conn, claim.idempotency_key)
+        assert not await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven_by=K2)
         assert await attempts(conn, claim) == (True, 2)
-        # Every attempt went through one key. A refused key proves only that the retry did
-        # not reach Stripe; its cap refusal proves nothing is in doubt, since it checks the
-        # key's own earlier reservations first.
-        await key_made(conn, claim, -timedelta(seconds=1))
-        assert not await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven=False)
-        assert await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven=True)
+        # K1's cap refusal proves nothing is in doubt: it checks K1's earlier reservations.
+        assert await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven_by=K1)
         assert await attempts(conn, claim) == (False, 0)
+
+
+async def test_a_cap_refusal_proves_nothing_once_an_attempt_went_through_another_key(
+    harness: Harness,
+) -> None:
+    """A worker still holding K1 after a rerun stored K2 sends the first attempt through K1
+    (it may have charged); a retry through K2 is refused on K2's cap. That refusal says
+    nothing of K1's charge, however new K2 is, so the claim stays started."""
+    claim = await claimed(harness)
+    async with harness.pool.acquire() as conn:
+        await stored(conn, claim, K2)
+        await ledger.begin_charge(conn, claim, K1)
+        await ledger.begin_charge(conn, claim, K2)
+        await ledger.begin_charge(conn, claim, K2)
+        assert await sent_through(conn, claim) == [K1, K2]
+        for proven_by in (None, K1, K2):
+            assert not await ledger.reopen_refused_charge(
+                conn, claim.idempotency_key, proven_by=proven_by
+            )
+        assert await attempts(conn, claim) == (True, 3)
+
+
+async def test_an_attempt_without_the_vault_names_no_key(harness: Harness) -> None:
+    claim = await claimed(harness)
+    async with harness.pool.acquire() as conn:
+        await ledger.begin_charge(conn, claim, None)
+        await ledger.begin_charge(conn, claim, None)
+        assert await sent_through(conn, claim) is None
+        assert not await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven_by=K1)
+        assert await attempts(conn, claim) == (True, 2)
 
 
 async def test_a_finished_claim_is_never_reopened(harness: Harness) -> None:
     claim = await claimed(harness)
     async with harness.pool.acquire() as conn:
-        await ledger.begin_charge(conn, claim)
+        await ledger.begin_charge(conn, claim, K1)
         result = ChargeResult(
             charge_id="ch_1",
             payment_intent_id="pi_1",
@@ -96,5 +125,5 @@ async def test_a_finished_claim_is_never_reopened(harness: Harness) -> None:
             currency=claim.currency,
         )
         await ledger.record_charge(conn, claim.idempotency_key, result)
-        assert not await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven=True)
+        assert not await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven_by=K1)
         assert await attempts(conn, claim) == (True, 1)

@@ -74,6 +74,8 @@ async def test_a_period_charges_through_its_capped_key(vaulted: Harness) -> None
     assert key.cap_cents == -(-total * 110 // 100)
     assert (key.spent_cents, key.reserved_cents, key.period) == (total, 0, str(PERIOD))
     assert key.issued_by == "worker"
+    # Each claim names the key its attempt went through (see ledger.reopen_refused_charge).
+    assert {tuple(r["sent_through"]) for r in await vaulted.ledger_rows(str(PERIOD))} == {(key.id,)}
     audit = await vaulted.vault.admin.audit(key.id, limit=500)
     assert sum(e.decision == "forwarded" and e.method == "POST" for e in audit) == 20
     # The worker held only the vault key: Stripe saw the vault's upstream secret on every call.
@@ -305,12 +307,14 @@ async def test_a_rerun_charges_with_the_key_its_preparation_gave_not_the_one_cac
         summary = await rerun.result()
     assert await period_key(vaulted) != old
     assert (summary.charged, summary.already_billed) == (2, 3)
-    # The refused attempt never reached Stripe, so it is not counted as one that may have.
+    # The refused attempt never reached Stripe, so it is not counted as one that may have,
+    # nor is the key it was refused on.
     async with vaulted.pool.acquire() as conn:
         attempts = await conn.fetch(
-            "SELECT attempts FROM billing_runs WHERE customer_id LIKE 'late-%'"
+            "SELECT attempts, sent_through FROM billing_runs WHERE customer_id LIKE 'late-%'"
         )
-    assert [r["attempts"] for r in attempts] == [1, 1]
+    new = await period_key(vaulted)
+    assert [(r["attempts"], r["sent_through"]) for r in attempts] == [(1, [new])] * 2
 
 
 async def test_revoked_key_stops_charging(vaulted: Harness) -> None:
