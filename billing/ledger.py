@@ -91,15 +91,16 @@ async def plan_period(conn: asyncpg.Connection, period: str) -> PeriodPlan:
 
 async def unsent_totals(conn: asyncpg.Connection, period: str) -> dict[str, int]:
     """Per currency, what a run would charge for claims no attempt of which went out through
-    the period's current key (none yet, or all before the key was issued): none of it is in
+    the period's current key (none yet, or only through keys it replaced): none of it is in
     that key's spend or reservations."""
     rows = await conn.fetch(
         f"""
         SELECT coalesce(r.currency, c.currency) AS currency,
                sum(coalesce(r.amount_cents, c.amount_cents)) AS total
-        {_DUE} AND {_OPEN} AND (r.charge_started_at IS NULL OR r.charge_started_at < (
-            SELECT k.created_at FROM period_vault_keys k
-            WHERE k.billing_period = $1 AND k.currency = r.currency))
+        {_DUE} AND {_OPEN} AND NOT EXISTS (
+            SELECT 1 FROM period_vault_keys k
+            WHERE k.billing_period = $1 AND k.currency = r.currency
+                AND k.vault_key_id = ANY(r.sent_through))
         GROUP BY 1
         """,
         period,

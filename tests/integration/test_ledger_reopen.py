@@ -1,5 +1,6 @@
-"""`ledger.reopen_refused_charge` on the real ledger: a refused attempt reopens its claim only
-when no attempt of it can have reached Stripe."""
+"""The vault keys a claim's attempts went through, on the real ledger: a refused attempt
+reopens its claim only when no attempt of it can have reached Stripe, and a run's opening
+counts what its key has yet to send."""
 
 from __future__ import annotations
 
@@ -16,13 +17,22 @@ K1 = "vkey_0000000000000001"
 K2 = "vkey_0000000000000002"
 
 
-async def claimed(harness: Harness) -> Claim:
-    (customer,) = await harness.seed(1)
-    key = idempotency_key("test", customer.customer_id, PERIOD)
+async def claimed(harness: Harness, count: int = 1) -> list[Claim]:
+    claims = []
     async with harness.pool.acquire() as conn:
-        return await ledger.claim(
-            conn, customer.customer_id, str(PERIOD), key, "run-1", charge_api="payment_intents"
-        )
+        for customer in await harness.seed(count):
+            key = idempotency_key("test", customer.customer_id, PERIOD)
+            claims.append(
+                await ledger.claim(
+                    conn,
+                    customer.customer_id,
+                    str(PERIOD),
+                    key,
+                    "run-1",
+                    charge_api="payment_intents",
+                )
+            )
+    return claims
 
 
 async def stored(conn: asyncpg.Connection, claim: Claim, vault_key_id: str) -> None:
@@ -57,7 +67,7 @@ async def sent_through(conn: asyncpg.Connection, claim: Claim) -> list[str] | No
 
 
 async def test_a_first_attempt_refused_before_stripe_is_reopened(harness: Harness) -> None:
-    claim = await claimed(harness)
+    (claim,) = await claimed(harness)
     async with harness.pool.acquire() as conn:
         assert await ledger.begin_charge(conn, claim, K1) == "go"
         assert await sent_through(conn, claim) == [K1]
@@ -69,7 +79,7 @@ async def test_a_first_attempt_refused_before_stripe_is_reopened(harness: Harnes
 async def test_a_retry_is_reopened_by_a_cap_refusal_of_the_one_key_every_attempt_used(
     harness: Harness,
 ) -> None:
-    claim = await claimed(harness)
+    (claim,) = await claimed(harness)
     async with harness.pool.acquire() as conn:
         await ledger.begin_charge(conn, claim, K1)
         await ledger.begin_charge(conn, claim, K1)
@@ -90,7 +100,7 @@ async def test_a_cap_refusal_proves_nothing_once_an_attempt_went_through_another
     """A worker still holding K1 after a rerun stored K2 sends the first attempt through K1
     (it may have charged); a retry through K2 is refused on K2's cap. That refusal says
     nothing of K1's charge, however new K2 is, so the claim stays started."""
-    claim = await claimed(harness)
+    (claim,) = await claimed(harness)
     async with harness.pool.acquire() as conn:
         await stored(conn, claim, K2)
         await ledger.begin_charge(conn, claim, K1)
@@ -105,7 +115,7 @@ async def test_a_cap_refusal_proves_nothing_once_an_attempt_went_through_another
 
 
 async def test_an_attempt_without_the_vault_names_no_key(harness: Harness) -> None:
-    claim = await claimed(harness)
+    (claim,) = await claimed(harness)
     async with harness.pool.acquire() as conn:
         await ledger.begin_charge(conn, claim, None)
         await ledger.begin_charge(conn, claim, None)
@@ -115,7 +125,7 @@ async def test_an_attempt_without_the_vault_names_no_key(harness: Harness) -> No
 
 
 async def test_a_finished_claim_is_never_reopened(harness: Harness) -> None:
-    claim = await claimed(harness)
+    (claim,) = await claimed(harness)
     async with harness.pool.acquire() as conn:
         await ledger.begin_charge(conn, claim, K1)
         result = ChargeResult(
@@ -127,3 +137,21 @@ async def test_a_finished_claim_is_never_reopened(harness: Harness) -> None:
         await ledger.record_charge(conn, claim.idempotency_key, result)
         assert not await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven_by=K1)
         assert await attempts(conn, claim) == (True, 1)
+
+
+async def test_a_run_counts_as_unsent_what_went_only_through_a_replaced_key(
+    harness: Harness,
+) -> None:
+    """A rerun stored K2; a worker still holding K1 sent one claim through it, another worker
+    sent one through K2, and one customer is not claimed yet. K2's spend and reservations hold
+    only the second: the other two are what K2 must still have room for."""
+    stale, current, unclaimed = await claimed(harness, 3)
+    async with harness.pool.acquire() as conn:
+        await conn.execute(
+            "DELETE FROM billing_runs WHERE idempotency_key = $1", unclaimed.idempotency_key
+        )
+        await stored(conn, current, K2)
+        await ledger.begin_charge(conn, stale, K1)
+        await ledger.begin_charge(conn, current, K2)
+        unsent = await ledger.unsent_totals(conn, str(PERIOD))
+    assert unsent == {"usd": stale.amount_cents + unclaimed.amount_cents}
