@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta
@@ -18,7 +19,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.stripe_failures import KEY_REFUSED
-from billing import ledger, period_keys
+from billing import ledger, logs, period_keys
 from billing.config import BillingSettings
 from billing.errors import UnknownCustomerError
 from billing.keys import customer_workflow_id, idempotency_key
@@ -77,6 +78,8 @@ class CancelRequest(Record):
     request: OperatorRequest
 
 
+log = logging.getLogger("billing.period")
+
 # How often the ledger is read while outcomes are awaited.
 OUTCOMES_POLL_SECONDS = 0.5
 # A child that closed before its claim (its customer was gone) leaves no ledger row.
@@ -118,12 +121,24 @@ class PeriodActivities:
             # The keys before the run is recorded, on the opening's connection (a second one
             # from the pool could wait behind other openings for ever): one refused leaves the
             # period's record as it was, and an import waits, so the plan they serve holds.
-            return await ledger.open_period(
+            plan, held = await ledger.open_period(
                 conn,
                 request.period,
                 request.workflow_id,
+                partial(self._key, period=request.period),
                 None if admin is None else partial(self._ensure_keys, conn, admin),
             )
+        for customer in held:
+            logs.log_event(
+                log,
+                "hold",
+                level=logging.WARNING,
+                period=request.period,
+                customer_id=customer.customer_id,
+                stripe_customer_id=customer.stripe_customer_id,
+                billed_as=customer.billed_as,
+            )
+        return plan
 
     async def _ensure_keys(
         self,

@@ -12,6 +12,9 @@ from billing.keys import validate_customer_id
 from billing.money import validate_amount_in
 from billing.redact import redact
 
+# Who decides what billing decides by itself: a run that paused itself, a customer held.
+AUTOMATIC = "billing (automatic)"
+
 LedgerStatus = Literal["claimed", "charged", "failed", "skipped", "cancelled"]
 TERMINAL_STATUSES: frozenset[str] = frozenset({"charged", "failed", "skipped", "cancelled"})
 Outcome = Literal["charged", "already_billed", "failed", "skipped", "cancelled"]
@@ -301,6 +304,9 @@ class PreviewLine(Record):
     # False for a row imported before a payment method was required: its charge would name
     # none, and Stripe would take the customer's legacy default source, or refuse.
     has_payment_method: bool
+    # The inactive id under which the period charged this line's Stripe customer: a run
+    # skips it (ledger.hold_billed_elsewhere).
+    held_as: str | None = None
 
 
 class Preview(Record):
@@ -333,6 +339,12 @@ class Preview(Record):
             except InvalidAmountError as exc:
                 refused.append((line, str(exc)))
         return refused
+
+    @property
+    def held(self) -> list[PreviewLine]:
+        """Those a run would skip: the period charged their Stripe customer under another
+        id, inactive since."""
+        return [line for line in self.not_billable if line.held_as is not None]
 
     @property
     def sharing_a_stripe_customer(self) -> dict[str, list[str]]:

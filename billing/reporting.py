@@ -77,6 +77,13 @@ def describe_preview(preview: Preview, shown: int = 20) -> str:
             " spelling?); skip the extra ids if so: "
             + _some([f"{stripe_id} ({', '.join(ids)})" for stripe_id, ids in shared.items()], shown)
         )
+    if held := preview.held:
+        lines.append(
+            f"  held: {len(held)} customers a run would skip, as the period charged their"
+            " Stripe customer under another id, inactive since (renamed?); bill one by hand if"
+            " it is another account: "
+            + _some([f"{x.customer_id} (as {x.held_as})" for x in held], shown)
+        )
     lines.append(f"  already billed: {len(preview.already_billed)}")
     lines.append(f"  not billable this period (failed or skipped): {len(preview.not_billable)}")
     return "\n".join(lines)

@@ -44,6 +44,7 @@ with workflow.unsafe.imports_passed_through():
     from billing import logs, money, search_attributes
     from billing.keys import customer_workflow_id, validate_customer_id
     from billing.models import (
+        AUTOMATIC,
         BillingPeriodInput,
         ChargeFailure,
         Control,
@@ -65,8 +66,6 @@ with workflow.unsafe.imports_passed_through():
     from workflows.signals import PERIOD_BLOCKED, PERIOD_CONTROL
 
 ACTIVITY_TIMEOUT = timedelta(seconds=60)
-# Who paused a run that paused itself.
-AUTOMATIC = "billing (automatic)"
 # How long one wait for outcomes of children started elsewhere lasts at most.
 LEDGER_WAIT = timedelta(seconds=10)
 # Runs recorded before this patch closed without waiting for updates still in flight.

@@ -12,8 +12,10 @@ from temporalio.client import WorkflowHandle, WorkflowHistory
 
 from activities.period import OutcomesRequest, PeriodActivities
 from billing import ledger
+from billing.customers import upsert_customers
 from billing.keys import customer_workflow_id
 from billing.models import (
+    AUTOMATIC,
     BillingPeriodInput,
     CustomerChargeInput,
     CustomerOutcome,
@@ -86,6 +88,37 @@ async def test_running_the_same_period_again_charges_nothing_new(harness: Harnes
         again = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
     assert (again.charged, again.already_billed, again.total_charged_cents) == (0, 20, 0)
     await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_a_renamed_customer_is_held_not_charged_again_by_a_rerun(harness: Harness) -> None:
+    """A customer billed, then renamed: its id deactivated and its Stripe customer imported
+    under a new id, which has a key of its own. A rerun of the period (for a customer added
+    since) skips the new id rather than charge that Stripe customer twice, and says why."""
+    first = await harness.seed(2)
+    async with harness.running_worker():
+        assert (
+            await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+        ).charged == 2
+        old = first[1]
+        renamed = old.model_copy(update={"customer_id": "renamed-1"})
+        added = await harness.seed(1, prefix="late")
+        await upsert_customers(harness.pool, [renamed])
+        await harness.pool.execute(
+            "UPDATE customers SET active = false WHERE customer_id = $1", old.customer_id
+        )
+        rerun = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    assert (rerun.charged, rerun.skipped, rerun.already_billed) == (1, 1, 2)
+    rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
+    held = rows["renamed-1"]
+    assert (held["status"], held["decided_by"]) == ("skipped", AUTOMATIC)
+    assert f"was charged for {PERIOD} as {old.customer_id!r}" in held["reason"]
+    assert rows[added[0].customer_id]["status"] == "charged"
+    paid = [
+        c
+        for c in await harness.charges()
+        if c["customer"] == old.stripe_customer_id and c["status"] == "succeeded"
+    ]
+    assert len(paid) == 1
 
 
 async def test_duplicate_child_start_races_with_the_period(harness: Harness) -> None:
