@@ -107,10 +107,10 @@ class ChargingActivities:
             gateway = await self._access.gateway_for(claim)
         except BillingError as exc:
             gateway = exc
-        key_id = gateway.vault_key_id if isinstance(gateway, StripeGateway) else None
+        route = gateway.route if isinstance(gateway, StripeGateway) else None
         try:
             async with self._pool.acquire() as conn:
-                gate: Gate = await ledger.begin_charge(conn, claim, key_id)
+                gate: Gate = await ledger.begin_charge(conn, claim, route)
         except ClaimClosedError:
             # Finished by another hand (e.g. cancelled by its run) since it was claimed.
             async with self._pool.acquire() as conn:

@@ -8,6 +8,7 @@ from typing import Any
 
 import stripe
 
+from billing.ledger import SENT_DIRECT
 from billing.models import ChargeApi, ChargeFailure, ChargeResult, Claim
 from billing.reconciliation import INCOMPLETE_INTENT, StripeCharge
 from billing.redact import redact
@@ -57,6 +58,11 @@ class StripeGateway:
         self._api = api
         # The period's vault key this gateway charges with; None for Stripe directly.
         self.vault_key_id = vault_key_id
+
+    @property
+    def route(self) -> str:
+        """What a claim's attempt through this gateway records (ledger.begin_charge)."""
+        return self.vault_key_id or SENT_DIRECT
 
     def _api_for(self, recorded: ChargeApi | None) -> ChargeApi:
         """The API a claim recorded: a setting changed since must not change its requests;

@@ -640,7 +640,7 @@ async def measure_baseline(
                     )
                 gateway = await access.gateway_for(claim)
                 async with pool.acquire() as conn:
-                    if await ledger.begin_charge(conn, claim, gateway.vault_key_id) != "go":
+                    if await ledger.begin_charge(conn, claim, gateway.route) != "go":
                         raise RuntimeError(f"{customer_id}: the ledger's gate did not open")
                 result, attempts = await with_retries(lambda: gateway.charge(claim))
                 retries += attempts - 1

@@ -351,6 +351,10 @@ async def without_rows(
     return missing
 
 
+# What an attempt sent without the vault names in a claim's sent_through (see begin_charge).
+SENT_DIRECT = "direct"
+
+
 # Held by a run's opening and by a customer import (billing.customers) for their
 # transaction: either the plan counts an import, or the import sees the run open. An advisory
 # lock, so that nothing else (a pause, a charge) waits for an import.
@@ -462,8 +466,8 @@ async def set_control(
 async def begin_charge(conn: asyncpg.Connection, claim: Claim, vault_key_id: str | None) -> Gate:
     """Decide, atomically with pause, cancel and skip, whether this attempt may call Stripe:
     one call of billing_begin_charge (migrations/016_sent_through.sql). An attempt that
-    passes names the vault key it sends through (None without the vault); the claim keeps
-    every such key (see reopen_refused_charge).
+    passes names the vault key it sends through (SENT_DIRECT without the vault, None if it
+    will send nothing); the claim keeps every such name (see reopen_refused_charge).
 
     Once a first attempt has passed, every retry passes too: that charge may already be at
     Stripe, and only a retry with the same key can learn its outcome.
@@ -490,20 +494,32 @@ async def reopen_refused_charge(
     refused key), so the claim waits at the gate again. Only when no attempt might have
     reached Stripe: this was the only attempt (`attempts` counts requests that may have
     reached Stripe), or it is proven by a cap refusal of the vault key `proven_by`. The vault
-    checks a key's earlier reservations before its cap, so that refusal proves none is in
-    doubt under that key only: it counts if every attempt went through it (`sent_through`),
-    not through a key replaced since that a worker may still hold."""
-    reopened = await conn.fetchval(
-        """
-        UPDATE billing_runs r
-        SET charge_started_at = NULL, attempts = 0, sent_through = NULL, updated_at = now()
-        WHERE r.idempotency_key = $1 AND r.status = 'claimed'
-            AND (r.attempts = 1 OR $2::text IS NOT NULL AND r.sent_through = ARRAY[$2::text])
-        RETURNING 1
-        """,
-        key,
-        proven_by,
-    )
+    checks a key's earlier reservations before its cap, so that refusal proves that no
+    attempt through that key is charged or in doubt: it reopens the claim if every attempt
+    went through it (`sent_through`), not through a key replaced since that a worker may
+    still hold. Otherwise the key leaves `sent_through`, which then still names every key
+    holding a part of the claim (see unsent_totals)."""
+    async with conn.transaction():
+        reopened = await conn.fetchval(
+            """
+            UPDATE billing_runs r
+            SET charge_started_at = NULL, attempts = 0, sent_through = NULL, updated_at = now()
+            WHERE r.idempotency_key = $1 AND r.status = 'claimed'
+                AND (r.attempts = 1 OR $2::text IS NOT NULL AND r.sent_through = ARRAY[$2::text])
+            RETURNING 1
+            """,
+            key,
+            proven_by,
+        )
+        if reopened is None and proven_by is not None:
+            await conn.execute(
+                """
+                UPDATE billing_runs SET sent_through = array_remove(sent_through, $2)
+                WHERE idempotency_key = $1 AND status = 'claimed'
+                """,
+                key,
+                proven_by,
+            )
     return reopened is not None
 
 

@@ -3,8 +3,20 @@
 -- checks a key's earlier reservations before its cap), so a claim is reopened on it only when
 -- every attempt went through that key (billing/ledger.py reopen_refused_charge). The key's
 -- age cannot say so: a worker may still hold a key a later run's preparation has replaced.
--- NULL for a claim no attempt has passed the gate for, or one charged without the vault.
+-- NULL for a claim no attempt has passed the gate for. An attempt sent without the vault
+-- names 'direct' (billing/ledger.py SENT_DIRECT).
 ALTER TABLE billing_runs ADD COLUMN sent_through text[];
+
+-- Open claims sent before this column: which keys they went through is unknown, so they
+-- name one no refusal can match, 'before-016', and the key the old rule credited them to (the
+-- stored key, when the first attempt came after it was stored), which a run's opening then
+-- counts as holding them, as it did.
+UPDATE billing_runs r
+SET sent_through = ARRAY['before-016'] || coalesce((
+    SELECT ARRAY[k.vault_key_id] FROM period_vault_keys k
+    WHERE k.billing_period = r.billing_period AND k.currency = r.currency
+        AND r.charge_started_at >= k.created_at), '{}')
+WHERE r.status = 'claimed' AND r.charge_started_at IS NOT NULL;
 
 -- billing_begin_charge as in 008_begin_charge.sql, except that an attempt that passes names
 -- the vault key it will send through (NULL without the vault), and the claim keeps it.

@@ -50,6 +50,9 @@ async def test_period_bills_every_customer_once(harness: Harness) -> None:
     assert summary.total_charged_cents == sum(c.amount_cents for c in customers)
     assert summary.workflow_id == "billing-period-2026-12"
     await assert_billed_once(harness, str(PERIOD), customers)
+    # Sent straight to Stripe, as each claim says (see ledger.reopen_refused_charge).
+    rows = await harness.ledger_rows(str(PERIOD))
+    assert {tuple(r["sent_through"]) for r in rows} == {(ledger.SENT_DIRECT,)}
     status = await period_status(harness.client, PERIOD)
     assert (status.state, status.charged, status.in_flight) == ("completed", 40, 0)
 

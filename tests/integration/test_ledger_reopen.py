@@ -107,21 +107,34 @@ async def test_a_cap_refusal_proves_nothing_once_an_attempt_went_through_another
         await ledger.begin_charge(conn, claim, K2)
         await ledger.begin_charge(conn, claim, K2)
         assert await sent_through(conn, claim) == [K1, K2]
-        for proven_by in (None, K1, K2):
+        for proven_by in (None, K2):
             assert not await ledger.reopen_refused_charge(
                 conn, claim.idempotency_key, proven_by=proven_by
             )
         assert await attempts(conn, claim) == (True, 3)
+        # K2 holds nothing of the claim now: its refusal proved that much.
+        assert await sent_through(conn, claim) == [K1]
 
 
-async def test_an_attempt_without_the_vault_names_no_key(harness: Harness) -> None:
+async def test_an_attempt_without_the_vault_is_never_proven_by_a_key(harness: Harness) -> None:
+    (claim,) = await claimed(harness)
+    async with harness.pool.acquire() as conn:
+        await ledger.begin_charge(conn, claim, ledger.SENT_DIRECT)
+        # A period switched to the vault since: the direct attempt may have charged.
+        await ledger.begin_charge(conn, claim, K1)
+        assert await sent_through(conn, claim) == [ledger.SENT_DIRECT, K1]
+        assert not await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven_by=K1)
+        assert await attempts(conn, claim) == (True, 2)
+
+
+async def test_an_attempt_that_sends_nothing_names_nothing(harness: Harness) -> None:
+    """No key for the period: the attempt passes the gate (so a pause still reaches the
+    claim after) but sends nothing, and names nothing."""
     (claim,) = await claimed(harness)
     async with harness.pool.acquire() as conn:
         await ledger.begin_charge(conn, claim, None)
-        await ledger.begin_charge(conn, claim, None)
         assert await sent_through(conn, claim) is None
-        assert not await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven_by=K1)
-        assert await attempts(conn, claim) == (True, 2)
+        assert await attempts(conn, claim) == (True, 1)
 
 
 async def test_a_finished_claim_is_never_reopened(harness: Harness) -> None:
@@ -143,9 +156,10 @@ async def test_a_run_counts_as_unsent_what_went_only_through_a_replaced_key(
     harness: Harness,
 ) -> None:
     """A rerun stored K2; a worker still holding K1 sent one claim through it, another worker
-    sent one through K2, and one customer is not claimed yet. K2's spend and reservations hold
-    only the second: the other two are what K2 must still have room for."""
-    stale, current, unclaimed = await claimed(harness, 3)
+    sent one through K2, a third went through K1 and was refused on K2's cap, and one
+    customer is not claimed yet. K2's spend and reservations hold only the second: the
+    others are what K2 must still have room for."""
+    stale, current, refused, unclaimed = await claimed(harness, 4)
     async with harness.pool.acquire() as conn:
         await conn.execute(
             "DELETE FROM billing_runs WHERE idempotency_key = $1", unclaimed.idempotency_key
@@ -153,5 +167,9 @@ async def test_a_run_counts_as_unsent_what_went_only_through_a_replaced_key(
         await stored(conn, current, K2)
         await ledger.begin_charge(conn, stale, K1)
         await ledger.begin_charge(conn, current, K2)
+        # Sent through K1, then refused on K2's cap: K2 holds nothing of it.
+        await ledger.begin_charge(conn, refused, K1)
+        await ledger.begin_charge(conn, refused, K2)
+        await ledger.reopen_refused_charge(conn, refused.idempotency_key, proven_by=K2)
         unsent = await ledger.unsent_totals(conn, str(PERIOD))
-    assert unsent == {"usd": stale.amount_cents + unclaimed.amount_cents}
+    assert unsent == {"usd": stale.amount_cents + refused.amount_cents + unclaimed.amount_cents}
