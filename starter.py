@@ -38,7 +38,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from billing import ledger, logs, operations, schedules, search_attributes
 from billing.config import BillingSettings, DatabaseSettings, TemporalSettings, load_settings
-from billing.customers import import_customers, read_customers_csv
+from billing.customers import deactivate_customers, import_customers, read_customers_csv
 from billing.db import create_pool
 from billing.errors import BillingError, InvalidInputError, NoWorkerError, UnknownScheduleError
 from billing.migrations import migrate
@@ -404,6 +404,37 @@ async def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_deactivate(args: argparse.Namespace) -> int:
+    pool = await create_pool(load_settings(DatabaseSettings).database_url)
+    try:
+        done = await deactivate_customers(pool, args.customer_ids, while_running=args.while_running)
+    finally:
+        await pool.close()
+    running = done.refused_for
+    if running and not args.while_running:
+        shown = ", ".join(c.customer_id for c in running[:5])
+        periods = ", ".join(sorted({c.period for c in running}))
+        raise InvalidInputError(
+            f"the open run of {periods} has not billed {len(running)} of these customers"
+            f" yet: {shown}{', ...' if len(running) > 5 else ''}. Deactivated now, that run"
+            " does not charge them, but reports failed (unknown_customer) those whose child"
+            " it has started. Deactivate once it has ended, or pass --while-running (also if"
+            " that run failed or was terminated, which leaves it open in the ledger); nothing"
+            " was deactivated"
+        )
+    if done.deactivated:
+        print(f"deactivated {len(done.deactivated)} customers: {', '.join(done.deactivated)}")
+    if done.already_inactive:
+        print(f"already inactive: {', '.join(done.already_inactive)}")
+    if running:
+        print(
+            f"{len(running)} of them the open run of"
+            f" {', '.join(sorted({c.period for c in running}))} had not billed yet: it does"
+            " not charge them (those it had started end failed there, unknown_customer)"
+        )
+    return 0
+
+
 async def cmd_seed_demo(args: argparse.Namespace) -> int:
     written = await seed_demo(args.count)
     print(f"created {written} demo customers in Stripe and the ledger")
@@ -560,6 +591,17 @@ def parser() -> argparse.ArgumentParser:
         help="change prices a running period has not billed yet anyway",
     )
     imp.set_defaults(handler=cmd_import)
+    deactivate = customer_commands.add_parser(
+        "deactivate",
+        help="bill customers no more: no run opened from now on charges them (past rows stay)",
+    )
+    deactivate.add_argument("customer_ids", nargs="+", metavar="customer_id")
+    deactivate.add_argument(
+        "--while-running",
+        action="store_true",
+        help="even those an open run has yet to bill: they end failed there, uncharged",
+    )
+    deactivate.set_defaults(handler=cmd_deactivate)
     seed = customer_commands.add_parser("seed-demo", help="create demo customers")
     seed.add_argument("--count", type=_positive, default=1000)
     seed.set_defaults(handler=cmd_seed_demo)

@@ -10,7 +10,12 @@ from pathlib import Path
 import asyncpg
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from billing.errors import CustomerImportError, InvalidInputError, shown
+from billing.errors import (
+    CustomerImportError,
+    InvalidInputError,
+    UnknownCustomerError,
+    shown,
+)
 from billing.keys import validate_customer_id
 from billing.ledger import NEVER_STARTED, OPENING_LOCK
 from billing.models import Record
@@ -319,3 +324,71 @@ def _was(row: asyncpg.Record) -> str:
         return "new"
     price = f"{row['amount_cents']} {row['currency']}"
     return price if row["active"] else f"inactive, {price}"
+
+
+class Deactivation(Record):
+    """What `deactivate_customers` did: nothing while `refused_for` names open runs."""
+
+    deactivated: list[str]
+    already_inactive: list[str]
+    # Open runs that have yet to claim some of the customers (see deactivate_customers).
+    refused_for: list[RunningChange]
+
+
+async def deactivate_customers(
+    pool: asyncpg.Pool, customer_ids: Sequence[str], *, while_running: bool
+) -> Deactivation:
+    """Make customers inactive: no run opened from now on bills them, and their rows of
+    past periods stay. An unknown id refuses them all. So does a customer an open run has
+    yet to claim, unless `while_running`: that run does not charge it, but if it has started
+    its child, the child finds it gone and ends failed (unknown_customer). One step to a
+    run's opening, as an import is (ledger.open_period)."""
+    ids = sorted({validate_customer_id(c) for c in customer_ids})
+    async with pool.acquire() as conn, conn.transaction():
+        await conn.execute(OPENING_LOCK)
+        found = await conn.fetch(
+            "SELECT customer_id, active FROM customers WHERE customer_id = ANY($1::text[])", ids
+        )
+        if unknown := sorted(set(ids) - {row["customer_id"] for row in found}):
+            raise UnknownCustomerError(
+                f"no customer {', '.join(map(repr, unknown[:5]))}"
+                f"{', ...' if len(unknown) > 5 else ''} in the ledger; nothing was deactivated"
+            )
+        inactive = sorted(row["customer_id"] for row in found if not row["active"])
+        active = sorted(row["customer_id"] for row in found if row["active"])
+        running = await _unclaimed_in_open_runs(conn, active)
+        if running and not while_running:
+            return Deactivation(deactivated=[], already_inactive=inactive, refused_for=running)
+        await conn.execute(
+            "UPDATE customers SET active = false, updated_at = now()"
+            " WHERE customer_id = ANY($1::text[])",
+            active,
+        )
+    return Deactivation(deactivated=active, already_inactive=inactive, refused_for=running)
+
+
+async def _unclaimed_in_open_runs(
+    conn: asyncpg.Connection, customer_ids: Sequence[str]
+) -> list[RunningChange]:
+    rows = await conn.fetch(
+        f"""
+        SELECT p.billing_period, c.customer_id, c.amount_cents, c.currency
+        FROM customers c
+        JOIN billing_periods p ON p.state = 'running'
+        LEFT JOIN billing_runs r
+            ON r.customer_id = c.customer_id AND r.billing_period = p.billing_period
+        WHERE c.customer_id = ANY($1::text[])
+            AND (r.status IS NULL OR ({NEVER_STARTED.format(r="r")}))
+        ORDER BY p.billing_period, c.customer_id
+        """,
+        list(customer_ids),
+    )
+    return [
+        RunningChange(
+            period=row["billing_period"],
+            customer_id=row["customer_id"],
+            was=f"{row['amount_cents']} {row['currency']}",
+            becomes="inactive",
+        )
+        for row in rows
+    ]

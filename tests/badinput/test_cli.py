@@ -469,3 +469,46 @@ def test_a_database_an_older_release_migrated_is_told_to_migrate(
     stderr = capsys.readouterr().err
     assert "cancelled_before_start does not exist" in stderr
     assert "apply the migrations with 'python starter.py migrate'" in stderr
+
+
+async def test_deactivating_customers_says_what_it_did_and_refuses_what_it_cannot(
+    db: asyncpg.Pool, database_url: str
+) -> None:
+    await db.execute(
+        "INSERT INTO customers (customer_id, stripe_customer_id, payment_method, amount_cents,"
+        " currency, active) VALUES ('c-1', 'cus_A', 'pm_1', 100, 'usd', true),"
+        " ('c-2', 'cus_B', 'pm_2', 100, 'usd', true), ('c-3', 'cus_C', 'pm_3', 100, 'usd', false)"
+    )
+    env = {"DATABASE_URL": database_url}
+
+    async def active() -> list[str]:
+        rows = await db.fetch("SELECT customer_id FROM customers WHERE active ORDER BY 1")
+        return [row["customer_id"] for row in rows]
+
+    deactivate = ["starter.py", "customers", "deactivate"]
+    unknown = await run_cli(*deactivate, "c-1", "nobody", env=env)
+    assert (unknown.code, unknown.stdout) == (2, ""), unknown
+    assert "no customer 'nobody' in the ledger; nothing was deactivated" in unknown.stderr
+    bad = await run_cli(*deactivate, "c-1", "no spaces", env=env)
+    assert (bad.code, bad.stdout) == (2, ""), bad
+    assert "customer id 'no spaces' must be 1-64 characters" in bad.stderr
+    assert await active() == ["c-1", "c-2"]
+    # A run open with c-1 and c-2 not yet claimed: its plan counted them.
+    async with db.acquire() as conn:
+        plan = await ledger.plan_period(conn, "2026-12")
+        await ledger.start_period(conn, plan, "billing-period-2026-12")
+    refused = await run_cli(*deactivate, "c-1", "c-3", env=env)
+    assert (refused.code, refused.stdout) == (2, ""), refused
+    assert "the open run of 2026-12 has not billed 1 of these customers yet: c-1" in refused.stderr
+    assert "nothing was deactivated" in refused.stderr
+    assert await active() == ["c-1", "c-2"]
+    forced = await run_cli(*deactivate, "c-1", "c-3", "--while-running", env=env)
+    assert forced.code == 0, forced
+    assert "deactivated 1 customers: c-1\nalready inactive: c-3\n" in forced.stdout
+    assert "1 of them the open run of 2026-12 had not billed yet" in forced.stdout
+    assert await active() == ["c-2"]
+    async with db.acquire() as conn:
+        await ledger.finish_period(conn, "2026-12", "{}")
+    done = await run_cli(*deactivate, "c-2", env=env)
+    assert (done.code, done.stdout) == (0, "deactivated 1 customers: c-2\n"), done
+    assert await active() == []
