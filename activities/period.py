@@ -121,22 +121,22 @@ class PeriodActivities:
             # The keys before the run is recorded, on the opening's connection (a second one
             # from the pool could wait behind other openings for ever): one refused leaves the
             # period's record as it was, and an import waits, so the plan they serve holds.
-            plan, held = await ledger.open_period(
+            plan = await ledger.open_period(
                 conn,
                 request.period,
                 request.workflow_id,
-                partial(self._key, period=request.period),
                 None if admin is None else partial(self._ensure_keys, conn, admin),
             )
+            held = await ledger.held_customers(conn, request.period)
         for customer in held:
             logs.log_event(
                 log,
-                "hold",
+                "held",
                 level=logging.WARNING,
                 period=request.period,
                 customer_id=customer.customer_id,
                 stripe_customer_id=customer.stripe_customer_id,
-                billed_as=customer.billed_as,
+                billed_as=customer.held_as,
             )
         return plan
 

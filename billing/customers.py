@@ -17,7 +17,7 @@ from billing.errors import (
     shown,
 )
 from billing.keys import validate_customer_id
-from billing.ledger import NEVER_STARTED, OPENING_LOCK
+from billing.ledger import NEVER_STARTED, lock_for_change
 from billing.models import Record
 from billing.money import parse_amount, validate_amount, validate_amount_in, validate_currency
 from billing.redact import SECRET_RE
@@ -207,7 +207,7 @@ async def import_customers(
     and then nothing is written. Checked and written as one step to a run's opening
     (ledger.open_period), which waits for it, or which it waits for."""
     async with pool.acquire() as conn, conn.transaction():
-        await conn.execute(OPENING_LOCK)
+        await lock_for_change(conn, "the import")
         await _refuse_respelt(conn, rows)
         changes = await changes_to_open_runs(conn, rows)
         if while_running or not changes:
@@ -345,7 +345,7 @@ async def deactivate_customers(
     run's opening, as an import is (ledger.open_period)."""
     ids = sorted({validate_customer_id(c) for c in customer_ids})
     async with pool.acquire() as conn, conn.transaction():
-        await conn.execute(OPENING_LOCK)
+        await lock_for_change(conn, "the deactivation")
         found = await conn.fetch(
             "SELECT customer_id, active FROM customers WHERE customer_id = ANY($1::text[])", ids
         )

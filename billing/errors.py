@@ -46,6 +46,10 @@ class UnknownCustomerError(BillingError):
     pass
 
 
+class LedgerBusyError(BillingError):
+    """A change to the customers waited too long for a run's opening or another change."""
+
+
 class UnknownScheduleError(BillingError):
     pass
 

@@ -7,9 +7,13 @@ from typing import Any
 
 import asyncpg
 
-from billing.errors import ClaimClosedError, LedgerConflictError, UnknownCustomerError
+from billing.errors import (
+    ClaimClosedError,
+    LedgerBusyError,
+    LedgerConflictError,
+    UnknownCustomerError,
+)
 from billing.models import (
-    AUTOMATIC,
     ChargeApi,
     ChargeFailure,
     ChargeResult,
@@ -24,7 +28,6 @@ from billing.models import (
     PeriodRecord,
     PeriodSummary,
     PreviewLine,
-    Record,
     SkipResult,
     finished_outcome,
 )
@@ -49,36 +52,31 @@ _REOPENED = (
     "CASE WHEN billing_runs.status = 'cancelled' THEN EXCLUDED.{c} ELSE billing_runs.{c} END"
 )
 
-# Customers a period bills: active ones, and any with a row for it (a claim is always finished).
-# A customer a cancelled run never started counts as having no row: billed only while active,
-# at its amount, currency and card of now (its claim takes the row over so).
+# The customer id, inactive now, under which the period charged the Stripe customer of
+# customer `c`, or holds a claim for it that is not skipped (to be charged, or in doubt). An
+# active customer with the same Stripe customer is most likely that one renamed (the old id
+# deactivated, the new one imported), with a key of its own: it is held, not due, for as long
+# as this holds (an old claim that fails releases it). An index of inactive customers by
+# Stripe customer (migrations/017) makes it one probe per customer.
+_HELD_AS = """(
+    SELECT min(oc.customer_id) FROM customers oc
+    JOIN billing_runs o ON o.customer_id = oc.customer_id AND o.billing_period = $1
+    WHERE NOT oc.active AND oc.stripe_customer_id = c.stripe_customer_id
+        AND o.stripe_customer_id = c.stripe_customer_id AND oc.customer_id <> c.customer_id
+        AND (o.status = 'charged' OR (o.status = 'claimed' AND o.skip_reason IS NULL)))"""
+
+# Customers a period bills: active ones not held, and any with a row for it (a claim is
+# always finished). A customer a cancelled run never started counts as having no row: billed
+# only while active, at its amount, currency and card of now (its claim takes the row over so).
 _DUE_JOIN = f"""
     FROM customers c
     LEFT JOIN billing_runs r ON r.customer_id = c.customer_id AND r.billing_period = $1
         AND NOT ({NEVER_STARTED.format(r="r")})
 """
-_DUE_WHERE = "WHERE (c.active OR r.status IS NOT NULL)"
-_DUE = _DUE_JOIN + _DUE_WHERE
+_DUE = f"{_DUE_JOIN} WHERE (r.status IS NOT NULL OR (c.active AND {_HELD_AS} IS NULL))"
 
 # Rows a run would charge: no row yet, or an unfinished claim not skipped.
 _OPEN = """(r.status IS NULL OR (r.status = 'claimed' AND r.skip_reason IS NULL))"""
-
-# Per Stripe customer, a customer id now inactive under which the period charged it (or sent
-# a charge still in doubt). An active customer with the same Stripe customer is most likely
-# the same one renamed (the old id deactivated, the new imported): a run holds it (see
-# hold_billed_elsewhere) rather than charge it twice.
-_BILLED_ELSEWHERE = """
-    (SELECT o.stripe_customer_id, min(o.customer_id) AS billed_as
-     FROM billing_runs o JOIN customers oc ON oc.customer_id = o.customer_id AND NOT oc.active
-     WHERE o.billing_period = $1
-         AND (o.status = 'charged' OR (o.status = 'claimed' AND o.charge_started_at IS NOT NULL))
-     GROUP BY o.stripe_customer_id)
-"""
-# Due rows a run may still hold: none yet, or a claim no attempt has passed the gate for.
-_UNSENT = (
-    "(r.status IS NULL OR (r.status = 'claimed' AND r.skip_reason IS NULL"
-    " AND r.charge_started_at IS NULL))"
-)
 
 _CLAIM_COLUMNS = """
     customer_id, billing_period AS period, idempotency_key, amount_cents, currency,
@@ -135,19 +133,33 @@ async def preview_lines(conn: asyncpg.Connection, period: str) -> list[PreviewLi
         SELECT c.customer_id,
                coalesce(r.stripe_customer_id, c.stripe_customer_id) AS stripe_customer_id,
                coalesce(r.amount_cents, c.amount_cents) AS amount_cents,
-               coalesce(r.currency, c.currency) AS currency, r.status,
-               {_OPEN} AND held.billed_as IS NULL AS open,
+               coalesce(r.currency, c.currency) AS currency, r.status, {_OPEN} AS open,
                CASE WHEN r.status IS NULL THEN c.payment_method
-                    ELSE r.payment_method END IS NOT NULL AS has_payment_method,
-               held.billed_as AS held_as
-        {_DUE_JOIN}
-        LEFT JOIN {_BILLED_ELSEWHERE} held
-            ON held.stripe_customer_id = c.stripe_customer_id AND c.active AND {_UNSENT}
-        {_DUE_WHERE}
-        ORDER BY c.customer_id
+                    ELSE r.payment_method END IS NOT NULL AS has_payment_method
+        {_DUE} ORDER BY c.customer_id
         """,
         period,
     )
+    held = await held_customers(conn, period)
+    lines = [PreviewLine(**dict(row)) for row in rows]
+    return sorted([*lines, *held], key=lambda line: line.customer_id)
+
+
+async def held_customers(conn: asyncpg.Connection, period: str) -> list[PreviewLine]:
+    """The active customers a run of the period holds rather than bills (see _HELD_AS), each
+    with the id its Stripe customer was billed under (`held_as`)."""
+    rows = await conn.fetch(
+        f"""
+        SELECT * FROM (
+            SELECT c.customer_id, c.stripe_customer_id, c.amount_cents, c.currency,
+                   NULL AS status, false AS open,
+                   c.payment_method IS NOT NULL AS has_payment_method, {_HELD_AS} AS held_as
+            {_DUE_JOIN} WHERE c.active AND r.status IS NULL) held
+        WHERE held_as IS NOT NULL ORDER BY customer_id
+        """,
+        period,
+    )
+    return [PreviewLine(**dict(row)) for row in rows]
     return [PreviewLine(**dict(row)) for row in rows]
 
 
@@ -359,71 +371,46 @@ SENT_DIRECT = "direct"
 # transaction: either the plan counts an import, or the import sees the run open. An advisory
 # lock, so that nothing else (a pause, a charge) waits for an import.
 OPENING_LOCK = "SELECT pg_advisory_xact_lock(hashtext('billing: a run opening, or an import'))"
+# How long a change to the customers waits for OPENING_LOCK: less than a statement may take
+# (db.create_pool's command_timeout), so that it says why.
+CHANGE_WAIT_SECONDS = 20.0
+
+
+async def lock_for_change(conn: asyncpg.Connection, doing: str) -> None:
+    """Take OPENING_LOCK for a change to the customers (`doing`, e.g. "the import"), in the
+    caller's transaction; LedgerBusyError if it waits past CHANGE_WAIT_SECONDS."""
+    await conn.execute(f"SET LOCAL lock_timeout = '{int(CHANGE_WAIT_SECONDS * 1000)}ms'")
+    try:
+        await conn.execute(OPENING_LOCK)
+    except asyncpg.LockNotAvailableError:
+        raise LedgerBusyError(
+            f"{doing} waited {CHANGE_WAIT_SECONDS:g} s for a run being opened or another change"
+            " to the customers, and gave up; nothing was changed. Try again (a run opening"
+            " may be waiting for the vault)"
+        ) from None
+    await conn.execute("SET LOCAL lock_timeout TO DEFAULT")
 
 
 # What a run's opening checks before it is recorded: the plan, and what it has yet to send.
 BeforeRecording = Callable[[PeriodPlan, dict[str, int]], Awaitable[None]]
 
 
-class Held(Record):
-    """A customer a run holds: the period charged its Stripe customer as `billed_as`."""
-
-    customer_id: str
-    stripe_customer_id: str
-    billed_as: str
-
-
-async def hold_billed_elsewhere(
-    conn: asyncpg.Connection, period: str, key_for: Callable[[str], str]
-) -> list[Held]:
-    """Skip the active customers whose Stripe customer the period has charged (or may have)
-    under another customer id, now inactive: a renamed customer, whose new id has a key of
-    its own, would be charged twice. Only those no attempt of which has passed the gate;
-    `key_for` gives a customer's idempotency key. The skip names the other id, for an
-    operator to bill by hand a customer that is another account after all."""
-    rows = await conn.fetch(
-        f"""
-        SELECT c.customer_id, c.stripe_customer_id, held.billed_as
-        {_DUE_JOIN}
-        JOIN {_BILLED_ELSEWHERE} held ON held.stripe_customer_id = c.stripe_customer_id
-        WHERE c.active AND {_UNSENT}
-        ORDER BY c.customer_id
-        """,
-        period,
-    )
-    held = [Held(**dict(row)) for row in rows]
-    for customer in held:
-        await request_skip(
-            conn,
-            customer.customer_id,
-            period,
-            key_for(customer.customer_id),
-            f"its Stripe customer {customer.stripe_customer_id} was charged for {period} as"
-            f" {customer.billed_as!r}, an id inactive since (renamed?); not charged twice",
-            AUTOMATIC,
-        )
-    return held
-
-
 async def open_period(
     conn: asyncpg.Connection,
     period: str,
     workflow_id: str,
-    key_for: Callable[[str], str],
     before_recording: BeforeRecording | None = None,
-) -> tuple[PeriodPlan, list[Held]]:
-    """Hold customers billed under another id (hold_billed_elsewhere), plan the period and
-    record its new run, as one step to a customer import. Between plan and record, under the
-    same lock, `before_recording` gets the plan and `unsent_totals`: what it raises leaves
-    the period's record (a completed run's summary) and its rows as they were."""
+) -> PeriodPlan:
+    """Plan the period and record its new run, as one step to a customer import. In between,
+    under the same lock, `before_recording` gets the plan and `unsent_totals`: what it raises
+    leaves the period's record as it was (a completed run's summary)."""
     async with conn.transaction():
         await conn.execute(OPENING_LOCK)
-        held = await hold_billed_elsewhere(conn, period, key_for)
         plan = await plan_period(conn, period)
         if before_recording is not None:
             await before_recording(plan, await unsent_totals(conn, period))
         await start_period(conn, plan, workflow_id)
-    return plan, held
+    return plan
 
 
 async def start_period(conn: asyncpg.Connection, plan: PeriodPlan, workflow_id: str) -> None:

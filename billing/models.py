@@ -304,8 +304,8 @@ class PreviewLine(Record):
     # False for a row imported before a payment method was required: its charge would name
     # none, and Stripe would take the customer's legacy default source, or refuse.
     has_payment_method: bool
-    # The inactive id under which the period charged this line's Stripe customer: a run
-    # skips it (ledger.hold_billed_elsewhere).
+    # The inactive id under which the period billed this line's Stripe customer: a run holds
+    # this line rather than bill it (ledger._HELD_AS).
     held_as: str | None = None
 
 
@@ -342,8 +342,8 @@ class Preview(Record):
 
     @property
     def held(self) -> list[PreviewLine]:
-        """Those a run would skip: the period charged their Stripe customer under another
-        id, inactive since."""
+        """Those a run would hold rather than bill: the period billed their Stripe customer
+        under another id, inactive since."""
         return [line for line in self.not_billable if line.held_as is not None]
 
     @property

@@ -79,9 +79,8 @@ def describe_preview(preview: Preview, shown: int = 20) -> str:
         )
     if held := preview.held:
         lines.append(
-            f"  held: {len(held)} customers a run would skip, as the period charged their"
-            " Stripe customer under another id, inactive since (renamed?); bill one by hand if"
-            " it is another account: "
+            f"  held: {len(held)} customers a run would not bill, as the period billed their"
+            " Stripe customer under another id, inactive since (renamed?): "
             + _some([f"{x.customer_id} (as {x.held_as})" for x in held], shown)
         )
     lines.append(f"  already billed: {len(preview.already_billed)}")

@@ -14,9 +14,9 @@ import pytest
 
 from billing import ledger
 from billing.customers import CustomerRow, import_customers
-from billing.errors import CustomerImportError
+from billing.errors import CustomerImportError, LedgerBusyError
 from billing.keys import idempotency_key
-from billing.models import AUTOMATIC, PeriodPlan
+from billing.models import ChargeFailure, PeriodPlan
 from billing.periods import parse_period
 from billing.preview import preview_period
 
@@ -75,8 +75,7 @@ async def test_a_run_being_opened_waits_for_an_import_and_counts_it(db: asyncpg.
 
         async def open_run() -> PeriodPlan:
             async with db.acquire() as other:
-                plan, _ = await ledger.open_period(other, PERIOD, WORKFLOW_ID, _key)
-                return plan
+                return await ledger.open_period(other, PERIOD, WORKFLOW_ID)
 
         opening = asyncio.create_task(open_run())
         assert await _is_waiting(opening)
@@ -90,11 +89,26 @@ async def test_a_run_being_opened_waits_for_an_import_and_counts_it(db: asyncpg.
     )
 
 
+async def test_an_import_kept_waiting_gives_up_saying_why(
+    db: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Past the pool's statement timeout it would fail with a bare TimeoutError.
+    monkeypatch.setattr(ledger, "CHANGE_WAIT_SECONDS", 0.5)
+    async with db.acquire() as conn, conn.transaction():
+        await conn.execute(ledger.OPENING_LOCK)  # a run being opened, waiting for the vault
+        with pytest.raises(LedgerBusyError, match=r"the import waited 0\.5 s for a run being"):
+            await import_customers(db, [NEW], while_running=False)
+    assert await db.fetchval("SELECT count(*) FROM customers") == 0
+    # Once the opening is done, the same import goes through.
+    await import_customers(db, [NEW], while_running=False)
+    assert await db.fetchval("SELECT count(*) FROM customers") == 1
+
+
 async def test_a_pause_does_not_wait_for_an_import(db: asyncpg.Pool) -> None:
     # An operator's pause, or the vault's, must stop charges at once, however long an import.
     await _a_customer(db)
     async with db.acquire() as conn:
-        await ledger.open_period(conn, PERIOD, WORKFLOW_ID, _key)
+        await ledger.open_period(conn, PERIOD, WORKFLOW_ID)
     async with db.acquire() as conn, conn.transaction():
         await conn.execute(ledger.OPENING_LOCK)  # an import under way
 
@@ -126,8 +140,11 @@ async def test_an_active_customers_id_spelt_another_way_is_refused(db: asyncpg.P
     assert [tuple(r) for r in active] == [("C-1", "cus_A")]
 
 
-async def _billed_then_renamed(db: asyncpg.Pool, old_status: str, old_active: bool) -> None:
-    """c-1 (cus_A) has a row of the period in `old_status`; c-2 is cus_A under a new id."""
+async def _billed_then_renamed(
+    db: asyncpg.Pool, old_status: str, *, old_active: bool = False, sent: bool = True
+) -> None:
+    """c-1 (cus_A) has a row of the period in `old_status` ('skip': claimed, then skipped);
+    c-2 is cus_A under a new id."""
     await _a_customer(db)
     await db.execute(
         "INSERT INTO customers (customer_id, stripe_customer_id, payment_method, amount_cents,"
@@ -137,66 +154,71 @@ async def _billed_then_renamed(db: asyncpg.Pool, old_status: str, old_active: bo
         """
         INSERT INTO billing_runs (customer_id, billing_period, idempotency_key, amount_cents,
                                   currency, stripe_customer_id, status, charge_started_at,
-                                  charge_id, failure_code, completed_at)
-        SELECT 'c-1', $1, $2, 100, 'usd', 'cus_A', $3, now(),
+                                  charge_id, failure_code, completed_at, skip_reason)
+        SELECT 'c-1', $1, $2, 100, 'usd', 'cus_A', CASE $3 WHEN 'skip' THEN 'claimed' ELSE $3 END,
+               CASE WHEN $4 THEN now() END,
                CASE $3 WHEN 'charged' THEN 'ch_1' END,
                CASE $3 WHEN 'failed' THEN 'card_declined' END,
-               CASE WHEN $3 <> 'claimed' THEN now() END
+               CASE WHEN $3 NOT IN ('claimed', 'skip') THEN now() END,
+               CASE $3 WHEN 'skip' THEN 'duplicate' END
         """,
         PERIOD,
         _key("c-1"),
         old_status,
+        sent,
     )
     await db.execute("UPDATE customers SET active = $1 WHERE customer_id = 'c-1'", old_active)
 
 
+async def _due(db: asyncpg.Pool) -> list[str]:
+    async with db.acquire() as conn:
+        page = await ledger.due_page(conn, PERIOD, None, 10)
+    return [c.customer_id for c in page.customers]
+
+
 @pytest.mark.parametrize(
-    ("old_status", "old_active", "held"),
+    ("old_status", "sent", "old_active", "held"),
     [
-        ("charged", False, True),
+        ("charged", True, False, True),
         # Sent, its outcome in doubt: it may have charged.
-        ("claimed", False, True),
+        ("claimed", True, False, True),
+        # Not sent yet: the next run charges it, inactive or not.
+        ("claimed", False, False, True),
+        # Skipped by an operator while open: it will not be charged.
+        ("skip", False, False, False),
         # Still active: two accounts may share a Stripe customer (the preview warns).
-        ("charged", True, False),
+        ("charged", True, True, False),
         # Nothing was charged under the old id.
-        ("failed", False, False),
+        ("failed", True, False, False),
     ],
 )
-async def test_an_opening_holds_a_stripe_customer_the_period_charged_under_an_inactive_id(
-    db: asyncpg.Pool, old_status: str, old_active: bool, held: bool
+async def test_a_run_holds_a_stripe_customer_the_period_billed_under_an_inactive_id(
+    db: asyncpg.Pool, old_status: str, sent: bool, old_active: bool, held: bool
 ) -> None:
-    await _billed_then_renamed(db, old_status, old_active)
+    await _billed_then_renamed(db, old_status, old_active=old_active, sent=sent)
     preview = await preview_period(db, PERIOD, 1.1)
-    assert [line.held_as for line in preview.held] == (["c-1"] if held else [])
+    assert [(x.customer_id, x.held_as) for x in preview.held] == ([("c-2", "c-1")] if held else [])
+    assert ("c-2" in [x.customer_id for x in preview.to_charge]) is not held
     async with db.acquire() as conn:
-        plan, holds = await ledger.open_period(conn, PERIOD, WORKFLOW_ID, _key)
-    assert [(h.customer_id, h.billed_as) for h in holds] == ([("c-2", "c-1")] if held else [])
-    assert plan.to_charge == (0 if held else 1) + (old_status == "claimed")
-    row = await db.fetchrow("SELECT * FROM billing_runs WHERE customer_id = 'c-2'")
-    if held:
-        assert (row["status"], row["decided_by"], row["idempotency_key"]) == (
-            "skipped",
-            AUTOMATIC,
-            _key("c-2"),
-        )
-    else:
-        assert row is None
+        plan = await ledger.open_period(conn, PERIOD, WORKFLOW_ID)
+    old_to_charge = old_status == "claimed"
+    assert plan.to_charge == old_to_charge + (not held)
+    assert ("c-2" in await _due(db)) is not held
 
 
-async def test_an_opening_holds_an_open_claim_not_yet_sent_but_not_one_sent(
-    db: asyncpg.Pool,
-) -> None:
-    await _billed_then_renamed(db, "charged", False)
+async def test_a_hold_lasts_while_the_old_id_is_billed_and_inactive(db: asyncpg.Pool) -> None:
+    """Reckoned as a run lists its customers, not once at its opening: a rename after a run
+    opened holds the new id in that very run, and a charge in doubt that fails releases it."""
+    await _billed_then_renamed(db, "claimed", old_active=True)
     async with db.acquire() as conn:
-        claim = await ledger.claim(
-            conn, "c-2", PERIOD, _key("c-2"), "run-1", charge_api="payment_intents"
-        )
-        _, holds = await ledger.open_period(conn, PERIOD, WORKFLOW_ID, _key)
-        assert [h.customer_id for h in holds] == ["c-2"]
-        # Skipped at the gate: the claim stays open until its child reaches it.
-        assert await ledger.begin_charge(conn, claim, None) == "skipped"
-        await conn.execute("UPDATE billing_runs SET skip_reason = NULL WHERE customer_id = 'c-2'")
-        assert await ledger.begin_charge(conn, claim, None) == "go"
-        # Sent: only a retry with the same key learns what it did; it is not held.
-        _, holds = await ledger.open_period(conn, PERIOD, WORKFLOW_ID, _key)
-        assert holds == []
+        await ledger.open_period(conn, PERIOD, WORKFLOW_ID)
+    assert await _due(db) == ["c-1", "c-2"]
+    # The old id deactivated while the run is open (it is claimed already, so no open-run
+    # check stops that): the run no longer lists the new one.
+    await db.execute("UPDATE customers SET active = false WHERE customer_id = 'c-1'")
+    assert await _due(db) == ["c-1"]
+    # The old id's charge, in doubt, fails: nothing was billed, and the new id is due again.
+    async with db.acquire() as conn:
+        failure = ChargeFailure(code="card_declined", message="declined")
+        await ledger.record_unbilled(conn, _key("c-1"), "failed", failure)
+    assert await _due(db) == ["c-1", "c-2"]
