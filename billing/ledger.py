@@ -65,15 +65,23 @@ _HELD_AS = """(
         AND o.stripe_customer_id = c.stripe_customer_id AND oc.customer_id <> c.customer_id
         AND (o.status = 'charged' OR (o.status = 'claimed' AND o.skip_reason IS NULL)))"""
 
+
 # Customers a period bills: active ones not held, and any with a row for it (a claim is
 # always finished). A customer a cancelled run never started counts as having no row: billed
 # only while active, at its amount, currency and card of now (its claim takes the row over so).
-_DUE_JOIN = f"""
+def _due_join(past: str | None = None) -> str:
+    """`past`, a cursor's parameter, joins only the rows after it: bound on both tables, so
+    that a merge join starts at the cursor, not at the period's first row."""
+    bound = f" AND r.customer_id > {past}" if past else ""
+    return f"""
     FROM customers c
     LEFT JOIN billing_runs r ON r.customer_id = c.customer_id AND r.billing_period = $1
-        AND NOT ({NEVER_STARTED.format(r="r")})
-"""
-_DUE = f"{_DUE_JOIN} WHERE (r.status IS NOT NULL OR (c.active AND {_HELD_AS} IS NULL))"
+        AND NOT ({NEVER_STARTED.format(r="r")}){bound}
+    """
+
+
+_DUE_WHERE = f"WHERE (r.status IS NOT NULL OR (c.active AND {_HELD_AS} IS NULL))"
+_DUE = _due_join() + _DUE_WHERE
 
 # Rows a run would charge: no row yet, or an unfinished claim not skipped.
 _OPEN = """(r.status IS NULL OR (r.status = 'claimed' AND r.skip_reason IS NULL))"""
@@ -154,7 +162,7 @@ async def held_customers(conn: asyncpg.Connection, period: str) -> list[PreviewL
             SELECT c.customer_id, c.stripe_customer_id, c.amount_cents, c.currency,
                    NULL AS status, false AS open,
                    c.payment_method IS NOT NULL AS has_payment_method, {_HELD_AS} AS held_as
-            {_DUE_JOIN} WHERE c.active AND r.status IS NULL) held
+            {_due_join()} WHERE c.active AND r.status IS NULL) held
         WHERE held_as IS NOT NULL ORDER BY customer_id
         """,
         period,
@@ -166,7 +174,7 @@ async def held_customers(conn: asyncpg.Connection, period: str) -> list[PreviewL
 async def due_page(conn: asyncpg.Connection, period: str, after: str | None, limit: int) -> DuePage:
     rows = await conn.fetch(
         f"""
-        SELECT c.customer_id, r.status {_DUE} AND c.customer_id > $2
+        SELECT c.customer_id, r.status {_due_join("$2")} {_DUE_WHERE} AND c.customer_id > $2
         ORDER BY c.customer_id LIMIT $3
         """,
         period,

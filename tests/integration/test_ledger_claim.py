@@ -197,3 +197,26 @@ async def test_a_run_awaiting_a_child_does_not_take_a_never_started_row_for_its_
         )
         [charged] = await ledger.outcomes(conn, PERIOD, [customer_id], awaited=True)
     assert charged.outcome == "charged"
+
+
+async def test_pages_of_due_customers_carry_each_row_past_the_cursor(harness: Harness) -> None:
+    customers = sorted(c.customer_id for c in await harness.seed(5))
+    async with harness.pool.acquire() as conn:
+        for customer_id in customers[1:3]:
+            await ledger.claim(
+                conn, customer_id, PERIOD, key(customer_id), "run-1", charge_api="charges"
+            )
+        pages = []
+        after = None
+        while True:
+            page = await ledger.due_page(conn, PERIOD, after, 2)
+            pages.append([(c.customer_id, c.status) for c in page.customers])
+            if page.next_cursor is None:
+                break
+            after = page.next_cursor
+    claimed = "claimed"
+    assert pages == [
+        [(customers[0], None), (customers[1], claimed)],
+        [(customers[2], claimed), (customers[3], None)],
+        [(customers[4], None)],
+    ]
