@@ -38,7 +38,12 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from billing import ledger, logs, operations, schedules, search_attributes
 from billing.config import BillingSettings, DatabaseSettings, TemporalSettings, load_settings
-from billing.customers import deactivate_customers, import_customers, read_customers_csv
+from billing.customers import (
+    Billable,
+    deactivate_customers,
+    import_customers,
+    read_customers_csv,
+)
 from billing.db import create_pool
 from billing.errors import BillingError, InvalidInputError, NoWorkerError, UnknownScheduleError
 from billing.migrations import migrate
@@ -410,29 +415,39 @@ async def cmd_deactivate(args: argparse.Namespace) -> int:
         done = await deactivate_customers(pool, args.customer_ids, while_running=args.while_running)
     finally:
         await pool.close()
-    running = done.refused_for
-    if running and not args.while_running:
-        shown = ", ".join(c.customer_id for c in running[:5])
-        periods = ", ".join(sorted({c.period for c in running}))
+    claimed = [b for b in done.still_billable if b.claimed]
+    unclaimed = [b for b in done.still_billable if not b.claimed]
+    notes = []
+    if claimed:
+        notes.append(
+            f"{len(claimed)} claims are open, which a run charges whether or not the customer is"
+            f" active: {_billables(claimed)}; `starter.py skip PERIOD CUSTOMER` stops one"
+        )
+    if unclaimed:
+        notes.append(
+            f"{len(unclaimed)} customers an open run has not claimed yet:"
+            f" {_billables(unclaimed)}; that run does not charge them, but reports failed"
+            " (unknown_customer) those whose child it has started"
+        )
+    if notes and not args.while_running:
         raise InvalidInputError(
-            f"the open run of {periods} has not billed {len(running)} of these customers"
-            f" yet: {shown}{', ...' if len(running) > 5 else ''}. Deactivated now, that run"
-            " does not charge them, but reports failed (unknown_customer) those whose child"
-            " it has started. Deactivate once it has ended, or pass --while-running (also if"
-            " that run failed or was terminated, which leaves it open in the ledger); nothing"
-            " was deactivated"
+            "; ".join(notes)
+            + ". Nothing was deactivated: skip those claims first, or deactivate once the run"
+            " has ended, or pass --while-running (also if a run failed or was terminated,"
+            " which leaves it open in the ledger)"
         )
     if done.deactivated:
         print(f"deactivated {len(done.deactivated)} customers: {', '.join(done.deactivated)}")
     if done.already_inactive:
         print(f"already inactive: {', '.join(done.already_inactive)}")
-    if running:
-        print(
-            f"{len(running)} of them the open run of"
-            f" {', '.join(sorted({c.period for c in running}))} had not billed yet: it does"
-            " not charge them (those it had started end failed there, unknown_customer)"
-        )
+    for note in notes:
+        print(f"note: {note}")
     return 0
+
+
+def _billables(billables: list[Billable]) -> str:
+    shown = ", ".join(f"{b.customer_id} ({b.period})" for b in billables[:5])
+    return shown + (", ..." if len(billables) > 5 else "")
 
 
 async def cmd_seed_demo(args: argparse.Namespace) -> int:
@@ -593,13 +608,13 @@ def parser() -> argparse.ArgumentParser:
     imp.set_defaults(handler=cmd_import)
     deactivate = customer_commands.add_parser(
         "deactivate",
-        help="bill customers no more: no run opened from now on charges them (past rows stay)",
+        help="bill customers no more: no run opened from now on lists them (past rows stay)",
     )
     deactivate.add_argument("customer_ids", nargs="+", metavar="customer_id")
     deactivate.add_argument(
         "--while-running",
         action="store_true",
-        help="even those an open run has yet to bill: they end failed there, uncharged",
+        help="even customers a period may still charge (an open claim is charged anyway)",
     )
     deactivate.set_defaults(handler=cmd_deactivate)
     seed = customer_commands.add_parser("seed-demo", help="create demo customers")

@@ -326,23 +326,32 @@ def _was(row: asyncpg.Record) -> str:
     return price if row["active"] else f"inactive, {price}"
 
 
+class Billable(Record):
+    """A customer a period may still charge: `claimed`, an open claim that a run charges
+    whether or not the customer is active; else one an open run has yet to claim."""
+
+    period: str
+    customer_id: str
+    claimed: bool
+
+
 class Deactivation(Record):
-    """What `deactivate_customers` did: nothing while `refused_for` names open runs."""
+    """What `deactivate_customers` did: nothing when `still_billable` is refused."""
 
     deactivated: list[str]
     already_inactive: list[str]
-    # Open runs that have yet to claim some of the customers (see deactivate_customers).
-    refused_for: list[RunningChange]
+    still_billable: list[Billable]
 
 
 async def deactivate_customers(
     pool: asyncpg.Pool, customer_ids: Sequence[str], *, while_running: bool
 ) -> Deactivation:
-    """Make customers inactive: no run opened from now on bills them, and their rows of
-    past periods stay. An unknown id refuses them all. So does a customer an open run has
-    yet to claim, unless `while_running`: that run does not charge it, but if it has started
-    its child, the child finds it gone and ends failed (unknown_customer). One step to a
-    run's opening, as an import is (ledger.open_period)."""
+    """Make customers inactive: no run opened from now on lists them, and their rows of past
+    periods stay. An unknown id refuses them all. So does a customer a period may still
+    charge (`Billable`), unless `while_running`: an open claim is charged all the same (a
+    skip stops it), and a run that has yet to claim a customer does not charge it, but
+    reports failed (unknown_customer) one whose child it has started. One step to a run's
+    opening, as an import is (ledger.open_period)."""
     ids = sorted({validate_customer_id(c) for c in customer_ids})
     async with pool.acquire() as conn, conn.transaction():
         await lock_for_change(conn, "the deactivation")
@@ -356,39 +365,36 @@ async def deactivate_customers(
             )
         inactive = sorted(row["customer_id"] for row in found if not row["active"])
         active = sorted(row["customer_id"] for row in found if row["active"])
-        running = await _unclaimed_in_open_runs(conn, active)
-        if running and not while_running:
-            return Deactivation(deactivated=[], already_inactive=inactive, refused_for=running)
+        billable = await _still_billable(conn, active)
+        if billable and not while_running:
+            return Deactivation(deactivated=[], already_inactive=inactive, still_billable=billable)
         await conn.execute(
             "UPDATE customers SET active = false, updated_at = now()"
             " WHERE customer_id = ANY($1::text[])",
             active,
         )
-    return Deactivation(deactivated=active, already_inactive=inactive, refused_for=running)
+    return Deactivation(deactivated=active, already_inactive=inactive, still_billable=billable)
 
 
-async def _unclaimed_in_open_runs(
-    conn: asyncpg.Connection, customer_ids: Sequence[str]
-) -> list[RunningChange]:
+async def _still_billable(conn: asyncpg.Connection, customer_ids: Sequence[str]) -> list[Billable]:
     rows = await conn.fetch(
         f"""
-        SELECT p.billing_period, c.customer_id, c.amount_cents, c.currency
-        FROM customers c
+        SELECT r.billing_period, r.customer_id, true AS claimed FROM billing_runs r
+        WHERE r.customer_id = ANY($1::text[]) AND r.status = 'claimed' AND r.skip_reason IS NULL
+        UNION ALL
+        SELECT p.billing_period, c.customer_id, false FROM customers c
         JOIN billing_periods p ON p.state = 'running'
         LEFT JOIN billing_runs r
             ON r.customer_id = c.customer_id AND r.billing_period = p.billing_period
         WHERE c.customer_id = ANY($1::text[])
             AND (r.status IS NULL OR ({NEVER_STARTED.format(r="r")}))
-        ORDER BY p.billing_period, c.customer_id
+        ORDER BY 1, 2
         """,
         list(customer_ids),
     )
     return [
-        RunningChange(
-            period=row["billing_period"],
-            customer_id=row["customer_id"],
-            was=f"{row['amount_cents']} {row['currency']}",
-            becomes="inactive",
+        Billable(
+            period=row["billing_period"], customer_id=row["customer_id"], claimed=row["claimed"]
         )
         for row in rows
     ]

@@ -46,6 +46,10 @@ class UnknownCustomerError(BillingError):
     pass
 
 
+class HeldCustomerError(BillingError):
+    """A customer a run holds: the period billed its Stripe customer under another id."""
+
+
 class LedgerBusyError(BillingError):
     """A change to the customers waited too long for a run's opening or another change."""
 

@@ -9,6 +9,7 @@ import asyncpg
 
 from billing.errors import (
     ClaimClosedError,
+    HeldCustomerError,
     LedgerBusyError,
     LedgerConflictError,
     UnknownCustomerError,
@@ -52,18 +53,24 @@ _REOPENED = (
     "CASE WHEN billing_runs.status = 'cancelled' THEN EXCLUDED.{c} ELSE billing_runs.{c} END"
 )
 
+
 # The customer id, inactive now, under which the period charged the Stripe customer of
 # customer `c`, or holds a claim for it that is not skipped (to be charged, or in doubt). An
 # active customer with the same Stripe customer is most likely that one renamed (the old id
 # deactivated, the new one imported), with a key of its own: it is held, not due, for as long
 # as this holds (an old claim that fails releases it). An index of inactive customers by
 # Stripe customer (migrations/017) makes it one probe per customer.
-_HELD_AS = """(
+def _held_as(period: str = "$1") -> str:
+    """The SQL of the above for customer `c`, the period being the parameter `period`."""
+    return f"""(
     SELECT min(oc.customer_id) FROM customers oc
-    JOIN billing_runs o ON o.customer_id = oc.customer_id AND o.billing_period = $1
+    JOIN billing_runs o ON o.customer_id = oc.customer_id AND o.billing_period = {period}
     WHERE NOT oc.active AND oc.stripe_customer_id = c.stripe_customer_id
         AND o.stripe_customer_id = c.stripe_customer_id AND oc.customer_id <> c.customer_id
         AND (o.status = 'charged' OR (o.status = 'claimed' AND o.skip_reason IS NULL)))"""
+
+
+_HELD_AS = _held_as()
 
 
 # Customers a period bills: active ones not held, and any with a row for it (a claim is
@@ -135,7 +142,13 @@ async def unsent_totals(conn: asyncpg.Connection, period: str) -> dict[str, int]
 
 
 async def preview_lines(conn: asyncpg.Connection, period: str) -> list[PreviewLine]:
-    """Every due customer with the amount a run would claim (or has claimed) and its row."""
+    """Every due customer with the amount a run would claim (or has claimed) and its row,
+    and the customers it holds, read in one snapshot."""
+    async with conn.transaction(isolation="repeatable_read", readonly=True):
+        return await _preview_lines(conn, period)
+
+
+async def _preview_lines(conn: asyncpg.Connection, period: str) -> list[PreviewLine]:
     rows = await conn.fetch(
         f"""
         SELECT c.customer_id,
@@ -168,7 +181,6 @@ async def held_customers(conn: asyncpg.Connection, period: str) -> list[PreviewL
         period,
     )
     return [PreviewLine(**dict(row)) for row in rows]
-    return [PreviewLine(**dict(row)) for row in rows]
 
 
 async def due_page(conn: asyncpg.Connection, period: str, after: str | None, limit: int) -> DuePage:
@@ -195,7 +207,8 @@ async def claim(
     *,
     charge_api: ChargeApi,
 ) -> Claim:
-    """Insert the claim, or return the one that exists: a retry charges the same row.
+    """Insert the claim, or return the one that exists: a retry charges the same row. A
+    customer held (see _HELD_AS) since its run listed it is not claimed: HeldCustomerError.
     `run_id` is the claiming workflow run's: the last run to claim an open row owns it, so a
     run whose workflow task is retried after its record knows the charge for its own.
     `charge_api` is fixed by the first claim that records one: every request of the claim
@@ -210,7 +223,7 @@ async def claim(
                                   claimed_by_run, charge_api)
         SELECT customer_id, $2, $3, amount_cents, currency, stripe_customer_id,
                payment_method, $4, $5
-        FROM customers WHERE customer_id = $1 AND active
+        FROM customers c WHERE customer_id = $1 AND active AND {_held_as("$2")} IS NULL
         ON CONFLICT (customer_id, billing_period) DO UPDATE
         SET claimed_by_run = EXCLUDED.claimed_by_run,
             -- A row made before the API was recorded (or by a skip) takes this claim's,
@@ -241,6 +254,16 @@ async def claim(
             period,
         )
     if row is None:
+        held_as = await conn.fetchval(
+            f"SELECT {_held_as('$2')} FROM customers c WHERE customer_id = $1 AND active",
+            customer_id,
+            period,
+        )
+        if held_as is not None:
+            raise HeldCustomerError(
+                f"customer {customer_id!r} is held: {period} billed its Stripe customer as"
+                f" {held_as!r}, inactive since (renamed?); nothing was charged"
+            )
         raise UnknownCustomerError(
             f"customer {customer_id!r} is not in the ledger or is inactive; nothing was charged"
         )
@@ -387,6 +410,8 @@ CHANGE_WAIT_SECONDS = 20.0
 async def lock_for_change(conn: asyncpg.Connection, doing: str) -> None:
     """Take OPENING_LOCK for a change to the customers (`doing`, e.g. "the import"), in the
     caller's transaction; LedgerBusyError if it waits past CHANGE_WAIT_SECONDS."""
+    # Outside one, the lock would be let go at once, and SET LOCAL only warns.
+    assert conn.is_in_transaction(), "lock_for_change needs the caller's transaction"
     await conn.execute(f"SET LOCAL lock_timeout = '{int(CHANGE_WAIT_SECONDS * 1000)}ms'")
     try:
         await conn.execute(OPENING_LOCK)

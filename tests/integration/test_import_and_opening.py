@@ -14,7 +14,7 @@ import pytest
 
 from billing import ledger
 from billing.customers import CustomerRow, import_customers
-from billing.errors import CustomerImportError, LedgerBusyError
+from billing.errors import CustomerImportError, HeldCustomerError, LedgerBusyError
 from billing.keys import idempotency_key
 from billing.models import ChargeFailure, PeriodPlan
 from billing.periods import parse_period
@@ -222,3 +222,19 @@ async def test_a_hold_lasts_while_the_old_id_is_billed_and_inactive(db: asyncpg.
         failure = ChargeFailure(code="card_declined", message="declined")
         await ledger.record_unbilled(conn, _key("c-1"), "failed", failure)
     assert await _due(db) == ["c-1", "c-2"]
+
+
+async def test_a_customer_held_after_its_run_listed_it_is_not_claimed(db: asyncpg.Pool) -> None:
+    """Listed while its old id was active, then the old id was deactivated before its child
+    claimed it: the claim itself refuses, naming the old id."""
+    await _billed_then_renamed(db, "charged")
+    async with db.acquire() as conn:
+        with pytest.raises(HeldCustomerError, match="2026-12 billed its Stripe customer as 'c-1'"):
+            await ledger.claim(conn, "c-2", PERIOD, _key("c-2"), "run-1", charge_api="charges")
+        assert (
+            await conn.fetchval("SELECT count(*) FROM billing_runs WHERE customer_id = 'c-2'") == 0
+        )
+        # Released (the old id active again): claimed as any customer.
+        await conn.execute("UPDATE customers SET active = true WHERE customer_id = 'c-1'")
+        claim = await ledger.claim(conn, "c-2", PERIOD, _key("c-2"), "run-1", charge_api="charges")
+    assert claim.status == "claimed"
