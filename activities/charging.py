@@ -27,12 +27,7 @@ from activities.stripe_failures import (
 from activities.stripe_gateway import StripeGateway
 from billing import ledger, logs, metrics
 from billing.config import BillingSettings
-from billing.errors import (
-    BillingError,
-    ClaimClosedError,
-    HeldCustomerError,
-    UnknownCustomerError,
-)
+from billing.errors import BillingError, ClaimClosedError, UnknownCustomerError
 from billing.keys import idempotency_key
 from billing.models import (
     ChargeFailure,
@@ -53,8 +48,6 @@ PAUSED = "PeriodPaused"
 # The attempt's Stripe slot is further off than it may sleep: the workflow sleeps and comes
 # back with the slot (details: the Slot).
 SLOT_AHEAD = "StripeSlotAhead"
-# The outcome's code for a customer held (ledger._HELD_AS) after its run listed it.
-HELD = "held_billed_as_another_id"
 # What the ledger records for a customer the gate stopped before Stripe.
 STOPPED_BY_OPERATOR = {
     "skipped": "an operator skipped this customer",
@@ -102,11 +95,6 @@ class ChargingActivities:
             # Deactivated or removed after the period listed it: nothing to charge.
             return CustomerOutcome(
                 customer_id=request.customer_id, outcome="failed", failure_code="unknown_customer"
-            )
-        except HeldCustomerError:
-            # Held since the period listed it (renamed, its old id billed): not charged twice.
-            return CustomerOutcome(
-                customer_id=request.customer_id, outcome="skipped", failure_code=HELD
             )
         if claim.status != "claimed":
             return _finished(claim)

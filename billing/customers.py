@@ -327,8 +327,9 @@ def _was(row: asyncpg.Record) -> str:
 
 
 class Billable(Record):
-    """A customer a period may still charge: `claimed`, an open claim that a run charges
-    whether or not the customer is active; else one an open run has yet to claim."""
+    """A customer a period may still charge: `claimed`, an open claim not yet sent, which a
+    run charges whether or not the customer is active (a skip stops it); else one an open
+    run has yet to claim."""
 
     period: str
     customer_id: str
@@ -381,6 +382,8 @@ async def _still_billable(conn: asyncpg.Connection, customer_ids: Sequence[str])
         f"""
         SELECT r.billing_period, r.customer_id, true AS claimed FROM billing_runs r
         WHERE r.customer_id = ANY($1::text[]) AND r.status = 'claimed' AND r.skip_reason IS NULL
+            -- One already sent ends as Stripe answers: nothing done now changes it.
+            AND r.charge_started_at IS NULL
         UNION ALL
         SELECT p.billing_period, c.customer_id, false FROM customers c
         JOIN billing_periods p ON p.state = 'running'

@@ -15,6 +15,7 @@ from billing.errors import (
     UnknownCustomerError,
 )
 from billing.models import (
+    AUTOMATIC,
     ChargeApi,
     ChargeFailure,
     ChargeResult,
@@ -60,14 +61,18 @@ _REOPENED = (
 # deactivated, the new one imported), with a key of its own: it is held, not due, for as long
 # as this holds (an old claim that fails releases it). An index of inactive customers by
 # Stripe customer (migrations/017) makes it one probe per customer.
-def _held_as(period: str = "$1") -> str:
-    """The SQL of the above for customer `c`, the period being the parameter `period`."""
+def _held_as(period: str = "$1", *, charged: bool = False) -> str:
+    """The SQL of the above for customer `c`, the period being the parameter `period`; only
+    charged rows count if `charged`."""
+    billed = "o.status = 'charged'"
+    if not charged:
+        billed = f"({billed} OR (o.status = 'claimed' AND o.skip_reason IS NULL))"
     return f"""(
     SELECT min(oc.customer_id) FROM customers oc
     JOIN billing_runs o ON o.customer_id = oc.customer_id AND o.billing_period = {period}
     WHERE NOT oc.active AND oc.stripe_customer_id = c.stripe_customer_id
         AND o.stripe_customer_id = c.stripe_customer_id AND oc.customer_id <> c.customer_id
-        AND (o.status = 'charged' OR (o.status = 'claimed' AND o.skip_reason IS NULL)))"""
+        AND {billed})"""
 
 
 _HELD_AS = _held_as()
@@ -208,7 +213,7 @@ async def claim(
     charge_api: ChargeApi,
 ) -> Claim:
     """Insert the claim, or return the one that exists: a retry charges the same row. A
-    customer held (see _HELD_AS) since its run listed it is not claimed: HeldCustomerError.
+    customer held (see _HELD_AS) since its run listed it is not claimed (_refuse_held).
     `run_id` is the claiming workflow run's: the last run to claim an open row owns it, so a
     run whose workflow task is retried after its record knows the charge for its own.
     `charge_api` is fixed by the first claim that records one: every request of the claim
@@ -223,7 +228,11 @@ async def claim(
                                   claimed_by_run, charge_api)
         SELECT customer_id, $2, $3, amount_cents, currency, stripe_customer_id,
                payment_method, $4, $5
-        FROM customers c WHERE customer_id = $1 AND active AND {_held_as("$2")} IS NULL
+        FROM customers c WHERE customer_id = $1 AND (
+            (active AND {_held_as("$2")} IS NULL)
+            -- An open claim is taken over whatever its customer is now: it is charged.
+            OR EXISTS (SELECT 1 FROM billing_runs o WHERE o.customer_id = $1
+                       AND o.billing_period = $2 AND o.status = 'claimed'))
         ON CONFLICT (customer_id, billing_period) DO UPDATE
         SET claimed_by_run = EXCLUDED.claimed_by_run,
             -- A row made before the API was recorded (or by a skip) takes this claim's,
@@ -247,6 +256,7 @@ async def claim(
         charge_api,
     )
     if row is None:
+        await _refuse_held(conn, customer_id, period, key)
         row = await conn.fetchrow(
             f"""SELECT {_CLAIM_COLUMNS} FROM billing_runs
             WHERE customer_id = $1 AND billing_period = $2""",
@@ -254,20 +264,42 @@ async def claim(
             period,
         )
     if row is None:
-        held_as = await conn.fetchval(
-            f"SELECT {_held_as('$2')} FROM customers c WHERE customer_id = $1 AND active",
-            customer_id,
-            period,
-        )
-        if held_as is not None:
-            raise HeldCustomerError(
-                f"customer {customer_id!r} is held: {period} billed its Stripe customer as"
-                f" {held_as!r}, inactive since (renamed?); nothing was charged"
-            )
         raise UnknownCustomerError(
             f"customer {customer_id!r} is not in the ledger or is inactive; nothing was charged"
         )
     return Claim(**dict(row))
+
+
+async def _refuse_held(conn: asyncpg.Connection, customer_id: str, period: str, key: str) -> None:
+    """For a customer held since its run listed it (see _HELD_AS): while the Stripe
+    customer's old id has a claim open, HeldCustomerError, for a retry to find how it ends;
+    once the old id is charged, a skip, which the claim then finds. A customer that is not
+    held (or has a row of its own) is left to the caller."""
+    held = await conn.fetchrow(
+        f"""
+        SELECT {_HELD_AS} AS held_as, {_held_as(charged=True)} AS charged_as
+        {_due_join()} WHERE c.customer_id = $2 AND c.active AND r.status IS NULL
+        """,
+        period,
+        customer_id,
+    )
+    if held is None or held["held_as"] is None:
+        return
+    if held["charged_as"] is None:
+        raise HeldCustomerError(
+            f"customer {customer_id!r} is held: {period} has a claim open for its Stripe"
+            f" customer as {held['held_as']!r}, inactive since (renamed?); it is claimed only"
+            " if that claim does not charge"
+        )
+    await request_skip(
+        conn,
+        customer_id,
+        period,
+        key,
+        f"held: {period} charged its Stripe customer as {held['charged_as']!r}, an id inactive"
+        " since (renamed?); not charged twice",
+        AUTOMATIC,
+    )
 
 
 async def _finish(

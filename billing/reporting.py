@@ -84,7 +84,9 @@ def describe_preview(preview: Preview, shown: int = 20) -> str:
             + _some([f"{x.customer_id} (as {x.held_as})" for x in held], shown)
         )
     lines.append(f"  already billed: {len(preview.already_billed)}")
-    lines.append(f"  not billable this period (failed or skipped): {len(preview.not_billable)}")
+    lines.append(
+        f"  not billable this period (failed, skipped or held): {len(preview.not_billable)}"
+    )
     return "\n".join(lines)
 
 

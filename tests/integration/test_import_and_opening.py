@@ -16,7 +16,7 @@ from billing import ledger
 from billing.customers import CustomerRow, import_customers
 from billing.errors import CustomerImportError, HeldCustomerError, LedgerBusyError
 from billing.keys import idempotency_key
-from billing.models import ChargeFailure, PeriodPlan
+from billing.models import AUTOMATIC, ChargeFailure, ChargeResult, Claim, PeriodPlan
 from billing.periods import parse_period
 from billing.preview import preview_period
 
@@ -224,17 +224,54 @@ async def test_a_hold_lasts_while_the_old_id_is_billed_and_inactive(db: asyncpg.
     assert await _due(db) == ["c-1", "c-2"]
 
 
-async def test_a_customer_held_after_its_run_listed_it_is_not_claimed(db: asyncpg.Pool) -> None:
-    """Listed while its old id was active, then the old id was deactivated before its child
-    claimed it: the claim itself refuses, naming the old id."""
-    await _billed_then_renamed(db, "charged")
+async def test_a_customer_held_after_its_run_listed_it_waits_for_the_old_claim(
+    db: asyncpg.Pool,
+) -> None:
+    """Listed while its old id was active, then the old id was deactivated before the new
+    one's child claimed it. While the old id's claim is open, the claim refuses, for a retry;
+    once that claim charged, the new id is skipped, saying why (the child ends, and a later
+    run counts it skipped, not due)."""
+    await _billed_then_renamed(db, "claimed", sent=True)
     async with db.acquire() as conn:
-        with pytest.raises(HeldCustomerError, match="2026-12 billed its Stripe customer as 'c-1'"):
-            await ledger.claim(conn, "c-2", PERIOD, _key("c-2"), "run-1", charge_api="charges")
+
+        async def claim() -> Claim:
+            return await ledger.claim(
+                conn, "c-2", PERIOD, _key("c-2"), "run-1", charge_api="charges"
+            )
+
+        with pytest.raises(HeldCustomerError, match="has a claim open for its Stripe customer"):
+            await claim()
         assert (
             await conn.fetchval("SELECT count(*) FROM billing_runs WHERE customer_id = 'c-2'") == 0
         )
-        # Released (the old id active again): claimed as any customer.
-        await conn.execute("UPDATE customers SET active = true WHERE customer_id = 'c-1'")
+        result = ChargeResult(
+            charge_id="ch_1", payment_intent_id="pi_1", amount_cents=100, currency="usd"
+        )
+        await ledger.record_charge(conn, _key("c-1"), result)
+        skipped = await claim()
+        assert skipped.status == "skipped"
+        row = await conn.fetchrow(
+            "SELECT reason, decided_by FROM billing_runs WHERE customer_id = 'c-2'"
+        )
+    assert row["decided_by"] == AUTOMATIC
+    assert "charged its Stripe customer as 'c-1', an id inactive since" in row["reason"]
+
+
+async def test_a_claim_the_old_id_fails_releases_the_new_one(db: asyncpg.Pool) -> None:
+    await _billed_then_renamed(db, "claimed", sent=True)
+    async with db.acquire() as conn:
+        failure = ChargeFailure(code="card_declined", message="declined")
+        await ledger.record_unbilled(conn, _key("c-1"), "failed", failure)
         claim = await ledger.claim(conn, "c-2", PERIOD, _key("c-2"), "run-1", charge_api="charges")
     assert claim.status == "claimed"
+
+
+async def test_an_open_claim_of_a_customer_inactive_since_is_taken_over_by_the_run(
+    db: asyncpg.Pool,
+) -> None:
+    """A run that charges an open claim of a customer deactivated since owns it, as for any
+    open claim: a retry of its workflow task after the record knows the charge for its own."""
+    await _billed_then_renamed(db, "claimed", sent=True)
+    async with db.acquire() as conn:
+        claim = await ledger.claim(conn, "c-1", PERIOD, _key("c-1"), "run-2", charge_api="charges")
+    assert (claim.status, claim.claimed_by_run) == ("claimed", "run-2")

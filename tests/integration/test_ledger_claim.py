@@ -84,8 +84,9 @@ async def test_a_customer_deactivated_after_its_claim_keeps_it(harness: Harness)
             await ledger.claim(
                 conn, gone_id, PERIOD, key(gone_id), "run-2", charge_api="payment_intents"
             )
-    # The insert finds no active customer, so the row is read as it is, owner and all.
-    assert (kept.status, kept.claimed_by_run) == ("claimed", "run-1")
+    # The open claim is charged all the same, so the run that charges it owns it: a retry of
+    # its workflow task after the record counts the charge as its own, not already billed.
+    assert (kept.status, kept.claimed_by_run) == ("claimed", "run-2")
     assert len(await harness.ledger_rows(PERIOD)) == 1
 
 
