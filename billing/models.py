@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator
 
 from billing.errors import InvalidAmountError
 from billing.keys import validate_customer_id
@@ -309,6 +309,27 @@ class PreviewLine(Record):
     held_as: str | None = None
 
 
+PreviewWarningKind = Literal[
+    "no_payment_method",
+    "claimed_without_payment_method",
+    "amount_stripe_refuses",
+    "claimed_with_amount_stripe_refuses",
+    "stripe_customer_charged_twice",
+    "held",
+]
+
+
+class PreviewWarning(Record):
+    """Something a run of the period would do that an operator should look at first."""
+
+    kind: PreviewWarningKind
+    # What it is and what to do, to be followed by the entries.
+    message: str
+    customer_ids: list[str]
+    # As a person reads them: a customer id, with why when there is more to say.
+    entries: list[str]
+
+
 class Preview(Record):
     """What a run of the period would do now, without doing it."""
 
@@ -360,3 +381,73 @@ class Preview(Record):
             for stripe_id, customer_ids in sorted(ids.items())
             if len(customer_ids) > 1 and stripe_id in charged_now
         }
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def warnings(self) -> list[PreviewWarning]:
+        """Every warning, in the JSON too, so that no consumer redoes the rules."""
+        found: list[PreviewWarning] = []
+
+        def warn(kind: PreviewWarningKind, message: str, pairs: list[tuple[str, str]]) -> None:
+            if pairs:
+                found.append(
+                    PreviewWarning(
+                        kind=kind,
+                        message=f"{len(pairs)} {message}",
+                        customer_ids=[customer_id for customer_id, _ in pairs],
+                        entries=[entry for _, entry in pairs],
+                    )
+                )
+
+        missing = self.without_payment_method
+        warn(
+            "no_payment_method",
+            "of them have no payment method, so Stripe would charge their legacy default"
+            " source or refuse; import them again with payment_method before the run",
+            [(x.customer_id, x.customer_id) for x in missing if x.status is None],
+        )
+        warn(
+            "claimed_without_payment_method",
+            "of them were claimed with no payment method, which no import changes now, so"
+            " Stripe would charge their legacy default source or refuse; skip them if that is"
+            " wrong",
+            [(x.customer_id, x.customer_id) for x in missing if x.status is not None],
+        )
+        refused = self.with_amounts_stripe_refuses
+        warn(
+            "amount_stripe_refuses",
+            "of them have an amount Stripe refuses, so they would end failed; import them"
+            " again with the amount in the currency's smallest unit before the run",
+            [(x.customer_id, f"{x.customer_id} ({why})") for x, why in refused if x.status is None],
+        )
+        warn(
+            "claimed_with_amount_stripe_refuses",
+            "of them were claimed with an amount Stripe refuses, which no import changes now,"
+            " so they would end failed; bill them by hand",
+            [
+                (x.customer_id, f"{x.customer_id} ({why})")
+                for x, why in refused
+                if x.status is not None
+            ],
+        )
+        shared = self.sharing_a_stripe_customer
+        if shared:
+            found.append(
+                PreviewWarning(
+                    kind="stripe_customer_charged_twice",
+                    message=f"{len(shared)} Stripe customers would be charged more than once"
+                    " this period, under different customer ids (one customer imported twice"
+                    " under another spelling?); skip the extra ids if so",
+                    customer_ids=sorted({c for ids in shared.values() for c in ids}),
+                    entries=[
+                        f"{stripe_id} ({', '.join(ids)})" for stripe_id, ids in shared.items()
+                    ],
+                )
+            )
+        warn(
+            "held",
+            "customers a run would not bill, as the period billed their Stripe customer under"
+            " another id, inactive since (renamed?)",
+            [(x.customer_id, f"{x.customer_id} (as {x.held_as})") for x in self.held],
+        )
+        return found

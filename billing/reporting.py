@@ -6,7 +6,7 @@ from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ActivityError, ChildWorkflowError, FailureError
 
 from billing.config import TemporalSettings
-from billing.models import PeriodCounts, PeriodProgress, Preview, PreviewLine
+from billing.models import PeriodCounts, PeriodProgress, Preview
 from billing.money import describe_amounts
 from billing.reconciliation import ReconcileReport
 
@@ -43,55 +43,14 @@ def describe_preview(preview: Preview, shown: int = 20) -> str:
     ]
     if len(preview.to_charge) > shown:
         lines.append(f"    ... and {len(preview.to_charge) - shown} more (--json lists all)")
-    missing = preview.without_payment_method
-    if unclaimed := [x.customer_id for x in missing if x.status is None]:
-        lines.append(
-            f"  warning: {len(unclaimed)} of them have no payment method, so Stripe would charge"
-            " their legacy default source or refuse; import them again with payment_method"
-            f" before the run: {_some(unclaimed, shown)}"
-        )
-    if claimed := [x.customer_id for x in missing if x.status is not None]:
-        lines.append(
-            f"  warning: {len(claimed)} of them were claimed with no payment method, which no"
-            " import changes now, so Stripe would charge their legacy default source or"
-            f" refuse; skip them if that is wrong: {_some(claimed, shown)}"
-        )
-    refused = preview.with_amounts_stripe_refuses
-    if refused_new := [(x, why) for x, why in refused if x.status is None]:
-        lines.append(
-            f"  warning: {len(refused_new)} of them have an amount Stripe refuses, so they would"
-            " end failed; import them again with the amount in the currency's smallest unit"
-            f" before the run: {_some([_why(x, why) for x, why in refused_new], shown)}"
-        )
-    if refused_claimed := [(x, why) for x, why in refused if x.status is not None]:
-        lines.append(
-            f"  warning: {len(refused_claimed)} of them were claimed with an amount Stripe"
-            " refuses, which no import changes now, so they would end failed; bill them by"
-            " hand:"
-            f" {_some([_why(x, why) for x, why in refused_claimed], shown)}"
-        )
-    if shared := preview.sharing_a_stripe_customer:
-        lines.append(
-            f"  warning: {len(shared)} Stripe customers would be charged more than once this"
-            " period, under different customer ids (one customer imported twice under another"
-            " spelling?); skip the extra ids if so: "
-            + _some([f"{stripe_id} ({', '.join(ids)})" for stripe_id, ids in shared.items()], shown)
-        )
-    if held := preview.held:
-        lines.append(
-            f"  held: {len(held)} customers a run would not bill, as the period billed their"
-            " Stripe customer under another id, inactive since (renamed?): "
-            + _some([f"{x.customer_id} (as {x.held_as})" for x in held], shown)
-        )
+    for warning in preview.warnings:
+        label = "held" if warning.kind == "held" else "warning"
+        lines.append(f"  {label}: {warning.message}: {_some(warning.entries, shown)}")
     lines.append(f"  already billed: {len(preview.already_billed)}")
     lines.append(
         f"  not billable this period (failed, skipped or held): {len(preview.not_billable)}"
     )
     return "\n".join(lines)
-
-
-def _why(line: PreviewLine, why: str) -> str:
-    return f"{line.customer_id} ({why})"
 
 
 def _some(customer_ids: list[str], shown: int) -> str:

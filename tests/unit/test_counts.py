@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -180,3 +182,26 @@ def test_a_preview_tells_claimed_customers_with_no_payment_method_apart() -> Non
     assert "1 of them were claimed with no payment method" in text
     assert "skip them if that is wrong: a" in text
     assert "import them again" not in text
+
+
+def test_a_previews_json_carries_its_warnings_so_no_consumer_redoes_the_rules() -> None:
+    preview = preview_of(
+        line("a", 49, "usd"),
+        line("b", 100, "usd", method=False, status="claimed"),
+        line("c", 4_900, "usd"),
+    )
+    warnings = json.loads(preview.model_dump_json())["warnings"]
+    assert [(w["kind"], w["customer_ids"]) for w in warnings] == [
+        ("claimed_without_payment_method", ["b"]),
+        ("amount_stripe_refuses", ["a"]),
+    ]
+    assert warnings[1]["message"].startswith("1 of them have an amount Stripe refuses")
+    assert warnings[1]["entries"] == [
+        "a (amount 49 usd is below Stripe's minimum charge of 50 usd (amounts are in the"
+        " currency's smallest unit: is it in cents?))"
+    ]
+    # The text says the same, from the same warnings.
+    assert f"warning: {warnings[1]['message']}: {warnings[1]['entries'][0]}" in describe_preview(
+        preview
+    )
+    assert json.loads(preview_of(line("c", 4_900, "usd")).model_dump_json())["warnings"] == []
