@@ -62,16 +62,21 @@ async def template_database(postgres: LocalPostgres) -> str:
     return TEMPLATE_DB
 
 
-@pytest.fixture
-async def database_url(postgres: LocalPostgres, template_database: str) -> str:
-    """A fresh, migrated database for one test."""
+async def new_database(postgres: LocalPostgres, template: str = "template1") -> str:
+    """A new database copied from `template`; its DSN."""
     name = f"test_{next(_databases)}"
     conn = await asyncpg.connect(postgres.dsn())
     try:
-        await conn.execute(f"CREATE DATABASE {name} TEMPLATE {template_database}")
+        await conn.execute(f"CREATE DATABASE {name} TEMPLATE {template}")
     finally:
         await conn.close()
     return postgres.dsn(name)
+
+
+@pytest.fixture
+async def database_url(postgres: LocalPostgres, template_database: str) -> str:
+    """A fresh, migrated database for one test."""
+    return await new_database(postgres, template_database)
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ rule before it did."""
 
 from __future__ import annotations
 
-import itertools
 import shutil
 from pathlib import Path
 
@@ -12,18 +11,7 @@ import asyncpg
 
 from billing.migrations import MIGRATIONS_DIR, migrate
 from devstack.postgres import LocalPostgres
-
-_names = itertools.count()
-
-
-async def _database(postgres: LocalPostgres) -> str:
-    name = f"backfill_{next(_names)}"
-    conn = await asyncpg.connect(postgres.dsn())
-    try:
-        await conn.execute(f"CREATE DATABASE {name}")
-    finally:
-        await conn.close()
-    return postgres.dsn(name)
+from tests.conftest import new_database
 
 
 async def test_claims_sent_before_the_migration_name_no_key_a_refusal_matches(
@@ -32,7 +20,7 @@ async def test_claims_sent_before_the_migration_name_no_key_a_refusal_matches(
     for sql in sorted(MIGRATIONS_DIR.glob("*.sql")):
         if sql.name < "016":
             shutil.copy(sql, tmp_path)
-    dsn = await _database(postgres)
+    dsn = await new_database(postgres)
     await migrate(dsn, tmp_path)
     conn = await asyncpg.connect(dsn)
     try:
