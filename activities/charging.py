@@ -27,7 +27,12 @@ from activities.stripe_failures import (
 from activities.stripe_gateway import StripeGateway
 from billing import ledger, logs, metrics
 from billing.config import BillingSettings
-from billing.errors import BillingError, ClaimClosedError, UnknownCustomerError
+from billing.errors import (
+    BillingError,
+    ClaimClosedError,
+    HeldCustomerError,
+    UnknownCustomerError,
+)
 from billing.keys import idempotency_key
 from billing.models import (
     ChargeFailure,
@@ -45,6 +50,9 @@ from billing.rate_limit import Slot, stripe_rate
 
 # The period is paused: the workflow waits for its resume or cancel.
 PAUSED = "PeriodPaused"
+# The customer is held while its Stripe customer's old id has a claim open (see
+# ledger.claim): the workflow waits, as for a pause, and tries again.
+HELD = "CustomerHeld"
 # The attempt's Stripe slot is further off than it may sleep: the workflow sleeps and comes
 # back with the slot (details: the Slot).
 SLOT_AHEAD = "StripeSlotAhead"
@@ -91,6 +99,17 @@ class ChargingActivities:
         the workflow waits on a timer or a signal instead."""
         try:
             claim = await self._claim(request)
+        except HeldCustomerError as exc:
+            logs.log_event(
+                log,
+                "held",
+                period=request.period,
+                customer_id=request.customer_id,
+                workflow_id=activity.info().workflow_id,
+            )
+            raise ApplicationError(
+                str(exc), type=HELD, non_retryable=True, category=ApplicationErrorCategory.BENIGN
+            ) from None
         except UnknownCustomerError:
             # Deactivated or removed after the period listed it: nothing to charge.
             return CustomerOutcome(

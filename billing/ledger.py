@@ -203,26 +203,7 @@ async def due_page(conn: asyncpg.Connection, period: str, after: str | None, lim
     return DuePage(customers=customers, next_cursor=next_cursor)
 
 
-async def claim(
-    conn: asyncpg.Connection,
-    customer_id: str,
-    period: str,
-    key: str,
-    run_id: str | None = None,
-    *,
-    charge_api: ChargeApi,
-) -> Claim:
-    """Insert the claim, or return the one that exists: a retry charges the same row. A
-    customer held (see _HELD_AS) since its run listed it is not claimed (_refuse_held).
-    `run_id` is the claiming workflow run's: the last run to claim an open row owns it, so a
-    run whose workflow task is retried after its record knows the charge for its own.
-    `charge_api` is fixed by the first claim that records one: every request of the claim
-    goes to the same endpoint with the same key, whatever the setting says later.
-    One statement when the row is new or open (the insert returns it); a finished row, or a
-    customer no longer active, is read by a second, with no transaction around the two: the
-    read sees the row as another hand has moved it on since, which is the claim to act on."""
-    row = await conn.fetchrow(
-        f"""
+_CLAIM = f"""
         INSERT INTO billing_runs (customer_id, billing_period, idempotency_key, amount_cents,
                                   currency, stripe_customer_id, payment_method,
                                   claimed_by_run, charge_api)
@@ -248,15 +229,33 @@ async def claim(
         WHERE EXCLUDED.claimed_by_run IS NOT NULL AND (
             billing_runs.status = 'claimed' OR ({NEVER_STARTED.format(r="billing_runs")}))
         RETURNING {_CLAIM_COLUMNS}
-        """,
-        customer_id,
-        period,
-        key,
-        run_id,
-        charge_api,
-    )
+        """
+
+
+async def claim(
+    conn: asyncpg.Connection,
+    customer_id: str,
+    period: str,
+    key: str,
+    run_id: str | None = None,
+    *,
+    charge_api: ChargeApi,
+) -> Claim:
+    """Insert the claim, or return the one that exists: a retry charges the same row. A
+    customer held (see _HELD_AS) since its run listed it is not claimed (_refuse_held).
+    `run_id` is the claiming workflow run's: the last run to claim an open row owns it, so a
+    run whose workflow task is retried after its record knows the charge for its own.
+    `charge_api` is fixed by the first claim that records one: every request of the claim
+    goes to the same endpoint with the same key, whatever the setting says later.
+    One statement when the row is new or open (the insert returns it); a finished row, or a
+    customer no longer active, is read by a second, with no transaction around the two: the
+    read sees the row as another hand has moved it on since, which is the claim to act on."""
+    args = (customer_id, period, key, run_id, charge_api)
+    row = await conn.fetchrow(_CLAIM, *args)
+    if row is None and await _refuse_held(conn, customer_id, period, key):
+        # Released between the two statements (the old id's claim failed): claimed now.
+        row = await conn.fetchrow(_CLAIM, *args)
     if row is None:
-        await _refuse_held(conn, customer_id, period, key)
         row = await conn.fetchrow(
             f"""SELECT {_CLAIM_COLUMNS} FROM billing_runs
             WHERE customer_id = $1 AND billing_period = $2""",
@@ -270,11 +269,12 @@ async def claim(
     return Claim(**dict(row))
 
 
-async def _refuse_held(conn: asyncpg.Connection, customer_id: str, period: str, key: str) -> None:
+async def _refuse_held(conn: asyncpg.Connection, customer_id: str, period: str, key: str) -> bool:
     """For a customer held since its run listed it (see _HELD_AS): while the Stripe
-    customer's old id has a claim open, HeldCustomerError, for a retry to find how it ends;
-    once the old id is charged, a skip, which the claim then finds. A customer that is not
-    held (or has a row of its own) is left to the caller."""
+    customer's old id has a claim open, HeldCustomerError, to try again once it ends; once
+    the old id is charged, a skip, which the claim then finds. True for an active customer
+    with no row that is not held (any more): the claim may be made now. A customer that is
+    inactive or has a row of its own is left to the caller."""
     held = await conn.fetchrow(
         f"""
         SELECT {_HELD_AS} AS held_as, {_held_as(charged=True)} AS charged_as
@@ -283,8 +283,10 @@ async def _refuse_held(conn: asyncpg.Connection, customer_id: str, period: str, 
         period,
         customer_id,
     )
-    if held is None or held["held_as"] is None:
-        return
+    if held is None:
+        return False
+    if held["held_as"] is None:
+        return True
     if held["charged_as"] is None:
         raise HeldCustomerError(
             f"customer {customer_id!r} is held: {period} has a claim open for its Stripe"
@@ -300,6 +302,7 @@ async def _refuse_held(conn: asyncpg.Connection, customer_id: str, period: str, 
         " since (renamed?); not charged twice",
         AUTOMATIC,
     )
+    return False
 
 
 async def _finish(

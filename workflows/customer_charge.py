@@ -10,7 +10,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 from temporalio.exceptions import TimeoutError as TemporalTimeoutError
 
 with workflow.unsafe.imports_passed_through():
-    from activities.charging import PAUSED, SLOT_AHEAD, BillRequest, ChargingActivities
+    from activities.charging import HELD, PAUSED, SLOT_AHEAD, BillRequest, ChargingActivities
     from activities.stripe_failures import PERIOD_BLOCKERS
     from billing import search_attributes
     from billing.models import ChargeFailure, CustomerChargeInput, CustomerOutcome
@@ -70,7 +70,8 @@ class CustomerChargeWorkflow:
         workflow task: for a Stripe slot further off, the workflow sleeps and comes back with
         it; while the period is paused, or its key is refused (the period is told, and
         pauses), the workflow waits for the period's signal and tries again, and the
-        ledger's gate says go or cancel."""
+        ledger's gate says go or cancel. A customer held behind its old id's open claim
+        waits the same way, the timers bringing it back once that claim has ended."""
         slot: datetime | None = None
         patience = PERIOD_WAIT_FIRST
         while True:
@@ -105,7 +106,7 @@ class CustomerChargeWorkflow:
                 if failure.type in PERIOD_BLOCKERS:
                     blocked = ChargeFailure.model_validate(failure.details[0])
                     await self._tell_period_blocked(request, blocked)
-                elif failure.type != PAUSED:
+                elif failure.type not in (PAUSED, HELD):
                     raise
             slot = None
             patience = await self._wait_for_period(signals_seen, patience)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from typing import Any
 
 import pytest
 from temporalio import activity
@@ -13,9 +14,10 @@ from temporalio.client import WorkflowHandle, WorkflowHistory
 from activities.period import OutcomesRequest, PeriodActivities
 from billing import ledger
 from billing.customers import upsert_customers
-from billing.keys import customer_workflow_id
+from billing.keys import customer_workflow_id, idempotency_key
 from billing.models import (
     BillingPeriodInput,
+    ChargeResult,
     CustomerChargeInput,
     CustomerOutcome,
     OperatorRequest,
@@ -393,3 +395,54 @@ async def test_a_customer_gone_before_its_claim_is_reported_not_stuck(harness: H
         )
     assert (outcome.outcome, outcome.failure_code) == ("failed", "unknown_customer")
     assert not await harness.requests()
+
+
+async def test_a_customer_held_behind_its_old_ids_open_claim_waits_then_is_skipped(
+    harness: Harness,
+) -> None:
+    """The new id's child started before the old id was deactivated: it waits while the old
+    id's claim is open (a charge of it may still go out), and once that claim charged, it
+    ends skipped with a row saying why, so that Stripe customer is charged once."""
+    old = (await harness.seed(1))[0]
+    renamed = old.model_copy(update={"customer_id": "renamed-1"})
+    await upsert_customers(harness.pool, [renamed])
+    old_key = idempotency_key(harness.settings.billing_key_namespace, old.customer_id, PERIOD)
+    async with harness.pool.acquire() as conn:
+        await ledger.claim(
+            conn, old.customer_id, str(PERIOD), old_key, "run-0", charge_api="charges"
+        )
+        await conn.execute(
+            "UPDATE customers SET active = false WHERE customer_id = $1", old.customer_id
+        )
+    async with harness.running_worker():
+        child = await harness.client.start_workflow(
+            CustomerChargeWorkflow.run,
+            CustomerChargeInput(period=str(PERIOD), customer_id="renamed-1"),
+            id=customer_workflow_id(PERIOD, "renamed-1"),
+            task_queue=harness.task_queue,
+        )
+        await eventually(lambda: _held_once(child))
+        async with harness.pool.acquire() as conn:
+            result = ChargeResult(
+                charge_id="ch_old",
+                payment_intent_id="pi_old",
+                amount_cents=old.amount_cents,
+                currency=old.currency,
+            )
+            await ledger.record_charge(conn, old_key, result)
+        outcome = await child.result()
+    assert outcome.outcome == "skipped"
+    rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
+    assert rows["renamed-1"]["status"] == "skipped"
+    assert f"charged its Stripe customer as {old.customer_id!r}" in rows["renamed-1"]["reason"]
+    assert await harness.money_requests() == 0
+
+
+async def _held_once(handle: WorkflowHandle[Any, Any]) -> bool:
+    """The child's bill has been refused as held at least once."""
+    async for event in handle.fetch_history_events():
+        if event.HasField("marker_recorded_event_attributes") and b"CustomerHeld" in (
+            event.SerializeToString()
+        ):
+            return True
+    return False
