@@ -105,6 +105,7 @@ class ChargingActivities:
                 "held",
                 period=request.period,
                 customer_id=request.customer_id,
+                held_as=exc.held_as,
                 workflow_id=activity.info().workflow_id,
             )
             raise ApplicationError(

@@ -136,7 +136,7 @@ class PeriodActivities:
                 period=request.period,
                 customer_id=customer.customer_id,
                 stripe_customer_id=customer.stripe_customer_id,
-                billed_as=customer.held_as,
+                held_as=customer.held_as,
             )
         return plan
 

@@ -205,7 +205,8 @@ async def import_customers(
     """Write the rows, unless they change what an open run has yet to charge (see
     changes_to_open_runs) and not `while_running`: those changes are returned either way,
     and then nothing is written. Checked and written as one step to a run's opening
-    (ledger.open_period), which waits for it, or which it waits for."""
+    (ledger.open_period), which waits for it, or which it waits for (ledger.lock_for_change:
+    at most CHANGE_WAIT_SECONDS)."""
     async with pool.acquire() as conn, conn.transaction():
         await lock_for_change(conn, "the import")
         await _refuse_respelt(conn, rows)

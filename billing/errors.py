@@ -49,6 +49,10 @@ class UnknownCustomerError(BillingError):
 class HeldCustomerError(BillingError):
     """A customer a run holds: the period billed its Stripe customer under another id."""
 
+    def __init__(self, message: str, held_as: str) -> None:
+        super().__init__(message)
+        self.held_as = held_as
+
 
 class LedgerBusyError(BillingError):
     """A change to the customers waited too long for a run's opening or another change."""

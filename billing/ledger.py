@@ -82,8 +82,9 @@ _HELD_AS = _held_as()
 # always finished). A customer a cancelled run never started counts as having no row: billed
 # only while active, at its amount, currency and card of now (its claim takes the row over so).
 def _due_join(past: str | None = None) -> str:
-    """`past`, a cursor's parameter, joins only the rows after it: bound on both tables, so
-    that a merge join starts at the cursor, not at the period's first row."""
+    """`past`, a cursor's parameter, joins only the period's rows after it: with the same
+    bound on the customers (the caller's), a merge join starts at the cursor, not at the
+    period's first row."""
     bound = f" AND r.customer_id > {past}" if past else ""
     return f"""
     FROM customers c
@@ -247,9 +248,11 @@ async def claim(
     run whose workflow task is retried after its record knows the charge for its own.
     `charge_api` is fixed by the first claim that records one: every request of the claim
     goes to the same endpoint with the same key, whatever the setting says later.
-    One statement when the row is new or open (the insert returns it); a finished row, or a
-    customer no longer active, is read by a second, with no transaction around the two: the
-    read sees the row as another hand has moved it on since, which is the claim to act on."""
+    One statement when the row is new or open (the insert returns it), whatever the
+    customer is now for an open one: it is charged all the same. Otherwise a held customer
+    is dealt with (_refuse_held), and a finished row, or a customer no longer active, is
+    read by a further statement, with no transaction around them: the read sees the row as
+    another hand has moved it on since, which is the claim to act on."""
     args = (customer_id, period, key, run_id, charge_api)
     row = await conn.fetchrow(_CLAIM, *args)
     if row is None and await _refuse_held(conn, customer_id, period, key):
@@ -291,7 +294,8 @@ async def _refuse_held(conn: asyncpg.Connection, customer_id: str, period: str, 
         raise HeldCustomerError(
             f"customer {customer_id!r} is held: {period} has a claim open for its Stripe"
             f" customer as {held['held_as']!r}, inactive since (renamed?); it is claimed only"
-            " if that claim does not charge"
+            " if that claim does not charge",
+            held["held_as"],
         )
     await request_skip(
         conn,
@@ -433,9 +437,9 @@ async def without_rows(
 SENT_DIRECT = "direct"
 
 
-# Held by a run's opening and by a customer import (billing.customers) for their
-# transaction: either the plan counts an import, or the import sees the run open. An advisory
-# lock, so that nothing else (a pause, a charge) waits for an import.
+# Held by a run's opening and by a change to the customers (billing.customers: an import,
+# a deactivation) for their transaction: either the plan counts the change, or the change sees
+# the run open. An advisory lock, so that nothing else (a pause, a charge) waits for a change.
 OPENING_LOCK = "SELECT pg_advisory_xact_lock(hashtext('billing: a run opening, or an import'))"
 # How long a change to the customers waits for OPENING_LOCK: less than a statement may take
 # (db.create_pool's command_timeout), so that it says why.

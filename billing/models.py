@@ -333,6 +333,9 @@ class PreviewWarning(Record):
 class Preview(Record):
     """What a run of the period would do now, without doing it."""
 
+    # Its JSON carries `warnings`, computed: read back, they are computed again.
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
     period: str
     to_charge: list[PreviewLine]
     already_billed: list[PreviewLine]
@@ -447,7 +450,7 @@ class Preview(Record):
         warn(
             "held",
             "customers a run would not bill, as the period billed their Stripe customer under"
-            " another id, inactive since (renamed?)",
+            " another id, inactive since (renamed?); bill one by hand if it is another account",
             [(x.customer_id, f"{x.customer_id} (as {x.held_as})") for x in self.held],
         )
         return found

@@ -48,7 +48,8 @@ def describe_preview(preview: Preview, shown: int = 20) -> str:
         lines.append(f"  {label}: {warning.message}: {_some(warning.entries, shown)}")
     lines.append(f"  already billed: {len(preview.already_billed)}")
     lines.append(
-        f"  not billable this period (failed, skipped or held): {len(preview.not_billable)}"
+        f"  not billable this period (failed, skipped, cancelled or held):"
+        f" {len(preview.not_billable)}"
     )
     return "\n".join(lines)
 
