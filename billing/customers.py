@@ -17,7 +17,7 @@ from billing.errors import (
     shown,
 )
 from billing.keys import validate_customer_id
-from billing.ledger import NEVER_STARTED, lock_for_change
+from billing.ledger import NEVER_STARTED, held_as_sql, lock_for_change
 from billing.models import Record
 from billing.money import parse_amount, validate_amount, validate_amount_in, validate_currency
 from billing.redact import SECRET_RE
@@ -392,6 +392,8 @@ async def _still_billable(conn: asyncpg.Connection, customer_ids: Sequence[str])
             ON r.customer_id = c.customer_id AND r.billing_period = p.billing_period
         WHERE c.customer_id = ANY($1::text[])
             AND (r.status IS NULL OR ({NEVER_STARTED.format(r="r")}))
+            -- A held customer is one the run would not bill anyway.
+            AND {held_as_sql("p.billing_period")} IS NULL
         ORDER BY 1, 2
         """,
         list(customer_ids),

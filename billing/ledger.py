@@ -61,9 +61,9 @@ _REOPENED = (
 # deactivated, the new one imported), with a key of its own: it is held, not due, for as long
 # as this holds (an old claim that fails releases it). An index of inactive customers by
 # Stripe customer (migrations/017) makes it one probe per customer.
-def _held_as(period: str = "$1", *, charged: bool = False) -> str:
-    """The SQL of the above for customer `c`, the period being the parameter `period`; only
-    charged rows count if `charged`."""
+def held_as_sql(period: str = "$1", *, charged: bool = False) -> str:
+    """The SQL of the above for customer `c`, the period being `period` (a parameter or a
+    column); only charged rows count if `charged`."""
     billed = "o.status = 'charged'"
     if not charged:
         billed = f"({billed} OR (o.status = 'claimed' AND o.skip_reason IS NULL))"
@@ -75,7 +75,7 @@ def _held_as(period: str = "$1", *, charged: bool = False) -> str:
         AND {billed})"""
 
 
-_HELD_AS = _held_as()
+_HELD_AS = held_as_sql()
 
 
 # Customers a period bills: active ones not held, and any with a row for it (a claim is
@@ -211,7 +211,7 @@ _CLAIM = f"""
         SELECT customer_id, $2, $3, amount_cents, currency, stripe_customer_id,
                payment_method, $4, $5
         FROM customers c WHERE customer_id = $1 AND (
-            (active AND {_held_as("$2")} IS NULL)
+            (active AND {held_as_sql("$2")} IS NULL)
             -- An open claim is taken over whatever its customer is now: it is charged.
             OR EXISTS (SELECT 1 FROM billing_runs o WHERE o.customer_id = $1
                        AND o.billing_period = $2 AND o.status = 'claimed'))
@@ -280,7 +280,7 @@ async def _refuse_held(conn: asyncpg.Connection, customer_id: str, period: str, 
     inactive or has a row of its own is left to the caller."""
     held = await conn.fetchrow(
         f"""
-        SELECT {_HELD_AS} AS held_as, {_held_as(charged=True)} AS charged_as
+        SELECT {_HELD_AS} AS held_as, {held_as_sql(charged=True)} AS charged_as
         {_due_join()} WHERE c.customer_id = $2 AND c.active AND r.status IS NULL
         """,
         period,

@@ -13,7 +13,7 @@ import asyncpg
 import pytest
 
 from billing import ledger
-from billing.customers import CustomerRow, import_customers
+from billing.customers import CustomerRow, deactivate_customers, import_customers
 from billing.errors import CustomerImportError, HeldCustomerError, LedgerBusyError
 from billing.keys import idempotency_key
 from billing.models import AUTOMATIC, ChargeFailure, ChargeResult, Claim, PeriodPlan
@@ -275,3 +275,13 @@ async def test_an_open_claim_of_a_customer_inactive_since_is_taken_over_by_the_r
     async with db.acquire() as conn:
         claim = await ledger.claim(conn, "c-1", PERIOD, _key("c-1"), "run-2", charge_api="charges")
     assert (claim.status, claim.claimed_by_run) == ("claimed", "run-2")
+
+
+async def test_a_held_customer_is_deactivated_without_being_named_as_one_a_run_bills(
+    db: asyncpg.Pool,
+) -> None:
+    await _billed_then_renamed(db, "charged")
+    async with db.acquire() as conn:
+        await ledger.open_period(conn, PERIOD, WORKFLOW_ID)
+    done = await deactivate_customers(db, ["c-2"], while_running=False)
+    assert (done.deactivated, done.still_billable) == (["c-2"], [])
