@@ -522,11 +522,11 @@ async def set_control(
     )
 
 
-async def begin_charge(conn: asyncpg.Connection, claim: Claim, vault_key_id: str | None) -> Gate:
+async def begin_charge(conn: asyncpg.Connection, claim: Claim, route: str | None) -> Gate:
     """Decide, atomically with pause, cancel and skip, whether this attempt may call Stripe:
     one call of billing_begin_charge (migrations/016_sent_through.sql). An attempt that
-    passes names the vault key it sends through (SENT_DIRECT without the vault, None if it
-    will send nothing); the claim keeps every such name (see reopen_refused_charge).
+    passes names its `route`, the vault key it sends through (SENT_DIRECT without the vault,
+    None if it will send nothing); the claim keeps every route (see reopen_refused_charge).
 
     Once a first attempt has passed, every retry passes too: that charge may already be at
     Stripe, and only a retry with the same key can learn its outcome.
@@ -535,7 +535,7 @@ async def begin_charge(conn: asyncpg.Connection, claim: Claim, vault_key_id: str
         "SELECT gate, status FROM billing_begin_charge($1, $2, $3)",
         claim.idempotency_key,
         claim.period,
-        vault_key_id,
+        route,
     )
     if row["gate"] == "closed":
         raise ClaimClosedError(
