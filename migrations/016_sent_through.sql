@@ -19,7 +19,8 @@ SET sent_through = ARRAY['before-016'] || coalesce((
 WHERE r.status = 'claimed' AND r.charge_started_at IS NOT NULL;
 
 -- billing_begin_charge as in 008_begin_charge.sql, except that an attempt that passes names
--- the vault key it will send through (NULL without the vault), and the claim keeps it.
+-- its route, the vault key it will send through ('direct' without the vault), and the claim
+-- keeps it; NULL for an attempt that will send nothing (no key for the period).
 DROP FUNCTION billing_begin_charge(text, text);
 CREATE FUNCTION billing_begin_charge(
     p_key text, p_period text, p_vault_key text, OUT gate text, OUT status text
