@@ -34,6 +34,7 @@ from billing.errors import (
     UnknownCustomerError,
 )
 from billing.keys import idempotency_key
+from billing.ledger import CapRefusal
 from billing.models import (
     ChargeFailure,
     ChargeResult,
@@ -130,12 +131,13 @@ class ChargingActivities:
         route = gateway.route if isinstance(gateway, StripeGateway) else None
         try:
             async with self._pool.acquire() as conn:
-                gate: Gate = await ledger.begin_charge(conn, claim, route)
+                passage = await ledger.begin_charge(conn, claim, route)
         except ClaimClosedError:
             # Finished by another hand (e.g. cancelled by its run) since it was claimed.
             async with self._pool.acquire() as conn:
                 closed = await ledger.claim_by_key(conn, claim.idempotency_key)
             return _finished(closed or claim.model_copy(update={"status": "failed"}))
+        gate: Gate = passage.gate
         if gate == "paused":
             # The workflow waits for the period's word (resume or cancel), not this task.
             raise ApplicationError(
@@ -148,7 +150,7 @@ class ChargingActivities:
             stopped = ChargeFailure(code=gate, message=STOPPED_BY_OPERATOR[gate])
             return await self._record_unbilled(claim, gate, stopped)
         try:
-            result = await self._charge(claim, gateway)
+            result = await self._charge(claim, gateway, passage.fencing_token)
         except Exception as error:
             _report_failure(claim, error)
             failure = _refusal(error)
@@ -201,7 +203,9 @@ class ChargingActivities:
         age = datetime.now(UTC) - claim.claimed_at
         return age > timedelta(seconds=self._settings.billing_lookup_after_seconds)
 
-    async def _charge(self, claim: Claim, gateway: StripeGateway | BillingError) -> ChargeResult:
+    async def _charge(
+        self, claim: Claim, gateway: StripeGateway | BillingError, fencing_token: int | None
+    ) -> ChargeResult:
         if isinstance(gateway, BillingError):
             # No key for this period and currency (e.g. a customer added after the plan):
             # the period pauses until an operator acts. Nothing was sent, so the claim waits
@@ -220,7 +224,7 @@ class ChargingActivities:
                 found = await gateway.find(claim)
                 if found is not None:
                     return _settle(found)
-            return _settle(await gateway.charge(claim))
+            return _settle(await gateway.charge(claim, fencing_token))
         except stripe.StripeError as exc:
             if isinstance(exc, stripe.IdempotencyError) or (
                 is_replayed(exc) and (exc.http_status or 0) >= 500
@@ -250,11 +254,13 @@ class ChargingActivities:
                         type=RETRYABLE,
                     ) from None
                 # Refused before Stripe: the claim waits at the gate for the operator.
-                capped = failure.type == SPEND_CAP_EXCEEDED
-                await self._reopen(claim, proven_by=gateway.vault_key_id if capped else None)
+                proof = None
+                if failure.type == SPEND_CAP_EXCEEDED and gateway.vault_key_id and fencing_token:
+                    proof = CapRefusal(gateway.vault_key_id, fencing_token)
+                await self._reopen(claim, proven_by=proof)
             raise failure from None
 
-    async def _reopen(self, claim: Claim, *, proven_by: str | None = None) -> None:
+    async def _reopen(self, claim: Claim, *, proven_by: CapRefusal | None = None) -> None:
         """Undo the gate for an attempt refused before Stripe (see reopen_refused_charge)."""
         async with self._pool.acquire() as conn:
             await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven_by=proven_by)

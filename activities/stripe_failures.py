@@ -31,6 +31,9 @@ RETRYABLE = "StripeUnavailable"
 # would only time out.
 KEY_EXPIRED_CODE = "idempotency_key_expired"
 KEY_EXPIRED_RETRY = timedelta(minutes=4)
+# The vault fenced this attempt off: a later attempt of the claim was refused on the cap
+# (billing.ledger.reopen_refused_charge). Nothing was sent; the retry takes the gate again.
+SUPERSEDED_CODE = "attempt_superseded"
 
 
 def vault_key_unusable(exc: stripe.StripeError) -> bool:
@@ -108,6 +111,12 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
         return _non_retryable(REFUSED, failure_from(exc, "idempotency_error"))
     if isinstance(exc, stripe.InvalidRequestError):
         return _non_retryable(REFUSED, failure_from(exc, "invalid_request"))
+    if _error_body(exc).get("code") == SUPERSEDED_CODE:
+        return ApplicationError(
+            "the vault refused this attempt: a later attempt of the charge was refused on the"
+            " key's cap since; retrying with a new fencing token",
+            type=RETRYABLE,
+        )
     if _error_body(exc).get("code") == KEY_EXPIRED_CODE:
         return ApplicationError(
             f"{KEY_EXPIRED_CODE}: {redact(str(exc.user_message))}",

@@ -12,6 +12,7 @@ from billing.ledger import SENT_DIRECT
 from billing.models import ChargeApi, ChargeFailure, ChargeResult, Claim
 from billing.reconciliation import INCOMPLETE_INTENT, StripeCharge
 from billing.redact import redact
+from vault.endpoints import FENCE_HEADER
 
 # Customers rarely hold more than a few charges a period; pages this size find ours at once.
 _LOOKUP_PAGE = 100
@@ -69,9 +70,14 @@ class StripeGateway:
         the setting's for a claim from before the API was recorded."""
         return recorded or self._api
 
-    async def charge(self, claim: Claim) -> ChargeResult | ChargeFailure:
-        """Create the charge with the claim's key; raises stripe errors unchanged."""
+    async def charge(
+        self, claim: Claim, fencing_token: int | None = None
+    ) -> ChargeResult | ChargeFailure:
+        """Create the charge with the claim's key, and through the vault with the attempt's
+        `fencing_token` (ledger.Passage); raises stripe errors unchanged."""
         options: stripe.RequestOptions = {"idempotency_key": claim.idempotency_key}
+        if self.vault_key_id is not None and fencing_token is not None:
+            options["headers"] = {FENCE_HEADER: str(fencing_token)}
         api = self._api_for(claim.charge_api)
         params = charge_params(claim, api)
         if api == "payment_intents":

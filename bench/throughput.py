@@ -640,9 +640,12 @@ async def measure_baseline(
                     )
                 gateway = await access.gateway_for(claim)
                 async with pool.acquire() as conn:
-                    if await ledger.begin_charge(conn, claim, gateway.route) != "go":
-                        raise RuntimeError(f"{customer_id}: the ledger's gate did not open")
-                result, attempts = await with_retries(lambda: gateway.charge(claim))
+                    passage = await ledger.begin_charge(conn, claim, gateway.route)
+                if passage.gate != "go":
+                    raise RuntimeError(f"{customer_id}: the ledger's gate did not open")
+                result, attempts = await with_retries(
+                    lambda: gateway.charge(claim, passage.fencing_token)
+                )
                 retries += attempts - 1
                 async with pool.acquire() as conn:
                     if isinstance(result, ChargeResult):

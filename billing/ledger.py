@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
@@ -522,9 +523,28 @@ async def set_control(
     )
 
 
-async def begin_charge(conn: asyncpg.Connection, claim: Claim, route: str | None) -> Gate:
+@dataclass(frozen=True, slots=True)
+class Passage:
+    """The gate's answer to one attempt of a claim."""
+
+    gate: Gate
+    # For "go": the attempt's number among all that passed the claim's gate, never reused. It
+    # goes to the vault with the request (vault.endpoints.FENCE_HEADER), whose cap refusal then
+    # fences off every attempt below it (see reopen_refused_charge).
+    fencing_token: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CapRefusal:
+    """The vault key `vault_key_id` refused on its cap the attempt with `fencing_token`."""
+
+    vault_key_id: str
+    fencing_token: int
+
+
+async def begin_charge(conn: asyncpg.Connection, claim: Claim, route: str | None) -> Passage:
     """Decide, atomically with pause, cancel and skip, whether this attempt may call Stripe:
-    one call of billing_begin_charge (migrations/016_sent_through.sql). An attempt that
+    one call of billing_begin_charge (migrations/018_fencing_tokens.sql). An attempt that
     passes names its `route`, the vault key it sends through (SENT_DIRECT without the vault,
     None if it will send nothing); the claim keeps every route (see reopen_refused_charge).
 
@@ -532,7 +552,7 @@ async def begin_charge(conn: asyncpg.Connection, claim: Claim, route: str | None
     Stripe, and only a retry with the same key can learn its outcome.
     """
     row = await conn.fetchrow(
-        "SELECT gate, status FROM billing_begin_charge($1, $2, $3)",
+        "SELECT gate, status, fencing_token FROM billing_begin_charge($1, $2, $3)",
         claim.idempotency_key,
         claim.period,
         route,
@@ -543,41 +563,47 @@ async def begin_charge(conn: asyncpg.Connection, claim: Claim, route: str | None
             f"claim {claim.idempotency_key[:8]}... is no longer open ({row['status']});"
             " not charging",
         )
-    return row["gate"]  # type: ignore[no-any-return]
+    return Passage(row["gate"], row["fencing_token"])
 
 
 async def reopen_refused_charge(
-    conn: asyncpg.Connection, key: str, *, proven_by: str | None = None
+    conn: asyncpg.Connection, key: str, *, proven_by: CapRefusal | None = None
 ) -> bool:
     """Undo begin_charge for an attempt refused before it reached Stripe (the vault's cap, a
     refused key), so the claim waits at the gate again. Only when no attempt might have
     reached Stripe: this was the only attempt (`attempts` counts requests that may have
-    reached Stripe), or it is proven by a cap refusal of the vault key `proven_by`. The vault
-    checks a key's earlier reservations before its cap, so that refusal proves that no
-    attempt through that key is charged or in doubt: it reopens the claim if every attempt
-    went through it (`sent_through`), not through a key replaced since that a worker may
-    still hold. Otherwise the key leaves `sent_through`, which then still names every key
-    holding a part of the claim (see unsent_totals)."""
+    reached Stripe), or it is proven by a cap refusal (`proven_by`). The vault checks a key's
+    earlier reservations before its cap, and fences off the attempts below the refused one, so
+    that refusal proves that no attempt through that key is charged, in doubt or still to be
+    sent: it reopens the claim if the refused attempt is the latest to pass the gate, and every
+    attempt went through that key (`sent_through`), not through a key replaced since that a
+    worker may still hold. Otherwise, if the refused attempt is the latest, the key leaves
+    `sent_through`, which then still names every key holding a part of the claim (see
+    unsent_totals)."""
+    key_id = None if proven_by is None else proven_by.vault_key_id
+    token = None if proven_by is None else proven_by.fencing_token
     async with conn.transaction():
         reopened = await conn.fetchval(
             """
             UPDATE billing_runs r
             SET charge_started_at = NULL, attempts = 0, sent_through = NULL, updated_at = now()
             WHERE r.idempotency_key = $1 AND r.status = 'claimed'
-                AND (r.attempts = 1 OR $2::text IS NOT NULL AND r.sent_through = ARRAY[$2::text])
+                AND (r.attempts = 1 OR r.gate_passes = $3 AND r.sent_through = ARRAY[$2::text])
             RETURNING 1
             """,
             key,
-            proven_by,
+            key_id,
+            token,
         )
         if reopened is None and proven_by is not None:
             await conn.execute(
                 """
                 UPDATE billing_runs SET sent_through = array_remove(sent_through, $2)
-                WHERE idempotency_key = $1 AND status = 'claimed'
+                WHERE idempotency_key = $1 AND status = 'claimed' AND gate_passes = $3
                 """,
                 key,
-                proven_by,
+                key_id,
+                token,
             )
     return reopened is not None
 

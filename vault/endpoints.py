@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import re
 
+# A metered request's number for its attempt, higher for each later attempt of the request: a
+# cap refusal fences off the attempts below it (vault.reservations.reserve). Not forwarded.
+FENCE_HEADER = "Vault-Fencing-Token"
 # Requests the vault meters: it reads amount and currency from their body and reserves them.
 METERED = frozenset({"POST /v1/payment_intents", "POST /v1/charges"})
 # All a key issued with the worker token may allow: the billing workers' charges and the

@@ -20,7 +20,7 @@ from yarl import URL
 from billing.db import CONNECTION_ERRORS
 from billing.redact import SECRET_RE, redact
 from vault import metrics, reservations, store
-from vault.endpoints import METERED, PATH_RE, allows
+from vault.endpoints import FENCE_HEADER, METERED, PATH_RE, allows
 from vault.errors import VaultError
 from vault.models import IDEMPOTENCY_KEY_PATTERN, SECRET_PREFIX, Decision, ReservationState
 from vault.reservations import Charge, Outcome, Reservation
@@ -49,6 +49,7 @@ _IDEMPOTENCY_KEY_RE = re.compile(IDEMPOTENCY_KEY_PATTERN)
 _AMOUNT_RE = re.compile(r"[0-9]{1,8}")
 _CURRENCY_RE = re.compile(r"[a-z]{3}")
 _CUSTOMER_RE = re.compile(r"[A-Za-z0-9_]{1,255}")
+_FENCING_TOKEN_RE = re.compile(r"[1-9][0-9]{0,8}")
 
 
 class Refusal(VaultError):
@@ -221,9 +222,23 @@ async def _reserve_charge(
             f"this vault key charges {grant.currency} only, not {charge.currency}",
             param="currency",
         )
-    reservation = await _reserve(state, grant.id, idempotency_key, charge)
+    reservation = await _reserve(state, grant.id, idempotency_key, charge, _fencing_token(request))
     record.reservation_state = reservation.state
     return reservation
+
+
+def _fencing_token(request: web.Request) -> int | None:
+    token = request.headers.get(FENCE_HEADER)
+    if token is None:
+        return None
+    if _FENCING_TOKEN_RE.fullmatch(token) is None:
+        raise Refusal(
+            "refused_request",
+            400,
+            "fencing_token_invalid",
+            f"{FENCE_HEADER} must be a whole number from 1 to 999999999",
+        )
+    return int(token)
 
 
 async def _authenticate(state: VaultState, request: web.Request, record: AuditRecord) -> KeyGrant:
@@ -357,12 +372,16 @@ def _single(fields: dict[str, list[str]], name: str) -> str | None:
 
 
 async def _reserve(
-    state: VaultState, key_id: str, idempotency_key: str, charge: Charge
+    state: VaultState,
+    key_id: str,
+    idempotency_key: str,
+    charge: Charge,
+    fencing_token: int | None,
 ) -> Reservation:
     try:
         async with state.pool.acquire() as conn:
             return await reservations.reserve(
-                conn, key_id, idempotency_key, charge, state.stale_after
+                conn, key_id, idempotency_key, charge, state.stale_after, fencing_token
             )
     except reservations.CapExceeded as refused:
         decision: Decision = "refused_daily_cap" if refused.daily else "refused_cap"
@@ -383,6 +402,9 @@ async def _reserve(
             str(refused),
             should_retry=not refused.committed,
         ) from None
+    except reservations.Superseded as refused:
+        # The same request again gets the same answer: only a new token may be sent.
+        raise Refusal("refused_request", 409, "attempt_superseded", str(refused)) from None
     except reservations.Mismatch as refused:
         raise Refusal(
             "refused_request",

@@ -78,6 +78,10 @@ class Mismatch(Refused):
     """The idempotency key was first used for a different request."""
 
 
+class Superseded(Refused):
+    """A later attempt of this request was refused on the cap: this one is fenced off."""
+
+
 class ReplayExpired(Refused):
     """The key's reservation is older than Stripe keeps idempotency keys: a retry would
     execute as a new charge."""
@@ -101,12 +105,14 @@ async def reserve(
     idempotency_key: str,
     charge: Charge,
     stale_after: timedelta,
+    fencing_token: int | None = None,
 ) -> Reservation:
     """Count `charge` against the key's caps, or find the reservation this key already has.
-    The decision is the SQL function vault_reserve (migrations/015_takeover_daily_cap.sql): one
-    round trip."""
+    The decision is the SQL function vault_reserve (migrations/018_fencing_tokens.sql): one
+    round trip. A cap refusal of a request with a `fencing_token` fences the reservation: any
+    later request below that token, or without one, is refused (Superseded)."""
     row = await conn.fetchrow(
-        "SELECT * FROM vault_reserve($1, $2, $3, $4, $5, $6, $7)",
+        "SELECT * FROM vault_reserve($1, $2, $3, $4, $5, $6, $7, $8)",
         key_id,
         idempotency_key,
         charge.endpoint,
@@ -114,6 +120,7 @@ async def reserve(
         charge.currency,
         charge.customer,
         stale_after,
+        fencing_token,
     )
     decision, detail = row["decision"], row["detail"]
     if decision == "reserved":
@@ -144,6 +151,11 @@ async def reserve(
         raise Mismatch(
             f"this Idempotency-Key was first used for a different request ({detail});"
             " use a new key for a new request"
+        )
+    if decision == "superseded":
+        raise Superseded(
+            f"a later attempt of this request (fencing token {detail}) was refused on this"
+            " key's cap, so this one is not sent: retry it with a new token"
         )
     if decision in ("revoked", "expired"):
         revoked = decision == "revoked"

@@ -45,11 +45,13 @@ class RateLimitedOnce(StripeGateway):
 
     refused = False
 
-    async def charge(self, claim: Claim) -> ChargeResult | ChargeFailure:
+    async def charge(
+        self, claim: Claim, fencing_token: int | None = None
+    ) -> ChargeResult | ChargeFailure:
         if not self.refused:
             self.refused = True
             raise stripe.RateLimitError("Too many requests", http_status=429)
-        return await super().charge(claim)
+        return await super().charge(claim, fencing_token)
 
 
 @pytest.mark.parametrize("control", ["cancelled", "paused"])
@@ -106,7 +108,7 @@ async def test_a_charge_in_doubt_keeps_its_api_when_the_setting_changes(harness:
             claim = await ledger.claim(
                 conn, customer.customer_id, str(PERIOD), key, charge_api="charges"
             )
-            assert await ledger.begin_charge(conn, claim, None) == "go"
+            assert (await ledger.begin_charge(conn, claim, None)).gate == "go"
             await harness.stripe.v1.charges.create_async(
                 charge_params(claim, "charges"),  # type: ignore[arg-type]
                 {"idempotency_key": key},

@@ -166,7 +166,7 @@ async def test_a_customer_a_cancelled_run_never_started_is_claimed_afresh_once_a
             "run-2",
         )
         assert claim.charge_api == "charges"
-        assert await ledger.begin_charge(conn, claim, None) == "go"
+        assert (await ledger.begin_charge(conn, claim, None)).gate == "go"
     [row] = await harness.ledger_rows(PERIOD)
     assert (row["cancelled_before_start"], row["reason"], row["completed_at"]) == (
         False,

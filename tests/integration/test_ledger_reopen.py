@@ -1,6 +1,6 @@
-"""The vault keys a claim's attempts went through, on the real ledger: a refused attempt
-reopens its claim only when no attempt of it can have reached Stripe, and a run's opening
-counts what its key has yet to send."""
+"""The vault keys a claim's attempts went through, and their fencing tokens, on the real
+ledger: a refused attempt reopens its claim only when no attempt of it can have reached
+Stripe or still be sent, and a run's opening counts what its key has yet to send."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncpg
 
 from billing import ledger
 from billing.keys import idempotency_key
+from billing.ledger import CapRefusal
 from billing.models import ChargeResult, Claim
 from billing.periods import Period
 from tests.integration.harness import Harness
@@ -50,6 +51,13 @@ async def stored(conn: asyncpg.Connection, claim: Claim, vault_key_id: str) -> N
     )
 
 
+async def passed(conn: asyncpg.Connection, claim: Claim, route: str | None) -> int:
+    """An attempt through `route` passes the gate; returns its fencing token."""
+    passage = await ledger.begin_charge(conn, claim, route)
+    assert passage.gate == "go" and passage.fencing_token is not None
+    return passage.fencing_token
+
+
 async def attempts(conn: asyncpg.Connection, claim: Claim) -> tuple[bool, int]:
     row = await conn.fetchrow(
         "SELECT charge_started_at IS NOT NULL AS started, attempts FROM billing_runs"
@@ -69,7 +77,7 @@ async def sent_through(conn: asyncpg.Connection, claim: Claim) -> list[str] | No
 async def test_a_first_attempt_refused_before_stripe_is_reopened(harness: Harness) -> None:
     (claim,) = await claimed(harness)
     async with harness.pool.acquire() as conn:
-        assert await ledger.begin_charge(conn, claim, K1) == "go"
+        assert (await ledger.begin_charge(conn, claim, K1)).gate == "go"
         assert await sent_through(conn, claim) == [K1]
         assert await ledger.reopen_refused_charge(conn, claim.idempotency_key)
         assert await attempts(conn, claim) == (False, 0)
@@ -81,16 +89,46 @@ async def test_a_retry_is_reopened_by_a_cap_refusal_of_the_one_key_every_attempt
 ) -> None:
     (claim,) = await claimed(harness)
     async with harness.pool.acquire() as conn:
-        await ledger.begin_charge(conn, claim, K1)
-        await ledger.begin_charge(conn, claim, K1)
+        assert await passed(conn, claim, K1) == 1
+        retry = await passed(conn, claim, K1)
         assert await sent_through(conn, claim) == [K1]
         # A refusal that is not the cap's proves only that this retry did not reach Stripe,
         # and another key's cap knows nothing of what went through K1.
         assert not await ledger.reopen_refused_charge(conn, claim.idempotency_key)
-        assert not await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven_by=K2)
+        assert not await ledger.reopen_refused_charge(
+            conn, claim.idempotency_key, proven_by=CapRefusal(K2, retry)
+        )
         assert await attempts(conn, claim) == (True, 2)
-        # K1's cap refusal proves nothing is in doubt: it checks K1's earlier reservations.
-        assert await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven_by=K1)
+        # K1's cap refusal proves nothing is in doubt: it checks K1's earlier reservations,
+        # and fences off the first attempt, which may still be on its way.
+        assert await ledger.reopen_refused_charge(
+            conn, claim.idempotency_key, proven_by=CapRefusal(K1, retry)
+        )
+        assert await attempts(conn, claim) == (False, 0)
+        # Fencing tokens are never reused: the vault fenced off everything up to this one.
+        assert await passed(conn, claim, K1) == retry + 1
+
+
+async def test_a_cap_refusal_of_an_attempt_that_is_not_the_latest_proves_nothing(
+    harness: Harness,
+) -> None:
+    """Three attempts through K1 at once (a terminated run's child still running, a timed-out
+    local activity): the second is refused on K1's cap. The vault fenced off the first, but
+    not the third, which may yet be sent once room is freed: the claim stays started, and K1
+    stays named, until the latest attempt's own refusal."""
+    (claim,) = await claimed(harness)
+    async with harness.pool.acquire() as conn:
+        await passed(conn, claim, K1)
+        second = await passed(conn, claim, K1)
+        third = await passed(conn, claim, K1)
+        assert not await ledger.reopen_refused_charge(
+            conn, claim.idempotency_key, proven_by=CapRefusal(K1, second)
+        )
+        assert await attempts(conn, claim) == (True, 3)
+        assert await sent_through(conn, claim) == [K1]
+        assert await ledger.reopen_refused_charge(
+            conn, claim.idempotency_key, proven_by=CapRefusal(K1, third)
+        )
         assert await attempts(conn, claim) == (False, 0)
 
 
@@ -105,9 +143,9 @@ async def test_a_cap_refusal_proves_nothing_once_an_attempt_went_through_another
         await stored(conn, claim, K2)
         await ledger.begin_charge(conn, claim, K1)
         await ledger.begin_charge(conn, claim, K2)
-        await ledger.begin_charge(conn, claim, K2)
+        retry = await passed(conn, claim, K2)
         assert await sent_through(conn, claim) == [K1, K2]
-        for proven_by in (None, K2):
+        for proven_by in (None, CapRefusal(K2, retry)):
             assert not await ledger.reopen_refused_charge(
                 conn, claim.idempotency_key, proven_by=proven_by
             )
@@ -121,9 +159,11 @@ async def test_an_attempt_without_the_vault_is_never_proven_by_a_key(harness: Ha
     async with harness.pool.acquire() as conn:
         await ledger.begin_charge(conn, claim, ledger.SENT_DIRECT)
         # A period switched to the vault since: the direct attempt may have charged.
-        await ledger.begin_charge(conn, claim, K1)
+        retry = await passed(conn, claim, K1)
         assert await sent_through(conn, claim) == [ledger.SENT_DIRECT, K1]
-        assert not await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven_by=K1)
+        assert not await ledger.reopen_refused_charge(
+            conn, claim.idempotency_key, proven_by=CapRefusal(K1, retry)
+        )
         assert await attempts(conn, claim) == (True, 2)
 
 
@@ -140,7 +180,7 @@ async def test_an_attempt_that_sends_nothing_names_nothing(harness: Harness) -> 
 async def test_a_finished_claim_is_never_reopened(harness: Harness) -> None:
     (claim,) = await claimed(harness)
     async with harness.pool.acquire() as conn:
-        await ledger.begin_charge(conn, claim, K1)
+        token = await passed(conn, claim, K1)
         result = ChargeResult(
             charge_id="ch_1",
             payment_intent_id="pi_1",
@@ -148,7 +188,9 @@ async def test_a_finished_claim_is_never_reopened(harness: Harness) -> None:
             currency=claim.currency,
         )
         await ledger.record_charge(conn, claim.idempotency_key, result)
-        assert not await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven_by=K1)
+        assert not await ledger.reopen_refused_charge(
+            conn, claim.idempotency_key, proven_by=CapRefusal(K1, token)
+        )
         assert await attempts(conn, claim) == (True, 1)
 
 
@@ -169,7 +211,9 @@ async def test_a_run_counts_as_unsent_what_went_only_through_a_replaced_key(
         await ledger.begin_charge(conn, current, K2)
         # Sent through K1, then refused on K2's cap: K2 holds nothing of it.
         await ledger.begin_charge(conn, refused, K1)
-        await ledger.begin_charge(conn, refused, K2)
-        await ledger.reopen_refused_charge(conn, refused.idempotency_key, proven_by=K2)
+        retry = await passed(conn, refused, K2)
+        await ledger.reopen_refused_charge(
+            conn, refused.idempotency_key, proven_by=CapRefusal(K2, retry)
+        )
         unsent = await ledger.unsent_totals(conn, str(PERIOD))
     assert unsent == {"usd": stale.amount_cents + refused.amount_cents + unclaimed.amount_cents}

@@ -209,7 +209,7 @@ async def _claim_as_another_run(harness: Harness, customer_id: str, *, send: boo
             charge_api="payment_intents",
         )
         if send:
-            assert await ledger.begin_charge(conn, claim, None) == "go"
+            assert (await ledger.begin_charge(conn, claim, None)).gate == "go"
     return claim
 
 

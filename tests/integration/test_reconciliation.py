@@ -74,7 +74,7 @@ async def stranded(
         claim = await ledger.claim(
             conn, customer.customer_id, str(PERIOD), key, charge_api="payment_intents"
         )
-        assert await ledger.begin_charge(conn, claim, None) == "go"
+        assert (await ledger.begin_charge(conn, claim, None)).gate == "go"
     if at_stripe:
         await gateway(harness).charge(claim)
     handle = await harness.client.start_workflow(
@@ -692,7 +692,7 @@ async def test_a_claim_from_before_its_api_was_recorded_is_found_through_either(
         claim = await ledger.claim(
             conn, customer.customer_id, str(PERIOD), key, charge_api="charges"
         )
-        assert await ledger.begin_charge(conn, claim, None) == "go"
+        assert (await ledger.begin_charge(conn, claim, None)).gate == "go"
         await conn.execute("UPDATE billing_runs SET charge_api = NULL")
     charged = await StripeGateway(harness.stripe, "charges").charge(claim)
     handle = await harness.client.start_workflow(

@@ -155,6 +155,14 @@ async def test_cap_reached_pauses_the_period_until_an_operator_acts(vaulted: Har
         assert progress.reason is not None and "spend_cap_exceeded" in progress.reason
         key = await vaulted.vault.admin.get_key(await period_key(vaulted))
         assert key.spent_cents + key.reserved_cents <= key.cap_cents
+        async with vaulted.pool.acquire() as conn:
+            # The refused attempt sent its fencing token: the vault fenced off any attempt
+            # before it, which the claim's reopening relies on.
+            fences = await conn.fetch(
+                "SELECT v.fenced_below, r.gate_passes FROM vault_reservations v"
+                " JOIN billing_runs r USING (idempotency_key) WHERE v.fenced_below IS NOT NULL"
+            )
+        assert fences and all(f["fenced_below"] == f["gate_passes"] for f in fences)
         await operations.control(vaulted.client, PERIOD, "cancel", ALICE)
         summary = await handle.result()
     assert 1 <= summary.charged < 10

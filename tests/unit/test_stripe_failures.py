@@ -40,6 +40,20 @@ def test_a_key_in_use_is_retried_at_the_policys_pace() -> None:
     )
 
 
+def test_an_attempt_the_vault_fenced_off_is_retried_and_says_why() -> None:
+    """Nothing of it was sent: the retry takes the gate again, with a new fencing token."""
+    failure = to_temporal_failure(
+        _error(stripe.APIError, 409, code="attempt_superseded", message="fenced")
+    )
+    assert (failure.type, failure.non_retryable, failure.next_retry_delay) == (
+        RETRYABLE,
+        False,
+        None,
+    )
+    assert "refused on the key's cap since" in failure.message
+    assert "did not answer definitively" not in failure.message
+
+
 def test_declines_and_refused_keys_are_final() -> None:
     body = {"error": {"code": "card_declined", "message": "declined"}}
     declined = to_temporal_failure(

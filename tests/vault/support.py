@@ -12,6 +12,7 @@ import pytest
 import stripe
 
 from stripe_emulator import RunningEmulator
+from vault.endpoints import FENCE_HEADER
 from vault.models import IssueKeyRequest
 
 ADMIN_TOKEN = "adm_test_token_4f9c2e7a1b"  # noqa: S105 (test-only values)
@@ -55,8 +56,13 @@ async def charge(
     amount: int,
     idempotency_key: str,
     currency: str = "usd",
+    fence: str | None = None,
 ) -> stripe.PaymentIntent:
-    """An off-session recurring charge, as the worker makes it."""
+    """An off-session recurring charge, as the worker makes it (the worker sends its
+    attempt's fencing token too, as `fence`)."""
+    options: stripe.RequestOptions = {"idempotency_key": idempotency_key}
+    if fence is not None:
+        options["headers"] = {FENCE_HEADER: fence}
     return await client.v1.payment_intents.create_async(
         params={
             "amount": amount,
@@ -65,7 +71,7 @@ async def charge(
             "confirm": True,
             "off_session": True,
         },
-        options={"idempotency_key": idempotency_key},
+        options=options,
     )
 
 
