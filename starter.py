@@ -62,6 +62,7 @@ from billing.reporting import (
     describe_preview,
     describe_reconciliation,
     failure_chain,
+    listed,
     ui_link,
 )
 from billing.runs import period_status, start_period, start_reconcile, status_from_ledger
@@ -392,12 +393,12 @@ async def cmd_import(args: argparse.Namespace) -> int:
     try:
         changes = await import_customers(pool, rows, while_running=args.while_running)
         if changes and not args.while_running:
-            shown = ", ".join(f"{c.customer_id} ({c.was} -> {c.becomes})" for c in changes[:5])
+            shown = listed([f"{c.customer_id} ({c.was} -> {c.becomes})" for c in changes])
             periods = ", ".join(sorted({c.period for c in changes}))
             raise InvalidInputError(
                 f"{args.file} adds or changes the price of {len(changes)} customers the open"
                 f" run of {periods} has not billed yet:"
-                f" {shown}{', ...' if len(changes) > 5 else ''}. That run may bill them at a"
+                f" {shown}. That run may bill them at a"
                 " price its plan and its key's cap did not count (a new currency pauses it)."
                 " Import once it has ended, or pass --while-running (also"
                 " if that run failed or was terminated, which leaves it open in the ledger);"
@@ -446,8 +447,7 @@ async def cmd_deactivate(args: argparse.Namespace) -> int:
 
 
 def _billables(billables: list[Billable]) -> str:
-    shown = ", ".join(f"{b.customer_id} ({b.period})" for b in billables[:5])
-    return shown + (", ..." if len(billables) > 5 else "")
+    return listed([f"{b.customer_id} ({b.period})" for b in billables])
 
 
 async def cmd_seed_demo(args: argparse.Namespace) -> int:
@@ -462,6 +462,15 @@ async def cmd_demo(args: argparse.Namespace) -> int:
     return await run_demo(args)
 
 
+def _add_late(command: argparse.ArgumentParser) -> None:
+    """`run` and `schedule backfill` bill old periods only when told to (billing.periods)."""
+    command.add_argument(
+        "--late",
+        action="store_true",
+        help=f"bill periods more than {LATE_MONTHS} months before this one anyway",
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="starter.py", description=__doc__.split("\n")[0])
     commands = root.add_subparsers(dest="command", required=True)
@@ -473,11 +482,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--ahead", action="store_true", help="bill a period later than next month anyway"
     )
-    run.add_argument(
-        "--late",
-        action="store_true",
-        help=f"bill a period more than {LATE_MONTHS} months before this one anyway",
-    )
+    _add_late(run)
     run.set_defaults(handler=cmd_run)
 
     status = commands.add_parser("status", help="counts of a period's run")
@@ -550,11 +555,7 @@ def parser() -> argparse.ArgumentParser:
         if name == "backfill":
             sub.add_argument("--start", type=_period, required=True, help="first period")
             sub.add_argument("--end", type=_period, required=True, help="last period")
-            sub.add_argument(
-                "--late",
-                action="store_true",
-                help=f"bill periods more than {LATE_MONTHS} months before this one anyway",
-            )
+            _add_late(sub)
         if name == "create":
             sub.add_argument("--day", type=int, default=defaults.day_of_month, help="1-28")
             sub.add_argument("--hour", type=int, default=defaults.hour)

@@ -21,6 +21,7 @@ from billing.ledger import NEVER_STARTED, held_as_sql, lock_for_change
 from billing.models import Record
 from billing.money import parse_amount, validate_amount, validate_amount_in, validate_currency
 from billing.redact import SECRET_RE
+from billing.reporting import listed
 
 CSV_COLUMNS = ("customer_id", "stripe_customer_id", "payment_method", "amount_cents", "currency")
 _STRIPE_CUSTOMER_RE = re.compile(r"cus_[A-Za-z0-9]{1,250}")
@@ -231,14 +232,13 @@ async def _refuse_respelt(conn: asyncpg.Connection, rows: Sequence[CustomerRow])
         [r.stripe_customer_id for r in rows],
     )
     if found:
-        shown = ", ".join(
-            f"{r['new_id']!r} for {r['existing_id']!r} ({r['stripe_customer_id']})"
-            for r in found[:5]
+        shown = listed(
+            [f"{r['new_id']!r} for {r['existing_id']!r} ({r['stripe_customer_id']})" for r in found]
         )
         raise CustomerImportError(
             f"{len({r['new_id'] for r in found})} customer ids are those of active customers"
-            f" spelt another way, with the same Stripe customer: {shown}"
-            f"{', ...' if len(found) > 5 else ''}. Imported, each would be charged twice a"
+            f" spelt another way, with the same Stripe customer: {shown}."
+            " Imported, each would be charged twice a"
             " period, once per id. Use the ids already imported; nothing was imported"
         )
 
@@ -362,8 +362,8 @@ async def deactivate_customers(
         )
         if unknown := sorted(set(ids) - {row["customer_id"] for row in found}):
             raise UnknownCustomerError(
-                f"no customer {', '.join(map(repr, unknown[:5]))}"
-                f"{', ...' if len(unknown) > 5 else ''} in the ledger; nothing was deactivated"
+                f"no customer {listed(list(map(repr, unknown)))} in the ledger;"
+                " nothing was deactivated"
             )
         inactive = sorted(row["customer_id"] for row in found if not row["active"])
         active = sorted(row["customer_id"] for row in found if row["active"])

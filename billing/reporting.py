@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ActivityError, ChildWorkflowError, FailureError
 
@@ -45,7 +47,7 @@ def describe_preview(preview: Preview, shown: int = 20) -> str:
         lines.append(f"    ... and {len(preview.to_charge) - shown} more (--json lists all)")
     for warning in preview.warnings:
         label = "held" if warning.kind == "held" else "warning"
-        lines.append(f"  {label}: {warning.message}: {_some(warning.entries, shown)}")
+        lines.append(f"  {label}: {warning.message}: {listed(warning.entries, shown)}")
     lines.append(f"  already billed: {len(preview.already_billed)}")
     lines.append(
         f"  not billable this period (failed, skipped, cancelled or held):"
@@ -54,9 +56,10 @@ def describe_preview(preview: Preview, shown: int = 20) -> str:
     return "\n".join(lines)
 
 
-def _some(customer_ids: list[str], shown: int) -> str:
-    more = len(customer_ids) - shown
-    return ", ".join(customer_ids[:shown]) + (f" and {more} more" if more > 0 else "")
+def listed(items: Sequence[str], shown: int = 5) -> str:
+    """The first `shown` items, and how many more: a message names a few, not thousands."""
+    more = len(items) - shown
+    return ", ".join(items[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 def describe_reconciliation(report: ReconcileReport) -> str:

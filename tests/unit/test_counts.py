@@ -16,7 +16,7 @@ from billing.models import (
     PreviewLine,
 )
 from billing.money import describe_amounts, spend_cap, spend_caps
-from billing.reporting import describe, describe_preview
+from billing.reporting import describe, describe_preview, listed
 
 OUTCOMES = st.builds(
     CustomerOutcome,
@@ -205,3 +205,10 @@ def test_a_previews_json_carries_its_warnings_so_no_consumer_redoes_the_rules() 
         preview
     )
     assert json.loads(preview_of(line("c", 4_900, "usd")).model_dump_json())["warnings"] == []
+
+
+@given(st.lists(st.from_regex(r"[a-z]{1,3}", fullmatch=True), max_size=12))
+def test_a_listing_names_five_and_counts_the_rest(items: list[str]) -> None:
+    text = listed(items)
+    assert text.split(" and ")[0].split(", ") == (items[:5] or [""])
+    assert text.endswith(f" and {len(items) - 5} more") == (len(items) > 5)
