@@ -21,6 +21,7 @@ from activities.stripe_failures import (
     RETRYABLE,
     SPEND_CAP_EXCEEDED,
     declined,
+    fence_of,
     is_replayed,
     to_temporal_failure,
 )
@@ -34,7 +35,6 @@ from billing.errors import (
     UnknownCustomerError,
 )
 from billing.keys import idempotency_key
-from billing.ledger import CapRefusal
 from billing.models import (
     ChargeFailure,
     ChargeResult,
@@ -204,7 +204,7 @@ class ChargingActivities:
         return age > timedelta(seconds=self._settings.billing_lookup_after_seconds)
 
     async def _charge(
-        self, claim: Claim, gateway: StripeGateway | BillingError, fencing_token: int | None
+        self, claim: Claim, gateway: StripeGateway | BillingError, fencing_token: int
     ) -> ChargeResult:
         if isinstance(gateway, BillingError):
             # No key for this period and currency (e.g. a customer added after the plan):
@@ -212,7 +212,7 @@ class ChargingActivities:
             # at the gate again, where a skip or a cancel reaches it. Only if this was its
             # first attempt: an operator may have deleted a revoked key's row after an
             # earlier attempt reached Stripe with it.
-            await self._reopen(claim)
+            await self._reopen(claim, fencing_token)
             raise ApplicationError(
                 str(gateway),
                 ChargeFailure(code="no_period_key", message=str(gateway)),
@@ -241,29 +241,34 @@ class ChargingActivities:
                 # Stripe executes nothing it rate-limits: if this was the claim's only
                 # attempt, nothing of it is at Stripe, so the retry passes the gate afresh
                 # and a pause, cancel or skip meanwhile still stops it.
-                await self._reopen(claim)
+                await self._reopen(claim, fencing_token)
             if failure.type in PERIOD_BLOCKERS:
                 if await self._access.replaced(claim.period, claim.currency, gateway.vault_key_id):
                     # This worker charged with a key a later run's preparation has replaced
                     # (revoked and deleted, near its expiry): the retry takes the new one,
                     # and nothing pauses. Refused before Stripe, it passes the gate afresh.
-                    await self._reopen(claim)
+                    await self._reopen(claim, fencing_token)
                     raise ApplicationError(
                         f"the vault refused a period key replaced since ({failure.message});"
                         " retrying with the new key",
                         type=RETRYABLE,
                     ) from None
                 # Refused before Stripe: the claim waits at the gate for the operator.
-                proof = None
-                if failure.type == SPEND_CAP_EXCEEDED and gateway.vault_key_id and fencing_token:
-                    proof = CapRefusal(gateway.vault_key_id, fencing_token)
-                await self._reopen(claim, proven_by=proof)
+                # The vault says whether it fenced off the attempts before this one.
+                fenced = failure.type == SPEND_CAP_EXCEEDED and fence_of(exc) == fencing_token
+                await self._reopen(
+                    claim, fencing_token, fenced_by=gateway.vault_key_id if fenced else None
+                )
             raise failure from None
 
-    async def _reopen(self, claim: Claim, *, proven_by: CapRefusal | None = None) -> None:
+    async def _reopen(
+        self, claim: Claim, fencing_token: int, *, fenced_by: str | None = None
+    ) -> None:
         """Undo the gate for an attempt refused before Stripe (see reopen_refused_charge)."""
         async with self._pool.acquire() as conn:
-            await ledger.reopen_refused_charge(conn, claim.idempotency_key, proven_by=proven_by)
+            await ledger.reopen_refused_charge(
+                conn, claim.idempotency_key, fencing_token, fenced_by=fenced_by
+            )
 
     async def _wait_for_slot(self, claim: Claim, reserved: datetime | None) -> None:
         """Take this attempt's place in the cluster's Stripe rate, before the gate so that a

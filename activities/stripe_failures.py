@@ -55,6 +55,13 @@ def _id_of(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def fence_of(exc: stripe.StripeError) -> int | None:
+    """The fence the vault says a cap refusal left for the request's Idempotency-Key (see
+    billing.ledger.reopen_refused_charge); None if it left none."""
+    fence = _error_body(exc).get("fenced_below")
+    return fence if isinstance(fence, int) else None
+
+
 def failure_from(exc: stripe.StripeError, default_code: str) -> ChargeFailure:
     error = _error_body(exc)
     code = error.get("code") or exc.code or default_code

@@ -528,17 +528,10 @@ class Passage:
     """The gate's answer to one attempt of a claim."""
 
     gate: Gate
-    # For "go": the attempt's number among all that passed the claim's gate, never reused. It
-    # goes to the vault with the request (vault.endpoints.FENCE_HEADER), whose cap refusal then
-    # fences off every attempt below it (see reopen_refused_charge).
-    fencing_token: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class CapRefusal:
-    """The vault key `vault_key_id` refused on its cap the attempt with `fencing_token`."""
-
-    vault_key_id: str
+    # The attempt's number among all that passed the claim's gate, never reused (for one
+    # stopped at the gate, the last one's). It goes to the vault with the request
+    # (vault.endpoints.FENCE_HEADER), whose cap refusal then fences off every attempt below it,
+    # and it names the attempt a reopen is for (see reopen_refused_charge).
     fencing_token: int
 
 
@@ -567,43 +560,41 @@ async def begin_charge(conn: asyncpg.Connection, claim: Claim, route: str | None
 
 
 async def reopen_refused_charge(
-    conn: asyncpg.Connection, key: str, *, proven_by: CapRefusal | None = None
+    conn: asyncpg.Connection, key: str, fencing_token: int, *, fenced_by: str | None = None
 ) -> bool:
-    """Undo begin_charge for an attempt refused before it reached Stripe (the vault's cap, a
-    refused key), so the claim waits at the gate again. Only when no attempt might have
-    reached Stripe: this was the only attempt (`attempts` counts requests that may have
-    reached Stripe), or it is proven by a cap refusal (`proven_by`). The vault checks a key's
-    earlier reservations before its cap, and fences off the attempts below the refused one, so
-    that refusal proves that no attempt through that key is charged, in doubt or still to be
-    sent: it reopens the claim if the refused attempt is the latest to pass the gate, and every
-    attempt went through that key (`sent_through`), not through a key replaced since that a
-    worker may still hold. Otherwise, if the refused attempt is the latest, the key leaves
-    `sent_through`, which then still names every key holding a part of the claim (see
-    unsent_totals)."""
-    key_id = None if proven_by is None else proven_by.vault_key_id
-    token = None if proven_by is None else proven_by.fencing_token
+    """Undo begin_charge for the attempt `fencing_token`, refused before it reached Stripe
+    (the vault's cap, a refused key, Stripe's rate limit), so the claim waits at the gate
+    again. Only if no other attempt passed the gate since, and none can still reach Stripe:
+    this was the only attempt since the claim was last reopened (`attempts` counts requests
+    that may have reached Stripe), or the vault key `fenced_by` refused it on its cap and
+    fenced off the attempts before it. The vault checks a key's earlier reservations before
+    its cap, so that refusal proves that no attempt through that key is charged, in doubt or
+    still to be sent: it reopens the claim if every attempt went through that key
+    (`sent_through`), not through a key replaced since that a worker may still hold.
+    Otherwise that key leaves `sent_through`, which then still names every key holding a part
+    of the claim (see unsent_totals)."""
     async with conn.transaction():
         reopened = await conn.fetchval(
             """
             UPDATE billing_runs r
             SET charge_started_at = NULL, attempts = 0, sent_through = NULL, updated_at = now()
-            WHERE r.idempotency_key = $1 AND r.status = 'claimed'
-                AND (r.attempts = 1 OR r.gate_passes = $3 AND r.sent_through = ARRAY[$2::text])
+            WHERE r.idempotency_key = $1 AND r.status = 'claimed' AND r.gate_passes = $2
+                AND (r.attempts = 1 OR r.sent_through = ARRAY[$3::text])
             RETURNING 1
             """,
             key,
-            key_id,
-            token,
+            fencing_token,
+            fenced_by,
         )
-        if reopened is None and proven_by is not None:
+        if reopened is None and fenced_by is not None:
             await conn.execute(
                 """
-                UPDATE billing_runs SET sent_through = array_remove(sent_through, $2)
-                WHERE idempotency_key = $1 AND status = 'claimed' AND gate_passes = $3
+                UPDATE billing_runs SET sent_through = array_remove(sent_through, $3)
+                WHERE idempotency_key = $1 AND status = 'claimed' AND gate_passes = $2
                 """,
                 key,
-                key_id,
-                token,
+                fencing_token,
+                fenced_by,
             )
     return reopened is not None
 

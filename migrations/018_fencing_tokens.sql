@@ -5,14 +5,22 @@
 -- claim, the earlier one could reach the vault after room was freed and charge, while a cancel
 -- or skip meanwhile recorded that nothing was. Now every attempt that passes the gate gets a
 -- number one above the claim's last (gate_passes, never reset) and sends it to the vault
--- (Vault-Fencing-Token), and a cap refusal of token N fences its reservation: the vault refuses
--- any later request with that key below N, or without a token. A claim is reopened only by the
--- refusal of its latest attempt, so nothing unfenced can still be sent.
+-- (Vault-Fencing-Token). A cap refusal of token N fences the (key, idempotency key): the vault
+-- refuses any later request with them below N, or without a token, and its refusal says the
+-- fence it left. The ledger reopens a claim only on the refusal of its latest attempt, and only
+-- when the vault says it fenced that attempt's token.
 ALTER TABLE billing_runs ADD COLUMN gate_passes integer NOT NULL DEFAULT 0;
-ALTER TABLE vault_reservations ADD COLUMN fenced_below integer CHECK (fenced_below >= 1);
+
+-- Kept apart from vault_reservations: a refusal reserves nothing and forwards nothing.
+CREATE TABLE vault_fences (
+    vault_key_id    text NOT NULL REFERENCES vault_keys (id),
+    idempotency_key text NOT NULL,
+    fenced_below    integer NOT NULL CHECK (fenced_below >= 1),
+    PRIMARY KEY (vault_key_id, idempotency_key)
+);
 
 -- billing_begin_charge as in 016_sent_through.sql, except that an attempt that passes is
--- numbered: its fencing token.
+-- numbered: its fencing token (for one stopped at the gate, the claim's last).
 DROP FUNCTION billing_begin_charge(text, text, text);
 CREATE FUNCTION billing_begin_charge(
     p_key text, p_period text, p_vault_key text, OUT gate text, OUT status text,
@@ -26,6 +34,7 @@ BEGIN
     WHERE billing_period = p_period FOR SHARE;
     SELECT * INTO claim FROM billing_runs WHERE idempotency_key = p_key FOR UPDATE;
     status := coalesce(claim.status, 'missing');
+    fencing_token := claim.gate_passes;
     IF status <> 'claimed' THEN
         gate := 'closed';
         RETURN;
@@ -54,19 +63,21 @@ BEGIN
 END $$;
 
 -- vault_reserve as in 015_takeover_daily_cap.sql, except that it takes the request's fencing
--- token: a cap refusal of a token keeps the reservation, released, as a fence, and a request
--- below the fence is refused ('superseded'). A request without a token counts as token 0.
+-- token (none counts as 0): a request below its key's fence is refused ('superseded'), and a
+-- cap refusal of a token raises the fence to it. Both answer the fence (fenced_below).
 DROP FUNCTION vault_reserve(text, text, text, bigint, text, text, interval);
 CREATE FUNCTION vault_reserve(
     p_key text, p_idempotency_key text, p_endpoint text, p_amount bigint, p_currency text,
     p_customer text, p_stale_after interval, p_fencing_token integer DEFAULT NULL,
-    OUT decision text, OUT reservation_id bigint, OUT attempt integer, OUT detail text
+    OUT decision text, OUT reservation_id bigint, OUT attempt integer, OUT detail text,
+    OUT fenced_below integer
 ) LANGUAGE plpgsql AS $$
 DECLARE
     today constant date := (now() AT TIME ZONE 'UTC')::date;
     existing vault_reservations%ROWTYPE;
     vkey vault_keys%ROWTYPE;
     day_used bigint := 0;
+    fence integer;
 BEGIN
     INSERT INTO vault_reservations AS r (vault_key_id, idempotency_key, endpoint, amount_cents,
                                          currency, customer, day, state)
@@ -81,16 +92,28 @@ BEGIN
         WHERE vault_key_id = p_key AND idempotency_key = p_idempotency_key FOR UPDATE;
         reservation_id := existing.id;
         attempt := existing.attempt;
+    END IF;
+    -- Read only now: a refusal that fenced this key committed before this request's insert
+    -- went in, or before it locked the row it found (either waited for that refusal).
+    SELECT f.fenced_below INTO fence FROM vault_fences f
+    WHERE f.vault_key_id = p_key AND f.idempotency_key = p_idempotency_key;
+    IF coalesce(p_fencing_token, 0) < fence THEN
+        IF existing.id IS NULL THEN
+            DELETE FROM vault_reservations WHERE id = reservation_id;
+        END IF;
+        decision := 'superseded';
+        fenced_below := fence;
+        reservation_id := NULL;
+        attempt := NULL;
+        RETURN;
+    END IF;
+
+    IF existing.id IS NOT NULL THEN
         IF (existing.endpoint, existing.amount_cents, existing.currency, existing.customer)
            IS DISTINCT FROM (p_endpoint, p_amount, p_currency, p_customer) THEN
             decision := 'mismatch';
             detail := format('%s, %s %s, customer %s', existing.endpoint, existing.amount_cents,
                              existing.currency, coalesce(existing.customer, 'none'));
-            RETURN;
-        ELSIF coalesce(p_fencing_token, 0) < existing.fenced_below THEN
-            decision := 'superseded';
-            detail := existing.fenced_below::text;
-            reservation_id := NULL;
             RETURN;
         ELSIF existing.state = 'pending' AND existing.updated_at > now() - p_stale_after THEN
             decision := 'in_flight';
@@ -169,15 +192,15 @@ BEGIN
             WHEN 'daily_cap' THEN format('%s of %s', vkey.daily_cap_cents - day_used,
                                          vkey.daily_cap_cents)
         END;
-        IF decision IN ('cap', 'daily_cap') AND p_fencing_token IS NOT NULL THEN
-            -- The fence: kept, released (nothing was sent), so that no attempt below this
-            -- one is sent through this key after room is freed.
-            UPDATE vault_reservations
-            SET state = 'released', fenced_below = greatest(fenced_below, p_fencing_token),
-                updated_at = now()
-            WHERE id = reservation_id;
-        ELSIF existing.id IS NULL THEN
+        IF existing.id IS NULL THEN
             DELETE FROM vault_reservations WHERE id = reservation_id;
+        END IF;
+        IF decision IN ('cap', 'daily_cap') AND p_fencing_token IS NOT NULL THEN
+            INSERT INTO vault_fences AS f (vault_key_id, idempotency_key, fenced_below)
+            VALUES (p_key, p_idempotency_key, p_fencing_token)
+            ON CONFLICT (vault_key_id, idempotency_key)
+            DO UPDATE SET fenced_below = greatest(f.fenced_below, EXCLUDED.fenced_below)
+            RETURNING f.fenced_below INTO fenced_below;
         END IF;
         reservation_id := NULL;
         RETURN;

@@ -25,6 +25,7 @@ class VaultError(Exception):
         param: str | None = None,
         fields: list[FieldProblem] | None = None,
         should_retry: bool = False,
+        fenced_below: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -34,6 +35,7 @@ class VaultError(Exception):
         self.param = param
         self.fields = fields
         self.should_retry = should_retry
+        self.fenced_below = fenced_below
 
     def response(self, headers: Mapping[str, str] | None = None) -> web.Response:
         body = ErrorResponse(
@@ -43,6 +45,7 @@ class VaultError(Exception):
                 message=self.message,
                 param=self.param,
                 fields=self.fields,
+                fenced_below=self.fenced_below,
             )
         )
         # The Stripe SDK (with retries on) honours this: a refusal does not change on retry.

@@ -385,7 +385,9 @@ async def _reserve(
             )
     except reservations.CapExceeded as refused:
         decision: Decision = "refused_daily_cap" if refused.daily else "refused_cap"
-        raise Refusal(decision, 402, "spend_cap_exceeded", str(refused)) from None
+        raise Refusal(
+            decision, 402, "spend_cap_exceeded", str(refused), fenced_below=refused.fenced_below
+        ) from None
     except reservations.KeyUnusable as refused:
         code = "vault_key_revoked" if refused.revoked else "vault_key_expired"
         raise Refusal("refused_auth", 401, code, str(refused)) from None

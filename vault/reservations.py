@@ -57,9 +57,11 @@ class Refused(Exception):
 
 
 class CapExceeded(Refused):
-    def __init__(self, message: str, *, daily: bool) -> None:
+    def __init__(self, message: str, *, daily: bool, fenced_below: int | None) -> None:
         super().__init__(message)
         self.daily = daily
+        # The fence this refusal left, when the request carried a fencing token.
+        self.fenced_below = fenced_below
 
 
 class KeyUnusable(Refused):
@@ -109,8 +111,9 @@ async def reserve(
 ) -> Reservation:
     """Count `charge` against the key's caps, or find the reservation this key already has.
     The decision is the SQL function vault_reserve (migrations/018_fencing_tokens.sql): one
-    round trip. A cap refusal of a request with a `fencing_token` fences the reservation: any
-    later request below that token, or without one, is refused (Superseded)."""
+    round trip. A cap refusal of a request with a `fencing_token` fences the idempotency key
+    under this vault key: any later request below that token, or without one, is refused
+    (Superseded)."""
     row = await conn.fetchrow(
         "SELECT * FROM vault_reserve($1, $2, $3, $4, $5, $6, $7, $8)",
         key_id,
@@ -154,8 +157,8 @@ async def reserve(
         )
     if decision == "superseded":
         raise Superseded(
-            f"a later attempt of this request (fencing token {detail}) was refused on this"
-            " key's cap, so this one is not sent: retry it with a new token"
+            f"a later attempt of this request (fencing token {row['fenced_below']}) was refused"
+            " on this key's cap, so this one is not sent: retry it with a new token"
         )
     if decision in ("revoked", "expired"):
         revoked = decision == "revoked"
@@ -170,6 +173,7 @@ async def reserve(
     raise CapExceeded(
         f"{charge.amount_cents} cents would pass this key's {cap}: {detail} cents remain",
         daily=daily,
+        fenced_below=row["fenced_below"],
     )
 
 

@@ -8,7 +8,6 @@ import asyncpg
 
 from billing import ledger
 from billing.keys import idempotency_key
-from billing.ledger import CapRefusal
 from billing.models import ChargeResult, Claim
 from billing.periods import Period
 from tests.integration.harness import Harness
@@ -77,9 +76,9 @@ async def sent_through(conn: asyncpg.Connection, claim: Claim) -> list[str] | No
 async def test_a_first_attempt_refused_before_stripe_is_reopened(harness: Harness) -> None:
     (claim,) = await claimed(harness)
     async with harness.pool.acquire() as conn:
-        assert (await ledger.begin_charge(conn, claim, K1)).gate == "go"
+        token = await passed(conn, claim, K1)
         assert await sent_through(conn, claim) == [K1]
-        assert await ledger.reopen_refused_charge(conn, claim.idempotency_key)
+        assert await ledger.reopen_refused_charge(conn, claim.idempotency_key, token)
         assert await attempts(conn, claim) == (False, 0)
         assert await sent_through(conn, claim) is None
 
@@ -94,16 +93,14 @@ async def test_a_retry_is_reopened_by_a_cap_refusal_of_the_one_key_every_attempt
         assert await sent_through(conn, claim) == [K1]
         # A refusal that is not the cap's proves only that this retry did not reach Stripe,
         # and another key's cap knows nothing of what went through K1.
-        assert not await ledger.reopen_refused_charge(conn, claim.idempotency_key)
+        assert not await ledger.reopen_refused_charge(conn, claim.idempotency_key, retry)
         assert not await ledger.reopen_refused_charge(
-            conn, claim.idempotency_key, proven_by=CapRefusal(K2, retry)
+            conn, claim.idempotency_key, retry, fenced_by=K2
         )
         assert await attempts(conn, claim) == (True, 2)
         # K1's cap refusal proves nothing is in doubt: it checks K1's earlier reservations,
         # and fences off the first attempt, which may still be on its way.
-        assert await ledger.reopen_refused_charge(
-            conn, claim.idempotency_key, proven_by=CapRefusal(K1, retry)
-        )
+        assert await ledger.reopen_refused_charge(conn, claim.idempotency_key, retry, fenced_by=K1)
         assert await attempts(conn, claim) == (False, 0)
         # Fencing tokens are never reused: the vault fenced off everything up to this one.
         assert await passed(conn, claim, K1) == retry + 1
@@ -122,14 +119,35 @@ async def test_a_cap_refusal_of_an_attempt_that_is_not_the_latest_proves_nothing
         second = await passed(conn, claim, K1)
         third = await passed(conn, claim, K1)
         assert not await ledger.reopen_refused_charge(
-            conn, claim.idempotency_key, proven_by=CapRefusal(K1, second)
+            conn, claim.idempotency_key, second, fenced_by=K1
         )
         assert await attempts(conn, claim) == (True, 3)
         assert await sent_through(conn, claim) == [K1]
-        assert await ledger.reopen_refused_charge(
-            conn, claim.idempotency_key, proven_by=CapRefusal(K1, third)
-        )
+        assert await ledger.reopen_refused_charge(conn, claim.idempotency_key, third, fenced_by=K1)
         assert await attempts(conn, claim) == (False, 0)
+
+
+async def test_a_late_reopen_leaves_alone_an_attempt_that_passed_the_gate_since(
+    harness: Harness,
+) -> None:
+    """Attempt 1 is refused (Stripe's rate limit, a refused key) and its reopen is held up;
+    meanwhile attempt 2 is refused on K1's cap and reopens the claim, and attempt 3 passes the
+    gate and is sent. Attempt 1's reopen, arriving now, must not reopen the claim under
+    attempt 3: a cancel would then record nothing charged while attempt 3 charges."""
+    (claim,) = await claimed(harness)
+    async with harness.pool.acquire() as conn:
+        first = await passed(conn, claim, K1)
+        second = await passed(conn, claim, K1)
+        assert await ledger.reopen_refused_charge(conn, claim.idempotency_key, second, fenced_by=K1)
+        await passed(conn, claim, K1)
+        assert await attempts(conn, claim) == (True, 1)
+        for late in (first, second):
+            assert not await ledger.reopen_refused_charge(conn, claim.idempotency_key, late)
+            assert not await ledger.reopen_refused_charge(
+                conn, claim.idempotency_key, late, fenced_by=K1
+            )
+        assert await attempts(conn, claim) == (True, 1)
+        assert await sent_through(conn, claim) == [K1]
 
 
 async def test_a_cap_refusal_proves_nothing_once_an_attempt_went_through_another_key(
@@ -145,9 +163,9 @@ async def test_a_cap_refusal_proves_nothing_once_an_attempt_went_through_another
         await ledger.begin_charge(conn, claim, K2)
         retry = await passed(conn, claim, K2)
         assert await sent_through(conn, claim) == [K1, K2]
-        for proven_by in (None, CapRefusal(K2, retry)):
+        for fenced_by in (None, K2):
             assert not await ledger.reopen_refused_charge(
-                conn, claim.idempotency_key, proven_by=proven_by
+                conn, claim.idempotency_key, retry, fenced_by=fenced_by
             )
         assert await attempts(conn, claim) == (True, 3)
         # K2 holds nothing of the claim now: its refusal proved that much.
@@ -162,7 +180,7 @@ async def test_an_attempt_without_the_vault_is_never_proven_by_a_key(harness: Ha
         retry = await passed(conn, claim, K1)
         assert await sent_through(conn, claim) == [ledger.SENT_DIRECT, K1]
         assert not await ledger.reopen_refused_charge(
-            conn, claim.idempotency_key, proven_by=CapRefusal(K1, retry)
+            conn, claim.idempotency_key, retry, fenced_by=K1
         )
         assert await attempts(conn, claim) == (True, 2)
 
@@ -189,7 +207,7 @@ async def test_a_finished_claim_is_never_reopened(harness: Harness) -> None:
         )
         await ledger.record_charge(conn, claim.idempotency_key, result)
         assert not await ledger.reopen_refused_charge(
-            conn, claim.idempotency_key, proven_by=CapRefusal(K1, token)
+            conn, claim.idempotency_key, token, fenced_by=K1
         )
         assert await attempts(conn, claim) == (True, 1)
 
@@ -212,8 +230,6 @@ async def test_a_run_counts_as_unsent_what_went_only_through_a_replaced_key(
         # Sent through K1, then refused on K2's cap: K2 holds nothing of it.
         await ledger.begin_charge(conn, refused, K1)
         retry = await passed(conn, refused, K2)
-        await ledger.reopen_refused_charge(
-            conn, refused.idempotency_key, proven_by=CapRefusal(K2, retry)
-        )
+        await ledger.reopen_refused_charge(conn, refused.idempotency_key, retry, fenced_by=K2)
         unsent = await ledger.unsent_totals(conn, str(PERIOD))
     assert unsent == {"usd": stale.amount_cents + refused.amount_cents + unclaimed.amount_cents}

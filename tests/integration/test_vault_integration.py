@@ -159,8 +159,8 @@ async def test_cap_reached_pauses_the_period_until_an_operator_acts(vaulted: Har
             # The refused attempt sent its fencing token: the vault fenced off any attempt
             # before it, which the claim's reopening relies on.
             fences = await conn.fetch(
-                "SELECT v.fenced_below, r.gate_passes FROM vault_reservations v"
-                " JOIN billing_runs r USING (idempotency_key) WHERE v.fenced_below IS NOT NULL"
+                "SELECT f.fenced_below, r.gate_passes FROM vault_fences f"
+                " JOIN billing_runs r USING (idempotency_key)"
             )
         assert fences and all(f["fenced_below"] == f["gate_passes"] for f in fences)
         await operations.control(vaulted.client, PERIOD, "cancel", ALICE)

@@ -10,6 +10,7 @@ import asyncpg
 import pytest
 import stripe
 
+from activities.stripe_failures import fence_of
 from stripe_emulator import RunningEmulator
 from vault.client import VaultAdmin
 from vault.models import IssuedKey
@@ -36,6 +37,8 @@ async def _cap_refused_then_freed(
     with pytest.raises(stripe.CardError) as refused:
         await charge(client, customer, 1_000, "claim", fence=refused_fence)
     assert refused.value.code == "spend_cap_exceeded"
+    # The refusal says the fence it left, which is the worker's proof (charging._charge).
+    assert fence_of(refused.value) == (None if refused_fence is None else int(refused_fence))
     released = await admin.resolve(key.id, "filler", "failed")
     assert released.state == "released"
     return key, client
