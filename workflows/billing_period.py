@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 from collections.abc import Iterable
 from datetime import timedelta
+from typing import NoReturn
 
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
@@ -81,6 +82,9 @@ LONG_WAITS_CONTINUE = "long-waits-continue-as-new"
 # run claiming such a row meanwhile would otherwise pass the gate while the ledger still said
 # running, and charge a customer this run counts cancelled.
 CANCEL_AFTER_CONTROL_WRITTEN = "cancel-after-control-written"
+# A paused run continues as new when its history is long: children reporting a refused key,
+# and operators' updates (a skip each), add to it for as long as the pause lasts.
+PAUSES_CONTINUE = "pauses-continue-as-new"
 
 
 # Outside the sandbox for speed; the tests run it inside (see workflows/__init__.py).
@@ -108,6 +112,7 @@ class BillingPeriodWorkflow:
     async def run(self, request: BillingPeriodInput) -> PeriodSummary:
         # Decided once, before any command: runs recorded before it waited on regardless.
         self._long_waits_continue = workflow.patched(LONG_WAITS_CONTINUE)
+        self._pauses_continue = workflow.patched(PAUSES_CONTINUE)
         state = self._state
         try:
             period = str(parse_period(state.period))
@@ -126,7 +131,17 @@ class BillingPeriodWorkflow:
         self._publish_status()
         self._await_elsewhere(())
         while True:
-            await workflow.wait_condition(lambda: self._control.control != "paused")
+            await workflow.wait_condition(
+                lambda: (
+                    self._control.control != "paused"
+                    or (self._pauses_continue and self._should_continue_as_new())
+                )
+            )
+            if self._control.control == "paused":
+                # No child can finish while the period is paused: hand them all over now,
+                # once every operator's update (a skip, a resume) has its answer.
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                self._hand_over(period)
             if self._control.control == "cancelled":
                 await self._cancel_the_rest()
                 if self._in_flight:  # it stopped waiting for them: the history is long
@@ -555,6 +570,10 @@ class BillingPeriodWorkflow:
         await self._let_children_finish()
         if self._exhausted() and not self._in_flight:
             return
+        self._hand_over(period)
+
+    def _hand_over(self, period: str) -> NoReturn:
+        """Continue as new, handing the customers in flight to the next run."""
         state = self._state
         # Listed but not started: the next run lists them again from the cursor.
         state.listing_done = self._exhausted()

@@ -12,7 +12,7 @@ from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
 from temporalio.client import WorkflowHandle, WorkflowHistory
 
 from activities.period import OutcomesRequest, PeriodActivities
-from billing import ledger
+from billing import ledger, operations
 from billing.customers import upsert_customers
 from billing.keys import customer_workflow_id, idempotency_key
 from billing.models import (
@@ -24,10 +24,11 @@ from billing.models import (
     PeriodState,
     PeriodSummary,
     RunOptions,
+    SkipRequest,
 )
 from billing.periods import Period
 from billing.runs import period_status, start_period
-from tests.integration.harness import Harness, eventually
+from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import replay
 from tests.integration.test_replay import HISTORIES
@@ -353,6 +354,62 @@ async def test_a_cancelled_period_waiting_long_on_a_child_continues_as_new(
         for history in runs[:2]:
             name = f"BillingPeriodWorkflow--{history.workflow_id}--{history.run_id}.json"
             (HISTORIES / name).write_text(history.to_json())
+
+
+async def test_a_long_pause_continues_as_new_and_the_next_run_resumes(harness: Harness) -> None:
+    """A paused run's history still grows (an operator's skips, children reporting a refused
+    key) for as long as the pause lasts: it continues as new, still paused, handing over its
+    children waiting at the gate, and the next run finishes the period once resumed."""
+    customers = await harness.seed(40)
+    disputed = customers[-1]
+    await harness.set_faults(latency_ms=150)
+    limit = 200
+    bob = OperatorRequest(reason="checked", operator="bob")
+    async with harness.running_worker():
+        handle = await start_period(
+            harness.client,
+            PERIOD,
+            harness.task_queue,
+            RunOptions(max_in_flight=4, history_event_limit=limit),
+        )
+        await eventually(lambda: at_least(harness.succeeded(), 4))
+        await operations.control(harness.client, PERIOD, "pause", bob)
+        settled = await harness.money_requests()
+
+        async def runs() -> int:
+            return len(
+                [r async for r in harness.client.list_workflows(f'WorkflowId = "{handle.id}"')]
+            )
+
+        before = await runs()
+        skip = SkipRequest(customer_id=disputed.customer_id, reason="disputed", operator="carol")
+        for _ in range(100):
+            await operations.skip(
+                harness.client, harness.settings, harness.database_url, PERIOD, skip
+            )
+            if await runs() > before:
+                break
+        assert await runs() > before, "the paused run never continued as new"
+        assert (await period_status(harness.client, PERIOD)).state == "paused"
+        assert await harness.money_requests() == settled, "Stripe was called while paused"
+        await operations.control(harness.client, PERIOD, "resume", bob)
+        summary = await handle.result()
+    assert (summary.charged, summary.skipped) == (39, 1)
+    charged = [c["customer"] for c in await harness.charges() if c["status"] == "succeeded"]
+    assert sorted(charged) == sorted(c.stripe_customer_id for c in customers[:-1])
+    chain = await chain_of_runs(harness, handle.id, bound=limit + 40)
+    paused = [
+        i
+        for i, state in enumerate(await handed_over(harness, chain))
+        if state.control.control == "paused"
+    ]
+    assert paused, "no run handed over while paused"
+    await replay(chain)
+    if os.environ.get("RECORD_HISTORIES"):
+        # The run that continued as new while paused.
+        history = chain[paused[0]]
+        name = f"BillingPeriodWorkflow--{history.workflow_id}--{history.run_id}.json"
+        (HISTORIES / name).write_text(history.to_json())
 
 
 async def handed_over(harness: Harness, runs: list[WorkflowHistory]) -> list[PeriodState]:
