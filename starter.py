@@ -61,6 +61,7 @@ from billing.reporting import (
     describe,
     describe_preview,
     describe_reconciliation,
+    describe_renewal,
     failure_chain,
     listed,
     ui_link,
@@ -203,6 +204,14 @@ async def cmd_control(args: argparse.Namespace) -> int:
     client = await connect(load_settings(TemporalSettings))
     progress = await operations.control(client, args.period, args.command, request)
     _emit(progress, args.json, describe(progress))
+    return 0
+
+
+async def cmd_renew_keys(args: argparse.Namespace) -> int:
+    request = OperatorRequest(reason=args.reason, operator=_operator(args))
+    client = await connect(load_settings(TemporalSettings))
+    renewal = await operations.renew_keys(client, args.period, request)
+    _emit(renewal, args.json, describe_renewal(renewal))
     return 0
 
 
@@ -501,6 +510,17 @@ def parser() -> argparse.ArgumentParser:
         control.add_argument("--operator", help="default: $BILLING_OPERATOR or your login")
         control.add_argument("--json", action="store_true")
         control.set_defaults(handler=cmd_control)
+
+    renew = commands.add_parser(
+        "renew-keys",
+        help="give a paused run new vault keys, capped for what it has left (cap reached,"
+        " key revoked or expired); then resume it",
+    )
+    renew.add_argument("period", type=_period, help="YYYY-MM")
+    renew.add_argument("--reason", required=True, help="recorded with your name")
+    renew.add_argument("--operator", help="default: $BILLING_OPERATOR or your login")
+    renew.add_argument("--json", action="store_true")
+    renew.set_defaults(handler=cmd_renew_keys)
 
     skip = commands.add_parser("skip", help="do not charge one customer this period")
     skip.add_argument("period", type=_period, help="YYYY-MM")

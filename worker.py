@@ -118,6 +118,7 @@ def create_worker(
             period.cancel_unstarted,
             period.close,
             period.completed,
+            period.renew_keys,
             scheduled_period,
             reconcile.open_claims,
             reconcile.settle_claim,

@@ -168,6 +168,40 @@ class PeriodActivities:
                     conn, admin, box, period, currency, caps[currency], grace
                 )
 
+    @activity.defn(name="renew_period_keys")
+    async def renew_keys(self, period: str) -> period_keys.KeyRenewal:
+        """New vault keys for the period's paused run, capped for what it has yet to charge
+        (at the prices of now, with the usual headroom), in place of a key whose cap it
+        reached or that was revoked or expired: resumed, it bills the rest."""
+        admin = self._admin
+        if admin is None:
+            raise ApplicationError(
+                "this worker charges Stripe without the vault: there is no key to renew",
+                type=KEY_REFUSED,
+                non_retryable=True,
+            )
+        async with self._pool.acquire() as conn, conn.transaction():
+            # As a run's opening does: the plan the caps come from holds until they are stored.
+            await ledger.lock_for_change(conn, "renewing the period's keys")
+            plan = await ledger.plan_period(conn, period)
+            caps = spend_caps(plan.totals_by_currency, self._settings.billing_cap_multiplier)
+            grace = timedelta(days=self._settings.billing_vault_key_grace_days)
+            with _needs_operator(period, ", ".join(caps)):
+                renewed = await period_keys.renew_keys(
+                    conn, admin, self._settings.secret_box(), parse_period(period), caps, grace
+                )
+        for key in renewed.keys:
+            logs.log_event(
+                log,
+                "key_renewed",
+                period=period,
+                currency=key.currency,
+                vault_key_id=key.vault_key_id,
+                cap_cents=key.cap_cents,
+                replaced=key.replaced,
+            )
+        return renewed
+
     @activity.defn(name="period_completed")
     async def completed(self, period: str) -> bool:
         """Whether the ledger shows a run of the period that completed (cancelled ones too),

@@ -103,8 +103,8 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
         if _error_body(exc).get("code") == "vault_key_expired":
             failure = ChargeFailure(
                 code="vault_key_expired",
-                message="the period's vault key has expired: cancel this run, then run the"
-                " period again, whose preparation issues a new key",
+                message="the period's vault key has expired: give the paused run a new one"
+                " (python starter.py renew-keys PERIOD), then resume it",
             )
         else:
             failure = ChargeFailure(

@@ -23,6 +23,7 @@ from billing.db import create_pool
 from billing.errors import BillingError, NoWorkerError
 from billing.keys import idempotency_key, period_workflow_id
 from billing.models import OperatorRequest, PeriodProgress, SkipRequest, SkipResult
+from billing.period_keys import KeyRenewal
 from billing.periods import Period
 from workflows.billing_period import BillingPeriodWorkflow
 
@@ -68,6 +69,22 @@ async def control(
     except RPCError as exc:
         if exc.status in _NOT_RUNNING:
             raise NotRunningError(f"no run of {period} is running to {action}") from None
+        raise
+
+
+async def renew_keys(client: Client, period: Period, request: OperatorRequest) -> KeyRenewal:
+    """New vault keys for the period's paused run, in place of those refused (see
+    activities.period.PeriodActivities.renew_keys); resume the run to bill the rest."""
+    handle = client.get_workflow_handle_for(BillingPeriodWorkflow.run, period_workflow_id(period))
+    try:
+        return await _update(
+            handle, BillingPeriodWorkflow.renew_keys, request, f"the key renewal of {period}"
+        )
+    except WorkflowUpdateFailedError as exc:
+        raise _refused(exc) from None
+    except RPCError as exc:
+        if exc.status in _NOT_RUNNING:
+            raise NotRunningError(f"no run of {period} is running to renew the keys of") from None
         raise
 
 

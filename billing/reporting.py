@@ -10,6 +10,7 @@ from temporalio.exceptions import ActivityError, ChildWorkflowError, FailureErro
 from billing.config import TemporalSettings
 from billing.models import PeriodCounts, PeriodProgress, Preview
 from billing.money import describe_amounts
+from billing.period_keys import KeyRenewal
 from billing.reconciliation import ReconcileReport
 
 
@@ -60,6 +61,26 @@ def listed(items: Sequence[str], shown: int = 5) -> str:
     """The first `shown` items, and how many more: a message names a few, not thousands."""
     more = len(items) - shown
     return ", ".join(items[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
+def describe_renewal(renewal: KeyRenewal) -> str:
+    """New keys as an operator reads them, and what to do next."""
+    if not renewal.keys:
+        return f"the run of {renewal.period} has nothing left to charge: no key was issued"
+    lines = [f"new vault keys for {renewal.period}:"]
+    for key in renewal.keys:
+        cap = describe_amounts({key.currency: key.cap_cents})
+        replaced = (
+            f", in place of {key.replaced} (not revoked: revoke it with the vault's admin token"
+            " to free what is left of its cap from the worker budget)"
+            if key.replaced
+            else ""
+        )
+        lines.append(f"  {key.vault_key_id}, capped at {cap}{replaced}")
+    lines.append(
+        f"resume the run to bill the rest: python starter.py resume {renewal.period} --reason ..."
+    )
+    return "\n".join(lines)
 
 
 def describe_reconciliation(report: ReconcileReport) -> str:

@@ -64,7 +64,8 @@ END $$;
 
 -- vault_reserve as in 015_takeover_daily_cap.sql, except that it takes the request's fencing
 -- token (none counts as 0): a request below its key's fence is refused ('superseded'), and a
--- cap refusal of a token raises the fence to it. Both answer the fence (fenced_below).
+-- cap refusal of a token raises the fence to it. Both answer the fence standing
+-- (fenced_below).
 DROP FUNCTION vault_reserve(text, text, text, bigint, text, text, interval);
 CREATE FUNCTION vault_reserve(
     p_key text, p_idempotency_key text, p_endpoint text, p_amount bigint, p_currency text,

@@ -299,8 +299,9 @@ class ErrorDetail(View):
     message: str
     param: str | None = None
     fields: list[FieldProblem] | None = None
-    # A spend_cap_exceeded of a request with a Vault-Fencing-Token: the fence it left, below
-    # which no request with that Idempotency-Key is sent through this key again.
+    # A spend_cap_exceeded of a request with a Vault-Fencing-Token, or an attempt_superseded:
+    # the fence standing, below which no request with that Idempotency-Key is sent through
+    # this key again.
     fenced_below: int | None = None
 
 

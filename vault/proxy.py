@@ -406,7 +406,13 @@ async def _reserve(
         ) from None
     except reservations.Superseded as refused:
         # The same request again gets the same answer: only a new token may be sent.
-        raise Refusal("refused_request", 409, "attempt_superseded", str(refused)) from None
+        raise Refusal(
+            "refused_request",
+            409,
+            "attempt_superseded",
+            str(refused),
+            fenced_below=refused.fenced_below,
+        ) from None
     except reservations.Mismatch as refused:
         raise Refusal(
             "refused_request",

@@ -83,6 +83,10 @@ class Mismatch(Refused):
 class Superseded(Refused):
     """A later attempt of this request was refused on the cap: this one is fenced off."""
 
+    def __init__(self, message: str, *, fenced_below: int) -> None:
+        super().__init__(message)
+        self.fenced_below = fenced_below
+
 
 class ReplayExpired(Refused):
     """The key's reservation is older than Stripe keeps idempotency keys: a retry would
@@ -158,7 +162,8 @@ async def reserve(
     if decision == "superseded":
         raise Superseded(
             f"a later attempt of this request (fencing token {row['fenced_below']}) was refused"
-            " on this key's cap, so this one is not sent: retry it with a new token"
+            " on this key's cap, so this one is not sent: retry it with a new token",
+            fenced_below=row["fenced_below"],
         )
     if decision in ("revoked", "expired"):
         revoked = decision == "revoked"

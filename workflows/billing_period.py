@@ -62,6 +62,7 @@ with workflow.unsafe.imports_passed_through():
         SkipResult,
         finished_outcome,
     )
+    from billing.period_keys import KeyRenewal
     from billing.periods import parse_period
     from workflows.customer_charge import CustomerChargeWorkflow
     from workflows.signals import PERIOD_BLOCKED, PERIOD_CONTROL
@@ -138,9 +139,12 @@ class BillingPeriodWorkflow:
                 )
             )
             if self._control.control == "paused":
-                # No child can finish while the period is paused: hand them all over now,
-                # once every operator's update (a skip, a resume) has its answer.
-                await workflow.wait_condition(workflow.all_handlers_finished)
+                # Children waiting at the gate finish only once it is resumed: hand them all
+                # over now, once each has started (or nothing would report it) and every
+                # operator's update (a skip, a resume) has its answer.
+                await workflow.wait_condition(
+                    lambda: self._starting == 0 and workflow.all_handlers_finished()
+                )
                 self._hand_over(period)
             if self._control.control == "cancelled":
                 await self._cancel_the_rest()
@@ -206,6 +210,30 @@ class BillingPeriodWorkflow:
                 " the charges it had sent"
             )
         self._refuse_if_over("cancel")
+
+    @workflow.update
+    async def renew_keys(self, request: OperatorRequest) -> KeyRenewal:
+        logs.log_signal(
+            "renew_keys",
+            period=self._state.period,
+            operator=request.operator,
+            reason=request.reason,
+        )
+        return await workflow.execute_activity_method(
+            PeriodActivities.renew_keys,
+            self._state.period,
+            start_to_close_timeout=ACTIVITY_TIMEOUT,
+            summary=f"renew the vault keys: {request.reason}",
+        )
+
+    @renew_keys.validator
+    def _validate_renew_keys(self, request: OperatorRequest) -> None:
+        self._refuse_if_over("renew the keys of")
+        if self._control.control != "paused":
+            raise ApplicationError(
+                "renew the keys of a paused run only (it pauses itself when its key is refused"
+                " or its cap is reached): pause it first"
+            )
 
     @workflow.update
     async def skip(self, request: SkipRequest) -> SkipResult:

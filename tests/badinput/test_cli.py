@@ -381,6 +381,10 @@ async def test_unknown_names_on_the_real_stack_are_clear_errors_and_start_nothin
     for argv, expected in (
         (["skip", "2026-12", "nobody", "--reason", "r"], "customer 'nobody' is not in the ledger"),
         (["pause", "2026-12", "--reason", "r"], "no run of 2026-12 is running to pause"),
+        (
+            ["renew-keys", "2026-12", "--reason", "r"],
+            "no run of 2026-12 is running to renew the keys of",
+        ),
         (["schedule", "trigger", "--id", "no-such-schedule"], "no schedule 'no-such-schedule'"),
     ):
         result = await run_cli("starter.py", *argv, env=env)

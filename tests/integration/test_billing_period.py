@@ -374,6 +374,7 @@ async def test_a_long_pause_continues_as_new_and_the_next_run_resumes(harness: H
         )
         await eventually(lambda: at_least(harness.succeeded(), 4))
         await operations.control(harness.client, PERIOD, "pause", bob)
+        await asyncio.sleep(1.0)  # charges past the gate when it paused reach Stripe
         settled = await harness.money_requests()
 
         async def runs() -> int:

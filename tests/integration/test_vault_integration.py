@@ -173,6 +173,43 @@ async def test_cap_reached_pauses_the_period_until_an_operator_acts(vaulted: Har
     assert key.cap_cents < sum(c.amount_cents for c in customers) * 2
 
 
+async def test_a_run_paused_at_its_cap_bills_the_rest_once_its_keys_are_renewed(
+    vaulted: Harness,
+) -> None:
+    """Cancelling and running again would leave unbilled every customer the cancel stopped at
+    the gate (their workflow IDs are taken for the period): renewing the paused run's key
+    and resuming it bills them all, each once."""
+    customers = await vaulted.seed(10)
+    assert vaulted.vault is not None
+    await vaulted.set_faults(latency_ms=200)
+    async with vaulted.running_worker():
+        handle = await start_period(
+            vaulted.client, PERIOD, vaulted.task_queue, RunOptions(max_in_flight=1)
+        )
+        await eventually(lambda: at_least(vaulted.succeeded(), 1))
+        with pytest.raises(operations.OperatorRefusedError, match="paused run only"):
+            await operations.renew_keys(vaulted.client, PERIOD, ALICE)
+        async with vaulted.pool.acquire() as conn:
+            await conn.execute("UPDATE customers SET amount_cents = amount_cents * 10")
+        await eventually(lambda: vaulted.in_state(PERIOD, "paused"), timeout=60)
+        old = await period_key(vaulted)
+        renewal = await operations.renew_keys(vaulted.client, PERIOD, ALICE)
+        [key] = renewal.keys
+        assert (key.replaced, key.vault_key_id) == (old, await period_key(vaulted))
+        await operations.control(vaulted.client, PERIOD, "resume", ALICE)
+        summary = await handle.result()
+    assert (summary.charged, summary.cancelled, summary.failed) == (10, 0, 0)
+    succeeded = [c for c in await vaulted.charges() if c["status"] == "succeeded"]
+    assert sorted(c["customer"] for c in succeeded) == sorted(
+        c.stripe_customer_id for c in customers
+    )
+    # The new key was capped for what was left, at the prices of then, with the headroom.
+    new = await vaulted.vault.admin.get_key(key.vault_key_id)
+    assert new.spent_cents <= new.cap_cents
+    assert new.cap_cents < sum(c.amount_cents for c in customers) * 10 * 1.1 + 1
+    assert not (await vaulted.vault.admin.get_key(old)).revoked
+
+
 async def test_a_rerun_expecting_more_than_its_key_has_left_charges_nobody(
     vaulted: Harness,
 ) -> None:

@@ -73,4 +73,4 @@ def test_an_expired_vault_key_says_how_to_get_a_new_one() -> None:
     )
     assert (failure.type, failure.non_retryable) == (KEY_REFUSED, True)
     assert failure.message.startswith("vault_key_expired: the period's vault key has expired:")
-    assert "cancel this run, then run the period again" in failure.message
+    assert "python starter.py renew-keys PERIOD" in failure.message

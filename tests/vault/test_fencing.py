@@ -63,6 +63,7 @@ async def test_an_earlier_attempt_is_refused_after_a_later_one_met_the_cap(
             await charge(client, customer, 1_000, "claim", fence=earlier)
         assert superseded.value.http_status == 409
         assert '"code":"attempt_superseded"' in str(superseded.value.http_body)
+        assert fence_of(superseded.value) == 2
         assert "fencing token 2" in str(superseded.value.user_message)
     assert await emulator_ledger(emulator) == []
     # The claim's next attempt, numbered past the fence, charges once.
