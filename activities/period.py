@@ -146,33 +146,48 @@ class PeriodActivities:
         admin: VaultAdmin,
         plan: PeriodPlan,
         unsent: dict[str, int],
-    ) -> None:
-        """The period's vault key per currency, capped at the expected total with headroom.
-        Every stored key is checked before any is issued: a new key whose row a later refusal
-        rolled back would count against the vault's worker budget until it expired."""
+        *,
+        renewing: bool = False,
+    ) -> list[period_keys.RenewedKey]:
+        """The period's vault key per currency, capped at the expected total with headroom;
+        returns those issued. A stored key kept with less room than the run has yet to send
+        fails a run's opening (its cap may be an operator's) but is replaced when `renewing`;
+        a revoked one is never replaced. Every stored key is checked before any is issued: a
+        new key whose row a later refusal rolled back would count against the vault's worker
+        budget until it expired."""
         period = parse_period(plan.period)
         caps = spend_caps(plan.totals_by_currency, self._settings.billing_cap_multiplier)
         to_issue: list[str] = []
         for currency in caps:
             with _needs_operator(plan.period, currency):
-                kept = await period_keys.kept_key(
-                    conn, admin, period, currency, unsent.get(currency, 0)
-                )
+                try:
+                    kept = await period_keys.kept_key(
+                        conn, admin, period, currency, unsent.get(currency, 0)
+                    )
+                except period_keys.KeyTooSmallError:
+                    if not renewing:
+                        raise
+                    kept = None
             if kept is None:
                 to_issue.append(currency)
         grace = timedelta(days=self._settings.billing_vault_key_grace_days)
         box = self._settings.secret_box()
+        issued = []
         for currency in to_issue:
+            replaced = await period_keys.stored_key_id(conn, plan.period, currency)
             with _needs_operator(plan.period, currency):
-                await period_keys.issue_key(
+                key = await period_keys.issue_key(
                     conn, admin, box, period, currency, caps[currency], grace
                 )
+            issued.append(period_keys.RenewedKey(**key.model_dump(), replaced=replaced))
+        return issued
 
     @activity.defn(name="renew_period_keys")
     async def renew_keys(self, period: str) -> period_keys.KeyRenewal:
-        """New vault keys for the period's paused run, capped for what it has yet to charge
-        (at the prices of now, with the usual headroom), in place of a key whose cap it
-        reached or that was revoked or expired: resumed, it bills the rest."""
+        """New vault keys for the period's paused run where its key has less room than the
+        run has yet to charge, or expires soon, capped for what it has left (at the prices of
+        now, with the usual headroom): resumed, it bills the rest. Keys with room are kept,
+        and a revoked key is refused, as at a run's opening; run again, it issues nothing."""
         admin = self._admin
         if admin is None:
             raise ApplicationError(
@@ -184,13 +199,9 @@ class PeriodActivities:
             # As a run's opening does: the plan the caps come from holds until they are stored.
             await ledger.lock_for_change(conn, "renewing the period's keys")
             plan = await ledger.plan_period(conn, period)
-            caps = spend_caps(plan.totals_by_currency, self._settings.billing_cap_multiplier)
-            grace = timedelta(days=self._settings.billing_vault_key_grace_days)
-            with _needs_operator(period, ", ".join(caps)):
-                renewed = await period_keys.renew_keys(
-                    conn, admin, self._settings.secret_box(), parse_period(period), caps, grace
-                )
-        for key in renewed.keys:
+            unsent = await ledger.unsent_totals(conn, period)
+            renewed = await self._ensure_keys(conn, admin, plan, unsent, renewing=True)
+        for key in renewed:
             logs.log_event(
                 log,
                 "key_renewed",
@@ -200,7 +211,7 @@ class PeriodActivities:
                 cap_cents=key.cap_cents,
                 replaced=key.replaced,
             )
-        return renewed
+        return period_keys.KeyRenewal(period=period, keys=renewed)
 
     @activity.defn(name="period_completed")
     async def completed(self, period: str) -> bool:

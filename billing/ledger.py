@@ -465,7 +465,7 @@ async def lock_for_change(conn: asyncpg.Connection, doing: str) -> None:
 
 
 # What a run's opening checks before it is recorded: the plan, and what it has yet to send.
-BeforeRecording = Callable[[PeriodPlan, dict[str, int]], Awaitable[None]]
+BeforeRecording = Callable[[PeriodPlan, dict[str, int]], Awaitable[object]]
 
 
 async def open_period(

@@ -56,7 +56,7 @@ class PeriodKey(Record):
 
 
 class RenewedKey(PeriodKey):
-    """A key issued for a paused run in place of `replaced` (see renew_keys)."""
+    """A key issued in place of `replaced`, the period's key until then, or of none."""
 
     replaced: str | None
 
@@ -163,25 +163,6 @@ async def issue_key(
     return PeriodKey(
         period=str(period), currency=currency, vault_key_id=issued.id, cap_cents=issued.cap_cents
     )
-
-
-async def renew_keys(
-    conn: asyncpg.Connection,
-    admin: VaultAdmin,
-    box: SecretBox,
-    period: Period,
-    caps: dict[str, int],
-    grace: timedelta,
-) -> KeyRenewal:
-    """A new key per currency, capped at `caps`, each stored in place of the period's key.
-    The old keys are not revoked (only the admin token pulls the kill switch): stored no
-    more, they are used only by attempts already on their way with them."""
-    renewed = []
-    for currency, cap_cents in caps.items():
-        replaced = await stored_key_id(conn, str(period), currency)
-        key = await issue_key(conn, admin, box, period, currency, cap_cents, grace)
-        renewed.append(RenewedKey(**key.model_dump(), replaced=replaced))
-    return KeyRenewal(period=str(period), keys=renewed)
 
 
 async def issue_lookup_key(admin: VaultAdmin, period: str, currency: str) -> IssuedKey:

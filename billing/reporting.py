@@ -66,7 +66,10 @@ def listed(items: Sequence[str], shown: int = 5) -> str:
 def describe_renewal(renewal: KeyRenewal) -> str:
     """New keys as an operator reads them, and what to do next."""
     if not renewal.keys:
-        return f"the run of {renewal.period} has nothing left to charge: no key was issued"
+        return (
+            f"every vault key of {renewal.period} has room for what its run has yet to charge,"
+            " and time left: none was renewed"
+        )
     lines = [f"new vault keys for {renewal.period}:"]
     for key in renewal.keys:
         cap = describe_amounts({key.currency: key.cap_cents})

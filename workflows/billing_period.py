@@ -108,6 +108,8 @@ class BillingPeriodWorkflow:
         # Control writes reach the ledger one at a time, each writing the latest word, so a
         # pause written late cannot overwrite a cancel.
         self._control_writes = asyncio.Lock()
+        # Key renewals under way (renew_keys).
+        self._renewing = 0
 
     @workflow.run
     async def run(self, request: BillingPeriodInput) -> PeriodSummary:
@@ -197,6 +199,9 @@ class BillingPeriodWorkflow:
     @resume.validator
     def _validate_resume(self, request: OperatorRequest) -> None:
         self._refuse_if_over("resume")
+        if self._renewing:
+            # Resumed now, its children would take the old keys, and pause it again.
+            raise ApplicationError("the run's keys are being renewed: resume it once that is done")
 
     @workflow.update
     async def cancel(self, request: OperatorRequest) -> PeriodProgress:
@@ -219,12 +224,16 @@ class BillingPeriodWorkflow:
             operator=request.operator,
             reason=request.reason,
         )
-        return await workflow.execute_activity_method(
-            PeriodActivities.renew_keys,
-            self._state.period,
-            start_to_close_timeout=ACTIVITY_TIMEOUT,
-            summary=f"renew the vault keys: {request.reason}",
-        )
+        self._renewing += 1
+        try:
+            return await workflow.execute_activity_method(
+                PeriodActivities.renew_keys,
+                self._state.period,
+                start_to_close_timeout=ACTIVITY_TIMEOUT,
+                summary=f"renew the vault keys: {request.reason}",
+            )
+        finally:
+            self._renewing -= 1
 
     @renew_keys.validator
     def _validate_renew_keys(self, request: OperatorRequest) -> None:

@@ -28,6 +28,7 @@ from tests.integration.harness import (
     eventually,
 )
 from tests.integration.invariants import assert_billed_once
+from tests.integration.test_operations import replays
 from vault.models import IssueKeyRequest
 
 # The current month: `run` refuses a period long past, so a fixed one would expire.
@@ -196,8 +197,11 @@ async def test_a_run_paused_at_its_cap_bills_the_rest_once_its_keys_are_renewed(
         renewal = await operations.renew_keys(vaulted.client, PERIOD, ALICE)
         [key] = renewal.keys
         assert (key.replaced, key.vault_key_id) == (old, await period_key(vaulted))
+        # The new key has room for all that is left: a second renewal issues nothing.
+        assert (await operations.renew_keys(vaulted.client, PERIOD, ALICE)).keys == []
         await operations.control(vaulted.client, PERIOD, "resume", ALICE)
         summary = await handle.result()
+        await replays(handle)
     assert (summary.charged, summary.cancelled, summary.failed) == (10, 0, 0)
     succeeded = [c for c in await vaulted.charges() if c["status"] == "succeeded"]
     assert sorted(c["customer"] for c in succeeded) == sorted(
@@ -208,6 +212,27 @@ async def test_a_run_paused_at_its_cap_bills_the_rest_once_its_keys_are_renewed(
     assert new.spent_cents <= new.cap_cents
     assert new.cap_cents < sum(c.amount_cents for c in customers) * 10 * 1.1 + 1
     assert not (await vaulted.vault.admin.get_key(old)).revoked
+
+
+async def test_renewing_keys_leaves_the_kill_switch_pulled(vaulted: Harness) -> None:
+    await vaulted.seed(3)
+    assert vaulted.vault is not None
+    await vaulted.set_faults(latency_ms=200)
+    async with vaulted.running_worker():
+        handle = await start_period(
+            vaulted.client, PERIOD, vaulted.task_queue, RunOptions(max_in_flight=1)
+        )
+        await eventually(lambda: at_least(vaulted.succeeded(), 1))
+        await operations.control(vaulted.client, PERIOD, "pause", ALICE)
+        revoked = await period_key(vaulted)
+        await vaulted.vault.admin.revoke(revoked)
+        with pytest.raises(operations.OperatorRefusedError, match="was revoked") as refused:
+            await operations.renew_keys(vaulted.client, PERIOD, ALICE)
+        assert "Delete its row in period_vault_keys" in str(refused.value)
+        assert [k.id for k in await vaulted.vault.admin.find_keys(period=str(PERIOD))] == [revoked]
+        assert await period_key(vaulted) == revoked
+        await operations.control(vaulted.client, PERIOD, "cancel", ALICE)
+        await handle.result()
 
 
 async def test_a_rerun_expecting_more_than_its_key_has_left_charges_nobody(
