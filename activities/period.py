@@ -185,9 +185,10 @@ class PeriodActivities:
     @activity.defn(name="renew_period_keys")
     async def renew_keys(self, period: str) -> period_keys.KeyRenewal:
         """New vault keys for the period's paused run where its key has less room than the
-        run has yet to charge, or expires soon, capped for what it has left (at the prices of
-        now, with the usual headroom): resumed, it bills the rest. Keys with room are kept,
-        and a revoked key is refused, as at a run's opening; run again, it issues nothing."""
+        run's open claims and unclaimed customers may charge, or expires soon, capped for
+        what it has left (at the prices of now, with the usual headroom): resumed, it bills
+        the rest. Keys with room are kept, and a revoked key is refused, as at a run's
+        opening; run again, it issues nothing."""
         admin = self._admin
         if admin is None:
             raise ApplicationError(
@@ -199,8 +200,11 @@ class PeriodActivities:
             # As a run's opening does: the plan the caps come from holds until they are stored.
             await ledger.lock_for_change(conn, "renewing the period's keys")
             plan = await ledger.plan_period(conn, period)
-            unsent = await ledger.unsent_totals(conn, period)
-            renewed = await self._ensure_keys(conn, admin, plan, unsent, renewing=True)
+            # Everything still open, not only what no attempt sent with the key: a claim sent
+            # with it may hold nothing of its room (refused before Stripe on a retry), and one
+            # too few would pause the run again at once. Claims in doubt are counted twice.
+            open_totals = plan.totals_by_currency
+            renewed = await self._ensure_keys(conn, admin, plan, open_totals, renewing=True)
         for key in renewed:
             logs.log_event(
                 log,

@@ -8,7 +8,7 @@ from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ActivityError, ChildWorkflowError, FailureError
 
 from billing.config import TemporalSettings
-from billing.models import PeriodCounts, PeriodProgress, Preview
+from billing.models import AUTOMATIC, PeriodCounts, PeriodProgress, Preview
 from billing.money import describe_amounts
 from billing.period_keys import KeyRenewal
 from billing.reconciliation import ReconcileReport
@@ -25,6 +25,15 @@ def describe(summary: PeriodCounts) -> str:
     ]
     if isinstance(summary, PeriodProgress):
         lines.insert(1, f"  state {summary.state}, in flight {summary.in_flight}")
+        if summary.state == "paused":
+            lines.insert(2, f"  paused by {summary.operator}: {summary.reason}")
+            if summary.operator == AUTOMATIC:
+                # The run pauses itself only when its vault key is refused.
+                lines.insert(
+                    3,
+                    "  to bill the rest: python starter.py renew-keys"
+                    f" {summary.period} --reason ..., then resume it",
+                )
     return "\n".join(lines)
 
 

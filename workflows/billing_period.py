@@ -68,6 +68,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.signals import PERIOD_BLOCKED, PERIOD_CONTROL
 
 ACTIVITY_TIMEOUT = timedelta(seconds=60)
+RENEW_TIMEOUT = timedelta(minutes=5)
 # How long one wait for outcomes of children started elsewhere lasts at most.
 LEDGER_WAIT = timedelta(seconds=10)
 # Runs recorded before this patch closed without waiting for updates still in flight.
@@ -230,6 +231,9 @@ class BillingPeriodWorkflow:
                 PeriodActivities.renew_keys,
                 self._state.period,
                 start_to_close_timeout=ACTIVITY_TIMEOUT,
+                # The operator waits, and a resume is refused meanwhile: a vault or ledger
+                # away this long is an answer to give them.
+                schedule_to_close_timeout=RENEW_TIMEOUT,
                 summary=f"renew the vault keys: {request.reason}",
             )
         finally:

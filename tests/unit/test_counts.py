@@ -8,9 +8,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from billing.models import (
+    AUTOMATIC,
     Counts,
     CustomerOutcome,
     LedgerStatus,
+    PeriodProgress,
     PeriodSummary,
     Preview,
     PreviewLine,
@@ -212,3 +214,25 @@ def test_a_listing_names_five_and_counts_the_rest(items: list[str]) -> None:
     text = listed(items)
     assert text.split(" and ")[0].split(", ") == (items[:5] or [""])
     assert text.endswith(f" and {len(items) - 5} more") == (len(items) > 5)
+
+
+def test_a_run_that_paused_itself_says_how_to_bill_the_rest() -> None:
+    counts = dict.fromkeys(
+        ("due", "charged", "already_billed", "failed", "skipped", "cancelled"), 0
+    )
+    paused = PeriodProgress(
+        period="2026-12",
+        workflow_id="billing-period-2026-12",
+        total_charged_cents=0,
+        state="paused",
+        in_flight=3,
+        operator=AUTOMATIC,
+        reason="spend_cap_exceeded: 500 cents would pass this key's cap",
+        **counts,
+    )
+    text = describe(paused)
+    assert f"paused by {AUTOMATIC}: spend_cap_exceeded" in text
+    assert "python starter.py renew-keys 2026-12 --reason ..., then resume it" in text
+    by_hand = paused.model_copy(update={"operator": "alice", "reason": "prices look wrong"})
+    assert "renew-keys" not in describe(by_hand)
+    assert "paused by alice: prices look wrong" in describe(by_hand)
