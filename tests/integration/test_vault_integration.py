@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from temporalio.client import WorkflowFailureError
+from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.exceptions import ActivityError, ApplicationError
 
 from billing import ledger, operations, period_keys
 from billing.customers import upsert_customers
-from billing.models import OperatorRequest, RunOptions, SkipRequest
+from billing.models import OperatorRequest, PeriodSummary, RunOptions, SkipRequest
 from billing.money import spend_cap
 from billing.periods import period_for
 from billing.preview import preview_period
@@ -138,20 +139,31 @@ async def test_a_period_in_several_currencies_keeps_each_apart(vaulted: Harness)
     assert (spent, caps) == (expected, preview.caps_by_currency)
 
 
+async def charging_one_at_a_time(vaulted: Harness) -> WorkflowHandle[Any, PeriodSummary]:
+    """The period's run, one customer at a time, 200 ms each, once it has charged one; the
+    worker must run."""
+    await vaulted.set_faults(latency_ms=200)
+    handle = await start_period(
+        vaulted.client, PERIOD, vaulted.task_queue, RunOptions(max_in_flight=1)
+    )
+    await eventually(lambda: at_least(vaulted.succeeded(), 1))
+    return handle
+
+
+async def priced_past_the_cap(vaulted: Harness) -> None:
+    """Prices raised tenfold mid-run (an import --while-running): the claims made from now on
+    charge more than the key's cap, set from the plan, has room for, and the run pauses."""
+    async with vaulted.pool.acquire() as conn:
+        await conn.execute("UPDATE customers SET amount_cents = amount_cents * 10")
+    await eventually(lambda: vaulted.in_state(PERIOD, "paused"), timeout=60)
+
+
 async def test_cap_reached_pauses_the_period_until_an_operator_acts(vaulted: Harness) -> None:
     customers = await vaulted.seed(10)
     assert vaulted.vault is not None
-    await vaulted.set_faults(latency_ms=200)
     async with vaulted.running_worker():
-        handle = await start_period(
-            vaulted.client, PERIOD, vaulted.task_queue, RunOptions(max_in_flight=1)
-        )
-        await eventually(lambda: at_least(vaulted.succeeded(), 1))
-        # Prices raised tenfold mid-run (an import --while-running): the claims made from now
-        # on charge more than the key's cap, set from the plan, has room for.
-        async with vaulted.pool.acquire() as conn:
-            await conn.execute("UPDATE customers SET amount_cents = amount_cents * 10")
-        await eventually(lambda: vaulted.in_state(PERIOD, "paused"), timeout=60)
+        handle = await charging_one_at_a_time(vaulted)
+        await priced_past_the_cap(vaulted)
         progress = await period_status(vaulted.client, PERIOD)
         assert progress.operator == "billing (automatic)"
         assert progress.reason is not None and "spend_cap_exceeded" in progress.reason
@@ -183,17 +195,11 @@ async def test_a_run_paused_at_its_cap_bills_the_rest_once_its_keys_are_renewed(
     and resuming it bills them all, each once."""
     customers = await vaulted.seed(10)
     assert vaulted.vault is not None
-    await vaulted.set_faults(latency_ms=200)
     async with vaulted.running_worker():
-        handle = await start_period(
-            vaulted.client, PERIOD, vaulted.task_queue, RunOptions(max_in_flight=1)
-        )
-        await eventually(lambda: at_least(vaulted.succeeded(), 1))
+        handle = await charging_one_at_a_time(vaulted)
         with pytest.raises(operations.OperatorRefusedError, match="paused run only"):
             await operations.renew_keys(vaulted.client, PERIOD, ALICE)
-        async with vaulted.pool.acquire() as conn:
-            await conn.execute("UPDATE customers SET amount_cents = amount_cents * 10")
-        await eventually(lambda: vaulted.in_state(PERIOD, "paused"), timeout=60)
+        await priced_past_the_cap(vaulted)
         old = await period_key(vaulted)
         renewal = await operations.renew_keys(vaulted.client, PERIOD, ALICE)
         [key] = renewal.keys
@@ -219,12 +225,8 @@ async def test_a_run_paused_at_its_cap_bills_the_rest_once_its_keys_are_renewed(
 async def test_renewing_keys_leaves_the_kill_switch_pulled(vaulted: Harness) -> None:
     await vaulted.seed(10)
     assert vaulted.vault is not None
-    await vaulted.set_faults(latency_ms=200)
     async with vaulted.running_worker():
-        handle = await start_period(
-            vaulted.client, PERIOD, vaulted.task_queue, RunOptions(max_in_flight=1)
-        )
-        await eventually(lambda: at_least(vaulted.succeeded(), 1))
+        handle = await charging_one_at_a_time(vaulted)
         await operations.control(vaulted.client, PERIOD, "pause", ALICE)
         revoked = await period_key(vaulted)
         await vaulted.vault.admin.revoke(revoked)
