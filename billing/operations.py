@@ -56,35 +56,45 @@ def _refused(exc: WorkflowUpdateFailedError) -> OperatorRefusedError:
 async def control(
     client: Client, period: Period, action: Action, request: OperatorRequest
 ) -> PeriodProgress:
-    handle = client.get_workflow_handle_for(BillingPeriodWorkflow.run, period_workflow_id(period))
     update = {
         "pause": BillingPeriodWorkflow.pause,
         "resume": BillingPeriodWorkflow.resume,
         "cancel": BillingPeriodWorkflow.cancel,
     }[action]
-    try:
-        return await _update(handle, update, request, f"the {action} of {period}")
-    except WorkflowUpdateFailedError as exc:
-        raise _refused(exc) from None
-    except RPCError as exc:
-        if exc.status in _NOT_RUNNING:
-            raise NotRunningError(f"no run of {period} is running to {action}") from None
-        raise
+    return await _to_the_run(client, period, update, request, f"the {action} of {period}", action)
 
 
 async def renew_keys(client: Client, period: Period, request: OperatorRequest) -> KeyRenewal:
     """New vault keys for the period's paused run, in place of those refused (see
     activities.period.PeriodActivities.renew_keys); resume the run to bill the rest."""
+    return await _to_the_run(
+        client,
+        period,
+        BillingPeriodWorkflow.renew_keys,
+        request,
+        f"the key renewal of {period}",
+        "renew the keys of",
+    )
+
+
+async def _to_the_run(
+    client: Client,
+    period: Period,
+    update: UpdateMethodMultiParam[[BillingPeriodWorkflow, Request], Answer],
+    request: Request,
+    what: str,
+    doing: str,
+) -> Answer:
+    """An operator's update to the period's run (see _update): refused by the run, or with
+    no run to `doing`, it says so."""
     handle = client.get_workflow_handle_for(BillingPeriodWorkflow.run, period_workflow_id(period))
     try:
-        return await _update(
-            handle, BillingPeriodWorkflow.renew_keys, request, f"the key renewal of {period}"
-        )
+        return await _update(handle, update, request, what)
     except WorkflowUpdateFailedError as exc:
         raise _refused(exc) from None
     except RPCError as exc:
         if exc.status in _NOT_RUNNING:
-            raise NotRunningError(f"no run of {period} is running to renew the keys of") from None
+            raise NotRunningError(f"no run of {period} is running to {doing}") from None
         raise
 
 
