@@ -161,18 +161,23 @@ class ReconcileActivities:
         seen = self._unusable.get(slot)
         try:
             if recheck or seen is None or time.monotonic() - seen > RECHECK_UNUSABLE_SECONDS:
-                try:
-                    gateway = await self._access.gateway(period, currency)
-                    await self._stripe_turn()
-                    result = await read(gateway)
-                except period_keys.NoPeriodKeyError:
-                    pass
-                except stripe.StripeError as exc:
-                    if not vault_key_unusable(exc):
-                        raise
-                else:
-                    self._unusable.pop(slot, None)
-                    return result, True
+                # Twice at most: the key refused may be one this worker cached before
+                # `renew-keys` or a rerun replaced it, and an operator then revoked.
+                for _ in range(2):
+                    try:
+                        gateway = await self._access.gateway(period, currency)
+                        await self._stripe_turn()
+                        result = await read(gateway)
+                    except period_keys.NoPeriodKeyError:
+                        break
+                    except stripe.StripeError as exc:
+                        if not vault_key_unusable(exc):
+                            raise
+                        if not await self._access.replaced(period, currency, gateway.vault_key_id):
+                            break
+                    else:
+                        self._unusable.pop(slot, None)
+                        return result, True
                 self._access.forget(period, currency)
                 self._unusable[slot] = time.monotonic()
             gateway = await self._access.lookup_gateway(period, currency)

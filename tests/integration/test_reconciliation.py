@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import stripe
@@ -623,6 +623,38 @@ async def test_a_period_whose_key_can_no_longer_be_used_is_still_reconciled(
     )
     assert all(entry.startswith("GET ") for entry in lookup.allowed_endpoints)
     assert lookup.expires_at - datetime.now(UTC) <= period_keys.LOOKUP_LIFETIME
+
+
+async def test_a_claim_is_charged_through_the_key_that_replaced_the_one_a_worker_holds(
+    vaulted: Harness,
+) -> None:
+    """`renew-keys` (or a rerun) stores a new key, and an operator then revokes the old one,
+    which the worker still caches: reconciliation reads through the new key, which can
+    charge, and charges the claim, rather than leaving it for a person to replace a key
+    that was already replaced."""
+    assert vaulted.vault is not None
+    customers = await vaulted.seed(2)
+    async with vaulted.running_worker():
+        await (await start_period(vaulted.client, PERIOD, vaulted.task_queue)).result()
+        [late] = await vaulted.seed(1, prefix="late")
+        claim = await stranded(vaulted, late, at_stripe=False)
+        [old] = await vaulted.vault.admin.find_keys(period=str(PERIOD), label=period_keys.LABEL)
+        await period_keys.issue_key(
+            vaulted.pool,
+            vaulted.vault.worker,
+            vaulted.settings.secret_box(),
+            PERIOD,
+            claim.currency,
+            100_000,
+            timedelta(days=1),
+        )
+        await vaulted.vault.admin.revoke(old.id)
+        handle = await start_reconcile(vaulted.client, PERIOD, vaulted.task_queue)
+        report = await handle.result()
+    assert [(c.customer_id, c.action, c.needs_person) for c in report.claims] == [
+        (late.customer_id, "redriven", False)
+    ]
+    await assert_billed_once(vaulted, str(PERIOD), [*customers, late])
 
 
 async def test_a_period_key_the_worker_cannot_decrypt_fails_reconciliation(
