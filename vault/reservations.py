@@ -114,10 +114,11 @@ async def reserve(
     fencing_token: int | None = None,
 ) -> Reservation:
     """Count `charge` against the key's caps, or find the reservation this key already has.
-    The decision is the SQL function vault_reserve (migrations/018_fencing_tokens.sql): one
-    round trip. A cap refusal of a request with a `fencing_token` fences the idempotency key
-    under this vault key: any later request below that token, or without one, is refused
-    (Superseded)."""
+    The decision is the SQL function vault_reserve
+    (migrations/019_replay_window_across_keys.sql): one round trip. A cap refusal of a request
+    with a `fencing_token` fences the idempotency key under this vault key: any later request
+    below that token, or without one, is refused (Superseded). A request whose idempotency key
+    any vault key first sent 23 hours ago or more is refused (ReplayExpired)."""
     row = await conn.fetchrow(
         "SELECT * FROM vault_reserve($1, $2, $3, $4, $5, $6, $7, $8)",
         key_id,
@@ -149,9 +150,12 @@ async def reserve(
             else "its outcome is unknown: reconciliation settles it from Stripe, and a retry"
             " goes on once it is released"
         )
+        through = row["first_sent_through"]
+        via = "" if through == key_id else f" (through vault key {through})"
         raise ReplayExpired(
-            "this Idempotency-Key was first sent 23 hours ago or more, and Stripe keeps keys"
-            f" for 24, so a retry could charge again; {settles}. A new charge needs a new key",
+            f"this Idempotency-Key was first sent 23 hours ago or more{via}, and Stripe keeps"
+            f" keys for 24, so a retry could charge again; {settles}. A new charge needs a new"
+            " key",
             committed=committed,
         )
     if decision == "mismatch":

@@ -565,6 +565,52 @@ async def test_a_charge_first_sent_23_hours_ago_is_neither_replayed_nor_taken_ov
     assert len(await emulator_ledger(emulator)) == 2
 
 
+async def test_a_charge_first_sent_23_hours_ago_through_another_key_is_not_sent_again(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+    admin: VaultAdmin,
+) -> None:
+    """The period's key renewed (or replaced by a rerun): a retry through the new key of a
+    charge the old key first sent a day ago is refused as through the old one, since Stripe
+    keeps one idempotency key per account, whichever vault key carried it."""
+    old, new = await issue(cap_cents=10_000), await issue(cap_cents=10_000)
+    await charge(stripe_via_vault(old), customer, 6_000, "committed")
+    await charge_in_doubt(emulator, stripe_via_vault(old), customer, 3_000, "in-doubt")
+    await charge_in_doubt(
+        emulator, stripe_via_vault(old), customer, 1_000, "never-made", "error_before_commit"
+    )
+    await db.execute(
+        "UPDATE vault_reservations SET created_at = now() - interval '23 hours'"
+        " WHERE vault_key_id = $1",
+        old.id,
+    )
+    for idempotency_key, amount in (("committed", 6_000), ("in-doubt", 3_000)):
+        with pytest.raises(stripe.APIError) as refused:
+            await charge(stripe_via_vault(new), customer, amount, idempotency_key)
+        error = refused.value.json_body["error"]  # type: ignore[index]
+        assert (refused.value.http_status, error["code"]) == (409, "idempotency_key_expired")
+        assert f"(through vault key {old.id})" in error["message"]
+    # Neither was counted against the new key, nor sent.
+    assert await _states(db, new.id) == {}
+    assert (await assert_consistent(db, new.id))["reserved_cents"] == 0
+    assert len(await emulator_ledger(emulator)) == 2
+
+    # Reconciliation found nothing on Stripe for the one never made and released it: it goes.
+    await admin.resolve(old.id, "never-made", "failed")
+    await charge(stripe_via_vault(new), customer, 1_000, "never-made")
+    assert await _states(db, new.id) == {"never-made": "committed"}
+    assert len(await emulator_ledger(emulator)) == 3
+    # Sent through another key within Stripe's day, a key is forwarded: Stripe replays it.
+    await db.execute(
+        "UPDATE vault_reservations SET created_at = now() WHERE vault_key_id = $1", old.id
+    )
+    await charge(stripe_via_vault(new), customer, 6_000, "committed")
+    assert len(await emulator_ledger(emulator)) == 3
+
+
 async def test_unknown_reservations_are_read_page_by_page_to_the_last(
     issue: Issue,
     stripe_via_vault: StripeFor,
