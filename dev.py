@@ -43,14 +43,23 @@ def setup() -> None:
     wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
     if STAMP.exists() and STAMP.read_text() == wanted:
         return
-    if not PYTHON.exists():
+    if not _has_pip():
+        # Also one left without pip (a system whose venv module lacks ensurepip, since
+        # installed): it is made again from scratch.
         print(f"creating {VENV}", flush=True)
-        venv.EnvBuilder(with_pip=True).create(VENV)
+        venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
     print("installing the project and its dev tools (a minute or two the first time)", flush=True)
     pip = [str(PYTHON), "-m", "pip", "--disable-pip-version-check", "-q"]
     subprocess.run([*pip, "install", "--upgrade", "pip"], check=True)
     subprocess.run([*pip, "install", "-e", f"{ROOT}[dev]"], check=True)
     STAMP.write_text(wanted)
+
+
+def _has_pip() -> bool:
+    if not PYTHON.exists():
+        return False
+    check = [str(PYTHON), "-m", "pip", "--version"]
+    return subprocess.run(check, capture_output=True).returncode == 0
 
 
 def run(*argv: str) -> int:

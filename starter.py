@@ -33,6 +33,7 @@ from temporalio.client import (
     ScheduleHandle,
     WorkflowFailureError,
     WorkflowHandle,
+    WorkflowQueryFailedError,
 )
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -45,7 +46,13 @@ from billing.customers import (
     read_customers_csv,
 )
 from billing.db import create_pool
-from billing.errors import BillingError, InvalidInputError, NoWorkerError, UnknownScheduleError
+from billing.errors import (
+    BillingError,
+    InvalidInputError,
+    NoWorkerError,
+    RunEndedError,
+    UnknownScheduleError,
+)
 from billing.migrations import migrate
 from billing.models import OpenRun, OperatorRequest, PeriodProgress, PeriodSummary, SkipRequest
 from billing.periods import (
@@ -64,9 +71,16 @@ from billing.reporting import (
     describe_renewal,
     failure_chain,
     listed,
+    next_step,
     ui_link,
 )
-from billing.runs import period_status, start_period, start_reconcile, status_from_ledger
+from billing.runs import (
+    awaits_a_worker,
+    period_status,
+    start_period,
+    start_reconcile,
+    status_from_ledger,
+)
 from billing.seeding import seed_demo
 from billing.temporal_client import connect
 
@@ -102,6 +116,12 @@ def _number(high: float) -> Callable[[str], float]:
     return parse
 
 
+# How often `run --wait` asks whether the run it waits for has paused.
+PAUSE_CHECK_SECONDS = 30.0
+# How long `reconcile` waits before it says that no worker has taken its workflow up.
+NO_WORKER_SECONDS = 15.0
+
+
 def _emit(model: BaseModel, as_json: bool, text: str) -> None:
     print(model.model_dump_json() if as_json else text)
 
@@ -116,7 +136,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
     except NoWorkerError as exc:
         print(f"warning: {exc}", file=sys.stderr)
         if args.wait:
-            return await _wait_and_report(handle, args, temporal)
+            return await _wait_and_report(client, handle, args, temporal)
         _emit(
             OpenRun(period=str(args.period), workflow_id=handle.id),
             args.json,
@@ -136,14 +156,10 @@ async def cmd_run(args: argparse.Namespace) -> int:
             " nothing new was started. Run it again once it has ended"
             f" (`python starter.py status {args.period}`)"
         )
-    if progress.state == "paused":
+    concern = _concern(progress)
+    if concern is not None:
         # Joined a paused run: it charges nothing until resumed, and --wait waits for that.
-        print(
-            f"warning: the run of {args.period} is paused by {progress.operator}"
-            f" ({progress.reason}): nothing is charged until"
-            f" `python starter.py resume {args.period} --reason ...`",
-            file=sys.stderr,
-        )
+        print(f"warning: {concern}", file=sys.stderr)
     if not args.wait:
         _emit(
             progress,
@@ -151,13 +167,42 @@ async def cmd_run(args: argparse.Namespace) -> int:
             f"period {args.period} running as {handle.id}\n  {ui_link(temporal, handle.id)}",
         )
         return 0
-    return await _wait_and_report(handle, args, temporal)
+    return await _wait_and_report(client, handle, args, temporal, told=concern)
+
+
+def _concern(progress: PeriodProgress) -> str | None:
+    """What a person waiting for the run must hear: it is paused, or its cancel is held up."""
+    step = next_step(progress)
+    if progress.state == "paused":
+        return (
+            f"the run of {progress.period} is paused by {progress.operator} ({progress.reason}):"
+            f" nothing is charged until it is resumed; {step}"
+        )
+    if step is not None:
+        return f"the cancelled run of {progress.period} has not ended: {step}"
+    return None
 
 
 async def _wait_and_report(
-    handle: WorkflowHandle[Any, PeriodSummary], args: argparse.Namespace, temporal: TemporalSettings
+    client: Client,
+    handle: WorkflowHandle[Any, PeriodSummary],
+    args: argparse.Namespace,
+    temporal: TemporalSettings,
+    *,
+    told: str | None = None,
 ) -> int:
-    summary = await handle.result()
+    """Wait for the run's summary, saying once each time it waits for a person (it may
+    pause itself, e.g. at its key's cap) rather than wait without a word."""
+    result = asyncio.ensure_future(handle.result())
+    while not (await asyncio.wait({result}, timeout=PAUSE_CHECK_SECONDS))[0]:
+        try:
+            concern = _concern(await period_status(client, args.period))
+        except (NoWorkerError, RunEndedError, RPCError, WorkflowQueryFailedError):
+            continue  # the result says how it ended; a worker or the server may come back
+        if concern is not None and concern != told:
+            print(f"warning: {concern}", file=sys.stderr)
+        told = concern
+    summary = result.result()
     _emit(summary, args.json, describe(summary) + f"\n  {ui_link(temporal, handle.id)}")
     return 0
 
@@ -242,6 +287,7 @@ async def cmd_watch(args: argparse.Namespace) -> int:
         TextColumn("{task.fields[counts]}"),
     ) as bar:
         task = bar.add_task(str(args.period), total=None, counts="")
+        answered = True
         while True:
             done = progress.due - progress.in_flight
             bar.update(
@@ -250,12 +296,18 @@ async def cmd_watch(args: argparse.Namespace) -> int:
                 total=progress.expected_due or progress.due or None,
                 completed=done,
                 counts=f"charged {progress.charged}, failed {progress.failed},"
-                f" in flight {progress.in_flight}",
+                f" in flight {progress.in_flight}"
+                + ("" if answered else " (no worker answered: waiting for one)"),
             )
             if progress.state not in ("running", "paused", "cancelling"):
                 break
             await asyncio.sleep(args.interval)
-            progress = await period_status(client, args.period)
+            try:
+                progress = await period_status(client, args.period)
+                answered = True
+            except NoWorkerError:
+                # A worker restarting (a deploy): the run goes on, and so does the watch.
+                answered = False
     print(describe(progress))
     return 0
 
@@ -276,7 +328,17 @@ async def cmd_reconcile(args: argparse.Namespace) -> int:
     temporal = load_settings(TemporalSettings)
     client = await connect(temporal)
     handle = await start_reconcile(client, args.period, temporal.task_queue)
-    report = await handle.result()
+    result = asyncio.ensure_future(handle.result())
+    waited = (await asyncio.wait({result}, timeout=NO_WORKER_SECONDS))[0]
+    if not waited and await awaits_a_worker(handle):
+        print(
+            f"warning: reconciliation of {args.period} is open as {handle.id}, but its"
+            f" workflow task has waited {NO_WORKER_SECONDS:.0f} s for a worker to take it (or"
+            f" keeps failing: see it in the Web UI): is a worker polling task queue"
+            f" {temporal.task_queue}? Waiting; it runs once one does",
+            file=sys.stderr,
+        )
+    report = await result
     _emit(
         report, args.json, describe_reconciliation(report) + f"\n  {ui_link(temporal, handle.id)}"
     )
@@ -401,9 +463,9 @@ async def cmd_import(args: argparse.Namespace) -> int:
     pool = await create_pool(load_settings(DatabaseSettings).database_url)
     try:
         changes = await import_customers(pool, rows, while_running=args.while_running)
+        periods = ", ".join(sorted({c.period for c in changes}))
+        shown = listed([f"{c.customer_id} ({c.was} -> {c.becomes})" for c in changes])
         if changes and not args.while_running:
-            shown = listed([f"{c.customer_id} ({c.was} -> {c.becomes})" for c in changes])
-            periods = ", ".join(sorted({c.period for c in changes}))
             raise InvalidInputError(
                 f"{args.file} adds or changes the price of {len(changes)} customers the open"
                 f" run of {periods} has not billed yet:"
@@ -416,6 +478,9 @@ async def cmd_import(args: argparse.Namespace) -> int:
     finally:
         await pool.close()
     print(f"imported {len(rows)} customers from {args.file}")
+    if changes:
+        # --while-running: what the open run may now bill otherwise, for the record.
+        print(f"note: the open run of {periods} may bill these as now imported: {shown}")
     return 0
 
 
@@ -431,7 +496,8 @@ async def cmd_deactivate(args: argparse.Namespace) -> int:
     if claimed:
         notes.append(
             f"{len(claimed)} claims are open, which a run charges whether or not the customer is"
-            f" active: {_billables(claimed)}; `starter.py skip PERIOD CUSTOMER` stops one"
+            f" active: {_billables(claimed)};"
+            " `starter.py skip PERIOD CUSTOMER --reason ...` stops one"
         )
     if unclaimed:
         notes.append(
@@ -514,7 +580,7 @@ def parser() -> argparse.ArgumentParser:
     renew = commands.add_parser(
         "renew-keys",
         help="give a paused run new vault keys, capped for what it has left (cap reached,"
-        " key revoked or expired); then resume it",
+        " key expired); then resume it. A cancelled run held up by a refused key then ends",
     )
     renew.add_argument("period", type=_period, help="YYYY-MM")
     renew.add_argument("--reason", required=True, help="recorded with your name")
@@ -664,12 +730,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         logs.configure("WARNING")
         return asyncio.run(handler(args))
+    except RunEndedError as exc:
+        # The run it reports on failed or was terminated: as a failure `run --wait` saw.
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
     except BillingError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except RPCError as exc:
         # Temporal refused a call: its own words carry no secret of ours.
         print(f"error: Temporal answered {exc.status.name}: {exc.message}", file=sys.stderr)
+        return 2
+    except WorkflowQueryFailedError as exc:
+        # The run is open but cannot answer (e.g. its workflow task keeps failing).
+        print(
+            f"error: the run did not answer its status query: {exc.message} (see its workflow"
+            " task's failure in the Web UI)",
+            file=sys.stderr,
+        )
         return 2
     except WorkflowFailureError as exc:
         # The run itself failed (exit 1 means reconciliation findings): its causes, in order.

@@ -36,6 +36,7 @@ from billing.errors import (
 )
 from billing.keys import idempotency_key
 from billing.models import (
+    NO_PERIOD_KEY_CODE,
     ChargeFailure,
     ChargeResult,
     Claim,
@@ -215,7 +216,7 @@ class ChargingActivities:
             await self._reopen(claim, fencing_token)
             raise ApplicationError(
                 str(gateway),
-                ChargeFailure(code="no_period_key", message=str(gateway)),
+                ChargeFailure(code=NO_PERIOD_KEY_CODE, message=str(gateway)),
                 type=KEY_REFUSED,
                 non_retryable=True,
             )

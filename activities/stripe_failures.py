@@ -12,7 +12,12 @@ from datetime import timedelta
 import stripe
 from temporalio.exceptions import ApplicationError
 
-from billing.models import ChargeFailure
+from billing.models import (
+    SPEND_CAP_EXCEEDED_CODE,
+    VAULT_KEY_EXPIRED_CODE,
+    VAULT_KEY_REVOKED_CODE,
+    ChargeFailure,
+)
 from billing.redact import redact
 
 # ApplicationError types the workflow tells apart.
@@ -39,7 +44,7 @@ SUPERSEDED_CODE = "attempt_superseded"
 def vault_key_unusable(exc: stripe.StripeError) -> bool:
     """The vault refused the request because the vault key has expired or was revoked."""
     code = _error_body(exc).get("code")
-    return exc.http_status == 401 and code in ("vault_key_expired", "vault_key_revoked")
+    return exc.http_status == 401 and code in (VAULT_KEY_EXPIRED_CODE, VAULT_KEY_REVOKED_CODE)
 
 
 def _error_body(exc: stripe.StripeError) -> dict[str, object]:
@@ -89,7 +94,7 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
     """Map one Stripe exception to the failure Temporal acts on."""
     if isinstance(exc, stripe.CardError):
         failure = failure_from(exc, "card_declined")
-        if failure.code == "spend_cap_exceeded":
+        if failure.code == SPEND_CAP_EXCEEDED_CODE:
             return _non_retryable(SPEND_CAP_EXCEEDED, failure)
         return declined(failure)
     if isinstance(exc, stripe.RateLimitError):
@@ -100,11 +105,20 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
         )
     if isinstance(exc, stripe.AuthenticationError):
         # Stripe's own message can quote part of the key: say what to check instead.
-        if _error_body(exc).get("code") == "vault_key_expired":
+        code = _error_body(exc).get("code")
+        if code == VAULT_KEY_EXPIRED_CODE:
             failure = ChargeFailure(
-                code="vault_key_expired",
+                code=VAULT_KEY_EXPIRED_CODE,
                 message="the period's vault key has expired: give the paused run a new one"
-                " (python starter.py renew-keys PERIOD), then resume it",
+                " (python starter.py renew-keys PERIOD --reason ...), then resume it",
+            )
+        elif code == VAULT_KEY_REVOKED_CODE:
+            failure = ChargeFailure(
+                code=VAULT_KEY_REVOKED_CODE,
+                message="the period's vault key was revoked (the kill switch): cancel the run,"
+                " or, once what the revoke was for is dealt with, delete the key's row in"
+                " period_vault_keys, renew the paused run's keys (python starter.py renew-keys"
+                " PERIOD --reason ...) and resume it",
             )
         else:
             failure = ChargeFailure(

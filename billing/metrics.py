@@ -25,6 +25,7 @@ from temporalio.runtime import (
 
 from billing.config import ObservabilitySettings
 from billing.liveness import Heartbeat, with_health
+from billing.models import SPEND_CAP_EXCEEDED_CODE
 
 CHARGES = Counter(
     "billing_charges_total",
@@ -71,7 +72,9 @@ def count_vault_refusal(exc: stripe.StripeError) -> None:
     """Count a 401, a 403 or a 402 spend_cap_exceeded: what the vault answers when it refuses
     a request before forwarding it."""
     code = _error_code(exc)
-    if exc.http_status in (401, 403) or (exc.http_status == 402 and code == "spend_cap_exceeded"):
+    if exc.http_status in (401, 403) or (
+        exc.http_status == 402 and code == SPEND_CAP_EXCEEDED_CODE
+    ):
         VAULT_REFUSALS.labels(code=(code or f"http_{exc.http_status}")[:_MAX_CODE_LENGTH]).inc()
 
 

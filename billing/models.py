@@ -14,6 +14,14 @@ from billing.redact import redact
 
 # Who decides what billing decides by itself: a run that paused itself, a customer held.
 AUTOMATIC = "billing (automatic)"
+# The codes a run that paused itself gives first in its reason: its vault key was refused.
+# Renewing the paused run's keys mends these three; a revoked key stays refused (the kill
+# switch) until its row is deleted.
+SPEND_CAP_EXCEEDED_CODE = "spend_cap_exceeded"
+VAULT_KEY_EXPIRED_CODE = "vault_key_expired"
+NO_PERIOD_KEY_CODE = "no_period_key"
+VAULT_KEY_REVOKED_CODE = "vault_key_revoked"
+RENEWABLE_PAUSES = frozenset({SPEND_CAP_EXCEEDED_CODE, VAULT_KEY_EXPIRED_CODE, NO_PERIOD_KEY_CODE})
 
 LedgerStatus = Literal["claimed", "charged", "failed", "skipped", "cancelled"]
 TERMINAL_STATUSES: frozenset[str] = frozenset({"charged", "failed", "skipped", "cancelled"})
@@ -167,6 +175,9 @@ class PeriodState(BaseModel):
     started_elsewhere: list[str] = Field(default_factory=list)
     counts: Counts = Field(default_factory=Counts)
     runs: int = 1
+    # A cancelled run still finishing: the code of the last vault refusal a child reported
+    # (PeriodProgress.refused_after_cancel).
+    refused_after_cancel: str | None = None
 
 
 class CancelPage(Record):
@@ -269,6 +280,9 @@ class PeriodProgress(PeriodCounts):
     expected_due: int | None = None
     reason: str | None = None
     operator: str | None = None
+    # A cancelled run still finishing: the vault refused the key that a charge sent before
+    # the cancel retries with (its code), so the run ends only once the key is renewed.
+    refused_after_cancel: str | None = None
 
 
 class PeriodRecord(Record):

@@ -8,7 +8,15 @@ from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ActivityError, ChildWorkflowError, FailureError
 
 from billing.config import TemporalSettings
-from billing.models import AUTOMATIC, PeriodCounts, PeriodProgress, Preview
+from billing.models import (
+    AUTOMATIC,
+    RENEWABLE_PAUSES,
+    VAULT_KEY_REVOKED_CODE,
+    PeriodCounts,
+    PeriodProgress,
+    PeriodSummary,
+    Preview,
+)
 from billing.money import describe_amounts
 from billing.period_keys import KeyRenewal
 from billing.reconciliation import ReconcileReport
@@ -25,16 +33,57 @@ def describe(summary: PeriodCounts) -> str:
     ]
     if isinstance(summary, PeriodProgress):
         lines.insert(1, f"  state {summary.state}, in flight {summary.in_flight}")
-        if summary.state == "paused":
-            lines.insert(2, f"  paused by {summary.operator}: {summary.reason}")
-            if summary.operator == AUTOMATIC:
-                # The run pauses itself only when its vault key is refused.
-                lines.insert(
-                    3,
-                    "  to bill the rest: python starter.py renew-keys"
-                    f" {summary.period} --reason ..., then resume it",
-                )
+        if summary.state in ("paused", "cancelling", "cancelled"):
+            lines.insert(2, f"  {summary.state} by {summary.operator}: {summary.reason}")
+        step = next_step(summary)
+        if step is not None:
+            lines.insert(3, f"  {step}")
+    elif isinstance(summary, PeriodSummary) and summary.cancelled_by is not None:
+        lines.insert(1, f"  cancelled by {summary.cancelled_by}: {summary.cancel_reason}")
     return "\n".join(lines)
+
+
+def next_step(progress: PeriodProgress) -> str | None:
+    """What an operator does to go on with a paused run, or with a cancelled one held up by
+    a refused key; None when the run needs nobody."""
+    period = progress.period
+    if progress.state == "cancelling" and progress.refused_after_cancel:
+        code = progress.refused_after_cancel
+        held = f"a charge sent before the cancel waits for the vault to take its key ({code})"
+        renewal = _renewal(period, code)
+        if renewal is None:
+            return f"{held}: the run ends once that is mended"
+        return f"{held}: to let it finish, {renewal}"
+    if progress.state != "paused":
+        return None
+    resume = f"python starter.py resume {period} --reason ..."
+    if progress.operator != AUTOMATIC:
+        return f"to go on: {resume}"
+    renewal = _renewal(period, progress.reason)
+    if renewal is None:
+        return f"to go on: mend what the reason says, then {resume}"
+    return f"to bill the rest (or cancel the run): {renewal}, then {resume}"
+
+
+def _code(reason: str | None) -> str:
+    """The code a run's refusal reason starts with ("code: message")."""
+    return (reason or "").split(":", 1)[0]
+
+
+def _renewal(period: str, reason: str | None) -> str | None:
+    """How new keys mend a run's vault refusal, by the code its reason starts with; None
+    when they do not."""
+    code = _code(reason)
+    renew = f"python starter.py renew-keys {period} --reason ..."
+    if code in RENEWABLE_PAUSES:
+        return f"{renew} (it says if no key needs it)"
+    if code == VAULT_KEY_REVOKED_CODE:
+        # The kill switch stays pulled until the key's row is deleted (renew-keys says so).
+        return (
+            "once what the key was revoked for is dealt with, delete its row in"
+            f" period_vault_keys, then {renew}"
+        )
+    return None
 
 
 def ui_link(temporal: TemporalSettings, workflow_id: str) -> str:
@@ -77,7 +126,8 @@ def describe_renewal(renewal: KeyRenewal) -> str:
     if not renewal.keys:
         return (
             f"every vault key of {renewal.period} has room for what its run has yet to charge,"
-            " and time left: none was renewed"
+            " and time left: none was renewed. Resume the run if its keys were renewed before,"
+            f" or see why it paused: python starter.py status {renewal.period}"
         )
     lines = [f"new vault keys for {renewal.period}:"]
     for key in renewal.keys:
@@ -90,7 +140,8 @@ def describe_renewal(renewal: KeyRenewal) -> str:
         )
         lines.append(f"  {key.vault_key_id}, capped at {cap}{replaced}")
     lines.append(
-        f"resume the run to bill the rest: python starter.py resume {renewal.period} --reason ..."
+        f"resume the run to bill the rest: python starter.py resume {renewal.period} --reason"
+        " ... (a cancelled run instead finishes the charges it had sent, and ends)"
     )
     return "\n".join(lines)
 

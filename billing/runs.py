@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
+from temporalio.api.enums.v1 import PendingWorkflowTaskState
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.common import (
     SearchAttributePair,
@@ -75,6 +76,18 @@ async def start_reconcile(
         task_queue,
         f"Reconcile {period}",
         period,
+    )
+
+
+async def awaits_a_worker(handle: WorkflowHandle[Any, Any]) -> bool:
+    """Whether the workflow's task waits for a worker to take it, or keeps failing on the
+    workers that do (a worker polling takes a task within milliseconds)."""
+    raw = (await handle.describe()).raw_description
+    if not raw.HasField("pending_workflow_task"):
+        return False
+    task = raw.pending_workflow_task
+    return task.state == PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_SCHEDULED or (
+        task.attempt > 1
     )
 
 

@@ -225,9 +225,12 @@ class BillingPeriodWorkflow:
             operator=request.operator,
             reason=request.reason,
         )
+        # Decided before the activity: a cancel accepted meanwhile wakes the children itself
+        # (and a run recorded before this wake had no other way to take a renewal).
+        cancelled = self._control.control == "cancelled"
         self._renewing += 1
         try:
-            return await workflow.execute_activity_method(
+            renewal = await workflow.execute_activity_method(
                 PeriodActivities.renew_keys,
                 self._state.period,
                 start_to_close_timeout=ACTIVITY_TIMEOUT,
@@ -238,15 +241,25 @@ class BillingPeriodWorkflow:
             )
         finally:
             self._renewing -= 1
+        if cancelled:
+            # Its children still in flight sent their charge before the cancel: retried
+            # with the new key, they end, and so does the run.
+            self._state.refused_after_cancel = None
+            await self._wake_children()
+        return renewal
 
     @renew_keys.validator
     def _validate_renew_keys(self, request: OperatorRequest) -> None:
-        self._refuse_if_over("renew the keys of")
-        if self._control.control != "paused":
+        if self._finished:
+            raise ApplicationError("cannot renew the keys of a run that has finished")
+        if self._control.control == "running":
             raise ApplicationError(
                 "renew the keys of a paused run only (it pauses itself when its key is refused"
-                " or its cap is reached): pause it first"
+                " or its cap is reached), or of a cancelled one still finishing the charges it"
+                " had sent: pause it first"
             )
+        if self._control.control == "cancelled" and not self._in_flight:
+            raise ApplicationError("the cancelled run has no charge left to finish")
 
     @workflow.update
     async def skip(self, request: SkipRequest) -> SkipResult:
@@ -342,11 +355,13 @@ class BillingPeriodWorkflow:
         if self._finished and workflow.patched(NO_PAUSE_ONCE_FINISHED):
             # Every outcome is in: a pause now would only be left in the ledger after the run.
             return
+        reason = f"{failure.code}: {failure.message}"
         if self._control.control == "running":
-            await self._set_control(
-                "paused",
-                OperatorRequest(reason=f"{failure.code}: {failure.message}", operator=AUTOMATIC),
-            )
+            await self._set_control("paused", OperatorRequest(reason=reason, operator=AUTOMATIC))
+        elif self._control.control == "cancelled":
+            # A charge sent before the cancel cannot be retried: the run waits for it.
+            self._state.refused_after_cancel = failure.code
+            self._describe()
 
     @workflow.query
     def progress(self) -> PeriodProgress:
@@ -360,6 +375,7 @@ class BillingPeriodWorkflow:
             expected_due=self._state.plan.due if self._state.plan else None,
             reason=control.reason,
             operator=control.operator,
+            refused_after_cancel=self._state.refused_after_cancel,
             **counts.model_dump(),
         )
 
@@ -389,7 +405,13 @@ class BillingPeriodWorkflow:
             "running": "Running",
             "paused": f"PAUSED by {control.operator}: {control.reason}",
             "cancelling": f"CANCELLED by {control.operator}: {control.reason}; finishing"
-            " charges already sent",
+            " charges already sent"
+            + (
+                f", one held up by its refused vault key ({self._state.refused_after_cancel}):"
+                " renew-keys lets it finish"
+                if self._state.refused_after_cancel
+                else ""
+            ),
             "cancelled": f"CANCELLED by {control.operator}: {control.reason}",
             "completed": "Finished",
         }
@@ -409,6 +431,8 @@ class BillingPeriodWorkflow:
             self._in_flight.discard(outcome.customer_id)
             self._elsewhere.discard(outcome.customer_id)
             self._state.counts.add(outcome)
+            # Perhaps the child that reported it: one still held up reports it again.
+            self._state.refused_after_cancel = None
 
     def _exhausted(self) -> bool:
         return self._state.listing_done and not self._buffer

@@ -296,6 +296,9 @@ async def test_an_import_repricing_customers_a_running_period_has_not_billed_is_
     forced = await run_cli(*argv, "--while-running", env=env)
     assert forced.code == 0, forced
     assert await db.fetchval("SELECT amount_cents FROM customers WHERE customer_id = 'c-2'") == 250
+    # Imported all the same, the changes are on record in the output.
+    assert "note: the open run of 2026-12 may bill these as now imported:" in forced.stdout
+    assert "c-4 (100 usd -> 300 usd)" in forced.stdout
 
 
 @pytest.mark.parametrize("argv", [["preview", "2026-12"], ["customers", "import", "IN.csv"]])
@@ -526,7 +529,8 @@ async def test_deactivating_customers_says_what_it_did_and_refuses_what_it_canno
     open_claim = await run_cli(*deactivate, "c-2", env=env)
     assert (open_claim.code, open_claim.stdout) == (2, ""), open_claim
     assert "1 claims are open, which a run charges whether or not" in open_claim.stderr
-    assert "c-2 (2026-12); `starter.py skip PERIOD CUSTOMER` stops one" in open_claim.stderr
+    skip = "`starter.py skip PERIOD CUSTOMER --reason ...` stops one"
+    assert f"c-2 (2026-12); {skip}" in open_claim.stderr
     assert await active() == ["c-2"]
     async with db.acquire() as conn:
         await conn.execute("UPDATE billing_runs SET skip_reason = 'gone' WHERE customer_id = 'c-2'")

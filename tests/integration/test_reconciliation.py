@@ -16,6 +16,7 @@ from temporalio.client import WorkflowFailureError, WorkflowHandle, WorkflowHist
 from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.service import RPCError
 
+import starter
 from activities import reconcile as reconcile_activities
 from activities.reconcile import ReconcileActivities
 from activities.stripe_gateway import StripeGateway, charge_params
@@ -209,6 +210,31 @@ async def test_reconcile_exits_1_when_it_leaves_a_claim_for_a_person(vaulted: Ha
         code, out, _ = await vaulted.starter("reconcile", str(PERIOD))
     assert "delete the key's row" in out
     assert code == 1, out
+
+
+async def test_reconcile_with_no_worker_says_so_and_runs_once_one_polls(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await billed(harness, 2)
+    config = harness.client.service_client.config
+    monkeypatch.setenv("TEMPORAL_ADDRESS", config.target_host)
+    monkeypatch.setenv("TEMPORAL_NAMESPACE", harness.client.namespace)
+    monkeypatch.setenv("TEMPORAL_TASK_QUEUE", harness.task_queue)
+    monkeypatch.setattr(starter, "NO_WORKER_SECONDS", 1.0)
+    args = starter.parser().parse_args(["reconcile", str(PERIOD)])
+    waiting = asyncio.create_task(starter.cmd_reconcile(args))
+    seen = ""
+
+    async def told() -> bool:
+        nonlocal seen
+        seen += capsys.readouterr().err
+        return "its workflow task has waited 1 s for a worker" in seen
+
+    await eventually(told)
+    assert f"is a worker polling task queue {harness.task_queue}? Waiting" in seen
+    async with harness.running_worker():
+        assert await waiting == 0
+    assert "reconciliation of" in capsys.readouterr().out
 
 
 async def test_a_charge_stripe_took_but_the_ledger_never_recorded_is_recorded(

@@ -3,6 +3,7 @@ switch, and no secret in workflow history."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -13,9 +14,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.exceptions import ActivityError, ApplicationError
 
+import starter
 from billing import ledger, operations, period_keys
 from billing.customers import upsert_customers
-from billing.models import OperatorRequest, PeriodSummary, RunOptions, SkipRequest
+from billing.keys import customer_workflow_id
+from billing.models import AUTOMATIC, OperatorRequest, PeriodSummary, RunOptions, SkipRequest
 from billing.money import spend_cap
 from billing.periods import period_for
 from billing.preview import preview_period
@@ -222,6 +225,83 @@ async def test_a_run_paused_at_its_cap_bills_the_rest_once_its_keys_are_renewed(
     assert not (await vaulted.vault.admin.get_key(old)).revoked
 
 
+async def test_run_wait_says_when_the_run_pauses_itself(
+    vaulted: Harness, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`run --wait` on a run that pauses itself at its key's cap says so, and what to do,
+    rather than wait for an operator without a word."""
+    await vaulted.seed(10)
+    config = vaulted.client.service_client.config
+    monkeypatch.setenv("TEMPORAL_ADDRESS", config.target_host)
+    monkeypatch.setenv("TEMPORAL_NAMESPACE", vaulted.client.namespace)
+    monkeypatch.setenv("TEMPORAL_TASK_QUEUE", vaulted.task_queue)
+    monkeypatch.setattr(starter, "PAUSE_CHECK_SECONDS", 0.2)
+    async with vaulted.running_worker():
+        await charging_one_at_a_time(vaulted)
+        args = starter.parser().parse_args(["run", str(PERIOD), "--wait"])
+        waiting = asyncio.create_task(starter.cmd_run(args))
+        await priced_past_the_cap(vaulted)
+        warned = f"warning: the run of {PERIOD} is paused by {AUTOMATIC} (spend_cap_exceeded"
+        seen = ""
+
+        async def told() -> bool:
+            nonlocal seen
+            seen += capsys.readouterr().err
+            return warned in seen
+
+        await eventually(told)
+        assert f"python starter.py renew-keys {PERIOD} --reason ..." in seen
+        assert not waiting.done()
+        await operations.renew_keys(vaulted.client, PERIOD, ALICE)
+        await operations.control(vaulted.client, PERIOD, "resume", ALICE)
+        assert await waiting == 0
+    out, err = capsys.readouterr()
+    assert (seen + err).count(warned) == 1
+    assert "charged 10" in out
+
+
+async def test_a_cancelled_run_held_up_by_a_refused_key_ends_once_its_keys_are_renewed(
+    vaulted: Harness,
+) -> None:
+    """A charge sent before the cancel, in doubt, whose key then expired: its retry is
+    refused, and it cannot be reopened (it reached Stripe), so the cancelled run waits for
+    it. Status says so; renewing the keys lets it finish, charged once."""
+    [customer] = await vaulted.seed(1)
+    # Charged, each answer lost: every retry replays the charge and loses it again.
+    await vaulted.set_faults(drop_after_commit=1.0)
+    async with vaulted.running_worker():
+        handle = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
+        await eventually(lambda: at_least(vaulted.succeeded(), 1))
+        async with vaulted.pool.acquire() as conn:
+            await conn.execute("UPDATE vault_keys SET expires_at = now()")
+        await eventually(lambda: vaulted.in_state(PERIOD, "paused"), timeout=60)
+        await vaulted.set_faults(drop_after_commit=0.0)
+        await operations.control(vaulted.client, PERIOD, "cancel", ALICE)
+
+        async def held_up() -> bool:
+            return (await period_status(vaulted.client, PERIOD)).refused_after_cancel is not None
+
+        await eventually(held_up, timeout=60)
+        progress = await period_status(vaulted.client, PERIOD)
+        assert (progress.state, progress.in_flight) == ("cancelling", 1)
+        assert progress.refused_after_cancel == "vault_key_expired"
+        assert f"to let it finish, python starter.py renew-keys {PERIOD}" in describe(progress)
+        [key] = (await operations.renew_keys(vaulted.client, PERIOD, ALICE)).keys
+        summary = await asyncio.wait_for(handle.result(), timeout=60)
+        await replays(handle)
+    # Woken by the renewal, as by the cancel before it, rather than left to its timers.
+    child = vaulted.client.get_workflow_handle(customer_workflow_id(PERIOD, customer.customer_id))
+    woken = [
+        e
+        async for e in child.fetch_history_events()
+        if e.HasField("workflow_execution_signaled_event_attributes")
+    ]
+    assert len(woken) == 2
+    assert (summary.charged, summary.cancelled, summary.cancelled_by) == (1, 0, "alice")
+    assert [c["customer"] for c in await vaulted.charges()] == [customer.stripe_customer_id]
+    assert key.vault_key_id == await period_key(vaulted)
+
+
 async def test_renewing_keys_leaves_the_kill_switch_pulled(vaulted: Harness) -> None:
     await vaulted.seed(10)
     assert vaulted.vault is not None
@@ -405,7 +485,11 @@ async def test_revoked_key_stops_charging(vaulted: Harness) -> None:
         await eventually(lambda: vaulted.in_state(PERIOD, "paused"), timeout=30)
         charged = len([c for c in await vaulted.charges() if c["status"] == "succeeded"])
         progress = await period_status(vaulted.client, PERIOD)
-        assert progress.reason is not None and "authentication_failed" in progress.reason
+        assert progress.reason is not None and "vault_key_revoked" in progress.reason
+        # The kill switch stays pulled until the key's row is deleted: status says so.
+        assert "delete its row in period_vault_keys, then python starter.py renew-keys" in (
+            describe(progress)
+        )
         await operations.control(vaulted.client, PERIOD, "cancel", ALICE)
         summary = await handle.result()
     assert summary.charged == charged < 12

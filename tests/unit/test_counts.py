@@ -232,7 +232,48 @@ def test_a_run_that_paused_itself_says_how_to_bill_the_rest() -> None:
     )
     text = describe(paused)
     assert f"paused by {AUTOMATIC}: spend_cap_exceeded" in text
-    assert "python starter.py renew-keys 2026-12 --reason ..., then resume it" in text
+    renew = "python starter.py renew-keys 2026-12 --reason ..."
+    resume = "python starter.py resume 2026-12 --reason ..."
+    assert f"{renew} (it says if no key needs it), then {resume}" in text
     by_hand = paused.model_copy(update={"operator": "alice", "reason": "prices look wrong"})
     assert "renew-keys" not in describe(by_hand)
     assert "paused by alice: prices look wrong" in describe(by_hand)
+    assert f"to go on: {resume}" in describe(by_hand)
+    # The kill switch: new keys only once the revoked key's row is deleted.
+    revoked = paused.model_copy(update={"reason": "vault_key_revoked: the key was revoked"})
+    assert f"delete its row in period_vault_keys, then {renew}" in describe(revoked)
+    # Not the key's room or life: new keys would not mend it.
+    refused = paused.model_copy(update={"reason": "permission_denied: not allowed"})
+    assert f"to go on: mend what the reason says, then {resume}" in describe(refused)
+
+
+def test_a_cancelled_run_says_who_cancelled_it_and_what_holds_it_up() -> None:
+    counts = dict.fromkeys(
+        ("due", "charged", "already_billed", "failed", "skipped", "cancelled"), 0
+    )
+    cancelling = PeriodProgress(
+        period="2026-12",
+        workflow_id="billing-period-2026-12",
+        total_charged_cents=0,
+        state="cancelling",
+        in_flight=1,
+        operator="alice",
+        reason="wrong prices",
+        **counts,
+    )
+    assert "cancelling by alice: wrong prices" in describe(cancelling)
+    assert "renew-keys" not in describe(cancelling)
+    held = cancelling.model_copy(update={"refused_after_cancel": "vault_key_expired"})
+    assert (
+        "a charge sent before the cancel waits for the vault to take its key"
+        " (vault_key_expired): to let it finish, python starter.py renew-keys 2026-12"
+    ) in describe(held)
+    summary = PeriodSummary(
+        period="2026-12",
+        workflow_id="billing-period-2026-12",
+        total_charged_cents=0,
+        cancelled_by="alice",
+        cancel_reason="wrong prices",
+        **counts,
+    )
+    assert "cancelled by alice: wrong prices" in describe(summary)

@@ -74,3 +74,12 @@ def test_an_expired_vault_key_says_how_to_get_a_new_one() -> None:
     assert (failure.type, failure.non_retryable) == (KEY_REFUSED, True)
     assert failure.message.startswith("vault_key_expired: the period's vault key has expired:")
     assert "python starter.py renew-keys PERIOD" in failure.message
+
+
+def test_a_revoked_vault_key_says_the_kill_switch_is_pulled() -> None:
+    failure = to_temporal_failure(
+        _error(stripe.AuthenticationError, 401, code="vault_key_revoked", message="revoked")
+    )
+    assert (failure.type, failure.non_retryable) == (KEY_REFUSED, True)
+    assert failure.message.startswith("vault_key_revoked: the period's vault key was revoked")
+    assert "delete the key's row in period_vault_keys" in failure.message
