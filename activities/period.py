@@ -138,7 +138,7 @@ class PeriodActivities:
                 stripe_customer_id=customer.stripe_customer_id,
                 held_as=customer.held_as,
             )
-        return plan
+        return plan.model_copy(update={"held": len(held)})
 
     async def _ensure_keys(
         self,

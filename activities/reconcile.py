@@ -40,12 +40,18 @@ from billing.reconciliation import (
     ReservationResolution,
     StripeCharge,
     classify,
-    left_alone_because,
+    left_alone,
     left_unknown_because,
     release_wait,
 )
 from billing.sealing import UnsealError
-from vault.client import VaultAdmin, VaultAdminError
+from vault.client import (
+    VaultAdmin,
+    VaultAdminError,
+    VaultAuthError,
+    VaultForbidden,
+    VaultInvalidRequest,
+)
 from vault.models import ReservationInfo
 
 # Open claims one run resolves; a period normally ends with none, and the next run (the
@@ -224,12 +230,11 @@ class ReconcileActivities:
         resolve: list[Claim] = []
         left: list[ClaimResolution] = []
         for open_claim, child in zip(taken, children, strict=True):
-            reason = left_alone_because(child, period_running, open_claim)
-            if reason is None:
+            alone = left_alone(child, period_running, open_claim)
+            if alone is None:
                 resolve.append(open_claim.claim)
             else:
-                customer_id = open_claim.claim.customer_id
-                left.append(ClaimResolution(customer_id=customer_id, action="left", detail=reason))
+                left.append(alone)
         return ClaimsToResolve(resolve=resolve, left=left, more=len(found) > MAX_CLAIMS)
 
     @activity.defn(name="reconcile_settle_claim")
@@ -360,7 +365,9 @@ class ReconcileActivities:
             currency=reservation.currency,
         )
         if claim is None:
-            return unknown.model_copy(update={"detail": "no ledger row has this key"})
+            # Nothing of ours to look it up by: settle it with the admin token, by hand.
+            detail = "no ledger row has this key"
+            return unknown.model_copy(update={"detail": detail, "needs_person": True})
         try:
             found, _ = await self._find(claim)
             outcome: Literal["succeeded", "failed"]
@@ -381,10 +388,14 @@ class ReconcileActivities:
             )
         except (ApplicationError, VaultAdminError) as exc:
             # One reservation's trouble leaves it unknown for the next run, and the rest of
-            # reconciliation goes on: Stripe's rate or an intent still processing, no key to
-            # read with, the vault away, a retry that took it over (409), an amount the vault
-            # refuses. The message (ours, Stripe's or the vault's) says which.
-            return unknown.model_copy(update={"detail": exc.message})
+            # reconciliation goes on: Stripe's rate or an intent still processing, the vault
+            # away, a retry that took it over (409). The message (ours, Stripe's or the
+            # vault's) says which. What no later run changes is for a person: no key to read
+            # with, a token or an amount the vault refuses.
+            lasting = isinstance(exc, (VaultAuthError, VaultForbidden, VaultInvalidRequest)) or (
+                isinstance(exc, ApplicationError) and exc.non_retryable
+            )
+            return unknown.model_copy(update={"detail": exc.message, "needs_person": lasting})
         state = "committed" if info.state == "committed" else "released"
         _log("reconcile_reservation", claim.period, key, vault_key_id=key_id, state=state)
         return unknown.model_copy(update={"state": state, "amount_cents": info.committed_cents})

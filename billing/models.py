@@ -122,6 +122,9 @@ class PeriodPlan(Record):
     to_charge: int
     expected_total_cents: int
     totals_by_currency: dict[str, int] = Field(default_factory=dict)
+    # Active customers not due because their Stripe customer is billed this period under
+    # another id (renamed: see ledger.held_as_sql); `preview` lists them.
+    held: int = 0
 
 
 class Counts(BaseModel):
@@ -266,6 +269,8 @@ class PeriodCounts(Record):
     total_charged_cents: int
     # Money charged per currency, in each currency's smallest unit (cents, or yen).
     charged_by_currency: dict[str, int] = Field(default_factory=dict)
+    # Held when the run opened (PeriodPlan.held): not due, so in none of the counts above.
+    held: int = 0
 
 
 class PeriodSummary(PeriodCounts):

@@ -215,23 +215,38 @@ def left_unknown_because(found: ChargeFailure | None) -> str | None:
     return None
 
 
-def left_alone_because(
+def left_alone(
     child: ChildState, period_running: bool, open_claim: OpenClaim
-) -> str | None:
+) -> ClaimResolution | None:
     """Why reconciliation must leave a claim alone, or None when it may resolve it.
 
     A running CustomerChargeWorkflow owns its claim. A closed one is never started again for
     the period (REJECT_DUPLICATE), so nothing else works on its claim. One that never ran
     may still be started by its period's run while that runs. A charge never sent while the
-    period is paused waits for the operator, as the ledger's gate would make it.
+    period is paused waits for the operator, as the ledger's gate would make it. If the
+    period's run ended while paused (terminated), nobody is left to resume it: the claim is
+    left for a person, whom a new run or a skip serves.
     """
     if child == "running":
-        return "its CustomerChargeWorkflow is running"
-    if child == "absent" and period_running:
-        return "its period's run is running and may still start its workflow"
-    if not open_claim.sent and open_claim.control == "paused":
-        return "the period is paused and this charge was never sent"
-    return None
+        reason = "its CustomerChargeWorkflow is running"
+    elif child == "absent" and period_running:
+        reason = "its period's run is running and may still start its workflow"
+    elif not open_claim.sent and open_claim.control == "paused":
+        reason = "the period is paused and this charge was never sent"
+    else:
+        return None
+    claim = open_claim.claim
+    # One sent goes on whatever the pause (the gate passes it), so its workflow ends it.
+    stranded = not period_running and open_claim.control == "paused" and not open_claim.sent
+    if stranded:
+        reason += (
+            ", and its period's run ended while paused (terminated?), so nothing resumes it:"
+            f" run the period again (python starter.py run {claim.period}), which resumes"
+            " it, or skip the customer"
+        )
+    return ClaimResolution(
+        customer_id=claim.customer_id, action="left", detail=reason, needs_person=stranded
+    )
 
 
 def classify(charges: Iterable[StripeCharge], ledger: dict[str, LedgerEntry]) -> list[Finding]:

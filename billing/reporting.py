@@ -31,6 +31,11 @@ def describe(summary: PeriodCounts) -> str:
         f"  charged {describe_amounts(summary.charged_by_currency)}"
         " (in each currency's smallest unit)",
     ]
+    if summary.held:
+        lines.append(
+            f"  held {summary.held}: not due, their Stripe customer billed this period under"
+            f" another id (renamed?); python starter.py preview {summary.period} lists them"
+        )
     if isinstance(summary, PeriodProgress):
         lines.insert(1, f"  state {summary.state}, in flight {summary.in_flight}")
         if summary.state in ("paused", "cancelling", "cancelled"):

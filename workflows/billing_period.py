@@ -172,6 +172,7 @@ class BillingPeriodWorkflow:
             workflow_id=workflow.info().workflow_id,
             cancel_reason=control.reason if cancelled else None,
             cancelled_by=control.operator if cancelled else None,
+            held=state.plan.held,
             **state.counts.model_dump(),
         )
         await workflow.execute_activity_method(
@@ -373,6 +374,7 @@ class BillingPeriodWorkflow:
             state=self._state_word(),
             in_flight=len(self._in_flight),
             expected_due=self._state.plan.due if self._state.plan else None,
+            held=self._state.plan.held if self._state.plan else 0,
             reason=control.reason,
             operator=control.operator,
             refused_after_cancel=self._state.refused_after_cancel,

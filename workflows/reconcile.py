@@ -3,7 +3,7 @@ Stripe holds that the ledger does not account for.
 
 1. Vault reservations left unknown are settled with what Stripe has (committed or released).
 2. Claims with no recorded outcome that no workflow owns (see
-   billing.reconciliation.left_alone_because) are looked up on Stripe by the key in their
+   billing.reconciliation.left_alone) are looked up on Stripe by the key in their
    metadata and recorded; a claim Stripe knows nothing of is charged again, with the same key,
    by a new run of the customer's own workflow ID: Temporal refuses that run if one appeared
    meanwhile, so a claim is never worked on twice at once.

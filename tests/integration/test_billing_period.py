@@ -27,6 +27,7 @@ from billing.models import (
     SkipRequest,
 )
 from billing.periods import Period
+from billing.reporting import describe
 from billing.runs import period_status, start_period
 from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
@@ -112,6 +113,11 @@ async def test_a_renamed_customer_is_held_not_charged_again_by_a_rerun(harness: 
         )
         rerun = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
     assert (rerun.due, rerun.charged, rerun.already_billed) == (3, 1, 2)
+    # Not due, so in no count: the summary says it was held, and where to see which.
+    assert rerun.held == 1
+    assert "held 1: not due, their Stripe customer billed this period under another id" in (
+        describe(rerun)
+    )
     rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
     assert "renamed-1" not in rows
     assert rows[added[0].customer_id]["status"] == "charged"

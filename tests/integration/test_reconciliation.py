@@ -20,7 +20,7 @@ import starter
 from activities import reconcile as reconcile_activities
 from activities.reconcile import ReconcileActivities
 from activities.stripe_gateway import StripeGateway, charge_params
-from billing import ledger, period_keys
+from billing import ledger, operations, period_keys
 from billing.customers import CustomerRow
 from billing.keys import (
     customer_workflow_id,
@@ -33,6 +33,7 @@ from billing.models import (
     ChargeResult,
     Claim,
     CustomerChargeInput,
+    OperatorRequest,
     ScheduledBillingInput,
 )
 from billing.periods import Period, period_for
@@ -310,6 +311,39 @@ async def test_a_period_whose_child_was_terminated_finishes_once_reconciled(
     await assert_billed_once(harness, str(PERIOD), [customer])
 
 
+async def test_claims_a_run_left_paused_when_terminated_are_left_for_a_person(
+    harness: Harness,
+) -> None:
+    """Its children wait at the gate for a resume that no run is left to send: reconcile
+    leaves their claims for a person, saying that a new run resumes them (exit 1 daily
+    rather than "all clear"); that new run then bills each once."""
+    customers = await harness.seed(4)
+    # One Stripe slot every 2 s: the children claim at once, then wait for their slot.
+    harness.settings = harness.settings.model_copy(update={"billing_stripe_rps": 0.5})
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        await eventually(lambda: at_least(harness.money_requests(), 1))
+        await operations.control(
+            harness.client, PERIOD, "pause", OperatorRequest(reason="check", operator="alice")
+        )
+        await handle.terminate(reason="lost while paused")
+        rows = await harness.ledger_rows(str(PERIOD))
+        unsent = sorted(r["customer_id"] for r in rows if r["charge_started_at"] is None)
+        assert len(rows) == 4 and len(unsent) >= 2
+        report = await (await start_reconcile(harness.client, PERIOD, harness.task_queue)).result()
+        assert report.needs_a_person
+        assert sorted(c.customer_id for c in report.claims if c.needs_person) == unsent
+        assert all(
+            f"python starter.py run {PERIOD}" in (c.detail or "")
+            for c in report.claims
+            if c.needs_person
+        )
+        rerun = await start_period(harness.client, PERIOD, harness.task_queue)
+        await asyncio.wait_for(rerun.result(), timeout=120)
+    assert await harness.money_requests() == 4
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
 async def charged_in_doubt_at_the_vault(vaulted: Harness) -> list[CustomerRow]:
     """Three customers billed while Stripe commits each charge and answers 500 (saved,
     replayed for the key): the worker finds each charge by listing, but the vault never
@@ -385,27 +419,34 @@ async def test_unknown_reservations_past_the_time_given_wait_for_the_next_run(
     await assert_billed_once(vaulted, str(PERIOD), customers)
 
 
+@pytest.mark.parametrize(
+    ("trouble", "lasting"),
+    [
+        (ApplicationError("Stripe answered 429 rate_limit", type="RateLimited"), False),
+        # No later run reads it either: a person must.
+        (ApplicationError("no key to read with", type="NoPeriodKey", non_retryable=True), True),
+    ],
+)
 async def test_one_reservation_stripe_cannot_answer_for_is_left_and_the_rest_settled(
-    vaulted: Harness, monkeypatch: pytest.MonkeyPatch
+    vaulted: Harness, monkeypatch: pytest.MonkeyPatch, trouble: ApplicationError, lasting: bool
 ) -> None:
     customers = await charged_in_doubt_at_the_vault(vaulted)
     unlucky = customers[0].customer_id
     find = ReconcileActivities._find
 
-    async def rate_limited(
+    async def unanswered(
         self: ReconcileActivities, claim: Claim, *, recheck: bool = False
     ) -> tuple[ChargeResult | ChargeFailure | None, bool]:
         if claim.customer_id == unlucky:
-            raise ApplicationError("Stripe answered 429 rate_limit", type="RateLimited")
+            raise trouble
         return await find(self, claim, recheck=recheck)
 
-    monkeypatch.setattr(ReconcileActivities, "_find", rate_limited)
+    monkeypatch.setattr(ReconcileActivities, "_find", unanswered)
     report = await reconcile(vaulted)
     by_customer = {r.customer_id: r for r in report.reservations}
-    assert (by_customer[unlucky].state, by_customer[unlucky].detail) == (
-        "unknown",
-        "Stripe answered 429 rate_limit",
-    )
+    left = by_customer[unlucky]
+    assert (left.state, left.detail, left.needs_person) == ("unknown", trouble.message, lasting)
+    assert report.needs_a_person == lasting
     assert sorted(r.state for r in report.reservations) == ["committed", "committed", "unknown"]
     assert report.findings == []
 

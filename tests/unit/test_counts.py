@@ -277,3 +277,15 @@ def test_a_cancelled_run_says_who_cancelled_it_and_what_holds_it_up() -> None:
         **counts,
     )
     assert "cancelled by alice: wrong prices" in describe(summary)
+
+
+def test_customers_held_at_the_opening_are_named_apart_from_the_counts() -> None:
+    counts = dict.fromkeys(
+        ("due", "charged", "already_billed", "failed", "skipped", "cancelled"), 0
+    )
+    summary = PeriodSummary(
+        period="2026-12", workflow_id="billing-period-2026-12", total_charged_cents=0, **counts
+    )
+    assert "held" not in describe(summary)
+    held = describe(summary.model_copy(update={"held": 2}))
+    assert "held 2: not due" in held and "python starter.py preview 2026-12 lists them" in held

@@ -28,7 +28,7 @@ from billing.reconciliation import (
     ReservationResolution,
     StripeCharge,
     classify,
-    left_alone_because,
+    left_alone,
     left_unknown_because,
     release_wait,
 )
@@ -78,15 +78,30 @@ def entry(charge_id: str | None, status: str = "charged") -> LedgerEntry:
 def test_a_claim_is_resolved_only_when_no_workflow_can_own_it(
     child: ChildState, period_running: bool, resolvable: bool
 ) -> None:
-    reason = left_alone_because(child, period_running, open_claim())
-    assert (reason is None) == resolvable
+    alone = left_alone(child, period_running, open_claim())
+    assert (alone is None) == resolvable
+    assert alone is None or not alone.needs_person
 
 
 def test_an_unsent_charge_of_a_paused_period_waits_for_the_operator() -> None:
-    assert left_alone_because("closed", False, open_claim(sent=False, control="paused"))
+    paused = left_alone("closed", True, open_claim(sent=False, control="paused"))
+    assert paused is not None and not paused.needs_person
     # Once sent, only the same key can learn its outcome, pause or not.
-    assert left_alone_because("closed", False, open_claim(sent=True, control="paused")) is None
-    assert left_alone_because("closed", False, open_claim(sent=False, control="cancelled")) is None
+    assert left_alone("closed", False, open_claim(sent=True, control="paused")) is None
+    assert left_alone("closed", False, open_claim(sent=False, control="cancelled")) is None
+
+
+@pytest.mark.parametrize("child", ["closed", "running"])
+def test_a_claim_of_a_run_that_ended_while_paused_is_left_for_a_person(
+    child: ChildState,
+) -> None:
+    # Terminated while paused: no run is left to resume the charge, or its workflow.
+    alone = left_alone(child, False, open_claim(sent=False, control="paused"))
+    assert alone is not None and alone.needs_person
+    assert alone.detail is not None and "python starter.py run 2026-12" in alone.detail
+    # Sent, it passes the gate whatever the pause: its workflow ends it.
+    sent = left_alone("running", False, open_claim(sent=True, control="paused"))
+    assert sent is not None and not sent.needs_person
 
 
 def test_the_ledgers_own_charge_is_no_finding() -> None:
