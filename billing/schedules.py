@@ -242,8 +242,10 @@ async def missed_launches(client: Client, schedule_id: str) -> list[Missed]:
     launched = {a.scheduled_at for a in info.recent_actions}
     since = info.created_at
     if len(info.recent_actions) >= _RECENT_ACTIONS_KEPT:
-        # A backfilled action's time may be before the schedule existed.
-        since = max(since, min(launched))
+        # Older actions are dropped from the list: only times since the oldest listed was
+        # taken are known. By when it was taken, not its time: a backfilled action's time
+        # is long before, and firings since then may have been dropped.
+        since = max(since, min(a.started_at for a in info.recent_actions))
     now = datetime.now(UTC)
     if now <= since:
         return []
