@@ -330,7 +330,7 @@ async def cmd_reconcile(args: argparse.Namespace) -> int:
     handle = await start_reconcile(client, args.period, temporal.task_queue)
     result = asyncio.ensure_future(handle.result())
     waited = (await asyncio.wait({result}, timeout=NO_WORKER_SECONDS))[0]
-    if not waited and await awaits_a_worker(handle):
+    if not waited and await awaits_a_worker(handle, timedelta(seconds=NO_WORKER_SECONDS)):
         print(
             f"warning: reconciliation of {args.period} is open as {handle.id}, but its"
             f" workflow task has waited {NO_WORKER_SECONDS:.0f} s for a worker to take it (or"

@@ -109,16 +109,14 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
         if code == VAULT_KEY_EXPIRED_CODE:
             failure = ChargeFailure(
                 code=VAULT_KEY_EXPIRED_CODE,
-                message="the period's vault key has expired: give the paused run a new one"
-                " (python starter.py renew-keys PERIOD --reason ...), then resume it",
+                message="the period's vault key has expired (python starter.py status names"
+                " what to do)",
             )
         elif code == VAULT_KEY_REVOKED_CODE:
             failure = ChargeFailure(
                 code=VAULT_KEY_REVOKED_CODE,
-                message="the period's vault key was revoked (the kill switch): cancel the run,"
-                " or, once what the revoke was for is dealt with, delete the key's row in"
-                " period_vault_keys, renew the paused run's keys (python starter.py renew-keys"
-                " PERIOD --reason ...) and resume it",
+                message="the period's vault key was revoked, the kill switch (python starter.py"
+                " status names what to do)",
             )
         else:
             failure = ChargeFailure(

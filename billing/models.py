@@ -122,8 +122,8 @@ class PeriodPlan(Record):
     to_charge: int
     expected_total_cents: int
     totals_by_currency: dict[str, int] = Field(default_factory=dict)
-    # Active customers not due because their Stripe customer is billed this period under
-    # another id (renamed: see ledger.held_as_sql); `preview` lists them.
+    # Active customers not due because their Stripe customer is billed (or being billed)
+    # this period under another id (renamed: see ledger.held_as_sql); `preview` lists them.
     held: int = 0
 
 
@@ -179,7 +179,9 @@ class PeriodState(BaseModel):
     counts: Counts = Field(default_factory=Counts)
     runs: int = 1
     # A cancelled run still finishing: the code of the last vault refusal a child reported
-    # (PeriodProgress.refused_after_cancel).
+    # (PeriodProgress.refused_after_cancel), until keys are renewed or the run ends. It may
+    # be a charge never sent, refused and reopened, which the gate then cancels: the run
+    # then ends at once.
     refused_after_cancel: str | None = None
 
 

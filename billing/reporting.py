@@ -33,8 +33,9 @@ def describe(summary: PeriodCounts) -> str:
     ]
     if summary.held:
         lines.append(
-            f"  held {summary.held}: not due, their Stripe customer billed this period under"
-            f" another id (renamed?); python starter.py preview {summary.period} lists them"
+            f"  held {summary.held}: not due, their Stripe customer billed (or being billed)"
+            f" this period under another id (renamed?); python starter.py preview"
+            f" {summary.period} lists them"
         )
     if isinstance(summary, PeriodProgress):
         lines.insert(1, f"  state {summary.state}, in flight {summary.in_flight}")
@@ -131,8 +132,9 @@ def describe_renewal(renewal: KeyRenewal) -> str:
     if not renewal.keys:
         return (
             f"every vault key of {renewal.period} has room for what its run has yet to charge,"
-            " and time left: none was renewed. Resume the run if its keys were renewed before,"
-            f" or see why it paused: python starter.py status {renewal.period}"
+            " and time left: none was renewed. Resume the run if its keys were renewed before"
+            " (a cancelled run finishes once its charges take them), or see why it waits:"
+            f" python starter.py status {renewal.period}"
         )
     lines = [f"new vault keys for {renewal.period}:"]
     for key in renewal.keys:

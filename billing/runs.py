@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from temporalio.api.enums.v1 import PendingWorkflowTaskState
@@ -79,16 +79,18 @@ async def start_reconcile(
     )
 
 
-async def awaits_a_worker(handle: WorkflowHandle[Any, Any]) -> bool:
-    """Whether the workflow's task waits for a worker to take it, or keeps failing on the
-    workers that do (a worker polling takes a task within milliseconds)."""
+async def awaits_a_worker(handle: WorkflowHandle[Any, Any], longer_than: timedelta) -> bool:
+    """Whether the workflow's task has waited `longer_than` for a worker to take it (one
+    polling takes it within milliseconds), or keeps failing on the workers that do."""
     raw = (await handle.describe()).raw_description
     if not raw.HasField("pending_workflow_task"):
         return False
     task = raw.pending_workflow_task
-    return task.state == PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_SCHEDULED or (
-        task.attempt > 1
-    )
+    if task.attempt > 1:
+        return True
+    waited = datetime.now(UTC) - task.original_scheduled_time.ToDatetime(tzinfo=UTC)
+    scheduled = task.state == PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_SCHEDULED
+    return scheduled and waited >= longer_than
 
 
 async def _run_or_join(

@@ -433,8 +433,6 @@ class BillingPeriodWorkflow:
             self._in_flight.discard(outcome.customer_id)
             self._elsewhere.discard(outcome.customer_id)
             self._state.counts.add(outcome)
-            # Perhaps the child that reported it: one still held up reports it again.
-            self._state.refused_after_cancel = None
 
     def _exhausted(self) -> bool:
         return self._state.listing_done and not self._buffer

@@ -760,33 +760,36 @@ async def test_launches_pushed_out_of_the_recent_list_by_a_backfill_are_not_miss
     its real firings out of that list: they launched all the same."""
     config = schedules.MonthlySchedule(schedule_id="backfilled")
     schedule = schedules.build_schedule(config, harness.task_queue, RunOptions())
-    schedule.spec = ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=1))])
+    # Every 3 s: firings to push out, and seconds before the next pushes a backfilled one out.
+    schedule.spec = ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=3))])
     schedule.policy.overlap = ScheduleOverlapPolicy.ALLOW_ALL
     handle = await harness.client.create_schedule("backfilled", schedule)
+    try:
 
-    async def fired(times: int) -> bool:
-        return len((await handle.describe()).info.recent_actions) >= times
+        async def fired(times: int) -> bool:
+            return len((await handle.describe()).info.recent_actions) >= times
 
-    await eventually(lambda: fired(2))
-    backfilled_at = datetime.now(UTC)
-    long_ago = backfilled_at - timedelta(hours=1)
-    await handle.backfill(
-        ScheduleBackfill(
-            start_at=long_ago,
-            end_at=long_ago + timedelta(seconds=11),
-            overlap=ScheduleOverlapPolicy.ALLOW_ALL,
+        await eventually(lambda: fired(2), timeout=30)
+        backfilled_at = datetime.now(UTC)
+        long_ago = backfilled_at - timedelta(hours=1)
+        await handle.backfill(
+            ScheduleBackfill(
+                start_at=long_ago,
+                end_at=long_ago + timedelta(seconds=30),
+                overlap=ScheduleOverlapPolicy.ALLOW_ALL,
+            )
         )
-    )
 
-    async def pushed_out() -> bool:
-        recent = (await handle.describe()).info.recent_actions
-        return sum(a.scheduled_at < long_ago + timedelta(minutes=1) for a in recent) >= 9
+        async def pushed_out() -> bool:
+            recent = (await handle.describe()).info.recent_actions
+            return sum(a.scheduled_at < long_ago + timedelta(minutes=1) for a in recent) >= 9
 
-    await eventually(pushed_out)
-    # Only a firing due since the backfill may not be listed yet (it fires every second).
-    missed = await schedules.missed_launches(harness.client, "backfilled")
-    assert [m for m in missed if m.at < backfilled_at] == []
-    await handle.delete()
+        await eventually(pushed_out)
+        # Only a firing due since the backfill may not be listed yet.
+        missed = await schedules.missed_launches(harness.client, "backfilled")
+        assert [m for m in missed if m.at < backfilled_at] == []
+    finally:
+        await handle.delete()
 
 
 async def test_run_with_no_worker_says_the_run_is_open_and_nobody_answers(harness: Harness) -> None:

@@ -318,8 +318,8 @@ async def test_claims_a_run_left_paused_when_terminated_are_left_for_a_person(
     leaves their claims for a person, saying that a new run resumes them (exit 1 daily
     rather than "all clear"); that new run then bills each once."""
     customers = await harness.seed(4)
-    # One Stripe slot every 2 s: the children claim at once, then wait for their slot.
-    harness.settings = harness.settings.model_copy(update={"billing_stripe_rps": 0.5})
+    # One Stripe slot every 5 s: the children claim at once, then wait for their slot.
+    harness.settings = harness.settings.model_copy(update={"billing_stripe_rps": 0.2})
     async with harness.running_worker():
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
         await eventually(lambda: at_least(harness.money_requests(), 1))

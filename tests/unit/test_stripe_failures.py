@@ -66,14 +66,14 @@ def test_declines_and_refused_keys_are_final() -> None:
     assert (refused.type, refused.non_retryable) == (KEY_REFUSED, True)
 
 
-def test_an_expired_vault_key_says_how_to_get_a_new_one() -> None:
-    # A resume would only pause the run again: a new key comes with a new run's preparation.
+def test_an_expired_vault_key_says_where_to_learn_what_to_do() -> None:
+    # A resume would only pause the run again: `status` names renew-keys, with the period.
     failure = to_temporal_failure(
         _error(stripe.AuthenticationError, 401, code="vault_key_expired", message="expired")
     )
     assert (failure.type, failure.non_retryable) == (KEY_REFUSED, True)
-    assert failure.message.startswith("vault_key_expired: the period's vault key has expired:")
-    assert "python starter.py renew-keys PERIOD" in failure.message
+    assert failure.message.startswith("vault_key_expired: the period's vault key has expired")
+    assert "python starter.py status names what to do" in failure.message
 
 
 def test_a_revoked_vault_key_says_the_kill_switch_is_pulled() -> None:
@@ -82,4 +82,4 @@ def test_a_revoked_vault_key_says_the_kill_switch_is_pulled() -> None:
     )
     assert (failure.type, failure.non_retryable) == (KEY_REFUSED, True)
     assert failure.message.startswith("vault_key_revoked: the period's vault key was revoked")
-    assert "delete the key's row in period_vault_keys" in failure.message
+    assert "python starter.py status names what to do" in failure.message
