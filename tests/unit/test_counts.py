@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -216,19 +217,28 @@ def test_a_listing_names_five_and_counts_the_rest(items: list[str]) -> None:
     assert text.endswith(f" and {len(items) - 5} more") == (len(items) > 5)
 
 
-def test_a_run_that_paused_itself_says_how_to_bill_the_rest() -> None:
+def _nothing_counted(**fields: Any) -> dict[str, Any]:
+    """A period's counts all nought, with `fields`: what a summary or progress needs."""
     counts = dict.fromkeys(
         ("due", "charged", "already_billed", "failed", "skipped", "cancelled"), 0
     )
-    paused = PeriodProgress(
-        period="2026-12",
-        workflow_id="billing-period-2026-12",
-        total_charged_cents=0,
-        state="paused",
-        in_flight=3,
-        operator=AUTOMATIC,
-        reason="spend_cap_exceeded: 500 cents would pass this key's cap",
+    return {
+        "period": "2026-12",
+        "workflow_id": "billing-period-2026-12",
+        "total_charged_cents": 0,
         **counts,
+        **fields,
+    }
+
+
+def test_a_run_that_paused_itself_says_how_to_bill_the_rest() -> None:
+    paused = PeriodProgress(
+        **_nothing_counted(
+            state="paused",
+            in_flight=3,
+            operator=AUTOMATIC,
+            reason="spend_cap_exceeded: 500 cents would pass this key's cap",
+        )
     )
     text = describe(paused)
     assert f"paused by {AUTOMATIC}: spend_cap_exceeded" in text
@@ -248,18 +258,8 @@ def test_a_run_that_paused_itself_says_how_to_bill_the_rest() -> None:
 
 
 def test_a_cancelled_run_says_who_cancelled_it_and_what_holds_it_up() -> None:
-    counts = dict.fromkeys(
-        ("due", "charged", "already_billed", "failed", "skipped", "cancelled"), 0
-    )
     cancelling = PeriodProgress(
-        period="2026-12",
-        workflow_id="billing-period-2026-12",
-        total_charged_cents=0,
-        state="cancelling",
-        in_flight=1,
-        operator="alice",
-        reason="wrong prices",
-        **counts,
+        **_nothing_counted(state="cancelling", in_flight=1, operator="alice", reason="wrong prices")
     )
     assert "cancelling by alice: wrong prices" in describe(cancelling)
     assert "renew-keys" not in describe(cancelling)
@@ -268,24 +268,12 @@ def test_a_cancelled_run_says_who_cancelled_it_and_what_holds_it_up() -> None:
         "a charge sent before the cancel waits for the vault to take its key"
         " (vault_key_expired): to let it finish, python starter.py renew-keys 2026-12"
     ) in describe(held)
-    summary = PeriodSummary(
-        period="2026-12",
-        workflow_id="billing-period-2026-12",
-        total_charged_cents=0,
-        cancelled_by="alice",
-        cancel_reason="wrong prices",
-        **counts,
-    )
+    summary = PeriodSummary(**_nothing_counted(cancelled_by="alice", cancel_reason="wrong prices"))
     assert "cancelled by alice: wrong prices" in describe(summary)
 
 
 def test_customers_held_at_the_opening_are_named_apart_from_the_counts() -> None:
-    counts = dict.fromkeys(
-        ("due", "charged", "already_billed", "failed", "skipped", "cancelled"), 0
-    )
-    summary = PeriodSummary(
-        period="2026-12", workflow_id="billing-period-2026-12", total_charged_cents=0, **counts
-    )
+    summary = PeriodSummary(**_nothing_counted())
     assert "held" not in describe(summary)
     held = describe(summary.model_copy(update={"held": 2}))
     assert "held 2: not due" in held and "python starter.py preview 2026-12 lists them" in held

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 import stripe
 
 from activities.stripe_failures import (
@@ -66,20 +67,18 @@ def test_declines_and_refused_keys_are_final() -> None:
     assert (refused.type, refused.non_retryable) == (KEY_REFUSED, True)
 
 
-def test_an_expired_vault_key_says_where_to_learn_what_to_do() -> None:
-    # A resume would only pause the run again: `status` names renew-keys, with the period.
-    failure = to_temporal_failure(
-        _error(stripe.AuthenticationError, 401, code="vault_key_expired", message="expired")
-    )
+@pytest.mark.parametrize(
+    ("code", "said"),
+    [
+        ("vault_key_expired", "the period's vault key has expired"),
+        ("vault_key_revoked", "the period's vault key was revoked, the kill switch"),
+    ],
+)
+def test_a_vault_key_expired_or_revoked_says_where_to_learn_what_to_do(
+    code: str, said: str
+) -> None:
+    # A resume would only pause the run again: `status` names what mends it, with the period.
+    failure = to_temporal_failure(_error(stripe.AuthenticationError, 401, code=code, message=code))
     assert (failure.type, failure.non_retryable) == (KEY_REFUSED, True)
-    assert failure.message.startswith("vault_key_expired: the period's vault key has expired")
-    assert "python starter.py status names what to do" in failure.message
-
-
-def test_a_revoked_vault_key_says_the_kill_switch_is_pulled() -> None:
-    failure = to_temporal_failure(
-        _error(stripe.AuthenticationError, 401, code="vault_key_revoked", message="revoked")
-    )
-    assert (failure.type, failure.non_retryable) == (KEY_REFUSED, True)
-    assert failure.message.startswith("vault_key_revoked: the period's vault key was revoked")
+    assert failure.message.startswith(f"{code}: {said}")
     assert "python starter.py status names what to do" in failure.message
