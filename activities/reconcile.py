@@ -20,7 +20,12 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.stripe_access import StripeAccess
-from activities.stripe_failures import REFUSED, to_temporal_failure, vault_key_unusable
+from activities.stripe_failures import (
+    KEY_REFUSED,
+    REFUSED,
+    to_temporal_failure,
+    vault_key_unusable,
+)
 from activities.stripe_gateway import StripeGateway
 from billing import ledger, logs, metrics, period_keys
 from billing.config import BillingSettings
@@ -191,7 +196,13 @@ class ReconcileActivities:
             # A setting to fix, not a customer to skip.
             raise ApplicationError(str(exc), type=KEY_UNREADABLE, non_retryable=True) from None
         await self._stripe_turn()
-        return await read(gateway), False
+        try:
+            return await read(gateway), False
+        except stripe.StripeError as exc:
+            if vault_key_unusable(exc):
+                # The lookup key itself revoked: the next read issues another.
+                self._access.forget_lookup(period, currency)
+            raise
 
     async def _find(
         self, claim: Claim, *, recheck: bool = False
@@ -392,8 +403,9 @@ class ReconcileActivities:
             # away, a retry that took it over (409). The message (ours, Stripe's or the
             # vault's) says which. What no later run changes is for a person: no key to read
             # with, a token or an amount the vault refuses.
+            # (A key refused here is a lookup key, which the next read replaces.)
             lasting = isinstance(exc, (VaultAuthError, VaultForbidden, VaultInvalidRequest)) or (
-                isinstance(exc, ApplicationError) and exc.non_retryable
+                isinstance(exc, ApplicationError) and exc.non_retryable and exc.type != KEY_REFUSED
             )
             return unknown.model_copy(update={"detail": exc.message, "needs_person": lasting})
         state = "committed" if info.state == "committed" else "released"

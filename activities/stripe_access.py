@@ -44,6 +44,10 @@ class StripeAccess(Protocol):
         """A gateway that reads the period's charges in the currency, once the period's own
         key has expired or was revoked."""
 
+    def forget_lookup(self, period: str, currency: str) -> None:
+        """Drop the lookup key cached for the period (the vault refused it, e.g. revoked with
+        every key of the period): the next lookup_gateway issues another."""
+
 
 class DirectAccess:
     def __init__(self, gateway: StripeGateway) -> None:
@@ -63,6 +67,9 @@ class DirectAccess:
 
     async def lookup_gateway(self, period: str, currency: str) -> StripeGateway:
         return self._gateway
+
+    def forget_lookup(self, period: str, currency: str) -> None:
+        pass
 
 
 class VaultAccess:
@@ -137,3 +144,6 @@ class VaultAccess:
             gateway = self._through(issued.secret)
             self._lookups[slot] = (gateway, issued.expires_at)
             return gateway
+
+    def forget_lookup(self, period: str, currency: str) -> None:
+        self._lookups.pop((period, currency), None)

@@ -425,6 +425,8 @@ async def test_unknown_reservations_past_the_time_given_wait_for_the_next_run(
         (ApplicationError("Stripe answered 429 rate_limit", type="RateLimited"), False),
         # No later run reads it either: a person must.
         (ApplicationError("no key to read with", type="NoPeriodKey", non_retryable=True), True),
+        # A lookup key refused: the next read issues another.
+        (ApplicationError("lookup key revoked", type="KeyRefused", non_retryable=True), False),
     ],
 )
 async def test_one_reservation_stripe_cannot_answer_for_is_left_and_the_rest_settled(
@@ -722,6 +724,29 @@ async def test_a_claim_is_charged_through_the_key_that_replaced_the_one_a_worker
         (late.customer_id, "redriven", False)
     ]
     await assert_billed_once(vaulted, str(PERIOD), [*customers, late])
+
+
+async def test_a_lookup_key_revoked_is_replaced_on_the_next_read(vaulted: Harness) -> None:
+    """Every key of the period revoked (an incident), the one reconciliation reads with too:
+    the refused read drops it, and the next read issues another, rather than every read
+    failing until the cached key expires an hour later."""
+    claim = await billed(vaulted, 1)
+    await unusable(vaulted, "revoked")
+    assert vaulted.vault is not None
+    settling = ReconcileActivities(
+        vaulted.pool, vaulted.vault_access(), vaulted.settings, vaulted.vault.worker
+    )
+    found, can_charge = await settling._find(claim)
+    assert isinstance(found, ChargeResult) and not can_charge
+    [lookup] = await vaulted.vault.admin.find_keys(
+        period=str(PERIOD), label=period_keys.LOOKUP_LABEL
+    )
+    await vaulted.vault.admin.revoke(lookup.id)
+    with pytest.raises(ApplicationError) as refused:
+        await settling._find(claim)
+    assert refused.value.type == "KeyRefused"
+    found, _ = await settling._find(claim)
+    assert isinstance(found, ChargeResult) and found.charge_id == claim.charge_id
 
 
 async def test_a_period_key_the_worker_cannot_decrypt_fails_reconciliation(
