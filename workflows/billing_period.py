@@ -356,8 +356,8 @@ class BillingPeriodWorkflow:
         if self._finished and workflow.patched(NO_PAUSE_ONCE_FINISHED):
             # Every outcome is in: a pause now would only be left in the ledger after the run.
             return
-        reason = f"{failure.code}: {failure.message}"
         if self._control.control == "running":
+            reason = f"{failure.code}: {failure.message}"
             await self._set_control("paused", OperatorRequest(reason=reason, operator=AUTOMATIC))
         elif self._control.control == "cancelled":
             # A charge sent before the cancel cannot be retried: the run waits for it.
