@@ -410,7 +410,12 @@ class ReconcileActivities:
             return unknown.model_copy(update={"detail": exc.message, "needs_person": lasting})
         state = "committed" if info.state == "committed" else "released"
         _log("reconcile_reservation", claim.period, key, vault_key_id=key_id, state=state)
-        return unknown.model_copy(update={"state": state, "amount_cents": info.committed_cents})
+        elsewhere = (
+            f"charged; counted under vault key {info.counted_under}" if info.counted_under else None
+        )
+        return unknown.model_copy(
+            update={"state": state, "amount_cents": info.committed_cents, "detail": elsewhere}
+        )
 
     @activity.defn(name="reconcile_charges_page")
     async def compare_charges(self, request: ChargesPageRequest) -> ChargesPage:

@@ -218,6 +218,12 @@ class ReservationInfo(View):
     upstream_status: int | None
     created_at: datetime
     updated_at: datetime
+    # Defaulted, so a newer client reads a vault from before it.
+    counted_under: KeyId | None = Field(
+        default=None,
+        description="released because this vault key had committed the same idempotency key:"
+        " the charge's spend is counted there",
+    )
 
 
 class ReservationList(View):

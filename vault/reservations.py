@@ -4,11 +4,13 @@ Per key, after every transaction here:
   reserved_cents == sum(amount_cents) of its pending and unknown reservations
   spent_cents    == sum(committed_cents) of its committed reservations
   spent_cents + reserved_cents <= cap_cents, and the same per UTC day under a daily cap.
+Across keys, an idempotency key is committed under one vault key at most: Stripe keeps one
+per account, so a retry through another key (after a renewal) replays the same charge.
 
 A reservation is keyed by (vault key, idempotency key). Only one request at a time forwards
 it: the one that moved it to `pending` (its `attempt`), and only that request settles it.
-Locks are always taken in the order reservation row, key row, day row, so no two of these
-transactions can deadlock.
+Locks are always taken in the order idempotency key's commit lock (vault_lock_commits),
+reservation row, key row, day row, so no two of these transactions can deadlock.
 """
 
 from __future__ import annotations
@@ -212,10 +214,10 @@ async def settle(
         target: Literal["committed", "released"] = (
             "committed" if outcome == "succeeded" else "released"
         )
-        done = await _finish(
+        finished = await _finish(
             conn, reservation.id, reservation.attempt, _OPEN, target, None, upstream_status
         )
-        state = target if done else None
+        state = finished.state if finished else None
     if state is None:
         # Taken over meanwhile (this attempt was found stale), or settled: the new owner or
         # reconciliation has it.
@@ -223,6 +225,13 @@ async def settle(
             "SELECT state FROM vault_reservations WHERE id = $1", reservation.id
         )
     return state
+
+
+@dataclass(frozen=True, slots=True)
+class _Finished:
+    state: Literal["committed", "released"]
+    # Released as a commit of an idempotency key this vault key already committed.
+    counted_under: str | None
 
 
 async def _finish(
@@ -233,32 +242,13 @@ async def _finish(
     to_state: Literal["committed", "released"],
     committed_cents: int | None,
     upstream_status: int | None,
-) -> bool:
-    """Move the reservation's amount out of reserved, into spent if committed: one statement,
-    each update feeding the next, so the locks are taken reservation, key, day."""
-    moved: int = await conn.fetchval(
-        """
-        WITH r AS (
-            UPDATE vault_reservations
-            SET state = $4, updated_at = now(), upstream_status = coalesce($6, upstream_status),
-                committed_cents = CASE WHEN $4 = 'committed'
-                                       THEN coalesce($5::bigint, amount_cents) END
-            WHERE id = $1 AND attempt = $2 AND state = ANY($3::text[])
-            RETURNING vault_key_id, day, amount_cents, coalesce(committed_cents, 0) AS spent
-        ), k AS (
-            UPDATE vault_keys AS k
-            SET reserved_cents = k.reserved_cents - r.amount_cents,
-                spent_cents = k.spent_cents + r.spent
-            FROM r WHERE k.id = r.vault_key_id
-            RETURNING r.vault_key_id, r.day, r.amount_cents, r.spent
-        ), d AS (
-            UPDATE vault_key_days AS d
-            SET reserved_cents = d.reserved_cents - k.amount_cents,
-                spent_cents = d.spent_cents + k.spent
-            FROM k WHERE d.vault_key_id = k.vault_key_id AND d.day = k.day
-        )
-        SELECT count(*) FROM k
-        """,
+) -> _Finished | None:
+    """Move the attempt's amount out of reserved, into spent if committed; None when the
+    attempt no longer holds the reservation in `from_states`. One round trip: the SQL
+    function vault_finish (migrations/020_spend_counted_once.sql), which takes the locks
+    reservation, key, day, and releases instead a commit another vault key already made."""
+    row = await conn.fetchrow(
+        "SELECT * FROM vault_finish($1, $2, $3, $4, $5, $6)",
         reservation_id,
         attempt,
         list(from_states),
@@ -266,7 +256,9 @@ async def _finish(
         committed_cents,
         upstream_status,
     )
-    return moved == 1
+    if row["finished"] is None:
+        return None
+    return _Finished(row["finished"], row["elsewhere"])
 
 
 async def mark_stale_unknown(conn: asyncpg.Connection, key_id: str, stale_after: timedelta) -> None:
@@ -301,15 +293,19 @@ async def resolve(
     `attempt` (any, if None); a release only once it has not changed for `min_idle` past
     `stale_after`, the longest the vault waits on Stripe.
     Repeating the same resolution is a no-op; contradicting a settled one, settling an
-    attempt a retry has replaced, or releasing one that changed too lately is refused.
-    With `worker_policy` (the worker token's call), cents it frees count against the
-    worker budget (budget.WorkerKeyRefused past it)."""
+    attempt a retry has replaced, or releasing one that changed too lately is refused. A
+    success another vault key has already committed releases the reservation (its
+    `counted_under` names that key). With `worker_policy` (the worker token's call), cents
+    it frees count against the worker budget (budget.WorkerKeyRefused past it)."""
     target: Literal["committed", "released"] = "committed" if outcome == "succeeded" else "released"
     async with conn.transaction():
+        # Before any row's lock, as vault_finish takes it.
+        await conn.execute("SELECT vault_lock_commits($1)", idempotency_key)
         await mark_stale_unknown(conn, key_id, stale_after)
         row = await conn.fetchrow(
             """
-            SELECT id, attempt, state, amount_cents, committed_cents, now() - updated_at AS idle
+            SELECT id, attempt, state, amount_cents, committed_cents, counted_under,
+                   now() - updated_at AS idle
             FROM vault_reservations
             WHERE vault_key_id = $1 AND idempotency_key = $2 FOR UPDATE
             """,
@@ -328,7 +324,9 @@ async def resolve(
                 f"amount_cents {amount_cents} exceeds the {row['amount_cents']} cents reserved"
             )
         state: ReservationState = row["state"]
-        same = state == target and (amount_cents is None or amount_cents == row["committed_cents"])
+        same = (
+            state == target and (amount_cents is None or amount_cents == row["committed_cents"])
+        ) or (target == "committed" and row["counted_under"] is not None)
         if not same:
             if state == "pending":
                 raise Conflict("the reservation is in flight; resolve it when it is not")
@@ -347,12 +345,16 @@ async def resolve(
                     f" {stale_after.total_seconds():.0f} s wait on Stripe: Stripe may still"
                     " commit it; later"
                 )
-            # A charge settled as failed, or for less, frees cap it may have taken after all.
+            finished = await _finish(
+                conn, row["id"], row["attempt"], ("unknown",), target, amount_cents, None
+            )
+            assert finished is not None, "the reservation's lock was held since it was read"
+            # A charge settled as failed, or for less, frees cap it may have taken after all;
+            # one counted under another key frees only what that key holds for it.
             kept = 0 if target == "released" else amount_cents or row["amount_cents"]
             freed = row["amount_cents"] - kept
-            if worker_policy is not None and freed > 0:
+            if worker_policy is not None and freed > 0 and finished.counted_under is None:
                 await budget.count_release(conn, key_id, freed, worker_policy)
-            await _finish(conn, row["id"], row["attempt"], ("unknown",), target, amount_cents, None)
         info = await conn.fetchrow(
             f"SELECT {store.RESERVATION_COLUMNS} FROM vault_reservations WHERE id = $1",
             row["id"],

@@ -51,7 +51,7 @@ _KEY_VIEW = f"""
 
 RESERVATION_COLUMNS = """
     idempotency_key, endpoint, state, amount_cents, committed_cents, currency, customer, day,
-    attempt, upstream_status, created_at, updated_at
+    attempt, upstream_status, created_at, updated_at, counted_under
 """
 
 

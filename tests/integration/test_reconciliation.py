@@ -377,6 +377,49 @@ async def test_unknown_reservations_of_charges_stripe_took_are_committed(
     await assert_billed_once(vaulted, str(PERIOD), customers)
 
 
+async def test_a_charge_retried_through_a_renewed_key_is_counted_under_one_key(
+    vaulted: Harness,
+) -> None:
+    """A charge in doubt at the vault under the period's key, retried through the key a
+    renewal stored since, in doubt there too (Stripe replays its 500): reconciliation finds
+    the one charge for both reservations, and counts it under one key, not both."""
+    assert vaulted.vault is not None
+    admin = vaulted.vault.admin
+    customers = await charged_in_doubt_at_the_vault(vaulted)
+    [old] = await admin.find_keys(period=str(PERIOD), label=period_keys.LABEL)
+    retried = customers[0]
+    new = await period_keys.issue_key(
+        vaulted.pool,
+        vaulted.vault.worker,
+        vaulted.settings.secret_box(),
+        PERIOD,
+        retried.currency,
+        100_000,
+        timedelta(days=1),
+    )
+    key = idempotency_key(vaulted.settings.billing_key_namespace, retried.customer_id, PERIOD)
+    async with vaulted.pool.acquire() as conn:
+        claim = await ledger.claim_by_key(conn, key)
+    assert claim is not None
+    gateway = await vaulted.vault_access().gateway(str(PERIOD), retried.currency)
+    with pytest.raises(stripe.APIError):
+        await gateway.charge(claim)
+
+    report = await reconcile(vaulted)
+    # Both keys' reservations of the retried charge settled at once, in either order.
+    mine = {r.vault_key_id: r for r in report.reservations if r.customer_id == retried.customer_id}
+    assert set(mine) == {old.id, new.vault_key_id}
+    [counted] = [r for r in mine.values() if r.state == "committed"]
+    [released] = [r for r in mine.values() if r.state == "released"]
+    assert released.detail == f"charged; counted under vault key {counted.vault_key_id}"
+    others = [r for r in report.reservations if r.customer_id != retried.customer_id]
+    assert {r.state for r in others} == {"committed"}
+    spent = {k: (await admin.get_key(k)).spent_cents for k in (old.id, new.vault_key_id)}
+    assert sum(spent.values()) == sum(c.amount_cents for c in customers)
+    assert spent[counted.vault_key_id] >= retried.amount_cents
+    await assert_billed_once(vaulted, str(PERIOD), customers)
+
+
 async def test_an_unknown_reservation_of_a_decline_stripe_recorded_is_released_at_once(
     vaulted: Harness,
 ) -> None:

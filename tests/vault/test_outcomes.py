@@ -31,6 +31,7 @@ from .support import (
     charge,
     charge_in_doubt,
     emulator_ledger,
+    key_request,
     set_faults,
     via_vault,
 )
@@ -609,6 +610,84 @@ async def test_a_charge_first_sent_23_hours_ago_through_another_key_is_not_sent_
     )
     await charge(stripe_via_vault(new), customer, 6_000, "committed")
     assert len(await emulator_ledger(emulator)) == 3
+
+
+async def _counted(db: asyncpg.Pool, key_id: str) -> dict[str, tuple[str, str | None]]:
+    rows = await db.fetch(
+        "SELECT idempotency_key, state, counted_under FROM vault_reservations"
+        " WHERE vault_key_id = $1",
+        key_id,
+    )
+    return {row["idempotency_key"]: (row["state"], row["counted_under"]) for row in rows}
+
+
+async def test_a_charge_retried_through_another_key_is_counted_under_one(
+    worker: VaultAdmin,
+    secrets_seen: Secrets,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+) -> None:
+    """A charge in doubt under the period's old key, retried through the key a renewal
+    issued: Stripe replays it, and its spend is counted under the key that committed it
+    first, not under both (two caps' room held, and the worker budget counting it twice)."""
+    old, new = [await worker.issue_key(key_request(cap_cents=10_000)) for _ in range(2)]
+    secrets_seen.values += [old.secret.get_secret_value(), new.secret.get_secret_value()]
+
+    # Replayed through the new key first: reconciliation's "succeeded" releases the old one.
+    await charge_in_doubt(emulator, stripe_via_vault(old), customer, 3_000, "replayed-first")
+    await charge(stripe_via_vault(new), customer, 3_000, "replayed-first")
+    for _ in range(2):  # the same resolution again is the same
+        info = await worker.resolve(old.id, "replayed-first", "succeeded", 3_000)
+        assert (info.state, info.counted_under) == ("released", new.id)
+    # Resolved under the old key first: the replay through the new key releases its own,
+    # every time it is retried.
+    await charge_in_doubt(emulator, stripe_via_vault(old), customer, 2_000, "resolved-first")
+    await worker.resolve(old.id, "resolved-first", "succeeded", 2_000)
+    for _ in range(2):
+        await charge(stripe_via_vault(new), customer, 2_000, "resolved-first")
+
+    assert await _counted(db, old.id) == {
+        "replayed-first": ("released", new.id),
+        "resolved-first": ("committed", None),
+    }
+    assert await _counted(db, new.id) == {
+        "replayed-first": ("committed", None),
+        "resolved-first": ("released", old.id),
+    }
+    old_totals, new_totals = (
+        await assert_consistent(db, old.id),
+        await assert_consistent(db, new.id),
+    )
+    assert (old_totals["reserved_cents"], old_totals["spent_cents"]) == (0, 2_000)
+    assert (new_totals["reserved_cents"], new_totals["spent_cents"]) == (0, 3_000)
+    assert len(await emulator_ledger(emulator)) == 2
+    # Released because counted elsewhere, nothing was freed that could be charged again.
+    released = await db.fetchval("SELECT sum(worker_released_cents) FROM vault_keys")
+    assert released == 0
+
+
+async def test_two_keys_committing_one_charge_at_once_count_it_once(
+    issue: Issue, db: asyncpg.Pool
+) -> None:
+    """Commits of one idempotency key wait for each other, so the second sees the first."""
+    old, new = await issue(cap_cents=10_000), await issue(cap_cents=10_000)
+    sent = Charge("POST /v1/payment_intents", 3_000, "usd", None)
+    async with db.acquire() as first, db.acquire() as second:
+        taken = [
+            await reservations.reserve(conn, key.id, "both", sent, timedelta(minutes=5))
+            for conn, key in ((first, old), (second, new))
+        ]
+        async with first.transaction():
+            assert await reservations.settle(first, taken[0], "succeeded", 200) == "committed"
+            racing = asyncio.create_task(reservations.settle(second, taken[1], "succeeded", 200))
+            await asyncio.sleep(0.3)
+            assert not racing.done()
+        assert await racing == "released"
+    assert await _counted(db, new.id) == {"both": ("released", old.id)}
+    assert (await assert_consistent(db, old.id))["spent_cents"] == 3_000
+    assert (await assert_consistent(db, new.id))["spent_cents"] == 0
 
 
 async def test_unknown_reservations_are_read_page_by_page_to_the_last(
