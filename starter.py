@@ -54,7 +54,14 @@ from billing.errors import (
     UnknownScheduleError,
 )
 from billing.migrations import migrate
-from billing.models import OpenRun, OperatorRequest, PeriodProgress, PeriodSummary, SkipRequest
+from billing.models import (
+    EndedRun,
+    OpenRun,
+    OperatorRequest,
+    PeriodProgress,
+    PeriodSummary,
+    SkipRequest,
+)
 from billing.periods import (
     LATE_MONTHS,
     Period,
@@ -732,6 +739,9 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(handler(args))
     except RunEndedError as exc:
         # The run it reports on failed or was terminated: as a failure `run --wait` saw.
+        if getattr(args, "json", False):
+            ended = EndedRun(period=exc.period, workflow_id=exc.workflow_id, state=exc.state)
+            print(ended.model_dump_json())
         print(f"error: {exc}", file=sys.stderr)
         return 3
     except BillingError as exc:

@@ -81,6 +81,12 @@ class ClaimClosedError(LedgerConflictError):
 class RunEndedError(BillingError):
     """A period's run ended without a summary (failed, terminated, timed out)."""
 
+    def __init__(self, message: str, *, period: str, workflow_id: str, state: str) -> None:
+        super().__init__(message)
+        self.period = period
+        self.workflow_id = workflow_id
+        self.state = state
+
 
 class ConfigurationError(BillingError):
     """A setting (an environment variable, a file it names) is wrong; the message says which."""

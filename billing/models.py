@@ -308,6 +308,15 @@ class OpenRun(Record):
     state: Literal["no_worker"] = "no_worker"
 
 
+class EndedRun(Record):
+    """A run that ended without a summary: failed, terminated or timed out (`unfinished`:
+    the ledger's row of a run Temporal no longer holds)."""
+
+    period: str
+    workflow_id: str
+    state: str
+
+
 class SkipResult(Record):
     customer_id: str
     skipped: bool

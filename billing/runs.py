@@ -140,7 +140,10 @@ def status_from_ledger(
     raise RunEndedError(
         f"the ledger shows a run of {period} ({record.workflow_id}) that never finished, and"
         " Temporal no longer holds it (terminated, or closed longer ago than the namespace"
-        f" keeps runs): run the period again to finish it (`python starter.py run {period}`)"
+        f" keeps runs): run the period again to finish it (`python starter.py run {period}`)",
+        period=str(period),
+        workflow_id=record.workflow_id,
+        state="unfinished",
     )
 
 
@@ -185,7 +188,12 @@ async def period_status(client: Client, period: Period) -> PeriodProgress:
     if status in (WorkflowExecutionStatus.COMPLETED, WorkflowExecutionStatus.CONTINUED_AS_NEW):
         return _progress(await handle.result())
     state = status.name.lower() if status else "unknown"
-    raise RunEndedError(f"the run of {period} ended {state}: see {workflow_id} in the Web UI")
+    raise RunEndedError(
+        f"the run of {period} ended {state}: see {workflow_id} in the Web UI",
+        period=str(period),
+        workflow_id=workflow_id,
+        state=state,
+    )
 
 
 async def drain(client: Client, task_queue: str, timeout: float = 120.0) -> bool:

@@ -31,6 +31,7 @@ from billing.models import (
     ChargeFailure,
     ChargeResult,
     Claim,
+    EndedRun,
     OpenRun,
     OperatorRequest,
     PeriodPlan,
@@ -847,12 +848,27 @@ async def test_status_of_a_period_temporal_no_longer_holds_comes_from_the_ledger
     # A run that ended without its summary reads as a failed one.
     assert (code, out) == (3, ""), err
     assert f"a run of {PERIOD} ({period_workflow_id(PERIOD)}) that never finished" in err
+    # For scripts, the same as JSON.
+    code, out, err = await harness.starter("status", str(PERIOD), "--json")
+    assert code == 3 and "never finished" in err
+    assert EndedRun.model_validate_json(out) == EndedRun(
+        period=str(PERIOD), workflow_id=period_workflow_id(PERIOD), state="unfinished"
+    )
     await _billed_in_the_ledger_only(harness, PERIOD, charged=3)
     code, out, err = await harness.starter("status", str(PERIOD), "--json")
     status = PeriodProgress.model_validate_json(out)
     assert (code, status.state, status.charged) == (0, "completed", 3), err
     code, out, _ = await harness.starter("status", str(PERIOD.previous()), "--json")
     assert PeriodProgress.model_validate_json(out).state == "not_started"
+
+
+async def test_status_of_a_terminated_run_says_so_and_exits_3(harness: Harness) -> None:
+    await harness.seed(1)
+    handle = await start_period(harness.client, PERIOD, harness.task_queue)
+    await handle.terminate(reason="by hand")
+    code, out, err = await harness.starter("status", str(PERIOD), "--json")
+    assert code == 3 and f"the run of {PERIOD} ended terminated" in err
+    assert EndedRun.model_validate_json(out).state == "terminated"
 
 
 async def test_creating_a_schedule_twice_is_a_clear_error(harness: Harness) -> None:
