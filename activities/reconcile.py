@@ -23,6 +23,7 @@ from activities.stripe_access import StripeAccess
 from activities.stripe_failures import (
     KEY_REFUSED,
     REFUSED,
+    lookup_key_refused,
     to_temporal_failure,
     vault_key_unusable,
 )
@@ -199,10 +200,11 @@ class ReconcileActivities:
         try:
             return await read(gateway), False
         except stripe.StripeError as exc:
-            if vault_key_unusable(exc):
-                # The lookup key itself revoked: the next read issues another.
-                self._access.forget_lookup(period, currency)
-            raise
+            if not vault_key_unusable(exc):
+                raise
+            # The lookup key itself refused: the next read issues another.
+            self._access.forget_lookup(period, currency)
+            raise lookup_key_refused(exc) from None
 
     async def _find(
         self, claim: Claim, *, recheck: bool = False

@@ -90,6 +90,29 @@ def declined(failure: ChargeFailure) -> ApplicationError:
     return _non_retryable(DECLINED, failure)
 
 
+def _key_refused(exc: stripe.StripeError, key: str, then: str) -> ApplicationError:
+    # Stripe's own message can quote part of the key: say what to check instead.
+    code = _error_body(exc).get("code")
+    if code == VAULT_KEY_EXPIRED_CODE:
+        failure = ChargeFailure(code=code, message=f"{key} has expired ({then})")
+    elif code == VAULT_KEY_REVOKED_CODE:
+        failure = ChargeFailure(code=code, message=f"{key} was revoked, the kill switch ({then})")
+    else:
+        failure = ChargeFailure(
+            code="authentication_failed",
+            message="the Stripe or vault key was refused (unknown, expired or revoked)",
+        )
+    return _non_retryable(KEY_REFUSED, failure)
+
+
+def lookup_key_refused(exc: stripe.StripeError) -> ApplicationError:
+    """The vault refused a lookup key (billing.period_keys.issue_lookup_key), which only
+    reads: the next read issues another, so nothing is for the period's operator."""
+    return _key_refused(
+        exc, "the vault key issued to read the period's charges", "the next read issues another"
+    )
+
+
 def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
     """Map one Stripe exception to the failure Temporal acts on."""
     if isinstance(exc, stripe.CardError):
@@ -104,26 +127,9 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
             next_retry_delay=timedelta(seconds=1),
         )
     if isinstance(exc, stripe.AuthenticationError):
-        # Stripe's own message can quote part of the key: say what to check instead.
-        code = _error_body(exc).get("code")
-        if code == VAULT_KEY_EXPIRED_CODE:
-            failure = ChargeFailure(
-                code=VAULT_KEY_EXPIRED_CODE,
-                message="the period's vault key has expired (python starter.py status names"
-                " what to do)",
-            )
-        elif code == VAULT_KEY_REVOKED_CODE:
-            failure = ChargeFailure(
-                code=VAULT_KEY_REVOKED_CODE,
-                message="the period's vault key was revoked, the kill switch (python starter.py"
-                " status names what to do)",
-            )
-        else:
-            failure = ChargeFailure(
-                code="authentication_failed",
-                message="the Stripe or vault key was refused (unknown, expired or revoked)",
-            )
-        return _non_retryable(KEY_REFUSED, failure)
+        return _key_refused(
+            exc, "the period's vault key", "python starter.py status names what to do"
+        )
     if isinstance(exc, stripe.PermissionError):
         return _non_retryable(KEY_REFUSED, failure_from(exc, "permission_denied"))
     if isinstance(exc, stripe.IdempotencyError):

@@ -788,6 +788,11 @@ async def test_a_lookup_key_revoked_is_replaced_on_the_next_read(vaulted: Harnes
     with pytest.raises(ApplicationError) as refused:
         await settling._find(claim)
     assert refused.value.type == "KeyRefused"
+    # Not the period key's advice: nothing there is for an operator to do.
+    assert refused.value.message == (
+        "vault_key_revoked: the vault key issued to read the period's charges was revoked,"
+        " the kill switch (the next read issues another)"
+    )
     found, _ = await settling._find(claim)
     assert isinstance(found, ChargeResult) and found.charge_id == claim.charge_id
 
