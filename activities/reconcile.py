@@ -412,9 +412,7 @@ class ReconcileActivities:
             return unknown.model_copy(update={"detail": exc.message, "needs_person": lasting})
         state = "committed" if info.state == "committed" else "released"
         _log("reconcile_reservation", claim.period, key, vault_key_id=key_id, state=state)
-        elsewhere = (
-            f"charged; counted under vault key {info.counted_under}" if info.counted_under else None
-        )
+        elsewhere = f"counted under vault key {info.counted_under}" if info.counted_under else None
         return unknown.model_copy(
             update={"state": state, "amount_cents": info.committed_cents, "detail": elsewhere}
         )

@@ -221,7 +221,7 @@ class ReservationInfo(View):
     # Defaulted, so a newer client reads a vault from before it.
     counted_under: KeyId | None = Field(
         default=None,
-        description="released because this vault key had committed the same idempotency key:"
+        description="committed, but this vault key had committed the same request first:"
         " the charge's spend is counted there",
     )
 

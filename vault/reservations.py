@@ -2,15 +2,18 @@
 
 Per key, after every transaction here:
   reserved_cents == sum(amount_cents) of its pending and unknown reservations
-  spent_cents    == sum(committed_cents) of its committed reservations
+  spent_cents    == sum(committed_cents) of its committed reservations not counted_under
+                    another key
   spent_cents + reserved_cents <= cap_cents, and the same per UTC day under a daily cap.
-Across keys, an idempotency key is committed under one vault key at most: Stripe keeps one
-per account, so a retry through another key (after a renewal) replays the same charge.
+Across keys, a request's spend is counted under one vault key: Stripe keeps one idempotency
+key per account, so a retry through another key (after a renewal) replays the same charge,
+and its reservation, committed, names the key that counts it (counted_under).
 
 A reservation is keyed by (vault key, idempotency key). Only one request at a time forwards
 it: the one that moved it to `pending` (its `attempt`), and only that request settles it.
-Locks are always taken in the order idempotency key's commit lock (vault_lock_commits),
-reservation row, key row, day row, so no two of these transactions can deadlock.
+Locks are always taken in the order: the idempotency key's commit lock (vault_lock_commits),
+reservation row, key row, day row, so no two of these transactions can deadlock. (The worker
+budget's currency lock comes after a reservation row, before the key row: budget.py.)
 """
 
 from __future__ import annotations
@@ -214,10 +217,9 @@ async def settle(
         target: Literal["committed", "released"] = (
             "committed" if outcome == "succeeded" else "released"
         )
-        finished = await _finish(
+        state = await _finish(
             conn, reservation.id, reservation.attempt, _OPEN, target, None, upstream_status
         )
-        state = finished.state if finished else None
     if state is None:
         # Taken over meanwhile (this attempt was found stale), or settled: the new owner or
         # reconciliation has it.
@@ -225,13 +227,6 @@ async def settle(
             "SELECT state FROM vault_reservations WHERE id = $1", reservation.id
         )
     return state
-
-
-@dataclass(frozen=True, slots=True)
-class _Finished:
-    state: Literal["committed", "released"]
-    # Released as a commit of an idempotency key this vault key already committed.
-    counted_under: str | None
 
 
 async def _finish(
@@ -242,13 +237,13 @@ async def _finish(
     to_state: Literal["committed", "released"],
     committed_cents: int | None,
     upstream_status: int | None,
-) -> _Finished | None:
-    """Move the attempt's amount out of reserved, into spent if committed; None when the
-    attempt no longer holds the reservation in `from_states`. One round trip: the SQL
-    function vault_finish (migrations/020_spend_counted_once.sql), which takes the locks
-    reservation, key, day, and releases instead a commit another vault key already made."""
-    row = await conn.fetchrow(
-        "SELECT * FROM vault_finish($1, $2, $3, $4, $5, $6)",
+) -> Literal["committed", "released"] | None:
+    """Move the attempt's amount out of reserved, into spent if committed and no other vault
+    key counts the same request; returns the state reached, None when the attempt no longer
+    holds the reservation in `from_states`. One round trip: the SQL function vault_finish
+    (migrations/020_spend_counted_once.sql), which takes the locks reservation, key, day."""
+    finished: Literal["committed", "released"] | None = await conn.fetchval(
+        "SELECT finished FROM vault_finish($1, $2, $3, $4, $5, $6)",
         reservation_id,
         attempt,
         list(from_states),
@@ -256,9 +251,7 @@ async def _finish(
         committed_cents,
         upstream_status,
     )
-    if row["finished"] is None:
-        return None
-    return _Finished(row["finished"], row["elsewhere"])
+    return finished
 
 
 async def mark_stale_unknown(conn: asyncpg.Connection, key_id: str, stale_after: timedelta) -> None:
@@ -294,9 +287,9 @@ async def resolve(
     `stale_after`, the longest the vault waits on Stripe.
     Repeating the same resolution is a no-op; contradicting a settled one, settling an
     attempt a retry has replaced, or releasing one that changed too lately is refused. A
-    success another vault key has already committed releases the reservation (its
-    `counted_under` names that key). With `worker_policy` (the worker token's call), cents
-    it frees count against the worker budget (budget.WorkerKeyRefused past it)."""
+    success another vault key has already committed is counted there (`counted_under`).
+    With `worker_policy` (the worker token's call), cents it frees count against the worker
+    budget (budget.WorkerKeyRefused past it)."""
     target: Literal["committed", "released"] = "committed" if outcome == "succeeded" else "released"
     async with conn.transaction():
         # Before any row's lock, as vault_finish takes it.
@@ -304,8 +297,7 @@ async def resolve(
         await mark_stale_unknown(conn, key_id, stale_after)
         row = await conn.fetchrow(
             """
-            SELECT id, attempt, state, amount_cents, committed_cents, counted_under,
-                   now() - updated_at AS idle
+            SELECT id, attempt, state, amount_cents, committed_cents, now() - updated_at AS idle
             FROM vault_reservations
             WHERE vault_key_id = $1 AND idempotency_key = $2 FOR UPDATE
             """,
@@ -324,9 +316,7 @@ async def resolve(
                 f"amount_cents {amount_cents} exceeds the {row['amount_cents']} cents reserved"
             )
         state: ReservationState = row["state"]
-        same = (
-            state == target and (amount_cents is None or amount_cents == row["committed_cents"])
-        ) or (target == "committed" and row["counted_under"] is not None)
+        same = state == target and (amount_cents is None or amount_cents == row["committed_cents"])
         if not same:
             if state == "pending":
                 raise Conflict("the reservation is in flight; resolve it when it is not")
@@ -345,16 +335,12 @@ async def resolve(
                     f" {stale_after.total_seconds():.0f} s wait on Stripe: Stripe may still"
                     " commit it; later"
                 )
-            finished = await _finish(
-                conn, row["id"], row["attempt"], ("unknown",), target, amount_cents, None
-            )
-            assert finished is not None, "the reservation's lock was held since it was read"
-            # A charge settled as failed, or for less, frees cap it may have taken after all;
-            # one counted under another key frees only what that key holds for it.
+            # A charge settled as failed, or for less, frees cap it may have taken after all.
             kept = 0 if target == "released" else amount_cents or row["amount_cents"]
             freed = row["amount_cents"] - kept
-            if worker_policy is not None and freed > 0 and finished.counted_under is None:
+            if worker_policy is not None and freed > 0:
                 await budget.count_release(conn, key_id, freed, worker_policy)
+            await _finish(conn, row["id"], row["attempt"], ("unknown",), target, amount_cents, None)
         info = await conn.fetchrow(
             f"SELECT {store.RESERVATION_COLUMNS} FROM vault_reservations WHERE id = $1",
             row["id"],

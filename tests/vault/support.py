@@ -109,14 +109,16 @@ async def charge_in_doubt(
 
 
 async def assert_consistent(db: asyncpg.Pool, key_id: str) -> asyncpg.Record:
-    """The key's counters equal the sums over its reservations (per key and per UTC day) and
-    stay within the caps. Returns the key's totals."""
+    """The key's counters equal the sums over its reservations (per key and per UTC day; a
+    charge another key counts is not this one's) and stay within the caps. Returns the key's
+    totals."""
     key = await db.fetchrow(
         """
         SELECT k.cap_cents, k.daily_cap_cents, k.reserved_cents, k.spent_cents,
                coalesce(sum(r.amount_cents) FILTER (WHERE r.state IN ('pending', 'unknown')), 0)
                    AS live_reserved,
-               coalesce(sum(r.committed_cents) FILTER (WHERE r.state = 'committed'), 0)
+               coalesce(sum(r.committed_cents) FILTER (WHERE r.state = 'committed'
+                                                       AND r.counted_under IS NULL), 0)
                    AS live_spent
         FROM vault_keys k LEFT JOIN vault_reservations r ON r.vault_key_id = k.id
         WHERE k.id = $1 GROUP BY k.id
@@ -131,7 +133,8 @@ async def assert_consistent(db: asyncpg.Pool, key_id: str) -> asyncpg.Record:
         SELECT d.day, d.reserved_cents, d.spent_cents,
                coalesce(sum(r.amount_cents) FILTER (WHERE r.state IN ('pending', 'unknown')), 0)
                    AS live_reserved,
-               coalesce(sum(r.committed_cents) FILTER (WHERE r.state = 'committed'), 0)
+               coalesce(sum(r.committed_cents) FILTER (WHERE r.state = 'committed'
+                                                       AND r.counted_under IS NULL), 0)
                    AS live_spent
         FROM vault_key_days d
         LEFT JOIN vault_reservations r ON r.vault_key_id = d.vault_key_id AND r.day = d.day

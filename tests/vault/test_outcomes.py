@@ -631,30 +631,36 @@ async def test_a_charge_retried_through_another_key_is_counted_under_one(
 ) -> None:
     """A charge in doubt under the period's old key, retried through the key a renewal
     issued: Stripe replays it, and its spend is counted under the key that committed it
-    first, not under both (two caps' room held, and the worker budget counting it twice)."""
-    old, new = [await worker.issue_key(key_request(cap_cents=10_000)) for _ in range(2)]
+    first, not under both (two caps' room held, and the worker budget counting it twice).
+    Both reservations stay committed, so a retry through either is a replay."""
+    old, new = [
+        await worker.issue_key(key_request(cap_cents=10_000, daily_cap_cents=10_000))
+        for _ in range(2)
+    ]
     secrets_seen.values += [old.secret.get_secret_value(), new.secret.get_secret_value()]
 
-    # Replayed through the new key first: reconciliation's "succeeded" releases the old one.
+    # Replayed through the new key first: reconciliation's "succeeded" on the old one.
     await charge_in_doubt(emulator, stripe_via_vault(old), customer, 3_000, "replayed-first")
     await charge(stripe_via_vault(new), customer, 3_000, "replayed-first")
     for _ in range(2):  # the same resolution again is the same
         info = await worker.resolve(old.id, "replayed-first", "succeeded", 3_000)
-        assert (info.state, info.counted_under) == ("released", new.id)
-    # Resolved under the old key first: the replay through the new key releases its own,
-    # every time it is retried.
+        assert (info.state, info.counted_under) == ("committed", new.id)
+    # Resolved under the old key first, then replayed through the new key, twice.
     await charge_in_doubt(emulator, stripe_via_vault(old), customer, 2_000, "resolved-first")
     await worker.resolve(old.id, "resolved-first", "succeeded", 2_000)
     for _ in range(2):
         await charge(stripe_via_vault(new), customer, 2_000, "resolved-first")
+    # Stripe's answer for the request is a success, whichever key carried it.
+    with pytest.raises(VaultConflict, match="already committed"):
+        await worker.resolve(old.id, "replayed-first", "failed")
 
     assert await _counted(db, old.id) == {
-        "replayed-first": ("released", new.id),
+        "replayed-first": ("committed", new.id),
         "resolved-first": ("committed", None),
     }
     assert await _counted(db, new.id) == {
         "replayed-first": ("committed", None),
-        "resolved-first": ("released", old.id),
+        "resolved-first": ("committed", old.id),
     }
     old_totals, new_totals = (
         await assert_consistent(db, old.id),
@@ -663,9 +669,6 @@ async def test_a_charge_retried_through_another_key_is_counted_under_one(
     assert (old_totals["reserved_cents"], old_totals["spent_cents"]) == (0, 2_000)
     assert (new_totals["reserved_cents"], new_totals["spent_cents"]) == (0, 3_000)
     assert len(await emulator_ledger(emulator)) == 2
-    # Released because counted elsewhere, nothing was freed that could be charged again.
-    released = await db.fetchval("SELECT sum(worker_released_cents) FROM vault_keys")
-    assert released == 0
 
 
 async def test_two_keys_committing_one_charge_at_once_count_it_once(
@@ -684,10 +687,26 @@ async def test_two_keys_committing_one_charge_at_once_count_it_once(
             racing = asyncio.create_task(reservations.settle(second, taken[1], "succeeded", 200))
             await asyncio.sleep(0.3)
             assert not racing.done()
-        assert await racing == "released"
-    assert await _counted(db, new.id) == {"both": ("released", old.id)}
+        assert await racing == "committed"
+    assert await _counted(db, new.id) == {"both": ("committed", old.id)}
     assert (await assert_consistent(db, old.id))["spent_cents"] == 3_000
     assert (await assert_consistent(db, new.id))["spent_cents"] == 0
+
+
+async def test_another_request_under_the_same_key_is_counted_where_it_is_committed(
+    issue: Issue, db: asyncpg.Pool
+) -> None:
+    """Stripe refuses an idempotency key reused with other parameters, so a success for
+    another amount is no replay: a wrong "succeeded" for 1 cent under one key must not hide
+    a charge of 5,000 under another from its cap."""
+    old, new = await issue(cap_cents=10_000), await issue(cap_cents=10_000)
+    async with db.acquire() as conn:
+        for key, cents in ((old, 1), (new, 5_000)):
+            sent = Charge("POST /v1/payment_intents", cents, "usd", None)
+            taken = await reservations.reserve(conn, key.id, "reused", sent, timedelta(minutes=5))
+            assert await reservations.settle(conn, taken, "succeeded", 200) == "committed"
+    assert await _counted(db, new.id) == {"reused": ("committed", None)}
+    assert (await assert_consistent(db, new.id))["spent_cents"] == 5_000
 
 
 async def test_unknown_reservations_are_read_page_by_page_to_the_last(
