@@ -226,16 +226,23 @@ class ChargingActivities:
                 if found is not None:
                     return _settle(found)
             return _settle(await gateway.charge(claim, fencing_token))
-        except stripe.StripeError as exc:
+        except stripe.StripeError as error:
+            exc = error
             if isinstance(exc, stripe.IdempotencyError) or (
                 is_replayed(exc) and (exc.http_status or 0) >= 500
             ):
                 # The key replays a 500 saved after the charge began, or refuses other
                 # parameters (a setting changed mid-period): either way a charge with this
                 # key may exist, and the truth is in the customer's charges.
-                found = await gateway.find(claim)
-                if found is not None:
-                    return _settle(found)
+                try:
+                    found = await gateway.find(claim)
+                except stripe.StripeError as lookup_error:
+                    # The lookup's own failure (Stripe's rate, a key refused) is what the
+                    # retry must wait out.
+                    exc = lookup_error
+                else:
+                    if found is not None:
+                        return _settle(found)
             metrics.count_vault_refusal(exc)
             failure = to_temporal_failure(exc)
             if isinstance(exc, stripe.RateLimitError):

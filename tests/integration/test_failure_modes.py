@@ -54,6 +54,47 @@ class RateLimitedOnce(StripeGateway):
         return await super().charge(claim, fencing_token)
 
 
+def _attempt(number: int) -> ActivityEnvironment:
+    env = ActivityEnvironment()
+    env.info = dataclasses.replace(env.info, attempt=number, is_local=True)
+    return env
+
+
+class LookupRateLimitedOnce(StripeGateway):
+    """Stripe's limiter refuses the first lookup; the rest reach the emulator."""
+
+    refused = False
+
+    async def find(self, claim: Claim) -> ChargeResult | ChargeFailure | None:
+        if not self.refused:
+            self.refused = True
+            raise stripe.RateLimitError("Too many requests", http_status=429)
+        return await super().find(claim)
+
+
+async def test_a_lookup_after_a_saved_500_that_fails_is_mapped_as_any_stripe_error(
+    harness: Harness,
+) -> None:
+    """The lookup that follows a replayed 500 is rate-limited: the attempt fails as a rate
+    limit does (a Temporal failure from the one mapping, its retry a second away), not with
+    Stripe's exception, and the next attempt finds the charge."""
+    (customer,) = await harness.seed(1)
+    async with harness.pool.acquire() as conn:
+        plan = PeriodPlan(period=str(PERIOD), due=1, to_charge=1, expected_total_cents=0)
+        await ledger.start_period(conn, plan, "billing-period-2026-12")
+    gateway = LookupRateLimitedOnce(harness.stripe, harness.settings.billing_charge_api)
+    charging = ChargingActivities(harness.pool, DirectAccess(gateway), harness.settings)
+    request = BillRequest(period=str(PERIOD), customer_id=customer.customer_id)
+    await harness.set_faults(error_after_commit=1.0)
+    with pytest.raises(ApplicationError, match="did not answer definitively"):
+        await _attempt(1).run(charging.bill, request)
+    with pytest.raises(ApplicationError, match="rate limit") as limited:
+        await _attempt(2).run(charging.bill, request)
+    assert limited.value.type == "StripeUnavailable" and not limited.value.non_retryable
+    assert (await _attempt(3).run(charging.bill, request)).outcome == "charged"
+    await assert_billed_once(harness, str(PERIOD), [customer])
+
+
 @pytest.mark.parametrize("control", ["cancelled", "paused"])
 async def test_a_stop_reaches_a_charge_whose_only_request_stripe_rate_limited(
     harness: Harness, control: Control
@@ -65,19 +106,13 @@ async def test_a_stop_reaches_a_charge_whose_only_request_stripe_rate_limited(
     gateway = RateLimitedOnce(harness.stripe, harness.settings.billing_charge_api)
     charging = ChargingActivities(harness.pool, DirectAccess(gateway), harness.settings)
     request = BillRequest(period=str(PERIOD), customer_id=customer.customer_id)
-
-    def attempt(number: int) -> ActivityEnvironment:
-        env = ActivityEnvironment()
-        env.info = dataclasses.replace(env.info, attempt=number, is_local=True)
-        return env
-
     with pytest.raises(ApplicationError, match="rate limit"):
-        await attempt(1).run(charging.bill, request)
+        await _attempt(1).run(charging.bill, request)
     # Before the retry, an operator stops the period: nothing of this charge is at Stripe.
     async with harness.pool.acquire() as conn:
         await ledger.set_control(conn, str(PERIOD), control, "wrong prices", "ops")
     try:
-        outcome: str | None = (await attempt(2).run(charging.bill, request)).outcome
+        outcome: str | None = (await _attempt(2).run(charging.bill, request)).outcome
     except ApplicationError as err:
         outcome = err.type
     assert outcome == ("cancelled" if control == "cancelled" else PAUSED)
