@@ -43,7 +43,13 @@ def charge_params(claim: Claim, api: ChargeApi) -> dict[str, Any]:
         },
     }
     if api == "payment_intents":
-        params.update(confirm=True, off_session=True)
+        # Off session nobody can be redirected: without `allow_redirects=never` Stripe takes
+        # the Dashboard's payment methods and refuses to confirm without a return_url.
+        params.update(
+            confirm=True,
+            off_session=True,
+            automatic_payment_methods={"enabled": True, "allow_redirects": "never"},
+        )
         if claim.payment_method:
             params["payment_method"] = claim.payment_method
     elif claim.payment_method:

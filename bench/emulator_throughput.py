@@ -91,6 +91,8 @@ async def _drive(
                 "customer": customers[index % len(customers)],
                 "confirm": "true",
                 "off_session": "true",
+                "automatic_payment_methods[enabled]": "true",
+                "automatic_payment_methods[allow_redirects]": "never",
                 "metadata[billing_key]": f"{run}-{index}",
             }
             started = time.perf_counter()

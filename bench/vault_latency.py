@@ -101,6 +101,8 @@ async def _load(
         "customer": customer,
         "confirm": "true",
         "off_session": "true",
+        "automatic_payment_methods[enabled]": "true",
+        "automatic_payment_methods[allow_redirects]": "never",
     }
 
     async def worker() -> None:

@@ -185,6 +185,8 @@ class PaymentIntent:
     latest_charge: str | None = None
     last_payment_error: JSON | None = None
     next_action: JSON | None = None
+    # Automatic payment methods that may redirect: confirming then needs a return_url.
+    allows_redirects: bool = True
 
     def to_api(self) -> JSON:
         return {

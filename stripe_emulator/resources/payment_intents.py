@@ -7,6 +7,7 @@ import re
 
 from ..cards import Outcome
 from ..errors import JSON, StripeError, invalid
+from ..forms import Params
 from ..listing import list_object
 from ..models import PaymentIntent, PaymentMethod
 from ..payments import card_error, declined, record_charge, resolve
@@ -20,6 +21,7 @@ from ..validation import (
     boolean,
     check_known,
     currency,
+    hash_param,
     integer,
     limit,
     metadata,
@@ -30,21 +32,28 @@ from ..validation import (
 # Accepted so real integrations work unchanged, with no effect here: cards settle at once.
 _IGNORED = frozenset(
     {
-        "automatic_payment_methods",
         "capture_method",
         "confirmation_method",
         "error_on_requires_action",
         "mandate",
-        "payment_method_types",
         "receipt_email",
-        "return_url",
         "setup_future_usage",
         "statement_descriptor",
         "statement_descriptor_suffix",
     }
 )
-_CONFIRM = COMMON | _IGNORED | {"payment_method", "off_session"}
-_CREATE = _CONFIRM | {"amount", "currency", "customer", "confirm", "metadata", "description"}
+_CONFIRM = COMMON | _IGNORED | {"payment_method", "off_session", "return_url"}
+_CREATE = _CONFIRM | {
+    "amount",
+    "currency",
+    "customer",
+    "confirm",
+    "metadata",
+    "description",
+    "automatic_payment_methods",
+    "allowed_payment_method_types",
+}
+_AUTOMATIC = frozenset({"enabled", "allow_redirects"})
 _LIST = LIST | {"customer"}
 _SEARCH = COMMON | {"query", "limit", "page"}
 _CONFIRMABLE = ("requires_payment_method", "requires_confirmation")
@@ -64,6 +73,7 @@ def _create(call: Call) -> JSON:
     off_session = boolean(params, "off_session")
     if off_session and not confirm:
         raise invalid("off_session can only be used when confirm=true.", param="off_session")
+    redirects = _allows_redirects(params)
     method_id = string(params, "payment_method")
     source = None
     # Without confirm, only a named method is validated; the default is picked at confirmation.
@@ -78,7 +88,10 @@ def _create(call: Call) -> JSON:
         metadata=metadata(params),
         description=string(params, "description"),
         status="requires_payment_method",
+        allows_redirects=redirects,
     )
+    if confirm:
+        _check_return_url(intent, params)
     store.payment_intents.add(intent)
     if customer_id is not None:
         store.payment_intents.index_customer(intent, customer_id)
@@ -100,12 +113,57 @@ def _confirm(call: Call) -> JSON:
             f"You cannot confirm this PaymentIntent because it has a status of {intent.status}.",
             code="payment_intent_unexpected_state",
         )
+    _check_return_url(intent, params)
     off_session = boolean(params, "off_session")
     customer = store.customers.by_id.get(intent.customer) if intent.customer else None
     method_id = string(params, "payment_method") or intent.payment_method
     method = resolve(store, customer, method_id, "payment_method").materialise(store)
     _confirm_intent(call, intent, method, off_session)
     return intent.to_api()
+
+
+def _allows_redirects(params: Params) -> bool:
+    """Since API version 2023-08-16 an intent that lists no payment method types takes the
+    ones the account's Dashboard enables, redirect-based ones among them (as this emulated
+    account's are) unless `automatic_payment_methods[allow_redirects]` is `never`. Any type
+    listed but a card may redirect."""
+    automatic = hash_param(params, "automatic_payment_methods", _AUTOMATIC)
+    if automatic:
+        enabled = boolean(automatic, "enabled")
+        if "enabled" not in automatic:
+            raise invalid(
+                "Missing required param: automatic_payment_methods[enabled].",
+                param="automatic_payment_methods[enabled]",
+            )
+        redirects = string(automatic, "allow_redirects") or "always"
+        if redirects not in ("always", "never"):
+            raise invalid(
+                f"Invalid automatic_payment_methods[allow_redirects]: must be one of always or"
+                f" never, not {redirects}",
+                param="automatic_payment_methods[allow_redirects]",
+            )
+        return enabled and redirects == "always"
+    listed = params.get("allowed_payment_method_types")
+    if listed is None:
+        return True
+    if not isinstance(listed, list) or not all(isinstance(t, str) for t in listed):
+        raise invalid("Invalid array", param="allowed_payment_method_types")
+    return any(t != "card" for t in listed)
+
+
+def _check_return_url(intent: PaymentIntent, params: Params) -> None:
+    """Stripe refuses to confirm such an intent without somewhere to send the customer back
+    to, whatever the payment method (even a card that never redirects), before executing."""
+    if intent.allows_redirects and string(params, "return_url") is None:
+        raise invalid(
+            "A `return_url` must be specified because this Payment Intent is configured to"
+            " automatically accept the payment methods enabled in the Dashboard, some of which"
+            " may require a full page redirect to succeed. If you do not want to accept"
+            " redirect-based payment methods, set `automatic_payment_methods[enabled]` to"
+            " `true` and `automatic_payment_methods[allow_redirects]` to `never` when creating"
+            " Setup Intents and Payment Intents.",
+            param="return_url",
+        )
 
 
 def _confirm_intent(

@@ -80,6 +80,9 @@ class Raw:
             "customer": customer,
             "confirm": "true",
             "off_session": "true",
+            # As the billing core confirms: off session, no redirect, so no return_url.
+            "automatic_payment_methods[enabled]": "true",
+            "automatic_payment_methods[allow_redirects]": "never",
             **extra,
         }
         return await self.post("/v1/payment_intents", params, idempotency_key=idempotency_key)

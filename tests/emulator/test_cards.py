@@ -20,6 +20,7 @@ async def _confirm(sdk: stripe.StripeClient, customer: str, off_session: bool = 
             "customer": customer,
             "confirm": True,
             "off_session": off_session,
+            "allowed_payment_method_types": ["card"],
         },
         options={"idempotency_key": f"card-{customer}-{off_session}"},
     )
@@ -132,7 +133,13 @@ async def test_declining_cards_fail_to_attach_and_decline_one_off(
     assert (await raw.get("/v1/customers")).body["data"] == []
     one_off = await raw.post(
         "/v1/payment_intents",
-        {"amount": "100", "currency": "usd", "payment_method": card, "confirm": "true"},
+        {
+            "amount": "100",
+            "currency": "usd",
+            "payment_method": card,
+            "confirm": "true",
+            "allowed_payment_method_types[0]": "card",
+        },
     )
     assert one_off.status == 402
     assert one_off.body["error"]["decline_code"] == decline_code

@@ -20,6 +20,7 @@ def _params(customer: str) -> dict[str, object]:
         "customer": customer,
         "confirm": True,
         "off_session": True,
+        "automatic_payment_methods": {"enabled": True, "allow_redirects": "never"},
         "metadata": {"billing_key": "cus:2026-12"},
     }
 

@@ -29,7 +29,13 @@ async def test_same_key_and_params_replay_the_first_response(raw: Raw) -> None:
 
 async def test_sdk_sees_the_replayed_object(sdk: stripe.StripeClient, raw: Raw) -> None:
     customer = (await raw.customer())["id"]
-    params = {"amount": 100, "currency": "usd", "customer": customer, "confirm": True}
+    params = {
+        "amount": 100,
+        "currency": "usd",
+        "customer": customer,
+        "confirm": True,
+        "allowed_payment_method_types": ["card"],
+    }
     first = await sdk.v1.payment_intents.create_async(
         params=params,  # type: ignore[arg-type]
         options={"idempotency_key": "sdk-replay"},
@@ -89,6 +95,7 @@ async def test_concurrent_same_key_one_executes_the_other_gets_409(
                 "customer": customer,
                 "confirm": True,
                 "off_session": True,
+                "automatic_payment_methods": {"enabled": True, "allow_redirects": "never"},
             },
             options={"idempotency_key": "in-flight"},
         )
@@ -159,7 +166,13 @@ async def test_key_length_limit(raw: Raw) -> None:
 
 async def test_keys_are_scoped_per_api_key(raw: Raw) -> None:
     customer = (await raw.customer())["id"]
-    params = {"amount": "100", "currency": "usd", "customer": customer, "confirm": "true"}
+    params = {
+        "amount": "100",
+        "currency": "usd",
+        "customer": customer,
+        "confirm": "true",
+        "allowed_payment_method_types[0]": "card",
+    }
     mine = await raw.post("/v1/payment_intents", params, idempotency_key="shared")
     theirs = await raw.post(
         "/v1/payment_intents", params, idempotency_key="shared", key="sk_test_someone_else"

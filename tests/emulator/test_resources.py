@@ -28,6 +28,7 @@ async def _intent(sdk: Client, customer: str, key: str, **extra: object) -> stri
         "customer": customer,
         "confirm": True,
         "off_session": True,
+        "allowed_payment_method_types": ["card"],
         **extra,
     }
     return await sdk.v1.payment_intents.create_async(
@@ -140,7 +141,13 @@ async def test_payment_intent_without_confirm_then_confirm(sdk: Client) -> None:
     method = _default_method(customer)
     assert isinstance(method, str)
     intent = await sdk.v1.payment_intents.create_async(
-        params={"amount": 700, "currency": "usd", "customer": customer.id, "payment_method": method}
+        params={
+            "amount": 700,
+            "currency": "usd",
+            "customer": customer.id,
+            "payment_method": method,
+            "allowed_payment_method_types": ["card"],
+        }
     )
     assert (intent.status, intent.latest_charge) == ("requires_confirmation", None)
     confirmed = await sdk.v1.payment_intents.confirm_async(intent.id, params={"off_session": True})

@@ -143,3 +143,71 @@ async def test_other_parameters_are_checked(raw: Raw, params: dict[str, str], pa
     )
     assert reply.status == 400
     assert reply.body["error"]["param"] == param
+
+
+_REDIRECTS = {
+    "automatic_payment_methods[enabled]": "true",
+    "automatic_payment_methods[allow_redirects]": "always",
+}
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [{}, _REDIRECTS],
+    ids=["dashboard-methods", "redirects-allowed"],
+)
+async def test_confirming_where_redirects_are_allowed_needs_a_return_url(
+    raw: Raw, choice: dict[str, str]
+) -> None:
+    """As Stripe, since automatic payment methods became the default: even a card that never
+    redirects is refused, and nothing is stored or saved for the key."""
+    customer = (await raw.customer())["id"]
+    base = {"amount": "100", "currency": "usd", "customer": customer, "confirm": "true"}
+    refused = await raw.post("/v1/payment_intents", base | choice, idempotency_key="no-url")
+    assert (refused.status, refused.body["error"]["param"]) == (400, "return_url")
+    assert "allow_redirects]` to `never`" in refused.body["error"]["message"]
+    assert (await raw.get("/v1/payment_intents")).body["data"] == []
+    assert (await raw.ledger())["charges"] == []
+    # The same key, with somewhere to return to, executes: the refusal was not saved.
+    sent = base | choice | {"return_url": "https://example.com/back"}
+    accepted = await raw.post("/v1/payment_intents", sent, idempotency_key="no-url")
+    assert (accepted.status, accepted.body["status"]) == (200, "succeeded")
+
+
+async def test_an_intent_confirmed_later_needs_the_return_url_then(raw: Raw) -> None:
+    customer = await raw.customer()
+    method = customer["invoice_settings"]["default_payment_method"]
+    created = await raw.post(
+        "/v1/payment_intents",
+        {"amount": "100", "currency": "usd", "customer": customer["id"], "payment_method": method},
+    )
+    assert created.body["status"] == "requires_confirmation"
+    path = f"/v1/payment_intents/{created.body['id']}/confirm"
+    assert (await raw.post(path, {"off_session": "true"})).body["error"]["param"] == "return_url"
+    confirmed = await raw.post(path, {"return_url": "https://example.com/back"})
+    assert confirmed.body["status"] == "succeeded"
+
+
+@pytest.mark.parametrize(
+    ("automatic", "param"),
+    [
+        ({"automatic_payment_methods[allow_redirects]": "never"}, "[enabled]"),
+        (
+            {
+                "automatic_payment_methods[enabled]": "true",
+                "automatic_payment_methods[allow_redirects]": "sometimes",
+            },
+            "[allow_redirects]",
+        ),
+    ],
+)
+async def test_automatic_payment_methods_are_checked(
+    raw: Raw, automatic: dict[str, str], param: str
+) -> None:
+    customer = (await raw.customer())["id"]
+    sent = {"amount": "100", "currency": "usd", "customer": customer, "confirm": "true"}
+    reply = await raw.post("/v1/payment_intents", sent | automatic)
+    assert (reply.status, reply.body["error"]["param"]) == (
+        400,
+        f"automatic_payment_methods{param}",
+    )

@@ -70,6 +70,7 @@ async def charge(
             "customer": customer,
             "confirm": True,
             "off_session": True,
+            "automatic_payment_methods": {"enabled": True, "allow_redirects": "never"},
         },
         options=options,
     )
