@@ -44,7 +44,7 @@ from billing.period_keys import reseal_secrets
 from billing.sealing import SETTING
 from billing.stripe_client import stripe_client, stripe_http
 from billing.temporal_client import connect
-from vault.client import VaultAdmin
+from vault.client import VaultAdmin, VaultAdminError
 from workflows.billing_period import BillingPeriodWorkflow
 from workflows.customer_charge import CustomerChargeWorkflow
 from workflows.reconcile import ReconcileWorkflow
@@ -141,6 +141,20 @@ def create_worker(
     )
 
 
+async def _check_vault(admin: VaultAdmin, url: str) -> None:
+    """A wrong BILLING_VAULT_URL shows only as runs waiting at their opening: say so at the
+    start. The worker starts anyway, as the vault may come up after it."""
+    try:
+        await admin.ready()
+    except VaultAdminError as exc:
+        log.warning(
+            "the vault at %s did not answer as ready (%s): runs wait at their opening until it"
+            " does; check BILLING_VAULT_URL if it stays so",
+            url,
+            exc,
+        )
+
+
 async def main() -> None:
     logs.configure()
     temporal = load_settings(TemporalSettings)
@@ -173,6 +187,7 @@ async def main() -> None:
                         " issue keys only within the vault's worker budget"
                     )
                 admin = VaultAdmin(settings.billing_vault_url, token)
+                await _check_vault(admin, settings.billing_vault_url)
                 box = settings.secret_box()
                 sealed, unopened = await reseal_secrets(pool, box)
                 log.info("sealed %d period keys with the first encryption key", sealed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal, TypeVar
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
@@ -15,6 +16,8 @@ S = TypeVar("S", bound=BaseSettings)
 
 # The oldest a claim may be before it is looked up on Stripe first (billing_lookup_after_seconds).
 LOOKUP_AFTER_MAX_SECONDS = 23 * 3600
+# A scheme, a host (with its port), and any path.
+_HTTP_URL = re.compile(r"https?://[^\s/]+(/\S*)?")
 
 
 class SettingsError(BillingError):
@@ -55,6 +58,15 @@ class DatabaseSettings(BaseSettings):
         description="PostgreSQL holding the billing ledger",
     )
 
+    @field_validator("database_url")
+    @classmethod
+    def _database_named(cls, value: str) -> str:
+        # Blank, asyncpg would try PGHOST, local sockets and localhost as this OS user, and
+        # migrate whichever PostgreSQL answered.
+        if not value.strip():
+            raise ValueError("is set but blank: name the billing ledger's PostgreSQL")
+        return value
+
 
 class BillingSettings(BaseSettings):
     """What the worker needs to charge: where Stripe is and how keys are derived."""
@@ -87,8 +99,9 @@ class BillingSettings(BaseSettings):
     # (billing/sealing.py): whoever reads the database cannot charge with them.
     billing_key_encryption_keys: SecretStr | None = None
     # Stripe requests per second for all workers together, so the cluster stays under
-    # Stripe's rate (100/s live, 25/s test): charges take slots in the ledger database
-    # (billing/rate_limit.py). Unset means no limit; under one request a minute is a typo.
+    # Stripe's rate (25/s per endpoint by default, which every charge shares): charges take
+    # slots in the ledger database (billing/rate_limit.py). Unset means no limit; under one
+    # request a minute is a typo.
     billing_stripe_rps: float | None = Field(default=None, ge=1 / 60, allow_inf_nan=False)
 
     @field_validator("billing_lookup_after_seconds")
@@ -119,6 +132,13 @@ class BillingSettings(BaseSettings):
             raise ValueError("is set but blank: give it a value, or unset it")
         return value
 
+    @field_validator("billing_vault_url", "stripe_api_base")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None and value.strip() and not _HTTP_URL.fullmatch(value):
+            raise ValueError("must be an http:// or https:// URL, such as http://vault:8080")
+        return value
+
     @model_validator(mode="after")
     def _vault_needs_its_secrets(self) -> BillingSettings:
         if self.billing_vault_url:
@@ -132,6 +152,13 @@ class BillingSettings(BaseSettings):
             raise ValueError(
                 "a vault token is set but BILLING_VAULT_URL is not: set it too, or a worker"
                 " would charge Stripe directly, with no spend cap"
+            )
+        elif self.stripe_api_key.get_secret_value().startswith(
+            ("sk_live_", "rk_live_")
+        ) and not self.stripe_api_base.startswith("https://"):
+            raise ValueError(
+                "STRIPE_API_BASE must be an https:// URL for a live Stripe key, which would"
+                " otherwise travel in clear text"
             )
         return self
 

@@ -25,6 +25,7 @@ from vault.models import (
     ReservationInfo,
     ReservationList,
     ResolveRequest,
+    Status,
 )
 
 M = TypeVar("M", bound=BaseModel)
@@ -106,6 +107,10 @@ class VaultAdmin:
         return await self._call(
             "POST", "/keys", IssuedKey, body=request.model_dump(mode="json", exclude_none=True)
         )
+
+    async def ready(self) -> None:
+        """Raises VaultAdminError unless the vault answers and its database is ready."""
+        await self._call("GET", "/ready", Status)
 
     async def find_keys(
         self, *, period: str | None = None, label: str | None = None

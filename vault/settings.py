@@ -77,6 +77,26 @@ class VaultSettings(BaseSettings):
             raise ValueError("must be a Stripe secret or restricted key (sk_... or rk_...)")
         return value
 
+    @field_validator("database_url")
+    @classmethod
+    def _database_named(cls, value: str) -> str:
+        # Blank, asyncpg would try PGHOST, local sockets and localhost as this OS user.
+        if not value.strip():
+            raise ValueError("is set but blank: name the vault's PostgreSQL")
+        return value
+
+    @model_validator(mode="after")
+    def _live_key_over_tls(self) -> VaultSettings:
+        secret = self.upstream_stripe_secret.get_secret_value()
+        if secret.startswith(("sk_live_", "rk_live_")) and not self.upstream_base.startswith(
+            "https://"
+        ):
+            raise ValueError(
+                "VAULT_UPSTREAM_STRIPE_BASE must be an https:// URL for a live Stripe key,"
+                " which would otherwise travel in clear text"
+            )
+        return self
+
     @field_validator("worker_currencies", mode="before")
     @classmethod
     def _currency_list(cls, value: object) -> object:

@@ -175,6 +175,15 @@ def test_bad_arguments_are_refused_before_anything_is_contacted(
         # A rate so low its first slot overflowed the rate limiter's arithmetic.
         ({"BILLING_STRIPE_RPS": "1e-300"}, "BILLING_STRIPE_RPS: Input should be greater than"),
         ({"LOG_LEVEL": "LOUD"}, "LOG_LEVEL: Input should be"),
+        # No scheme: every call failed as unreachable, and runs waited at their opening.
+        ({"BILLING_VAULT_URL": "vault:8080"}, "BILLING_VAULT_URL: Value error, must be an http"),
+        # A live key, in clear text over the network.
+        (
+            {"STRIPE_API_KEY": "sk_live_" + "Q7" * 12, "STRIPE_API_BASE": "http://api.stripe.com"},
+            "STRIPE_API_BASE must be an https:// URL for a live Stripe key",
+        ),
+        # Blank, asyncpg tried local defaults and the worker migrated whatever answered.
+        ({"DATABASE_URL": " "}, "DATABASE_URL: Value error, is set but blank"),
     ],
 )
 async def test_a_worker_with_a_bad_setting_names_it_and_shows_no_value(

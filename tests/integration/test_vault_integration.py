@@ -15,6 +15,7 @@ from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.exceptions import ActivityError, ApplicationError
 
 import starter
+import worker
 from billing import ledger, operations, period_keys
 from billing.customers import upsert_customers
 from billing.keys import customer_workflow_id
@@ -34,6 +35,7 @@ from tests.integration.harness import (
 )
 from tests.integration.invariants import assert_billed_once
 from tests.integration.test_operations import replays
+from vault.client import VaultAdmin
 from vault.models import IssueKeyRequest
 
 # The current month: `run` refuses a period long past, so a fixed one would expire.
@@ -529,6 +531,20 @@ async def test_a_period_past_the_worker_budget_charges_nothing_and_says_why(
     assert isinstance(cause, ApplicationError) and cause.type == "KeyRefused"
     assert "VAULT_WORKER_BUDGET_CENTS" in cause.message and "revoke unused" in cause.message
     assert await vaulted.charges() == []
+
+
+async def test_a_worker_says_at_start_when_the_vault_does_not_answer(
+    vaulted: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A wrong BILLING_VAULT_URL showed only as runs waiting at their opening, for ever."""
+    assert vaulted.vault is not None
+    await worker._check_vault(vaulted.vault.worker, vaulted.vault.url)
+    assert "did not answer" not in caplog.text
+    wrong = "http://127.0.0.1:9"  # discard: nothing listens
+    async with VaultAdmin(wrong, "a-worker-token-0123") as admin:
+        await worker._check_vault(admin, wrong)
+    assert f"the vault at {wrong} did not answer as ready" in caplog.text
+    assert "check BILLING_VAULT_URL" in caplog.text
 
 
 async def test_a_lookup_key_the_vault_refuses_leaves_the_period_unreadable(

@@ -240,17 +240,29 @@ async def test_concurrent_worker_keys_never_pass_the_budget(
             "VAULT_WORKER_TOKEN must differ from VAULT_ADMIN_TOKEN",
         ),
         ({"worker_token": "short", "worker_budget_cents": 1}, "at least 16 characters"),
+        # A live key in clear text, and a blank database URL asyncpg would fill in with
+        # local defaults.
+        (
+            {
+                "upstream_stripe_secret": "rk_live_" + "Q7" * 12,
+                "upstream_stripe_base": "http://api.stripe.com",
+            },
+            "must be an https:// URL for a live Stripe key",
+        ),
+        ({"database_url": ""}, "is set but blank"),
     ],
 )
-def test_a_worker_token_needs_a_budget_and_its_own_value(
+def test_vault_settings_that_cannot_work_are_refused(
     worker_settings: dict[str, object], message: str
 ) -> None:
     with pytest.raises(ValidationError, match=message):
         VaultSettings(
-            admin_token=ADMIN_TOKEN,
-            upstream_stripe_secret=UPSTREAM_SECRET,
-            max_cap_cents=100,
-            **worker_settings,  # type: ignore[arg-type]
+            **{
+                "admin_token": ADMIN_TOKEN,
+                "upstream_stripe_secret": UPSTREAM_SECRET,
+                "max_cap_cents": 100,
+                **worker_settings,
+            }  # type: ignore[arg-type]
         )
 
 
