@@ -13,12 +13,50 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 from devstack.processes import StackError
 from devstack.stack import LocalStack, StackConfig
 
 
+def _stack_pid(config: StackConfig) -> int | None:
+    """The running local stack's pid. A pid file left by a stack that did not stop cleanly
+    (a reboot, a kill) is removed: its pid may since be another process's."""
+    try:
+        pid = int(config.pid_file.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    if _is_stack(pid):
+        return pid
+    config.pid_file.unlink(missing_ok=True)
+    return None
+
+
+def _is_stack(pid: int) -> bool:
+    try:
+        return b"devstack" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        if Path("/proc/self").exists():
+            return False  # no such process
+    # No /proc (macOS): whether the process lives is all there is to know.
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 async def up(config: StackConfig) -> None:
+    running = _stack_pid(config)
+    if running is not None:
+        raise StackError(
+            f"a local stack is already running (pid {running}): `python -m devstack down` stops it"
+        )
+    # Left by a stack that did not stop cleanly: they would tell `dev.py demo` that this one
+    # is up before its emulator and vault are.
+    config.env_file.unlink(missing_ok=True)
     stack = LocalStack(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -59,10 +97,10 @@ async def up(config: StackConfig) -> None:
 
 
 def down(config: StackConfig, timeout: float = 90) -> int:
-    if not config.pid_file.exists():
+    pid = _stack_pid(config)
+    if pid is None:
         print("no local stack is running")
         return 0
-    pid = int(config.pid_file.read_text())
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:

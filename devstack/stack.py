@@ -245,7 +245,11 @@ class LocalStack:
 
     def write_env(self) -> None:
         lines = [f"export {k}={shlex.quote(v)}" for k, v in self.environment.items()]
-        self.config.env_file.write_text("\n".join(lines) + "\n")
+        # It holds the vault's tokens and the sealing key: readable by this user alone.
+        env_file = self.config.env_file
+        env_file.touch(mode=0o600)
+        env_file.chmod(0o600)
+        env_file.write_text("\n".join(lines) + "\n")
 
     def stop(self) -> None:
         # Worker first, so in-flight charges finish and are recorded before their services go.
