@@ -170,6 +170,15 @@ class PeriodActivities:
                     kept = None
             if kept is None:
                 to_issue.append(currency)
+        if to_issue:
+            try:
+                revoked = await period_keys.revoke_unstored(conn, admin, period)
+            except VaultForbidden as exc:
+                # A vault from before workers could revoke their own keys: they stay counted.
+                log.warning("%s: could not revoke unused keys: %s", plan.period, exc.message)
+                revoked = []
+            for key_id in revoked:
+                logs.log_event(log, "unstored_key_revoked", period=plan.period, vault_key_id=key_id)
         grace = timedelta(days=self._settings.billing_vault_key_grace_days)
         box = self._settings.secret_box()
         issued = []

@@ -36,6 +36,10 @@ RETRYABLE = "StripeUnavailable"
 # would only time out.
 KEY_EXPIRED_CODE = "idempotency_key_expired"
 KEY_EXPIRED_RETRY = timedelta(minutes=4)
+# The vault's own refusal of an idempotency key it first counted for another request (amount,
+# currency, customer): no wait changes it, unlike Stripe's, which lasts as long as Stripe
+# keeps the key.
+VAULT_KEY_REUSED_CODE = "idempotency_key_reused"
 # The vault fenced this attempt off: a later attempt of the claim was refused on the cap
 # (billing.ledger.reopen_refused_charge). Nothing was sent; the retry takes the gate again.
 SUPERSEDED_CODE = "attempt_superseded"
@@ -90,27 +94,26 @@ def declined(failure: ChargeFailure) -> ApplicationError:
     return _non_retryable(DECLINED, failure)
 
 
-def _key_refused(exc: stripe.StripeError, key: str, then: str) -> ApplicationError:
+def _key_refused(exc: stripe.StripeError, key: str, then: str) -> ChargeFailure:
     # Stripe's own message can quote part of the key: say what to check instead.
     code = _error_body(exc).get("code")
     if code == VAULT_KEY_EXPIRED_CODE:
-        failure = ChargeFailure(code=code, message=f"{key} has expired ({then})")
-    elif code == VAULT_KEY_REVOKED_CODE:
-        failure = ChargeFailure(code=code, message=f"{key} was revoked, the kill switch ({then})")
-    else:
-        failure = ChargeFailure(
-            code="authentication_failed",
-            message="the Stripe or vault key was refused (unknown, expired or revoked)",
-        )
-    return _non_retryable(KEY_REFUSED, failure)
+        return ChargeFailure(code=code, message=f"{key} has expired ({then})")
+    if code == VAULT_KEY_REVOKED_CODE:
+        return ChargeFailure(code=code, message=f"{key} was revoked, the kill switch ({then})")
+    return ChargeFailure(
+        code="authentication_failed",
+        message="the Stripe or vault key was refused (unknown, expired or revoked)",
+    )
 
 
 def lookup_key_refused(exc: stripe.StripeError) -> ApplicationError:
     """The vault refused a lookup key (billing.period_keys.issue_lookup_key), which only
-    reads: the next read issues another, so nothing is for the period's operator."""
-    return _key_refused(
-        exc, "the vault key issued to read the period's charges", "the next read issues another"
+    reads: a retry issues another, so nothing is for the period's operator."""
+    failure = _key_refused(
+        exc, "the vault key issued to read the period's charges", "a retry issues another"
     )
+    return ApplicationError(f"{failure.code}: {failure.message}", failure, type=KEY_REFUSED)
 
 
 def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
@@ -127,13 +130,26 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
             next_retry_delay=timedelta(seconds=1),
         )
     if isinstance(exc, stripe.AuthenticationError):
-        return _key_refused(
+        failure = _key_refused(
             exc, "the period's vault key", "python starter.py status names what to do"
         )
+        return _non_retryable(KEY_REFUSED, failure)
     if isinstance(exc, stripe.PermissionError):
         return _non_retryable(KEY_REFUSED, failure_from(exc, "permission_denied"))
     if isinstance(exc, stripe.IdempotencyError):
-        return _non_retryable(REFUSED, failure_from(exc, "idempotency_error"))
+        if _error_body(exc).get("code") == VAULT_KEY_REUSED_CODE:
+            return _non_retryable(REFUSED, failure_from(exc, "idempotency_error"))
+        # Stripe keeps the key for a request with other parameters, such as one a worker of
+        # an earlier release sent, and the charge lookup before this found nothing: it may
+        # never have executed. Waited out, looked up at every try, until Stripe forgets the
+        # key (24 hours after it was first sent) and a retry executes afresh.
+        return ApplicationError(
+            f"idempotency_error: {redact(str(exc.user_message))} (no charge with this key"
+            " is found; retried until Stripe forgets the key, 24 hours after it was first"
+            " sent)",
+            type=RETRYABLE,
+            next_retry_delay=KEY_EXPIRED_RETRY,
+        )
     if isinstance(exc, stripe.InvalidRequestError):
         return _non_retryable(REFUSED, failure_from(exc, "invalid_request"))
     if _error_body(exc).get("code") == SUPERSEDED_CODE:

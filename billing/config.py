@@ -136,7 +136,9 @@ class BillingSettings(BaseSettings):
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
         if value is not None and value.strip() and not _HTTP_URL.fullmatch(value):
-            raise ValueError("must be an http:// or https:// URL, such as http://vault:8080")
+            raise ValueError(
+                "must be an http:// or https:// URL with a host, such as http://host:8080"
+            )
         return value
 
     @model_validator(mode="after")
@@ -153,7 +155,8 @@ class BillingSettings(BaseSettings):
                 "a vault token is set but BILLING_VAULT_URL is not: set it too, or a worker"
                 " would charge Stripe directly, with no spend cap"
             )
-        elif self.stripe_api_key.get_secret_value().startswith(
+        # Unused by a worker behind the vault, but the tools that seed customers send it.
+        if self.stripe_api_key.get_secret_value().startswith(
             ("sk_live_", "rk_live_")
         ) and not self.stripe_api_base.startswith("https://"):
             raise ValueError(

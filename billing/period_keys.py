@@ -165,6 +165,33 @@ async def issue_key(
     )
 
 
+async def revoke_unstored(
+    db: asyncpg.Pool | asyncpg.Connection, admin: VaultAdmin, period: Period
+) -> list[str]:
+    """Revoke the period's live worker keys that no run stores and nothing was charged
+    through; returns their ids. An opening that failed after the vault issued a key (a later
+    currency refused and its transaction rolled back, or the vault's answer lost and the
+    activity retried) left such a key, which counted its whole cap against the vault's worker
+    budget until it expired: a few failed openings could refuse every new key."""
+    stored = {
+        row["vault_key_id"]
+        for row in await db.fetch(
+            "SELECT vault_key_id FROM period_vault_keys WHERE billing_period = $1", str(period)
+        )
+    }
+    unused = [
+        key.id
+        for key in await admin.find_keys(period=str(period), label=LABEL)
+        if key.issued_by == "worker"
+        and key.id not in stored
+        and not (key.revoked or key.expired)
+        and key.spent_cents == key.reserved_cents == 0
+    ]
+    for key_id in unused:
+        await admin.revoke(key_id)
+    return unused
+
+
 async def issue_lookup_key(admin: VaultAdmin, period: str, currency: str) -> IssuedKey:
     """A key that can only read the period's charges in the currency."""
     return await admin.issue_key(

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,19 +34,18 @@ def _stack_pid(config: StackConfig) -> int | None:
 
 
 def _is_stack(pid: int) -> bool:
-    try:
-        return b"devstack" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except FileNotFoundError:
-        if Path("/proc/self").exists():
-            return False  # no such process
-    # No /proc (macOS): whether the process lives is all there is to know.
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
+    """Whether `pid` runs `python -m devstack up` (not, say, `tail .devstack/devstack.log`)."""
+    if Path("/proc/self").exists():
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except FileNotFoundError:
+            return False
+    else:  # macOS has no /proc; its ps prints the command line
+        shown = subprocess.run(
+            ["ps", "-p", str(pid), "-o", "command="], capture_output=True, check=False
+        )
+        args = shown.stdout.split()
+    return b" -m devstack up" in b" ".join(args)
 
 
 async def up(config: StackConfig) -> None:

@@ -137,7 +137,8 @@ def _authorized(access: Access, handler: Handler) -> Handler:
                 403,
                 "admin_token_required",
                 f"{request.method} {request.path} needs the admin token: the worker token"
-                " issues keys within its budget, reads keys and reservations and resolves them",
+                " issues keys within its budget, reads keys and reservations, resolves them and"
+                " revokes its own keys",
                 error_type="permission_error",
             )
         request[ROLE] = role
@@ -191,6 +192,9 @@ async def get_key(request: web.Request) -> web.Response:
 async def revoke_key(request: web.Request) -> web.Response:
     key_id = _key_id(request)
     async with request.app[STATE].pool.acquire() as conn:
+        # Workers revoke the keys they issued and no run stored (billing.period_keys): a
+        # kill switch moves no money, and a revoked key counts only what it took.
+        _own_keys_only(request, key_id, await _require_key(conn, key_id), "revoke it")
         info = await store.revoke_key(conn, key_id)
     if info is None:
         raise _no_key(key_id)
@@ -224,14 +228,8 @@ async def resolve(request: web.Request) -> web.Response:
     resolution = await _body(request, ResolveRequest)
     state = request.app[STATE]
     async with state.pool.acquire() as conn:
-        if await _require_key(conn, key_id) != "worker" and request[ROLE] == "worker":
-            # Only its own keys' releases are counted against the worker budget.
-            raise VaultError(
-                403,
-                "admin_token_required",
-                f"{key_id} was issued with the admin token: settle its reservations with it",
-                error_type="permission_error",
-            )
+        # Only its own keys' releases are counted against the worker budget.
+        _own_keys_only(request, key_id, await _require_key(conn, key_id), "settle its reservations")
         if _IDEMPOTENCY_KEY_RE.fullmatch(idempotency_key) is None:
             raise VaultError(404, "resource_missing", "no reservation for a malformed key")
         try:
@@ -255,6 +253,16 @@ async def resolve(request: web.Request) -> web.Response:
         except ValueError as error:
             raise VaultError(422, "parameter_invalid", str(error), param="amount_cents") from None
     return _reply(info)
+
+
+def _own_keys_only(request: web.Request, key_id: str, issued_by: str, what: str) -> None:
+    if issued_by != "worker" and request[ROLE] == "worker":
+        raise VaultError(
+            403,
+            "admin_token_required",
+            f"{key_id} was issued with the admin token: {what} with it",
+            error_type="permission_error",
+        )
 
 
 async def _require_key(conn: asyncpg.Connection, key_id: str) -> str:
@@ -324,9 +332,11 @@ OPERATIONS: tuple[Operation, ...] = (
         "POST",
         _KEY + "/revoke",
         "revokeKey",
-        "Revoke a key: its next request is refused",
+        "Revoke a key: its next request is refused (the worker token: its own keys only)",
         revoke_key,
         KeyInfo,
+        access="worker",
+        other_errors=(403,),
     ),
     Operation(
         "GET",
@@ -356,7 +366,7 @@ OPERATIONS: tuple[Operation, ...] = (
         ReservationInfo,
         body=ResolveRequest,
         access="worker",
-        other_errors=(409,),
+        other_errors=(403, 409),
     ),
     Operation(
         "GET",

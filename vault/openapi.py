@@ -25,8 +25,8 @@ _SECURITY: dict[Access, list[dict[str, list[str]]]] = {
 _ERROR_DESCRIPTIONS = {
     400: "Malformed request (body not JSON)",
     401: "Missing or wrong token",
-    403: "The worker token may not do this: an admin-only operation, or a key past the"
-    " worker budget or its window",
+    403: "The worker token may not do this: an admin-only operation, an admin's key, or a key"
+    " past the worker budget or its window",
     404: "No such key or reservation",
     409: "Conflicts with the reservation's state",
     413: "The body is larger than the vault reads (1 MiB)",

@@ -25,7 +25,7 @@ class VaultSettings(BaseSettings):
     # No defaults for the secrets: a vault started without them must not start at all.
     admin_token: SecretStr = Field(description="bearer token of the admin API")
     # Workers hold this one instead: it issues keys only within the budget below, and cannot
-    # revoke keys or read the audit log (vault/budget.py).
+    # revoke other keys than its own or read the audit log (vault/budget.py).
     worker_token: SecretStr | None = Field(
         default=None, description="bearer token for workers; needs VAULT_WORKER_BUDGET_CENTS"
     )

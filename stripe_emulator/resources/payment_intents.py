@@ -42,7 +42,18 @@ _IGNORED = frozenset(
         "statement_descriptor_suffix",
     }
 )
-_CONFIRM = COMMON | _IGNORED | {"payment_method", "off_session", "return_url"}
+_CONFIRM = (
+    COMMON
+    | _IGNORED
+    | {
+        "payment_method",
+        "off_session",
+        "return_url",
+        # Accepted, not applied: only cards are emulated.
+        "allowed_payment_method_types",
+        "excluded_payment_method_types",
+    }
+)
 _CREATE = _CONFIRM | {
     "amount",
     "currency",
@@ -51,7 +62,6 @@ _CREATE = _CONFIRM | {
     "metadata",
     "description",
     "automatic_payment_methods",
-    "allowed_payment_method_types",
 }
 _AUTOMATIC = frozenset({"enabled", "allow_redirects"})
 _LIST = LIST | {"customer"}

@@ -786,11 +786,11 @@ async def test_a_lookup_key_revoked_is_replaced_on_the_next_read(vaulted: Harnes
     await vaulted.vault.admin.revoke(lookup.id)
     with pytest.raises(ApplicationError) as refused:
         await settling._find(claim)
-    assert refused.value.type == "KeyRefused"
+    assert refused.value.type == "KeyRefused" and not refused.value.non_retryable
     # Not the period key's advice: nothing there is for an operator to do.
     assert refused.value.message == (
         "vault_key_revoked: the vault key issued to read the period's charges was revoked,"
-        " the kill switch (the next read issues another)"
+        " the kill switch (a retry issues another)"
     )
     found, _ = await settling._find(claim)
     assert isinstance(found, ChargeResult) and found.charge_id == claim.charge_id

@@ -391,6 +391,36 @@ async def test_a_stored_key_refused_leaves_no_new_key_in_another_currency(
     assert await vaulted.money_requests() == 0
 
 
+async def test_an_opening_revokes_the_unused_keys_a_failed_one_left_unstored(
+    vaulted: Harness,
+) -> None:
+    """An opening that failed after the vault issued a key (a later currency refused, its
+    transaction rolled back; or the vault's answer lost and the activity retried) left a key
+    no run stores, counting its whole cap against the worker budget until it expired. The
+    next opening revokes it; an admin's key, or one something was charged through, stays."""
+    assert vaulted.vault is not None
+    customers = await vaulted.seed(2)
+    request = IssueKeyRequest(
+        label=period_keys.LABEL,
+        period=str(PERIOD),
+        cap_cents=100_000,
+        currency="usd",
+        allowed_endpoints=period_keys.ALLOWED_ENDPOINTS,
+        expires_at=datetime.now(UTC) + timedelta(days=2),
+    )
+    left = await vaulted.vault.worker.issue_key(request)
+    admins = await vaulted.vault.admin.issue_key(request)
+    async with vaulted.running_worker():
+        summary = await (await start_period(vaulted.client, PERIOD, vaulted.task_queue)).result()
+    assert summary.charged == 2
+    stored = await period_keys.stored_key_id(vaulted.pool, str(PERIOD), "usd")
+    assert stored is not None
+    keys = {k.id: k for k in await vaulted.vault.admin.find_keys(period=str(PERIOD))}
+    assert keys[left.id].revoked and not keys[admins.id].revoked
+    assert stored not in (left.id, admins.id) and not keys[stored].revoked
+    await assert_billed_once(vaulted, str(PERIOD), customers)
+
+
 async def test_a_stored_key_near_its_expiry_is_replaced_not_reused(vaulted: Harness) -> None:
     """A rerun late in the key's life would stop part-billed when the key expired, and a
     resume would only pause it again: its preparation issues a new key instead."""

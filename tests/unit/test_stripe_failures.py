@@ -11,6 +11,7 @@ from activities.stripe_failures import (
     DECLINED,
     KEY_EXPIRED_RETRY,
     KEY_REFUSED,
+    REFUSED,
     RETRYABLE,
     to_temporal_failure,
 )
@@ -28,6 +29,27 @@ def test_a_key_past_stripes_window_is_retried_slowly_within_a_round() -> None:
     assert (failure.type, failure.non_retryable) == (RETRYABLE, False)
     assert failure.next_retry_delay == KEY_EXPIRED_RETRY
     assert timedelta(minutes=1) <= KEY_EXPIRED_RETRY < BILL_ROUND
+
+
+def test_a_key_stripe_holds_for_other_parameters_is_waited_out() -> None:
+    """Sent by a worker of an earlier release with other parameters, and no charge found:
+    recorded failed, the customer would go unbilled for the period. Stripe forgets the key
+    in a day, and a retry then executes afresh."""
+    failure = to_temporal_failure(
+        _error(stripe.IdempotencyError, 400, type="idempotency_error", message="other params")
+    )
+    assert (failure.type, failure.non_retryable) == (RETRYABLE, False)
+    assert failure.next_retry_delay == KEY_EXPIRED_RETRY
+    assert "retried until Stripe forgets the key" in failure.message
+
+
+def test_a_key_the_vault_counted_for_another_request_is_final() -> None:
+    failure = to_temporal_failure(
+        _error(
+            stripe.IdempotencyError, 400, code="idempotency_key_reused", type="idempotency_error"
+        )
+    )
+    assert (failure.type, failure.non_retryable) == (REFUSED, True)
 
 
 def test_a_key_in_use_is_retried_at_the_policys_pace() -> None:

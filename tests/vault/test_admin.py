@@ -204,8 +204,12 @@ async def test_openapi_document_matches_the_routes(
     issue_op = document["paths"]["/vault/keys"]["post"]
     assert issue_op["security"] == [{"adminToken": []}, {"workerToken": []}]
     assert set(issue_op["responses"]) == {"201", "400", "401", "403", "413", "422", "500"}
+    audit_op = document["paths"]["/vault/keys/{key_id}/audit"]["get"]
+    assert audit_op["security"] == [{"adminToken": []}]
+    assert "403" in audit_op["responses"]
+    # The worker token revokes its own keys only (403 for an admin's).
     revoke_op = document["paths"]["/vault/keys/{key_id}/revoke"]["post"]
-    assert revoke_op["security"] == [{"adminToken": []}]
+    assert revoke_op["security"] == [{"adminToken": []}, {"workerToken": []}]
     assert "403" in revoke_op["responses"]
     request_schema = schemas["IssueKeyRequest"]
     assert request_schema["properties"]["cap_cents"]["maximum"] == MAX_CAP_CENTS

@@ -37,7 +37,7 @@ async def _issue(worker: VaultAdmin, secrets_seen: Secrets, **overrides: object)
     return issued
 
 
-async def test_a_worker_issues_reads_and_resolves_but_cannot_revoke_or_read_the_audit(
+async def test_a_worker_issues_reads_resolves_and_revokes_its_own_but_cannot_read_the_audit(
     worker: VaultAdmin, admin: VaultAdmin, secrets_seen: Secrets, issue: Issue
 ) -> None:
     mine = await _issue(worker, secrets_seen)
@@ -47,13 +47,14 @@ async def test_a_worker_issues_reads_and_resolves_but_cannot_revoke_or_read_the_
     assert {k.id for k in await worker.find_keys(period="2026-12")} == {mine.id, theirs.id}
     assert await worker.unknown_reservations(mine.id) == []
     with pytest.raises(VaultForbidden, match="needs the admin token") as refused:
-        await worker.revoke(mine.id)
-    assert refused.value.code == "admin_token_required"
-    with pytest.raises(VaultForbidden, match="needs the admin token"):
         await worker.audit(theirs.id)
-    # Only an operator pulls the kill switch.
-    assert not (await admin.get_key(mine.id)).revoked
-    assert (await admin.revoke(mine.id)).revoked
+    assert refused.value.code == "admin_token_required"
+    # A worker revokes a key it issued and no run uses (it moves no money); an operator's
+    # keys are the operator's to revoke.
+    with pytest.raises(VaultForbidden, match="issued with the admin token: revoke it with it"):
+        await worker.revoke(theirs.id)
+    assert not (await admin.get_key(theirs.id)).revoked
+    assert (await worker.revoke(mine.id)).revoked
 
 
 async def test_worker_keys_stop_at_the_budget_and_other_keys_do_not_count(
