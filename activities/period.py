@@ -186,7 +186,7 @@ class PeriodActivities:
             replaced = await period_keys.stored_key_id(conn, plan.period, currency)
             with _needs_operator(plan.period, currency):
                 key = await period_keys.issue_key(
-                    conn, admin, box, period, currency, caps[currency], grace
+                    conn, admin, box, period, currency, caps[currency], grace, known_in=self._pool
                 )
             issued.append(period_keys.RenewedKey(**key.model_dump(), replaced=replaced))
         return issued

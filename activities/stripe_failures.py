@@ -36,10 +36,6 @@ RETRYABLE = "StripeUnavailable"
 # would only time out.
 KEY_EXPIRED_CODE = "idempotency_key_expired"
 KEY_EXPIRED_RETRY = timedelta(minutes=4)
-# The vault's own refusal of an idempotency key it first counted for another request (amount,
-# currency, customer): no wait changes it, unlike Stripe's, which lasts as long as Stripe
-# keeps the key.
-VAULT_KEY_REUSED_CODE = "idempotency_key_reused"
 # The vault fenced this attempt off: a later attempt of the claim was refused on the cap
 # (billing.ledger.reopen_refused_charge). Nothing was sent; the retry takes the gate again.
 SUPERSEDED_CODE = "attempt_superseded"
@@ -137,19 +133,9 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
     if isinstance(exc, stripe.PermissionError):
         return _non_retryable(KEY_REFUSED, failure_from(exc, "permission_denied"))
     if isinstance(exc, stripe.IdempotencyError):
-        if _error_body(exc).get("code") == VAULT_KEY_REUSED_CODE:
-            return _non_retryable(REFUSED, failure_from(exc, "idempotency_error"))
-        # Stripe keeps the key for a request with other parameters, such as one a worker of
-        # an earlier release sent, and the charge lookup before this found nothing: it may
-        # never have executed. Waited out, looked up at every try, until Stripe forgets the
-        # key (24 hours after it was first sent) and a retry executes afresh.
-        return ApplicationError(
-            f"idempotency_error: {redact(str(exc.user_message))} (no charge with this key"
-            " is found; retried until Stripe forgets the key, 24 hours after it was first"
-            " sent)",
-            type=RETRYABLE,
-            next_retry_delay=KEY_EXPIRED_RETRY,
-        )
+        # The lookup before this found no charge. Waiting for Stripe to forget the key would
+        # hold the claim past a pause, cancel or skip for a day, then charge afresh: final.
+        return _non_retryable(REFUSED, failure_from(exc, "idempotency_error"))
     if isinstance(exc, stripe.InvalidRequestError):
         return _non_retryable(REFUSED, failure_from(exc, "invalid_request"))
     if _error_body(exc).get("code") == SUPERSEDED_CODE:

@@ -32,7 +32,7 @@ STALLED_AFTER_SECONDS = 3600 + _CLOCK_SKEW_SECONDS
 def charge_params(claim: Claim, api: ChargeApi) -> dict[str, Any]:
     """The exact parameters of every request a worker of this release sends for this claim
     (same key, same parameters). One of an earlier release may have sent others: Stripe then
-    answers idempotency_error until it forgets the key (stripe_failures)."""
+    answers idempotency_error (see charging, which looks the charge up)."""
     params: dict[str, Any] = {
         "amount": claim.amount_cents,
         "currency": claim.currency,

@@ -131,9 +131,12 @@ async def issue_key(
     currency: str,
     cap_cents: int,
     grace: timedelta,
+    *,
+    known_in: asyncpg.Pool,
 ) -> PeriodKey:
-    """A new key for the period and currency, capped at `cap_cents`, stored in place of any
-    other."""
+    """A new key for the period and currency, capped at `cap_cents`, stored (through `db`,
+    perhaps in a transaction) in place of any other. It is listed in `known_in` at once,
+    whatever becomes of that transaction, for revoke_unstored."""
     issued = await admin.issue_key(
         IssueKeyRequest(
             label=LABEL,
@@ -143,6 +146,13 @@ async def issue_key(
             allowed_endpoints=ALLOWED_ENDPOINTS,
             expires_at=key_expiry(period, datetime.now(UTC), grace),
         )
+    )
+    await known_in.execute(
+        "INSERT INTO issued_vault_keys (vault_key_id, billing_period, currency)"
+        " VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+        issued.id,
+        str(period),
+        currency,
     )
     await db.execute(
         """
@@ -168,22 +178,27 @@ async def issue_key(
 async def revoke_unstored(
     db: asyncpg.Pool | asyncpg.Connection, admin: VaultAdmin, period: Period
 ) -> list[str]:
-    """Revoke the period's live worker keys that no run stores and nothing was charged
-    through; returns their ids. An opening that failed after the vault issued a key (a later
-    currency refused and its transaction rolled back, or the vault's answer lost and the
-    activity retried) left such a key, which counted its whole cap against the vault's worker
-    budget until it expired: a few failed openings could refuse every new key."""
-    stored = {
-        row["vault_key_id"]
-        for row in await db.fetch(
-            "SELECT vault_key_id FROM period_vault_keys WHERE billing_period = $1", str(period)
-        )
-    }
+    """Revoke the keys this ledger's workers issued for the period (issue_key lists them)
+    that no row stores any more and nothing went through; returns their ids. An opening that
+    failed after the vault issued a key (a later currency refused, its transaction rolled
+    back) left such a key, which counted its whole cap against the vault's worker budget
+    until it expired: a few failed openings could refuse every new key. Keys this ledger
+    did not issue (another deployment's on the same vault) are left alone."""
+    rows = await db.fetch(
+        """
+        SELECT i.vault_key_id FROM issued_vault_keys i
+        WHERE i.billing_period = $1
+          AND NOT EXISTS (SELECT 1 FROM period_vault_keys p WHERE p.vault_key_id = i.vault_key_id)
+        """,
+        str(period),
+    )
+    unstored = {row["vault_key_id"] for row in rows}
+    if not unstored:
+        return []
     unused = [
         key.id
         for key in await admin.find_keys(period=str(period), label=LABEL)
-        if key.issued_by == "worker"
-        and key.id not in stored
+        if key.id in unstored
         and not (key.revoked or key.expired)
         and key.spent_cents == key.reserved_cents == 0
     ]

@@ -396,6 +396,7 @@ async def test_a_charge_retried_through_a_renewed_key_is_counted_under_one_key(
         retried.currency,
         100_000,
         timedelta(days=1),
+        known_in=vaulted.pool,
     )
     key = idempotency_key(vaulted.settings.billing_key_namespace, retried.customer_id, PERIOD)
     async with vaulted.pool.acquire() as conn:
@@ -758,6 +759,7 @@ async def test_a_claim_is_charged_through_the_key_that_replaced_the_one_a_worker
             claim.currency,
             100_000,
             timedelta(days=1),
+            known_in=vaulted.pool,
         )
         await vaulted.vault.admin.revoke(old.id)
         handle = await start_reconcile(vaulted.client, PERIOD, vaulted.task_queue)

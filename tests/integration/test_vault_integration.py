@@ -395,29 +395,44 @@ async def test_an_opening_revokes_the_unused_keys_a_failed_one_left_unstored(
     vaulted: Harness,
 ) -> None:
     """An opening that failed after the vault issued a key (a later currency refused, its
-    transaction rolled back; or the vault's answer lost and the activity retried) left a key
-    no run stores, counting its whole cap against the worker budget until it expired. The
-    next opening revokes it; an admin's key, or one something was charged through, stays."""
+    transaction rolled back) left a key no run stores, counting its whole cap against the
+    worker budget until it expired. The next opening revokes it; a key this ledger did not
+    issue (another deployment's on the same vault) stays."""
     assert vaulted.vault is not None
     customers = await vaulted.seed(2)
-    request = IssueKeyRequest(
-        label=period_keys.LABEL,
-        period=str(PERIOD),
-        cap_cents=100_000,
-        currency="usd",
-        allowed_endpoints=period_keys.ALLOWED_ENDPOINTS,
-        expires_at=datetime.now(UTC) + timedelta(days=2),
+    async with vaulted.pool.acquire() as conn:
+        opening = conn.transaction()
+        await opening.start()
+        left = await period_keys.issue_key(
+            conn,
+            vaulted.vault.worker,
+            vaulted.settings.secret_box(),
+            PERIOD,
+            "usd",
+            100_000,
+            timedelta(days=1),
+            known_in=vaulted.pool,
+        )
+        await opening.rollback()
+    theirs = await vaulted.vault.worker.issue_key(
+        IssueKeyRequest(
+            label=period_keys.LABEL,
+            period=str(PERIOD),
+            cap_cents=100_000,
+            currency="usd",
+            allowed_endpoints=period_keys.ALLOWED_ENDPOINTS,
+            expires_at=datetime.now(UTC) + timedelta(days=2),
+        )
     )
-    left = await vaulted.vault.worker.issue_key(request)
-    admins = await vaulted.vault.admin.issue_key(request)
+    assert await period_keys.stored_key_id(vaulted.pool, str(PERIOD), "usd") is None
     async with vaulted.running_worker():
         summary = await (await start_period(vaulted.client, PERIOD, vaulted.task_queue)).result()
     assert summary.charged == 2
     stored = await period_keys.stored_key_id(vaulted.pool, str(PERIOD), "usd")
     assert stored is not None
     keys = {k.id: k for k in await vaulted.vault.admin.find_keys(period=str(PERIOD))}
-    assert keys[left.id].revoked and not keys[admins.id].revoked
-    assert stored not in (left.id, admins.id) and not keys[stored].revoked
+    assert keys[left.vault_key_id].revoked and not keys[theirs.id].revoked
+    assert stored not in (left.vault_key_id, theirs.id) and not keys[stored].revoked
     await assert_billed_once(vaulted, str(PERIOD), customers)
 
 
@@ -434,7 +449,7 @@ async def test_a_stored_key_near_its_expiry_is_replaced_not_reused(vaulted: Harn
         admin = vaulted.vault.worker
         kept = await period_keys.kept_key(vaulted.pool, admin, PERIOD, "usd", unsent_cents)
         return kept or await period_keys.issue_key(
-            vaulted.pool, admin, box, PERIOD, "usd", 5_000, grace
+            vaulted.pool, admin, box, PERIOD, "usd", 5_000, grace, known_in=vaulted.pool
         )
 
     first = await ensure()
