@@ -16,6 +16,7 @@ from activities.charging import PAUSED, BillRequest, ChargingActivities
 from activities.stripe_access import DirectAccess
 from activities.stripe_gateway import StripeGateway, charge_params
 from billing import ledger
+from billing.customers import CustomerRow
 from billing.keys import customer_workflow_id, idempotency_key
 from billing.models import ChargeFailure, ChargeResult, Claim, Control, PeriodPlan
 from billing.periods import Period
@@ -54,6 +55,20 @@ class RateLimitedOnce(StripeGateway):
         return await super().charge(claim, fencing_token)
 
 
+async def _billing_one(
+    harness: Harness, gateway: type[StripeGateway]
+) -> tuple[CustomerRow, ChargingActivities, BillRequest]:
+    """One customer due in an open period, billed by hand through `gateway`, attempt by
+    attempt (_attempt)."""
+    (customer,) = await harness.seed(1)
+    async with harness.pool.acquire() as conn:
+        plan = PeriodPlan(period=str(PERIOD), due=1, to_charge=1, expected_total_cents=0)
+        await ledger.start_period(conn, plan, "billing-period-2026-12")
+    access = DirectAccess(gateway(harness.stripe, harness.settings.billing_charge_api))
+    charging = ChargingActivities(harness.pool, access, harness.settings)
+    return customer, charging, BillRequest(period=str(PERIOD), customer_id=customer.customer_id)
+
+
 def _attempt(number: int) -> ActivityEnvironment:
     env = ActivityEnvironment()
     env.info = dataclasses.replace(env.info, attempt=number, is_local=True)
@@ -78,13 +93,7 @@ async def test_a_lookup_after_a_saved_500_that_fails_is_mapped_as_any_stripe_err
     """The lookup that follows a replayed 500 is rate-limited: the attempt fails as a rate
     limit does (a Temporal failure from the one mapping, its retry a second away), not with
     Stripe's exception, and the next attempt finds the charge."""
-    (customer,) = await harness.seed(1)
-    async with harness.pool.acquire() as conn:
-        plan = PeriodPlan(period=str(PERIOD), due=1, to_charge=1, expected_total_cents=0)
-        await ledger.start_period(conn, plan, "billing-period-2026-12")
-    gateway = LookupRateLimitedOnce(harness.stripe, harness.settings.billing_charge_api)
-    charging = ChargingActivities(harness.pool, DirectAccess(gateway), harness.settings)
-    request = BillRequest(period=str(PERIOD), customer_id=customer.customer_id)
+    customer, charging, request = await _billing_one(harness, LookupRateLimitedOnce)
     await harness.set_faults(error_after_commit=1.0)
     with pytest.raises(ApplicationError, match="did not answer definitively"):
         await _attempt(1).run(charging.bill, request)
@@ -99,13 +108,7 @@ async def test_a_lookup_after_a_saved_500_that_fails_is_mapped_as_any_stripe_err
 async def test_a_stop_reaches_a_charge_whose_only_request_stripe_rate_limited(
     harness: Harness, control: Control
 ) -> None:
-    (customer,) = await harness.seed(1)
-    async with harness.pool.acquire() as conn:
-        plan = PeriodPlan(period=str(PERIOD), due=1, to_charge=1, expected_total_cents=0)
-        await ledger.start_period(conn, plan, "billing-period-2026-12")
-    gateway = RateLimitedOnce(harness.stripe, harness.settings.billing_charge_api)
-    charging = ChargingActivities(harness.pool, DirectAccess(gateway), harness.settings)
-    request = BillRequest(period=str(PERIOD), customer_id=customer.customer_id)
+    _, charging, request = await _billing_one(harness, RateLimitedOnce)
     with pytest.raises(ApplicationError, match="rate limit"):
         await _attempt(1).run(charging.bill, request)
     # Before the retry, an operator stops the period: nothing of this charge is at Stripe.

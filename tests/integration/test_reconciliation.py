@@ -377,6 +377,22 @@ async def test_unknown_reservations_of_charges_stripe_took_are_committed(
     await assert_billed_once(vaulted, str(PERIOD), customers)
 
 
+async def _renewed(vaulted: Harness, currency: str) -> period_keys.PeriodKey:
+    """A new key stored in place of the period's, as renew-keys or a rerun's preparation
+    stores one."""
+    assert vaulted.vault is not None
+    return await period_keys.issue_key(
+        vaulted.pool,
+        vaulted.vault.worker,
+        vaulted.settings.secret_box(),
+        PERIOD,
+        currency,
+        100_000,
+        timedelta(days=1),
+        known_in=vaulted.pool,
+    )
+
+
 async def test_a_charge_retried_through_a_renewed_key_is_counted_under_one_key(
     vaulted: Harness,
 ) -> None:
@@ -388,16 +404,7 @@ async def test_a_charge_retried_through_a_renewed_key_is_counted_under_one_key(
     customers = await charged_in_doubt_at_the_vault(vaulted)
     [old] = await admin.find_keys(period=str(PERIOD), label=period_keys.LABEL)
     retried = customers[0]
-    new = await period_keys.issue_key(
-        vaulted.pool,
-        vaulted.vault.worker,
-        vaulted.settings.secret_box(),
-        PERIOD,
-        retried.currency,
-        100_000,
-        timedelta(days=1),
-        known_in=vaulted.pool,
-    )
+    new = await _renewed(vaulted, retried.currency)
     key = idempotency_key(vaulted.settings.billing_key_namespace, retried.customer_id, PERIOD)
     async with vaulted.pool.acquire() as conn:
         claim = await ledger.claim_by_key(conn, key)
@@ -751,16 +758,7 @@ async def test_a_claim_is_charged_through_the_key_that_replaced_the_one_a_worker
         [late] = await vaulted.seed(1, prefix="late")
         claim = await stranded(vaulted, late, at_stripe=False)
         [old] = await vaulted.vault.admin.find_keys(period=str(PERIOD), label=period_keys.LABEL)
-        await period_keys.issue_key(
-            vaulted.pool,
-            vaulted.vault.worker,
-            vaulted.settings.secret_box(),
-            PERIOD,
-            claim.currency,
-            100_000,
-            timedelta(days=1),
-            known_in=vaulted.pool,
-        )
+        await _renewed(vaulted, claim.currency)
         await vaulted.vault.admin.revoke(old.id)
         handle = await start_reconcile(vaulted.client, PERIOD, vaulted.task_queue)
         report = await handle.result()

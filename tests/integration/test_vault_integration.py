@@ -66,6 +66,18 @@ async def forwarded_count(harness: Harness) -> float:
     return 0.0
 
 
+def _period_key(cap_cents: int, lives: timedelta = timedelta(days=2)) -> IssueKeyRequest:
+    """A usd key for the period as a run's preparation asks for one."""
+    return IssueKeyRequest(
+        label=period_keys.LABEL,
+        period=str(PERIOD),
+        cap_cents=cap_cents,
+        currency="usd",
+        allowed_endpoints=period_keys.ALLOWED_ENDPOINTS,
+        expires_at=datetime.now(UTC) + lives,
+    )
+
+
 async def test_a_period_charges_through_its_capped_key(vaulted: Harness) -> None:
     customers = await vaulted.seed(20)
     forwarded_before = await forwarded_count(vaulted)
@@ -362,16 +374,7 @@ async def test_a_stored_key_refused_leaves_no_new_key_in_another_currency(
     assert vaulted.vault is not None
     usd, eur = await vaulted.seed(2)
     await upsert_customers(vaulted.pool, [eur.model_copy(update={"currency": "eur"})])
-    small = await vaulted.vault.worker.issue_key(
-        IssueKeyRequest(
-            label=period_keys.LABEL,
-            period=str(PERIOD),
-            cap_cents=usd.amount_cents - 1,
-            currency="usd",
-            allowed_endpoints=period_keys.ALLOWED_ENDPOINTS,
-            expires_at=datetime.now(UTC) + timedelta(days=2),
-        )
-    )
+    small = await vaulted.vault.worker.issue_key(_period_key(usd.amount_cents - 1))
     async with vaulted.pool.acquire() as conn:
         await conn.execute(
             "INSERT INTO period_vault_keys"
@@ -414,16 +417,7 @@ async def test_an_opening_revokes_the_unused_keys_a_failed_one_left_unstored(
             known_in=vaulted.pool,
         )
         await opening.rollback()
-    theirs = await vaulted.vault.worker.issue_key(
-        IssueKeyRequest(
-            label=period_keys.LABEL,
-            period=str(PERIOD),
-            cap_cents=100_000,
-            currency="usd",
-            allowed_endpoints=period_keys.ALLOWED_ENDPOINTS,
-            expires_at=datetime.now(UTC) + timedelta(days=2),
-        )
-    )
+    theirs = await vaulted.vault.worker.issue_key(_period_key(100_000))
     assert await period_keys.stored_key_id(vaulted.pool, str(PERIOD), "usd") is None
     async with vaulted.running_worker():
         summary = await (await start_period(vaulted.client, PERIOD, vaulted.task_queue)).result()
@@ -459,16 +453,7 @@ async def test_a_stored_key_near_its_expiry_is_replaced_not_reused(vaulted: Harn
     with pytest.raises(period_keys.KeyTooSmallError, match="has 5000 usd left of its cap"):
         await ensure(5_001)
     near = period_keys.REUSE_MIN_LIFE - timedelta(minutes=1)
-    issued = await vaulted.vault.worker.issue_key(
-        IssueKeyRequest(
-            label=period_keys.LABEL,
-            period=str(PERIOD),
-            cap_cents=5_000,
-            currency="usd",
-            allowed_endpoints=period_keys.ALLOWED_ENDPOINTS,
-            expires_at=datetime.now(UTC) + near,
-        )
-    )
+    issued = await vaulted.vault.worker.issue_key(_period_key(5_000, near))
     async with vaulted.pool.acquire() as conn:
         await conn.execute(
             "UPDATE period_vault_keys SET vault_key_id = $1, sealed_secret = $2",
