@@ -226,8 +226,7 @@ class ChargingActivities:
                 if found is not None:
                     return _settle(found)
             return _settle(await gateway.charge(claim, fencing_token))
-        except stripe.StripeError as error:
-            exc = error
+        except stripe.StripeError as exc:
             if isinstance(exc, stripe.IdempotencyError) or (
                 is_replayed(exc) and (exc.http_status or 0) >= 500
             ):

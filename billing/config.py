@@ -135,7 +135,7 @@ class BillingSettings(BaseSettings):
     @field_validator("billing_vault_url", "stripe_api_base")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
-        if value is not None and value.strip() and not _HTTP_URL.fullmatch(value):
+        if value is not None and not _HTTP_URL.fullmatch(value):
             raise ValueError(
                 "must be an http:// or https:// URL with a host, such as http://host:8080"
             )

@@ -309,8 +309,8 @@ class OpenRun(Record):
 
 
 class EndedRun(Record):
-    """A run that ended without a summary: failed, terminated or timed out (`unfinished`:
-    the ledger's row of a run Temporal no longer holds)."""
+    """A run that ended without a summary: Temporal's status (failed, terminated, timed_out,
+    canceled), or `unfinished` for the ledger's row of a run Temporal no longer holds."""
 
     period: str
     workflow_id: str
