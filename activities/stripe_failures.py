@@ -32,10 +32,12 @@ RETRYABLE = "StripeUnavailable"
 # The vault will not replay a key Stripe may have forgotten (first sent 23 hours ago or more).
 # The claim is that old too, so each attempt looks it up on Stripe first; one in doubt waits
 # for reconciliation to release it (10 minutes past the vault's upstream timeout at the
-# soonest). Shorter than a round of the bill's retries (BILL_ROUND), which a longer wait
-# would only time out.
+# soonest).
 KEY_EXPIRED_CODE = "idempotency_key_expired"
-KEY_EXPIRED_RETRY = timedelta(minutes=4)
+# For a wait that a retry now cannot shorten: the key past the vault's window, above, or a 500
+# Stripe saved for the key, which it replays until it forgets the key. Shorter than a round of
+# the bill's retries (BILL_ROUND), which a longer wait would only time out.
+SLOW_RETRY = timedelta(minutes=4)
 # The vault fenced this attempt off: a later attempt of the claim was refused on the cap
 # (billing.ledger.reopen_refused_charge). Nothing was sent; the retry takes the gate again.
 SUPERSEDED_CODE = "attempt_superseded"
@@ -148,11 +150,24 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
         return ApplicationError(
             f"{KEY_EXPIRED_CODE}: {redact(str(exc.user_message))}",
             type=RETRYABLE,
-            next_retry_delay=KEY_EXPIRED_RETRY,
+            next_retry_delay=SLOW_RETRY,
+        )
+    status = exc.http_status or "no response"
+    if is_replayed(exc) and isinstance(status, int) and status >= 500:
+        # Stripe began the request, failed and saved the failure for the key; the lookup
+        # before this found no charge. Each retry replays the same 500 until Stripe forgets
+        # the key and executes it afresh: retried seldom, each retry looking the charge up.
+        return ApplicationError(
+            f"Stripe replays the {status} it saved for this charge's idempotency key, and"
+            " shows no charge made with it: retried every"
+            f" {SLOW_RETRY.total_seconds() / 60:.0f} minutes, each time looking for the"
+            " charge; Stripe executes the request afresh once it forgets the key, 24 hours"
+            " after its first request",
+            type=RETRYABLE,
+            next_retry_delay=SLOW_RETRY,
         )
     # APIConnectionError, 5xx, 409 idempotency_key_in_use: the outcome is unknown or pending,
     # and a retry with the same key either replays the first result or executes once.
-    status = exc.http_status or "no response"
     return ApplicationError(
         f"Stripe did not answer definitively ({status}): {redact(str(exc.user_message))}",
         type=RETRYABLE,

@@ -26,6 +26,7 @@ def _parse(argv: list[str] | None) -> tuple[str, int, EmulatorConfig]:
     fields = {
         "drop_after_commit": float,
         "error_before_commit": float,
+        "error_saved_before_commit": float,
         "error_after_commit": float,
         "latency_ms": int,
         "rate_limit_rps": float,

@@ -23,6 +23,10 @@ class EmulatorConfig(BaseModel):
     error_before_commit: float = _probability(
         "probability of a 500 before executing (not saved: a retry executes afresh)"
     )
+    error_saved_before_commit: float = _probability(
+        "probability of a 500 saved for the key before executing: nothing is charged, and a"
+        " retry with the key replays the 500 until the key is forgotten"
+    )
     error_after_commit: float = _probability(
         "probability of a 500 after committing (saved and replayed for the key)"
     )
@@ -34,7 +38,10 @@ class EmulatorConfig(BaseModel):
     )
     seed: int | None = Field(default=None, description="seed of the fault draws")
     idempotency_ttl_seconds: float = Field(
-        default=86_400, gt=0, description="how long a saved idempotent result is replayed"
+        default=86_400,
+        gt=0,
+        description="how long a saved idempotent result is replayed (a change applies to every"
+        " result saved already)",
     )
 
     def updated(self, changes: dict[str, Any]) -> EmulatorConfig:

@@ -1,7 +1,8 @@
 """The emulator's state and the pipeline every /v1 request goes through.
 
 Pipeline: auth -> rate limit -> decode params -> idempotency (replay, 400 mismatch, 409 in
-flight) -> latency -> fault before commit -> execute -> faults after commit -> save -> answer.
+flight) -> latency -> fault before commit -> execute (or a saved fault in its place) -> faults
+after commit -> save -> answer.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .faults import (
     DROP_AFTER_COMMIT,
     ERROR_AFTER_COMMIT,
     ERROR_BEFORE_COMMIT,
+    ERROR_SAVED_BEFORE_COMMIT,
     RATE_LIMITED,
     Faults,
 )
@@ -117,7 +119,9 @@ class Emulator:
                 "characters long.",
                 param="Idempotency-Key",
             )
-        begun = self.idempotency.begin((api_key, key), f"POST {request.path}", params, now)
+        begun = self.idempotency.begin(
+            (api_key, key), f"POST {request.path}", params, now, self.config.idempotency_ttl_seconds
+        )
         if isinstance(begun, Saved):
             log["replayed"] = True
             return _respond(
@@ -154,29 +158,27 @@ class Emulator:
         if faults and faults.draw(ERROR_BEFORE_COMMIT, config.error_before_commit):
             log["fault"] = ERROR_BEFORE_COMMIT
             raise _fault_error(should_retry=True)
-        status = 200
-        try:
-            body = route.handler(call)
-            expand(body, paths, call.store)
-        except StripeError as error:
-            # Only a 402 happens after execution began (the declined charge is stored); any other
-            # error refused the request before it changed anything, so it is not saved.
-            if error.status != 402:
-                raise
-            status, body = 402, error.body()
-        headers: dict[str, str] = {}
-        dropped = faults is not None and faults.draw(DROP_AFTER_COMMIT, config.drop_after_commit)
-        if faults and not dropped and faults.draw(ERROR_AFTER_COMMIT, config.error_after_commit):
-            log["fault"] = ERROR_AFTER_COMMIT
-            fault = _fault_error(should_retry=False)
-            status, body, headers = fault.status, fault.body(), fault.headers
+        dropped = False
+        if faults and faults.draw(ERROR_SAVED_BEFORE_COMMIT, config.error_saved_before_commit):
+            # Stripe saves the result of every request that began executing, a 500 included,
+            # whether or not the charge was made before it failed: here it was not.
+            log["fault"] = ERROR_SAVED_BEFORE_COMMIT
+            status, body, headers = _saved_fault()
+        else:
+            status, body, headers = _executed(route, call, paths)
+            dropped = faults is not None and faults.draw(
+                DROP_AFTER_COMMIT, config.drop_after_commit
+            )
+            if (
+                faults
+                and not dropped
+                and faults.draw(ERROR_AFTER_COMMIT, config.error_after_commit)
+            ):
+                log["fault"] = ERROR_AFTER_COMMIT
+                status, body, headers = _saved_fault()
         payload = _dumps(body)
         if pending is not None:
-            pending.save(
-                Saved(status, payload, request_id, headers),
-                time.monotonic(),
-                config.idempotency_ttl_seconds,
-            )
+            pending.save(Saved(status, payload, request_id, headers), time.monotonic())
         if dropped:
             log["fault"] = DROP_AFTER_COMMIT
             # Close without answering: the client sees a connection error, never a response.
@@ -184,6 +186,24 @@ class Emulator:
         if call.idempotency_key is not None:
             headers = {**headers, "Idempotency-Key": call.idempotency_key}
         return _respond(status, payload, request_id, headers)
+
+
+def _executed(route: Route, call: Call, paths: list[list[str]]) -> tuple[int, JSON, dict[str, str]]:
+    try:
+        body = route.handler(call)
+        expand(body, paths, call.store)
+    except StripeError as error:
+        # Only a 402 happens after execution began (the declined charge is stored); any other
+        # error refused the request before it changed anything, so it is not saved.
+        if error.status != 402:
+            raise
+        return 402, error.body(), {}
+    return 200, body, {}
+
+
+def _saved_fault() -> tuple[int, JSON, dict[str, str]]:
+    fault = _fault_error(should_retry=False)
+    return fault.status, fault.body(), fault.headers
 
 
 def _dumps(body: JSON) -> bytes:

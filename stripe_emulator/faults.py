@@ -6,10 +6,17 @@ import random
 
 DROP_AFTER_COMMIT = "drop_after_commit"
 ERROR_BEFORE_COMMIT = "error_before_commit"
+ERROR_SAVED_BEFORE_COMMIT = "error_saved_before_commit"
 ERROR_AFTER_COMMIT = "error_after_commit"
 RATE_LIMITED = "rate_limited"
 
-KINDS = (DROP_AFTER_COMMIT, ERROR_BEFORE_COMMIT, ERROR_AFTER_COMMIT, RATE_LIMITED)
+KINDS = (
+    DROP_AFTER_COMMIT,
+    ERROR_BEFORE_COMMIT,
+    ERROR_SAVED_BEFORE_COMMIT,
+    ERROR_AFTER_COMMIT,
+    RATE_LIMITED,
+)
 
 
 class Faults:

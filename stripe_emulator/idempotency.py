@@ -28,7 +28,7 @@ class _Entry:
     endpoint: str
     fingerprint: bytes
     saved: Saved | None = None  # None while the first request is executing
-    expires_at: float = 0.0
+    saved_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -40,9 +40,9 @@ class Pending:
     scope: Scope
     entry: _Entry
 
-    def save(self, saved: Saved, now: float, ttl: float) -> None:
+    def save(self, saved: Saved, now: float) -> None:
         self.entry.saved = saved
-        self.entry.expires_at = now + ttl
+        self.entry.saved_at = now
         self.store._expiry.append((self.scope, self.entry))
 
     def release(self) -> None:
@@ -72,15 +72,20 @@ class IdempotencyStore:
         # Saved entries in the order they were saved, for expiring them in O(1) amortised.
         self._expiry: deque[tuple[Scope, _Entry]] = deque()
 
-    def begin(self, scope: Scope, endpoint: str, params: Params, now: float) -> Saved | Pending:
+    def begin(
+        self, scope: Scope, endpoint: str, params: Params, now: float, ttl: float
+    ) -> Saved | Pending:
         """The saved response to replay, or a ``Pending`` marking ``scope`` as executing.
+        A response is replayed for ``ttl`` seconds after it was saved: the TTL in force now,
+        so shortening it forgets the keys saved longer ago at once.
 
         Raises 400 for another endpoint or other parameters, 409 while the first is executing.
         """
-        self._expire(now)
+        forgotten = now - ttl
+        self._expire(forgotten)
         entry = self._entries.get(scope)
         digest = fingerprint(params)
-        if entry is None or (entry.saved is not None and entry.expires_at <= now):
+        if entry is None:
             entry = self._entries[scope] = _Entry(endpoint, digest)
             return Pending(self, scope, entry)
         if entry.endpoint != endpoint:
@@ -103,11 +108,10 @@ class IdempotencyStore:
             )
         return entry.saved
 
-    def _expire(self, now: float) -> None:
-        # Only the oldest saved entries are checked here; an entry saved under a longer TTL can
-        # shield later ones, which ``begin`` then treats as expired on lookup.
+    def _expire(self, forgotten: float) -> None:
+        """Drop the entries saved at or before ``forgotten``, oldest first."""
         expiry = self._expiry
-        while expiry and expiry[0][1].expires_at <= now:
+        while expiry and expiry[0][1].saved_at <= forgotten:
             scope, entry = expiry.popleft()
             if self._entries.get(scope) is entry:
                 del self._entries[scope]

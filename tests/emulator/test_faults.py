@@ -119,6 +119,35 @@ async def test_error_before_commit_stores_nothing_and_a_retry_executes(
     assert ledger["faults_injected"]["error_before_commit"] == 1
 
 
+async def test_error_saved_before_commit_is_replayed_until_the_key_is_forgotten(
+    emulator: RunningEmulator, sdk: stripe.StripeClient, raw: Raw
+) -> None:
+    """A 500 saved before anything was charged: every retry with the key replays it, and
+    nothing is charged until Stripe forgets the key; then a retry executes afresh."""
+    customer = (await raw.customer())["id"]
+    emulator.configure(error_saved_before_commit=1)
+    with pytest.raises(stripe.APIError) as first:
+        await _create(sdk, customer, "saved")
+    emulator.configure(error_saved_before_commit=0)
+    with pytest.raises(stripe.APIError) as replayed:
+        await _create(sdk, customer, "saved")
+    for caught in (first, replayed):
+        assert caught.value.http_status == 500
+        assert caught.value.headers is not None
+        assert caught.value.headers["Stripe-Should-Retry"] == "false"
+    assert replayed.value.headers is not None
+    assert replayed.value.headers["Idempotent-Replayed"] == "true"
+    assert (await raw.ledger())["charges"] == []
+    emulator.configure(idempotency_ttl_seconds=0.001)  # Stripe's day has passed
+    await asyncio.sleep(0.01)
+    intent = await _create(sdk, customer, "saved")
+    assert intent.status == "succeeded"
+    assert "Idempotent-Replayed" not in response_headers(intent)
+    ledger = await raw.ledger()
+    assert len(ledger["charges"]) == 1
+    assert ledger["faults_injected"]["error_saved_before_commit"] == 1
+
+
 async def test_faults_only_hit_money_moving_requests(emulator: RunningEmulator, raw: Raw) -> None:
     emulator.configure(error_before_commit=1, drop_after_commit=1)
     customer = await raw.customer()

@@ -155,6 +155,18 @@ async def test_keys_expire_after_the_ttl(emulator: RunningEmulator, raw: Raw) ->
     assert len((await raw.ledger())["charges"]) == 3
 
 
+async def test_a_shorter_ttl_forgets_the_keys_saved_before_it(
+    emulator: RunningEmulator, raw: Raw
+) -> None:
+    customer = (await raw.customer())["id"]
+    first = await raw.charge(customer, "day-old")
+    emulator.configure(idempotency_ttl_seconds=0.001)
+    await asyncio.sleep(0.01)
+    again = await raw.charge(customer, "day-old")
+    assert "Idempotent-Replayed" not in again.headers
+    assert again.body["id"] != first.body["id"]
+
+
 async def test_key_length_limit(raw: Raw) -> None:
     customer = (await raw.customer())["id"]
     assert (await raw.charge(customer, "k" * 255)).status == 200

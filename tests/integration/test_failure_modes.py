@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import signal
@@ -14,6 +15,7 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.charging import PAUSED, BillRequest, ChargingActivities
 from activities.stripe_access import DirectAccess
+from activities.stripe_failures import SLOW_RETRY
 from activities.stripe_gateway import StripeGateway, charge_params
 from billing import ledger
 from billing.customers import CustomerRow
@@ -102,6 +104,31 @@ async def test_a_lookup_after_a_saved_500_that_fails_is_mapped_as_any_stripe_err
     assert limited.value.type == "StripeUnavailable" and not limited.value.non_retryable
     assert (await _attempt(3).run(charging.bill, request)).outcome == "charged"
     await assert_billed_once(harness, str(PERIOD), [customer])
+
+
+async def test_a_500_stripe_saved_before_charging_is_retried_until_stripe_forgets_the_key(
+    harness: Harness,
+) -> None:
+    """Stripe began the request, failed before charging and saved its 500 for the key: a
+    retry replays it and the lookup after it finds nothing, so the next retry is minutes
+    away, not seconds. Once Stripe has forgotten the key, a retry charges once."""
+    customer, charging, request = await _billing_one(harness, StripeGateway)
+    await harness.set_faults(error_saved_before_commit=1.0)
+    with pytest.raises(ApplicationError, match="did not answer definitively") as first:
+        await _attempt(1).run(charging.bill, request)
+    assert first.value.next_retry_delay is None
+    await harness.set_faults(error_saved_before_commit=0.0)
+    with pytest.raises(ApplicationError, match="replays the 500 it saved") as replayed:
+        await _attempt(2).run(charging.bill, request)
+    assert (replayed.value.non_retryable, replayed.value.next_retry_delay) == (False, SLOW_RETRY)
+    assert await harness.succeeded() == 0
+    await harness.set_faults(idempotency_ttl_seconds=0.001)  # Stripe's day has passed
+    await asyncio.sleep(0.01)
+    assert (await _attempt(3).run(charging.bill, request)).outcome == "charged"
+    await assert_billed_once(harness, str(PERIOD), [customer])
+    sent = [(r["method"], r["status"], r["replayed"]) for r in await harness.requests()]
+    creates = [(status, replay) for method, status, replay in sent if method == "POST"]
+    assert creates[-3:] == [(500, False), (500, True), (200, False)]
 
 
 @pytest.mark.parametrize("control", ["cancelled", "paused"])

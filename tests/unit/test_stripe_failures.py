@@ -9,10 +9,10 @@ import stripe
 
 from activities.stripe_failures import (
     DECLINED,
-    KEY_EXPIRED_RETRY,
     KEY_REFUSED,
     REFUSED,
     RETRYABLE,
+    SLOW_RETRY,
     to_temporal_failure,
 )
 from workflows.customer_charge import BILL_ROUND
@@ -27,8 +27,24 @@ def test_a_key_past_stripes_window_is_retried_slowly_within_a_round() -> None:
         _error(stripe.APIError, 409, code="idempotency_key_expired", type="invalid_request_error")
     )
     assert (failure.type, failure.non_retryable) == (RETRYABLE, False)
-    assert failure.next_retry_delay == KEY_EXPIRED_RETRY
-    assert timedelta(minutes=1) <= KEY_EXPIRED_RETRY < BILL_ROUND
+    assert failure.next_retry_delay == SLOW_RETRY
+    assert timedelta(minutes=1) <= SLOW_RETRY < BILL_ROUND
+
+
+@pytest.mark.parametrize("replayed", [True, False])
+def test_a_500_stripe_saved_for_the_key_is_retried_slowly(replayed: bool) -> None:
+    """Replayed, it says the same until Stripe forgets the key: retried seldom. A first 500
+    may be gone on the next try: retried at the policy's pace."""
+    error = stripe.APIError(
+        "An unknown error occurred",
+        http_status=500,
+        json_body={"error": {"type": "api_error"}},
+        headers={"Idempotent-Replayed": "true"} if replayed else {},
+    )
+    failure = to_temporal_failure(error)
+    assert (failure.type, failure.non_retryable) == (RETRYABLE, False)
+    assert failure.next_retry_delay == (SLOW_RETRY if replayed else None)
+    assert ("saved for this charge's idempotency key" in failure.message) == replayed
 
 
 @pytest.mark.parametrize("code", [None, "idempotency_key_reused"], ids=["stripe", "vault"])
