@@ -30,6 +30,7 @@ def _parse(argv: list[str] | None) -> tuple[str, int, EmulatorConfig]:
         "error_after_commit": float,
         "latency_ms": int,
         "rate_limit_rps": float,
+        "endpoint_rate_limit_rps": float,
         "seed": int,
         "idempotency_ttl_seconds": float,
     }

@@ -36,6 +36,13 @@ class EmulatorConfig(BaseModel):
     rate_limit_rps: float | None = Field(
         default=None, gt=0, description="requests per second per API key (default: unlimited)"
     )
+    endpoint_rate_limit_rps: float | None = Field(
+        default=None,
+        gt=0,
+        description="requests per second per API key and endpoint, each method and path"
+        " (POST /v1/payment_intents, GET /v1/charges/{id}) its own, as Stripe counts them"
+        " (Stripe's default is 25; here, default: unlimited)",
+    )
     seed: int | None = Field(default=None, description="seed of the fault draws")
     idempotency_ttl_seconds: float = Field(
         default=86_400,

@@ -51,6 +51,7 @@ class Emulator:
         self.store = Store()
         self.idempotency = IdempotencyStore()
         self.limiter = RateLimiter(self.config.rate_limit_rps)
+        self.endpoint_limiter = RateLimiter(self.config.endpoint_rate_limit_rps)
         self.faults = Faults(self.config.seed)
         self.request_log: deque[JSON] = deque(maxlen=REQUEST_LOG_SIZE)
 
@@ -61,6 +62,8 @@ class Emulator:
             self.faults.reseed(config.seed)
         if config.rate_limit_rps != self.config.rate_limit_rps:
             self.limiter = RateLimiter(config.rate_limit_rps)
+        if config.endpoint_rate_limit_rps != self.config.endpoint_rate_limit_rps:
+            self.endpoint_limiter = RateLimiter(config.endpoint_rate_limit_rps)
         self.config = config
         return config
 
@@ -104,7 +107,9 @@ class Emulator:
         # Decoded before the rate limit, so the request log shows what a refused request sent.
         params = log["params"] = forms.decode(encoded)
         now = time.monotonic()
-        if not self.limiter.allow(api_key, now):
+        endpoint = f"{api_key} {route.method} {route.path}"
+        # Stripe counts a call against its endpoint's limit and its account's.
+        if not (self.endpoint_limiter.allow(endpoint, now) and self.limiter.allow(api_key, now)):
             self.faults.counts[RATE_LIMITED] += 1
             raise _rate_limited()
         paths = expand_paths(params)

@@ -1,4 +1,5 @@
-"""A token bucket of ``rate_limit_rps`` requests per second per API key."""
+"""A token bucket of ``rps`` requests per second per key: an API key, or an API key and an
+endpoint."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ class RateLimiter:
         self._capacity = max(rps or 0.0, 1.0)
         self._buckets: dict[str, tuple[float, float]] = {}
 
-    def allow(self, api_key: str, now: float) -> bool:
+    def allow(self, key: str, now: float) -> bool:
         if self.rps is None:
             return True
-        tokens, last = self._buckets.get(api_key, (self._capacity, now))
+        tokens, last = self._buckets.get(key, (self._capacity, now))
         tokens = min(self._capacity, tokens + (now - last) * self.rps)
         allowed = tokens >= 1.0
-        self._buckets[api_key] = (tokens - 1.0 if allowed else tokens, now)
+        self._buckets[key] = (tokens - 1.0 if allowed else tokens, now)
         return allowed

@@ -1,4 +1,5 @@
-"""The per-API-key token bucket: 429 with code rate_limit, mapped to RateLimitError."""
+"""The token buckets per API key and per endpoint: 429 with code rate_limit, mapped to
+RateLimitError."""
 
 from __future__ import annotations
 
@@ -56,3 +57,18 @@ async def test_turning_the_limit_off(emulator: RunningEmulator, raw: Raw) -> Non
     assert (await raw.get("/v1/customers")).status == 429
     emulator.configure(rate_limit_rps=None)
     assert all([(await raw.get("/v1/customers")).status == 200 for _ in range(5)])
+
+
+async def test_each_endpoint_has_a_limit_of_its_own(emulator: RunningEmulator, raw: Raw) -> None:
+    """A method and path template is one endpoint (any id), counted per API key, beside the
+    key's own limit."""
+    first, second = (await raw.customer())["id"], (await raw.customer())["id"]
+    emulator.configure(endpoint_rate_limit_rps=2)
+    reads = [await raw.get(f"/v1/customers/{c}") for c in (first, second, first)]
+    assert [r.status for r in reads] == [200, 200, 429]
+    assert reads[-1].body["error"]["code"] == "rate_limit"
+    assert (await raw.get("/v1/customers")).status == 200
+    assert (await raw.get(f"/v1/customers/{first}", key="sk_test_another_account")).status == 200
+    assert (await raw.ledger())["faults_injected"]["rate_limited"] == 1
+    emulator.configure(endpoint_rate_limit_rps=None, rate_limit_rps=2)
+    assert [(await raw.get(f"/v1/customers/{first}")).status for _ in range(3)] == [200, 200, 429]
