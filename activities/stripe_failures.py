@@ -115,7 +115,8 @@ def lookup_key_refused(exc: stripe.StripeError) -> ApplicationError:
 
 
 def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
-    """Map one Stripe exception to the failure Temporal acts on."""
+    """Map one Stripe exception to the failure Temporal acts on. A replayed 5xx is mapped as
+    one whose charge a lookup did not find: the caller looks first (activities.charging)."""
     if isinstance(exc, stripe.CardError):
         failure = failure_from(exc, "card_declined")
         if failure.code == SPEND_CAP_EXCEEDED_CODE:
