@@ -22,7 +22,7 @@ from activities.stripe_failures import (
     SPEND_CAP_EXCEEDED,
     declined,
     fence_of,
-    is_replayed,
+    replays_saved_error,
     to_temporal_failure,
 )
 from activities.stripe_gateway import StripeGateway
@@ -227,9 +227,7 @@ class ChargingActivities:
                     return _settle(found)
             return _settle(await gateway.charge(claim, fencing_token))
         except stripe.StripeError as exc:
-            if isinstance(exc, stripe.IdempotencyError) or (
-                is_replayed(exc) and (exc.http_status or 0) >= 500
-            ):
+            if isinstance(exc, stripe.IdempotencyError) or replays_saved_error(exc):
                 # The key replays a 500 saved after the charge began, or refuses other
                 # parameters (a setting changed mid-period): either way a charge with this
                 # key may exist, and the truth is in the customer's charges.

@@ -154,7 +154,7 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
             next_retry_delay=SLOW_RETRY,
         )
     status = exc.http_status or "no response"
-    if is_replayed(exc) and isinstance(status, int) and status >= 500:
+    if replays_saved_error(exc):
         # Stripe began the request, failed and saved the failure for the key; the lookup
         # before this found no charge. Each retry replays the same 500 until Stripe forgets
         # the key and executes it afresh: retried seldom, each retry looking the charge up.
@@ -173,6 +173,12 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
         f"Stripe did not answer definitively ({status}): {redact(str(exc.user_message))}",
         type=RETRYABLE,
     )
+
+
+def replays_saved_error(exc: stripe.StripeError) -> bool:
+    """Stripe answered with a 5xx it saved for the key: it began the request and failed, and
+    gives every request with the key the same answer until it forgets the key."""
+    return is_replayed(exc) and (exc.http_status or 0) >= 500
 
 
 def is_replayed(exc: stripe.StripeError) -> bool:
