@@ -503,11 +503,14 @@ async def test_one_reservation_stripe_cannot_answer_for_is_left_and_the_rest_set
     assert report.findings == []
 
 
-async def lost_in_doubt(vaulted: Harness, customers: list[CustomerRow]) -> VaultAdmin:
-    """Every attempt fails before Stripe commits (500), so the vault keeps each reservation
-    unknown; then the run is lost (workflows terminated), and the reservations have been
-    unknown for longer than a slow request could still commit at Stripe."""
-    await vaulted.set_faults(error_before_commit=1.0)
+async def lost_in_doubt(
+    vaulted: Harness, customers: list[CustomerRow], fault: str = "error_before_commit"
+) -> VaultAdmin:
+    """Every attempt fails before Stripe commits (a 500, or with `fault`
+    error_saved_before_commit one Stripe saves for the key), so the vault keeps each
+    reservation unknown; then the run is lost (workflows terminated), and the reservations
+    have been unknown for longer than a slow request could still commit at Stripe."""
+    await vaulted.set_faults(**{fault: 1.0})
     assert vaulted.vault is not None
     admin = vaulted.vault.admin
     async with vaulted.running_worker():
@@ -526,7 +529,7 @@ async def lost_in_doubt(vaulted: Harness, customers: list[CustomerRow]) -> Vault
         await vaulted.client.get_workflow_handle(workflow_id).terminate(reason="run lost")
     async with vaulted.pool.acquire() as conn:
         await conn.execute("UPDATE vault_reservations SET updated_at = now() - interval '1 hour'")
-    await vaulted.set_faults(error_before_commit=0.0)
+    await vaulted.set_faults(**{fault: 0.0})
     return admin
 
 
@@ -545,6 +548,34 @@ async def test_an_unknown_reservation_with_no_charge_is_released_and_its_claim_c
         0,
     )
     await assert_billed_once(vaulted, str(PERIOD), customers)
+
+
+async def test_a_500_stripe_saved_for_a_lost_run_is_charged_once_stripe_forgets_the_key(
+    vaulted: Harness,
+) -> None:
+    """Stripe saved a 500 for the key without charging, and the run was lost. A day later
+    Stripe has forgotten the key, and the vault refuses to send it again (first sent 23 hours
+    ago or more) while its reservation is in doubt: reconciliation finds nothing on Stripe,
+    releases the reservation and charges the claim once, with its key."""
+    [customer] = await vaulted.seed(1)
+    admin = await lost_in_doubt(vaulted, [customer], fault="error_saved_before_commit")
+    async with vaulted.pool.acquire() as conn:
+        await conn.execute(
+            "UPDATE vault_reservations SET created_at = created_at - interval '1 day',"
+            " updated_at = updated_at - interval '1 day'"
+        )
+        await conn.execute("UPDATE billing_runs SET claimed_at = claimed_at - interval '1 day'")
+    await vaulted.set_faults(idempotency_ttl_seconds=0.001)
+    await asyncio.sleep(0.01)
+    report = await reconcile(vaulted)
+    assert [r.state for r in report.reservations] == ["released"]
+    assert {(c.action, c.outcome) for c in report.claims} == {("redriven", "charged")}
+    [key] = await admin.find_keys(period=str(PERIOD), label=period_keys.LABEL)
+    settled = await admin.get_key(key.id)
+    assert (settled.spent_cents, settled.reserved_cents) == (customer.amount_cents, 0)
+    await assert_billed_once(vaulted, str(PERIOD), [customer])
+    faults = await vaulted.faults_injected()
+    assert faults["error_saved_before_commit"] >= 1
 
 
 async def test_an_unknown_reservation_changed_lately_is_not_released_yet(
