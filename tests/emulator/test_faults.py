@@ -111,12 +111,7 @@ async def test_error_before_commit_stores_nothing_and_a_retry_executes(
     assert caught.value.headers["Stripe-Should-Retry"] == "true"
     assert (await raw.ledger())["charges"] == []
     emulator.configure(error_before_commit=0)
-    intent = await _create(sdk, customer, "before")
-    assert intent.status == "succeeded"
-    assert "Idempotent-Replayed" not in response_headers(intent)
-    ledger = await raw.ledger()
-    assert len(ledger["charges"]) == 1
-    assert ledger["faults_injected"]["error_before_commit"] == 1
+    await _executes_afresh(sdk, raw, customer, "before", "error_before_commit")
 
 
 async def test_error_saved_before_commit_is_replayed_until_the_key_is_forgotten(
@@ -140,12 +135,19 @@ async def test_error_saved_before_commit_is_replayed_until_the_key_is_forgotten(
     assert (await raw.ledger())["charges"] == []
     emulator.configure(idempotency_ttl_seconds=0.001)  # Stripe's day has passed
     await asyncio.sleep(0.01)
-    intent = await _create(sdk, customer, "saved")
+    await _executes_afresh(sdk, raw, customer, "saved", "error_saved_before_commit")
+
+
+async def _executes_afresh(
+    sdk: stripe.StripeClient, raw: Raw, customer: str, key: str, fault: str
+) -> None:
+    """A retry with `key` charges, not replayed: the one charge, after the one `fault`."""
+    intent = await _create(sdk, customer, key)
     assert intent.status == "succeeded"
     assert "Idempotent-Replayed" not in response_headers(intent)
     ledger = await raw.ledger()
     assert len(ledger["charges"]) == 1
-    assert ledger["faults_injected"]["error_saved_before_commit"] == 1
+    assert ledger["faults_injected"][fault] == 1
 
 
 async def test_faults_only_hit_money_moving_requests(emulator: RunningEmulator, raw: Raw) -> None:
