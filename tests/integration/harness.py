@@ -118,6 +118,11 @@ class Harness:
     async def set_faults(self, **faults: Any) -> None:
         await self.emulator.configure(**faults)
 
+    async def stripe_forgets_keys(self) -> None:
+        """Stripe's day passes for every idempotency key sent so far: none is replayed."""
+        await self.set_faults(idempotency_ttl_seconds=0.001)
+        await asyncio.sleep(0.01)
+
     def worker(self) -> Worker:
         """A worker charging directly, or through the vault when the harness has one."""
         access: StripeAccess
