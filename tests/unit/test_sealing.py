@@ -60,6 +60,8 @@ def test_a_missing_key_or_an_altered_row_is_a_clear_error_without_the_secret() -
         (f"{new_key()},not-a-key-but-a-secret", "key 2 of 2 is not a Fernet key"),
         ("A" * 43, "key 1 of 1 is not a Fernet key"),
     ],
+    # Fixed ids: the random key must not name the test (parallel workers collect alike).
+    ids=["empty", "blank", "second-not-a-key", "wrong-length"],
 )
 def test_bad_keys_are_refused_by_position_never_echoed(keys: str, message: str) -> None:
     with pytest.raises(ValueError, match=message) as raised:

@@ -154,6 +154,7 @@ async def test_an_intent_stripe_left_unconfirmed_fails_the_claim_once_it_is_old(
         # still complete it.
         ("requires_action", LONG_AGO),
     ],
+    ids=["requires_confirmation-young", "processing-old", "requires_action-old"],
 )
 async def test_an_intent_still_on_its_way_is_not_an_answer_yet(status: str, created: int) -> None:
     with pytest.raises(stripe.APIError, match=f"pi_{status} is {status}") as raised:
