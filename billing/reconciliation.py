@@ -32,6 +32,9 @@ INCOMPLETE_INTENT = "payment_intent_incomplete"
 
 class ReconcileInput(Record):
     period: str
+    # A re-driven charge still retrying after this long (a saved Stripe error, a refused
+    # vault key) is stopped and left for the next run; its key stays, so stopping is safe.
+    redrive_timeout_seconds: int = Field(default=900, ge=1)
 
 
 class OpenClaim(Record):

@@ -23,6 +23,7 @@ from temporalio.exceptions import (
     ApplicationError,
     ChildWorkflowError,
     FailureError,
+    RetryState,
     WorkflowAlreadyStartedError,
 )
 
@@ -53,9 +54,6 @@ RETRY = RetryPolicy(
     maximum_interval=timedelta(seconds=30),
     maximum_attempts=8,
 )
-# A re-driven charge blocked for longer (e.g. its period's vault key refused) is left open
-# for the next run; its key stays the same, so stopping it is safe.
-REDRIVE_TIMEOUT = timedelta(minutes=15)
 # Claims resolved at once, and customers compared with Stripe per activity.
 CLAIM_BATCH = 20
 PAGE_SIZE = 200
@@ -85,9 +83,12 @@ class ReconcileWorkflow:
             summary=f"find {request.period}'s open claims no workflow owns",
         )
         claims = list(plan.left)
+        redrive_timeout = timedelta(seconds=request.redrive_timeout_seconds)
         for start in range(0, len(plan.resolve), CLAIM_BATCH):
             batch = plan.resolve[start : start + CLAIM_BATCH]
-            claims += await asyncio.gather(*(self._resolve(claim) for claim in batch))
+            claims += await asyncio.gather(
+                *(self._resolve(claim, redrive_timeout) for claim in batch)
+            )
         compared = await self._compare(request.period)
         report = ReconcileReport(
             period=request.period,
@@ -119,7 +120,7 @@ class ReconcileWorkflow:
         )
         return report
 
-    async def _resolve(self, claim: Claim) -> ClaimResolution:
+    async def _resolve(self, claim: Claim, redrive_timeout: timedelta) -> ClaimResolution:
         try:
             found = await workflow.execute_activity_method(
                 ReconcileActivities.settle_claim,
@@ -130,26 +131,30 @@ class ReconcileWorkflow:
             )
         except ActivityError as err:
             return _left(claim, f"lookup failed: {_reason(err)}")
-        return found if found is not None else await self._redrive(claim)
+        return found if found is not None else await self._redrive(claim, redrive_timeout)
 
-    async def _redrive(self, claim: Claim) -> ClaimResolution:
+    async def _redrive(self, claim: Claim, timeout: timedelta) -> ClaimResolution:
         """Charge again with the claim's key (Stripe replays a charge it has) and record it,
         by running the customer's own workflow again."""
+        workflow_id = customer_workflow_id(parse_period(claim.period), claim.customer_id)
         try:
             outcome = await workflow.execute_child_workflow(
                 CustomerChargeWorkflow.run,
                 CustomerChargeInput(period=claim.period, customer_id=claim.customer_id),
-                id=customer_workflow_id(parse_period(claim.period), claim.customer_id),
+                id=workflow_id,
                 id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
                 # A charge under way finishes and is recorded even if this run ends.
                 parent_close_policy=workflow.ParentClosePolicy.ABANDON,
-                execution_timeout=REDRIVE_TIMEOUT,
+                execution_timeout=timeout,
                 static_summary=f"Re-drive {claim.customer_id} for {claim.period} (reconcile)",
                 search_attributes=search_attributes.for_customer(claim.period, claim.customer_id),
             )
         except WorkflowAlreadyStartedError:
             return _left(claim, "a run of its workflow started meanwhile", needs_person=False)
         except ChildWorkflowError as err:
+            if err.retry_state == RetryState.TIMEOUT:
+                # Stopped with its key unchanged: the next reconciliation sends the same key.
+                return _left(claim, _still_retried(workflow_id, timeout))
             return _left(claim, f"re-drive ended without an outcome: {_reason(err)}")
         return ClaimResolution(
             customer_id=claim.customer_id,
@@ -180,6 +185,16 @@ class ReconcileWorkflow:
 def _left(claim: Claim, detail: str, *, needs_person: bool = True) -> ClaimResolution:
     return ClaimResolution(
         customer_id=claim.customer_id, action="left", detail=detail, needs_person=needs_person
+    )
+
+
+def _still_retried(workflow_id: str, timeout: timedelta) -> str:
+    return (
+        f"re-drive stopped after {timeout.total_seconds():g} s, its charge still being"
+        f" retried; the worker's log has each try's error (workflow_id {workflow_id})."
+        " A 500 Stripe saved for the key is replayed until Stripe forgets the key, a day"
+        " after its first request, and the next reconciliation after that charges it once;"
+        " a refused vault key waits for what `python starter.py status` advises"
     )
 
 

@@ -42,6 +42,7 @@ from billing.reconciliation import (
     ChargesPage,
     ChargesPageRequest,
     Finding,
+    ReconcileInput,
     ReconcileReport,
     StripeCharge,
 )
@@ -575,6 +576,33 @@ async def test_a_500_stripe_saved_for_a_lost_run_is_charged_once_stripe_forgets_
     await assert_billed_once(vaulted, str(PERIOD), [customer])
     faults = await vaulted.faults_injected()
     assert faults["error_saved_before_commit"] >= 1
+
+
+async def test_a_redrive_still_retried_is_stopped_and_left_saying_why(vaulted: Harness) -> None:
+    """A lost run's saved 500 within Stripe's day: the re-drive meets it again and is retried
+    slowly. Past the re-drive's time it is stopped and its claim left open for a person,
+    with the reason and where each try's error is logged; nothing is charged."""
+    [customer] = await vaulted.seed(1)
+    await lost_in_doubt(vaulted, [customer], fault="error_saved_before_commit")
+    request = ReconcileInput(period=str(PERIOD), redrive_timeout_seconds=5)
+    async with vaulted.running_worker():
+        report = await vaulted.client.execute_workflow(
+            ReconcileWorkflow.run,
+            request,
+            id=reconcile_workflow_id(PERIOD),
+            task_queue=vaulted.task_queue,
+        )
+    [claim] = report.claims
+    assert (claim.action, claim.needs_person) == ("left", True)
+    workflow_id = customer_workflow_id(PERIOD, customer.customer_id)
+    assert (
+        "re-drive stopped after 5 s, its charge still being retried; the worker's log has each"
+        f" try's error (workflow_id {workflow_id})"
+    ) in (claim.detail or "")
+    assert report.needs_a_person
+    assert await vaulted.succeeded() == 0
+    [row] = await vaulted.ledger_rows(str(PERIOD))
+    assert row["status"] == "claimed"
 
 
 async def test_an_unknown_reservation_changed_lately_is_not_released_yet(
