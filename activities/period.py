@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta
 from functools import partial
-from zoneinfo import ZoneInfo
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import asyncpg
 from temporalio import activity
@@ -97,7 +97,19 @@ class ScheduledPeriodRequest(Record):
 @activity.defn(name="scheduled_period")
 async def scheduled_period(request: ScheduledPeriodRequest) -> str:
     """The period a schedule's firing bills, read in the schedule's own time zone."""
-    local = request.nominal_time.astimezone(ZoneInfo(request.time_zone))
+    try:
+        zone = ZoneInfo(request.time_zone)
+    except (ZoneInfoNotFoundError, ValueError) as exc:
+        # No retry brings the zone: fail this firing for all to see, and leave the schedule's
+        # next one free to launch.
+        raise ApplicationError(
+            f"time zone {request.time_zone!r} is not in this worker's time-zone database;"
+            " recreate the schedule with a zone such as 'Europe/Berlin', then backfill the"
+            " missed firing",
+            type="UnknownTimeZone",
+            non_retryable=True,
+        ) from exc
+    local = request.nominal_time.astimezone(zone)
     return str(period_for(local, request.billing))
 
 

@@ -41,11 +41,14 @@ RECONCILE_SCHEDULE_ID = "billing-reconcile-daily"
 # reading it runs in (the CLI's, the server's and the worker's may differ), and a launch near
 # midnight on the 1st would bill another month on another host.
 _NO_PLACE = frozenset({"localtime", "posixrules", "Factory"})
+# Copies of the whole tree some systems add (right/ counts leap seconds), which the tzdata
+# package a worker falls back on does not hold.
+_COPIES = ("posix/", "right/")
 
 
 def validate_time_zone(name: str) -> str:
     try:
-        if name in _NO_PLACE:
+        if name in _NO_PLACE or name.startswith(_COPIES):
             raise ValueError(name)
         ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import zoneinfo
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal
@@ -13,7 +14,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
 
+from activities.period import ScheduledPeriodRequest, scheduled_period
 from billing.errors import (
     InvalidAmountError,
     InvalidCurrencyError,
@@ -479,13 +483,41 @@ def test_a_redacted_reason_still_fits_its_limit() -> None:
     assert OperatorRequest.model_validate_json(request.model_dump_json()) == request
 
 
-@pytest.mark.parametrize("name", ["localtime", "posixrules", "Factory", "Mars/Olympus"])
+@pytest.mark.parametrize(
+    "name",
+    ["localtime", "posixrules", "Factory", "Mars/Olympus", "posix/Europe/Berlin", "right/UTC"],
+)
 def test_a_schedule_zone_must_name_a_place(name: str) -> None:
     # "localtime" is each host's own zone: the CLI's, the server's and the worker's may differ.
+    # posix/ and right/ are copies of the tree that only some systems hold.
     with pytest.raises(InvalidInputError, match=f"time zone '{name}' is not an IANA name"):
         validate_time_zone(name)
 
 
-@pytest.mark.parametrize("name", ["UTC", "Europe/Berlin", "America/Argentina/Buenos_Aires"])
+@pytest.mark.parametrize(
+    "name", ["UTC", "Europe/Berlin", "America/Argentina/Buenos_Aires", "US/Pacific"]
+)
 def test_a_schedule_zone_naming_a_place_is_taken(name: str) -> None:
     assert validate_time_zone(name) == name
+
+
+def test_a_worker_reads_old_aliases_without_the_systems_zones() -> None:
+    # Slim images ship a system database without aliases such as US/Pacific; the worker
+    # falls back on the tzdata package, which holds them.
+    zoneinfo.reset_tzpath(to=[])
+    try:
+        pacific = zoneinfo.ZoneInfo.no_cache("US/Pacific")
+    finally:
+        zoneinfo.reset_tzpath()
+    assert pacific.utcoffset(datetime(2026, 7, 1)) == timedelta(hours=-7)
+
+
+async def test_a_firing_whose_zone_the_worker_lacks_fails_for_good() -> None:
+    request = ScheduledPeriodRequest(
+        nominal_time=datetime(2026, 12, 1, 2, tzinfo=UTC),
+        time_zone="Mars/Olympus",
+        billing="arrears",
+    )
+    with pytest.raises(ApplicationError, match="'Mars/Olympus' is not in this worker's") as raised:
+        await ActivityEnvironment().run(scheduled_period, request)
+    assert raised.value.non_retryable and raised.value.type == "UnknownTimeZone"
