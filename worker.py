@@ -118,6 +118,7 @@ def create_worker(
             period.cancel_unstarted,
             period.close,
             period.completed,
+            period.latest_billed,
             period.renew_keys,
             scheduled_period,
             reconcile.open_claims,

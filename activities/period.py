@@ -246,6 +246,15 @@ class PeriodActivities:
             record = await ledger.period_record(conn, period)
         return record is not None and record.state == "completed"
 
+    @activity.defn(name="latest_billed_period")
+    async def latest_billed(self, period: str) -> str | None:
+        """The period a daily reconciliation checks when a schedule would bill `period` now:
+        that one once its run has started, else the one before (billed on a day of the
+        month still to come, or later in the day); None if neither has had a run."""
+        candidates = [period, str(parse_period(period).previous())]
+        async with self._pool.acquire() as conn:
+            return await ledger.latest_run(conn, candidates)
+
     @activity.defn(name="due_customers")
     async def due_customers(self, request: DuePageRequest) -> DuePage:
         async with self._pool.acquire() as conn:

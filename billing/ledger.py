@@ -707,6 +707,15 @@ async def period_record(conn: asyncpg.Connection, period: str) -> PeriodRecord |
     )
 
 
+async def latest_run(conn: asyncpg.Connection, periods: list[str]) -> str | None:
+    """The latest of `periods` that a run was started for, whatever its state; None if none."""
+    value: str | None = await conn.fetchval(
+        "SELECT max(billing_period) FROM billing_periods WHERE billing_period = ANY($1::text[])",
+        periods,
+    )
+    return value
+
+
 async def open_claims(conn: asyncpg.Connection, period: str, limit: int) -> list[OpenClaim]:
     """Claims of the period with no recorded outcome, oldest first, for reconciliation."""
     rows = await conn.fetch(

@@ -37,6 +37,9 @@ SCHEDULED_START = SearchAttributeKey.for_datetime("TemporalScheduledStartTime")
 RETURN_ONCE_STARTED = "return-once-started"
 # Launches recorded before this patch started a period again after its run had completed.
 KEEP_FINISHED_PERIODS = "keep-finished-periods"
+# Reconciliations recorded before this patch checked the period the schedule would bill now,
+# billed or not.
+RECONCILE_LAST_BILLED = "reconcile-last-billed"
 ArgT = TypeVar("ArgT")
 ResultT = TypeVar("ResultT")
 
@@ -64,6 +67,21 @@ class ScheduledBillingWorkflow:
             start_to_close_timeout=timedelta(seconds=10),
             summary=f"which period: nominal time in {request.time_zone}",
         )
+        if request.action == "reconcile" and workflow.patched(RECONCILE_LAST_BILLED):
+            # A schedule billing on the 28th bills November on December 28th: until then the
+            # daily reconciliation keeps checking October, not a month nobody billed yet.
+            billed = await workflow.execute_local_activity_method(
+                PeriodActivities.latest_billed,
+                period,
+                start_to_close_timeout=timedelta(seconds=10),
+                summary=f"the latest period billed: {period} or the one before",
+            )
+            if billed is None:
+                workflow.set_current_details(
+                    f"neither {period} nor the month before has been billed: nothing to reconcile"
+                )
+                return None
+            period = billed
         words = "reconciling" if request.action == "reconcile" else "billing"
         workflow.set_current_details(f"{words} {period} (nominal time {nominal.isoformat()})")
         if request.action == "reconcile":

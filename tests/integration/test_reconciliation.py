@@ -1010,7 +1010,10 @@ async def test_a_claim_resumed_after_stripes_idempotency_window_is_not_charged_t
     assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", second.charge_id)]
 
 
-async def test_the_daily_schedule_reconciles_the_period_it_would_bill(harness: Harness) -> None:
+async def test_the_daily_schedule_reconciles_the_latest_period_billed(harness: Harness) -> None:
+    """It checks the period a billing schedule would bill now once its run has started, else
+    the one before (a schedule billing on the 28th bills November on December 28th), and
+    nothing while neither has had a run."""
     code, out, _ = await harness.starter("schedule", "create", "--reconcile", "--paused")
     assert code == 0 and "every day at 02:00" in out, out
     handle = harness.client.get_schedule_handle(RECONCILE_SCHEDULE_ID)
@@ -1021,24 +1024,58 @@ async def test_the_daily_schedule_reconciles_the_period_it_would_bill(harness: H
     )
     assert request.action == "reconcile"
     period = period_for(datetime.now(UTC))
-    async with harness.running_worker():
+
+    async def fire(launches: int) -> WorkflowHistory:
+        # Temporal names a launch by its second: two triggers within one share it.
+        await asyncio.sleep(1.1)
         await handle.trigger()
+
+        async def launched() -> bool:
+            return len((await handle.describe()).info.recent_actions) >= launches
+
+        await eventually(launched)
+        action = (await handle.describe()).info.recent_actions[-1].action
+        launcher = harness.client.get_workflow_handle(action.workflow_id)  # type: ignore[attr-defined]
+        await launcher.result()
+        return await launcher.fetch_history()
+
+    async def reconciled(checked: Period) -> ReconcileReport | None:
         reconciling: WorkflowHandle[ReconcileWorkflow, ReconcileReport]
         reconciling = harness.client.get_workflow_handle_for(
-            ReconcileWorkflow.run, reconcile_workflow_id(period)
+            ReconcileWorkflow.run, reconcile_workflow_id(checked)
         )
+        try:
+            return await reconciling.result()
+        except RPCError:
+            return None
 
-        async def finished() -> bool:
-            try:
-                await reconciling.describe()
-            except RPCError:
-                return False
-            return True
+    async def run_started(billed: Period) -> None:
+        async with harness.pool.acquire() as conn:
+            plan = await ledger.plan_period(conn, str(billed))
+            await ledger.start_period(conn, plan, "by-hand")
 
-        await eventually(finished)
-        report = await reconciling.result()
-    assert report.period == str(period) and report.findings == []
+    async with harness.running_worker():
+        nothing = await fire(1)
+        assert (await reconciled(period), await reconciled(period.previous())) == (None, None)
+        await run_started(period.previous())
+        await fire(2)
+        report = await reconciled(period.previous())
+        assert report is not None and report.findings == []
+        assert await reconciled(period) is None
+        await run_started(period)
+        latest = await fire(3)
+        report = await reconciled(period)
+        assert report is not None and report.period == str(period) and report.findings == []
     await handle.delete()
+    # I6 for both new paths: RECORD_HISTORIES=1 keeps them in tests/histories.
+    await replay([nothing, latest])
+    if os.environ.get("RECORD_HISTORIES"):
+        for history in (nothing, latest):
+            run_id = history.events[
+                0
+            ].workflow_execution_started_event_attributes.original_execution_run_id
+            name = f"ScheduledBillingWorkflow--{history.workflow_id}--{run_id}.json"
+            (HISTORIES / name).write_text(history.to_json())
 
 
 async def test_a_reconcile_history_replays(harness: Harness) -> None:
