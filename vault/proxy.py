@@ -48,6 +48,8 @@ _IDEMPOTENCY_KEY_RE = re.compile(IDEMPOTENCY_KEY_PATTERN)
 # Stripe's ceiling on `amount` is eight digits; a sign, decimals or exponent are refused.
 _AMOUNT_RE = re.compile(r"[0-9]{1,8}")
 _CURRENCY_RE = re.compile(r"[a-z]{3}")
+# A form's parameter name as Stripe's SDKs write it: `amount`, `metadata[key]`, `expand[]`.
+_PARAMETER_NAME_RE = re.compile(r"[a-z][a-z0-9_]*(\[[^\[\]]*\])*")
 _CUSTOMER_RE = re.compile(r"[A-Za-z0-9_]{1,255}")
 _FENCING_TOKEN_RE = re.compile(r"[1-9][0-9]{0,8}")
 
@@ -154,8 +156,8 @@ async def _proxy(
             "body_not_allowed",
             "a GET sends its parameters in the URL, not in a body",
         )
-    _refuse_expansion("the query string", request.rel_url.raw_query_string)
-    _refuse_expansion("the body", text)
+    _check_parameters("the query string", request.rel_url.raw_query_string)
+    _check_parameters("the body", text)
 
     reservation = None
     if endpoint in METERED:
@@ -341,10 +343,35 @@ def _refuse_secret(name: str, value: str) -> None:
         )
 
 
-def _refuse_expansion(where: str, raw: str) -> None:
-    """Stripe's `expand` puts other objects inside the one asked for (a charge's customer and
+def _check_parameters(where: str, raw: str) -> None:
+    """Parameter names Stripe's SDKs send, read one way only, and no `expand`.
+
+    The vault reads a charge's amount with Python's parser; a parser that splits on ';' or
+    trims a space after '&' (as some web frameworks do) would read ``& amount=999`` or
+    ``;amount=999`` as a second amount, past the cap the vault reserved for. So a name must
+    be a lowercase word with ``[key]`` groups after it, and ';' must be encoded.
+
+    Stripe's `expand` puts other objects inside the one asked for (a charge's customer and
     card): it would let a key read what its allowlist refuses. The workers never expand."""
-    for name, _ in parse_qsl(raw, keep_blank_values=True, errors="replace"):
+    if ";" in raw:
+        raise Refusal(
+            "refused_request",
+            400,
+            "parameter_name_invalid",
+            f"{where} holds a ';': encode it as %3B, as Stripe's SDKs do",
+        )
+    for position, (name, _) in enumerate(
+        parse_qsl(raw, keep_blank_values=True, errors="replace"), start=1
+    ):
+        if _PARAMETER_NAME_RE.fullmatch(name) is None:
+            # Its name is not echoed: it is the caller's text, and may hold anything.
+            raise Refusal(
+                "refused_request",
+                400,
+                "parameter_name_invalid",
+                f"{where}'s parameter {position} has a name Stripe's SDKs never send: a"
+                " lowercase word (letters, digits, '_'), then any [key] groups",
+            )
         if name == "expand" or name.startswith("expand["):
             raise Refusal(
                 "refused_request",
