@@ -432,7 +432,8 @@ def _warn_missed(schedule_id: str, missed: list[schedules.Missed]) -> None:
     print(
         f"WARNING: {schedule_id} launched nothing at {len(missed)} of its times, and Temporal"
         " does not make them up (a paused schedule skips its times, and so does one Temporal"
-        " could not fire within its catch-up window): "
+        " could not fire within its catch-up window; a launch that ended before starting its"
+        " run, terminated or failed, started nothing either): "
         + ", ".join(m.at.isoformat() for m in missed),
         file=sys.stderr,
     )

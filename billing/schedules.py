@@ -4,7 +4,7 @@ create, backfill, ...)."""
 from __future__ import annotations
 
 from datetime import UTC, date, datetime, timedelta
-from typing import Literal
+from typing import Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -13,6 +13,8 @@ from temporalio.api.workflowservice.v1 import ListScheduleMatchingTimesRequest
 from temporalio.client import (
     Client,
     Schedule,
+    ScheduleActionExecutionStartWorkflow,
+    ScheduleActionResult,
     ScheduleActionStartWorkflow,
     ScheduleBackfill,
     ScheduleCalendarSpec,
@@ -23,9 +25,13 @@ from temporalio.client import (
     ScheduleRange,
     ScheduleSpec,
     ScheduleState,
+    WorkflowExecutionStatus,
+    WorkflowHandle,
 )
+from temporalio.service import RPCError, RPCStatusCode
 
 from billing.errors import InvalidInputError
+from billing.keys import period_workflow_id
 from billing.models import Record, RunOptions, ScheduledAction, ScheduledBillingInput
 from billing.periods import Billing, Period, check_run_by_hand, period_for
 from workflows.scheduled_billing import ScheduledBillingWorkflow
@@ -239,10 +245,13 @@ _RECENT_ACTIONS_KEPT = 10
 async def missed_launches(client: Client, schedule_id: str) -> list[Missed]:
     """The schedule's times that launched nothing, since its creation (or the oldest action
     Temporal still lists): a paused schedule skips its times for good, even once unpaused
-    within the catch-up window. Only a billing schedule's name a period."""
+    within the catch-up window, and a launch that ended before starting its period's run
+    (terminated, failed) leaves its time unbilled too. Only a billing schedule's name a
+    period."""
     description = await client.get_schedule_handle(schedule_id).describe()
     info = description.info
-    launched = {a.scheduled_at for a in info.recent_actions}
+    request = await _launch_input(client, description)
+    launched = {a.scheduled_at for a in info.recent_actions if await _launched(client, a, request)}
     since = info.created_at
     if len(info.recent_actions) >= _RECENT_ACTIONS_KEPT:
         # Older actions are dropped from the list: only times since the oldest listed was
@@ -252,10 +261,50 @@ async def missed_launches(client: Client, schedule_id: str) -> list[Missed]:
     now = datetime.now(UTC)
     if now <= since:
         return []
-    request = await _launch_input(client, description)
     due = [t for t in await matching_times(client, schedule_id, since, now) if t not in launched]
     bills = request.action == "bill"
     return [Missed(at=t, period=_billed_at(t, request) if bills else None) for t in due]
+
+
+# How a launcher ends without having started its period's run: an operator's terminate, a
+# firing whose zone the worker cannot read, `--overlap terminate_other` at the next firing.
+_ENDED_EARLY = frozenset(
+    {
+        WorkflowExecutionStatus.FAILED,
+        WorkflowExecutionStatus.TERMINATED,
+        WorkflowExecutionStatus.CANCELED,
+        WorkflowExecutionStatus.TIMED_OUT,
+    }
+)
+
+
+async def _launched(
+    client: Client, action: ScheduleActionResult, request: ScheduledBillingInput
+) -> bool:
+    """Whether a launch the schedule made left its period with a run (this one's, or one
+    started by hand); one Temporal no longer holds is taken as launched."""
+    execution = action.action
+    if not isinstance(execution, ScheduleActionExecutionStartWorkflow):
+        return True
+    launcher = client.get_workflow_handle(
+        execution.workflow_id, run_id=execution.first_execution_run_id
+    )
+    if await _status(launcher) not in _ENDED_EARLY:
+        return True
+    if request.action != "bill":
+        return False
+    period = _billed_at(action.scheduled_at, request)
+    return await _status(client.get_workflow_handle(period_workflow_id(period))) is not None
+
+
+async def _status(handle: WorkflowHandle[Any, Any]) -> WorkflowExecutionStatus | None:
+    """The workflow's status; None if Temporal holds no run of it."""
+    try:
+        return (await handle.describe()).status
+    except RPCError as err:
+        if err.status == RPCStatusCode.NOT_FOUND:
+            return None
+        raise
 
 
 def _billed_at(moment: datetime, request: ScheduledBillingInput) -> Period:

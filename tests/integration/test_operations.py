@@ -14,6 +14,7 @@ import pytest
 from pydantic import ValidationError
 from temporalio.client import (
     Client,
+    ScheduleActionExecutionStartWorkflow,
     ScheduleBackfill,
     ScheduleIntervalSpec,
     ScheduleOverlapPolicy,
@@ -739,9 +740,14 @@ async def test_unpausing_names_the_launches_the_pause_skipped(harness: Harness) 
     # Every second instead of monthly, so that a test can wait through firings.
     schedule.spec = ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=1))])
     handle = await harness.client.create_schedule("often", schedule)
-    await asyncio.sleep(2.5)
+
+    async def skipped_twice() -> bool:
+        # Counted from the schedule's creation, which a namespace's first schedule may
+        # record seconds after the call returns.
+        return len(await schedules.missed_launches(harness.client, "often")) >= 2
+
+    await eventually(skipped_twice, timeout=30)
     missed = await schedules.missed_launches(harness.client, "often")
-    assert len(missed) >= 2
     assert {m.period for m in missed} == {period_for(datetime.now(UTC))}
     # `describe` names them too (as it does firings missed in an outage past the catch-up).
     code, _, err = await harness.starter("schedule", "describe", "--id", "often")
@@ -752,6 +758,34 @@ async def test_unpausing_names_the_launches_the_pause_skipped(harness: Harness) 
     assert "WARNING: often launched nothing at" in err and "paused schedule skips" in err
     last = period_for(datetime.now(UTC))
     assert f"schedule backfill --id often --start {last} --end {last}" in err
+
+
+async def test_a_launch_ended_before_starting_its_run_is_missed(harness: Harness) -> None:
+    """A firing's launcher terminated before it started the period's run (no worker took
+    it; `--overlap terminate_other` does the same) billed nothing: it is named as missed."""
+    config = schedules.MonthlySchedule(schedule_id="cut-short")
+    schedule = schedules.build_schedule(config, harness.task_queue, RunOptions())
+    schedule.spec = ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=2))])
+    handle = await harness.client.create_schedule("cut-short", schedule)
+    try:
+
+        async def fired() -> bool:
+            return bool((await handle.describe()).info.recent_actions)
+
+        await eventually(fired, timeout=30)
+        await handle.pause()
+        [first, *_] = (await handle.describe()).info.recent_actions
+        assert first.scheduled_at not in {
+            m.at for m in await schedules.missed_launches(harness.client, "cut-short")
+        }
+        launcher = first.action
+        assert isinstance(launcher, ScheduleActionExecutionStartWorkflow)
+        await harness.client.get_workflow_handle(launcher.workflow_id).terminate("cut short")
+        missed = await schedules.missed_launches(harness.client, "cut-short")
+        assert first.scheduled_at in {m.at for m in missed}
+        assert {m.period for m in missed} == {period_for(datetime.now(UTC))}
+    finally:
+        await handle.delete()
 
 
 async def test_launches_pushed_out_of_the_recent_list_by_a_backfill_are_not_missed(
