@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import re
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal, TypeVar
@@ -25,6 +26,7 @@ from vault.models import (
     MAX_CAP_CONTEXT,
     REVEAL_SECRET_CONTEXT,
     SECRET_PREFIX,
+    AdminAction,
     AuditPage,
     AuditQuery,
     FindKeysQuery,
@@ -36,6 +38,7 @@ from vault.models import (
     ReservationList,
     ReservationsQuery,
     ResolveRequest,
+    Role,
     Status,
 )
 from vault.state import STATE, token_digest
@@ -44,8 +47,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 M = TypeVar("M", bound=BaseModel)
 # Who may call an operation: anyone; the admin token only; either token.
 Access = Literal["public", "admin", "worker"]
-Role = Literal["admin", "worker"]
-ROLE = web.RequestKey("vault_role", str)
+# aiohttp types a key by a runtime type, which a Literal has not.
+ROLE: web.RequestKey[Role] = web.RequestKey("vault_role", str)  # type: ignore[arg-type]
 
 _KEY_ID_RE = re.compile(KEY_ID_PATTERN)
 _IDEMPOTENCY_KEY_RE = re.compile(IDEMPOTENCY_KEY_PATTERN)
@@ -156,7 +159,38 @@ def _refused(error: budget.WorkerKeyRefused) -> VaultError:
     return VaultError(403, "worker_key_refused", str(error), error_type="permission_error")
 
 
+async def _audit(
+    conn: asyncpg.Connection,
+    request: web.Request,
+    key_id: str,
+    action: AdminAction,
+    started: float,
+    *,
+    currency: str,
+    reservation: ReservationInfo | None = None,
+) -> None:
+    """Record a change made through the admin API in the key's audit, with the token that
+    made it, in the change's own transaction."""
+    actor: Role = request[ROLE]
+    record = store.AuditRecord(
+        method=request.method,
+        path=request.path,
+        vault_key_id=key_id,
+        currency=currency,
+        decision=action,
+        latency_ms=(time.monotonic() - started) * 1000,
+        actor=actor,
+    )
+    if reservation is not None:
+        record.idempotency_key = reservation.idempotency_key
+        record.amount_cents = reservation.committed_cents
+        record.customer = reservation.customer
+        record.reservation_state = reservation.state
+    await store.insert_audit(conn, record)
+
+
 async def issue_key(request: web.Request) -> web.Response:
+    started = time.monotonic()
     state = request.app[STATE]
     issue = await _body(request, IssueKeyRequest, **{MAX_CAP_CONTEXT: state.settings.max_cap_cents})
     key_id = "vkey_" + secrets.token_hex(8)
@@ -170,6 +204,7 @@ async def issue_key(request: web.Request) -> web.Response:
             except budget.WorkerKeyRefused as error:
                 raise _refused(error) from None
         info = await store.insert_key(conn, key_id, secret, issue, by)
+        await _audit(conn, request, key_id, "issued", started, currency=info.currency)
     return _reply(IssuedKey(**info.model_dump(), secret=secret), status=201, reveal_secret=True)
 
 
@@ -190,14 +225,16 @@ async def get_key(request: web.Request) -> web.Response:
 
 
 async def revoke_key(request: web.Request) -> web.Response:
+    started = time.monotonic()
     key_id = _key_id(request)
-    async with request.app[STATE].pool.acquire() as conn:
+    async with request.app[STATE].pool.acquire() as conn, conn.transaction():
         # Workers revoke the keys they issued and no run stored (billing.period_keys): a
         # kill switch moves no money, and a revoked key counts only what it took.
         _own_keys_only(request, key_id, await _require_key(conn, key_id), "revoke it")
         info = await store.revoke_key(conn, key_id)
-    if info is None:
-        raise _no_key(key_id)
+        if info is None:
+            raise _no_key(key_id)
+        await _audit(conn, request, key_id, "revoked", started, currency=info.currency)
     return _reply(info)
 
 
@@ -223,11 +260,12 @@ async def list_reservations(request: web.Request) -> web.Response:
 
 
 async def resolve(request: web.Request) -> web.Response:
+    started = time.monotonic()
     key_id = _key_id(request)
     idempotency_key = request.match_info["idempotency_key"]
     resolution = await _body(request, ResolveRequest)
     state = request.app[STATE]
-    async with state.pool.acquire() as conn:
+    async with state.pool.acquire() as conn, conn.transaction():
         # Only its own keys' releases are counted against the worker budget.
         _own_keys_only(request, key_id, await _require_key(conn, key_id), "settle its reservations")
         if _IDEMPOTENCY_KEY_RE.fullmatch(idempotency_key) is None:
@@ -252,6 +290,9 @@ async def resolve(request: web.Request) -> web.Response:
             raise _refused(error) from None
         except ValueError as error:
             raise VaultError(422, "parameter_invalid", str(error), param="amount_cents") from None
+        await _audit(
+            conn, request, key_id, "resolved", started, currency=info.currency, reservation=info
+        )
     return _reply(info)
 
 

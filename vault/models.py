@@ -60,6 +60,9 @@ Decision = Literal[
     "refused_daily_cap",
     "refused_in_flight",
 ]
+# What the admin API did to a key, recorded in the key's audit with the token that did it.
+AdminAction = Literal["issued", "revoked", "resolved"]
+Role = Literal["admin", "worker"]
 
 
 class Body(BaseModel):
@@ -189,14 +192,19 @@ class AuditEntry(View):
     currency: str | None
     customer: str | None
     upstream_status: int | None = Field(description="null: refused, or the upstream never answered")
-    decision: Decision
+    decision: Decision | AdminAction
     refusal_code: str | None
     reservation_state: ReservationState | None
     latency_ms: float
+    actor: Role | None = Field(
+        description="the token an admin call was made with; null for a call through the key"
+    )
 
 
 class AuditPage(View):
-    entries: list[AuditEntry] = Field(description="newest first")
+    entries: list[AuditEntry] = Field(
+        description="newest first: requests through the key, and what the admin API did to it"
+    )
     next_before: int | None = Field(description="pass as `before` for the next page")
 
 

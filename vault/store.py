@@ -28,6 +28,7 @@ from vault.models import (
     ReservationInfo,
     ReservationList,
     ReservationState,
+    Role,
 )
 
 _TODAY = "(now() AT TIME ZONE 'UTC')::date"
@@ -155,7 +156,8 @@ async def key_for_secret(conn: asyncpg.Connection, secret: str) -> KeyGrant | No
 
 @dataclass(slots=True)
 class AuditRecord:
-    """One proxied request, filled in as the request is handled. Field order is the INSERT's."""
+    """One proxied request, filled in as the request is handled, or one change the admin API
+    made to a key. Field order is the INSERT's."""
 
     method: str
     path: str
@@ -171,6 +173,8 @@ class AuditRecord:
     latency_ms: float = 0.0
     # Makes the insert idempotent (migrations/009_audit_request_id.sql).
     request_id: UUID = field(default_factory=uuid4)
+    # Who made an admin call (migrations/022_audit_admin_actions.sql).
+    actor: Role | None = None
 
 
 async def through_outage(
@@ -208,8 +212,8 @@ async def insert_audit(conn: asyncpg.Connection, record: AuditRecord) -> None:
         """
         INSERT INTO vault_audit (method, path, vault_key_id, idempotency_key, amount_cents,
                                  currency, customer, upstream_status, decision, refusal_code,
-                                 reservation_state, latency_ms, request_id)
-        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+                                 reservation_state, latency_ms, request_id, actor)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
         ON CONFLICT (request_id) DO NOTHING
         """,
         # Not dataclasses.astuple: it deep-copies every field, a cost on every request.
@@ -223,7 +227,8 @@ async def audit_page(
     rows = await conn.fetch(
         """
         SELECT id, at, vault_key_id, method, path, idempotency_key, amount_cents, currency,
-               customer, upstream_status, decision, refusal_code, reservation_state, latency_ms
+               customer, upstream_status, decision, refusal_code, reservation_state, latency_ms,
+               actor
         FROM vault_audit
         WHERE vault_key_id = $1 AND ($2::bigint IS NULL OR id < $2)
         ORDER BY id DESC LIMIT $3

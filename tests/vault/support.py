@@ -12,8 +12,9 @@ import pytest
 import stripe
 
 from stripe_emulator import RunningEmulator
+from vault.client import VaultAdmin
 from vault.endpoints import FENCE_HEADER
-from vault.models import IssueKeyRequest
+from vault.models import AuditEntry, IssueKeyRequest
 
 ADMIN_TOKEN = "adm_test_token_4f9c2e7a1b"  # noqa: S105 (test-only values)
 WORKER_TOKEN = "wrk_test_token_8d3b6f0c5e"  # noqa: S105
@@ -74,6 +75,11 @@ async def charge(
         },
         options=options,
     )
+
+
+async def proxied_calls(admin: VaultAdmin, key_id: str) -> list[AuditEntry]:
+    """The key's audit rows for requests through it, without what the admin API did to it."""
+    return [entry for entry in await admin.audit(key_id) if entry.actor is None]
 
 
 async def emulator_ledger(emulator: RunningEmulator) -> list[dict[str, Any]]:

@@ -32,6 +32,7 @@ from .support import (
     charge_in_doubt,
     emulator_ledger,
     key_request,
+    proxied_calls,
     set_faults,
     via_vault,
 )
@@ -76,7 +77,7 @@ async def test_dropped_response_keeps_the_reservation_until_a_replay_settles_it(
     totals = await assert_consistent(db, key.id)
     assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 6_000)
     assert len(await emulator_ledger(emulator)) == 1
-    decisions = [(e.decision, e.reservation_state) for e in await admin.audit(key.id)]
+    decisions = [(e.decision, e.reservation_state) for e in await proxied_calls(admin, key.id)]
     assert decisions == [
         ("replayed", "committed"),
         ("refused_cap", None),
@@ -100,7 +101,7 @@ async def test_a_retry_stripe_executes_anew_is_audited_as_forwarded_not_replayed
     assert intent.last_response is not None
     assert intent.last_response.headers.get("Idempotent-Replayed") is None
     assert len(await emulator_ledger(emulator)) == 1
-    decisions = [(e.decision, e.reservation_state) for e in await admin.audit(key.id)]
+    decisions = [(e.decision, e.reservation_state) for e in await proxied_calls(admin, key.id)]
     assert decisions == [("forwarded", "committed"), ("forwarded", "unknown")]
 
 
@@ -248,7 +249,7 @@ async def test_a_database_outage_while_stripe_charges_still_settles_the_reservat
     assert await _states(db, key.id) == {"outage": "committed"}
     totals = await assert_consistent(db, key.id)
     assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 2_500)
-    audited = [(e.decision, e.reservation_state) for e in await admin.audit(key.id)]
+    audited = [(e.decision, e.reservation_state) for e in await proxied_calls(admin, key.id)]
     assert audited == [("forwarded", "committed")]
 
 
@@ -283,7 +284,7 @@ async def test_a_database_outage_past_the_retries_settles_the_reservation_once_i
     assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 2_500)
 
     async def audited() -> bool:
-        return [(e.decision, e.reservation_state) for e in await admin.audit(key.id)] == [
+        return [(e.decision, e.reservation_state) for e in await proxied_calls(admin, key.id)] == [
             ("forwarded", "pending")
         ]
 

@@ -211,6 +211,39 @@ async def test_cents_a_worker_frees_count_against_the_budget(
         await _issue(worker, secrets_seen, cap_cents=1)
 
 
+async def test_what_the_admin_api_does_to_a_key_is_in_its_audit_with_the_token(
+    worker: VaultAdmin,
+    admin: VaultAdmin,
+    secrets_seen: Secrets,
+    customer: str,
+    emulator: RunningEmulator,
+    stripe_via_vault: Callable[[IssuedKey], stripe.StripeClient],
+) -> None:
+    """Issuing, settling a reservation (which can free cap room) and revoking are audited
+    beside the requests through the key, with the token that did each."""
+    mine = await _issue(worker, secrets_seen, cap_cents=50_000)
+    await set_faults(emulator, drop_after_commit=1.0)
+    with pytest.raises(stripe.APIError):
+        await charge(stripe_via_vault(mine), customer, 30_000, "in-doubt")
+    await set_faults(emulator, drop_after_commit=0.0)
+    await admin.resolve(mine.id, "in-doubt", "succeeded", amount_cents=30_000)
+    await worker.revoke(mine.id)
+    entries = await admin.audit(mine.id)
+    assert [(e.decision, e.actor, e.reservation_state, e.amount_cents) for e in entries] == [
+        ("revoked", "worker", None, None),
+        ("resolved", "admin", "committed", 30_000),
+        ("forwarded", None, "unknown", 30_000),
+        ("issued", "worker", None, None),
+    ]
+    resolved = entries[1]
+    assert (resolved.idempotency_key, resolved.currency, resolved.customer) == (
+        "in-doubt",
+        "usd",
+        customer,
+    )
+    assert resolved.path == f"/vault/keys/{mine.id}/reservations/in-doubt/resolve"
+
+
 async def test_concurrent_worker_keys_never_pass_the_budget(
     worker: VaultAdmin, admin: VaultAdmin, secrets_seen: Secrets
 ) -> None:
