@@ -99,7 +99,7 @@ async def scheduled_period(request: ScheduledPeriodRequest) -> str:
     """The period a schedule's firing bills, read in the schedule's own time zone."""
     try:
         zone = ZoneInfo(request.time_zone)
-    except (ZoneInfoNotFoundError, ValueError) as exc:
+    except (ZoneInfoNotFoundError, ValueError, OSError) as exc:
         # No retry brings the zone: fail this firing for all to see, and leave the schedule's
         # next one free to launch.
         raise ApplicationError(

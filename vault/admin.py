@@ -183,7 +183,12 @@ async def _audit(
     )
     if reservation is not None:
         record.idempotency_key = reservation.idempotency_key
-        record.amount_cents = reservation.committed_cents
+        # What it committed, or for a release, the room it freed.
+        record.amount_cents = (
+            reservation.committed_cents
+            if reservation.state == "committed"
+            else reservation.amount_cents
+        )
         record.customer = reservation.customer
         record.reservation_state = reservation.state
     await store.insert_audit(conn, record)

@@ -197,7 +197,8 @@ class AuditEntry(View):
     reservation_state: ReservationState | None
     latency_ms: float
     actor: Role | None = Field(
-        description="the token an admin call was made with; null for a call through the key"
+        default=None,
+        description="the token an admin call was made with; null for a call through the key",
     )
 
 

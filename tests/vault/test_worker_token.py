@@ -223,19 +223,24 @@ async def test_what_the_admin_api_does_to_a_key_is_in_its_audit_with_the_token(
     beside the requests through the key, with the token that did each."""
     mine = await _issue(worker, secrets_seen, cap_cents=50_000)
     await set_faults(emulator, drop_after_commit=1.0)
-    with pytest.raises(stripe.APIError):
-        await charge(stripe_via_vault(mine), customer, 30_000, "in-doubt")
+    for idempotency_key in ("in-doubt", "never-went"):
+        with pytest.raises(stripe.APIError):
+            await charge(stripe_via_vault(mine), customer, 20_000, idempotency_key)
     await set_faults(emulator, drop_after_commit=0.0)
-    await admin.resolve(mine.id, "in-doubt", "succeeded", amount_cents=30_000)
+    await admin.resolve(mine.id, "in-doubt", "succeeded", amount_cents=20_000)
+    await worker.resolve(mine.id, "never-went", "failed")
     await worker.revoke(mine.id)
     entries = await admin.audit(mine.id)
+    # A settlement's amount: what it committed, or the room it freed.
     assert [(e.decision, e.actor, e.reservation_state, e.amount_cents) for e in entries] == [
         ("revoked", "worker", None, None),
-        ("resolved", "admin", "committed", 30_000),
-        ("forwarded", None, "unknown", 30_000),
+        ("resolved", "worker", "released", 20_000),
+        ("resolved", "admin", "committed", 20_000),
+        ("forwarded", None, "unknown", 20_000),
+        ("forwarded", None, "unknown", 20_000),
         ("issued", "worker", None, None),
     ]
-    resolved = entries[1]
+    resolved = entries[2]
     assert (resolved.idempotency_key, resolved.currency, resolved.customer) == (
         "in-doubt",
         "usd",
