@@ -276,8 +276,10 @@ async def cmd_skip(args: argparse.Namespace) -> int:
         load_settings(DatabaseSettings).database_url,
         args.period,
         request,
+        ahead=args.ahead,
+        late=args.late,
     )
-    _emit(result, args.json, f"{result.customer_id}: {result.detail}")
+    _emit(result, args.json, f"{result.customer_id} in {args.period}: {result.detail}")
     # Refused (its charge was sent, or it ended otherwise): 1 is reconciliation's findings.
     return 0 if result.skipped else 2
 
@@ -602,6 +604,16 @@ def parser() -> argparse.ArgumentParser:
     skip.add_argument("--reason", required=True)
     skip.add_argument("--operator")
     skip.add_argument("--json", action="store_true")
+    # A period with no run takes the skip for later: a month far from now is most likely
+    # mistyped (billing.periods.check_skip_by_hand).
+    skip.add_argument(
+        "--ahead", action="store_true", help="record a skip for a period later than next month"
+    )
+    skip.add_argument(
+        "--late",
+        action="store_true",
+        help=f"record a skip for a period more than {LATE_MONTHS} months before this one",
+    )
     skip.set_defaults(handler=cmd_skip)
 
     watch = commands.add_parser("watch", help="a live progress bar until the run ends")

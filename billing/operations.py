@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Literal, TypeVar
 
 from temporalio.client import (
@@ -24,7 +24,7 @@ from billing.errors import BillingError, NoWorkerError
 from billing.keys import idempotency_key, period_workflow_id
 from billing.models import OperatorRequest, PeriodProgress, SkipRequest, SkipResult
 from billing.period_keys import KeyRenewal
-from billing.periods import Period
+from billing.periods import Period, check_skip_by_hand
 from workflows.billing_period import BillingPeriodWorkflow
 
 Action = Literal["pause", "resume", "cancel"]
@@ -130,8 +130,13 @@ async def skip(
     database_url: str,
     period: Period,
     request: SkipRequest,
+    *,
+    ahead: bool = False,
+    late: bool = False,
 ) -> SkipResult:
-    """Skip through the running period, or, when none runs, mark it for the next run."""
+    """Skip through the running period, or, when none runs, mark it for the next run. For a
+    period that has had no run, one far from now is refused unless `ahead` or `late` says
+    it is meant (periods.check_skip_by_hand)."""
     handle = client.get_workflow_handle_for(BillingPeriodWorkflow.run, period_workflow_id(period))
     try:
         return await _update(
@@ -149,6 +154,8 @@ async def skip(
     pool = await create_pool(database_url, max_size=1)
     try:
         async with pool.acquire() as conn:
+            if await ledger.period_record(conn, str(period)) is None:
+                check_skip_by_hand(period, datetime.now(UTC), ahead=ahead, late=late)
             return await ledger.request_skip(
                 conn, request.customer_id, str(period), key, request.reason, request.operator
             )

@@ -91,6 +91,14 @@ def is_late(period: Period, now: datetime) -> bool:
     return period < earliest
 
 
+def _far(period: Period, now: datetime) -> Literal["ahead", "late"] | None:
+    """Whether `period` is later than next month, or more than LATE_MONTHS before this one:
+    most likely a mistyped month."""
+    if period_for(now, "advance").next() < period:
+        return "ahead"
+    return "late" if is_late(period, now) else None
+
+
 def check_run_by_hand(
     period: Period, now: datetime, *, ahead: bool = False, late: bool = False
 ) -> None:
@@ -99,15 +107,34 @@ def check_run_by_hand(
     Next month may be billed early (in advance, near the turn of a month); later is refused
     without `ahead`. A period more than LATE_MONTHS before the current one is refused without
     `late`."""
-    current = period_for(now, "advance")
-    if current.next() < period and not ahead:
+    far = _far(period, now)
+    if far == "ahead" and not ahead:
         raise InvalidPeriodError(
             f"{period} has not begun, and a run now charges its customers ahead of"
             " time: check the period, or pass --ahead to bill it now"
         )
-    if is_late(period, now) and not late:
+    if far == "late" and not late:
         raise InvalidPeriodError(
-            f"{period} is more than {LATE_MONTHS} months before the current month ({current}),"
-            " and a run now charges every active customer for it, those who joined since"
-            " included: check the period, or pass --late to bill it now"
+            f"{period} is more than {LATE_MONTHS} months before the current month"
+            f" ({period_for(now, 'advance')}), and a run now charges every active customer for"
+            " it, those who joined since included: check the period, or pass --late to bill it"
+            " now"
+        )
+
+
+def check_skip_by_hand(
+    period: Period, now: datetime, *, ahead: bool = False, late: bool = False
+) -> None:
+    """Refuse a skip for a period with no run that is most likely a mistyped month: it would
+    wait in the ledger where no run looks, and the customer be charged in the month meant."""
+    far = _far(period, now)
+    if far is not None and not (ahead if far == "ahead" else late):
+        when = (
+            "has not begun"
+            if far == "ahead"
+            else f"is more than {LATE_MONTHS} months before the current month"
+        )
+        raise InvalidPeriodError(
+            f"{period} {when} and has no run: a skip recorded for it stops no charge in any"
+            f" other month. Check the period, or pass --{far} to record it anyway"
         )

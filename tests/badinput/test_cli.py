@@ -392,6 +392,13 @@ async def test_unknown_names_on_the_real_stack_are_clear_errors_and_start_nothin
     }
     for argv, expected in (
         (["skip", "2026-12", "nobody", "--reason", "r"], "customer 'nobody' is not in the ledger"),
+        # A month far from now with no run: most likely mistyped, so the skip would stop nothing.
+        (["skip", "2062-12", "nobody", "--reason", "r"], "2062-12 has not begun and has no run"),
+        (["skip", "2025-01", "nobody", "--reason", "r"], "2025-01 is more than"),
+        (
+            ["skip", "2062-12", "nobody", "--reason", "r", "--ahead"],
+            "customer 'nobody' is not in the ledger",
+        ),
         (["pause", "2026-12", "--reason", "r"], "no run of 2026-12 is running to pause"),
         (
             ["renew-keys", "2026-12", "--reason", "r"],
