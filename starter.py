@@ -45,7 +45,7 @@ from billing.customers import (
     import_customers,
     read_customers_csv,
 )
-from billing.db import create_pool
+from billing.db import CONNECTION_ERRORS, create_pool
 from billing.errors import (
     BillingError,
     InvalidInputError,
@@ -71,6 +71,7 @@ from billing.periods import (
     period_range,
 )
 from billing.preview import preview_period
+from billing.redact import redact
 from billing.reporting import (
     describe,
     describe_preview,
@@ -798,6 +799,17 @@ def main(argv: list[str] | None = None) -> int:
         for error in exc.errors():
             field = ".".join(str(part) for part in error["loc"])
             print(f"error: {field}: {error['msg']}", file=sys.stderr)
+        return 2
+    except CONNECTION_ERRORS as exc:
+        # A statement past its time (asyncpg's command_timeout) or a connection lost midway
+        # (a refused first connection is a BillingError): what was asked may or may not have
+        # happened.
+        print(
+            f"error: {type(exc).__name__} while talking to the database"
+            f" ({redact(str(exc)) or 'no answer in time'}): it may or may not have taken effect;"
+            " check (`status`, `preview`) before running it again",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         return 130

@@ -144,6 +144,21 @@ async def refused(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Exit]:
     return dict(zip(CASES, results, strict=True))
 
 
+@pytest.mark.parametrize("lost_with", [TimeoutError, ConnectionResetError])
+def test_a_connection_lost_midway_is_one_line_not_a_traceback(
+    lost_with: type[Exception], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # asyncpg's command_timeout, or the database restarting during a command.
+    async def lost(args: argparse.Namespace) -> int:
+        raise lost_with()
+
+    monkeypatch.setattr(starter, "cmd_preview", lost)
+    assert starter.main(["preview", "2026-12"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {lost_with.__name__} while talking to the database")
+    assert "may or may not have taken effect" in err and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_arguments_are_refused_before_anything_is_contacted(
     refused: dict[str, Exit], case: str
