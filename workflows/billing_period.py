@@ -193,6 +193,13 @@ class BillingPeriodWorkflow:
     @pause.validator
     def _validate_pause(self, request: OperatorRequest) -> None:
         self._refuse_if_over("pause")
+        if self._control.control == "paused":
+            # A second pause would replace the reason, and with it the advice `status` gives
+            # for a run that paused itself (renew-keys, not resume).
+            raise ApplicationError(
+                f"the run is paused already, by {self._control.operator}: {self._control.reason}"
+                f" (`python starter.py status {self._state.period}` says what to do)"
+            )
 
     @workflow.update
     async def resume(self, request: OperatorRequest) -> PeriodProgress:
@@ -201,6 +208,8 @@ class BillingPeriodWorkflow:
     @resume.validator
     def _validate_resume(self, request: OperatorRequest) -> None:
         self._refuse_if_over("resume")
+        if self._control.control == "running":
+            raise ApplicationError("the run is running, not paused: there is nothing to resume")
         if self._renewing:
             # Resumed now, its children would take the old keys, and pause it again.
             raise ApplicationError("the run's keys are being renewed: resume it once that is done")

@@ -934,6 +934,30 @@ def test_backfill_window_is_in_the_schedules_zone() -> None:
     assert end.month == 4
 
 
+async def test_a_pause_of_a_paused_run_and_a_resume_of_a_running_one_are_refused(
+    harness: Harness,
+) -> None:
+    """A second pause would replace the first's reason: for a run that paused itself, the
+    advice `status` gives (renew-keys, not resume)."""
+    await harness.seed(4)
+    await harness.set_faults(latency_ms=300)
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue, SLOW)
+        with pytest.raises(operations.OperatorRefusedError, match="nothing to resume"):
+            await operations.control(harness.client, PERIOD, "resume", ALICE)
+        await operations.control(harness.client, PERIOD, "pause", ALICE)
+        bob = OperatorRequest(reason="me too", operator="bob")
+        with pytest.raises(
+            operations.OperatorRefusedError, match="paused already, by alice: amounts look wrong"
+        ):
+            await operations.control(harness.client, PERIOD, "pause", bob)
+        progress = await period_status(harness.client, PERIOD)
+        assert (progress.operator, progress.reason) == ("alice", "amounts look wrong")
+        await operations.control(harness.client, PERIOD, "resume", bob)
+        summary = await handle.result()
+    assert summary.charged == 4
+
+
 async def test_skipping_an_unknown_customer_during_a_run_says_so(harness: Harness) -> None:
     await harness.seed(8)
     await harness.set_faults(latency_ms=150)
