@@ -52,6 +52,7 @@ from billing.errors import (
     NoWorkerError,
     RunEndedError,
     UnknownScheduleError,
+    shown,
 )
 from billing.migrations import migrate
 from billing.models import (
@@ -408,10 +409,10 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
         print(schedules.describe(await handle.describe()))
         _warn_missed(args.id, await schedules.missed_launches(client, args.id))
     elif args.schedule_command == "pause":
-        await handle.pause(note=args.note)
+        await handle.pause(note=_note(args))
         print(f"paused schedule {args.id}")
     elif args.schedule_command == "unpause":
-        await handle.unpause(note=args.note)
+        await handle.unpause(note=_note(args))
         print(f"unpaused schedule {args.id}")
         _warn_missed(args.id, await schedules.missed_launches(client, args.id))
     elif args.schedule_command == "trigger":
@@ -451,6 +452,13 @@ def _warn_missed(schedule_id: str, missed: list[schedules.Missed]) -> None:
         )
 
 
+def _note(args: argparse.Namespace) -> str | None:
+    """A schedule's note, kept by Temporal and printed by `describe`: redacted, as reasons
+    are."""
+    note: str | None = args.note
+    return None if note is None else redact(note)
+
+
 async def _require_schedule(handle: ScheduleHandle) -> None:
     """An unknown schedule id is a clear error rather than Temporal's NOT_FOUND traceback."""
     try:
@@ -459,7 +467,7 @@ async def _require_schedule(handle: ScheduleHandle) -> None:
         if exc.status != RPCStatusCode.NOT_FOUND:
             raise
         raise UnknownScheduleError(
-            f"no schedule {handle.id!r}: `starter.py schedule create` makes one"
+            f"no schedule {shown(handle.id)}: `starter.py schedule create` makes one"
         ) from None
 
 
@@ -475,12 +483,12 @@ async def cmd_import(args: argparse.Namespace) -> int:
     try:
         changes = await import_customers(pool, rows, while_running=args.while_running)
         periods = ", ".join(sorted({c.period for c in changes}))
-        shown = listed([f"{c.customer_id} ({c.was} -> {c.becomes})" for c in changes])
+        named = listed([f"{c.customer_id} ({c.was} -> {c.becomes})" for c in changes])
         if changes and not args.while_running:
             raise InvalidInputError(
                 f"{args.file} adds or changes the price of {len(changes)} customers the open"
                 f" run of {periods} has not billed yet:"
-                f" {shown}. That run may bill them at a"
+                f" {named}. That run may bill them at a"
                 " price its plan and its key's cap did not count (a new currency pauses it)."
                 " Import once it has ended, or pass --while-running (also"
                 " if that run failed or was terminated, which leaves it open in the ledger);"
@@ -491,7 +499,7 @@ async def cmd_import(args: argparse.Namespace) -> int:
     print(f"imported {len(rows)} customers from {args.file}")
     if changes:
         # --while-running: what the open run may now bill otherwise, for the record.
-        print(f"note: the open run of {periods} may bill these as now imported: {shown}")
+        print(f"note: the open run of {periods} may bill these as now imported: {named}")
     return 0
 
 

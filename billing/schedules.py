@@ -30,7 +30,7 @@ from temporalio.client import (
 )
 from temporalio.service import RPCError, RPCStatusCode
 
-from billing.errors import InvalidInputError
+from billing.errors import InvalidInputError, shown
 from billing.keys import period_workflow_id
 from billing.models import Record, RunOptions, ScheduledAction, ScheduledBillingInput
 from billing.periods import Billing, Period, check_run_by_hand, period_for
@@ -60,7 +60,7 @@ def validate_time_zone(name: str) -> str:
     except (ZoneInfoNotFoundError, ValueError, OSError):
         # OSError: a folder of the database ("America") read from the tzdata package.
         raise InvalidInputError(
-            f"time zone {name!r} is not an IANA name such as 'UTC' or 'Europe/Berlin'"
+            f"time zone {shown(name)} is not an IANA name such as 'UTC' or 'Europe/Berlin'"
         ) from None
     return name
 

@@ -510,6 +510,13 @@ def test_a_schedule_zone_naming_a_place_is_taken(name: str) -> None:
     assert validate_time_zone(name) == name
 
 
+def test_a_key_given_as_a_zone_is_not_echoed() -> None:
+    key = "sk_live_" + "a1" * 12
+    with pytest.raises(InvalidInputError) as refused:
+        validate_time_zone(key)
+    assert key not in str(refused.value) and "[redacted key]" in str(refused.value)
+
+
 def test_a_worker_reads_old_aliases_without_the_systems_zones() -> None:
     # Slim images ship a system database without aliases such as US/Pacific; the worker
     # falls back on the tzdata package, which holds them.
