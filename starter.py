@@ -54,6 +54,7 @@ from billing.errors import (
     UnknownScheduleError,
     shown,
 )
+from billing.keys import validate_customer_id
 from billing.migrations import migrate
 from billing.models import (
     EndedRun,
@@ -99,6 +100,13 @@ def _period(text: str) -> Period:
         return parse_period(text)
     except BillingError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _reason(text: str) -> str:
+    """An argparse type: why an operator acts, kept with the run; blank says nothing."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected words saying why, got a blank reason")
+    return text
 
 
 def _positive(text: str) -> int:
@@ -504,6 +512,9 @@ async def cmd_import(args: argparse.Namespace) -> int:
 
 
 async def cmd_deactivate(args: argparse.Namespace) -> int:
+    # Bad input is named before anything is contacted, as by every other command.
+    for customer_id in args.customer_ids:
+        validate_customer_id(customer_id)
     pool = await create_pool(load_settings(DatabaseSettings).database_url)
     try:
         done = await deactivate_customers(pool, args.customer_ids, while_running=args.while_running)
@@ -591,7 +602,9 @@ def parser() -> argparse.ArgumentParser:
     ):
         control = commands.add_parser(action, help=text)
         control.add_argument("period", type=_period, help="YYYY-MM")
-        control.add_argument("--reason", required=True, help="recorded with your name")
+        control.add_argument(
+            "--reason", required=True, type=_reason, help="recorded with your name"
+        )
         control.add_argument("--operator", help="default: $BILLING_OPERATOR or your login")
         control.add_argument("--json", action="store_true")
         control.set_defaults(handler=cmd_control)
@@ -602,7 +615,7 @@ def parser() -> argparse.ArgumentParser:
         " key expired); then resume it. A cancelled run held up by a refused key then ends",
     )
     renew.add_argument("period", type=_period, help="YYYY-MM")
-    renew.add_argument("--reason", required=True, help="recorded with your name")
+    renew.add_argument("--reason", required=True, type=_reason, help="recorded with your name")
     renew.add_argument("--operator", help="default: $BILLING_OPERATOR or your login")
     renew.add_argument("--json", action="store_true")
     renew.set_defaults(handler=cmd_renew_keys)
@@ -610,7 +623,7 @@ def parser() -> argparse.ArgumentParser:
     skip = commands.add_parser("skip", help="do not charge one customer this period")
     skip.add_argument("period", type=_period, help="YYYY-MM")
     skip.add_argument("customer", help="the customer id")
-    skip.add_argument("--reason", required=True)
+    skip.add_argument("--reason", required=True, type=_reason)
     skip.add_argument("--operator")
     skip.add_argument("--json", action="store_true")
     # A period with no run takes the skip for later: a month far from now is most likely

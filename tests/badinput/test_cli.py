@@ -81,7 +81,11 @@ CASES: dict[str, tuple[list[str], str]] = {
     "watch nan": (["starter.py", "watch", "2026-12", "--interval", "nan"], "above 0"),
     "pause empty reason": (
         ["starter.py", "pause", "2026-12", "--reason", ""],
-        "reason: String should have at least 1 character",
+        "--reason: expected words saying why, got a blank reason",
+    ),
+    "skip blank reason": (
+        ["starter.py", "skip", "2026-12", "c-1", "--reason", "   "],
+        "--reason: expected words saying why, got a blank reason",
     ),
     "cancel empty operator": (
         ["starter.py", "cancel", "2026-12", "--reason", "r", "--operator", ""],
@@ -93,6 +97,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "skip sql id": (["starter.py", "skip", "2026-12", HOSTILE_ID, "--reason", "r"], "1-64"),
     "skip url id": (["starter.py", "skip", "2026-12", "../c%2F1?x=1", "--reason", "r"], "1-64"),
+    "deactivate sql id": (["starter.py", "customers", "deactivate", "c-1", HOSTILE_ID], "1-64"),
     "schedule hour": (["starter.py", "schedule", "create", "--hour", "25"], "hour:"),
     "schedule zone": (
         ["starter.py", "schedule", "create", "--time-zone", "Mars/Olympus"],
