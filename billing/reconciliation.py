@@ -35,6 +35,8 @@ class ReconcileInput(Record):
     # A re-driven charge still retrying after this long (a saved Stripe error, a refused
     # vault key) is stopped and left for the next run; its key stays, so stopping is safe.
     redrive_timeout_seconds: int = Field(default=900, ge=1)
+    # Open claims looked up (and re-driven) at once.
+    claims_at_once: int = Field(default=20, ge=1, le=100)
 
 
 class OpenClaim(Record):

@@ -54,8 +54,7 @@ RETRY = RetryPolicy(
     maximum_interval=timedelta(seconds=30),
     maximum_attempts=8,
 )
-# Claims resolved at once, and customers compared with Stripe per activity.
-CLAIM_BATCH = 20
+# Customers compared with Stripe per activity.
 PAGE_SIZE = 200
 
 
@@ -82,13 +81,7 @@ class ReconcileWorkflow:
             retry_policy=RETRY,
             summary=f"find {request.period}'s open claims no workflow owns",
         )
-        claims = list(plan.left)
-        redrive_timeout = timedelta(seconds=request.redrive_timeout_seconds)
-        for start in range(0, len(plan.resolve), CLAIM_BATCH):
-            batch = plan.resolve[start : start + CLAIM_BATCH]
-            claims += await asyncio.gather(
-                *(self._resolve(claim, redrive_timeout) for claim in batch)
-            )
+        claims = list(plan.left) + await self._resolve_all(plan.resolve, request)
         compared = await self._compare(request.period)
         report = ReconcileReport(
             period=request.period,
@@ -119,6 +112,29 @@ class ReconcileWorkflow:
             f" {counts.get('orphan', 0)} orphans, {sum(counts.values())} findings in all"
         )
         return report
+
+    async def _resolve_all(
+        self, claims: list[Claim], request: ReconcileInput
+    ) -> list[ClaimResolution]:
+        redrive_timeout = timedelta(seconds=request.redrive_timeout_seconds)
+        at_once = request.claims_at_once
+        if workflow.patched("reconcile-sliding-window"):
+            # A claim starts as soon as any before it is done: a re-drive retried up to its
+            # time limit (a saved Stripe 500) holds one place, not a whole batch.
+            places = asyncio.Semaphore(at_once)
+
+            async def resolve(claim: Claim) -> ClaimResolution:
+                async with places:
+                    return await self._resolve(claim, redrive_timeout)
+
+            return list(await asyncio.gather(*(resolve(claim) for claim in claims)))
+        resolved: list[ClaimResolution] = []
+        for start in range(0, len(claims), at_once):
+            batch = claims[start : start + at_once]
+            resolved += await asyncio.gather(
+                *(self._resolve(claim, redrive_timeout) for claim in batch)
+            )
+        return resolved
 
     async def _resolve(self, claim: Claim, redrive_timeout: timedelta) -> ClaimResolution:
         try:

@@ -605,6 +605,51 @@ async def test_a_redrive_still_retried_is_stopped_and_left_saying_why(vaulted: H
     assert row["status"] == "claimed"
 
 
+async def test_a_redrive_still_retried_holds_one_place_and_the_claims_after_go_on(
+    vaulted: Harness,
+) -> None:
+    """Claims are resolved two at a time here. The oldest one's re-drive meets a saved 500
+    and is retried up to its time limit; meanwhile the claims after it are re-driven in the
+    other place, not held until it stops."""
+    [slow] = await vaulted.seed(1)
+    await lost_in_doubt(vaulted, [slow], fault="error_saved_before_commit")
+    quick = await vaulted.seed(2, prefix="later")
+    for customer in quick:
+        await stranded(vaulted, customer, at_stripe=False)
+    # Customers added after the key was issued: its cap makes room for them.
+    await vaulted.pool.execute(
+        "UPDATE vault_keys SET cap_cents = cap_cents + $1",
+        sum(c.amount_cents for c in quick),
+    )
+    request = ReconcileInput(period=str(PERIOD), redrive_timeout_seconds=10, claims_at_once=2)
+    async with vaulted.running_worker():
+        handle = await vaulted.client.start_workflow(
+            ReconcileWorkflow.run,
+            request,
+            id=reconcile_workflow_id(PERIOD),
+            task_queue=vaulted.task_queue,
+        )
+        report = await handle.result()
+    assert [(c.customer_id, c.action, c.outcome) for c in report.claims] == [
+        (slow.customer_id, "left", None),
+        *((c.customer_id, "redriven", "charged") for c in quick),
+    ]
+    events = (await handle.fetch_history()).events
+    last_started = max(
+        i
+        for i, e in enumerate(events)
+        if e.start_child_workflow_execution_initiated_event_attributes.workflow_id
+        == customer_workflow_id(PERIOD, quick[-1].customer_id)
+    )
+    slow_stopped = min(
+        i
+        for i, e in enumerate(events)
+        if e.HasField("child_workflow_execution_timed_out_event_attributes")
+    )
+    assert last_started < slow_stopped
+    assert await vaulted.succeeded() == len(quick)
+
+
 async def test_an_unknown_reservation_changed_lately_is_not_released_yet(
     vaulted: Harness,
 ) -> None:
