@@ -254,6 +254,9 @@ async def missed_launches(client: Client, schedule_id: str) -> list[Missed]:
     info = description.info
     request = await _launch_input(client, description)
     launched = {a.scheduled_at for a in info.recent_actions if await _launched(client, a, request)}
+    # A listed launch that ended early is missed whenever its time: the window below may
+    # start after it (it is the oldest listed) or it may be a backfill's, long before.
+    listed = {a.scheduled_at for a in info.recent_actions}
     since = info.created_at
     if len(info.recent_actions) >= _RECENT_ACTIONS_KEPT:
         # Older actions are dropped from the list: only times since the oldest listed was
@@ -261,9 +264,8 @@ async def missed_launches(client: Client, schedule_id: str) -> list[Missed]:
         # is long before, and firings since then may have been dropped.
         since = max(since, min(a.started_at for a in info.recent_actions))
     now = datetime.now(UTC)
-    if now <= since:
-        return []
-    due = [t for t in await matching_times(client, schedule_id, since, now) if t not in launched]
+    window = await matching_times(client, schedule_id, since, now) if since < now else []
+    due = sorted(listed.union(window) - launched)
     bills = request.action == "bill"
     return [Missed(at=t, period=_billed_at(t, request) if bills else None) for t in due]
 

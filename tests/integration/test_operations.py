@@ -788,6 +788,35 @@ async def test_a_launch_ended_before_starting_its_run_is_missed(harness: Harness
         await handle.delete()
 
 
+async def test_the_oldest_listed_launch_ended_early_is_missed(harness: Harness) -> None:
+    """With Temporal's 10 recent actions listed, only times since the oldest was taken are
+    checked; that oldest one, ended before starting its run, is named all the same."""
+    config = schedules.MonthlySchedule(schedule_id="crowded")
+    schedule = schedules.build_schedule(config, harness.task_queue, RunOptions())
+    schedule.spec = ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=1))])
+    # No worker: each launch stays open, so each firing starts one.
+    schedule.policy.overlap = ScheduleOverlapPolicy.ALLOW_ALL
+    handle = await harness.client.create_schedule("crowded", schedule)
+    try:
+
+        async def listed_full() -> bool:
+            return len((await handle.describe()).info.recent_actions) >= 10
+
+        await eventually(listed_full, timeout=30)
+        await handle.pause()
+        oldest = min((await handle.describe()).info.recent_actions, key=lambda a: a.started_at)
+        # Paused, its times from now on are missed too: only the oldest's is looked at.
+        missed = await schedules.missed_launches(harness.client, "crowded")
+        assert oldest.scheduled_at not in {m.at for m in missed}
+        launcher = oldest.action
+        assert isinstance(launcher, ScheduleActionExecutionStartWorkflow)
+        await harness.client.get_workflow_handle(launcher.workflow_id).terminate("cut short")
+        missed = await schedules.missed_launches(harness.client, "crowded")
+        assert oldest.scheduled_at in {m.at for m in missed}
+    finally:
+        await handle.delete()
+
+
 async def test_launches_pushed_out_of_the_recent_list_by_a_backfill_are_not_missed(
     harness: Harness,
 ) -> None:
