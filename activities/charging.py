@@ -227,6 +227,7 @@ class ChargingActivities:
                     return _settle(found)
             return _settle(await gateway.charge(claim, fencing_token))
         except stripe.StripeError as exc:
+            error = exc
             if isinstance(exc, stripe.IdempotencyError) or replays_saved_error(exc):
                 # The key replays a 500 saved after the charge began, or refuses other
                 # parameters (a setting changed mid-period): either way a charge with this
@@ -236,13 +237,16 @@ class ChargingActivities:
                 except stripe.StripeError as lookup_error:
                     # The lookup's own failure (Stripe's rate, a key refused) is what the
                     # retry must wait out.
-                    exc = lookup_error
+                    error = lookup_error
                 else:
                     if found is not None:
                         return _settle(found)
-            metrics.count_vault_refusal(exc)
-            failure = to_temporal_failure(exc)
-            if isinstance(exc, stripe.RateLimitError):
+            metrics.count_vault_refusal(error)
+            failure = to_temporal_failure(error)
+            # Only the create's own refusal can show that this attempt never reached Stripe;
+            # a lookup refused after Stripe answered the create shows nothing of the kind.
+            refused_before_stripe = error is exc
+            if refused_before_stripe and isinstance(exc, stripe.RateLimitError):
                 # Stripe executes nothing it rate-limits: if this was the claim's only
                 # attempt, nothing of it is at Stripe, so the retry passes the gate afresh
                 # and a pause, cancel or skip meanwhile still stops it.
@@ -252,18 +256,20 @@ class ChargingActivities:
                     # This worker charged with a key a later run's preparation has replaced
                     # (revoked and deleted, near its expiry): the retry takes the new one,
                     # and nothing pauses. Refused before Stripe, it passes the gate afresh.
-                    await self._reopen(claim, fencing_token)
+                    if refused_before_stripe:
+                        await self._reopen(claim, fencing_token)
                     raise ApplicationError(
                         f"the vault refused a period key replaced since ({failure.message});"
                         " retrying with the new key",
                         type=RETRYABLE,
                     ) from None
-                # Refused before Stripe: the claim waits at the gate for the operator.
-                # The vault says whether it fenced off the attempts before this one.
-                fenced = failure.type == SPEND_CAP_EXCEEDED and fence_of(exc) == fencing_token
-                await self._reopen(
-                    claim, fencing_token, fenced_by=gateway.vault_key_id if fenced else None
-                )
+                if refused_before_stripe:
+                    # The claim waits at the gate for the operator. The vault says whether
+                    # it fenced off the attempts before this one.
+                    fenced = failure.type == SPEND_CAP_EXCEEDED and fence_of(exc) == fencing_token
+                    await self._reopen(
+                        claim, fencing_token, fenced_by=gateway.vault_key_id if fenced else None
+                    )
             raise failure from None
 
     async def _reopen(
