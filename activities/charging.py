@@ -77,6 +77,11 @@ FAILED_OUTCOMES = {
 log = logging.getLogger("billing.charging")
 
 
+class _CancelledBehindSavedError(Exception):
+    """Recorded cancelled: the period's run was cancelled while this charge was held behind
+    a 500 Stripe saved for its key (ledger.cancel_behind_saved_error)."""
+
+
 class BillRequest(Record):
     period: str
     customer_id: str
@@ -152,6 +157,8 @@ class ChargingActivities:
             return await self._record_unbilled(claim, gate, stopped)
         try:
             result = await self._charge(claim, gateway, passage.fencing_token)
+        except _CancelledBehindSavedError:
+            return _unbilled(claim, "cancelled", "cancelled")
         except Exception as error:
             _report_failure(claim, error)
             failure = _refusal(error)
@@ -195,8 +202,7 @@ class ChargingActivities:
     ) -> CustomerOutcome:
         async with self._pool.acquire() as conn:
             await ledger.record_unbilled(conn, claim.idempotency_key, status, failure)
-        _log_event("record", claim, status=status, code=failure.code)
-        return _outcome(claim, finished_outcome(status), failure_code=failure.code)
+        return _unbilled(claim, status, failure.code)
 
     def _looks_up_first(self, claim: Claim) -> bool:
         # Stripe forgets keys after 24 hours: past that a replay would charge again, so an
@@ -241,6 +247,12 @@ class ChargingActivities:
                 else:
                     if found is not None:
                         return _settle(found)
+                    if replays_saved_error(exc):
+                        async with self._pool.acquire() as conn:
+                            if await ledger.cancel_behind_saved_error(
+                                conn, claim.idempotency_key, fencing_token
+                            ):
+                                raise _CancelledBehindSavedError
             metrics.count_vault_refusal(error)
             failure = to_temporal_failure(error)
             # Only the create's own refusal can show that this attempt never reached Stripe;
@@ -314,6 +326,11 @@ def _refusal(error: Exception) -> ChargeFailure | None:
         return None
     failure = error.details[0]
     return failure if isinstance(failure, ChargeFailure) else None
+
+
+def _unbilled(claim: Claim, status: LedgerStatus, code: str) -> CustomerOutcome:
+    _log_event("record", claim, status=status, code=code)
+    return _outcome(claim, finished_outcome(status), failure_code=code)
 
 
 def _finished(claim: Claim) -> CustomerOutcome:

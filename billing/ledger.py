@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import asyncpg
@@ -597,6 +598,36 @@ async def reopen_refused_charge(
                 fenced_by,
             )
     return reopened is not None
+
+
+# Stripe forgets a key 24 hours after its first request, which came after the claim: until 22
+# hours after the claim, a request with the key still on its way (a worker's, the vault's)
+# can only meet the saved answer.
+SAVED_ERROR_HOLDS_FOR = timedelta(hours=22)
+
+
+async def cancel_behind_saved_error(conn: asyncpg.Connection, key: str, fencing_token: int) -> bool:
+    """Record a claim cancelled, if its period's run was cancelled, after its attempt
+    `fencing_token` met a 500 Stripe saved for the key and found no charge made with it.
+    Stripe executes no request with the key until it forgets it a day later, so nothing of
+    the charge is at Stripe or can still get there. Only for the claim's latest attempt, and
+    only while the key is young enough (SAVED_ERROR_HOLDS_FOR). True when recorded."""
+    cancelled = await conn.fetchval(
+        """
+        UPDATE billing_runs r
+        SET status = 'cancelled', reason = p.control_reason, decided_by = p.control_by,
+            completed_at = now(), updated_at = now()
+        FROM billing_periods p
+        WHERE r.idempotency_key = $1 AND r.status = 'claimed' AND r.gate_passes = $2
+            AND r.claimed_at > now() - $3::interval
+            AND p.billing_period = r.billing_period AND p.control = 'cancelled'
+        RETURNING 1
+        """,
+        key,
+        fencing_token,
+        SAVED_ERROR_HOLDS_FOR,
+    )
+    return cancelled is not None
 
 
 async def request_skip(

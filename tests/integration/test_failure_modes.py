@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import signal
+from datetime import timedelta
 
 import pytest
 import stripe
@@ -127,6 +128,49 @@ async def test_a_500_stripe_saved_before_charging_is_retried_until_stripe_forget
     sent = [(r["method"], r["status"], r["replayed"]) for r in await harness.requests()]
     creates = [(status, replay) for method, status, replay in sent if method == "POST"]
     assert creates[-3:] == [(500, False), (500, True), (200, False)]
+
+
+@pytest.mark.parametrize("claimed_hours_ago", [0, 23])
+async def test_a_cancel_reaches_a_charge_behind_a_500_stripe_saved(
+    harness: Harness, claimed_hours_ago: int
+) -> None:
+    """The run is cancelled while Stripe replays a 500 it saved for a charge's key. The
+    retry that meets the replay and finds no charge records the claim cancelled: Stripe
+    executes nothing with the key until it forgets it, a day after its first request, and
+    nothing is sent once the claim is closed. Not near that day's end: a request with the key
+    may still be on its way, so the charge goes on as before."""
+    customer, charging, request = await _billing_one(harness, StripeGateway)
+    await harness.set_faults(error_saved_before_commit=1.0)
+    with pytest.raises(ApplicationError, match="did not answer definitively"):
+        await _attempt(1).run(charging.bill, request)
+    await harness.set_faults(error_saved_before_commit=0.0)
+    async with harness.pool.acquire() as conn:
+        await ledger.set_control(conn, str(PERIOD), "cancelled", "wrong prices", "ops")
+        await conn.execute(
+            "UPDATE billing_runs SET claimed_at = claimed_at - $1::interval",
+            timedelta(hours=claimed_hours_ago),
+        )
+    if claimed_hours_ago:
+        with pytest.raises(ApplicationError, match="replays the 500 it saved"):
+            await _attempt(2).run(charging.bill, request)
+        await harness.stripe_forgets_keys()
+        assert (await _attempt(3).run(charging.bill, request)).outcome == "charged"
+        await assert_billed_once(harness, str(PERIOD), [customer])
+        return
+    outcome = await _attempt(2).run(charging.bill, request)
+    assert (outcome.outcome, outcome.failure_code) == ("cancelled", "cancelled")
+    [row] = await harness.ledger_rows(str(PERIOD))
+    assert (row["status"], row["reason"], row["decided_by"]) == ("cancelled", "wrong prices", "ops")
+    # A retry after Stripe forgets the key (a child's, or another worker's) sends nothing.
+    await harness.stripe_forgets_keys()
+    assert (await _attempt(3).run(charging.bill, request)).outcome == "cancelled"
+    assert await harness.succeeded() == 0
+    creates = [
+        r
+        for r in await harness.requests()
+        if (r["method"], r["path"]) == ("POST", "/v1/payment_intents")
+    ]
+    assert [(r["status"], r["replayed"]) for r in creates] == [(500, False), (500, True)]
 
 
 @pytest.mark.parametrize("control", ["cancelled", "paused"])
