@@ -79,7 +79,12 @@ log = logging.getLogger("billing.charging")
 
 class _CancelledBehindSavedError(Exception):
     """Recorded cancelled: the period's run was cancelled while this charge was held behind
-    a 500 Stripe saved for its key (ledger.cancel_behind_saved_error)."""
+    a 500 Stripe saved for its key (ledger.cancel_behind_saved_error). `failure` is the
+    attempt's own, reported as any other."""
+
+    def __init__(self, failure: ApplicationError) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
 
 
 class BillRequest(Record):
@@ -157,7 +162,8 @@ class ChargingActivities:
             return await self._record_unbilled(claim, gate, stopped)
         try:
             result = await self._charge(claim, gateway, passage.fencing_token)
-        except _CancelledBehindSavedError:
+        except _CancelledBehindSavedError as stopped:
+            _report_failure(claim, stopped.failure)
             return _unbilled(claim, "cancelled", "cancelled")
         except Exception as error:
             _report_failure(claim, error)
@@ -252,7 +258,7 @@ class ChargingActivities:
                             if await ledger.cancel_behind_saved_error(
                                 conn, claim.idempotency_key, fencing_token
                             ):
-                                raise _CancelledBehindSavedError
+                                raise _CancelledBehindSavedError(to_temporal_failure(exc))
             metrics.count_vault_refusal(error)
             failure = to_temporal_failure(error)
             # Only the create's own refusal can show that this attempt never reached Stripe;

@@ -101,6 +101,17 @@ def check_billed_once(
             if sent != (customer.amount_cents, customer.currency, customer.stripe_customer_id):
                 problem(f"{customer.customer_id}: charge {charge['id']} is {sent}")
 
+    # Every money request with a key: its parameters, and Stripe's answers.
+    sent_with: dict[str, set[str]] = defaultdict(set)
+    answered: dict[str, set[int | None]] = defaultdict(set)
+    for request in requests:
+        if request["method"] == "POST" and request["path"] in MONEY_PATHS:
+            if not request["idempotency_key"]:
+                problem(f"a request to {request['path']} without an Idempotency-Key")
+                continue
+            sent_with[request["idempotency_key"]].add(json.dumps(request["params"], sort_keys=True))
+            answered[request["idempotency_key"]].add(request["status"])
+
     # I2: every due customer in one terminal state, agreeing with Stripe.
     by_customer = {r["customer_id"]: r for r in rows}
     for customer_id in sorted(set(due) ^ set(by_customer)):
@@ -112,8 +123,13 @@ def check_billed_once(
             if status != "failed" or not row["failure_code"]:
                 problem(f"{customer_id}: declined card, but the ledger says {status}")
         elif customer_id in expected.cancelled:
-            if status != "cancelled" or row["charge_started_at"] is not None:
+            # Stopped at the gate, or after Stripe answered its key only with errors, a 500
+            # it saved among them (ledger.cancel_behind_saved_error).
+            answers = answered[row["idempotency_key"]]
+            if status != "cancelled":
                 problem(f"{customer_id}: cancelled before its charge, but the ledger says {status}")
+            elif row["charge_started_at"] is not None and not all(map(_refused, answers)):
+                problem(f"{customer_id}: cancelled after Stripe answered its key {answers}")
         elif status != "charged":
             problem(f"{customer_id}: left {status} in the ledger")
         elif [c["id"] for c in succeeded.get(customer_id, [])][:1] != [row["charge_id"]]:
@@ -125,15 +141,8 @@ def check_billed_once(
             f" {found.stripe_total_cents} cents"
         )
 
-    # I3: every request for one key carried the same parameters.
-    sent_with: dict[str, set[str]] = defaultdict(set)
-    for request in requests:
-        if request["method"] == "POST" and request["path"] in MONEY_PATHS:
-            if not request["idempotency_key"]:
-                problem(f"a request to {request['path']} without an Idempotency-Key")
-                continue
-            sent_with[request["idempotency_key"]].add(json.dumps(request["params"], sort_keys=True))
-    # A row cancelled at the gate holds a key that never went to Stripe.
+    # I3: every request for one key carried the same parameters. A row cancelled at the gate
+    # holds a key that never went to Stripe.
     for row in rows:
         key = row["idempotency_key"]
         if row["charge_started_at"] is None:
@@ -143,6 +152,12 @@ def check_billed_once(
         elif len(sent_with[key]) != 1:
             problem(f"{row['customer_id']}: key {key[:8]} sent with different parameters")
     return found
+
+
+def _refused(status: int | None) -> bool:
+    """Stripe answered with no charge: rate-limited, or a 5xx (a dropped answer is None).
+    Whether a charge was made all the same is I1's check."""
+    return status is not None and (status == 429 or status >= 500)
 
 
 def check_vault(found: Findings, keys: Sequence[KeyInfo], unresolved: Sequence[Row]) -> None:

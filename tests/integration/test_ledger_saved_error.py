@@ -1,0 +1,90 @@
+"""A cancel recorded for a claim whose charge met a 500 Stripe saved for its key
+(ledger.cancel_behind_saved_error), on the real ledger: only for the claim's latest attempt,
+only while the run is cancelled, and only while no request with the key can still be on its
+way when Stripe forgets it."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import asyncpg
+import pytest
+
+from billing import ledger
+from billing.models import Claim, Control, PeriodPlan
+from tests.integration.harness import Harness
+from tests.integration.test_ledger_reopen import PERIOD, claimed, passed
+
+
+async def sent_in(conn: asyncpg.Connection, harness: Harness, control: Control) -> Claim:
+    """One claim whose attempt passed the gate, in a run whose control is now `control`."""
+    plan = PeriodPlan(period=str(PERIOD), due=1, to_charge=1, expected_total_cents=0)
+    await ledger.start_period(conn, plan, "billing-period-2026-12")
+    [claim] = await claimed(harness)
+    assert await passed(conn, claim, None) == 1
+    if control != "running":
+        await ledger.set_control(conn, str(PERIOD), control, "wrong prices", "ops")
+    return claim
+
+
+async def status(conn: asyncpg.Connection, claim: Claim) -> str:
+    found = await ledger.claim_by_key(conn, claim.idempotency_key)
+    assert found is not None
+    return found.status
+
+
+async def test_a_cancelled_run_records_the_claim_cancelled_with_its_reason(
+    harness: Harness,
+) -> None:
+    async with harness.pool.acquire() as conn:
+        claim = await sent_in(conn, harness, "cancelled")
+        assert await ledger.cancel_behind_saved_error(conn, claim.idempotency_key, 1)
+        [row] = await harness.ledger_rows(str(PERIOD))
+        assert (row["status"], row["reason"], row["decided_by"]) == (
+            "cancelled",
+            "wrong prices",
+            "ops",
+        )
+        assert row["charge_started_at"] is not None
+        # Asked again (a retry), nothing changes.
+        assert not await ledger.cancel_behind_saved_error(conn, claim.idempotency_key, 1)
+
+
+@pytest.mark.parametrize("control", ["running", "paused"])
+async def test_a_run_not_cancelled_leaves_the_claim_open(
+    harness: Harness, control: Control
+) -> None:
+    async with harness.pool.acquire() as conn:
+        claim = await sent_in(conn, harness, control)
+        assert not await ledger.cancel_behind_saved_error(conn, claim.idempotency_key, 1)
+        assert await status(conn, claim) == "claimed"
+
+
+async def test_an_attempt_that_is_not_the_latest_proves_nothing(harness: Harness) -> None:
+    """Another attempt passed the gate since: it may have been sent after Stripe forgot the
+    key (or meet what this one did not), so only its own answer decides."""
+    async with harness.pool.acquire() as conn:
+        claim = await sent_in(conn, harness, "running")
+        assert await passed(conn, claim, None) == 2
+        await ledger.set_control(conn, str(PERIOD), "cancelled", "wrong prices", "ops")
+        assert not await ledger.cancel_behind_saved_error(conn, claim.idempotency_key, 1)
+        assert await status(conn, claim) == "claimed"
+        assert await ledger.cancel_behind_saved_error(conn, claim.idempotency_key, 2)
+
+
+@pytest.mark.parametrize(
+    ("age", "cancelled"),
+    [
+        (ledger.SAVED_ERROR_HOLDS_FOR - timedelta(minutes=1), True),
+        (ledger.SAVED_ERROR_HOLDS_FOR + timedelta(minutes=1), False),
+    ],
+    ids=["just-within", "just-past"],
+)
+async def test_only_a_claim_young_enough_is_cancelled(
+    harness: Harness, age: timedelta, cancelled: bool
+) -> None:
+    async with harness.pool.acquire() as conn:
+        claim = await sent_in(conn, harness, "cancelled")
+        await conn.execute("UPDATE billing_runs SET claimed_at = now() - $1::interval", age)
+        assert await ledger.cancel_behind_saved_error(conn, claim.idempotency_key, 1) is cancelled
+        assert await status(conn, claim) == ("cancelled" if cancelled else "claimed")
