@@ -77,13 +77,14 @@ FAILED_OUTCOMES = {
 log = logging.getLogger("billing.charging")
 
 
-class _CancelledBehindSavedError(Exception):
-    """Recorded cancelled: the period's run was cancelled while this charge was held behind
-    a 500 Stripe saved for its key (ledger.cancel_behind_saved_error). `failure` is the
-    attempt's own, reported as any other."""
+class _StoppedBehindSavedError(Exception):
+    """Recorded skipped or cancelled: an operator stopped this charge while it was held
+    behind a 500 Stripe saved for its key (ledger.stop_behind_saved_error). `failure` is
+    the attempt's own, reported as any other."""
 
-    def __init__(self, failure: ApplicationError) -> None:
+    def __init__(self, status: LedgerStatus, failure: ApplicationError) -> None:
         super().__init__(str(failure))
+        self.status = status
         self.failure = failure
 
 
@@ -162,9 +163,9 @@ class ChargingActivities:
             return await self._record_unbilled(claim, gate, stopped)
         try:
             result = await self._charge(claim, gateway, passage.fencing_token)
-        except _CancelledBehindSavedError as stopped:
+        except _StoppedBehindSavedError as stopped:
             _report_failure(claim, stopped.failure)
-            return _unbilled(claim, "cancelled", "cancelled")
+            return _unbilled(claim, stopped.status, stopped.status)
         except Exception as error:
             _report_failure(claim, error)
             failure = _refusal(error)
@@ -255,10 +256,11 @@ class ChargingActivities:
                         return _settle(found)
                     if replays_saved_error(exc):
                         async with self._pool.acquire() as conn:
-                            if await ledger.cancel_behind_saved_error(
+                            stop = await ledger.stop_behind_saved_error(
                                 conn, claim.idempotency_key, fencing_token
-                            ):
-                                raise _CancelledBehindSavedError(to_temporal_failure(exc))
+                            )
+                        if stop is not None:
+                            raise _StoppedBehindSavedError(stop, to_temporal_failure(exc))
             metrics.count_vault_refusal(error)
             failure = to_temporal_failure(error)
             # Only the create's own refusal can show that this attempt never reached Stripe;

@@ -606,28 +606,41 @@ async def reopen_refused_charge(
 SAVED_ERROR_HOLDS_FOR = timedelta(hours=22)
 
 
-async def cancel_behind_saved_error(conn: asyncpg.Connection, key: str, fencing_token: int) -> bool:
-    """Record a claim cancelled, if its period's run was cancelled, after its attempt
-    `fencing_token` met a 500 Stripe saved for the key and found no charge made with it.
-    Stripe executes no request with the key until it forgets it a day later, so nothing of
-    the charge is at Stripe or can still get there. Only for the claim's latest attempt, and
-    only while the key is young enough (SAVED_ERROR_HOLDS_FOR). True when recorded."""
-    cancelled = await conn.fetchval(
+async def stop_behind_saved_error(
+    conn: asyncpg.Connection, key: str, fencing_token: int
+) -> LedgerStatus | None:
+    """After the claim's attempt `fencing_token` met a 500 Stripe saved for the key and found
+    no charge made with it: note that (so that a skip may still reach the claim, see
+    request_skip), and if the customer was skipped or the period's run cancelled, record
+    that, returning the status. Stripe executes no request with the key until it forgets it
+    a day later, so nothing of the charge is at Stripe or can still get there. Only for the
+    claim's latest attempt, and only while the key is young enough (SAVED_ERROR_HOLDS_FOR)."""
+    stopped: LedgerStatus | None = await conn.fetchval(
         """
+        WITH held AS (
+            SELECT r.idempotency_key,
+                   CASE WHEN r.skip_reason IS NOT NULL THEN 'skipped'
+                        WHEN p.control = 'cancelled' THEN 'cancelled' END AS stop,
+                   coalesce(r.skip_reason, p.control_reason) AS why,
+                   coalesce(r.skip_by, p.control_by) AS who
+            FROM billing_runs r JOIN billing_periods p USING (billing_period)
+            WHERE r.idempotency_key = $1 AND r.status = 'claimed' AND r.gate_passes = $2
+                AND r.claimed_at > now() - $3::interval
+            FOR UPDATE OF r
+        )
         UPDATE billing_runs r
-        SET status = 'cancelled', reason = p.control_reason, decided_by = p.control_by,
-            completed_at = now(), updated_at = now()
-        FROM billing_periods p
-        WHERE r.idempotency_key = $1 AND r.status = 'claimed' AND r.gate_passes = $2
-            AND r.claimed_at > now() - $3::interval
-            AND p.billing_period = r.billing_period AND p.control = 'cancelled'
-        RETURNING 1
+        SET saved_error_at = now(), updated_at = now(), status = coalesce(h.stop, r.status),
+            reason = CASE WHEN h.stop IS NULL THEN r.reason ELSE h.why END,
+            decided_by = CASE WHEN h.stop IS NULL THEN r.decided_by ELSE h.who END,
+            completed_at = CASE WHEN h.stop IS NULL THEN r.completed_at ELSE now() END
+        FROM held h WHERE r.idempotency_key = h.idempotency_key
+        RETURNING h.stop
         """,
         key,
         fencing_token,
         SAVED_ERROR_HOLDS_FOR,
     )
-    return cancelled is not None
+    return stopped
 
 
 async def request_skip(
@@ -639,7 +652,8 @@ async def request_skip(
     it so, and one whose cursor has passed it (or that does not list it, an inactive
     customer) leaves no claim open behind. An open claim keeps its status and stops at the
     gate as skipped. A customer a cancelled run never started is skipped too, so the next
-    run does not reopen it."""
+    run does not reopen it. A charge held behind a 500 Stripe saved for its key ends skipped
+    at its next try if Stripe still shows no charge (stop_behind_saved_error)."""
     row = await conn.fetchrow(
         """
         INSERT INTO billing_runs (customer_id, billing_period, idempotency_key, amount_cents,
@@ -659,14 +673,25 @@ async def request_skip(
                 cancelled_before_start = false, updated_at = now()
             WHERE (billing_runs.status = 'claimed' AND billing_runs.charge_started_at IS NULL)
                OR (billing_runs.status = 'cancelled' AND billing_runs.cancelled_before_start)
-        RETURNING status
+               OR (billing_runs.status = 'claimed' AND billing_runs.saved_error_at IS NOT NULL
+                   AND billing_runs.claimed_at > now() - $6::interval)
+        RETURNING status, charge_started_at IS NOT NULL AS sent
         """,
         customer_id,
         period,
         key,
         reason,
         operator,
+        SAVED_ERROR_HOLDS_FOR,
     )
+    if row is not None and row["sent"]:
+        return SkipResult(
+            customer_id=customer_id,
+            skipped=True,
+            detail="skip recorded: its charge is held behind a 500 Stripe saved for its key,"
+            " and ends skipped at its next try (within 4 minutes) unless Stripe shows a charge"
+            " then",
+        )
     if row is not None:
         return SkipResult(customer_id=customer_id, skipped=True, detail="skip recorded")
     current = await conn.fetchrow(

@@ -124,7 +124,7 @@ def check_billed_once(
                 problem(f"{customer_id}: declined card, but the ledger says {status}")
         elif customer_id in expected.cancelled:
             # Stopped at the gate, or after Stripe answered its key only with errors, a 500
-            # it saved among them (ledger.cancel_behind_saved_error).
+            # it saved among them (ledger.stop_behind_saved_error).
             answers = answered[row["idempotency_key"]]
             if status != "cancelled":
                 problem(f"{customer_id}: cancelled before its charge, but the ledger says {status}")

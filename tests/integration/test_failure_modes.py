@@ -20,7 +20,14 @@ from activities.stripe_gateway import StripeGateway, charge_params
 from billing import ledger
 from billing.customers import CustomerRow
 from billing.keys import customer_workflow_id, idempotency_key
-from billing.models import ChargeFailure, ChargeResult, Claim, Control, PeriodPlan
+from billing.models import (
+    ChargeFailure,
+    ChargeResult,
+    Claim,
+    Control,
+    PeriodPlan,
+    SkipResult,
+)
 from billing.periods import Period
 from billing.runs import start_period
 from tests.integration.harness import Harness, at_least, eventually
@@ -176,6 +183,35 @@ async def test_a_cancel_reaches_a_charge_behind_a_500_stripe_saved(
         if (r["method"], r["path"]) == ("POST", "/v1/payment_intents")
     ]
     assert [(r["status"], r["replayed"]) for r in creates] == [(500, False), (500, True)]
+
+
+async def test_a_skip_reaches_a_charge_behind_a_500_stripe_saved(harness: Harness) -> None:
+    """A skip is refused while the charge may be executing at Stripe, and accepted once a
+    retry has met the saved 500 and found no charge; the next retry records it skipped."""
+    customer, charging, request = await _billing_one(harness, StripeGateway)
+    await harness.set_faults(error_saved_before_commit=1.0)
+    with pytest.raises(ApplicationError, match="did not answer definitively"):
+        await _attempt(1).run(charging.bill, request)
+    await harness.set_faults(error_saved_before_commit=0.0)
+    key = idempotency_key(harness.settings.billing_key_namespace, customer.customer_id, PERIOD)
+
+    async def skip() -> SkipResult:
+        async with harness.pool.acquire() as conn:
+            return await ledger.request_skip(
+                conn, customer.customer_id, str(PERIOD), key, "disputed", "ops"
+            )
+
+    assert not (await skip()).skipped
+    with pytest.raises(ApplicationError, match="replays the 500 it saved"):
+        await _attempt(2).run(charging.bill, request)
+    assert (await skip()).skipped
+    outcome = await _attempt(3).run(charging.bill, request)
+    assert (outcome.outcome, outcome.failure_code) == ("skipped", "skipped")
+    await harness.stripe_forgets_keys()
+    assert (await _attempt(4).run(charging.bill, request)).outcome == "skipped"
+    assert await harness.succeeded() == 0
+    [row] = await harness.ledger_rows(str(PERIOD))
+    assert (row["status"], row["reason"], row["decided_by"]) == ("skipped", "disputed", "ops")
 
 
 @pytest.mark.parametrize("control", ["cancelled", "paused"])

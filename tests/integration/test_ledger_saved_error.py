@@ -1,7 +1,8 @@
-"""A cancel recorded for a claim whose charge met a 500 Stripe saved for its key
-(ledger.cancel_behind_saved_error), on the real ledger: only for the claim's latest attempt,
-only while the run is cancelled, and only while no request with the key can still be on its
-way when Stripe forgets it."""
+"""A stop recorded for a claim whose charge met a 500 Stripe saved for its key
+(ledger.stop_behind_saved_error), on the real ledger: only for the claim's latest attempt,
+only once the run is cancelled or the customer skipped, and only while no request with the
+key can still be on its way when Stripe forgets it; and the skip that may reach such a claim
+(ledger.request_skip)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import asyncpg
 import pytest
 
 from billing import ledger
-from billing.models import Claim, Control, PeriodPlan
+from billing.models import Claim, Control, PeriodPlan, SkipResult
 from tests.integration.harness import Harness
 from tests.integration.test_ledger_reopen import PERIOD, claimed, passed
 
@@ -38,7 +39,7 @@ async def test_a_cancelled_run_records_the_claim_cancelled_with_its_reason(
 ) -> None:
     async with harness.pool.acquire() as conn:
         claim = await sent_in(conn, harness, "cancelled")
-        assert await ledger.cancel_behind_saved_error(conn, claim.idempotency_key, 1)
+        assert await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1) == "cancelled"
         [row] = await harness.ledger_rows(str(PERIOD))
         assert (row["status"], row["reason"], row["decided_by"]) == (
             "cancelled",
@@ -47,7 +48,7 @@ async def test_a_cancelled_run_records_the_claim_cancelled_with_its_reason(
         )
         assert row["charge_started_at"] is not None
         # Asked again (a retry), nothing changes.
-        assert not await ledger.cancel_behind_saved_error(conn, claim.idempotency_key, 1)
+        assert await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1) is None
 
 
 @pytest.mark.parametrize("control", ["running", "paused"])
@@ -56,7 +57,7 @@ async def test_a_run_not_cancelled_leaves_the_claim_open(
 ) -> None:
     async with harness.pool.acquire() as conn:
         claim = await sent_in(conn, harness, control)
-        assert not await ledger.cancel_behind_saved_error(conn, claim.idempotency_key, 1)
+        assert await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1) is None
         assert await status(conn, claim) == "claimed"
 
 
@@ -67,9 +68,9 @@ async def test_an_attempt_that_is_not_the_latest_proves_nothing(harness: Harness
         claim = await sent_in(conn, harness, "running")
         assert await passed(conn, claim, None) == 2
         await ledger.set_control(conn, str(PERIOD), "cancelled", "wrong prices", "ops")
-        assert not await ledger.cancel_behind_saved_error(conn, claim.idempotency_key, 1)
+        assert await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1) is None
         assert await status(conn, claim) == "claimed"
-        assert await ledger.cancel_behind_saved_error(conn, claim.idempotency_key, 2)
+        assert await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 2) == "cancelled"
 
 
 @pytest.mark.parametrize(
@@ -86,5 +87,44 @@ async def test_only_a_claim_young_enough_is_cancelled(
     async with harness.pool.acquire() as conn:
         claim = await sent_in(conn, harness, "cancelled")
         await conn.execute("UPDATE billing_runs SET claimed_at = now() - $1::interval", age)
-        assert await ledger.cancel_behind_saved_error(conn, claim.idempotency_key, 1) is cancelled
-        assert await status(conn, claim) == ("cancelled" if cancelled else "claimed")
+        stopped = await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1)
+        assert stopped == ("cancelled" if cancelled else None)
+        assert await status(conn, claim) == (stopped or "claimed")
+
+
+async def skip(conn: asyncpg.Connection, claim: Claim) -> SkipResult:
+    return await ledger.request_skip(
+        conn, claim.customer_id, claim.period, claim.idempotency_key, "disputed", "ops"
+    )
+
+
+async def test_a_skip_reaches_a_charge_held_behind_a_saved_500(harness: Harness) -> None:
+    """Refused once the charge is sent; accepted once it is known to be held behind a saved
+    500; recorded skipped, with its reason, at the next try that meets the replay."""
+    async with harness.pool.acquire() as conn:
+        claim = await sent_in(conn, harness, "running")
+        refused = await skip(conn, claim)
+        assert (refused.skipped, refused.detail) == (
+            False,
+            "cannot skip: its charge has already been sent to Stripe",
+        )
+        assert await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1) is None
+        accepted = await skip(conn, claim)
+        assert accepted.skipped and "held behind a 500 Stripe saved" in accepted.detail
+        assert await status(conn, claim) == "claimed"
+        assert await passed(conn, claim, None) == 2
+        assert await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 2) == "skipped"
+        [row] = await harness.ledger_rows(str(PERIOD))
+        assert (row["status"], row["reason"], row["decided_by"]) == ("skipped", "disputed", "ops")
+
+
+async def test_a_skip_is_refused_once_the_held_charge_is_too_old(harness: Harness) -> None:
+    async with harness.pool.acquire() as conn:
+        claim = await sent_in(conn, harness, "running")
+        assert await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1) is None
+        await conn.execute(
+            "UPDATE billing_runs SET claimed_at = now() - $1::interval",
+            ledger.SAVED_ERROR_HOLDS_FOR + timedelta(minutes=1),
+        )
+        refused = await skip(conn, claim)
+        assert not refused.skipped and "already been sent" in refused.detail
