@@ -116,18 +116,19 @@ def _positive(text: str) -> int:
     return int(text)
 
 
-def _number(high: float) -> Callable[[str], float]:
-    """An argparse type: a number above 0 and at most `high` (so no nan, inf or overflow)."""
+def _number(high: float, *, least: float | None = None) -> Callable[[str], float]:
+    """An argparse type: a number above 0 (or at least `least`) and at most `high` (so no
+    nan, inf or overflow)."""
+    wanted = f"above 0 and at most {high:g}" if least is None else f"from {least:g} to {high:g}"
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             value = math.nan
-        if not 0 < value <= high:  # nan fails every comparison
-            raise argparse.ArgumentTypeError(
-                f"expected a number above 0 and at most {high:g}, got {text!r}"
-            )
+        # nan fails every comparison.
+        if not (0 < value <= high and (least is None or value >= least)):
+            raise argparse.ArgumentTypeError(f"expected a number {wanted}, got {text!r}")
         return value
 
     return parse
@@ -641,7 +642,11 @@ def parser() -> argparse.ArgumentParser:
     watch = commands.add_parser("watch", help="a live progress bar until the run ends")
     watch.add_argument("period", type=_period, help="YYYY-MM")
     watch.add_argument(
-        "--interval", type=_number(3600), default=1.0, help="seconds between updates"
+        "--interval",
+        # A floor, so that a typo does not query Temporal in a busy loop.
+        type=_number(3600, least=0.2),
+        default=1.0,
+        help="seconds between updates",
     )
     watch.set_defaults(handler=cmd_watch)
 

@@ -17,7 +17,9 @@ S = TypeVar("S", bound=BaseSettings)
 # The oldest a claim may be before it is looked up on Stripe first (billing_lookup_after_seconds).
 LOOKUP_AFTER_MAX_SECONDS = 23 * 3600
 # A scheme, a host (with its port), and any path.
-_HTTP_URL = re.compile(r"https?://[^\s/]+(/\S*)?")
+# No user or password before the host: the vault and Stripe take their tokens in headers,
+# and the workers log these URLs.
+_HTTP_URL = re.compile(r"https?://[^\s/@]+(/\S*)?")
 
 
 class SettingsError(BillingError):
@@ -137,7 +139,8 @@ class BillingSettings(BaseSettings):
     def _http_url(cls, value: str | None) -> str | None:
         if value is not None and not _HTTP_URL.fullmatch(value):
             raise ValueError(
-                "must be an http:// or https:// URL with a host, such as http://host:8080"
+                "must be an http:// or https:// URL with a host and no user or password,"
+                " such as http://host:8080"
             )
         return value
 

@@ -121,7 +121,8 @@ def _parse_rows(reader: csv.DictReader[str], source: str) -> list[CustomerRow]:
     # DictReader keeps the last of two same-named columns: which one the file meant is a guess.
     twice = sorted({name for name in header if header.count(name) > 1})
     if twice:
-        raise CustomerImportError(f"{source}: header names {', '.join(twice)} more than once")
+        names = listed([shown(name) for name in twice])
+        raise CustomerImportError(f"{source}: header names {names} more than once")
     missing = [c for c in CSV_COLUMNS if c not in header]
     if missing:
         separator = next((s for s in (";", "\t", "|") if len(header) == 1 and s in header[0]), None)
@@ -132,10 +133,10 @@ def _parse_rows(reader: csv.DictReader[str], source: str) -> list[CustomerRow]:
         )
     # A column this import does not know (e.g. "active") would be dropped without a word,
     # while the operator counts on it.
-    unknown = [repr(n) if n else "an unnamed column" for n in header if n not in CSV_COLUMNS]
+    unknown = [shown(n) if n else "an unnamed column" for n in header if n not in CSV_COLUMNS]
     if unknown:
         raise CustomerImportError(
-            f"{source}: header names {', '.join(unknown)}, which the import does not read: it"
+            f"{source}: header names {listed(unknown)}, which the import does not read: it"
             f" takes only {', '.join(CSV_COLUMNS)} (and makes each customer active); remove"
             " the other columns"
         )

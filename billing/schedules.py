@@ -34,6 +34,7 @@ from billing.errors import InvalidInputError, shown
 from billing.keys import period_workflow_id
 from billing.models import Record, RunOptions, ScheduledAction, ScheduledBillingInput
 from billing.periods import Billing, Period, check_run_by_hand, period_for
+from billing.redact import SECRET_RE
 from workflows.scheduled_billing import ScheduledBillingWorkflow
 
 Overlap = Literal[
@@ -82,6 +83,17 @@ class MonthlySchedule(Record):
     # latest period billed: the one a billing schedule with the same settings bills at that
     # time once its run has started, else the month before.
     action: ScheduledAction = "bill"
+
+    @field_validator("schedule_id")
+    @classmethod
+    def _no_key(cls, value: str) -> str:
+        # Temporal keeps the id, names each launch after it and shows it in the Web UI.
+        if SECRET_RE.search(value):
+            raise ValueError(
+                "a schedule id must not contain what looks like a Stripe or vault key"
+                " (sk_live_..., rk_test_..., vk_...)"
+            )
+        return value
 
     @field_validator("time_zone")
     @classmethod

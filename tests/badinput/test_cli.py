@@ -78,7 +78,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     "run years back": (["starter.py", "run", "2016-12"], "2016-12 is more than 3 months before"),
     "status year": (["starter.py", "status", "1999-12"], "year 1999 is outside 2000-2999"),
     "preview month 0": (["starter.py", "preview", "2026-00"], "month 0 is not 01-12"),
-    "watch nan": (["starter.py", "watch", "2026-12", "--interval", "nan"], "above 0"),
+    "watch nan": (["starter.py", "watch", "2026-12", "--interval", "nan"], "from 0.2 to 3600"),
     "pause empty reason": (
         ["starter.py", "pause", "2026-12", "--reason", ""],
         "--reason: expected words saying why, got a blank reason",
@@ -147,6 +147,13 @@ async def refused(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Exit]:
 
     results = await asyncio.gather(*(one(argv) for argv, _ in CASES.values()))
     return dict(zip(CASES, results, strict=True))
+
+
+def test_a_watch_interval_below_its_floor_is_refused() -> None:
+    parse = starter._number(3600, least=0.2)
+    assert parse("0.2") == 0.2
+    with pytest.raises(argparse.ArgumentTypeError, match=r"from 0\.2 to 3600, got '1e-9'"):
+        parse("1e-9")
 
 
 @pytest.mark.parametrize("lost_with", [TimeoutError, ConnectionResetError])

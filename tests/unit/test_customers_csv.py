@@ -70,7 +70,7 @@ def test_missing_columns_are_named() -> None:
 def test_a_column_named_twice_is_refused() -> None:
     # Which amount the file meant is a guess: the csv module would keep the last, 99.
     header = "customer_id,stripe_customer_id,amount_cents,payment_method,currency,amount_cents\n"
-    with pytest.raises(CustomerImportError, match="header names amount_cents more than once"):
+    with pytest.raises(CustomerImportError, match="header names 'amount_cents' more than once"):
         parse_customers_csv([header, "c-1,cus_A,1500,pm_1,usd,99\n"])
 
 
@@ -87,6 +87,16 @@ def test_a_column_the_import_does_not_read_is_refused(extra: str, named: str) ->
     header = HEADER.strip() + f",{extra}\n"
     with pytest.raises(CustomerImportError, match=f"header names {named}, which the import"):
         parse_customers_csv([header, "c-1,cus_A,pm_1,1500,usd,false\n"])
+
+
+def test_header_names_are_shown_redacted_and_few() -> None:
+    key = "sk_live_" + "a1" * 12
+    extra = ",".join([key, *(f"col{i}" for i in range(1000))])
+    with pytest.raises(CustomerImportError) as refused:
+        parse_customers_csv([HEADER.strip() + f",{extra}\n", "c-1,cus_A,pm_1,1500,usd\n"])
+    message = str(refused.value)
+    assert key not in message and "[redacted key]" in message
+    assert "and 996 more" in message and len(message) < 400
 
 
 GOOD_ROW = "c-{i},cus_A{i},pm_{i},{amount},usd\n"

@@ -49,7 +49,7 @@ from billing.periods import (
     period_for,
     period_range,
 )
-from billing.schedules import validate_time_zone
+from billing.schedules import MonthlySchedule, validate_time_zone
 from billing.stripe_currencies import STRIPE_CURRENCIES
 
 
@@ -515,6 +515,16 @@ def test_a_key_given_as_a_zone_is_not_echoed() -> None:
     with pytest.raises(InvalidInputError) as refused:
         validate_time_zone(key)
     assert key not in str(refused.value) and "[redacted key]" in str(refused.value)
+
+
+def test_a_key_given_as_a_schedule_id_is_refused_and_not_echoed() -> None:
+    key = "sk_live_" + "a1" * 12
+    with pytest.raises(ValidationError) as refused:
+        MonthlySchedule(schedule_id=key)
+    # What the CLI prints of it (starter.main): the field and the message.
+    [error] = refused.value.errors()
+    assert error["loc"] == ("schedule_id",) and key not in error["msg"]
+    assert "looks like a Stripe or vault key" in error["msg"]
 
 
 def test_a_worker_reads_old_aliases_without_the_systems_zones() -> None:
