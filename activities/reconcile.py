@@ -48,6 +48,7 @@ from billing.reconciliation import (
     classify,
     left_alone,
     left_unknown_because,
+    recorded_failure,
     release_wait,
 )
 from billing.sealing import UnsealError
@@ -283,13 +284,7 @@ class ReconcileActivities:
                     )
                 else:
                     await ledger.record_unbilled(conn, key, "failed", found)
-                    resolution = ClaimResolution(
-                        customer_id=claim.customer_id,
-                        action="recorded",
-                        outcome="failed",
-                        charge_id=found.charge_id,
-                        detail=found.code,
-                    )
+                    resolution = recorded_failure(claim.customer_id, found)
         except LedgerConflictError as exc:
             raise ApplicationError(str(exc), type=LEDGER_CONFLICT, non_retryable=True) from None
         _log(

@@ -220,6 +220,20 @@ def left_unknown_because(found: ChargeFailure | None) -> str | None:
     return None
 
 
+def recorded_failure(customer_id: str, found: ChargeFailure) -> ClaimResolution:
+    """A claim recorded failed from what Stripe holds. One whose intent Stripe left
+    unconfirmed is a person's to cancel on Stripe (left_unknown_because), vault or not."""
+    stalled = left_unknown_because(found)
+    return ClaimResolution(
+        customer_id=customer_id,
+        action="recorded",
+        outcome="failed",
+        charge_id=found.charge_id,
+        detail=found.code if stalled is None else f"{found.code}: {stalled}",
+        needs_person=stalled is not None,
+    )
+
+
 def left_alone(
     child: ChildState, period_running: bool, open_claim: OpenClaim
 ) -> ClaimResolution | None:

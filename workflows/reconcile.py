@@ -146,7 +146,7 @@ class ReconcileWorkflow:
                 summary=f"look {claim.customer_id}'s charge up on Stripe",
             )
         except ActivityError as err:
-            return _left(claim, f"lookup failed: {_reason(err)}")
+            return _lookup_failed(claim, err)
         return found if found is not None else await self._redrive(claim, redrive_timeout)
 
     async def _redrive(self, claim: Claim, timeout: timedelta) -> ClaimResolution:
@@ -202,6 +202,14 @@ def _left(claim: Claim, detail: str, *, needs_person: bool = True) -> ClaimResol
     return ClaimResolution(
         customer_id=claim.customer_id, action="left", detail=detail, needs_person=needs_person
     )
+
+
+def _lookup_failed(claim: Claim, err: ActivityError) -> ClaimResolution:
+    """A lookup retried to its limit (Stripe's rate, an outage) waits for the next run, as
+    an unknown reservation does; one that failed for good is a person's."""
+    passing = err.retry_state in (RetryState.MAXIMUM_ATTEMPTS_REACHED, RetryState.TIMEOUT)
+    then = "; the next reconciliation looks again" if passing else ""
+    return _left(claim, f"lookup failed: {_reason(err)}{then}", needs_person=not passing)
 
 
 def _still_retried(workflow_id: str, timeout: timedelta) -> str:

@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from temporalio.exceptions import ActivityError, RetryState
 
 from billing import reconciliation
 from billing.keys import reconcile_workflow_id
@@ -30,11 +31,13 @@ from billing.reconciliation import (
     classify,
     left_alone,
     left_unknown_because,
+    recorded_failure,
     release_wait,
 )
 from billing.reporting import describe_reconciliation
 from billing.schedules import MonthlySchedule, build_schedule
 from tests.unit.claims import CLAIM
+from workflows.reconcile import _lookup_failed
 
 NOW = datetime(2027, 1, 5, tzinfo=UTC)
 
@@ -340,3 +343,33 @@ def test_an_intent_left_unconfirmed_keeps_its_reservation_counted_until_cancelle
     assert left_unknown_because(stalled) == "cancel pi_1 on Stripe"
     assert left_unknown_because(DECLINED) is None
     assert left_unknown_because(None) is None
+    # A claim recorded so is left for that person too, with or without a vault reservation.
+    left = recorded_failure("c-1", stalled)
+    assert (left.outcome, left.needs_person) == ("failed", True)
+    assert left.detail == f"{INCOMPLETE_INTENT}: cancel pi_1 on Stripe"
+    assert not recorded_failure("c-1", DECLINED).needs_person
+
+
+@pytest.mark.parametrize(
+    ("retry_state", "needs_person"),
+    [
+        (RetryState.MAXIMUM_ATTEMPTS_REACHED, False),  # e.g. a Stripe outage past 8 tries
+        (RetryState.TIMEOUT, False),
+        (RetryState.NON_RETRYABLE_FAILURE, True),  # e.g. a key no later run could use
+    ],
+)
+def test_a_lookup_that_ran_out_of_tries_waits_for_the_next_run(
+    retry_state: RetryState, needs_person: bool
+) -> None:
+    err = ActivityError(
+        "activity error",
+        scheduled_event_id=5,
+        started_event_id=6,
+        identity="worker",
+        activity_type="reconcile_settle_claim",
+        activity_id="1",
+        retry_state=retry_state,
+    )
+    left = _lookup_failed(CLAIM, err)
+    assert (left.action, left.needs_person) == ("left", needs_person)
+    assert ("next reconciliation looks again" in (left.detail or "")) is not needs_person
