@@ -46,6 +46,7 @@ from billing.reconciliation import (
     ReservationResolution,
     StripeCharge,
     classify,
+    for_listing,
     left_alone,
     left_unknown_because,
     recorded_failure,
@@ -476,8 +477,10 @@ class ReconcileActivities:
                 ledger_charge_id=f.ledger_charge_id,
                 key_prefix=f.key_prefix,
             )
+        in_full, unlisted = for_listing(findings, request.listed_room)
         return ChargesPage(
-            findings=findings,
+            findings=in_full,
+            unlisted=unlisted,
             customers=len(customers),
             charges=len(charges),
             unchecked=[c.customer_id for c in unchecked],

@@ -118,10 +118,20 @@ class Finding(Record):
     ledger_charge_id: str | None
 
 
+# The most findings (and unchecked customers) a report lists: past Temporal's 2 MB payload
+# limit (about 6,000 findings) its workflow could never complete. Each finding is logged by
+# the activity that found it (event reconcile_finding), and the report counts them all.
+MAX_LISTED = 1000
+
+
 class ChargesPageRequest(Record):
     period: str
     after: str | None
     limit: int = Field(ge=1, le=1000)
+    # Findings the report can still list. The page sends the others as charge and kind only:
+    # each page's answer stays in the workflow's history, which 150,000 findings in full
+    # (every customer charged twice) would take past Temporal's 50 MB.
+    listed_room: int = Field(default=MAX_LISTED, ge=0)
 
 
 class ChargesPage(Record):
@@ -133,12 +143,15 @@ class ChargesPage(Record):
     # the customer was deleted there). A charge of theirs goes unseen.
     unchecked: list[str]
     next_cursor: str | None
+    # The page's findings past the report's room, by charge id: counted, not listed.
+    unlisted: dict[str, FindingKind] = Field(default_factory=dict)
 
 
-# The most findings (and unchecked customers) a report lists: past Temporal's 2 MB payload
-# limit (about 6,000 findings) its workflow could never complete. Each finding is logged by
-# the activity that found it (event reconcile_finding), and the report counts them all.
-MAX_LISTED = 1000
+def for_listing(findings: list[Finding], room: int) -> tuple[list[Finding], dict[str, FindingKind]]:
+    """The findings a page sends in full (as many as the report has room for), and the
+    others' charge ids and kinds."""
+    rest = {f.charge_id: f.kind for f in findings[room:]}
+    return findings[:room], rest
 
 
 @dataclass
@@ -157,17 +170,23 @@ class Comparison:
 
     def add(self, page: ChargesPage) -> None:
         for finding in page.findings:
-            if finding.charge_id in self.seen:
-                continue
-            self.seen.add(finding.charge_id)
-            self.finding_counts[finding.kind] = self.finding_counts.get(finding.kind, 0) + 1
-            if len(self.findings) < MAX_LISTED:
+            if self._first(finding.charge_id, finding.kind) and len(self.findings) < MAX_LISTED:
                 self.findings.append(finding)
+        for charge_id, kind in page.unlisted.items():
+            self._first(charge_id, kind)
         self.customers_checked += page.customers
         self.charges_checked += page.charges
         self.unchecked_count += len(page.unchecked)
         room = MAX_LISTED - len(self.unchecked_customers)
         self.unchecked_customers += page.unchecked[: max(room, 0)]
+
+    def _first(self, charge_id: str, kind: FindingKind) -> bool:
+        """Count a finding the first time its charge is seen; True then."""
+        if charge_id in self.seen:
+            return False
+        self.seen.add(charge_id)
+        self.finding_counts[kind] = self.finding_counts.get(kind, 0) + 1
+        return True
 
 
 class ReconcileReport(Record):

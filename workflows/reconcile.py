@@ -34,6 +34,7 @@ with workflow.unsafe.imports_passed_through():
     from billing.models import Claim, CustomerChargeInput
     from billing.periods import parse_period
     from billing.reconciliation import (
+        MAX_LISTED,
         ChargesPageRequest,
         ClaimResolution,
         Comparison,
@@ -186,7 +187,12 @@ class ReconcileWorkflow:
         while True:
             page = await workflow.execute_activity_method(
                 ReconcileActivities.compare_charges,
-                ChargesPageRequest(period=period, after=cursor, limit=PAGE_SIZE),
+                ChargesPageRequest(
+                    period=period,
+                    after=cursor,
+                    limit=PAGE_SIZE,
+                    listed_room=MAX_LISTED - len(compared.findings),
+                ),
                 start_to_close_timeout=PAGE_TIMEOUT,
                 heartbeat_timeout=PAGE_HEARTBEAT,
                 retry_policy=RETRY,

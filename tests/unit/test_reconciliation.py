@@ -29,6 +29,7 @@ from billing.reconciliation import (
     ReservationResolution,
     StripeCharge,
     classify,
+    for_listing,
     left_alone,
     left_unknown_because,
     recorded_failure,
@@ -208,6 +209,37 @@ def test_a_comparison_counts_every_finding_once_and_lists_a_bounded_number(
     assert [f.charge_id for f in compared.findings] == ["ch_0", "ch_1", "ch_2"]
     assert (compared.customers_checked, compared.charges_checked) == (3, 8)
     assert (compared.unchecked_customers, compared.unchecked_count) == (["a", "b", "c"], 4)
+
+
+def test_findings_past_the_reports_room_travel_as_charge_and_kind_only() -> None:
+    found = [finding("ch_1"), finding("ch_2", "orphan"), finding("ch_3")]
+    in_full, unlisted = for_listing(found, 1)
+    assert [f.charge_id for f in in_full] == ["ch_1"]
+    assert unlisted == {"ch_2": "orphan", "ch_3": "duplicate"}
+    compared = Comparison()
+    compared.add(
+        ChargesPage(
+            findings=in_full,
+            unlisted=unlisted,
+            customers=3,
+            charges=6,
+            unchecked=[],
+            next_cursor="x",
+        )
+    )
+    # A shared Stripe customer's charge, listed again on a later page: counted once.
+    compared.add(
+        ChargesPage(
+            findings=[],
+            unlisted={"ch_3": "duplicate"},
+            customers=1,
+            charges=1,
+            unchecked=[],
+            next_cursor=None,
+        )
+    )
+    assert compared.finding_counts == {"duplicate": 2, "orphan": 1}
+    assert [f.charge_id for f in compared.findings] == ["ch_1"]
 
 
 def test_a_report_says_how_many_findings_it_does_not_list() -> None:
