@@ -87,6 +87,10 @@ CANCEL_AFTER_CONTROL_WRITTEN = "cancel-after-control-written"
 # A paused run continues as new when its history is long: children reporting a refused key,
 # and operators' updates (a skip each), add to it for as long as the pause lasts.
 PAUSES_CONTINUE = "pauses-continue-as-new"
+# A customer with no ledger row gets a new child when the one before ended (terminated,
+# failed) before its claim; it was counted failed (ended_without_claim), and its ID used to
+# refuse every later run of the period until Temporal's retention dropped it.
+RESTART_UNCLAIMED = "restart-unclaimed"
 
 
 # Outside the sandbox for speed; the tests run it inside (see workflows/__init__.py).
@@ -446,10 +450,10 @@ class BillingPeriodWorkflow:
     def _exhausted(self) -> bool:
         return self._state.listing_done and not self._buffer
 
-    async def _next_batch(self, room: int) -> list[str]:
+    async def _next_batch(self, room: int) -> list[DueCustomer]:
         """Up to `room` customers to start; customers finished in the ledger are counted."""
         state = self._state
-        batch: list[str] = []
+        batch: list[DueCustomer] = []
         while len(batch) < room:
             if not self._buffer:
                 if state.listing_done:
@@ -479,7 +483,7 @@ class BillingPeriodWorkflow:
                     )
                 )
             else:
-                batch.append(customer.customer_id)
+                batch.append(customer)
         return batch
 
     async def _fill_window(self) -> None:
@@ -492,21 +496,27 @@ class BillingPeriodWorkflow:
         batch = await self._next_batch(room)
         if not batch:
             return
-        self._in_flight.update(batch)
+        self._in_flight.update(c.customer_id for c in batch)
         # Each child is started and awaited by a task of its own: the loop does not wait
         # for a batch's starts, which the server acknowledges one by one, so the window is
         # refilled as soon as there is room.
-        for customer_id in batch:
-            task = asyncio.create_task(self._run_child(customer_id))
+        for customer in batch:
+            task = asyncio.create_task(self._run_child(customer))
             self._children.add(task)
             task.add_done_callback(self._children.discard)
         self._describe()
 
     async def _start_child(
-        self, customer_id: str
+        self, customer: DueCustomer
     ) -> workflow.ChildWorkflowHandle[CustomerChargeWorkflow, CustomerOutcome] | None:
-        """Start the customer's child; None when a child with its ID already exists."""
+        """Start the customer's child; None when a child with its ID runs, or has run."""
         period = self._state.period
+        customer_id = customer.customer_id
+        # A closed child leaves its claim to reconciliation, which may charge it again under
+        # the same ID: not started again. One that closed before claiming charged nothing.
+        reuse = WorkflowIDReusePolicy.REJECT_DUPLICATE
+        if customer.status is None and workflow.patched(RESTART_UNCLAIMED):
+            reuse = WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY
         try:
             return await workflow.start_child_workflow(
                 CustomerChargeWorkflow.run,
@@ -517,7 +527,7 @@ class BillingPeriodWorkflow:
                     history_event_limit=self._options.child_history_event_limit,
                 ),
                 id=customer_workflow_id(parse_period(period), customer_id),
-                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                id_reuse_policy=reuse,
                 parent_close_policy=workflow.ParentClosePolicy.ABANDON,
                 static_summary=f"Charge customer {customer_id} for {period}",
                 search_attributes=TypedSearchAttributes(
@@ -530,10 +540,11 @@ class BillingPeriodWorkflow:
         except WorkflowAlreadyStartedError:
             return None
 
-    async def _run_child(self, customer_id: str) -> None:
+    async def _run_child(self, customer: DueCustomer) -> None:
+        customer_id = customer.customer_id
         self._starting += 1
         try:
-            handle = await self._start_child(customer_id)
+            handle = await self._start_child(customer)
         finally:
             self._starting -= 1
         if handle is None:

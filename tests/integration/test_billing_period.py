@@ -362,6 +362,35 @@ async def test_a_cancelled_period_waiting_long_on_a_child_continues_as_new(
             (HISTORIES / name).write_text(history.to_json())
 
 
+async def test_a_customer_whose_child_ended_before_claiming_is_billed_by_the_next_run(
+    harness: Harness,
+) -> None:
+    """A customer's child terminated before its claim (e.g. by an operator, while held) left
+    no ledger row and charged nothing; its workflow ID used to refuse every later run until
+    Temporal's retention dropped it, and each run counted it failed (ended_without_claim).
+    A run now starts a new child for it. I6 too: RECORD_HISTORIES=1 keeps the run."""
+    customers = await harness.seed(2)
+    ended = customers[-1].customer_id
+    early = await harness.client.start_workflow(
+        CustomerChargeWorkflow.run,
+        CustomerChargeInput(period=str(PERIOD), customer_id=ended),
+        id=customer_workflow_id(PERIOD, ended),
+        task_queue="nobody-polls",
+    )
+    await early.terminate(reason="stuck, by hand")
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        summary = await handle.result()
+    assert (summary.due, summary.charged, summary.failed) == (2, 2, 0)
+    await assert_billed_once(harness, str(PERIOD), customers)
+    history = await handle.fetch_history()
+    await replay([history])
+    if os.environ.get("RECORD_HISTORIES"):
+        run_id = (await handle.describe()).run_id
+        name = f"BillingPeriodWorkflow--{history.workflow_id}--{run_id}.json"
+        (HISTORIES / name).write_text(history.to_json())
+
+
 async def test_a_long_pause_continues_as_new_and_the_next_run_resumes(harness: Harness) -> None:
     """A paused run's history still grows (an operator's skips, children reporting a refused
     key) for as long as the pause lasts: it continues as new, still paused, handing over its
