@@ -18,6 +18,8 @@ from vault.endpoints import FENCE_HEADER
 _LOOKUP_PAGE = 100
 _CLOCK_SKEW_SECONDS = 3600
 FAILED_INTENT_STATUSES = frozenset({"requires_payment_method", "canceled"})
+# A Charge in either has been made: a bank debit stays pending for days, and may still fail.
+MADE_STATUSES = frozenset({"succeeded", "pending"})
 # Our one request creates and confirms a PaymentIntent, so it never waits for a confirm. One
 # found so, two hours after it was made (one past the clock skew allowed), was left there by
 # Stripe after answering that request with an error: the claim fails, where it would
@@ -166,7 +168,7 @@ class StripeGateway:
         charges = await self._ours(self._client.v1.charges.list_async, claim)
         for charge in charges:
             # Pending (a bank debit) is what charge() records too: the charge was made.
-            if charge.status in ("succeeded", "pending"):
+            if charge.status in MADE_STATUSES:
                 return ChargeResult(
                     charge_id=charge.id,
                     payment_intent_id=_id(charge.payment_intent),
@@ -183,17 +185,18 @@ class StripeGateway:
         )
 
     async def period_charges(self, stripe_customer_id: str, period: str) -> list[StripeCharge]:
-        """The customer's succeeded charges whose metadata names the period, whatever their
-        key: reconciliation compares them with the ledger. Listed as Charges, whichever API
-        made them: Stripe copies a PaymentIntent's metadata to its charge when it confirms
-        it, so a duplicate made through the other API is seen too. A charge refunded in full
-        is left out: a person has settled it."""
+        """The customer's charges made (succeeded, or pending as a bank debit is for days)
+        whose metadata names the period, whatever their key: reconciliation compares them
+        with the ledger, and charges no claim of a customer Stripe holds one for. Listed as
+        Charges, whichever API made them: Stripe copies a PaymentIntent's metadata to its
+        charge when it confirms it, so a duplicate made through the other API is seen too. A
+        charge refunded in full is left out: a person has settled it."""
         found = await _listed(
             self._client.v1.charges.list_async,
             stripe_customer_id,
             None,
             lambda o: (
-                o.status == "succeeded"
+                o.status in MADE_STATUSES
                 and not o.refunded
                 and _metadata(o, "billing_period") == period
             ),
@@ -267,7 +270,7 @@ async def _listed(
 
 
 def _period_charge(charge: stripe.Charge, period: str) -> StripeCharge | None:
-    """A succeeded charge carrying our metadata, as reconciliation sees it."""
+    """A charge made carrying our metadata, as reconciliation sees it."""
     customer_id = _metadata(charge, "customer_id")
     if customer_id is None:
         return None

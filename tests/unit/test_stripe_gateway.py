@@ -81,6 +81,20 @@ async def test_a_charge_made_is_found_as_charged_while_pending_too(status: str) 
     assert listing.calls == [{"customer": "cus_1", "limit": 100}]
 
 
+@pytest.mark.parametrize(
+    ("status", "listed"), [("succeeded", True), ("pending", True), ("failed", False)]
+)
+async def test_a_periods_charges_include_a_bank_debit_still_pending(
+    status: str, listed: bool
+) -> None:
+    # Made under another key (an earlier namespace, a script): a pending one is a charge
+    # all the same, which a re-drive must not double, nor the comparison miss.
+    made = charge(status, customer="cus_1", refunded=False)
+    made.metadata.update({"billing_period": CLAIM.period, "customer_id": CLAIM.customer_id})
+    found = await gateway(Listing([made])).period_charges("cus_1", CLAIM.period)
+    assert [c.charge_id for c in found] == ([f"ch_{status}"] if listed else [])
+
+
 async def test_a_failed_charge_is_found_as_failed_with_stripes_code() -> None:
     failed = charge("failed", failure_code="card_declined", failure_message="declined")
     found = await gateway(Listing([failed])).find(CLAIM)
