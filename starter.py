@@ -44,6 +44,7 @@ from billing.customers import (
     deactivate_customers,
     import_customers,
     read_customers_csv,
+    sharing_a_stripe_customer,
 )
 from billing.db import CONNECTION_ERRORS, create_pool
 from billing.errors import (
@@ -503,9 +504,20 @@ async def cmd_import(args: argparse.Namespace) -> int:
                 " if that run failed or was terminated, which leaves it open in the ledger);"
                 " nothing was imported"
             )
+        shared = await sharing_a_stripe_customer(pool, [r.customer_id for r in rows])
     finally:
         await pool.close()
     print(f"imported {len(rows)} customers from {args.file}")
+    if shared:
+        # Refused only for ids spelt alike (_refuse_respelt): two ids may be two accounts.
+        print(
+            f"warning: {len(shared)} Stripe customers are charged under more than one active"
+            " customer id, once per id every period: "
+            + listed([f"{stripe_id} ({', '.join(ids)})" for stripe_id, ids in shared.items()])
+            + ". If one customer was imported twice under another id, deactivate the extra"
+            " one: python starter.py customers deactivate ID",
+            file=sys.stderr,
+        )
     if changes:
         # --while-running: what the open run may now bill otherwise, for the record.
         print(f"note: the open run of {periods} may bill these as now imported: {named}")

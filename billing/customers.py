@@ -244,6 +244,26 @@ async def _refuse_respelt(conn: asyncpg.Connection, rows: Sequence[CustomerRow])
         )
 
 
+async def sharing_a_stripe_customer(
+    pool: asyncpg.Pool, customer_ids: Sequence[str]
+) -> dict[str, list[str]]:
+    """The Stripe customers that any of these customers shares with another active id,
+    with all their active ids: each id is charged every period (preview warns of it too)."""
+    rows = await pool.fetch(
+        """
+        SELECT stripe_customer_id, array_agg(customer_id ORDER BY customer_id) AS ids
+        FROM customers
+        WHERE active AND stripe_customer_id IN (
+            SELECT stripe_customer_id FROM customers
+            WHERE active AND customer_id = ANY($1::text[]))
+        GROUP BY stripe_customer_id HAVING count(*) > 1
+        ORDER BY stripe_customer_id
+        """,
+        list(customer_ids),
+    )
+    return {r["stripe_customer_id"]: list(r["ids"]) for r in rows}
+
+
 async def upsert_customers(pool: asyncpg.Pool, rows: Sequence[CustomerRow]) -> int:
     """Insert or update the rows in one transaction, whatever runs (demo and test seeding);
     returns how many were written."""

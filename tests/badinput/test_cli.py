@@ -337,6 +337,26 @@ async def test_an_import_repricing_customers_a_running_period_has_not_billed_is_
     assert "c-4 (100 usd -> 300 usd)" in forced.stdout
 
 
+async def test_an_import_warns_of_a_stripe_customer_charged_under_two_ids(
+    db: asyncpg.Pool, database_url: str, tmp_path: Path
+) -> None:
+    # acme_1 is not acme-1 spelt another way (that is refused): it may be a second account
+    # of the same Stripe customer, or the same one imported twice. Imported, and said so.
+    path = tmp_path / "customers.csv"
+    path.write_text(
+        _csv("acme-1,cus_A,pm_1,100,usd\nacme_1,cus_A,pm_1,100,usd\nb-1,cus_B,pm_2,100,usd\n")
+    )
+    result = await run_cli(
+        "starter.py", "customers", "import", str(path), env={"DATABASE_URL": database_url}
+    )
+    assert (result.code, result.stdout.strip()) == (0, f"imported 3 customers from {path}")
+    assert (
+        "warning: 1 Stripe customers are charged under more than one active customer id, once"
+        " per id every period: cus_A (acme-1, acme_1)"
+    ) in result.stderr
+    assert "customers deactivate ID" in result.stderr
+
+
 @pytest.mark.parametrize("argv", [["preview", "2026-12"], ["customers", "import", "IN.csv"]])
 async def test_a_database_never_migrated_is_named_with_what_to_do(
     postgres: LocalPostgres, tmp_path: Path, argv: list[str]
