@@ -43,8 +43,9 @@ class Period:
 
     @property
     def ends_at(self) -> datetime:
-        """First instant after the period (exclusive end)."""
-        return self.next().starts_at
+        """First instant after the period (exclusive end); past MAX_YEAR too, where no
+        Period is (a key for 2999-12 expires in 3000)."""
+        return datetime(self.year + self.month // 12, self.month % 12 + 1, 1, tzinfo=UTC)
 
     def next(self) -> Period:
         return Period(self.year + self.month // 12, self.month % 12 + 1)

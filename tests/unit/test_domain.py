@@ -96,6 +96,11 @@ def test_next_and_previous_are_inverse(year: int, month: int) -> None:
     assert period.starts_at < period.ends_at
 
 
+def test_the_last_period_accepted_ends_in_the_year_after() -> None:
+    # `run 2999-12 --ahead` is accepted: its key's expiry is counted from this end.
+    assert Period(2999, 12).ends_at == datetime(3000, 1, 1, tzinfo=UTC)
+
+
 def test_period_for_arrears_and_advance() -> None:
     moment = datetime(2027, 1, 1, 2, 0, tzinfo=UTC)
     assert str(period_for(moment)) == "2026-12"
