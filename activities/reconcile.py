@@ -430,7 +430,10 @@ class ReconcileActivities:
                     lambda g: g.period_charges(customer.stripe_customer_id, request.period),
                 )
             except period_keys.NoPeriodKeyError:
-                return None
+                # No key can read its currency: unchecked, unless the period never claimed
+                # it (e.g. inactive, in a currency retired since), when nothing of ours can
+                # have charged it and a daily "unchecked" would only cry wolf.
+                return None if customer.in_ledger else []
             except stripe.StripeError as exc:
                 failure = to_temporal_failure(exc)
                 if failure.type != REFUSED:

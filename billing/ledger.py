@@ -811,7 +811,8 @@ async def customers_page(
         """
         SELECT c.customer_id,
                coalesce(r.stripe_customer_id, c.stripe_customer_id) AS stripe_customer_id,
-               coalesce(r.currency, c.currency) AS currency
+               coalesce(r.currency, c.currency) AS currency,
+               r.customer_id IS NOT NULL AS in_ledger
         FROM customers c
         LEFT JOIN billing_runs r ON r.customer_id = c.customer_id AND r.billing_period = $1
         WHERE c.customer_id > $2 ORDER BY c.customer_id LIMIT $3

@@ -82,6 +82,8 @@ class CustomerToCheck(Record):
     customer_id: str
     stripe_customer_id: str
     currency: str
+    # The period has a ledger row for it (claimed, finished or skipped).
+    in_ledger: bool
 
 
 class StripeCharge(Record):
@@ -138,9 +140,9 @@ class ChargesPage(Record):
     findings: list[Finding]
     customers: int
     charges: int
-    # Customers whose charges could not be listed: no vault key of the period for their
-    # currency (nothing of ours can have charged them), or Stripe refused the listing (e.g.
-    # the customer was deleted there). A charge of theirs goes unseen.
+    # Customers whose charges could not be listed: no key could read their currency while
+    # the period has a ledger row for them, or Stripe refused the listing (e.g. the
+    # customer was deleted there). A charge of theirs goes unseen.
     unchecked: list[str]
     next_cursor: str | None
     # The page's findings past the report's room, by charge id: counted, not listed.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 import stripe
@@ -788,6 +789,43 @@ async def test_a_customer_stripe_will_not_list_is_left_unchecked_and_the_rest_co
     assert report.unchecked_customers == [gone["customer_id"]]
     assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", duplicate)]
     assert code == 1
+
+
+@pytest.mark.parametrize("in_ledger", [False, True], ids=["never-claimed", "claimed"])
+async def test_a_customer_no_key_can_read_is_unchecked_only_if_the_period_claimed_it(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, in_ledger: bool
+) -> None:
+    """An inactive customer in a currency the period has no key for, nor the vault a lookup
+    key (retired from its policy): nothing of ours can have charged it unless the period
+    claimed it, so only then is it reported unchecked (exit 1 every day otherwise)."""
+    await billed(harness, 2)
+    [retired] = await harness.seed(1, prefix="old")
+    async with harness.pool.acquire() as conn:
+        await conn.execute(
+            "UPDATE customers SET currency = 'eur', active = false WHERE customer_id = $1",
+            retired.customer_id,
+        )
+        if in_ledger:
+            key = idempotency_key(
+                harness.settings.billing_key_namespace, retired.customer_id, PERIOD
+            )
+            await ledger.request_skip(
+                conn, retired.customer_id, str(PERIOD), key, "moved away", "ops"
+            )
+    reading = ReconcileActivities._reading
+
+    async def no_key_for_eur(
+        self: ReconcileActivities, period: str, currency: str, *args: Any, **kwargs: Any
+    ) -> Any:
+        if currency == "eur":
+            raise period_keys.NoPeriodKeyError(f"no key can read {period} ({currency})")
+        return await reading(self, period, currency, *args, **kwargs)
+
+    monkeypatch.setattr(ReconcileActivities, "_reading", no_key_for_eur)
+    report = await reconcile(harness)
+    assert report.customers_checked == 3 and report.findings == []
+    assert report.unchecked_customers == ([retired.customer_id] if in_ledger else [])
+    assert report.needs_a_person is in_ledger
 
 
 async def test_customers_left_unchecked_alone_make_the_reconcile_command_exit_1(
