@@ -18,12 +18,14 @@ from stripe import HTTPClient, StripeClient
 from temporalio.api.enums.v1 import TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import Worker
 
 from activities.stripe_access import StripeAccess, VaultAccess
 from billing.config import BillingSettings
 from billing.customers import CustomerRow, upsert_customers
+from billing.keys import customer_workflow_id
+from billing.models import CustomerChargeInput, CustomerOutcome
 from billing.periods import Period
 from billing.runs import period_status
 from billing.seeding import create_demo_customers
@@ -31,12 +33,17 @@ from chaos.invariants import ledger_rows
 from stripe_emulator.client import EmulatorClient
 from vault.client import VaultAdmin
 from worker import create_worker, direct_access
+from workflows.customer_charge import CustomerChargeWorkflow
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 VAULT_ADMIN_TOKEN = "admin-token-for-tests-only"  # noqa: S105
 VAULT_WORKER_TOKEN = "worker-token-for-tests-only"  # noqa: S105
 # A Fernet key for the tests only: it seals the period keys' secrets in the ledger.
 KEY_ENCRYPTION_KEYS = "dGVzdHMtb25seS1rZXktZW5jcnlwdGlvbi1rZXktMzI="
+
+
+# A task queue no worker polls: workflows started there hold their ID and do nothing.
+IDLE_QUEUE = "nobody-polls"
 
 
 @dataclass
@@ -80,6 +87,18 @@ class Harness:
     http: HTTPClient
     vault: VaultHandle | None = None
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    async def idle_child(
+        self, period: Period, customer_id: str
+    ) -> WorkflowHandle[CustomerChargeWorkflow, CustomerOutcome]:
+        """A run of the customer's own workflow on a task queue nobody polls: it holds the
+        workflow ID and does nothing (e.g. another run's child whose worker was lost)."""
+        return await self.client.start_workflow(
+            CustomerChargeWorkflow.run,
+            CustomerChargeInput(period=str(period), customer_id=customer_id),
+            id=customer_workflow_id(period, customer_id),
+            task_queue=IDLE_QUEUE,
+        )
 
     async def seed(
         self, count: int, card_for: Callable[[int], str] = always_visa, prefix: str = "cust"

@@ -306,12 +306,7 @@ async def blocked_elsewhere(
     monkeypatch.setattr(PeriodActivities, "await_outcomes", quickly)
     customers = await harness.seed(3)
     stuck = customers[-1].customer_id
-    blocker = await harness.client.start_workflow(
-        CustomerChargeWorkflow.run,
-        CustomerChargeInput(period=str(PERIOD), customer_id=stuck),
-        id=customer_workflow_id(PERIOD, stuck),
-        task_queue="nobody-polls",
-    )
+    blocker = await harness.idle_child(PERIOD, stuck)
     limit = 200
     async with harness.running_worker():
         handle = await start_period(
@@ -371,13 +366,7 @@ async def test_a_customer_whose_child_ended_before_claiming_is_billed_by_the_nex
     A run now starts a new child for it. I6 too: RECORD_HISTORIES=1 keeps the run."""
     customers = await harness.seed(2)
     ended = customers[-1].customer_id
-    early = await harness.client.start_workflow(
-        CustomerChargeWorkflow.run,
-        CustomerChargeInput(period=str(PERIOD), customer_id=ended),
-        id=customer_workflow_id(PERIOD, ended),
-        task_queue="nobody-polls",
-    )
-    await early.terminate(reason="stuck, by hand")
+    await (await harness.idle_child(PERIOD, ended)).terminate(reason="stuck, by hand")
     async with harness.running_worker():
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
         summary = await handle.result()

@@ -16,6 +16,7 @@ from temporalio.client import (
     Client,
     ScheduleActionExecutionStartWorkflow,
     ScheduleBackfill,
+    ScheduleHandle,
     ScheduleIntervalSpec,
     ScheduleOverlapPolicy,
     ScheduleSpec,
@@ -734,12 +735,26 @@ async def test_a_backfill_includes_a_launch_at_the_first_instant_of_its_window(
     assert [t.isoformat() for t in launches] == ["2026-02-01T00:00:00+00:00"]
 
 
-async def test_unpausing_names_the_launches_the_pause_skipped(harness: Harness) -> None:
-    config = schedules.MonthlySchedule(schedule_id="often", paused=True)
+async def firing_every(
+    harness: Harness,
+    schedule_id: str,
+    seconds: int,
+    *,
+    paused: bool = False,
+    overlap_all: bool = False,
+) -> ScheduleHandle:
+    """A billing schedule firing every few seconds instead of monthly, so that a test can
+    wait through firings; with `overlap_all`, each firing launches even while others run."""
+    config = schedules.MonthlySchedule(schedule_id=schedule_id, paused=paused)
     schedule = schedules.build_schedule(config, harness.task_queue, RunOptions())
-    # Every second instead of monthly, so that a test can wait through firings.
-    schedule.spec = ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=1))])
-    handle = await harness.client.create_schedule("often", schedule)
+    schedule.spec = ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=seconds))])
+    if overlap_all:
+        schedule.policy.overlap = ScheduleOverlapPolicy.ALLOW_ALL
+    return await harness.client.create_schedule(schedule_id, schedule)
+
+
+async def test_unpausing_names_the_launches_the_pause_skipped(harness: Harness) -> None:
+    handle = await firing_every(harness, "often", 1, paused=True)
 
     async def skipped_twice() -> bool:
         # Counted from the schedule's creation, which a namespace's first schedule may
@@ -763,10 +778,7 @@ async def test_unpausing_names_the_launches_the_pause_skipped(harness: Harness) 
 async def test_a_launch_ended_before_starting_its_run_is_missed(harness: Harness) -> None:
     """A firing's launcher terminated before it started the period's run (no worker took
     it; `--overlap terminate_other` does the same) billed nothing: it is named as missed."""
-    config = schedules.MonthlySchedule(schedule_id="cut-short")
-    schedule = schedules.build_schedule(config, harness.task_queue, RunOptions())
-    schedule.spec = ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=2))])
-    handle = await harness.client.create_schedule("cut-short", schedule)
+    handle = await firing_every(harness, "cut-short", 2)
     try:
 
         async def fired() -> bool:
@@ -791,12 +803,8 @@ async def test_a_launch_ended_before_starting_its_run_is_missed(harness: Harness
 async def test_the_oldest_listed_launch_ended_early_is_missed(harness: Harness) -> None:
     """With Temporal's 10 recent actions listed, only times since the oldest was taken are
     checked; that oldest one, ended before starting its run, is named all the same."""
-    config = schedules.MonthlySchedule(schedule_id="crowded")
-    schedule = schedules.build_schedule(config, harness.task_queue, RunOptions())
-    schedule.spec = ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=1))])
     # No worker: each launch stays open, so each firing starts one.
-    schedule.policy.overlap = ScheduleOverlapPolicy.ALLOW_ALL
-    handle = await harness.client.create_schedule("crowded", schedule)
+    handle = await firing_every(harness, "crowded", 1, overlap_all=True)
     try:
 
         async def listed_full() -> bool:
@@ -822,12 +830,8 @@ async def test_launches_pushed_out_of_the_recent_list_by_a_backfill_are_not_miss
 ) -> None:
     """Temporal lists a schedule's last 10 actions. Ten backfilled launches of long ago push
     its real firings out of that list: they launched all the same."""
-    config = schedules.MonthlySchedule(schedule_id="backfilled")
-    schedule = schedules.build_schedule(config, harness.task_queue, RunOptions())
     # Every 3 s: firings to push out, and seconds before the next pushes a backfilled one out.
-    schedule.spec = ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=3))])
-    schedule.policy.overlap = ScheduleOverlapPolicy.ALLOW_ALL
-    handle = await harness.client.create_schedule("backfilled", schedule)
+    handle = await firing_every(harness, "backfilled", 3, overlap_all=True)
     try:
 
         async def fired(times: int) -> bool:

@@ -60,8 +60,6 @@ from workflows.customer_charge import CustomerChargeWorkflow
 from workflows.reconcile import ReconcileWorkflow
 
 PERIOD = Period(2026, 12)
-# A task queue no worker polls: workflows started there own their claim and do nothing.
-IDLE_QUEUE = "nobody-polls"
 
 
 def gateway(harness: Harness) -> StripeGateway:
@@ -82,12 +80,7 @@ async def stranded(
         assert (await ledger.begin_charge(conn, claim, None)).gate == "go"
     if at_stripe:
         await gateway(harness).charge(claim)
-    handle = await harness.client.start_workflow(
-        CustomerChargeWorkflow.run,
-        CustomerChargeInput(period=str(PERIOD), customer_id=customer.customer_id),
-        id=customer_workflow_id(PERIOD, customer.customer_id),
-        task_queue=IDLE_QUEUE,
-    )
+    handle = await harness.idle_child(PERIOD, customer.customer_id)
     if terminate:
         await handle.terminate(reason="its worker was lost")
     return claim
@@ -97,6 +90,19 @@ def charged_cents() -> float:
     return (
         REGISTRY.get_sample_value("billing_charged_amount_cents_total", {"currency": "usd"}) or 0.0
     )
+
+
+async def reconciled_with(
+    harness: Harness, request: ReconcileInput
+) -> tuple[ReconcileReport, WorkflowHandle[ReconcileWorkflow, ReconcileReport]]:
+    async with harness.running_worker():
+        handle = await harness.client.start_workflow(
+            ReconcileWorkflow.run,
+            request,
+            id=reconcile_workflow_id(PERIOD),
+            task_queue=harness.task_queue,
+        )
+        return await handle.result(), handle
 
 
 async def reconcile(harness: Harness) -> ReconcileReport:
@@ -594,13 +600,7 @@ async def test_a_redrive_still_retried_is_stopped_and_left_saying_why(vaulted: H
     [customer] = await vaulted.seed(1)
     await lost_in_doubt(vaulted, [customer], fault="error_saved_before_commit")
     request = ReconcileInput(period=str(PERIOD), redrive_timeout_seconds=5)
-    async with vaulted.running_worker():
-        report = await vaulted.client.execute_workflow(
-            ReconcileWorkflow.run,
-            request,
-            id=reconcile_workflow_id(PERIOD),
-            task_queue=vaulted.task_queue,
-        )
+    report, _ = await reconciled_with(vaulted, request)
     [claim] = report.claims
     assert (claim.action, claim.needs_person) == ("left", True)
     workflow_id = customer_workflow_id(PERIOD, customer.customer_id)
@@ -631,14 +631,7 @@ async def test_a_redrive_still_retried_holds_one_place_and_the_claims_after_go_o
         sum(c.amount_cents for c in quick),
     )
     request = ReconcileInput(period=str(PERIOD), redrive_timeout_seconds=10, claims_at_once=2)
-    async with vaulted.running_worker():
-        handle = await vaulted.client.start_workflow(
-            ReconcileWorkflow.run,
-            request,
-            id=reconcile_workflow_id(PERIOD),
-            task_queue=vaulted.task_queue,
-        )
-        report = await handle.result()
+    report, handle = await reconciled_with(vaulted, request)
     assert [(c.customer_id, c.action, c.outcome) for c in report.claims] == [
         (slow.customer_id, "left", None),
         *((c.customer_id, "redriven", "charged") for c in quick),
@@ -1015,12 +1008,7 @@ async def test_a_claim_from_before_its_api_was_recorded_is_found_through_either(
         assert (await ledger.begin_charge(conn, claim, None)).gate == "go"
         await conn.execute("UPDATE billing_runs SET charge_api = NULL")
     charged = await StripeGateway(harness.stripe, "charges").charge(claim)
-    handle = await harness.client.start_workflow(
-        CustomerChargeWorkflow.run,
-        CustomerChargeInput(period=str(PERIOD), customer_id=customer.customer_id),
-        id=customer_workflow_id(PERIOD, customer.customer_id),
-        task_queue=IDLE_QUEUE,
-    )
+    handle = await harness.idle_child(PERIOD, customer.customer_id)
     await handle.terminate(reason="its worker was lost")
     assert harness.settings.billing_charge_api == "payment_intents"
     report = await reconcile(harness)
