@@ -58,7 +58,8 @@ _REOPENED = (
 
 
 # The customer id, inactive now, under which the period charged the Stripe customer of
-# customer `c`, or holds a claim for it that is not skipped (to be charged, or in doubt). An
+# customer `c`, or holds a claim for it that is not skipped before its charge was sent (to be
+# charged, or in doubt: a skip of a sent claim holds only if Stripe shows nothing then). An
 # active customer with the same Stripe customer is most likely that one renamed (the old id
 # deactivated, the new one imported), with a key of its own: it is held, not due, for as long
 # as this holds (an old claim that fails releases it). An index of inactive customers by
@@ -68,7 +69,10 @@ def held_as_sql(period: str = "$1", *, charged: bool = False) -> str:
     column); only charged rows count if `charged`."""
     billed = "o.status = 'charged'"
     if not charged:
-        billed = f"({billed} OR (o.status = 'claimed' AND o.skip_reason IS NULL))"
+        billed = (
+            f"({billed} OR (o.status = 'claimed'"
+            " AND (o.skip_reason IS NULL OR o.charge_started_at IS NOT NULL)))"
+        )
     return f"""(
     SELECT min(oc.customer_id) FROM customers oc
     JOIN billing_runs o ON o.customer_id = oc.customer_id AND o.billing_period = {period}
@@ -604,6 +608,9 @@ async def reopen_refused_charge(
 # hours after the claim, a request with the key still on its way (a worker's, the vault's)
 # can only meet the saved answer.
 SAVED_ERROR_HOLDS_FOR = timedelta(hours=22)
+# A skip of such a claim is accepted an hour less: its next try, minutes away, must come while
+# the stop still can.
+SKIP_BEHIND_SAVED_ERROR_FOR = SAVED_ERROR_HOLDS_FOR - timedelta(hours=1)
 
 
 async def stop_behind_saved_error(
@@ -682,7 +689,7 @@ async def request_skip(
         key,
         reason,
         operator,
-        SAVED_ERROR_HOLDS_FOR,
+        SKIP_BEHIND_SAVED_ERROR_FOR,
     )
     if row is not None and row["sent"]:
         return SkipResult(
@@ -690,7 +697,8 @@ async def request_skip(
             skipped=True,
             detail="skip recorded: its charge is held behind a 500 Stripe saved for its key,"
             " and ends skipped at its next try (within 4 minutes) unless Stripe shows a charge"
-            " then",
+            " then; if no worker tries it within the hour, it is charged once Stripe forgets"
+            " the key",
         )
     if row is not None:
         return SkipResult(customer_id=customer_id, skipped=True, detail="skip recorded")

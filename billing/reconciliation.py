@@ -260,8 +260,9 @@ def left_alone(
 ) -> ClaimResolution | None:
     """Why reconciliation must leave a claim alone, or None when it may resolve it.
 
-    A running CustomerChargeWorkflow owns its claim. A closed one is never started again for
-    the period (REJECT_DUPLICATE), so nothing else works on its claim. One that never ran
+    A running CustomerChargeWorkflow owns its claim. A period's run never starts a closed one
+    again for a customer with a claim (REJECT_DUPLICATE; only one with no ledger row is
+    started anew), so nothing else works on its claim. One that never ran
     may still be started by its period's run while that runs. A charge never sent while the
     period is paused waits for the operator, as the ledger's gate would make it. If the
     period's run ended while paused (terminated), nobody is left to resume it: the claim is

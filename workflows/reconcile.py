@@ -211,11 +211,14 @@ def _left(claim: Claim, detail: str, *, needs_person: bool = True) -> ClaimResol
 
 
 def _lookup_failed(claim: Claim, err: ActivityError) -> ClaimResolution:
-    """A lookup retried to its limit (Stripe's rate, an outage) waits for the next run, as
-    an unknown reservation does; one that failed for good is a person's."""
+    """A person's, even when retried to its limit (Stripe's rate, an outage): such a
+    failure may as well last, and a claim left quietly would stay open for good."""
     passing = err.retry_state in (RetryState.MAXIMUM_ATTEMPTS_REACHED, RetryState.TIMEOUT)
-    then = "; the next reconciliation looks again" if passing else ""
-    return _left(claim, f"lookup failed: {_reason(err)}{then}", needs_person=not passing)
+    then = (
+        "; retried to its limit: if Stripe or the vault was away a while, the next"
+        " reconciliation looks again, and if it fails again, the worker's log says why"
+    )
+    return _left(claim, f"lookup failed: {_reason(err)}{then if passing else ''}")
 
 
 def _still_retried(workflow_id: str, timeout: timedelta) -> str:

@@ -186,6 +186,9 @@ async def _due(db: asyncpg.Pool) -> list[str]:
         ("claimed", False, False, True),
         # Skipped by an operator while open: it will not be charged.
         ("skip", False, False, False),
+        # Skipped once its charge was sent and held behind a saved 500: that skip holds only
+        # if Stripe still shows nothing at the next try, so it may yet be charged.
+        ("skip", True, False, True),
         # Still active: two accounts may share a Stripe customer (the preview warns).
         ("charged", True, True, False),
         # Nothing was charged under the old id.

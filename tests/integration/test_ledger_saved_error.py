@@ -124,7 +124,7 @@ async def test_a_skip_is_refused_once_the_held_charge_is_too_old(harness: Harnes
         assert await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1) is None
         await conn.execute(
             "UPDATE billing_runs SET claimed_at = now() - $1::interval",
-            ledger.SAVED_ERROR_HOLDS_FOR + timedelta(minutes=1),
+            ledger.SKIP_BEHIND_SAVED_ERROR_FOR + timedelta(minutes=1),
         )
         refused = await skip(conn, claim)
         assert not refused.skipped and "already been sent" in refused.detail

@@ -383,16 +383,17 @@ def test_an_intent_left_unconfirmed_keeps_its_reservation_counted_until_cancelle
 
 
 @pytest.mark.parametrize(
-    ("retry_state", "needs_person"),
+    ("retry_state", "passing"),
     [
-        (RetryState.MAXIMUM_ATTEMPTS_REACHED, False),  # e.g. a Stripe outage past 8 tries
-        (RetryState.TIMEOUT, False),
-        (RetryState.NON_RETRYABLE_FAILURE, True),  # e.g. a key no later run could use
+        (RetryState.MAXIMUM_ATTEMPTS_REACHED, True),  # e.g. a Stripe outage past 8 tries
+        (RetryState.TIMEOUT, True),
+        (RetryState.NON_RETRYABLE_FAILURE, False),  # e.g. a key no later run could use
     ],
 )
-def test_a_lookup_that_ran_out_of_tries_waits_for_the_next_run(
-    retry_state: RetryState, needs_person: bool
+def test_a_lookup_that_failed_is_left_for_a_person_saying_whether_it_may_pass(
+    retry_state: RetryState, passing: bool
 ) -> None:
+    # Left loudly either way: a failure that lasts would otherwise keep the claim open.
     err = ActivityError(
         "activity error",
         scheduled_event_id=5,
@@ -403,5 +404,5 @@ def test_a_lookup_that_ran_out_of_tries_waits_for_the_next_run(
         retry_state=retry_state,
     )
     left = _lookup_failed(CLAIM, err)
-    assert (left.action, left.needs_person) == ("left", needs_person)
-    assert ("next reconciliation looks again" in (left.detail or "")) is not needs_person
+    assert (left.action, left.needs_person) == ("left", True)
+    assert ("next reconciliation looks again" in (left.detail or "")) is passing
