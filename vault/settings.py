@@ -49,8 +49,10 @@ class VaultSettings(BaseSettings):
     )
     upstream_stripe_base: str = Field(
         default="http://127.0.0.1:12111",
-        pattern=r"^https?://[^\s/]+(/[^\s]*)?$",
-        description="Stripe's API base URL (the local emulator by default)",
+        # No user or password before the host: the secret goes in a header, and an error
+        # may name the URL.
+        pattern=r"^https?://[^\s/@]+(/[^\s]*)?$",
+        description="Stripe's API base URL (the local emulator by default), with no password",
     )
     upstream_stripe_secret: SecretStr = Field(description="the real Stripe secret key")
     # No default: the ceiling on any key's cap is a policy each deployment chooses.

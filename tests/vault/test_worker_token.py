@@ -289,6 +289,7 @@ async def test_concurrent_worker_keys_never_pass_the_budget(
             "must be an https:// URL for a live Stripe key",
         ),
         ({"database_url": ""}, "is set but blank"),
+        ({"upstream_stripe_base": "https://ops:hunter2@stripe.internal"}, "upstream_stripe_base"),
     ],
 )
 def test_vault_settings_that_cannot_work_are_refused(
