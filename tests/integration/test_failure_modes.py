@@ -113,6 +113,27 @@ async def test_a_lookup_after_a_saved_500_that_fails_is_mapped_as_any_stripe_err
     await assert_billed_once(harness, str(PERIOD), [customer])
 
 
+async def test_a_lookup_refused_after_a_saved_500_never_sends_the_claim_back_to_the_gate(
+    harness: Harness,
+) -> None:
+    """Stripe began the first request (its 500 is saved for the key), so the claim stays
+    sent, whatever refuses the lookup after a replay: a 429 there says nothing of the
+    create. Checked with the ledger's attempt counter at 1, the one case where reopening
+    the claim would otherwise go through."""
+    _, charging, request = await _billing_one(harness, LookupRateLimitedOnce)
+    await harness.set_faults(error_saved_before_commit=1.0)
+    with pytest.raises(ApplicationError, match="did not answer definitively"):
+        await _attempt(1).run(charging.bill, request)
+    await harness.set_faults(error_saved_before_commit=0.0)
+    # The next attempt's gate pass makes it 1.
+    await harness.pool.execute("UPDATE billing_runs SET attempts = 0")
+    with pytest.raises(ApplicationError, match="rate limit"):
+        await _attempt(2).run(charging.bill, request)
+    [row] = await harness.ledger_rows(str(PERIOD))
+    assert (row["status"], row["attempts"]) == ("claimed", 1)
+    assert row["charge_started_at"] is not None
+
+
 async def test_a_500_stripe_saved_before_charging_is_retried_until_stripe_forgets_the_key(
     harness: Harness,
 ) -> None:
