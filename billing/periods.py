@@ -45,10 +45,14 @@ class Period:
     def ends_at(self) -> datetime:
         """First instant after the period (exclusive end); past MAX_YEAR too, where no
         Period is (a key for 2999-12 expires in 3000)."""
-        return datetime(self.year + self.month // 12, self.month % 12 + 1, 1, tzinfo=UTC)
+        return datetime(*self._following(), 1, tzinfo=UTC)
 
     def next(self) -> Period:
-        return Period(self.year + self.month // 12, self.month % 12 + 1)
+        return Period(*self._following())
+
+    def _following(self) -> tuple[int, int]:
+        """The next month's year and month, unchecked."""
+        return self.year + self.month // 12, self.month % 12 + 1
 
     def previous(self) -> Period:
         return Period(self.year - (self.month == 1), (self.month - 2) % 12 + 1)
