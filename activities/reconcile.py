@@ -480,10 +480,17 @@ class ReconcileActivities:
                 ledger_charge_id=f.ledger_charge_id,
                 key_prefix=f.key_prefix,
             )
-        in_full, unlisted = for_listing(findings, request.listed_room)
+        shared: set[str] = set()
+        if len(findings) > request.listed_room:
+            async with self._pool.acquire() as conn:
+                shared = await ledger.shared_stripe_customers(
+                    conn, request.period, {f.stripe_customer_id or "" for f in findings}
+                )
+        in_full, unlisted, unlisted_counts = for_listing(findings, request.listed_room, shared)
         return ChargesPage(
             findings=in_full,
             unlisted=unlisted,
+            unlisted_counts=unlisted_counts,
             customers=len(customers),
             charges=len(charges),
             unchecked=[c.customer_id for c in unchecked],

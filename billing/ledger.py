@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -830,6 +830,27 @@ async def customers_page(
         limit,
     )
     return [CustomerToCheck(**dict(row)) for row in rows]
+
+
+async def shared_stripe_customers(
+    conn: asyncpg.Connection, period: str, stripe_customer_ids: Collection[str]
+) -> set[str]:
+    """Those of the Stripe customers that more than one customer of ours has, now or in the
+    period's rows: reconciliation lists each such Stripe customer's charges under each.
+    Indexed both ways (migrations/024)."""
+    rows = await conn.fetch(
+        """
+        SELECT s FROM unnest($2::text[]) AS s
+        WHERE (SELECT count(*) FROM (
+                   SELECT customer_id FROM customers WHERE stripe_customer_id = s
+                   UNION
+                   SELECT customer_id FROM billing_runs
+                   WHERE billing_period = $1 AND stripe_customer_id = s) AS ours) > 1
+        """,
+        period,
+        sorted(stripe_customer_ids),
+    )
+    return {row["s"] for row in rows}
 
 
 async def ledger_entries(

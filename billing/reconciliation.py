@@ -3,12 +3,11 @@ with the ledger. Pure functions over records; the I/O is in activities/reconcile
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterable
 from datetime import timedelta
 from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from billing.models import ChargeFailure, Claim, Control, LedgerStatus, Outcome, Record
 
@@ -37,6 +36,13 @@ class ReconcileInput(Record):
     redrive_timeout_seconds: int = Field(default=900, ge=1)
     # Open claims looked up (and re-driven) at once.
     claims_at_once: int = Field(default=20, ge=1, le=100)
+    # Customers compared with Stripe per activity.
+    page_size: int = Field(default=200, ge=1, le=1000)
+    # The comparison continues as new past this many events (or when Temporal suggests it):
+    # each page costs about 6, so a period of a million customers takes a few runs.
+    history_event_limit: int = Field(default=8000, ge=20, le=40000)
+    # Set by the workflow itself when it continues as new: what it found before.
+    carried: CarriedOver | None = None
 
 
 class OpenClaim(Record):
@@ -145,37 +151,59 @@ class ChargesPage(Record):
     # customer was deleted there). A charge of theirs goes unseen.
     unchecked: list[str]
     next_cursor: str | None
-    # The page's findings past the report's room, by charge id: counted, not listed.
+    # The page's findings past the report's room whose Stripe customer another customer of
+    # ours has too, so that another page may list them again: by charge id, counted once.
     unlisted: dict[str, FindingKind] = Field(default_factory=dict)
+    # The page's other findings past the report's room: only counted, so that what the
+    # history keeps of a page is bounded however many customers were charged twice.
+    unlisted_counts: dict[FindingKind, int] = Field(default_factory=dict)
 
 
-def for_listing(findings: list[Finding], room: int) -> tuple[list[Finding], dict[str, FindingKind]]:
-    """The findings a page sends in full (as many as the report has room for), and the
-    others' charge ids and kinds."""
-    rest = {f.charge_id: f.kind for f in findings[room:]}
-    return findings[:room], rest
+def for_listing(
+    findings: list[Finding], room: int, shared: Collection[str]
+) -> tuple[list[Finding], dict[str, FindingKind], dict[FindingKind, int]]:
+    """The findings a page sends in full (as many as the report has room for); the others'
+    charge ids and kinds where their Stripe customer is `shared` with another customer of
+    ours; and how many of each kind the rest are."""
+    unlisted: dict[str, FindingKind] = {}
+    counts: dict[FindingKind, int] = {}
+    for f in findings[room:]:
+        if f.stripe_customer_id is None or f.stripe_customer_id in shared:
+            unlisted[f.charge_id] = f.kind
+        else:
+            counts[f.kind] = counts.get(f.kind, 0) + 1
+    return findings[:room], unlisted, counts
 
 
-@dataclass
-class Comparison:
-    """Stripe's charges against the ledger, summed over the pages compared so far (the
-    reconcile workflow's own state, not a record passed on)."""
+class Comparison(BaseModel):
+    """Stripe's charges against the ledger, summed over the pages compared so far: the
+    reconcile workflow's own state, carried over when it continues as new."""
 
-    findings: list[Finding] = field(default_factory=list)
-    finding_counts: dict[FindingKind, int] = field(default_factory=dict)
+    model_config = ConfigDict(extra="forbid")
+
+    findings: list[Finding] = Field(default_factory=list)
+    finding_counts: dict[FindingKind, int] = Field(default_factory=dict)
     customers_checked: int = 0
     charges_checked: int = 0
-    unchecked_customers: list[str] = field(default_factory=list)
+    unchecked_customers: list[str] = Field(default_factory=list)
     unchecked_count: int = 0
-    # Every finding's charge so far: a Stripe customer shared by two of ours is listed twice.
-    seen: set[str] = field(default_factory=set)
+    # The charges of the findings listed, and of those unlisted that another page may show
+    # again: a Stripe customer shared by two of ours is listed under each.
+    seen: set[str] = Field(default_factory=set)
+
+    @property
+    def room(self) -> int:
+        """Findings the report can still list."""
+        return max(MAX_LISTED - len(self.findings), 0)
 
     def add(self, page: ChargesPage) -> None:
         for finding in page.findings:
-            if self._first(finding.charge_id, finding.kind) and len(self.findings) < MAX_LISTED:
+            if self._first(finding.charge_id, finding.kind) and self.room:
                 self.findings.append(finding)
         for charge_id, kind in page.unlisted.items():
             self._first(charge_id, kind)
+        for kind, n in page.unlisted_counts.items():
+            self.finding_counts[kind] = self.finding_counts.get(kind, 0) + n
         self.customers_checked += page.customers
         self.charges_checked += page.charges
         self.unchecked_count += len(page.unchecked)
@@ -189,6 +217,23 @@ class Comparison:
         self.seen.add(charge_id)
         self.finding_counts[kind] = self.finding_counts.get(kind, 0) + 1
         return True
+
+
+class Settled(Record):
+    """What a reconciliation settled before it compared: its report's first part."""
+
+    claims: list[ClaimResolution]
+    more_claims: bool
+    reservations: list[ReservationResolution]
+    vault_checked: bool  # as in ReconcileReport
+
+
+class CarriedOver(Record):
+    """A reconciliation continued as new mid-comparison: what it had, and where it was."""
+
+    settled: Settled
+    compared: Comparison
+    cursor: str
 
 
 class ReconcileReport(Record):
@@ -333,3 +378,6 @@ def classify(charges: Iterable[StripeCharge], ledger: dict[str, LedgerEntry]) ->
             )
         )
     return findings
+
+
+ReconcileInput.model_rebuild()  # `carried` names a model defined after it

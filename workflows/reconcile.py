@@ -8,7 +8,8 @@ Stripe holds that the ledger does not account for.
    by a new run of the customer's own workflow ID: Temporal refuses that run if one appeared
    meanwhile, so a claim is never worked on twice at once.
 3. Every customer's charges of the period on Stripe are compared with the ledger: duplicates,
-   orphans and unrecorded charges are reported with their ids and amounts.
+   orphans and unrecorded charges are reported with their ids and amounts. A long comparison
+   continues as new, carrying what the steps before found.
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ with workflow.unsafe.imports_passed_through():
     from billing.models import Claim, CustomerChargeInput
     from billing.periods import parse_period
     from billing.reconciliation import (
-        MAX_LISTED,
+        CarriedOver,
         ChargesPageRequest,
         ClaimResolution,
         Comparison,
         ReconcileInput,
         ReconcileReport,
+        Settled,
     )
     from billing.redact import redact
     from workflows.customer_charge import CustomerChargeWorkflow
@@ -55,8 +57,6 @@ RETRY = RetryPolicy(
     maximum_interval=timedelta(seconds=30),
     maximum_attempts=8,
 )
-# Customers compared with Stripe per activity.
-PAGE_SIZE = 200
 
 
 @workflow.defn(name="ReconcileWorkflow")
@@ -67,30 +67,20 @@ class ReconcileWorkflow:
             parse_period(request.period)
         except ValueError as exc:
             raise ApplicationError(str(exc), type="InvalidPeriod", non_retryable=True) from exc
-        reservations = await workflow.execute_activity_method(
-            ReconcileActivities.settle_reservations,
-            request,
-            start_to_close_timeout=PAGE_TIMEOUT,
-            heartbeat_timeout=PAGE_HEARTBEAT,
-            retry_policy=RETRY,
-            summary=f"settle {request.period}'s unknown vault reservations from Stripe",
-        )
-        plan = await workflow.execute_activity_method(
-            ReconcileActivities.open_claims,
-            request,
-            start_to_close_timeout=ACTIVITY_TIMEOUT,
-            retry_policy=RETRY,
-            summary=f"find {request.period}'s open claims no workflow owns",
-        )
-        claims = list(plan.left) + await self._resolve_all(plan.resolve, request)
-        compared = await self._compare(request.period)
+        carried = request.carried
+        if carried is None:
+            settled = await self._settle(request)
+            compared = await self._compare(request, settled, Comparison(), None)
+        else:
+            settled = carried.settled
+            compared = await self._compare(request, settled, carried.compared, carried.cursor)
         report = ReconcileReport(
             period=request.period,
             workflow_id=workflow.info().workflow_id,
-            claims=claims,
-            more_claims=plan.more,
-            reservations=reservations or [],
-            vault_checked=reservations is not None,
+            claims=settled.claims,
+            more_claims=settled.more_claims,
+            reservations=settled.reservations,
+            vault_checked=settled.vault_checked,
             customers_checked=compared.customers_checked,
             charges_checked=compared.charges_checked,
             unchecked_customers=compared.unchecked_customers,
@@ -98,6 +88,7 @@ class ReconcileWorkflow:
             findings=compared.findings,
             finding_counts=compared.finding_counts,
         )
+        claims = settled.claims
         counts = compared.finding_counts
         # Counts only: each finding was logged by the activity that found it.
         workflow.logger.info(
@@ -113,6 +104,31 @@ class ReconcileWorkflow:
             f" {counts.get('orphan', 0)} orphans, {sum(counts.values())} findings in all"
         )
         return report
+
+    async def _settle(self, request: ReconcileInput) -> Settled:
+        """Unknown vault reservations, then open claims: what the first run does before it
+        compares."""
+        reservations = await workflow.execute_activity_method(
+            ReconcileActivities.settle_reservations,
+            request,
+            start_to_close_timeout=PAGE_TIMEOUT,
+            heartbeat_timeout=PAGE_HEARTBEAT,
+            retry_policy=RETRY,
+            summary=f"settle {request.period}'s unknown vault reservations from Stripe",
+        )
+        plan = await workflow.execute_activity_method(
+            ReconcileActivities.open_claims,
+            request,
+            start_to_close_timeout=ACTIVITY_TIMEOUT,
+            retry_policy=RETRY,
+            summary=f"find {request.period}'s open claims no workflow owns",
+        )
+        return Settled(
+            claims=list(plan.left) + await self._resolve_all(plan.resolve, request),
+            more_claims=plan.more,
+            reservations=reservations or [],
+            vault_checked=reservations is not None,
+        )
 
     async def _resolve_all(
         self, claims: list[Claim], request: ReconcileInput
@@ -181,17 +197,22 @@ class ReconcileWorkflow:
             detail=outcome.failure_code,
         )
 
-    async def _compare(self, period: str) -> Comparison:
-        compared = Comparison()
-        cursor: str | None = None
+    async def _compare(
+        self,
+        request: ReconcileInput,
+        settled: Settled,
+        compared: Comparison,
+        cursor: str | None,
+    ) -> Comparison:
+        period = request.period
         while True:
             page = await workflow.execute_activity_method(
                 ReconcileActivities.compare_charges,
                 ChargesPageRequest(
                     period=period,
                     after=cursor,
-                    limit=PAGE_SIZE,
-                    listed_room=MAX_LISTED - len(compared.findings),
+                    limit=request.page_size,
+                    listed_room=compared.room,
                 ),
                 start_to_close_timeout=PAGE_TIMEOUT,
                 heartbeat_timeout=PAGE_HEARTBEAT,
@@ -202,6 +223,18 @@ class ReconcileWorkflow:
             cursor = page.next_cursor
             if cursor is None:
                 return compared
+            if _history_full(request) and workflow.patched("reconcile-continue-as-new"):
+                # Each page adds to the history: a million customers would pass its limits.
+                carried = CarriedOver(settled=settled, compared=compared, cursor=cursor)
+                workflow.continue_as_new(request.model_copy(update={"carried": carried}))
+
+
+def _history_full(request: ReconcileInput) -> bool:
+    info = workflow.info()
+    return (
+        info.is_continue_as_new_suggested()
+        or info.get_current_history_length() >= request.history_event_limit
+    )
 
 
 def _left(claim: Claim, detail: str, *, needs_person: bool = True) -> ClaimResolution:

@@ -15,10 +15,10 @@ from typing import Any
 
 import asyncpg
 from stripe import HTTPClient, StripeClient
-from temporalio.api.enums.v1 import TaskQueueType
+from temporalio.api.enums.v1 import EventType, TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowHandle, WorkflowHistory
 from temporalio.worker import Worker
 
 from activities.stripe_access import StripeAccess, VaultAccess
@@ -87,6 +87,22 @@ class Harness:
     http: HTTPClient
     vault: VaultHandle | None = None
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    async def chain_of_runs(self, workflow_id: str, *, bound: int) -> list[WorkflowHistory]:
+        """The histories of the workflow ID's runs, oldest first, after checking that each
+        stayed under `bound` events and all but the last continued as new."""
+        histories = []
+        async for run in self.client.list_workflows(f'WorkflowId = "{workflow_id}"'):
+            handle = self.client.get_workflow_handle(workflow_id, run_id=run.run_id)
+            histories.append(await handle.fetch_history())
+        histories.sort(key=lambda h: h.events[0].event_time.ToDatetime())
+        assert len(histories) > 1, "the run never continued as new"
+        for history in histories:
+            assert len(history.events) < bound
+        endings = [h.events[-1].event_type for h in histories]
+        assert endings[-1] == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED
+        assert set(endings[:-1]) == {EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW}
+        return histories
 
     async def idle_child(
         self, period: Period, customer_id: str

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
 
 from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -10,6 +12,8 @@ from temporalio.worker import Replayer, UnsandboxedWorkflowRunner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
 from worker import WORKFLOWS
+
+HISTORIES = Path(__file__).resolve().parent.parent / "histories"
 
 
 async def replay(histories: Iterable[WorkflowHistory]) -> None:
@@ -29,3 +33,15 @@ async def replay(histories: Iterable[WorkflowHistory]) -> None:
             unsandboxed_workflow_runner=unsandboxed_runner,
         )
         await replayer.replay_workflows(each(), raise_on_replay_failure=True)
+
+
+def keep(histories: Iterable[WorkflowHistory]) -> None:
+    """With RECORD_HISTORIES=1, write the histories to tests/histories, which test_replay
+    replays ever after: a workflow change that breaks them fails there."""
+    if not os.environ.get("RECORD_HISTORIES"):
+        return
+    HISTORIES.mkdir(exist_ok=True)
+    for history in histories:
+        started = history.events[0].workflow_execution_started_event_attributes
+        name = f"{started.workflow_type.name}--{history.workflow_id}--{history.run_id}.json"
+        (HISTORIES / name).write_text(history.to_json())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Any
 
 import pytest
@@ -31,8 +30,7 @@ from billing.reporting import describe
 from billing.runs import period_status, start_period
 from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
-from tests.integration.replay import replay
-from tests.integration.test_replay import HISTORIES
+from tests.integration.replay import keep, replay
 from workflows.billing_period import BillingPeriodWorkflow
 from workflows.customer_charge import CustomerChargeWorkflow
 
@@ -170,7 +168,7 @@ async def test_continue_as_new_lets_children_finish_and_counts(harness: Harness)
     assert (summary.due, summary.charged) == (60, 60)
     # Bounded: the limit plus what one turn of the loop adds (starts, completions and their
     # workflow tasks for about a window of children).
-    runs = await chain_of_runs(harness, handle.id, bound=200 + 15 * options.max_in_flight)
+    runs = await harness.chain_of_runs(handle.id, bound=200 + 15 * options.max_in_flight)
     # Each run let its children finish before it continued as new, so none reported while
     # it did: the server refused no continue-as-new, and no run handed a child over.
     for history in runs:
@@ -222,7 +220,7 @@ async def test_children_in_flight_at_continue_as_new_are_handed_to_the_next_run(
         handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
         summary = await handle.result()
     assert (summary.due, summary.charged) == (60, 60)
-    runs = await chain_of_runs(harness, handle.id, bound=200 + 15 * options.max_in_flight)
+    runs = await harness.chain_of_runs(handle.id, bound=200 + 15 * options.max_in_flight)
     states = await handed_over(harness, runs)
     assert any(state.started_elsewhere for state in states), (
         "every child finished before its run continued as new"
@@ -263,7 +261,7 @@ async def test_a_child_waiting_long_continues_as_new_and_charges_once(harness: H
         await latest.signal(CustomerChargeWorkflow.period_control)
         outcome = await latest.result()
     assert outcome.outcome == "charged"
-    await chain_of_runs(harness, workflow_id, bound=10 + 10)
+    await harness.chain_of_runs(workflow_id, bound=10 + 10)
     await assert_billed_once(harness, period, [customer])
 
 
@@ -330,7 +328,7 @@ async def blocked_elsewhere(
         await eventually(continued, timeout=120)
         await blocker.terminate(reason="the test is done with it")
         summary = await handle.result()
-    runs = await chain_of_runs(harness, handle.id, bound=limit + 30)
+    runs = await harness.chain_of_runs(handle.id, bound=limit + 30)
     assert all(stuck in state.started_elsewhere for state in await handed_over(harness, runs))
     await replay(runs)
     return summary, runs
@@ -350,11 +348,8 @@ async def test_a_cancelled_period_waiting_long_on_a_child_continues_as_new(
     summary, runs = await blocked_elsewhere(harness, monkeypatch, cancel=True)
     assert summary.cancelled_by == "ann" and summary.cancel_reason == "wrong prices"
     assert (summary.due, summary.charged, summary.failed) == (3, 2, 1)
-    if os.environ.get("RECORD_HISTORIES"):
-        # A run that continued as new while cancelling, and the next one.
-        for history in runs[:2]:
-            name = f"BillingPeriodWorkflow--{history.workflow_id}--{history.run_id}.json"
-            (HISTORIES / name).write_text(history.to_json())
+    # A run that continued as new while cancelling, and the next one.
+    keep(runs[:2])
 
 
 async def test_a_customer_whose_child_ended_before_claiming_is_billed_by_the_next_run(
@@ -374,10 +369,7 @@ async def test_a_customer_whose_child_ended_before_claiming_is_billed_by_the_nex
     await assert_billed_once(harness, str(PERIOD), customers)
     history = await handle.fetch_history()
     await replay([history])
-    if os.environ.get("RECORD_HISTORIES"):
-        run_id = (await handle.describe()).run_id
-        name = f"BillingPeriodWorkflow--{history.workflow_id}--{run_id}.json"
-        (HISTORIES / name).write_text(history.to_json())
+    keep([history])
 
 
 async def test_a_long_pause_continues_as_new_and_the_next_run_resumes(harness: Harness) -> None:
@@ -422,7 +414,7 @@ async def test_a_long_pause_continues_as_new_and_the_next_run_resumes(harness: H
     assert (summary.charged, summary.skipped) == (39, 1)
     charged = [c["customer"] for c in await harness.charges() if c["status"] == "succeeded"]
     assert sorted(charged) == sorted(c.stripe_customer_id for c in customers[:-1])
-    chain = await chain_of_runs(harness, handle.id, bound=limit + 40)
+    chain = await harness.chain_of_runs(handle.id, bound=limit + 40)
     paused = [
         i
         for i, state in enumerate(await handed_over(harness, chain))
@@ -430,11 +422,7 @@ async def test_a_long_pause_continues_as_new_and_the_next_run_resumes(harness: H
     ]
     assert paused, "no run handed over while paused"
     await replay(chain)
-    if os.environ.get("RECORD_HISTORIES"):
-        # The run that continued as new while paused.
-        history = chain[paused[0]]
-        name = f"BillingPeriodWorkflow--{history.workflow_id}--{history.run_id}.json"
-        (HISTORIES / name).write_text(history.to_json())
+    keep([chain[paused[0]]])  # the run that continued as new while paused
 
 
 async def handed_over(harness: Harness, runs: list[WorkflowHistory]) -> list[PeriodState]:
@@ -448,23 +436,6 @@ async def handed_over(harness: Harness, runs: list[WorkflowHistory]) -> list[Per
         assert next_input.state is not None
         states.append(next_input.state)
     return states
-
-
-async def chain_of_runs(harness: Harness, workflow_id: str, *, bound: int) -> list[WorkflowHistory]:
-    """The histories of the workflow ID's runs, oldest first, after checking that each
-    stayed under `bound` events and all but the last continued as new."""
-    histories = []
-    async for run in harness.client.list_workflows(f'WorkflowId = "{workflow_id}"'):
-        handle = harness.client.get_workflow_handle(workflow_id, run_id=run.run_id)
-        histories.append(await handle.fetch_history())
-    histories.sort(key=lambda h: h.events[0].event_time.ToDatetime())
-    assert len(histories) > 1, "the run never continued as new"
-    for history in histories:
-        assert len(history.events) < bound
-    endings = [h.events[-1].event_type for h in histories]
-    assert endings[-1] == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED
-    assert set(endings[:-1]) == {EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW}
-    return histories
 
 
 async def test_a_customer_gone_before_its_claim_is_reported_not_stuck(harness: Harness) -> None:

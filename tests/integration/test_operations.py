@@ -4,7 +4,6 @@ filters on, against the real dev server."""
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Awaitable
 from datetime import UTC, datetime, timedelta
 from functools import partial
@@ -48,8 +47,7 @@ from billing.reporting import describe_preview
 from billing.runs import period_status, start_period
 from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
-from tests.integration.replay import replay
-from tests.integration.test_replay import HISTORIES
+from tests.integration.replay import keep, replay
 from workflows.signals import PERIOD_BLOCKED
 
 # The current month: `run` refuses a period long past, so a fixed one would expire.
@@ -152,10 +150,8 @@ async def replays(handle: WorkflowHandle[Any, PeriodSummary]) -> None:
     """The run's history replays with the current code (RECORD_HISTORIES=1 keeps it in
     tests/histories)."""
     history = await handle.fetch_history()
-    if os.environ.get("RECORD_HISTORIES"):
-        name = f"BillingPeriodWorkflow--{history.workflow_id}--{handle.result_run_id}.json"
-        (HISTORIES / name).write_text(history.to_json())
     await replay([history])
+    keep([history])
 
 
 async def cancelled_once_charging(
@@ -625,10 +621,8 @@ async def test_a_scheduled_launch_returns_once_its_period_has_started(harness: H
         history = await harness.client.get_workflow_handle(
             launcher.id, run_id=launcher.run_id
         ).fetch_history()
-        if os.environ.get("RECORD_HISTORIES"):
-            name = f"ScheduledBillingWorkflow--{history.workflow_id}--{launcher.run_id}.json"
-            (HISTORIES / name).write_text(history.to_json())
         await replay([history])
+        keep([history])
         assert (await period_status(harness.client, period)).state == "running"
         summary = await harness.client.get_workflow_handle(
             period_workflow_id(period), result_type=PeriodSummary

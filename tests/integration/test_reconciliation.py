@@ -4,7 +4,6 @@ clean period; Stripe is the emulator, Temporal and PostgreSQL are real."""
 from __future__ import annotations
 
 import asyncio
-import os
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -21,8 +20,8 @@ import starter
 from activities import reconcile as reconcile_activities
 from activities.reconcile import ReconcileActivities
 from activities.stripe_gateway import StripeGateway, charge_params
-from billing import ledger, operations, period_keys
-from billing.customers import CustomerRow
+from billing import ledger, operations, period_keys, reconciliation
+from billing.customers import CustomerRow, upsert_customers
 from billing.keys import (
     customer_workflow_id,
     idempotency_key,
@@ -53,8 +52,7 @@ from billing.schedules import RECONCILE_SCHEDULE_ID
 from billing.sealing import SecretBox, new_key
 from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
-from tests.integration.replay import replay
-from tests.integration.test_replay import HISTORIES
+from tests.integration.replay import keep, replay
 from vault.client import VaultAdmin
 from workflows.customer_charge import CustomerChargeWorkflow
 from workflows.reconcile import ReconcileWorkflow
@@ -171,9 +169,9 @@ async def test_a_period_with_thousands_of_findings_still_gets_its_report(
 ) -> None:
     # E.g. every customer charged a second time under a new key namespace: 8,000 findings of
     # about 330 bytes each once passed Temporal's 2 MB payload limit, and the workflow task
-    # failed for ever. Stripe is stood in for by pages of findings. Past the report's room,
-    # the pages send only charge ids and kinds, so that 150,000 findings stay far within the
-    # history's 50 MB.
+    # failed for ever. Stripe is stood in for by pages of findings. Past the report's room the
+    # pages only count them, and the comparison continues as new as its history grows (each
+    # page adds about 6 events: a million customers once passed the limit of 51,200).
     total, size = 8000, 200
     rooms: list[int] = []
 
@@ -197,10 +195,11 @@ async def test_a_period_with_thousands_of_findings_still_gets_its_report(
             for i in range(size)
         ]
         end = start + size
-        in_full, unlisted = for_listing(findings, request.listed_room)
+        in_full, unlisted, counts = for_listing(findings, request.listed_room, shared=set())
         return ChargesPage(
             findings=in_full,
             unlisted=unlisted,
+            unlisted_counts=counts,
             customers=size,
             charges=2 * size,
             unchecked=[],
@@ -210,10 +209,64 @@ async def test_a_period_with_thousands_of_findings_still_gets_its_report(
     monkeypatch.setattr(
         ReconcileActivities, "compare_charges", activity.defn(name="reconcile_charges_page")(page)
     )
-    report = await asyncio.wait_for(reconcile(harness), timeout=120)
+    limit = 100
+    request = ReconcileInput(period=str(PERIOD), history_event_limit=limit, page_size=size)
+    report, handle = await asyncio.wait_for(reconciled_with(harness, request), timeout=120)
     assert report.finding_counts == {"duplicate": total}
     assert len(report.findings) == MAX_LISTED
     assert rooms == [MAX_LISTED - size * i for i in range(5)] + [0] * 35
+    assert (report.customers_checked, report.charges_checked) == (total, 2 * total)
+    assert len(await harness.chain_of_runs(handle.id, bound=limit + 10)) > 2
+
+
+@pytest.mark.parametrize("how", ["renamed", "moved"])
+async def test_a_charge_listed_under_two_of_ours_is_counted_once_past_the_reports_room(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    # Two customers of ours list one Stripe customer's charges, each on a page of its own:
+    # the old id of a renamed customer, or a new id given the Stripe customer of one billed
+    # under another since. Past the report's room, the pages count what no other page can
+    # list again, and send the rest by charge id.
+    monkeypatch.setattr(reconciliation, "MAX_LISTED", 0)
+    first = await billed(harness, 2)
+    assert first.payment_method is not None
+    for row in await harness.ledger_rows(str(PERIOD)):
+        claim = first.model_copy(
+            update={
+                "customer_id": row["customer_id"],
+                "stripe_customer_id": row["stripe_customer_id"],
+                "payment_method": row["payment_method"],
+                "idempotency_key": row["idempotency_key"] + "-retry",
+            }
+        )
+        await plant(harness, claim, claim.idempotency_key)
+    again = CustomerRow(
+        customer_id=f"{first.customer_id}-again",
+        stripe_customer_id=first.stripe_customer_id,
+        payment_method=first.payment_method,
+        amount_cents=first.amount_cents,
+        currency=first.currency,
+    )
+    await upsert_customers(harness.pool, [again])
+    if how == "renamed":
+        await harness.pool.execute(
+            "UPDATE customers SET active = false WHERE customer_id = $1", again.customer_id
+        )
+    else:
+        await harness.pool.execute(
+            "UPDATE customers SET stripe_customer_id = 'cus_since' WHERE customer_id = $1",
+            first.customer_id,
+        )
+    # Each run compares a page or two, then continues as new with what it found.
+    request = ReconcileInput(period=str(PERIOD), page_size=1, history_event_limit=20)
+    report, handle = await reconciled_with(harness, request)
+    # The shared Stripe customer's two charges, listed under each of the two.
+    assert report.customers_checked == 3 and report.charges_checked == 6
+    assert report.findings == [] and report.finding_counts == {"duplicate": 2}
+    runs = await harness.chain_of_runs(handle.id, bound=40)
+    await replay(runs)
+    if how == "renamed":
+        keep(runs)  # I6 for a reconciliation continued as new
 
 
 async def test_reconcile_exits_1_when_it_leaves_a_claim_for_a_person(vaulted: Harness) -> None:
@@ -653,10 +706,7 @@ async def test_a_redrive_still_retried_holds_one_place_and_the_claims_after_go_o
     assert await vaulted.succeeded() == len(quick)
     # I6 with a claim waiting for a place: RECORD_HISTORIES=1 keeps the run.
     await replay([history])
-    if os.environ.get("RECORD_HISTORIES"):
-        run_id = (await handle.describe()).run_id
-        name = f"ReconcileWorkflow--{history.workflow_id}--{run_id}.json"
-        (HISTORIES / name).write_text(history.to_json())
+    keep([history])
 
 
 async def test_an_unknown_reservation_changed_lately_is_not_released_yet(
@@ -1155,13 +1205,7 @@ async def test_the_daily_schedule_reconciles_the_latest_period_billed(harness: H
     await handle.delete()
     # I6 for both new paths: RECORD_HISTORIES=1 keeps them in tests/histories.
     await replay([nothing, latest])
-    if os.environ.get("RECORD_HISTORIES"):
-        for history in (nothing, latest):
-            run_id = history.events[
-                0
-            ].workflow_execution_started_event_attributes.original_execution_run_id
-            name = f"ScheduledBillingWorkflow--{history.workflow_id}--{run_id}.json"
-            (HISTORIES / name).write_text(history.to_json())
+    keep([nothing, latest])
 
 
 async def test_a_reconcile_history_replays(harness: Harness) -> None:
@@ -1174,7 +1218,4 @@ async def test_a_reconcile_history_replays(harness: Harness) -> None:
     handle = harness.client.get_workflow_handle(reconcile_workflow_id(PERIOD))
     history: WorkflowHistory = await handle.fetch_history()
     await replay([history])
-    if os.environ.get("RECORD_HISTORIES"):
-        run_id = (await handle.describe()).run_id
-        name = f"ReconcileWorkflow--{history.workflow_id}--{run_id}.json"
-        (HISTORIES / name).write_text(history.to_json())
+    keep([history])

@@ -6,9 +6,6 @@ writes them anew). A workflow change that breaks determinism fails here.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 from temporalio.client import WorkflowHistory
 
@@ -16,9 +13,8 @@ from billing.models import RunOptions
 from billing.periods import Period
 from billing.runs import start_period
 from tests.integration.harness import Harness
-from tests.integration.replay import replay
+from tests.integration.replay import HISTORIES, keep, replay
 
-HISTORIES = Path(__file__).resolve().parent.parent / "histories"
 KEPT_CHILDREN = ("-cust-000001--", "-cust-000002--")
 
 
@@ -56,9 +52,9 @@ async def test_fresh_run_replays(harness: Harness) -> None:
     assert any(name.startswith("CustomerChargeWorkflow") for name in histories)
     await replay(histories.values())
     assert sum(name.startswith("BillingPeriodWorkflow") for name in histories) > 1
-    if os.environ.get("RECORD_HISTORIES"):
-        # Every period run, and the children of a charged and a declined customer.
-        HISTORIES.mkdir(exist_ok=True)
-        for name, history in histories.items():
-            if name.startswith("BillingPeriodWorkflow") or any(c in name for c in KEPT_CHILDREN):
-                (HISTORIES / f"{name}.json").write_text(history.to_json())
+    # Every period run, and the children of a charged and a declined customer.
+    keep(
+        history
+        for name, history in histories.items()
+        if name.startswith("BillingPeriodWorkflow") or any(c in name for c in KEPT_CHILDREN)
+    )

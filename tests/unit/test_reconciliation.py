@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ActivityError, RetryState
 
 from billing import reconciliation
@@ -211,23 +212,28 @@ def test_a_comparison_counts_every_finding_once_and_lists_a_bounded_number(
     assert (compared.unchecked_customers, compared.unchecked_count) == (["a", "b", "c"], 4)
 
 
-def test_findings_past_the_reports_room_travel_as_charge_and_kind_only() -> None:
-    found = [finding("ch_1"), finding("ch_2", "orphan"), finding("ch_3")]
-    in_full, unlisted = for_listing(found, 1)
+def test_findings_past_the_reports_room_travel_as_counts_or_charge_ids() -> None:
+    # Past the room, a finding is counted only; by charge id if its Stripe customer is
+    # another customer's of ours too, whose page lists the same charge again.
+    own = finding("ch_4").model_copy(update={"stripe_customer_id": "cus_own"})
+    found = [finding("ch_1"), finding("ch_2", "orphan"), finding("ch_3"), own]
+    in_full, unlisted, counts = for_listing(found, 1, shared={"cus_1"})
     assert [f.charge_id for f in in_full] == ["ch_1"]
     assert unlisted == {"ch_2": "orphan", "ch_3": "duplicate"}
+    assert counts == {"duplicate": 1}
     compared = Comparison()
     compared.add(
         ChargesPage(
             findings=in_full,
             unlisted=unlisted,
+            unlisted_counts=counts,
             customers=3,
             charges=6,
             unchecked=[],
             next_cursor="x",
         )
     )
-    # A shared Stripe customer's charge, listed again on a later page: counted once.
+    # The shared Stripe customer's charge, listed again on a later page: counted once.
     compared.add(
         ChargesPage(
             findings=[],
@@ -238,8 +244,41 @@ def test_findings_past_the_reports_room_travel_as_charge_and_kind_only() -> None
             next_cursor=None,
         )
     )
-    assert compared.finding_counts == {"duplicate": 2, "orphan": 1}
+    assert compared.finding_counts == {"duplicate": 3, "orphan": 1}
     assert [f.charge_id for f in compared.findings] == ["ch_1"]
+    # Only what another page may list again is remembered, so what a reconciliation
+    # carries when it continues as new stays small.
+    assert compared.seen == {"ch_1", "ch_2", "ch_3"}
+
+
+def test_a_comparison_carried_over_continue_as_new_goes_on_where_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(reconciliation, "MAX_LISTED", 2)
+    compared = Comparison()
+    compared.add(
+        ChargesPage(
+            findings=[finding("ch_1")],
+            customers=1,
+            charges=2,
+            unchecked=["a"],
+            next_cursor="x",
+        )
+    )
+    payload = pydantic_data_converter.payload_converter.to_payloads([compared])
+    [carried] = pydantic_data_converter.payload_converter.from_payloads(payload, [Comparison])
+    assert carried == compared and carried.room == 1
+    carried.add(
+        ChargesPage(
+            findings=[finding("ch_1"), finding("ch_2"), finding("ch_3")],
+            customers=1,
+            charges=4,
+            unchecked=[],
+            next_cursor=None,
+        )
+    )
+    assert [f.charge_id for f in carried.findings] == ["ch_1", "ch_2"]
+    assert carried.finding_counts == {"duplicate": 3} and carried.room == 0
 
 
 def test_a_report_says_how_many_findings_it_does_not_list() -> None:
