@@ -308,7 +308,7 @@ class ReconcileActivities:
         charges, _ = await self._read_for(
             claim, lambda g: g.period_charges(claim.stripe_customer_id, claim.period)
         )
-        held = [c for c in charges if c.customer_id == claim.customer_id]
+        held = [c for c in charges if c.customer_id == claim.customer_id and c.state == "made"]
         if not held:
             return None
         first = held[0]
@@ -413,6 +413,27 @@ class ReconcileActivities:
             update={"state": state, "amount_cents": info.committed_cents, "detail": elsewhere}
         )
 
+    async def _counted_here(
+        self,
+        period: str,
+        customers: list[CustomerToCheck],
+        found: list[list[StripeCharge] | None],
+    ) -> set[str]:
+        """The page's charges it counts when it only counts them: those listed under the
+        first customer of ours that their Stripe customer is listed under, whose page comes
+        first (if that customer's listing fails, it is reported unchecked; if it is skipped,
+        an inactive customer no key can read, the others' pages log the finding uncounted)."""
+        async with self._pool.acquire() as conn:
+            first = await ledger.first_listers(
+                conn, period, {c.stripe_customer_id for c in customers}
+            )
+        return {
+            charge.charge_id
+            for customer, listing in zip(customers, found, strict=True)
+            if first.get(customer.stripe_customer_id) == customer.customer_id
+            for charge in listing or []
+        }
+
     @activity.defn(name="reconcile_charges_page")
     async def compare_charges(self, request: ChargesPageRequest) -> ChargesPage:
         """One page of customers: their charges of the period on Stripe against the ledger."""
@@ -463,6 +484,11 @@ class ReconcileActivities:
             )
         unchecked = [c for c, listing in zip(customers, found, strict=True) if listing is None]
         findings = classify(charges, entries)
+        failed_later = [f for f in findings if f.kind == "failed_later"]
+        if failed_later:
+            async with self._pool.acquire() as conn:
+                for f in failed_later:
+                    await ledger.record_failed_later(conn, request.period, f)
         for f in findings:
             # Every one, where a person can find it: the report lists the first MAX_LISTED.
             logs.log_event(
@@ -480,16 +506,12 @@ class ReconcileActivities:
                 ledger_charge_id=f.ledger_charge_id,
                 key_prefix=f.key_prefix,
             )
-        shared: set[str] = set()
+        counted: set[str] = set()
         if len(findings) > request.listed_room:
-            async with self._pool.acquire() as conn:
-                shared = await ledger.shared_stripe_customers(
-                    conn, request.period, {f.stripe_customer_id or "" for f in findings}
-                )
-        in_full, unlisted, unlisted_counts = for_listing(findings, request.listed_room, shared)
+            counted = await self._counted_here(request.period, customers, found)
+        in_full, unlisted_counts = for_listing(findings, request.listed_room, counted)
         return ChargesPage(
             findings=in_full,
-            unlisted=unlisted,
             unlisted_counts=unlisted_counts,
             customers=len(customers),
             charges=len(charges),

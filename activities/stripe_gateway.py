@@ -10,7 +10,7 @@ import stripe
 
 from billing.ledger import SENT_DIRECT
 from billing.models import ChargeApi, ChargeFailure, ChargeResult, Claim
-from billing.reconciliation import INCOMPLETE_INTENT, StripeCharge
+from billing.reconciliation import INCOMPLETE_INTENT, ChargeState, StripeCharge
 from billing.redact import redact
 from vault.endpoints import FENCE_HEADER
 
@@ -185,21 +185,16 @@ class StripeGateway:
         )
 
     async def period_charges(self, stripe_customer_id: str, period: str) -> list[StripeCharge]:
-        """The customer's charges made (succeeded, or pending as a bank debit is for days)
-        whose metadata names the period, whatever their key: reconciliation compares them
-        with the ledger, and charges no claim of a customer Stripe holds one for. Listed as
-        Charges, whichever API made them: Stripe copies a PaymentIntent's metadata to its
-        charge when it confirms it, so a duplicate made through the other API is seen too. A
-        charge refunded in full is left out: a person has settled it."""
+        """The customer's charges whose metadata names the period, whatever their key and
+        state (made, refunded or failed): reconciliation compares them with the ledger, and
+        charges no claim of a customer Stripe holds one made for. Listed as Charges,
+        whichever API made them: Stripe copies a PaymentIntent's metadata to its charge when
+        it confirms it, so a duplicate made through the other API is seen too."""
         found = await _listed(
             self._client.v1.charges.list_async,
             stripe_customer_id,
             None,
-            lambda o: (
-                o.status in MADE_STATUSES
-                and not o.refunded
-                and _metadata(o, "billing_period") == period
-            ),
+            lambda o: _metadata(o, "billing_period") == period,
         )
         return [charge for o in found if (charge := _period_charge(o, period)) is not None]
 
@@ -270,12 +265,19 @@ async def _listed(
 
 
 def _period_charge(charge: stripe.Charge, period: str) -> StripeCharge | None:
-    """A charge made carrying our metadata, as reconciliation sees it."""
+    """A charge carrying our metadata, as reconciliation sees it."""
     customer_id = _metadata(charge, "customer_id")
     if customer_id is None:
         return None
+    state: ChargeState = "made"
+    if charge.status not in MADE_STATUSES:
+        state = "failed"
+    elif charge.refunded:
+        state = "refunded"
     return StripeCharge(
         charge_id=charge.id,
+        state=state,
+        failure_code=charge.failure_code if state == "failed" else None,
         payment_intent_id=_id(charge.payment_intent),
         amount_cents=charge.amount,
         currency=charge.currency,

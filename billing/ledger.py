@@ -35,7 +35,7 @@ from billing.models import (
     SkipResult,
     finished_outcome,
 )
-from billing.reconciliation import CustomerToCheck, LedgerEntry, OpenClaim
+from billing.reconciliation import CustomerToCheck, Finding, LedgerEntry, OpenClaim
 
 # A row a cancelled run wrote for a customer it never started: nothing of it reached Stripe.
 NEVER_STARTED = (
@@ -810,15 +810,18 @@ async def claim_by_key(conn: asyncpg.Connection, key: str) -> Claim | None:
     return None if row is None else Claim(**dict(row))
 
 
+# The Stripe customer whose charges reconciliation lists for customer `c`: the one its period's
+# row `r` charged (or would charge), else its own.
+_LISTED_UNDER = "coalesce(r.stripe_customer_id, c.stripe_customer_id)"
+
+
 async def customers_page(
     conn: asyncpg.Connection, period: str, after: str | None, limit: int
 ) -> list[CustomerToCheck]:
-    """Every customer, active or not, with the Stripe customer its period's row charged (or
-    would charge): whose charges reconciliation lists."""
+    """Every customer, active or not, with the Stripe customer it is listed under."""
     rows = await conn.fetch(
-        """
-        SELECT c.customer_id,
-               coalesce(r.stripe_customer_id, c.stripe_customer_id) AS stripe_customer_id,
+        f"""
+        SELECT c.customer_id, {_LISTED_UNDER} AS stripe_customer_id,
                coalesce(r.currency, c.currency) AS currency,
                r.customer_id IS NOT NULL AS in_ledger
         FROM customers c
@@ -832,25 +835,50 @@ async def customers_page(
     return [CustomerToCheck(**dict(row)) for row in rows]
 
 
-async def shared_stripe_customers(
+async def record_failed_later(conn: asyncpg.Connection, period: str, found: Finding) -> None:
+    """Record failed a customer's charge that Stripe failed after the ledger recorded it made
+    (a bank debit returned): the customer has not paid. Only while the row still records
+    that charge; reconciliation reports it (classify's failed_later)."""
+    await conn.execute(
+        """
+        UPDATE billing_runs
+        SET status = 'failed', failure_code = $4, updated_at = now(),
+            failure_message = 'Stripe failed the charge after it was recorded as made'
+        WHERE billing_period = $1 AND customer_id = $2 AND status = 'charged' AND charge_id = $3
+        """,
+        period,
+        found.customer_id,
+        found.charge_id,
+        found.failure_code or "failed_later",
+    )
+
+
+async def first_listers(
     conn: asyncpg.Connection, period: str, stripe_customer_ids: Collection[str]
-) -> set[str]:
-    """Those of the Stripe customers that more than one customer of ours has, now or in the
-    period's rows: reconciliation lists each such Stripe customer's charges under each.
+) -> dict[str, str]:
+    """For each of the Stripe customers, the first (least) id of ours that reconciliation
+    lists its charges under (customers_page): two of ours may share one (a renamed id).
     Indexed both ways (migrations/024)."""
     rows = await conn.fetch(
-        """
-        SELECT s FROM unnest($2::text[]) AS s
-        WHERE (SELECT count(*) FROM (
-                   SELECT customer_id FROM customers WHERE stripe_customer_id = s
-                   UNION
-                   SELECT customer_id FROM billing_runs
-                   WHERE billing_period = $1 AND stripe_customer_id = s) AS ours) > 1
+        f"""
+        WITH ours AS (
+            SELECT s, customer_id FROM unnest($2::text[]) AS s
+            JOIN customers ON stripe_customer_id = s
+            UNION
+            SELECT s, customer_id FROM unnest($2::text[]) AS s
+            JOIN billing_runs ON billing_period = $1 AND stripe_customer_id = s
+        )
+        SELECT o.s, min(c.customer_id) AS first
+        FROM ours o
+        JOIN customers c USING (customer_id)
+        LEFT JOIN billing_runs r ON r.customer_id = c.customer_id AND r.billing_period = $1
+        WHERE {_LISTED_UNDER} = o.s
+        GROUP BY o.s
         """,
         period,
         sorted(stripe_customer_ids),
     )
-    return {row["s"] for row in rows}
+    return {row["s"]: row["first"] for row in rows}
 
 
 async def ledger_entries(

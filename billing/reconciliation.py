@@ -14,8 +14,13 @@ from billing.models import ChargeFailure, Claim, Control, LedgerStatus, Outcome,
 # Where the customer's CustomerChargeWorkflow stands, as Temporal describes it.
 ChildState = Literal["running", "closed", "absent"]
 # orphan: no ledger row for the customer and period; duplicate: the row records another
-# charge; unrecorded: the row ended without a charge (failed, skipped, cancelled).
-FindingKind = Literal["orphan", "duplicate", "unrecorded"]
+# charge; unrecorded: the row ended without a charge (failed, skipped, cancelled);
+# failed_later: the row's charge, recorded as made, that Stripe then failed (a bank debit
+# returned), with no other charge made: the customer has not paid.
+FindingKind = Literal["orphan", "duplicate", "unrecorded", "failed_later"]
+# A charge on Stripe: made (succeeded, or pending as a bank debit is for days), refunded in
+# full (a person settled it), or failed.
+ChargeState = Literal["made", "refunded", "failed"]
 ClaimAction = Literal["recorded", "redriven", "left"]
 # An unknown reservation with no charge on Stripe is released only once it has not changed
 # for this long, by the vault's clock: Stripe may still commit a request the vault stopped
@@ -93,9 +98,12 @@ class CustomerToCheck(Record):
 
 
 class StripeCharge(Record):
-    """A succeeded charge on Stripe that carries our metadata."""
+    """A charge on Stripe that carries our metadata."""
 
     charge_id: str
+    state: ChargeState
+    # Stripe's, for a failed charge.
+    failure_code: str | None = None
     payment_intent_id: str | None
     amount_cents: int
     currency: str
@@ -124,6 +132,8 @@ class Finding(Record):
     key_prefix: str | None
     ledger_status: LedgerStatus | None
     ledger_charge_id: str | None
+    # Stripe's, for a charge that failed later.
+    failure_code: str | None = None
 
 
 # The most findings (and unchecked customers) a report lists: past Temporal's 2 MB payload
@@ -136,9 +146,9 @@ class ChargesPageRequest(Record):
     period: str
     after: str | None
     limit: int = Field(ge=1, le=1000)
-    # Findings the report can still list. The page sends the others as charge and kind only:
-    # each page's answer stays in the workflow's history, which 150,000 findings in full
-    # (every customer charged twice) would take past Temporal's 50 MB.
+    # Findings the report can still list. The page only counts the others: each page's
+    # answer stays in the workflow's history, which 150,000 findings in full (every customer
+    # charged twice) would take past Temporal's 50 MB.
     listed_room: int = Field(default=MAX_LISTED, ge=0)
 
 
@@ -151,28 +161,25 @@ class ChargesPage(Record):
     # customer was deleted there). A charge of theirs goes unseen.
     unchecked: list[str]
     next_cursor: str | None
-    # The page's findings past the report's room whose Stripe customer another customer of
-    # ours has too, so that another page may list them again: by charge id, counted once.
+    # Where pages of earlier releases (2a16b98 on) sent every finding past the report's room,
+    # by charge id, to be counted once; still counted so, for a run they answered.
     unlisted: dict[str, FindingKind] = Field(default_factory=dict)
-    # The page's other findings past the report's room: only counted, so that what the
-    # history keeps of a page is bounded however many customers were charged twice.
+    # The page's findings past the report's room, counted by the page of the first customer
+    # of ours listed under their Stripe customer (two may share one: a renamed id), so that
+    # each is counted once and what the history keeps of a page stays bounded.
     unlisted_counts: dict[FindingKind, int] = Field(default_factory=dict)
 
 
 def for_listing(
-    findings: list[Finding], room: int, shared: Collection[str]
-) -> tuple[list[Finding], dict[str, FindingKind], dict[FindingKind, int]]:
-    """The findings a page sends in full (as many as the report has room for); the others'
-    charge ids and kinds where their Stripe customer is `shared` with another customer of
-    ours; and how many of each kind the rest are."""
-    unlisted: dict[str, FindingKind] = {}
+    findings: list[Finding], room: int, counted_here: Collection[str]
+) -> tuple[list[Finding], dict[FindingKind, int]]:
+    """The findings a page sends in full (as many as the report has room for), and how many
+    of each kind the others are, of those whose charges are `counted_here`."""
     counts: dict[FindingKind, int] = {}
     for f in findings[room:]:
-        if f.stripe_customer_id is None or f.stripe_customer_id in shared:
-            unlisted[f.charge_id] = f.kind
-        else:
+        if f.charge_id in counted_here:
             counts[f.kind] = counts.get(f.kind, 0) + 1
-    return findings[:room], unlisted, counts
+    return findings[:room], counts
 
 
 class Comparison(BaseModel):
@@ -187,8 +194,8 @@ class Comparison(BaseModel):
     charges_checked: int = 0
     unchecked_customers: list[str] = Field(default_factory=list)
     unchecked_count: int = 0
-    # The charges of the findings listed, and of those unlisted that another page may show
-    # again: a Stripe customer shared by two of ours is listed under each.
+    # The charges of the findings listed: a Stripe customer shared by two of ours is listed
+    # under each.
     seen: set[str] = Field(default_factory=set)
 
     @property
@@ -336,26 +343,41 @@ def left_alone(
 
 
 def classify(charges: Iterable[StripeCharge], ledger: dict[str, LedgerEntry]) -> list[Finding]:
-    """Stripe's succeeded charges of the period that the ledger does not hold as the
-    customer's charge. `ledger` holds the period's rows by customer id.
+    """What of the period's charges on Stripe (as Stripe lists them, newest first) the ledger
+    does not account for. `ledger` holds the period's rows by customer id.
 
-    A row still claimed is judged on its second charge only: its claim is open (a live
-    workflow owns it, or this run could not resolve it and says so) and records one charge
-    when it is resolved, but whichever it records, any other is a duplicate.
+    While a row is still claimed, its customer's newest charge made stands for it (its open
+    claim records one charge when it is resolved, whichever): any other is a duplicate. When
+    a row's own charge is no longer made (refunded by a person, or failed later), its oldest
+    other charge made stands for it, so the one reported is the same from day to day. A
+    row's charge that failed later with none other made is reported, and so is every charge
+    made for a row that ended without one.
     """
-    findings: list[Finding] = []
-    seen: set[str] = set()
-    open_claims_charged: set[str] = set()
+    listed: dict[str, StripeCharge] = {}
     for charge in charges:
-        if charge.charge_id in seen:
+        listed.setdefault(charge.charge_id, charge)
+    # Rows whose own charge Stripe shows refunded or failed: the customer has paid only if
+    # another charge was made.
+    unmade: dict[str, StripeCharge] = {}
+    for customer_id, row in ledger.items():
+        own = listed.get(row.charge_id or "")
+        if row.status == "charged" and own is not None and own.state != "made":
+            unmade[customer_id] = own
+    stands: dict[str, str] = {}  # customer id: the charge that stands for its row
+    for charge in listed.values():
+        if charge.state != "made":
             continue
-        seen.add(charge.charge_id)
         entry = ledger.get(charge.customer_id)
         if entry is not None and entry.status == "claimed":
-            if charge.customer_id not in open_claims_charged:
-                open_claims_charged.add(charge.customer_id)
-                continue
-        elif entry is not None and entry.charge_id == charge.charge_id:
+            stands.setdefault(charge.customer_id, charge.charge_id)
+        elif charge.customer_id in unmade:
+            stands[charge.customer_id] = charge.charge_id
+    findings: list[Finding] = []
+    for charge in listed.values():
+        entry = ledger.get(charge.customer_id)
+        if charge.state != "made" or charge.charge_id == stands.get(charge.customer_id):
+            continue
+        if entry is not None and entry.charge_id == charge.charge_id:
             continue
         if entry is None:
             kind: FindingKind = "orphan"
@@ -363,21 +385,27 @@ def classify(charges: Iterable[StripeCharge], ledger: dict[str, LedgerEntry]) ->
             kind = "duplicate"
         else:
             kind = "unrecorded"
-        findings.append(
-            Finding(
-                kind=kind,
-                charge_id=charge.charge_id,
-                payment_intent_id=charge.payment_intent_id,
-                customer_id=charge.customer_id,
-                stripe_customer_id=charge.stripe_customer_id,
-                amount_cents=charge.amount_cents,
-                currency=charge.currency,
-                key_prefix=charge.billing_key[:8] if charge.billing_key else None,
-                ledger_status=entry.status if entry else None,
-                ledger_charge_id=entry.charge_id if entry else None,
-            )
-        )
+        findings.append(_finding(kind, charge, entry))
+    for customer_id, own in unmade.items():
+        if own.state == "failed" and customer_id not in stands:
+            findings.append(_finding("failed_later", own, ledger[customer_id]))
     return findings
+
+
+def _finding(kind: FindingKind, charge: StripeCharge, entry: LedgerEntry | None) -> Finding:
+    return Finding(
+        kind=kind,
+        charge_id=charge.charge_id,
+        payment_intent_id=charge.payment_intent_id,
+        customer_id=charge.customer_id,
+        stripe_customer_id=charge.stripe_customer_id,
+        amount_cents=charge.amount_cents,
+        currency=charge.currency,
+        key_prefix=charge.billing_key[:8] if charge.billing_key else None,
+        ledger_status=entry.status if entry else None,
+        ledger_charge_id=entry.charge_id if entry else None,
+        failure_code=charge.failure_code if kind == "failed_later" else None,
+    )
 
 
 ReconcileInput.model_rebuild()  # `carried` names a model defined after it

@@ -188,7 +188,7 @@ def describe_reconciliation(report: ReconcileReport) -> str:
     lines.append(
         f"  Stripe: {report.charges_checked} charges of {report.customers_checked} customers"
         f" checked; {counts.get('duplicate', 0)} duplicates, {counts.get('orphan', 0)} orphans,"
-        f" {counts.get('unrecorded', 0)} unrecorded"
+        f" {counts.get('unrecorded', 0)} unrecorded, {counts.get('failed_later', 0)} failed later"
         + _listed_of(len(report.findings), sum(counts.values()), "reconcile_finding")
     )
     lines += [

@@ -195,10 +195,10 @@ async def test_a_period_with_thousands_of_findings_still_gets_its_report(
             for i in range(size)
         ]
         end = start + size
-        in_full, unlisted, counts = for_listing(findings, request.listed_room, shared=set())
+        every = {f.charge_id for f in findings}
+        in_full, counts = for_listing(findings, request.listed_room, counted_here=every)
         return ChargesPage(
             findings=in_full,
-            unlisted=unlisted,
             unlisted_counts=counts,
             customers=size,
             charges=2 * size,
@@ -219,14 +219,14 @@ async def test_a_period_with_thousands_of_findings_still_gets_its_report(
     assert len(await harness.chain_of_runs(handle.id, bound=limit + 10)) > 2
 
 
-@pytest.mark.parametrize("how", ["renamed", "moved"])
-async def test_a_charge_listed_under_two_of_ours_is_counted_once_past_the_reports_room(
-    harness: Harness, monkeypatch: pytest.MonkeyPatch, how: str
+@pytest.mark.parametrize(("how", "customers"), [("renamed", 4), ("moved", 3)])
+async def test_findings_past_the_reports_room_are_each_counted_once(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, how: str, customers: int
 ) -> None:
-    # Two customers of ours list one Stripe customer's charges, each on a page of its own:
-    # the old id of a renamed customer, or a new id given the Stripe customer of one billed
-    # under another since. Past the report's room, the pages count what no other page can
-    # list again, and send the rest by charge id.
+    # Past the report's room, a page counts its findings only if it is the first listed under
+    # their Stripe customer. Two of ours share one when a customer was renamed (its old id
+    # inactive), each listed on a page of its own; a customer given another Stripe customer
+    # since it was billed is listed under the one its row charged.
     monkeypatch.setattr(reconciliation, "MAX_LISTED", 0)
     first = await billed(harness, 2)
     assert first.payment_method is not None
@@ -240,15 +240,15 @@ async def test_a_charge_listed_under_two_of_ours_is_counted_once_past_the_report
             }
         )
         await plant(harness, claim, claim.idempotency_key)
-    again = CustomerRow(
-        customer_id=f"{first.customer_id}-again",
-        stripe_customer_id=first.stripe_customer_id,
-        payment_method=first.payment_method,
-        amount_cents=first.amount_cents,
-        currency=first.currency,
-    )
-    await upsert_customers(harness.pool, [again])
     if how == "renamed":
+        again = CustomerRow(
+            customer_id=f"{first.customer_id}-again",
+            stripe_customer_id=first.stripe_customer_id,
+            payment_method=first.payment_method,
+            amount_cents=first.amount_cents,
+            currency=first.currency,
+        )
+        await upsert_customers(harness.pool, [again])
         await harness.pool.execute(
             "UPDATE customers SET active = false WHERE customer_id = $1", again.customer_id
         )
@@ -257,16 +257,29 @@ async def test_a_charge_listed_under_two_of_ours_is_counted_once_past_the_report
             "UPDATE customers SET stripe_customer_id = 'cus_since' WHERE customer_id = $1",
             first.customer_id,
         )
+    # And a claim whose worker was lost after Stripe charged it: what the run settles before
+    # it compares is carried to the end too.
+    [late] = await harness.seed(1, prefix="late")
+    charged = await stranded(harness, late, at_stripe=True)
     # Each run compares a page or two, then continues as new with what it found.
     request = ReconcileInput(period=str(PERIOD), page_size=1, history_event_limit=20)
     report, handle = await reconciled_with(harness, request)
-    # The shared Stripe customer's two charges, listed under each of the two.
-    assert report.customers_checked == 3 and report.charges_checked == 6
+    # Two charges for each customer billed, the renamed one's listed under both of its ids.
+    assert report.customers_checked == customers
+    assert report.charges_checked == 2 * customers - 1
     assert report.findings == [] and report.finding_counts == {"duplicate": 2}
+    [recorded] = report.claims
+    assert (recorded.customer_id, recorded.action, recorded.outcome) == (
+        charged.customer_id,
+        "recorded",
+        "charged",
+    )
     runs = await harness.chain_of_runs(handle.id, bound=40)
     await replay(runs)
     if how == "renamed":
-        keep(runs)  # I6 for a reconciliation continued as new
+        # I6 for a reconciliation continued as new, from a carried input too.
+        assert len(runs) > 2
+        keep(runs)
 
 
 async def test_reconcile_exits_1_when_it_leaves_a_claim_for_a_person(vaulted: Harness) -> None:
@@ -1036,6 +1049,56 @@ async def test_a_duplicate_refunded_in_full_is_no_longer_reported(harness: Harne
     # The person refunded one duplicate in full; the other keeps all but a cent.
     report = await reconcile(harness)
     assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", partly)]
+
+
+async def test_a_duplicate_whose_ledger_charge_was_refunded_instead_is_not_reported(
+    harness: Harness,
+) -> None:
+    # Of two charges, a person refunded the one the ledger records: the customer has paid
+    # once, by the other, which was reported as a duplicate every day all the same.
+    claim = await billed(harness, 2)
+    [row] = [
+        r for r in await harness.ledger_rows(str(PERIOD)) if r["customer_id"] == claim.customer_id
+    ]
+    await plant(harness, claim, claim.idempotency_key + "-retry")
+    await harness.stripe.v1.refunds.create_async({"charge": row["charge_id"]})
+    report = await reconcile(harness)
+    assert report.findings == [] and not report.needs_a_person
+    # A third charge is one too many again.
+    third = await plant(harness, claim, claim.idempotency_key + "-again")
+    report = await reconcile(harness)
+    assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", third)]
+
+
+async def test_a_charge_that_failed_after_it_was_recorded_is_reported_and_recorded_failed(
+    harness: Harness,
+) -> None:
+    # A bank debit is recorded while pending; days later the bank returns it and Stripe fails
+    # it. The emulator makes no pending charges: the ledger is set to hold a failed charge
+    # as made, which is what the worker recorded then.
+    customers = await harness.seed(
+        2, card_for=lambda i: "pm_card_chargeCustomerFail" if i == 1 else "pm_card_visa"
+    )
+    await bill(harness)
+    debtor = customers[0]
+    [returned] = [c["id"] for c in await harness.charges() if c["status"] == "failed"]
+    await harness.pool.execute(
+        "UPDATE billing_runs SET status = 'charged', charge_id = $2, failure_code = NULL"
+        " WHERE customer_id = $1",
+        debtor.customer_id,
+        returned,
+    )
+    async with harness.running_worker():
+        code, out, _ = await harness.starter("reconcile", str(PERIOD))
+    assert code == 1, out
+    assert f"FAILED_LATER {returned} {debtor.amount_cents}" in out and "1 failed later" in out
+    # Recorded failed, with Stripe's code: the customer has not paid, and is reported once.
+    [row] = [
+        r for r in await harness.ledger_rows(str(PERIOD)) if r["customer_id"] == debtor.customer_id
+    ]
+    assert (row["status"], row["failure_code"]) == ("failed", "card_declined")
+    report = await reconcile(harness)
+    assert report.findings == [] and not report.needs_a_person
 
 
 async def test_a_duplicate_made_through_the_other_api_is_reported(harness: Harness) -> None:

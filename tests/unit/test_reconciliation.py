@@ -19,6 +19,7 @@ from billing.reconciliation import (
     INCOMPLETE_INTENT,
     RELEASE_AFTER,
     ChargesPage,
+    ChargeState,
     ChildState,
     ClaimResolution,
     Comparison,
@@ -48,9 +49,16 @@ def open_claim(*, sent: bool = True, control: Control | None = None) -> OpenClai
     return OpenClaim(claim=CLAIM, sent=sent, control=control)
 
 
-def charge(charge_id: str, customer_id: str = "cust-1", amount: int = 1000) -> StripeCharge:
+def charge(
+    charge_id: str,
+    customer_id: str = "cust-1",
+    amount: int = 1000,
+    state: ChargeState = "made",
+) -> StripeCharge:
     return StripeCharge(
         charge_id=charge_id,
+        state=state,
+        failure_code="debit_not_authorized" if state == "failed" else None,
         payment_intent_id="pi_" + charge_id,
         amount_cents=amount,
         currency="usd",
@@ -147,6 +155,45 @@ def test_an_open_claims_second_charge_is_a_duplicate_whichever_it_records() -> N
     )
 
 
+def test_a_recorded_charge_that_failed_later_is_reported_with_stripes_code() -> None:
+    # A bank debit recorded while pending, then returned: the customer has not paid.
+    [finding] = classify([charge("ch_1", state="failed")], {"cust-1": entry("ch_1")})
+    assert (finding.kind, finding.charge_id, finding.ledger_status) == (
+        "failed_later",
+        "ch_1",
+        "charged",
+    )
+    assert finding.failure_code == "debit_not_authorized"
+
+
+def test_once_recorded_failed_a_charge_that_failed_later_is_reported_no_more() -> None:
+    assert classify([charge("ch_1", state="failed")], {"cust-1": entry("ch_1", "failed")}) == []
+
+
+@pytest.mark.parametrize("state", ["refunded", "failed"])
+def test_another_charge_stands_for_the_rows_when_that_is_no_longer_made(
+    state: ChargeState,
+) -> None:
+    # A duplicate of which a person refunded the one the ledger records: paid once. Past
+    # the oldest (Stripe lists the newest first), the others are still duplicates.
+    charges = [charge("ch_3"), charge("ch_2"), charge("ch_1", state=state)]
+    [finding] = classify(charges, {"cust-1": entry("ch_1")})
+    assert (finding.kind, finding.charge_id, finding.ledger_charge_id) == (
+        "duplicate",
+        "ch_3",
+        "ch_1",
+    )
+    assert classify(charges[1:], {"cust-1": entry("ch_1")}) == []
+
+
+def test_a_refunded_charge_is_no_finding_and_a_failed_one_no_charge() -> None:
+    # Refunded in full: a person settled it. Failed: the customer was never charged.
+    refunded = charge("ch_1", state="refunded")
+    assert classify([refunded], {"cust-1": entry("ch_1")}) == []
+    assert classify([charge("ch_2", state="failed")], {"cust-1": entry(None, "failed")}) == []
+    assert classify([charge("ch_9", customer_id="cust-9", state="refunded")], {}) == []
+
+
 @given(st.lists(st.sampled_from(["ch_1", "ch_2", "ch_3"]), max_size=8))
 def test_each_charge_is_reported_at_most_once_and_never_the_ledgers(ids: list[str]) -> None:
     findings = classify([charge(i) for i in ids], {"cust-1": entry("ch_1")})
@@ -212,43 +259,43 @@ def test_a_comparison_counts_every_finding_once_and_lists_a_bounded_number(
     assert (compared.unchecked_customers, compared.unchecked_count) == (["a", "b", "c"], 4)
 
 
-def test_findings_past_the_reports_room_travel_as_counts_or_charge_ids() -> None:
-    # Past the room, a finding is counted only; by charge id if its Stripe customer is
-    # another customer's of ours too, whose page lists the same charge again.
-    own = finding("ch_4").model_copy(update={"stripe_customer_id": "cus_own"})
-    found = [finding("ch_1"), finding("ch_2", "orphan"), finding("ch_3"), own]
-    in_full, unlisted, counts = for_listing(found, 1, shared={"cus_1"})
+def test_findings_past_the_reports_room_are_counted_where_the_page_says() -> None:
+    # Past the room a finding is only counted, and only by the page of the first customer
+    # of ours listed under its Stripe customer: another's page lists the same charge again.
+    found = [finding("ch_1"), finding("ch_2", "orphan"), finding("ch_3"), finding("ch_4")]
+    in_full, counts = for_listing(found, 1, counted_here={"ch_1", "ch_2", "ch_4"})
     assert [f.charge_id for f in in_full] == ["ch_1"]
-    assert unlisted == {"ch_2": "orphan", "ch_3": "duplicate"}
-    assert counts == {"duplicate": 1}
+    assert counts == {"orphan": 1, "duplicate": 1}
     compared = Comparison()
-    compared.add(
-        ChargesPage(
-            findings=in_full,
-            unlisted=unlisted,
-            unlisted_counts=counts,
-            customers=3,
-            charges=6,
-            unchecked=[],
-            next_cursor="x",
-        )
+    page = ChargesPage(
+        findings=in_full,
+        unlisted_counts=counts,
+        customers=3,
+        charges=6,
+        unchecked=[],
+        next_cursor="x",
     )
-    # The shared Stripe customer's charge, listed again on a later page: counted once.
-    compared.add(
-        ChargesPage(
-            findings=[],
-            unlisted={"ch_3": "duplicate"},
-            customers=1,
-            charges=1,
-            unchecked=[],
-            next_cursor=None,
-        )
-    )
-    assert compared.finding_counts == {"duplicate": 3, "orphan": 1}
+    compared.add(page)
+    assert compared.finding_counts == {"duplicate": 2, "orphan": 1}
     assert [f.charge_id for f in compared.findings] == ["ch_1"]
-    # Only what another page may list again is remembered, so what a reconciliation
-    # carries when it continues as new stays small.
-    assert compared.seen == {"ch_1", "ch_2", "ch_3"}
+    # What a reconciliation carries when it continues as new stays small.
+    assert compared.seen == {"ch_1"}
+
+
+def test_findings_a_page_of_an_earlier_release_sent_by_charge_id_are_counted_once() -> None:
+    compared = Comparison()
+    for _ in range(2):
+        compared.add(
+            ChargesPage(
+                findings=[],
+                unlisted={"ch_3": "duplicate"},
+                customers=1,
+                charges=1,
+                unchecked=[],
+                next_cursor=None,
+            )
+        )
+    assert compared.finding_counts == {"duplicate": 1}
 
 
 def test_a_comparison_carried_over_continue_as_new_goes_on_where_it_was(
@@ -298,7 +345,10 @@ def test_a_report_says_how_many_findings_it_does_not_list() -> None:
         unchecked_count=7,
     )
     text = describe_reconciliation(report)
-    assert "4000 duplicates, 0 orphans, 0 unrecorded (the first 2 of 4000 listed here" in text
+    assert (
+        "4000 duplicates, 0 orphans, 0 unrecorded, 0 failed later"
+        " (the first 2 of 4000 listed here" in text
+    )
     assert "c-1 (the first 1 of 7 listed here" in text
 
 

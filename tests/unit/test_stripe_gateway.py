@@ -82,17 +82,25 @@ async def test_a_charge_made_is_found_as_charged_while_pending_too(status: str) 
 
 
 @pytest.mark.parametrize(
-    ("status", "listed"), [("succeeded", True), ("pending", True), ("failed", False)]
+    ("status", "refunded", "state"),
+    [
+        ("succeeded", False, "made"),
+        ("pending", False, "made"),
+        ("succeeded", True, "refunded"),
+        ("failed", False, "failed"),
+    ],
 )
-async def test_a_periods_charges_include_a_bank_debit_still_pending(
-    status: str, listed: bool
+async def test_a_periods_charges_are_listed_with_their_state(
+    status: str, refunded: bool, state: str
 ) -> None:
     # Made under another key (an earlier namespace, a script): a pending one is a charge
-    # all the same, which a re-drive must not double, nor the comparison miss.
-    made = charge(status, customer="cus_1", refunded=False)
-    made.metadata.update({"billing_period": CLAIM.period, "customer_id": CLAIM.customer_id})
-    found = await gateway(Listing([made])).period_charges("cus_1", CLAIM.period)
-    assert [c.charge_id for c in found] == ([f"ch_{status}"] if listed else [])
+    # all the same, which a re-drive must not double, nor the comparison miss. A failed one
+    # is listed too: the ledger may hold it as made (a bank debit that failed later).
+    listed = charge(status, customer="cus_1", refunded=refunded, failure_code="card_declined")
+    listed.metadata.update({"billing_period": CLAIM.period, "customer_id": CLAIM.customer_id})
+    [found] = await gateway(Listing([listed])).period_charges("cus_1", CLAIM.period)
+    assert (found.charge_id, found.state) == (f"ch_{status}", state)
+    assert found.failure_code == ("card_declined" if state == "failed" else None)
 
 
 async def test_a_failed_charge_is_found_as_failed_with_stripes_code() -> None:
