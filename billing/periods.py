@@ -45,14 +45,15 @@ class Period:
     def ends_at(self) -> datetime:
         """First instant after the period (exclusive end); past MAX_YEAR too, where no
         Period is (a key for 2999-12 expires in 3000)."""
-        return datetime(*self._following(), 1, tzinfo=UTC)
+        return datetime(*self.later(1), 1, tzinfo=UTC)
 
     def next(self) -> Period:
-        return Period(*self._following())
+        return Period(*self.later(1))
 
-    def _following(self) -> tuple[int, int]:
-        """The next month's year and month, unchecked."""
-        return self.year + self.month // 12, self.month % 12 + 1
+    def later(self, months: int) -> tuple[int, int]:
+        """The year and month `months` after this one, unchecked: past MAX_YEAR too."""
+        year, month = divmod(self.year * 12 + self.month - 1 + months, 12)
+        return year, month + 1
 
     def previous(self) -> Period:
         return Period(self.year - (self.month == 1), (self.month - 2) % 12 + 1)

@@ -188,13 +188,12 @@ def backfill_window(
     the month itself (advance), in the schedule's zone."""
     if last < first:
         raise InvalidInputError(f"backfill ends ({last}) before it starts ({first})")
-    start, end = (
-        (first.next(), last.next().next()) if billing == "arrears" else (first, last.next())
-    )
+    billed_after = 1 if billing == "arrears" else 0
     zone = ZoneInfo(time_zone)
+    # Unchecked months: the run that bills 2999-12 in arrears is in 3000.
     return (
-        datetime(start.year, start.month, 1, tzinfo=zone),
-        datetime(end.year, end.month, 1, tzinfo=zone) - timedelta(seconds=1),
+        datetime(*first.later(billed_after), 1, tzinfo=zone),
+        datetime(*last.later(billed_after + 1), 1, tzinfo=zone) - timedelta(seconds=1),
     )
 
 

@@ -41,7 +41,7 @@ from billing.models import (
     RunOptions,
     SkipRequest,
 )
-from billing.periods import Period, period_for
+from billing.periods import Billing, Period, period_for
 from billing.preview import preview_period
 from billing.reporting import describe_preview
 from billing.runs import period_status, start_period
@@ -959,6 +959,22 @@ def test_backfill_window_is_in_the_schedules_zone() -> None:
     assert start.isoformat() == "2026-02-01T00:00:00+01:00"
     assert end - start < timedelta(days=91)
     assert end.month == 4
+
+
+@pytest.mark.parametrize(
+    ("billing", "run", "after"),
+    [("arrears", (3000, 1), (3000, 2)), ("advance", (2999, 12), (3000, 1))],
+)
+def test_backfill_window_of_the_last_period_there_is(
+    billing: Billing, run: tuple[int, int], after: tuple[int, int]
+) -> None:
+    # Its run in arrears is in the year 3000, where no period is: once a crash, not a window.
+    last = Period(2999, 12)
+    start, end = schedules.backfill_window(last, last, billing, "UTC")
+    assert (start, end) == (
+        datetime(*run, 1, tzinfo=UTC),
+        datetime(*after, 1, tzinfo=UTC) - timedelta(seconds=1),
+    )
 
 
 async def test_a_pause_of_a_paused_run_and_a_resume_of_a_running_one_are_refused(
