@@ -484,11 +484,6 @@ class ReconcileActivities:
             )
         unchecked = [c for c, listing in zip(customers, found, strict=True) if listing is None]
         findings = classify(charges, entries)
-        failed_later = [f for f in findings if f.kind == "failed_later"]
-        if failed_later:
-            async with self._pool.acquire() as conn:
-                for f in failed_later:
-                    await ledger.record_failed_later(conn, request.period, f)
         for f in findings:
             # Every one, where a person can find it: the report lists the first MAX_LISTED.
             logs.log_event(
@@ -514,7 +509,7 @@ class ReconcileActivities:
             findings=in_full,
             unlisted_counts=unlisted_counts,
             customers=len(customers),
-            charges=len(charges),
+            charges=sum(c.state == "made" for c in charges),
             unchecked=[c.customer_id for c in unchecked],
             next_cursor=customers[-1].customer_id if len(customers) == request.limit else None,
         )

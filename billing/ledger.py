@@ -35,7 +35,7 @@ from billing.models import (
     SkipResult,
     finished_outcome,
 )
-from billing.reconciliation import CustomerToCheck, Finding, LedgerEntry, OpenClaim
+from billing.reconciliation import CustomerToCheck, LedgerEntry, OpenClaim
 
 # A row a cancelled run wrote for a customer it never started: nothing of it reached Stripe.
 NEVER_STARTED = (
@@ -833,24 +833,6 @@ async def customers_page(
         limit,
     )
     return [CustomerToCheck(**dict(row)) for row in rows]
-
-
-async def record_failed_later(conn: asyncpg.Connection, period: str, found: Finding) -> None:
-    """Record failed a customer's charge that Stripe failed after the ledger recorded it made
-    (a bank debit returned): the customer has not paid. Only while the row still records
-    that charge; reconciliation reports it (classify's failed_later)."""
-    await conn.execute(
-        """
-        UPDATE billing_runs
-        SET status = 'failed', failure_code = $4, updated_at = now(),
-            failure_message = 'Stripe failed the charge after it was recorded as made'
-        WHERE billing_period = $1 AND customer_id = $2 AND status = 'charged' AND charge_id = $3
-        """,
-        period,
-        found.customer_id,
-        found.charge_id,
-        found.failure_code or "failed_later",
-    )
 
 
 async def first_listers(

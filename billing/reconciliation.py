@@ -16,7 +16,9 @@ ChildState = Literal["running", "closed", "absent"]
 # orphan: no ledger row for the customer and period; duplicate: the row records another
 # charge; unrecorded: the row ended without a charge (failed, skipped, cancelled);
 # failed_later: the row's charge, recorded as made, that Stripe then failed (a bank debit
-# returned), with no other charge made: the customer has not paid.
+# returned), with no other charge made: the customer has not paid. The row is left as the
+# worker recorded it (a failed row would release a renamed customer's new id, which a run
+# would then charge), so it is reported every day, as a duplicate is until it is refunded.
 FindingKind = Literal["orphan", "duplicate", "unrecorded", "failed_later"]
 # A charge on Stripe: made (succeeded, or pending as a bank debit is for days), refunded in
 # full (a person settled it), or failed.
@@ -200,12 +202,15 @@ class Comparison(BaseModel):
 
     @property
     def room(self) -> int:
-        """Findings the report can still list."""
-        return max(MAX_LISTED - len(self.findings), 0)
+        """Findings the report can still list: none once as many were counted, since a page
+        that only counted some (past its room) may have counted a finding another page would
+        list again."""
+        return max(MAX_LISTED - sum(self.finding_counts.values()), 0)
 
     def add(self, page: ChargesPage) -> None:
         for finding in page.findings:
-            if self._first(finding.charge_id, finding.kind) and self.room:
+            room = self.room  # before this one is counted
+            if self._first(finding.charge_id, finding.kind) and room:
                 self.findings.append(finding)
         for charge_id, kind in page.unlisted.items():
             self._first(charge_id, kind)

@@ -282,6 +282,31 @@ def test_findings_past_the_reports_room_are_counted_where_the_page_says() -> Non
     assert compared.seen == {"ch_1"}
 
 
+def test_no_room_is_left_once_as_many_findings_were_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A page listed in full a charge seen before (a shared Stripe customer's) and counted one
+    # past its room: a later page given room could list that one again, and count it twice.
+    monkeypatch.setattr(reconciliation, "MAX_LISTED", 2)
+    compared = Comparison()
+    compared.add(
+        ChargesPage(
+            findings=[finding("ch_1")], customers=1, charges=1, unchecked=[], next_cursor="a"
+        )
+    )
+    compared.add(
+        ChargesPage(
+            findings=[finding("ch_1")],
+            unlisted_counts={"duplicate": 1},
+            customers=1,
+            charges=2,
+            unchecked=[],
+            next_cursor="b",
+        )
+    )
+    assert len(compared.findings) == 1 and compared.room == 0
+
+
 def test_findings_a_page_of_an_earlier_release_sent_by_charge_id_are_counted_once() -> None:
     compared = Comparison()
     for _ in range(2):
