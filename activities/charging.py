@@ -217,6 +217,16 @@ class ChargingActivities:
         age = datetime.now(UTC) - claim.claimed_at
         return age > timedelta(seconds=self._settings.billing_lookup_after_seconds)
 
+    async def _fence_off_earlier(self, claim: Claim, fencing_token: int) -> None:
+        """Before a cancel or skip may be recorded behind a 500 Stripe saved for the key:
+        this attempt has its answer, and an earlier one held up on its way (a frozen worker)
+        would otherwise send the key once Stripe forgets it, charging a customer the ledger
+        says was not. Harmless if nothing is recorded: every later attempt is numbered
+        higher."""
+        async with self._pool.acquire() as conn:
+            keys = await ledger.vault_keys_sent_through(conn, claim.idempotency_key)
+        await self._access.fence_off(claim.idempotency_key, keys, fencing_token + 1)
+
     async def _charge(
         self, claim: Claim, gateway: StripeGateway | BillingError, fencing_token: int
     ) -> ChargeResult:
@@ -255,6 +265,7 @@ class ChargingActivities:
                     if found is not None:
                         return _settle(found)
                     if replays_saved_error(exc):
+                        await self._fence_off_earlier(claim, fencing_token)
                         async with self._pool.acquire() as conn:
                             stop = await ledger.stop_behind_saved_error(
                                 conn, claim.idempotency_key, fencing_token

@@ -7,6 +7,7 @@ its own capped vault key, read from the ledger database the first time it is nee
 from __future__ import annotations
 
 import asyncio
+import logging
 from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
@@ -21,6 +22,7 @@ from billing.sealing import SecretBox
 from billing.stripe_client import stripe_client
 from vault.client import VaultAdmin, VaultForbidden
 
+log = logging.getLogger("billing.stripe_access")
 # A lookup key is replaced this long before it expires, so no listing starts on a dying key.
 LOOKUP_RENEW_BEFORE = timedelta(minutes=10)
 
@@ -48,6 +50,10 @@ class StripeAccess(Protocol):
         """Drop the lookup key cached for the period (the vault refused it, e.g. revoked with
         every key of the period): the next lookup_gateway issues another."""
 
+    async def fence_off(self, idempotency_key: str, vault_key_ids: list[str], below: int) -> None:
+        """Have the vault refuse the claim's attempts numbered below `below` through these
+        keys from now on: one held up on its way may no longer send."""
+
 
 class DirectAccess:
     def __init__(self, gateway: StripeGateway) -> None:
@@ -70,6 +76,9 @@ class DirectAccess:
 
     def forget_lookup(self, period: str, currency: str) -> None:
         pass
+
+    async def fence_off(self, idempotency_key: str, vault_key_ids: list[str], below: int) -> None:
+        pass  # Stripe straight: nothing stands between an attempt and Stripe to refuse it
 
 
 class VaultAccess:
@@ -147,3 +156,14 @@ class VaultAccess:
 
     def forget_lookup(self, period: str, currency: str) -> None:
         self._lookups.pop((period, currency), None)
+
+    async def fence_off(self, idempotency_key: str, vault_key_ids: list[str], below: int) -> None:
+        for key_id in vault_key_ids:
+            if self._admin is None:
+                log.warning("no vault token to fence off the earlier attempts through %s", key_id)
+                continue
+            try:
+                await self._admin.fence(key_id, idempotency_key, below)
+            except VaultForbidden as exc:
+                # Issued by hand with the admin token, which the worker does not hold.
+                log.warning("could not fence off earlier attempts through %s: %s", key_id, exc)

@@ -39,7 +39,8 @@ KEY_EXPIRED_CODE = "idempotency_key_expired"
 # the bill's retries (BILL_ROUND), which a longer wait would only time out.
 SLOW_RETRY = timedelta(minutes=4)
 # The vault fenced this attempt off: a later attempt of the claim was refused on the cap
-# (billing.ledger.reopen_refused_charge). Nothing was sent; the retry takes the gate again.
+# (billing.ledger.reopen_refused_charge), or met a 500 Stripe saved for the key
+# (activities/charging.py). Nothing was sent; the retry takes the gate again.
 SUPERSEDED_CODE = "attempt_superseded"
 
 
@@ -143,8 +144,8 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
         return _non_retryable(REFUSED, failure_from(exc, "invalid_request"))
     if _error_body(exc).get("code") == SUPERSEDED_CODE:
         return ApplicationError(
-            "the vault refused this attempt: a later attempt of the charge was refused on the"
-            " key's cap since; retrying with a new fencing token",
+            "the vault refused this attempt: a later attempt of the charge fenced it off since;"
+            " retrying with a new fencing token",
             type=RETRYABLE,
         )
     if _error_body(exc).get("code") == KEY_EXPIRED_CODE:

@@ -443,6 +443,14 @@ async def without_rows(
 SENT_DIRECT = "direct"
 
 
+async def vault_keys_sent_through(conn: asyncpg.Connection, key: str) -> list[str]:
+    """The vault keys the claim's attempts were sent through (none without the vault)."""
+    keys: list[str] | None = await conn.fetchval(
+        "SELECT sent_through FROM billing_runs WHERE idempotency_key = $1", key
+    )
+    return [k for k in keys or [] if k != SENT_DIRECT]
+
+
 # Held by a run's opening and by a change to the customers (billing.customers: an import,
 # a deactivation) for their transaction: either the plan counts the change, or the change sees
 # the run open. An advisory lock, so that nothing else (a pause, a charge) waits for a change.

@@ -29,6 +29,8 @@ from vault.models import (
     AdminAction,
     AuditPage,
     AuditQuery,
+    Fence,
+    FenceRequest,
     FindKeysQuery,
     IssuedKey,
     IssueKeyRequest,
@@ -168,6 +170,7 @@ async def _audit(
     *,
     currency: str,
     reservation: ReservationInfo | None = None,
+    idempotency_key: str | None = None,
 ) -> None:
     """Record a change made through the admin API in the key's audit, with the token that
     made it, in the change's own transaction."""
@@ -180,6 +183,7 @@ async def _audit(
         decision=action,
         latency_ms=(time.monotonic() - started) * 1000,
         actor=actor,
+        idempotency_key=idempotency_key,
     )
     if reservation is not None:
         record.idempotency_key = reservation.idempotency_key
@@ -301,6 +305,33 @@ async def resolve(request: web.Request) -> web.Response:
     return _reply(info)
 
 
+async def fence(request: web.Request) -> web.Response:
+    started = time.monotonic()
+    key_id = _key_id(request)
+    idempotency_key = request.match_info["idempotency_key"]
+    body = await _body(request, FenceRequest)
+    if _IDEMPOTENCY_KEY_RE.fullmatch(idempotency_key) is None:
+        raise VaultError(
+            422, "parameter_invalid", "the idempotency key is malformed", param="idempotency_key"
+        )
+    async with request.app[STATE].pool.acquire() as conn, conn.transaction():
+        # A fence only refuses requests: the worker token may fence its own keys.
+        _own_keys_only(request, key_id, await _require_key(conn, key_id), "fence it")
+        standing = await store.raise_fence(conn, key_id, idempotency_key, body.below)
+        info = await store.get_key(conn, key_id)
+        assert info is not None  # required above, in this transaction
+        await _audit(
+            conn,
+            request,
+            key_id,
+            "fenced",
+            started,
+            currency=info.currency,
+            idempotency_key=idempotency_key,
+        )
+    return _reply(Fence(idempotency_key=idempotency_key, fenced_below=standing))
+
+
 def _own_keys_only(request: web.Request, key_id: str, issued_by: str, what: str) -> None:
     if issued_by != "worker" and request[ROLE] == "worker":
         raise VaultError(
@@ -413,6 +444,18 @@ OPERATIONS: tuple[Operation, ...] = (
         body=ResolveRequest,
         access="worker",
         other_errors=(403, 409),
+    ),
+    Operation(
+        "POST",
+        _KEY + "/fences/{idempotency_key}",
+        "fenceRequest",
+        "Refuse the idempotency key's earlier attempts through the key: those whose fencing"
+        " token is below the one given, or that carry none (the worker token: its own keys)",
+        fence,
+        Fence,
+        body=FenceRequest,
+        access="worker",
+        other_errors=(403,),
     ),
     Operation(
         "GET",

@@ -18,6 +18,8 @@ from vault.models import (
     AuditEntry,
     AuditPage,
     ErrorResponse,
+    Fence,
+    FenceRequest,
     IssuedKey,
     IssueKeyRequest,
     KeyInfo,
@@ -176,6 +178,16 @@ class VaultAdmin:
             f"/keys/{_segment(key_id)}/reservations/{_segment(idempotency_key)}/resolve",
             ReservationInfo,
             body=body.model_dump(mode="json", exclude_none=True),
+        )
+
+    async def fence(self, key_id: str, idempotency_key: str, below: int) -> Fence:
+        """Refuse the idempotency key's requests through the key with a fencing token below
+        `below`, or none; returns the fence standing (never lowered)."""
+        return await self._call(
+            "POST",
+            f"/keys/{_segment(key_id)}/fences/{_segment(idempotency_key)}",
+            Fence,
+            body=FenceRequest(below=below).model_dump(mode="json"),
         )
 
     async def _call(

@@ -49,6 +49,8 @@ def _integral_number(value: object) -> object:
 Cents = Annotated[int, Field(gt=0), BeforeValidator(_integral_number)]
 Attempt = Annotated[int, Field(ge=1), BeforeValidator(_integral_number)]
 Seconds = Annotated[int, Field(ge=1, le=30 * 86400), BeforeValidator(_integral_number)]
+# As the proxy takes it in its Vault-Fencing-Token header.
+FencingToken = Annotated[int, Field(ge=1, le=999_999_999), BeforeValidator(_integral_number)]
 ReservationState = Literal["pending", "unknown", "committed", "released"]
 Decision = Literal[
     "forwarded",
@@ -61,7 +63,7 @@ Decision = Literal[
     "refused_in_flight",
 ]
 # What the admin API did to a key, recorded in the key's audit with the token that did it.
-AdminAction = Literal["issued", "revoked", "resolved"]
+AdminAction = Literal["issued", "revoked", "resolved", "fenced"]
 Role = Literal["admin", "worker"]
 
 
@@ -295,6 +297,19 @@ class ResolveRequest(
     def min_idle(self) -> timedelta | None:
         seconds = self.root.min_idle_seconds if isinstance(self.root, ResolveFailed) else None
         return None if seconds is None else timedelta(seconds=seconds)
+
+
+class FenceRequest(Body):
+    """Refuse, from now on, every request of the idempotency key through the key whose
+    fencing token is below `below`, or that carries none: its earlier attempts, one of which
+    may be held up on its way."""
+
+    below: FencingToken
+
+
+class Fence(View):
+    idempotency_key: str
+    fenced_below: int = Field(description="the fence standing: it is only ever raised")
 
 
 class Status(View):

@@ -86,7 +86,8 @@ class Mismatch(Refused):
 
 
 class Superseded(Refused):
-    """A later attempt of this request was refused on the cap: this one is fenced off."""
+    """A later attempt of this request fenced this one off: refused on the cap, or behind a
+    500 Stripe saved for the key (through the admin API's fence)."""
 
     def __init__(self, message: str, *, fenced_below: int) -> None:
         super().__init__(message)
@@ -170,8 +171,9 @@ async def reserve(
         )
     if decision == "superseded":
         raise Superseded(
-            f"a later attempt of this request (fencing token {row['fenced_below']}) was refused"
-            " on this key's cap, so this one is not sent: retry it with a new token",
+            f"a later attempt of this request (fencing token {row['fenced_below']}) fenced this"
+            " one off (refused on this key's cap, or behind an error Stripe saved for the key),"
+            " so it is not sent: retry it with a new token",
             fenced_below=row["fenced_below"],
         )
     if decision in ("revoked", "expired"):

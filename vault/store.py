@@ -131,6 +131,26 @@ async def revoke_key(conn: asyncpg.Connection, key_id: str) -> KeyInfo | None:
     return await get_key(conn, key_id)
 
 
+async def raise_fence(
+    conn: asyncpg.Connection, key_id: str, idempotency_key: str, below: int
+) -> int:
+    """Fence the idempotency key's requests through the key below `below` (vault_reserve
+    refuses them), never lowering a fence; returns the fence standing."""
+    standing: int = await conn.fetchval(
+        """
+        INSERT INTO vault_fences AS f (vault_key_id, idempotency_key, fenced_below)
+        VALUES ($1, $2, $3)
+        ON CONFLICT (vault_key_id, idempotency_key)
+            DO UPDATE SET fenced_below = greatest(f.fenced_below, EXCLUDED.fenced_below)
+        RETURNING fenced_below
+        """,
+        key_id,
+        idempotency_key,
+        below,
+    )
+    return standing
+
+
 @dataclass(frozen=True, slots=True)
 class KeyGrant:
     """What the proxy needs to know about the key a request presented."""

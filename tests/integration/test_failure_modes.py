@@ -14,10 +14,10 @@ from temporalio.service import RPCError
 from temporalio.testing import ActivityEnvironment
 
 from activities.charging import PAUSED, BillRequest, ChargingActivities
-from activities.stripe_access import DirectAccess
-from activities.stripe_failures import SLOW_RETRY
+from activities.stripe_access import DirectAccess, StripeAccess
+from activities.stripe_failures import SLOW_RETRY, fence_of
 from activities.stripe_gateway import StripeGateway, charge_params
-from billing import ledger
+from billing import ledger, period_keys
 from billing.customers import CustomerRow
 from billing.keys import customer_workflow_id, idempotency_key
 from billing.models import (
@@ -67,13 +67,28 @@ class RateLimitedOnce(StripeGateway):
 async def _billing_one(
     harness: Harness, gateway: type[StripeGateway]
 ) -> tuple[CustomerRow, ChargingActivities, BillRequest]:
-    """One customer due in an open period, billed by hand through `gateway`, attempt by
-    attempt (_attempt)."""
+    """One customer due in an open period, billed by hand through `gateway` (or through the
+    harness's vault, if it has one), attempt by attempt (_attempt)."""
     (customer,) = await harness.seed(1)
     async with harness.pool.acquire() as conn:
         plan = PeriodPlan(period=str(PERIOD), due=1, to_charge=1, expected_total_cents=0)
         await ledger.start_period(conn, plan, "billing-period-2026-12")
-    access = DirectAccess(gateway(harness.stripe, harness.settings.billing_charge_api))
+    access: StripeAccess
+    if harness.vault is None:
+        access = DirectAccess(gateway(harness.stripe, harness.settings.billing_charge_api))
+    else:
+        box = harness.settings.secret_box()
+        await period_keys.issue_key(
+            harness.pool,
+            harness.vault.worker,
+            box,
+            PERIOD,
+            customer.currency,
+            10 * customer.amount_cents,
+            timedelta(days=1),
+            known_in=harness.pool,
+        )
+        access = harness.vault_access()
     charging = ChargingActivities(harness.pool, access, harness.settings)
     return customer, charging, BillRequest(period=str(PERIOD), customer_id=customer.customer_id)
 
@@ -204,6 +219,38 @@ async def test_a_cancel_reaches_a_charge_behind_a_500_stripe_saved(
         if (r["method"], r["path"]) == ("POST", "/v1/payment_intents")
     ]
     assert [(r["status"], r["replayed"]) for r in creates] == [(500, False), (500, True)]
+
+
+async def test_a_cancel_behind_a_saved_500_fences_off_the_attempts_before(
+    vaulted: Harness,
+) -> None:
+    """Attempt 1 is held up on its way (a frozen worker) while attempt 2 meets the 500
+    Stripe saved for the key and the run's cancel is recorded. Once Stripe forgets the key
+    and reconciliation has released its reservation, attempt 1 would charge a customer the
+    ledger says was not: the vault refuses it, as attempt 2 fenced it off."""
+    assert vaulted.vault is not None
+    customer, charging, request = await _billing_one(vaulted, StripeGateway)
+    await vaulted.set_faults(error_saved_before_commit=1.0)
+    with pytest.raises(ApplicationError, match="did not answer definitively"):
+        await _attempt(1).run(charging.bill, request)
+    await vaulted.set_faults(error_saved_before_commit=0.0)
+    async with vaulted.pool.acquire() as conn:
+        await ledger.set_control(conn, str(PERIOD), "cancelled", "wrong prices", "ops")
+    outcome = await _attempt(2).run(charging.bill, request)
+    assert outcome.outcome == "cancelled"
+    [row] = await vaulted.ledger_rows(str(PERIOD))
+    [key_id] = row["sent_through"]
+    await vaulted.stripe_forgets_keys()
+    released = await vaulted.vault.admin.resolve(key_id, row["idempotency_key"], "failed")
+    assert released.state == "released"
+    async with vaulted.pool.acquire() as conn:
+        claim = await ledger.claim_by_key(conn, row["idempotency_key"])
+    assert claim is not None
+    gateway = await vaulted.vault_access().gateway(str(PERIOD), customer.currency)
+    with pytest.raises(stripe.APIError) as superseded:
+        await gateway.charge(claim, fencing_token=1)
+    assert fence_of(superseded.value) == row["gate_passes"] + 1
+    assert await vaulted.succeeded() == 0
 
 
 async def test_a_skip_reaches_a_charge_behind_a_500_stripe_saved(harness: Harness) -> None:

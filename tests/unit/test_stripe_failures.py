@@ -78,7 +78,7 @@ def test_an_attempt_the_vault_fenced_off_is_retried_and_says_why() -> None:
         False,
         None,
     )
-    assert "refused on the key's cap since" in failure.message
+    assert "fenced it off since" in failure.message
     assert "did not answer definitively" not in failure.message
 
 

@@ -5,18 +5,28 @@ fencing token, or without one, is refused and never reaches Stripe; a later one 
 from __future__ import annotations
 
 from collections.abc import Callable
+from urllib.parse import quote
 
+import aiohttp
 import asyncpg
 import pytest
 import stripe
 
 from activities.stripe_failures import fence_of
 from stripe_emulator import RunningEmulator
-from vault.client import VaultAdmin
+from vault import RunningVault
+from vault.client import VaultAdmin, VaultForbidden
 from vault.models import IssuedKey
 
 from .conftest import Issue
-from .support import assert_consistent, charge, charge_in_doubt, emulator_ledger
+from .support import (
+    ADMIN_TOKEN,
+    assert_consistent,
+    charge,
+    charge_in_doubt,
+    emulator_ledger,
+    key_request,
+)
 
 StripeFor = Callable[[IssuedKey], stripe.StripeClient]
 
@@ -107,3 +117,74 @@ async def test_a_malformed_fencing_token_is_refused_before_anything_is_reserved(
     assert "Vault-Fencing-Token must be a whole number" in str(refused.value.user_message)
     totals = await assert_consistent(db, key.id)
     assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 0)
+
+
+async def test_a_fence_raised_through_the_admin_api_refuses_the_earlier_attempts(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    admin: VaultAdmin,
+    emulator: RunningEmulator,
+    customer: str,
+) -> None:
+    """A worker whose attempt 3 met a 500 Stripe saved for the key fences attempts 1 and 2
+    off: one held up on its way (a frozen worker) must not send the key once Stripe has
+    forgotten it, after an operator's cancel was recorded."""
+    key = await issue()
+    client = stripe_via_vault(key)
+    fence = await admin.fence(key.id, "claim", 4)
+    assert (fence.idempotency_key, fence.fenced_below) == ("claim", 4)
+    # Never lowered: a late fence of an older attempt keeps the higher one.
+    assert (await admin.fence(key.id, "claim", 2)).fenced_below == 4
+    for earlier in ("3", None):
+        with pytest.raises(stripe.APIError) as superseded:
+            await charge(client, customer, 1_000, "claim", fence=earlier)
+        assert fence_of(superseded.value) == 4
+        assert "fenced this one off" in str(superseded.value.user_message)
+    assert await emulator_ledger(emulator) == []
+    # Another idempotency key is not fenced; the claim's next attempt charges once.
+    assert (await charge(client, customer, 500, "other", fence="1")).status == "succeeded"
+    assert (await charge(client, customer, 1_000, "claim", fence="4")).status == "succeeded"
+    assert sorted(c["amount"] for c in await emulator_ledger(emulator)) == [500, 1_000]
+    fenced = [e for e in await admin.audit(key.id) if e.decision == "fenced"]
+    assert [(e.idempotency_key, e.actor) for e in fenced] == [("claim", "admin")] * 2
+
+
+async def test_the_worker_token_fences_only_the_keys_it_issued(
+    issue: Issue, worker: VaultAdmin, admin: VaultAdmin, db: asyncpg.Pool
+) -> None:
+    by_admin = await issue()
+    with pytest.raises(VaultForbidden, match="issued with the admin token: fence it with it"):
+        await worker.fence(by_admin.id, "claim", 2)
+    assert await db.fetchval("SELECT count(*) FROM vault_fences") == 0
+    own = await worker.issue_key(key_request())
+    assert (await worker.fence(own.id, "claim", 2)).fenced_below == 2
+    [entry] = [e for e in await admin.audit(own.id) if e.decision == "fenced"]
+    assert entry.actor == "worker"
+
+
+@pytest.mark.parametrize(
+    ("idempotency_key", "body"),
+    [
+        ("claim", {"below": 0}),
+        ("claim", {"below": "2"}),
+        ("claim", {"below": 2, "extra": 1}),
+        ("bad key!", {"below": 2}),
+    ],
+)
+async def test_a_malformed_fence_is_refused_and_fences_nothing(
+    issue: Issue,
+    vault: RunningVault,
+    http: aiohttp.ClientSession,
+    db: asyncpg.Pool,
+    idempotency_key: str,
+    body: dict[str, object],
+) -> None:
+    key = await issue()
+    async with http.post(
+        f"{vault.url}/vault/keys/{key.id}/fences/{quote(idempotency_key, safe='')}",
+        json=body,
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+    ) as response:
+        assert response.status == 422, await response.text()
+        assert (await response.json())["error"]["code"] == "parameter_invalid"
+    assert await db.fetchval("SELECT count(*) FROM vault_fences") == 0
