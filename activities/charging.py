@@ -217,15 +217,29 @@ class ChargingActivities:
         age = datetime.now(UTC) - claim.claimed_at
         return age > timedelta(seconds=self._settings.billing_lookup_after_seconds)
 
-    async def _fence_off_earlier(self, claim: Claim, fencing_token: int) -> None:
-        """Before a cancel or skip may be recorded behind a 500 Stripe saved for the key:
-        this attempt has its answer, and an earlier one held up on its way (a frozen worker)
-        would otherwise send the key once Stripe forgets it, charging a customer the ledger
-        says was not. Harmless if nothing is recorded: every later attempt is numbered
-        higher."""
+    async def _stop_behind_saved_error(
+        self, claim: Claim, fencing_token: int
+    ) -> LedgerStatus | None:
+        """The cancel or skip recorded for a claim whose attempt `fencing_token` met a 500
+        Stripe saved for its key with no charge made (ledger.stop_behind_saved_error), once
+        the vault has fenced off the attempts before it: one held up on its way (a frozen
+        worker) would otherwise send the key once Stripe forgets it, charging a customer the
+        ledger says was not. None while no stop applies, or the fence could not be raised
+        (the vault away): the retry in 4 minutes tries again."""
         async with self._pool.acquire() as conn:
+            due = await ledger.stop_behind_saved_error(
+                conn, claim.idempotency_key, fencing_token, record=False
+            )
             keys = await ledger.vault_keys_sent_through(conn, claim.idempotency_key)
-        await self._access.fence_off(claim.idempotency_key, keys, fencing_token + 1)
+        if due is None:
+            return None
+        if not await self._access.fence_off(claim.idempotency_key, keys, fencing_token + 1):
+            _log_event("stop_waits_for_fence", claim, level=logging.WARNING, status=due)
+            return None
+        async with self._pool.acquire() as conn:
+            return await ledger.stop_behind_saved_error(
+                conn, claim.idempotency_key, fencing_token, record=True
+            )
 
     async def _charge(
         self, claim: Claim, gateway: StripeGateway | BillingError, fencing_token: int
@@ -265,11 +279,7 @@ class ChargingActivities:
                     if found is not None:
                         return _settle(found)
                     if replays_saved_error(exc):
-                        await self._fence_off_earlier(claim, fencing_token)
-                        async with self._pool.acquire() as conn:
-                            stop = await ledger.stop_behind_saved_error(
-                                conn, claim.idempotency_key, fencing_token
-                            )
+                        stop = await self._stop_behind_saved_error(claim, fencing_token)
                         if stop is not None:
                             raise _StoppedBehindSavedError(stop, to_temporal_failure(exc))
             metrics.count_vault_refusal(error)

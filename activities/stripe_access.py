@@ -16,11 +16,12 @@ import stripe
 from pydantic import SecretStr
 
 from activities.stripe_gateway import StripeGateway
+from billing.logs import key_prefix
 from billing.models import ChargeApi, Claim
 from billing.period_keys import NoPeriodKeyError, issue_lookup_key, read_key, stored_key_id
 from billing.sealing import SecretBox
 from billing.stripe_client import stripe_client
-from vault.client import VaultAdmin, VaultForbidden
+from vault.client import VaultAdmin, VaultAdminError, VaultForbidden
 
 log = logging.getLogger("billing.stripe_access")
 # A lookup key is replaced this long before it expires, so no listing starts on a dying key.
@@ -50,9 +51,10 @@ class StripeAccess(Protocol):
         """Drop the lookup key cached for the period (the vault refused it, e.g. revoked with
         every key of the period): the next lookup_gateway issues another."""
 
-    async def fence_off(self, idempotency_key: str, vault_key_ids: list[str], below: int) -> None:
+    async def fence_off(self, idempotency_key: str, vault_key_ids: list[str], below: int) -> bool:
         """Have the vault refuse the claim's attempts numbered below `below` through these
-        keys from now on: one held up on its way may no longer send."""
+        keys from now on: one held up on its way may no longer send. False if some key that
+        can still send could not be fenced (the reason is logged)."""
 
 
 class DirectAccess:
@@ -77,8 +79,8 @@ class DirectAccess:
     def forget_lookup(self, period: str, currency: str) -> None:
         pass
 
-    async def fence_off(self, idempotency_key: str, vault_key_ids: list[str], below: int) -> None:
-        pass  # Stripe straight: nothing stands between an attempt and Stripe to refuse it
+    async def fence_off(self, idempotency_key: str, vault_key_ids: list[str], below: int) -> bool:
+        return True  # Stripe straight: nothing stands between an attempt and Stripe to fence
 
 
 class VaultAccess:
@@ -157,13 +159,34 @@ class VaultAccess:
     def forget_lookup(self, period: str, currency: str) -> None:
         self._lookups.pop((period, currency), None)
 
-    async def fence_off(self, idempotency_key: str, vault_key_ids: list[str], below: int) -> None:
+    async def fence_off(self, idempotency_key: str, vault_key_ids: list[str], below: int) -> bool:
+        fenced = True
         for key_id in vault_key_ids:
-            if self._admin is None:
-                log.warning("no vault token to fence off the earlier attempts through %s", key_id)
-                continue
+            if self._admin is None or not await self._fenced(
+                self._admin, key_id, idempotency_key, below
+            ):
+                log.warning(
+                    "could not fence off the earlier attempts of charge %s through vault key %s",
+                    key_prefix(idempotency_key),
+                    key_id,
+                )
+                fenced = False
+        return fenced
+
+    @staticmethod
+    async def _fenced(admin: VaultAdmin, key_id: str, idempotency_key: str, below: int) -> bool:
+        try:
+            await admin.fence(key_id, idempotency_key, below)
+        except VaultForbidden:
+            # Issued with the admin token, which workers do not hold: no fence is needed only
+            # if the key can send nothing more.
             try:
-                await self._admin.fence(key_id, idempotency_key, below)
-            except VaultForbidden as exc:
-                # Issued by hand with the admin token, which the worker does not hold.
-                log.warning("could not fence off earlier attempts through %s: %s", key_id, exc)
+                info = await admin.get_key(key_id)
+            except VaultAdminError as exc:
+                log.warning("vault key %s: %s", key_id, exc)
+                return False
+            return info.revoked or info.expired
+        except VaultAdminError as exc:
+            log.warning("vault key %s: %s", key_id, exc)
+            return False
+        return True

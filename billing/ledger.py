@@ -622,14 +622,15 @@ SKIP_BEHIND_SAVED_ERROR_FOR = SAVED_ERROR_HOLDS_FOR - timedelta(hours=1)
 
 
 async def stop_behind_saved_error(
-    conn: asyncpg.Connection, key: str, fencing_token: int
+    conn: asyncpg.Connection, key: str, fencing_token: int, *, record: bool
 ) -> LedgerStatus | None:
     """After the claim's attempt `fencing_token` met a 500 Stripe saved for the key and found
     no charge made with it: note that (so that a skip may still reach the claim, see
-    request_skip), and if the customer was skipped or the period's run cancelled, record
-    that, returning the status. Stripe executes no request with the key until it forgets it
-    a day later, so nothing of the charge is at Stripe or can still get there. Only for the
-    claim's latest attempt, and only while the key is young enough (SAVED_ERROR_HOLDS_FOR)."""
+    request_skip), and return the stop that applies, if the customer was skipped or the
+    period's run cancelled; record it only if `record`. Stripe executes no request with the
+    key until it forgets it a day later, so nothing of the charge is at Stripe or can still
+    get there. Only for the claim's latest attempt, and only while the key is young enough
+    (SAVED_ERROR_HOLDS_FOR)."""
     stopped: LedgerStatus | None = await conn.fetchval(
         """
         WITH held AS (
@@ -642,18 +643,21 @@ async def stop_behind_saved_error(
             WHERE r.idempotency_key = $1 AND r.status = 'claimed' AND r.gate_passes = $2
                 AND r.claimed_at > now() - $3::interval
             FOR UPDATE OF r
+        ), recorded AS (
+            SELECT *, CASE WHEN $4 THEN stop END AS status FROM held
         )
         UPDATE billing_runs r
-        SET saved_error_at = now(), updated_at = now(), status = coalesce(h.stop, r.status),
-            reason = CASE WHEN h.stop IS NULL THEN r.reason ELSE h.why END,
-            decided_by = CASE WHEN h.stop IS NULL THEN r.decided_by ELSE h.who END,
-            completed_at = CASE WHEN h.stop IS NULL THEN r.completed_at ELSE now() END
-        FROM held h WHERE r.idempotency_key = h.idempotency_key
+        SET saved_error_at = now(), updated_at = now(), status = coalesce(h.status, r.status),
+            reason = CASE WHEN h.status IS NULL THEN r.reason ELSE h.why END,
+            decided_by = CASE WHEN h.status IS NULL THEN r.decided_by ELSE h.who END,
+            completed_at = CASE WHEN h.status IS NULL THEN r.completed_at ELSE now() END
+        FROM recorded h WHERE r.idempotency_key = h.idempotency_key
         RETURNING h.stop
         """,
         key,
         fencing_token,
         SAVED_ERROR_HOLDS_FOR,
+        record,
     )
     return stopped
 

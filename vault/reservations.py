@@ -171,9 +171,9 @@ async def reserve(
         )
     if decision == "superseded":
         raise Superseded(
-            f"a later attempt of this request (fencing token {row['fenced_below']}) fenced this"
-            " one off (refused on this key's cap, or behind an error Stripe saved for the key),"
-            " so it is not sent: retry it with a new token",
+            f"a later attempt of this request fenced this one off (every attempt below"
+            f" fencing token {row['fenced_below']}: it was refused on this key's cap, or met"
+            " an error Stripe saved for the key), so it is not sent: retry it with a new token",
             fenced_below=row["fenced_below"],
         )
     if decision in ("revoked", "expired"):

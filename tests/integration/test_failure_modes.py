@@ -14,7 +14,7 @@ from temporalio.service import RPCError
 from temporalio.testing import ActivityEnvironment
 
 from activities.charging import PAUSED, BillRequest, ChargingActivities
-from activities.stripe_access import DirectAccess, StripeAccess
+from activities.stripe_access import DirectAccess, StripeAccess, VaultAccess
 from activities.stripe_failures import SLOW_RETRY, fence_of
 from activities.stripe_gateway import StripeGateway, charge_params
 from billing import ledger, period_keys
@@ -32,6 +32,7 @@ from billing.periods import Period
 from billing.runs import start_period
 from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
+from vault.client import VaultAdmin
 from workflows.signals import PERIOD_CONTROL
 
 PERIOD = Period(2026, 12)
@@ -65,10 +66,11 @@ class RateLimitedOnce(StripeGateway):
 
 
 async def _billing_one(
-    harness: Harness, gateway: type[StripeGateway]
+    harness: Harness, gateway: type[StripeGateway], *, key_by_admin: bool = False
 ) -> tuple[CustomerRow, ChargingActivities, BillRequest]:
     """One customer due in an open period, billed by hand through `gateway` (or through the
-    harness's vault, if it has one), attempt by attempt (_attempt)."""
+    harness's vault, if it has one, with a key the worker token issued or, if
+    `key_by_admin`, the admin token), attempt by attempt (_attempt)."""
     (customer,) = await harness.seed(1)
     async with harness.pool.acquire() as conn:
         plan = PeriodPlan(period=str(PERIOD), due=1, to_charge=1, expected_total_cents=0)
@@ -80,7 +82,7 @@ async def _billing_one(
         box = harness.settings.secret_box()
         await period_keys.issue_key(
             harness.pool,
-            harness.vault.worker,
+            harness.vault.admin if key_by_admin else harness.vault.worker,
             box,
             PERIOD,
             customer.currency,
@@ -250,6 +252,46 @@ async def test_a_cancel_behind_a_saved_500_fences_off_the_attempts_before(
     with pytest.raises(stripe.APIError) as superseded:
         await gateway.charge(claim, fencing_token=1)
     assert fence_of(superseded.value) == row["gate_passes"] + 1
+    assert await vaulted.succeeded() == 0
+
+
+@pytest.mark.parametrize("why", ["the vault away", "a key issued with the admin token"])
+async def test_a_cancel_behind_a_saved_500_waits_for_the_fence(vaulted: Harness, why: str) -> None:
+    """No stop is recorded while the attempts before cannot be fenced off (the vault's admin
+    API away, or a live key the worker token may not fence): the retry comes in 4 minutes,
+    as any behind a saved 500, and a skip may still be accepted meanwhile."""
+    assert vaulted.vault is not None
+    admin_key = why == "a key issued with the admin token"
+    _, charging, request = await _billing_one(vaulted, StripeGateway, key_by_admin=admin_key)
+    await vaulted.set_faults(error_saved_before_commit=1.0)
+    with pytest.raises(ApplicationError, match="did not answer definitively"):
+        await _attempt(1).run(charging.bill, request)
+    await vaulted.set_faults(error_saved_before_commit=0.0)
+    async with vaulted.pool.acquire() as conn:
+        await ledger.set_control(conn, str(PERIOD), "cancelled", "wrong prices", "ops")
+    # Port 9 (discard): nothing answers there.
+    async with VaultAdmin("http://127.0.0.1:9", "a-worker-token-0123") as away:
+        blocked = charging
+        if not admin_key:
+            access = VaultAccess(
+                vaulted.pool,
+                vaulted.settings.secret_box(),
+                vaulted.vault.url,
+                vaulted.settings.billing_charge_api,
+                vaulted.http,
+                away,
+            )
+            blocked = ChargingActivities(vaulted.pool, access, vaulted.settings)
+        with pytest.raises(ApplicationError, match="replays the 500 it saved") as replayed:
+            await _attempt(2).run(blocked.bill, request)
+    assert replayed.value.next_retry_delay == SLOW_RETRY
+    [row] = await vaulted.ledger_rows(str(PERIOD))
+    assert row["status"] == "claimed" and row["saved_error_at"] is not None
+    assert await vaulted.pool.fetchval("SELECT count(*) FROM vault_fences") == 0
+    if not admin_key:
+        # The vault back: the next retry fences, then records the cancel.
+        outcome = await _attempt(3).run(charging.bill, request)
+        assert outcome.outcome == "cancelled"
     assert await vaulted.succeeded() == 0
 
 

@@ -39,7 +39,10 @@ async def test_a_cancelled_run_records_the_claim_cancelled_with_its_reason(
 ) -> None:
     async with harness.pool.acquire() as conn:
         claim = await sent_in(conn, harness, "cancelled")
-        assert await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1) == "cancelled"
+        assert (
+            await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1, record=True)
+            == "cancelled"
+        )
         [row] = await harness.ledger_rows(str(PERIOD))
         assert (row["status"], row["reason"], row["decided_by"]) == (
             "cancelled",
@@ -48,7 +51,22 @@ async def test_a_cancelled_run_records_the_claim_cancelled_with_its_reason(
         )
         assert row["charge_started_at"] is not None
         # Asked again (a retry), nothing changes.
-        assert await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1) is None
+        assert (
+            await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1, record=True)
+            is None
+        )
+
+
+async def test_a_stop_not_to_be_recorded_yet_is_only_noted(harness: Harness) -> None:
+    # Until the vault has fenced off the attempts before (activities/charging.py): the stop
+    # that applies is said, and only the saved error noted, for a skip to reach it still.
+    async with harness.pool.acquire() as conn:
+        claim = await sent_in(conn, harness, "cancelled")
+        due = await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1, record=False)
+        assert due == "cancelled"
+        [row] = await harness.ledger_rows(str(PERIOD))
+        assert (row["status"], row["completed_at"]) == ("claimed", None)
+        assert row["saved_error_at"] is not None
 
 
 @pytest.mark.parametrize("control", ["running", "paused"])
@@ -57,7 +75,10 @@ async def test_a_run_not_cancelled_leaves_the_claim_open(
 ) -> None:
     async with harness.pool.acquire() as conn:
         claim = await sent_in(conn, harness, control)
-        assert await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1) is None
+        assert (
+            await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1, record=True)
+            is None
+        )
         assert await status(conn, claim) == "claimed"
 
 
@@ -68,9 +89,15 @@ async def test_an_attempt_that_is_not_the_latest_proves_nothing(harness: Harness
         claim = await sent_in(conn, harness, "running")
         assert await passed(conn, claim, None) == 2
         await ledger.set_control(conn, str(PERIOD), "cancelled", "wrong prices", "ops")
-        assert await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1) is None
+        assert (
+            await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1, record=True)
+            is None
+        )
         assert await status(conn, claim) == "claimed"
-        assert await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 2) == "cancelled"
+        assert (
+            await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 2, record=True)
+            == "cancelled"
+        )
 
 
 @pytest.mark.parametrize(
@@ -87,7 +114,7 @@ async def test_only_a_claim_young_enough_is_cancelled(
     async with harness.pool.acquire() as conn:
         claim = await sent_in(conn, harness, "cancelled")
         await conn.execute("UPDATE billing_runs SET claimed_at = now() - $1::interval", age)
-        stopped = await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1)
+        stopped = await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1, record=True)
         assert stopped == ("cancelled" if cancelled else None)
         assert await status(conn, claim) == (stopped or "claimed")
 
@@ -108,12 +135,18 @@ async def test_a_skip_reaches_a_charge_held_behind_a_saved_500(harness: Harness)
             False,
             "cannot skip: its charge has already been sent to Stripe",
         )
-        assert await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1) is None
+        assert (
+            await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1, record=True)
+            is None
+        )
         accepted = await skip(conn, claim)
         assert accepted.skipped and "held behind a 500 Stripe saved" in accepted.detail
         assert await status(conn, claim) == "claimed"
         assert await passed(conn, claim, None) == 2
-        assert await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 2) == "skipped"
+        assert (
+            await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 2, record=True)
+            == "skipped"
+        )
         [row] = await harness.ledger_rows(str(PERIOD))
         assert (row["status"], row["reason"], row["decided_by"]) == ("skipped", "disputed", "ops")
 
@@ -121,7 +154,10 @@ async def test_a_skip_reaches_a_charge_held_behind_a_saved_500(harness: Harness)
 async def test_a_skip_is_refused_once_the_held_charge_is_too_old(harness: Harness) -> None:
     async with harness.pool.acquire() as conn:
         claim = await sent_in(conn, harness, "running")
-        assert await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1) is None
+        assert (
+            await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1, record=True)
+            is None
+        )
         await conn.execute(
             "UPDATE billing_runs SET claimed_at = now() - $1::interval",
             ledger.SKIP_BEHIND_SAVED_ERROR_FOR + timedelta(minutes=1),
