@@ -19,6 +19,7 @@ import asyncio
 import getpass
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime, timedelta
@@ -74,9 +75,11 @@ from billing.periods import (
     period_range,
 )
 from billing.preview import preview_period
+from billing.reconciliation import CHARGE_ID_PATTERN, HandledRequest
 from billing.redact import redact
 from billing.reporting import (
     describe,
+    describe_handled,
     describe_preview,
     describe_reconciliation,
     describe_renewal,
@@ -107,6 +110,15 @@ def _reason(text: str) -> str:
     """An argparse type: why an operator acts, kept with the run; blank says nothing."""
     if not text.strip():
         raise argparse.ArgumentTypeError("expected words saying why, got a blank reason")
+    return text
+
+
+def _charge_id(text: str) -> str:
+    if re.fullmatch(CHARGE_ID_PATTERN, text) is None:
+        raise argparse.ArgumentTypeError(
+            f"expected a Stripe charge id as a report names it (ch_... or py_...), got"
+            f" {shown(text)}"
+        )
     return text
 
 
@@ -364,6 +376,23 @@ async def cmd_reconcile(args: argparse.Namespace) -> int:
         report, args.json, describe_reconciliation(report) + f"\n  {ui_link(temporal, handle.id)}"
     )
     return 1 if report.needs_a_person else 0
+
+
+async def cmd_handled(args: argparse.Namespace) -> int:
+    request = HandledRequest(
+        period=str(args.period),
+        charge_id=args.charge_id,
+        reason=args.reason,
+        operator=_operator(args),
+    )
+    pool = await create_pool(load_settings(DatabaseSettings).database_url, max_size=1)
+    try:
+        async with pool.acquire() as conn:
+            result = await ledger.mark_handled(conn, request)
+    finally:
+        await pool.close()
+    _emit(result, args.json, describe_handled(result))
+    return 0
 
 
 async def cmd_setup(_: argparse.Namespace) -> int:
@@ -675,6 +704,18 @@ def parser() -> argparse.ArgumentParser:
     reconcile.add_argument("period", type=_period, help="YYYY-MM")
     reconcile.add_argument("--json", action="store_true", help="print the report as JSON")
     reconcile.set_defaults(handler=cmd_reconcile)
+
+    handled = commands.add_parser(
+        "handled",
+        help="record that a person has handled a reconciliation finding: later reports count"
+        " it instead of listing it (and exit 0 for it)",
+    )
+    handled.add_argument("period", type=_period, help="YYYY-MM")
+    handled.add_argument("charge_id", type=_charge_id, help="the finding's Stripe charge id")
+    handled.add_argument("--reason", required=True, type=_reason, help="what was done")
+    handled.add_argument("--operator", help="default: $BILLING_OPERATOR or your login")
+    handled.add_argument("--json", action="store_true")
+    handled.set_defaults(handler=cmd_handled)
 
     commands.add_parser(
         "setup", help="register the search attributes on a Temporal cluster"

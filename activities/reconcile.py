@@ -482,8 +482,12 @@ class ReconcileActivities:
             entries = await ledger.ledger_entries(
                 conn, request.period, sorted({c.customer_id for c in charges})
             )
+            handled = await ledger.handled_among(
+                conn, request.period, {c.charge_id for c in charges}
+            )
         unchecked = [c for c, listing in zip(customers, found, strict=True) if listing is None]
-        findings = classify(charges, entries)
+        classified = classify(charges, entries)
+        findings = [f for f in classified if f.charge_id not in handled]
         for f in findings:
             # Every one, where a person can find it: the report lists the first MAX_LISTED.
             logs.log_event(
@@ -508,6 +512,7 @@ class ReconcileActivities:
         return ChargesPage(
             findings=in_full,
             unlisted_counts=unlisted_counts,
+            handled=len(classified) - len(findings),
             customers=len(customers),
             charges=sum(c.state == "made" for c in charges),
             unchecked=[c.customer_id for c in unchecked],

@@ -35,7 +35,13 @@ from billing.models import (
     SkipResult,
     finished_outcome,
 )
-from billing.reconciliation import CustomerToCheck, LedgerEntry, OpenClaim
+from billing.reconciliation import (
+    CustomerToCheck,
+    HandledRequest,
+    HandledResult,
+    LedgerEntry,
+    OpenClaim,
+)
 
 # A row a cancelled run wrote for a customer it never started: nothing of it reached Stripe.
 NEVER_STARTED = (
@@ -845,6 +851,49 @@ async def customers_page(
         limit,
     )
     return [CustomerToCheck(**dict(row)) for row in rows]
+
+
+async def mark_handled(conn: asyncpg.Connection, request: HandledRequest) -> HandledResult:
+    """Record that a person handled the finding of this charge; one recorded before stands."""
+    row = await conn.fetchrow(
+        """
+        WITH added AS (
+            INSERT INTO handled_findings (charge_id, billing_period, reason, handled_by)
+            VALUES ($1, $2, $3, $4)
+            ON CONFLICT (charge_id) DO NOTHING
+            RETURNING charge_id, billing_period, reason, handled_by, true AS recorded
+        )
+        SELECT * FROM added
+        UNION ALL
+        SELECT charge_id, billing_period, reason, handled_by, false FROM handled_findings
+        WHERE charge_id = $1 AND NOT EXISTS (SELECT 1 FROM added)
+        """,
+        request.charge_id,
+        request.period,
+        request.reason,
+        request.operator,
+    )
+    assert row is not None  # inserted, or there before
+    return HandledResult(
+        charge_id=row["charge_id"],
+        period=row["billing_period"],
+        recorded=row["recorded"],
+        handled_by=row["handled_by"],
+        reason=row["reason"],
+    )
+
+
+async def handled_among(
+    conn: asyncpg.Connection, period: str, charge_ids: Collection[str]
+) -> set[str]:
+    """Those of the charges whose findings a person marked handled for the period."""
+    rows = await conn.fetch(
+        "SELECT charge_id FROM handled_findings"
+        " WHERE billing_period = $1 AND charge_id = ANY($2::text[])",
+        period,
+        list(charge_ids),
+    )
+    return {row["charge_id"] for row in rows}
 
 
 async def first_listers(

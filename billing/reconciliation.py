@@ -5,11 +5,19 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from datetime import timedelta
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from billing.models import ChargeFailure, Claim, Control, LedgerStatus, Outcome, Record
+from billing.models import (
+    ChargeFailure,
+    Claim,
+    Control,
+    LedgerStatus,
+    OperatorRequest,
+    Outcome,
+    Record,
+)
 
 # Where the customer's CustomerChargeWorkflow stands, as Temporal describes it.
 ChildState = Literal["running", "closed", "absent"]
@@ -34,6 +42,28 @@ STRIPE_ERROR_ANSWER = 500
 # The failure of a PaymentIntent Stripe left unconfirmed after an error
 # (activities/stripe_gateway.py): not final until a person cancels it.
 INCOMPLETE_INTENT = "payment_intent_incomplete"
+
+
+# A Stripe charge's id, as a person copies it from a report (card charges ch_, others py_).
+CHARGE_ID_PATTERN = r"^(ch|py)_[A-Za-z0-9]{1,250}$"
+ChargeId = Annotated[str, StringConstraints(pattern=CHARGE_ID_PATTERN)]
+
+
+class HandledRequest(OperatorRequest):
+    """A person has handled a finding (refunded it, collected the money another way): later
+    reconciliations count it as handled instead of reporting it."""
+
+    period: str
+    charge_id: ChargeId
+
+
+class HandledResult(Record):
+    charge_id: str
+    period: str
+    # False when it was recorded before, by `handled_by`: that record stands.
+    recorded: bool
+    handled_by: str
+    reason: str
 
 
 class ReconcileInput(Record):
@@ -170,6 +200,8 @@ class ChargesPage(Record):
     # of ours listed under their Stripe customer (two may share one: a renamed id), so that
     # each is counted once and what the history keeps of a page stays bounded.
     unlisted_counts: dict[FindingKind, int] = Field(default_factory=dict)
+    # Findings a person has marked handled: counted here only.
+    handled: int = 0
 
 
 def for_listing(
@@ -196,6 +228,7 @@ class Comparison(BaseModel):
     charges_checked: int = 0
     unchecked_customers: list[str] = Field(default_factory=list)
     unchecked_count: int = 0
+    handled_count: int = 0
     # The charges of the findings listed: a Stripe customer shared by two of ours is listed
     # under each.
     seen: set[str] = Field(default_factory=set)
@@ -216,6 +249,7 @@ class Comparison(BaseModel):
             self._first(charge_id, kind)
         for kind, n in page.unlisted_counts.items():
             self.finding_counts[kind] = self.finding_counts.get(kind, 0) + n
+        self.handled_count += page.handled
         self.customers_checked += page.customers
         self.charges_checked += page.charges
         self.unchecked_count += len(page.unchecked)
@@ -263,6 +297,8 @@ class ReconcileReport(Record):
     findings: list[Finding]
     finding_counts: dict[FindingKind, int]
     unchecked_count: int
+    # Findings a person marked handled (`python starter.py handled`), not in the above.
+    handled_count: int = 0
 
     @property
     def needs_a_person(self) -> bool:

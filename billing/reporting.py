@@ -19,7 +19,7 @@ from billing.models import (
 )
 from billing.money import describe_amounts
 from billing.period_keys import KeyRenewal
-from billing.reconciliation import ReconcileReport
+from billing.reconciliation import HandledResult, ReconcileReport
 
 
 def describe(summary: PeriodCounts) -> str:
@@ -190,6 +190,7 @@ def describe_reconciliation(report: ReconcileReport) -> str:
         f" checked; {counts.get('duplicate', 0)} duplicates, {counts.get('orphan', 0)} orphans,"
         f" {counts.get('unrecorded', 0)} unrecorded, {counts.get('failed_later', 0)} failed later"
         + _listed_of(len(report.findings), sum(counts.values()), "reconcile_finding")
+        + (f"; {report.handled_count} handled by a person" if report.handled_count else "")
     )
     lines += [
         f"    {f.kind.upper()} {f.charge_id} {f.amount_cents} {f.currency} for {f.customer_id}"
@@ -234,3 +235,15 @@ def failure_chain(error: BaseException) -> str:
             current.cause if isinstance(current, WorkflowFailureError | FailureError) else None
         )
     return ": ".join(parts)
+
+
+def describe_handled(result: HandledResult) -> str:
+    if result.recorded:
+        return (
+            f"{result.charge_id} in {result.period}: recorded as handled; later"
+            " reconciliations count it rather than report it"
+        )
+    return (
+        f"{result.charge_id} was recorded as handled before, by {result.handled_by}"
+        f" ({result.reason}) for {result.period}: that record stands"
+    )

@@ -87,6 +87,7 @@ class ReconcileWorkflow:
             unchecked_count=compared.unchecked_count,
             findings=compared.findings,
             finding_counts=compared.finding_counts,
+            handled_count=compared.handled_count,
         )
         claims = settled.claims
         counts = compared.finding_counts
