@@ -101,6 +101,26 @@ def _attempt(number: int) -> ActivityEnvironment:
     return env
 
 
+async def _behind_a_saved_500(
+    harness: Harness, gateway: type[StripeGateway] = StripeGateway, *, key_by_admin: bool = False
+) -> tuple[CustomerRow, ChargingActivities, BillRequest]:
+    """_billing_one, whose first attempt Stripe began and failed before charging, saving its
+    500 for the key (the faults are off again after it)."""
+    billing = await _billing_one(harness, gateway, key_by_admin=key_by_admin)
+    _, charging, request = billing
+    await harness.set_faults(error_saved_before_commit=1.0)
+    with pytest.raises(ApplicationError, match="did not answer definitively") as first:
+        await _attempt(1).run(charging.bill, request)
+    assert first.value.next_retry_delay is None
+    await harness.set_faults(error_saved_before_commit=0.0)
+    return billing
+
+
+async def _cancelled(harness: Harness) -> None:
+    async with harness.pool.acquire() as conn:
+        await ledger.set_control(conn, str(PERIOD), "cancelled", "wrong prices", "ops")
+
+
 class LookupRateLimitedOnce(StripeGateway):
     """Stripe's limiter refuses the first lookup; the rest reach the emulator."""
 
@@ -137,11 +157,7 @@ async def test_a_lookup_refused_after_a_saved_500_never_sends_the_claim_back_to_
     sent, whatever refuses the lookup after a replay: a 429 there says nothing of the
     create. Checked with the ledger's attempt counter at 1, the one case where reopening
     the claim would otherwise go through."""
-    _, charging, request = await _billing_one(harness, LookupRateLimitedOnce)
-    await harness.set_faults(error_saved_before_commit=1.0)
-    with pytest.raises(ApplicationError, match="did not answer definitively"):
-        await _attempt(1).run(charging.bill, request)
-    await harness.set_faults(error_saved_before_commit=0.0)
+    _, charging, request = await _behind_a_saved_500(harness, LookupRateLimitedOnce)
     # The next attempt's gate pass makes it 1.
     await harness.pool.execute("UPDATE billing_runs SET attempts = 0")
     with pytest.raises(ApplicationError, match="rate limit"):
@@ -157,12 +173,7 @@ async def test_a_500_stripe_saved_before_charging_is_retried_until_stripe_forget
     """Stripe began the request, failed before charging and saved its 500 for the key: a
     retry replays it and the lookup after it finds nothing, so the next retry is minutes
     away, not seconds. Once Stripe has forgotten the key, a retry charges once."""
-    customer, charging, request = await _billing_one(harness, StripeGateway)
-    await harness.set_faults(error_saved_before_commit=1.0)
-    with pytest.raises(ApplicationError, match="did not answer definitively") as first:
-        await _attempt(1).run(charging.bill, request)
-    assert first.value.next_retry_delay is None
-    await harness.set_faults(error_saved_before_commit=0.0)
+    customer, charging, request = await _behind_a_saved_500(harness)
     with pytest.raises(ApplicationError, match="replays the 500 it saved") as replayed:
         await _attempt(2).run(charging.bill, request)
     assert (replayed.value.non_retryable, replayed.value.next_retry_delay) == (False, SLOW_RETRY)
@@ -188,16 +199,11 @@ async def test_a_cancel_reaches_a_charge_behind_a_500_stripe_saved(
     executes nothing with the key until it forgets it, a day after its first request, and
     nothing is sent once the claim is closed. Not near that day's end: a request with the key
     may still be on its way, so the charge goes on as before."""
-    customer, charging, request = await _billing_one(harness, StripeGateway)
-    await harness.set_faults(error_saved_before_commit=1.0)
-    with pytest.raises(ApplicationError, match="did not answer definitively"):
-        await _attempt(1).run(charging.bill, request)
-    await harness.set_faults(error_saved_before_commit=0.0)
-    async with harness.pool.acquire() as conn:
-        await ledger.set_control(conn, str(PERIOD), "cancelled", "wrong prices", "ops")
-        await conn.execute(
-            "UPDATE billing_runs SET claimed_at = claimed_at - $1::interval", claimed_ago
-        )
+    customer, charging, request = await _behind_a_saved_500(harness)
+    await _cancelled(harness)
+    await harness.pool.execute(
+        "UPDATE billing_runs SET claimed_at = claimed_at - $1::interval", claimed_ago
+    )
     if not reached:
         with pytest.raises(ApplicationError, match="replays the 500 it saved"):
             await _attempt(2).run(charging.bill, request)
@@ -231,13 +237,8 @@ async def test_a_cancel_behind_a_saved_500_fences_off_the_attempts_before(
     and reconciliation has released its reservation, attempt 1 would charge a customer the
     ledger says was not: the vault refuses it, as attempt 2 fenced it off."""
     assert vaulted.vault is not None
-    customer, charging, request = await _billing_one(vaulted, StripeGateway)
-    await vaulted.set_faults(error_saved_before_commit=1.0)
-    with pytest.raises(ApplicationError, match="did not answer definitively"):
-        await _attempt(1).run(charging.bill, request)
-    await vaulted.set_faults(error_saved_before_commit=0.0)
-    async with vaulted.pool.acquire() as conn:
-        await ledger.set_control(conn, str(PERIOD), "cancelled", "wrong prices", "ops")
+    customer, charging, request = await _behind_a_saved_500(vaulted)
+    await _cancelled(vaulted)
     outcome = await _attempt(2).run(charging.bill, request)
     assert outcome.outcome == "cancelled"
     [row] = await vaulted.ledger_rows(str(PERIOD))
@@ -262,13 +263,8 @@ async def test_a_cancel_behind_a_saved_500_waits_for_the_fence(vaulted: Harness,
     as any behind a saved 500, and a skip may still be accepted meanwhile."""
     assert vaulted.vault is not None
     admin_key = why == "a key issued with the admin token"
-    _, charging, request = await _billing_one(vaulted, StripeGateway, key_by_admin=admin_key)
-    await vaulted.set_faults(error_saved_before_commit=1.0)
-    with pytest.raises(ApplicationError, match="did not answer definitively"):
-        await _attempt(1).run(charging.bill, request)
-    await vaulted.set_faults(error_saved_before_commit=0.0)
-    async with vaulted.pool.acquire() as conn:
-        await ledger.set_control(conn, str(PERIOD), "cancelled", "wrong prices", "ops")
+    _, charging, request = await _behind_a_saved_500(vaulted, key_by_admin=admin_key)
+    await _cancelled(vaulted)
     # Port 9 (discard): nothing answers there.
     async with VaultAdmin("http://127.0.0.1:9", "a-worker-token-0123") as away:
         blocked = charging
@@ -298,11 +294,7 @@ async def test_a_cancel_behind_a_saved_500_waits_for_the_fence(vaulted: Harness,
 async def test_a_skip_reaches_a_charge_behind_a_500_stripe_saved(harness: Harness) -> None:
     """A skip is refused while the charge may be executing at Stripe, and accepted once a
     retry has met the saved 500 and found no charge; the next retry records it skipped."""
-    customer, charging, request = await _billing_one(harness, StripeGateway)
-    await harness.set_faults(error_saved_before_commit=1.0)
-    with pytest.raises(ApplicationError, match="did not answer definitively"):
-        await _attempt(1).run(charging.bill, request)
-    await harness.set_faults(error_saved_before_commit=0.0)
+    customer, charging, request = await _behind_a_saved_500(harness)
     key = idempotency_key(harness.settings.billing_key_namespace, customer.customer_id, PERIOD)
 
     async def skip() -> SkipResult:
