@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import asyncpg
 from pydantic import BaseModel, ValidationError
@@ -75,7 +75,7 @@ from billing.periods import (
     period_range,
 )
 from billing.preview import preview_period
-from billing.reconciliation import CHARGE_ID_PATTERN, HandledRequest
+from billing.reconciliation import CHARGE_ID_PATTERN, FindingKind, HandledRequest
 from billing.redact import redact
 from billing.reporting import (
     describe,
@@ -381,9 +381,11 @@ async def cmd_reconcile(args: argparse.Namespace) -> int:
 async def cmd_handled(args: argparse.Namespace) -> int:
     request = HandledRequest(
         period=str(args.period),
+        kind=args.kind,
         charge_id=args.charge_id,
         reason=args.reason,
         operator=_operator(args),
+        undo=args.undo,
     )
     pool = await create_pool(load_settings(DatabaseSettings).database_url, max_size=1)
     try:
@@ -392,7 +394,7 @@ async def cmd_handled(args: argparse.Namespace) -> int:
     finally:
         await pool.close()
     _emit(result, args.json, describe_handled(result))
-    return 0
+    return 2 if result.change == "none" else 0
 
 
 async def cmd_setup(_: argparse.Namespace) -> int:
@@ -711,8 +713,17 @@ def parser() -> argparse.ArgumentParser:
         " it instead of listing it (and exit 0 for it)",
     )
     handled.add_argument("period", type=_period, help="YYYY-MM")
+    handled.add_argument(
+        "kind",
+        type=str.lower,  # as the report prints it, DUPLICATE, or as its JSON has it
+        choices=get_args(FindingKind),
+        help="the finding's kind, as the report names it",
+    )
     handled.add_argument("charge_id", type=_charge_id, help="the finding's Stripe charge id")
-    handled.add_argument("--reason", required=True, type=_reason, help="what was done")
+    handled.add_argument(
+        "--reason", required=True, type=_reason, help="what was done (or why it is taken back)"
+    )
+    handled.add_argument("--undo", action="store_true", help="take the mark back")
     handled.add_argument("--operator", help="default: $BILLING_OPERATOR or your login")
     handled.add_argument("--json", action="store_true")
     handled.set_defaults(handler=cmd_handled)

@@ -482,18 +482,17 @@ class ReconcileActivities:
             entries = await ledger.ledger_entries(
                 conn, request.period, sorted({c.customer_id for c in charges})
             )
-            handled = await ledger.handled_among(
-                conn, request.period, {c.charge_id for c in charges}
-            )
+            classified = classify(charges, entries)
+            handled = await ledger.handled_among(conn, classified) if classified else {}
         unchecked = [c for c, listing in zip(customers, found, strict=True) if listing is None]
-        classified = classify(charges, entries)
-        findings = [f for f in classified if f.charge_id not in handled]
-        for f in findings:
+        findings = [f for f in classified if (f.charge_id, f.kind) not in handled]
+        for f in classified:
             # Every one, where a person can find it: the report lists the first MAX_LISTED.
+            handled_by = handled.get((f.charge_id, f.kind))
             logs.log_event(
                 log,
-                "reconcile_finding",
-                level=logging.WARNING,
+                "reconcile_finding" if handled_by is None else "reconcile_finding_handled",
+                level=logging.WARNING if handled_by is None else logging.INFO,
                 period=request.period,
                 workflow_id=activity.info().workflow_id,
                 kind=f.kind,
@@ -504,15 +503,17 @@ class ReconcileActivities:
                 ledger_status=f.ledger_status,
                 ledger_charge_id=f.ledger_charge_id,
                 key_prefix=f.key_prefix,
+                handled_by=handled_by,
             )
         counted: set[str] = set()
-        if len(findings) > request.listed_room:
+        if handled or len(findings) > request.listed_room:
             counted = await self._counted_here(request.period, customers, found)
         in_full, unlisted_counts = for_listing(findings, request.listed_room, counted)
         return ChargesPage(
             findings=in_full,
             unlisted_counts=unlisted_counts,
-            handled=len(classified) - len(findings),
+            # Where its first listing counts it, like a finding past the room.
+            handled=sum(charge_id in counted for charge_id, _ in handled),
             customers=len(customers),
             charges=sum(c.state == "made" for c in charges),
             unchecked=[c.customer_id for c in unchecked],

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import asyncpg
 
@@ -37,6 +37,7 @@ from billing.models import (
 )
 from billing.reconciliation import (
     CustomerToCheck,
+    Finding,
     HandledRequest,
     HandledResult,
     LedgerEntry,
@@ -854,46 +855,75 @@ async def customers_page(
 
 
 async def mark_handled(conn: asyncpg.Connection, request: HandledRequest) -> HandledResult:
-    """Record that a person handled the finding of this charge; one recorded before stands."""
-    row = await conn.fetchrow(
-        """
-        WITH added AS (
-            INSERT INTO handled_findings (charge_id, billing_period, reason, handled_by)
-            VALUES ($1, $2, $3, $4)
-            ON CONFLICT (charge_id) DO NOTHING
-            RETURNING charge_id, billing_period, reason, handled_by, true AS recorded
+    """Record that a person handled the finding of this kind for this charge (a record
+    standing stays as it is), or, with `undo`, take the standing record back."""
+    change: Literal["recorded", "already", "undone", "none"]
+    if request.undo:
+        row = await conn.fetchrow(
+            """
+            UPDATE handled_findings
+            SET undone_at = now(), undone_by = $4, undo_reason = $3
+            WHERE charge_id = $1 AND kind = $2 AND undone_at IS NULL
+            RETURNING billing_period, reason, handled_by
+            """,
+            request.charge_id,
+            request.kind,
+            request.reason,
+            request.operator,
         )
-        SELECT * FROM added
-        UNION ALL
-        SELECT charge_id, billing_period, reason, handled_by, false FROM handled_findings
-        WHERE charge_id = $1 AND NOT EXISTS (SELECT 1 FROM added)
-        """,
-        request.charge_id,
-        request.period,
-        request.reason,
-        request.operator,
-    )
-    assert row is not None  # inserted, or there before
+        change = "none" if row is None else "undone"
+    else:
+        row = await conn.fetchrow(
+            """
+            INSERT INTO handled_findings (charge_id, kind, billing_period, reason, handled_by)
+            VALUES ($1, $2, $3, $4, $5)
+            ON CONFLICT (charge_id, kind) DO UPDATE
+                SET billing_period = EXCLUDED.billing_period, reason = EXCLUDED.reason,
+                    handled_by = EXCLUDED.handled_by, handled_at = now(), undone_at = NULL,
+                    undone_by = NULL, undo_reason = NULL
+                WHERE handled_findings.undone_at IS NOT NULL
+            RETURNING billing_period, reason, handled_by
+            """,
+            request.charge_id,
+            request.kind,
+            request.period,
+            request.reason,
+            request.operator,
+        )
+        change = "recorded"
+        if row is None:
+            # Its own statement, so that it sees a record committed after the insert began.
+            row = await conn.fetchrow(
+                "SELECT billing_period, reason, handled_by FROM handled_findings"
+                " WHERE charge_id = $1 AND kind = $2",
+                request.charge_id,
+                request.kind,
+            )
+            change = "already"
     return HandledResult(
-        charge_id=row["charge_id"],
-        period=row["billing_period"],
-        recorded=row["recorded"],
-        handled_by=row["handled_by"],
-        reason=row["reason"],
+        charge_id=request.charge_id,
+        kind=request.kind,
+        change=change,
+        period=row["billing_period"] if row else None,
+        handled_by=row["handled_by"] if row else None,
+        reason=row["reason"] if row else None,
     )
 
 
 async def handled_among(
-    conn: asyncpg.Connection, period: str, charge_ids: Collection[str]
-) -> set[str]:
-    """Those of the charges whose findings a person marked handled for the period."""
+    conn: asyncpg.Connection, findings: Collection[Finding]
+) -> dict[tuple[str, str], str]:
+    """Those of the findings a person marked handled, by (charge id, kind): who did."""
     rows = await conn.fetch(
-        "SELECT charge_id FROM handled_findings"
-        " WHERE billing_period = $1 AND charge_id = ANY($2::text[])",
-        period,
-        list(charge_ids),
+        """
+        SELECT h.charge_id, h.kind, h.handled_by FROM handled_findings h
+        JOIN unnest($1::text[], $2::text[]) AS f (charge_id, kind) USING (charge_id, kind)
+        WHERE h.undone_at IS NULL
+        """,
+        [f.charge_id for f in findings],
+        [f.kind for f in findings],
     )
-    return {row["charge_id"] for row in rows}
+    return {(row["charge_id"], row["kind"]): row["handled_by"] for row in rows}
 
 
 async def first_listers(

@@ -50,20 +50,25 @@ ChargeId = Annotated[str, StringConstraints(pattern=CHARGE_ID_PATTERN)]
 
 
 class HandledRequest(OperatorRequest):
-    """A person has handled a finding (refunded it, collected the money another way): later
-    reconciliations count it as handled instead of reporting it."""
+    """A person has handled a finding (the customer agreed to a duplicate, a returned debit
+    was collected another way): later reconciliations count it as handled instead of
+    reporting it. `undo` takes a mark back."""
 
     period: str
+    kind: FindingKind
     charge_id: ChargeId
+    undo: bool = False
 
 
 class HandledResult(Record):
     charge_id: str
-    period: str
-    # False when it was recorded before, by `handled_by`: that record stands.
-    recorded: bool
-    handled_by: str
-    reason: str
+    kind: FindingKind
+    # What the mark stands as now: recorded, there before (that record stands), taken back,
+    # or none to take back.
+    change: Literal["recorded", "already", "undone", "none"]
+    period: str | None = None
+    handled_by: str | None = None
+    reason: str | None = None
 
 
 class ReconcileInput(Record):

@@ -238,12 +238,12 @@ def failure_chain(error: BaseException) -> str:
 
 
 def describe_handled(result: HandledResult) -> str:
-    if result.recorded:
-        return (
-            f"{result.charge_id} in {result.period}: recorded as handled; later"
-            " reconciliations count it rather than report it"
-        )
-    return (
-        f"{result.charge_id} was recorded as handled before, by {result.handled_by}"
-        f" ({result.reason}) for {result.period}: that record stands"
-    )
+    finding = f"{result.kind.upper()} {result.charge_id}"
+    marked = f"by {result.handled_by} ({result.reason}) for {result.period}"
+    return {
+        "recorded": f"{finding}: recorded as handled; later reconciliations count it rather"
+        " than report it",
+        "already": f"{finding} was recorded as handled before, {marked}: that record stands",
+        "undone": f"{finding}: taken back (it was marked {marked}); it is reported again",
+        "none": f"{finding} is not recorded as handled: nothing to take back",
+    }[result.change]

@@ -99,11 +99,15 @@ CASES: dict[str, tuple[list[str], str]] = {
     "skip url id": (["starter.py", "skip", "2026-12", "../c%2F1?x=1", "--reason", "r"], "1-64"),
     "deactivate sql id": (["starter.py", "customers", "deactivate", "c-1", HOSTILE_ID], "1-64"),
     "handled not a charge": (
-        ["starter.py", "handled", "2026-12", "pi_3Nx", "--reason", "refunded"],
+        ["starter.py", "handled", "2026-12", "duplicate", "pi_3Nx", "--reason", "refunded"],
         "expected a Stripe charge id as a report names it (ch_... or py_...), got 'pi_3Nx'",
     ),
+    "handled no such kind": (
+        ["starter.py", "handled", "2026-12", "triple", "ch_3Nx", "--reason", "r"],
+        "invalid choice: 'triple'",
+    ),
     "handled blank reason": (
-        ["starter.py", "handled", "2026-12", "ch_3Nx", "--reason", " "],
+        ["starter.py", "handled", "2026-12", "duplicate", "ch_3Nx", "--reason", " "],
         "got a blank reason",
     ),
     "schedule hour": (["starter.py", "schedule", "create", "--hour", "25"], "hour:"),

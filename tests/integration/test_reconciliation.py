@@ -1103,27 +1103,41 @@ async def test_a_charge_that_failed_after_it_was_recorded_is_reported_every_day(
 
 
 async def test_a_finding_a_person_handled_is_counted_not_reported(harness: Harness) -> None:
-    # Refunded by hand elsewhere, or a debit collected another way: the daily run would
-    # otherwise exit 1 for it until the period left its window.
+    # A duplicate the customer agreed to: the daily run would otherwise exit 1 for it until
+    # the period left its window.
     claim = await billed(harness, 2)
     duplicate = await plant(harness, claim, claim.idempotency_key + "-retry")
-    handled = ("handled", str(PERIOD), duplicate, "--reason")
     async with harness.running_worker():
         code, out, _ = await harness.starter("reconcile", str(PERIOD))
         assert code == 1 and f"DUPLICATE {duplicate}" in out, out
-        code, out, _ = await harness.starter(*handled, "customer agreed", "--operator", "ann")
-        assert code == 0 and f"{duplicate} in {PERIOD}: recorded as handled" in out, out
+        # Marked under another period by mistake: a charge is one charge all the same.
+        code, out, _ = await harness.starter(
+            "handled", "2026-11", "DUPLICATE", duplicate, "--reason", "agreed", "--operator", "ann"
+        )
+        assert code == 0 and f"DUPLICATE {duplicate}: recorded as handled" in out, out
         # Once: a second word does not replace the first.
-        code, out, _ = await harness.starter(*handled, "again", "--operator", "bob")
-        assert code == 0 and "handled before, by ann (customer agreed)" in out, out
+        code, out, _ = await harness.starter(
+            "handled", str(PERIOD), "duplicate", duplicate, "--reason", "again"
+        )
+        assert code == 0 and "handled before, by ann (agreed) for 2026-11" in out, out
         code, out, _ = await harness.starter("reconcile", str(PERIOD))
     assert code == 0, out
     assert "0 duplicates" in out and "1 handled by a person" in out
     assert duplicate not in out
-    # A second duplicate is reported as before.
+    # The mark names the kind: were the ledger's own charge to fail later, that would show.
+    report = await reconcile(harness)
+    assert report.findings == [] and report.handled_count == 1
     another = await plant(harness, claim, claim.idempotency_key + "-again")
     report = await reconcile(harness)
-    assert [f.charge_id for f in report.findings] == [another] and report.handled_count == 1
+    assert [f.charge_id for f in report.findings] == [another]
+    # Taken back, it is reported again; taking back what is not marked says so.
+    undo = ("handled", str(PERIOD), "duplicate", duplicate, "--undo", "--reason", "mistake")
+    code, out, _ = await harness.starter(*undo)
+    assert code == 0 and "taken back (it was marked by ann (agreed)" in out, out
+    code, out, _ = await harness.starter(*undo)
+    assert code == 2 and "nothing to take back" in out, out
+    report = await reconcile(harness)
+    assert sorted(f.charge_id for f in report.findings) == sorted([duplicate, another])
 
 
 async def test_a_duplicate_made_through_the_other_api_is_reported(harness: Harness) -> None:
