@@ -39,7 +39,13 @@ from temporalio.client import (
 from temporalio.service import RPCError, RPCStatusCode
 
 from billing import ledger, logs, operations, schedules, search_attributes
-from billing.config import BillingSettings, DatabaseSettings, TemporalSettings, load_settings
+from billing.config import (
+    BillingSettings,
+    CapSettings,
+    DatabaseSettings,
+    TemporalSettings,
+    load_settings,
+)
 from billing.customers import (
     Billable,
     deactivate_customers,
@@ -349,7 +355,7 @@ async def cmd_preview(args: argparse.Namespace) -> int:
     pool = await create_pool(load_settings(DatabaseSettings).database_url, max_size=1)
     try:
         preview = await preview_period(
-            pool, str(args.period), load_settings(BillingSettings).billing_cap_multiplier
+            pool, str(args.period), load_settings(CapSettings).billing_cap_multiplier
         )
     finally:
         await pool.close()

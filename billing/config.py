@@ -70,18 +70,24 @@ class DatabaseSettings(BaseSettings):
         return value
 
 
-class BillingSettings(BaseSettings):
-    """What the worker needs to charge: where Stripe is and how keys are derived."""
+class CapSettings(BaseSettings):
+    """How far a period's vault key may go past its expected total: all `preview` needs, so
+    that it asks for none of the workers' secrets."""
 
     model_config = SettingsConfigDict(extra="ignore", hide_input_in_errors=True)
+
+    # The period's vault key is capped at the expected total times this.
+    billing_cap_multiplier: float = Field(default=1.10, ge=1.0, le=10.0)
+
+
+class BillingSettings(CapSettings):
+    """What the worker needs to charge: where Stripe is and how keys are derived."""
 
     stripe_api_base: str = "http://127.0.0.1:12111"
     stripe_api_key: SecretStr = SecretStr("sk_test_local_emulator")
     billing_charge_api: ChargeApi = "payment_intents"
     billing_key_namespace: str = Field(default="billing", min_length=1)
     billing_stripe_timeout_seconds: float = Field(default=30.0, gt=0, allow_inf_nan=False)
-    # The period's vault key is capped at the expected total times this.
-    billing_cap_multiplier: float = Field(default=1.10, ge=1.0, le=10.0)
     # Claims older than this are looked up on Stripe before a new request: Stripe keeps
     # idempotency keys for 24 hours, so a later replay would execute as a new charge. At most
     # 23 hours, an hour for clocks that disagree (the vault refuses replays from then on too).

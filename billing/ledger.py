@@ -185,6 +185,14 @@ async def _preview_lines(conn: asyncpg.Connection, period: str) -> list[PreviewL
     return sorted([*lines, *held], key=lambda line: line.customer_id)
 
 
+async def issued_caps(conn: asyncpg.Connection, period: str) -> dict[str, int]:
+    """The caps of the period's stored vault keys, by currency."""
+    rows = await conn.fetch(
+        "SELECT currency, cap_cents FROM period_vault_keys WHERE billing_period = $1", period
+    )
+    return {row["currency"]: row["cap_cents"] for row in rows}
+
+
 async def held_customers(conn: asyncpg.Connection, period: str) -> list[PreviewLine]:
     """The active customers a run of the period holds rather than bills (see _HELD_AS), each
     with the id its Stripe customer was billed under (`held_as`)."""

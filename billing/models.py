@@ -375,7 +375,13 @@ class Preview(Record):
     expected_total_cents: int
     cap_cents: int
     totals_by_currency: dict[str, int] = Field(default_factory=dict)
+    # At `cap_multiplier`, the BILLING_CAP_MULTIPLIER of whoever asked: the workers' own
+    # decides the caps of keys they issue.
     caps_by_currency: dict[str, int] = Field(default_factory=dict)
+    cap_multiplier: float = 1.10
+    # The caps of the keys the period's runs have issued, which a run keeps while they have
+    # room for what it charges.
+    issued_caps_by_currency: dict[str, int] = Field(default_factory=dict)
 
     @property
     def without_payment_method(self) -> list[PreviewLine]:

@@ -12,6 +12,7 @@ from billing.money import spend_cap, spend_caps
 async def preview_period(pool: asyncpg.Pool, period: str, cap_multiplier: float) -> Preview:
     async with pool.acquire() as conn:
         lines = await ledger.preview_lines(conn, period)
+        issued = await ledger.issued_caps(conn, period)
     to_charge = [line for line in lines if line.open]
     billed = [line for line in lines if line.status == "charged"]
     other = [line for line in lines if not line.open and line.status != "charged"]
@@ -28,4 +29,6 @@ async def preview_period(pool: asyncpg.Pool, period: str, cap_multiplier: float)
         cap_cents=spend_cap(total, cap_multiplier),
         totals_by_currency=totals,
         caps_by_currency=spend_caps(totals, cap_multiplier),
+        cap_multiplier=cap_multiplier,
+        issued_caps_by_currency=issued,
     )

@@ -100,11 +100,19 @@ def describe_preview(preview: Preview, shown: int = 20) -> str:
     lines = [
         f"preview of {preview.period}: nothing is charged",
         f"  would charge {len(preview.to_charge)} customers"
-        f" {describe_amounts(preview.totals_by_currency)}; the period's keys would be capped at"
-        f" {describe_amounts(preview.caps_by_currency)} (in each currency's smallest unit)"
+        f" {describe_amounts(preview.totals_by_currency)} (in each currency's smallest unit);"
+        f" new keys would be capped at {describe_amounts(preview.caps_by_currency)}, at"
+        f" BILLING_CAP_MULTIPLIER={preview.cap_multiplier:g} as set here (the workers' own"
+        " decides)"
         if preview.to_charge
         else "  would charge nobody",
     ]
+    if preview.issued_caps_by_currency:
+        lines.append(
+            f"  the period's keys issued so far are capped at"
+            f" {describe_amounts(preview.issued_caps_by_currency)}: a run keeps a key while it"
+            " has room for what the run charges"
+        )
     lines += [
         f"    {x.customer_id}: {x.amount_cents} {x.currency}" for x in preview.to_charge[:shown]
     ]

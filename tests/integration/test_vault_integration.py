@@ -20,7 +20,7 @@ from billing import ledger, operations, period_keys
 from billing.customers import upsert_customers
 from billing.keys import customer_workflow_id
 from billing.models import AUTOMATIC, OperatorRequest, PeriodSummary, RunOptions, SkipRequest
-from billing.money import spend_cap
+from billing.money import describe_amounts, spend_cap
 from billing.periods import period_for
 from billing.preview import preview_period
 from billing.reporting import describe
@@ -125,7 +125,9 @@ async def test_a_period_charges_through_its_capped_key(vaulted: Harness) -> None
         assert "vk_" not in text
 
 
-async def test_a_period_in_several_currencies_keeps_each_apart(vaulted: Harness) -> None:
+async def test_a_period_in_several_currencies_keeps_each_apart(
+    vaulted: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
     currencies = ("usd", "eur", "jpy")
     customers = [
         row.model_copy(update={"currency": currencies[index % 3]})
@@ -154,6 +156,13 @@ async def test_a_period_in_several_currencies_keeps_each_apart(vaulted: Harness)
         key = await vaulted.vault.admin.get_key(row["vault_key_id"])
         spent[key.currency], caps[key.currency] = key.spent_cents, key.cap_cents
     assert (spent, caps) == (expected, preview.caps_by_currency)
+    # Once issued, the preview shows the keys' own caps: the workers' setting made them, not
+    # the operator's. It asks for none of the workers' secrets.
+    assert vaulted.vault is not None
+    monkeypatch.setenv("BILLING_VAULT_URL", vaulted.vault.url)
+    code, out, err = await vaulted.starter("preview", str(PERIOD))
+    assert code == 0, err
+    assert f"issued so far are capped at {describe_amounts(caps)}" in out
 
 
 async def charging_one_at_a_time(vaulted: Harness) -> WorkflowHandle[Any, PeriodSummary]:

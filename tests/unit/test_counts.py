@@ -128,10 +128,20 @@ def line(
 
 def test_a_preview_shows_each_currencys_total_and_cap() -> None:
     text = describe_preview(preview_of(line("a", 1_999, "usd"), line("b", 1_700, "jpy")))
-    assert "would charge 2 customers jpy 1,700, usd 1,999;" in text
-    assert "capped at jpy 1,870, usd 2,199 (in each currency's smallest unit)" in text
+    assert (
+        "would charge 2 customers jpy 1,700, usd 1,999 (in each currency's smallest unit);" in text
+    )
+    assert "new keys would be capped at jpy 1,870, usd 2,199, at BILLING_CAP_MULTIPLIER=1.1" in text
     assert "3,699" not in text and "3699" not in text
-    assert "warning" not in text
+    assert "warning" not in text and "issued so far" not in text
+
+
+def test_a_preview_shows_the_caps_of_the_keys_issued() -> None:
+    # The workers' BILLING_CAP_MULTIPLIER made them, which the operator's may not match.
+    issued = preview_of(line("a", 1_999, "usd")).model_copy(
+        update={"issued_caps_by_currency": {"usd": 4_000}}
+    )
+    assert "the period's keys issued so far are capped at usd 4,000" in describe_preview(issued)
 
 
 def test_a_preview_warns_of_customers_with_no_payment_method() -> None:
