@@ -93,6 +93,14 @@ class BillRequest(Record):
     customer_id: str
     # A Stripe slot an earlier attempt reserved and the workflow waited for (database clock).
     slot: datetime | None = None
+    # Who claims, as the ledger records it: the first run of the child's continue-as-new
+    # chain, so that a later run counts a charge an earlier one recorded as its own ("charged",
+    # not "already billed"). None: the activity's own run.
+    claimant: str | None = None
+
+    @property
+    def claimant_run(self) -> str | None:
+        return self.claimant or activity.info().workflow_run_id
 
 
 class ChargingActivities:
@@ -130,7 +138,7 @@ class ChargingActivities:
                 customer_id=request.customer_id, outcome="failed", failure_code="unknown_customer"
             )
         if claim.status != "claimed":
-            return _finished(claim)
+            return _finished(claim, request.claimant_run)
         await self._wait_for_slot(claim, request.slot)
         # The key is chosen before the gate, which records it on the claim (see
         # ledger.reopen_refused_charge). A missing key is acted on past the gate only, so a
@@ -148,7 +156,9 @@ class ChargingActivities:
             # Finished by another hand (e.g. cancelled by its run) since it was claimed.
             async with self._pool.acquire() as conn:
                 closed = await ledger.claim_by_key(conn, claim.idempotency_key)
-            return _finished(closed or claim.model_copy(update={"status": "failed"}))
+            return _finished(
+                closed or claim.model_copy(update={"status": "failed"}), request.claimant_run
+            )
         gate: Gate = passage.gate
         if gate == "paused":
             # The workflow waits for the period's word (resume or cancel), not this task.
@@ -192,7 +202,7 @@ class ChargingActivities:
                 request.customer_id,
                 request.period,
                 key,
-                activity.info().workflow_run_id,
+                request.claimant_run,
                 charge_api=self._settings.billing_charge_api,
             )
         _log_event(
@@ -362,10 +372,11 @@ def _unbilled(claim: Claim, status: LedgerStatus, code: str) -> CustomerOutcome:
     return _outcome(claim, finished_outcome(status), failure_code=code)
 
 
-def _finished(claim: Claim) -> CustomerOutcome:
-    """A row found finished. Charged by this very run, it is "charged": the workflow task ran
-    again after the record (a signal or a worker's death failed it)."""
-    if claim.status == "charged" and claim.claimed_by_run == activity.info().workflow_run_id:
+def _finished(claim: Claim, claimant: str | None) -> CustomerOutcome:
+    """A row found finished. Charged by this very claimant, it is "charged": the workflow task
+    ran again after the record (a signal or a worker's death failed it), or the child
+    continued as new while its attempt recorded it."""
+    if claim.status == "charged" and claim.claimed_by_run == claimant:
         return _outcome(claim, "charged")
     return _outcome(claim, finished_outcome(claim.status))
 

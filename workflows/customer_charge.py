@@ -80,7 +80,12 @@ class CustomerChargeWorkflow:
             try:
                 return await workflow.execute_local_activity_method(
                     ChargingActivities.bill,
-                    BillRequest(period=request.period, customer_id=request.customer_id, slot=slot),
+                    BillRequest(
+                        period=request.period,
+                        customer_id=request.customer_id,
+                        slot=slot,
+                        claimant=workflow.info().first_execution_run_id,
+                    ),
                     start_to_close_timeout=BILL_TIMEOUT,
                     schedule_to_close_timeout=BILL_ROUND,
                     retry_policy=BILL_RETRY,

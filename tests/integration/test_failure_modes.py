@@ -95,9 +95,9 @@ async def _billing_one(
     return customer, charging, BillRequest(period=str(PERIOD), customer_id=customer.customer_id)
 
 
-def _attempt(number: int) -> ActivityEnvironment:
+def _attempt(number: int, run_id: str = "test-run") -> ActivityEnvironment:
     env = ActivityEnvironment()
-    env.info = dataclasses.replace(env.info, attempt=number, is_local=True)
+    env.info = dataclasses.replace(env.info, attempt=number, is_local=True, workflow_run_id=run_id)
     return env
 
 
@@ -289,6 +289,21 @@ async def test_a_cancel_behind_a_saved_500_waits_for_the_fence(vaulted: Harness,
         outcome = await _attempt(3).run(charging.bill, request)
         assert outcome.outcome == "cancelled"
     assert await vaulted.succeeded() == 0
+
+
+async def test_a_charge_an_earlier_run_of_the_childs_chain_recorded_counts_as_charged(
+    harness: Harness,
+) -> None:
+    """The child continued as new while its attempt recorded the charge: the next run finds
+    the row charged, and it is the chain's own charge, not an earlier one. A charge recorded
+    by another chain (a re-drive) is already billed."""
+    _, charging, request = await _billing_one(harness, StripeGateway)
+    chain = request.model_copy(update={"claimant": "run-1"})
+    assert (await _attempt(1, "run-1").run(charging.bill, chain)).outcome == "charged"
+    assert (await _attempt(1, "run-2").run(charging.bill, chain)).outcome == "charged"
+    redrive = request.model_copy(update={"claimant": "run-9"})
+    assert (await _attempt(1, "run-9").run(charging.bill, redrive)).outcome == "already_billed"
+    assert await harness.succeeded() == 1
 
 
 async def test_a_skip_reaches_a_charge_behind_a_500_stripe_saved(harness: Harness) -> None:
