@@ -4,6 +4,7 @@ with the ledger."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -259,6 +260,12 @@ def test_a_comparison_counts_every_finding_once_and_lists_a_bounded_number(
     assert (compared.unchecked_customers, compared.unchecked_count) == (["a", "b", "c"], 4)
 
 
+def page_of(*found: Finding, **fields: Any) -> ChargesPage:
+    """A page of one customer whose charges gave these findings, other fields as given."""
+    base: dict[str, Any] = {"customers": 1, "charges": 1, "unchecked": [], "next_cursor": None}
+    return ChargesPage.model_validate({**base, "findings": list(found), **fields})
+
+
 def test_findings_past_the_reports_room_are_counted_where_the_page_says() -> None:
     # Past the room a finding is only counted, and only by the page of the first customer
     # of ours listed under its Stripe customer: another's page lists the same charge again.
@@ -267,15 +274,7 @@ def test_findings_past_the_reports_room_are_counted_where_the_page_says() -> Non
     assert [f.charge_id for f in in_full] == ["ch_1"]
     assert counts == {"orphan": 1, "duplicate": 1}
     compared = Comparison()
-    page = ChargesPage(
-        findings=in_full,
-        unlisted_counts=counts,
-        customers=3,
-        charges=6,
-        unchecked=[],
-        next_cursor="x",
-    )
-    compared.add(page)
+    compared.add(page_of(*in_full, unlisted_counts=counts))
     assert compared.finding_counts == {"duplicate": 2, "orphan": 1}
     assert [f.charge_id for f in compared.findings] == ["ch_1"]
     # What a reconciliation carries when it continues as new stays small.
@@ -289,37 +288,15 @@ def test_no_room_is_left_once_as_many_findings_were_counted(
     # past its room: a later page given room could list that one again, and count it twice.
     monkeypatch.setattr(reconciliation, "MAX_LISTED", 2)
     compared = Comparison()
-    compared.add(
-        ChargesPage(
-            findings=[finding("ch_1")], customers=1, charges=1, unchecked=[], next_cursor="a"
-        )
-    )
-    compared.add(
-        ChargesPage(
-            findings=[finding("ch_1")],
-            unlisted_counts={"duplicate": 1},
-            customers=1,
-            charges=2,
-            unchecked=[],
-            next_cursor="b",
-        )
-    )
+    compared.add(page_of(finding("ch_1")))
+    compared.add(page_of(finding("ch_1"), unlisted_counts={"duplicate": 1}))
     assert len(compared.findings) == 1 and compared.room == 0
 
 
 def test_findings_a_page_of_an_earlier_release_sent_by_charge_id_are_counted_once() -> None:
     compared = Comparison()
     for _ in range(2):
-        compared.add(
-            ChargesPage(
-                findings=[],
-                unlisted={"ch_3": "duplicate"},
-                customers=1,
-                charges=1,
-                unchecked=[],
-                next_cursor=None,
-            )
-        )
+        compared.add(page_of(unlisted={"ch_3": "duplicate"}))
     assert compared.finding_counts == {"duplicate": 1}
 
 
@@ -328,27 +305,11 @@ def test_a_comparison_carried_over_continue_as_new_goes_on_where_it_was(
 ) -> None:
     monkeypatch.setattr(reconciliation, "MAX_LISTED", 2)
     compared = Comparison()
-    compared.add(
-        ChargesPage(
-            findings=[finding("ch_1")],
-            customers=1,
-            charges=2,
-            unchecked=["a"],
-            next_cursor="x",
-        )
-    )
+    compared.add(page_of(finding("ch_1"), unchecked=["a"]))
     payload = pydantic_data_converter.payload_converter.to_payloads([compared])
     [carried] = pydantic_data_converter.payload_converter.from_payloads(payload, [Comparison])
     assert carried == compared and carried.room == 1
-    carried.add(
-        ChargesPage(
-            findings=[finding("ch_1"), finding("ch_2"), finding("ch_3")],
-            customers=1,
-            charges=4,
-            unchecked=[],
-            next_cursor=None,
-        )
-    )
+    carried.add(page_of(finding("ch_1"), finding("ch_2"), finding("ch_3")))
     assert [f.charge_id for f in carried.findings] == ["ch_1", "ch_2"]
     assert carried.finding_counts == {"duplicate": 3} and carried.room == 0
 
