@@ -240,9 +240,9 @@ class ChargingActivities:
             due = await ledger.stop_behind_saved_error(
                 conn, claim.idempotency_key, fencing_token, record=False
             )
+            if due is None:
+                return None
             keys = await ledger.vault_keys_sent_through(conn, claim.idempotency_key)
-        if due is None:
-            return None
         if not await self._access.fence_off(claim.idempotency_key, keys, fencing_token + 1):
             _log_event("stop_waits_for_fence", claim, level=logging.WARNING, status=due)
             return None
