@@ -772,9 +772,13 @@ async def cancel_customers(
 
 
 async def finish_period(conn: asyncpg.Connection, period: str, summary_json: str) -> None:
+    """Record the run's summary. A pause left at the close is lifted: one accepted with the
+    run's last outcome has nothing left to hold, and a claim charged after the run (a
+    re-drive) would wait at the gate for a resume no run can give."""
     await conn.execute(
         """
-        UPDATE billing_periods SET state = 'completed', summary = $2::jsonb, finished_at = now()
+        UPDATE billing_periods SET state = 'completed', summary = $2::jsonb, finished_at = now(),
+            control = CASE WHEN control = 'paused' THEN 'running' ELSE control END
         WHERE billing_period = $1
         """,
         period,
