@@ -161,7 +161,9 @@ async def _proxy(
 
     reservation = None
     if endpoint in METERED:
+        reserving = _Stamp.now()
         reservation = await _reserve_charge(state, request, grant, endpoint, body, record)
+        await _refuse_if_held_up(state, reservation, reserving, record)
     # Committed already: Stripe answers from what it saved with the key. A takeover of one in
     # doubt may execute now, or replay: its answer says which.
     record.decision = (
@@ -227,6 +229,46 @@ async def _reserve_charge(
     reservation = await _reserve(state, grant.id, idempotency_key, charge, _fencing_token(request))
     record.reservation_state = reservation.state
     return reservation
+
+
+@dataclass(frozen=True, slots=True)
+class _Stamp:
+    monotonic: float
+    wall: float
+
+    @classmethod
+    def now(cls) -> _Stamp:
+        return cls(time.monotonic(), time.time())
+
+    def seconds_ago(self) -> float:
+        # The wall clock also counts a machine suspended, which the monotonic one may not.
+        return max(time.monotonic() - self.monotonic, time.time() - self.wall)
+
+
+async def _refuse_if_held_up(
+    state: VaultState, reservation: Reservation, reserving: _Stamp, record: AuditRecord
+) -> None:
+    """A charge not sent within `send_within` of its reservation (the vault's process frozen,
+    a paused container) is not sent at all. Its reservation may have been found stale and
+    released meanwhile, and a retry may have charged with the key: sent once Stripe has
+    forgotten the key, a day on, it would charge again."""
+    held_up = reserving.seconds_ago()
+    if held_up <= state.send_within.total_seconds():
+        return
+    if reservation.owned:
+        # Nothing of this attempt reached Stripe; one it took over stays in doubt.
+        outcome: Outcome = "unknown" if reservation.in_doubt else "failed"
+        record.reservation_state = await _settle(state, reservation, outcome, None)
+    raise Refusal(
+        "refused_request",
+        503,
+        "vault_held_up",
+        f"the vault was held up {held_up:.1f} s between reserving this charge and sending it,"
+        f" past the {state.send_within.total_seconds():.0f} s it may take, so it did not send"
+        " it; retry with the same Idempotency-Key",
+        error_type="api_error",
+        should_retry=True,
+    )
 
 
 def _fencing_token(request: web.Request) -> int | None:

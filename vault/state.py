@@ -17,7 +17,9 @@ from vault.budget import WorkerPolicy
 from vault.settings import VaultSettings
 
 # How long past the upstream timeout a pending reservation may stay pending before it is
-# treated as unknown: only a vault stopped mid-request leaves one that old.
+# treated as unknown: only a vault stopped mid-request leaves one that old. A charge is sent
+# within this margin of its reservation or not at all, so its wait on Stripe ends before it can
+# be found stale.
 _STALE_MARGIN = timedelta(seconds=10)
 # How long each write after an upstream answer (settle, then audit) keeps trying through a
 # database outage: both inside the margin above, so a reservation settled late is not yet
@@ -45,6 +47,8 @@ class VaultState:
     worker_token_digest: bytes | None = field(repr=False)
     worker_policy: WorkerPolicy | None
     stale_after: timedelta
+    # How long after its reservation a charge may still be sent.
+    send_within: timedelta
     # The writes that go on trying behind an answer.
     behind: aiojobs.Scheduler
     outage_retry: timedelta = _OUTAGE_RETRY
@@ -84,6 +88,7 @@ def lifecycle(settings: VaultSettings) -> Callable[[web.Application], AsyncItera
             ),
             worker_policy=settings.worker_policy(),
             stale_after=timedelta(seconds=settings.upstream_timeout_seconds) + _STALE_MARGIN,
+            send_within=_STALE_MARGIN,
             behind=aiojobs.Scheduler(
                 limit=_LATE_WRITES_AT_ONCE, pending_limit=_LATE_WRITES_WAITING
             ),

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import aiohttp
 import asyncpg
@@ -20,6 +21,7 @@ from devstack.postgres import LocalPostgres
 from stripe_emulator import RunningEmulator
 from tests.integration.harness import eventually
 from vault import RunningVault, VaultSettings, reservations, serve, store
+from vault import state as vault_state
 from vault.client import VaultAdmin, VaultConflict, VaultInvalidRequest, VaultNotFound
 from vault.models import IssuedKey
 from vault.reservations import Charge
@@ -439,6 +441,68 @@ async def test_a_reservation_left_pending_by_a_stopped_vault_is_taken_over_once_
     assert await _states(db, key.id) == {"orphan": "committed"}
     totals = await assert_consistent(db, key.id)
     assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 1_200)
+    assert len(await emulator_ledger(emulator)) == 1
+
+
+class HeldUp:
+    """Holds the vault up between a charge's reservation and its sending, as a frozen process
+    (a paused container) would, while `on`; the vault may take 0.2 s there."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.on = True
+        reserve = reservations.reserve
+
+        async def held_up(*args: Any, **kwargs: Any) -> reservations.Reservation:
+            reservation = await reserve(*args, **kwargs)
+            if self.on:
+                await asyncio.sleep(0.5)
+            return reservation
+
+        monkeypatch.setattr(reservations, "reserve", held_up)
+        monkeypatch.setattr(vault_state, "_STALE_MARGIN", timedelta(seconds=0.2))
+
+
+@pytest.mark.parametrize("in_doubt", [False, True], ids=["new", "in-doubt"])
+async def test_a_charge_held_up_after_its_reservation_is_not_sent(
+    vault_settings: VaultSettings,
+    issue: Issue,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+    admin: VaultAdmin,
+    monkeypatch: pytest.MonkeyPatch,
+    in_doubt: bool,
+) -> None:
+    # Sent late, it could reach Stripe after Stripe forgot its key (its reservation released
+    # as stale meanwhile, and a retry charged): a second charge.
+    key = await issue(cap_cents=10_000)
+    held = HeldUp(monkeypatch)
+    async with serve(vault_settings) as vault, aiohttp.ClientSession() as session:
+        client = via_vault(key.secret.get_secret_value(), vault.url, session)
+        if in_doubt:  # Stripe made it, and its answer was lost
+            held.on = False
+            await charge_in_doubt(emulator, client, customer, 6_000, "frozen")
+            held.on = True
+        with pytest.raises(stripe.APIError) as refused:
+            await charge(client, customer, 6_000, "frozen")
+        assert refused.value.http_status == 503
+        assert refused.value.error is not None and refused.value.error.code == "vault_held_up"
+        assert "retry with the same Idempotency-Key" in str(refused.value.user_message)
+        assert len(await emulator_ledger(emulator)) == (1 if in_doubt else 0)
+        # Nothing of the attempt was sent: its room is freed, or stays in doubt.
+        left = "unknown" if in_doubt else "released"
+        assert await _states(db, key.id) == {"frozen": left}
+        audited = [
+            (e.refusal_code, e.reservation_state) for e in await proxied_calls(admin, key.id)
+        ]
+        assert audited[0] == ("vault_held_up", left)
+        totals = await assert_consistent(db, key.id)
+        assert (totals["reserved_cents"], totals["spent_cents"]) == (6_000 if in_doubt else 0, 0)
+
+        held.on = False
+        await charge(client, customer, 6_000, "frozen")
+    assert await _states(db, key.id) == {"frozen": "committed"}
+    assert (await assert_consistent(db, key.id))["spent_cents"] == 6_000
     assert len(await emulator_ledger(emulator)) == 1
 
 
