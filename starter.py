@@ -7,6 +7,7 @@ python starter.py pause 2026-12 --reason "amounts look wrong"
 python starter.py skip 2026-12 cust-42 --reason "disputed"
 python starter.py preview 2026-12
 python starter.py reconcile 2026-12
+python starter.py handled 2026-12 duplicate ch_3Nx --reason "customer agreed"
 python starter.py schedule create --day 1 --hour 2 --time-zone Europe/Berlin
 python starter.py customers import customers.csv
 python starter.py demo --customers 1000 --keep-running
@@ -81,11 +82,12 @@ from billing.periods import (
     period_range,
 )
 from billing.preview import preview_period
-from billing.reconciliation import CHARGE_ID_PATTERN, FindingKind, HandledRequest
+from billing.reconciliation import CHARGE_ID_PATTERN, FindingKind, HandledMarks, HandledRequest
 from billing.redact import redact
 from billing.reporting import (
     describe,
     describe_handled,
+    describe_handled_marks,
     describe_preview,
     describe_reconciliation,
     describe_renewal,
@@ -385,6 +387,13 @@ async def cmd_reconcile(args: argparse.Namespace) -> int:
 
 
 async def cmd_handled(args: argparse.Namespace) -> int:
+    if args.kind is None:
+        return await _list_handled(args)
+    if args.charge_id is None or args.reason is None:
+        raise InvalidInputError(
+            "to mark a finding handled (or take a mark back with --undo), give its kind, its"
+            " charge id and --reason; give only the period to list the marks made under it"
+        )
     request = HandledRequest(
         period=str(args.period),
         kind=args.kind,
@@ -401,6 +410,23 @@ async def cmd_handled(args: argparse.Namespace) -> int:
         await pool.close()
     _emit(result, args.json, describe_handled(result))
     return 2 if result.change == "none" else 0
+
+
+async def _list_handled(args: argparse.Namespace) -> int:
+    if args.reason is not None or args.undo:
+        raise InvalidInputError(
+            "--reason and --undo go with a finding's kind and charge id: without them,"
+            " handled only lists the marks made under the period"
+        )
+    period = str(args.period)
+    pool = await create_pool(load_settings(DatabaseSettings).database_url, max_size=1)
+    try:
+        async with pool.acquire() as conn:
+            listed = HandledMarks(period=period, marks=await ledger.handled_marks(conn, period))
+    finally:
+        await pool.close()
+    _emit(listed, args.json, describe_handled_marks(listed))
+    return 0
 
 
 async def cmd_setup(_: argparse.Namespace) -> int:
@@ -716,18 +742,22 @@ def parser() -> argparse.ArgumentParser:
     handled = commands.add_parser(
         "handled",
         help="record that a person has handled a reconciliation finding: later reports count"
-        " it instead of listing it (and exit 0 for it)",
+        " it instead of listing it (and exit 0 for it); with the period alone, list the marks"
+        " made under it",
     )
     handled.add_argument("period", type=_period, help="YYYY-MM")
     handled.add_argument(
         "kind",
+        nargs="?",
         type=str.lower,  # as the report prints it, DUPLICATE, or as its JSON has it
         choices=get_args(FindingKind),
         help="the finding's kind, as the report names it",
     )
-    handled.add_argument("charge_id", type=_charge_id, help="the finding's Stripe charge id")
     handled.add_argument(
-        "--reason", required=True, type=_reason, help="what was done (or why it is taken back)"
+        "charge_id", nargs="?", type=_charge_id, help="the finding's Stripe charge id"
+    )
+    handled.add_argument(
+        "--reason", type=_reason, help="what was done (or why it is taken back); required to mark"
     )
     handled.add_argument("--undo", action="store_true", help="take the mark back")
     handled.add_argument("--operator", help="default: $BILLING_OPERATOR or your login")

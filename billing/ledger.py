@@ -38,6 +38,7 @@ from billing.models import (
 from billing.reconciliation import (
     CustomerToCheck,
     Finding,
+    HandledMark,
     HandledRequest,
     HandledResult,
     LedgerEntry,
@@ -920,6 +921,18 @@ async def mark_handled(conn: asyncpg.Connection, request: HandledRequest) -> Han
         handled_by=row["handled_by"] if row else None,
         reason=row["reason"] if row else None,
     )
+
+
+async def handled_marks(conn: asyncpg.Connection, period: str) -> list[HandledMark]:
+    """Every mark made under the period, the taken back ones too, oldest first."""
+    rows = await conn.fetch(
+        """
+        SELECT charge_id, kind, reason, handled_by, handled_at, undone_at, undone_by, undo_reason
+        FROM handled_findings WHERE billing_period = $1 ORDER BY handled_at, charge_id, kind
+        """,
+        period,
+    )
+    return [HandledMark(**dict(row)) for row in rows]
 
 
 async def handled_among(

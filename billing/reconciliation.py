@@ -4,7 +4,7 @@ with the ledger. Pure functions over records; the I/O is in activities/reconcile
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
@@ -69,6 +69,26 @@ class HandledResult(Record):
     period: str | None = None
     handled_by: str | None = None
     reason: str | None = None
+
+
+class HandledMark(Record):
+    """One mark made under a period, standing or taken back (who did it and why kept)."""
+
+    charge_id: str
+    kind: FindingKind
+    reason: str
+    handled_by: str
+    handled_at: datetime
+    undone_at: datetime | None = None
+    undone_by: str | None = None
+    undo_reason: str | None = None
+
+
+class HandledMarks(Record):
+    """`python starter.py handled PERIOD`: the marks made under the period, oldest first."""
+
+    period: str
+    marks: list[HandledMark]
 
 
 class ReconcileInput(Record):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import UTC, datetime
 
 from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ActivityError, ChildWorkflowError, FailureError
@@ -19,7 +20,7 @@ from billing.models import (
 )
 from billing.money import describe_amounts
 from billing.period_keys import KeyRenewal
-from billing.reconciliation import HandledResult, ReconcileReport
+from billing.reconciliation import HandledMarks, HandledResult, ReconcileReport
 
 
 def describe(summary: PeriodCounts) -> str:
@@ -255,3 +256,24 @@ def describe_handled(result: HandledResult) -> str:
         "undone": f"{finding}: taken back (it was marked {marked}); it is reported again",
         "none": f"{finding} is not recorded as handled: nothing to take back",
     }[result.change]
+
+
+def describe_handled_marks(listed: HandledMarks) -> str:
+    standing = sum(mark.undone_at is None for mark in listed.marks)
+    lines = [
+        f"{standing} finding(s) marked handled under {listed.period}"
+        + (f", {len(listed.marks) - standing} taken back" if standing < len(listed.marks) else "")
+    ]
+    for mark in listed.marks:
+        line = (
+            f"  {mark.kind.upper()} {mark.charge_id}: by {mark.handled_by}"
+            f" {_utc(mark.handled_at)} ({mark.reason})"
+        )
+        if mark.undone_at is not None:
+            line += f"; taken back by {mark.undone_by} {_utc(mark.undone_at)} ({mark.undo_reason})"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _utc(moment: datetime) -> str:
+    return f"{moment.astimezone(UTC):%Y-%m-%d %H:%M} UTC"

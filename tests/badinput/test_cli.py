@@ -110,6 +110,18 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["starter.py", "handled", "2026-12", "duplicate", "ch_3Nx", "--reason", " "],
         "got a blank reason",
     ),
+    "handled no charge": (
+        ["starter.py", "handled", "2026-12", "duplicate", "--reason", "refunded"],
+        "give its kind, its charge id and --reason",
+    ),
+    "handled no reason": (
+        ["starter.py", "handled", "2026-12", "duplicate", "ch_3Nx"],
+        "give its kind, its charge id and --reason",
+    ),
+    "handled list undo": (
+        ["starter.py", "handled", "2026-12", "--undo"],
+        "without them, handled only lists the marks",
+    ),
     "schedule hour": (["starter.py", "schedule", "create", "--hour", "25"], "hour:"),
     "schedule zone": (
         ["starter.py", "schedule", "create", "--time-zone", "Mars/Olympus"],

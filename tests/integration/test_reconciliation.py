@@ -42,6 +42,7 @@ from billing.reconciliation import (
     ChargesPage,
     ChargesPageRequest,
     Finding,
+    HandledMarks,
     ReconcileInput,
     ReconcileReport,
     StripeCharge,
@@ -1138,6 +1139,15 @@ async def test_a_finding_a_person_handled_is_counted_not_reported(harness: Harne
     assert code == 2 and "nothing to take back" in out, out
     report = await reconcile(harness)
     assert sorted(f.charge_id for f in report.findings) == sorted([duplicate, another])
+    # Listed under the period it was made under, taken back and all.
+    code, out, _ = await harness.starter("handled", "2026-11")
+    assert code == 0 and "0 finding(s) marked handled under 2026-11, 1 taken back" in out, out
+    assert f"DUPLICATE {duplicate}: by ann" in out and "taken back by" in out, out
+    code, out, _ = await harness.starter("handled", "2026-11", "--json")
+    [mark] = HandledMarks.model_validate_json(out).marks
+    assert (mark.charge_id, mark.reason, mark.undo_reason) == (duplicate, "agreed", "mistake")
+    code, out, _ = await harness.starter("handled", str(PERIOD))
+    assert code == 0 and "0 finding(s) marked handled under" in out, out
 
 
 async def test_a_duplicate_made_through_the_other_api_is_reported(harness: Harness) -> None:
