@@ -280,6 +280,21 @@ class PeriodSummary(PeriodCounts):
     cancel_reason: str | None = None
     cancelled_by: str | None = None
 
+    @classmethod
+    def empty(cls, period: str, workflow_id: str) -> PeriodSummary:
+        """A run that has done nothing (yet)."""
+        return cls(
+            period=period,
+            workflow_id=workflow_id,
+            due=0,
+            charged=0,
+            already_billed=0,
+            failed=0,
+            skipped=0,
+            cancelled=0,
+            total_charged_cents=0,
+        )
+
 
 class PeriodProgress(PeriodCounts):
     state: str

@@ -157,17 +157,7 @@ async def period_status(client: Client, period: Period) -> PeriodProgress:
     except RPCError as exc:
         if exc.status != RPCStatusCode.NOT_FOUND:
             raise
-        empty = PeriodSummary(
-            period=str(period),
-            workflow_id=workflow_id,
-            due=0,
-            charged=0,
-            already_billed=0,
-            failed=0,
-            skipped=0,
-            cancelled=0,
-            total_charged_cents=0,
-        )
+        empty = PeriodSummary.empty(str(period), workflow_id)
         return _progress(empty).model_copy(update={"state": "not_started"})
     status = description.status
     if status == WorkflowExecutionStatus.RUNNING:

@@ -21,16 +21,6 @@ async def test_a_run_closing_lifts_a_pause_but_keeps_a_cancel(
         plan = PeriodPlan(period=str(PERIOD), due=1, to_charge=1, expected_total_cents=0)
         await ledger.start_period(conn, plan, "billing-period-2026-12")
         await ledger.set_control(conn, str(PERIOD), left, "wrong prices", "ops")
-        summary = PeriodSummary(
-            period=str(PERIOD),
-            workflow_id="billing-period-2026-12",
-            due=1,
-            charged=0,
-            already_billed=0,
-            failed=0,
-            skipped=0,
-            cancelled=0,
-            total_charged_cents=0,
-        )
+        summary = PeriodSummary.empty(str(PERIOD), "billing-period-2026-12")
         await ledger.finish_period(conn, str(PERIOD), summary.model_dump_json())
         assert (await ledger.begin_charge(conn, claim, None)).gate == gate
