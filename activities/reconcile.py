@@ -397,7 +397,7 @@ class ReconcileActivities:
             )
         except (ApplicationError, VaultAdminError) as exc:
             # One reservation's trouble leaves it unknown for the next run, and the rest of
-            # reconciliation goes on: Stripe's rate or an intent still processing, the vault
+            # reconciliation goes on: Stripe's rate or an intent waiting on a step, the vault
             # away, a retry that took it over (409). The message (ours, Stripe's or the
             # vault's) says which. What no later run changes is for a person: no key to read
             # with, a token or an amount the vault refuses.

@@ -20,6 +20,10 @@ _CLOCK_SKEW_SECONDS = 3600
 FAILED_INTENT_STATUSES = frozenset({"requires_payment_method", "canceled"})
 # A Charge in either has been made: a bank debit stays pending for days, and may still fail.
 MADE_STATUSES = frozenset({"succeeded", "pending"})
+# The same for a PaymentIntent: a bank debit's is processing while its charge is pending.
+# Recorded as charged at once, as its pending charge is: waiting days for the bank would hold
+# the period open; a debit the bank returns later is reconciliation's `failed_later`.
+MADE_INTENT_STATUSES = frozenset({"succeeded", "processing"})
 # Our one request creates and confirms a PaymentIntent, so it never waits for a confirm. One
 # found so, two hours after it was made (one past the clock skew allowed), was left there by
 # Stripe after answering that request with an error: the claim fails, where it would
@@ -94,8 +98,9 @@ class StripeGateway:
             intent = await self._client.v1.payment_intents.create_async(params, options)  # type: ignore[arg-type]
             if intent.status == "succeeded":
                 return self._from_intent(intent)
-            # Stripe replays the intent as its first answer left it (e.g. a bank debit still
-            # processing) for as long as it keeps the key: where it stands now is listed.
+            # Stripe replays the intent as its first answer left it (e.g. a bank debit
+            # processing, since returned) for as long as it keeps the key: where it stands now
+            # is listed.
             try:
                 found = await self._find_through(api, claim)
             except stripe.StripeError as exc:
@@ -137,7 +142,7 @@ class StripeGateway:
         if api == "payment_intents":
             intents = await self._ours(self._client.v1.payment_intents.list_async, claim)
             for intent in intents:
-                if intent.status == "succeeded":
+                if intent.status in MADE_INTENT_STATUSES:
                     return self._from_intent(intent, replayed=True)
             if not intents:
                 return None
@@ -152,7 +157,8 @@ class StripeGateway:
                     payment_intent_id=latest.id,
                 )
             if latest.status not in FAILED_INTENT_STATUSES:
-                # Still processing or waiting for a step: not an answer yet; try again later.
+                # Waiting for a step (off session, e.g. a bank account's microdeposits), or
+                # confirmed by a request still running: not an answer yet; try again later.
                 raise stripe.APIError(
                     f"payment intent {latest.id} is {latest.status}", http_status=503
                 )
@@ -212,7 +218,7 @@ class StripeGateway:
     @staticmethod
     def _from_intent(intent: stripe.PaymentIntent, replayed: bool = False) -> ChargeResult:
         charge_id = _id(intent.latest_charge)
-        if intent.status != "succeeded" or charge_id is None:
+        if intent.status not in MADE_INTENT_STATUSES or charge_id is None:
             raise _not_succeeded(intent)
         return ChargeResult(
             charge_id=charge_id,
@@ -225,7 +231,9 @@ class StripeGateway:
 
 def _not_succeeded(intent: stripe.PaymentIntent) -> stripe.APIError:
     return stripe.APIError(
-        f"payment intent {intent.id} is {intent.status}, expected succeeded", http_status=502
+        f"payment intent {intent.id} is {intent.status} with charge {_id(intent.latest_charge)},"
+        " expected succeeded or processing with a charge",
+        http_status=502,
     )
 
 

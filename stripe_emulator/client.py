@@ -1,4 +1,5 @@
-"""A client of a running emulator's ``/_emulator/*`` endpoints: faults, ledger, request log."""
+"""A client of a running emulator's ``/_emulator/*`` endpoints: faults, ledger, request log,
+bank debits."""
 
 from __future__ import annotations
 
@@ -41,3 +42,9 @@ class EmulatorClient:
         """Every request received: method, path, key, parameters, status, fault."""
         requests: list[JSON] = (await self._call("GET", "requests"))["requests"]
         return requests
+
+    async def settle_debits(self, charge: str | None = None) -> list[JSON]:
+        """Settle the pending bank debit `charge`, or every one: returns them as settled."""
+        body = {} if charge is None else {"charge": charge}
+        settled: list[JSON] = (await self._call("POST", "settle_debits", body))["settled"]
+        return settled

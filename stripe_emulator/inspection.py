@@ -1,4 +1,5 @@
-"""``/_emulator/*``: health, fault configuration, ledger, request log, reset. No auth."""
+"""``/_emulator/*``: health, fault configuration, ledger, request log, settling bank debits,
+reset. No auth."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from .emulator import EMULATOR
+from .payments import settle_debit
 
 routes = web.RouteTableDef()
 
@@ -81,3 +83,27 @@ async def _ledger(request: web.Request) -> web.Response:
 @routes.get("/_emulator/requests")
 async def _requests(request: web.Request) -> web.Response:
     return web.json_response({"requests": list(request.app[EMULATOR].request_log)})
+
+
+@routes.post("/_emulator/settle_debits")
+async def _settle_debits(request: web.Request) -> web.Response:
+    """The banks answer pending debits: `{"charge": "ch_..."}` settles that one, `{}` all.
+    Each succeeds, or fails if its account returns debits (`pm_sepaDebit_fails`)."""
+    changes = await _changes(request)
+    if isinstance(changes, web.Response):
+        return changes
+    unknown = set(changes) - {"charge"}
+    if unknown:
+        return _bad_request(f"Unknown field(s): {', '.join(sorted(unknown))}; only charge.")
+    store = request.app[EMULATOR].store
+    charge_id = changes.get("charge")
+    if charge_id is None:
+        pending = [charge for charge in store.charges.order if charge.pending]
+    else:
+        charge = store.charges.by_id.get(charge_id) if isinstance(charge_id, str) else None
+        if charge is None or not charge.pending:
+            return _bad_request(f"No pending bank debit has the id {charge_id!r}.")
+        pending = [charge]
+    for charge in pending:
+        settle_debit(store, charge)
+    return web.json_response({"settled": [charge.to_ledger() for charge in pending]})

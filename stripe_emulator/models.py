@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cards import Card
+from .cards import Card, Instrument
 from .errors import JSON
 
 
@@ -51,32 +51,29 @@ class PaymentMethod:
     id: str
     seq: int
     created: int
-    card: Card
+    instrument: Instrument
     customer: str | None = None
 
     def to_api(self) -> JSON:
+        kind = self.instrument.type
+        details = self.instrument.details()
+        if isinstance(self.instrument, Card):
+            details |= {"exp_month": 12, "exp_year": 2034}
         return {
             "id": self.id,
             "object": "payment_method",
             "billing_details": {"address": None, "email": None, "name": None, "phone": None},
-            "card": self._card_details() | {"exp_month": 12, "exp_year": 2034},
+            kind: details,
             "created": self.created,
             "customer": self.customer,
             "livemode": False,
             "metadata": {},
-            "type": "card",
-        }
-
-    def _card_details(self) -> JSON:
-        return {
-            "brand": self.card.brand,
-            "country": "US",
-            "funding": self.card.funding,
-            "last4": self.card.last4,
+            "type": kind,
         }
 
     def charge_details(self) -> JSON:
-        return {"card": self._card_details(), "type": "card"}
+        kind = self.instrument.type
+        return {kind: self.instrument.details(), "type": kind}
 
 
 @dataclass(slots=True)
@@ -96,25 +93,29 @@ class Charge:
     failure_message: str | None = None
     decline_code: str | None = None
     amount_refunded: int = 0
+    # A bank debit the bank has not answered yet (payments.settle_debit).
+    pending: bool = False
 
     @property
     def status(self) -> str:
-        return "failed" if self.failure_code else "succeeded"
+        if self.failure_code:
+            return "failed"
+        return "pending" if self.pending else "succeeded"
 
     @property
     def refunded(self) -> bool:
         return self.amount_refunded == self.amount
 
     def to_api(self) -> JSON:
-        paid = self.failure_code is None
+        captured = self.failure_code is None
         return {
             "id": self.id,
             "object": "charge",
             "amount": self.amount,
-            "amount_captured": self.amount if paid else 0,
+            "amount_captured": self.amount if captured else 0,
             "amount_refunded": self.amount_refunded,
             "balance_transaction": None,
-            "captured": paid,
+            "captured": captured,
             "created": self.created,
             "currency": self.currency,
             "customer": self.customer,
@@ -125,7 +126,7 @@ class Charge:
             "livemode": False,
             "metadata": self.metadata,
             "outcome": self._outcome(),
-            "paid": paid,
+            "paid": self.status == "succeeded",
             "payment_intent": self.payment_intent,
             "payment_method": self.payment_method.id,
             "payment_method_details": self.payment_method.charge_details(),
@@ -210,7 +211,7 @@ class PaymentIntent:
             "metadata": self.metadata,
             "next_action": self.next_action,
             "payment_method": self.payment_method,
-            "payment_method_types": ["card"],
+            "payment_method_types": ["card", "sepa_debit"],
             "status": self.status,
         }
 

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cards import Card, decline_message, lookup_test_card
+from .cards import (
+    BankAccount,
+    Instrument,
+    Outcome,
+    decline_message,
+    lookup_test_instrument,
+    return_message,
+)
 from .errors import StripeError, invalid, no_such
 from .models import Charge, Customer, PaymentMethod
 from .store import Store
@@ -14,7 +21,7 @@ from .store import Store
 class Source:
     """A validated payment method; ``method`` is None for a test id not yet materialised."""
 
-    card: Card
+    instrument: Instrument
     method: PaymentMethod | None
 
     def materialise(self, store: Store) -> PaymentMethod:
@@ -22,7 +29,7 @@ class Source:
         while validating, so a request refused later leaves no trace)."""
         if self.method is not None:
             return self.method
-        method = PaymentMethod(*store.identity("pm"), card=self.card)
+        method = PaymentMethod(*store.identity("pm"), instrument=self.instrument)
         store.payment_methods.add(method)
         return method
 
@@ -48,23 +55,35 @@ def resolve(store: Store, customer: Customer | None, method_id: str | None, para
                 code="parameter_missing",
             )
         default_method = store.payment_methods.by_id[default]
-        return Source(default_method.card, default_method)
+        return Source(default_method.instrument, default_method)
     method = store.payment_methods.by_id.get(method_id)
     if customer is not None:
         if method is None or method.customer != customer.id:
             raise not_attached(method_id, param)
-        return Source(method.card, method)
+        return Source(method.instrument, method)
     if method is not None:
         if method.customer is not None:
             raise invalid(
                 f"The payment method {method_id} belongs to a customer; pass that customer too.",
                 param="customer",
             )
-        return Source(method.card, method)
-    card = lookup_test_card(method_id)
-    if card is None:
+        return Source(method.instrument, method)
+    instrument = lookup_test_instrument(method_id)
+    if instrument is None:
         raise no_such("PaymentMethod", method_id, param=param)
-    return Source(card, None)
+    return Source(instrument, None)
+
+
+def check_currency(source: Source, currency: str) -> None:
+    """Refuse, before anything is stored, a currency the payment method cannot pay in."""
+    accepted = source.instrument.currencies
+    if accepted is not None and currency not in accepted:
+        raise invalid(
+            f"The currency provided ({currency}) is invalid. Payments with"
+            f" {source.instrument.type} support the following currencies:"
+            f" {', '.join(sorted(accepted))}.",
+            param="currency",
+        )
 
 
 def record_charge(
@@ -80,7 +99,8 @@ def record_charge(
     idempotency_key: str | None,
     decline_code: str | None,
 ) -> Charge:
-    """Store a charge: succeeded, or failed with ``card_declined`` when ``decline_code`` is set."""
+    """Store a charge: succeeded, failed with ``card_declined`` when ``decline_code`` is set, or
+    pending for a bank debit."""
     charge = Charge(
         *store.identity("ch"),
         amount=amount,
@@ -91,6 +111,7 @@ def record_charge(
         metadata=metadata,
         description=description,
         idempotency_key=idempotency_key,
+        pending=method.instrument.outcome is Outcome.SETTLES_LATER,
     )
     if decline_code is not None:
         charge.failure_code = "card_declined"
@@ -120,3 +141,28 @@ def declined(charge: Charge, decline_code: str) -> StripeError:
     error = card_error("card_declined", decline_code, charge.payment_method)
     error.error["charge"] = charge.id
     return error
+
+
+def settle_debit(store: Store, charge: Charge) -> None:
+    """The bank answers a pending debit: it succeeds, or is returned and fails; its
+    PaymentIntent follows (a failed one asks for another payment method, as on Stripe)."""
+    charge.pending = False
+    instrument = charge.payment_method.instrument
+    returned_with = instrument.returned_with if isinstance(instrument, BankAccount) else None
+    if returned_with is not None:
+        charge.failure_code = returned_with
+        charge.failure_message = return_message(returned_with)
+    if charge.payment_intent is None:
+        return
+    intent = store.payment_intents.by_id[charge.payment_intent]
+    if returned_with is None:
+        intent.status = "succeeded"
+        return
+    intent.status = "requires_payment_method"
+    intent.last_payment_error = {
+        "type": "card_error",
+        "code": returned_with,
+        "message": charge.failure_message,
+        "charge": charge.id,
+        "payment_method": charge.payment_method.to_api(),
+    }

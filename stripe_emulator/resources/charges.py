@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..cards import Outcome
 from ..errors import JSON, invalid, missing_param
 from ..listing import list_object
-from ..payments import declined, record_charge, resolve
+from ..payments import check_currency, declined, record_charge, resolve
 from ..routing import Call, Route
 from ..validation import (
     COMMON,
@@ -58,14 +58,18 @@ def _create(call: Call) -> JSON:
         customer = store.customers.get(customer_id, param="customer", status=400)
     charge_metadata = metadata(params)
     description = string(params, "description")
-    method = resolve(store, customer, method_id, param).materialise(store)
-    card = method.card
-    # The Charges API cannot run 3D Secure, so such cards are simply declined.
+    source = resolve(store, customer, method_id, param)
+    check_currency(source, money)
+    method = source.materialise(store)
+    instrument = method.instrument
+    # The Charges API cannot run 3D Secure, so such cards are simply declined. A bank debit's
+    # charge is pending, as a legacy ACH debit's was.
     decline_code = {
         Outcome.SUCCEED: None,
-        Outcome.DECLINE: card.decline_code,
+        Outcome.SETTLES_LATER: None,
+        Outcome.DECLINE: instrument.decline_code,
         Outcome.AUTHENTICATION_REQUIRED: "authentication_required",
-    }[card.outcome]
+    }[instrument.outcome]
     charge = record_charge(
         store,
         method,

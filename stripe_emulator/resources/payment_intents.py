@@ -10,7 +10,7 @@ from ..errors import JSON, StripeError, invalid
 from ..forms import Params
 from ..listing import list_object
 from ..models import PaymentIntent, PaymentMethod
-from ..payments import card_error, declined, record_charge, resolve
+from ..payments import card_error, check_currency, declined, record_charge, resolve
 from ..routing import Call, Route
 from ..store import seq_of
 from ..validation import (
@@ -29,7 +29,8 @@ from ..validation import (
     string,
 )
 
-# Accepted so real integrations work unchanged, with no effect here: cards settle at once.
+# Accepted so real integrations work unchanged, with no effect here: cards settle at once,
+# bank debits when told to (no mandate is checked).
 _IGNORED = frozenset(
     {
         "capture_method",
@@ -49,7 +50,7 @@ _CONFIRM = (
         "payment_method",
         "off_session",
         "return_url",
-        # Accepted, not applied: only cards are emulated.
+        # Accepted, not applied: the payment method's type decides.
         "allowed_payment_method_types",
         "excluded_payment_method_types",
     }
@@ -89,6 +90,7 @@ def _create(call: Call) -> JSON:
     # Without confirm, only a named method is validated; the default is picked at confirmation.
     if confirm or method_id is not None:
         source = resolve(store, customer, method_id, "payment_method")
+        check_currency(source, money)
     intent = PaymentIntent(
         *store.identity("pi"),
         amount=value,
@@ -127,8 +129,9 @@ def _confirm(call: Call) -> JSON:
     off_session = boolean(params, "off_session")
     customer = store.customers.by_id.get(intent.customer) if intent.customer else None
     method_id = string(params, "payment_method") or intent.payment_method
-    method = resolve(store, customer, method_id, "payment_method").materialise(store)
-    _confirm_intent(call, intent, method, off_session)
+    source = resolve(store, customer, method_id, "payment_method")
+    check_currency(source, intent.currency)
+    _confirm_intent(call, intent, source.materialise(store), off_session)
     return intent.to_api()
 
 
@@ -179,17 +182,18 @@ def _check_return_url(intent: PaymentIntent, params: Params) -> None:
 def _confirm_intent(
     call: Call, intent: PaymentIntent, method: PaymentMethod, off_session: bool
 ) -> None:
-    """Charge the intent's card; on failure the intent is left ``requires_payment_method`` and a
-    402 carrying it is raised (after the state change, so the 402 is saved for the key)."""
+    """Charge the intent's payment method; on failure the intent is left
+    ``requires_payment_method`` and a 402 carrying it is raised (after the state change, so the
+    402 is saved for the key). A bank debit leaves it ``processing`` until the debit settles."""
     intent.payment_method = method.id
-    outcome = method.card.outcome
+    outcome = method.instrument.outcome
     if outcome is Outcome.AUTHENTICATION_REQUIRED:
         if not off_session:
             intent.status = "requires_action"
             intent.next_action = {"type": "use_stripe_sdk", "use_stripe_sdk": {}}
             return
         _fail(intent, card_error("authentication_required", "authentication_required", method))
-    decline_code = method.card.decline_code if outcome is Outcome.DECLINE else None
+    decline_code = method.instrument.decline_code if outcome is Outcome.DECLINE else None
     charge = record_charge(
         call.store,
         method,
@@ -205,7 +209,7 @@ def _confirm_intent(
     intent.latest_charge = charge.id
     if decline_code is not None:
         _fail(intent, declined(charge, decline_code))
-    intent.status = "succeeded"
+    intent.status = "processing" if charge.pending else "succeeded"
     intent.last_payment_error = None
     intent.next_action = None
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..cards import lookup_test_card
+from ..cards import BankAccount, Card, lookup_test_instrument
 from ..errors import JSON, invalid, no_such
 from ..listing import list_object
 from ..models import PaymentMethod
@@ -14,6 +14,7 @@ from ..validation import COMMON, LIST, check_known, require, string
 _ATTACH = COMMON | {"customer"}
 _LIST = LIST | {"customer", "type"}
 _CUSTOMER_LIST = LIST | {"type"}
+_TYPES = (Card.type, BankAccount.type)
 
 
 def attachable(store: Store, method_id: str, customer: str | None, param: str) -> Source:
@@ -25,14 +26,14 @@ def attachable(store: Store, method_id: str, customer: str | None, param: str) -
                 "The payment method you provided has already been attached to a customer.",
                 param=param,
             )
-        return Source(method.card, method)
-    card = lookup_test_card(method_id)
-    if card is None:
+        return Source(method.instrument, method)
+    instrument = lookup_test_instrument(method_id)
+    if instrument is None:
         raise no_such("PaymentMethod", method_id, param=param)
-    if not card.attachable and card.decline_code is not None:
+    if not instrument.attachable and instrument.decline_code is not None:
         # Attaching runs an authorisation that these cards decline, as on Stripe.
-        raise card_error("card_declined", card.decline_code)
-    return Source(card, None)
+        raise card_error("card_declined", instrument.decline_code)
+    return Source(instrument, None)
 
 
 def attach(store: Store, source: Source, customer: str) -> PaymentMethod:
@@ -60,9 +61,15 @@ def _retrieve(call: Call) -> JSON:
 def _list_for_customer(call: Call, customer: str, param: str, status: int) -> JSON:
     store = call.store
     store.customers.get(customer, param=param, status=status)
-    if string(call.params, "type") not in (None, "card"):
-        raise invalid("Only card payment methods are emulated.", param="type")
+    kind = string(call.params, "type")
+    if kind not in (None, *_TYPES):
+        raise invalid(
+            f"Invalid type: only {' and '.join(_TYPES)} payment methods are emulated.",
+            param="type",
+        )
     records = store.payment_methods.by_customer.get(customer, [])
+    if kind is not None:
+        records = [method for method in records if method.instrument.type == kind]
     return list_object(call, store.payment_methods, records)
 
 

@@ -1071,24 +1071,28 @@ async def test_a_duplicate_whose_ledger_charge_was_refunded_instead_is_not_repor
     assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", third)]
 
 
-async def test_a_charge_that_failed_after_it_was_recorded_is_reported_every_day(
+async def test_a_bank_debit_is_charged_at_once_and_reported_every_day_once_returned(
     harness: Harness,
 ) -> None:
-    # A bank debit is recorded while pending; days later the bank returns it and Stripe fails
-    # it. The emulator makes no pending charges: the ledger is set to hold a failed charge
-    # as made, which is what the worker recorded then.
-    customers = await harness.seed(
-        2, card_for=lambda i: "pm_card_chargeCustomerFail" if i == 1 else "pm_card_visa"
-    )
+    # A bank debit is recorded while pending (its intent processing): the period does not
+    # wait days for the bank. The bank then returns one debit and settles the other.
+    banks = {1: "pm_sepaDebit_fails", 2: "pm_sepaDebit_succeeds"}
+    rows = await harness.seed(3, card_for=lambda i: banks.get(i, "pm_card_visa"))
+    debtor, payer = (row.model_copy(update={"currency": "eur"}) for row in rows[:2])
+    await upsert_customers(harness.pool, [debtor, payer])
     await bill(harness)
-    debtor = customers[0]
-    [returned] = [c["id"] for c in await harness.charges() if c["status"] == "failed"]
-    await harness.pool.execute(
-        "UPDATE billing_runs SET status = 'charged', charge_id = $2, failure_code = NULL"
-        " WHERE customer_id = $1",
-        debtor.customer_id,
-        returned,
-    )
+    ledger_rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
+    assert {r["status"] for r in ledger_rows.values()} == {"charged"}
+    pending = {c["id"] for c in await harness.charges() if c["status"] == "pending"}
+    debits = {ledger_rows[r.customer_id]["charge_id"] for r in (debtor, payer)}
+    assert pending == debits and len(debits) == 2
+    # Still pending, both are charges made: nothing to report yet.
+    report = await reconcile(harness)
+    assert report.findings == [] and report.charges_checked == 3
+
+    settled = {c["id"]: c["status"] for c in await harness.emulator.settle_debits()}
+    returned = ledger_rows[debtor.customer_id]["charge_id"]
+    assert settled == {returned: "failed", ledger_rows[payer.customer_id]["charge_id"]: "succeeded"}
     for _ in range(2):
         # Until a person acts: the ledger keeps what the worker recorded.
         async with harness.running_worker():
@@ -1098,9 +1102,9 @@ async def test_a_charge_that_failed_after_it_was_recorded_is_reported_every_day(
         assert "1 failed later" in out and "0 duplicates" in out
     report = await reconcile(harness)
     [finding] = report.findings
-    assert (finding.ledger_status, finding.failure_code) == ("charged", "card_declined")
-    # Only the charges made are counted as checked: the other customer's.
-    assert report.charges_checked == 1
+    assert (finding.ledger_status, finding.failure_code) == ("charged", "insufficient_funds")
+    # Only the charges made are counted as checked: the card's and the settled debit's.
+    assert report.charges_checked == 2
 
 
 async def test_a_finding_a_person_handled_is_counted_not_reported(harness: Harness) -> None:

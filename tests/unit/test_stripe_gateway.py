@@ -1,5 +1,5 @@
-"""`StripeGateway.find`, and `charge` settling on it, for states the emulator does not make (a
-bank debit stays pending for days; Stripe leaves a PaymentIntent unconfirmed after an error):
+"""`StripeGateway.find`, and `charge` settling on it, for states the emulator makes rarely or
+not at all (Stripe leaves a PaymentIntent unconfirmed after an error, or waiting on a step):
 Stripe's answers are stood in for here."""
 
 from __future__ import annotations
@@ -170,13 +170,11 @@ async def test_an_intent_stripe_left_unconfirmed_fails_the_claim_once_it_is_old(
         # Stripe may still roll the request forward; and an hour younger than the rule, for a
         # worker clock an hour ahead of Stripe's.
         ("requires_confirmation", int(time.time()) - STALLED_AFTER_SECONDS + 3600 + 60),
-        # A bank debit settles in days: it is an answer still to come, however old.
-        ("processing", LONG_AGO),
         # Off-session it waits on the customer (e.g. a bank account's microdeposits), who may
         # still complete it.
         ("requires_action", LONG_AGO),
     ],
-    ids=["requires_confirmation-young", "processing-old", "requires_action-old"],
+    ids=["requires_confirmation-young", "requires_action-old"],
 )
 async def test_an_intent_still_on_its_way_is_not_an_answer_yet(status: str, created: int) -> None:
     with pytest.raises(stripe.APIError, match=f"pi_{status} is {status}") as raised:
@@ -214,10 +212,27 @@ async def test_a_create_answered_before_the_intent_failed_settles_as_the_failure
 
 async def test_a_create_whose_intent_is_still_on_its_way_is_tried_again() -> None:
     now = int(time.time())
-    still = intent("processing", now)
-    with pytest.raises(stripe.APIError, match="pi_processing is processing") as raised:
+    still = intent("requires_action", now)
+    with pytest.raises(stripe.APIError, match="pi_requires_action is requires_action") as raised:
         await intents_gateway(still, created=still).charge(INTENT_CLAIM)
     assert raised.value.http_status == 503
+
+
+@pytest.mark.parametrize("lookup", ["find", "charge"])
+async def test_a_bank_debit_processing_is_charged_while_its_charge_is_pending(lookup: str) -> None:
+    # As a pending Charge is (above): the bank answers in days, and a debit it returns is
+    # reconciliation's to report (failed_later), not the period's to wait for.
+    debit = intent("processing", LONG_AGO, latest_charge="ch_pending")
+    gateway = intents_gateway(debit, created=debit)
+    found = await (gateway.find(INTENT_CLAIM) if lookup == "find" else gateway.charge(INTENT_CLAIM))
+    assert isinstance(found, ChargeResult)
+    assert (found.charge_id, found.payment_intent_id) == ("ch_pending", "pi_processing")
+
+
+async def test_an_intent_processing_without_a_charge_is_not_taken_for_charged() -> None:
+    odd = intent("processing", int(time.time()))
+    with pytest.raises(stripe.APIError, match="expected succeeded or processing with a charge"):
+        await intents_gateway(odd).find(INTENT_CLAIM)
 
 
 async def test_a_failed_intent_whose_error_has_no_decline_code_is_found_failed() -> None:
