@@ -10,7 +10,7 @@ import stripe
 
 from billing.ledger import SENT_DIRECT
 from billing.models import ChargeApi, ChargeFailure, ChargeResult, Claim
-from billing.reconciliation import INCOMPLETE_INTENT, ChargeState, StripeCharge
+from billing.reconciliation import INCOMPLETE_INTENT, MADE_STATUSES, ChargeState, StripeCharge
 from billing.redact import redact
 from vault.endpoints import FENCE_HEADER
 
@@ -18,9 +18,8 @@ from vault.endpoints import FENCE_HEADER
 _LOOKUP_PAGE = 100
 _CLOCK_SKEW_SECONDS = 3600
 FAILED_INTENT_STATUSES = frozenset({"requires_payment_method", "canceled"})
-# A Charge in either has been made: a bank debit stays pending for days, and may still fail.
-MADE_STATUSES = frozenset({"succeeded", "pending"})
-# The same for a PaymentIntent: a bank debit's is processing while its charge is pending.
+# A Charge pending has been made (MADE_STATUSES): a bank debit stays so for days, and may
+# still fail. So has a PaymentIntent processing, a bank debit's while its charge is pending.
 # Recorded as charged at once, as its pending charge is: waiting days for the bank would hold
 # the period open; a debit the bank returns later is reconciliation's `failed_later`.
 MADE_INTENT_STATUSES = frozenset({"succeeded", "processing"})

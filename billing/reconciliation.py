@@ -31,6 +31,8 @@ FindingKind = Literal["orphan", "duplicate", "unrecorded", "failed_later"]
 # A charge on Stripe: made (succeeded, or pending as a bank debit is for days), refunded in
 # full (a person settled it), or failed.
 ChargeState = Literal["made", "refunded", "failed"]
+# The statuses of a Stripe Charge that was made.
+MADE_STATUSES = frozenset({"succeeded", "pending"})
 ClaimAction = Literal["recorded", "redriven", "left"]
 # An unknown reservation with no charge on Stripe is released only once it has not changed
 # for this long, by the vault's clock: Stripe may still commit a request the vault stopped

@@ -18,7 +18,7 @@ import asyncpg
 from billing import period_keys
 from billing.customers import CustomerRow
 from billing.models import PeriodSummary
-from billing.reconciliation import ReconcileReport
+from billing.reconciliation import MADE_STATUSES, ReconcileReport
 from stripe_emulator.client import EmulatorClient
 from vault.client import VaultAdmin
 from vault.models import KeyInfo
@@ -76,26 +76,27 @@ def check_billed_once(
     found = Findings()
     problem = found.violations.append
     due = {c.customer_id: c for c in expected.customers}
-    succeeded: dict[str, list[Row]] = defaultdict(list)
+    # Charges made: succeeded, or pending as a bank debit is until its bank answers.
+    made: dict[str, list[Row]] = defaultdict(list)
     for charge in charges:
-        if charge["status"] == "succeeded" and (
+        if charge["status"] in MADE_STATUSES and (
             charge["metadata"].get("billing_period") == expected.period
         ):
-            succeeded[str(charge["metadata"].get("customer_id"))].append(charge)
-    found.stripe_total_cents = sum(int(c["amount"]) for cs in succeeded.values() for c in cs)
+            made[str(charge["metadata"].get("customer_id"))].append(charge)
+    found.stripe_total_cents = sum(int(c["amount"]) for cs in made.values() for c in cs)
 
-    # I1: at most one successful charge per customer; exactly one unless it must not be charged.
-    for customer_id in sorted(set(succeeded) - set(due)):
+    # I1: at most one charge made per customer; exactly one unless it must not be charged.
+    for customer_id in sorted(set(made) - set(due)):
         problem(f"{customer_id}: charged in Stripe but not due in {expected.period}")
     for customer in expected.customers:
-        got = succeeded.get(customer.customer_id, [])
+        got = made.get(customer.customer_id, [])
         unpaid = customer.customer_id in expected.declined | expected.cancelled
         if len(got) > 1:
             found.duplicates += 1
         elif not got and not unpaid:
             found.lost += 1
         if len(got) != (0 if unpaid else 1):
-            problem(f"{customer.customer_id}: {len(got)} successful charges in Stripe")
+            problem(f"{customer.customer_id}: {len(got)} charges made in Stripe")
         for charge in got:
             sent = (charge["amount"], charge["currency"], charge["customer"])
             if sent != (customer.amount_cents, customer.currency, customer.stripe_customer_id):
@@ -132,12 +133,12 @@ def check_billed_once(
                 problem(f"{customer_id}: cancelled after Stripe answered its key {answers}")
         elif status != "charged":
             problem(f"{customer_id}: left {status} in the ledger")
-        elif [c["id"] for c in succeeded.get(customer_id, [])][:1] != [row["charge_id"]]:
+        elif [c["id"] for c in made.get(customer_id, [])][:1] != [row["charge_id"]]:
             problem(f"{customer_id}: the ledger records {row['charge_id']}, not Stripe's charge")
     found.ledger_total_cents = sum(r["amount_cents"] for r in rows if r["status"] == "charged")
     if found.ledger_total_cents != found.stripe_total_cents:
         problem(
-            f"ledger total {found.ledger_total_cents} cents != Stripe's succeeded total"
+            f"ledger total {found.ledger_total_cents} cents != the total Stripe charged"
             f" {found.stripe_total_cents} cents"
         )
 
