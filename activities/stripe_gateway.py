@@ -18,6 +18,7 @@ from vault.endpoints import FENCE_HEADER
 _LOOKUP_PAGE = 100
 _CLOCK_SKEW_SECONDS = 3600
 FAILED_INTENT_STATUSES = frozenset({"requires_payment_method", "canceled"})
+CANCELED_INTENT = "payment_intent_canceled"
 # A Charge pending has been made (MADE_STATUSES): a bank debit stays so for days, and may
 # still fail. So has a PaymentIntent processing, a bank debit's while its charge is pending.
 # Recorded as charged at once, as its pending charge is: waiting days for the bank would hold
@@ -164,6 +165,16 @@ class StripeGateway:
             # Stripe leaves out what does not apply (no decline_code for an expired card), and
             # the SDK raises on a field left out.
             error = latest.last_payment_error
+            if error is None and latest.status == "canceled":
+                # Cancelled before any attempt failed: by a person, e.g. an intent Stripe
+                # left unconfirmed (above). Not a decline.
+                reason = getattr(latest, "cancellation_reason", None) or "no reason given"
+                return ChargeFailure(
+                    code=CANCELED_INTENT,
+                    message=f"payment intent {latest.id} was cancelled on Stripe ({reason}):"
+                    " nothing was charged",
+                    payment_intent_id=latest.id,
+                )
             return ChargeFailure(
                 code=getattr(error, "code", None) or "card_declined",
                 decline_code=getattr(error, "decline_code", None),

@@ -188,6 +188,8 @@ class PaymentIntent:
     next_action: JSON | None = None
     # Automatic payment methods that may redirect: confirming then needs a return_url.
     allows_redirects: bool = True
+    canceled_at: int | None = None
+    cancellation_reason: str | None = None
 
     def to_api(self) -> JSON:
         return {
@@ -196,8 +198,8 @@ class PaymentIntent:
             "amount": self.amount,
             "amount_capturable": 0,
             "amount_received": self.amount if self.status == "succeeded" else 0,
-            "canceled_at": None,
-            "cancellation_reason": None,
+            "canceled_at": self.canceled_at,
+            "cancellation_reason": self.cancellation_reason,
             "capture_method": "automatic",
             "client_secret": f"{self.id}_secret_emulated",
             "confirmation_method": "automatic",

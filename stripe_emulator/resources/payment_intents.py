@@ -1,9 +1,10 @@
-"""PaymentIntents: create (and confirm), confirm, retrieve, list by customer, search."""
+"""PaymentIntents: create (and confirm), confirm, cancel, retrieve, list by customer, search."""
 
 from __future__ import annotations
 
 import bisect
 import re
+import time
 
 from ..cards import Outcome
 from ..errors import JSON, StripeError, invalid
@@ -68,6 +69,11 @@ _AUTOMATIC = frozenset({"enabled", "allow_redirects"})
 _LIST = LIST | {"customer"}
 _SEARCH = COMMON | {"query", "limit", "page"}
 _CONFIRMABLE = ("requires_payment_method", "requires_confirmation")
+_CANCEL = COMMON | {"cancellation_reason"}
+# What Stripe cancels: nothing is charged in these (a processing debit, which Stripe cancels
+# only in rare cases, is not among them here).
+_CANCELABLE = (*_CONFIRMABLE, "requires_action")
+_CANCELLATION_REASONS = ("duplicate", "fraudulent", "requested_by_customer", "abandoned")
 
 
 def _create(call: Call) -> JSON:
@@ -132,6 +138,30 @@ def _confirm(call: Call) -> JSON:
     source = resolve(store, customer, method_id, "payment_method")
     check_currency(source, intent.currency)
     _confirm_intent(call, intent, source.materialise(store), off_session)
+    return intent.to_api()
+
+
+def _cancel(call: Call) -> JSON:
+    params, store = call.params, call.store
+    check_known(params, _CANCEL)
+    intent = store.payment_intents.get(call.path["id"])
+    reason = string(params, "cancellation_reason")
+    if reason is not None and reason not in _CANCELLATION_REASONS:
+        raise invalid(
+            f"Invalid cancellation_reason: must be one of {', '.join(_CANCELLATION_REASONS)}",
+            param="cancellation_reason",
+        )
+    if intent.status not in _CANCELABLE:
+        raise invalid(
+            f"You cannot cancel this PaymentIntent because it has a status of {intent.status}."
+            f" Only a PaymentIntent with one of the following statuses may be canceled:"
+            f" {', '.join(_CANCELABLE)}.",
+            code="payment_intent_unexpected_state",
+        )
+    intent.status = "canceled"
+    intent.canceled_at = int(time.time())
+    intent.cancellation_reason = reason
+    intent.next_action = None
     return intent.to_api()
 
 
@@ -306,4 +336,5 @@ ROUTES = [
     Route("GET", "/v1/payment_intents/search", _search),
     Route("GET", "/v1/payment_intents/{id}", _retrieve),
     Route("POST", "/v1/payment_intents/{id}/confirm", _confirm, moves_money=True),
+    Route("POST", "/v1/payment_intents/{id}/cancel", _cancel),
 ]

@@ -157,6 +157,47 @@ async def test_payment_intent_without_confirm_then_confirm(sdk: Client) -> None:
     assert caught.value.code == "payment_intent_unexpected_state"
 
 
+async def test_an_unconfirmed_intent_is_cancelled_and_can_then_neither_confirm_nor_cancel(
+    sdk: Client, raw: Raw
+) -> None:
+    customer = await _customer(sdk)
+    method = _default_method(customer)
+    assert isinstance(method, str)
+    intent = await sdk.v1.payment_intents.create_async(
+        params={
+            "amount": 700,
+            "currency": "usd",
+            "customer": customer.id,
+            "payment_method": method,
+            "allowed_payment_method_types": ["card"],
+        }
+    )
+    assert intent.status == "requires_confirmation"
+    cancelled = await sdk.v1.payment_intents.cancel_async(
+        intent.id, params={"cancellation_reason": "abandoned"}
+    )
+    assert (cancelled.status, cancelled.cancellation_reason) == ("canceled", "abandoned")
+    assert cancelled.canceled_at is not None
+    for call in (sdk.v1.payment_intents.confirm_async, sdk.v1.payment_intents.cancel_async):
+        with pytest.raises(stripe.InvalidRequestError) as caught:
+            await call(intent.id)
+        assert caught.value.code == "payment_intent_unexpected_state"
+    assert (await raw.ledger())["charges"] == []
+
+
+async def test_a_succeeded_intent_or_a_bad_reason_is_not_cancelled(sdk: Client) -> None:
+    succeeded = await _intent(sdk, (await _customer(sdk)).id, "cancel-succeeded")
+    with pytest.raises(stripe.InvalidRequestError, match="status of succeeded"):
+        await sdk.v1.payment_intents.cancel_async(succeeded.id)
+    with pytest.raises(stripe.InvalidRequestError) as caught:
+        await sdk.v1.payment_intents.cancel_async(
+            succeeded.id,
+            params={"cancellation_reason": "bored"},
+        )
+    assert caught.value.param == "cancellation_reason"
+    assert (await sdk.v1.payment_intents.retrieve_async(succeeded.id)).status == "succeeded"
+
+
 async def test_payment_intents_list_by_customer_newest_first(sdk: Client) -> None:
     customer = await _customer(sdk)
     other = await _customer(sdk)

@@ -15,7 +15,7 @@ import stripe
 
 from activities.stripe_gateway import STALLED_AFTER_SECONDS, StripeGateway
 from billing.models import ChargeFailure, ChargeResult
-from billing.reconciliation import INCOMPLETE_INTENT
+from billing.reconciliation import INCOMPLETE_INTENT, left_unknown_because
 from tests.unit.claims import CLAIM as LEDGER_CLAIM
 
 CLAIM = LEDGER_CLAIM.model_copy(update={"charge_api": "charges"})
@@ -233,6 +233,23 @@ async def test_an_intent_processing_without_a_charge_is_not_taken_for_charged() 
     odd = intent("processing", int(time.time()))
     with pytest.raises(stripe.APIError, match="expected succeeded or processing with a charge"):
         await intents_gateway(odd).find(INTENT_CLAIM)
+
+
+async def test_an_intent_cancelled_before_any_attempt_failed_is_not_a_decline() -> None:
+    # A person cancelled an intent Stripe left unconfirmed, as the incomplete-intent
+    # failure told them to: the lookup says so, and nothing of it is still to come.
+    cancelled = intent("canceled", LONG_AGO, cancellation_reason="abandoned")
+    found = await intents_gateway(cancelled).find(INTENT_CLAIM)
+    assert isinstance(found, ChargeFailure)
+    assert (found.code, found.payment_intent_id) == ("payment_intent_canceled", "pi_canceled")
+    assert "cancelled on Stripe (abandoned): nothing was charged" in found.message
+    assert left_unknown_because(found) is None
+    # Declined first, then cancelled: the decline is what happened.
+    error = {"code": "card_declined", "decline_code": "generic_decline", "message": "no"}
+    declined = intent("canceled", LONG_AGO, last_payment_error=error)
+    found = await intents_gateway(declined).find(INTENT_CLAIM)
+    assert isinstance(found, ChargeFailure)
+    assert (found.code, found.decline_code) == ("card_declined", "generic_decline")
 
 
 async def test_a_failed_intent_whose_error_has_no_decline_code_is_found_failed() -> None:
