@@ -91,6 +91,10 @@ PAUSES_CONTINUE = "pauses-continue-as-new"
 # failed) before its claim; it was counted failed (ended_without_claim), and its ID used to
 # refuse every later run of the period until Temporal's retention dropped it.
 RESTART_UNCLAIMED = "restart-unclaimed"
+# A cancel accepted while keys are renewed woke the children before the new keys existed:
+# refused again, they waited on their timers (up to 5 minutes), and the advice to renew
+# stayed. The renewal now wakes them, as for a run cancelled before it.
+WAKE_AFTER_RENEWAL = "wake-after-renewal"
 
 
 # Outside the sandbox for speed; the tests run it inside (see workflows/__init__.py).
@@ -239,8 +243,7 @@ class BillingPeriodWorkflow:
             operator=request.operator,
             reason=request.reason,
         )
-        # Decided before the activity: a cancel accepted meanwhile wakes the children itself
-        # (and a run recorded before this wake had no other way to take a renewal).
+        # Runs recorded before WAKE_AFTER_RENEWAL decided here, before the activity.
         cancelled = self._control.control == "cancelled"
         self._renewing += 1
         try:
@@ -255,7 +258,9 @@ class BillingPeriodWorkflow:
             )
         finally:
             self._renewing -= 1
-        if cancelled:
+        if cancelled or (
+            self._control.control == "cancelled" and workflow.patched(WAKE_AFTER_RENEWAL)
+        ):
             # Its children still in flight sent their charge before the cancel: retried
             # with the new key, they end, and so does the run.
             self._state.refused_after_cancel = None

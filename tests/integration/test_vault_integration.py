@@ -325,6 +325,53 @@ async def test_a_cancelled_run_held_up_by_a_refused_key_ends_once_its_keys_are_r
     assert key.vault_key_id == await period_key(vaulted)
 
 
+async def test_a_cancel_accepted_while_keys_are_renewed_is_woken_by_the_renewal(
+    vaulted: Harness,
+) -> None:
+    """The cancel wakes the children before the new keys exist: the one in doubt is refused
+    again and waits. The renewal, once its keys are stored, wakes it and drops the advice to
+    renew, as for a run cancelled before it."""
+    [customer] = await vaulted.seed(1)
+    await vaulted.set_faults(drop_after_commit=1.0)
+    async with vaulted.running_worker():
+        handle = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
+        await eventually(lambda: at_least(vaulted.succeeded(), 1))
+        async with vaulted.pool.acquire() as conn:
+            await conn.execute("UPDATE vault_keys SET expires_at = now()")
+        await eventually(lambda: vaulted.in_state(PERIOD, "paused"), timeout=60)
+        await vaulted.set_faults(drop_after_commit=0.0)
+
+        async def renewal_waits() -> bool:
+            waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            return bool(await vaulted.pool.fetchval(waiting))
+
+        async def held_up() -> bool:
+            return (await period_status(vaulted.client, PERIOD)).refused_after_cancel is not None
+
+        # The renewal waits for the ledger's opening lock, held here, while the cancel lands.
+        async with vaulted.pool.acquire() as conn, conn.transaction():
+            await conn.execute(ledger.OPENING_LOCK)
+            renewing = asyncio.create_task(operations.renew_keys(vaulted.client, PERIOD, ALICE))
+            await eventually(renewal_waits, timeout=15)
+            await operations.control(vaulted.client, PERIOD, "cancel", ALICE)
+            await eventually(held_up, timeout=15)
+        [key] = (await renewing).keys
+        assert (await period_status(vaulted.client, PERIOD)).refused_after_cancel is None
+        summary = await asyncio.wait_for(handle.result(), timeout=60)
+        await replays(handle)
+    child = vaulted.client.get_workflow_handle(customer_workflow_id(PERIOD, customer.customer_id))
+    woken = [
+        e
+        async for e in child.fetch_history_events()
+        if e.HasField("workflow_execution_signaled_event_attributes")
+    ]
+    # By the cancel, then by the renewal rather than left to its timers.
+    assert len(woken) == 2
+    assert (summary.charged, summary.cancelled, summary.cancelled_by) == (1, 0, "alice")
+    assert [c["customer"] for c in await vaulted.charges()] == [customer.stripe_customer_id]
+    assert key.vault_key_id == await period_key(vaulted)
+
+
 async def test_renewing_keys_leaves_the_kill_switch_pulled(vaulted: Harness) -> None:
     await vaulted.seed(10)
     assert vaulted.vault is not None
