@@ -136,11 +136,12 @@ async def test_payment_intent_succeeds_with_a_new_charge(sdk: Client, raw: Raw) 
     assert entry["metadata"] == {"billing_key": "k"}
 
 
-async def test_payment_intent_without_confirm_then_confirm(sdk: Client) -> None:
+async def _unconfirmed(sdk: Client) -> stripe.PaymentIntent:
+    """An intent created with the customer's card and not confirmed."""
     customer = await _customer(sdk)
     method = _default_method(customer)
     assert isinstance(method, str)
-    intent = await sdk.v1.payment_intents.create_async(
+    return await sdk.v1.payment_intents.create_async(
         params={
             "amount": 700,
             "currency": "usd",
@@ -149,6 +150,10 @@ async def test_payment_intent_without_confirm_then_confirm(sdk: Client) -> None:
             "allowed_payment_method_types": ["card"],
         }
     )
+
+
+async def test_payment_intent_without_confirm_then_confirm(sdk: Client) -> None:
+    intent = await _unconfirmed(sdk)
     assert (intent.status, intent.latest_charge) == ("requires_confirmation", None)
     confirmed = await sdk.v1.payment_intents.confirm_async(intent.id, params={"off_session": True})
     assert confirmed.status == "succeeded" and confirmed.latest_charge
@@ -160,18 +165,7 @@ async def test_payment_intent_without_confirm_then_confirm(sdk: Client) -> None:
 async def test_an_unconfirmed_intent_is_cancelled_and_can_then_neither_confirm_nor_cancel(
     sdk: Client, raw: Raw
 ) -> None:
-    customer = await _customer(sdk)
-    method = _default_method(customer)
-    assert isinstance(method, str)
-    intent = await sdk.v1.payment_intents.create_async(
-        params={
-            "amount": 700,
-            "currency": "usd",
-            "customer": customer.id,
-            "payment_method": method,
-            "allowed_payment_method_types": ["card"],
-        }
-    )
+    intent = await _unconfirmed(sdk)
     assert intent.status == "requires_confirmation"
     cancelled = await sdk.v1.payment_intents.cancel_async(
         intent.id, params={"cancellation_reason": "abandoned"}

@@ -17,7 +17,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 import starter
 import worker
 from billing import ledger, operations, period_keys
-from billing.customers import upsert_customers
+from billing.customers import CustomerRow, upsert_customers
 from billing.keys import customer_workflow_id
 from billing.models import AUTOMATIC, OperatorRequest, PeriodSummary, RunOptions, SkipRequest
 from billing.money import describe_amounts, spend_cap
@@ -283,36 +283,31 @@ async def test_run_wait_says_when_the_run_pauses_itself(
     assert "charged 10" in out
 
 
-async def test_a_cancelled_run_held_up_by_a_refused_key_ends_once_its_keys_are_renewed(
+async def paused_with_a_charge_in_doubt(
     vaulted: Harness,
-) -> None:
-    """A charge sent before the cancel, in doubt, whose key then expired: its retry is
-    refused, and it cannot be reopened (it reached Stripe), so the cancelled run waits for
-    it. Status says so; renewing the keys lets it finish, charged once."""
+) -> tuple[CustomerRow, WorkflowHandle[Any, PeriodSummary]]:
+    """One customer charged, each answer lost (every retry replays the charge and loses it
+    again), until its key expired: the run paused, the charge in doubt. The worker must run."""
     [customer] = await vaulted.seed(1)
-    # Charged, each answer lost: every retry replays the charge and loses it again.
     await vaulted.set_faults(drop_after_commit=1.0)
-    async with vaulted.running_worker():
-        handle = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
-        await eventually(lambda: at_least(vaulted.succeeded(), 1))
-        async with vaulted.pool.acquire() as conn:
-            await conn.execute("UPDATE vault_keys SET expires_at = now()")
-        await eventually(lambda: vaulted.in_state(PERIOD, "paused"), timeout=60)
-        await vaulted.set_faults(drop_after_commit=0.0)
-        await operations.control(vaulted.client, PERIOD, "cancel", ALICE)
+    handle = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
+    await eventually(lambda: at_least(vaulted.succeeded(), 1))
+    async with vaulted.pool.acquire() as conn:
+        await conn.execute("UPDATE vault_keys SET expires_at = now()")
+    await eventually(lambda: vaulted.in_state(PERIOD, "paused"), timeout=60)
+    await vaulted.set_faults(drop_after_commit=0.0)
+    return customer, handle
 
-        async def held_up() -> bool:
-            return (await period_status(vaulted.client, PERIOD)).refused_after_cancel is not None
 
-        await eventually(held_up, timeout=60)
-        progress = await period_status(vaulted.client, PERIOD)
-        assert (progress.state, progress.in_flight) == ("cancelling", 1)
-        assert progress.refused_after_cancel == "vault_key_expired"
-        assert f"to let it finish, python starter.py renew-keys {PERIOD}" in describe(progress)
-        [key] = (await operations.renew_keys(vaulted.client, PERIOD, ALICE)).keys
-        summary = await asyncio.wait_for(handle.result(), timeout=60)
-        await replays(handle)
-    # Woken by the renewal, as by the cancel before it, rather than left to its timers.
+async def held_up_after_cancel(vaulted: Harness) -> bool:
+    return (await period_status(vaulted.client, PERIOD)).refused_after_cancel is not None
+
+
+async def assert_charged_once_woken_twice(
+    vaulted: Harness, customer: CustomerRow, summary: PeriodSummary, key: period_keys.RenewedKey
+) -> None:
+    """The customer's child was woken by the cancel, then by the renewal rather than left to
+    its timers, and charged once with the renewed key in place."""
     child = vaulted.client.get_workflow_handle(customer_workflow_id(PERIOD, customer.customer_id))
     woken = [
         e
@@ -323,6 +318,26 @@ async def test_a_cancelled_run_held_up_by_a_refused_key_ends_once_its_keys_are_r
     assert (summary.charged, summary.cancelled, summary.cancelled_by) == (1, 0, "alice")
     assert [c["customer"] for c in await vaulted.charges()] == [customer.stripe_customer_id]
     assert key.vault_key_id == await period_key(vaulted)
+
+
+async def test_a_cancelled_run_held_up_by_a_refused_key_ends_once_its_keys_are_renewed(
+    vaulted: Harness,
+) -> None:
+    """A charge sent before the cancel, in doubt, whose key then expired: its retry is
+    refused, and it cannot be reopened (it reached Stripe), so the cancelled run waits for
+    it. Status says so; renewing the keys lets it finish, charged once."""
+    async with vaulted.running_worker():
+        customer, handle = await paused_with_a_charge_in_doubt(vaulted)
+        await operations.control(vaulted.client, PERIOD, "cancel", ALICE)
+        await eventually(lambda: held_up_after_cancel(vaulted), timeout=60)
+        progress = await period_status(vaulted.client, PERIOD)
+        assert (progress.state, progress.in_flight) == ("cancelling", 1)
+        assert progress.refused_after_cancel == "vault_key_expired"
+        assert f"to let it finish, python starter.py renew-keys {PERIOD}" in describe(progress)
+        [key] = (await operations.renew_keys(vaulted.client, PERIOD, ALICE)).keys
+        summary = await asyncio.wait_for(handle.result(), timeout=60)
+        await replays(handle)
+    await assert_charged_once_woken_twice(vaulted, customer, summary, key)
 
 
 async def test_a_cancel_accepted_while_keys_are_renewed_is_woken_by_the_renewal(
@@ -331,45 +346,25 @@ async def test_a_cancel_accepted_while_keys_are_renewed_is_woken_by_the_renewal(
     """The cancel wakes the children before the new keys exist: the one in doubt is refused
     again and waits. The renewal, once its keys are stored, wakes it and drops the advice to
     renew, as for a run cancelled before it."""
-    [customer] = await vaulted.seed(1)
-    await vaulted.set_faults(drop_after_commit=1.0)
+
+    async def renewal_waits() -> bool:
+        waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        return bool(await vaulted.pool.fetchval(waiting))
+
     async with vaulted.running_worker():
-        handle = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
-        await eventually(lambda: at_least(vaulted.succeeded(), 1))
-        async with vaulted.pool.acquire() as conn:
-            await conn.execute("UPDATE vault_keys SET expires_at = now()")
-        await eventually(lambda: vaulted.in_state(PERIOD, "paused"), timeout=60)
-        await vaulted.set_faults(drop_after_commit=0.0)
-
-        async def renewal_waits() -> bool:
-            waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-            return bool(await vaulted.pool.fetchval(waiting))
-
-        async def held_up() -> bool:
-            return (await period_status(vaulted.client, PERIOD)).refused_after_cancel is not None
-
+        customer, handle = await paused_with_a_charge_in_doubt(vaulted)
         # The renewal waits for the ledger's opening lock, held here, while the cancel lands.
         async with vaulted.pool.acquire() as conn, conn.transaction():
             await conn.execute(ledger.OPENING_LOCK)
             renewing = asyncio.create_task(operations.renew_keys(vaulted.client, PERIOD, ALICE))
             await eventually(renewal_waits, timeout=15)
             await operations.control(vaulted.client, PERIOD, "cancel", ALICE)
-            await eventually(held_up, timeout=15)
+            await eventually(lambda: held_up_after_cancel(vaulted), timeout=15)
         [key] = (await renewing).keys
         assert (await period_status(vaulted.client, PERIOD)).refused_after_cancel is None
         summary = await asyncio.wait_for(handle.result(), timeout=60)
         await replays(handle)
-    child = vaulted.client.get_workflow_handle(customer_workflow_id(PERIOD, customer.customer_id))
-    woken = [
-        e
-        async for e in child.fetch_history_events()
-        if e.HasField("workflow_execution_signaled_event_attributes")
-    ]
-    # By the cancel, then by the renewal rather than left to its timers.
-    assert len(woken) == 2
-    assert (summary.charged, summary.cancelled, summary.cancelled_by) == (1, 0, "alice")
-    assert [c["customer"] for c in await vaulted.charges()] == [customer.stripe_customer_id]
-    assert key.vault_key_id == await period_key(vaulted)
+    await assert_charged_once_woken_twice(vaulted, customer, summary, key)
 
 
 async def test_renewing_keys_leaves_the_kill_switch_pulled(vaulted: Harness) -> None:
