@@ -24,6 +24,7 @@ from vault.endpoints import FENCE_HEADER, METERED, PATH_RE, allows
 from vault.errors import VaultError
 from vault.models import IDEMPOTENCY_KEY_PATTERN, SECRET_PREFIX, Decision, ReservationState
 from vault.reservations import Charge, Outcome, Reservation
+from vault.send_deadline import HeldUpError, SendBy, Stamp
 from vault.state import STATE, VaultState
 from vault.store import AuditRecord, KeyGrant
 
@@ -160,10 +161,10 @@ async def _proxy(
     _check_parameters("the body", text)
 
     reservation = None
+    send_by = None
     if endpoint in METERED:
-        reserving = _Stamp.now()
+        send_by = SendBy(Stamp.now(), state.send_within.total_seconds())
         reservation = await _reserve_charge(state, request, grant, endpoint, body, record)
-        await _refuse_if_held_up(state, reservation, reserving, record)
     # Committed already: Stripe answers from what it saved with the key. A takeover of one in
     # doubt may execute now, or replay: its answer says which.
     record.decision = (
@@ -171,7 +172,12 @@ async def _proxy(
     )
 
     try:
-        answer = await _forward(state, request, path, body)
+        if send_by is not None:
+            send_by.check()
+        answer = await _forward(state, request, path, body, send_by)
+    except HeldUpError as held:
+        assert reservation is not None
+        raise await _held_up(state, reservation, held.held_up, record) from None
     except (aiohttp.ClientError, TimeoutError) as failure:
         if reservation is not None and reservation.owned:
             record.reservation_state = await _settle(state, reservation, "unknown", None)
@@ -231,35 +237,18 @@ async def _reserve_charge(
     return reservation
 
 
-@dataclass(frozen=True, slots=True)
-class _Stamp:
-    monotonic: float
-    wall: float
-
-    @classmethod
-    def now(cls) -> _Stamp:
-        return cls(time.monotonic(), time.time())
-
-    def seconds_ago(self) -> float:
-        # The wall clock also counts a machine suspended, which the monotonic one may not.
-        return max(time.monotonic() - self.monotonic, time.time() - self.wall)
-
-
-async def _refuse_if_held_up(
-    state: VaultState, reservation: Reservation, reserving: _Stamp, record: AuditRecord
-) -> None:
+async def _held_up(
+    state: VaultState, reservation: Reservation, held_up: float, record: AuditRecord
+) -> Refusal:
     """A charge not sent within `send_within` of its reservation (the vault's process frozen,
-    a paused container) is not sent at all. Its reservation may have been found stale and
-    released meanwhile, and a retry may have charged with the key: sent once Stripe has
-    forgotten the key, a day on, it would charge again."""
-    held_up = reserving.seconds_ago()
-    if held_up <= state.send_within.total_seconds():
-        return
+    a paused container, a suspended machine) is not sent at all. Its reservation may have
+    been found stale and released meanwhile, and a retry may have charged with the key: sent
+    once Stripe has forgotten the key, a day on, it would charge again."""
     if reservation.owned:
         # Nothing of this attempt reached Stripe; one it took over stays in doubt.
         outcome: Outcome = "unknown" if reservation.in_doubt else "failed"
         record.reservation_state = await _settle(state, reservation, outcome, None)
-    raise Refusal(
+    return Refusal(
         "refused_request",
         503,
         "vault_held_up",
@@ -492,7 +481,9 @@ async def _reserve(
         ) from None
 
 
-async def _forward(state: VaultState, request: web.Request, path: str, body: bytes) -> _Answer:
+async def _forward(
+    state: VaultState, request: web.Request, path: str, body: bytes, send_by: SendBy | None
+) -> _Answer:
     headers = {"Authorization": state.upstream_authorization}
     for name in _FORWARDED_HEADERS:
         value = request.headers.get(name)
@@ -501,7 +492,12 @@ async def _forward(state: VaultState, request: web.Request, path: str, body: byt
     query = request.rel_url.raw_query_string
     url = URL(state.settings.upstream_base + path + (f"?{query}" if query else ""), encoded=True)
     async with state.upstream.request(
-        request.method, url, data=body or None, headers=headers, allow_redirects=False
+        request.method,
+        url,
+        data=body or None,
+        headers=headers,
+        allow_redirects=False,
+        trace_request_ctx=send_by,
     ) as response:
         payload = await response.read()
         returned = {

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from vault import store
 from vault.budget import WorkerPolicy
+from vault.send_deadline import deadline_trace
 from vault.settings import VaultSettings
 
 # How long past the upstream timeout a pending reservation may stay pending before it is
@@ -72,6 +73,7 @@ def lifecycle(settings: VaultSettings) -> Callable[[web.Application], AsyncItera
         upstream = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=settings.upstream_max_connections),
             timeout=aiohttp.ClientTimeout(total=settings.upstream_timeout_seconds),
+            trace_configs=[deadline_trace()],
         )
         secret = settings.upstream_stripe_secret.get_secret_value()
         app[STATE] = VaultState(

@@ -446,22 +446,38 @@ async def test_a_reservation_left_pending_by_a_stopped_vault_is_taken_over_once_
 
 class HeldUp:
     """Holds the vault up between a charge's reservation and its sending, as a frozen process
-    (a paused container) would, while `on`; the vault may take 0.2 s there."""
+    (a paused container, a suspended machine) would, while `on`: right after reserving, or
+    while aiohttp gets the upstream connection (every connection busy, a slow connect). The
+    vault may take 0.2 s there."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
         self.on = True
-        reserve = reservations.reserve
-
-        async def held_up(*args: Any, **kwargs: Any) -> reservations.Reservation:
-            reservation = await reserve(*args, **kwargs)
-            if self.on:
-                await asyncio.sleep(0.5)
-            return reservation
-
-        monkeypatch.setattr(reservations, "reserve", held_up)
         monkeypatch.setattr(vault_state, "_STALE_MARGIN", timedelta(seconds=0.2))
+        if where == "reserving":
+            reserve = reservations.reserve
+
+            async def held_up(*args: Any, **kwargs: Any) -> reservations.Reservation:
+                reservation = await reserve(*args, **kwargs)
+                await self._hold()
+                return reservation
+
+            monkeypatch.setattr(reservations, "reserve", held_up)
+            return
+        # The test's own client connects through this too, before the vault's clock starts.
+        create = aiohttp.TCPConnector._create_connection
+
+        async def slow_connect(*args: Any, **kwargs: Any) -> Any:
+            await self._hold()
+            return await create(*args, **kwargs)
+
+        monkeypatch.setattr(aiohttp.TCPConnector, "_create_connection", slow_connect)
+
+    async def _hold(self) -> None:
+        if self.on:
+            await asyncio.sleep(0.5)
 
 
+@pytest.mark.parametrize("where", ["reserving", "connecting"])
 @pytest.mark.parametrize("in_doubt", [False, True], ids=["new", "in-doubt"])
 async def test_a_charge_held_up_after_its_reservation_is_not_sent(
     vault_settings: VaultSettings,
@@ -472,11 +488,12 @@ async def test_a_charge_held_up_after_its_reservation_is_not_sent(
     admin: VaultAdmin,
     monkeypatch: pytest.MonkeyPatch,
     in_doubt: bool,
+    where: str,
 ) -> None:
     # Sent late, it could reach Stripe after Stripe forgot its key (its reservation released
     # as stale meanwhile, and a retry charged): a second charge.
     key = await issue(cap_cents=10_000)
-    held = HeldUp(monkeypatch)
+    held = HeldUp(monkeypatch, where)
     async with serve(vault_settings) as vault, aiohttp.ClientSession() as session:
         client = via_vault(key.secret.get_secret_value(), vault.url, session)
         if in_doubt:  # Stripe made it, and its answer was lost
