@@ -7,6 +7,7 @@ are non-retryable and carry a ChargeFailure the workflow records. Everything els
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
 
 import stripe
@@ -184,8 +185,13 @@ def replays_saved_error(exc: stripe.StripeError) -> bool:
 
 def is_replayed(exc: stripe.StripeError) -> bool:
     """Stripe replayed a saved response for this key (e.g. a 500 after the charge committed)."""
-    headers = exc.headers or {}
+    return said_replayed(exc.headers)
+
+
+def said_replayed(headers: Mapping[str, str] | None) -> bool:
+    """A response's headers say Stripe answered from what it saved with the key, executing
+    nothing."""
     return any(
         name.lower() == "idempotent-replayed" and str(value).lower() == "true"
-        for name, value in headers.items()
+        for name, value in (headers or {}).items()
     )

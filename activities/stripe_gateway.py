@@ -8,6 +8,7 @@ from typing import Any
 
 import stripe
 
+from activities.stripe_failures import said_replayed
 from billing.ledger import SENT_DIRECT
 from billing.models import ChargeApi, ChargeFailure, ChargeResult, Claim
 from billing.reconciliation import INCOMPLETE_INTENT, MADE_STATUSES, ChargeState, StripeCharge
@@ -94,32 +95,40 @@ class StripeGateway:
             options["headers"] = {FENCE_HEADER: str(fencing_token)}
         api = self._api_for(claim.charge_api)
         params = charge_params(claim, api)
+        made: stripe.PaymentIntent | stripe.Charge
         if api == "payment_intents":
-            intent = await self._client.v1.payment_intents.create_async(params, options)  # type: ignore[arg-type]
-            if intent.status == "succeeded":
-                return self._from_intent(intent)
-            # Stripe replays the intent as its first answer left it (e.g. a bank debit
-            # processing, since returned) for as long as it keeps the key: where it stands now
-            # is listed.
-            try:
-                found = await self._find_through(api, claim)
-            except stripe.StripeError as exc:
-                # Not the create's refusal (a 429, a refused key), which proves nothing was
-                # sent: this create made its intent, so the charge is not to be reopened.
-                raise stripe.APIError(
-                    f"payment intent {intent.id} is {intent.status}, and looking it up was"
-                    f" refused ({exc.http_status})",
-                    http_status=503,
-                ) from None
-            if found is None:
-                raise _not_succeeded(intent)
-            return found
-        charge = await self._client.v1.charges.create_async(params, options)  # type: ignore[arg-type]
+            made = await self._client.v1.payment_intents.create_async(params, options)  # type: ignore[arg-type]
+            settling = made.status in MADE_INTENT_STATUSES
+        else:
+            made = await self._client.v1.charges.create_async(params, options)  # type: ignore[arg-type]
+            settling = made.status in MADE_STATUSES
+        # A bank debit's answer, processing or pending, is where it stands only if Stripe
+        # executed this request; one it replays, it saved up to a day ago, and the bank may
+        # have returned the debit since: where it stands now is listed.
+        if made.status == "succeeded" or (settling and not _replayed(made)):
+            return self._result(made)
+        try:
+            found = await self._find_through(api, claim)
+        except stripe.StripeError as exc:
+            # Not the create's refusal (a 429, a refused key), which proves nothing was
+            # sent: this create made its charge, so the claim is not to be reopened.
+            raise stripe.APIError(
+                f"{made.object} {made.id} is {made.status}, and looking it up was refused"
+                f" ({exc.http_status})",
+                http_status=503,
+            ) from None
+        if found is None:
+            raise _not_made(made)
+        return found
+
+    def _result(self, made: stripe.PaymentIntent | stripe.Charge) -> ChargeResult:
+        if isinstance(made, stripe.PaymentIntent):
+            return self._from_intent(made)
         return ChargeResult(
-            charge_id=charge.id,
-            payment_intent_id=_id(charge.payment_intent),
-            amount_cents=charge.amount,
-            currency=charge.currency,
+            charge_id=made.id,
+            payment_intent_id=_id(made.payment_intent),
+            amount_cents=made.amount,
+            currency=made.currency,
         )
 
     async def find(self, claim: Claim) -> ChargeResult | ChargeFailure | None:
@@ -229,7 +238,7 @@ class StripeGateway:
     def _from_intent(intent: stripe.PaymentIntent, replayed: bool = False) -> ChargeResult:
         charge_id = _id(intent.latest_charge)
         if intent.status not in MADE_INTENT_STATUSES or charge_id is None:
-            raise _not_succeeded(intent)
+            raise _not_made(intent)
         return ChargeResult(
             charge_id=charge_id,
             payment_intent_id=intent.id,
@@ -239,12 +248,22 @@ class StripeGateway:
         )
 
 
-def _not_succeeded(intent: stripe.PaymentIntent) -> stripe.APIError:
+def _not_made(made: stripe.PaymentIntent | stripe.Charge) -> stripe.APIError:
+    if isinstance(made, stripe.Charge):
+        return stripe.APIError(
+            f"charge {made.id} is {made.status}, and no charge is listed with its key",
+            http_status=502,
+        )
     return stripe.APIError(
-        f"payment intent {intent.id} is {intent.status} with charge {_id(intent.latest_charge)},"
+        f"payment intent {made.id} is {made.status} with charge {_id(made.latest_charge)},"
         " expected succeeded or processing with a charge",
         http_status=502,
     )
+
+
+def _replayed(made: stripe.PaymentIntent | stripe.Charge) -> bool:
+    response = made.last_response
+    return said_replayed(response.headers if response is not None else None)
 
 
 def _stalled(intent: stripe.PaymentIntent) -> bool:

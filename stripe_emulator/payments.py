@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from .cards import (
     BankAccount,
+    Card,
     Instrument,
     Outcome,
     decline_message,
@@ -101,8 +102,9 @@ def record_charge(
 ) -> Charge:
     """Store a charge: succeeded, failed with ``card_declined`` when ``decline_code`` is set, or
     pending for a bank debit."""
+    # A payment other than a card's is a `py_` on Stripe.
     charge = Charge(
-        *store.identity("ch"),
+        *store.identity("ch" if isinstance(method.instrument, Card) else "py"),
         amount=amount,
         currency=currency,
         customer=customer,

@@ -87,6 +87,7 @@ class Store:
             "pm": self.payment_methods,
             "pi": self.payment_intents,
             "ch": self.charges,
+            "py": self.charges,
             "re": self.refunds,
         }
         self._seq = itertools.count()

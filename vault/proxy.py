@@ -4,6 +4,7 @@ and write one audit row, whatever happened."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import time
@@ -509,6 +510,10 @@ async def _forward(
 def _outcome(answer: _Answer, *, in_doubt: bool) -> Outcome:
     """What an upstream answer says about the money of this reservation."""
     if 200 <= answer.status < 300:
+        if _replayed(answer) and _status_of(answer) in _UNSETTLED:
+            # Saved up to a day ago, while the bank had yet to answer the debit: it may have
+            # returned it since. Reconciliation looks up where it stands.
+            return "unknown"
         return "succeeded"
     if 400 <= answer.status < 500:
         if not in_doubt:
@@ -520,6 +525,19 @@ def _outcome(answer: _Answer, *, in_doubt: bool) -> Outcome:
         return "failed" if answer.status == 402 or _replayed(answer) else "unknown"
     # 5xx (Stripe may have executed before failing) and anything unexpected.
     return "unknown"
+
+
+# A bank debit Stripe made and the bank has yet to answer: its PaymentIntent, its Charge.
+_UNSETTLED = frozenset({"processing", "pending"})
+
+
+def _status_of(answer: _Answer) -> object:
+    """The `status` of the object a 2xx answer carries; None if it carries none."""
+    try:
+        found = json.loads(answer.body)
+    except ValueError:
+        return None
+    return found.get("status") if isinstance(found, dict) else None
 
 
 def _replayed(answer: _Answer) -> bool:

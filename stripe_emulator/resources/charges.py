@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ..cards import Outcome
+from ..cards import Card, Outcome
 from ..errors import JSON, invalid, missing_param
 from ..listing import list_object
-from ..payments import check_currency, declined, record_charge, resolve
+from ..payments import declined, record_charge, resolve
 from ..routing import Call, Route
 from ..validation import (
     COMMON,
@@ -59,17 +59,21 @@ def _create(call: Call) -> JSON:
     charge_metadata = metadata(params)
     description = string(params, "description")
     source = resolve(store, customer, method_id, param)
-    check_currency(source, money)
+    if not isinstance(source.instrument, Card):
+        # Stripe takes bank debits through PaymentIntents only.
+        raise invalid(
+            f"The Charges API does not take {source.instrument.type} payment methods: create"
+            " a PaymentIntent to charge it.",
+            param=param,
+        )
+    card = source.instrument
     method = source.materialise(store)
-    instrument = method.instrument
-    # The Charges API cannot run 3D Secure, so such cards are simply declined. A bank debit's
-    # charge is pending, as a legacy ACH debit's was.
+    # The Charges API cannot run 3D Secure, so such cards are simply declined.
     decline_code = {
         Outcome.SUCCEED: None,
-        Outcome.SETTLES_LATER: None,
-        Outcome.DECLINE: instrument.decline_code,
+        Outcome.DECLINE: card.decline_code,
         Outcome.AUTHENTICATION_REQUIRED: "authentication_required",
-    }[instrument.outcome]
+    }[card.outcome]
     charge = record_charge(
         store,
         method,

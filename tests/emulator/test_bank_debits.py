@@ -28,6 +28,9 @@ async def test_a_debit_is_processing_until_it_settles(
     intent = await _debit(raw, SUCCEEDS, "debit-1")
     assert intent["status"] == "processing"
     charge = intent["latest_charge"]
+    # A payment other than a card's, as Stripe names it.
+    assert charge["id"].startswith("py_")
+    assert (await sdk.v1.charges.retrieve_async(charge["id"])).status == "pending"
     assert (charge["status"], charge["paid"], charge["captured"]) == ("pending", False, True)
     assert charge["payment_method_details"]["type"] == "sepa_debit"
     # Pending money is not refundable yet.
@@ -61,16 +64,15 @@ async def test_a_returned_debit_fails_its_charge_and_reopens_its_intent(
     assert ledger == {charge_id: "failed", kept["latest_charge"]["id"]: "pending"}
 
 
-async def test_a_legacy_charge_on_a_bank_account_is_pending(
-    raw: Raw, emulator: RunningEmulator
-) -> None:
+async def test_the_charges_api_refuses_a_bank_account_and_stores_nothing(raw: Raw) -> None:
+    # As Stripe does: bank debits go through PaymentIntents.
     customer = (await raw.customer(SUCCEEDS))["id"]
     reply = await raw.post(
         "/v1/charges", {"amount": "500", "currency": "eur", "customer": customer}
     )
-    assert (reply.status, reply.body["status"], reply.body["paid"]) == (200, "pending", False)
-    [settled] = await EmulatorClient(emulator.url).settle_debits(reply.body["id"])
-    assert settled["status"] == "succeeded"
+    assert (reply.status, reply.body["error"]["param"]) == (400, "source")
+    assert "does not take sepa_debit payment methods" in reply.body["error"]["message"]
+    assert (await raw.ledger())["charges"] == []
 
 
 async def test_a_debit_in_a_currency_sepa_does_not_take_is_refused_and_stores_nothing(

@@ -21,7 +21,12 @@ from tests.unit.claims import CLAIM as LEDGER_CLAIM
 CLAIM = LEDGER_CLAIM.model_copy(update={"charge_api": "charges"})
 
 
-def charge(status: str, **extra: Any) -> stripe.Charge:
+def answered(replayed: bool) -> stripe.StripeResponse:
+    """The response a create got: `replayed` from what Stripe saved with the key."""
+    return stripe.StripeResponse("{}", 200, {"Idempotent-Replayed": "true"} if replayed else {})
+
+
+def charge(status: str, *, replayed: bool = False, **extra: Any) -> stripe.Charge:
     return stripe.Charge.construct_from(
         {
             "id": f"ch_{status}",
@@ -35,10 +40,14 @@ def charge(status: str, **extra: Any) -> stripe.Charge:
             **extra,
         },
         "sk_test_unit",
+        last_response=answered(replayed),
     )
 
 
-def intent(status: str, created: int, **extra: Any) -> stripe.PaymentIntent:
+def intent(
+    status: str, created: int, *, replayed: bool = False, **extra: Any
+) -> stripe.PaymentIntent:
+    """An intent as listed, or as a create answered it."""
     return stripe.PaymentIntent.construct_from(
         {
             "id": f"pi_{status}",
@@ -53,6 +62,7 @@ def intent(status: str, created: int, **extra: Any) -> stripe.PaymentIntent:
             **extra,
         },
         "sk_test_unit",
+        last_response=answered(replayed),
     )
 
 
@@ -195,7 +205,7 @@ async def test_a_create_answered_before_the_intent_ended_settles_on_where_it_sta
     # The first answer was `processing` (a bank debit); Stripe replays it with the key for a
     # day, while the listing says the intent has since succeeded: the claim is charged now.
     now = int(time.time())
-    answered = intent("processing", now)
+    answered = intent("processing", now, replayed=True)
     done = intent("succeeded", now, latest_charge="ch_settled")
     found = await intents_gateway(done, created=answered).charge(INTENT_CLAIM)
     assert isinstance(found, ChargeResult) and found.charge_id == "ch_settled"
@@ -205,7 +215,8 @@ async def test_a_create_answered_before_the_intent_failed_settles_as_the_failure
     now = int(time.time())
     error = {"code": "card_declined", "decline_code": "insufficient_funds", "message": "no"}
     failed = intent("requires_payment_method", now, last_payment_error=error)
-    found = await intents_gateway(failed, created=intent("processing", now)).charge(INTENT_CLAIM)
+    returned = intent("processing", now, replayed=True)
+    found = await intents_gateway(failed, created=returned).charge(INTENT_CLAIM)
     assert isinstance(found, ChargeFailure)
     assert (found.code, found.decline_code) == ("card_declined", "insufficient_funds")
 
@@ -222,11 +233,33 @@ async def test_a_create_whose_intent_is_still_on_its_way_is_tried_again() -> Non
 async def test_a_bank_debit_processing_is_charged_while_its_charge_is_pending(lookup: str) -> None:
     # As a pending Charge is (above): the bank answers in days, and a debit it returns is
     # reconciliation's to report (failed_later), not the period's to wait for.
-    debit = intent("processing", LONG_AGO, latest_charge="ch_pending")
-    gateway = intents_gateway(debit, created=debit)
+    debit = intent("processing", LONG_AGO, latest_charge="py_pending")
+    gateway = intents_gateway(debit, created=debit, lister=None if lookup == "find" else unlisted)
     found = await (gateway.find(INTENT_CLAIM) if lookup == "find" else gateway.charge(INTENT_CLAIM))
     assert isinstance(found, ChargeResult)
-    assert (found.charge_id, found.payment_intent_id) == ("ch_pending", "pi_processing")
+    assert (found.charge_id, found.payment_intent_id) == ("py_pending", "pi_processing")
+
+
+async def unlisted(params: dict[str, Any]) -> Any:
+    raise AssertionError("an answer Stripe executed now is where the charge stands: not listed")
+
+
+@pytest.mark.parametrize("replayed", [True, False], ids=["replayed", "executed-now"])
+async def test_a_replayed_pending_charge_is_looked_up_and_a_fresh_one_is_not(
+    replayed: bool,
+) -> None:
+    # Stripe saved the pending answer up to a day ago; the bank may have returned the debit
+    # since, and a retry would record it charged.
+    returned = charge("failed", failure_code="insufficient_funds", failure_message="returned")
+
+    async def create(params: dict[str, Any], options: dict[str, Any]) -> Any:
+        return charge("pending", replayed=replayed)
+
+    listing = Listing([returned]) if replayed else unlisted
+    charges = SimpleNamespace(create_async=create, list_async=listing)
+    client = SimpleNamespace(v1=SimpleNamespace(charges=charges))
+    found = await StripeGateway(client, "charges").charge(CLAIM)  # type: ignore[arg-type]
+    assert isinstance(found, ChargeFailure if replayed else ChargeResult)
 
 
 async def test_an_intent_processing_without_a_charge_is_not_taken_for_charged() -> None:
@@ -276,7 +309,8 @@ async def test_a_refused_lookup_after_a_create_is_not_taken_for_the_creates_refu
     async def limited(params: dict[str, Any]) -> Any:
         raise refusal
 
-    gateway = intents_gateway(created=intent("processing", int(time.time())), lister=limited)
+    answered = intent("processing", int(time.time()), replayed=True)
+    gateway = intents_gateway(created=answered, lister=limited)
     with pytest.raises(stripe.APIError) as raised:
         await gateway.charge(INTENT_CLAIM)
     assert type(raised.value) is stripe.APIError

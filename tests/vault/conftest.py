@@ -152,6 +152,12 @@ async def declining_customer(direct_stripe: stripe.StripeClient) -> str:
     return await _customer(direct_stripe, "pm_card_chargeCustomerFail")
 
 
+@pytest.fixture
+async def returned_debit_customer(direct_stripe: stripe.StripeClient) -> str:
+    """A customer paying by SEPA debit (in eur) that the bank returns once it settles."""
+    return await _customer(direct_stripe, "pm_sepaDebit_fails")
+
+
 async def _customer(client: stripe.StripeClient, card: str) -> str:
     created = await client.v1.customers.create_async(
         params={"payment_method": card, "invoice_settings": {"default_payment_method": card}}

@@ -106,12 +106,13 @@ async def charge_in_doubt(
     amount: int,
     idempotency_key: str,
     fault: Literal["drop_after_commit", "error_before_commit"] = "drop_after_commit",
+    currency: str = "usd",
 ) -> None:
     """A charge in doubt: one Stripe makes but whose answer is lost on the way back, or
     (error_before_commit) one it answers with a 500 before executing anything."""
     await set_faults(emulator, **{fault: 1.0})
     with pytest.raises(stripe.APIError):
-        await charge(client, customer, amount, idempotency_key)
+        await charge(client, customer, amount, idempotency_key, currency)
     await set_faults(emulator, **{fault: 0.0})
 
 

@@ -19,6 +19,7 @@ from pydantic import SecretStr
 
 from devstack.postgres import LocalPostgres
 from stripe_emulator import RunningEmulator
+from stripe_emulator.client import EmulatorClient
 from tests.integration.harness import eventually
 from vault import RunningVault, VaultSettings, reservations, serve, store
 from vault import state as vault_state
@@ -442,6 +443,30 @@ async def test_a_reservation_left_pending_by_a_stopped_vault_is_taken_over_once_
     totals = await assert_consistent(db, key.id)
     assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 1_200)
     assert len(await emulator_ledger(emulator)) == 1
+
+
+async def test_a_debit_replayed_as_processing_is_left_for_reconciliation(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    returned_debit_customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+) -> None:
+    # Stripe replays the processing intent it saved with the key for a day, though the bank
+    # may have returned the debit since: committed, it would hold room the ledger frees.
+    key = await issue(currency="eur")
+    client = stripe_via_vault(key)
+    customer = returned_debit_customer
+    await charge_in_doubt(emulator, client, customer, 1_200, "in-doubt", currency="eur")
+    await EmulatorClient(emulator.url).settle_debits()
+    replayed = await charge(client, customer, 1_200, "in-doubt", "eur")
+    assert replayed.status == "processing"
+    # Executed now, a debit processing is made: counted spent until reconciliation says not.
+    fresh = await charge(client, customer, 1_300, "fresh", "eur")
+    assert fresh.status == "processing"
+    assert await _states(db, key.id) == {"in-doubt": "unknown", "fresh": "committed"}
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (1_200, 1_300)
 
 
 class HeldUp:
