@@ -25,7 +25,7 @@ from vault.endpoints import FENCE_HEADER, METERED, PATH_RE, allows
 from vault.errors import VaultError
 from vault.models import IDEMPOTENCY_KEY_PATTERN, SECRET_PREFIX, Decision, ReservationState
 from vault.reservations import Charge, Outcome, Reservation
-from vault.send_deadline import HeldUpError, SendBy, Stamp
+from vault.send_deadline import HeldUpError, SendBy, Stamp, sending
 from vault.state import STATE, VaultState
 from vault.store import AuditRecord, KeyGrant
 
@@ -492,19 +492,17 @@ async def _forward(
             headers[name] = value
     query = request.rel_url.raw_query_string
     url = URL(state.settings.upstream_base + path + (f"?{query}" if query else ""), encoded=True)
-    async with state.upstream.request(
-        request.method,
-        url,
-        data=body or None,
-        headers=headers,
-        allow_redirects=False,
-        trace_request_ctx=send_by,
-    ) as response:
-        payload = await response.read()
-        returned = {
-            name: response.headers[name] for name in _RETURNED_HEADERS if name in response.headers
-        }
-        return _Answer(response.status, payload, returned)
+    with sending(send_by):
+        async with state.upstream.request(
+            request.method, url, data=body or None, headers=headers, allow_redirects=False
+        ) as response:
+            payload = await response.read()
+            returned = {
+                name: response.headers[name]
+                for name in _RETURNED_HEADERS
+                if name in response.headers
+            }
+            return _Answer(response.status, payload, returned)
 
 
 def _outcome(answer: _Answer, *, in_doubt: bool) -> Outcome:

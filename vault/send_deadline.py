@@ -8,10 +8,15 @@ count by the wall clock too."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import aiohttp
+from aiohttp.client_reqrep import ClientRequest
+from aiohttp.connector import Connection
+from aiohttp.tracing import Trace
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +43,7 @@ class HeldUpError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class SendBy:
-    """When a charge must be sent by; an upstream request's `trace_request_ctx`."""
+    """When a charge must be sent by."""
 
     reserving: Stamp
     within_seconds: float
@@ -49,18 +54,34 @@ class SendBy:
             raise HeldUpError(held_up)
 
 
-async def _on_connection(
-    session: aiohttp.ClientSession, context: SimpleNamespace, params: object
-) -> None:
-    send_by = context.trace_request_ctx
-    if isinstance(send_by, SendBy):
-        send_by.check()
+# The deadline of the request this task is sending upstream, if it has one.
+_SENDING: ContextVar[SendBy | None] = ContextVar("vault_sending", default=None)
 
 
-def deadline_trace() -> aiohttp.TraceConfig:
-    """Checks a request's SendBy once it has its connection, new or reused (aiohttp lets the
-    connection go when a hook raises)."""
-    trace = aiohttp.TraceConfig()
-    trace.on_connection_create_end.append(_on_connection)
-    trace.on_connection_reuseconn.append(_on_connection)
-    return trace
+@contextmanager
+def sending(send_by: SendBy | None) -> Iterator[None]:
+    """Requests sent within hold to `send_by` (DeadlineConnector)."""
+    token = _SENDING.set(send_by)
+    try:
+        yield
+    finally:
+        _SENDING.reset(token)
+
+
+class DeadlineConnector(aiohttp.TCPConnector):
+    """Checks the deadline of the request being sent once it holds its connection, new or
+    reused, and closes a connection it refuses (raised from one of aiohttp's trace hooks,
+    the refusal would leave the socket open, tracked by nothing)."""
+
+    async def connect(
+        self, req: ClientRequest, traces: list[Trace], timeout: aiohttp.ClientTimeout
+    ) -> Connection:
+        connection = await super().connect(req, traces, timeout)
+        send_by = _SENDING.get()
+        if send_by is not None:
+            try:
+                send_by.check()
+            except HeldUpError:
+                connection.close()
+                raise
+        return connection

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from vault import store
 from vault.budget import WorkerPolicy
-from vault.send_deadline import deadline_trace
+from vault.send_deadline import DeadlineConnector
 from vault.settings import VaultSettings
 
 # How long past the upstream timeout a pending reservation may stay pending before it is
@@ -71,9 +71,8 @@ def lifecycle(settings: VaultSettings) -> Callable[[web.Application], AsyncItera
     async def run(app: web.Application) -> AsyncIterator[None]:
         pool = await store.create_pool(settings.database_url, settings.database_pool_size)
         upstream = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=settings.upstream_max_connections),
+            connector=DeadlineConnector(limit=settings.upstream_max_connections),
             timeout=aiohttp.ClientTimeout(total=settings.upstream_timeout_seconds),
-            trace_configs=[deadline_trace()],
         )
         secret = settings.upstream_stripe_secret.get_secret_value()
         app[STATE] = VaultState(

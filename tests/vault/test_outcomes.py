@@ -14,8 +14,10 @@ import aiohttp
 import asyncpg
 import pytest
 import stripe
+from aiohttp.client_proto import ResponseHandler
 from prometheus_client import REGISTRY
 from pydantic import SecretStr
+from yarl import URL
 
 from devstack.postgres import LocalPostgres
 from stripe_emulator import RunningEmulator
@@ -475,8 +477,10 @@ class HeldUp:
     while aiohttp gets the upstream connection (every connection busy, a slow connect). The
     vault may take 0.2 s there."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, where: str, upstream_port: int) -> None:
         self.on = True
+        # The vault's connections to Stripe made while held up.
+        self.upstream: list[ResponseHandler] = []
         monkeypatch.setattr(vault_state, "_STALE_MARGIN", timedelta(seconds=0.2))
         if where == "reserving":
             reserve = reservations.reserve
@@ -491,9 +495,14 @@ class HeldUp:
         # The test's own client connects through this too, before the vault's clock starts.
         create = aiohttp.TCPConnector._create_connection
 
-        async def slow_connect(*args: Any, **kwargs: Any) -> Any:
+        async def slow_connect(connector: aiohttp.TCPConnector, *args: Any, **kwargs: Any) -> Any:
+            held = self.on
             await self._hold()
-            return await create(*args, **kwargs)
+            made = await create(connector, *args, **kwargs)
+            transport = made.transport
+            if held and transport and transport.get_extra_info("peername")[1] == upstream_port:
+                self.upstream.append(made)
+            return made
 
         monkeypatch.setattr(aiohttp.TCPConnector, "_create_connection", slow_connect)
 
@@ -518,7 +527,7 @@ async def test_a_charge_held_up_after_its_reservation_is_not_sent(
     # Sent late, it could reach Stripe after Stripe forgot its key (its reservation released
     # as stale meanwhile, and a retry charged): a second charge.
     key = await issue(cap_cents=10_000)
-    held = HeldUp(monkeypatch, where)
+    held = HeldUp(monkeypatch, where, URL(emulator.url).port or 0)
     async with serve(vault_settings) as vault, aiohttp.ClientSession() as session:
         client = via_vault(key.secret.get_secret_value(), vault.url, session)
         if in_doubt:  # Stripe made it, and its answer was lost
@@ -531,6 +540,9 @@ async def test_a_charge_held_up_after_its_reservation_is_not_sent(
         assert refused.value.error is not None and refused.value.error.code == "vault_held_up"
         assert "retry with the same Idempotency-Key" in str(refused.value.user_message)
         assert len(await emulator_ledger(emulator)) == (1 if in_doubt else 0)
+        # The connection made too late is closed, not left open for nothing to track.
+        assert bool(held.upstream) == (where == "connecting")
+        assert all(not made.is_connected() for made in held.upstream)
         # Nothing of the attempt was sent: its room is freed, or stays in doubt.
         left = "unknown" if in_doubt else "released"
         assert await _states(db, key.id) == {"frozen": left}
