@@ -164,8 +164,7 @@ async def _proxy(
     reservation = None
     send_by = None
     if endpoint in METERED:
-        send_by = SendBy(Stamp.now(), state.send_within.total_seconds())
-        reservation = await _reserve_charge(state, request, grant, endpoint, body, record)
+        reservation, send_by = await _reserve_charge(state, request, grant, endpoint, body, record)
     # Committed already: Stripe answers from what it saved with the key. A takeover of one in
     # doubt may execute now, or replay: its answer says which.
     record.decision = (
@@ -214,7 +213,8 @@ async def _reserve_charge(
     endpoint: str,
     body: bytes,
     record: AuditRecord,
-) -> Reservation:
+) -> tuple[Reservation, SendBy]:
+    """The charge's reservation, and when it must be sent by."""
     charge = _charge(request, endpoint, body, record)
     idempotency_key = request.headers.get("Idempotency-Key")
     if idempotency_key is None:
@@ -233,9 +233,11 @@ async def _reserve_charge(
             f"this vault key charges {grant.currency} only, not {charge.currency}",
             param="currency",
         )
-    reservation = await _reserve(state, grant.id, idempotency_key, charge, _fencing_token(request))
+    reservation, send_by = await _reserve(
+        state, grant.id, idempotency_key, charge, _fencing_token(request)
+    )
     record.reservation_state = reservation.state
-    return reservation
+    return reservation, send_by
 
 
 async def _held_up(
@@ -436,12 +438,16 @@ async def _reserve(
     idempotency_key: str,
     charge: Charge,
     fencing_token: int | None,
-) -> Reservation:
+) -> tuple[Reservation, SendBy]:
     try:
         async with state.pool.acquire() as conn:
-            return await reservations.reserve(
+            # Before the reservation's own clock starts (its updated_at), after any wait for a
+            # connection, which would only shorten the time left to send.
+            send_by = SendBy(Stamp.now(), state.send_within.total_seconds())
+            reservation = await reservations.reserve(
                 conn, key_id, idempotency_key, charge, state.stale_after, fencing_token
             )
+            return reservation, send_by
     except reservations.CapExceeded as refused:
         decision: Decision = "refused_daily_cap" if refused.daily else "refused_cap"
         raise Refusal(

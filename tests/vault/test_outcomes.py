@@ -447,6 +447,30 @@ async def test_a_reservation_left_pending_by_a_stopped_vault_is_taken_over_once_
     assert len(await emulator_ledger(emulator)) == 1
 
 
+async def test_a_wait_for_a_database_connection_does_not_count_against_the_send_deadline(
+    vault_settings: VaultSettings,
+    issue: Issue,
+    customer: str,
+    db: asyncpg.Pool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A busy pool delays the reservation, whose clock (its updated_at) starts only once it
+    # runs: the deadline starts there too, or load alone would refuse charges.
+    key = await issue(cap_cents=10_000)
+    monkeypatch.setattr(vault_state, "_STALE_MARGIN", timedelta(seconds=0.2))
+    enter = asyncpg.pool.PoolAcquireContext.__aenter__
+
+    async def busy_pool(context: asyncpg.pool.PoolAcquireContext) -> Any:
+        await asyncio.sleep(0.5)
+        return await enter(context)
+
+    monkeypatch.setattr(asyncpg.pool.PoolAcquireContext, "__aenter__", busy_pool)
+    async with serve(vault_settings) as vault, aiohttp.ClientSession() as session:
+        client = via_vault(key.secret.get_secret_value(), vault.url, session)
+        await charge(client, customer, 6_000, "busy")
+    assert await _states(db, key.id) == {"busy": "committed"}
+
+
 async def test_a_debit_replayed_as_processing_is_left_for_reconciliation(
     issue: Issue,
     stripe_via_vault: StripeFor,
