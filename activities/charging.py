@@ -427,6 +427,7 @@ def _report_charge(claim: Claim, result: ChargeResult) -> None:
         amount_cents=result.amount_cents,
         currency=result.currency,
         replayed=result.replayed,
+        pending=result.pending,
         attempt=activity.info().attempt,
     )
 

@@ -129,6 +129,7 @@ class StripeGateway:
             payment_intent_id=_id(made.payment_intent),
             amount_cents=made.amount,
             currency=made.currency,
+            pending=made.status == "pending",
         )
 
     async def find(self, claim: Claim) -> ChargeResult | ChargeFailure | None:
@@ -200,6 +201,7 @@ class StripeGateway:
                     amount_cents=charge.amount,
                     currency=charge.currency,
                     replayed=True,
+                    pending=charge.status == "pending",
                 )
         if not charges:
             return None
@@ -245,6 +247,7 @@ class StripeGateway:
             amount_cents=intent.amount,
             currency=intent.currency,
             replayed=replayed,
+            pending=intent.status == "processing",
         )
 
 

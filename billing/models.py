@@ -76,6 +76,8 @@ class ChargeResult(Record):
     amount_cents: int
     currency: str
     replayed: bool = False
+    # A bank debit its bank has yet to answer (a Charge pending, its intent processing).
+    pending: bool = False
 
 
 class ChargeFailure(Record):

@@ -88,6 +88,8 @@ async def test_a_charge_made_is_found_as_charged_while_pending_too(status: str) 
     listing = Listing([charge(status)])
     found = await gateway(listing).find(CLAIM)
     assert isinstance(found, ChargeResult) and found.charge_id == f"ch_{status}"
+    # The worker's `charge` event says which are still to be answered by their bank.
+    assert found.pending == (status == "pending")
     assert listing.calls == [{"customer": "cus_1", "limit": 100}]
 
 
@@ -236,7 +238,7 @@ async def test_a_bank_debit_processing_is_charged_while_its_charge_is_pending(lo
     debit = intent("processing", LONG_AGO, latest_charge="py_pending")
     gateway = intents_gateway(debit, created=debit, lister=None if lookup == "find" else unlisted)
     found = await (gateway.find(INTENT_CLAIM) if lookup == "find" else gateway.charge(INTENT_CLAIM))
-    assert isinstance(found, ChargeResult)
+    assert isinstance(found, ChargeResult) and found.pending
     assert (found.charge_id, found.payment_intent_id) == ("py_pending", "pi_processing")
 
 
@@ -259,7 +261,10 @@ async def test_a_replayed_pending_charge_is_looked_up_and_a_fresh_one_is_not(
     charges = SimpleNamespace(create_async=create, list_async=listing)
     client = SimpleNamespace(v1=SimpleNamespace(charges=charges))
     found = await StripeGateway(client, "charges").charge(CLAIM)  # type: ignore[arg-type]
-    assert isinstance(found, ChargeFailure if replayed else ChargeResult)
+    if replayed:
+        assert isinstance(found, ChargeFailure)
+    else:
+        assert isinstance(found, ChargeResult) and found.pending
 
 
 async def test_an_intent_processing_without_a_charge_is_not_taken_for_charged() -> None:
