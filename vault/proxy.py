@@ -172,8 +172,6 @@ async def _proxy(
     )
 
     try:
-        if send_by is not None:
-            send_by.check()
         answer = await _forward(state, request, path, body, send_by)
     except HeldUpError as held:
         assert reservation is not None

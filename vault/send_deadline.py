@@ -60,7 +60,9 @@ _SENDING: ContextVar[SendBy | None] = ContextVar("vault_sending", default=None)
 
 @contextmanager
 def sending(send_by: SendBy | None) -> Iterator[None]:
-    """Requests sent within hold to `send_by` (DeadlineConnector)."""
+    """Checks `send_by` now, and holds the requests sent within to it (DeadlineConnector)."""
+    if send_by is not None:
+        send_by.check()
     token = _SENDING.set(send_by)
     try:
         yield
