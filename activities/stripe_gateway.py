@@ -28,10 +28,12 @@ MADE_INTENT_STATUSES = frozenset({"succeeded", "processing"})
 # Our one request creates and confirms a PaymentIntent, so it never waits for a confirm. One
 # found so, two hours after it was made (one past the clock skew allowed), was left there by
 # Stripe after answering that request with an error: the claim fails, where it would
-# otherwise wait on it for ever. Stripe may yet roll the request forward, so the failure says
-# to cancel the intent, and its vault reservation stays counted until then
-# (billing.reconciliation.left_unknown_because). (`requires_action` is not here: off-session,
-# it waits on the customer, e.g. a bank account's microdeposits, and may still debit.)
+# otherwise wait on it for ever. Stripe may yet roll the request forward, so the lookup
+# cancels the intent first (then it can charge nothing). Where its key may not (a period key
+# issued before keys could, a lookup key), the failure says to cancel it, and its vault
+# reservation stays counted until then (billing.reconciliation.left_unknown_because).
+# (`requires_action` is not here: off-session, it waits on the customer, e.g. a bank
+# account's microdeposits, and may still debit.)
 STALLED_INTENT_STATUS = "requires_confirmation"
 STALLED_AFTER_SECONDS = 3600 + _CLOCK_SKEW_SECONDS
 
@@ -147,7 +149,7 @@ class StripeGateway:
         return found
 
     async def _find_through(
-        self, api: ChargeApi, claim: Claim
+        self, api: ChargeApi, claim: Claim, cancel_stalled: bool = True
     ) -> ChargeResult | ChargeFailure | None:
         if api == "payment_intents":
             intents = await self._ours(self._client.v1.payment_intents.list_async, claim)
@@ -158,12 +160,23 @@ class StripeGateway:
                 return None
             latest = intents[0]
             if _stalled(latest):
+                if not cancel_stalled:
+                    return _incomplete(latest)
+                try:
+                    latest = await self._cancel_stalled(latest)
+                except stripe.PermissionError:
+                    return _incomplete(latest)
+                except stripe.InvalidRequestError as exc:
+                    if exc.code != "payment_intent_unexpected_state":
+                        raise
+                    # It moved on since it was listed: Stripe completed it, or someone
+                    # cancelled it.
+                    return await self._find_through(api, claim, cancel_stalled=False)
                 return ChargeFailure(
-                    code=INCOMPLETE_INTENT,
-                    message=f"Stripe left payment intent {latest.id} in {latest.status} after"
-                    " answering its request with an error, and may still complete it: cancel"
-                    " it on Stripe (a cancelled intent charges nothing), then bill the customer"
-                    " there if this period is still due",
+                    code=CANCELED_INTENT,
+                    message=f"Stripe left payment intent {latest.id} unconfirmed after answering"
+                    " its request with an error, and the worker cancelled it: nothing was"
+                    " charged",
                     payment_intent_id=latest.id,
                 )
             if latest.status not in FAILED_INTENT_STATUSES:
@@ -225,6 +238,16 @@ class StripeGateway:
         )
         return [charge for o in found if (charge := _period_charge(o, period)) is not None]
 
+    async def _cancel_stalled(self, intent: stripe.PaymentIntent) -> stripe.PaymentIntent:
+        """Cancels `intent`: raises stripe.PermissionError where the key may not.
+
+        Without an idempotency key: a cancel repeated is refused as the intent is no longer
+        unconfirmed, which sends the caller to look again, where an error Stripe saved with a
+        key would answer every retry for a day."""
+        return await self._client.v1.payment_intents.cancel_async(
+            intent.id, {"cancellation_reason": "abandoned"}
+        )
+
     @staticmethod
     async def _ours(lister: Callable[..., Awaitable[Any]], claim: Claim) -> list[Any]:
         """The customer's objects carrying the claim's key, listed back to the claim's time."""
@@ -261,6 +284,18 @@ def _not_made(made: stripe.PaymentIntent | stripe.Charge) -> stripe.APIError:
         f"payment intent {made.id} is {made.status} with charge {_id(made.latest_charge)},"
         " expected succeeded or processing with a charge",
         http_status=502,
+    )
+
+
+def _incomplete(intent: stripe.PaymentIntent) -> ChargeFailure:
+    """An intent left unconfirmed that the worker could not cancel: a person must."""
+    return ChargeFailure(
+        code=INCOMPLETE_INTENT,
+        message=f"Stripe left payment intent {intent.id} in {intent.status} after answering"
+        " its request with an error, and may still complete it: cancel it on Stripe (a"
+        " cancelled intent charges nothing), then bill the customer there if this period is"
+        " still due",
+        payment_intent_id=intent.id,
     )
 
 

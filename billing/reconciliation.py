@@ -354,8 +354,8 @@ def release_wait(found: ChargeFailure | None, upstream_status: int | None) -> ti
 
 def left_unknown_because(found: ChargeFailure | None) -> str | None:
     """Why an unknown reservation must stay counted whatever its age, or None: its intent was
-    left unconfirmed and Stripe may still complete it. Once a person cancels it, the failure
-    found is final and the reservation is released."""
+    left unconfirmed, the lookup's key could not cancel it, and Stripe may still complete it.
+    Once it is cancelled, the failure found is final and the reservation is released."""
     if isinstance(found, ChargeFailure) and found.code == INCOMPLETE_INTENT:
         return found.message
     return None

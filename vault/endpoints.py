@@ -9,21 +9,30 @@ import re
 FENCE_HEADER = "Vault-Fencing-Token"
 # Requests the vault meters: it reads amount and currency from their body and reserves them.
 METERED = frozenset({"POST /v1/payment_intents", "POST /v1/charges"})
+# The one other write a key may allow, which moves no money: cancelling a PaymentIntent
+# Stripe left unconfirmed after answering its create with an error. The vault forwards it only
+# for such an intent, and one of the key's own charges (vault.cancels).
+CANCEL = "POST /v1/payment_intents/*/cancel"
 # All a key issued with the worker token may allow: the billing workers' charges and the
 # lookups of them (billing/period_keys.py), so such a key cannot read the rest of the account.
 WORKER_ENDPOINTS = (
     "POST /v1/payment_intents",
     "GET /v1/payment_intents",
     "GET /v1/payment_intents/*",
+    CANCEL,
     "POST /v1/charges",
     "GET /v1/charges",
     "GET /v1/charges/*",
 )
 
 # An allowlist entry: a method and a path whose segments may be `*` (one segment). Keys may
-# read anything listed but write only to metered endpoints: many other Stripe POSTs move money
-# too (confirm, capture, invoices, subscriptions), and the cap cannot see their amounts.
-ENTRY_PATTERN = r"^(GET /v1(/([A-Za-z0-9_-]{1,100}|\*)){1,6}|POST /v1/(payment_intents|charges))$"
+# read anything listed but write only to metered endpoints and CANCEL: many other Stripe POSTs
+# move money too (confirm, capture, invoices, subscriptions), and the cap cannot see their
+# amounts.
+ENTRY_PATTERN = (
+    r"^(GET /v1(/([A-Za-z0-9_-]{1,100}|\*)){1,6}"
+    r"|POST /v1/(payment_intents|charges)|POST /v1/payment_intents/\*/cancel)$"
+)
 # A request path the proxy accepts: plain segments only, so no encoding tricks (`..`, `%2F`)
 # can make the path the allowlist checked differ from the path the upstream serves.
 PATH_RE = re.compile(r"/v1(/[A-Za-z0-9_-]{1,255}){1,8}")

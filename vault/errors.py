@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from aiohttp import web
 from pydantic import ValidationError
 
-from vault.models import ErrorDetail, ErrorResponse, FieldProblem
+from vault.models import Decision, ErrorDetail, ErrorResponse, FieldProblem
 
 INVALID_REQUEST = "invalid_request_error"
 
@@ -57,6 +58,17 @@ class VaultError(Exception):
             content_type="application/json",
             headers=all_headers,
         )
+
+
+class Refusal(VaultError):
+    """A request the vault answers itself; `decision` is what the audit row records (None:
+    keep the decision already made, e.g. "forwarded" when the upstream did not answer)."""
+
+    def __init__(
+        self, decision: Decision | None, status: int, code: str, message: str, **kwargs: Any
+    ) -> None:
+        super().__init__(status, code, message, **kwargs)
+        self.decision = decision
 
 
 def invalid_input(error: ValidationError, what: str) -> VaultError:

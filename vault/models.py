@@ -98,7 +98,8 @@ class IssueKeyRequest(Body):
         min_length=1,
         max_length=50,
         description="'METHOD /v1/path' entries; '*' matches one path segment. GET anything,"
-        " POST only the metered 'POST /v1/payment_intents' and 'POST /v1/charges'.",
+        " POST only the metered 'POST /v1/payment_intents' and 'POST /v1/charges', and"
+        " 'POST /v1/payment_intents/*/cancel' (an unconfirmed intent of the key's own).",
     )
     expires_at: AwareDatetime
 

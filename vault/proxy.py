@@ -10,7 +10,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypeVar
 from urllib.parse import parse_qs, parse_qsl, unquote_plus
 
 import aiohttp
@@ -20,9 +20,9 @@ from yarl import URL
 
 from billing.db import CONNECTION_ERRORS
 from billing.redact import SECRET_RE, redact
-from vault import metrics, reservations, store
-from vault.endpoints import FENCE_HEADER, METERED, PATH_RE, allows
-from vault.errors import VaultError
+from vault import cancels, metrics, reservations, store
+from vault.endpoints import CANCEL, FENCE_HEADER, METERED, PATH_RE, allows
+from vault.errors import Refusal, VaultError
 from vault.models import IDEMPOTENCY_KEY_PATTERN, SECRET_PREFIX, Decision, ReservationState
 from vault.reservations import Charge, Outcome, Reservation
 from vault.send_deadline import HeldUpError, SendBy, Stamp, sending
@@ -54,17 +54,6 @@ _CURRENCY_RE = re.compile(r"[a-z]{3}")
 _PARAMETER_NAME_RE = re.compile(r"[a-z][a-z0-9_]*(\[[^\[\]]*\])*")
 _CUSTOMER_RE = re.compile(r"[A-Za-z0-9_]{1,255}")
 _FENCING_TOKEN_RE = re.compile(r"[1-9][0-9]{0,8}")
-
-
-class Refusal(VaultError):
-    """A request the vault answers itself; `decision` is what the audit row records (None:
-    keep the decision already made, e.g. "forwarded" when the upstream did not answer)."""
-
-    def __init__(
-        self, decision: Decision | None, status: int, code: str, message: str, **kwargs: Any
-    ) -> None:
-        super().__init__(status, code, message, **kwargs)
-        self.decision = decision
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +149,8 @@ async def _proxy(
         )
     _check_parameters("the query string", request.rel_url.raw_query_string)
     _check_parameters("the body", text)
+    if allows([CANCEL], request.method, path):
+        await cancels.check(state, grant, path.split("/")[3], record)
 
     reservation = None
     send_by = None

@@ -348,3 +348,22 @@ async def resolve(
             row["id"],
         )
     return store.reservation_info(info)
+
+
+async def asked_for(conn: asyncpg.Connection, key_id: str, charge: Charge) -> bool:
+    """Whether the key reserved a request for this charge (endpoint, customer, amount and
+    currency), whatever became of it."""
+    found: bool = await conn.fetchval(
+        """
+        SELECT EXISTS (
+            SELECT 1 FROM vault_reservations
+            WHERE vault_key_id = $1 AND endpoint = $2 AND customer = $3
+                  AND amount_cents = $4 AND currency = $5)
+        """,
+        key_id,
+        charge.endpoint,
+        charge.customer,
+        charge.amount_cents,
+        charge.currency,
+    )
+    return found

@@ -13,10 +13,11 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 from temporalio.testing import ActivityEnvironment
 
+from activities import stripe_gateway
 from activities.charging import PAUSED, BillRequest, ChargingActivities
 from activities.stripe_access import DirectAccess, StripeAccess, VaultAccess
 from activities.stripe_failures import SLOW_RETRY, fence_of
-from activities.stripe_gateway import StripeGateway, charge_params
+from activities.stripe_gateway import CANCELED_INTENT, StripeGateway, charge_params
 from billing import ledger, period_keys
 from billing.customers import CustomerRow
 from billing.keys import customer_workflow_id, idempotency_key
@@ -29,10 +30,12 @@ from billing.models import (
     SkipResult,
 )
 from billing.periods import Period
+from billing.reconciliation import INCOMPLETE_INTENT
 from billing.runs import start_period
 from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
 from vault.client import VaultAdmin
+from vault.endpoints import CANCEL
 from workflows.signals import PERIOD_CONTROL
 
 PERIOD = Period(2026, 12)
@@ -184,6 +187,42 @@ async def test_a_500_stripe_saved_before_charging_is_retried_until_stripe_forget
     sent = [(r["method"], r["status"], r["replayed"]) for r in await harness.requests()]
     creates = [(status, replay) for method, status, replay in sent if method == "POST"]
     assert creates[-3:] == [(500, False), (500, True), (200, False)]
+
+
+@pytest.mark.parametrize("may_cancel", [True, False], ids=["cancelled", "key-from-before"])
+async def test_an_intent_stripe_left_unconfirmed_behind_a_saved_500_is_cancelled(
+    vaulted: Harness, monkeypatch: pytest.MonkeyPatch, may_cancel: bool
+) -> None:
+    """Stripe saved a 500 for the key and left the intent it had made unconfirmed (planted
+    here: the emulator makes none). Once it is old enough not to be on its way, the lookup
+    cancels it through the vault: nothing can be charged any more, and the claim fails for
+    good with nobody to call. A period key from before keys could cancel leaves it, and the
+    failure says to cancel it by hand."""
+    monkeypatch.setattr(stripe_gateway, "STALLED_AFTER_SECONDS", 0)
+    customer, charging, request = await _behind_a_saved_500(vaulted)
+    [row] = await vaulted.ledger_rows(str(PERIOD))
+    stalled = await vaulted.stripe.v1.payment_intents.create_async(
+        {
+            "amount": customer.amount_cents,
+            "currency": customer.currency,
+            "customer": customer.stripe_customer_id,
+            "payment_method": customer.payment_method,
+            "metadata": {"billing_key": row["idempotency_key"]},
+        }
+    )
+    if not may_cancel:
+        await vaulted.pool.execute(
+            "UPDATE vault_keys SET allowed_endpoints = array_remove(allowed_endpoints, $1)",
+            CANCEL,
+        )
+    outcome = await _attempt(2).run(charging.bill, request)
+    code = CANCELED_INTENT if may_cancel else INCOMPLETE_INTENT
+    assert (outcome.outcome, outcome.failure_code) == ("failed", code)
+    left = await vaulted.stripe.v1.payment_intents.retrieve_async(stalled.id)
+    assert left.status == ("canceled" if may_cancel else "requires_confirmation")
+    assert await vaulted.succeeded() == 0
+    [row] = await vaulted.ledger_rows(str(PERIOD))
+    assert (row["status"], row["failure_code"]) == ("failed", code)
 
 
 @pytest.mark.parametrize(

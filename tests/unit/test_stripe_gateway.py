@@ -146,16 +146,22 @@ def intents_gateway(
     *listed: stripe.PaymentIntent,
     created: stripe.PaymentIntent | None = None,
     lister: Callable[[dict[str, Any]], Awaitable[Any]] | None = None,
+    canceller: Callable[[str, dict[str, Any]], Awaitable[Any]] | None = None,
 ) -> StripeGateway:
-    """A gateway whose listing holds `listed` (or is `lister`), and whose create answers
-    `created`, as Stripe replays the answer it saved with the key."""
+    """A gateway whose listing holds `listed` (or is `lister`), whose create answers
+    `created`, as Stripe replays the answer it saved with the key, and whose cancel is
+    `canceller` (none by default: a test that cancels says how)."""
 
     async def create(params: dict[str, Any], options: dict[str, Any]) -> Any:
         return created
 
+    async def not_cancelled(intent_id: str, params: dict[str, Any]) -> Any:
+        raise AssertionError(f"{intent_id} was cancelled")
+
     intents = SimpleNamespace(
         create_async=create,
         list_async=lister or Listing(list(listed)),  # type: ignore[arg-type]
+        cancel_async=canceller or not_cancelled,
     )
     client = SimpleNamespace(v1=SimpleNamespace(payment_intents=intents))
     return StripeGateway(client, "payment_intents")  # type: ignore[arg-type]
@@ -165,15 +171,91 @@ INTENT_CLAIM = CLAIM.model_copy(update={"charge_api": "payment_intents"})
 LONG_AGO = int(time.time()) - STALLED_AFTER_SECONDS - 60
 
 
-async def test_an_intent_stripe_left_unconfirmed_fails_the_claim_once_it_is_old() -> None:
+@dataclass
+class Cancels:
+    """Stands in for `v1.payment_intents.cancel_async`: cancels, or raises `refusal`."""
+
+    refusal: stripe.StripeError | None = None
+    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    async def __call__(self, intent_id: str, params: dict[str, Any]) -> stripe.PaymentIntent:
+        self.calls.append((intent_id, params))
+        if self.refusal is not None:
+            raise self.refusal
+        return intent("canceled", LONG_AGO, id=intent_id, cancellation_reason="abandoned")
+
+
+STALLED_ID = "pi_requires_confirmation"
+
+
+async def test_an_intent_stripe_left_unconfirmed_is_cancelled_once_it_is_old() -> None:
     # Stripe answered the create-and-confirm with an error and left the intent unconfirmed:
-    # nothing of ours moves it on, so waiting on it would hold the claim for ever.
-    found = await intents_gateway(intent("requires_confirmation", LONG_AGO)).find(INTENT_CLAIM)
+    # nothing of ours moves it on, so waiting on it would hold the claim for ever, and Stripe
+    # may still complete it. Cancelled, it charges nothing, and the claim fails for good.
+    cancels = Cancels()
+    gateway = intents_gateway(intent("requires_confirmation", LONG_AGO), canceller=cancels)
+    found = await gateway.find(INTENT_CLAIM)
+    assert cancels.calls == [(STALLED_ID, {"cancellation_reason": "abandoned"})]
     assert isinstance(found, ChargeFailure)
-    assert (found.code, found.payment_intent_id) == (INCOMPLETE_INTENT, "pi_requires_confirmation")
-    assert "pi_requires_confirmation in requires_confirmation" in found.message
+    assert (found.code, found.payment_intent_id) == ("payment_intent_canceled", STALLED_ID)
+    assert "the worker cancelled it: nothing was charged" in found.message
+    # Nothing is left for a person: reconciliation releases the charge's vault reservation.
+    assert left_unknown_because(found) is None
+
+
+async def test_an_intent_left_unconfirmed_the_key_may_not_cancel_is_left_to_a_person() -> None:
+    # A key issued before keys could cancel, a lookup key, or an intent the vault does not
+    # hold for one of the key's charges.
+    cancels = Cancels(stripe.PermissionError("this vault key may not call it", http_status=403))
+    gateway = intents_gateway(intent("requires_confirmation", LONG_AGO), canceller=cancels)
+    found = await gateway.find(INTENT_CLAIM)
+    assert len(cancels.calls) == 1
+    assert isinstance(found, ChargeFailure)
+    assert (found.code, found.payment_intent_id) == (INCOMPLETE_INTENT, STALLED_ID)
+    assert f"{STALLED_ID} in requires_confirmation" in found.message
     # Stripe may still complete it: the operator is told to cancel it before billing again.
     assert "cancel it on Stripe" in found.message
+    assert left_unknown_because(found) is not None
+
+
+@pytest.mark.parametrize("since", ["succeeded", "requires_confirmation"])
+async def test_an_intent_that_moved_on_before_its_cancel_is_looked_up_again(since: str) -> None:
+    # Stripe completed it between the listing and the cancel, which it then refuses: the
+    # charge made is what happened. Listed unconfirmed still (which a read-after-write
+    # consistent listing should not do), it is left to a person, not cancelled in a loop.
+    stalled = intent("requires_confirmation", LONG_AGO)
+    now_listed = intent(since, LONG_AGO, id=STALLED_ID, latest_charge="ch_rolled_forward")
+    listings = iter([[stalled], [now_listed]])
+
+    async def lister(params: dict[str, Any]) -> SimpleNamespace:
+        return SimpleNamespace(data=next(listings), has_more=False)
+
+    moved_on = stripe.InvalidRequestError(  # type: ignore[no-untyped-call]
+        "You cannot cancel this PaymentIntent", param=None, code="payment_intent_unexpected_state"
+    )
+    cancels = Cancels(moved_on)
+    found = await intents_gateway(lister=lister, canceller=cancels).find(INTENT_CLAIM)
+    assert len(cancels.calls) == 1
+    if since == "succeeded":
+        assert isinstance(found, ChargeResult) and found.charge_id == "ch_rolled_forward"
+    else:
+        assert isinstance(found, ChargeFailure) and found.code == INCOMPLETE_INTENT
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        stripe.RateLimitError("Too many requests", http_status=429),
+        stripe.APIError("vault could not read it", http_status=503),
+        stripe.InvalidRequestError(  # type: ignore[no-untyped-call]
+            "No such payment_intent", param=None, code="resource_missing"
+        ),
+    ],
+)
+async def test_a_cancel_that_failed_otherwise_is_tried_again(refusal: stripe.StripeError) -> None:
+    gateway = intents_gateway(intent("requires_confirmation", LONG_AGO), canceller=Cancels(refusal))
+    with pytest.raises(type(refusal)):
+        await gateway.find(INTENT_CLAIM)
 
 
 @pytest.mark.parametrize(
