@@ -516,6 +516,7 @@ class ReconcileActivities:
             handled=sum(charge_id in counted for charge_id, _ in handled),
             customers=len(customers),
             charges=sum(c.state == "made" for c in charges),
+            pending=sum(c.pending for c in charges),
             unchecked=[c.customer_id for c in unchecked],
             next_cursor=customers[-1].customer_id if len(customers) == request.limit else None,
         )

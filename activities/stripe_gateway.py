@@ -353,6 +353,7 @@ def _period_charge(charge: stripe.Charge, period: str) -> StripeCharge | None:
         charge_id=charge.id,
         state=state,
         failure_code=charge.failure_code if state == "failed" else None,
+        pending=state == "made" and charge.status == "pending",
         payment_intent_id=_id(charge.payment_intent),
         amount_cents=charge.amount,
         currency=charge.currency,

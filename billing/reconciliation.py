@@ -163,6 +163,9 @@ class StripeCharge(Record):
     state: ChargeState
     # Stripe's, for a failed charge.
     failure_code: str | None = None
+    # Made, by a bank debit the bank has yet to answer (Stripe's `pending`): it may still
+    # come back failed.
+    pending: bool = False
     payment_intent_id: str | None
     amount_cents: int
     currency: str
@@ -215,6 +218,8 @@ class ChargesPage(Record):
     findings: list[Finding]
     customers: int
     charges: int
+    # Of `charges`, those still pending (StripeCharge.pending).
+    pending: int = 0
     # Customers whose charges could not be listed: no key could read their currency while
     # the period has a ledger row for them, or Stripe refused the listing (e.g. the
     # customer was deleted there). A charge of theirs goes unseen.
@@ -253,6 +258,7 @@ class Comparison(BaseModel):
     finding_counts: dict[FindingKind, int] = Field(default_factory=dict)
     customers_checked: int = 0
     charges_checked: int = 0
+    pending_count: int = 0
     unchecked_customers: list[str] = Field(default_factory=list)
     unchecked_count: int = 0
     handled_count: int = 0
@@ -279,6 +285,7 @@ class Comparison(BaseModel):
         self.handled_count += page.handled
         self.customers_checked += page.customers
         self.charges_checked += page.charges
+        self.pending_count += page.pending
         self.unchecked_count += len(page.unchecked)
         room = MAX_LISTED - len(self.unchecked_customers)
         self.unchecked_customers += page.unchecked[: max(room, 0)]
@@ -319,6 +326,9 @@ class ReconcileReport(Record):
     vault_checked: bool
     customers_checked: int
     charges_checked: int
+    # Of the charges checked, bank debits their bank has yet to answer: the ledger holds
+    # them charged, and one the bank returns is reported then (failed_later).
+    pending_charges: int = 0
     # The first MAX_LISTED of each; the counts cover all.
     unchecked_customers: list[str]
     findings: list[Finding]

@@ -196,7 +196,14 @@ def describe_reconciliation(report: ReconcileReport) -> str:
     counts = report.finding_counts
     lines.append(
         f"  Stripe: {report.charges_checked} charges of {report.customers_checked} customers"
-        f" checked; {counts.get('duplicate', 0)} duplicates, {counts.get('orphan', 0)} orphans,"
+        " checked"
+        + (
+            f" ({report.pending_charges} of them bank debits still pending: one the bank"
+            " returns is reported then, as failed later)"
+            if report.pending_charges
+            else ""
+        )
+        + f"; {counts.get('duplicate', 0)} duplicates, {counts.get('orphan', 0)} orphans,"
         f" {counts.get('unrecorded', 0)} unrecorded, {counts.get('failed_later', 0)} failed later"
         + _listed_of(len(report.findings), sum(counts.values()), "reconcile_finding")
         + (f"; {report.handled_count} handled by a person" if report.handled_count else "")

@@ -83,6 +83,7 @@ class ReconcileWorkflow:
             vault_checked=settled.vault_checked,
             customers_checked=compared.customers_checked,
             charges_checked=compared.charges_checked,
+            pending_charges=compared.pending_count,
             unchecked_customers=compared.unchecked_customers,
             unchecked_count=compared.unchecked_count,
             findings=compared.findings,

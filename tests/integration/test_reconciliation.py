@@ -1087,9 +1087,15 @@ async def test_a_bank_debit_is_charged_at_once_and_reported_every_day_once_retur
     pending = {c["id"] for c in await harness.charges() if c["status"] == "pending"}
     debits = {ledger_rows[r.customer_id]["charge_id"] for r in (debtor, payer)}
     assert pending == debits and len(debits) == 2
-    # Still pending, both are charges made: nothing to report yet.
+    # Still pending, both are charges made: nothing to report yet, but the report says how
+    # many the banks have yet to answer.
+    async with harness.running_worker():
+        code, out, _ = await harness.starter("reconcile", str(PERIOD))
+    assert code == 0, out
+    assert "3 charges of 3 customers checked (2 of them bank debits still pending" in out
     report = await reconcile(harness)
     assert report.findings == [] and report.charges_checked == 3
+    assert report.pending_charges == 2
 
     settled = {c["id"]: c["status"] for c in await harness.emulator.settle_debits()}
     returned = ledger_rows[debtor.customer_id]["charge_id"]
@@ -1105,7 +1111,7 @@ async def test_a_bank_debit_is_charged_at_once_and_reported_every_day_once_retur
     [finding] = report.findings
     assert (finding.ledger_status, finding.failure_code) == ("charged", "insufficient_funds")
     # Only the charges made are counted as checked: the card's and the settled debit's.
-    assert report.charges_checked == 2
+    assert (report.charges_checked, report.pending_charges) == (2, 0)
 
 
 async def test_a_finding_a_person_handled_is_counted_not_reported(harness: Harness) -> None:
