@@ -114,10 +114,12 @@ class VaultAccess:
             gateway = self._gateways[slot] = self._through(key.secret, key.vault_key_id)
         return gateway
 
-    def _through(self, secret: SecretStr, vault_key_id: str | None = None) -> StripeGateway:
+    def _through(
+        self, secret: SecretStr, vault_key_id: str | None = None, may_cancel: bool = True
+    ) -> StripeGateway:
         """A gateway calling Stripe through the vault with this vault key."""
         client = stripe_client(secret.get_secret_value(), self._base, self._http)
-        return StripeGateway(client, self._api, vault_key_id)
+        return StripeGateway(client, self._api, vault_key_id, may_cancel)
 
     def forget(self, period: str, currency: str) -> None:
         self._gateways.pop((period, currency), None)
@@ -152,7 +154,7 @@ class VaultAccess:
                     f"the vault key for {period} ({currency}) can no longer be used, and the"
                     f" vault refused a key to read its charges: {exc.message}"
                 ) from None
-            gateway = self._through(issued.secret)
+            gateway = self._through(issued.secret, may_cancel=False)
             self._lookups[slot] = (gateway, issued.expires_at)
             return gateway
 

@@ -13,7 +13,7 @@ from billing.ledger import SENT_DIRECT
 from billing.models import ChargeApi, ChargeFailure, ChargeResult, Claim
 from billing.reconciliation import INCOMPLETE_INTENT, MADE_STATUSES, ChargeState, StripeCharge
 from billing.redact import redact
-from vault.endpoints import FENCE_HEADER
+from vault.endpoints import FENCE_HEADER, KEY_METADATA
 
 # Customers rarely hold more than a few charges a period; pages this size find ours at once.
 _LOOKUP_PAGE = 100
@@ -27,15 +27,16 @@ CANCELED_INTENT = "payment_intent_canceled"
 MADE_INTENT_STATUSES = frozenset({"succeeded", "processing"})
 # Our one request creates and confirms a PaymentIntent, so it never waits for a confirm. One
 # found so, two hours after it was made (one past the clock skew allowed), was left there by
-# Stripe after answering that request with an error: the claim fails, where it would
-# otherwise wait on it for ever. Stripe may yet roll the request forward, so the lookup
-# cancels the intent first (then it can charge nothing). Where its key may not (a period key
-# issued before keys could, a lookup key), the failure says to cancel it, and its vault
-# reservation stays counted until then (billing.reconciliation.left_unknown_because).
-# (`requires_action` is not here: off-session, it waits on the customer, e.g. a bank
-# account's microdeposits, and may still debit.)
+# Stripe after answering that request with an error, and Stripe may yet roll it forward. The
+# lookup cancels it (then it can charge nothing), and the claim is then as if never sent:
+# charged again with its key once Stripe has forgotten the key (_abandoned). Where the key
+# may not cancel (issued before keys could, or a lookup key), the claim fails, the failure
+# says to cancel the intent, and its vault reservation stays counted until then
+# (billing.reconciliation.left_unknown_because). (`requires_action` is not here: off-session,
+# it waits on the customer, e.g. a bank account's microdeposits, and may still debit.)
 STALLED_INTENT_STATUS = "requires_confirmation"
 STALLED_AFTER_SECONDS = 3600 + _CLOCK_SKEW_SECONDS
+ABANDONED = "abandoned"
 
 
 def charge_params(claim: Claim, api: ChargeApi) -> dict[str, Any]:
@@ -48,7 +49,7 @@ def charge_params(claim: Claim, api: ChargeApi) -> dict[str, Any]:
         "customer": claim.stripe_customer_id,
         "description": f"Billing period {claim.period}",
         "metadata": {
-            "billing_key": claim.idempotency_key,
+            KEY_METADATA: claim.idempotency_key,
             "billing_period": claim.period,
             "customer_id": claim.customer_id,
         },
@@ -70,10 +71,17 @@ def charge_params(claim: Claim, api: ChargeApi) -> dict[str, Any]:
 
 class StripeGateway:
     def __init__(
-        self, client: stripe.StripeClient, api: ChargeApi, vault_key_id: str | None = None
+        self,
+        client: stripe.StripeClient,
+        api: ChargeApi,
+        vault_key_id: str | None = None,
+        may_cancel: bool = True,
     ) -> None:
         self._client = client
         self._api = api
+        # Whether lookups cancel an intent Stripe left unconfirmed (STALLED_INTENT_STATUS):
+        # not with a key that only reads, which the vault would refuse and audit.
+        self._may_cancel = may_cancel
         # The period's vault key this gateway charges with; None for Stripe directly.
         self.vault_key_id = vault_key_id
 
@@ -149,61 +157,10 @@ class StripeGateway:
         return found
 
     async def _find_through(
-        self, api: ChargeApi, claim: Claim, cancel_stalled: bool = True
+        self, api: ChargeApi, claim: Claim
     ) -> ChargeResult | ChargeFailure | None:
         if api == "payment_intents":
-            intents = await self._ours(self._client.v1.payment_intents.list_async, claim)
-            for intent in intents:
-                if intent.status in MADE_INTENT_STATUSES:
-                    return self._from_intent(intent, replayed=True)
-            if not intents:
-                return None
-            latest = intents[0]
-            if _stalled(latest):
-                if not cancel_stalled:
-                    return _incomplete(latest)
-                try:
-                    latest = await self._cancel_stalled(latest)
-                except stripe.PermissionError:
-                    return _incomplete(latest)
-                except stripe.InvalidRequestError as exc:
-                    if exc.code != "payment_intent_unexpected_state":
-                        raise
-                    # It moved on since it was listed: Stripe completed it, or someone
-                    # cancelled it.
-                    return await self._find_through(api, claim, cancel_stalled=False)
-                return ChargeFailure(
-                    code=CANCELED_INTENT,
-                    message=f"Stripe left payment intent {latest.id} unconfirmed after answering"
-                    " its request with an error, and the worker cancelled it: nothing was"
-                    " charged",
-                    payment_intent_id=latest.id,
-                )
-            if latest.status not in FAILED_INTENT_STATUSES:
-                # Waiting for a step (off session, e.g. a bank account's microdeposits), or
-                # confirmed by a request still running: not an answer yet; try again later.
-                raise stripe.APIError(
-                    f"payment intent {latest.id} is {latest.status}", http_status=503
-                )
-            # Stripe leaves out what does not apply (no decline_code for an expired card), and
-            # the SDK raises on a field left out.
-            error = latest.last_payment_error
-            if error is None and latest.status == "canceled":
-                # Cancelled before any attempt failed: by a person, e.g. an intent Stripe
-                # left unconfirmed (above). Not a decline.
-                reason = getattr(latest, "cancellation_reason", None) or "no reason given"
-                return ChargeFailure(
-                    code=CANCELED_INTENT,
-                    message=f"payment intent {latest.id} was cancelled on Stripe ({reason}):"
-                    " nothing was charged",
-                    payment_intent_id=latest.id,
-                )
-            return ChargeFailure(
-                code=getattr(error, "code", None) or "card_declined",
-                decline_code=getattr(error, "decline_code", None),
-                message=redact(getattr(error, "message", None) or "the payment failed"),
-                payment_intent_id=latest.id,
-            )
+            return await self._find_intent(claim, cancel_stalled=self._may_cancel)
         charges = await self._ours(self._client.v1.charges.list_async, claim)
         for charge in charges:
             # Pending (a bank debit) is what charge() records too: the charge was made.
@@ -224,6 +181,65 @@ class StripeGateway:
             charge_id=charges[0].id,
         )
 
+    async def _find_intent(
+        self, claim: Claim, cancel_stalled: bool
+    ) -> ChargeResult | ChargeFailure | None:
+        intents = await self._ours(self._client.v1.payment_intents.list_async, claim)
+        for intent in intents:
+            if intent.status in MADE_INTENT_STATUSES:
+                return self._from_intent(intent, replayed=True)
+        if not intents:
+            return None
+        stalled = [intent for intent in intents if _stalled(intent)]
+        if stalled:
+            if not cancel_stalled:
+                return _incomplete(stalled[0])
+            try:
+                for intent in stalled:
+                    await self._cancel(intent)
+            except stripe.PermissionError:
+                # The key may not cancel (issued before keys could), or the vault does not
+                # tie the intent to one of its period's charges.
+                pass
+            except stripe.InvalidRequestError as exc:
+                # It moved on since it was listed: Stripe completed it, or someone cancelled it.
+                if exc.code != "payment_intent_unexpected_state":
+                    raise
+            # Where the claim stands now, as Stripe holds it; nothing is cancelled twice.
+            return await self._find_intent(claim, cancel_stalled=False)
+        latest = intents[0]
+        unfinished = [i for i in intents if i.status not in FAILED_INTENT_STATUSES]
+        if latest.status not in FAILED_INTENT_STATUSES or (_abandoned(latest) and unfinished):
+            # Waiting for a step (off session, e.g. a bank account's microdeposits), or
+            # confirmed by a request still running: not an answer yet; try again later.
+            waiting = unfinished[0]
+            raise stripe.APIError(
+                f"payment intent {waiting.id} is {waiting.status}", http_status=503
+            )
+        if _abandoned(latest):
+            # Stripe charged nothing and declined nothing: the claim is as if never sent, so
+            # it is charged again with its key once Stripe has forgotten the key (the saved
+            # error it replays until then is what brought the lookup here).
+            return None
+        # Stripe leaves out what does not apply (no decline_code for an expired card), and
+        # the SDK raises on a field left out.
+        error = latest.last_payment_error
+        if error is None and latest.status == "canceled":
+            # Cancelled before any attempt failed, by a person: not a decline.
+            reason = getattr(latest, "cancellation_reason", None) or "no reason given"
+            return ChargeFailure(
+                code=CANCELED_INTENT,
+                message=f"payment intent {latest.id} was cancelled on Stripe ({reason}):"
+                " nothing was charged",
+                payment_intent_id=latest.id,
+            )
+        return ChargeFailure(
+            code=getattr(error, "code", None) or "card_declined",
+            decline_code=getattr(error, "decline_code", None),
+            message=redact(getattr(error, "message", None) or "the payment failed"),
+            payment_intent_id=latest.id,
+        )
+
     async def period_charges(self, stripe_customer_id: str, period: str) -> list[StripeCharge]:
         """The customer's charges whose metadata names the period, whatever their key and
         state (made, refunded or failed): reconciliation compares them with the ledger, and
@@ -238,14 +254,11 @@ class StripeGateway:
         )
         return [charge for o in found if (charge := _period_charge(o, period)) is not None]
 
-    async def _cancel_stalled(self, intent: stripe.PaymentIntent) -> stripe.PaymentIntent:
-        """Cancels `intent`: raises stripe.PermissionError where the key may not.
-
-        Without an idempotency key: a cancel repeated is refused as the intent is no longer
-        unconfirmed, which sends the caller to look again, where an error Stripe saved with a
-        key would answer every retry for a day."""
-        return await self._client.v1.payment_intents.cancel_async(
-            intent.id, {"cancellation_reason": "abandoned"}
+    async def _cancel(self, intent: stripe.PaymentIntent) -> None:
+        """Cancels `intent` as abandoned (_abandoned); raises stripe.PermissionError where the
+        key may not."""
+        await self._client.v1.payment_intents.cancel_async(
+            intent.id, {"cancellation_reason": ABANDONED}
         )
 
     @staticmethod
@@ -256,7 +269,7 @@ class StripeGateway:
             lister,
             claim.stripe_customer_id,
             oldest,
-            lambda o: _metadata(o, "billing_key") == claim.idempotency_key,
+            lambda o: _metadata(o, KEY_METADATA) == claim.idempotency_key,
         )
 
     @staticmethod
@@ -311,6 +324,19 @@ def _stalled(intent: stripe.PaymentIntent) -> bool:
     )
 
 
+def _abandoned(intent: stripe.PaymentIntent) -> bool:
+    """Cancelled once stalled, as a lookup cancels one (or a person, as the incomplete
+    failure asks): nothing was attempted, so nothing was charged or declined."""
+    canceled_at = getattr(intent, "canceled_at", None)
+    return (
+        intent.status == "canceled"
+        and intent.last_payment_error is None
+        and getattr(intent, "cancellation_reason", None) == ABANDONED
+        and canceled_at is not None
+        and canceled_at - intent.created >= STALLED_AFTER_SECONDS
+    )
+
+
 def _id(value: object) -> str | None:
     if value is None or isinstance(value, str):
         return value
@@ -360,7 +386,7 @@ def _period_charge(charge: stripe.Charge, period: str) -> StripeCharge | None:
         stripe_customer_id=_id(charge.customer),
         customer_id=customer_id,
         period=period,
-        billing_key=_metadata(charge, "billing_key"),
+        billing_key=_metadata(charge, KEY_METADATA),
     )
 
 

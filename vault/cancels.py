@@ -1,13 +1,15 @@
-"""A key's cancel of a PaymentIntent, forwarded only for an intent no one confirmed that one of
-the key's own charges could have made.
+"""A key's cancel of a PaymentIntent, forwarded only for an intent no one confirmed, of a charge
+its period's keys sent and have no answer to.
 
 The worker cancels an intent Stripe left unconfirmed after answering its create with an error
-(activities.stripe_gateway), so that it can charge nothing later and the claim fails without a
-person. A cancel moves no money, but on an intent of another integration it would stop a
-payment or release a hold: so the vault reads the intent with its own secret first. The intent
-must be `requires_confirmation` (it holds nothing and has moved nothing), and the key must have
-reserved a charge of its customer, amount and currency: Stripe does not say which key made an
-intent, so that is as close as the vault can tie it to the key.
+(activities.stripe_gateway), so that it can charge nothing later and the claim can be charged
+again once Stripe forgets its key. A cancel moves no money, but on an intent of another
+integration it would stop a payment or release a hold. So the vault reads the intent with its
+own secret first. It must be `requires_confirmation` (it holds nothing and has moved nothing),
+and its metadata must name (KEY_METADATA) the Idempotency-Key of a reservation of a key of this
+key's period and label (a renewed key, too) for its customer, amount and currency, still
+unknown. Stripe may move the intent on between the read and the cancel; from
+`requires_confirmation` only a confirm does, and no key may confirm.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from yarl import URL
 
 from vault import reservations
+from vault.endpoints import KEY_METADATA
 from vault.errors import Refusal
 from vault.reservations import Charge
 from vault.state import VaultState
@@ -33,26 +36,32 @@ class _Intent(BaseModel):
     amount: int
     currency: str
     customer: str | None = None
+    metadata: dict[str, str] = {}
 
 
 async def check(state: VaultState, grant: KeyGrant, intent_id: str, record: AuditRecord) -> None:
     """Refuses the cancel of `intent_id` unless the key may make it (above)."""
     intent = await _read(state, intent_id)
-    record.amount_cents, record.currency, record.customer = (
-        intent.amount,
-        intent.currency,
-        intent.customer,
-    )
+    sent_with = intent.metadata.get(KEY_METADATA)
     charge = Charge(_CREATE, intent.amount, intent.currency, intent.customer)
-    async with state.pool.acquire() as conn:
-        ours = intent.customer is not None and await reservations.asked_for(conn, grant.id, charge)
-    if not ours:
+    ours = False
+    if sent_with is not None and intent.customer is not None:
+        async with state.pool.acquire() as conn:
+            ours = await reservations.in_doubt_for(conn, grant.id, sent_with, charge)
+    if ours:
+        # The charge the intent was made for (the path names the intent).
+        record.customer, record.amount_cents, record.currency = (
+            charge.customer,
+            charge.amount_cents,
+            charge.currency,
+        )
+    else:
         raise Refusal(
             "refused_request",
             403,
             "payment_intent_not_this_keys",
-            f"this vault key may cancel only a PaymentIntent one of its own charges made, and it"
-            f" sent none for {intent_id}'s customer, amount and currency",
+            f"this vault key may cancel only a PaymentIntent made by a charge its period's keys"
+            f" sent and have no answer to, and {intent_id} is not one",
         )
     if intent.status != CANCELABLE_STATUS:
         # Stripe's code for a cancel in the wrong state: the caller looks the intent up again.

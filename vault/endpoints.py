@@ -11,8 +11,11 @@ FENCE_HEADER = "Vault-Fencing-Token"
 METERED = frozenset({"POST /v1/payment_intents", "POST /v1/charges"})
 # The one other write a key may allow, which moves no money: cancelling a PaymentIntent
 # Stripe left unconfirmed after answering its create with an error. The vault forwards it only
-# for such an intent, and one of the key's own charges (vault.cancels).
+# for such an intent, of a charge its period's keys sent and have no answer to (vault.cancels).
 CANCEL = "POST /v1/payment_intents/*/cancel"
+# The metadata entry in which the billing workers' charges name their Idempotency-Key, which
+# ties an intent to the request that made it (Stripe does not say which key made an intent).
+KEY_METADATA = "billing_key"
 # All a key issued with the worker token may allow: the billing workers' charges and the
 # lookups of them (billing/period_keys.py), so such a key cannot read the rest of the account.
 WORKER_ENDPOINTS = (

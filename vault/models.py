@@ -99,7 +99,8 @@ class IssueKeyRequest(Body):
         max_length=50,
         description="'METHOD /v1/path' entries; '*' matches one path segment. GET anything,"
         " POST only the metered 'POST /v1/payment_intents' and 'POST /v1/charges', and"
-        " 'POST /v1/payment_intents/*/cancel' (an unconfirmed intent of the key's own).",
+        " 'POST /v1/payment_intents/*/cancel' (an unconfirmed intent of a charge in doubt of the"
+        " key's period).",
     )
     expires_at: AwareDatetime
 

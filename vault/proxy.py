@@ -178,8 +178,13 @@ async def _proxy(
             None,
             504 if timed_out else 502,
             "upstream_timeout" if timed_out else "upstream_unavailable",
-            "Stripe did not answer, so the charge may or may not have been made;"
-            " retry with the same Idempotency-Key",
+            "Stripe did not answer, so "
+            + (
+                "the charge may or may not have been made"
+                if endpoint in METERED
+                else "the request may or may not have taken effect"
+            )
+            + "; retry with the same Idempotency-Key",
             error_type="api_error",
             should_retry=True,
         ) from None

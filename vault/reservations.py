@@ -350,17 +350,25 @@ async def resolve(
     return store.reservation_info(info)
 
 
-async def asked_for(conn: asyncpg.Connection, key_id: str, charge: Charge) -> bool:
-    """Whether the key reserved a request for this charge (endpoint, customer, amount and
-    currency), whatever became of it."""
+async def in_doubt_for(
+    conn: asyncpg.Connection, key_id: str, idempotency_key: str, charge: Charge
+) -> bool:
+    """Whether a key of this key's period and label reserved this charge (endpoint, customer,
+    amount and currency) under `idempotency_key`, and it is unknown: sent, with no answer to
+    say what Stripe did."""
     found: bool = await conn.fetchval(
         """
         SELECT EXISTS (
-            SELECT 1 FROM vault_reservations
-            WHERE vault_key_id = $1 AND endpoint = $2 AND customer = $3
-                  AND amount_cents = $4 AND currency = $5)
+            SELECT 1
+            FROM vault_keys mine
+            JOIN vault_keys k ON k.period = mine.period AND k.label = mine.label
+            JOIN vault_reservations r ON r.vault_key_id = k.id
+            WHERE mine.id = $1 AND r.idempotency_key = $2 AND r.state = 'unknown'
+                  AND r.endpoint = $3 AND r.customer = $4 AND r.amount_cents = $5
+                  AND r.currency = $6)
         """,
         key_id,
+        idempotency_key,
         charge.endpoint,
         charge.customer,
         charge.amount_cents,

@@ -17,7 +17,7 @@ from activities import stripe_gateway
 from activities.charging import PAUSED, BillRequest, ChargingActivities
 from activities.stripe_access import DirectAccess, StripeAccess, VaultAccess
 from activities.stripe_failures import SLOW_RETRY, fence_of
-from activities.stripe_gateway import CANCELED_INTENT, StripeGateway, charge_params
+from activities.stripe_gateway import StripeGateway, charge_params
 from billing import ledger, period_keys
 from billing.customers import CustomerRow
 from billing.keys import customer_workflow_id, idempotency_key
@@ -35,7 +35,7 @@ from billing.runs import start_period
 from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
 from vault.client import VaultAdmin
-from vault.endpoints import CANCEL
+from vault.endpoints import CANCEL, KEY_METADATA
 from workflows.signals import PERIOD_CONTROL
 
 PERIOD = Period(2026, 12)
@@ -195,9 +195,9 @@ async def test_an_intent_stripe_left_unconfirmed_behind_a_saved_500_is_cancelled
 ) -> None:
     """Stripe saved a 500 for the key and left the intent it had made unconfirmed (planted
     here: the emulator makes none). Once it is old enough not to be on its way, the lookup
-    cancels it through the vault: nothing can be charged any more, and the claim fails for
-    good with nobody to call. A period key from before keys could cancel leaves it, and the
-    failure says to cancel it by hand."""
+    cancels it through the vault: it can charge nothing any more, and the claim is charged
+    once with its key when Stripe has forgotten the key. A period key from before keys could
+    cancel leaves it, and the claim fails saying to cancel it by hand."""
     monkeypatch.setattr(stripe_gateway, "STALLED_AFTER_SECONDS", 0)
     customer, charging, request = await _behind_a_saved_500(vaulted)
     [row] = await vaulted.ledger_rows(str(PERIOD))
@@ -207,7 +207,7 @@ async def test_an_intent_stripe_left_unconfirmed_behind_a_saved_500_is_cancelled
             "currency": customer.currency,
             "customer": customer.stripe_customer_id,
             "payment_method": customer.payment_method,
-            "metadata": {"billing_key": row["idempotency_key"]},
+            "metadata": {KEY_METADATA: row["idempotency_key"]},
         }
     )
     if not may_cancel:
@@ -215,14 +215,20 @@ async def test_an_intent_stripe_left_unconfirmed_behind_a_saved_500_is_cancelled
             "UPDATE vault_keys SET allowed_endpoints = array_remove(allowed_endpoints, $1)",
             CANCEL,
         )
-    outcome = await _attempt(2).run(charging.bill, request)
-    code = CANCELED_INTENT if may_cancel else INCOMPLETE_INTENT
-    assert (outcome.outcome, outcome.failure_code) == ("failed", code)
+        outcome = await _attempt(2).run(charging.bill, request)
+        assert (outcome.outcome, outcome.failure_code) == ("failed", INCOMPLETE_INTENT)
+        left = await vaulted.stripe.v1.payment_intents.retrieve_async(stalled.id)
+        assert left.status == "requires_confirmation"
+        assert await vaulted.succeeded() == 0
+        return
+    with pytest.raises(ApplicationError, match="replays the 500 it saved") as replayed:
+        await _attempt(2).run(charging.bill, request)
+    assert replayed.value.next_retry_delay == SLOW_RETRY
     left = await vaulted.stripe.v1.payment_intents.retrieve_async(stalled.id)
-    assert left.status == ("canceled" if may_cancel else "requires_confirmation")
-    assert await vaulted.succeeded() == 0
-    [row] = await vaulted.ledger_rows(str(PERIOD))
-    assert (row["status"], row["failure_code"]) == ("failed", code)
+    assert (left.status, left.cancellation_reason) == ("canceled", "abandoned")
+    await vaulted.stripe_forgets_keys()
+    assert (await _attempt(3).run(charging.bill, request)).outcome == "charged"
+    await assert_billed_once(vaulted, str(PERIOD), [customer])
 
 
 @pytest.mark.parametrize(

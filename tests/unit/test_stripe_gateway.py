@@ -147,6 +147,7 @@ def intents_gateway(
     created: stripe.PaymentIntent | None = None,
     lister: Callable[[dict[str, Any]], Awaitable[Any]] | None = None,
     canceller: Callable[[str, dict[str, Any]], Awaitable[Any]] | None = None,
+    may_cancel: bool = True,
 ) -> StripeGateway:
     """A gateway whose listing holds `listed` (or is `lister`), whose create answers
     `created`, as Stripe replays the answer it saved with the key, and whose cancel is
@@ -164,7 +165,7 @@ def intents_gateway(
         cancel_async=canceller or not_cancelled,
     )
     client = SimpleNamespace(v1=SimpleNamespace(payment_intents=intents))
-    return StripeGateway(client, "payment_intents")  # type: ignore[arg-type]
+    return StripeGateway(client, "payment_intents", may_cancel=may_cancel)  # type: ignore[arg-type]
 
 
 INTENT_CLAIM = CLAIM.model_copy(update={"charge_api": "payment_intents"})
@@ -172,50 +173,84 @@ LONG_AGO = int(time.time()) - STALLED_AFTER_SECONDS - 60
 
 
 @dataclass
-class Cancels:
-    """Stands in for `v1.payment_intents.cancel_async`: cancels, or raises `refusal`."""
+class Account:
+    """Stands in for the intents Stripe lists with the claim's key (newest first), and for
+    `cancel_async`: it cancels as Stripe does, or raises `refusal`. An intent in `moves_on`
+    moves to that status first (Stripe rolled it forward), and the cancel is then refused."""
 
+    intents: list[stripe.PaymentIntent]
     refusal: stripe.StripeError | None = None
-    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    moves_on: dict[str, str] = field(default_factory=dict)
+    cancelled: list[str] = field(default_factory=list)
 
-    async def __call__(self, intent_id: str, params: dict[str, Any]) -> stripe.PaymentIntent:
-        self.calls.append((intent_id, params))
+    async def listing(self, params: dict[str, Any]) -> SimpleNamespace:
+        return SimpleNamespace(data=list(self.intents), has_more=False)
+
+    async def cancel(self, intent_id: str, params: dict[str, Any]) -> None:
+        assert params == {"cancellation_reason": "abandoned"}
+        self.cancelled.append(intent_id)
+        if intent_id in self.moves_on:
+            self._update(intent_id, status=self.moves_on[intent_id], latest_charge="ch_forward")
+            raise stripe.InvalidRequestError(  # type: ignore[no-untyped-call]
+                "You cannot cancel this PaymentIntent",
+                param=None,
+                code="payment_intent_unexpected_state",
+            )
         if self.refusal is not None:
             raise self.refusal
-        return intent("canceled", LONG_AGO, id=intent_id, cancellation_reason="abandoned")
+        self._update(intent_id, status="canceled", cancellation_reason="abandoned", canceled_at=NOW)
+
+    def _update(self, intent_id: str, **changes: Any) -> None:
+        for i, listed in enumerate(self.intents):
+            if listed.id == intent_id:
+                self.intents[i] = intent(
+                    changes.pop("status"), listed.created, id=intent_id, **changes
+                )
+
+    def gateway(self, may_cancel: bool = True) -> StripeGateway:
+        return intents_gateway(lister=self.listing, canceller=self.cancel, may_cancel=may_cancel)
 
 
-STALLED_ID = "pi_requires_confirmation"
+NOW = int(time.time())
 
 
-async def test_an_intent_stripe_left_unconfirmed_is_cancelled_once_it_is_old() -> None:
-    # Stripe answered the create-and-confirm with an error and left the intent unconfirmed:
-    # nothing of ours moves it on, so waiting on it would hold the claim for ever, and Stripe
-    # may still complete it. Cancelled, it charges nothing, and the claim fails for good.
-    cancels = Cancels()
-    gateway = intents_gateway(intent("requires_confirmation", LONG_AGO), canceller=cancels)
-    found = await gateway.find(INTENT_CLAIM)
-    assert cancels.calls == [(STALLED_ID, {"cancellation_reason": "abandoned"})]
-    assert isinstance(found, ChargeFailure)
-    assert (found.code, found.payment_intent_id) == ("payment_intent_canceled", STALLED_ID)
-    assert "the worker cancelled it: nothing was charged" in found.message
-    # Nothing is left for a person: reconciliation releases the charge's vault reservation.
-    assert left_unknown_because(found) is None
+def stalled(name: str = "stalled", created: int = LONG_AGO) -> stripe.PaymentIntent:
+    return intent("requires_confirmation", created, id=f"pi_{name}")
+
+
+async def test_intents_stripe_left_unconfirmed_are_cancelled_and_the_claim_sent_again() -> None:
+    # Stripe answered the create-and-confirm with an error and left the intent unconfirmed
+    # (twice, for a key it had forgotten in between): nothing of ours moves it on, and Stripe
+    # may still complete it. Cancelled, each charges nothing, and nothing was declined: the
+    # claim is as if never sent, to be charged with its key once Stripe forgets the key.
+    account = Account([stalled("later"), stalled("first")])
+    assert await account.gateway().find(INTENT_CLAIM) is None
+    assert account.cancelled == ["pi_later", "pi_first"]
+    assert [i.status for i in account.intents] == ["canceled", "canceled"]
 
 
 async def test_an_intent_left_unconfirmed_the_key_may_not_cancel_is_left_to_a_person() -> None:
-    # A key issued before keys could cancel, a lookup key, or an intent the vault does not
-    # hold for one of the key's charges.
-    cancels = Cancels(stripe.PermissionError("this vault key may not call it", http_status=403))
-    gateway = intents_gateway(intent("requires_confirmation", LONG_AGO), canceller=cancels)
-    found = await gateway.find(INTENT_CLAIM)
-    assert len(cancels.calls) == 1
+    # A period key issued before keys could cancel, or an intent the vault does not tie to a
+    # charge of the key's period: looked up once more, then failed with advice to a person.
+    refused = stripe.PermissionError("this vault key may not call it", http_status=403)
+    account = Account([stalled()], refusal=refused)
+    found = await account.gateway().find(INTENT_CLAIM)
+    assert account.cancelled == ["pi_stalled"]
     assert isinstance(found, ChargeFailure)
-    assert (found.code, found.payment_intent_id) == (INCOMPLETE_INTENT, STALLED_ID)
-    assert f"{STALLED_ID} in requires_confirmation" in found.message
+    assert (found.code, found.payment_intent_id) == (INCOMPLETE_INTENT, "pi_stalled")
+    assert "pi_stalled in requires_confirmation" in found.message
     # Stripe may still complete it: the operator is told to cancel it before billing again.
     assert "cancel it on Stripe" in found.message
     assert left_unknown_because(found) is not None
+
+
+async def test_a_lookup_key_does_not_try_to_cancel() -> None:
+    # It only reads: the vault would refuse the cancel, and audit it as a key reaching past
+    # its allowlist.
+    account = Account([stalled()])
+    found = await account.gateway(may_cancel=False).find(INTENT_CLAIM)
+    assert account.cancelled == []
+    assert isinstance(found, ChargeFailure) and found.code == INCOMPLETE_INTENT
 
 
 @pytest.mark.parametrize("since", ["succeeded", "requires_confirmation"])
@@ -223,23 +258,23 @@ async def test_an_intent_that_moved_on_before_its_cancel_is_looked_up_again(sinc
     # Stripe completed it between the listing and the cancel, which it then refuses: the
     # charge made is what happened. Listed unconfirmed still (which a read-after-write
     # consistent listing should not do), it is left to a person, not cancelled in a loop.
-    stalled = intent("requires_confirmation", LONG_AGO)
-    now_listed = intent(since, LONG_AGO, id=STALLED_ID, latest_charge="ch_rolled_forward")
-    listings = iter([[stalled], [now_listed]])
-
-    async def lister(params: dict[str, Any]) -> SimpleNamespace:
-        return SimpleNamespace(data=next(listings), has_more=False)
-
-    moved_on = stripe.InvalidRequestError(  # type: ignore[no-untyped-call]
-        "You cannot cancel this PaymentIntent", param=None, code="payment_intent_unexpected_state"
-    )
-    cancels = Cancels(moved_on)
-    found = await intents_gateway(lister=lister, canceller=cancels).find(INTENT_CLAIM)
-    assert len(cancels.calls) == 1
+    account = Account([stalled()], moves_on={"pi_stalled": since})
+    found = await account.gateway().find(INTENT_CLAIM)
+    assert account.cancelled == ["pi_stalled"]
     if since == "succeeded":
-        assert isinstance(found, ChargeResult) and found.charge_id == "ch_rolled_forward"
+        assert isinstance(found, ChargeResult) and found.charge_id == "ch_forward"
     else:
         assert isinstance(found, ChargeFailure) and found.code == INCOMPLETE_INTENT
+
+
+async def test_an_abandoned_intent_is_no_answer_while_another_is_on_its_way() -> None:
+    # An older intent with the key (made before Stripe forgot it) may still debit: charging
+    # the claim again could charge twice.
+    account = Account([intent("requires_action", LONG_AGO - 60, id="pi_waiting"), stalled()])
+    account.intents.reverse()  # the stalled one is the newer
+    with pytest.raises(stripe.APIError, match="pi_waiting is requires_action") as raised:
+        await account.gateway().find(INTENT_CLAIM)
+    assert raised.value.http_status == 503 and account.cancelled == ["pi_stalled"]
 
 
 @pytest.mark.parametrize(
@@ -253,9 +288,9 @@ async def test_an_intent_that_moved_on_before_its_cancel_is_looked_up_again(sinc
     ],
 )
 async def test_a_cancel_that_failed_otherwise_is_tried_again(refusal: stripe.StripeError) -> None:
-    gateway = intents_gateway(intent("requires_confirmation", LONG_AGO), canceller=Cancels(refusal))
+    account = Account([stalled()], refusal=refusal)
     with pytest.raises(type(refusal)):
-        await gateway.find(INTENT_CLAIM)
+        await account.gateway().find(INTENT_CLAIM)
 
 
 @pytest.mark.parametrize(
@@ -355,14 +390,21 @@ async def test_an_intent_processing_without_a_charge_is_not_taken_for_charged() 
         await intents_gateway(odd).find(INTENT_CLAIM)
 
 
-async def test_an_intent_cancelled_before_any_attempt_failed_is_not_a_decline() -> None:
-    # A person cancelled an intent Stripe left unconfirmed, as the incomplete-intent
-    # failure told them to: the lookup says so, and nothing of it is still to come.
-    cancelled = intent("canceled", LONG_AGO, cancellation_reason="abandoned")
+@pytest.mark.parametrize(
+    ("reason", "canceled_at"),
+    [("requested_by_customer", NOW), ("abandoned", LONG_AGO + 60)],
+    ids=["another-reason", "before-it-stalled"],
+)
+async def test_an_intent_cancelled_before_any_attempt_failed_is_not_a_decline(
+    reason: str, canceled_at: int
+) -> None:
+    # A person cancelled an intent, not as a lookup cancels one Stripe left unconfirmed: the
+    # lookup says so, and nothing of it is still to come, nor is the claim sent again.
+    cancelled = intent("canceled", LONG_AGO, cancellation_reason=reason, canceled_at=canceled_at)
     found = await intents_gateway(cancelled).find(INTENT_CLAIM)
     assert isinstance(found, ChargeFailure)
     assert (found.code, found.payment_intent_id) == ("payment_intent_canceled", "pi_canceled")
-    assert "cancelled on Stripe (abandoned): nothing was charged" in found.message
+    assert f"cancelled on Stripe ({reason}): nothing was charged" in found.message
     assert left_unknown_because(found) is None
     # Declined first, then cancelled: the decline is what happened.
     error = {"code": "card_declined", "decline_code": "generic_decline", "message": "no"}

@@ -1,5 +1,5 @@
 """`POST /v1/payment_intents/{id}/cancel` through the vault: forwarded only for an intent no one
-confirmed that one of the key's own charges could have made (vault.cancels)."""
+confirmed, of a charge its period's keys sent and have no answer to (vault.cancels)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import stripe
 
 from stripe_emulator import RunningEmulator
 from vault.client import VaultAdmin
-from vault.endpoints import CANCEL
+from vault.endpoints import CANCEL, KEY_METADATA
 from vault.models import IssuedKey
 
 from .conftest import Issue
@@ -20,9 +20,15 @@ StripeFor = Callable[[IssuedKey], stripe.StripeClient]
 AMOUNT = 2_500
 
 
-async def unconfirmed(direct: stripe.StripeClient, customer: str, amount: int = AMOUNT) -> str:
+async def unconfirmed(
+    direct: stripe.StripeClient,
+    customer: str,
+    sent_with: str | None = "stalled",
+    amount: int = AMOUNT,
+) -> str:
     """An intent left as Stripe leaves one after answering its create-and-confirm with an
-    error: made, not confirmed."""
+    error: made, not confirmed; its metadata names the request's Idempotency-Key, as the
+    billing workers' charges do."""
     settings = (await direct.v1.customers.retrieve_async(customer)).invoice_settings
     method = settings.default_payment_method if settings else None
     assert isinstance(method, str)
@@ -33,6 +39,7 @@ async def unconfirmed(direct: stripe.StripeClient, customer: str, amount: int = 
             "customer": customer,
             "payment_method": method,
             "automatic_payment_methods": {"enabled": True, "allow_redirects": "never"},
+            "metadata": {KEY_METADATA: sent_with} if sent_with else {},
         }
     )
     assert made.status == "requires_confirmation"
@@ -49,23 +56,23 @@ async def status_of(direct: stripe.StripeClient, intent_id: str) -> str:
     return (await direct.v1.payment_intents.retrieve_async(intent_id)).status
 
 
+def cancelling(**overrides: object) -> dict[str, object]:
+    return {"allowed_endpoints": [*DEFAULT_ENDPOINTS, CANCEL], **overrides}
+
+
 @pytest.fixture
 async def cancelling_key(issue: Issue) -> IssuedKey:
-    return await issue(allowed_endpoints=[*DEFAULT_ENDPOINTS, CANCEL])
+    return await issue(**cancelling())
 
 
-async def stalled_charge(
-    emulator: RunningEmulator,
-    client: stripe.StripeClient,
-    direct: stripe.StripeClient,
-    customer: str,
-) -> str:
-    """The key's charge met a 500, and Stripe left an intent of it unconfirmed."""
-    await charge_in_doubt(emulator, client, customer, AMOUNT, "stalled", "error_before_commit")
-    return await unconfirmed(direct, customer)
+async def in_doubt(
+    emulator: RunningEmulator, client: stripe.StripeClient, customer: str, key: str = "stalled"
+) -> None:
+    """The key's charge met a 500: the vault has no answer to say what Stripe did."""
+    await charge_in_doubt(emulator, client, customer, AMOUNT, key, "error_before_commit")
 
 
-async def test_an_unconfirmed_intent_of_the_keys_own_charge_is_cancelled_and_audited(
+async def test_an_unconfirmed_intent_of_a_charge_in_doubt_is_cancelled_and_audited(
     cancelling_key: IssuedKey,
     stripe_via_vault: StripeFor,
     direct_stripe: stripe.StripeClient,
@@ -74,66 +81,91 @@ async def test_an_unconfirmed_intent_of_the_keys_own_charge_is_cancelled_and_aud
     admin: VaultAdmin,
 ) -> None:
     client = stripe_via_vault(cancelling_key)
-    intent_id = await stalled_charge(emulator, client, direct_stripe, customer)
+    await in_doubt(emulator, client, customer)
+    intent_id = await unconfirmed(direct_stripe, customer)
     cancelled = await cancel(client, intent_id)
     assert (cancelled.status, cancelled.cancellation_reason) == ("canceled", "abandoned")
     assert await status_of(direct_stripe, intent_id) == "canceled"
     [row, *_] = await proxied_calls(admin, cancelling_key.id)
     assert (row.method, row.path) == ("POST", f"/v1/payment_intents/{intent_id}/cancel")
     assert (row.decision, row.upstream_status) == ("forwarded", 200)
-    # The charge it was made for, as Stripe holds it.
+    # The charge it was made for.
     assert (row.customer, row.amount_cents, row.currency) == (customer, AMOUNT, "usd")
 
 
-async def test_an_intent_none_of_the_keys_charges_made_is_not_cancelled(
+async def test_a_key_renewed_since_cancels_an_intent_of_its_periods_earlier_key(
     cancelling_key: IssuedKey,
     issue: Issue,
     stripe_via_vault: StripeFor,
     direct_stripe: stripe.StripeClient,
     customer: str,
-    declining_customer: str,
+    emulator: RunningEmulator,
+) -> None:
+    await in_doubt(emulator, stripe_via_vault(cancelling_key), customer)
+    intent_id = await unconfirmed(direct_stripe, customer)
+    renewed = await issue(**cancelling())
+    assert (await cancel(stripe_via_vault(renewed), intent_id)).status == "canceled"
+
+
+async def test_an_intent_of_no_charge_in_doubt_of_the_keys_period_is_not_cancelled(
+    cancelling_key: IssuedKey,
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    direct_stripe: stripe.StripeClient,
+    customer: str,
     emulator: RunningEmulator,
     admin: VaultAdmin,
 ) -> None:
-    # Another integration's intents on the account: one of another amount for a customer the
-    # key charged, and one for a customer another key charged. A cancel would stop a payment
-    # that is none of this key's.
+    # A cancel would stop a payment that is none of this key's, or one already answered.
     client = stripe_via_vault(cancelling_key)
-    await stalled_charge(emulator, client, direct_stripe, customer)
-    other_key = await issue(allowed_endpoints=[*DEFAULT_ENDPOINTS, CANCEL])
-    others = [
-        await unconfirmed(direct_stripe, customer, AMOUNT + 1),
-        await stalled_charge(
-            emulator, stripe_via_vault(other_key), direct_stripe, declining_customer
-        ),
-    ]
-    for intent_id in others:
+    await in_doubt(emulator, client, customer)
+    # Charged, so answered, and a charge that met a 500 under another period's key.
+    await charge(client, customer, AMOUNT, "answered")
+    await in_doubt(
+        emulator,
+        stripe_via_vault(await issue(**cancelling(period="2027-01"))),
+        customer,
+        "next-period",
+    )
+    others = {
+        "another integration's": await unconfirmed(direct_stripe, customer, None),
+        "another amount's": await unconfirmed(direct_stripe, customer, amount=AMOUNT + 1),
+        "an answered charge's": await unconfirmed(direct_stripe, customer, "answered"),
+        "another period's": await unconfirmed(direct_stripe, customer, "next-period"),
+    }
+    for what, intent_id in others.items():
         with pytest.raises(stripe.PermissionError) as refused:
             await cancel(client, intent_id)
-        assert refused.value.error and refused.value.error.code == "payment_intent_not_this_keys"
-        assert await status_of(direct_stripe, intent_id) == "requires_confirmation"
+        assert refused.value.error, what
+        assert refused.value.error.code == "payment_intent_not_this_keys", what
+        assert await status_of(direct_stripe, intent_id) == "requires_confirmation", what
     row = (await proxied_calls(admin, cancelling_key.id))[0]
     assert (row.decision, row.refusal_code, row.upstream_status) == (
         "refused_request",
         "payment_intent_not_this_keys",
         None,
     )
+    # Nothing of an intent not the key's is written to its audit.
+    assert (row.customer, row.amount_cents) == (None, None)
 
 
-async def test_an_intent_of_the_keys_own_that_was_confirmed_is_not_cancelled(
+async def test_an_intent_of_a_charge_in_doubt_that_was_confirmed_is_not_cancelled(
     cancelling_key: IssuedKey,
     stripe_via_vault: StripeFor,
     direct_stripe: stripe.StripeClient,
     customer: str,
+    emulator: RunningEmulator,
 ) -> None:
-    # Made and charged: the caller is told so in Stripe's own code, and looks it up again.
+    # Stripe rolled it forward: the caller is told so in Stripe's own code, and looks again.
     client = stripe_via_vault(cancelling_key)
-    made = await charge(client, customer, AMOUNT, "made")
+    await in_doubt(emulator, client, customer)
+    intent_id = await unconfirmed(direct_stripe, customer)
+    await direct_stripe.v1.payment_intents.confirm_async(intent_id, {"off_session": True})
     with pytest.raises(stripe.InvalidRequestError) as refused:
-        await cancel(client, made.id)
+        await cancel(client, intent_id)
     assert refused.value.code == "payment_intent_unexpected_state"
-    assert f"{made.id} is succeeded" in str(refused.value)
-    assert await status_of(direct_stripe, made.id) == "succeeded"
+    assert f"{intent_id} is succeeded" in str(refused.value)
+    assert await status_of(direct_stripe, intent_id) == "succeeded"
 
 
 async def test_a_key_without_the_cancel_entry_or_an_unknown_intent_is_refused(
@@ -145,7 +177,8 @@ async def test_a_key_without_the_cancel_entry_or_an_unknown_intent_is_refused(
     emulator: RunningEmulator,
 ) -> None:
     older = await issue()
-    intent_id = await stalled_charge(emulator, stripe_via_vault(older), direct_stripe, customer)
+    await in_doubt(emulator, stripe_via_vault(older), customer)
+    intent_id = await unconfirmed(direct_stripe, customer)
     with pytest.raises(stripe.PermissionError) as refused:
         await cancel(stripe_via_vault(older), intent_id)
     assert refused.value.error and refused.value.error.code == "endpoint_not_allowed"
