@@ -37,6 +37,8 @@ MADE_INTENT_STATUSES = frozenset({"succeeded", "processing"})
 STALLED_INTENT_STATUS = "requires_confirmation"
 STALLED_AFTER_SECONDS = 3600 + _CLOCK_SKEW_SECONDS
 ABANDONED = "abandoned"
+# The vault's refusal of a cancel of an intent it does not tie to a charge in doubt.
+NOT_IN_DOUBT = "payment_intent_not_this_keys"
 
 
 def charge_params(claim: Claim, api: ChargeApi) -> dict[str, Any]:
@@ -197,10 +199,15 @@ class StripeGateway:
             try:
                 for intent in stalled:
                     await self._cancel(intent)
-            except stripe.PermissionError:
-                # The key may not cancel (issued before keys could), or the vault does not
-                # tie the intent to one of its period's charges.
-                pass
+            except stripe.PermissionError as exc:
+                if exc.error is not None and exc.error.code == NOT_IN_DOUBT:
+                    # Its charge is being sent again right now (its vault reservation pending,
+                    # not unknown): the next retry cancels it.
+                    raise stripe.APIError(
+                        f"the vault would not cancel payment intent {intent.id} yet: {exc}",
+                        http_status=503,
+                    ) from None
+                # The key may not cancel (issued before keys could).
             except stripe.InvalidRequestError as exc:
                 # It moved on since it was listed: Stripe completed it, or someone cancelled it.
                 if exc.code != "payment_intent_unexpected_state":
@@ -333,7 +340,8 @@ def _abandoned(intent: stripe.PaymentIntent) -> bool:
         and intent.last_payment_error is None
         and getattr(intent, "cancellation_reason", None) == ABANDONED
         and canceled_at is not None
-        and canceled_at - intent.created >= STALLED_AFTER_SECONDS
+        # Both Stripe's times: the clock skew _stalled allows for the worker's is not theirs.
+        and canceled_at - intent.created >= STALLED_AFTER_SECONDS - _CLOCK_SKEW_SECONDS
     )
 
 

@@ -244,6 +244,31 @@ async def test_an_intent_left_unconfirmed_the_key_may_not_cancel_is_left_to_a_pe
     assert left_unknown_because(found) is not None
 
 
+async def test_a_cancel_the_vault_refuses_while_its_charge_is_sent_again_is_tried_again() -> None:
+    # An earlier attempt is sending the charge right now: its reservation is pending, not
+    # unknown. Failing the claim for good would leave the customer to a person.
+    refused = stripe.PermissionError(
+        "not a charge in doubt",
+        http_status=403,
+        json_body={"error": {"code": "payment_intent_not_this_keys", "message": "no"}},
+    )
+    account = Account([stalled()], refusal=refused)
+    with pytest.raises(stripe.APIError, match="would not cancel payment intent pi_stalled yet"):
+        await account.gateway().find(INTENT_CLAIM)
+
+
+async def test_an_intent_cancelled_at_two_hours_by_a_worker_clock_ahead_is_abandoned() -> None:
+    # The worker's clock ran up to an hour ahead of Stripe's: by Stripe's two times the
+    # intent was cancelled before two hours, and it is the lookup's cancel all the same.
+    early = intent(
+        "canceled",
+        LONG_AGO,
+        cancellation_reason="abandoned",
+        canceled_at=LONG_AGO + STALLED_AFTER_SECONDS - 3599,
+    )
+    assert await intents_gateway(early).find(INTENT_CLAIM) is None
+
+
 async def test_a_lookup_key_does_not_try_to_cancel() -> None:
     # It only reads: the vault would refuse the cancel, and audit it as a key reaching past
     # its allowlist.
