@@ -215,15 +215,16 @@ class StripeGateway:
             # Where the claim stands now, as Stripe holds it; nothing is cancelled twice.
             return await self._find_intent(claim, cancel_stalled=False)
         latest = intents[0]
+        abandoned = _abandoned(latest)
         unfinished = [i for i in intents if i.status not in FAILED_INTENT_STATUSES]
-        if latest.status not in FAILED_INTENT_STATUSES or (_abandoned(latest) and unfinished):
+        if latest.status not in FAILED_INTENT_STATUSES or (abandoned and unfinished):
             # Waiting for a step (off session, e.g. a bank account's microdeposits), or
             # confirmed by a request still running: not an answer yet; try again later.
             waiting = unfinished[0]
             raise stripe.APIError(
                 f"payment intent {waiting.id} is {waiting.status}", http_status=503
             )
-        if _abandoned(latest):
+        if abandoned:
             # Stripe charged nothing and declined nothing: the claim is as if never sent, so
             # it is charged again with its key once Stripe has forgotten the key (the saved
             # error it replays until then is what brought the lookup here).
