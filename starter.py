@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import getpass
 import math
 import os
 import re
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, get_args
@@ -32,12 +33,11 @@ from pydantic import BaseModel, ValidationError
 from temporalio.client import (
     Client,
     ScheduleAlreadyRunningError,
-    ScheduleHandle,
     WorkflowFailureError,
     WorkflowHandle,
     WorkflowQueryFailedError,
 )
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.service import RPCError
 
 from billing import ledger, logs, operations, schedules, search_attributes
 from billing.config import (
@@ -60,7 +60,6 @@ from billing.errors import (
     InvalidInputError,
     NoWorkerError,
     RunEndedError,
-    UnknownScheduleError,
     shown,
 )
 from billing.keys import validate_customer_id
@@ -260,12 +259,8 @@ async def _period_status(client: Client, period: Period) -> PeriodProgress:
         return progress
     # "not_started" is only true if the ledger, which remembers runs Temporal no longer
     # keeps, has none either: unreadable, it is an error, not a guess.
-    pool = await create_pool(load_settings(DatabaseSettings).database_url, max_size=1)
-    try:
-        async with pool.acquire() as conn:
-            record = await ledger.period_record(conn, str(period))
-    finally:
-        await pool.close()
+    async with _ledger() as conn:
+        record = await ledger.period_record(conn, str(period))
     return status_from_ledger(period, record, progress)
 
 
@@ -402,12 +397,8 @@ async def cmd_handled(args: argparse.Namespace) -> int:
         operator=_operator(args),
         undo=args.undo,
     )
-    pool = await create_pool(load_settings(DatabaseSettings).database_url, max_size=1)
-    try:
-        async with pool.acquire() as conn:
-            result = await ledger.mark_handled(conn, request)
-    finally:
-        await pool.close()
+    async with _ledger() as conn:
+        result = await ledger.mark_handled(conn, request)
     _emit(result, args.json, describe_handled(result))
     return 2 if result.change == "none" else 0
 
@@ -419,14 +410,21 @@ async def _list_handled(args: argparse.Namespace) -> int:
             " handled only lists the marks made under the period"
         )
     period = str(args.period)
+    async with _ledger() as conn:
+        listed = HandledMarks(period=period, marks=await ledger.handled_marks(conn, period))
+    _emit(listed, args.json, describe_handled_marks(listed))
+    return 0
+
+
+@contextlib.asynccontextmanager
+async def _ledger() -> AsyncIterator[asyncpg.Connection]:
+    """One connection to the ledger, for a command that reads or changes a row or two."""
     pool = await create_pool(load_settings(DatabaseSettings).database_url, max_size=1)
     try:
         async with pool.acquire() as conn:
-            listed = HandledMarks(period=period, marks=await ledger.handled_marks(conn, period))
+            yield conn
     finally:
         await pool.close()
-    _emit(listed, args.json, describe_handled_marks(listed))
-    return 0
 
 
 async def cmd_setup(_: argparse.Namespace) -> int:
@@ -463,7 +461,7 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
     client = await connect(temporal)
     handle = client.get_schedule_handle(args.id)
     if config is None:
-        await _require_schedule(handle)
+        await schedules.launcher_of(client, args.id)
     if config is not None:
         try:
             await schedules.create_schedule(client, config, temporal.task_queue)
@@ -489,14 +487,23 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
         print(f"unpaused schedule {args.id}")
         _warn_missed(args.id, await schedules.missed_launches(client, args.id))
     elif args.schedule_command == "trigger":
-        await schedules.trigger(handle)
-        print(f"triggered schedule {args.id}")
+        async with _ledger() as conn:
+            period = await schedules.trigger(client, conn, args.id)
+        print(f"triggered schedule {args.id}" + (f": it bills {period}" if period else ""))
     elif args.schedule_command == "backfill":
-        launches = await schedules.backfill(client, args.id, args.start, args.end, late=args.late)
+        async with _ledger() as conn:
+            done = await schedules.backfill(
+                client, conn, args.id, args.start, args.end, late=args.late
+            )
         print(
-            f"backfilling {len(launches)} launches, {args.start} to {args.end}: "
-            + ", ".join(t.isoformat() for t in launches)
+            f"backfilling {len(done.launches)} launches, {args.start} to {args.end}: "
+            + ", ".join(t.isoformat() for t in done.launches)
         )
+        if done.completed:
+            print(
+                f"  left as they are, their runs completed: {', '.join(done.completed)}"
+                " (bill one again by hand: python starter.py run PERIOD)"
+            )
     elif args.schedule_command == "delete":
         await handle.delete()
         print(f"deleted schedule {args.id}")
@@ -530,18 +537,6 @@ def _note(args: argparse.Namespace) -> str | None:
     are."""
     note: str | None = args.note
     return None if note is None else redact(note)
-
-
-async def _require_schedule(handle: ScheduleHandle) -> None:
-    """An unknown schedule id is a clear error rather than Temporal's NOT_FOUND traceback."""
-    try:
-        await handle.describe()
-    except RPCError as exc:
-        if exc.status != RPCStatusCode.NOT_FOUND:
-            raise
-        raise UnknownScheduleError(
-            f"no schedule {shown(handle.id)}: `starter.py schedule create` makes one"
-        ) from None
 
 
 async def cmd_migrate(_: argparse.Namespace) -> int:

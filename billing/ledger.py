@@ -803,6 +803,16 @@ async def period_record(conn: asyncpg.Connection, period: str) -> PeriodRecord |
     )
 
 
+async def completed_periods(conn: asyncpg.Connection, periods: list[str]) -> list[str]:
+    """Those of `periods` whose last run completed (cancelled ones too), in order."""
+    rows = await conn.fetch(
+        "SELECT billing_period FROM billing_periods"
+        " WHERE billing_period = ANY($1::text[]) AND state = 'completed' ORDER BY billing_period",
+        periods,
+    )
+    return [row["billing_period"] for row in rows]
+
+
 async def latest_run(conn: asyncpg.Connection, periods: list[str]) -> str | None:
     """The latest of `periods` that a run was started for, whatever its state; None if none."""
     value: str | None = await conn.fetchval(

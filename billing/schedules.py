@@ -7,6 +7,7 @@ from datetime import UTC, date, datetime, timedelta
 from typing import Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+import asyncpg
 from google.protobuf.timestamp_pb2 import Timestamp
 from pydantic import Field, field_validator, model_validator
 from temporalio.api.workflowservice.v1 import ListScheduleMatchingTimesRequest
@@ -30,18 +31,21 @@ from temporalio.client import (
 )
 from temporalio.service import RPCError, RPCStatusCode
 
-from billing.errors import InvalidInputError, shown
+from billing import ledger
+from billing.errors import InvalidInputError, UnknownScheduleError, shown
 from billing.keys import period_workflow_id
 from billing.models import Record, RunOptions, ScheduledAction, ScheduledBillingInput
-from billing.periods import Billing, Period, check_run_by_hand, period_for
+from billing.periods import Billing, Period, check_run_by_hand, period_for, period_range
 from billing.redact import SECRET_RE
-from workflows.scheduled_billing import ScheduledBillingWorkflow
 
 Overlap = Literal[
     "skip", "buffer_one", "buffer_all", "cancel_other", "terminate_other", "allow_all"
 ]
 DEFAULT_SCHEDULE_ID = "billing-monthly"
 RECONCILE_SCHEDULE_ID = "billing-reconcile-daily"
+# What our schedules start (workflows.scheduled_billing), named rather than imported: the
+# worker's activities read schedules too, and the workflow module imports them.
+LAUNCHER = "ScheduledBillingWorkflow"
 
 
 # Names the tz database holds that stand for no place: "localtime" is whatever zone the host
@@ -138,7 +142,7 @@ def build_schedule(config: MonthlySchedule, task_queue: str, options: RunOptions
     at = f"{config.hour:02d}:{config.minute:02d}"
     return Schedule(
         action=ScheduleActionStartWorkflow(
-            ScheduledBillingWorkflow.run,
+            LAUNCHER,
             ScheduledBillingInput(
                 options=options.model_copy(update={"billing": config.billing}),
                 time_zone=config.time_zone,
@@ -197,17 +201,38 @@ def backfill_window(
     )
 
 
+class Backfill(Record):
+    """What a backfill launched, and the periods in its range a launch leaves as they are."""
+
+    launches: list[datetime]
+    completed: list[str] = Field(description="periods whose run completed: started again by hand")
+
+
 async def backfill(
-    client: Client, schedule_id: str, first: Period, last: Period, *, late: bool = False
-) -> list[datetime]:
-    """Run the schedule for each period from `first` to `last`, all now; returns the nominal
-    times launched. Refused if one is still ahead, or none falls in the window, or (billing,
-    unless `late`) one is long past, as `run` refuses it."""
-    handle = client.get_schedule_handle(schedule_id)
-    request = await _launch_input(client, await handle.describe())
+    client: Client,
+    conn: asyncpg.Connection,
+    schedule_id: str,
+    first: Period,
+    last: Period,
+    *,
+    late: bool = False,
+) -> Backfill:
+    """Run the schedule for each period from `first` to `last`, all now. Refused if one is
+    still ahead, or none falls in the window, or (billing, unless `late`) one is long past, as
+    `run` refuses it, or every period in it has a completed run: the launches would start
+    nothing."""
+    _, request = await launcher_of(client, schedule_id)
+    completed: list[str] = []
     if request.action == "bill":
         # Later periods are refused below, by their launch times.
         check_run_by_hand(first, datetime.now(UTC), ahead=True, late=late)
+        periods = [str(p) for p in period_range(first, last)]
+        completed = await ledger.completed_periods(conn, periods)
+        if completed == periods:
+            raise InvalidInputError(
+                f"every period from {first} to {last} has a completed run, which a launch"
+                f" leaves as it is: nothing was backfilled. {_again_by_hand(completed)}"
+            )
     start, end = backfill_window(first, last, request.options.billing, request.time_zone)
     launches = await matching_times(client, schedule_id, start, end)
     if not launches:
@@ -222,26 +247,62 @@ async def backfill(
             " not yet: backfill only periods whose launch is past"
         )
     # Each period is its own workflow: backfilled months run side by side.
-    await handle.backfill(
+    await client.get_schedule_handle(schedule_id).backfill(
         ScheduleBackfill(start_at=start, end_at=end, overlap=ScheduleOverlapPolicy.ALLOW_ALL)
     )
-    return launches
+    return Backfill(launches=launches, completed=completed)
 
 
-async def trigger(handle: ScheduleHandle) -> None:
-    """Fire the schedule now. Never dropped by its overlap policy, as a firing is while an
-    earlier launch is still open: a launch starts (or joins) its period's one workflow, so
-    two at once bill each customer once."""
-    await handle.trigger(overlap=ScheduleOverlapPolicy.ALLOW_ALL)
+async def trigger(client: Client, conn: asyncpg.Connection, schedule_id: str) -> Period | None:
+    """Fire the schedule now; returns the period it bills (None for a reconciliation).
+    Never dropped by its overlap policy, as a firing is while an earlier launch is still open:
+    a launch starts (or joins) its period's one workflow, so two at once bill each customer
+    once. Refused when that period's run has completed: the launch would start nothing."""
+    _, request = await launcher_of(client, schedule_id)
+    period = None
+    if request.action == "bill":
+        period = _billed_at(datetime.now(UTC), request)
+        completed = await ledger.completed_periods(conn, [str(period)])
+        if completed:
+            raise InvalidInputError(
+                f"the schedule {schedule_id} bills {period} now, and a run of it has completed:"
+                f" a launch would start nothing, so none was triggered. {_again_by_hand(completed)}"
+            )
+    await client.get_schedule_handle(schedule_id).trigger(overlap=ScheduleOverlapPolicy.ALLOW_ALL)
+    return period
 
 
-async def _launch_input(client: Client, description: ScheduleDescription) -> ScheduledBillingInput:
+def _again_by_hand(periods: list[str]) -> str:
+    return (
+        "To bill the customers added since, for a month before they joined too, run it again"
+        " by hand: " + "; ".join(f"python starter.py run {p}" for p in periods)
+    )
+
+
+async def launcher_of(
+    client: Client, schedule_id: str
+) -> tuple[ScheduleDescription, ScheduledBillingInput]:
+    """The schedule and what its launches are given; refused for a schedule that does not
+    exist, or that starts something other than our launcher."""
+    try:
+        description = await client.get_schedule_handle(schedule_id).describe()
+    except RPCError as exc:
+        if exc.status != RPCStatusCode.NOT_FOUND:
+            raise
+        raise UnknownScheduleError(
+            f"no schedule {shown(schedule_id)}: `starter.py schedule create` makes one"
+        ) from None
     action = description.schedule.action
-    assert isinstance(action, ScheduleActionStartWorkflow)
+    if not isinstance(action, ScheduleActionStartWorkflow) or action.workflow != LAUNCHER:
+        started = getattr(action, "workflow", type(action).__name__)
+        raise UnknownScheduleError(
+            f"the schedule {shown(schedule_id)} starts {shown(started)}, not this project's"
+            f" {LAUNCHER}: manage it with Temporal's own tools"
+        )
     # A described schedule carries its action's arguments still encoded.
     [request] = await client.data_converter.decode(list(action.args), [ScheduledBillingInput])
     assert isinstance(request, ScheduledBillingInput)
-    return request
+    return description, request
 
 
 class Missed(Record):
@@ -261,9 +322,8 @@ async def missed_launches(client: Client, schedule_id: str) -> list[Missed]:
     within the catch-up window, and a launch that ended before starting its period's run
     (terminated, failed) leaves its time unbilled too. Only a billing schedule's name a
     period."""
-    description = await client.get_schedule_handle(schedule_id).describe()
+    description, request = await launcher_of(client, schedule_id)
     info = description.info
-    request = await _launch_input(client, description)
     launched = {a.scheduled_at for a in info.recent_actions if await _launched(client, a, request)}
     # A listed launch that ended early is missed whenever its time: the window below may
     # start after it (it is the oldest listed) or it may be a backfill's, long before.

@@ -13,12 +13,15 @@ import pytest
 from pydantic import ValidationError
 from temporalio.client import (
     Client,
+    Schedule,
     ScheduleActionExecutionStartWorkflow,
+    ScheduleActionStartWorkflow,
     ScheduleBackfill,
     ScheduleHandle,
     ScheduleIntervalSpec,
     ScheduleOverlapPolicy,
     ScheduleSpec,
+    ScheduleState,
     WorkflowExecution,
     WorkflowHandle,
 )
@@ -583,7 +586,8 @@ async def test_a_trigger_while_a_launch_is_open_is_not_dropped(harness: Harness)
     # No worker yet, so the first launch stays open, as one does behind a busy worker.
     for count in (1, 2):
         code, out, err = await harness.starter("schedule", "trigger", "--id", "monthly-twice")
-        assert (code, out) == (0, "triggered schedule monthly-twice\n"), err
+        billed = period_for(datetime.now(UTC), "advance")
+        assert (code, out) == (0, f"triggered schedule monthly-twice: it bills {billed}\n"), err
         await eventually(partial(launches, count), timeout=30)
         # Temporal names a launch by its second: a trigger within the same one would join it.
         await asyncio.sleep(1)
@@ -636,17 +640,24 @@ async def _nonempty(found: Awaitable[list[WorkflowExecution]]) -> bool:
     return bool(await found)
 
 
+async def backfill(
+    harness: Harness, schedule_id: str, first: Period, last: Period, *, late: bool = False
+) -> list[datetime]:
+    """The times a backfill launched."""
+    async with harness.pool.acquire() as conn:
+        done = await schedules.backfill(harness.client, conn, schedule_id, first, last, late=late)
+    return done.launches
+
+
 async def test_backfill_of_three_months_runs_three_periods(harness: Harness) -> None:
     customers = await harness.seed(5)
     config = schedules.MonthlySchedule(schedule_id="monthly-backfill", paused=True)
     async with harness.running_worker():
         await schedules.create_schedule(harness.client, config, harness.task_queue)
         with pytest.raises(InvalidInputError, match="2026-01 is more than 3 months before"):
-            await schedules.backfill(
-                harness.client, "monthly-backfill", Period(2026, 1), Period(2026, 3)
-            )
-        launches = await schedules.backfill(
-            harness.client, "monthly-backfill", Period(2026, 1), Period(2026, 3), late=True
+            await backfill(harness, "monthly-backfill", Period(2026, 1), Period(2026, 3))
+        launches = await backfill(
+            harness, "monthly-backfill", Period(2026, 1), Period(2026, 3), late=True
         )
         assert [t.isoformat() for t in launches] == [
             f"2026-{month:02d}-01T02:00:00+00:00" for month in (2, 3, 4)
@@ -682,14 +693,16 @@ async def test_a_backfill_over_a_billed_period_starts_nothing_in_it(harness: Har
 
     async with harness.running_worker():
         await schedules.create_schedule(harness.client, config, harness.task_queue)
-        await schedules.backfill(
-            harness.client, config.schedule_id, september, september, late=True
-        )
+        await backfill(harness, config.schedule_id, september, september, late=True)
         await eventually(lambda: completed(september), timeout=60)
         billed = await harness.client.get_workflow_handle(period_workflow_id(september)).describe()
         # A customer signs up in November; the operator backfills September to October.
         (late,) = await harness.seed(1, prefix="late")
-        await schedules.backfill(harness.client, config.schedule_id, august, october, late=True)
+        async with harness.pool.acquire() as conn:
+            done = await schedules.backfill(
+                harness.client, conn, config.schedule_id, august, october, late=True
+            )
+        assert done.completed == [str(august), str(september)]
         await eventually(lambda: launched(4), timeout=60)
         await eventually(lambda: completed(october), timeout=60)
     again = await harness.client.get_workflow_handle(period_workflow_id(september)).describe()
@@ -705,16 +718,14 @@ async def test_a_backfill_never_bills_a_period_before_its_launch(harness: Harnes
     config = schedules.MonthlySchedule(schedule_id="monthly-ahead", paused=True)
     await schedules.create_schedule(harness.client, config, harness.task_queue)
     with pytest.raises(InvalidInputError, match="bills 2098-12 on 2099-01-01T02:00:00"):
-        await schedules.backfill(harness.client, "monthly-ahead", Period(2098, 12), Period(2099, 1))
+        await backfill(harness, "monthly-ahead", Period(2098, 12), Period(2099, 1))
     # The period is the schedule zone's: there, this launch is on 2099-01-01, billing 2098-12.
     zoned = schedules.MonthlySchedule(
         schedule_id="monthly-auckland", paused=True, time_zone="Pacific/Auckland"
     )
     await schedules.create_schedule(harness.client, zoned, harness.task_queue)
     with pytest.raises(InvalidInputError, match="bills 2098-12 on 2098-12-31T13:00:00"):
-        await schedules.backfill(
-            harness.client, "monthly-auckland", Period(2098, 12), Period(2098, 12)
-        )
+        await backfill(harness, "monthly-auckland", Period(2098, 12), Period(2098, 12))
     assert [w async for w in harness.client.list_workflows()] == []
 
 
@@ -723,9 +734,7 @@ async def test_a_backfill_includes_a_launch_at_the_first_instant_of_its_window(
 ) -> None:
     config = schedules.MonthlySchedule(schedule_id="midnight", hour=0, paused=True)
     await schedules.create_schedule(harness.client, config, harness.task_queue)
-    launches = await schedules.backfill(
-        harness.client, "midnight", Period(2026, 1), Period(2026, 1), late=True
-    )
+    launches = await backfill(harness, "midnight", Period(2026, 1), Period(2026, 1), late=True)
     assert [t.isoformat() for t in launches] == ["2026-02-01T00:00:00+00:00"]
 
 
@@ -937,6 +946,53 @@ async def test_creating_a_schedule_twice_is_a_clear_error(harness: Harness) -> N
     code, out, err = await harness.starter("schedule", "create", "--id", "twice", "--paused")
     assert (code, out) == (2, "")
     assert "a schedule 'twice' exists already" in err and "Traceback" not in err
+
+
+async def test_a_trigger_or_backfill_that_would_start_nothing_is_refused(harness: Harness) -> None:
+    """A launch leaves a period whose run completed as it is: "triggered" would have an
+    operator believe the customers added since were billed."""
+    # Fires at midnight on the 1st: the launch billing last month is always past.
+    config = schedules.MonthlySchedule(schedule_id="monthly-done", hour=0, paused=True)
+    await schedules.create_schedule(harness.client, config, harness.task_queue)
+    billed = period_for(datetime.now(UTC))
+    await _billed_in_the_ledger_only(harness, billed, charged=0)
+    code, out, err = await harness.starter("schedule", "trigger", "--id", "monthly-done")
+    assert (code, out) == (2, ""), out
+    assert f"bills {billed} now, and a run of it has completed" in err
+    assert f"python starter.py run {billed}" in err and "Traceback" not in err
+    span = ("--start", str(billed), "--end", str(billed))
+    code, out, err = await harness.starter("schedule", "backfill", "--id", "monthly-done", *span)
+    assert (code, out) == (2, "") and "nothing was backfilled" in err, err
+    handle = harness.client.get_schedule_handle("monthly-done")
+    assert (await handle.describe()).info.num_actions == 0
+    # With a month still to bill in the range, the backfill goes on and names the other.
+    span = ("--start", str(billed.previous()), "--end", str(billed))
+    code, out, err = await harness.starter("schedule", "backfill", "--id", "monthly-done", *span)
+    await handle.delete()
+    assert code == 0, err
+    assert out.startswith("backfilling 2 launches")
+    assert f"left as they are, their runs completed: {billed}" in out
+
+
+async def test_a_schedule_not_ours_is_named_so(harness: Harness) -> None:
+    await harness.client.create_schedule(
+        "someone-elses",
+        Schedule(
+            action=ScheduleActionStartWorkflow(
+                "NightlyExport", id="export", task_queue=harness.task_queue
+            ),
+            spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(days=1))]),
+            state=ScheduleState(paused=True),
+        ),
+    )
+    for command in ("describe", "trigger", "unpause", "delete"):
+        code, out, err = await harness.starter("schedule", command, "--id", "someone-elses")
+        assert (code, out) == (2, ""), (command, out)
+        assert "starts 'NightlyExport', not this project's ScheduledBillingWorkflow" in err
+        assert "Traceback" not in err
+    handle = harness.client.get_schedule_handle("someone-elses")
+    assert (await handle.describe()).schedule.state.paused
+    await handle.delete()
 
 
 def test_a_monthly_time_the_clocks_skip_is_refused() -> None:
