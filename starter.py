@@ -57,9 +57,11 @@ from billing.customers import (
 from billing.db import CONNECTION_ERRORS, create_pool
 from billing.errors import (
     BillingError,
+    ForeignScheduleError,
     InvalidInputError,
     NoWorkerError,
     RunEndedError,
+    UnknownScheduleError,
     shown,
 )
 from billing.keys import validate_customer_id
@@ -438,6 +440,7 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
     temporal = load_settings(TemporalSettings)
     # Bad input is refused before anything is contacted.
     reconcile = args.schedule_command == "create" and args.reconcile
+    defaults = schedules.MonthlySchedule()
     if reconcile and args.id == schedules.DEFAULT_SCHEDULE_ID:
         args.id = schedules.RECONCILE_SCHEDULE_ID
     config = (
@@ -446,8 +449,8 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
             day_of_month=args.day,
             hour=args.hour,
             minute=args.minute,
-            time_zone=args.time_zone,
-            billing=args.billing,
+            time_zone=args.time_zone or defaults.time_zone,
+            billing=args.billing or defaults.billing,
             overlap=args.overlap,
             catchup_window=timedelta(hours=args.catchup_hours),
             paused=args.paused,
@@ -463,19 +466,7 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
     if config is None:
         await schedules.launcher_of(client, args.id)
     if config is not None:
-        try:
-            await schedules.create_schedule(client, config, temporal.task_queue)
-        except ScheduleAlreadyRunningError:
-            raise InvalidInputError(
-                f"a schedule {args.id!r} exists already: `schedule describe --id {args.id}`"
-                " shows it; delete it first to create it anew, or pass another --id"
-            ) from None
-        when = "every day" if reconcile else f"day {args.day}"
-        what = "reconciling the period billed" if reconcile else "billing"
-        print(
-            f"created schedule {args.id}: {when} at {args.hour:02d}:{args.minute:02d}"
-            f" {args.time_zone}, {what} in {args.billing}"
-        )
+        await _create_schedule(client, temporal.task_queue, config, args)
     elif args.schedule_command == "describe":
         print(schedules.describe(await handle.describe()))
         _warn_missed(args.id, await schedules.missed_launches(client, args.id))
@@ -508,6 +499,72 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
         await handle.delete()
         print(f"deleted schedule {args.id}")
     return 0
+
+
+async def _create_schedule(
+    client: Client, task_queue: str, config: schedules.MonthlySchedule, args: argparse.Namespace
+) -> None:
+    if config.action == "reconcile":
+        config = await _following(client, config, args)
+    elif not args.leave_unbilled:
+        async with _ledger() as conn:
+            unbilled = await schedules.unbilled_before(conn, config, datetime.now(UTC))
+        if unbilled is not None:
+            raise InvalidInputError(unbilled.describe(config.schedule_id))
+    try:
+        await schedules.create_schedule(client, config, task_queue)
+    except ScheduleAlreadyRunningError:
+        raise InvalidInputError(
+            f"a schedule {args.id!r} exists already: `schedule describe --id {args.id}`"
+            " shows it; delete it first to create it anew, or pass another --id"
+        ) from None
+    daily = config.action == "reconcile"
+    when = "every day" if daily else f"day {config.day_of_month}"
+    what = "reconciling the period billed" if daily else "billing"
+    followed = f" (following {config.billing_schedule_id})" if config.billing_schedule_id else ""
+    print(
+        f"created schedule {config.schedule_id}: {when} at {config.hour:02d}:{config.minute:02d}"
+        f" {config.time_zone}, {what} in {config.billing}{followed}"
+    )
+
+
+async def _following(
+    client: Client, config: schedules.MonthlySchedule, args: argparse.Namespace
+) -> schedules.MonthlySchedule:
+    """A daily reconciliation takes its billing schedule's mode and zone, so that it checks
+    the months that schedule bills, and alerts when one of its firings billed nothing."""
+    followed = args.billing_schedule
+    try:
+        _, billing = await schedules.launcher_of(client, followed)
+    except ForeignScheduleError:
+        raise
+    except UnknownScheduleError:
+        print(
+            f"note: no billing schedule {followed!r} to follow (billed by hand?): this one"
+            f" reconciles in {config.billing}, {config.time_zone}, and checks no firing;"
+            " create it after the billing schedule, or pass --billing-schedule",
+            file=sys.stderr,
+        )
+        return config
+    if billing.action != "bill":
+        raise InvalidInputError(
+            f"--billing-schedule {followed} reconciles: name the schedule that bills"
+        )
+    theirs = {"--billing": billing.options.billing, "--time-zone": billing.time_zone}
+    for option, given in (("--billing", args.billing), ("--time-zone", args.time_zone)):
+        if given is not None and given != theirs[option]:
+            raise InvalidInputError(
+                f"{option} {given} differs from the billing schedule {followed}'s"
+                f" ({theirs[option]}): the reconciliation would check the wrong month. Leave"
+                f" {option} out to follow it, or name another with --billing-schedule"
+            )
+    return config.model_copy(
+        update={
+            "billing": billing.options.billing,
+            "time_zone": billing.time_zone,
+            "billing_schedule_id": followed,
+        }
+    )
 
 
 def _warn_missed(schedule_id: str, missed: list[schedules.Missed]) -> None:
@@ -788,12 +845,13 @@ def parser() -> argparse.ArgumentParser:
             sub.add_argument("--day", type=int, default=defaults.day_of_month, help="1-28")
             sub.add_argument("--hour", type=int, default=defaults.hour)
             sub.add_argument("--minute", type=int, default=defaults.minute)
-            sub.add_argument("--time-zone", default=defaults.time_zone, help="IANA name")
+            # No defaults here: a reconciliation takes these from its billing schedule.
+            sub.add_argument("--time-zone", help=f"IANA name (default {defaults.time_zone})")
             sub.add_argument(
                 "--billing",
                 choices=["arrears", "advance"],
-                default=defaults.billing,
-                help="bill the month that ended (arrears) or the one starting (advance)",
+                help="bill the month that ended (arrears) or the one starting (advance);"
+                f" default {defaults.billing}",
             )
             sub.add_argument(
                 "--overlap",
@@ -819,6 +877,18 @@ def parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="a daily reconciliation of the period the schedule would bill, at --hour"
                 f" and --minute (--day unused; id {schedules.RECONCILE_SCHEDULE_ID} by default)",
+            )
+            sub.add_argument(
+                "--billing-schedule",
+                default=schedules.DEFAULT_SCHEDULE_ID,
+                help="with --reconcile: the billing schedule whose mode and zone it follows,"
+                " and whose latest firing it checks billed its month",
+            )
+            sub.add_argument(
+                "--leave-unbilled",
+                action="store_true",
+                help="create a billing schedule even though months between the ledger's latest"
+                " run and its first firing would be billed by nothing",
             )
 
     commands.add_parser("migrate", help="apply database migrations").set_defaults(

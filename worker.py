@@ -26,6 +26,7 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 from activities.charging import ChargingActivities
 from activities.period import PeriodActivities, scheduled_period
 from activities.reconcile import ReconcileActivities
+from activities.schedule_checks import ScheduleCheckActivities
 from activities.stripe_access import DirectAccess, StripeAccess, VaultAccess
 from activities.stripe_gateway import StripeGateway
 from billing import logs, metrics, payload_walks
@@ -104,6 +105,7 @@ def create_worker(
     charging = ChargingActivities(pool, access, settings)
     period = PeriodActivities(pool, settings, admin)
     reconcile = ReconcileActivities(pool, access, settings, admin)
+    schedule_checks = ScheduleCheckActivities(pool)
     return Worker(
         client,
         task_queue=task_queue,
@@ -121,6 +123,7 @@ def create_worker(
             period.latest_billed,
             period.renew_keys,
             scheduled_period,
+            schedule_checks.billing_firings,
             reconcile.open_claims,
             reconcile.settle_claim,
             reconcile.settle_reservations,

@@ -62,6 +62,10 @@ class UnknownScheduleError(BillingError):
     pass
 
 
+class ForeignScheduleError(UnknownScheduleError):
+    """A schedule that exists, but starts something else than what was asked of it."""
+
+
 class MigrationError(BillingError):
     pass
 

@@ -813,6 +813,14 @@ async def completed_periods(conn: asyncpg.Connection, periods: list[str]) -> lis
     return [row["billing_period"] for row in rows]
 
 
+async def latest_run_before(conn: asyncpg.Connection, period: str) -> str | None:
+    """The latest period before `period` a run was started for, whatever its state."""
+    value: str | None = await conn.fetchval(
+        "SELECT max(billing_period) FROM billing_periods WHERE billing_period < $1", period
+    )
+    return value
+
+
 async def latest_run(conn: asyncpg.Connection, periods: list[str]) -> str | None:
     """The latest of `periods` that a run was started for, whatever its state; None if none."""
     value: str | None = await conn.fetchval(

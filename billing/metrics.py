@@ -52,6 +52,13 @@ CLAIM_TO_CHARGE = Histogram(
     # Most charges land within seconds; retries, pauses and resumed claims take far longer.
     buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 3600, 6 * 3600, 24 * 3600),
 )
+UNBILLED_FIRINGS = Counter(
+    "billing_unbilled_firings_total",
+    "Daily reconciliations that found their billing schedule's latest firing, an hour or more"
+    " past, left its month with no run: paused, missed in a Temporal outage past the"
+    " catch-up window, or its launch ended early. Alert on any increase.",
+    ["schedule"],
+)
 # A label value is bounded: a code comes from the vault or Stripe, not from our callers.
 _MAX_CODE_LENGTH = 64
 
@@ -66,6 +73,10 @@ def charge_recorded(amount_cents: int, currency: str, claimed_at: datetime) -> N
     CHARGED_AMOUNT.labels(currency=currency.lower()).inc(amount_cents)
     since_claim = datetime.now(UTC) - claimed_at
     CLAIM_TO_CHARGE.observe(max(since_claim.total_seconds(), 0.0))
+
+
+def count_unbilled_firing(schedule_id: str) -> None:
+    UNBILLED_FIRINGS.labels(schedule=schedule_id).inc()
 
 
 def count_vault_refusal(exc: stripe.StripeError) -> None:

@@ -233,6 +233,10 @@ class ScheduledBillingInput(Record):
     options: RunOptions = Field(default_factory=RunOptions)
     time_zone: str = "UTC"
     action: ScheduledAction = "bill"
+    # A daily reconciliation's billing schedule: it bills the months reconciled (its billing
+    # mode and zone are taken at each firing) and its latest firing is checked for a month
+    # left unbilled. None: the mode and zone above, nothing checked.
+    billing_schedule_id: str | None = None
 
 
 class OperatorRequest(Record):

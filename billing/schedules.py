@@ -32,10 +32,22 @@ from temporalio.client import (
 from temporalio.service import RPCError, RPCStatusCode
 
 from billing import ledger
-from billing.errors import InvalidInputError, UnknownScheduleError, shown
+from billing.errors import (
+    ForeignScheduleError,
+    InvalidInputError,
+    UnknownScheduleError,
+    shown,
+)
 from billing.keys import period_workflow_id
 from billing.models import Record, RunOptions, ScheduledAction, ScheduledBillingInput
-from billing.periods import Billing, Period, check_run_by_hand, period_for, period_range
+from billing.periods import (
+    Billing,
+    Period,
+    check_run_by_hand,
+    parse_period,
+    period_for,
+    period_range,
+)
 from billing.redact import SECRET_RE
 
 Overlap = Literal[
@@ -81,12 +93,17 @@ class MonthlySchedule(Record):
     time_zone: str = "UTC"
     billing: Billing = "arrears"
     overlap: Overlap = "skip"
-    catchup_window: timedelta = timedelta(days=1)
+    # Wide: Temporal drops a firing it could not make within the window for good, and a late
+    # launch is harmless (it leaves a period whose run completed as it is, and joins a running
+    # one).
+    catchup_window: timedelta = timedelta(days=7)
     paused: bool = False
     # "reconcile" fires every day at hour:minute (day_of_month unused) and reconciles the
     # latest period billed: the one a billing schedule with the same settings bills at that
     # time once its run has started, else the month before.
     action: ScheduledAction = "bill"
+    # Reconcile only: the billing schedule followed (ScheduledBillingInput).
+    billing_schedule_id: str | None = None
 
     @field_validator("schedule_id")
     @classmethod
@@ -106,6 +123,8 @@ class MonthlySchedule(Record):
 
     @model_validator(mode="after")
     def _fires_every_month(self) -> MonthlySchedule:
+        if self.action == "bill" and self.billing_schedule_id is not None:
+            raise ValueError("a billing schedule follows no other; only a reconciliation does")
         if self.action == "bill":
             gap = first_skipped(self.day_of_month, self.hour, self.minute, self.time_zone)
             if gap is not None:
@@ -147,6 +166,7 @@ def build_schedule(config: MonthlySchedule, task_queue: str, options: RunOptions
                 options=options.model_copy(update={"billing": config.billing}),
                 time_zone=config.time_zone,
                 action=config.action,
+                billing_schedule_id=config.billing_schedule_id,
             ),
             id=f"{config.schedule_id}-run",
             task_queue=task_queue,
@@ -174,6 +194,56 @@ def build_schedule(config: MonthlySchedule, task_queue: str, options: RunOptions
             catchup_window=config.catchup_window,
         ),
         state=ScheduleState(paused=config.paused, note="created paused" if config.paused else None),
+    )
+
+
+class Unbilled(Record):
+    """Months a new billing schedule would leave with no run: after the ledger's latest run,
+    before the month its first firing bills (its billing mode changed, or billing stopped)."""
+
+    first_firing: datetime
+    first_period: Period
+    latest_run: Period
+    periods: list[Period]
+
+    def describe(self, schedule_id: str) -> str:
+        periods = ", ".join(map(str, self.periods))
+        return (
+            f"the ledger's latest run before {self.first_period} is of {self.latest_run}, and"
+            f" {schedule_id} would first fire at {self.first_firing.isoformat()}, billing"
+            f" {self.first_period}: {periods} would be billed by nothing. Bill them by hand"
+            " first ("
+            + "; ".join(f"python starter.py run {p}" for p in self.periods)
+            + "), or pass --leave-unbilled; nothing was created"
+        )
+
+
+def first_firing(config: MonthlySchedule, now: datetime) -> datetime:
+    """When a monthly schedule created now first fires, in its zone."""
+    zone = ZoneInfo(config.time_zone)
+    month = Period(now.astimezone(zone).year, now.astimezone(zone).month)
+    while True:
+        fires = datetime(
+            month.year, month.month, config.day_of_month, config.hour, config.minute, tzinfo=zone
+        )
+        if fires > now:
+            return fires
+        month = month.next()
+
+
+async def unbilled_before(
+    conn: asyncpg.Connection, config: MonthlySchedule, now: datetime
+) -> Unbilled | None:
+    """The months between the ledger's latest run and the first a new billing schedule bills,
+    which it never bills; None if there are none, or the ledger has no run before."""
+    at = first_firing(config, now)
+    first = period_for(at, config.billing)
+    latest = await ledger.latest_run_before(conn, str(first))
+    if latest is None or parse_period(latest) >= first.previous():
+        return None
+    gap = period_range(parse_period(latest).next(), first.previous())
+    return Unbilled(
+        first_firing=at, first_period=first, latest_run=parse_period(latest), periods=gap
     )
 
 
@@ -295,7 +365,7 @@ async def launcher_of(
     action = description.schedule.action
     if not isinstance(action, ScheduleActionStartWorkflow) or action.workflow != LAUNCHER:
         started = getattr(action, "workflow", type(action).__name__)
-        raise UnknownScheduleError(
+        raise ForeignScheduleError(
             f"the schedule {shown(schedule_id)} starts {shown(started)}, not this project's"
             f" {LAUNCHER}: manage it with Temporal's own tools"
         )
@@ -303,6 +373,71 @@ async def launcher_of(
     [request] = await client.data_converter.decode(list(action.args), [ScheduledBillingInput])
     assert isinstance(request, ScheduledBillingInput)
     return description, request
+
+
+# A firing's launch starts its period's run within seconds; an hour covers a worker restart.
+FIRING_GRACE = timedelta(hours=1)
+# Far enough back to hold a monthly schedule's latest firing.
+_LOOKED_BACK = timedelta(days=62)
+
+
+class UnbilledFiring(Record):
+    """A billing schedule's latest firing, FIRING_GRACE or more ago, whose period has no run."""
+
+    schedule_id: str
+    at: datetime
+    period: Period
+    paused: bool = Field(description="whether the schedule is paused now")
+
+    def describe(self) -> str:
+        why = (
+            "the schedule is paused"
+            if self.paused
+            else "a launch that ended early starts nothing, and Temporal skips for good a"
+            " firing it could not make within the schedule's catch-up window"
+        )
+        return (
+            f"{self.period} is not billed: the billing schedule {self.schedule_id} fired for"
+            f" it at {self.at.isoformat()} and no run of it started ({why}). Bill it with:"
+            f" python starter.py schedule backfill --id {self.schedule_id}"
+            f" --start {self.period} --end {self.period}"
+        )
+
+
+class BillingFirings(Record):
+    """What a daily reconciliation learns from the billing schedule it follows: the month a
+    firing bills, and whether its latest firing left that month unbilled."""
+
+    billing: Billing
+    time_zone: str
+    unbilled: UnbilledFiring | None
+
+
+async def billing_firings(
+    client: Client, conn: asyncpg.Connection, schedule_id: str, now: datetime
+) -> BillingFirings:
+    """The billing schedule's settings, and its latest firing since its creation, up to
+    FIRING_GRACE before `now`, if that left its period with no run (paused, missed in an
+    outage, a launch terminated): Temporal makes none of those up, and nothing else says so."""
+    description, request = await launcher_of(client, schedule_id)
+    if request.action != "bill":
+        raise ForeignScheduleError(
+            f"the schedule {shown(schedule_id)} reconciles: it bills nothing to follow"
+        )
+    since = max(now - _LOOKED_BACK, description.info.created_at)
+    until = now - FIRING_GRACE
+    fired = await matching_times(client, schedule_id, since, until) if since < until else []
+    unbilled = None
+    if fired:
+        period = _billed_at(fired[-1], request)
+        if await ledger.period_record(conn, str(period)) is None:
+            paused = description.schedule.state.paused
+            unbilled = UnbilledFiring(
+                schedule_id=schedule_id, at=fired[-1], period=period, paused=paused
+            )
+    return BillingFirings(
+        billing=request.options.billing, time_zone=request.time_zone, unbilled=unbilled
+    )
 
 
 class Missed(Record):

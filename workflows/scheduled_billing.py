@@ -9,22 +9,24 @@ a backfill and a manual run of one period therefore share one period workflow (l
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.common import (
+    RetryPolicy,
     SearchAttributeKey,
     SearchAttributePair,
     TypedSearchAttributes,
     WorkflowIDReusePolicy,
 )
-from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
+from temporalio.exceptions import ActivityError, ApplicationError, WorkflowAlreadyStartedError
 from temporalio.types import MethodAsyncSingleParam
 
 with workflow.unsafe.imports_passed_through():
     from activities.period import PeriodActivities, ScheduledPeriodRequest, scheduled_period
-    from billing import search_attributes
+    from activities.schedule_checks import FiringsRequest, ScheduleCheckActivities
+    from billing import schedules, search_attributes
     from billing.keys import period_workflow_id, reconcile_workflow_id
     from billing.models import BillingPeriodInput, PeriodSummary, ScheduledBillingInput
     from billing.periods import parse_period
@@ -40,6 +42,8 @@ KEEP_FINISHED_PERIODS = "keep-finished-periods"
 # Reconciliations recorded before this patch checked the period the schedule would bill now,
 # billed or not.
 RECONCILE_LAST_BILLED = "reconcile-last-billed"
+# Reconciliations recorded before this patch read no billing schedule.
+FOLLOW_BILLING_SCHEDULE = "follow-billing-schedule"
 ArgT = TypeVar("ArgT")
 ResultT = TypeVar("ResultT")
 
@@ -55,17 +59,21 @@ class ScheduledBillingWorkflow:
                 type="NotScheduled",
                 non_retryable=True,
             )
+        billing, time_zone, alert = request.options.billing, request.time_zone, ""
+        followed = request.billing_schedule_id
+        if followed is not None and workflow.patched(FOLLOW_BILLING_SCHEDULE):
+            firings = await self._billing_firings(followed, nominal)
+            if firings is not None:
+                billing, time_zone = firings.billing, firings.time_zone
+                if firings.unbilled is not None:
+                    alert = f"; WARNING: {firings.unbilled.describe()}"
         # A local activity: the month is read in the schedule's time zone, and the time-zone
         # database is I/O the workflow sandbox keeps out.
         period = await workflow.execute_local_activity(
             scheduled_period,
-            ScheduledPeriodRequest(
-                nominal_time=nominal,
-                time_zone=request.time_zone,
-                billing=request.options.billing,
-            ),
+            ScheduledPeriodRequest(nominal_time=nominal, time_zone=time_zone, billing=billing),
             start_to_close_timeout=timedelta(seconds=10),
-            summary=f"which period: nominal time in {request.time_zone}",
+            summary=f"which period: nominal time in {time_zone}",
         )
         if request.action == "reconcile" and workflow.patched(RECONCILE_LAST_BILLED):
             # A schedule billing on the 28th bills November on December 28th: until then the
@@ -78,12 +86,15 @@ class ScheduledBillingWorkflow:
             )
             if billed is None:
                 workflow.set_current_details(
-                    f"neither {period} nor the month before has been billed: nothing to reconcile"
+                    f"neither {period} nor the month before has been billed: nothing to"
+                    f" reconcile{alert}"
                 )
                 return None
             period = billed
         words = "reconciling" if request.action == "reconcile" else "billing"
-        workflow.set_current_details(f"{words} {period} (nominal time {nominal.isoformat()})")
+        workflow.set_current_details(
+            f"{words} {period} (nominal time {nominal.isoformat()}){alert}"
+        )
         if request.action == "reconcile":
             # Reconciled again on every firing: each finds what changed since.
             return await _run_or_join(
@@ -93,6 +104,7 @@ class ScheduledBillingWorkflow:
                 f"Reconcile {period}",
                 period,
                 WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+                alert,
             )
         # A period whose run completed (cancelled ones too) is not started again: a backfill
         # over a billed month, or a time the clocks repeat, would charge the customers added
@@ -120,7 +132,30 @@ class ScheduledBillingWorkflow:
             f"Billing period {period}",
             period,
             reuse,
+            alert,
         )
+
+    async def _billing_firings(
+        self, schedule_id: str, nominal: datetime
+    ) -> schedules.BillingFirings | None:
+        """The followed billing schedule's settings and latest unbilled firing; None when it
+        is gone or cannot be read, which holds back no reconciliation."""
+        try:
+            return await workflow.execute_local_activity_method(
+                ScheduleCheckActivities.billing_firings,
+                FiringsRequest(schedule_id=schedule_id, nominal_time=nominal),
+                start_to_close_timeout=timedelta(seconds=10),
+                retry_policy=RetryPolicy(maximum_attempts=5),
+                summary=f"has the billing schedule {schedule_id} billed its latest month?",
+            )
+        except ActivityError as err:
+            workflow.logger.warning(
+                "could not read the billing schedule %s (%s): reconciling with this"
+                " schedule's own billing mode and zone",
+                schedule_id,
+                err.cause or err,
+            )
+            return None
 
 
 async def _run_or_join(
@@ -130,7 +165,9 @@ async def _run_or_join(
     summary: str,
     period: str,
     reuse: WorkflowIDReusePolicy,
+    alert: str,
 ) -> ResultT | None:
+    """Start the run, or join the one there; `alert` stays at the end of the details shown."""
     try:
         handle = await workflow.start_child_workflow(
             run,
@@ -144,12 +181,12 @@ async def _run_or_join(
             ),
         )
     except WorkflowAlreadyStartedError:
-        workflow.set_current_details(f"{workflow_id} runs or has run: nothing more started")
+        workflow.set_current_details(f"{workflow_id} runs or has run: nothing more started{alert}")
         return None
     if workflow.patched(RETURN_ONCE_STARTED):
         # The schedule skips a firing while this launch is open (overlap `skip`): waiting
         # for a period paused for weeks would drop the next month's. The run goes on alone
         # (ABANDON); its own workflow holds its summary.
-        workflow.set_current_details(f"started {workflow_id}")
+        workflow.set_current_details(f"started {workflow_id}{alert}")
         return None
     return await handle

@@ -8,9 +8,12 @@ from collections.abc import Awaitable
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
+from prometheus_client import REGISTRY
 from pydantic import ValidationError
+from temporalio.api.sdk.v1 import WorkflowMetadata
 from temporalio.client import (
     Client,
     Schedule,
@@ -24,13 +27,15 @@ from temporalio.client import (
     ScheduleState,
     WorkflowExecution,
     WorkflowHandle,
+    WorkflowHistory,
 )
+from temporalio.service import RPCError
 
 import starter
 from billing import ledger, operations, schedules
 from billing.customers import upsert_customers
 from billing.errors import BillingError, InvalidInputError
-from billing.keys import idempotency_key, period_workflow_id
+from billing.keys import idempotency_key, period_workflow_id, reconcile_workflow_id
 from billing.models import (
     ChargeFailure,
     ChargeResult,
@@ -636,7 +641,7 @@ async def test_a_scheduled_launch_returns_once_its_period_has_started(harness: H
     await assert_billed_once(harness, str(period), customers)
 
 
-async def _nonempty(found: Awaitable[list[WorkflowExecution]]) -> bool:
+async def _nonempty(found: Awaitable[list[Any]]) -> bool:
     return bool(await found)
 
 
@@ -745,10 +750,14 @@ async def firing_every(
     *,
     paused: bool = False,
     overlap_all: bool = False,
+    time_zone: str = "UTC",
+    billing: Billing = "arrears",
 ) -> ScheduleHandle:
     """A billing schedule firing every few seconds instead of monthly, so that a test can
     wait through firings; with `overlap_all`, each firing launches even while others run."""
-    config = schedules.MonthlySchedule(schedule_id=schedule_id, paused=paused)
+    config = schedules.MonthlySchedule(
+        schedule_id=schedule_id, paused=paused, time_zone=time_zone, billing=billing
+    )
     schedule = schedules.build_schedule(config, harness.task_queue, RunOptions())
     schedule.spec = ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=seconds))])
     if overlap_all:
@@ -993,6 +1002,122 @@ async def test_a_schedule_not_ours_is_named_so(harness: Harness) -> None:
     handle = harness.client.get_schedule_handle("someone-elses")
     assert (await handle.describe()).schedule.state.paused
     await handle.delete()
+
+
+async def test_a_billing_schedule_that_would_leave_months_unbilled_is_refused(
+    harness: Harness,
+) -> None:
+    """Between the ledger's latest run and the month a new schedule first bills (billing
+    stopped for a while, or switched from advance to arrears), months would go unbilled."""
+    config = schedules.MonthlySchedule()
+    first = period_for(schedules.first_firing(config, datetime.now(UTC)), config.billing)
+    gap = [first.previous().previous(), first.previous()]
+    await _billed_in_the_ledger_only(harness, gap[0].previous(), charged=0)
+    code, out, err = await harness.starter("schedule", "create", "--paused")
+    assert (code, out) == (2, ""), out
+    assert f"{gap[0]}, {gap[1]} would be billed by nothing" in err, err
+    assert f"python starter.py run {gap[0]}; python starter.py run {gap[1]}" in err
+    assert "--leave-unbilled" in err and "nothing was created" in err
+    with pytest.raises(RPCError, match="not found"):
+        await harness.client.get_schedule_handle(config.schedule_id).describe()
+    code, out, err = await harness.starter("schedule", "create", "--paused", "--leave-unbilled")
+    assert code == 0 and out.startswith(f"created schedule {config.schedule_id}"), err
+    await harness.client.get_schedule_handle(config.schedule_id).delete()
+    # Once the gap is billed, nothing stands in the way.
+    for period in gap:
+        await _billed_in_the_ledger_only(harness, period, charged=0)
+    assert (await harness.starter("schedule", "create", "--paused"))[0] == 0
+
+
+async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a_month_unbilled(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It checks the months the billing schedule bills, in that schedule's mode and zone; and
+    a firing of it that billed nothing (paused, missed past the catch-up window, its launch cut
+    short), which Temporal never makes up, is logged and counted for an alert."""
+    zone = ZoneInfo("Pacific/Auckland")
+    # Hourly instead of monthly, so that a reconciliation days ahead has firings behind it.
+    await firing_every(
+        harness, "billing-monthly", 3600, paused=True, time_zone=zone.key, billing="advance"
+    )
+    reconcile = ("schedule", "create", "--reconcile", "--paused")
+    code, out, err = await harness.starter(*reconcile, "--billing", "arrears")
+    assert (code, out) == (2, ""), out
+    assert "--billing arrears differs from the billing schedule billing-monthly's (advance)" in err
+    code, out, err = await harness.starter(*reconcile)
+    assert code == 0 and out.rstrip().endswith(
+        f"{zone.key}, reconciling the period billed in advance (following billing-monthly)"
+    ), (out, err)
+    _, request = await schedules.launcher_of(harness.client, schedules.RECONCILE_SCHEDULE_ID)
+    assert (request.time_zone, request.billing_schedule_id) == (zone.key, "billing-monthly")
+    handle = harness.client.get_schedule_handle(schedules.RECONCILE_SCHEDULE_ID)
+
+    def unbilled() -> float:
+        labels = {"schedule": "billing-monthly"}
+        return REGISTRY.get_sample_value("billing_unbilled_firings_total", labels) or 0.0
+
+    async def ahead(days: int) -> datetime:
+        """A launch time `days` ahead: a backfill may be in the future."""
+        start = datetime.now(UTC) + timedelta(days=days)
+        end = start + timedelta(days=1)
+        [nominal] = await schedules.matching_times(harness.client, handle.id, start, end)
+        return nominal
+
+    def billed_before(nominal: datetime, zone: ZoneInfo, billing: Billing) -> Period:
+        """The month the billing schedule's latest firing, an hour or more before, bills."""
+        return period_for((nominal - schedules.FIRING_GRACE).astimezone(zone), billing)
+
+    async def launch(nominal: datetime) -> tuple[str, WorkflowHistory]:
+        """The launch's details, as the Web UI shows them, and its history."""
+        window = ScheduleBackfill(
+            nominal, nominal + timedelta(minutes=1), ScheduleOverlapPolicy.ALLOW_ALL
+        )
+        await handle.backfill(window)
+
+        async def launched() -> list[str]:
+            actions = (await handle.describe()).info.recent_actions
+            return [
+                a.action.workflow_id  # type: ignore[attr-defined]
+                for a in actions
+                if a.scheduled_at == nominal
+            ]
+
+        await eventually(lambda: _nonempty(launched()))
+        [launcher_id] = await launched()
+        launcher = harness.client.get_workflow_handle(launcher_id)
+        await launcher.result()
+        metadata = await launcher.query(
+            "__temporal_workflow_metadata", result_type=WorkflowMetadata
+        )
+        return metadata.current_details, await launcher.fetch_history()
+
+    async with harness.running_worker():
+        before = unbilled()
+        nominal = await ahead(days=2)
+        period = billed_before(nominal, zone, "advance")
+        details, flagged = await launch(nominal)
+        assert details.startswith("neither") and "nothing to reconcile; WARNING:" in details
+        assert f"{period} is not billed: the billing schedule billing-monthly fired" in details
+        assert "(the schedule is paused)" in details
+        assert f"schedule backfill --id billing-monthly --start {period}" in details
+        assert unbilled() == before + 1
+        [record] = [r for r in caplog.records if getattr(r, "event", "") == "unbilled_firing"]
+        assert record.__dict__["period"] == str(period)
+        # The billing schedule is made anew, in arrears in UTC: the reconciliation follows it.
+        await harness.client.get_schedule_handle("billing-monthly").delete()
+        await firing_every(harness, "billing-monthly", 3600, paused=True)
+        nominal = await ahead(days=3)
+        period = billed_before(nominal, ZoneInfo("UTC"), "arrears")
+        # Billed, as is the month an advance schedule in Auckland would bill then.
+        await _billed_in_the_ledger_only(harness, period, charged=0)
+        await _billed_in_the_ledger_only(harness, period.next(), charged=0)
+        details, quiet = await launch(nominal)
+        assert details == f"started {reconcile_workflow_id(period)}"
+        assert unbilled() == before + 1
+    await handle.delete()
+    # I6 for the patched path: RECORD_HISTORIES=1 keeps both in tests/histories.
+    await replay([flagged, quiet])
+    keep([flagged, quiet])
 
 
 def test_a_monthly_time_the_clocks_skip_is_refused() -> None:

@@ -49,8 +49,9 @@ from billing.periods import (
     period_for,
     period_range,
 )
-from billing.schedules import MonthlySchedule, validate_time_zone
+from billing.schedules import LAUNCHER, MonthlySchedule, first_firing, validate_time_zone
 from billing.stripe_currencies import STRIPE_CURRENCIES
+from workflows.scheduled_billing import ScheduledBillingWorkflow
 
 
 @pytest.mark.parametrize("text", ["2026-12", "2000-01", "2999-12"])
@@ -551,3 +552,33 @@ async def test_a_firing_whose_zone_the_worker_lacks_fails_for_good(zone: str) ->
     with pytest.raises(ApplicationError, match=f"'{zone}' is not in this worker's") as raised:
         await ActivityEnvironment().run(scheduled_period, request)
     assert raised.value.non_retryable and raised.value.type == "UnknownTimeZone"
+
+
+@pytest.mark.parametrize(
+    ("now", "day", "zone", "fires"),
+    [
+        ("2026-12-03T11:00:00+00:00", 1, "UTC", "2027-01-01T02:00:00+00:00"),
+        ("2026-12-03T11:00:00+00:00", 5, "UTC", "2026-12-05T02:00:00+00:00"),
+        # The 1st at 02:00 comes once the day has begun there: in Berlin, an hour later.
+        ("2026-12-31T23:30:00+00:00", 1, "Europe/Berlin", "2027-01-01T02:00:00+01:00"),
+        ("2027-01-01T01:30:00+00:00", 1, "Europe/Berlin", "2027-02-01T02:00:00+01:00"),
+        # At its very time, a schedule fires next month: Temporal fires at no time past.
+        ("2026-12-01T02:00:00+00:00", 1, "UTC", "2027-01-01T02:00:00+00:00"),
+    ],
+)
+def test_a_new_schedule_first_fires_at_its_next_time_in_its_zone(
+    now: str, day: int, zone: str, fires: str
+) -> None:
+    config = MonthlySchedule(day_of_month=day, hour=2, time_zone=zone)
+    assert first_firing(config, datetime.fromisoformat(now)).isoformat() == fires
+
+
+def test_only_a_reconciliation_follows_a_billing_schedule() -> None:
+    with pytest.raises(ValidationError, match="a billing schedule follows no other"):
+        MonthlySchedule(billing_schedule_id="billing-monthly")
+    MonthlySchedule(action="reconcile", billing_schedule_id="billing-monthly")
+
+
+def test_schedules_start_the_launcher_by_its_registered_name() -> None:
+    # Named, not imported, in billing.schedules: a renamed workflow would start nothing.
+    assert ScheduledBillingWorkflow.__temporal_workflow_definition.name == LAUNCHER  # type: ignore[attr-defined]

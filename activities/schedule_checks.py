@@ -1,0 +1,52 @@
+"""What a daily reconciliation checks of the billing schedule it follows (the launcher's
+side; billing.schedules reads the schedule)."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+
+import asyncpg
+from temporalio import activity
+
+from billing import logs, metrics, schedules
+from billing.errors import UnknownScheduleError
+from billing.models import Record
+
+log = logging.getLogger("billing.schedules")
+
+
+class FiringsRequest(Record):
+    schedule_id: str
+    nominal_time: datetime
+
+
+class ScheduleCheckActivities:
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    @activity.defn(name="billing_firings")
+    async def billing_firings(self, request: FiringsRequest) -> schedules.BillingFirings | None:
+        """The billing schedule's settings, and its latest firing if that billed nothing,
+        logged and counted for an alert; None once that schedule is gone (deleted, replaced
+        by another kind)."""
+        try:
+            async with self._pool.acquire() as conn:
+                found = await schedules.billing_firings(
+                    activity.client(), conn, request.schedule_id, request.nominal_time
+                )
+        except UnknownScheduleError as exc:
+            log.warning("%s; the daily reconciliation keeps the zone it was created with", exc)
+            return None
+        if found.unbilled is not None:
+            metrics.count_unbilled_firing(request.schedule_id)
+            logs.log_event(
+                log,
+                "unbilled_firing",
+                level=logging.ERROR,
+                schedule_id=request.schedule_id,
+                fired_at=found.unbilled.at.isoformat(),
+                period=str(found.unbilled.period),
+                detail=found.unbilled.describe(),
+            )
+        return found
