@@ -27,9 +27,9 @@ class ScheduleCheckActivities:
 
     @activity.defn(name="billing_firings")
     async def billing_firings(self, request: FiringsRequest) -> schedules.BillingFirings | None:
-        """The billing schedule's settings, and its latest firing if that billed nothing,
-        logged and counted for an alert; None once that schedule is gone (deleted, replaced
-        by another kind)."""
+        """The billing schedule's settings, and the months its recent firings left
+        unbilled, logged and counted for an alert; None once that schedule is gone (deleted,
+        replaced by another kind)."""
         try:
             async with self._pool.acquire() as conn:
                 found = await schedules.billing_firings(
@@ -47,6 +47,7 @@ class ScheduleCheckActivities:
                 schedule_id=request.schedule_id,
                 fired_at=found.unbilled.at.isoformat(),
                 period=str(found.unbilled.period),
+                earlier=[str(p) for p in found.unbilled.earlier],
                 detail=found.unbilled.describe(),
             )
         return found

@@ -54,8 +54,8 @@ CLAIM_TO_CHARGE = Histogram(
 )
 UNBILLED_FIRINGS = Counter(
     "billing_unbilled_firings_total",
-    "Daily reconciliations that found their billing schedule's latest firing, an hour or more"
-    " past, left its month with no run: paused, missed in a Temporal outage past the"
+    "Daily reconciliations that found a firing of their billing schedule, an hour to two"
+    " months past, left its month with no run: paused, missed in a Temporal outage past the"
     " catch-up window, or its launch ended early. Alert on any increase.",
     ["schedule"],
 )

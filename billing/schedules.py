@@ -297,7 +297,7 @@ async def backfill(
         # Later periods are refused below, by their launch times.
         check_run_by_hand(first, datetime.now(UTC), ahead=True, late=late)
         periods = [str(p) for p in period_range(first, last)]
-        completed = await ledger.completed_periods(conn, periods)
+        completed = await ledger.periods_run(conn, periods, completed=True)
         if completed == periods:
             raise InvalidInputError(
                 f"every period from {first} to {last} has a completed run, which a launch"
@@ -332,7 +332,7 @@ async def trigger(client: Client, conn: asyncpg.Connection, schedule_id: str) ->
     period = None
     if request.action == "bill":
         period = _billed_at(datetime.now(UTC), request)
-        completed = await ledger.completed_periods(conn, [str(period)])
+        completed = await ledger.periods_run(conn, [str(period)], completed=True)
         if completed:
             raise InvalidInputError(
                 f"the schedule {schedule_id} bills {period} now, and a run of it has completed:"
@@ -377,36 +377,43 @@ async def launcher_of(
 
 # A firing's launch starts its period's run within seconds; an hour covers a worker restart.
 FIRING_GRACE = timedelta(hours=1)
-# Far enough back to hold a monthly schedule's latest firing.
+# Far enough back to hold a monthly schedule's two latest firings: a month missed stays
+# flagged through the next month's firing.
 _LOOKED_BACK = timedelta(days=62)
 
 
 class UnbilledFiring(Record):
-    """A billing schedule's latest firing, FIRING_GRACE or more ago, whose period has no run."""
+    """Months a billing schedule fired for, FIRING_GRACE or more ago, that have no run: the
+    latest such firing, and the months of any earlier ones."""
 
     schedule_id: str
     at: datetime
     period: Period
     paused: bool = Field(description="whether the schedule is paused now")
+    earlier: list[Period] = Field(
+        default=[], description="earlier months fired for that have no run, oldest first"
+    )
 
     def describe(self) -> str:
+        months = [*self.earlier, self.period]
         why = (
             "the schedule is paused"
             if self.paused
             else "a launch that ended early starts nothing, and Temporal skips for good a"
             " firing it could not make within the schedule's catch-up window"
         )
+        it = "it" if len(months) == 1 else "them"
         return (
-            f"{self.period} is not billed: the billing schedule {self.schedule_id} fired for"
-            f" it at {self.at.isoformat()} and no run of it started ({why}). Bill it with:"
-            f" python starter.py schedule backfill --id {self.schedule_id}"
-            f" --start {self.period} --end {self.period}"
+            f"no run bills {', '.join(map(str, months))}, though the billing schedule"
+            f" {self.schedule_id} fired for {it}, last at {self.at.isoformat()} ({why})."
+            f" Bill {it} with: python starter.py schedule backfill --id {self.schedule_id}"
+            f" --start {months[0]} --end {self.period}"
         )
 
 
 class BillingFirings(Record):
     """What a daily reconciliation learns from the billing schedule it follows: the month a
-    firing bills, and whether its latest firing left that month unbilled."""
+    firing bills, and the months its recent firings left unbilled."""
 
     billing: Billing
     time_zone: str
@@ -416,9 +423,10 @@ class BillingFirings(Record):
 async def billing_firings(
     client: Client, conn: asyncpg.Connection, schedule_id: str, now: datetime
 ) -> BillingFirings:
-    """The billing schedule's settings, and its latest firing since its creation, up to
-    FIRING_GRACE before `now`, if that left its period with no run (paused, missed in an
-    outage, a launch terminated): Temporal makes none of those up, and nothing else says so."""
+    """The billing schedule's settings, and its firings since its creation (two months at
+    most), up to FIRING_GRACE before `now`, that left their month with no run (paused, missed
+    in an outage, a launch terminated): Temporal makes none of those up, and nothing else
+    says so."""
     description, request = await launcher_of(client, schedule_id)
     if request.action != "bill":
         raise ForeignScheduleError(
@@ -427,14 +435,19 @@ async def billing_firings(
     since = max(now - _LOOKED_BACK, description.info.created_at)
     until = now - FIRING_GRACE
     fired = await matching_times(client, schedule_id, since, until) if since < until else []
+    # Each month by its latest firing: a later firing for the same month may have billed it.
+    latest = {_billed_at(at, request): at for at in fired}
+    run = await ledger.periods_run(conn, [str(p) for p in latest])
+    missing = sorted(p for p in latest if str(p) not in run)
     unbilled = None
-    if fired:
-        period = _billed_at(fired[-1], request)
-        if await ledger.period_record(conn, str(period)) is None:
-            paused = description.schedule.state.paused
-            unbilled = UnbilledFiring(
-                schedule_id=schedule_id, at=fired[-1], period=period, paused=paused
-            )
+    if missing:
+        unbilled = UnbilledFiring(
+            schedule_id=schedule_id,
+            at=latest[missing[-1]],
+            period=missing[-1],
+            paused=description.schedule.state.paused,
+            earlier=missing[:-1],
+        )
     return BillingFirings(
         billing=request.options.billing, time_zone=request.time_zone, unbilled=unbilled
     )

@@ -138,7 +138,7 @@ class ScheduledBillingWorkflow:
     async def _billing_firings(
         self, schedule_id: str, nominal: datetime
     ) -> schedules.BillingFirings | None:
-        """The followed billing schedule's settings and latest unbilled firing; None when it
+        """The followed billing schedule's settings and the months it left unbilled; None when it
         is gone or cannot be read, which holds back no reconciliation."""
         try:
             return await workflow.execute_local_activity_method(

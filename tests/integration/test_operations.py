@@ -1064,8 +1064,18 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
         return nominal
 
     def billed_before(nominal: datetime, zone: ZoneInfo, billing: Billing) -> Period:
-        """The month the billing schedule's latest firing, an hour or more before, bills."""
+        """The month a billing schedule firing an hour before `nominal` bills."""
         return period_for((nominal - schedules.FIRING_GRACE).astimezone(zone), billing)
+
+    async def fired_for(nominal: datetime, zone: ZoneInfo, billing: Billing) -> list[Period]:
+        """The months the billing schedule fired for, since its creation, an hour or more
+        before `nominal`."""
+        billing_schedule = harness.client.get_schedule_handle("billing-monthly")
+        created = (await billing_schedule.describe()).info.created_at
+        fired = await schedules.matching_times(
+            harness.client, billing_schedule.id, created, nominal - schedules.FIRING_GRACE
+        )
+        return sorted({period_for(at.astimezone(zone), billing) for at in fired})
 
     async def launch(nominal: datetime) -> tuple[str, WorkflowHistory]:
         """The launch's details, as the Web UI shows them, and its history."""
@@ -1095,25 +1105,46 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
         before = unbilled()
         nominal = await ahead(days=2)
         period = billed_before(nominal, zone, "advance")
+        months = await fired_for(nominal, zone, "advance")
+        assert months[-1] == period
+        listed = ", ".join(map(str, months))
         details, flagged = await launch(nominal)
         assert details.startswith("neither") and "nothing to reconcile; WARNING:" in details
-        assert f"{period} is not billed: the billing schedule billing-monthly fired" in details
+        assert f"no run bills {listed}, though the billing schedule billing-monthly" in details
         assert "(the schedule is paused)" in details
-        assert f"schedule backfill --id billing-monthly --start {period}" in details
+        assert f"backfill --id billing-monthly --start {months[0]} --end {period}" in details
         assert unbilled() == before + 1
         [record] = [r for r in caplog.records if getattr(r, "event", "") == "unbilled_firing"]
         assert record.__dict__["period"] == str(period)
-        # The billing schedule is made anew, in arrears in UTC: the reconciliation follows it.
+        assert record.__dict__["earlier"] == [str(m) for m in months[:-1]]
+        # The billing schedule is made anew, in arrears in UTC, firing weekly: the
+        # reconciliation follows it, and a month missed stays flagged once a later one is billed.
         await harness.client.get_schedule_handle("billing-monthly").delete()
-        await firing_every(harness, "billing-monthly", 3600, paused=True)
-        nominal = await ahead(days=3)
+        await firing_every(harness, "billing-monthly", 7 * 24 * 3600, paused=True)
+        nominal = await ahead(days=40)
         period = billed_before(nominal, ZoneInfo("UTC"), "arrears")
-        # Billed, as is the month an advance schedule in Auckland would bill then.
-        await _billed_in_the_ledger_only(harness, period, charged=0)
-        await _billed_in_the_ledger_only(harness, period.next(), charged=0)
+        months = await fired_for(nominal, ZoneInfo("UTC"), "arrears")
+        assert len(months) >= 2, months
+        # Billed: the month reconciled, the month an advance schedule in Auckland would
+        # reconcile then, and the latest month fired for; not the months fired for before.
+        billed = {period, period.next(), months[-1]}
+        for month in billed:
+            await _billed_in_the_ledger_only(harness, month, charged=0)
+        details, _ = await launch(nominal)
+        missed = ", ".join(map(str, months[:-1]))
+        assert details.startswith(f"started {reconcile_workflow_id(period)}; WARNING:"), details
+        assert f"no run bills {missed}, though the billing schedule billing-monthly" in details
+        assert unbilled() == before + 2
+        # Once those are billed, nothing is flagged.
+        await harness.client.get_workflow_handle(reconcile_workflow_id(period)).result()
+        nominal = await ahead(days=41)
+        period = billed_before(nominal, ZoneInfo("UTC"), "arrears")
+        months = await fired_for(nominal, ZoneInfo("UTC"), "arrears")
+        for month in {period, period.next(), *months} - billed:
+            await _billed_in_the_ledger_only(harness, month, charged=0)
         details, quiet = await launch(nominal)
         assert details == f"started {reconcile_workflow_id(period)}"
-        assert unbilled() == before + 1
+        assert unbilled() == before + 2
     await handle.delete()
     # I6 for the patched path: RECORD_HISTORIES=1 keeps both in tests/histories.
     await replay([flagged, quiet])
