@@ -1117,10 +1117,11 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
         [record] = [r for r in caplog.records if getattr(r, "event", "") == "unbilled_firing"]
         assert record.__dict__["period"] == str(period)
         assert record.__dict__["earlier"] == [str(m) for m in months[:-1]]
-        # The billing schedule is made anew, in arrears in UTC, firing weekly: the
-        # reconciliation follows it, and a month missed stays flagged once a later one is billed.
+        # The billing schedule is made anew, in arrears in UTC, firing daily (40 days span two
+        # months): the reconciliation follows it, and a month missed stays flagged once a
+        # later one is billed.
         await harness.client.get_schedule_handle("billing-monthly").delete()
-        await firing_every(harness, "billing-monthly", 7 * 24 * 3600, paused=True)
+        await firing_every(harness, "billing-monthly", 24 * 3600, paused=True)
         nominal = await ahead(days=40)
         period = billed_before(nominal, ZoneInfo("UTC"), "arrears")
         months = await fired_for(nominal, ZoneInfo("UTC"), "arrears")
