@@ -13,6 +13,7 @@ import compileall
 import logging
 import signal
 import sys
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,7 +21,12 @@ import asyncpg
 import stripe
 import uvloop
 from temporalio.client import Client
-from temporalio.worker import PollerBehaviorAutoscaling, UnsandboxedWorkflowRunner, Worker
+from temporalio.worker import (
+    Interceptor,
+    PollerBehaviorAutoscaling,
+    UnsandboxedWorkflowRunner,
+    Worker,
+)
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
 from activities.charging import ChargingActivities
@@ -97,9 +103,11 @@ def create_worker(
     admin: VaultAdmin | None = None,
     *,
     sandbox_all: bool = False,
+    interceptors: Sequence[Interceptor] = (),
 ) -> Worker:
     """`sandbox_all` runs the period and its children inside the sandbox too, as the tests
-    do: slower, but its checks then cover every path the tests take through them."""
+    do: slower, but its checks then cover every path the tests take through them.
+    `interceptors` are the SDK's (tracing, or a test holding a workflow at a chosen step)."""
     compile_workflows()
     payload_walks.skip_identity_walks()
     charging = ChargingActivities(pool, access, settings)
@@ -139,6 +147,7 @@ def create_worker(
         nonsticky_to_sticky_poll_ratio=NONSTICKY_TO_STICKY_POLL_RATIO,
         # In-flight Stripe calls get this long to finish and be recorded on shutdown.
         graceful_shutdown_timeout=timedelta(seconds=30),
+        interceptors=interceptors,
         unsandboxed_workflow_runner=(
             SandboxedWorkflowRunner() if sandbox_all else UnsandboxedWorkflowRunner()
         ),

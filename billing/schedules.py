@@ -10,6 +10,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 import asyncpg
 from google.protobuf.timestamp_pb2 import Timestamp
 from pydantic import Field, field_validator, model_validator
+from temporalio.api.enums.v1 import EventType
 from temporalio.api.workflowservice.v1 import ListScheduleMatchingTimesRequest
 from temporalio.client import (
     Client,
@@ -504,8 +505,8 @@ _ENDED_EARLY = frozenset(
 async def _launched(
     client: Client, action: ScheduleActionResult, request: ScheduledBillingInput
 ) -> bool:
-    """Whether a launch the schedule made left its period with a run (this one's, or one
-    started by hand); one Temporal no longer holds is taken as launched."""
+    """Whether a launch the schedule made started its run, or left its period with one
+    started by hand; one Temporal no longer holds is taken as launched."""
     execution = action.action
     if not isinstance(execution, ScheduleActionExecutionStartWorkflow):
         return True
@@ -514,6 +515,11 @@ async def _launched(
     )
     if await _status(launcher) not in _ENDED_EARLY:
         return True
+    # Ended after starting its run: a reconciliation's ID is reused daily, so only the
+    # launcher's own history tells.
+    async for event in launcher.fetch_history_events():
+        if event.event_type == EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_STARTED:
+            return True
     if request.action != "bill":
         return False
     period = _billed_at(action.scheduled_at, request)

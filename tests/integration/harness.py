@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +19,7 @@ from temporalio.api.enums.v1 import EventType, TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client, WorkflowHandle, WorkflowHistory
-from temporalio.worker import Worker
+from temporalio.worker import Interceptor, Worker
 
 from activities.stripe_access import StripeAccess, VaultAccess
 from billing.config import BillingSettings
@@ -158,7 +158,7 @@ class Harness:
         await self.set_faults(idempotency_ttl_seconds=0.001)
         await asyncio.sleep(0.01)
 
-    def worker(self) -> Worker:
+    def worker(self, interceptors: Sequence[Interceptor] = ()) -> Worker:
         """A worker charging directly, or through the vault when the harness has one."""
         access: StripeAccess
         admin: VaultAdmin | None = None
@@ -176,6 +176,7 @@ class Harness:
             self.settings,
             admin,
             sandbox_all=True,
+            interceptors=interceptors,
         )
 
     def vault_access(self) -> VaultAccess:
@@ -191,8 +192,10 @@ class Harness:
         )
 
     @asynccontextmanager
-    async def running_worker(self) -> AsyncIterator[Worker]:
-        async with self.worker() as worker:
+    async def running_worker(
+        self, interceptors: Sequence[Interceptor] = ()
+    ) -> AsyncIterator[Worker]:
+        async with self.worker(interceptors) as worker:
             yield worker
 
     async def starter(self, *args: str) -> tuple[int, str, str]:

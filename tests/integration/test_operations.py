@@ -13,6 +13,8 @@ from zoneinfo import ZoneInfo
 import pytest
 from prometheus_client import REGISTRY
 from pydantic import ValidationError
+from temporalio import workflow
+from temporalio.api.enums.v1 import EventType
 from temporalio.api.sdk.v1 import WorkflowMetadata
 from temporalio.client import (
     Client,
@@ -30,6 +32,14 @@ from temporalio.client import (
     WorkflowHistory,
 )
 from temporalio.service import RPCError
+from temporalio.worker import (
+    Interceptor,
+    StartChildWorkflowInput,
+    WorkflowInboundInterceptor,
+    WorkflowInterceptorClassInput,
+    WorkflowOutboundInterceptor,
+)
+from temporalio.workflow import ChildWorkflowHandle
 
 import starter
 from billing import ledger, operations, schedules
@@ -833,6 +843,86 @@ async def test_the_oldest_listed_launch_ended_early_is_missed(harness: Harness) 
         await harness.client.get_workflow_handle(launcher.workflow_id).terminate("cut short")
         missed = await schedules.missed_launches(harness.client, "crowded")
         assert oldest.scheduled_at in {m.at for m in missed}
+    finally:
+        await handle.delete()
+
+
+class _HoldAfterStartingOutbound(WorkflowOutboundInterceptor):
+    async def start_child_workflow(
+        self, input: StartChildWorkflowInput
+    ) -> ChildWorkflowHandle[Any, Any]:
+        handle = await super().start_child_workflow(input)
+        if workflow.info().workflow_type == schedules.LAUNCHER:
+            await workflow.wait_condition(lambda: False)
+        return handle
+
+
+class _HoldAfterStartingInbound(WorkflowInboundInterceptor):
+    def init(self, outbound: WorkflowOutboundInterceptor) -> None:
+        super().init(_HoldAfterStartingOutbound(outbound))
+
+
+class HoldLaunchersOpen(Interceptor):
+    """Keeps a schedule's launcher open once it has started its run, as if its worker had
+    stopped right there, so that a test can end it at that step."""
+
+    def workflow_interceptor_class(
+        self, input: WorkflowInterceptorClassInput
+    ) -> type[WorkflowInboundInterceptor]:
+        return _HoldAfterStartingInbound
+
+
+async def test_a_reconcile_launch_ended_after_starting_its_reconciliation_is_not_missed(
+    harness: Harness,
+) -> None:
+    """A reconciliation's workflow ID is reused daily, so whether a launcher ended early had
+    started one is read from the launcher's own history; one that had not is missed."""
+    # Billed in the ledger: the month a launch now reconciles, or the one before it.
+    await _billed_in_the_ledger_only(harness, period_for(datetime.now(UTC), "arrears"), 0)
+    # Its daily time half a day off: no firing of its own while the test runs.
+    hour = (datetime.now(UTC).hour + 12) % 24
+    config = schedules.MonthlySchedule(
+        schedule_id="held", action="reconcile", paused=True, hour=hour
+    )
+    schedule = schedules.build_schedule(config, harness.task_queue, RunOptions())
+    handle = await harness.client.create_schedule("held", schedule)
+
+    async def launcher(count: int) -> WorkflowHandle[Any, Any]:
+        """The schedule's `count`th launch, once it is listed."""
+
+        async def listed() -> bool:
+            return len((await handle.describe()).info.recent_actions) >= count
+
+        await eventually(listed, timeout=30)
+        action = (await handle.describe()).info.recent_actions[count - 1].action
+        assert isinstance(action, ScheduleActionExecutionStartWorkflow)
+        return harness.client.get_workflow_handle(action.workflow_id)
+
+    async def missed() -> list[datetime]:
+        return [m.at for m in await schedules.missed_launches(harness.client, "held")]
+
+    try:
+        async with harness.running_worker(interceptors=[HoldLaunchersOpen()]):
+            await handle.trigger()
+            started = await launcher(1)
+
+            async def reconciling() -> list[str]:
+                return [
+                    e.child_workflow_execution_started_event_attributes.workflow_execution.workflow_id
+                    async for e in started.fetch_history_events()
+                    if e.event_type == EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_STARTED
+                ]
+
+            await eventually(lambda: _nonempty(reconciling()))
+            await started.terminate("the worker stopped")
+            [reconcile] = await reconciling()
+            await harness.client.get_workflow_handle(reconcile).result()
+        assert await missed() == []
+        # With no worker, the next launch starts nothing before it is ended: missed.
+        await handle.trigger()
+        await (await launcher(2)).terminate("nobody took it")
+        [at] = await missed()
+        assert at == (await handle.describe()).info.recent_actions[1].scheduled_at
     finally:
         await handle.delete()
 
