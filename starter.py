@@ -468,7 +468,7 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
     if config is not None:
         await _create_schedule(client, temporal.task_queue, config, args)
     elif args.schedule_command == "describe":
-        print(schedules.describe(await handle.describe()))
+        print(schedules.describe(*await schedules.launcher_of(client, args.id)))
         _warn_missed(args.id, await schedules.missed_launches(client, args.id))
     elif args.schedule_command == "pause":
         await handle.pause(note=_note(args))

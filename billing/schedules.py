@@ -565,12 +565,14 @@ def _timestamp(moment: datetime) -> Timestamp:
     return stamp
 
 
-def describe(description: ScheduleDescription) -> str:
-    """The schedule as an operator reads it: when, paused or not, next and recent runs."""
+def describe(description: ScheduleDescription, request: ScheduledBillingInput) -> str:
+    """The schedule as an operator reads it: what it does, when, paused or not, next and
+    recent runs."""
     schedule = description.schedule
     spec = schedule.spec
     lines = [
         f"schedule {description.id}",
+        f"  {_does(request)}",
         f"  {'PAUSED' if schedule.state.paused else 'active'}"
         + (f" ({schedule.state.note})" if schedule.state.note else ""),
         "  fires: "
@@ -585,3 +587,18 @@ def describe(description: ScheduleDescription) -> str:
             f"  ran {action.scheduled_at.isoformat()}: {getattr(action.action, 'workflow_id', '')}"
         )
     return "\n".join(lines)
+
+
+def _does(request: ScheduledBillingInput) -> str:
+    """What each launch does, as `schedule create` was told."""
+    billing = request.options.billing
+    if request.action == "bill":
+        month = "the month that ended" if billing == "arrears" else "the month starting"
+        return f"bills {month} at each firing ({billing})"
+    if request.billing_schedule_id is None:
+        return f"reconciles the latest period billed ({billing}); follows no billing schedule"
+    return (
+        f"reconciles the latest period billed, following the billing schedule"
+        f" {request.billing_schedule_id} (its mode and zone at each firing), and flags a month"
+        " it fired for that has no run"
+    )

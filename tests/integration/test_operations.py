@@ -787,8 +787,9 @@ async def test_unpausing_names_the_launches_the_pause_skipped(harness: Harness) 
     missed = await schedules.missed_launches(harness.client, "often")
     assert {m.period for m in missed} == {period_for(datetime.now(UTC))}
     # `describe` names them too (as it does firings missed in an outage past the catch-up).
-    code, _, err = await harness.starter("schedule", "describe", "--id", "often")
+    code, out, err = await harness.starter("schedule", "describe", "--id", "often")
     assert code == 0 and "WARNING: often launched nothing at" in err
+    assert "\n  bills the month that ended at each firing (arrears)\n" in out, out
     code, out, err = await harness.starter("schedule", "unpause", "--id", "often")
     await handle.delete()
     assert (code, out.strip()) == (0, "unpaused schedule often"), err
@@ -1140,6 +1141,13 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
     ), (out, err)
     _, request = await schedules.launcher_of(harness.client, schedules.RECONCILE_SCHEDULE_ID)
     assert (request.time_zone, request.billing_schedule_id) == (zone.key, "billing-monthly")
+    code, out, _ = await harness.starter(
+        "schedule", "describe", "--id", schedules.RECONCILE_SCHEDULE_ID
+    )
+    assert code == 0 and f" ({zone.key})\n" in out, out
+    assert (
+        "reconciles the latest period billed, following the billing schedule billing-monthly" in out
+    )
     handle = harness.client.get_schedule_handle(schedules.RECONCILE_SCHEDULE_ID)
 
     def unbilled() -> float:
