@@ -502,6 +502,15 @@ _ENDED_EARLY = frozenset(
 )
 
 
+# A child start refused is one already running: the launch joins it (_run_or_join).
+_STARTED_OR_JOINED = frozenset(
+    {
+        EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_STARTED,
+        EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_FAILED,
+    }
+)
+
+
 async def _launched(
     client: Client, action: ScheduleActionResult, request: ScheduledBillingInput
 ) -> bool:
@@ -515,10 +524,10 @@ async def _launched(
     )
     if await _status(launcher) not in _ENDED_EARLY:
         return True
-    # Ended after starting its run: a reconciliation's ID is reused daily, so only the
-    # launcher's own history tells.
+    # Ended after starting its run, or finding it running: a reconciliation's ID is reused
+    # daily, so only the launcher's own history tells.
     async for event in launcher.fetch_history_events():
-        if event.event_type == EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_STARTED:
+        if event.event_type in _STARTED_OR_JOINED:
             return True
     if request.action != "bill":
         return False
@@ -592,13 +601,18 @@ def describe(description: ScheduleDescription, request: ScheduledBillingInput) -
 def _does(request: ScheduledBillingInput) -> str:
     """What each launch does, as `schedule create` was told."""
     billing = request.options.billing
+    month = "the month before each firing" if billing == "arrears" else "each firing's month"
+    zone = request.time_zone
     if request.action == "bill":
-        month = "the month that ended" if billing == "arrears" else "the month starting"
-        return f"bills {month} at each firing ({billing})"
+        return f"bills {month} ({billing}, months in {zone})"
     if request.billing_schedule_id is None:
-        return f"reconciles the latest period billed ({billing}); follows no billing schedule"
+        return (
+            f"reconciles the latest period billed ({billing}, months in {zone});"
+            " follows no billing schedule"
+        )
     return (
-        f"reconciles the latest period billed, following the billing schedule"
-        f" {request.billing_schedule_id} (its mode and zone at each firing), and flags a month"
-        " it fired for that has no run"
+        "reconciles the latest period billed, following the billing schedule"
+        f" {request.billing_schedule_id} (its mode and zone at each firing; {billing} in"
+        f" {zone} if it cannot be read), and flags every month it fired for in the last two"
+        " months that has no run"
     )

@@ -62,7 +62,7 @@ from billing.models import (
 from billing.periods import Billing, Period, period_for
 from billing.preview import preview_period
 from billing.reporting import describe_preview
-from billing.runs import period_status, start_period
+from billing.runs import period_status, start_period, start_reconcile
 from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
@@ -789,7 +789,7 @@ async def test_unpausing_names_the_launches_the_pause_skipped(harness: Harness) 
     # `describe` names them too (as it does firings missed in an outage past the catch-up).
     code, out, err = await harness.starter("schedule", "describe", "--id", "often")
     assert code == 0 and "WARNING: often launched nothing at" in err
-    assert "\n  bills the month that ended at each firing (arrears)\n" in out, out
+    assert "\n  bills the month before each firing (arrears, months in UTC)\n" in out, out
     code, out, err = await harness.starter("schedule", "unpause", "--id", "often")
     await handle.delete()
     assert (code, out.strip()) == (0, "unpaused schedule often"), err
@@ -852,10 +852,12 @@ class _HoldAfterStartingOutbound(WorkflowOutboundInterceptor):
     async def start_child_workflow(
         self, input: StartChildWorkflowInput
     ) -> ChildWorkflowHandle[Any, Any]:
-        handle = await super().start_child_workflow(input)
-        if workflow.info().workflow_type == schedules.LAUNCHER:
-            await workflow.wait_condition(lambda: False)
-        return handle
+        try:
+            return await super().start_child_workflow(input)
+        finally:
+            # Started, or refused as running already: held either way.
+            if workflow.info().workflow_type == schedules.LAUNCHER:
+                await workflow.wait_condition(lambda: False)
 
 
 class _HoldAfterStartingInbound(WorkflowInboundInterceptor):
@@ -879,7 +881,8 @@ async def test_a_reconcile_launch_ended_after_starting_its_reconciliation_is_not
     """A reconciliation's workflow ID is reused daily, so whether a launcher ended early had
     started one is read from the launcher's own history; one that had not is missed."""
     # Billed in the ledger: the month a launch now reconciles, or the one before it.
-    await _billed_in_the_ledger_only(harness, period_for(datetime.now(UTC), "arrears"), 0)
+    billed = period_for(datetime.now(UTC), "arrears")
+    await _billed_in_the_ledger_only(harness, billed, 0)
     # Its daily time half a day off: no firing of its own while the test runs.
     hour = (datetime.now(UTC).hour + 12) % 24
     config = schedules.MonthlySchedule(
@@ -902,28 +905,41 @@ async def test_a_reconcile_launch_ended_after_starting_its_reconciliation_is_not
     async def missed() -> list[datetime]:
         return [m.at for m in await schedules.missed_launches(harness.client, "held")]
 
+    async def ended_at(launch: WorkflowHandle[Any, Any], kind: EventType.ValueType) -> None:
+        """End the launch once its history holds an event of `kind`."""
+
+        async def reached() -> bool:
+            return any([e async for e in launch.fetch_history_events() if e.event_type == kind])
+
+        await eventually(reached)
+        await launch.terminate("the worker stopped")
+
+    reconcile = harness.client.get_workflow_handle(reconcile_workflow_id(billed))
     try:
         async with harness.running_worker(interceptors=[HoldLaunchersOpen()]):
             await handle.trigger()
-            started = await launcher(1)
-
-            async def reconciling() -> list[str]:
-                return [
-                    e.child_workflow_execution_started_event_attributes.workflow_execution.workflow_id
-                    async for e in started.fetch_history_events()
-                    if e.event_type == EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_STARTED
-                ]
-
-            await eventually(lambda: _nonempty(reconciling()))
-            await started.terminate("the worker stopped")
-            [reconcile] = await reconciling()
-            await harness.client.get_workflow_handle(reconcile).result()
+            started = EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_STARTED
+            await ended_at(await launcher(1), started)
+            await reconcile.result()
+            # A reconciliation running already (on a queue no worker polls), which the next
+            # launch joins.
+            await start_reconcile(harness.client, billed, "nobody-polls")
+            await handle.trigger()
+            joined = EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_FAILED
+            await ended_at(await launcher(2), joined)
+            await reconcile.terminate("checked")
         assert await missed() == []
         # With no worker, the next launch starts nothing before it is ended: missed.
         await handle.trigger()
-        await (await launcher(2)).terminate("nobody took it")
+        await (await launcher(3)).terminate("nobody took it")
         [at] = await missed()
-        assert at == (await handle.describe()).info.recent_actions[1].scheduled_at
+        assert at == (await handle.describe()).info.recent_actions[2].scheduled_at
+        code, out, _ = await harness.starter("schedule", "describe", "--id", "held")
+        assert code == 0, out
+        assert (
+            "\n  reconciles the latest period billed (arrears, months in UTC);"
+            " follows no billing schedule\n" in out
+        ), out
     finally:
         await handle.delete()
 
@@ -1148,6 +1164,8 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
     assert (
         "reconciles the latest period billed, following the billing schedule billing-monthly" in out
     )
+    code, out, _ = await harness.starter("schedule", "describe", "--id", "billing-monthly")
+    assert code == 0 and f"\n  bills each firing's month (advance, months in {zone.key})\n" in out
     handle = harness.client.get_schedule_handle(schedules.RECONCILE_SCHEDULE_ID)
 
     def unbilled() -> float:
