@@ -463,12 +463,13 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
         period_range(args.start, args.end)  # raises if the range ends before it starts
     client = await connect(temporal)
     handle = client.get_schedule_handle(args.id)
-    if config is None:
-        await schedules.launcher_of(client, args.id)
     if config is not None:
         await _create_schedule(client, temporal.task_queue, config, args)
-    elif args.schedule_command == "describe":
-        print(schedules.describe(*await schedules.launcher_of(client, args.id)))
+        return 0
+    # Every other command acts on one of ours: an unknown or foreign id is refused first.
+    ours = await schedules.launcher_of(client, args.id)
+    if args.schedule_command == "describe":
+        print(schedules.describe(*ours))
         _warn_missed(args.id, await schedules.missed_launches(client, args.id))
     elif args.schedule_command == "pause":
         await handle.pause(note=_note(args))
