@@ -467,9 +467,9 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
         await _create_schedule(client, temporal.task_queue, config, args)
         return 0
     # Every other command acts on one of ours: an unknown or foreign id is refused first.
-    ours = await schedules.launcher_of(client, args.id)
+    ours = await schedules.our_schedule(client, args.id)
     if args.schedule_command == "describe":
-        print(schedules.describe(*ours))
+        print(schedules.describe(ours, await schedules.launch_input(client, ours)))
         _warn_missed(args.id, await schedules.missed_launches(client, args.id))
     elif args.schedule_command == "pause":
         await handle.pause(note=_note(args))
@@ -883,7 +883,7 @@ def parser() -> argparse.ArgumentParser:
                 "--billing-schedule",
                 default=schedules.DEFAULT_SCHEDULE_ID,
                 help="with --reconcile: the billing schedule whose mode and zone it follows,"
-                " and whose latest firing it checks billed its month",
+                " and whose firings of the last two months it checks billed their months",
             )
             sub.add_argument(
                 "--leave-unbilled",

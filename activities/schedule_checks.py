@@ -29,14 +29,23 @@ class ScheduleCheckActivities:
     async def billing_firings(self, request: FiringsRequest) -> schedules.BillingFirings | None:
         """The billing schedule's settings, and the months its recent firings left
         unbilled, logged and counted for an alert; None once that schedule is gone (deleted,
-        replaced by another kind)."""
+        replaced by another kind), also logged and counted."""
         try:
             async with self._pool.acquire() as conn:
                 found = await schedules.billing_firings(
                     activity.client(), conn, request.schedule_id, request.nominal_time
                 )
         except UnknownScheduleError as exc:
-            log.warning("%s; the daily reconciliation keeps the zone it was created with", exc)
+            # Nothing may bill at all: as loud as a month left unbilled.
+            metrics.count_followed_schedule_gone(request.schedule_id)
+            logs.log_event(
+                log,
+                "followed_schedule_gone",
+                level=logging.ERROR,
+                schedule_id=request.schedule_id,
+                detail=f"{exc}; the daily reconciliation keeps the mode and zone it was created"
+                " with",
+            )
             return None
         if found.unbilled is not None:
             metrics.count_unbilled_firing(request.schedule_id)

@@ -59,6 +59,12 @@ UNBILLED_FIRINGS = Counter(
     " catch-up window, or its launch ended early. Alert on any increase.",
     ["schedule"],
 )
+FOLLOWED_SCHEDULE_GONE = Counter(
+    "billing_followed_schedule_gone_total",
+    "Daily reconciliations whose billing schedule is gone (deleted, or replaced by one that"
+    " does not bill): nothing bills the months it billed. Alert on any increase.",
+    ["schedule"],
+)
 # A label value is bounded: a code comes from the vault or Stripe, not from our callers.
 _MAX_CODE_LENGTH = 64
 
@@ -77,6 +83,10 @@ def charge_recorded(amount_cents: int, currency: str, claimed_at: datetime) -> N
 
 def count_unbilled_firing(schedule_id: str) -> None:
     UNBILLED_FIRINGS.labels(schedule=schedule_id).inc()
+
+
+def count_followed_schedule_gone(schedule_id: str) -> None:
+    FOLLOWED_SCHEDULE_GONE.labels(schedule=schedule_id).inc()
 
 
 def count_vault_refusal(exc: stripe.StripeError) -> None:

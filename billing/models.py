@@ -234,8 +234,8 @@ class ScheduledBillingInput(Record):
     time_zone: str = "UTC"
     action: ScheduledAction = "bill"
     # A daily reconciliation's billing schedule: it bills the months reconciled (its billing
-    # mode and zone are taken at each firing) and its latest firing is checked for a month
-    # left unbilled. None: the mode and zone above, nothing checked.
+    # mode and zone are taken at each firing) and its firings of the last two months are
+    # checked for a month left unbilled. None: the mode and zone above, nothing checked.
     billing_schedule_id: str | None = None
 
 

@@ -9,7 +9,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import asyncpg
 from google.protobuf.timestamp_pb2 import Timestamp
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.workflowservice.v1 import ListScheduleMatchingTimesRequest
 from temporalio.client import (
@@ -350,11 +350,9 @@ def _again_by_hand(periods: list[str]) -> str:
     )
 
 
-async def launcher_of(
-    client: Client, schedule_id: str
-) -> tuple[ScheduleDescription, ScheduledBillingInput]:
-    """The schedule and what its launches are given; refused for a schedule that does not
-    exist, or that starts something other than our launcher."""
+async def our_schedule(client: Client, schedule_id: str) -> ScheduleDescription:
+    """The schedule, refused if it does not exist or starts something other than our
+    launcher. Its arguments are left encoded: a pause must work whatever they hold."""
     try:
         description = await client.get_schedule_handle(schedule_id).describe()
     except RPCError as exc:
@@ -370,10 +368,32 @@ async def launcher_of(
             f"the schedule {shown(schedule_id)} starts {shown(started)}, not this project's"
             f" {LAUNCHER}: manage it with Temporal's own tools"
         )
-    # A described schedule carries its action's arguments still encoded.
-    [request] = await client.data_converter.decode(list(action.args), [ScheduledBillingInput])
+    return description
+
+
+async def launch_input(client: Client, description: ScheduleDescription) -> ScheduledBillingInput:
+    """What one of our schedules gives its launches (our_schedule)."""
+    action = description.schedule.action
+    assert isinstance(action, ScheduleActionStartWorkflow)
+    try:
+        # A described schedule carries its action's arguments still encoded.
+        [request] = await client.data_converter.decode(list(action.args), [ScheduledBillingInput])
+    except ValidationError as exc:
+        raise InvalidInputError(
+            f"the schedule {shown(description.id)} holds arguments this release cannot read"
+            f" ({exc.error_count()} problems; written by another release?): pause, unpause and"
+            " delete still work; upgrade starter.py to match the workers"
+        ) from None
     assert isinstance(request, ScheduledBillingInput)
-    return description, request
+    return request
+
+
+async def launcher_of(
+    client: Client, schedule_id: str
+) -> tuple[ScheduleDescription, ScheduledBillingInput]:
+    """One of our schedules and what its launches are given."""
+    description = await our_schedule(client, schedule_id)
+    return description, await launch_input(client, description)
 
 
 # A firing's launch starts its period's run within seconds; an hour covers a worker restart.
@@ -400,8 +420,9 @@ class UnbilledFiring(Record):
         why = (
             "the schedule is paused"
             if self.paused
-            else "a launch that ended early starts nothing, and Temporal skips for good a"
-            " firing it could not make within the schedule's catch-up window"
+            else "a launch that ended early starts nothing, Temporal skips for good a"
+            " firing it could not make within the schedule's catch-up window, and a run held"
+            " at its start (the vault or the database away) has not reached the ledger yet"
         )
         it = "it" if len(months) == 1 else "them"
         return (

@@ -63,7 +63,13 @@ class ScheduledBillingWorkflow:
         followed = request.billing_schedule_id
         if followed is not None and workflow.patched(FOLLOW_BILLING_SCHEDULE):
             firings = await self._billing_firings(followed, nominal)
-            if firings is not None:
+            if firings is None:
+                alert = (
+                    f"; WARNING: the billing schedule {followed} is gone or could not be read"
+                    " (the worker's log says which), so no month it bills was checked:"
+                    f" `python starter.py schedule describe --id {followed}`"
+                )
+            else:
                 billing, time_zone = firings.billing, firings.time_zone
                 if firings.unbilled is not None:
                     alert = f"; WARNING: {firings.unbilled.describe()}"
@@ -146,7 +152,7 @@ class ScheduledBillingWorkflow:
                 FiringsRequest(schedule_id=schedule_id, nominal_time=nominal),
                 start_to_close_timeout=timedelta(seconds=10),
                 retry_policy=RetryPolicy(maximum_attempts=5),
-                summary=f"has the billing schedule {schedule_id} billed its latest month?",
+                summary=f"has the billing schedule {schedule_id} billed the months it fired for?",
             )
         except ActivityError as err:
             workflow.logger.warning(

@@ -1111,6 +1111,30 @@ async def test_a_schedule_not_ours_is_named_so(harness: Harness) -> None:
     await handle.delete()
 
 
+async def test_a_schedule_another_release_wrote_can_still_be_paused(harness: Harness) -> None:
+    """A pause must not depend on reading the launch's arguments: arguments this release
+    cannot read stop only the commands that need them, with a message that says so."""
+    await harness.client.create_schedule(
+        "from-elsewhere",
+        Schedule(
+            action=ScheduleActionStartWorkflow(
+                schedules.LAUNCHER,
+                {"time_zone": "UTC", "a_field_of_a_later_release": 1},
+                id="from-elsewhere-run",
+                task_queue=harness.task_queue,
+            ),
+            spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(days=1))]),
+        ),
+    )
+    code, out, err = await harness.starter("schedule", "pause", "--id", "from-elsewhere")
+    assert (code, out.strip()) == (0, "paused schedule from-elsewhere"), err
+    code, out, err = await harness.starter("schedule", "describe", "--id", "from-elsewhere")
+    assert (code, out) == (2, ""), out
+    assert "holds arguments this release cannot read" in err and "Traceback" not in err, err
+    code, _, err = await harness.starter("schedule", "delete", "--id", "from-elsewhere")
+    assert code == 0, err
+
+
 async def test_a_billing_schedule_that_would_leave_months_unbilled_is_refused(
     harness: Harness,
 ) -> None:
@@ -1237,6 +1261,19 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
         # months): the reconciliation follows it, and a month missed stays flagged once a
         # later one is billed.
         await harness.client.get_schedule_handle("billing-monthly").delete()
+        # Gone, it bills nothing at all: said as loudly.
+        gone = REGISTRY.get_sample_value(
+            "billing_followed_schedule_gone_total", {"schedule": "billing-monthly"}
+        )
+        details, _ = await launch(await ahead(days=3))
+        assert "WARNING: the billing schedule billing-monthly is gone or could not be" in details
+        assert (
+            REGISTRY.get_sample_value(
+                "billing_followed_schedule_gone_total", {"schedule": "billing-monthly"}
+            )
+            == (gone or 0.0) + 1
+        )
+        assert any(getattr(r, "event", "") == "followed_schedule_gone" for r in caplog.records)
         await firing_every(harness, "billing-monthly", 24 * 3600, paused=True)
         nominal = await ahead(days=40)
         period = billed_before(nominal, ZoneInfo("UTC"), "arrears")

@@ -37,6 +37,7 @@ def test_names_follow_prometheus_conventions() -> None:
         "billing_claim_to_charge_seconds",
         "billing_worker_event_loop_lag_seconds",
         "billing_unbilled_firings",
+        "billing_followed_schedule_gone",
     }
     for family in families.values():
         assert SNAKE.fullmatch(family.name) and family.documentation
