@@ -511,7 +511,7 @@ async def _create_schedule(
         async with _ledger() as conn:
             unbilled = await schedules.unbilled_before(conn, config, datetime.now(UTC))
         if unbilled is not None:
-            raise InvalidInputError(unbilled.describe(config.schedule_id))
+            raise InvalidInputError(unbilled.describe(config.schedule_id, datetime.now(UTC)))
     try:
         await schedules.create_schedule(client, config, task_queue)
     except ScheduleAlreadyRunningError:

@@ -45,6 +45,7 @@ from billing.periods import (
     Billing,
     Period,
     check_run_by_hand,
+    is_late,
     parse_period,
     period_for,
     period_range,
@@ -207,15 +208,14 @@ class Unbilled(Record):
     latest_run: Period
     periods: list[Period]
 
-    def describe(self, schedule_id: str) -> str:
+    def describe(self, schedule_id: str, now: datetime) -> str:
         periods = ", ".join(map(str, self.periods))
         return (
             f"the ledger's latest run before {self.first_period} is of {self.latest_run}, and"
             f" {schedule_id} would first fire at {self.first_firing.isoformat()}, billing"
             f" {self.first_period}: {periods} would be billed by nothing. Bill them by hand"
-            " first ("
-            + "; ".join(f"python starter.py run {p}" for p in self.periods)
-            + "), or pass --leave-unbilled; nothing was created"
+            f" first ({run_by_hand(self.periods, now)}), or pass"
+            " --leave-unbilled; nothing was created"
         )
 
 
@@ -346,8 +346,23 @@ async def trigger(client: Client, conn: asyncpg.Connection, schedule_id: str) ->
 def _again_by_hand(periods: list[str]) -> str:
     return (
         "To bill the customers added since, for a month before they joined too, run it again"
-        " by hand: " + "; ".join(f"python starter.py run {p}" for p in periods)
+        " by hand: " + run_by_hand([parse_period(p) for p in periods], datetime.now(UTC))
     )
+
+
+# A gap of years would list a command per month: the ends and the count say as much.
+_COMMANDS_LISTED = 6
+
+
+def run_by_hand(periods: list[Period], now: datetime) -> str:
+    """The `run` commands that bill these months, `--late` where `run` asks for it (a run
+    bills the customers as they are now, those who joined since too)."""
+    commands = [
+        f"python starter.py run {p}" + (" --late" if is_late(p, now) else "") for p in periods
+    ]
+    if len(commands) > _COMMANDS_LISTED:
+        commands = [*commands[:3], f"... ({len(commands)} months in all)", *commands[-2:]]
+    return "; ".join(commands)
 
 
 async def our_schedule(client: Client, schedule_id: str) -> ScheduleDescription:

@@ -49,7 +49,13 @@ from billing.periods import (
     period_for,
     period_range,
 )
-from billing.schedules import LAUNCHER, MonthlySchedule, first_firing, validate_time_zone
+from billing.schedules import (
+    LAUNCHER,
+    MonthlySchedule,
+    first_firing,
+    run_by_hand,
+    validate_time_zone,
+)
 from billing.stripe_currencies import STRIPE_CURRENCIES
 from workflows.scheduled_billing import ScheduledBillingWorkflow
 
@@ -582,3 +588,16 @@ def test_only_a_reconciliation_follows_a_billing_schedule() -> None:
 def test_schedules_start_the_launcher_by_its_registered_name() -> None:
     # Named, not imported, in billing.schedules: a renamed workflow would start nothing.
     assert ScheduledBillingWorkflow.__temporal_workflow_definition.name == LAUNCHER  # type: ignore[attr-defined]
+
+
+def test_run_by_hand_asks_for_late_where_run_does_and_shortens_a_long_gap() -> None:
+    now = datetime(2026, 12, 4, tzinfo=UTC)
+    assert run_by_hand([Period(2026, 8), Period(2026, 9)], now) == (
+        "python starter.py run 2026-08 --late; python starter.py run 2026-09"
+    )
+    years = period_range(Period(2024, 1), Period(2026, 10))
+    listed = run_by_hand(years, now).split("; ")
+    assert listed[0] == "python starter.py run 2024-01 --late"
+    assert listed[3] == "... (34 months in all)"
+    assert listed[-1] == "python starter.py run 2026-10"
+    assert len(listed) == 6
