@@ -1135,6 +1135,25 @@ async def test_a_schedule_another_release_wrote_can_still_be_paused(harness: Har
     assert code == 0, err
 
 
+async def test_a_reconciliation_is_told_what_it_cannot_follow(harness: Harness) -> None:
+    reconcile = ("schedule", "create", "--reconcile", "--paused", "--id")
+    code, _, err = await harness.starter(*reconcile, "alone")
+    assert code == 0 and "note: no billing schedule 'billing-monthly' to follow" in err, err
+    _, request = await schedules.launcher_of(harness.client, "alone")
+    assert request.billing_schedule_id is None
+    await firing_every(harness, "billing-monthly", 3600, paused=True, time_zone="Europe/Berlin")
+    code, out, err = await harness.starter(*reconcile, "utc", "--time-zone", "UTC")
+    assert (code, out) == (2, ""), out
+    assert (
+        "--time-zone UTC differs from the billing schedule billing-monthly's (Europe/Berlin)" in err
+    )
+    code, out, err = await harness.starter(*reconcile, "on-one", "--billing-schedule", "alone")
+    assert (code, out) == (2, ""), out
+    assert "--billing-schedule alone reconciles: name the schedule that bills" in err
+    for made in ("alone", "billing-monthly"):
+        await harness.client.get_schedule_handle(made).delete()
+
+
 async def test_a_billing_schedule_that_would_leave_months_unbilled_is_refused(
     harness: Harness,
 ) -> None:
