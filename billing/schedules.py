@@ -393,11 +393,11 @@ async def launch_input(client: Client, description: ScheduleDescription) -> Sche
     try:
         # A described schedule carries its action's arguments still encoded.
         [request] = await client.data_converter.decode(list(action.args), [ScheduledBillingInput])
-    except ValidationError as exc:
+    except ValidationError:
         raise InvalidInputError(
             f"the schedule {shown(description.id)} holds arguments this release cannot read"
-            f" ({exc.error_count()} problems; written by another release?): pause, unpause and"
-            " delete still work; upgrade starter.py to match the workers"
+            " (written by another release?): pause, unpause and delete still work; upgrade"
+            " starter.py to match the workers"
         ) from None
     assert isinstance(request, ScheduledBillingInput)
     return request
