@@ -522,7 +522,11 @@ async def _create_schedule(
     daily = config.action == "reconcile"
     when = "every day" if daily else f"day {config.day_of_month}"
     what = "reconciling the period billed" if daily else "billing"
-    followed = f" (following {config.billing_schedule_id})" if config.billing_schedule_id else ""
+    followed = ""
+    if config.billing_schedule_id is not None:
+        months = config.months_time_zone
+        elsewhere = f", its months in {months}" if months not in (None, config.time_zone) else ""
+        followed = f" (following {config.billing_schedule_id}{elsewhere})"
     print(
         f"created schedule {config.schedule_id}: {when} at {config.hour:02d}:{config.minute:02d}"
         f" {config.time_zone}, {what} in {config.billing}{followed}"
@@ -551,18 +555,18 @@ async def _following(
         raise InvalidInputError(
             f"--billing-schedule {followed} reconciles: name the schedule that bills"
         )
-    theirs = {"--billing": billing.options.billing, "--time-zone": billing.time_zone}
-    for option, given in (("--billing", args.billing), ("--time-zone", args.time_zone)):
-        if given is not None and given != theirs[option]:
-            raise InvalidInputError(
-                f"{option} {given} differs from the billing schedule {followed}'s"
-                f" ({theirs[option]}): the reconciliation would check the wrong month. Leave"
-                f" {option} out to follow it, or name another with --billing-schedule"
-            )
+    if args.billing is not None and args.billing != billing.options.billing:
+        raise InvalidInputError(
+            f"--billing {args.billing} differs from the billing schedule {followed}'s"
+            f" ({billing.options.billing}): the reconciliation would check the wrong month."
+            " Leave --billing out to follow it, or name another with --billing-schedule"
+        )
+    # `--time-zone` says only when it fires: its months are read in the billing schedule's.
     return config.model_copy(
         update={
             "billing": billing.options.billing,
-            "time_zone": billing.time_zone,
+            "time_zone": args.time_zone or billing.time_zone,
+            "months_time_zone": billing.time_zone,
             "billing_schedule_id": followed,
         }
     )
@@ -847,7 +851,11 @@ def parser() -> argparse.ArgumentParser:
             sub.add_argument("--hour", type=int, default=defaults.hour)
             sub.add_argument("--minute", type=int, default=defaults.minute)
             # No defaults here: a reconciliation takes these from its billing schedule.
-            sub.add_argument("--time-zone", help=f"IANA name (default {defaults.time_zone})")
+            sub.add_argument(
+                "--time-zone",
+                help=f"IANA name (default {defaults.time_zone}); a reconciliation following a"
+                " billing schedule fires in it, and reads months in that schedule's zone",
+            )
             sub.add_argument(
                 "--billing",
                 choices=["arrears", "advance"],

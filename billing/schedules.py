@@ -104,8 +104,10 @@ class MonthlySchedule(Record):
     # latest period billed: the one a billing schedule with the same settings bills at that
     # time once its run has started, else the month before.
     action: ScheduledAction = "bill"
-    # Reconcile only: the billing schedule followed (ScheduledBillingInput).
+    # Reconcile only: the billing schedule followed (ScheduledBillingInput), and the zone its
+    # months are read in (that schedule's) when it fires in another.
     billing_schedule_id: str | None = None
+    months_time_zone: str | None = None
 
     @field_validator("schedule_id")
     @classmethod
@@ -118,14 +120,16 @@ class MonthlySchedule(Record):
             )
         return value
 
-    @field_validator("time_zone")
+    @field_validator("time_zone", "months_time_zone")
     @classmethod
-    def _zone(cls, value: str) -> str:
-        return validate_time_zone(value)
+    def _zone(cls, value: str | None) -> str | None:
+        return None if value is None else validate_time_zone(value)
 
     @model_validator(mode="after")
     def _fires_every_month(self) -> MonthlySchedule:
-        if self.action == "bill" and self.billing_schedule_id is not None:
+        if self.action == "bill" and (
+            self.billing_schedule_id is not None or self.months_time_zone is not None
+        ):
             raise ValueError("a billing schedule follows no other; only a reconciliation does")
         if self.action == "bill":
             gap = first_skipped(self.day_of_month, self.hour, self.minute, self.time_zone)
@@ -166,7 +170,7 @@ def build_schedule(config: MonthlySchedule, task_queue: str, options: RunOptions
             LAUNCHER,
             ScheduledBillingInput(
                 options=options.model_copy(update={"billing": config.billing}),
-                time_zone=config.time_zone,
+                time_zone=config.months_time_zone or config.time_zone,
                 action=config.action,
                 billing_schedule_id=config.billing_schedule_id,
             ),

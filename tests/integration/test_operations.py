@@ -1142,15 +1142,19 @@ async def test_a_reconciliation_is_told_what_it_cannot_follow(harness: Harness) 
     _, request = await schedules.launcher_of(harness.client, "alone")
     assert request.billing_schedule_id is None
     await firing_every(harness, "billing-monthly", 3600, paused=True, time_zone="Europe/Berlin")
+    # Another zone says when it fires; its months are still read in the billing schedule's.
     code, out, err = await harness.starter(*reconcile, "utc", "--time-zone", "UTC")
-    assert (code, out) == (2, ""), out
-    assert (
-        "--time-zone UTC differs from the billing schedule billing-monthly's (Europe/Berlin)" in err
+    assert code == 0, err
+    assert out.rstrip().endswith("(following billing-monthly, its months in Europe/Berlin)"), out
+    description, request = await schedules.launcher_of(harness.client, "utc")
+    assert (description.schedule.spec.time_zone_name, request.time_zone) == (
+        "UTC",
+        "Europe/Berlin",
     )
     code, out, err = await harness.starter(*reconcile, "on-one", "--billing-schedule", "alone")
     assert (code, out) == (2, ""), out
     assert "--billing-schedule alone reconciles: name the schedule that bills" in err
-    for made in ("alone", "billing-monthly"):
+    for made in ("alone", "utc", "billing-monthly"):
         await harness.client.get_schedule_handle(made).delete()
 
 

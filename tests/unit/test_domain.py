@@ -582,6 +582,10 @@ def test_a_new_schedule_first_fires_at_its_next_time_in_its_zone(
 def test_only_a_reconciliation_follows_a_billing_schedule() -> None:
     with pytest.raises(ValidationError, match="a billing schedule follows no other"):
         MonthlySchedule(billing_schedule_id="billing-monthly")
+    with pytest.raises(ValidationError, match="a billing schedule follows no other"):
+        MonthlySchedule(months_time_zone="Europe/Berlin")
+    with pytest.raises(ValidationError, match="Mars/Olympus"):
+        MonthlySchedule(action="reconcile", months_time_zone="Mars/Olympus")
     MonthlySchedule(action="reconcile", billing_schedule_id="billing-monthly")
 
 
