@@ -4,6 +4,7 @@ side; billing.schedules reads the schedule)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import datetime
 
 import asyncpg
@@ -37,26 +38,28 @@ class ScheduleCheckActivities:
                 )
         except UnknownScheduleError as exc:
             # Nothing may bill at all: as loud as a month left unbilled.
-            metrics.count_followed_schedule_gone(request.schedule_id)
-            logs.log_event(
-                log,
+            _alert(
                 "followed_schedule_gone",
-                level=logging.ERROR,
-                schedule_id=request.schedule_id,
+                metrics.count_followed_schedule_gone,
+                request.schedule_id,
                 detail=f"{exc}; the daily reconciliation keeps the mode and zone it was created"
                 " with",
             )
             return None
         if found.unbilled is not None:
-            metrics.count_unbilled_firing(request.schedule_id)
-            logs.log_event(
-                log,
+            _alert(
                 "unbilled_firing",
-                level=logging.ERROR,
-                schedule_id=request.schedule_id,
+                metrics.count_unbilled_firing,
+                request.schedule_id,
                 fired_at=found.unbilled.at.isoformat(),
                 period=str(found.unbilled.period),
                 earlier=[str(p) for p in found.unbilled.earlier],
                 detail=found.unbilled.describe(),
             )
         return found
+
+
+def _alert(event: str, count: Callable[[str], None], schedule_id: str, **fields: object) -> None:
+    """An ERROR event and its counter, which an operator's alert watches."""
+    count(schedule_id)
+    logs.log_event(log, event, level=logging.ERROR, schedule_id=schedule_id, **fields)
