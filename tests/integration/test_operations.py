@@ -1215,9 +1215,9 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
     assert code == 0 and f"\n  bills each firing's month (advance, months in {zone.key})\n" in out
     handle = harness.client.get_schedule_handle(schedules.RECONCILE_SCHEDULE_ID)
 
-    def unbilled() -> float:
+    def counted(metric: str = "billing_unbilled_firings_total") -> float:
         labels = {"schedule": "billing-monthly"}
-        return REGISTRY.get_sample_value("billing_unbilled_firings_total", labels) or 0.0
+        return REGISTRY.get_sample_value(metric, labels) or 0.0
 
     async def ahead(days: int) -> datetime:
         """A launch time `days` ahead: a backfill may be in the future."""
@@ -1265,7 +1265,7 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
         return metadata.current_details, await launcher.fetch_history()
 
     async with harness.running_worker():
-        before = unbilled()
+        before = counted()
         nominal = await ahead(days=2)
         period = billed_before(nominal, zone, "advance")
         months = await fired_for(nominal, zone, "advance")
@@ -1276,7 +1276,7 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
         assert f"no run bills {listed}, though the billing schedule billing-monthly" in details
         assert "(the schedule is paused)" in details
         assert f"backfill --id billing-monthly --start {months[0]} --end {period}" in details
-        assert unbilled() == before + 1
+        assert counted() == before + 1
         [record] = [r for r in caplog.records if getattr(r, "event", "") == "unbilled_firing"]
         assert record.__dict__["period"] == str(period)
         assert record.__dict__["earlier"] == [str(m) for m in months[:-1]]
@@ -1285,17 +1285,10 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
         # later one is billed.
         await harness.client.get_schedule_handle("billing-monthly").delete()
         # Gone, it bills nothing at all: said as loudly.
-        gone = REGISTRY.get_sample_value(
-            "billing_followed_schedule_gone_total", {"schedule": "billing-monthly"}
-        )
+        gone = counted("billing_followed_schedule_gone_total")
         details, _ = await launch(await ahead(days=3))
         assert "WARNING: the billing schedule billing-monthly is gone or could not be" in details
-        assert (
-            REGISTRY.get_sample_value(
-                "billing_followed_schedule_gone_total", {"schedule": "billing-monthly"}
-            )
-            == (gone or 0.0) + 1
-        )
+        assert counted("billing_followed_schedule_gone_total") == gone + 1
         assert any(getattr(r, "event", "") == "followed_schedule_gone" for r in caplog.records)
         await firing_every(harness, "billing-monthly", 24 * 3600, paused=True)
         nominal = await ahead(days=40)
@@ -1311,7 +1304,7 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
         missed = ", ".join(map(str, months[:-1]))
         assert details.startswith(f"started {reconcile_workflow_id(period)}; WARNING:"), details
         assert f"no run bills {missed}, though the billing schedule billing-monthly" in details
-        assert unbilled() == before + 2
+        assert counted() == before + 2
         # Once those are billed, nothing is flagged.
         await harness.client.get_workflow_handle(reconcile_workflow_id(period)).result()
         nominal = await ahead(days=41)
@@ -1321,7 +1314,7 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
             await _billed_in_the_ledger_only(harness, month, charged=0)
         details, quiet = await launch(nominal)
         assert details == f"started {reconcile_workflow_id(period)}"
-        assert unbilled() == before + 2
+        assert counted() == before + 2
     await handle.delete()
     # I6 for the patched path: RECORD_HISTORIES=1 keeps both in tests/histories.
     await replay([flagged, quiet])
