@@ -559,20 +559,26 @@ async def _launched(
     execution = action.action
     if not isinstance(execution, ScheduleActionExecutionStartWorkflow):
         return True
-    launcher = client.get_workflow_handle(
-        execution.workflow_id, run_id=execution.first_execution_run_id
-    )
-    if await _status(launcher) not in _ENDED_EARLY:
-        return True
-    # Ended after starting its run, or finding it running: a reconciliation's ID is reused
-    # daily, so only the launcher's own history tells.
-    async for event in launcher.fetch_history_events():
-        if event.event_type in _STARTED_OR_JOINED:
+    # The launch's own run, then the latest of its ID: an operator may have reset it.
+    for run_id in (execution.first_execution_run_id, None):
+        if await _run_launched(client.get_workflow_handle(execution.workflow_id, run_id=run_id)):
             return True
     if request.action != "bill":
         return False
     period = _billed_at(action.scheduled_at, request)
     return await _status(client.get_workflow_handle(period_workflow_id(period))) is not None
+
+
+async def _run_launched(launcher: WorkflowHandle[Any, Any]) -> bool:
+    """Whether this run of a launcher is open, or ended after starting its period's run or
+    finding it running: a reconciliation's ID is reused daily, so only the launcher's own
+    history tells."""
+    if await _status(launcher) not in _ENDED_EARLY:
+        return True
+    async for event in launcher.fetch_history_events():
+        if event.event_type in _STARTED_OR_JOINED:
+            return True
+    return False
 
 
 async def _status(handle: WorkflowHandle[Any, Any]) -> WorkflowExecutionStatus | None:

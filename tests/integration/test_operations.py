@@ -14,8 +14,10 @@ import pytest
 from prometheus_client import REGISTRY
 from pydantic import ValidationError
 from temporalio import workflow
+from temporalio.api.common.v1 import WorkflowExecution as ExecutionRef
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.sdk.v1 import WorkflowMetadata
+from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
 from temporalio.client import (
     Client,
     Schedule,
@@ -33,6 +35,7 @@ from temporalio.client import (
 )
 from temporalio.service import RPCError
 from temporalio.worker import (
+    ExecuteWorkflowInput,
     Interceptor,
     StartChildWorkflowInput,
     WorkflowInboundInterceptor,
@@ -875,6 +878,32 @@ class HoldLaunchersOpen(Interceptor):
         return _HoldAfterStartingInbound
 
 
+async def _nth_launch(
+    client: Client, schedule: ScheduleHandle, count: int
+) -> WorkflowHandle[Any, Any]:
+    """The schedule's `count`th launch, once it is listed."""
+
+    async def listed() -> bool:
+        return len((await schedule.describe()).info.recent_actions) >= count
+
+    await eventually(listed, timeout=30)
+    action = (await schedule.describe()).info.recent_actions[count - 1].action
+    assert isinstance(action, ScheduleActionExecutionStartWorkflow)
+    return client.get_workflow_handle(action.workflow_id)
+
+
+async def _reached(launch: WorkflowHandle[Any, Any], kind: EventType.ValueType) -> int:
+    """The id of the first event of `kind` in the launch's history, once there is one."""
+    found: list[int] = []
+
+    async def reached() -> bool:
+        found[:] = [e.event_id async for e in launch.fetch_history_events() if e.event_type == kind]
+        return bool(found)
+
+    await eventually(reached)
+    return found[0]
+
+
 async def test_a_reconcile_launch_ended_after_starting_its_reconciliation_is_not_missed(
     harness: Harness,
 ) -> None:
@@ -891,27 +920,14 @@ async def test_a_reconcile_launch_ended_after_starting_its_reconciliation_is_not
     schedule = schedules.build_schedule(config, harness.task_queue, RunOptions())
     handle = await harness.client.create_schedule("held", schedule)
 
-    async def launcher(count: int) -> WorkflowHandle[Any, Any]:
-        """The schedule's `count`th launch, once it is listed."""
-
-        async def listed() -> bool:
-            return len((await handle.describe()).info.recent_actions) >= count
-
-        await eventually(listed, timeout=30)
-        action = (await handle.describe()).info.recent_actions[count - 1].action
-        assert isinstance(action, ScheduleActionExecutionStartWorkflow)
-        return harness.client.get_workflow_handle(action.workflow_id)
+    launcher = partial(_nth_launch, harness.client, handle)
 
     async def missed() -> list[datetime]:
         return [m.at for m in await schedules.missed_launches(harness.client, "held")]
 
     async def ended_at(launch: WorkflowHandle[Any, Any], kind: EventType.ValueType) -> None:
         """End the launch once its history holds an event of `kind`."""
-
-        async def reached() -> bool:
-            return any([e async for e in launch.fetch_history_events() if e.event_type == kind])
-
-        await eventually(reached)
+        await _reached(launch, kind)
         await launch.terminate("the worker stopped")
 
     reconcile = harness.client.get_workflow_handle(reconcile_workflow_id(billed))
@@ -940,6 +956,61 @@ async def test_a_reconcile_launch_ended_after_starting_its_reconciliation_is_not
             "\n  reconciles the latest period billed (arrears, months in UTC);"
             " follows no billing schedule\n" in out
         ), out
+    finally:
+        await handle.delete()
+
+
+class _FailLaunchersInbound(WorkflowInboundInterceptor):
+    async def execute_workflow(self, input: ExecuteWorkflowInput) -> Any:
+        if workflow.info().workflow_type == schedules.LAUNCHER:
+            raise RuntimeError("a bug in this release's launcher")
+        return await super().execute_workflow(input)
+
+
+class FailLaunchers(Interceptor):
+    """Fails every workflow task of a schedule's launcher, as a release with a bug would."""
+
+    def workflow_interceptor_class(
+        self, input: WorkflowInterceptorClassInput
+    ) -> type[WorkflowInboundInterceptor]:
+        return _FailLaunchersInbound
+
+
+async def test_a_launch_reset_after_a_terminate_is_not_missed(harness: Harness) -> None:
+    """An operator who terminated a stuck launch may reset it once its worker is fixed: the
+    reset run, which started the reconciliation, is the launch, not the terminated one."""
+    billed = period_for(datetime.now(UTC), "arrears")
+    await _billed_in_the_ledger_only(harness, billed, 0)
+    hour = (datetime.now(UTC).hour + 12) % 24
+    config = schedules.MonthlySchedule(
+        schedule_id="reset", action="reconcile", paused=True, hour=hour
+    )
+    schedule = schedules.build_schedule(config, harness.task_queue, RunOptions())
+    handle = await harness.client.create_schedule("reset", schedule)
+
+    async def missed() -> list[datetime]:
+        return [m.at for m in await schedules.missed_launches(harness.client, "reset")]
+
+    try:
+        async with harness.running_worker(interceptors=[FailLaunchers()]):
+            await handle.trigger()
+            launch = await _nth_launch(harness.client, handle, 1)
+            failed = await _reached(launch, EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED)
+        await launch.terminate("stuck")
+        assert await missed() == [(await handle.describe()).info.recent_actions[0].scheduled_at]
+        await harness.client.workflow_service.reset_workflow_execution(
+            ResetWorkflowExecutionRequest(
+                namespace=harness.client.namespace,
+                workflow_execution=ExecutionRef(workflow_id=launch.id),
+                reason="the launcher's bug is fixed",
+                workflow_task_finish_event_id=failed,
+                request_id=f"reset-{launch.id}",
+            )
+        )
+        async with harness.running_worker():
+            await launch.result()
+            await harness.client.get_workflow_handle(reconcile_workflow_id(billed)).result()
+        assert await missed() == []
     finally:
         await handle.delete()
 
