@@ -878,6 +878,27 @@ class HoldLaunchersOpen(Interceptor):
         return _HoldAfterStartingInbound
 
 
+async def _reconciling_by_trigger(
+    harness: Harness, schedule_id: str
+) -> tuple[Period, ScheduleHandle]:
+    """A paused daily reconciliation, fired only by the test, and the month it reconciles,
+    billed in the ledger."""
+    # Billed in the ledger: the month a launch now reconciles, or the one before it.
+    billed = period_for(datetime.now(UTC), "arrears")
+    await _billed_in_the_ledger_only(harness, billed, 0)
+    # Its daily time half a day off: no firing of its own while the test runs.
+    hour = (datetime.now(UTC).hour + 12) % 24
+    config = schedules.MonthlySchedule(
+        schedule_id=schedule_id, action="reconcile", paused=True, hour=hour
+    )
+    schedule = schedules.build_schedule(config, harness.task_queue, RunOptions())
+    return billed, await harness.client.create_schedule(schedule_id, schedule)
+
+
+async def _missed_at(client: Client, schedule_id: str) -> list[datetime]:
+    return [m.at for m in await schedules.missed_launches(client, schedule_id)]
+
+
 async def _nth_launch(
     client: Client, schedule: ScheduleHandle, count: int
 ) -> WorkflowHandle[Any, Any]:
@@ -909,21 +930,9 @@ async def test_a_reconcile_launch_ended_after_starting_its_reconciliation_is_not
 ) -> None:
     """A reconciliation's workflow ID is reused daily, so whether a launcher ended early had
     started one is read from the launcher's own history; one that had not is missed."""
-    # Billed in the ledger: the month a launch now reconciles, or the one before it.
-    billed = period_for(datetime.now(UTC), "arrears")
-    await _billed_in_the_ledger_only(harness, billed, 0)
-    # Its daily time half a day off: no firing of its own while the test runs.
-    hour = (datetime.now(UTC).hour + 12) % 24
-    config = schedules.MonthlySchedule(
-        schedule_id="held", action="reconcile", paused=True, hour=hour
-    )
-    schedule = schedules.build_schedule(config, harness.task_queue, RunOptions())
-    handle = await harness.client.create_schedule("held", schedule)
-
+    billed, handle = await _reconciling_by_trigger(harness, "held")
     launcher = partial(_nth_launch, harness.client, handle)
-
-    async def missed() -> list[datetime]:
-        return [m.at for m in await schedules.missed_launches(harness.client, "held")]
+    missed = partial(_missed_at, harness.client, "held")
 
     async def ended_at(launch: WorkflowHandle[Any, Any], kind: EventType.ValueType) -> None:
         """End the launch once its history holds an event of `kind`."""
@@ -979,17 +988,8 @@ class FailLaunchers(Interceptor):
 async def test_a_launch_reset_after_a_terminate_is_not_missed(harness: Harness) -> None:
     """An operator who terminated a stuck launch may reset it once its worker is fixed: the
     reset run, which started the reconciliation, is the launch, not the terminated one."""
-    billed = period_for(datetime.now(UTC), "arrears")
-    await _billed_in_the_ledger_only(harness, billed, 0)
-    hour = (datetime.now(UTC).hour + 12) % 24
-    config = schedules.MonthlySchedule(
-        schedule_id="reset", action="reconcile", paused=True, hour=hour
-    )
-    schedule = schedules.build_schedule(config, harness.task_queue, RunOptions())
-    handle = await harness.client.create_schedule("reset", schedule)
-
-    async def missed() -> list[datetime]:
-        return [m.at for m in await schedules.missed_launches(harness.client, "reset")]
+    billed, handle = await _reconciling_by_trigger(harness, "reset")
+    missed = partial(_missed_at, harness.client, "reset")
 
     try:
         async with harness.running_worker(interceptors=[FailLaunchers()]):
