@@ -32,9 +32,10 @@ from billing.errors import (
     BillingError,
     ClaimClosedError,
     HeldCustomerError,
+    InvalidInputError,
     UnknownCustomerError,
 )
-from billing.keys import idempotency_key
+from billing.keys import idempotency_key, validate_customer_id
 from billing.models import (
     NO_PERIOD_KEY_CODE,
     ChargeFailure,
@@ -55,6 +56,9 @@ PAUSED = "PeriodPaused"
 # The customer is held while its Stripe customer's old id has a claim open (see
 # ledger.claim): the workflow waits, as for a pause, and tries again.
 HELD = "CustomerHeld"
+# The request names no valid period or customer id: only a customer workflow started by hand
+# can, as a period lists valid ones. A retry cannot mend it, so its workflow fails.
+INVALID_INPUT = "InvalidInput"
 # The attempt's Stripe slot is further off than it may sleep: the workflow sleeps and comes
 # back with the slot (details: the Slot).
 SLOT_AHEAD = "StripeSlotAhead"
@@ -132,6 +136,8 @@ class ChargingActivities:
             raise ApplicationError(
                 str(exc), type=HELD, non_retryable=True, category=ApplicationErrorCategory.BENIGN
             ) from None
+        except InvalidInputError as exc:
+            raise ApplicationError(str(exc), type=INVALID_INPUT, non_retryable=True) from None
         except UnknownCustomerError:
             # Deactivated or removed after the period listed it: nothing to charge.
             return CustomerOutcome(
@@ -195,12 +201,13 @@ class ChargingActivities:
     async def _claim(self, request: BillRequest) -> Claim:
         """The claim, made now or found again; a run that claims an open row owns it."""
         period = parse_period(request.period)
-        key = idempotency_key(self._settings.billing_key_namespace, request.customer_id, period)
+        customer_id = validate_customer_id(request.customer_id)
+        key = idempotency_key(self._settings.billing_key_namespace, customer_id, period)
         async with self._pool.acquire() as conn:
             claim = await ledger.claim(
                 conn,
-                request.customer_id,
-                request.period,
+                customer_id,
+                str(period),
                 key,
                 request.claimant_run,
                 charge_api=self._settings.billing_charge_api,

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
-from temporalio.client import WorkflowHandle, WorkflowHistory
+from temporalio.client import WorkflowFailureError, WorkflowHandle, WorkflowHistory
+from temporalio.exceptions import ApplicationError
 
 from activities.period import OutcomesRequest, PeriodActivities
 from billing import ledger, operations
@@ -143,6 +144,36 @@ async def test_duplicate_child_start_races_with_the_period(harness: Harness) -> 
     assert summary.charged + summary.already_billed == 12
     assert summary.already_billed == 1
     await assert_billed_once(harness, str(PERIOD), customers)
+
+
+@pytest.mark.parametrize(
+    ("period", "customer_id", "named"),
+    [
+        ("2026-13", "cust-00001", "billing period month 13 is not 01-12"),
+        (str(PERIOD), "cust 1'; --", """customer id "cust 1'; --" must be 1-64 characters"""),
+    ],
+)
+async def test_a_customer_workflow_started_by_hand_with_bad_input_fails_at_once(
+    harness: Harness, period: str, customer_id: str, named: str
+) -> None:
+    """A period lists valid customers only; one started by hand (the CLI of Temporal) with
+    a malformed period or id fails, saying which, instead of retrying for ever."""
+    await harness.seed(1)
+    async with harness.running_worker():
+        child = await harness.client.start_workflow(
+            CustomerChargeWorkflow.run,
+            CustomerChargeInput(period=period, customer_id=customer_id),
+            id=f"by-hand-{period}",
+            task_queue=harness.task_queue,
+        )
+        with pytest.raises(WorkflowFailureError) as failed:
+            await asyncio.wait_for(child.result(), timeout=30)
+    # A local activity's final failure is the workflow's cause as it is, not wrapped.
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError) and named in cause.message, cause
+    assert await harness.money_requests() == 0
+    async with harness.pool.acquire() as conn:
+        assert await conn.fetchval("SELECT count(*) FROM billing_runs") == 0
 
 
 async def test_response_dropped_after_commit_is_recorded_not_repeated(harness: Harness) -> None:
