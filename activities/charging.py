@@ -311,9 +311,10 @@ class ChargingActivities:
                 await self._reopen(claim, fencing_token)
             if failure.type in PERIOD_BLOCKERS:
                 if await self._access.replaced(claim.period, claim.currency, gateway.vault_key_id):
-                    # This worker charged with a key a later run's preparation has replaced
-                    # (revoked and deleted, near its expiry): the retry takes the new one,
-                    # and nothing pauses. Refused before Stripe, it passes the gate afresh.
+                    # This worker charged with a key replaced since (by a rerun's preparation
+                    # or a renewal, which revoke it, or by an operator's delete): the retry
+                    # takes the new one, and nothing pauses. Refused before Stripe, it passes
+                    # the gate afresh.
                     if refused_before_stripe:
                         await self._reopen(claim, fencing_token)
                     raise ApplicationError(

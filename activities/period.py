@@ -9,7 +9,6 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta
-from functools import partial
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import asyncpg
@@ -38,7 +37,13 @@ from billing.models import (
 )
 from billing.money import spend_caps
 from billing.periods import Billing, parse_period, period_for
-from vault.client import VaultAdmin, VaultAuthError, VaultForbidden, VaultInvalidRequest
+from vault.client import (
+    VaultAdmin,
+    VaultAdminError,
+    VaultAuthError,
+    VaultForbidden,
+    VaultInvalidRequest,
+)
 
 
 class PrepareRequest(Record):
@@ -129,17 +134,22 @@ class PeriodActivities:
     @activity.defn(name="prepare_period")
     async def prepare(self, request: PrepareRequest) -> PeriodPlan:
         admin = self._admin
+        issued: list[period_keys.RenewedKey] = []
+
+        async def ensure_keys(plan: PeriodPlan, unsent: dict[str, int]) -> None:
+            assert admin is not None
+            issued.extend(await self._ensure_keys(conn, admin, plan, unsent))
+
         async with self._pool.acquire() as conn:
             # The keys before the run is recorded, on the opening's connection (a second one
             # from the pool could wait behind other openings for ever): one refused leaves the
             # period's record as it was, and an import waits, so the plan they serve holds.
             plan = await ledger.open_period(
-                conn,
-                request.period,
-                request.workflow_id,
-                None if admin is None else partial(self._ensure_keys, conn, admin),
+                conn, request.period, request.workflow_id, None if admin is None else ensure_keys
             )
             held = await ledger.held_customers(conn, request.period)
+        if admin is not None:
+            await _revoke_replaced(admin, request.period, issued)
         for customer in held:
             logs.log_event(
                 log,
@@ -226,6 +236,7 @@ class PeriodActivities:
             # too few would pause the run again at once. Claims in doubt are counted twice.
             open_totals = plan.totals_by_currency
             renewed = await self._ensure_keys(conn, admin, plan, open_totals, renewing=True)
+        await _revoke_replaced(admin, period, renewed)
         for key in renewed:
             logs.log_event(
                 log,
@@ -372,6 +383,32 @@ class PeriodActivities:
     async def close(self, summary: PeriodSummary) -> None:
         async with self._pool.acquire() as conn:
             await ledger.finish_period(conn, summary.period, summary.model_dump_json())
+
+
+async def _revoke_replaced(
+    admin: VaultAdmin, period: str, issued: Sequence[period_keys.RenewedKey]
+) -> None:
+    """Revoke the keys the new ones replaced, once stored: a worker that cached one would
+    otherwise charge through its room as well as the new key's cap (the kill switch sends it
+    to the new key instead, activities/charging.py). Charges already sent settle as usual. A
+    revoke that fails does not fail the run: the period's next key issue revokes it
+    (period_keys.revoke_unstored)."""
+    for key in issued:
+        if key.replaced is None:
+            continue
+        try:
+            await admin.revoke(key.replaced)
+        except VaultAdminError as exc:
+            logs.log_event(
+                log,
+                "replaced_key_not_revoked",
+                level=logging.WARNING,
+                period=period,
+                vault_key_id=key.replaced,
+                error=str(exc),
+            )
+            continue
+        logs.log_event(log, "replaced_key_revoked", period=period, vault_key_id=key.replaced)
 
 
 @contextlib.contextmanager

@@ -179,11 +179,14 @@ async def revoke_unstored(
     db: asyncpg.Pool | asyncpg.Connection, admin: VaultAdmin, period: Period
 ) -> list[str]:
     """Revoke the keys this ledger's workers issued for the period (issue_key lists them)
-    that no row stores any more and nothing went through; returns their ids. An opening that
-    failed after the vault issued a key (a later currency refused, its transaction rolled
-    back) left such a key, which counted its whole cap against the vault's worker budget
-    until it expired: a few failed openings could refuse every new key. Keys this ledger
-    did not issue (another deployment's on the same vault) are left alone."""
+    that no row stores any more; returns their ids. Call it under the opening's lock only:
+    a key another opening just issued is stored by its commit. An opening that failed after
+    the vault issued a key (a later currency refused, its transaction rolled back) left such
+    a key, which counted its whole cap against the vault's worker budget until it expired:
+    a few failed openings could refuse every new key. A key replaced is revoked once the new
+    one is stored; one whose revoke failed then is revoked here, as a worker that cached it
+    could still charge through its room. Keys this ledger did not issue (another
+    deployment's on the same vault) are left alone."""
     rows = await db.fetch(
         """
         SELECT i.vault_key_id FROM issued_vault_keys i
@@ -195,16 +198,14 @@ async def revoke_unstored(
     unstored = {row["vault_key_id"] for row in rows}
     if not unstored:
         return []
-    unused = [
+    live = [
         key.id
         for key in await admin.find_keys(period=str(period), label=LABEL)
-        if key.id in unstored
-        and not (key.revoked or key.expired)
-        and key.spent_cents == key.reserved_cents == 0
+        if key.id in unstored and not (key.revoked or key.expired)
     ]
-    for key_id in unused:
+    for key_id in live:
         await admin.revoke(key_id)
-    return unused
+    return live
 
 
 async def issue_lookup_key(admin: VaultAdmin, period: str, currency: str) -> IssuedKey:

@@ -237,8 +237,9 @@ async def revoke_key(request: web.Request) -> web.Response:
     started = time.monotonic()
     key_id = _key_id(request)
     async with request.app[STATE].pool.acquire() as conn, conn.transaction():
-        # Workers revoke the keys they issued and no run stored (billing.period_keys): a
-        # kill switch moves no money, and a revoked key counts only what it took.
+        # Workers revoke the keys they issued that no run stores any more (billing.period_keys:
+        # a failed opening's, one replaced): a kill switch moves no money, and a revoked key
+        # counts only what it took.
         _own_keys_only(request, key_id, await _require_key(conn, key_id), "revoke it")
         info = await store.revoke_key(conn, key_id)
         if info is None:

@@ -230,6 +230,7 @@ async def test_a_run_paused_at_its_cap_bills_the_rest_once_its_keys_are_renewed(
         renewal = await operations.renew_keys(vaulted.client, PERIOD, ALICE)
         [key] = renewal.keys
         assert (key.replaced, key.vault_key_id) == (old, await period_key(vaulted))
+        assert (await vaulted.vault.worker.get_key(old)).revoked
         # The new key has room for all that is left: a second renewal issues nothing.
         assert (await operations.renew_keys(vaulted.client, PERIOD, ALICE)).keys == []
         await operations.control(vaulted.client, PERIOD, "resume", ALICE)
@@ -245,7 +246,6 @@ async def test_a_run_paused_at_its_cap_bills_the_rest_once_its_keys_are_renewed(
     left = 10 * sum(c.amount_cents for c in customers[1:])
     new = await vaulted.vault.admin.get_key(key.vault_key_id)
     assert new.cap_cents <= spend_cap(left, vaulted.settings.billing_cap_multiplier)
-    assert not (await vaulted.vault.admin.get_key(old)).revoked
 
 
 async def test_run_wait_says_when_the_run_pauses_itself(
@@ -517,13 +517,43 @@ async def test_a_stored_key_near_its_expiry_is_replaced_not_reused(vaulted: Harn
     assert info.expires_at - datetime.now(UTC) > grace - timedelta(minutes=1)
 
 
-@pytest.mark.parametrize("how", ["revoked and deleted", "near its expiry"])
+async def test_a_replaced_key_issued_with_the_admin_token_is_named_not_revoked(
+    vaulted: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator's key stored as the period's is for the admin token to revoke: replaced
+    near its expiry, it is named in a warning, and the run bills through the new key."""
+    assert vaulted.vault is not None
+    await vaulted.seed(2)
+    near = period_keys.REUSE_MIN_LIFE - timedelta(minutes=1)
+    theirs = await vaulted.vault.admin.issue_key(_period_key(100_000, near))
+    async with vaulted.pool.acquire() as conn:
+        await conn.execute(
+            "INSERT INTO period_vault_keys"
+            " (billing_period, currency, vault_key_id, sealed_secret, cap_cents)"
+            " VALUES ($1, 'usd', $2, $3, $4)",
+            str(PERIOD),
+            theirs.id,
+            vaulted.settings.secret_box().seal(theirs.secret),
+            theirs.cap_cents,
+        )
+    async with vaulted.running_worker():
+        summary = await (await start_period(vaulted.client, PERIOD, vaulted.task_queue)).result()
+    assert summary.charged == 2
+    assert await period_key(vaulted) != theirs.id
+    assert not (await vaulted.vault.admin.get_key(theirs.id)).revoked
+    [warned] = [r for r in caplog.records if getattr(r, "event", "") == "replaced_key_not_revoked"]
+    assert warned.__dict__["vault_key_id"] == theirs.id
+    assert "issued with the admin token" in warned.__dict__["error"]
+
+
+@pytest.mark.parametrize("how", ["revoked and deleted", "deleted", "near its expiry"])
 async def test_a_rerun_charges_with_the_key_its_preparation_gave_not_the_one_cached(
     vaulted: Harness, how: str
 ) -> None:
     """A worker that charged the first run holds its key; a rerun's preparation replaced it
-    (after the revoke-and-delete the kill switch's message advises, or late in its life).
-    The rerun charges with the new key instead of pausing on the old one."""
+    (after the revoke-and-delete the kill switch's message advises, a delete alone, or late
+    in its life) and revoked it. The rerun charges with the new key instead of pausing on
+    the old one, or charging through the old one's room as well as the new one's cap."""
     assert vaulted.vault is not None
     await vaulted.seed(3)
     async with vaulted.running_worker():  # one long-lived worker, as in production
@@ -533,10 +563,14 @@ async def test_a_rerun_charges_with_the_key_its_preparation_gave_not_the_one_cac
         async with vaulted.pool.acquire() as conn:
             if how == "revoked and deleted":
                 await vaulted.vault.admin.revoke(old)
+            if how in ("revoked and deleted", "deleted"):
                 await conn.execute("DELETE FROM period_vault_keys")
             else:
+                # Room for the late customers too (e.g. first-run declines): only a revoke
+                # keeps the worker from charging them through it.
                 await conn.execute(
-                    "UPDATE vault_keys SET expires_at = now() + interval '20 hours' WHERE id = $1",
+                    "UPDATE vault_keys SET expires_at = now() + interval '20 hours',"
+                    " cap_cents = cap_cents * 10 WHERE id = $1",
                     old,
                 )
         await vaulted.seed(2, prefix="late")
@@ -552,6 +586,7 @@ async def test_a_rerun_charges_with_the_key_its_preparation_gave_not_the_one_cac
         )
     new = await period_key(vaulted)
     assert [(r["attempts"], r["sent_through"]) for r in attempts] == [(1, [new])] * 2
+    assert (await vaulted.vault.worker.get_key(old)).revoked
 
 
 async def test_revoked_key_stops_charging(vaulted: Harness) -> None:
