@@ -8,6 +8,7 @@ from typing import Literal, TypeVar
 
 from temporalio.client import (
     Client,
+    WorkflowExecutionStatus,
     WorkflowHandle,
     WorkflowUpdateFailedError,
     WorkflowUpdateRPCTimeoutOrCancelledError,
@@ -25,6 +26,7 @@ from billing.keys import idempotency_key, period_workflow_id
 from billing.models import OperatorRequest, PeriodProgress, SkipRequest, SkipResult
 from billing.period_keys import KeyRenewal
 from billing.periods import Period, check_skip_by_hand
+from billing.temporal_client import workflow_status
 from workflows.billing_period import BillingPeriodWorkflow
 
 Action = Literal["pause", "resume", "cancel"]
@@ -93,9 +95,19 @@ async def _to_the_run(
     except WorkflowUpdateFailedError as exc:
         raise _refused(exc) from None
     except RPCError as exc:
-        if exc.status in _NOT_RUNNING:
-            raise NotRunningError(f"no run of {period} is running to {doing}") from None
-        raise
+        if exc.status not in _NOT_RUNNING:
+            raise
+        if exc.status == RPCStatusCode.FAILED_PRECONDITION and (
+            await workflow_status(handle) == WorkflowExecutionStatus.RUNNING
+        ):
+            # Temporal takes no update while the run's workflow task is failing or timed out.
+            raise NoWorkerError(
+                f"the run of {period} is open, but could not take {what} now: its workflow"
+                " task is failing or timed out (a worker hung, crashed or failing on it). It"
+                f" may or may not take effect: check `python starter.py status {period}` and"
+                " the run in the Web UI, and try again once a worker runs it"
+            ) from None
+        raise NotRunningError(f"no run of {period} is running to {doing}") from None
 
 
 async def _update(

@@ -51,6 +51,7 @@ from billing.periods import (
     period_range,
 )
 from billing.redact import SECRET_RE
+from billing.temporal_client import workflow_status
 
 Overlap = Literal[
     "skip", "buffer_one", "buffer_all", "cancel_other", "terminate_other", "allow_all"
@@ -566,29 +567,19 @@ async def _launched(
     if request.action != "bill":
         return False
     period = _billed_at(action.scheduled_at, request)
-    return await _status(client.get_workflow_handle(period_workflow_id(period))) is not None
+    return await workflow_status(client.get_workflow_handle(period_workflow_id(period))) is not None
 
 
 async def _run_launched(launcher: WorkflowHandle[Any, Any]) -> bool:
     """Whether this run of a launcher is open, or ended after starting its period's run or
     finding it running: a reconciliation's ID is reused daily, so only the launcher's own
     history tells."""
-    if await _status(launcher) not in _ENDED_EARLY:
+    if await workflow_status(launcher) not in _ENDED_EARLY:
         return True
     async for event in launcher.fetch_history_events():
         if event.event_type in _STARTED_OR_JOINED:
             return True
     return False
-
-
-async def _status(handle: WorkflowHandle[Any, Any]) -> WorkflowExecutionStatus | None:
-    """The workflow's status; None if Temporal holds no run of it."""
-    try:
-        return (await handle.describe()).status
-    except RPCError as err:
-        if err.status == RPCStatusCode.NOT_FOUND:
-            return None
-        raise
 
 
 def _billed_at(moment: datetime, request: ScheduledBillingInput) -> Period:

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Any
 
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.envconfig import ClientConfigProfile, ClientConnectConfig
 from temporalio.runtime import Runtime
@@ -92,3 +93,13 @@ async def _check_namespace(client: Client, address: str) -> None:
         if exc.status != RPCStatusCode.PERMISSION_DENIED:
             raise
         # A key scoped to its namespace may not describe it; its own calls say what is wrong.
+
+
+async def workflow_status(handle: WorkflowHandle[Any, Any]) -> WorkflowExecutionStatus | None:
+    """The workflow's status; None if Temporal holds no run of it."""
+    try:
+        return (await handle.describe()).status
+    except RPCError as err:
+        if err.status == RPCStatusCode.NOT_FOUND:
+            return None
+        raise

@@ -47,7 +47,7 @@ from temporalio.workflow import ChildWorkflowHandle
 import starter
 from billing import ledger, operations, schedules
 from billing.customers import upsert_customers
-from billing.errors import BillingError, InvalidInputError
+from billing.errors import BillingError, InvalidInputError, NoWorkerError
 from billing.keys import idempotency_key, period_workflow_id, reconcile_workflow_id
 from billing.models import (
     ChargeFailure,
@@ -165,6 +165,25 @@ async def test_cancel_charges_nothing_more_and_cancels_the_rest(harness: Harness
         len(stopped),
     )
     await assert_billed_once(harness, str(PERIOD), customers, cancelled=stopped)
+
+
+async def test_a_run_whose_workflow_task_fails_is_said_to_be_open_not_gone(
+    harness: Harness,
+) -> None:
+    """A run whose workflow task is failing (a worker hung, crashed or failing on it) takes
+    no update: a pause is told that the run is open and that it may not land, not that no
+    run is running."""
+    await harness.seed(3)
+    failing = FailWorkflowTasks("BillingPeriodWorkflow")
+    async with harness.running_worker(interceptors=[failing]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        await _reached(handle, EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED)
+        with pytest.raises(NoWorkerError, match=f"the run of {PERIOD} is open, but could not"):
+            await operations.control(harness.client, PERIOD, "pause", ALICE)
+    await handle.terminate("checked")
+    with pytest.raises(operations.NotRunningError, match=f"no run of {PERIOD} is running"):
+        await operations.control(harness.client, PERIOD, "pause", ALICE)
+    assert await harness.money_requests() == 0
 
 
 async def replays(handle: WorkflowHandle[Any, PeriodSummary]) -> None:
@@ -969,20 +988,24 @@ async def test_a_reconcile_launch_ended_after_starting_its_reconciliation_is_not
         await handle.delete()
 
 
-class _FailLaunchersInbound(WorkflowInboundInterceptor):
-    async def execute_workflow(self, input: ExecuteWorkflowInput) -> Any:
-        if workflow.info().workflow_type == schedules.LAUNCHER:
-            raise RuntimeError("a bug in this release's launcher")
-        return await super().execute_workflow(input)
+class FailWorkflowTasks(Interceptor):
+    """Fails every workflow task of one workflow type, as a release with a bug in it would."""
 
-
-class FailLaunchers(Interceptor):
-    """Fails every workflow task of a schedule's launcher, as a release with a bug would."""
+    def __init__(self, workflow_type: str) -> None:
+        self._failing = workflow_type
 
     def workflow_interceptor_class(
         self, input: WorkflowInterceptorClassInput
     ) -> type[WorkflowInboundInterceptor]:
-        return _FailLaunchersInbound
+        failing = self._failing
+
+        class Failing(WorkflowInboundInterceptor):
+            async def execute_workflow(self, input: ExecuteWorkflowInput) -> Any:
+                if workflow.info().workflow_type == failing:
+                    raise RuntimeError(f"a bug in this release's {failing}")
+                return await super().execute_workflow(input)
+
+        return Failing
 
 
 async def test_a_launch_reset_after_a_terminate_is_not_missed(harness: Harness) -> None:
@@ -992,7 +1015,7 @@ async def test_a_launch_reset_after_a_terminate_is_not_missed(harness: Harness) 
     missed = partial(_missed_at, harness.client, "reset")
 
     try:
-        async with harness.running_worker(interceptors=[FailLaunchers()]):
+        async with harness.running_worker(interceptors=[FailWorkflowTasks(schedules.LAUNCHER)]):
             await handle.trigger()
             launch = await _nth_launch(harness.client, handle, 1)
             failed = await _reached(launch, EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED)
