@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validat
 from billing.errors import InvalidAmountError
 from billing.keys import validate_customer_id
 from billing.money import validate_amount_in
-from billing.redact import redact
+from billing.redact import one_line, redact
 
 # Who decides what billing decides by itself: a run that paused itself, a customer held.
 AUTOMATIC = "billing (automatic)"
@@ -249,8 +249,9 @@ class OperatorRequest(Record):
     @classmethod
     def _no_key(cls, value: object) -> object:
         # Kept in the ledger and the period's state, and sent redacted by the starter: a key
-        # pasted by mistake goes no further than the request that carried it.
-        return redact(value) if isinstance(value, str) else value
+        # pasted by mistake goes no further than the request that carried it. Escaped, not
+        # refused: a run started before this rule rebuilds its requests from its state.
+        return one_line(redact(value)) if isinstance(value, str) else value
 
 
 class SkipRequest(OperatorRequest):

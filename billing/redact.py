@@ -1,4 +1,4 @@
-"""Keep secrets out of anything a person or a log can read."""
+"""Keep secrets, and forged lines, out of anything a person or a log can read."""
 
 import re
 
@@ -18,3 +18,10 @@ SECRET_RE = re.compile(
 def redact(text: str) -> str:
     """Replace anything shaped like a Stripe or vault key with a marker."""
     return SECRET_RE.sub("[redacted key]", text)
+
+
+def one_line(text: str) -> str:
+    """`text` with every unprintable character (a newline, a tab, a zero-width space)
+    written as its escape: a reason or a name an operator typed is logged and shown as one
+    line, and cannot forge another."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)

@@ -486,6 +486,20 @@ def test_an_operators_reason_and_name_keep_no_key() -> None:
     )
 
 
+def test_an_operators_reason_and_name_are_one_line_each() -> None:
+    """Logged and shown by `status`, they cannot forge another line; written in any script."""
+    request = OperatorRequest(
+        reason="price\n2026-12-04 06:00:00,000 INFO forged\tline\u200b, café", operator="al\nINFO x"
+    )
+    assert request.reason == "price\\n2026-12-04 06:00:00,000 INFO forged\\tline\\u200b, café"
+    assert request.operator == "al\\nINFO x"
+    assert OperatorRequest.model_validate_json(request.model_dump_json()) == request
+    assert OperatorRequest(reason="Prüfung der Beträge", operator="李").operator == "李"
+    # The limit counts the escaped text, as it does the redacted one.
+    with pytest.raises(ValidationError, match="at most 500 characters"):
+        OperatorRequest(reason="x" * 499 + "\n", operator="alice")
+
+
 def test_a_redacted_reason_still_fits_its_limit() -> None:
     # A short key-shaped token grows when redacted: the limit counts the redacted text, so
     # the request the period rebuilds from it still validates.
