@@ -238,15 +238,18 @@ def failure_chain(error: BaseException) -> str:
     current: BaseException | None = error
     while current is not None:
         if isinstance(current, WorkflowFailureError):
-            parts.append("the workflow failed")
+            part = "the workflow failed"
         elif isinstance(current, ActivityError):
-            parts.append(f"its activity {current.activity_type} failed")
+            part = f"its activity {current.activity_type} failed"
         elif isinstance(current, ChildWorkflowError):
-            parts.append(f"its child {current.workflow_type} failed")
+            part = f"its child {current.workflow_type} failed"
         elif isinstance(current, FailureError):
-            parts.append(current.message)
+            part = current.message
         else:
-            parts.append(str(current) or type(current).__name__)
+            part = str(current) or type(current).__name__
+        # An error raised from another with the same words (`raise ... from exc`) adds none.
+        if not parts or parts[-1] != part:
+            parts.append(part)
         current = (
             current.cause if isinstance(current, WorkflowFailureError | FailureError) else None
         )

@@ -8,7 +8,12 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from temporalio.api.enums.v1 import PendingWorkflowTaskState
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
+)
 from temporalio.common import (
     SearchAttributePair,
     TypedSearchAttributes,
@@ -30,6 +35,7 @@ from billing.models import (
 )
 from billing.periods import Period
 from billing.reconciliation import ReconcileInput, ReconcileReport
+from billing.reporting import failure_chain
 from workflows.billing_period import BillingPeriodWorkflow
 from workflows.reconcile import ReconcileWorkflow
 
@@ -178,8 +184,13 @@ async def period_status(client: Client, period: Period) -> PeriodProgress:
     if status in (WorkflowExecutionStatus.COMPLETED, WorkflowExecutionStatus.CONTINUED_AS_NEW):
         return _progress(await handle.result())
     state = status.name.lower() if status else "unknown"
+    why = ""
+    try:
+        await handle.result(follow_runs=False)
+    except WorkflowFailureError as exc:
+        why = f" ({failure_chain(exc.cause)})"
     raise RunEndedError(
-        f"the run of {period} ended {state}: see {workflow_id} in the Web UI",
+        f"the run of {period} ended {state}{why}: see {workflow_id} in the Web UI",
         period=str(period),
         workflow_id=workflow_id,
         state=state,

@@ -30,6 +30,7 @@ from temporalio.client import (
     ScheduleSpec,
     ScheduleState,
     WorkflowExecution,
+    WorkflowFailureError,
     WorkflowHandle,
     WorkflowHistory,
 )
@@ -50,6 +51,7 @@ from billing.customers import upsert_customers
 from billing.errors import BillingError, InvalidInputError, NoWorkerError
 from billing.keys import idempotency_key, period_workflow_id, reconcile_workflow_id
 from billing.models import (
+    BillingPeriodInput,
     ChargeFailure,
     ChargeResult,
     Claim,
@@ -69,6 +71,7 @@ from billing.runs import period_status, start_period, start_reconcile
 from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
+from workflows.billing_period import BillingPeriodWorkflow
 from workflows.signals import PERIOD_BLOCKED
 
 # The current month: `run` refuses a period long past, so a fixed one would expire.
@@ -1142,13 +1145,27 @@ async def test_status_of_a_period_temporal_no_longer_holds_comes_from_the_ledger
     assert PeriodProgress.model_validate_json(out).state == "not_started"
 
 
-async def test_status_of_a_terminated_run_says_so_and_exits_3(harness: Harness) -> None:
+async def test_status_of_a_run_that_ended_early_says_why_and_exits_3(harness: Harness) -> None:
     await harness.seed(1)
     handle = await start_period(harness.client, PERIOD, harness.task_queue)
     await handle.terminate(reason="by hand")
     code, out, err = await harness.starter("status", str(PERIOD), "--json")
-    assert code == 3 and f"the run of {PERIOD} ended terminated" in err
+    assert code == 3 and f"the run of {PERIOD} ended terminated (by hand)" in err
     assert EndedRun.model_validate_json(out).state == "terminated"
+    # A run that failed says what failed it, as `run --wait` does.
+    later = PERIOD.next()
+    failing = await harness.client.start_workflow(
+        BillingPeriodWorkflow.run,
+        BillingPeriodInput(period="2026-13"),
+        id=period_workflow_id(later),
+        task_queue=harness.task_queue,
+    )
+    async with harness.running_worker():
+        with pytest.raises(WorkflowFailureError):
+            await failing.result()
+    code, _, err = await harness.starter("status", str(later))
+    assert code == 3, err
+    assert f"the run of {later} ended failed (billing period month 13 is not 01-12)" in err
 
 
 async def test_creating_a_schedule_twice_is_a_clear_error(harness: Harness) -> None:
