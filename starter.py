@@ -104,7 +104,7 @@ from billing.runs import (
     start_reconcile,
     status_from_ledger,
 )
-from billing.seeding import seed_demo
+from billing.seeding import MAX_DEMO_CUSTOMERS, seed_demo
 from billing.temporal_client import connect
 
 
@@ -136,6 +136,15 @@ def _positive(text: str) -> int:
     if not text.isascii() or not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
     return int(text)
+
+
+def _demo_count(text: str) -> int:
+    count = _positive(text)
+    if count > MAX_DEMO_CUSTOMERS:
+        raise argparse.ArgumentTypeError(
+            f"at most {MAX_DEMO_CUSTOMERS:,} demo customers, got {count:,}"
+        )
+    return count
 
 
 def _number(high: float, *, least: float | None = None) -> Callable[[str], float]:
@@ -926,11 +935,11 @@ def parser() -> argparse.ArgumentParser:
     )
     deactivate.set_defaults(handler=cmd_deactivate)
     seed = customer_commands.add_parser("seed-demo", help="create demo customers")
-    seed.add_argument("--count", type=_positive, default=1000)
+    seed.add_argument("--count", type=_demo_count, default=1000)
     seed.set_defaults(handler=cmd_seed_demo)
 
     demo = commands.add_parser("demo", help="bill a period of demo customers on the local stack")
-    demo.add_argument("--customers", type=_positive, default=1000)
+    demo.add_argument("--customers", type=_demo_count, default=1000)
     demo.add_argument("--period", type=_period, default=None, help="default: last month")
     demo.add_argument("--json", action="store_true")
     demo.add_argument(

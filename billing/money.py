@@ -32,6 +32,8 @@ def validate_amount(amount: object) -> int:
 def parse_amount(text: str) -> int:
     """Parse an amount in cents written as digits (no decimals, signs or separators)."""
     stripped = text.strip()
+    if stripped.startswith("-") and stripped[1:].isascii() and stripped[1:].isdigit():
+        raise InvalidAmountError(f"amount must be positive, got {shown(text)}")
     if not stripped.isascii() or not stripped.isdigit():
         raise InvalidAmountError(f"amount must be a whole number of cents, got {shown(text)}")
     significant = stripped.lstrip("0")

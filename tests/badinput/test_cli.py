@@ -140,6 +140,10 @@ CASES: dict[str, tuple[list[str], str]] = {
         "line 3: amount must be positive",
     ),
     "seed zero": (["starter.py", "customers", "seed-demo", "--count", "0"], "positive whole"),
+    "seed huge": (
+        ["starter.py", "customers", "seed-demo", "--count", "99999999999"],
+        "at most 1,000,000 demo customers, got 99,999,999,999",
+    ),
     "demo superscript": (["starter.py", "demo", "--customers", "²"], "positive whole"),
     "vault port": (["-m", "vault", "--port", "70000"], "not a TCP port"),
 }

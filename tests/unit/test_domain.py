@@ -218,9 +218,20 @@ def test_invalid_amounts(bad: object, reason: str) -> None:
         validate_amount(bad)
 
 
-@pytest.mark.parametrize("bad", ["12.50", "-1", "1e3", "", " ", "١٢"])
-def test_parse_amount_wants_plain_cents(bad: str) -> None:
-    with pytest.raises(InvalidAmountError):
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        ("12.50", "whole number"),
+        ("-1500", "must be positive, got '-1500'"),
+        ("-1.5", "whole number"),
+        ("1e3", "whole number"),
+        ("", "whole number"),
+        (" ", "whole number"),
+        ("١٢", "whole number"),
+    ],
+)
+def test_parse_amount_wants_plain_cents(bad: str, reason: str) -> None:
+    with pytest.raises(InvalidAmountError, match=reason):
         parse_amount(bad)
 
 
