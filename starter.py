@@ -115,6 +115,13 @@ def _period(text: str) -> Period:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _schedule_id(text: str) -> str:
+    try:
+        return schedules.validate_schedule_id(text)
+    except BillingError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _reason(text: str) -> str:
     """An argparse type: why an operator acts, kept with the run; blank says nothing."""
     if not text.strip():
@@ -847,7 +854,9 @@ def parser() -> argparse.ArgumentParser:
         ("delete", "delete the schedule (runs already started go on)"),
     ):
         sub = schedule_commands.add_parser(name, help=text)
-        sub.add_argument("--id", default=schedules.DEFAULT_SCHEDULE_ID, help="schedule id")
+        sub.add_argument(
+            "--id", type=_schedule_id, default=schedules.DEFAULT_SCHEDULE_ID, help="schedule id"
+        )
         sub.set_defaults(handler=cmd_schedule)
         if name in ("pause", "unpause"):
             sub.add_argument("--note", default=None)
@@ -898,6 +907,7 @@ def parser() -> argparse.ArgumentParser:
             )
             sub.add_argument(
                 "--billing-schedule",
+                type=_schedule_id,
                 default=schedules.DEFAULT_SCHEDULE_ID,
                 help="with --reconcile: the billing schedule whose mode and zone it follows,"
                 " and whose firings of the last two months it checks billed their months",

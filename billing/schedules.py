@@ -3,6 +3,7 @@ create, backfill, ...)."""
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, date, datetime, timedelta
 from typing import Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -85,10 +86,29 @@ def validate_time_zone(name: str) -> str:
     return name
 
 
+# Its launches' workflow IDs add a firing's time to it; Temporal takes up to 1,000 characters.
+_SCHEDULE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
+
+
+def validate_schedule_id(schedule_id: str) -> str:
+    if _SCHEDULE_ID_RE.fullmatch(schedule_id) is None:
+        raise InvalidInputError(
+            f"schedule id {shown(schedule_id, 70)} must be 1-200 characters of letters,"
+            " digits, '_', '.' or '-', starting with a letter or digit"
+        )
+    # Temporal keeps the id, names each launch after it and shows it in the Web UI.
+    if SECRET_RE.search(schedule_id):
+        raise InvalidInputError(
+            "a schedule id must not contain what looks like a Stripe or vault key"
+            " (sk_live_..., rk_test_..., vk_...)"
+        )
+    return schedule_id
+
+
 class MonthlySchedule(Record):
     """When the monthly run fires, and what it does when runs overlap or were missed."""
 
-    schedule_id: str = Field(default=DEFAULT_SCHEDULE_ID, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    schedule_id: str = DEFAULT_SCHEDULE_ID
     # Up to 28 so that every month has the day.
     day_of_month: int = Field(default=1, ge=1, le=28)
     hour: int = Field(default=2, ge=0, le=23)
@@ -110,16 +130,10 @@ class MonthlySchedule(Record):
     billing_schedule_id: str | None = None
     months_time_zone: str | None = None
 
-    @field_validator("schedule_id")
+    @field_validator("schedule_id", "billing_schedule_id")
     @classmethod
-    def _no_key(cls, value: str) -> str:
-        # Temporal keeps the id, names each launch after it and shows it in the Web UI.
-        if SECRET_RE.search(value):
-            raise ValueError(
-                "a schedule id must not contain what looks like a Stripe or vault key"
-                " (sk_live_..., rk_test_..., vk_...)"
-            )
-        return value
+    def _schedule_id(cls, value: str | None) -> str | None:
+        return None if value is None else validate_schedule_id(value)
 
     @field_validator("time_zone", "months_time_zone")
     @classmethod

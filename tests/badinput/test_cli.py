@@ -123,6 +123,10 @@ CASES: dict[str, tuple[list[str], str]] = {
         "without them, handled only lists the marks",
     ),
     "schedule hour": (["starter.py", "schedule", "create", "--hour", "25"], "hour:"),
+    "schedule blank id": (
+        ["starter.py", "schedule", "describe", "--id", ""],
+        "schedule id '' must be 1-200 characters",
+    ),
     "schedule zone": (
         ["starter.py", "schedule", "create", "--time-zone", "Mars/Olympus"],
         "not an IANA name",

@@ -102,7 +102,7 @@ def test_header_names_are_shown_redacted_and_few() -> None:
 GOOD_ROW = "c-{i},cus_A{i},pm_{i},{amount},usd\n"
 BAD_ROWS = [
     ("x'; DROP TABLE customers;--,cus_A,pm_1,100,usd\n", "customer_id"),
-    ("c-bad,cus_A,pm_1,-100,usd\n", "amount must be a whole number"),
+    ("c-bad,cus_A,pm_1,-100,usd\n", "amount must be positive"),
     ("c-bad,cus_A,pm_1,100,US$\n", "currency"),
     ("c-bad,cus_A,pm_1," + "9" * 5000 + ",usd\n", "amount of 5000 digits exceeds"),
     ("c-bad,cus_A,pm_1,49,usd\n", "amount 49 usd is below Stripe's minimum charge of 50 usd"),
