@@ -456,16 +456,18 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
     temporal = load_settings(TemporalSettings)
     # Bad input is refused before anything is contacted.
     reconcile = args.schedule_command == "create" and args.reconcile
+    if args.schedule_command == "create":
+        _check_create_flags(args)
     defaults = schedules.MonthlySchedule()
     if reconcile and args.id == schedules.DEFAULT_SCHEDULE_ID:
         args.id = schedules.RECONCILE_SCHEDULE_ID
     config = (
         schedules.MonthlySchedule(
             schedule_id=args.id,
-            day_of_month=args.day,
+            day_of_month=defaults.day_of_month if args.day is None else args.day,
             hour=args.hour,
             minute=args.minute,
-            time_zone=args.time_zone or defaults.time_zone,
+            time_zone=defaults.time_zone if args.time_zone is None else args.time_zone,
             billing=args.billing or defaults.billing,
             overlap=args.overlap,
             catchup_window=timedelta(hours=args.catchup_hours),
@@ -518,6 +520,30 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_create_flags(args: argparse.Namespace) -> None:
+    """Refuse a flag the kind of schedule asked for would ignore."""
+    if args.reconcile:
+        ignored = [
+            flag
+            for flag, given in (
+                ("--day", args.day is not None),
+                ("--leave-unbilled", args.leave_unbilled),
+            )
+            if given
+        ]
+        if ignored:
+            verb = "goes" if len(ignored) == 1 else "go"
+            raise InvalidInputError(
+                f"{' and '.join(ignored)} {verb} with a billing schedule, not --reconcile (a"
+                " reconciliation fires every day, and bills nothing)"
+            )
+    elif args.billing_schedule is not None:
+        raise InvalidInputError(
+            "--billing-schedule names the schedule a reconciliation follows: it goes with"
+            " --reconcile"
+        )
+
+
 async def _create_schedule(
     client: Client, task_queue: str, config: schedules.MonthlySchedule, args: argparse.Namespace
 ) -> None:
@@ -554,7 +580,7 @@ async def _following(
 ) -> schedules.MonthlySchedule:
     """A daily reconciliation takes its billing schedule's mode and zone, so that it checks
     the months that schedule bills, and alerts when one of its firings billed nothing."""
-    followed = args.billing_schedule
+    followed = args.billing_schedule or schedules.DEFAULT_SCHEDULE_ID
     try:
         _, billing = await schedules.launcher_of(client, followed)
     except ForeignScheduleError:
@@ -581,7 +607,7 @@ async def _following(
     return config.model_copy(
         update={
             "billing": billing.options.billing,
-            "time_zone": args.time_zone or billing.time_zone,
+            "time_zone": billing.time_zone if args.time_zone is None else args.time_zone,
             "months_time_zone": billing.time_zone,
             "billing_schedule_id": followed,
         }
@@ -865,7 +891,7 @@ def parser() -> argparse.ArgumentParser:
             sub.add_argument("--end", type=_period, required=True, help="last period")
             _add_late(sub)
         if name == "create":
-            sub.add_argument("--day", type=int, default=defaults.day_of_month, help="1-28")
+            sub.add_argument("--day", type=int, help=f"1-28 (default {defaults.day_of_month})")
             sub.add_argument("--hour", type=int, default=defaults.hour)
             sub.add_argument("--minute", type=int, default=defaults.minute)
             # No defaults here: a reconciliation takes these from its billing schedule.
@@ -903,14 +929,14 @@ def parser() -> argparse.ArgumentParser:
                 "--reconcile",
                 action="store_true",
                 help="a daily reconciliation of the period the schedule would bill, at --hour"
-                f" and --minute (--day unused; id {schedules.RECONCILE_SCHEDULE_ID} by default)",
+                f" and --minute (no --day; id {schedules.RECONCILE_SCHEDULE_ID} by default)",
             )
             sub.add_argument(
                 "--billing-schedule",
                 type=_schedule_id,
-                default=schedules.DEFAULT_SCHEDULE_ID,
                 help="with --reconcile: the billing schedule whose mode and zone it follows,"
-                " and whose firings of the last two months it checks billed their months",
+                " and whose firings of the last two months it checks billed their months"
+                f" (default {schedules.DEFAULT_SCHEDULE_ID})",
             )
             sub.add_argument(
                 "--leave-unbilled",

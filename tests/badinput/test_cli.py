@@ -123,6 +123,18 @@ CASES: dict[str, tuple[list[str], str]] = {
         "without them, handled only lists the marks",
     ),
     "schedule hour": (["starter.py", "schedule", "create", "--hour", "25"], "hour:"),
+    "schedule follows without reconciling": (
+        ["starter.py", "schedule", "create", "--billing-schedule", "billing-monthly"],
+        "--billing-schedule names the schedule a reconciliation follows: it goes with",
+    ),
+    "schedule reconciles on a day": (
+        ["starter.py", "schedule", "create", "--reconcile", "--day", "5", "--leave-unbilled"],
+        "--day and --leave-unbilled go with a billing schedule, not --reconcile",
+    ),
+    "schedule blank zone": (
+        ["starter.py", "schedule", "create", "--time-zone", ""],
+        "time zone '' is not an IANA name",
+    ),
     "schedule blank id": (
         ["starter.py", "schedule", "describe", "--id", ""],
         "schedule id '' must be 1-200 characters",
