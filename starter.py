@@ -220,7 +220,8 @@ async def cmd_run(args: argparse.Namespace) -> int:
         _emit(
             progress,
             args.json,
-            f"period {args.period} running as {handle.id}\n  {ui_link(temporal, handle.id)}",
+            f"period {args.period} {progress.state} as {handle.id}\n"
+            f"  {ui_link(temporal, handle.id)}",
         )
         return 0
     return await _wait_and_report(client, handle, args, temporal, told=concern)
@@ -324,8 +325,13 @@ async def cmd_skip(args: argparse.Namespace) -> int:
         ahead=args.ahead,
         late=args.late,
     )
-    _emit(result, args.json, f"{result.customer_id} in {args.period}: {result.detail}")
-    # Refused (its charge was sent, or it ended otherwise): 1 is reconciliation's findings.
+    said = f"{result.customer_id} in {args.period}: {result.detail}"
+    if result.skipped or args.json:
+        _emit(result, args.json, said)
+    else:
+        # Refused (its charge was sent, or it ended otherwise), said as other refusals are.
+        print(f"error: {said}", file=sys.stderr)
+    # 1 is reconciliation's findings.
     return 0 if result.skipped else 2
 
 

@@ -97,9 +97,8 @@ async def _to_the_run(
     except RPCError as exc:
         if exc.status not in _NOT_RUNNING:
             raise
-        if exc.status == RPCStatusCode.FAILED_PRECONDITION and (
-            await workflow_status(handle) == WorkflowExecutionStatus.RUNNING
-        ):
+        status = await workflow_status(handle)
+        if status == WorkflowExecutionStatus.RUNNING:
             # Temporal takes no update while the run's workflow task is failing or timed out.
             raise NoWorkerError(
                 f"the run of {period} is open, but could not take {what} now: its workflow"
@@ -107,7 +106,12 @@ async def _to_the_run(
                 f" may or may not take effect: check `python starter.py status {period}` and"
                 " the run in the Web UI, and try again once a worker runs it"
             ) from None
-        raise NotRunningError(f"no run of {period} is running to {doing}") from None
+        if status is None:
+            raise NotRunningError(f"no run of {period} is running to {doing}") from None
+        raise NotRunningError(
+            f"no run of {period} is running to {doing}: its last run ended"
+            f" {status.name.lower()} (`python starter.py status {period}` says how)"
+        ) from None
 
 
 async def _update(

@@ -639,7 +639,7 @@ def describe(description: ScheduleDescription, request: ScheduledBillingInput) -
         + "; ".join(c.comment or str(c) for c in spec.calendars)
         + f" ({spec.time_zone_name or 'UTC'})",
         f"  overlap {schedule.policy.overlap.name.lower()},"
-        f" catch-up window {schedule.policy.catchup_window}",
+        f" catch-up window {_hours(schedule.policy.catchup_window)}",
         "  next: " + ", ".join(t.isoformat() for t in description.info.next_action_times[:3]),
     ]
     for action in description.info.recent_actions[-5:]:
@@ -647,6 +647,11 @@ def describe(description: ScheduleDescription, request: ScheduledBillingInput) -
             f"  ran {action.scheduled_at.isoformat()}: {getattr(action.action, 'workflow_id', '')}"
         )
     return "\n".join(lines)
+
+
+def _hours(window: timedelta | None) -> str:
+    """A window as `--catchup-hours` gives it."""
+    return "Temporal's default" if window is None else f"{window.total_seconds() / 3600:g} hours"
 
 
 def _does(request: ScheduledBillingInput) -> str:

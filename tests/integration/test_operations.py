@@ -106,8 +106,8 @@ async def test_pause_stops_new_charges_and_resume_completes(harness: Harness) ->
         assert (await period_status(harness.client, PERIOD)).state == "paused"
         assert settled < 40
         # Starting it again joins the paused run, and says so rather than "running".
-        code, _, stderr = await harness.starter("run", str(PERIOD))
-        assert code == 0
+        code, out, stderr = await harness.starter("run", str(PERIOD))
+        assert code == 0 and out.startswith(f"period {PERIOD} paused as"), out
         assert f"the run of {PERIOD} is paused by alice (amounts look wrong)" in stderr
         resumed_at = await db_now(harness)
         await operations.control(
@@ -410,6 +410,8 @@ async def test_resume_is_refused_on_a_cancelled_run(harness: Harness) -> None:
         with pytest.raises(operations.OperatorRefusedError, match="cancelled by alice"):
             await operations.control(harness.client, PERIOD, "resume", ALICE)
         await handle.result()
+    with pytest.raises(operations.NotRunningError, match="its last run ended completed"):
+        await operations.control(harness.client, PERIOD, "resume", ALICE)
 
 
 async def test_skip_before_and_during_a_run(harness: Harness) -> None:
@@ -434,6 +436,12 @@ async def test_skip_before_and_during_a_run(harness: Harness) -> None:
         harness.client, harness.settings, harness.database_url, PERIOD, late
     )
     assert not refused.skipped and "charged" in refused.detail
+    # Through the CLI, refused as other refusals are: on stderr, exit 2.
+    code, out, err = await harness.starter(
+        "skip", str(PERIOD), second.customer_id, "--reason", "too late", "--operator", "carol"
+    )
+    assert (code, out) == (2, ""), out
+    assert err.startswith(f"error: {second.customer_id} in {PERIOD}: cannot skip"), err
     again = await operations.skip(
         harness.client, harness.settings, harness.database_url, PERIOD, skip
     )
@@ -987,6 +995,7 @@ async def test_a_reconcile_launch_ended_after_starting_its_reconciliation_is_not
             "\n  reconciles the latest period billed (arrears, months in UTC);"
             " follows no billing schedule\n" in out
         ), out
+        assert "overlap skip, catch-up window 168 hours\n" in out, out
     finally:
         await handle.delete()
 
