@@ -30,6 +30,7 @@ from typing import Any, get_args
 
 import asyncpg
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 from temporalio.client import (
     Client,
     ScheduleAlreadyRunningError,
@@ -991,6 +992,31 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
+# The flag, or argument, each field of the CLI's models comes from.
+_GIVEN_AS = {
+    "schedule_id": "--id",
+    "day_of_month": "--day",
+    "hour": "--hour",
+    "minute": "--minute",
+    "time_zone": "--time-zone",
+    "catchup_window": "--catchup-hours",
+    "billing_schedule_id": "--billing-schedule",
+    "reason": "--reason",
+    "operator": "--operator",
+    "customer_id": "the customer id",
+}
+
+
+def _validation_problem(error: ErrorDetails) -> str:
+    """One of pydantic's errors as the person who typed the command gave it: the flag, not
+    the model's field, and the reason without pydantic's "Value error, " prefix."""
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "string_too_long" and isinstance(error["input"], str):
+        message += f" (got {len(error['input'])})"
+    field = ".".join(str(_GIVEN_AS.get(str(part), part)) for part in error["loc"])
+    return f"{field}: {message}" if field else message
+
+
 def _first_line(exc: Exception) -> str:
     # asyncpg adds DETAIL and HINT lines (e.g. the failing row): the error is one line.
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -1048,8 +1074,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ValidationError as exc:
         for error in exc.errors():
-            field = ".".join(str(part) for part in error["loc"])
-            print(f"error: {field}: {error['msg']}", file=sys.stderr)
+            print(f"error: {_validation_problem(error)}", file=sys.stderr)
         return 2
     except CONNECTION_ERRORS as exc:
         # A statement past its time (asyncpg's command_timeout) or a connection lost midway

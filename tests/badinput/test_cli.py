@@ -122,7 +122,14 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["starter.py", "handled", "2026-12", "--undo"],
         "without them, handled only lists the marks",
     ),
-    "schedule hour": (["starter.py", "schedule", "create", "--hour", "25"], "hour:"),
+    "schedule hour": (
+        ["starter.py", "schedule", "create", "--hour", "25"],
+        "error: --hour: Input should be less than or equal to 23",
+    ),
+    "pause long reason": (
+        ["starter.py", "pause", "2026-12", "--reason", "x" * 600],
+        "error: --reason: String should have at most 500 characters (got 600)",
+    ),
     "schedule follows without reconciling": (
         ["starter.py", "schedule", "create", "--billing-schedule", "billing-monthly"],
         "--billing-schedule names the schedule a reconciliation follows: it goes with",
@@ -141,7 +148,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "schedule zone": (
         ["starter.py", "schedule", "create", "--time-zone", "Mars/Olympus"],
-        "not an IANA name",
+        "error: --time-zone: time zone 'Mars/Olympus' is not an IANA name",
     ),
     "schedule catchup huge": (
         ["starter.py", "schedule", "create", "--catchup-hours", "1e300"],
