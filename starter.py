@@ -85,7 +85,7 @@ from billing.periods import (
 )
 from billing.preview import preview_period
 from billing.reconciliation import CHARGE_ID_PATTERN, FindingKind, HandledMarks, HandledRequest
-from billing.redact import redact
+from billing.redact import one_line, redact
 from billing.reporting import (
     describe,
     describe_handled,
@@ -496,6 +496,13 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
     if args.schedule_command == "describe":
         print(schedules.describe(ours, await schedules.launch_input(client, ours)))
         _warn_missed(args.id, await schedules.missed_launches(client, args.id))
+    elif args.schedule_command in ("pause", "unpause") and ours.schedule.state.paused == (
+        args.schedule_command == "pause"
+    ):
+        # Its note says who paused it and why: kept, not overwritten.
+        state = ours.schedule.state
+        note = f" ({state.note})" if state.note else ""
+        print(f"schedule {args.id} is {'paused' if state.paused else 'active'}{note}: unchanged")
     elif args.schedule_command == "pause":
         await handle.pause(note=_note(args))
         print(f"paused schedule {args.id}")
@@ -647,7 +654,7 @@ def _note(args: argparse.Namespace) -> str | None:
     """A schedule's note, kept by Temporal and printed by `describe`: redacted, as reasons
     are."""
     note: str | None = args.note
-    return None if note is None else redact(note)
+    return None if note is None else one_line(redact(note))
 
 
 async def cmd_migrate(_: argparse.Namespace) -> int:

@@ -1248,6 +1248,12 @@ async def test_a_schedule_another_release_wrote_can_still_be_paused(harness: Har
     )
     code, out, err = await harness.starter("schedule", "pause", "--id", "from-elsewhere")
     assert (code, out.strip()) == (0, "paused schedule from-elsewhere"), err
+    # Paused already: said so, and the note of who paused it is kept.
+    code, out, err = await harness.starter(
+        "schedule", "pause", "--id", "from-elsewhere", "--note", "again"
+    )
+    assert code == 0 and out.startswith("schedule from-elsewhere is paused ("), err
+    assert out.rstrip().endswith("): unchanged") and "again" not in out, out
     code, out, err = await harness.starter("schedule", "describe", "--id", "from-elsewhere")
     assert (code, out) == (2, ""), out
     assert "holds arguments this release cannot read" in err and "Traceback" not in err, err
