@@ -60,6 +60,7 @@ from billing.errors import (
     BillingError,
     ForeignScheduleError,
     InvalidInputError,
+    InvalidPeriodError,
     NoWorkerError,
     RunEndedError,
     UnknownScheduleError,
@@ -382,6 +383,11 @@ async def cmd_preview(args: argparse.Namespace) -> int:
     finally:
         await pool.close()
     _emit(preview, args.json, describe_preview(preview))
+    try:
+        check_run_by_hand(args.period, datetime.now(UTC))
+    except InvalidPeriodError as exc:
+        # A preview charges nothing, but the run it previews would be refused as asked.
+        print(f"note: `run {args.period}` would be refused: {exc}", file=sys.stderr)
     return 0
 
 

@@ -163,6 +163,13 @@ async def test_a_period_in_several_currencies_keeps_each_apart(
     code, out, err = await vaulted.starter("preview", str(PERIOD))
     assert code == 0, err
     assert f"issued so far are capped at {describe_amounts(caps)}" in out
+    assert "would be refused" not in err
+    # A month `run` refuses without --ahead is previewed all the same, with a note saying so.
+    later = PERIOD.next().next()
+    code, out, err = await vaulted.starter("preview", str(later))
+    assert code == 0 and f"preview of {later}: nothing is charged" in out, err
+    assert f"note: `run {later}` would be refused: {later} has not begun" in err
+    assert "pass --ahead" in err
 
 
 async def charging_one_at_a_time(vaulted: Harness) -> WorkflowHandle[Any, PeriodSummary]:
