@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -230,9 +230,11 @@ class ChargingActivities:
 
     def _looks_up_first(self, claim: Claim) -> bool:
         # Stripe forgets keys after 24 hours: past that a replay would charge again, so an
-        # old claim is looked up first.
-        age = datetime.now(UTC) - claim.claimed_at
-        return age > timedelta(seconds=self._settings.billing_lookup_after_seconds)
+        # old claim is looked up first. Its age by the database's clock, as the vault counts
+        # its own window: a worker's clock running slow would take a claim Stripe has
+        # forgotten for one it remembers.
+        assert claim.claimed_ago is not None, "the bill reads its claim from the ledger"
+        return claim.claimed_ago > timedelta(seconds=self._settings.billing_lookup_after_seconds)
 
     async def _stop_behind_saved_error(
         self, claim: Claim, fencing_token: int

@@ -116,7 +116,7 @@ _OPEN = """(r.status IS NULL OR (r.status = 'claimed' AND r.skip_reason IS NULL)
 _CLAIM_COLUMNS = """
     customer_id, billing_period AS period, idempotency_key, amount_cents, currency,
     stripe_customer_id, payment_method, status, claimed_at, payment_intent_id, charge_id,
-    failure_code, claimed_by_run, charge_api
+    failure_code, claimed_by_run, charge_api, now() - claimed_at AS claimed_ago
 """
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator
@@ -66,6 +66,9 @@ class Claim(Record):
     # The API every request of the claim uses, fixed when claimed (same key, same endpoint);
     # None for a claim made before the API was recorded: the worker's setting.
     charge_api: ChargeApi | None = None
+    # How long ago it was claimed, by the database's clock when read from the ledger (None
+    # otherwise): a worker's own clock may be off. Not carried in workflow payloads.
+    claimed_ago: timedelta | None = Field(default=None, exclude=True)
 
 
 class ChargeResult(Record):

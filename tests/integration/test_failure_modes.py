@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import signal
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta, tzinfo
 
 import pytest
 import stripe
@@ -13,6 +13,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 from temporalio.testing import ActivityEnvironment
 
+from activities import charging as charging_module
 from activities import stripe_gateway
 from activities.charging import PAUSED, BillRequest, ChargingActivities
 from activities.stripe_access import DirectAccess, StripeAccess, VaultAccess
@@ -447,6 +448,34 @@ async def test_old_claim_is_looked_up_before_a_new_request(harness: Harness) -> 
     # One create per customer (its response dropped); the retry found it by listing.
     assert len([r for r in creates if r["path"] == "/v1/payment_intents"]) == 6
     await assert_billed_once(harness, str(PERIOD), customers)
+
+
+class _TwoHoursSlow(datetime):
+    @classmethod
+    def now(cls, tz: tzinfo | None = None) -> _TwoHoursSlow:
+        return cls.fromtimestamp(datetime.now(UTC).timestamp() - 7200, tz)
+
+
+async def test_an_old_claim_is_judged_by_the_databases_clock_not_the_workers(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Charged at Stripe, its answer lost, the claim retried a day later, once Stripe has
+    forgotten its key: a worker whose clock runs two hours slow would take the claim for
+    one Stripe still remembers, and send it again. Its age is the database's."""
+    customer, charging, request = await _billing_one(harness, StripeGateway)
+    await harness.set_faults(drop_after_commit=1.0)
+    with pytest.raises(ApplicationError):
+        await _attempt(1).run(charging.bill, request)
+    await harness.set_faults(drop_after_commit=0.0)
+    await harness.pool.execute(
+        "UPDATE billing_runs SET claimed_at = claimed_at - interval '23 hours 30 minutes'"
+    )
+    await harness.stripe_forgets_keys()
+    monkeypatch.setattr(charging_module, "datetime", _TwoHoursSlow)
+    assert (await _attempt(2).run(charging.bill, request)).outcome == "charged"
+    await assert_billed_once(harness, str(PERIOD), [customer])
+    sent = [(r["method"], r["path"]) for r in await harness.requests()]
+    assert sent.count(("POST", "/v1/payment_intents")) == 1, sent
 
 
 async def test_worker_killed_between_claim_and_charge(harness: Harness) -> None:
