@@ -507,7 +507,7 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
     ):
         # Its note says who paused it and why: kept, not overwritten.
         state = ours.schedule.state
-        note = f" ({state.note})" if state.note else ""
+        note = f" ({one_line(state.note)})" if state.note else ""
         print(f"schedule {args.id} is {'paused' if state.paused else 'active'}{note}: unchanged")
     elif args.schedule_command == "pause":
         await handle.pause(note=_note(args))

@@ -39,7 +39,6 @@ from billing.money import spend_caps
 from billing.periods import Billing, parse_period, period_for
 from vault.client import (
     VaultAdmin,
-    VaultAdminError,
     VaultAuthError,
     VaultForbidden,
     VaultInvalidRequest,
@@ -192,15 +191,16 @@ class PeriodActivities:
                     kept = None
             if kept is None:
                 to_issue.append(currency)
-        if to_issue:
-            try:
-                revoked = await period_keys.revoke_unstored(conn, admin, period)
-            except VaultForbidden as exc:
-                # A vault from before workers could revoke their own keys: they stay counted.
-                log.warning("%s: could not revoke unused keys: %s", plan.period, exc.message)
-                revoked = []
-            for key_id in revoked:
-                logs.log_event(log, "unstored_key_revoked", period=plan.period, vault_key_id=key_id)
+        # At every opening and renewal, not only before an issue: a key replaced by one
+        # this run's first try stored, whose revoke failed, is revoked when it is tried again.
+        try:
+            revoked = await period_keys.revoke_unstored(conn, admin, period)
+        except VaultForbidden as exc:
+            # A vault from before workers could revoke their own keys: they stay counted.
+            log.warning("%s: could not revoke unused keys: %s", plan.period, exc.message)
+            revoked = []
+        for key_id in revoked:
+            logs.log_event(log, "unstored_key_revoked", period=plan.period, vault_key_id=key_id)
         grace = timedelta(days=self._settings.billing_vault_key_grace_days)
         box = self._settings.secret_box()
         issued = []
@@ -391,14 +391,15 @@ async def _revoke_replaced(
     """Revoke the keys the new ones replaced, once stored: a worker that cached one would
     otherwise charge through its room as well as the new key's cap (the kill switch sends it
     to the new key instead, activities/charging.py). Charges already sent settle as usual. A
-    revoke that fails does not fail the run: the period's next key issue revokes it
-    (period_keys.revoke_unstored)."""
+    revoke the vault could not make raises, and the activity's retry revokes the key under
+    the opening's lock (period_keys.revoke_unstored); one the worker token may not make (a
+    key issued with the admin token) is only named."""
     for key in issued:
         if key.replaced is None:
             continue
         try:
             await admin.revoke(key.replaced)
-        except VaultAdminError as exc:
+        except VaultForbidden as exc:
             logs.log_event(
                 log,
                 "replaced_key_not_revoked",

@@ -252,8 +252,8 @@ class OperatorRequest(Record):
     @classmethod
     def _no_key(cls, value: object) -> object:
         # Kept in the ledger and the period's state, and sent redacted by the starter: a key
-        # pasted by mistake goes no further than the request that carried it. Escaped, not
-        # refused: a run started before this rule rebuilds its requests from its state.
+        # pasted by mistake goes no further than the request that carried it. Made one line,
+        # not refused: a run started before this rule rebuilds its requests from its state.
         return one_line(redact(value)) if isinstance(value, str) else value
 
 

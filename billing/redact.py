@@ -21,7 +21,8 @@ def redact(text: str) -> str:
 
 
 def one_line(text: str) -> str:
-    """`text` with every unprintable character (a newline, a tab, a zero-width space)
-    written as its escape: a reason or a name an operator typed is logged and shown as one
-    line, and cannot forge another."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+    """`text` with every unprintable character (a newline, a tab, a zero-width space) made a
+    space: a reason or a name an operator typed is logged and shown as one line, and cannot
+    forge another. One for one, so that a length checked before still holds: a run started
+    before this rule rebuilds its requests from the text it holds."""
+    return "".join(c if c.isprintable() else " " for c in text)

@@ -21,6 +21,7 @@ from billing.models import (
 from billing.money import describe_amounts
 from billing.period_keys import KeyRenewal
 from billing.reconciliation import HandledMarks, HandledResult, ReconcileReport
+from billing.redact import one_line, redact
 
 
 def describe(summary: PeriodCounts) -> str:
@@ -149,8 +150,8 @@ def describe_renewal(renewal: KeyRenewal) -> str:
     for key in renewal.keys:
         cap = describe_amounts({key.currency: key.cap_cents})
         replaced = (
-            f", in place of {key.replaced} (not revoked: revoke it with the vault's admin token"
-            " to free what is left of its cap from the worker budget)"
+            f", in place of {key.replaced} (revoked: workers still holding it take the new one;"
+            " one issued with the admin token is for that token to revoke)"
             if key.replaced
             else ""
         )
@@ -232,8 +233,8 @@ def _listed_of(listed: int, total: int, logged_as: str | None = None) -> str:
 
 
 def failure_chain(error: BaseException) -> str:
-    """A Temporal failure and its causes in a few words each, the root cause last (our
-    activities' messages carry no secret)."""
+    """A Temporal failure and its causes in a few words each, the root cause last, on one
+    line and redacted."""
     parts: list[str] = []
     current: BaseException | None = error
     while current is not None:
@@ -253,7 +254,8 @@ def failure_chain(error: BaseException) -> str:
         current = (
             current.cause if isinstance(current, WorkflowFailureError | FailureError) else None
         )
-    return ": ".join(parts)
+    # A terminate's reason is an operator's words, with whatever they pasted.
+    return one_line(redact(": ".join(parts)))
 
 
 def describe_handled(result: HandledResult) -> str:

@@ -41,11 +41,8 @@ from workflows.reconcile import ReconcileWorkflow
 
 # A worker answers a query in milliseconds; without one the server would wait much longer.
 QUERY_TIMEOUT = timedelta(seconds=10)
-_NO_WORKER = (
-    RPCStatusCode.DEADLINE_EXCEEDED,
-    RPCStatusCode.CANCELLED,
-    RPCStatusCode.FAILED_PRECONDITION,
-)
+_REFUSED = RPCStatusCode.FAILED_PRECONDITION
+_NO_WORKER = (RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED, _REFUSED)
 
 ArgT = TypeVar("ArgT")
 ResultT = TypeVar("ResultT")
@@ -174,12 +171,13 @@ async def period_status(client: Client, period: Period) -> PeriodProgress:
             # refusal: either way no worker is there to say how the run stands.
             if exc.status not in _NO_WORKER:
                 raise
+            # Temporal's refusal says why; a timeout's words are its transport's.
+            said = f" (Temporal: {exc.message})" if exc.status == _REFUSED else ""
             raise NoWorkerError(
                 f"the run of {period} ({workflow_id}) is open, but no worker answered its"
                 f" query within {QUERY_TIMEOUT.total_seconds():.0f} s, so whether it runs, is"
                 f" paused or is being cancelled is unknown: is a worker polling task queue"
-                f" {description.task_queue}? Nothing is charged until one does (Temporal:"
-                f" {exc.message})"
+                f" {description.task_queue}? Nothing is charged until one does{said}"
             ) from None
     if status in (WorkflowExecutionStatus.COMPLETED, WorkflowExecutionStatus.CONTINUED_AS_NEW):
         return _progress(await handle.result())

@@ -51,7 +51,7 @@ from billing.periods import (
     period_for,
     period_range,
 )
-from billing.redact import SECRET_RE
+from billing.redact import SECRET_RE, one_line
 from billing.temporal_client import workflow_status
 
 Overlap = Literal[
@@ -86,15 +86,17 @@ def validate_time_zone(name: str) -> str:
     return name
 
 
-# Its launches' workflow IDs add a firing's time to it; Temporal takes up to 1,000 characters.
-_SCHEDULE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
+# Its launches' workflow IDs add "-" and a firing's time (21 characters) to it, and Temporal
+# takes up to 1,000: a longer id could never launch (earlier releases checked no length).
+SCHEDULE_ID_MAX = 979
+_SCHEDULE_ID_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{SCHEDULE_ID_MAX - 1}}}")
 
 
 def validate_schedule_id(schedule_id: str) -> str:
     if _SCHEDULE_ID_RE.fullmatch(schedule_id) is None:
         raise InvalidInputError(
-            f"schedule id {shown(schedule_id, 70)} must be 1-200 characters of letters,"
-            " digits, '_', '.' or '-', starting with a letter or digit"
+            f"schedule id {shown(schedule_id, 70)} must be 1-{SCHEDULE_ID_MAX} characters of"
+            " letters, digits, '_', '.' or '-', starting with a letter or digit"
         )
     # Temporal keeps the id, names each launch after it and shows it in the Web UI.
     if SECRET_RE.search(schedule_id):
@@ -634,7 +636,7 @@ def describe(description: ScheduleDescription, request: ScheduledBillingInput) -
         f"schedule {description.id}",
         f"  {_does(request)}",
         f"  {'PAUSED' if schedule.state.paused else 'active'}"
-        + (f" ({schedule.state.note})" if schedule.state.note else ""),
+        + (f" ({one_line(schedule.state.note)})" if schedule.state.note else ""),
         "  fires: "
         + "; ".join(c.comment or str(c) for c in spec.calendars)
         + f" ({spec.time_zone_name or 'UTC'})",

@@ -40,7 +40,8 @@ async def create_demo_customers(
     card_for: Callable[[int], str] = demo_card,
 ) -> list[CustomerRow]:
     """Create `count` customers, each with the saved test card `card_for(index)`; created
-    again (an interrupted seeding run again), each is Stripe's replay of the first."""
+    again within a day (an interrupted seeding run again), each is Stripe's replay of the
+    first."""
     gate = asyncio.Semaphore(_CONCURRENCY)
 
     async def create(index: int) -> CustomerRow:

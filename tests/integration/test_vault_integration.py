@@ -35,8 +35,8 @@ from tests.integration.harness import (
 )
 from tests.integration.invariants import assert_billed_once
 from tests.integration.test_operations import replays
-from vault.client import VaultAdmin
-from vault.models import IssueKeyRequest
+from vault.client import VaultAdmin, VaultUnavailable
+from vault.models import IssueKeyRequest, KeyInfo
 
 # The current month: `run` refuses a period long past, so a fixed one would expire.
 PERIOD = period_for(datetime.now(UTC), "advance")
@@ -553,15 +553,29 @@ async def test_a_replaced_key_issued_with_the_admin_token_is_named_not_revoked(
     assert "issued with the admin token" in warned.__dict__["error"]
 
 
-@pytest.mark.parametrize("how", ["revoked and deleted", "deleted", "near its expiry"])
+@pytest.mark.parametrize(
+    "how", ["revoked and deleted", "deleted", "near its expiry", "near its expiry, vault away"]
+)
 async def test_a_rerun_charges_with_the_key_its_preparation_gave_not_the_one_cached(
-    vaulted: Harness, how: str
+    vaulted: Harness, how: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A worker that charged the first run holds its key; a rerun's preparation replaced it
     (after the revoke-and-delete the kill switch's message advises, a delete alone, or late
-    in its life) and revoked it. The rerun charges with the new key instead of pausing on
-    the old one, or charging through the old one's room as well as the new one's cap."""
+    in its life) and revoked it, on its retry if the vault was away. The rerun charges with
+    the new key instead of pausing on the old one, or charging through the old one's room
+    as well as the new one's cap."""
     assert vaulted.vault is not None
+    if how.endswith("vault away"):
+        revoke = VaultAdmin.revoke
+        refused: list[str] = []
+
+        async def away_once(admin: VaultAdmin, key_id: str) -> KeyInfo:
+            if not refused:
+                refused.append(key_id)
+                raise VaultUnavailable(503, None, "the vault is restarting")
+            return await revoke(admin, key_id)
+
+        monkeypatch.setattr(VaultAdmin, "revoke", away_once)
     await vaulted.seed(3)
     async with vaulted.running_worker():  # one long-lived worker, as in production
         first = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
@@ -594,6 +608,8 @@ async def test_a_rerun_charges_with_the_key_its_preparation_gave_not_the_one_cac
     new = await period_key(vaulted)
     assert [(r["attempts"], r["sent_through"]) for r in attempts] == [(1, [new])] * 2
     assert (await vaulted.vault.worker.get_key(old)).revoked
+    if how.endswith("vault away"):
+        assert refused == [old]
 
 
 async def test_revoked_key_stops_charging(vaulted: Harness) -> None:

@@ -502,13 +502,12 @@ def test_an_operators_reason_and_name_are_one_line_each() -> None:
     request = OperatorRequest(
         reason="price\n2026-12-04 06:00:00,000 INFO forged\tline\u200b, café", operator="al\nINFO x"
     )
-    assert request.reason == "price\\n2026-12-04 06:00:00,000 INFO forged\\tline\\u200b, café"
-    assert request.operator == "al\\nINFO x"
+    assert request.reason == "price 2026-12-04 06:00:00,000 INFO forged line , café"
+    assert request.operator == "al INFO x"
     assert OperatorRequest.model_validate_json(request.model_dump_json()) == request
     assert OperatorRequest(reason="Prüfung der Beträge", operator="李").operator == "李"
-    # The limit counts the escaped text, as it does the redacted one.
-    with pytest.raises(ValidationError, match="at most 500 characters"):
-        OperatorRequest(reason="x" * 499 + "\n", operator="alice")
+    # One for one: a text within the limit before the rule (a run's state) still is.
+    assert len(OperatorRequest(reason="x" * 499 + "\n", operator="alice").reason) == 500
 
 
 def test_a_redacted_reason_still_fits_its_limit() -> None:
