@@ -461,10 +461,11 @@ async def test_unknown_reservations_of_charges_stripe_took_are_committed(
 
 
 async def _renewed(vaulted: Harness, currency: str) -> period_keys.PeriodKey:
-    """A new key stored in place of the period's, as renew-keys or a rerun's preparation
-    stores one."""
+    """A new key stored in place of the period's, and the old one revoked, as renew-keys or
+    a rerun's preparation does."""
     assert vaulted.vault is not None
-    return await period_keys.issue_key(
+    old = await period_keys.stored_key_id(vaulted.pool, str(PERIOD), currency)
+    new = await period_keys.issue_key(
         vaulted.pool,
         vaulted.vault.worker,
         vaulted.settings.secret_box(),
@@ -474,6 +475,9 @@ async def _renewed(vaulted: Harness, currency: str) -> period_keys.PeriodKey:
         timedelta(days=1),
         known_in=vaulted.pool,
     )
+    assert old is not None
+    await vaulted.vault.worker.revoke(old)
+    return new
 
 
 async def test_a_charge_retried_through_a_renewed_key_is_counted_under_one_key(
@@ -960,10 +964,10 @@ async def test_a_period_whose_key_can_no_longer_be_used_is_still_reconciled(
 async def test_a_claim_is_charged_through_the_key_that_replaced_the_one_a_worker_holds(
     vaulted: Harness,
 ) -> None:
-    """`renew-keys` (or a rerun) stores a new key, and an operator then revokes the old one,
-    which the worker still caches: reconciliation reads through the new key, which can
-    charge, and charges the claim, rather than leaving it for a person to replace a key
-    that was already replaced."""
+    """`renew-keys` (or a rerun) stores a new key and revokes the old one, which the worker
+    still caches: reconciliation reads through the new key, which can charge, and charges
+    the claim, rather than leaving it for a person to replace a key that was already
+    replaced."""
     assert vaulted.vault is not None
     customers = await vaulted.seed(2)
     async with vaulted.running_worker():
@@ -972,7 +976,7 @@ async def test_a_claim_is_charged_through_the_key_that_replaced_the_one_a_worker
         claim = await stranded(vaulted, late, at_stripe=False)
         [old] = await vaulted.vault.admin.find_keys(period=str(PERIOD), label=period_keys.LABEL)
         await _renewed(vaulted, claim.currency)
-        await vaulted.vault.admin.revoke(old.id)
+        assert (await vaulted.vault.admin.get_key(old.id)).revoked
         handle = await start_reconcile(vaulted.client, PERIOD, vaulted.task_queue)
         report = await handle.result()
     assert [(c.customer_id, c.action, c.needs_person) for c in report.claims] == [
