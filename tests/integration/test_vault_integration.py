@@ -36,7 +36,7 @@ from tests.integration.harness import (
 from tests.integration.invariants import assert_billed_once
 from tests.integration.test_operations import replays
 from vault.client import VaultAdmin, VaultUnavailable
-from vault.models import IssueKeyRequest, KeyInfo
+from vault.models import IssuedKey, IssueKeyRequest, KeyInfo
 
 # The current month: `run` refuses a period long past, so a fixed one would expire.
 PERIOD = period_for(datetime.now(UTC), "advance")
@@ -75,6 +75,19 @@ def _period_key(cap_cents: int, lives: timedelta = timedelta(days=2)) -> IssueKe
         currency="usd",
         allowed_endpoints=period_keys.ALLOWED_ENDPOINTS,
         expires_at=datetime.now(UTC) + lives,
+    )
+
+
+async def _stored_as_the_periods(vaulted: Harness, key: IssuedKey) -> None:
+    """`key` stored as the period's usd key, as if a run's preparation had issued it."""
+    await vaulted.pool.execute(
+        "INSERT INTO period_vault_keys"
+        " (billing_period, currency, vault_key_id, sealed_secret, cap_cents)"
+        " VALUES ($1, 'usd', $2, $3, $4)",
+        str(PERIOD),
+        key.id,
+        vaulted.settings.secret_box().seal(key.secret),
+        key.cap_cents,
     )
 
 
@@ -433,16 +446,7 @@ async def test_a_stored_key_refused_leaves_no_new_key_in_another_currency(
     usd, eur = await vaulted.seed(2)
     await upsert_customers(vaulted.pool, [eur.model_copy(update={"currency": "eur"})])
     small = await vaulted.vault.worker.issue_key(_period_key(usd.amount_cents - 1))
-    async with vaulted.pool.acquire() as conn:
-        await conn.execute(
-            "INSERT INTO period_vault_keys"
-            " (billing_period, currency, vault_key_id, sealed_secret, cap_cents)"
-            " VALUES ($1, 'usd', $2, $3, $4)",
-            str(PERIOD),
-            small.id,
-            vaulted.settings.secret_box().seal(small.secret),
-            small.cap_cents,
-        )
+    await _stored_as_the_periods(vaulted, small)
     async with vaulted.running_worker():
         handle = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
         with pytest.raises(WorkflowFailureError):
@@ -533,16 +537,7 @@ async def test_a_replaced_key_issued_with_the_admin_token_is_named_not_revoked(
     await vaulted.seed(2)
     near = period_keys.REUSE_MIN_LIFE - timedelta(minutes=1)
     theirs = await vaulted.vault.admin.issue_key(_period_key(100_000, near))
-    async with vaulted.pool.acquire() as conn:
-        await conn.execute(
-            "INSERT INTO period_vault_keys"
-            " (billing_period, currency, vault_key_id, sealed_secret, cap_cents)"
-            " VALUES ($1, 'usd', $2, $3, $4)",
-            str(PERIOD),
-            theirs.id,
-            vaulted.settings.secret_box().seal(theirs.secret),
-            theirs.cap_cents,
-        )
+    await _stored_as_the_periods(vaulted, theirs)
     async with vaulted.running_worker():
         summary = await (await start_period(vaulted.client, PERIOD, vaulted.task_queue)).result()
     assert summary.charged == 2
