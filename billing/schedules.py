@@ -576,10 +576,13 @@ async def _launched(
     execution = action.action
     if not isinstance(execution, ScheduleActionExecutionStartWorkflow):
         return True
-    # The launch's own run, then the latest of its ID: an operator may have reset it.
-    for run_id in (execution.first_execution_run_id, None):
-        if await _run_launched(client.get_workflow_handle(execution.workflow_id, run_id=run_id)):
-            return True
+    first = execution.first_execution_run_id
+    if await _run_launched(client.get_workflow_handle(execution.workflow_id, run_id=first)):
+        return True
+    # An operator may have reset it: the latest run of its ID is then another.
+    latest = client.get_workflow_handle(execution.workflow_id)
+    if (await latest.describe()).run_id != first and await _run_launched(latest):
+        return True
     if request.action != "bill":
         return False
     period = _billed_at(action.scheduled_at, request)
