@@ -26,7 +26,7 @@ import sys
 from collections.abc import AsyncIterator, Callable, Coroutine
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, TypeVar, get_args
 
 import asyncpg
 from pydantic import BaseModel, ValidationError
@@ -109,19 +109,23 @@ from billing.runs import (
 from billing.seeding import MAX_DEMO_CUSTOMERS, seed_demo
 from billing.temporal_client import connect
 
-
-def _period(text: str) -> Period:
-    try:
-        return parse_period(text)
-    except BillingError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+T = TypeVar("T")
 
 
-def _schedule_id(text: str) -> str:
-    try:
-        return schedules.validate_schedule_id(text)
-    except BillingError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _argument(check: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse type from one of billing's checks: its refusal is argparse's error."""
+
+    def checked(text: str) -> T:
+        try:
+            return check(text)
+        except BillingError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return checked
+
+
+_period = _argument(parse_period)
+_schedule_id = _argument(schedules.validate_schedule_id)
 
 
 def _reason(text: str) -> str:
