@@ -37,12 +37,7 @@ from billing.models import (
 )
 from billing.money import spend_caps
 from billing.periods import Billing, parse_period, period_for
-from vault.client import (
-    VaultAdmin,
-    VaultAuthError,
-    VaultForbidden,
-    VaultInvalidRequest,
-)
+from vault.client import VaultAdmin, VaultAuthError, VaultForbidden, VaultInvalidRequest
 
 
 class PrepareRequest(Record):
