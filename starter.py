@@ -766,7 +766,8 @@ async def cmd_demo(args: argparse.Namespace) -> int:
     return await run_demo(args)
 
 
-def _add_late(command: argparse.ArgumentParser) -> None:
+# argparse names no public type for "a parser or a group of its flags".
+def _add_late(command: argparse._ActionsContainer) -> None:
     """`run` and `schedule backfill` bill old periods only when told to (billing.periods)."""
     command.add_argument(
         "--late",
@@ -783,10 +784,12 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("period", type=_period, help="YYYY-MM")
     run.add_argument("--wait", action="store_true", help="wait for the run and print its summary")
     run.add_argument("--json", action="store_true", help="print one JSON object")
-    run.add_argument(
+    # A month is ahead or late, never both: the two together are a mistyped period.
+    when = run.add_mutually_exclusive_group()
+    when.add_argument(
         "--ahead", action="store_true", help="bill a period later than next month anyway"
     )
-    _add_late(run)
+    _add_late(when)
     run.set_defaults(handler=cmd_run)
 
     status = commands.add_parser("status", help="counts of a period's run")
@@ -827,10 +830,11 @@ def parser() -> argparse.ArgumentParser:
     skip.add_argument("--json", action="store_true")
     # A period with no run takes the skip for later: a month far from now is most likely
     # mistyped (billing.periods.check_skip_by_hand).
-    skip.add_argument(
+    skip_when = skip.add_mutually_exclusive_group()
+    skip_when.add_argument(
         "--ahead", action="store_true", help="record a skip for a period later than next month"
     )
-    skip.add_argument(
+    skip_when.add_argument(
         "--late",
         action="store_true",
         help=f"record a skip for a period more than {LATE_MONTHS} months before this one",

@@ -107,6 +107,9 @@ def validate_schedule_id(schedule_id: str) -> str:
     return schedule_id
 
 
+MIN_CATCHUP_WINDOW = timedelta(seconds=10)
+
+
 class MonthlySchedule(Record):
     """When the monthly run fires, and what it does when runs overlap or were missed."""
 
@@ -136,6 +139,17 @@ class MonthlySchedule(Record):
     @classmethod
     def _schedule_id(cls, value: str | None) -> str | None:
         return None if value is None else validate_schedule_id(value)
+
+    @field_validator("catchup_window")
+    @classmethod
+    def _catchup(cls, value: timedelta) -> timedelta:
+        # Temporal raises a shorter window to this without a word.
+        if value < MIN_CATCHUP_WINDOW:
+            raise ValueError(
+                f"must be at least {MIN_CATCHUP_WINDOW.total_seconds():g} seconds"
+                f" ({MIN_CATCHUP_WINDOW / timedelta(hours=1):.4f} hours), Temporal's least"
+            )
+        return value
 
     @field_validator("time_zone", "months_time_zone")
     @classmethod

@@ -154,6 +154,18 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["starter.py", "schedule", "create", "--catchup-hours", "1e300"],
         "--catchup-hours: expected a number above 0 and at most 8784",
     ),
+    "schedule catchup tiny": (
+        ["starter.py", "schedule", "create", "--catchup-hours", "0.001"],
+        "--catchup-hours: must be at least 10 seconds (0.0028 hours), Temporal's least",
+    ),
+    "run ahead and late": (
+        ["starter.py", "run", "2026-11", "--ahead", "--late"],
+        "argument --late: not allowed with argument --ahead",
+    ),
+    "skip ahead and late": (
+        ["starter.py", "skip", "2026-11", "cust-1", "--reason", "x", "--late", "--ahead"],
+        "argument --ahead: not allowed with argument --late",
+    ),
     "backfill reversed": (
         ["starter.py", "schedule", "backfill", "--start", "2026-11", "--end", "2026-09"],
         "ends (2026-09) before it starts (2026-11)",
