@@ -40,7 +40,7 @@ from temporalio.client import (
 )
 from temporalio.service import RPCError
 
-from billing import ledger, logs, operations, schedules, search_attributes
+from billing import customer_history, ledger, logs, operations, schedules, search_attributes
 from billing.config import (
     BillingSettings,
     CapSettings,
@@ -89,6 +89,7 @@ from billing.reconciliation import CHARGE_ID_PATTERN, FindingKind, HandledMarks,
 from billing.redact import one_line, redact
 from billing.reporting import (
     describe,
+    describe_customer,
     describe_handled,
     describe_handled_marks,
     describe_preview,
@@ -151,13 +152,17 @@ def _positive(text: str) -> int:
     return int(text)
 
 
-def _demo_count(text: str) -> int:
-    count = _positive(text)
-    if count > MAX_DEMO_CUSTOMERS:
-        raise argparse.ArgumentTypeError(
-            f"at most {MAX_DEMO_CUSTOMERS:,} demo customers, got {count:,}"
-        )
-    return count
+def _positive_up_to(high: int, things: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        count = _positive(text)
+        if count > high:
+            raise argparse.ArgumentTypeError(f"at most {high:,} {things}, got {count:,}")
+        return count
+
+    return parse
+
+
+_demo_count = _positive_up_to(MAX_DEMO_CUSTOMERS, "demo customers")
 
 
 def _number(high: float, *, least: float | None = None) -> Callable[[str], float]:
@@ -754,6 +759,15 @@ def _billables(billables: list[Billable]) -> str:
     return listed([f"{b.customer_id} ({b.period})" for b in billables])
 
 
+async def cmd_show_customer(args: argparse.Namespace) -> int:
+    async with _ledger() as conn:
+        history = await customer_history.customer_history(
+            conn, args.customer_id, period=args.period, limit=args.limit
+        )
+    _emit(history, args.json, describe_customer(history))
+    return 0
+
+
 async def cmd_seed_demo(args: argparse.Namespace) -> int:
     written = await seed_demo(args.count)
     print(f"created {written} demo customers in Stripe and the ledger")
@@ -998,6 +1012,19 @@ def parser() -> argparse.ArgumentParser:
         help="even customers a period may still charge (an open claim is charged anyway)",
     )
     deactivate.set_defaults(handler=cmd_deactivate)
+    show = customer_commands.add_parser(
+        "show", help="one customer: what it is billed now, and what each period did"
+    )
+    show.add_argument("customer_id", type=_argument(validate_customer_id))
+    show.add_argument("--period", type=_period, help="only this period (YYYY-MM)")
+    show.add_argument(
+        "--limit",
+        type=_positive_up_to(customer_history.MAX_PERIODS_SHOWN, "periods"),
+        default=customer_history.DEFAULT_PERIODS_SHOWN,
+        help="how many periods, newest first",
+    )
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(handler=cmd_show_customer)
     seed = customer_commands.add_parser("seed-demo", help="create demo customers")
     seed.add_argument("--count", type=_demo_count, default=1000)
     seed.set_defaults(handler=cmd_seed_demo)

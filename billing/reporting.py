@@ -9,6 +9,7 @@ from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ActivityError, ChildWorkflowError, FailureError
 
 from billing.config import TemporalSettings
+from billing.customer_history import BilledPeriod, CustomerHistory, PeriodWithoutRow
 from billing.models import (
     AUTOMATIC,
     RENEWABLE_PAUSES,
@@ -285,6 +286,64 @@ def describe_handled_marks(listed: HandledMarks) -> str:
             line += f"; taken back by {mark.undone_by} {_utc(mark.undone_at)} ({mark.undo_reason})"
         lines.append(line)
     return "\n".join(lines)
+
+
+def describe_customer(history: CustomerHistory) -> str:
+    """A customer's account and its periods, newest first, as support reads them."""
+    account = history.account
+    lines = [
+        f"customer {account.customer_id}: {'active' if account.active else 'inactive'},"
+        f" {describe_amounts({account.currency: account.amount_cents})} a period"
+        " (in the currency's smallest unit), Stripe customer"
+        f" {account.stripe_customer_id}, payment method {account.payment_method or 'none named'}",
+        f"  each period's workflow: billing-PERIOD-{account.customer_id}",
+    ]
+    lines += [f"  {row.period} {_billed(row)}" for row in history.periods]
+    if history.without_row is not None:
+        lines.append(f"  {_without_row(history.without_row)}")
+    elif not history.periods:
+        lines.append("  no period has claimed it yet")
+    if history.older:
+        lines.append(f"  {history.older} older period(s) not shown (--limit shows more)")
+    return "\n".join(lines)
+
+
+def _billed(row: BilledPeriod) -> str:
+    """`{status} {amount} {when}` and what came of it."""
+    head = f"{row.status} {describe_amounts({row.currency: row.amount_cents})}"
+    if row.completed_at is None:
+        skip = f"; a skip is asked by {row.skip_by} ({row.skip_reason})" if row.skip_reason else ""
+        return (
+            f"{head} {_utc(row.claimed_at)}, not finished after {row.attempts} attempt(s){skip}:"
+            f" its run's workflow ends it; if none runs, `reconcile {row.period}` settles it"
+        )
+    head += f" {_utc(row.completed_at)}"
+    if row.status == "charged":
+        intent = f" ({row.payment_intent_id})" if row.payment_intent_id else ""
+        return f"{head} as {row.charge_id}{intent}"
+    if row.status == "failed":
+        decline = f" ({row.decline_code})" if row.decline_code else ""
+        message = f": {one_line(redact(row.failure_message))}" if row.failure_message else ""
+        return f"{head} after {row.attempts} attempt(s): {row.failure_code}{decline}{message}"
+    return f"{head} by {row.decided_by} ({row.reason})"
+
+
+def _without_row(period: PeriodWithoutRow) -> str:
+    if period.run_state is None:
+        return (
+            f"{period.period} nothing: no run of it has started (`preview {period.period}` shows"
+            " what a run would charge)"
+        )
+    if period.run_state == "running":
+        return (
+            f"{period.period} nothing yet: its run is open and has not claimed this customer"
+            f" (`preview {period.period}` shows whether it is due)"
+        )
+    return (
+        f"{period.period} nothing: its run completed without this customer, who was not active"
+        " when the run listed its customers (or joined later), or was held as billed under"
+        " another customer id with the same Stripe customer"
+    )
 
 
 def _utc(moment: datetime) -> str:

@@ -174,6 +174,14 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["starter.py", "customers", "import", "{bad_csv}"],
         "line 3: amount must be positive",
     ),
+    "show bad id": (
+        ["starter.py", "customers", "show", "acme 1"],
+        "customer id 'acme 1' must be 1-64 characters",
+    ),
+    "show too many": (
+        ["starter.py", "customers", "show", "acme-1", "--limit", "5000"],
+        "--limit: at most 1,000 periods, got 5,000",
+    ),
     "seed zero": (["starter.py", "customers", "seed-demo", "--count", "0"], "positive whole"),
     "seed huge": (
         ["starter.py", "customers", "seed-demo", "--count", "99999999999"],

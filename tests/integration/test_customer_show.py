@@ -1,0 +1,114 @@
+"""`customers show`: what support reads about one customer, from the ledger a real run wrote."""
+
+from __future__ import annotations
+
+from billing import ledger
+from billing.customer_history import CustomerHistory
+from billing.customers import upsert_customers
+from billing.keys import customer_workflow_id, idempotency_key
+from billing.periods import Period
+from billing.runs import start_period
+from tests.integration.harness import Harness
+from tests.integration.test_billing_period import declines_third
+
+PERIOD = Period(2026, 12)
+
+
+async def test_a_customer_shows_each_period_charged_failed_or_skipped(harness: Harness) -> None:
+    customers = await harness.seed(3, card_for=declines_third)
+    paid, declined = customers[0], customers[2]
+    # Recorded before its period's run: the row says who asked, and why.
+    code, _, err = await harness.starter(
+        "skip", str(PERIOD.next()), paid.customer_id, "--reason", "moved out", "--operator", "ann"
+    )
+    assert code == 0, err
+    async with harness.running_worker():
+        summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    assert (summary.charged, summary.failed) == (2, 1)
+    rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
+
+    code, out, err = await harness.starter("customers", "show", paid.customer_id)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == (
+        f"customer {paid.customer_id}: active, usd {paid.amount_cents:,} a period (in the"
+        f" currency's smallest unit), Stripe customer {paid.stripe_customer_id}, payment method"
+        f" {paid.payment_method}"
+    )
+    # Newest first.
+    assert lines[2].startswith(f"  {PERIOD.next()} skipped usd {paid.amount_cents:,} 20")
+    assert lines[2].endswith(" UTC by ann (moved out)")
+    charge = rows[paid.customer_id]["charge_id"]
+    assert lines[3].startswith(f"  {PERIOD} charged usd {paid.amount_cents:,} 20")
+    assert f" UTC as {charge} (pi_" in lines[3]
+    assert len(lines) == 4
+
+    code, out, err = await harness.starter("customers", "show", declined.customer_id, "--json")
+    history = CustomerHistory.model_validate_json(out)
+    assert code == 0, err
+    (failed,) = history.periods
+    assert (failed.status, failed.failure_code, failed.charge_id) == (
+        "failed",
+        "card_declined",
+        None,
+    )
+    assert failed.workflow_id == customer_workflow_id(PERIOD, declined.customer_id)
+    code, out, _ = await harness.starter("customers", "show", declined.customer_id)
+    assert f"  {PERIOD} failed usd {declined.amount_cents:,} 20" in out
+    assert (
+        " UTC after 1 attempt(s): card_declined (generic_decline): Your card was declined." in out
+    )
+
+    # Fewer periods than it has: how many more there are.
+    code, out, _ = await harness.starter("customers", "show", paid.customer_id, "--limit", "1")
+    assert out.splitlines()[2:] == [
+        out.splitlines()[2],
+        "  1 older period(s) not shown (--limit shows more)",
+    ]
+    assert str(PERIOD.next()) in out.splitlines()[2]
+
+
+async def test_a_period_without_the_customers_row_says_where_its_run_is(harness: Harness) -> None:
+    (early,) = await harness.seed(1)
+    async with harness.running_worker():
+        await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    # Added once the run had completed: that run never listed it.
+    (late,) = await harness.seed(1, prefix="late")
+    await upsert_customers(harness.pool, [late])
+    code, out, err = await harness.starter(
+        "customers", "show", late.customer_id, "--period", str(PERIOD)
+    )
+    assert code == 0, err
+    assert out.splitlines()[2].startswith(
+        f"  {PERIOD} nothing: its run completed without this customer, who was not active"
+    )
+    code, out, _ = await harness.starter(
+        "customers", "show", early.customer_id, "--period", str(PERIOD.next())
+    )
+    assert out.splitlines()[2].startswith(f"  {PERIOD.next()} nothing: no run of it has started")
+    code, out, _ = await harness.starter("customers", "show", late.customer_id)
+    assert out.splitlines()[2] == "  no period has claimed it yet"
+    # A claim nothing has finished (its workflow gone): where it is settled.
+    later = PERIOD.next()
+    namespace = harness.settings.billing_key_namespace
+    async with harness.pool.acquire() as conn:
+        await ledger.claim(
+            conn,
+            late.customer_id,
+            str(later),
+            idempotency_key(namespace, late.customer_id, later),
+            charge_api="payment_intents",
+        )
+    code, out, _ = await harness.starter("customers", "show", late.customer_id)
+    assert out.splitlines()[2].startswith(f"  {later} claimed usd {late.amount_cents:,} 20")
+    assert out.splitlines()[2].endswith(
+        " UTC, not finished after 0 attempt(s): its run's workflow ends it; if none runs,"
+        f" `reconcile {later}` settles it"
+    )
+
+
+async def test_an_unknown_customer_is_a_clear_error(harness: Harness) -> None:
+    code, out, err = await harness.starter("customers", "show", "nobody")
+    assert (code, out) == (2, "")
+    assert "no customer 'nobody' in the ledger: `customers import` adds customers" in err
+    assert "Traceback" not in err
