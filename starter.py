@@ -66,6 +66,7 @@ from billing.errors import (
     UnknownScheduleError,
     shown,
 )
+from billing.failures import period_failures
 from billing.keys import validate_customer_id
 from billing.migrations import migrate
 from billing.models import (
@@ -90,6 +91,7 @@ from billing.redact import one_line, redact
 from billing.reporting import (
     describe,
     describe_customer,
+    describe_failures,
     describe_handled,
     describe_handled_marks,
     describe_preview,
@@ -759,6 +761,13 @@ def _billables(billables: list[Billable]) -> str:
     return listed([f"{b.customer_id} ({b.period})" for b in billables])
 
 
+async def cmd_failures(args: argparse.Namespace) -> int:
+    async with _ledger() as conn:
+        failures = await period_failures(conn, str(args.period))
+    _emit(failures, args.json, describe_failures(failures))
+    return 0
+
+
 async def cmd_show_customer(args: argparse.Namespace) -> int:
     async with _ledger() as conn:
         history = await customer_history.customer_history(
@@ -854,6 +863,13 @@ def parser() -> argparse.ArgumentParser:
         help=f"record a skip for a period more than {LATE_MONTHS} months before this one",
     )
     skip.set_defaults(handler=cmd_skip)
+
+    failures = commands.add_parser(
+        "failures", help="a period's failed customers, by Stripe's failure and decline code"
+    )
+    failures.add_argument("period", type=_period, help="YYYY-MM")
+    failures.add_argument("--json", action="store_true")
+    failures.set_defaults(handler=cmd_failures)
 
     watch = commands.add_parser("watch", help="a live progress bar until the run ends")
     watch.add_argument("period", type=_period, help="YYYY-MM")

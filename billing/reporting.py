@@ -10,6 +10,7 @@ from temporalio.exceptions import ActivityError, ChildWorkflowError, FailureErro
 
 from billing.config import TemporalSettings
 from billing.customer_history import BilledPeriod, CustomerHistory, PeriodWithoutRow
+from billing.failures import PeriodFailures
 from billing.models import (
     AUTOMATIC,
     RENEWABLE_PAUSES,
@@ -34,6 +35,10 @@ def describe(summary: PeriodCounts) -> str:
         f"  charged {describe_amounts(summary.charged_by_currency)}"
         " (in each currency's smallest unit)",
     ]
+    if summary.failed:
+        lines.append(
+            f"  failed customers by Stripe's code: python starter.py failures {summary.period}"
+        )
     if summary.held:
         lines.append(
             f"  held {summary.held}: not due, their Stripe customer billed (or being billed)"
@@ -344,6 +349,33 @@ def _without_row(period: PeriodWithoutRow) -> str:
         " when the run listed its customers (or joined later), or was held as billed under"
         " another customer id with the same Stripe customer"
     )
+
+
+def describe_failures(failures: PeriodFailures) -> str:
+    """A period's failed customers by Stripe's code, and where the rest are found."""
+    period = failures.period
+    if failures.groups:
+        lines = [
+            f"{failures.failed} failed in the ledger for {period}, by Stripe's code"
+            " (`customers show ID` tells one customer's story):"
+        ]
+    else:
+        lines = [f"no customer failed in the ledger for {period}"]
+    for group in failures.groups:
+        decline = f" ({group.decline_code})" if group.decline_code else ""
+        message = f' "{one_line(redact(group.message))}"' if group.message else ""
+        named = listed(group.customer_ids, len(group.customer_ids))
+        more = group.count - len(group.customer_ids)
+        lines.append(
+            f"  {group.failure_code}{decline} {group.count}{message}: {named}"
+            + (f" and {more} more" if more else "")
+        )
+    lines.append(
+        "a run also counts failed, with no row here, a customer gone before its claim"
+        " (unknown_customer) and one whose workflow ended before it (ended_without_claim):"
+        f' the Web UI lists every one with BillingPeriod="{period}" AND BillingStatus="failed"'
+    )
+    return "\n".join(lines)
 
 
 def _utc(moment: datetime) -> str:

@@ -1,11 +1,13 @@
-"""`customers show`: what support reads about one customer, from the ledger a real run wrote."""
+"""`customers show` and `failures`: what support reads, from the ledger a real run wrote."""
 
 from __future__ import annotations
 
 from billing import ledger
 from billing.customer_history import CustomerHistory
 from billing.customers import upsert_customers
+from billing.failures import PeriodFailures
 from billing.keys import customer_workflow_id, idempotency_key
+from billing.models import ChargeFailure
 from billing.periods import Period
 from billing.runs import start_period
 from tests.integration.harness import Harness
@@ -112,3 +114,48 @@ async def test_an_unknown_customer_is_a_clear_error(harness: Harness) -> None:
     assert (code, out) == (2, "")
     assert "no customer 'nobody' in the ledger: `customers import` adds customers" in err
     assert "Traceback" not in err
+
+
+async def test_a_periods_failures_are_grouped_by_stripes_code(harness: Harness) -> None:
+    customers = await harness.seed(6, card_for=declines_third)
+    async with harness.running_worker():
+        summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    assert summary.failed == 1
+    # The period's text points there.
+    code, out, _ = await harness.starter("status", str(PERIOD))
+    assert f"  failed customers by Stripe's code: python starter.py failures {PERIOD}" in out
+    code, out, err = await harness.starter("failures", str(PERIOD))
+    assert code == 0, err
+    assert out.splitlines()[:2] == [
+        f"1 failed in the ledger for {PERIOD}, by Stripe's code (`customers show ID` tells one"
+        " customer's story):",
+        '  card_declined (generic_decline) 1 "Your card was declined.":'
+        f" {customers[2].customer_id}",
+    ]
+    assert f'BillingPeriod="{PERIOD}" AND BillingStatus="failed"' in out.splitlines()[2]
+
+    # Another month, failed as Stripe fails cards the emulator cannot attach: largest first.
+    later = PERIOD.next()
+    failed = {
+        customers[0].customer_id: ChargeFailure(code="expired_card", message="expired"),
+        customers[1].customer_id: ChargeFailure(code="expired_card", message="expired"),
+        customers[3].customer_id: ChargeFailure(
+            code="card_declined", decline_code="insufficient_funds", message="no funds"
+        ),
+    }
+    namespace = harness.settings.billing_key_namespace
+    async with harness.pool.acquire() as conn:
+        for customer_id, failure in failed.items():
+            key = idempotency_key(namespace, customer_id, later)
+            await ledger.claim(conn, customer_id, str(later), key, charge_api="payment_intents")
+            await ledger.record_unbilled(conn, key, "failed", failure)
+    code, out, _ = await harness.starter("failures", str(later), "--json")
+    failures = PeriodFailures.model_validate_json(out)
+    assert failures.failed == 3
+    assert [(g.failure_code, g.decline_code, g.count) for g in failures.groups] == [
+        ("expired_card", None, 2),
+        ("card_declined", "insufficient_funds", 1),
+    ]
+    assert failures.groups[0].customer_ids == sorted(failed)[:2]
+    code, out, _ = await harness.starter("failures", str(later.next()))
+    assert out.splitlines()[0] == f"no customer failed in the ledger for {later.next()}"
