@@ -95,6 +95,23 @@ RESTART_UNCLAIMED = "restart-unclaimed"
 # refused again, they waited on their timers (up to 5 minutes), and the advice to renew
 # stayed. The renewal now wakes them, as for a run cancelled before it.
 WAKE_AFTER_RENEWAL = "wake-after-renewal"
+# A rerun lists page after page of customers already finished, each page a marker holding it
+# whole, within one workflow task, whose history length is read only at the next: it went on
+# to the end of the list in one run (a million billed customers passed Temporal's 50 MB and
+# the run was terminated). The cancel's paging, an activity a page, did the same. Both now
+# continue as new: the listing after LISTED_PER_RUN customers, or a page for every two
+# events of the limit; the cancel as the fan-out does.
+LISTING_CONTINUES = "listing-continues-as-new"
+LISTED_PER_RUN = 20_000
+# Temporal's own cancel (the Web UI's button, `temporal workflow cancel`) is an operator's
+# cancel. It used to end the run CANCELED with nothing in the ledger: the customers not yet
+# charged were never marked, and the schedule's next launch billed them after all.
+TEMPORAL_CANCEL_IS_A_CANCEL = "temporal-cancel-is-a-cancel"
+TEMPORAL_CANCEL = OperatorRequest(
+    reason="cancelled in Temporal (the Web UI's Cancel, or its API): customers not yet charged"
+    " end cancelled",
+    operator="temporal",
+)
 
 
 # Outside the sandbox for speed; the tests run it inside (see workflows/__init__.py).
@@ -119,17 +136,38 @@ class BillingPeriodWorkflow:
         self._control_writes = asyncio.Lock()
         # Key renewals under way (renew_keys).
         self._renewing = 0
+        # Listed by this run (LISTING_CONTINUES).
+        self._listed_pages = 0
+        self._listed_customers = 0
 
     @workflow.run
     async def run(self, request: BillingPeriodInput) -> PeriodSummary:
         # Decided once, before any command: runs recorded before it waited on regardless.
         self._long_waits_continue = workflow.patched(LONG_WAITS_CONTINUE)
         self._pauses_continue = workflow.patched(PAUSES_CONTINUE)
-        state = self._state
+        self._listing_bounded = workflow.patched(LISTING_CONTINUES)
+        temporal_cancel_is_a_cancel = workflow.patched(TEMPORAL_CANCEL_IS_A_CANCEL)
         try:
-            period = str(parse_period(state.period))
+            period = str(parse_period(self._state.period))
         except ValueError as exc:
             raise ApplicationError(str(exc), type="InvalidPeriod", non_retryable=True) from exc
+        if not temporal_cancel_is_a_cancel:
+            return await self._bill(period)
+        # Temporal cancels the task running `run`: billing goes on in a task of its own,
+        # which the cancel reaches as an operator's would, through the run's control.
+        billing = asyncio.create_task(self._bill(period))
+        while True:
+            try:
+                return await asyncio.shield(billing)
+            except asyncio.CancelledError:
+                if billing.done():
+                    raise
+                if not self._finished and self._control.control != "cancelled":
+                    await self._set_control("cancelled", TEMPORAL_CANCEL)
+
+    async def _bill(self, period: str) -> PeriodSummary:
+        """Plan the period, fan out its customers, and close it with its summary."""
+        state = self._state
         if state.plan is None:
             state.plan = await workflow.execute_activity_method(
                 PeriodActivities.prepare,
@@ -159,7 +197,8 @@ class BillingPeriodWorkflow:
                 self._hand_over(period)
             if self._control.control == "cancelled":
                 await self._cancel_the_rest()
-                if self._in_flight:  # it stopped waiting for them: the history is long
+                # It stopped waiting for them, or paging: the history is long.
+                if self._in_flight or not state.listing_done:
                     await self._continue_as_new(period)
                 break
             await self._fill_window()
@@ -461,7 +500,7 @@ class BillingPeriodWorkflow:
         batch: list[DueCustomer] = []
         while len(batch) < room:
             if not self._buffer:
-                if state.listing_done:
+                if state.listing_done or self._listing_full():
                     break
                 # Local: one short query, which the window waits for; through the task
                 # queue it took a second under load while the window drained.
@@ -475,6 +514,8 @@ class BillingPeriodWorkflow:
                 )
                 self._buffer = page.customers
                 state.listing_done = page.next_cursor is None
+                self._listed_pages += 1
+                self._listed_customers += len(page.customers)
                 if not self._buffer:
                     break
             customer = self._buffer.pop(0)
@@ -629,6 +670,8 @@ class BillingPeriodWorkflow:
         state.listing_done = state.listing_done and not self._buffer
         self._buffer = []
         while not state.listing_done:
+            if self._listing_bounded and self._should_continue_as_new():
+                break  # the next run pages on from the cursor, still cancelled
             page = await workflow.execute_activity_method(
                 PeriodActivities.cancel_unstarted,
                 CancelRequest(
@@ -695,4 +738,11 @@ class BillingPeriodWorkflow:
         return (
             info.is_continue_as_new_suggested()
             or info.get_current_history_length() >= self._options.history_event_limit
+            or self._listing_full()
+        )
+
+    def _listing_full(self) -> bool:
+        return self._listing_bounded and (
+            self._listed_customers >= LISTED_PER_RUN
+            or self._listed_pages * 2 >= self._options.history_event_limit
         )

@@ -88,14 +88,20 @@ class Harness:
     vault: VaultHandle | None = None
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    async def chain_of_runs(self, workflow_id: str, *, bound: int) -> list[WorkflowHistory]:
-        """The histories of the workflow ID's runs, oldest first, after checking that each
-        stayed under `bound` events and all but the last continued as new."""
+    async def chain_of_runs(
+        self, workflow_id: str, *, bound: int, after_run: str | None = None
+    ) -> list[WorkflowHistory]:
+        """The histories of the workflow ID's runs, oldest first (those after `after_run`,
+        an earlier start of the ID, if given), after checking that each stayed under `bound`
+        events and all but the last continued as new."""
         histories = []
         async for run in self.client.list_workflows(f'WorkflowId = "{workflow_id}"'):
             handle = self.client.get_workflow_handle(workflow_id, run_id=run.run_id)
             histories.append(await handle.fetch_history())
         histories.sort(key=lambda h: h.events[0].event_time.ToDatetime())
+        if after_run is not None:
+            runs = [h.run_id for h in histories]
+            histories = histories[runs.index(after_run) + 1 :]
         assert len(histories) > 1, "the run never continued as new"
         for history in histories:
             assert len(history.events) < bound

@@ -262,6 +262,51 @@ async def test_children_in_flight_at_continue_as_new_are_handed_to_the_next_run(
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
+async def test_a_rerun_over_billed_customers_continues_as_new_while_it_lists(
+    harness: Harness,
+) -> None:
+    # Every customer is billed: a rerun lists them all and starts none, page after page, in
+    # workflow tasks whose history length is read only at the next. It continues as new
+    # by the pages it listed (a million billed customers once took one run past 50 MB).
+    customers = await harness.seed(150)
+    limit = 200
+    options = RunOptions(max_in_flight=4, page_size=1, history_event_limit=limit)
+    async with harness.running_worker():
+        first = await start_period(harness.client, PERIOD, harness.task_queue)
+        assert (await first.result()).charged == 150
+        first_run = (await first.describe()).run_id
+        rerun = await start_period(harness.client, PERIOD, harness.task_queue, options)
+        summary = await rerun.result()
+    assert (summary.due, summary.already_billed) == (150, 150)
+    runs = await harness.chain_of_runs(rerun.id, bound=limit, after_run=first_run)
+    await replay(runs)
+    keep(runs[:1])
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_a_cancel_continues_as_new_while_it_marks_the_rest_cancelled(
+    harness: Harness,
+) -> None:
+    # An activity a page: cancelling a long list of customers not yet started continues as
+    # new as the fan-out does, and the next run, still cancelled, pages on.
+    await harness.seed(120)
+    await harness.set_faults(latency_ms=200)
+    limit = 200
+    options = RunOptions(max_in_flight=1, page_size=1, history_event_limit=limit)
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
+        await eventually(lambda: at_least(harness.succeeded(), 1))
+        await operations.control(
+            harness.client, PERIOD, "cancel", OperatorRequest(reason="wrong list", operator="al")
+        )
+        summary = await asyncio.wait_for(handle.result(), 300)
+    assert summary.cancelled > 100
+    assert summary.charged + summary.cancelled == 120
+    runs = await harness.chain_of_runs(handle.id, bound=limit + 15 * options.max_in_flight)
+    await replay(runs)
+    keep(runs[-2:])
+
+
 async def test_a_child_waiting_long_continues_as_new_and_charges_once(harness: Harness) -> None:
     # A child's history grows while it waits at a paused period's gate; past its own limit
     # it continues as new with the same claim, and charges once when the period resumes.
@@ -292,7 +337,10 @@ async def test_a_child_waiting_long_continues_as_new_and_charges_once(harness: H
         await latest.signal(CustomerChargeWorkflow.period_control)
         outcome = await latest.result()
     assert outcome.outcome == "charged"
-    await harness.chain_of_runs(workflow_id, bound=10 + 10)
+    runs = await harness.chain_of_runs(workflow_id, bound=10 + 10)
+    # The child's wait at the gate, its timer, the period's signal and its continue-as-new.
+    await replay(runs)
+    keep(runs)
     await assert_billed_once(harness, period, [customer])
 
 

@@ -30,6 +30,7 @@ from temporalio.client import (
     ScheduleSpec,
     ScheduleState,
     WorkflowExecution,
+    WorkflowExecutionStatus,
     WorkflowFailureError,
     WorkflowHandle,
     WorkflowHistory,
@@ -46,10 +47,16 @@ from temporalio.worker import (
 from temporalio.workflow import ChildWorkflowHandle
 
 import starter
+from activities.period import PeriodActivities
 from billing import ledger, operations, schedules
 from billing.customers import upsert_customers
 from billing.errors import BillingError, InvalidInputError, NoWorkerError
-from billing.keys import idempotency_key, period_workflow_id, reconcile_workflow_id
+from billing.keys import (
+    customer_workflow_id,
+    idempotency_key,
+    period_workflow_id,
+    reconcile_workflow_id,
+)
 from billing.models import (
     BillingPeriodInput,
     ChargeFailure,
@@ -119,6 +126,19 @@ async def test_pause_stops_new_charges_and_resume_completes(harness: Harness) ->
     for row in await harness.ledger_rows(str(PERIOD)):
         assert not paused_at < row["charge_started_at"] < resumed_at
     await assert_billed_once(harness, str(PERIOD), customers)
+    # A child that waited at the paused gate until the resume's signal woke it.
+    for customer in customers:
+        history = await harness.client.get_workflow_handle(
+            customer_workflow_id(PERIOD, customer.customer_id)
+        ).fetch_history()
+        if any(
+            e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED for e in history.events
+        ):
+            await replay([history])
+            keep([history])
+            break
+    else:
+        raise AssertionError("no child waited at the paused gate")
 
 
 async def test_cancel_charges_nothing_more_and_cancels_the_rest(harness: Harness) -> None:
@@ -168,6 +188,29 @@ async def test_cancel_charges_nothing_more_and_cancels_the_rest(harness: Harness
         len(stopped),
     )
     await assert_billed_once(harness, str(PERIOD), customers, cancelled=stopped)
+
+
+async def test_temporals_own_cancel_is_an_operators_cancel(harness: Harness) -> None:
+    """The Web UI's Cancel (a Temporal cancellation request) cancels as `starter.py cancel`
+    does: the customers not yet charged end cancelled, the ledger has the summary, and the
+    schedule's next launch leaves the period alone."""
+    customers = await harness.seed(30)
+    await harness.set_faults(latency_ms=150)
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue, SLOW)
+        await eventually(lambda: at_least(harness.succeeded(), 3))
+        await handle.cancel()
+        summary = await handle.result()
+        assert await PeriodActivities(harness.pool, harness.settings).completed(str(PERIOD))
+    assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
+    assert (summary.cancelled_by, summary.charged + summary.cancelled) == ("temporal", 30)
+    assert summary.cancelled > 0
+    rows = await harness.ledger_rows(str(PERIOD))
+    assert {r["status"] for r in rows} == {"charged", "cancelled"}
+    stopped = frozenset(r["customer_id"] for r in rows if r["status"] == "cancelled")
+    assert all(r["decided_by"] == "temporal" for r in rows if r["status"] == "cancelled")
+    await assert_billed_once(harness, str(PERIOD), customers, cancelled=stopped)
+    await replays(handle)
 
 
 async def test_a_run_whose_workflow_task_fails_is_said_to_be_open_not_gone(
