@@ -315,6 +315,13 @@ class PeriodProgress(PeriodCounts):
     # A cancelled run still finishing: the vault refused the key that a charge sent before
     # the cancel retries with (its code), so the run ends only once the key is renewed.
     refused_after_cancel: str | None = None
+    # The first AWAITED_SHOWN customers whose outcome the run reads from the ledger: children
+    # an earlier run started, or whose workflow ended without an outcome. One that stays is
+    # a claim nothing runs (its workflow terminated), which `reconcile` settles.
+    awaited_in_ledger: list[str] = Field(default_factory=list)
+
+
+AWAITED_SHOWN = 20
 
 
 class PeriodRecord(Record):

@@ -52,6 +52,12 @@ def describe(summary: PeriodCounts) -> str:
         step = next_step(summary)
         if step is not None:
             lines.insert(3, f"  {step}")
+        if summary.awaited_in_ledger and summary.state in ("running", "cancelling"):
+            lines.append(
+                f"  awaited in the ledger: {listed(summary.awaited_in_ledger)} (started by an"
+                " earlier run, or ended without an outcome: `customers show ID` says where"
+                f" each stands, and `reconcile {summary.period}` settles a claim nothing runs)"
+            )
     elif isinstance(summary, PeriodSummary) and summary.cancelled_by is not None:
         lines.insert(1, f"  cancelled by {summary.cancelled_by}: {summary.cancel_reason}")
     return "\n".join(lines)

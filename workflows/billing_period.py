@@ -46,6 +46,7 @@ with workflow.unsafe.imports_passed_through():
     from billing.keys import customer_workflow_id, validate_customer_id
     from billing.models import (
         AUTOMATIC,
+        AWAITED_SHOWN,
         BillingPeriodInput,
         ChargeFailure,
         Control,
@@ -435,6 +436,7 @@ class BillingPeriodWorkflow:
             reason=control.reason,
             operator=control.operator,
             refused_after_cancel=self._state.refused_after_cancel,
+            awaited_in_ledger=sorted(self._elsewhere)[:AWAITED_SHOWN],
             **counts.model_dump(),
         )
 

@@ -48,7 +48,7 @@ from billing.reconciliation import (
     StripeCharge,
     for_listing,
 )
-from billing.runs import start_period, start_reconcile
+from billing.runs import period_status, start_period, start_reconcile
 from billing.schedules import RECONCILE_SCHEDULE_ID
 from billing.sealing import SecretBox, new_key
 from tests.integration.harness import Harness, at_least, eventually
@@ -387,6 +387,16 @@ async def test_a_period_whose_child_was_terminated_finishes_once_reconciled(
         child = customer_workflow_id(PERIOD, customer.customer_id)
         await harness.client.get_workflow_handle(child).terminate(reason="stuck, by hand")
         await harness.set_faults(error_before_commit=0.0)
+
+        async def named() -> bool:
+            progress = await period_status(harness.client, PERIOD)
+            return progress.awaited_in_ledger == [customer.customer_id]
+
+        # `status` names the customer the run waits for, and what settles it.
+        await eventually(named)
+        _, out, err = await harness.starter("status", str(PERIOD))
+        assert f"  awaited in the ledger: {customer.customer_id} (started by an" in out, err
+        assert f"`reconcile {PERIOD}` settles a claim nothing runs" in out
         report = await (await start_reconcile(harness.client, PERIOD, harness.task_queue)).result()
         assert [(c.action, c.outcome) for c in report.claims] == [("redriven", "charged")]
         summary = await asyncio.wait_for(handle.result(), timeout=60)
