@@ -70,6 +70,11 @@ def lifecycle(settings: VaultSettings) -> Callable[[web.Application], AsyncItera
 
     async def run(app: web.Application) -> AsyncIterator[None]:
         pool = await store.create_pool(settings.database_url, settings.database_pool_size)
+        try:
+            await store.check_schema(pool)
+        except BaseException:
+            await pool.close()
+            raise
         upstream = aiohttp.ClientSession(
             connector=DeadlineConnector(limit=settings.upstream_max_connections),
             timeout=aiohttp.ClientTimeout(total=settings.upstream_timeout_seconds),

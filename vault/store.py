@@ -21,6 +21,7 @@ from tenacity import (
 )
 
 from billing.db import CONNECTION_ERRORS, keep_session, malformed_url
+from billing.errors import ConfigurationError
 from vault.models import (
     AuditEntry,
     IssueKeyRequest,
@@ -70,6 +71,62 @@ async def create_pool(dsn: str, size: int) -> asyncpg.Pool:
         raise malformed_url("VAULT_DATABASE_URL") from None
     assert pool is not None
     return pool
+
+
+# Each of the vault's tables with what its requests do there (vault_audit is append-only,
+# billing/db_roles.py): checked once at start rather than met as a 500 on the first charge.
+REQUIRED_TABLES: dict[str, tuple[str, ...]] = {
+    "vault_keys": ("SELECT", "INSERT", "UPDATE"),
+    "vault_key_days": ("SELECT", "INSERT", "UPDATE"),
+    "vault_reservations": ("SELECT", "INSERT", "UPDATE"),
+    "vault_fences": ("SELECT", "INSERT", "UPDATE"),
+    "vault_audit": ("SELECT", "INSERT"),
+}
+REQUIRED_FUNCTIONS = ("vault_reserve", "vault_finish", "vault_lock_commits")
+
+
+async def check_schema(pool: asyncpg.Pool) -> None:
+    """Refuse to start on a database the vault cannot work in: its tables missing (never
+    migrated), or its role not granted them (migrated without BILLING_DB_VAULT_ROLE)."""
+    async with pool.acquire() as conn:
+        missing = [
+            row["name"]
+            for row in await conn.fetch(
+                "SELECT name FROM unnest($1::text[]) AS name WHERE to_regclass(name) IS NULL"
+                " UNION ALL SELECT name FROM unnest($2::text[]) AS name"
+                " WHERE to_regproc(name) IS NULL",
+                list(REQUIRED_TABLES),
+                list(REQUIRED_FUNCTIONS),
+            )
+        ]
+        if missing:
+            raise ConfigurationError(
+                f"the vault's tables are missing from the database VAULT_DATABASE_URL names"
+                f" ({', '.join(sorted(missing))}): run `python starter.py migrate` with the"
+                " schema owner's DATABASE_URL on that database, then start the vault again"
+            )
+        # One privilege per check: has_table_privilege with a list is true if any is held.
+        needed = [(name, p) for name, ps in REQUIRED_TABLES.items() for p in ps]
+        refused = sorted(
+            {
+                row["name"]
+                for row in await conn.fetch(
+                    "SELECT t.name FROM unnest($1::text[], $2::text[]) AS t(name, privilege)"
+                    " WHERE NOT has_table_privilege(t.name, t.privilege)"
+                    " UNION ALL SELECT name FROM unnest($3::text[]) AS name"
+                    " WHERE NOT has_function_privilege(to_regproc(name)::oid, 'EXECUTE')",
+                    [name for name, _ in needed],
+                    [privilege for _, privilege in needed],
+                    list(REQUIRED_FUNCTIONS),
+                )
+            }
+        )
+        if refused:
+            raise ConfigurationError(
+                f"the role VAULT_DATABASE_URL names may not use {', '.join(refused)}:"
+                " run `python starter.py migrate` with the owner's DATABASE_URL and"
+                " BILLING_DB_VAULT_ROLE set to that role, which grants the vault's tables"
+            )
 
 
 async def insert_key(
