@@ -44,6 +44,7 @@ from billing import customer_history, ledger, logs, operations, schedules, searc
 from billing.config import (
     BillingSettings,
     CapSettings,
+    DatabaseRolesSettings,
     DatabaseSettings,
     TemporalSettings,
     load_settings,
@@ -675,8 +676,11 @@ def _note(args: argparse.Namespace) -> str | None:
 
 
 async def cmd_migrate(_: argparse.Namespace) -> int:
-    applied = await migrate(load_settings(DatabaseSettings).database_url)
+    roles = load_settings(DatabaseRolesSettings).roles()
+    applied = await migrate(load_settings(DatabaseSettings).database_url, roles=roles)
     print("applied " + ", ".join(applied) if applied else "database is up to date")
+    if roles is not None:
+        print(f"granted the ledger's tables to {roles.ledger} and the vault's to {roles.vault}")
     return 0
 
 

@@ -8,6 +8,7 @@ from typing import Literal, TypeVar
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from billing.db_roles import ROLE_NAME, DatabaseRoles
 from billing.errors import BillingError
 from billing.models import ChargeApi
 from billing.sealing import SETTING, SecretBox
@@ -68,6 +69,51 @@ class DatabaseSettings(BaseSettings):
         if not value.strip():
             raise ValueError("is set but blank: name the billing ledger's PostgreSQL")
         return value
+
+
+class DatabaseRolesSettings(BaseSettings):
+    """The roles `starter.py migrate` grants to after migrating (billing/db_roles.py): the
+    workers' and CLI's (the ledger's), and the vault's. Both or neither; unset, nothing is
+    granted, as before roles (every process then shares the owner's role)."""
+
+    model_config = SettingsConfigDict(extra="ignore", hide_input_in_errors=True)
+
+    billing_db_ledger_role: str | None = Field(
+        default=None, description="role of DATABASE_URL for workers and the CLI"
+    )
+    billing_db_vault_role: str | None = Field(
+        default=None, description="role of the vault's VAULT_DATABASE_URL"
+    )
+
+    @field_validator("billing_db_ledger_role", "billing_db_vault_role")
+    @classmethod
+    def _role_name(cls, value: str | None) -> str | None:
+        if value is not None and not ROLE_NAME.fullmatch(value):
+            raise ValueError(
+                "must be a lower-case role name (letters, digits, '_'; at most 63 characters)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> DatabaseRolesSettings:
+        if (self.billing_db_ledger_role is None) != (self.billing_db_vault_role is None):
+            raise ValueError(
+                "set both BILLING_DB_LEDGER_ROLE and BILLING_DB_VAULT_ROLE, or neither: granting"
+                " one role alone would leave the other without its tables"
+            )
+        if self.billing_db_ledger_role is not None and (
+            self.billing_db_ledger_role == self.billing_db_vault_role
+        ):
+            raise ValueError(
+                "BILLING_DB_LEDGER_ROLE and BILLING_DB_VAULT_ROLE must differ: with one role, a"
+                " worker taken over could write the vault's keys"
+            )
+        return self
+
+    def roles(self) -> DatabaseRoles | None:
+        if self.billing_db_ledger_role is None or self.billing_db_vault_role is None:
+            return None
+        return DatabaseRoles(ledger=self.billing_db_ledger_role, vault=self.billing_db_vault_role)
 
 
 class CapSettings(BaseSettings):

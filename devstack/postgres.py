@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
+from urllib.parse import quote
 
 from devstack.processes import StackError
 
@@ -38,8 +39,12 @@ class LocalPostgres:
         self.durable = durable
         self._user: str | None = SYSTEM_USER if os.geteuid() == 0 else None
 
-    def dsn(self, database: str = "postgres") -> str:
-        return f"postgresql://{SUPERUSER}@127.0.0.1:{self.port}/{database}"
+    def dsn(
+        self, database: str = "postgres", user: str = SUPERUSER, password: str | None = None
+    ) -> str:
+        """The superuser's (who migrates) by default; another role's with `user`."""
+        secret = "" if password is None else ":" + quote(password, safe="")
+        return f"postgresql://{quote(user, safe='')}{secret}@127.0.0.1:{self.port}/{database}"
 
     @property
     def log_path(self) -> Path:

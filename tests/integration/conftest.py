@@ -58,10 +58,17 @@ async def harness(
 
 
 @pytest.fixture
-async def vaulted(harness: Harness) -> AsyncIterator[Harness]:
+def vault_database_url(database_url: str) -> str:
+    """The vault's DSN: the test database's owner, as the harness's; a test giving the vault
+    a role of its own overrides this (tests/integration/test_db_roles.py)."""
+    return database_url
+
+
+@pytest.fixture
+async def vaulted(harness: Harness, vault_database_url: str) -> AsyncIterator[Harness]:
     """The harness with a vault in front of its emulator: workers charge with period keys."""
     settings = VaultSettings(
-        database_url=harness.database_url,
+        database_url=vault_database_url,
         admin_token=SecretStr(VAULT_ADMIN_TOKEN),
         upstream_stripe_base=harness.emulator_url,
         upstream_stripe_secret=harness.settings.stripe_api_key,

@@ -1,0 +1,310 @@
+"""The ledger's and the vault's database roles (billing/db_roles.py), on real PostgreSQL: a
+worker's DSN cannot reach the vault's keys, reservations or audit, the vault's cannot reach
+the ledger, and a period still bills with each on its own role.
+
+Roles are cluster-wide: each test's are named for its database (and this process), so tests
+running side by side never share one, and they are dropped at teardown.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import asyncpg
+import pytest
+from pydantic import SecretStr
+
+from billing.db_roles import DatabaseRoles
+from billing.errors import ConfigurationError, MigrationError
+from billing.migrations import MIGRATIONS_DIR, load_migrations, migrate
+from billing.periods import period_for
+from billing.runs import start_period
+from devstack.postgres import LocalPostgres
+from tests.conftest import new_database
+from tests.integration.harness import PROJECT_ROOT, VAULT_ADMIN_TOKEN, Harness
+from tests.integration.invariants import assert_billed_once
+from vault import VaultSettings, serve
+
+PERIOD = period_for(datetime.now(UTC), "advance")
+
+# Each table with a plain column an UPDATE may name.
+VAULT_TABLES = {"vault_keys": "label", "vault_reservations": "state", "vault_audit": "method"}
+LEDGER_TABLES = {"billing_runs": "status", "customers": "customer_id"}
+COLUMNS = VAULT_TABLES | LEDGER_TABLES
+
+
+@dataclass(frozen=True)
+class RoleUrls:
+    roles: DatabaseRoles
+    ledger: str
+    vault: str
+
+
+def _role_names(database_url: str) -> DatabaseRoles:
+    database = database_url.rsplit("/", 1)[1]
+    return DatabaseRoles(
+        ledger=f"{database}_{os.getpid()}_ledger", vault=f"{database}_{os.getpid()}_vault"
+    )
+
+
+async def _create_roles(owner_url: str, roles: DatabaseRoles) -> None:
+    conn = await asyncpg.connect(owner_url)
+    try:
+        for role in (roles.ledger, roles.vault):
+            await conn.execute(f"CREATE ROLE {role} LOGIN")
+    finally:
+        await conn.close()
+
+
+async def _drop_roles(owner_url: str, roles: DatabaseRoles) -> None:
+    conn = await asyncpg.connect(owner_url)
+    try:
+        # Their grants live in this database: dropped with them, then the roles themselves.
+        await conn.execute(f"DROP OWNED BY {roles.ledger}, {roles.vault}")
+        await conn.execute(f"DROP ROLE {roles.ledger}, {roles.vault}")
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+async def role_urls(postgres: LocalPostgres, database_url: str) -> AsyncIterator[RoleUrls]:
+    """The test's database migrated by its owner and granted to a ledger and a vault role."""
+    roles = _role_names(database_url)
+    await _create_roles(database_url, roles)
+    try:
+        await migrate(database_url, roles=roles)
+        database = database_url.rsplit("/", 1)[1]
+        yield RoleUrls(
+            roles, postgres.dsn(database, roles.ledger), postgres.dsn(database, roles.vault)
+        )
+    finally:
+        await _drop_roles(database_url, roles)
+
+
+@pytest.fixture
+async def db(role_urls: RoleUrls) -> AsyncIterator[asyncpg.Pool]:
+    """The harness's pool, the workers' and the tests' own: on the ledger's role."""
+    pool = await asyncpg.create_pool(role_urls.ledger, min_size=1, max_size=10)
+    assert pool is not None
+    yield pool
+    await pool.close()
+
+
+@pytest.fixture
+def vault_database_url(role_urls: RoleUrls) -> str:
+    return role_urls.vault
+
+
+@pytest.fixture
+async def as_ledger(role_urls: RoleUrls) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(role_urls.ledger)
+    yield conn
+    await conn.close()
+
+
+@pytest.fixture
+async def as_vault(role_urls: RoleUrls) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(role_urls.vault)
+    yield conn
+    await conn.close()
+
+
+def _statements(table: str) -> list[str]:
+    """One of each: PostgreSQL checks the privilege before it looks at a row or a
+    constraint."""
+    column = COLUMNS[table]
+    return [
+        f"SELECT * FROM {table} LIMIT 1",
+        f"INSERT INTO {table} DEFAULT VALUES",
+        f"UPDATE {table} SET {column} = {column}",
+        f"DELETE FROM {table}",
+    ]
+
+
+async def _call_with_nulls(conn: asyncpg.Connection, function: str) -> None:
+    arguments = await conn.fetchval("SELECT pronargs FROM pg_proc WHERE proname = $1", function)
+    nulls = ", ".join(["NULL"] * arguments)
+    await conn.execute(f"SELECT {function}({nulls})")
+
+
+@pytest.mark.parametrize(
+    "statement", [s for table in VAULT_TABLES for s in _statements(table)], ids=str
+)
+async def test_the_ledger_role_cannot_touch_the_vaults_tables(
+    as_ledger: asyncpg.Connection, statement: str
+) -> None:
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        await as_ledger.execute(statement)
+
+
+@pytest.mark.parametrize("function", ["vault_reserve", "vault_finish", "vault_lock_commits"])
+async def test_the_ledger_role_cannot_call_the_vaults_functions(
+    as_ledger: asyncpg.Connection, function: str
+) -> None:
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        await _call_with_nulls(as_ledger, function)
+
+
+async def test_the_ledger_role_cannot_forge_a_key_nor_change_the_schema(
+    as_ledger: asyncpg.Connection,
+) -> None:
+    """F1's attack: a worker's DSN writing its own key row, or redefining the cap check."""
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        await as_ledger.execute(
+            "INSERT INTO vault_keys (id, secret_sha256, vendor, label, currency, cap_cents,"
+            " allowed_endpoints, expires_at, issued_by) VALUES ('vk_forged', '\\x00', 'stripe',"
+            " 'x', 'usd', 4611686018427387904, ARRAY['POST /v1/refunds'],"
+            " now() + interval '1 day', 'admin')"
+        )
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        await as_ledger.execute(
+            "CREATE OR REPLACE FUNCTION vault_lock_commits(p text) RETURNS void"
+            " LANGUAGE sql AS 'SELECT'"
+        )
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        await as_ledger.execute("DELETE FROM schema_migrations")
+    assert await as_ledger.fetchval("SELECT count(*) FROM schema_migrations") == len(
+        load_migrations()
+    )
+
+
+@pytest.mark.parametrize(
+    "statement", [s for table in LEDGER_TABLES for s in _statements(table)], ids=str
+)
+async def test_the_vault_role_cannot_touch_the_ledger(
+    as_vault: asyncpg.Connection, statement: str
+) -> None:
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        await as_vault.execute(statement)
+
+
+async def test_the_vault_role_cannot_call_the_ledgers_function(
+    as_vault: asyncpg.Connection,
+) -> None:
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        await _call_with_nulls(as_vault, "billing_begin_charge")
+
+
+async def test_the_vault_role_adds_audit_rows_but_never_changes_or_deletes_them(
+    as_vault: asyncpg.Connection,
+) -> None:
+    assert await as_vault.fetchval("SELECT count(*) FROM vault_audit") == 0
+    for statement in _statements("vault_audit")[2:]:
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await as_vault.execute(statement)
+
+
+async def test_granting_again_is_idempotent_and_covers_a_new_table(
+    database_url: str, role_urls: RoleUrls, as_ledger: asyncpg.Connection
+) -> None:
+    """A table a later migration adds is granted by its name, with no list to update."""
+    owner = await asyncpg.connect(database_url)
+    try:
+        await owner.execute("CREATE TABLE vault_later (n int); CREATE TABLE ledger_later (n int)")
+    finally:
+        await owner.close()
+    assert await migrate(database_url, roles=role_urls.roles) == []
+    assert await migrate(database_url, roles=role_urls.roles) == []
+    await as_ledger.execute("INSERT INTO ledger_later VALUES (1)")
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        await as_ledger.execute("SELECT * FROM vault_later")
+
+
+async def test_a_worker_on_the_ledger_role_starts_on_a_current_database(
+    role_urls: RoleUrls,
+) -> None:
+    """Nothing pending: the workers' migrate at start needs SELECT on schema_migrations only."""
+    assert await migrate(role_urls.ledger) == []
+
+
+async def test_a_pending_migration_the_ledger_role_cannot_apply_is_refused_clearly(
+    role_urls: RoleUrls, tmp_path: Path
+) -> None:
+    for path in MIGRATIONS_DIR.glob("*.sql"):
+        (tmp_path / path.name).write_text(path.read_text())
+    (tmp_path / "999_later.sql").write_text("CREATE TABLE later (n int);")
+    with pytest.raises(MigrationError) as refused:
+        await migrate(role_urls.ledger, tmp_path)
+    message = str(refused.value)
+    assert "999_later" in message and "python starter.py migrate" in message
+    assert "owner's DATABASE_URL" in message
+
+
+async def test_worker_py_on_the_ledger_role_with_a_pending_migration_exits_with_what_to_run(
+    database_url: str, role_urls: RoleUrls
+) -> None:
+    """The worker process as deployed: its start-up migrate meets a migration it may not
+    apply (the last one, forgotten by the owner here) and says what to run."""
+    last = load_migrations()[-1].version
+    owner = await asyncpg.connect(database_url)
+    try:
+        await owner.execute("DELETE FROM schema_migrations WHERE version = $1", last)
+    finally:
+        await owner.close()
+    done = subprocess.run(
+        [sys.executable, str(PROJECT_ROOT / "worker.py")],
+        env={**os.environ, "DATABASE_URL": role_urls.ledger},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert last in done.stderr and "python starter.py migrate" in done.stderr
+
+
+async def test_an_unprivileged_role_on_a_database_never_migrated_is_refused_clearly(
+    postgres: LocalPostgres,
+) -> None:
+    fresh = await new_database(postgres)
+    roles = _role_names(fresh)
+    await _create_roles(fresh, roles)
+    try:
+        with pytest.raises(MigrationError) as refused:
+            await migrate(postgres.dsn(fresh.rsplit("/", 1)[1], roles.ledger))
+        assert f"{len(load_migrations())} migration(s) pending" in str(refused.value)
+    finally:
+        await _drop_roles(fresh, roles)
+
+
+@pytest.mark.parametrize("granted", [False, True], ids=["never-migrated", "not-granted"])
+async def test_the_vault_refuses_to_start_without_its_tables_or_their_grants(
+    postgres: LocalPostgres, template_database: str, granted: bool
+) -> None:
+    fresh = await new_database(postgres, template_database if granted else "template1")
+    roles = _role_names(fresh)
+    await _create_roles(fresh, roles)
+    settings = VaultSettings(
+        database_url=postgres.dsn(fresh.rsplit("/", 1)[1], roles.vault),
+        admin_token=SecretStr(VAULT_ADMIN_TOKEN),
+        upstream_stripe_secret=SecretStr("sk_test_unused"),
+        max_cap_cents=100,
+    )
+    try:
+        with pytest.raises(ConfigurationError) as refused:
+            async with serve(settings):
+                pass
+        expected = "BILLING_DB_VAULT_ROLE" if granted else "tables are missing"
+        assert expected in str(refused.value)
+    finally:
+        await _drop_roles(fresh, roles)
+
+
+async def test_a_period_bills_with_the_workers_and_the_vault_on_their_own_roles(
+    vaulted: Harness,
+) -> None:
+    """End to end: the vault on the vault's role, workers and CLI code on the ledger's."""
+    customers = await vaulted.seed(8)
+    async with vaulted.running_worker():
+        handle = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
+        summary = await handle.result()
+    assert summary.charged == 8
+    await assert_billed_once(vaulted, str(PERIOD), customers)
+    assert vaulted.vault is not None
+    keys = await vaulted.vault.admin.find_keys(period=str(PERIOD))
+    assert [k.spent_cents for k in keys] == [sum(c.amount_cents for c in customers)]
