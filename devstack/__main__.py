@@ -16,8 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+from billing.db import where
 from devstack.processes import StackError
-from devstack.stack import LocalStack, StackConfig
+from devstack.stack import LEDGER_ROLE, LocalStack, StackConfig
 
 
 def _stack_pid(config: StackConfig) -> int | None:
@@ -69,7 +70,8 @@ async def up(config: StackConfig) -> None:
         "local stack is up\n"
         f"  Temporal Web UI   {env['TEMPORAL_UI_URL']}\n"
         f"  Temporal          {env['TEMPORAL_ADDRESS']} (namespace {env['TEMPORAL_NAMESPACE']})\n"
-        f"  PostgreSQL        {env['DATABASE_URL']}\n"
+        # Its password stays in the environment file.
+        f"  PostgreSQL        {where(env['DATABASE_URL'])} (as {LEDGER_ROLE})\n"
         f"  Stripe emulator   {env['STRIPE_EMULATOR_URL']}\n"
         f"  vault proxy       {env['BILLING_VAULT_URL']}\n"
         f"  worker            {'running' if config.worker else 'not started (--no-worker)'}\n"

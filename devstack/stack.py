@@ -7,12 +7,14 @@ import os
 import secrets
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import asyncpg
 from pydantic import BaseModel
 
 from billing import search_attributes
+from billing.db_roles import DatabaseRoles
 from billing.migrations import migrate
 from billing.sealing import new_key
 from devstack.postgres import LocalPostgres
@@ -21,6 +23,13 @@ from devstack.processes import Service, StackError, ensure_port_free, spawn, wai
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ROOT = PROJECT_ROOT / ".devstack"
 DATABASE = "billing"
+# The workers' and CLI's role, and the vault's (billing/db_roles.py): the stack migrates as the
+# superuser, the schema's owner, and grants each role its own tables. The embedded server
+# trusts local connections, so here the roles show the wiring a deployment uses (whose
+# server checks the passwords) rather than keep a local user out.
+LEDGER_ROLE = "billing_ledger"
+VAULT_ROLE = "billing_vault"
+ROLES = DatabaseRoles(ledger=LEDGER_ROLE, vault=VAULT_ROLE)
 # A test-mode key: the emulator accepts any sk_test_ key; never a real one here.
 LOCAL_STRIPE_KEY = "sk_test_local_emulator"
 # No local period key may be capped above $100M.
@@ -75,6 +84,9 @@ class StackConfig(BaseModel):
     def key_encryption_file(self) -> Path:
         return self.root / "key-encryption-key"
 
+    def password_file(self, role: str) -> Path:
+        return self.root / f"db-password-{role}"
+
 
 def venv_binary(name: str) -> str:
     path = Path(sys.executable).parent / name
@@ -101,7 +113,9 @@ class LocalStack:
             "TEMPORAL_NAMESPACE": c.namespace,
             "TEMPORAL_TASK_QUEUE": c.task_queue,
             "TEMPORAL_UI_URL": f"http://127.0.0.1:{c.ui_port}",
-            "DATABASE_URL": self.postgres.dsn(DATABASE),
+            # The ledger's role: workers and the CLI (`source .devstack/env`) never reach
+            # the vault's tables.
+            "DATABASE_URL": self.role_dsn(LEDGER_ROLE),
             "STRIPE_API_BASE": emulator,
             "STRIPE_API_KEY": LOCAL_STRIPE_KEY,
             "STRIPE_EMULATOR_URL": emulator,
@@ -117,12 +131,21 @@ class LocalStack:
     def _key_encryption_key(self) -> str:
         """Kept with the database it seals keys in: a new one per start could not open the
         period keys stored by the last."""
-        path = self.config.key_encryption_file
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.touch(mode=0o600)
-            path.write_text(new_key())
-        return path.read_text().strip()
+        return _kept_secret(self.config.key_encryption_file, new_key)
+
+    def _password(self, role: str) -> str:
+        """Kept with the database, as the sealing key is: made once, readable by this user
+        alone, never printed."""
+        return _kept_secret(self.config.password_file(role), lambda: secrets.token_urlsafe(24))
+
+    def role_dsn(self, role: str) -> str:
+        return self.postgres.dsn(DATABASE, role, self._password(role))
+
+    @property
+    def owner_dsn(self) -> str:
+        """The superuser's, who migrates: for tools that read both the ledger's and the
+        vault's tables, as the chaos run's checks do."""
+        return self.postgres.dsn(DATABASE)
 
     @property
     def worker_environment(self) -> dict[str, str]:
@@ -130,6 +153,21 @@ class LocalStack:
         vault's admin token."""
         withheld = {"STRIPE_API_KEY", "BILLING_VAULT_ADMIN_TOKEN"}
         return {k: v for k, v in self.environment.items() if k not in withheld}
+
+    @property
+    def vault_environment(self) -> dict[str, str]:
+        """The vault's own: its database role, the Stripe secret, the admin token."""
+        c = self.config
+        return {
+            "VAULT_DATABASE_URL": self.role_dsn(VAULT_ROLE),
+            "VAULT_ADMIN_TOKEN": self._vault_token,
+            "VAULT_UPSTREAM_STRIPE_BASE": f"http://127.0.0.1:{c.emulator_port}",
+            "VAULT_UPSTREAM_STRIPE_SECRET": LOCAL_STRIPE_KEY,
+            "VAULT_MAX_CAP_CENTS": str(LOCAL_MAX_CAP_CENTS),
+            "VAULT_WORKER_TOKEN": self._worker_token,
+            "VAULT_WORKER_BUDGET_CENTS": str(LOCAL_WORKER_BUDGET_CENTS),
+            "VAULT_WORKER_CURRENCIES": LOCAL_WORKER_CURRENCIES,
+        }
 
     async def start(self) -> None:
         c = self.config
@@ -167,9 +205,19 @@ class LocalStack:
         try:
             if not await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", DATABASE):
                 await conn.execute(f"CREATE DATABASE {DATABASE}")
+            await self._ensure_roles(conn)
         finally:
             await conn.close()
-        await migrate(self.postgres.dsn(DATABASE))
+        await migrate(self.owner_dsn, roles=ROLES)
+
+    async def _ensure_roles(self, conn: asyncpg.Connection) -> None:
+        """Each role, created if missing (a `.devstack` from before roles has none), with
+        the password its file holds, set on every start so the two never disagree."""
+        for role in (LEDGER_ROLE, VAULT_ROLE):
+            if not await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", role):
+                await conn.execute(f"CREATE ROLE {role} LOGIN")
+            # No parameters in ALTER ROLE: a literal, from token_urlsafe's alphabet (no quote).
+            await conn.execute(f"ALTER ROLE {role} LOGIN PASSWORD '{self._password(role)}'")
 
     async def _start_temporal(self) -> None:
         c = self.config
@@ -229,16 +277,7 @@ class LocalStack:
             "vault",
             [sys.executable, "-m", "vault", "--host", "127.0.0.1", "--port", str(c.vault_port)],
             c.log_dir,
-            {
-                "VAULT_DATABASE_URL": self.postgres.dsn(DATABASE),
-                "VAULT_ADMIN_TOKEN": self._vault_token,
-                "VAULT_UPSTREAM_STRIPE_BASE": f"http://127.0.0.1:{c.emulator_port}",
-                "VAULT_UPSTREAM_STRIPE_SECRET": LOCAL_STRIPE_KEY,
-                "VAULT_MAX_CAP_CENTS": str(LOCAL_MAX_CAP_CENTS),
-                "VAULT_WORKER_TOKEN": self._worker_token,
-                "VAULT_WORKER_BUDGET_CENTS": str(LOCAL_WORKER_BUDGET_CENTS),
-                "VAULT_WORKER_CURRENCIES": LOCAL_WORKER_CURRENCIES,
-            },
+            self.vault_environment,
         )
         self.services.append(service)
         await wait_for_http(service, f"http://127.0.0.1:{c.vault_port}/vault/health")
@@ -261,6 +300,15 @@ class LocalStack:
 
     def exited(self) -> list[Service]:
         return [s for s in self.services if not s.alive()]
+
+
+def _kept_secret(path: Path, make: Callable[[], str]) -> str:
+    """The secret in `path`, made by `make` the first time; the file is this user's alone."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)
+        path.write_text(make())
+    return path.read_text().strip()
 
 
 def read_env(env_file: Path) -> dict[str, str]:
