@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tomllib
 from typing import Any
+from urllib.parse import urlsplit
 
 import jsonschema
 import pytest
@@ -18,6 +19,7 @@ import starter
 from billing import liveness, search_attributes
 from billing.config import (
     BillingSettings,
+    DatabaseRolesSettings,
     DatabaseSettings,
     ObservabilitySettings,
     TemporalSettings,
@@ -29,6 +31,7 @@ DOCKERFILE = ROOT / "Dockerfile"
 BILLING_SETTINGS: tuple[type[BaseSettings], ...] = (
     TemporalSettings,
     DatabaseSettings,
+    DatabaseRolesSettings,
     BillingSettings,
     ObservabilitySettings,
 )
@@ -163,6 +166,8 @@ def test_required_variables_are_the_secrets_and_the_cap() -> None:
         "VAULT_WORKER_BUDGET_CENTS",
         "VAULT_WORKER_CURRENCIES",
         "BILLING_KEY_ENCRYPTION_KEYS",
+        "LEDGER_DB_PASSWORD",
+        "VAULT_DB_PASSWORD",
     }
 
 
@@ -178,6 +183,54 @@ def test_workers_charge_through_the_vault_and_hold_neither_stripe_secret_nor_adm
         assert env["BILLING_KEY_ENCRYPTION_KEYS"] == "<BILLING_KEY_ENCRYPTION_KEYS>"
         assert "STRIPE_API_KEY" not in env
         assert not any("<STRIPE_SECRET_KEY>" in value for value in env.values())
+
+
+def _database_user(url: str) -> tuple[str | None, str | None]:
+    """A DSN's user and password (still `<NAME>` for an unset `${NAME:?...}`)."""
+    parts = urlsplit(url)
+    return parts.username, parts.password
+
+
+def test_workers_the_cli_and_the_vault_each_have_a_database_role_of_their_own() -> None:
+    """F1: a worker taken over must not reach the vault's tables, so its DSN names neither the
+    vault's role nor the schema's owner (POSTGRES_USER, a superuser in the image)."""
+    owner = environment(SERVICES["postgres"])["POSTGRES_USER"]
+    workers = [s for s in PROJECT_SERVICES.values() if s["command"] == ["python", "worker.py"]]
+    ledger_users = {
+        _database_user(environment(s)["DATABASE_URL"]) for s in [*workers, SERVICES["cli"]]
+    }
+    assert len(ledger_users) == 1, "workers and the CLI share one ledger role"
+    (ledger, ledger_password), *_ = ledger_users
+    vault, vault_password = _database_user(environment(SERVICES["vault"])["VAULT_DATABASE_URL"])
+    assert ledger is not None and vault is not None
+    assert len({ledger, vault, owner}) == 3
+    assert (ledger_password, vault_password) == ("<LEDGER_DB_PASSWORD>", "<VAULT_DB_PASSWORD>")
+    # The owner migrates, and grants each role its own tables.
+    migrate = environment(SERVICES["migrate"])
+    assert _database_user(migrate["DATABASE_URL"]) == (owner, "<POSTGRES_PASSWORD>")
+    assert (migrate["BILLING_DB_LEDGER_ROLE"], migrate["BILLING_DB_VAULT_ROLE"]) == (ledger, vault)
+    # No project service but migrate holds the owner's password.
+    for name, service in PROJECT_SERVICES.items():
+        if name != "migrate":
+            assert not any("<POSTGRES_PASSWORD>" in v for v in environment(service).values())
+
+
+def test_postgres_creates_both_roles_with_their_passwords_on_first_start() -> None:
+    postgres = SERVICES["postgres"]
+    mounts = {c["source"]: c["target"] for c in postgres["configs"]}
+    assert mounts["postgres-roles"].startswith("/docker-entrypoint-initdb.d/")
+    assert mounts["postgres-roles"].endswith(".sql")
+    env = environment(postgres)
+    script = COMPOSE["configs"]["postgres-roles"]["content"]
+    roles = re.findall(r"^CREATE ROLE (\w+) LOGIN PASSWORD :'(\w+)';$", script, re.MULTILINE)
+    read = dict(re.findall(r"^\\getenv (\w+) (\w+)$", script, re.MULTILINE))
+    migrate = environment(SERVICES["migrate"])
+    by_role = {role: read[variable] for role, variable in roles}
+    assert by_role == {
+        migrate["BILLING_DB_LEDGER_ROLE"]: "LEDGER_DB_PASSWORD",
+        migrate["BILLING_DB_VAULT_ROLE"]: "VAULT_DB_PASSWORD",
+    }
+    assert all(env[variable] == f"<{variable}>" for variable in by_role.values())
 
 
 def test_every_compose_variable_is_documented() -> None:
