@@ -2,8 +2,9 @@
 
     python worker.py
 
-Configuration comes from the environment (see billing/config.py); migrations are applied at
-start-up, so a new database is ready before the first task.
+Configuration comes from the environment (see billing/config.py). Migrations are checked at
+start-up, and applied when DATABASE_URL's role may (the schema's owner); the workers' own
+role (billing/db_roles.py) stops with what to run instead.
 """
 
 from __future__ import annotations
