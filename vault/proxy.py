@@ -194,7 +194,7 @@ async def _proxy(
     if reservation is not None and reservation.owned:
         outcome = _outcome(answer, in_doubt=reservation.in_doubt)
         record.reservation_state = await _settle(state, reservation, outcome, answer.status)
-    body = answer.body
+    body = _without_client_secrets(answer.body)
     if state.upstream_secret in body:
         body = body.replace(state.upstream_secret, b"[redacted]")
     return web.Response(status=answer.status, body=body, headers=answer.headers)
@@ -536,6 +536,33 @@ def _status_of(answer: _Answer) -> object:
     except ValueError:
         return None
     return found.get("status") if isinstance(found, dict) else None
+
+
+def _without_client_secrets(body: bytes) -> bytes:
+    """The body with every `client_secret` field taken out, at any depth.
+
+    A PaymentIntent's client_secret plus the account's publishable key (public in any
+    checkout page) confirms the intent straight with Stripe, past the vault's cap. The
+    workers never read it. A body that is not JSON passes unchanged."""
+    if b"client_secret" not in body:
+        return body  # most answers: no parse, no re-encoding
+    try:
+        found = json.loads(body)
+    except ValueError:
+        return body
+    return json.dumps(_strip_client_secrets(found)).encode()
+
+
+def _strip_client_secrets(value: object) -> object:
+    if isinstance(value, dict):
+        return {
+            name: _strip_client_secrets(item)
+            for name, item in value.items()
+            if name != "client_secret"
+        }
+    if isinstance(value, list):
+        return [_strip_client_secrets(item) for item in value]
+    return value
 
 
 def _replayed(answer: _Answer) -> bool:

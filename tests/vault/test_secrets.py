@@ -3,6 +3,7 @@ reservations, responses or logs (the autouse fixture checks the captured logs of
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import AsyncIterator, Callable
 
@@ -16,6 +17,7 @@ from yarl import URL
 from stripe_emulator import RunningEmulator
 from vault import RunningVault, VaultSettings, serve
 from vault.models import IssuedKey
+from vault.proxy import _without_client_secrets
 
 from .conftest import Issue, Secrets
 from .support import ADMIN_TOKEN, UPSTREAM_SECRET, charge, charge_in_doubt, via_vault
@@ -178,3 +180,91 @@ async def test_unreachable_upstream_is_logged_without_secrets(
     # Nothing reached Stripe, but the vault cannot know that: the money stays reserved.
     state = await db.fetchval("SELECT state FROM vault_reservations")
     assert state == "unknown"
+
+
+async def test_proxied_answers_carry_no_payment_intent_client_secret(
+    issue: Issue,
+    vault: RunningVault,
+    http: aiohttp.ClientSession,
+    customer: str,
+    declining_customer: str,
+    db: asyncpg.Pool,
+) -> None:
+    # A client_secret and the public publishable key confirm an intent straight with Stripe,
+    # past the cap: none may leave the vault, in a charge, a decline, a read or a list.
+    key = await issue(
+        allowed_endpoints=[
+            "POST /v1/payment_intents",
+            "GET /v1/payment_intents",
+            "GET /v1/payment_intents/*",
+        ]
+    )
+    bearer = {"Authorization": f"Bearer {key.secret.get_secret_value()}"}
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    body = (
+        "amount={amount}&currency=usd&customer={customer}&confirm=true&off_session=true"
+        "&automatic_payment_methods[enabled]=true"
+        "&automatic_payment_methods[allow_redirects]=never"
+    )
+    answers: dict[str, tuple[int, str]] = {}
+
+    async def call(name: str, method: str, path: str, **kwargs: object) -> dict[str, object]:
+        async with http.request(method, vault.url + "/stripe" + path, **kwargs) as r:  # type: ignore[arg-type]
+            answers[name] = (r.status, await r.text())
+            found: dict[str, object] = await r.json()
+            return found
+
+    paid = await call(
+        "charged",
+        "POST",
+        "/v1/payment_intents",
+        headers=bearer | form | {"Idempotency-Key": "paid-1"},
+        data=body.format(amount=1_000, customer=customer),
+    )
+    await call(
+        "declined",
+        "POST",
+        "/v1/payment_intents",
+        headers=bearer | form | {"Idempotency-Key": "declined-1"},
+        data=body.format(amount=90_000, customer=declining_customer),
+    )
+    await call("read", "GET", f"/v1/payment_intents/{paid['id']}", headers=bearer)
+    await call("listed", "GET", "/v1/payment_intents", headers=bearer)
+
+    assert {name: status for name, (status, _) in answers.items()} == {
+        "charged": 200,
+        "declined": 402,
+        "read": 200,
+        "listed": 200,
+    }
+    leaked = [name for name, (_, text) in answers.items() if "client_secret" in text]
+    assert leaked == []
+    assert paid["id"] and paid["status"] == "succeeded"  # the rest of the answer is intact
+    states = await db.fetch(
+        "SELECT state FROM vault_reservations WHERE vault_key_id = $1 ORDER BY id", key.id
+    )
+    assert [row["state"] for row in states] == ["committed", "released"]
+
+
+def test_client_secrets_are_stripped_at_any_depth_and_other_bodies_pass_unchanged() -> None:
+    nested = {
+        "object": "list",
+        "client_secret": "pi_1_secret_a",
+        "data": [
+            {"id": "pi_1", "client_secret": "pi_1_secret_b", "metadata": {"k": "v"}},
+            [{"client_secret": "pi_2_secret_c", "amount": 5}],
+        ],
+        "error": {"payment_intent": {"id": "pi_3", "client_secret": "pi_3_secret_d"}},
+    }
+    stripped = json.loads(_without_client_secrets(json.dumps(nested).encode()))
+    assert stripped == {
+        "object": "list",
+        "data": [{"id": "pi_1", "metadata": {"k": "v"}}, [{"amount": 5}]],
+        "error": {"payment_intent": {"id": "pi_3"}},
+    }
+    # Not JSON: returned as it came, byte for byte.
+    for body in (b"client_secret=pi_1_secret_a", b"<html>client_secret</html>", b"", b"\xff"):
+        assert _without_client_secrets(body) == body
+    # JSON without the field is not re-encoded.
+    spaced = b'{ "id" : "pi_1" }'
+    assert _without_client_secrets(spaced) is spaced
