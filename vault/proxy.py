@@ -68,7 +68,7 @@ async def handle(request: web.Request) -> web.Response:
     started = time.perf_counter()
     # The raw path: percent-encoding is refused below rather than decoded.
     path = request.rel_url.raw_path.removeprefix("/stripe")
-    record = AuditRecord(method=_clean(request.method, 16), path=_clean(path, 300))
+    record = AuditRecord(method=_clean(request.method, 16), path=_audited_path(request, path))
     try:
         response = await _proxy(state, request, path, record)
     except Refusal as refusal:
@@ -156,11 +156,9 @@ async def _proxy(
     send_by = None
     if endpoint in METERED:
         reservation, send_by = await _reserve_charge(state, request, grant, endpoint, body, record)
-    # Committed already: Stripe answers from what it saved with the key. A takeover of one in
-    # doubt may execute now, or replay: its answer says which.
-    record.decision = (
-        "replayed" if reservation is not None and reservation.state == "committed" else "forwarded"
-    )
+    # Replayed or executed: only Stripe's answer says which (below), even for a reservation
+    # committed already, since a commit by resolve may stand for a charge Stripe never made.
+    record.decision = "forwarded"
 
     try:
         answer = await _forward(state, request, path, body, send_by)
@@ -189,8 +187,24 @@ async def _proxy(
             should_retry=True,
         ) from None
     record.upstream_status = answer.status
-    if _replayed(answer):
-        record.decision = "replayed"
+    record.decision = "replayed" if _replayed(answer) else "forwarded"
+    if (
+        reservation is not None
+        and reservation.state == "committed"
+        and not _replayed(answer)
+        and (200 <= answer.status < 300 or answer.status == 402)
+    ):
+        # Its commit (a resolve, say) came before Stripe had made the charge, which this
+        # request made: counted once already, it is not counted again, but who resolved it
+        # as charged should know it was not then.
+        logger.warning(
+            "Stripe executed %s (status %d) with Idempotency-Key %s of key %s afresh, though its"
+            " reservation was committed already (resolved before Stripe had charged?)",
+            endpoint,
+            answer.status,
+            record.idempotency_key,
+            grant.id,
+        )
     if reservation is not None and reservation.owned:
         outcome = _outcome(answer, in_doubt=reservation.in_doubt)
         record.reservation_state = await _settle(state, reservation, outcome, answer.status)
@@ -631,6 +645,14 @@ async def _record_late(
         raise
     finally:
         metrics.LATE_WRITES.labels(kind=kind, result=result).inc()
+
+
+def _audited_path(request: web.Request, path: str) -> str:
+    """The path and, decoded so that a percent-encoded key is redacted too, the query string:
+    which customer or page a list read asked for."""
+    query = request.rel_url.raw_query_string
+    audited = _clean(path, 300)
+    return audited + "?" + _clean(unquote_plus(query), 500) if query else audited
 
 
 def _clean(text: str, limit: int) -> str:

@@ -110,6 +110,35 @@ async def test_a_retry_stripe_executes_anew_is_audited_as_forwarded_not_replayed
     assert decisions == [("forwarded", "committed"), ("forwarded", "unknown")]
 
 
+async def test_a_committed_charge_stripe_executes_anew_is_audited_as_forwarded_and_warned(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    emulator: RunningEmulator,
+    admin: VaultAdmin,
+    db: asyncpg.Pool,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Resolved as charged while Stripe had charged nothing: the next request with its key is
+    # sent on the committed reservation, and Stripe executes it. The audit says so, and the
+    # vault warns; the charge is counted once, by the commit, not again.
+    key = await issue()
+    client = stripe_via_vault(key)
+    await charge_in_doubt(emulator, client, customer, 1_000, "k1", fault="error_before_commit")
+    assert await emulator_ledger(emulator) == []
+    await admin.resolve(key.id, "k1", "succeeded")
+    await charge(client, customer, 1_000, "k1")  # executed by Stripe now
+    await charge(client, customer, 1_000, "k1")  # and now replayed
+    assert len(await emulator_ledger(emulator)) == 1
+    decisions = [(e.decision, e.upstream_status) for e in await proxied_calls(admin, key.id)]
+    assert decisions[:2] == [("replayed", 200), ("forwarded", 200)]
+    warned = [r.getMessage() for r in caplog.records if "afresh" in r.getMessage()]
+    assert len(warned) == 1 and key.id in warned[0] and "k1" in warned[0]
+    spent = await db.fetchval("SELECT spent_cents FROM vault_keys WHERE id = $1", key.id)
+    assert spent == 1_000
+    await assert_consistent(db, key.id)
+
+
 async def test_decline_releases_the_reservation(
     issue: Issue, stripe_via_vault: StripeFor, declining_customer: str, db: asyncpg.Pool
 ) -> None:

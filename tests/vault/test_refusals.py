@@ -382,3 +382,33 @@ async def test_the_audit_log_has_one_row_per_request(
     assert [i for p in pages for i in p] == [e.id for e in everything]
     assert [len(p) for p in pages] == [2, 2, 2, 1]
     await assert_consistent(db, key.id)
+
+
+async def test_the_audit_row_names_a_reads_query_redacted_and_bounded(
+    issue: Issue,
+    vault: RunningVault,
+    customer: str,
+    admin: VaultAdmin,
+    http: aiohttp.ClientSession,
+) -> None:
+    # Which customer or page a list read asked for is what an auditor of a key needs.
+    key = await issue(allowed_endpoints=["GET /v1/charges"])
+    bearer = {"Authorization": f"Bearer {key.secret.get_secret_value()}"}
+    queries = [
+        f"customer={customer}&limit=3",
+        "customer=cus%5Fa+b&starting_after=" + "x" * 2_000,  # decoded, and clipped
+        "customer=sk%5Ftest%5F" + "A" * 30,  # a percent-encoded key: refused, and redacted
+    ]
+    for query in queries:
+        async with http.get(
+            URL(f"{vault.url}/stripe/v1/charges?{query}", encoded=True), headers=bearer
+        ):
+            pass
+    async with http.get(vault.url + "/stripe/v1/charges", headers=bearer):
+        pass
+    plain, long, encoded_key, bare = reversed([e.path for e in await proxied_calls(admin, key.id)])
+    assert plain == f"/v1/charges?customer={customer}&limit=3"
+    assert long.startswith("/v1/charges?customer=cus_a b&starting_after=xxx")
+    assert len(long) == len("/v1/charges?") + 500
+    assert encoded_key == "/v1/charges?customer=[redacted key]"
+    assert bare == "/v1/charges"
