@@ -17,7 +17,7 @@ from datetime import datetime, timedelta
 
 import asyncpg
 
-from vault.endpoints import METERED, WORKER_ENDPOINTS
+from vault.endpoints import METERED, WORKER_ENDPOINTS, beyond_worker_endpoints
 from vault.models import IssueKeyRequest
 
 
@@ -82,7 +82,7 @@ async def admit(
             f"currency {request.currency} is not in VAULT_WORKER_CURRENCIES"
             f" ({','.join(sorted(policy.currencies))}): add it, or issue with the admin token"
         )
-    outside = [e for e in request.allowed_endpoints if e not in WORKER_ENDPOINTS]
+    outside = beyond_worker_endpoints(request.allowed_endpoints)
     if outside:
         raise WorkerKeyRefused(
             f"a worker key may allow only {', '.join(WORKER_ENDPOINTS)}; not {outside[0]}"

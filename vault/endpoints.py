@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 # A metered request's number for its attempt, higher for each later attempt of the request: a
 # cap refusal fences off the attempts below it (vault.reservations.reserve). Not forwarded.
@@ -36,6 +37,19 @@ ENTRY_PATTERN = (
     r"^(GET /v1(/([A-Za-z0-9_-]{1,100}|\*)){1,6}"
     r"|POST /v1/(payment_intents|charges)|POST /v1/payment_intents/\*/cancel)$"
 )
+_ENTRY_RE = re.compile(ENTRY_PATTERN)
+
+
+def malformed_entries(entries: Iterable[str]) -> list[str]:
+    """The allowlist entries no key may hold (ENTRY_PATTERN: issue and proxy alike)."""
+    return [entry for entry in entries if _ENTRY_RE.fullmatch(entry) is None]
+
+
+def beyond_worker_endpoints(entries: Iterable[str]) -> list[str]:
+    """The entries a key issued with the worker token may not hold."""
+    return [entry for entry in entries if entry not in WORKER_ENDPOINTS]
+
+
 # A request path the proxy accepts: plain segments only, so no encoding tricks (`..`, `%2F`)
 # can make the path the allowlist checked differ from the path the upstream serves.
 PATH_RE = re.compile(r"/v1(/[A-Za-z0-9_-]{1,255}){1,8}")

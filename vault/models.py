@@ -21,7 +21,7 @@ from pydantic import (
     field_validator,
 )
 
-from vault.endpoints import ENTRY_PATTERN
+from vault.endpoints import ENTRY_PATTERN, beyond_worker_endpoints, malformed_entries
 
 KEY_ID_PATTERN = r"^vkey_[0-9a-f]{16}$"
 SECRET_PREFIX = "vk_"  # noqa: S105 (a prefix, not a secret)
@@ -85,6 +85,39 @@ class View(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
+def past_ceiling(cents: int, ceiling: int) -> str | None:
+    """Why a cap or daily cap cannot be issued under VAULT_MAX_CAP_CENTS; None if it can."""
+    if cents > ceiling:
+        return f"{cents} exceeds this vault's ceiling VAULT_MAX_CAP_CENTS={ceiling}"
+    return None
+
+
+def never_issuable(
+    *,
+    cap_cents: int,
+    daily_cap_cents: int | None,
+    allowed_endpoints: list[str],
+    issued_by: str,
+    max_cap_cents: int,
+) -> str | None:
+    """Why the admin API could never have issued a key like this; None if it could.
+
+    The same checks as an issue's (IssueKeyRequest, budget.admit), for the proxy to apply to
+    every key row it is shown: whoever can write vault_keys can write any row."""
+    for name, cents in (("cap_cents", cap_cents), ("daily_cap_cents", daily_cap_cents)):
+        past = None if cents is None else past_ceiling(cents, max_cap_cents)
+        if past is not None:
+            return f"its {name} {past}"
+    malformed = malformed_entries(allowed_endpoints)
+    if malformed:
+        return f"it allows {len(malformed)} endpoint(s) no key may allow"
+    if issued_by not in ("admin", "worker"):
+        return "it names neither token as its issuer"
+    if issued_by == "worker" and beyond_worker_endpoints(allowed_endpoints):
+        return "it was issued with the worker token but allows endpoints beyond WORKER_ENDPOINTS"
+    return None
+
+
 class IssueKeyRequest(Body):
     vendor: Literal["stripe"] = "stripe"
     label: Label
@@ -108,8 +141,9 @@ class IssueKeyRequest(Body):
     @classmethod
     def _within_ceiling(cls, cap: int | None, info: ValidationInfo) -> int | None:
         ceiling = (info.context or {}).get(MAX_CAP_CONTEXT)
-        if cap is not None and ceiling is not None and cap > ceiling:
-            raise ValueError(f"{cap} exceeds this vault's ceiling VAULT_MAX_CAP_CENTS={ceiling}")
+        past = None if cap is None or ceiling is None else past_ceiling(cap, ceiling)
+        if past is not None:
+            raise ValueError(past)
         return cap
 
     @field_validator("daily_cap_cents")

@@ -23,7 +23,13 @@ from billing.redact import SECRET_RE, redact
 from vault import cancels, metrics, reservations, store
 from vault.endpoints import CANCEL, FENCE_HEADER, METERED, PATH_RE, allows
 from vault.errors import Refusal, VaultError
-from vault.models import IDEMPOTENCY_KEY_PATTERN, SECRET_PREFIX, Decision, ReservationState
+from vault.models import (
+    IDEMPOTENCY_KEY_PATTERN,
+    SECRET_PREFIX,
+    Decision,
+    ReservationState,
+    never_issuable,
+)
 from vault.reservations import Charge, Outcome, Reservation
 from vault.send_deadline import HeldUpError, SendBy, Stamp, sending
 from vault.state import STATE, VaultState
@@ -300,6 +306,25 @@ async def _authenticate(state: VaultState, request: web.Request, record: AuditRe
     if grant is None:
         raise Refusal("refused_auth", 401, "vault_key_invalid", "unknown vault key")
     record.vault_key_id = grant.id
+    forged = never_issuable(
+        cap_cents=grant.cap_cents,
+        daily_cap_cents=grant.daily_cap_cents,
+        allowed_endpoints=grant.allowed_endpoints,
+        issued_by=grant.issued_by,
+        max_cap_cents=state.settings.max_cap_cents,
+    )
+    if forged is not None:
+        # Written past the admin API (by a role that can write vault_keys), or issued under a
+        # higher VAULT_MAX_CAP_CENTS than now: either way not a key to forward for.
+        logger.error("refused vault key %s, which this vault would not issue: %s", grant.id, forged)
+        raise Refusal(
+            "refused_auth",
+            403,
+            "vault_key_not_issuable",
+            f"this vault key is refused: {forged}, so the vault's admin API did not issue it as"
+            " it stands; revoke it, and check who can write the vault's tables",
+            error_type="permission_error",
+        )
     if grant.revoked:
         raise Refusal("refused_auth", 401, "vault_key_revoked", "this vault key has been revoked")
     if grant.expired:

@@ -217,13 +217,17 @@ class KeyGrant:
     allowed_endpoints: list[str]
     revoked: bool
     expired: bool
+    # What an issue checks, checked again on every request (models.never_issuable).
+    cap_cents: int
+    daily_cap_cents: int | None
+    issued_by: str
 
 
 async def key_for_secret(conn: asyncpg.Connection, secret: str) -> KeyGrant | None:
     row = await conn.fetchrow(
         """
         SELECT id, currency, allowed_endpoints, revoked_at IS NOT NULL AS revoked,
-               expires_at <= now() AS expired
+               expires_at <= now() AS expired, cap_cents, daily_cap_cents, issued_by
         FROM vault_keys WHERE secret_sha256 = $1
         """,
         secret_digest(secret),

@@ -4,6 +4,8 @@ recognises; and the audit log's one row per request."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import secrets
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,8 +20,15 @@ from vault import RunningVault
 from vault.client import VaultAdmin
 from vault.models import IssuedKey
 
-from .conftest import Issue
-from .support import assert_consistent, charge, emulator_ledger, proxied_calls, via_vault
+from .conftest import Issue, Secrets
+from .support import (
+    MAX_CAP_CENTS,
+    assert_consistent,
+    charge,
+    emulator_ledger,
+    proxied_calls,
+    via_vault,
+)
 
 StripeFor = Callable[[IssuedKey], stripe.StripeClient]
 
@@ -412,3 +421,112 @@ async def test_the_audit_row_names_a_reads_query_redacted_and_bounded(
     assert len(long) == len("/v1/charges?") + 500
     assert encoded_key == "/v1/charges?customer=[redacted key]"
     assert bare == "/v1/charges"
+
+
+async def _forge_key(
+    db: asyncpg.Pool,
+    secrets_seen: Secrets,
+    *,
+    cap_cents: int = 100_000,
+    daily_cap_cents: int | None = None,
+    allowed_endpoints: list[str] | None = None,
+    issued_by: str = "admin",
+) -> tuple[str, str]:
+    """A key row written straight into vault_keys, past the admin API, as a role that can
+    write the vault's tables could: (key id, secret)."""
+    secret = "vk_" + secrets.token_urlsafe(32)
+    secrets_seen.values.append(secret)
+    key_id = "vkey_" + secrets.token_hex(8)
+    await db.execute(
+        """
+        INSERT INTO vault_keys (id, secret_sha256, vendor, label, period, currency, cap_cents,
+                                daily_cap_cents, allowed_endpoints, expires_at, issued_by)
+        VALUES ($1, $2, 'stripe', 'billing', '2026-12', 'usd', $3, $4, $5,
+                now() + interval '10 years', $6)
+        """,
+        key_id,
+        hashlib.sha256(secret.encode()).digest(),
+        cap_cents,
+        daily_cap_cents,
+        allowed_endpoints or ["POST /v1/payment_intents", "GET /v1/payment_intents/*"],
+        issued_by,
+    )
+    return key_id, secret
+
+
+@pytest.mark.parametrize(
+    ("forged", "why"),
+    [
+        ({"cap_cents": 2**62}, "cap_cents"),
+        ({"cap_cents": MAX_CAP_CENTS + 1}, "cap_cents"),
+        ({"daily_cap_cents": MAX_CAP_CENTS + 1}, "daily_cap_cents"),
+        ({"allowed_endpoints": ["POST /v1/payment_intents", "POST /v1/refunds"]}, "endpoint"),
+        ({"allowed_endpoints": ["GET /v1/customers"], "issued_by": "worker"}, "worker token"),
+    ],
+    ids=["cap-2^62", "cap-past-ceiling", "daily-cap-past-ceiling", "refunds", "worker-reads"],
+)
+async def test_a_key_row_the_vault_could_never_have_issued_is_refused_and_audited(
+    db: asyncpg.Pool,
+    vault: RunningVault,
+    http: aiohttp.ClientSession,
+    customer: str,
+    emulator: RunningEmulator,
+    secrets_seen: Secrets,
+    forged: dict[str, Any],
+    why: str,
+) -> None:
+    # Whoever can write vault_keys (the ledger's role, today) must not get a key past
+    # VAULT_MAX_CAP_CENTS, the entry pattern or the worker endpoints by writing the row.
+    key_id, secret = await _forge_key(db, secrets_seen, **forged)
+    headers = {
+        "Authorization": f"Bearer {secret}",
+        "Content-Type": "application/x-www-form-urlencoded",
+        "Idempotency-Key": "forged-1",
+    }
+    async with http.post(
+        vault.url + "/stripe/v1/payment_intents",
+        data=f"amount={MAX_CAP_CENTS + 1_000_000}&currency=usd&customer={customer}"
+        "&confirm=true&off_session=true&payment_method=pm_card_visa",
+        headers=headers,
+    ) as response:
+        status, body = response.status, await response.json()
+    async with http.get(vault.url + "/stripe/v1/customers", headers=headers) as response:
+        read_status = response.status
+    assert (status, read_status) == (403, 403)
+    assert body["error"]["code"] == "vault_key_not_issuable"
+    assert why in body["error"]["message"]
+    assert secret not in str(body)
+    assert await emulator_ledger(emulator) == []
+    rows = await db.fetch(
+        "SELECT decision, refusal_code, path FROM vault_audit WHERE vault_key_id = $1 ORDER BY id",
+        key_id,
+    )
+    assert [tuple(row) for row in rows] == [
+        ("refused_auth", "vault_key_not_issuable", "/v1/payment_intents"),
+        ("refused_auth", "vault_key_not_issuable", "/v1/customers"),
+    ]
+    assert await db.fetchval("SELECT count(*) FROM vault_reservations") == 0
+
+
+async def test_a_key_row_written_as_the_api_would_issue_it_is_honoured(
+    db: asyncpg.Pool,
+    vault: RunningVault,
+    http: aiohttp.ClientSession,
+    customer: str,
+    secrets_seen: Secrets,
+) -> None:
+    # The check refuses what no issue could write, not rows as such: a worker key at the
+    # ceiling with the worker endpoints is served (the budget is the issue's to enforce).
+    _, secret = await _forge_key(
+        db,
+        secrets_seen,
+        cap_cents=MAX_CAP_CENTS,
+        daily_cap_cents=MAX_CAP_CENTS,
+        allowed_endpoints=["GET /v1/charges", "POST /v1/payment_intents"],
+        issued_by="worker",
+    )
+    async with http.get(
+        vault.url + f"/stripe/v1/charges?customer={customer}",
+        headers={"Authorization": f"Bearer {secret}"},
+    ) as response:
+        assert response.status == 200
