@@ -238,10 +238,10 @@ async def revoke_key(request: web.Request) -> web.Response:
     key_id = _key_id(request)
     async with request.app[STATE].pool.acquire() as conn, conn.transaction():
         # Workers revoke the keys they issued that no run stores any more (billing.period_keys:
-        # a failed opening's, one replaced): a kill switch moves no money, and a revoked key
-        # counts only what it took.
+        # a failed opening's, one replaced): a kill switch moves no money, and a key the worker
+        # revoked counts only what it took; one the admin revoked, its whole cap (vault.budget).
         _own_keys_only(request, key_id, await _require_key(conn, key_id), "revoke it")
-        info = await store.revoke_key(conn, key_id)
+        info = await store.revoke_key(conn, key_id, request[ROLE])
         if info is None:
             raise _no_key(key_id)
         await _audit(conn, request, key_id, "revoked", started, currency=info.currency)

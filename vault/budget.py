@@ -4,7 +4,9 @@ Workers hold the worker token, not the admin token, so a worker taken over canno
 without limit. A worker key may allow only the billing workers' endpoints, in the currencies
 listed, and lives at most the window (a longer expiry is shortened to it). Per currency, what
 worker keys could have moved stays within the budget: the cap of each live worker key, what
-each worker key dead within the window took (spent, and reserved while unresolved), and the
+each worker key dead within the window took (spent, and reserved while unresolved), except
+that one the admin token revoked keeps counting its cap (the operator's kill switch on a worker
+that may be taken over hands it no room back), and the
 cents the worker token freed on them by settling a reservation as failed or for less, since a
 charge it called failed may have gone through and the freed room be charged again. Keys with
 no metered endpoint (lookup keys) move no money and are not counted.
@@ -48,6 +50,7 @@ async def _room(conn: asyncpg.Connection, currency: str, policy: WorkerPolicy) -
         """
         SELECT coalesce(sum(worker_released_cents + CASE
                    WHEN revoked_at IS NULL AND expires_at > now() THEN cap_cents
+                   WHEN revoked_by = 'admin' THEN cap_cents
                    ELSE spent_cents + reserved_cents END), 0)
         FROM vault_keys
         WHERE issued_by = 'worker' AND currency = $1 AND allowed_endpoints && $3::text[]
@@ -67,8 +70,10 @@ def _past_budget(
     return WorkerKeyRefused(
         f"{what} would take worker keys {short} {currency} past"
         f" VAULT_WORKER_BUDGET_CENTS={policy.budget_cents} for the last {policy.window.days}"
-        " days: revoke unused worker keys (GET /vault/keys lists them; a revoked key counts"
-        f" only what it took), raise the budget, or {otherwise}"
+        " days: revoke unused worker keys with the worker token (GET /vault/keys lists them;"
+        " a key it revoked counts only what it took, one the admin token revoked its whole"
+        " cap for the window),"
+        f" raise the budget, or {otherwise}"
     )
 
 

@@ -184,6 +184,12 @@ class KeyInfo(View):
     expired: bool
     revoked: bool
     revoked_at: datetime | None
+    # Defaulted, so a newer client reads the keys of a vault from before it was recorded.
+    revoked_by: Role | None = Field(
+        default=None,
+        description="the token that revoked the key (admin, if both did); a worker key the"
+        " admin revoked counts its whole cap against the worker budget for the window",
+    )
     created_at: datetime
     # Defaulted, so a newer client reads the keys of a vault from before the worker token.
     issued_by: Literal["admin", "worker"] = Field(

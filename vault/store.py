@@ -46,7 +46,8 @@ _KEY_VIEW = f"""
            CASE WHEN k.daily_cap_cents IS NOT NULL
                 THEN coalesce(d.reserved_cents + d.spent_cents, 0) END AS daily_used_cents,
            k.allowed_endpoints, k.expires_at, k.expires_at <= now() AS expired,
-           k.revoked_at IS NOT NULL AS revoked, k.revoked_at, k.created_at, k.issued_by
+           k.revoked_at IS NOT NULL AS revoked, k.revoked_at, k.revoked_by, k.created_at,
+           k.issued_by
     FROM vault_keys k
     LEFT JOIN vault_key_days d ON d.vault_key_id = k.id AND d.day = {_TODAY}
 """
@@ -180,10 +181,19 @@ async def find_keys(
     return [KeyInfo.model_validate(dict(row)) for row in rows]
 
 
-async def revoke_key(conn: asyncpg.Connection, key_id: str) -> KeyInfo | None:
-    # Revoking twice keeps the first time.
+async def revoke_key(conn: asyncpg.Connection, key_id: str, by: Role) -> KeyInfo | None:
+    # Revoking twice keeps the first time. An admin revoke marks the key whoever revoked it
+    # first: the worker budget then counts its whole cap (vault.budget), as the operator's
+    # kill switch must not leave room a worker revoke freed earlier.
     await conn.execute(
-        "UPDATE vault_keys SET revoked_at = coalesce(revoked_at, now()) WHERE id = $1", key_id
+        """
+        UPDATE vault_keys SET revoked_at = coalesce(revoked_at, now()),
+                              revoked_by = CASE WHEN $2 = 'admin' THEN 'admin'
+                                                ELSE coalesce(revoked_by, $2) END
+        WHERE id = $1
+        """,
+        key_id,
+        by,
     )
     return await get_key(conn, key_id)
 

@@ -111,9 +111,10 @@ async def test_a_dead_worker_key_counts_what_it_took_within_the_window(
     expiring = await _issue(worker, secrets_seen, cap_cents=third)
     with pytest.raises(VaultForbidden):
         await _issue(worker, secrets_seen, cap_cents=1)
-    # Revoked, a key counts only what it took: 40,000 here, nothing for the unused one.
-    await admin.revoke(spent.id)
-    await admin.revoke(unused.id)
+    # Revoked by the worker token (a key it replaced, or left unstored), a key counts only
+    # what it took: 40,000 here, nothing for the unused one.
+    await worker.revoke(spent.id)
+    await worker.revoke(unused.id)
     await _age(db, expiring.id, expires_days_ago=0)
     await _issue(worker, secrets_seen, cap_cents=WORKER_BUDGET_CENTS - 40_000)
     with pytest.raises(VaultForbidden, match="1 usd past"):
@@ -126,6 +127,40 @@ async def test_a_dead_worker_key_counts_what_it_took_within_the_window(
         await conn.execute("UPDATE vault_keys SET created_at = now() - interval '400 days'")
     with pytest.raises(VaultForbidden, match="1 usd past"):
         await _issue(worker, secrets_seen, cap_cents=1)
+
+
+async def test_a_worker_key_the_admin_revokes_keeps_its_cap_counted_for_the_window(
+    worker: VaultAdmin,
+    admin: VaultAdmin,
+    secrets_seen: Secrets,
+    db: asyncpg.Pool,
+    customer: str,
+    stripe_via_vault: Callable[[IssuedKey], stripe.StripeClient],
+) -> None:
+    # The operator's kill switch on a worker that may be taken over: the revoke must not
+    # hand the unspent cap back to the worker token, which would at once mint it again.
+    whole = await _issue(worker, secrets_seen, cap_cents=WORKER_BUDGET_CENTS)
+    await charge(stripe_via_vault(whole), customer, 50_000, "before-kill")
+    killed = await admin.revoke(whole.id)
+    assert (killed.revoked, killed.revoked_by) == (True, "admin")
+    with pytest.raises(VaultForbidden, match="1 usd past"):
+        await _issue(worker, secrets_seen, cap_cents=1)
+    # A worker revoking it again changes nothing; nor does a worker key the admin revokes
+    # after the worker token did: it is counted whole from then on.
+    assert (await worker.revoke(whole.id)).revoked_by == "admin"
+    async with db.acquire() as conn:
+        await conn.execute("UPDATE vault_keys SET cap_cents = 100_000 WHERE id = $1", whole.id)
+    replaced = await _issue(worker, secrets_seen, cap_cents=WORKER_BUDGET_CENTS - 100_000)
+    assert (await worker.revoke(replaced.id)).revoked_by == "worker"
+    await _issue(worker, secrets_seen, cap_cents=50_000)  # room its worker revoke freed
+    await admin.revoke(replaced.id)
+    assert (await worker.get_key(replaced.id)).revoked_by == "admin"
+    with pytest.raises(VaultForbidden):
+        await _issue(worker, secrets_seen, cap_cents=1)
+    # Once the window has passed since the revoke, the key no longer counts.
+    await _age(db, whole.id, revoked_days_ago=46)
+    await _age(db, replaced.id, revoked_days_ago=46)
+    await _issue(worker, secrets_seen, cap_cents=WORKER_BUDGET_CENTS - 50_000)
 
 
 async def _age(
@@ -203,8 +238,9 @@ async def test_cents_a_worker_frees_count_against_the_budget(
     assert freed == 30_000 + 5_000
     with pytest.raises(VaultForbidden, match="a cap of 15001 would take worker keys 1 usd past"):
         await _issue(worker, secrets_seen, cap_cents=15_001)
-    # Freed on a dead key, reserved cents only change name: allowed with no room left.
-    await admin.revoke(other.id)
+    # Freed on a dead key, reserved cents only change name: allowed with no room left. (A
+    # key the worker token revoked: one the admin revoked would count its whole cap.)
+    await worker.revoke(other.id)
     await _issue(worker, secrets_seen, cap_cents=15_000 + 50_000 - 30_000)
     await worker.resolve(other.id, "in-doubt-c", "failed")
     with pytest.raises(VaultForbidden, match="1 usd past"):
