@@ -387,21 +387,33 @@ async def test_a_period_whose_child_was_terminated_finishes_once_reconciled(
         child = customer_workflow_id(PERIOD, customer.customer_id)
         await harness.client.get_workflow_handle(child).terminate(reason="stuck, by hand")
         await harness.set_faults(error_before_commit=0.0)
-
-        async def named() -> bool:
-            progress = await period_status(harness.client, PERIOD)
-            return progress.awaited_in_ledger == [customer.customer_id]
-
-        # `status` names the customer the run waits for, and what settles it.
-        await eventually(named)
-        _, out, err = await harness.starter("status", str(PERIOD))
-        assert f"  awaited in the ledger: {customer.customer_id} (started by an" in out, err
-        assert f"`reconcile {PERIOD}` settles a claim nothing runs" in out
         report = await (await start_reconcile(harness.client, PERIOD, harness.task_queue)).result()
         assert [(c.action, c.outcome) for c in report.claims] == [("redriven", "charged")]
         summary = await asyncio.wait_for(handle.result(), timeout=60)
     assert summary.charged + summary.already_billed == 1
     await assert_billed_once(harness, str(PERIOD), [customer])
+
+
+async def test_status_names_the_customer_a_run_waits_for_in_the_ledger(harness: Harness) -> None:
+    # A child terminated after its claim: the period waits on the ledger for it, and says
+    # for whom and what settles it (Stripe fails throughout, so the charge the terminated
+    # child left running in the worker cannot end meanwhile).
+    [customer] = await harness.seed(1)
+    await harness.set_faults(error_before_commit=1.0)
+    async with harness.running_worker():
+        await start_period(harness.client, PERIOD, harness.task_queue)
+        await eventually(lambda: at_least(harness.money_requests(), 1))
+        child = customer_workflow_id(PERIOD, customer.customer_id)
+        await harness.client.get_workflow_handle(child).terminate(reason="stuck, by hand")
+
+        async def named() -> bool:
+            progress = await period_status(harness.client, PERIOD)
+            return progress.awaited_in_ledger == [customer.customer_id]
+
+        await eventually(named)
+        _, out, err = await harness.starter("status", str(PERIOD))
+    assert f"  awaited in the ledger: {customer.customer_id} (started by an" in out, err
+    assert f"`reconcile {PERIOD}` settles a claim nothing runs" in out
 
 
 async def test_claims_a_run_left_paused_when_terminated_are_left_for_a_person(
