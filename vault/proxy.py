@@ -59,6 +59,29 @@ _CURRENCY_RE = re.compile(r"[a-z]{3}")
 # A form's parameter name as Stripe's SDKs write it: `amount`, `metadata[key]`, `expand[]`.
 _PARAMETER_NAME_RE = re.compile(r"[a-z][a-z0-9_]*(\[[^\[\]]*\])*")
 _CUSTOMER_RE = re.compile(r"[A-Za-z0-9_]{1,255}")
+# What a request that moves money may say: what the workers send (activities/stripe_gateway.py
+# charge_params) and how the charge reads on a statement or receipt. Anything else could send
+# the money elsewhere within the cap (transfer_data[destination], on_behalf_of,
+# application_fee_amount, destination on a Connect platform), or change what a charge is.
+_CHARGE_PARAMETERS = frozenset(
+    {
+        "amount",
+        "currency",
+        "customer",
+        "description",
+        "confirm",
+        "off_session",
+        "payment_method",
+        "source",
+        "statement_descriptor",
+        "statement_descriptor_suffix",
+        "receipt_email",
+    }
+)
+# Parameters of nested values: any key of metadata, only these of the others.
+_CHARGE_NESTED = re.compile(
+    r"metadata\[[^\[\]]*\]|automatic_payment_methods\[(enabled|allow_redirects)\]"
+)
 _FENCING_TOKEN_RE = re.compile(r"[1-9][0-9]{0,8}")
 
 
@@ -358,6 +381,23 @@ def _charge(request: web.Request, endpoint: str, body: bytes, record: AuditRecor
         raise Refusal(
             "refused_request", 400, "body_invalid", "the body has more than 1000 fields"
         ) from None
+    others = sorted(
+        name
+        for name in fields
+        if name not in _CHARGE_PARAMETERS and _CHARGE_NESTED.fullmatch(name) is None
+    )
+    if others:
+        # Names only: they passed _check_parameters, so they are plain parameter names.
+        raise Refusal(
+            "refused_request",
+            400,
+            "parameter_not_allowed",
+            f"a request that moves money may not send {', '.join(others[:5])}: the vault"
+            " forwards amount, currency, customer, description, metadata, confirm,"
+            " off_session, automatic_payment_methods, payment_method, source, statement"
+            " descriptors and receipt_email only",
+            param=others[0],
+        )
     amount = _single(fields, "amount")
     currency = _single(fields, "currency")
     customer = _single(fields, "customer")

@@ -87,7 +87,8 @@ async def test_serves_then_stops_on_sigterm_after_finishing_in_flight_requests(
                     "customer": customer,
                     "confirm": "true",
                     "off_session": "true",
-                    "allowed_payment_method_types[0]": "card",
+                    "automatic_payment_methods[enabled]": "true",
+                    "automatic_payment_methods[allow_redirects]": "never",
                 },
                 headers={
                     "Authorization": f"Bearer {key.secret.get_secret_value()}",

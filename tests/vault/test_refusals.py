@@ -176,6 +176,21 @@ async def test_money_moving_request_without_idempotency_key_is_refused(
         ("amount=1&currency=usd&[amount]=99999", {}, 400, "parameter_name_invalid"),
         ("amount=1&currency=usd&AMOUNT=99999", {}, 400, "parameter_name_invalid"),
         ("amount=100", {}, 400, "parameter_missing"),
+        # What would send the money elsewhere, within the cap (on a Connect platform).
+        (
+            "amount=100&currency=usd&transfer_data[destination]=acct_1",
+            {},
+            400,
+            "parameter_not_allowed",
+        ),
+        ("amount=100&currency=usd&on_behalf_of=acct_1", {}, 400, "parameter_not_allowed"),
+        ("amount=100&currency=usd&application_fee_amount=90", {}, 400, "parameter_not_allowed"),
+        (
+            "amount=100&currency=usd&automatic_payment_methods[x]=1",
+            {},
+            400,
+            "parameter_not_allowed",
+        ),
         ("amount=100&currency=usd&customer=sk_test_oops", {}, 400, "secret_in_parameter"),
         (
             "amount=100&currency=usd",
