@@ -108,6 +108,11 @@ LISTED_PER_RUN = 20_000
 # cancel. It used to end the run CANCELED with nothing in the ledger: the customers not yet
 # charged were never marked, and the schedule's next launch billed them after all.
 TEMPORAL_CANCEL_IS_A_CANCEL = "temporal-cancel-is-a-cancel"
+# A key refusal reported while the run's plan is made came from a child of an earlier run
+# (this one has started none), refused the key the opening is renewing or replacing: the
+# pause it made only waited for an operator. The child tries again once its wait is over,
+# with the new key, and reports again if that is refused too.
+BLOCKED_AFTER_OPENING = "blocked-after-opening"
 TEMPORAL_CANCEL = OperatorRequest(
     reason="cancelled in Temporal (the Web UI's Cancel, or its API): customers not yet charged"
     " end cancelled",
@@ -413,6 +418,8 @@ class BillingPeriodWorkflow:
         """The period's key was refused (cap reached, revoked): stop charging and say why."""
         if self._finished and workflow.patched(NO_PAUSE_ONCE_FINISHED):
             # Every outcome is in: a pause now would only be left in the ledger after the run.
+            return
+        if self._state.plan is None and workflow.patched(BLOCKED_AFTER_OPENING):
             return
         if self._control.control == "running":
             reason = f"{failure.code}: {failure.message}"

@@ -10,6 +10,7 @@ from temporalio import activity
 from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
 from temporalio.client import WorkflowFailureError, WorkflowHandle, WorkflowHistory
 from temporalio.exceptions import ApplicationError
+from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
 from activities.period import OutcomesRequest, PeriodActivities
 from billing import ledger, operations
@@ -17,6 +18,7 @@ from billing.customers import upsert_customers
 from billing.keys import customer_workflow_id, idempotency_key
 from billing.models import (
     BillingPeriodInput,
+    ChargeFailure,
     ChargeResult,
     CustomerChargeInput,
     CustomerOutcome,
@@ -305,6 +307,43 @@ async def test_a_cancel_continues_as_new_while_it_marks_the_rest_cancelled(
     runs = await harness.chain_of_runs(handle.id, bound=limit + 15 * options.max_in_flight)
     await replay(runs)
     keep(runs[-2:])
+
+
+class SlowPreparation(Interceptor):
+    """Holds each period's opening (`prepare`) for `seconds`, as a slow vault would."""
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        seconds = self._seconds
+
+        class Slow(ActivityInboundInterceptor):
+            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                if activity.info().activity_type == "prepare":
+                    await asyncio.sleep(seconds)
+                return await super().execute_activity(input)
+
+        return Slow(next)
+
+
+async def test_a_key_refusal_reported_while_the_run_opens_does_not_pause_it(
+    harness: Harness,
+) -> None:
+    # A child an earlier run left, refused its old key while this run issues the new one:
+    # it tries again with the new key, and the run goes on rather than wait for an operator.
+    customers = await harness.seed(3)
+    async with harness.running_worker(interceptors=[SlowPreparation(3.0)]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        await handle.signal(
+            BillingPeriodWorkflow.period_blocked,
+            ChargeFailure(code="vault_key_revoked", message="the key of the run before"),
+        )
+        summary = await asyncio.wait_for(handle.result(), 60)
+    assert (summary.charged, summary.cancelled) == (3, 0)
+    await replay([await handle.fetch_history()])
+    keep([await handle.fetch_history()])
+    await assert_billed_once(harness, str(PERIOD), customers)
 
 
 async def test_a_child_waiting_long_continues_as_new_and_charges_once(harness: Harness) -> None:
