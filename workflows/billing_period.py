@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import NoReturn
 
@@ -152,12 +152,12 @@ class BillingPeriodWorkflow:
         self._long_waits_continue = workflow.patched(LONG_WAITS_CONTINUE)
         self._pauses_continue = workflow.patched(PAUSES_CONTINUE)
         self._listing_bounded = workflow.patched(LISTING_CONTINUES)
-        temporal_cancel_is_a_cancel = workflow.patched(TEMPORAL_CANCEL_IS_A_CANCEL)
+        self._temporal_cancel_is_a_cancel = workflow.patched(TEMPORAL_CANCEL_IS_A_CANCEL)
         try:
             period = str(parse_period(self._state.period))
         except ValueError as exc:
             raise ApplicationError(str(exc), type="InvalidPeriod", non_retryable=True) from exc
-        if not temporal_cancel_is_a_cancel:
+        if not self._temporal_cancel_is_a_cancel:
             return await self._bill(period)
         # Temporal cancels the task running `run`: billing goes on in a task of its own,
         # which the cancel reaches as an operator's would, through the run's control.
@@ -187,7 +187,7 @@ class BillingPeriodWorkflow:
         self._publish_status()
         self._await_elsewhere(())
         while True:
-            await workflow.wait_condition(
+            await self._wait(
                 lambda: (
                     self._control.control != "paused"
                     or (self._pauses_continue and self._should_continue_as_new())
@@ -197,9 +197,7 @@ class BillingPeriodWorkflow:
                 # Children waiting at the gate finish only once it is resumed: hand them all
                 # over now, once each has started (or nothing would report it) and every
                 # operator's update (a skip, a resume) has its answer.
-                await workflow.wait_condition(
-                    lambda: self._starting == 0 and workflow.all_handlers_finished()
-                )
+                await self._wait(lambda: self._starting == 0 and workflow.all_handlers_finished())
                 self._hand_over(period)
             if self._control.control == "cancelled":
                 await self._cancel_the_rest()
@@ -217,7 +215,7 @@ class BillingPeriodWorkflow:
         if workflow.patched(ANSWER_UPDATES_BEFORE_CLOSE):
             # An update accepted before (a skip, a pause) gets its answer, not "workflow
             # completed before the update completed".
-            await workflow.wait_condition(workflow.all_handlers_finished)
+            await self._wait(workflow.all_handlers_finished)
         control = self._control
         cancelled = control.control == "cancelled"
         summary = PeriodSummary(
@@ -623,7 +621,7 @@ class BillingPeriodWorkflow:
     async def _watch_ledger(self) -> None:
         while self._elsewhere:
             # A paused period's children wait too: nothing to learn, no history to add.
-            await workflow.wait_condition(lambda: self._control.control != "paused")
+            await self._wait(lambda: self._control.control != "paused")
             waiting = sorted(self._elsewhere)
             try:
                 outcomes = await workflow.execute_activity_method(
@@ -657,7 +655,7 @@ class BillingPeriodWorkflow:
         is long enough to continue as new."""
         low_water = self._options.max_in_flight - self._refill()
         target = 0 if self._exhausted() else low_water
-        await workflow.wait_condition(
+        await self._wait(
             lambda: (
                 (len(self._in_flight) <= target and self._starting < self._options.max_starting)
                 or self._control.control != "running"
@@ -704,7 +702,7 @@ class BillingPeriodWorkflow:
             state.cursor = page.next_cursor or state.cursor
             state.listing_done = page.next_cursor is None
         self._describe()
-        await workflow.wait_condition(lambda: not self._in_flight or self._long_wait_ends())
+        await self._wait(lambda: not self._in_flight or self._long_wait_ends())
 
     async def _continue_as_new(self, period: str) -> None:
         """Hand the customers in flight to a new run; returns only when, once the children
@@ -733,14 +731,39 @@ class BillingPeriodWorkflow:
         wait = self._options.hand_over_after_seconds
         if wait > 0 and self._control.control != "paused":
             with contextlib.suppress(TimeoutError):
-                await workflow.wait_condition(
+                await self._wait(
                     lambda: not self._children and workflow.all_handlers_finished(),
                     timeout=timedelta(seconds=wait),
                     timeout_summary="let the children in flight finish before continuing",
                 )
-        await workflow.wait_condition(
-            lambda: self._starting == 0 and workflow.all_handlers_finished()
-        )
+        await self._wait(lambda: self._starting == 0 and workflow.all_handlers_finished())
+
+    async def _wait(
+        self,
+        condition: Callable[[], bool],
+        *,
+        timeout: timedelta | None = None,
+        timeout_summary: str | None = None,
+    ) -> None:
+        """`workflow.wait_condition`, which Temporal's cancel does not end while the run
+        handles that cancel itself (TEMPORAL_CANCEL_IS_A_CANCEL): under the SDK's coming
+        activation rule (its logic flag 2) a wait that ends in the turn a cancel arrives
+        raises CancelledError in whichever task waits, the billing task's and the ledger
+        watch's included. Nothing else cancels those tasks, so such an error means the wait
+        is over: the condition holds, or else the timeout has passed."""
+        while True:
+            try:
+                await workflow.wait_condition(
+                    condition, timeout=timeout, timeout_summary=timeout_summary
+                )
+                return
+            except asyncio.CancelledError:
+                if not self._temporal_cancel_is_a_cancel:
+                    raise
+                if condition():
+                    return
+                if timeout is not None:
+                    raise TimeoutError from None
 
     def _should_continue_as_new(self) -> bool:
         info = workflow.info()

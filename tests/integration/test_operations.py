@@ -44,6 +44,8 @@ from temporalio.worker import (
     WorkflowInterceptorClassInput,
     WorkflowOutboundInterceptor,
 )
+from temporalio.worker import _workflow as sdk_workflow
+from temporalio.worker._workflow_instance import _WorkflowLogicFlag
 from temporalio.workflow import ChildWorkflowHandle
 
 import starter
@@ -190,10 +192,19 @@ async def test_cancel_charges_nothing_more_and_cancels_the_rest(harness: Harness
     await assert_billed_once(harness, str(PERIOD), customers, cancelled=stopped)
 
 
-async def test_temporals_own_cancel_is_an_operators_cancel(harness: Harness) -> None:
+@pytest.mark.parametrize("single_batch", [False, True], ids=["sdk-default", "sdk-flag-2"])
+async def test_temporals_own_cancel_is_an_operators_cancel(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, single_batch: bool
+) -> None:
     """The Web UI's Cancel (a Temporal cancellation request) cancels as `starter.py cancel`
     does: the customers not yet charged end cancelled, the ledger has the summary, and the
-    schedule's next launch leaves the period alone."""
+    schedule's next launch leaves the period alone. Also under the activation rule the SDK
+    means to make its default (logic flag 2), which raises the cancel in every waiting task."""
+    if single_batch:
+        flag = _WorkflowLogicFlag.PROCESS_WORKFLOW_ACTIVATION_JOBS_AS_SINGLE_BATCH
+        monkeypatch.setattr(
+            sdk_workflow, "_DEFAULT_ENABLED_WORKFLOW_LOGIC_FLAGS", frozenset({flag})
+        )
     customers = await harness.seed(30)
     await harness.set_faults(latency_ms=150)
     async with harness.running_worker():
