@@ -104,6 +104,23 @@ def table_privileges(owner: Owner, table: str) -> tuple[str, str]:
     return "", ("SELECT, INSERT" if table in APPEND_ONLY else full)
 
 
+async def granted_to(conn: asyncpg.Connection) -> list[str]:
+    """The roles, besides each table's owner, granted anything on the schema's tables: once
+    a deployment has taken roles, a migration applied without them would leave its new
+    tables out of their reach."""
+    rows = await conn.fetch(
+        """
+        SELECT DISTINCT r.rolname
+        FROM pg_class c, aclexplode(c.relacl) a
+        JOIN pg_roles r ON r.oid = a.grantee
+        WHERE c.relnamespace = current_schema()::regnamespace AND c.relkind IN ('r', 'p')
+          AND a.grantee <> c.relowner
+        ORDER BY 1
+        """
+    )
+    return [row["rolname"] for row in rows]
+
+
 async def _check_roles(conn: asyncpg.Connection, roles: DatabaseRoles) -> None:
     rows = await conn.fetch(
         "SELECT rolname, rolsuper, rolbypassrls FROM pg_roles WHERE rolname = ANY($1::text[])",

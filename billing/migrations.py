@@ -18,7 +18,7 @@ from pathlib import Path
 import asyncpg
 
 from billing.db import connect
-from billing.db_roles import MIGRATIONS_TABLE, DatabaseRoles, apply_grants
+from billing.db_roles import MIGRATIONS_TABLE, DatabaseRoles, apply_grants, granted_to
 from billing.errors import MigrationError
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
@@ -103,6 +103,13 @@ async def migrate(
                 )
                 # Read again under the lock: another runner may have applied them meanwhile.
                 pending = _pending(migrations, await _applied(conn))
+                if pending and roles is None and (granted := await granted_to(conn)):
+                    raise MigrationError(
+                        f"this schema's tables are granted to {', '.join(granted)}: apply"
+                        f" {len(pending)} pending migration(s) with BILLING_DB_LEDGER_ROLE and"
+                        " BILLING_DB_VAULT_ROLE set, so that their new tables are granted too;"
+                        " nothing was applied"
+                    )
                 for migration in pending:
                     await conn.execute(migration.sql)
                     await conn.execute(

@@ -236,6 +236,22 @@ async def test_a_pending_migration_the_ledger_role_cannot_apply_is_refused_clear
     assert "owner's DATABASE_URL" in message
 
 
+async def test_the_owner_migrating_without_the_roles_once_they_are_granted_is_refused(
+    database_url: str, role_urls: RoleUrls, tmp_path: Path
+) -> None:
+    """A new table applied without the two settings would be out of the roles' reach, and
+    the workers would meet `permission denied` only inside their activities."""
+    for path in MIGRATIONS_DIR.glob("*.sql"):
+        (tmp_path / path.name).write_text(path.read_text())
+    (tmp_path / "999_later.sql").write_text("CREATE TABLE later (n int);")
+    with pytest.raises(MigrationError) as refused:
+        await migrate(database_url, tmp_path)
+    message = str(refused.value)
+    assert f"granted to {role_urls.roles.ledger}, {role_urls.roles.vault}" in message
+    assert "BILLING_DB_LEDGER_ROLE and BILLING_DB_VAULT_ROLE set" in message
+    assert await migrate(database_url, tmp_path, roles=role_urls.roles) == ["999_later"]
+
+
 async def test_worker_py_on_the_ledger_role_with_a_pending_migration_exits_with_what_to_run(
     database_url: str, role_urls: RoleUrls
 ) -> None:
