@@ -133,22 +133,29 @@ async def _call_with_nulls(conn: asyncpg.Connection, function: str) -> None:
     await conn.execute(f"SELECT {function}({nulls})")
 
 
-@pytest.mark.parametrize(
-    "statement", [s for table in VAULT_TABLES for s in _statements(table)], ids=str
-)
-async def test_the_ledger_role_cannot_touch_the_vaults_tables(
-    as_ledger: asyncpg.Connection, statement: str
-) -> None:
-    with pytest.raises(asyncpg.InsufficientPrivilegeError):
-        await as_ledger.execute(statement)
+# Each role, and what of the other's it must be refused: every statement on its tables, and
+# a call of each of its functions.
+REFUSED = [
+    *(("ledger", s) for table in VAULT_TABLES for s in _statements(table)),
+    *(("vault", s) for table in LEDGER_TABLES for s in _statements(table)),
+    *(("ledger", f"call {f}") for f in ("vault_reserve", "vault_finish", "vault_lock_commits")),
+    ("vault", "call billing_begin_charge"),
+]
 
 
-@pytest.mark.parametrize("function", ["vault_reserve", "vault_finish", "vault_lock_commits"])
-async def test_the_ledger_role_cannot_call_the_vaults_functions(
-    as_ledger: asyncpg.Connection, function: str
+@pytest.mark.parametrize(("role", "statement"), REFUSED, ids=str)
+async def test_a_role_cannot_touch_the_others_tables_nor_call_its_functions(
+    role_urls: RoleUrls, role: str, statement: str
 ) -> None:
-    with pytest.raises(asyncpg.InsufficientPrivilegeError):
-        await _call_with_nulls(as_ledger, function)
+    conn = await asyncpg.connect(role_urls.ledger if role == "ledger" else role_urls.vault)
+    try:
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            if statement.startswith("call "):
+                await _call_with_nulls(conn, statement.removeprefix("call "))
+            else:
+                await conn.execute(statement)
+    finally:
+        await conn.close()
 
 
 async def test_the_ledger_role_cannot_forge_a_key_nor_change_the_schema(
@@ -172,23 +179,6 @@ async def test_the_ledger_role_cannot_forge_a_key_nor_change_the_schema(
     assert await as_ledger.fetchval("SELECT count(*) FROM schema_migrations") == len(
         load_migrations()
     )
-
-
-@pytest.mark.parametrize(
-    "statement", [s for table in LEDGER_TABLES for s in _statements(table)], ids=str
-)
-async def test_the_vault_role_cannot_touch_the_ledger(
-    as_vault: asyncpg.Connection, statement: str
-) -> None:
-    with pytest.raises(asyncpg.InsufficientPrivilegeError):
-        await as_vault.execute(statement)
-
-
-async def test_the_vault_role_cannot_call_the_ledgers_function(
-    as_vault: asyncpg.Connection,
-) -> None:
-    with pytest.raises(asyncpg.InsufficientPrivilegeError):
-        await _call_with_nulls(as_vault, "billing_begin_charge")
 
 
 async def test_the_vault_role_adds_audit_rows_but_never_changes_or_deletes_them(
