@@ -108,16 +108,16 @@ LISTED_PER_RUN = 20_000
 # cancel. It used to end the run CANCELED with nothing in the ledger: the customers not yet
 # charged were never marked, and the schedule's next launch billed them after all.
 TEMPORAL_CANCEL_IS_A_CANCEL = "temporal-cancel-is-a-cancel"
-# A key refusal reported while the run's plan is made came from a child of an earlier run
-# (this one has started none), refused the key the opening is renewing or replacing: the
-# pause it made only waited for an operator. The child tries again once its wait is over,
-# with the new key, and reports again if that is refused too.
-BLOCKED_AFTER_OPENING = "blocked-after-opening"
 TEMPORAL_CANCEL = OperatorRequest(
     reason="cancelled in Temporal (the Web UI's Cancel, or its API): customers not yet charged"
     " end cancelled",
     operator="temporal",
 )
+# A key refusal reported while the run's plan is made came from a child of an earlier run
+# (this one has started none), refused the key the opening is renewing or replacing: the
+# pause it made only waited for an operator. The child tries again once its wait is over,
+# with the new key, and reports again if that is refused too.
+BLOCKED_AFTER_OPENING = "blocked-after-opening"
 
 
 # Outside the sandbox for speed; the tests run it inside (see workflows/__init__.py).
@@ -167,7 +167,8 @@ class BillingPeriodWorkflow:
                 return await asyncio.shield(billing)
             except asyncio.CancelledError:
                 if billing.done():
-                    raise
+                    # Finished in the same turn: its summary, or what ended it.
+                    return billing.result()
                 if not self._finished and self._control.control != "cancelled":
                     await self._set_control("cancelled", TEMPORAL_CANCEL)
 
