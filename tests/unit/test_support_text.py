@@ -18,7 +18,7 @@ def test_a_large_failure_group_names_its_first_customers_and_counts_the_rest() -
         count=25,
         customer_ids=[f"c{i}" for i in range(20)],
         # Stripe's words are shown as words: a line break or a key in them is not.
-        message="Declined\nfor sk_live_abcdefghijklmnop1234",
+        message="Declined\nfor sk_live_" + "abcdefgh" * 3,
     )
     text = describe_failures(PeriodFailures(period="2026-12", failed=25, groups=[group]))
     line = text.splitlines()[1]
