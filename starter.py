@@ -88,7 +88,7 @@ from billing.periods import (
 )
 from billing.preview import preview_period
 from billing.reconciliation import CHARGE_ID_PATTERN, FindingKind, HandledMarks, HandledRequest
-from billing.redact import one_line, redact
+from billing.redact import one_line, redact, shown_line
 from billing.reporting import (
     describe,
     describe_customer,
@@ -672,7 +672,7 @@ def _note(args: argparse.Namespace) -> str | None:
     """A schedule's note, kept by Temporal and printed by `describe`: redacted, as reasons
     are."""
     note: str | None = args.note
-    return None if note is None else one_line(redact(note))
+    return None if note is None else shown_line(note)
 
 
 async def cmd_migrate(_: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validat
 from billing.errors import InvalidAmountError
 from billing.keys import validate_customer_id
 from billing.money import validate_amount_in
-from billing.redact import one_line, redact
+from billing.redact import shown_line
 
 # Who decides what billing decides by itself: a run that paused itself, a customer held.
 AUTOMATIC = "billing (automatic)"
@@ -254,7 +254,7 @@ class OperatorRequest(Record):
         # Kept in the ledger and the period's state, and sent redacted by the starter: a key
         # pasted by mistake goes no further than the request that carried it. Made one line,
         # not refused: a run started before this rule rebuilds its requests from its state.
-        return one_line(redact(value)) if isinstance(value, str) else value
+        return shown_line(value) if isinstance(value, str) else value
 
 
 class SkipRequest(OperatorRequest):

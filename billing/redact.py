@@ -26,3 +26,9 @@ def one_line(text: str) -> str:
     forge another. One for one, so that a length checked before still holds: a run started
     before this rule rebuilds its requests from the text it holds."""
     return "".join(c if c.isprintable() else " " for c in text)
+
+
+def shown_line(text: str) -> str:
+    """Text a person typed or a service returned, as it may be shown or kept: no key, and
+    one line."""
+    return one_line(redact(text))

@@ -23,7 +23,7 @@ from billing.models import (
 from billing.money import describe_amounts
 from billing.period_keys import KeyRenewal
 from billing.reconciliation import HandledMarks, HandledResult, ReconcileReport
-from billing.redact import one_line, redact
+from billing.redact import shown_line
 
 
 def describe(summary: PeriodCounts) -> str:
@@ -267,7 +267,7 @@ def failure_chain(error: BaseException) -> str:
             current.cause if isinstance(current, WorkflowFailureError | FailureError) else None
         )
     # A terminate's reason is an operator's words, with whatever they pasted.
-    return one_line(redact(": ".join(parts)))
+    return shown_line(": ".join(parts))
 
 
 def describe_handled(result: HandledResult) -> str:
@@ -334,7 +334,7 @@ def _billed(row: BilledPeriod) -> str:
         return f"{head} as {row.charge_id}{intent}"
     if row.status == "failed":
         decline = f" ({row.decline_code})" if row.decline_code else ""
-        message = f": {one_line(redact(row.failure_message))}" if row.failure_message else ""
+        message = f": {shown_line(row.failure_message)}" if row.failure_message else ""
         return f"{head} after {row.attempts} attempt(s): {row.failure_code}{decline}{message}"
     return f"{head} by {row.decided_by} ({row.reason})"
 
@@ -369,7 +369,7 @@ def describe_failures(failures: PeriodFailures) -> str:
         lines = [f"no customer failed in the ledger for {period}"]
     for group in failures.groups:
         decline = f" ({group.decline_code})" if group.decline_code else ""
-        message = f' "{one_line(redact(group.message))}"' if group.message else ""
+        message = f' "{shown_line(group.message)}"' if group.message else ""
         named = listed(group.customer_ids, len(group.customer_ids))
         more = group.count - len(group.customer_ids)
         lines.append(
