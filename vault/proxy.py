@@ -216,11 +216,12 @@ async def _proxy(
             should_retry=True,
         ) from None
     record.upstream_status = answer.status
-    record.decision = "replayed" if _replayed(answer) else "forwarded"
+    replayed = _replayed(answer)
+    record.decision = "replayed" if replayed else "forwarded"
     if (
         reservation is not None
         and reservation.state == "committed"
-        and not _replayed(answer)
+        and not replayed
         and (200 <= answer.status < 300 or answer.status == 402)
     ):
         # Its commit (a resolve, say) came before Stripe had made the charge, which this
@@ -393,9 +394,8 @@ def _charge(request: web.Request, endpoint: str, body: bytes, record: AuditRecor
             400,
             "parameter_not_allowed",
             f"a request that moves money may not send {', '.join(others[:5])}: the vault"
-            " forwards amount, currency, customer, description, metadata, confirm,"
-            " off_session, automatic_payment_methods, payment_method, source, statement"
-            " descriptors and receipt_email only",
+            f" forwards {', '.join(sorted(_CHARGE_PARAMETERS))}, metadata[...] and"
+            " automatic_payment_methods[enabled|allow_redirects] only",
             param=others[0],
         )
     amount = _single(fields, "amount")
