@@ -118,6 +118,11 @@ TEMPORAL_CANCEL = OperatorRequest(
 # pause it made only waited for an operator. The child tries again once its wait is over,
 # with the new key, and reports again if that is refused too.
 BLOCKED_AFTER_OPENING = "blocked-after-opening"
+# A batch listed while an operator paused or cancelled the run (the listing's local activity
+# outlasted a workflow task, as on a slow database) was started all the same, beside the
+# control's write: its children could pass the ledger's gate before that write landed, and
+# charge customers the cancel meant to stop. Such a batch is now put back, not started.
+BATCH_PUT_BACK_AT_CONTROL = "batch-put-back-at-control"
 
 
 # Outside the sandbox for speed; the tests run it inside (see workflows/__init__.py).
@@ -503,8 +508,13 @@ class BillingPeriodWorkflow:
         return self._state.listing_done and not self._buffer
 
     async def _next_batch(self, room: int) -> list[DueCustomer]:
-        """Up to `room` customers to start; customers finished in the ledger are counted."""
+        """Up to `room` customers to start; customers finished in the ledger are counted.
+        Nothing if the run's control changed while a page was listed: the customers taken are
+        put back, uncounted, for the pause's hand-over or the cancel's paging to list again."""
         state = self._state
+        cursor = state.cursor
+        taken: list[DueCustomer] = []
+        finished: list[CustomerOutcome] = []
         batch: list[DueCustomer] = []
         while len(batch) < room:
             if not self._buffer:
@@ -527,10 +537,10 @@ class BillingPeriodWorkflow:
                 if not self._buffer:
                     break
             customer = self._buffer.pop(0)
+            taken.append(customer)
             state.cursor = customer.customer_id
-            state.counts.due += 1
             if customer.status is not None and customer.status != "claimed":
-                state.counts.add(
+                finished.append(
                     CustomerOutcome(
                         customer_id=customer.customer_id,
                         outcome=finished_outcome(customer.status),
@@ -538,6 +548,14 @@ class BillingPeriodWorkflow:
                 )
             else:
                 batch.append(customer)
+        if self._control.control != "running" and workflow.patched(BATCH_PUT_BACK_AT_CONTROL):
+            # Listed in order from the cursor, pages fetched meanwhile included.
+            self._buffer = taken + self._buffer
+            state.cursor = cursor
+            return []
+        state.counts.due += len(taken)
+        for outcome in finished:
+            state.counts.add(outcome)
         return batch
 
     async def _fill_window(self) -> None:

@@ -13,7 +13,7 @@ from zoneinfo import ZoneInfo
 import pytest
 from prometheus_client import REGISTRY
 from pydantic import ValidationError
-from temporalio import workflow
+from temporalio import activity, workflow
 from temporalio.api.common.v1 import WorkflowExecution as ExecutionRef
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.sdk.v1 import WorkflowMetadata
@@ -35,8 +35,11 @@ from temporalio.client import (
     WorkflowHandle,
     WorkflowHistory,
 )
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.service import RPCError
 from temporalio.worker import (
+    ActivityInboundInterceptor,
+    ExecuteActivityInput,
     ExecuteWorkflowInput,
     Interceptor,
     StartChildWorkflowInput,
@@ -50,7 +53,7 @@ from temporalio.workflow import ChildWorkflowHandle
 
 import starter
 from activities.period import PeriodActivities
-from billing import ledger, operations, schedules
+from billing import ledger, operations, schedules, search_attributes
 from billing.customers import upsert_customers
 from billing.errors import BillingError, InvalidInputError, NoWorkerError
 from billing.keys import (
@@ -309,6 +312,70 @@ async def _claim_as_another_run(harness: Harness, customer_id: str, *, send: boo
         if send:
             assert (await ledger.begin_charge(conn, claim, None)).gate == "go"
     return claim
+
+
+class HoldListingAndControl(Interceptor):
+    """Holds the period's second page of due customers (a local activity) for `seconds`,
+    as a slow database would, and each write of the run's control for as long again."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.listing = asyncio.Event()
+        self.held_page: list[str] = []
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        hold = self
+
+        class Held(ActivityInboundInterceptor):
+            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                name = activity.info().activity_type
+                if name == "set_control":
+                    await asyncio.sleep(hold.seconds)
+                if name != "due_customers" or input.args[0].after is None or hold.listing.is_set():
+                    return await super().execute_activity(input)
+                hold.listing.set()
+                await asyncio.sleep(hold.seconds)
+                page = await super().execute_activity(input)
+                hold.held_page = [c.customer_id for c in page.customers]
+                return page
+
+        return Held(next)
+
+
+async def test_a_batch_listed_while_the_run_is_cancelled_is_not_started(
+    harness: Harness,
+) -> None:
+    # The page's local activity outlasts a workflow task, so the cancel is accepted while it
+    # lists; the cancel's write to the ledger is slow too. Started, the page's first child
+    # would pass the ledger's gate, still "running", and charge.
+    customers = await harness.seed(12)
+    hold = HoldListingAndControl(seconds=3.0)
+    async with harness.running_worker(interceptors=[hold]):
+        handle = await harness.client.start_workflow(
+            BillingPeriodWorkflow.run,
+            BillingPeriodInput(
+                period=str(PERIOD), options=RunOptions(max_in_flight=2, page_size=4)
+            ),
+            id=period_workflow_id(PERIOD),
+            task_queue=harness.task_queue,
+            # The local activity's heartbeat at four fifths of it ends the workflow task,
+            # and the next one delivers the cancel while the page is still listed.
+            task_timeout=timedelta(seconds=2),
+            search_attributes=TypedSearchAttributes(
+                [SearchAttributePair(search_attributes.BILLING_PERIOD, str(PERIOD))]
+            ),
+        )
+        await hold.listing.wait()
+        await operations.control(harness.client, PERIOD, "cancel", ALICE)
+        summary = await asyncio.wait_for(handle.result(), 60)
+    rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
+    assert len(hold.held_page) == 4
+    assert [rows[c]["status"] for c in hold.held_page] == ["cancelled"] * 4
+    assert all(rows[c]["cancelled_before_start"] for c in hold.held_page)
+    assert (summary.due, summary.charged + summary.cancelled) == (12, 12)
+    await replays(handle)
+    cancelled = frozenset(c for c, r in rows.items() if r["status"] == "cancelled")
+    await assert_billed_once(harness, str(PERIOD), customers, cancelled=cancelled)
 
 
 async def test_a_cancel_waits_for_charges_another_runs_children_sent(harness: Harness) -> None:
