@@ -6,6 +6,7 @@ from datetime import UTC, date, datetime, timedelta
 from typing import Annotated, Literal
 
 from pydantic import (
+    AfterValidator,
     AwareDatetime,
     BaseModel,
     BeforeValidator,
@@ -21,6 +22,8 @@ from pydantic import (
     field_validator,
 )
 
+from billing.money import validate_currency
+from billing.stripe_currencies import STRIPE_CURRENCIES
 from vault.endpoints import ENTRY_PATTERN, beyond_worker_endpoints, malformed_entries
 
 KEY_ID_PATTERN = r"^vkey_[0-9a-f]{16}$"
@@ -35,7 +38,14 @@ KeyId = Annotated[str, StringConstraints(pattern=KEY_ID_PATTERN)]
 # Years 2000-2999, as billing.periods allows: a schema pattern, so the OpenAPI document says so.
 Period = Annotated[str, StringConstraints(pattern=r"^2[0-9]{3}-(0[1-9]|1[0-2])$")]
 CURRENCY_PATTERN = r"^[a-z]{3}$"
-Currency = Annotated[str, StringConstraints(pattern=CURRENCY_PATTERN)]
+# One Stripe charges in: a key in another could never be spent, and its cap would hold room
+# in the worker token's budget for nothing. The OpenAPI document lists them.
+Currency = Annotated[
+    str,
+    StringConstraints(pattern=CURRENCY_PATTERN),
+    AfterValidator(validate_currency),
+    WithJsonSchema({"type": "string", "enum": sorted(STRIPE_CURRENCIES)}),
+]
 Label = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9 _.:/@-]{0,99}$")]
 Endpoint = Annotated[str, StringConstraints(pattern=ENTRY_PATTERN)]
 IdempotencyKey = Annotated[str, StringConstraints(pattern=IDEMPOTENCY_KEY_PATTERN)]

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import re
 from datetime import timedelta
 from typing import Annotated
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from billing.money import validate_currency
 from vault.budget import WorkerPolicy
-from vault.models import CURRENCY_PATTERN
 
 
 class VaultSettings(BaseSettings):
@@ -105,9 +104,8 @@ class VaultSettings(BaseSettings):
         if not isinstance(value, str):
             return value
         currencies = frozenset(c.strip() for c in value.split(",") if c.strip())
-        wrong = sorted(c for c in currencies if not re.fullmatch(CURRENCY_PATTERN, c))
-        if wrong:
-            raise ValueError(f"{wrong[0]!r} is not a lowercase ISO currency code like usd")
+        for currency in sorted(currencies):
+            validate_currency(currency)
         return currencies
 
     @model_validator(mode="after")

@@ -78,6 +78,7 @@ async def test_admin_token_is_required_and_compared_in_constant_time(
         ({"cap_cents": 1_000, "daily_cap_cents": 1_001}, "daily_cap_cents"),
         ({"cap_cents": 2**70}, "cap_cents"),
         ({"currency": "USD"}, "currency"),
+        ({"currency": "xts"}, "currency"),
         ({"period": "2026-13"}, "period"),
         ({"period": "1999-12"}, "period"),
         ({"label": ""}, "label"),

@@ -309,7 +309,8 @@ async def test_concurrent_worker_keys_never_pass_the_budget(
             {"worker_token": WORKER_TOKEN, "worker_budget_cents": 1},
             "VAULT_WORKER_CURRENCIES is needed too",
         ),
-        ({"worker_currencies": "usd, EUR"}, "'EUR' is not a lowercase ISO currency code"),
+        ({"worker_currencies": "usd, EUR"}, r"'EUR' is not one Stripe charges in \(in lowercase\)"),
+        ({"worker_currencies": "usd,xts"}, "'xts' is not one Stripe charges in"),
         (
             {"worker_token": ADMIN_TOKEN, "worker_budget_cents": 1, "worker_currencies": "usd"},
             "VAULT_WORKER_TOKEN must differ from VAULT_ADMIN_TOKEN",
