@@ -342,29 +342,31 @@ class HoldListingAndControl(Interceptor):
         return Held(next)
 
 
+async def _start_listing_slowly(harness: Harness) -> WorkflowHandle[Any, PeriodSummary]:
+    """A run whose second page, held by HoldListingAndControl, outlasts a workflow task:
+    the local activity's heartbeat at four fifths of it ends the task, and the next one
+    delivers an operator's update while the page is still listed."""
+    return await harness.client.start_workflow(
+        BillingPeriodWorkflow.run,
+        BillingPeriodInput(period=str(PERIOD), options=RunOptions(max_in_flight=2, page_size=4)),
+        id=period_workflow_id(PERIOD),
+        task_queue=harness.task_queue,
+        task_timeout=timedelta(seconds=2),
+        search_attributes=TypedSearchAttributes(
+            [SearchAttributePair(search_attributes.BILLING_PERIOD, str(PERIOD))]
+        ),
+    )
+
+
 async def test_a_batch_listed_while_the_run_is_cancelled_is_not_started(
     harness: Harness,
 ) -> None:
-    # The page's local activity outlasts a workflow task, so the cancel is accepted while it
-    # lists; the cancel's write to the ledger is slow too. Started, the page's first child
-    # would pass the ledger's gate, still "running", and charge.
+    # The cancel's write to the ledger is slow too: started, the page's first child would
+    # pass the ledger's gate, still "running", and charge.
     customers = await harness.seed(12)
     hold = HoldListingAndControl(seconds=3.0)
     async with harness.running_worker(interceptors=[hold]):
-        handle = await harness.client.start_workflow(
-            BillingPeriodWorkflow.run,
-            BillingPeriodInput(
-                period=str(PERIOD), options=RunOptions(max_in_flight=2, page_size=4)
-            ),
-            id=period_workflow_id(PERIOD),
-            task_queue=harness.task_queue,
-            # The local activity's heartbeat at four fifths of it ends the workflow task,
-            # and the next one delivers the cancel while the page is still listed.
-            task_timeout=timedelta(seconds=2),
-            search_attributes=TypedSearchAttributes(
-                [SearchAttributePair(search_attributes.BILLING_PERIOD, str(PERIOD))]
-            ),
-        )
+        handle = await _start_listing_slowly(harness)
         await hold.listing.wait()
         await operations.control(harness.client, PERIOD, "cancel", ALICE)
         summary = await asyncio.wait_for(handle.result(), 60)
@@ -376,6 +378,26 @@ async def test_a_batch_listed_while_the_run_is_cancelled_is_not_started(
     await replays(handle)
     cancelled = frozenset(c for c, r in rows.items() if r["status"] == "cancelled")
     await assert_billed_once(harness, str(PERIOD), customers, cancelled=cancelled)
+
+
+async def test_a_batch_listed_while_the_run_is_paused_waits_for_the_resume(
+    harness: Harness,
+) -> None:
+    customers = await harness.seed(12)
+    hold = HoldListingAndControl(seconds=3.0)
+    async with harness.running_worker(interceptors=[hold]):
+        handle = await _start_listing_slowly(harness)
+        await hold.listing.wait()
+        await operations.control(harness.client, PERIOD, "pause", ALICE)
+        resumed_at = await db_now(harness)
+        await operations.control(harness.client, PERIOD, "resume", ALICE)
+        summary = await asyncio.wait_for(handle.result(), 60)
+    rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
+    assert len(hold.held_page) == 4
+    assert all(rows[c]["charge_started_at"] > resumed_at for c in hold.held_page)
+    assert (summary.due, summary.charged) == (12, 12)
+    await replays(handle)
+    await assert_billed_once(harness, str(PERIOD), customers)
 
 
 async def test_a_cancel_waits_for_charges_another_runs_children_sent(harness: Harness) -> None:
