@@ -4,7 +4,8 @@ filters on, against the real dev server."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Any
@@ -342,20 +343,29 @@ class HoldListingAndControl(Interceptor):
         return Held(next)
 
 
-async def _start_listing_slowly(harness: Harness) -> WorkflowHandle[Any, PeriodSummary]:
+@asynccontextmanager
+async def _listing_held(
+    harness: Harness,
+) -> AsyncIterator[tuple[WorkflowHandle[Any, PeriodSummary], HoldListingAndControl]]:
     """A run whose second page, held by HoldListingAndControl, outlasts a workflow task:
     the local activity's heartbeat at four fifths of it ends the task, and the next one
-    delivers an operator's update while the page is still listed."""
-    return await harness.client.start_workflow(
-        BillingPeriodWorkflow.run,
-        BillingPeriodInput(period=str(PERIOD), options=RunOptions(max_in_flight=2, page_size=4)),
-        id=period_workflow_id(PERIOD),
-        task_queue=harness.task_queue,
-        task_timeout=timedelta(seconds=2),
-        search_attributes=TypedSearchAttributes(
-            [SearchAttributePair(search_attributes.BILLING_PERIOD, str(PERIOD))]
-        ),
-    )
+    delivers an operator's update while the page is still listed. Entered once it is."""
+    hold = HoldListingAndControl(seconds=3.0)
+    async with harness.running_worker(interceptors=[hold]):
+        handle = await harness.client.start_workflow(
+            BillingPeriodWorkflow.run,
+            BillingPeriodInput(
+                period=str(PERIOD), options=RunOptions(max_in_flight=2, page_size=4)
+            ),
+            id=period_workflow_id(PERIOD),
+            task_queue=harness.task_queue,
+            task_timeout=timedelta(seconds=2),
+            search_attributes=TypedSearchAttributes(
+                [SearchAttributePair(search_attributes.BILLING_PERIOD, str(PERIOD))]
+            ),
+        )
+        await hold.listing.wait()
+        yield handle, hold
 
 
 async def test_a_batch_listed_while_the_run_is_cancelled_is_not_started(
@@ -364,10 +374,7 @@ async def test_a_batch_listed_while_the_run_is_cancelled_is_not_started(
     # The cancel's write to the ledger is slow too: started, the page's first child would
     # pass the ledger's gate, still "running", and charge.
     customers = await harness.seed(12)
-    hold = HoldListingAndControl(seconds=3.0)
-    async with harness.running_worker(interceptors=[hold]):
-        handle = await _start_listing_slowly(harness)
-        await hold.listing.wait()
+    async with _listing_held(harness) as (handle, hold):
         await operations.control(harness.client, PERIOD, "cancel", ALICE)
         summary = await asyncio.wait_for(handle.result(), 60)
     rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
@@ -384,17 +391,18 @@ async def test_a_batch_listed_while_the_run_is_paused_waits_for_the_resume(
     harness: Harness,
 ) -> None:
     customers = await harness.seed(12)
-    hold = HoldListingAndControl(seconds=3.0)
-    async with harness.running_worker(interceptors=[hold]):
-        handle = await _start_listing_slowly(harness)
-        await hold.listing.wait()
+    async with _listing_held(harness) as (handle, hold):
         await operations.control(harness.client, PERIOD, "pause", ALICE)
         resumed_at = await db_now(harness)
         await operations.control(harness.client, PERIOD, "resume", ALICE)
         summary = await asyncio.wait_for(handle.result(), 60)
-    rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
-    assert len(hold.held_page) == 4
-    assert all(rows[c]["charge_started_at"] > resumed_at for c in hold.held_page)
+    started = [
+        r["charge_started_at"]
+        for r in await harness.ledger_rows(str(PERIOD))
+        if r["customer_id"] in hold.held_page
+    ]
+    assert len(started) == 4
+    assert all(at > resumed_at for at in started)
     assert (summary.due, summary.charged) == (12, 12)
     await replays(handle)
     await assert_billed_once(harness, str(PERIOD), customers)
