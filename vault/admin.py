@@ -19,6 +19,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from vault import budget, reservations, store
+from vault.bodies import read_body
 from vault.errors import VaultError, invalid_input
 from vault.models import (
     IDEMPOTENCY_KEY_PATTERN,
@@ -82,7 +83,7 @@ def _reply(model: BaseModel, status: int = 200, *, reveal_secret: bool = False) 
 
 async def _body(request: web.Request, model: type[M], **context: object) -> M:
     try:
-        return model.model_validate_json(await request.read(), context=context)
+        return model.model_validate_json(await read_body(request), context=context)
     except ValidationError as error:
         raise invalid_input(error, "request body") from None
 

@@ -70,6 +70,11 @@ async def serve(
         # The audit table is the per-request record; an access log would only add cost.
         access_log=None,
         shutdown_timeout=settings.upstream_timeout_seconds + _SHUTDOWN_MARGIN_SECONDS,
+        # aiohttp's server starts this clock when a connection opens and again after each
+        # answer, and closes the connection if a request's headers have not all arrived when
+        # it runs out, however slowly they trickle in: the only bound on reading headers that
+        # its server has (it has none on the number of connections).
+        keepalive_timeout=settings.header_timeout_seconds,
     )
     await runner.setup()
     try:

@@ -27,6 +27,7 @@ class VaultError(Exception):
         fields: list[FieldProblem] | None = None,
         should_retry: bool = False,
         fenced_below: int | None = None,
+        close_connection: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -37,6 +38,7 @@ class VaultError(Exception):
         self.fields = fields
         self.should_retry = should_retry
         self.fenced_below = fenced_below
+        self.close_connection = close_connection
 
     def response(self, headers: Mapping[str, str] | None = None) -> web.Response:
         body = ErrorResponse(
@@ -52,12 +54,15 @@ class VaultError(Exception):
         # The Stripe SDK (with retries on) honours this: a refusal does not change on retry.
         all_headers = {"Stripe-Should-Retry": "true" if self.should_retry else "false"}
         all_headers.update(headers or {})
-        return web.Response(
+        response = web.Response(
             status=self.status,
             body=body.model_dump_json(exclude_none=True),
             content_type="application/json",
             headers=all_headers,
         )
+        if self.close_connection:
+            response.force_close()
+        return response
 
 
 class Refusal(VaultError):

@@ -29,6 +29,7 @@ _ERROR_DESCRIPTIONS = {
     " past the worker budget or its window",
     404: "No such key or reservation",
     409: "Conflicts with the reservation's state",
+    408: "The body did not arrive within VAULT_BODY_TIMEOUT_SECONDS of the headers",
     413: "The body is larger than the vault reads (1 MiB)",
     422: "A field failed validation; `error.fields` says which and why",
     500: "The vault failed, e.g. its database did not answer",
@@ -81,7 +82,7 @@ def openapi_document(
         if "{key_id}" in op.path:
             errors.add(404)
         if op.body is not None:
-            errors |= {400, 413, 422}
+            errors |= {400, 408, 413, 422}
         if op.query is not None:
             errors.add(422)
         for status in sorted(errors):

@@ -21,6 +21,7 @@ from yarl import URL
 from billing.db import CONNECTION_ERRORS
 from billing.redact import SECRET_RE, redact
 from vault import cancels, metrics, reservations, store
+from vault.bodies import read_body
 from vault.endpoints import CANCEL, FENCE_HEADER, METERED, PATH_RE, allows
 from vault.errors import Refusal, VaultError
 from vault.models import (
@@ -164,7 +165,7 @@ async def _proxy(
                 "Idempotency-Key must be 1-255 letters, digits, '_', '.', ':' or '-'",
             )
     try:
-        body = await request.read()
+        body = await read_body(request)
     except web.HTTPRequestEntityTooLarge:
         raise Refusal("refused_request", 413, "body_too_large", "the body is too large") from None
     text = body.decode("utf-8", "replace")

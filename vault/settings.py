@@ -62,6 +62,23 @@ class VaultSettings(BaseSettings):
     # Small on purpose: connections are held only for single statements, never across the
     # upstream call, and more backends queueing for one key row cost more than they add.
     database_pool_size: int = Field(default=10, ge=2, le=200)
+    # aiohttp's server reads a request for as long as its client sends: without these, a
+    # client trickling its headers or its body holds a connection open for good (slowloris).
+    header_timeout_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="how long a connection may take to send a request's headers, counted from"
+        " its opening or its last answer (so also how long it may stay idle); longer than the"
+        " clients' own idle timeout (15 s in aiohttp's client), so that they close first",
+    )
+    body_timeout_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        le=600,
+        description="how long a request's body may take to arrive once its headers have; 408"
+        " past it, with nothing reserved",
+    )
 
     @field_validator("admin_token", "worker_token")
     @classmethod

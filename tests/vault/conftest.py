@@ -62,7 +62,12 @@ async def emulator() -> AsyncIterator[RunningEmulator]:
 
 
 @pytest.fixture
-def vault_settings(database_url: str, emulator: RunningEmulator) -> VaultSettings:
+def vault_settings(
+    database_url: str, emulator: RunningEmulator, request: pytest.FixtureRequest
+) -> VaultSettings:
+    """The vault's settings; a test marked `@pytest.mark.vault_settings(name=value, ...)`
+    changes those it names."""
+    marker = request.node.get_closest_marker("vault_settings")
     return VaultSettings(
         database_url=database_url,
         admin_token=ADMIN_TOKEN,
@@ -73,6 +78,7 @@ def vault_settings(database_url: str, emulator: RunningEmulator) -> VaultSetting
         worker_token=WORKER_TOKEN,
         worker_budget_cents=WORKER_BUDGET_CENTS,
         worker_currencies=WORKER_CURRENCIES,  # parsed from text
+        **(marker.kwargs if marker is not None else {}),
     )
 
 

@@ -3,6 +3,8 @@ them, the emulator's ledger and faults, and the cap invariants checked against t
 
 from __future__ import annotations
 
+import asyncio
+import re
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
@@ -10,6 +12,7 @@ import aiohttp
 import asyncpg
 import pytest
 import stripe
+from yarl import URL
 
 from stripe_emulator import RunningEmulator
 from vault.client import VaultAdmin
@@ -157,3 +160,26 @@ async def assert_consistent(db: asyncpg.Pool, key_id: str) -> asyncpg.Record:
         )
         assert day["reserved_cents"] + day["spent_cents"] <= key["daily_cap_cents"]
     return key
+
+
+def request_head(method: str, path: str, headers: dict[str, str]) -> bytes:
+    """A request's line and headers as a client writes them on the wire."""
+    lines = [f"{method} {path} HTTP/1.1", "Host: vault", *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+async def answer_to_partial(vault_url: str, sent: bytes, within: float) -> bytes:
+    """The vault's answer (head and body) to a client that sends `sent` and then nothing
+    more; TimeoutError if none has come within `within` seconds."""
+    url = URL(vault_url)
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    try:
+        writer.write(sent)
+        await writer.drain()
+        async with asyncio.timeout(within):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = re.search(rb"\r\nContent-Length: *([0-9]+)", head, re.IGNORECASE)
+            assert length is not None, head
+            return head + await reader.readexactly(int(length[1]))
+    finally:
+        writer.close()

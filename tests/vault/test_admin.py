@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hmac
+import json
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -16,7 +18,14 @@ from vault import admin as admin_module
 from vault.client import VaultAdmin, VaultAuthError, VaultInvalidRequest, VaultNotFound
 
 from .conftest import Issue
-from .support import ADMIN_TOKEN, DEFAULT_ENDPOINTS, MAX_CAP_CENTS, key_request
+from .support import (
+    ADMIN_TOKEN,
+    DEFAULT_ENDPOINTS,
+    MAX_CAP_CENTS,
+    answer_to_partial,
+    key_request,
+    request_head,
+)
 
 
 def _issue_body(**overrides: Any) -> dict[str, Any]:
@@ -204,7 +213,7 @@ async def test_openapi_document_matches_the_routes(
         assert ref.removeprefix("#/components/schemas/") in schemas, ref
     issue_op = document["paths"]["/vault/keys"]["post"]
     assert issue_op["security"] == [{"adminToken": []}, {"workerToken": []}]
-    assert set(issue_op["responses"]) == {"201", "400", "401", "403", "413", "422", "500"}
+    assert set(issue_op["responses"]) == {"201", "400", "401", "403", "408", "413", "422", "500"}
     audit_op = document["paths"]["/vault/keys/{key_id}/audit"]["get"]
     assert audit_op["security"] == [{"adminToken": []}]
     assert "403" in audit_op["responses"]
@@ -307,3 +316,26 @@ async def test_responses_match_the_openapi_schemas(
         await db.execute("ALTER TABLE vault_keys_away RENAME TO vault_keys")
     assert status == 500
     check(paths["/vault/keys/{key_id}"]["get"], status, body)
+
+
+@pytest.mark.vault_settings(body_timeout_seconds=1)
+async def test_a_body_that_never_arrives_is_refused_with_408(
+    vault: RunningVault, db: asyncpg.Pool
+) -> None:
+    body = json.dumps(_issue_body()).encode()
+    head = request_head(
+        "POST",
+        "/vault/keys",
+        {
+            "Authorization": f"Bearer {ADMIN_TOKEN}",
+            "Content-Type": "application/json",
+            "Content-Length": str(len(body)),
+        },
+    )
+    started = time.monotonic()
+    answer = await answer_to_partial(vault.url, head + body[:10], within=5)
+    assert time.monotonic() - started < 3
+    assert answer.startswith(b"HTTP/1.1 408 ")
+    assert b"\r\nConnection: close\r\n" in answer
+    assert b'"code":"body_timeout"' in answer
+    assert await db.fetchval("SELECT count(*) FROM vault_keys") == 0

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import secrets
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -23,10 +25,12 @@ from vault.models import IssuedKey
 from .conftest import Issue, Secrets
 from .support import (
     MAX_CAP_CENTS,
+    answer_to_partial,
     assert_consistent,
     charge,
     emulator_ledger,
     proxied_calls,
+    request_head,
     via_vault,
 )
 
@@ -545,3 +549,57 @@ async def test_a_key_row_written_as_the_api_would_issue_it_is_honoured(
         headers={"Authorization": f"Bearer {secret}"},
     ) as response:
         assert response.status == 200
+
+
+@pytest.mark.vault_settings(header_timeout_seconds=1)
+async def test_a_client_that_never_finishes_its_headers_is_dropped(vault: RunningVault) -> None:
+    """Slowloris: a header line every so often, never the blank line that ends them. Each
+    line that arrives does not restart the clock."""
+    url = URL(vault.url)
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    started = time.monotonic()
+
+    async def trickle() -> None:
+        writer.write(b"GET /stripe/v1/charges HTTP/1.1\r\nHost: vault\r\n")
+        for line in itertools.count():
+            await asyncio.sleep(0.2)
+            writer.write(b"X-Slow-%d: x\r\n" % line)
+
+    trickling = asyncio.create_task(trickle())
+    try:
+        async with asyncio.timeout(5):
+            answer = await reader.read()
+    finally:
+        trickling.cancel()
+        writer.close()
+    assert answer == b""  # closed with no answer: no request had arrived to answer
+    assert time.monotonic() - started < 3
+
+
+@pytest.mark.vault_settings(body_timeout_seconds=1)
+async def test_a_body_that_never_arrives_is_refused_with_408_and_nothing_reserved(
+    vault: RunningVault, issue: Issue, customer: str, db: asyncpg.Pool
+) -> None:
+    key = await issue()
+    body = f"amount=1000&currency=usd&customer={customer}".encode()
+    head = request_head(
+        "POST",
+        "/stripe/v1/payment_intents",
+        {
+            "Authorization": f"Bearer {key.secret.get_secret_value()}",
+            "Idempotency-Key": "slow-body",
+            "Content-Type": "application/x-www-form-urlencoded",
+            "Content-Length": str(len(body)),
+        },
+    )
+    started = time.monotonic()
+    answer = await answer_to_partial(vault.url, head + body[:10], within=5)
+    assert time.monotonic() - started < 3
+    assert answer.startswith(b"HTTP/1.1 408 ")
+    assert b"\r\nConnection: close\r\n" in answer
+    assert b'"code":"body_timeout"' in answer
+    assert await db.fetchval("SELECT count(*) FROM vault_reservations") == 0
+    audited = await db.fetch(
+        "SELECT decision, idempotency_key FROM vault_audit WHERE refusal_code = 'body_timeout'"
+    )
+    assert [tuple(row) for row in audited] == [("refused_request", "slow-body")]
