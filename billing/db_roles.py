@@ -22,10 +22,10 @@ VAULT_PREFIX = "vault_"
 MIGRATIONS_TABLE = "schema_migrations"
 # Unquoted lower-case PostgreSQL identifiers only: nothing to escape, no case surprises.
 ROLE_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
-# The vault never updates or deletes an audit row (vault/store.py insert_audit and
-# audit_page): its role may only add and read them, so even the vault's own DSN cannot
-# erase what a key did.
-APPEND_ONLY = frozenset({"vault_audit"})
+# The vault never updates or deletes an audit row (vault/store.py insert_audit, audit_page
+# and insert_unauthenticated): its role may only add and read them, so even the vault's own
+# DSN cannot erase what a key, or a peer with none, did.
+APPEND_ONLY = frozenset({"vault_audit", "vault_unauthenticated"})
 
 Owner = Literal["ledger", "vault", "migrations"]
 

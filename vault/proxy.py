@@ -1,5 +1,6 @@
 """`/stripe/v1/...`: authenticate the vault key, check the allowlist, reserve, forward, settle,
-and write one audit row, whatever happened."""
+and write one audit row, whatever happened; a request with no known key is counted instead
+(vault/unauthenticated.py)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from vault.reservations import Charge, Outcome, Reservation
 from vault.send_deadline import HeldUpError, SendBy, Stamp, sending
 from vault.state import STATE, VaultState
 from vault.store import AuditRecord, KeyGrant
+from vault.unauthenticated import Unauthenticated, peer_of
 
 logger = logging.getLogger("vault.proxy")
 T = TypeVar("T")
@@ -99,8 +101,15 @@ async def handle(request: web.Request) -> web.Response:
     # The raw path: percent-encoding is refused below rather than decoded.
     path = request.rel_url.raw_path.removeprefix("/stripe")
     record = AuditRecord(method=_clean(request.method, 16), path=_audited_path(request, path))
+    audited = True
     try:
         response = await _proxy(state, request, path, record)
+    except Unauthenticated as refusal:
+        # No key to audit it under: counted per peer, one row a window, whatever the flood.
+        state.unauthenticated.count(peer_of(request.remote), refusal.kind)
+        record.refusal_code = refusal.code
+        response = refusal.response()
+        audited = False
     except Refusal as refusal:
         if refusal.decision is not None:
             record.decision = refusal.decision
@@ -117,6 +126,8 @@ async def handle(request: web.Request) -> web.Response:
         ).response()
     record.latency_ms = (time.perf_counter() - started) * 1000
     metrics.observe(record)
+    if not audited:
+        return response
     # The answer goes back even if the row cannot be written yet: for a charge it says what
     # happened to the money.
     await _record(
@@ -320,16 +331,22 @@ async def _authenticate(state: VaultState, request: web.Request, record: AuditRe
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token.startswith(SECRET_PREFIX):
-        raise Refusal(
-            "refused_auth",
-            401,
-            "vault_key_invalid",
-            "send a vault key as 'Authorization: Bearer vk_...'",
+        raise Unauthenticated("no_key", "send a vault key as 'Authorization: Bearer vk_...'")
+    digest = store.secret_digest(token)
+    if digest not in state.recent_keys and not state.unauthenticated.take_lookup(
+        peer_of(request.remote)
+    ):
+        window = state.settings.unauthenticated_window_seconds
+        raise Unauthenticated(
+            "throttled",
+            "too many unknown vault keys came from this address: its keys are not looked up"
+            f" until the current {window} s window ends",
         )
     async with state.pool.acquire() as conn:
-        grant = await store.key_for_secret(conn, token)
+        grant = await store.key_for_digest(conn, digest)
     if grant is None:
-        raise Refusal("refused_auth", 401, "vault_key_invalid", "unknown vault key")
+        raise Unauthenticated("unknown_key", "unknown vault key")
+    state.recent_keys.add(digest)
     record.vault_key_id = grant.id
     forged = never_issuable(
         cap_cents=grant.cap_cents,

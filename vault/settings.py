@@ -72,6 +72,22 @@ class VaultSettings(BaseSettings):
         " its opening or its last answer (so also how long it may stay idle); longer than the"
         " clients' own idle timeout (15 s in aiohttp's client), so that they close first",
     )
+    # Requests with no known vault key are counted per peer and window, not audited each
+    # (vault/unauthenticated.py).
+    unauthenticated_window_seconds: int = Field(
+        default=60,
+        ge=1,
+        le=3600,
+        description="how often the counts of requests with no known vault key are written,"
+        " one row per peer, and the window the limit below counts over",
+    )
+    unauthenticated_lookups_per_peer: int = Field(
+        default=20,
+        ge=1,
+        le=1_000_000,
+        description="lookups per peer and window of vault keys not seen lately (an unknown"
+        " key's, say); past it the peer's other keys are refused (429) without a lookup",
+    )
     body_timeout_seconds: float = Field(
         default=10.0,
         gt=0,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -12,10 +14,11 @@ import aiojobs
 import asyncpg
 from aiohttp import web
 
-from vault import store
+from vault import store, unauthenticated
 from vault.budget import WorkerPolicy
 from vault.send_deadline import DeadlineConnector
 from vault.settings import VaultSettings
+from vault.unauthenticated import RecentKeys, Tally
 
 # How long past the upstream timeout a pending reservation may stay pending before it is
 # treated as unknown: only a vault stopped mid-request leaves one that old. A charge is sent
@@ -52,6 +55,9 @@ class VaultState:
     send_within: timedelta
     # The writes that go on trying behind an answer.
     behind: aiojobs.Scheduler
+    # Requests with no known vault key, counted per peer (vault/unauthenticated.py).
+    unauthenticated: Tally
+    recent_keys: RecentKeys
     outage_retry: timedelta = _OUTAGE_RETRY
     late_write_within: timedelta = _LATE_WRITE_WITHIN
 
@@ -98,10 +104,23 @@ def lifecycle(settings: VaultSettings) -> Callable[[web.Application], AsyncItera
             behind=aiojobs.Scheduler(
                 limit=_LATE_WRITES_AT_ONCE, pending_limit=_LATE_WRITES_WAITING
             ),
+            unauthenticated=Tally(settings.unauthenticated_lookups_per_peer),
+            recent_keys=RecentKeys(),
+        )
+        tally = app[STATE].unauthenticated
+        writing = asyncio.create_task(
+            unauthenticated.keep_writing(
+                pool, tally, timedelta(seconds=settings.unauthenticated_window_seconds)
+            )
         )
         try:
             yield
         finally:
+            writing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writing
+            # The last window's counts, cut short: no more requests come.
+            await unauthenticated.write(pool, tally)
             await app[STATE].behind.wait_and_close(_LATE_WRITE_DRAIN_SECONDS)
             await upstream.close()
             await pool.close()

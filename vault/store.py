@@ -7,7 +7,7 @@ import hashlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, fields
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 from uuid import UUID, uuid4
 
@@ -82,6 +82,7 @@ REQUIRED_TABLES: dict[str, tuple[str, ...]] = {
     "vault_reservations": ("SELECT", "INSERT", "UPDATE"),
     "vault_fences": ("SELECT", "INSERT", "UPDATE"),
     "vault_audit": ("SELECT", "INSERT"),
+    "vault_unauthenticated": ("INSERT",),
 }
 REQUIRED_FUNCTIONS = ("vault_reserve", "vault_finish", "vault_lock_commits")
 
@@ -233,14 +234,15 @@ class KeyGrant:
     issued_by: str
 
 
-async def key_for_secret(conn: asyncpg.Connection, secret: str) -> KeyGrant | None:
+async def key_for_digest(conn: asyncpg.Connection, digest: bytes) -> KeyGrant | None:
+    """The key whose secret has this `secret_digest`."""
     row = await conn.fetchrow(
         """
         SELECT id, currency, allowed_endpoints, revoked_at IS NOT NULL AS revoked,
                expires_at <= now() AS expired, cap_cents, daily_cap_cents, issued_by
         FROM vault_keys WHERE secret_sha256 = $1
         """,
-        secret_digest(secret),
+        digest,
     )
     return None if row is None else KeyGrant(**dict(row))
 
@@ -266,6 +268,31 @@ class AuditRecord:
     request_id: UUID = field(default_factory=uuid4)
     # Who made an admin call (migrations/022_audit_admin_actions.sql).
     actor: Role | None = None
+
+
+@dataclass(slots=True)
+class PeerRefusals:
+    """One row of vault_unauthenticated: a peer's requests with no known vault key over a
+    window, as they are counted."""
+
+    peer: str
+    first_at: datetime
+    last_at: datetime
+    requests: int = 0
+    # Lookups of keys not seen lately, found or not, which the peer's limit counts (not a
+    # column).
+    lookups: int = 0
+    throttled: int = 0
+
+
+async def insert_unauthenticated(conn: asyncpg.Connection, rows: list[PeerRefusals]) -> None:
+    await conn.executemany(
+        """
+        INSERT INTO vault_unauthenticated (peer, first_at, last_at, requests, throttled)
+        VALUES ($1, $2, $3, $4, $5)
+        """,
+        [(r.peer, r.first_at, r.last_at, r.requests, r.throttled) for r in rows],
+    )
 
 
 async def through_outage(

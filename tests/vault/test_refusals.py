@@ -18,17 +18,19 @@ import stripe
 from yarl import URL
 
 from stripe_emulator import RunningEmulator
-from vault import RunningVault
+from vault import RunningVault, VaultSettings, serve
 from vault.client import VaultAdmin
 from vault.models import IssuedKey
 
 from .conftest import Issue, Secrets
 from .support import (
+    ADMIN_TOKEN,
     MAX_CAP_CENTS,
     answer_to_partial,
     assert_consistent,
     charge,
     emulator_ledger,
+    key_request,
     proxied_calls,
     request_head,
     via_vault,
@@ -378,10 +380,10 @@ async def test_the_audit_log_has_one_row_per_request(
     with pytest.raises(stripe.PermissionError):
         await client.v1.customers.retrieve_async(customer)  # refused_endpoint
     await _post(http, vault, key, "/v1/payment_intents", "amount=x&currency=usd")
-    async with http.get(vault.url + "/stripe/v1/charges") as response:  # refused_auth, no key
+    async with http.get(vault.url + "/stripe/v1/charges") as response:  # no key: counted apart
         assert response.status == 401
 
-    assert await db.fetchval("SELECT count(*) FROM vault_audit WHERE actor IS NULL") == 7
+    assert await db.fetchval("SELECT count(*) FROM vault_audit WHERE actor IS NULL") == 6
     entries = await proxied_calls(admin, key.id)
     assert [(e.decision, e.refusal_code) for e in entries] == [
         ("refused_request", "parameter_invalid_integer"),
@@ -603,3 +605,49 @@ async def test_a_body_that_never_arrives_is_refused_with_408_and_nothing_reserve
         "SELECT decision, idempotency_key FROM vault_audit WHERE refusal_code = 'body_timeout'"
     )
     assert [tuple(row) for row in audited] == [("refused_request", "slow-body")]
+
+
+async def _get_with(http: aiohttp.ClientSession, vault: RunningVault, token: str | None) -> int:
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    async with http.get(vault.url + "/stripe/v1/payment_intents/pi_1", headers=headers) as r:
+        return r.status
+
+
+async def test_requests_with_no_known_key_are_counted_per_peer_not_audited_one_by_one(
+    vault_settings: VaultSettings, http: aiohttp.ClientSession, db: asyncpg.Pool
+) -> None:
+    tokens = [None, "not-a-vault-key"] * 50 + [
+        f"vk_{secrets.token_urlsafe(32)}" for _ in range(100)
+    ]
+    async with serve(vault_settings) as vault, VaultAdmin(vault.url, ADMIN_TOKEN) as admin:
+        revoked = await admin.issue_key(key_request())
+        await admin.revoke(revoked.id)
+        revoked_secret = revoked.secret.get_secret_value()
+        assert await _get_with(http, vault, revoked_secret) == 401
+        statuses = await asyncio.gather(*(_get_with(http, vault, token) for token in tokens))
+        for _ in range(2):
+            assert await _get_with(http, vault, revoked_secret) == 401
+        # A key's refusals are still audited one by one, also from a peer past its lookups.
+        entries = await proxied_calls(admin, revoked.id)
+        assert [e.refusal_code for e in entries] == ["vault_key_revoked"] * 3
+    # Stopped, the vault has written what this window counted.
+
+    assert await db.fetchval("SELECT count(*) FROM vault_audit WHERE vault_key_id IS NULL") == 0
+    assert set(statuses) == {401, 429}  # 429: past the keys a peer may have looked up
+    counted = await db.fetch("SELECT peer, requests, throttled FROM vault_unauthenticated")
+    assert [tuple(row) for row in counted] == [("127.0.0.1", len(tokens), statuses.count(429))]
+
+
+@pytest.mark.vault_settings(unauthenticated_lookups_per_peer=5)
+async def test_a_peer_past_its_unknown_keys_is_refused_without_lookups_but_known_keys_pass(
+    vault: RunningVault, issue: Issue, http: aiohttp.ClientSession
+) -> None:
+    seen, unseen = await issue(), await issue()
+    assert await _get_with(http, vault, seen.secret.get_secret_value()) == 404  # Stripe's
+
+    statuses = [await _get_with(http, vault, f"vk_{secrets.token_urlsafe(32)}") for _ in range(8)]
+    assert statuses == [401] * 4 + [429] * 4  # the first lookup of `seen` counted too
+    # A key that authenticated before is still looked up, and charges go on; one that never
+    # has waits for the window's end with the flood.
+    assert await _get_with(http, vault, seen.secret.get_secret_value()) == 404
+    assert await _get_with(http, vault, unseen.secret.get_secret_value()) == 429
