@@ -333,20 +333,20 @@ async def _authenticate(state: VaultState, request: web.Request, record: AuditRe
     if scheme.lower() != "bearer" or not token.startswith(SECRET_PREFIX):
         raise Unauthenticated("no_key", "send a vault key as 'Authorization: Bearer vk_...'")
     digest = store.secret_digest(token)
-    if digest not in state.recent_keys and not state.unauthenticated.take_lookup(
-        peer_of(request.remote)
-    ):
-        window = state.settings.unauthenticated_window_seconds
-        raise Unauthenticated(
-            "throttled",
-            "too many unknown vault keys came from this address: its keys are not looked up"
-            f" until the current {window} s window ends",
-        )
-    async with state.pool.acquire() as conn:
-        grant = await store.key_for_digest(conn, digest)
+    peer = peer_of(request.remote)
+    with state.unauthenticated.lookup(peer, digest) as allowed:
+        if not allowed:
+            window = state.settings.unauthenticated_window_seconds
+            raise Unauthenticated(
+                "throttled",
+                "too many unknown vault keys came from this address: its keys are not looked"
+                f" up until the current {window} s window ends",
+            )
+        async with state.pool.acquire() as conn:
+            grant = await store.key_for_digest(conn, digest)
     if grant is None:
         raise Unauthenticated("unknown_key", "unknown vault key")
-    state.recent_keys.add(digest)
+    state.unauthenticated.authenticated(digest)
     record.vault_key_id = grant.id
     forged = never_issuable(
         cap_cents=grant.cap_cents,

@@ -85,8 +85,9 @@ class VaultSettings(BaseSettings):
         default=20,
         ge=1,
         le=1_000_000,
-        description="lookups per peer and window of vault keys not seen lately (an unknown"
-        " key's, say); past it the peer's other keys are refused (429) without a lookup",
+        description="unknown vault keys a peer may have looked up a window (those being"
+        " looked up count too); past it its keys not seen lately are refused (429) without a"
+        " lookup",
     )
     body_timeout_seconds: float = Field(
         default=10.0,

@@ -18,7 +18,7 @@ from vault import store, unauthenticated
 from vault.budget import WorkerPolicy
 from vault.send_deadline import DeadlineConnector
 from vault.settings import VaultSettings
-from vault.unauthenticated import RecentKeys, Tally
+from vault.unauthenticated import Tally
 
 # How long past the upstream timeout a pending reservation may stay pending before it is
 # treated as unknown: only a vault stopped mid-request leaves one that old. A charge is sent
@@ -57,7 +57,6 @@ class VaultState:
     behind: aiojobs.Scheduler
     # Requests with no known vault key, counted per peer (vault/unauthenticated.py).
     unauthenticated: Tally
-    recent_keys: RecentKeys
     outage_retry: timedelta = _OUTAGE_RETRY
     late_write_within: timedelta = _LATE_WRITE_WITHIN
 
@@ -105,7 +104,6 @@ def lifecycle(settings: VaultSettings) -> Callable[[web.Application], AsyncItera
                 limit=_LATE_WRITES_AT_ONCE, pending_limit=_LATE_WRITES_WAITING
             ),
             unauthenticated=Tally(settings.unauthenticated_lookups_per_peer),
-            recent_keys=RecentKeys(),
         )
         tally = app[STATE].unauthenticated
         writing = asyncio.create_task(

@@ -279,9 +279,8 @@ class PeerRefusals:
     first_at: datetime
     last_at: datetime
     requests: int = 0
-    # Lookups of keys not seen lately, found or not, which the peer's limit counts (not a
-    # column).
-    lookups: int = 0
+    # Keys looked up and not found, which the peer's limit counts (not a column).
+    unknown: int = 0
     throttled: int = 0
 
 

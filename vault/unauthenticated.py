@@ -3,10 +3,9 @@
 Audited one by one, each would cost an audit row and a database connection, so anyone who
 can reach the port could grow the audit log, and hold connections real charges need, at will.
 Instead each window writes one row per peer saying how many (`vault_unauthenticated`). And
-past VAULT_UNAUTHENTICATED_LOOKUPS_PER_PEER lookups in a window of keys not seen lately, a
-peer's keys are refused (429) without a lookup: all but those that authenticated here lately,
-so that honest workers sharing an address with the flood (behind a NAT or a reverse proxy)
-keep charging.
+past VAULT_UNAUTHENTICATED_LOOKUPS_PER_PEER unknown keys in a window, a peer's keys are refused
+(429) without a lookup: all but those that authenticated here lately, so that honest workers
+sharing an address with the flood (behind a NAT or a reverse proxy) keep charging.
 """
 
 from __future__ import annotations
@@ -14,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Literal
 
@@ -67,41 +68,66 @@ def peer_of(remote: str | None) -> str:
 
 
 class Tally:
-    """This window's counts, per peer."""
+    """This window's counts per peer, the lookups under way, and the keys seen lately."""
 
     def __init__(self, lookups_per_peer: int) -> None:
         self._lookups_per_peer = lookups_per_peer
         self._peers: dict[str, PeerRefusals] = {}
+        # Per peer, the digests being looked up now, each with how many requests wait on it.
+        self._pending: dict[str, Counter[bytes]] = {}
+        self._recent = RecentKeys()
 
-    def take_lookup(self, peer: str) -> bool:
-        """Whether the peer may have a key not seen lately looked up, counting it if so.
-        Counted before the lookup, so that requests arriving together cannot all pass."""
-        counted = self._counted(peer)
-        if counted.lookups >= self._lookups_per_peer:
-            return False
-        counted.lookups += 1
-        return True
+    def authenticated(self, digest: bytes) -> None:
+        """A key row has this digest: its requests are looked up whatever their peer's count."""
+        self._recent.add(digest)
+
+    @contextmanager
+    def lookup(self, peer: str, digest: bytes) -> Iterator[bool]:
+        """Whether the key may be looked up for the peer. A key seen lately may; another not
+        once the unknown keys the peer sent this window and the other keys it has being looked
+        up reach its limit. Those under way count, so that requests arriving together cannot
+        all pass; a key already being looked up for the peer costs nothing more, so that a
+        worker's burst with a new key does pass."""
+        if digest in self._recent:
+            yield True
+            return
+        pending = self._pending.setdefault(peer, Counter())
+        counted = self._peers.get(self._slot(peer))
+        unknown = 0 if counted is None else counted.unknown
+        if digest not in pending and unknown + len(pending) >= self._lookups_per_peer:
+            if not pending:
+                del self._pending[peer]
+            yield False
+            return
+        pending[digest] += 1
+        try:
+            yield True
+        finally:
+            pending[digest] -= 1
+            if not pending[digest]:
+                del pending[digest]
+            if not pending:
+                del self._pending[peer]
 
     def count(self, peer: str, kind: Kind) -> None:
-        counted = self._counted(peer)
-        counted.last_at = datetime.now(UTC)
+        slot = self._slot(peer)
+        counted = self._peers.get(slot)
+        now = datetime.now(UTC)
+        if counted is None:
+            counted = self._peers[slot] = PeerRefusals(slot, first_at=now, last_at=now)
+        counted.last_at = now
         counted.requests += 1
+        counted.unknown += kind == "unknown_key"
         counted.throttled += kind == "throttled"
 
     def drain(self) -> list[PeerRefusals]:
-        """The window's counts; the next window starts with none. A peer whose lookups all
-        found a key has nothing to record."""
-        drained = [counted for counted in self._peers.values() if counted.requests]
+        """The window's counts; the next window starts with none."""
+        drained = list(self._peers.values())
         self._peers = {}
         return drained
 
-    def _counted(self, peer: str) -> PeerRefusals:
-        slot = peer if peer in self._peers or len(self._peers) < _MAX_PEERS else OVERFLOW_PEER
-        counted = self._peers.get(slot)
-        if counted is None:
-            now = datetime.now(UTC)
-            counted = self._peers[slot] = PeerRefusals(slot, first_at=now, last_at=now)
-        return counted
+    def _slot(self, peer: str) -> str:
+        return peer if peer in self._peers or len(self._peers) < _MAX_PEERS else OVERFLOW_PEER
 
 
 class RecentKeys:
