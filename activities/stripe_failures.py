@@ -125,10 +125,12 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
             return _non_retryable(SPEND_CAP_EXCEEDED, failure)
         return declined(failure)
     if isinstance(exc, stripe.RateLimitError):
+        # On the bill's retry policy, backing off as Stripe asks: the limit is the account's,
+        # which its other traffic (checkout) shares, and a retry each second from every
+        # charge in flight would keep it exceeded. A lock_timeout comes as a 429 too.
         return ApplicationError(
-            "Stripe rate limit reached; retrying with the same idempotency key",
+            "Stripe rate limit reached; retrying with the same idempotency key, backing off",
             type=RETRYABLE,
-            next_retry_delay=timedelta(seconds=1),
         )
     if isinstance(exc, stripe.AuthenticationError):
         failure = _key_refused(
@@ -178,9 +180,11 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
 
 
 def replays_saved_error(exc: stripe.StripeError) -> bool:
-    """Stripe answered with a 5xx it saved for the key: it began the request and failed, and
-    gives every request with the key the same answer until it forgets the key."""
-    return is_replayed(exc) and (exc.http_status or 0) >= 500
+    """Stripe answered with an error it saved for the key: it began the request and failed,
+    and gives every request with the key the same answer until it forgets the key. A 5xx, or
+    another status the SDK has no class for (a 424, External Dependency Failed): Stripe saves
+    every answer of a request it began, whatever it was."""
+    return is_replayed(exc) and isinstance(exc, stripe.APIError)
 
 
 def is_replayed(exc: stripe.StripeError) -> bool:

@@ -13,6 +13,7 @@ from activities.stripe_failures import (
     REFUSED,
     RETRYABLE,
     SLOW_RETRY,
+    replays_saved_error,
     to_temporal_failure,
 )
 from workflows.customer_charge import BILL_ROUND
@@ -31,20 +32,37 @@ def test_a_key_past_stripes_window_is_retried_slowly_within_a_round() -> None:
     assert timedelta(minutes=1) <= SLOW_RETRY < BILL_ROUND
 
 
+@pytest.mark.parametrize("status", [500, 424])
 @pytest.mark.parametrize("replayed", [True, False])
-def test_a_500_stripe_saved_for_the_key_is_retried_slowly(replayed: bool) -> None:
-    """Replayed, it says the same until Stripe forgets the key: retried seldom. A first 500
-    may be gone on the next try: retried at the policy's pace."""
+def test_an_error_stripe_saved_for_the_key_is_retried_slowly(replayed: bool, status: int) -> None:
+    """Replayed, it says the same until Stripe forgets the key: looked up and retried seldom
+    (a 424, External Dependency Failed, as a 500: Stripe saves whatever a request it began
+    answered). A first one may be gone on the next try: retried at the policy's pace."""
     error = stripe.APIError(
         "An unknown error occurred",
-        http_status=500,
+        http_status=status,
         json_body={"error": {"type": "api_error"}},
         headers={"Idempotent-Replayed": "true"} if replayed else {},
     )
+    assert replays_saved_error(error) == replayed
     failure = to_temporal_failure(error)
     assert (failure.type, failure.non_retryable) == (RETRYABLE, False)
     assert failure.next_retry_delay == (SLOW_RETRY if replayed else None)
     assert ("saved for this charge's idempotency key" in failure.message) == replayed
+
+
+@pytest.mark.parametrize("code", ["rate_limit", "lock_timeout"])
+def test_a_429_backs_off_on_the_retry_policy(code: str) -> None:
+    """Stripe asks for exponential backoff on a 429; a fixed delay would replace the bill's
+    retry policy on every attempt, and keep the account's limit exceeded."""
+    failure = to_temporal_failure(
+        _error(stripe.RateLimitError, 429, code=code, type="invalid_request_error")
+    )
+    assert (failure.type, failure.non_retryable, failure.next_retry_delay) == (
+        RETRYABLE,
+        False,
+        None,
+    )
 
 
 @pytest.mark.parametrize("code", [None, "idempotency_key_reused"], ids=["stripe", "vault"])
