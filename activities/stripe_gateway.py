@@ -135,12 +135,13 @@ class StripeGateway:
 
     def _result(self, made: stripe.PaymentIntent | stripe.Charge) -> ChargeResult:
         if isinstance(made, stripe.PaymentIntent):
-            return self._from_intent(made)
+            return self._from_intent(made, replayed=_replayed(made))
         return ChargeResult(
             charge_id=made.id,
             payment_intent_id=_id(made.payment_intent),
             amount_cents=made.amount,
             currency=made.currency,
+            replayed=_replayed(made),
             pending=made.status == "pending",
         )
 

@@ -409,6 +409,21 @@ async def test_a_replayed_pending_charge_is_looked_up_and_a_fresh_one_is_not(
         assert isinstance(found, ChargeResult) and found.pending
 
 
+@pytest.mark.parametrize("replayed", [True, False], ids=["replayed", "executed-now"])
+async def test_a_success_says_whether_stripe_replayed_it(replayed: bool) -> None:
+    # The worker's `charge` event says so: a retry after a lost answer, not a second charge.
+    async def create(params: dict[str, Any], options: dict[str, Any]) -> Any:
+        return charge("succeeded", replayed=replayed)
+
+    charges = SimpleNamespace(create_async=create, list_async=unlisted)
+    client = SimpleNamespace(v1=SimpleNamespace(charges=charges))
+    found = await StripeGateway(client, "charges").charge(CLAIM)  # type: ignore[arg-type]
+    assert isinstance(found, ChargeResult) and found.replayed == replayed
+    made = intent("succeeded", LONG_AGO, replayed=replayed, latest_charge="ch_made")
+    found = await intents_gateway(made, created=made, lister=unlisted).charge(INTENT_CLAIM)
+    assert isinstance(found, ChargeResult) and found.replayed == replayed
+
+
 async def test_an_intent_processing_without_a_charge_is_not_taken_for_charged() -> None:
     odd = intent("processing", int(time.time()))
     with pytest.raises(stripe.APIError, match="expected succeeded or processing with a charge"):
