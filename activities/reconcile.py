@@ -419,10 +419,10 @@ class ReconcileActivities:
         customers: list[CustomerToCheck],
         found: list[list[StripeCharge] | None],
     ) -> set[str]:
-        """The page's charges it counts when it only counts them: those listed under the
-        first customer of ours that their Stripe customer is listed under, whose page comes
-        first (if that customer's listing fails, it is reported unchecked; if it is skipped,
-        an inactive customer no key can read, the others' pages log the finding uncounted)."""
+        """The page's charges it counts: those listed under the first customer of ours that
+        their Stripe customer is listed under, whose page comes first (if that customer's
+        listing fails, it is reported unchecked; if it is skipped, an inactive customer no key
+        can read, the others' pages log the finding uncounted)."""
         async with self._pool.acquire() as conn:
             first = await ledger.first_listers(
                 conn, period, {c.stripe_customer_id for c in customers}
@@ -505,9 +505,9 @@ class ReconcileActivities:
                 key_prefix=f.key_prefix,
                 handled_by=handled_by,
             )
-        counted: set[str] = set()
-        if handled or len(findings) > request.listed_room:
-            counted = await self._counted_here(request.period, customers, found)
+        # A charge listed under two customers of ours (sharing a Stripe customer) is counted
+        # on the first one's page alone, its findings past the report's room likewise.
+        counted = await self._counted_here(request.period, customers, found)
         in_full, unlisted_counts = for_listing(findings, request.listed_room, counted)
         return ChargesPage(
             findings=in_full,
@@ -515,8 +515,8 @@ class ReconcileActivities:
             # Where its first listing counts it, like a finding past the room.
             handled=sum(charge_id in counted for charge_id, _ in handled),
             customers=len(customers),
-            charges=sum(c.state == "made" for c in charges),
-            pending=sum(c.pending for c in charges),
+            charges=sum(c.state == "made" and c.charge_id in counted for c in charges),
+            pending=sum(c.pending and c.charge_id in counted for c in charges),
             unchecked=[c.customer_id for c in unchecked],
             next_cursor=customers[-1].customer_id if len(customers) == request.limit else None,
         )
