@@ -43,8 +43,12 @@ def period_workflow_id(period: Period) -> str:
     return f"billing-period-{period}"
 
 
+# Its pattern, shown to people with a placeholder for the period.
+CUSTOMER_WORKFLOW_ID = "billing-{period}-{customer_id}"
+
+
 def customer_workflow_id(period: Period, customer_id: str) -> str:
-    return f"billing-{period}-{customer_id}"
+    return CUSTOMER_WORKFLOW_ID.format(period=period, customer_id=customer_id)
 
 
 def reconcile_workflow_id(period: Period) -> str:

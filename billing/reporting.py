@@ -11,6 +11,7 @@ from temporalio.exceptions import ActivityError, ChildWorkflowError, FailureErro
 from billing.config import TemporalSettings
 from billing.customer_history import BilledPeriod, CustomerHistory, PeriodWithoutRow
 from billing.failures import PeriodFailures
+from billing.keys import CUSTOMER_WORKFLOW_ID
 from billing.models import (
     AUTOMATIC,
     RENEWABLE_PAUSES,
@@ -307,7 +308,8 @@ def describe_customer(history: CustomerHistory) -> str:
         f" {describe_amounts({account.currency: account.amount_cents})} a period"
         " (in the currency's smallest unit), Stripe customer"
         f" {account.stripe_customer_id}, payment method {account.payment_method or 'none named'}",
-        f"  each period's workflow: billing-PERIOD-{account.customer_id}",
+        "  each period's workflow: "
+        + CUSTOMER_WORKFLOW_ID.format(period="PERIOD", customer_id=account.customer_id),
     ]
     lines += [f"  {row.period} {_billed(row)}" for row in history.periods]
     if history.without_row is not None:
