@@ -74,7 +74,8 @@ _BANK_ACCOUNTS = {
     "pm_sepaDebit_fails": BankAccount("3001", returned_with="insufficient_funds"),
 }
 
-_PREFIXES = ("pm_card_", "tok_")
+_PAYMENT_METHOD_PREFIX = "pm_card_"
+_TOK_PREFIX = "tok_"
 
 _DECLINE_MESSAGES = {
     "insufficient_funds": "Your card has insufficient funds.",
@@ -94,12 +95,18 @@ def return_message(failure_code: str) -> str:
     return _RETURN_MESSAGES.get(failure_code, "The customer's bank returned the debit.")
 
 
+def lookup_test_card_token(token: str) -> Card | None:
+    """The card behind a test token such as ``tok_visa``, else None."""
+    return _card_after(_TOK_PREFIX, token)
+
+
 def lookup_test_instrument(object_id: str) -> Instrument | None:
     """The instrument behind a test id such as ``pm_card_visa``, ``tok_visa`` or
     ``pm_sepaDebit_succeeds``, else None."""
     if object_id in _BANK_ACCOUNTS:
         return _BANK_ACCOUNTS[object_id]
-    for prefix in _PREFIXES:
-        if object_id.startswith(prefix):
-            return _CARDS.get(object_id[len(prefix) :])
-    return None
+    return _card_after(_PAYMENT_METHOD_PREFIX, object_id) or lookup_test_card_token(object_id)
+
+
+def _card_after(prefix: str, object_id: str) -> Card | None:
+    return _CARDS.get(object_id.removeprefix(prefix)) if object_id.startswith(prefix) else None

@@ -17,7 +17,10 @@ class Customer:
     name: str | None
     description: str | None
     metadata: dict[str, str]
+    # invoice_settings.default_payment_method: for invoices and subscriptions only.
     default_payment_method: str | None = None
+    # A legacy card source (card_...): what Stripe charges when a request names no method.
+    default_source: str | None = None
 
     def to_api(self) -> JSON:
         return {
@@ -26,7 +29,7 @@ class Customer:
             "balance": 0,
             "created": self.created,
             "currency": None,
-            "default_source": None,
+            "default_source": self.default_source,
             "delinquent": False,
             "description": self.description,
             "email": self.email,

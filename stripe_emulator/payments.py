@@ -44,19 +44,8 @@ def not_attached(method_id: str, param: str) -> StripeError:
     )
 
 
-def resolve(store: Store, customer: Customer | None, method_id: str | None, param: str) -> Source:
-    """The payment method to charge: the one named (attached to ``customer`` when there is a
-    customer), else the customer's default."""
-    if method_id is None:
-        default = customer.default_payment_method if customer else None
-        if default is None:
-            raise invalid(
-                "No payment method was provided and the customer has no default payment method.",
-                param=param,
-                code="parameter_missing",
-            )
-        default_method = store.payment_methods.by_id[default]
-        return Source(default_method.instrument, default_method)
+def resolve(store: Store, customer: Customer | None, method_id: str, param: str) -> Source:
+    """The payment method named, attached to ``customer`` when there is a customer."""
     method = store.payment_methods.by_id.get(method_id)
     if customer is not None:
         if method is None or method.customer != customer.id:
@@ -73,6 +62,16 @@ def resolve(store: Store, customer: Customer | None, method_id: str | None, para
     if instrument is None:
         raise no_such("PaymentMethod", method_id, param=param)
     return Source(instrument, None)
+
+
+def default_source(store: Store, customer: Customer | None) -> Source | None:
+    """What Stripe charges for a request naming no payment method: the customer's legacy
+    default source ("`source` automatically populates with `customer.default_source`",
+    stripe-python 16 params/_payment_intent_create_params.py), never its invoice default."""
+    if customer is None or customer.default_source is None:
+        return None
+    method = store.payment_methods.by_id[customer.default_source]
+    return Source(method.instrument, method)
 
 
 def check_currency(source: Source, currency: str) -> None:

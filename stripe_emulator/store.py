@@ -85,6 +85,8 @@ class Store:
         self._by_prefix: dict[str, Table[Any]] = {
             "cus": self.customers,
             "pm": self.payment_methods,
+            # A customer's legacy card source, usable wherever a payment method is.
+            "card": self.payment_methods,
             "pi": self.payment_intents,
             "ch": self.charges,
             "py": self.charges,

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from ..cards import Card, Outcome
-from ..errors import JSON, invalid, missing_param
+from ..errors import JSON, StripeError, invalid, missing_param
 from ..listing import list_object
-from ..payments import declined, record_charge, resolve
+from ..payments import declined, default_source, record_charge, resolve
 from ..routing import Call, Route
 from ..validation import (
     COMMON,
@@ -58,7 +58,11 @@ def _create(call: Call) -> JSON:
         customer = store.customers.get(customer_id, param="customer", status=400)
     charge_metadata = metadata(params)
     description = string(params, "description")
-    source = resolve(store, customer, method_id, param)
+    source = (
+        resolve(store, customer, method_id, param) if method_id else default_source(store, customer)
+    )
+    if source is None:
+        raise _no_active_card()
     if not isinstance(source.instrument, Card):
         # Stripe takes bank debits through PaymentIntents only.
         raise invalid(
@@ -89,6 +93,19 @@ def _create(call: Call) -> JSON:
     if decline_code is not None:
         raise declined(charge, decline_code)
     return charge.to_api()
+
+
+def _no_active_card() -> StripeError:
+    """Stripe's answer to charging a customer with no default source and naming none: a card
+    error (as reported from Stripe in stripe/stripe-node#282 and stripe/stripe-android#475),
+    which, as a 402, is saved for the key."""
+    return StripeError(
+        402,
+        "Cannot charge a customer that has no active card",
+        error_type="card_error",
+        code="missing",
+        param="card",
+    )
 
 
 def _retrieve(call: Call) -> JSON:

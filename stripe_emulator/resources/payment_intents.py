@@ -11,7 +11,14 @@ from ..errors import JSON, StripeError, invalid
 from ..forms import Params
 from ..listing import list_object
 from ..models import PaymentIntent, PaymentMethod
-from ..payments import card_error, check_currency, declined, record_charge, resolve
+from ..payments import (
+    card_error,
+    check_currency,
+    declined,
+    default_source,
+    record_charge,
+    resolve,
+)
 from ..routing import Call, Route
 from ..store import seq_of
 from ..validation import (
@@ -93,9 +100,15 @@ def _create(call: Call) -> JSON:
     redirects = _allows_redirects(params)
     method_id = string(params, "payment_method")
     source = None
-    # Without confirm, only a named method is validated; the default is picked at confirmation.
-    if confirm or method_id is not None:
+    # Without confirm, only a named method is validated; the default source is taken at
+    # confirmation.
+    if method_id is not None:
         source = resolve(store, customer, method_id, "payment_method")
+    elif confirm:
+        source = default_source(store, customer)
+        if source is None:
+            raise _missing_payment_method()
+    if source is not None:
         check_currency(source, money)
     intent = PaymentIntent(
         *store.identity("pi"),
@@ -135,7 +148,15 @@ def _confirm(call: Call) -> JSON:
     off_session = boolean(params, "off_session")
     customer = store.customers.by_id.get(intent.customer) if intent.customer else None
     method_id = string(params, "payment_method") or intent.payment_method
-    source = resolve(store, customer, method_id, "payment_method")
+    source = (
+        resolve(store, customer, method_id, "payment_method")
+        if method_id
+        else default_source(store, customer)
+    )
+    if source is None:
+        error = _missing_payment_method()
+        error.error["payment_intent"] = intent.to_api()
+        raise error
     check_currency(source, intent.currency)
     _confirm_intent(call, intent, source.materialise(store), off_session)
     return intent.to_api()
@@ -163,6 +184,18 @@ def _cancel(call: Call) -> JSON:
     intent.cancellation_reason = reason
     intent.next_action = None
     return intent.to_api()
+
+
+def _missing_payment_method() -> StripeError:
+    """Stripe's answer to a confirm naming no payment method when the customer has no
+    default source to take (as reported from Stripe in Automattic/woocommerce-payments#487
+    and flutter-stripe/flutter_stripe#1236; those reports name no param)."""
+    return invalid(
+        "You cannot confirm this PaymentIntent because it's missing a payment method. You can"
+        " either update the PaymentIntent with a payment method and then confirm it again, or"
+        " confirm it again directly with a payment method.",
+        code="payment_intent_unexpected_state",
+    )
 
 
 def _allows_redirects(params: Params) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..cards import BankAccount, Card, lookup_test_instrument
+from ..cards import BankAccount, Card, Instrument, lookup_test_instrument
 from ..errors import JSON, invalid, no_such
 from ..listing import list_object
 from ..models import PaymentMethod
@@ -30,10 +30,14 @@ def attachable(store: Store, method_id: str, customer: str | None, param: str) -
     instrument = lookup_test_instrument(method_id)
     if instrument is None:
         raise no_such("PaymentMethod", method_id, param=param)
+    check_attachable(instrument)
+    return Source(instrument, None)
+
+
+def check_attachable(instrument: Instrument) -> None:
     if not instrument.attachable and instrument.decline_code is not None:
         # Attaching runs an authorisation that these cards decline, as on Stripe.
         raise card_error("card_declined", instrument.decline_code)
-    return Source(instrument, None)
 
 
 def attach(store: Store, source: Source, customer: str) -> PaymentMethod:

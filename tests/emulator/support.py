@@ -72,8 +72,8 @@ class Raw:
         assert reply.status == 200, reply.body
         return reply.body  # type: ignore[no-any-return]
 
-    async def charge(self, customer: str, idempotency_key: str, **extra: str) -> Reply:
-        """An off-session PaymentIntent confirmed at once: how the billing core charges."""
+    async def intent(self, customer: str, idempotency_key: str, **extra: str) -> Reply:
+        """An off-session PaymentIntent confirmed at once, as the billing core sends it."""
         params = {
             "amount": "1999",
             "currency": "usd",
@@ -86,6 +86,21 @@ class Raw:
             **extra,
         }
         return await self.post("/v1/payment_intents", params, idempotency_key=idempotency_key)
+
+    async def charge(
+        self, customer: Mapping[str, Any], idempotency_key: str, **extra: str
+    ) -> Reply:
+        """``intent`` naming the payment method of ``customer`` (as ``customer`` returns it), as
+        the billing core names the ledger's: Stripe would not take the invoice default."""
+        return await self.intent(
+            customer["id"], idempotency_key, payment_method=method_of(customer), **extra
+        )
+
+
+def method_of(customer: Mapping[str, Any]) -> str:
+    """The payment method ``Raw.customer`` saved for ``customer`` (its invoice default)."""
+    method: str = customer["invoice_settings"]["default_payment_method"]
+    return method
 
 
 def response_headers(resource: stripe.StripeObject) -> Mapping[str, str]:

@@ -9,14 +9,14 @@ import stripe
 from stripe_emulator import RunningEmulator
 from stripe_emulator.client import EmulatorClient
 
-from .support import Raw
+from .support import Raw, method_of
 
 SUCCEEDS = "pm_sepaDebit_succeeds"
 FAILS = "pm_sepaDebit_fails"
 
 
 async def _debit(raw: Raw, method: str, key: str) -> dict[str, Any]:
-    customer = (await raw.customer(method))["id"]
+    customer = await raw.customer(method)
     reply = await raw.charge(customer, key, currency="eur", **{"expand[]": "latest_charge"})
     assert reply.status == 200, reply.body
     return reply.body  # type: ignore[no-any-return]
@@ -66,9 +66,15 @@ async def test_a_returned_debit_fails_its_charge_and_reopens_its_intent(
 
 async def test_the_charges_api_refuses_a_bank_account_and_stores_nothing(raw: Raw) -> None:
     # As Stripe does: bank debits go through PaymentIntents.
-    customer = (await raw.customer(SUCCEEDS))["id"]
+    customer = await raw.customer(SUCCEEDS)
     reply = await raw.post(
-        "/v1/charges", {"amount": "500", "currency": "eur", "customer": customer}
+        "/v1/charges",
+        {
+            "amount": "500",
+            "currency": "eur",
+            "customer": customer["id"],
+            "source": method_of(customer),
+        },
     )
     assert (reply.status, reply.body["error"]["param"]) == (400, "source")
     assert "does not take sepa_debit payment methods" in reply.body["error"]["message"]
@@ -78,14 +84,14 @@ async def test_the_charges_api_refuses_a_bank_account_and_stores_nothing(raw: Ra
 async def test_a_debit_in_a_currency_sepa_does_not_take_is_refused_and_stores_nothing(
     raw: Raw,
 ) -> None:
-    customer = (await raw.customer(SUCCEEDS))["id"]
+    customer = await raw.customer(SUCCEEDS)
     reply = await raw.charge(customer, "debit-usd", currency="usd")
     assert reply.status == 400
     error = reply.body["error"]
     assert error["param"] == "currency" and "sepa_debit" in error["message"]
     assert "eur" in error["message"]
     assert (await raw.ledger())["charges"] == []
-    listed = await raw.get("/v1/payment_intents", {"customer": customer})
+    listed = await raw.get("/v1/payment_intents", {"customer": customer["id"]})
     assert listed.body["data"] == []
 
 
@@ -103,7 +109,7 @@ async def test_payment_methods_list_by_type(raw: Raw) -> None:
 
 
 async def test_settling_names_what_was_wrong(raw: Raw, emulator: RunningEmulator) -> None:
-    card = await raw.charge((await raw.customer())["id"], "card")
+    card = await raw.charge(await raw.customer(), "card")
     url = f"{emulator.url}/_emulator/settle_debits"
     for body, words in [
         ({"charge": "ch_nope"}, "No pending bank debit has the id 'ch_nope'"),

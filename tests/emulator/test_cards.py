@@ -2,27 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import stripe
 
-from .support import Raw
+from .support import Raw, method_of
 
 
-async def _customer(raw: Raw, card: str) -> str:
-    return str((await raw.customer(card))["id"])
-
-
-async def _confirm(sdk: stripe.StripeClient, customer: str, off_session: bool = True) -> None:
+async def _confirm(
+    sdk: stripe.StripeClient, customer: dict[str, Any], off_session: bool = True
+) -> None:
     await sdk.v1.payment_intents.create_async(
         params={
             "amount": 1000,
             "currency": "usd",
-            "customer": customer,
+            "customer": customer["id"],
+            "payment_method": method_of(customer),
             "confirm": True,
             "off_session": off_session,
             "allowed_payment_method_types": ["card"],
         },
-        options={"idempotency_key": f"card-{customer}-{off_session}"},
+        options={"idempotency_key": f"card-{customer['id']}-{off_session}"},
     )
 
 
@@ -32,7 +33,7 @@ async def _confirm(sdk: stripe.StripeClient, customer: str, off_session: bool = 
 )
 async def test_good_cards_succeed(raw: Raw, card: str, brand: str) -> None:
     reply = await raw.charge(
-        await _customer(raw, card), f"good-{card}", **{"expand[]": "latest_charge"}
+        await raw.customer(card), f"good-{card}", **{"expand[]": "latest_charge"}
     )
     assert reply.body["status"] == "succeeded"
     assert reply.body["latest_charge"]["payment_method_details"]["card"]["brand"] == brand
@@ -41,7 +42,7 @@ async def test_good_cards_succeed(raw: Raw, card: str, brand: str) -> None:
 async def test_charge_customer_fail_attaches_then_declines(
     sdk: stripe.StripeClient, raw: Raw
 ) -> None:
-    customer = await _customer(raw, "pm_card_chargeCustomerFail")
+    customer = await raw.customer("pm_card_chargeCustomerFail")
     with pytest.raises(stripe.CardError) as caught:
         await _confirm(sdk, customer)
     error = caught.value
@@ -67,7 +68,7 @@ async def test_charge_customer_fail_attaches_then_declines(
 
 
 async def test_authentication_required_off_session(sdk: stripe.StripeClient, raw: Raw) -> None:
-    customer = await _customer(raw, "pm_card_authenticationRequired")
+    customer = await raw.customer("pm_card_authenticationRequired")
     with pytest.raises(stripe.CardError) as caught:
         await _confirm(sdk, customer)
     assert caught.value.code == "authentication_required"
@@ -81,7 +82,7 @@ async def test_authentication_required_off_session(sdk: stripe.StripeClient, raw
 
 
 async def test_authentication_required_on_session_needs_action(raw: Raw) -> None:
-    customer = await _customer(raw, "pm_card_authenticationRequired")
+    customer = await raw.customer("pm_card_authenticationRequired")
     reply = await raw.charge(customer, "on-session", off_session="false")
     assert reply.status == 200
     assert reply.body["status"] == "requires_action"
@@ -92,10 +93,15 @@ async def test_authentication_required_on_session_needs_action(raw: Raw) -> None
 async def test_legacy_charge_declined_is_recorded_failed(
     sdk: stripe.StripeClient, raw: Raw
 ) -> None:
-    customer = await _customer(raw, "pm_card_chargeCustomerFail")
+    customer = await raw.customer("pm_card_chargeCustomerFail")
     with pytest.raises(stripe.CardError) as caught:
         await sdk.v1.charges.create_async(
-            params={"amount": 300, "currency": "usd", "customer": customer}
+            params={
+                "amount": 300,
+                "currency": "usd",
+                "customer": customer["id"],
+                "source": method_of(customer),
+            }
         )
     assert caught.value.code == "card_declined"
     assert caught.value.error is not None
@@ -105,9 +111,15 @@ async def test_legacy_charge_declined_is_recorded_failed(
 
 
 async def test_legacy_charge_cannot_authenticate(raw: Raw) -> None:
-    customer = await _customer(raw, "pm_card_authenticationRequired")
+    customer = await raw.customer("pm_card_authenticationRequired")
     reply = await raw.post(
-        "/v1/charges", {"amount": "300", "currency": "usd", "customer": customer}
+        "/v1/charges",
+        {
+            "amount": "300",
+            "currency": "usd",
+            "customer": customer["id"],
+            "source": method_of(customer),
+        },
     )
     assert reply.status == 402
     assert reply.body["error"]["decline_code"] == "authentication_required"
@@ -147,10 +159,10 @@ async def test_declining_cards_fail_to_attach_and_decline_one_off(
 
 
 async def test_a_declined_intent_can_be_confirmed_with_another_card(raw: Raw) -> None:
-    customer = await _customer(raw, "pm_card_chargeCustomerFail")
+    customer = await raw.customer("pm_card_chargeCustomerFail")
     declined = await raw.charge(customer, "decline-then-fix")
     intent = declined.body["error"]["payment_intent"]
-    visa = await raw.post("/v1/payment_methods/pm_card_visa/attach", {"customer": customer})
+    visa = await raw.post("/v1/payment_methods/pm_card_visa/attach", {"customer": customer["id"]})
     confirmed = await raw.post(
         f"/v1/payment_intents/{intent['id']}/confirm",
         {"payment_method": visa.body["id"], "off_session": "true"},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 import pytest
@@ -10,14 +11,15 @@ import stripe
 
 from stripe_emulator import EmulatorConfig, RunningEmulator, serve
 
-from .support import Raw, response_headers
+from .support import Raw, method_of, response_headers
 
 
-def _params(customer: str) -> dict[str, object]:
+def _params(customer: dict[str, Any]) -> dict[str, object]:
     return {
         "amount": 4200,
         "currency": "usd",
-        "customer": customer,
+        "customer": customer["id"],
+        "payment_method": method_of(customer),
         "confirm": True,
         "off_session": True,
         "automatic_payment_methods": {"enabled": True, "allow_redirects": "never"},
@@ -25,7 +27,9 @@ def _params(customer: str) -> dict[str, object]:
     }
 
 
-async def _create(sdk: stripe.StripeClient, customer: str, key: str) -> stripe.PaymentIntent:
+async def _create(
+    sdk: stripe.StripeClient, customer: dict[str, Any], key: str
+) -> stripe.PaymentIntent:
     return await sdk.v1.payment_intents.create_async(
         params=_params(customer),  # type: ignore[arg-type]
         options={"idempotency_key": key},
@@ -35,7 +39,7 @@ async def _create(sdk: stripe.StripeClient, customer: str, key: str) -> stripe.P
 async def test_dropped_response_then_retry_returns_the_first_charge(
     emulator: RunningEmulator, sdk: stripe.StripeClient, raw: Raw
 ) -> None:
-    customer = (await raw.customer())["id"]
+    customer = await raw.customer()
     emulator.configure(drop_after_commit=1)
     with pytest.raises(stripe.APIConnectionError):
         await _create(sdk, customer, "dropped")
@@ -59,7 +63,7 @@ async def test_dropped_response_then_retry_returns_the_first_charge(
 async def test_dropped_response_with_the_requests_client(
     emulator: RunningEmulator, sync_sdk: stripe.StripeClient, raw: Raw
 ) -> None:
-    customer = (await raw.customer())["id"]
+    customer = await raw.customer()
     emulator.configure(drop_after_commit=1)
 
     def create() -> stripe.PaymentIntent:
@@ -79,7 +83,7 @@ async def test_dropped_response_with_the_requests_client(
 async def test_error_after_commit_is_saved_and_replayed(
     emulator: RunningEmulator, sdk: stripe.StripeClient, raw: Raw
 ) -> None:
-    customer = (await raw.customer())["id"]
+    customer = await raw.customer()
     emulator.configure(error_after_commit=1)
     with pytest.raises(stripe.APIError) as caught:
         await _create(sdk, customer, "after")
@@ -102,7 +106,7 @@ async def test_error_after_commit_is_saved_and_replayed(
 async def test_error_before_commit_stores_nothing_and_a_retry_executes(
     emulator: RunningEmulator, sdk: stripe.StripeClient, raw: Raw
 ) -> None:
-    customer = (await raw.customer())["id"]
+    customer = await raw.customer()
     emulator.configure(error_before_commit=1)
     with pytest.raises(stripe.APIError) as caught:
         await _create(sdk, customer, "before")
@@ -119,7 +123,7 @@ async def test_error_saved_before_commit_is_replayed_until_the_key_is_forgotten(
 ) -> None:
     """A 500 saved before anything was charged: every retry with the key replays it, and
     nothing is charged until Stripe forgets the key; then a retry executes afresh."""
-    customer = (await raw.customer())["id"]
+    customer = await raw.customer()
     emulator.configure(error_saved_before_commit=1)
     with pytest.raises(stripe.APIError) as first:
         await _create(sdk, customer, "saved")
@@ -139,7 +143,7 @@ async def test_error_saved_before_commit_is_replayed_until_the_key_is_forgotten(
 
 
 async def _executes_afresh(
-    sdk: stripe.StripeClient, raw: Raw, customer: str, key: str, fault: str
+    sdk: stripe.StripeClient, raw: Raw, customer: dict[str, Any], key: str, fault: str
 ) -> None:
     """A retry with `key` charges, not replayed: the one charge, after the one `fault`."""
     intent = await _create(sdk, customer, key)
@@ -157,7 +161,7 @@ async def test_faults_only_hit_money_moving_requests(emulator: RunningEmulator, 
     assert (await raw.ledger())["faults_injected"]["error_before_commit"] == 0
 
 
-async def _fault_pattern(raw: Raw, customer: str, run: str) -> list[int | str]:
+async def _fault_pattern(raw: Raw, customer: dict[str, Any], run: str) -> list[int | str]:
     pattern: list[int | str] = []
     for i in range(30):
         try:
@@ -172,7 +176,7 @@ async def test_a_seed_reproduces_the_faults(emulator: RunningEmulator, raw: Raw)
     patterns: list[list[int | str]] = []
     for seed in (7, 7, 8):
         emulator.state.reset({**faults, "seed": seed})
-        customer = (await raw.customer())["id"]
+        customer = await raw.customer()
         patterns.append(await _fault_pattern(raw, customer, f"seed-{seed}-{len(patterns)}"))
     assert patterns[0] == patterns[1]
     assert patterns[0] != patterns[2]

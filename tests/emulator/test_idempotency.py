@@ -9,11 +9,11 @@ import stripe
 
 from stripe_emulator import RunningEmulator
 
-from .support import Raw, response_headers
+from .support import Raw, method_of, response_headers
 
 
 async def test_same_key_and_params_replay_the_first_response(raw: Raw) -> None:
-    customer = (await raw.customer())["id"]
+    customer = await raw.customer()
     first = await raw.charge(customer, "replay-1")
     second = await raw.charge(customer, "replay-1")
     assert first.status == second.status == 200
@@ -28,11 +28,12 @@ async def test_same_key_and_params_replay_the_first_response(raw: Raw) -> None:
 
 
 async def test_sdk_sees_the_replayed_object(sdk: stripe.StripeClient, raw: Raw) -> None:
-    customer = (await raw.customer())["id"]
+    customer = await raw.customer()
     params = {
         "amount": 100,
         "currency": "usd",
-        "customer": customer,
+        "customer": customer["id"],
+        "payment_method": method_of(customer),
         "confirm": True,
         "allowed_payment_method_types": ["card"],
     }
@@ -51,11 +52,11 @@ async def test_sdk_sees_the_replayed_object(sdk: stripe.StripeClient, raw: Raw) 
 async def test_other_params_with_the_same_key_are_an_idempotency_error(
     sdk: stripe.StripeClient, raw: Raw
 ) -> None:
-    customer = (await raw.customer())["id"]
+    customer = await raw.customer()
     await raw.charge(customer, "mismatch")
     with pytest.raises(stripe.IdempotencyError) as caught:
         await sdk.v1.payment_intents.create_async(
-            params={"amount": 2000, "currency": "usd", "customer": customer, "confirm": True},
+            params={"amount": 2000, "currency": "usd", "customer": customer["id"], "confirm": True},
             options={"idempotency_key": "mismatch"},
         )
     assert caught.value.http_status == 400
@@ -64,11 +65,11 @@ async def test_other_params_with_the_same_key_are_an_idempotency_error(
 
 
 async def test_another_endpoint_with_the_same_key_is_an_idempotency_error(raw: Raw) -> None:
-    customer = (await raw.customer())["id"]
+    customer = await raw.customer()
     await raw.charge(customer, "endpoint")
     reply = await raw.post(
         "/v1/charges",
-        {"amount": "1999", "currency": "usd", "customer": customer},
+        {"amount": "1999", "currency": "usd", "customer": customer["id"]},
         idempotency_key="endpoint",
     )
     assert reply.status == 400
@@ -79,7 +80,7 @@ async def test_another_endpoint_with_the_same_key_is_an_idempotency_error(raw: R
 async def test_concurrent_same_key_one_executes_the_other_gets_409(
     emulator: RunningEmulator, sdk: stripe.StripeClient, raw: Raw
 ) -> None:
-    customer = (await raw.customer())["id"]
+    customer = await raw.customer()
     emulator.configure(latency_ms=300)
     first = asyncio.create_task(raw.charge(customer, "in-flight"))
     await asyncio.sleep(0.1)
@@ -92,7 +93,8 @@ async def test_concurrent_same_key_one_executes_the_other_gets_409(
             params={
                 "amount": 1999,
                 "currency": "usd",
-                "customer": customer,
+                "customer": customer["id"],
+                "payment_method": method_of(customer),
                 "confirm": True,
                 "off_session": True,
                 "automatic_payment_methods": {"enabled": True, "allow_redirects": "never"},
@@ -112,7 +114,7 @@ async def test_concurrent_same_key_one_executes_the_other_gets_409(
 async def test_many_concurrent_same_key_requests_charge_once(
     emulator: RunningEmulator, raw: Raw
 ) -> None:
-    customer = (await raw.customer())["id"]
+    customer = await raw.customer()
     emulator.configure(latency_ms=50)
     replies = await asyncio.gather(*(raw.charge(customer, "stampede") for _ in range(20)))
     assert sorted(r.status for r in replies).count(200) == 1
@@ -121,7 +123,7 @@ async def test_many_concurrent_same_key_requests_charge_once(
 
 
 async def test_a_402_is_saved_and_replayed(raw: Raw) -> None:
-    customer = (await raw.customer("pm_card_chargeCustomerFail"))["id"]
+    customer = await raw.customer("pm_card_chargeCustomerFail")
     first = await raw.charge(customer, "declined")
     second = await raw.charge(customer, "declined")
     assert first.status == second.status == 402
@@ -131,7 +133,7 @@ async def test_a_402_is_saved_and_replayed(raw: Raw) -> None:
 
 
 async def test_validation_failures_are_not_saved(raw: Raw) -> None:
-    customer = (await raw.customer())["id"]
+    customer = await raw.customer()
     refused = await raw.charge(customer, "fix-and-retry", currency="usdx")
     assert refused.status == 400
     fixed = await raw.charge(customer, "fix-and-retry")
@@ -141,7 +143,7 @@ async def test_validation_failures_are_not_saved(raw: Raw) -> None:
 
 async def test_keys_expire_after_the_ttl(emulator: RunningEmulator, raw: Raw) -> None:
     emulator.configure(idempotency_ttl_seconds=0.2)
-    customer = (await raw.customer())["id"]
+    customer = await raw.customer()
     first = await raw.charge(customer, "short-lived")
     assert (await raw.charge(customer, "short-lived")).headers["Idempotent-Replayed"] == "true"
     await asyncio.sleep(0.3)
@@ -158,7 +160,7 @@ async def test_keys_expire_after_the_ttl(emulator: RunningEmulator, raw: Raw) ->
 async def test_a_shorter_ttl_forgets_the_keys_saved_before_it(
     emulator: RunningEmulator, raw: Raw
 ) -> None:
-    customer = (await raw.customer())["id"]
+    customer = await raw.customer()
     first = await raw.charge(customer, "day-old")
     emulator.configure(idempotency_ttl_seconds=0.001)
     await asyncio.sleep(0.01)
@@ -168,7 +170,7 @@ async def test_a_shorter_ttl_forgets_the_keys_saved_before_it(
 
 
 async def test_key_length_limit(raw: Raw) -> None:
-    customer = (await raw.customer())["id"]
+    customer = await raw.customer()
     assert (await raw.charge(customer, "k" * 255)).status == 200
     too_long = await raw.charge(customer, "k" * 256)
     assert too_long.status == 400
@@ -177,11 +179,12 @@ async def test_key_length_limit(raw: Raw) -> None:
 
 
 async def test_keys_are_scoped_per_api_key(raw: Raw) -> None:
-    customer = (await raw.customer())["id"]
+    customer = await raw.customer()
     params = {
         "amount": "100",
         "currency": "usd",
-        "customer": customer,
+        "customer": customer["id"],
+        "payment_method": method_of(customer),
         "confirm": "true",
         "allowed_payment_method_types[0]": "card",
     }

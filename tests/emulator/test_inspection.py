@@ -7,7 +7,7 @@ import json
 
 from stripe_emulator import RunningEmulator
 
-from .support import API_KEY, Raw
+from .support import API_KEY, Raw, method_of
 
 
 async def test_health(raw: Raw) -> None:
@@ -16,11 +16,14 @@ async def test_health(raw: Raw) -> None:
 
 
 async def test_ledger_lists_every_charge_in_creation_order(raw: Raw) -> None:
-    good = (await raw.customer())["id"]
-    bad = (await raw.customer("pm_card_chargeCustomerFail"))["id"]
+    good = await raw.customer()
+    bad = await raw.customer("pm_card_chargeCustomerFail")
     first = await raw.charge(good, "ledger-1", **{"metadata[billing_key]": "a"})
     await raw.charge(bad, "ledger-2")
-    legacy = await raw.post("/v1/charges", {"amount": "1000", "currency": "gbp", "customer": good})
+    legacy = await raw.post(
+        "/v1/charges",
+        {"amount": "1000", "currency": "gbp", "customer": good["id"], "source": method_of(good)},
+    )
     charges = (await raw.ledger())["charges"]
     assert [c["status"] for c in charges] == ["succeeded", "failed", "succeeded"]
     assert charges[0] == {
@@ -29,7 +32,7 @@ async def test_ledger_lists_every_charge_in_creation_order(raw: Raw) -> None:
         "status": "succeeded",
         "amount": 1999,
         "currency": "usd",
-        "customer": good,
+        "customer": good["id"],
         "payment_intent": first.body["id"],
         "payment_method": first.body["payment_method"],
         "metadata": {"billing_key": "a"},
@@ -46,7 +49,7 @@ async def test_ledger_lists_every_charge_in_creation_order(raw: Raw) -> None:
 
 
 async def test_request_log_records_every_v1_request_without_the_key(raw: Raw) -> None:
-    customer = (await raw.customer())["id"]
+    customer = await raw.customer()
     await raw.charge(customer, "logged", **{"metadata[billing_key]": "cus:2026-12"})
     await raw.get("/v1/customers", {"limit": "1"})
     await raw.get("/v1/customers", key=None)
@@ -68,7 +71,7 @@ async def test_request_log_records_every_v1_request_without_the_key(raw: Raw) ->
 
 
 async def test_reset_clears_state_and_keeps_the_config(emulator: RunningEmulator, raw: Raw) -> None:
-    customer = (await raw.customer())["id"]
+    customer = await raw.customer()
     await raw.charge(customer, "before-reset")
     emulator.configure(error_before_commit=1, seed=5)
     await raw.charge(customer, "faulted")
@@ -76,12 +79,12 @@ async def test_reset_clears_state_and_keeps_the_config(emulator: RunningEmulator
     reply = await raw.request("POST", "/_emulator/reset", key=None)
     assert reply.status == 200
     assert reply.body["config"]["seed"] == 5
-    assert (await raw.get(f"/v1/customers/{customer}")).status == 404
+    assert (await raw.get(f"/v1/customers/{customer['id']}")).status == 404
     ledger = await raw.ledger()
     assert ledger["charges"] == []
     assert set(ledger["faults_injected"].values()) == {0}
-    assert [e["path"] for e in await raw.request_log()] == [f"/v1/customers/{customer}"]
-    fresh = (await raw.customer())["id"]
+    assert [e["path"] for e in await raw.request_log()] == [f"/v1/customers/{customer['id']}"]
+    fresh = await raw.customer()
     again = await raw.charge(fresh, "before-reset")
     assert again.status == 200 and "Idempotent-Replayed" not in again.headers
 
@@ -98,7 +101,7 @@ async def test_reset_body_changes_the_config(raw: Raw) -> None:
 
 
 async def test_reset_while_a_request_is_executing(emulator: RunningEmulator, raw: Raw) -> None:
-    customer = (await raw.customer())["id"]
+    customer = await raw.customer()
     emulator.configure(latency_ms=200)
     in_flight = asyncio.create_task(raw.charge(customer, "across-reset"))
     await asyncio.sleep(0.05)

@@ -21,11 +21,22 @@ def _default_method(customer: stripe.Customer) -> str | stripe.PaymentMethod | N
     return customer.invoice_settings.default_payment_method
 
 
-async def _intent(sdk: Client, customer: str, key: str, **extra: object) -> stripe.PaymentIntent:
+def _method_id(customer: stripe.Customer) -> str:
+    method = _default_method(customer)
+    assert isinstance(method, str)
+    return method
+
+
+async def _intent(
+    sdk: Client, customer: stripe.Customer, key: str, **extra: object
+) -> stripe.PaymentIntent:
+    """An off-session intent confirmed at once, naming the customer's card as the billing
+    core names it."""
     params = {
         "amount": 2500,
         "currency": "eur",
-        "customer": customer,
+        "customer": customer.id,
+        "payment_method": _method_id(customer),
         "confirm": True,
         "off_session": True,
         "allowed_payment_method_types": ["card"],
@@ -121,7 +132,7 @@ async def test_payment_methods_attach_list_and_refuse_a_second_owner(sdk: Client
 
 async def test_payment_intent_succeeds_with_a_new_charge(sdk: Client, raw: Raw) -> None:
     customer = await _customer(sdk)
-    intent = await _intent(sdk, customer.id, "pi-ok", metadata={"billing_key": "k"})
+    intent = await _intent(sdk, customer, "pi-ok", metadata={"billing_key": "k"})
     assert intent.id.startswith("pi_")
     assert (intent.status, intent.amount_received, intent.currency) == ("succeeded", 2500, "eur")
     assert isinstance(intent.latest_charge, str) and intent.latest_charge.startswith("ch_")
@@ -139,8 +150,7 @@ async def test_payment_intent_succeeds_with_a_new_charge(sdk: Client, raw: Raw) 
 async def _unconfirmed(sdk: Client) -> stripe.PaymentIntent:
     """An intent created with the customer's card and not confirmed."""
     customer = await _customer(sdk)
-    method = _default_method(customer)
-    assert isinstance(method, str)
+    method = _method_id(customer)
     return await sdk.v1.payment_intents.create_async(
         params={
             "amount": 700,
@@ -180,7 +190,7 @@ async def test_an_unconfirmed_intent_is_cancelled_and_can_then_neither_confirm_n
 
 
 async def test_a_succeeded_intent_or_a_bad_reason_is_not_cancelled(sdk: Client) -> None:
-    succeeded = await _intent(sdk, (await _customer(sdk)).id, "cancel-succeeded")
+    succeeded = await _intent(sdk, await _customer(sdk), "cancel-succeeded")
     with pytest.raises(stripe.InvalidRequestError, match="status of succeeded"):
         await sdk.v1.payment_intents.cancel_async(succeeded.id)
     with pytest.raises(stripe.InvalidRequestError) as caught:
@@ -195,8 +205,8 @@ async def test_a_succeeded_intent_or_a_bad_reason_is_not_cancelled(sdk: Client) 
 async def test_payment_intents_list_by_customer_newest_first(sdk: Client) -> None:
     customer = await _customer(sdk)
     other = await _customer(sdk)
-    mine = [(await _intent(sdk, customer.id, f"list-{i}")).id for i in range(4)]
-    await _intent(sdk, other.id, "list-other")
+    mine = [(await _intent(sdk, customer, f"list-{i}")).id for i in range(4)]
+    await _intent(sdk, other, "list-other")
     page = await sdk.v1.payment_intents.list_async(params={"customer": customer.id, "limit": 3})
     assert [i.id for i in page.data] == mine[::-1][:3]
     assert page.has_more
@@ -210,7 +220,7 @@ async def test_payment_intents_list_by_customer_newest_first(sdk: Client) -> Non
 async def test_payment_intents_search_by_metadata(sdk: Client) -> None:
     customer = await _customer(sdk)
     ids = [
-        (await _intent(sdk, customer.id, f"s-{i}", metadata={"period": p, "n": str(i)})).id
+        (await _intent(sdk, customer, f"s-{i}", metadata={"period": p, "n": str(i)})).id
         for i, p in enumerate(["2026-11", "2026-12", "2026-12", "2026-12"])
     ]
     found = await sdk.v1.payment_intents.search_async(
@@ -239,13 +249,14 @@ async def test_search_refuses_what_it_cannot_parse(sdk: Client, query: str) -> N
     assert caught.value.param == "query"
 
 
-async def test_legacy_charge_uses_the_customers_default(sdk: Client) -> None:
+async def test_legacy_charge_of_a_customers_card(sdk: Client) -> None:
     customer = await _customer(sdk)
     charge = await sdk.v1.charges.create_async(
         params={
             "amount": 1200,
             "currency": "usd",
             "customer": customer.id,
+            "source": _method_id(customer),
             "metadata": {"invoice": "in_1"},
             "description": "December",
         },
@@ -263,6 +274,55 @@ async def test_legacy_charge_uses_the_customers_default(sdk: Client) -> None:
     assert (await sdk.v1.charges.retrieve_async(charge.id)).metadata["invoice"] == "in_1"
 
 
+async def test_a_customers_legacy_card_source_is_charged_when_no_method_is_named(
+    sdk: Client, raw: Raw
+) -> None:
+    # As Stripe fills a missing `payment_method`/`source` in: with `customer.default_source`.
+    customer = await sdk.v1.customers.create_async(params={"source": "tok_mastercard"})
+    source = customer.default_source
+    assert isinstance(source, str) and source.startswith("card_")
+    assert _default_method(customer) is None
+    intent = await sdk.v1.payment_intents.create_async(
+        params={
+            "amount": 2500,
+            "currency": "usd",
+            "customer": customer.id,
+            "confirm": True,
+            "off_session": True,
+            "allowed_payment_method_types": ["card"],
+        },
+        options={"idempotency_key": "default-source-intent"},
+    )
+    assert (intent.status, intent.payment_method) == ("succeeded", source)
+    charge = await sdk.v1.charges.create_async(
+        params={"amount": 1200, "currency": "usd", "customer": customer.id},
+        options={"idempotency_key": "default-source-charge"},
+    )
+    assert (charge.status, charge.payment_method) == ("succeeded", source)
+    ledger = (await raw.ledger())["charges"]
+    assert [(c["id"], c["payment_method"]) for c in ledger] == [
+        (intent.latest_charge, source),
+        (charge.id, source),
+    ]
+    assert (await sdk.v1.customers.retrieve_async(customer.id)).default_source == source
+
+
+@pytest.mark.parametrize(
+    ("source", "status", "code"),
+    [
+        ("tok_nope", 400, "resource_missing"),
+        ("pm_card_visa", 400, "resource_missing"),
+        ("tok_chargeDeclined", 402, "card_declined"),
+    ],
+)
+async def test_a_customer_source_must_be_a_test_card_token_that_attaches(
+    raw: Raw, source: str, status: int, code: str
+) -> None:
+    reply = await raw.post("/v1/customers", {"source": source})
+    assert (reply.status, reply.body["error"]["code"]) == (status, code), reply.body
+    assert (await raw.get("/v1/customers")).body["data"] == []
+
+
 async def test_legacy_charge_with_a_source_and_no_customer(sdk: Client) -> None:
     charge = await sdk.v1.charges.create_async(
         params={"amount": 500, "currency": "usd", "source": "tok_visa"}
@@ -272,7 +332,7 @@ async def test_legacy_charge_with_a_source_and_no_customer(sdk: Client) -> None:
 
 async def test_refunds_full_partial_and_too_much(sdk: Client, raw: Raw) -> None:
     customer = await _customer(sdk)
-    intent = await _intent(sdk, customer.id, "refund-me")
+    intent = await _intent(sdk, customer, "refund-me")
     partial = await sdk.v1.refunds.create_async(
         params={"payment_intent": intent.id, "amount": 1000, "reason": "requested_by_customer"}
     )

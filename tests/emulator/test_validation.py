@@ -7,7 +7,7 @@ import stripe
 
 from stripe_emulator.validation import MAX_AMOUNT
 
-from .support import Raw
+from .support import Raw, method_of
 
 
 @pytest.mark.parametrize(
@@ -39,7 +39,7 @@ async def test_bad_amounts_are_refused(raw: Raw, path: str, amount: str | None, 
 
 async def test_the_largest_amount_is_accepted(raw: Raw) -> None:
     customer = await raw.customer()
-    reply = await raw.charge(customer["id"], "max", amount=str(MAX_AMOUNT))
+    reply = await raw.charge(customer, "max", amount=str(MAX_AMOUNT))
     assert reply.status == 200
     assert reply.body["amount"] == MAX_AMOUNT
 
@@ -78,7 +78,7 @@ async def test_a_method_the_customer_does_not_have_stores_nothing(
 ) -> None:
     customer = await raw.customer()
     other = await raw.customer()
-    method_id = other["invoice_settings"]["default_payment_method"] if method == "OTHER" else method
+    method_id = method_of(other) if method == "OTHER" else method
     with pytest.raises(stripe.InvalidRequestError) as caught:
         await sdk.v1.payment_intents.create_async(
             params={
@@ -97,15 +97,62 @@ async def test_a_method_the_customer_does_not_have_stores_nothing(
     assert (await raw.ledger())["charges"] == []
 
 
-async def test_a_customer_without_default_cannot_be_charged(raw: Raw) -> None:
-    customer = (await raw.post("/v1/customers", {})).body
-    reply = await raw.charge(customer["id"], "no-default")
-    assert reply.status == 400
-    assert reply.body["error"]["param"] == "payment_method"
+async def test_naming_no_method_is_refused_without_a_default_source(raw: Raw) -> None:
+    # Stripe takes `customer.default_source` for a request naming no method, never the invoice
+    # default (stripe-python 16, params/_payment_intent_create_params.py); this customer has
+    # only the invoice default, as the billing core's customers have.
+    customer = await raw.customer()
+    assert customer["default_source"] is None
+    for attempt in range(2):
+        reply = await raw.intent(customer["id"], "no-method")
+        assert reply.status == 400, reply.body
+        assert "Idempotent-Replayed" not in reply.headers, attempt  # nothing saved for the key
+        error = reply.body["error"]
+        assert (error["type"], error["code"]) == (
+            "invalid_request_error",
+            "payment_intent_unexpected_state",
+        )
+        assert error["message"].startswith(
+            "You cannot confirm this PaymentIntent because it's missing a payment method."
+        )
     legacy = await raw.post(
-        "/v1/charges", {"amount": "100", "currency": "usd", "customer": customer["id"]}
+        "/v1/charges",
+        {"amount": "100", "currency": "usd", "customer": customer["id"]},
+        idempotency_key="no-source",
     )
-    assert legacy.status == 400
+    assert legacy.status == 402, legacy.body
+    assert legacy.body["error"] == {
+        "type": "card_error",
+        "code": "missing",
+        "doc_url": "https://stripe.com/docs/error-codes/missing",
+        "param": "card",
+        "message": "Cannot charge a customer that has no active card",
+    }
+    assert (await raw.get("/v1/payment_intents")).body["data"] == []
+    assert (await raw.ledger())["charges"] == []
+
+
+async def test_confirming_an_intent_with_no_method_and_no_default_source_is_refused(
+    raw: Raw,
+) -> None:
+    customer = await raw.customer()
+    created = await raw.post(
+        "/v1/payment_intents",
+        {
+            "amount": "700",
+            "currency": "usd",
+            "customer": customer["id"],
+            "allowed_payment_method_types[0]": "card",
+        },
+    )
+    assert created.body["status"] == "requires_payment_method", created.body
+    reply = await raw.post(
+        f"/v1/payment_intents/{created.body['id']}/confirm", {"off_session": "true"}
+    )
+    assert reply.status == 400, reply.body
+    error = reply.body["error"]
+    assert error["code"] == "payment_intent_unexpected_state"
+    assert error["payment_intent"]["status"] == "requires_payment_method"
     assert (await raw.ledger())["charges"] == []
 
 
@@ -113,7 +160,7 @@ async def test_a_customer_without_default_cannot_be_charged(raw: Raw) -> None:
     "hostile", ["../../etc/passwd", "cus_" + "x" * 5000, "cus_'; DROP TABLE x;--", "cus_\u202e"]
 )
 async def test_hostile_ids_are_plain_misses(raw: Raw, hostile: str) -> None:
-    reply = await raw.charge(hostile, "hostile")
+    reply = await raw.intent(hostile, "hostile")
     assert reply.status == 400
     assert reply.body["error"]["code"] == "resource_missing"
     assert (await raw.ledger())["charges"] == []
@@ -161,8 +208,14 @@ async def test_confirming_where_redirects_are_allowed_needs_a_return_url(
 ) -> None:
     """As Stripe, since automatic payment methods became the default: even a card that never
     redirects is refused, and nothing is stored or saved for the key."""
-    customer = (await raw.customer())["id"]
-    base = {"amount": "100", "currency": "usd", "customer": customer, "confirm": "true"}
+    customer = await raw.customer()
+    base = {
+        "amount": "100",
+        "currency": "usd",
+        "customer": customer["id"],
+        "payment_method": method_of(customer),
+        "confirm": "true",
+    }
     refused = await raw.post("/v1/payment_intents", base | choice, idempotency_key="no-url")
     assert (refused.status, refused.body["error"]["param"]) == (400, "return_url")
     assert "allow_redirects]` to `never`" in refused.body["error"]["message"]
@@ -176,10 +229,14 @@ async def test_confirming_where_redirects_are_allowed_needs_a_return_url(
 
 async def test_an_intent_confirmed_later_needs_the_return_url_then(raw: Raw) -> None:
     customer = await raw.customer()
-    method = customer["invoice_settings"]["default_payment_method"]
     created = await raw.post(
         "/v1/payment_intents",
-        {"amount": "100", "currency": "usd", "customer": customer["id"], "payment_method": method},
+        {
+            "amount": "100",
+            "currency": "usd",
+            "customer": customer["id"],
+            "payment_method": method_of(customer),
+        },
     )
     assert created.body["status"] == "requires_confirmation"
     path = f"/v1/payment_intents/{created.body['id']}/confirm"

@@ -147,7 +147,7 @@ async def test_sdk_auto_paging_walks_every_page(sdk: stripe.StripeClient, raw: R
 
 async def test_expand_replaces_ids_by_objects(raw: Raw) -> None:
     customer = await raw.customer()
-    reply = await raw.charge(customer["id"], "expand-1", **{"expand[0]": "latest_charge"})
+    reply = await raw.charge(customer, "expand-1", **{"expand[0]": "latest_charge"})
     assert reply.body["latest_charge"]["object"] == "charge"
     listed = await raw.get(
         "/v1/payment_intents",
@@ -164,7 +164,7 @@ async def test_expand_replaces_ids_by_objects(raw: Raw) -> None:
 
 async def test_bad_expand_is_refused_before_anything_is_charged(raw: Raw) -> None:
     customer = await raw.customer()
-    reply = await raw.charge(customer["id"], "expand-2", **{"expand[0]": "latest_chrage"})
+    reply = await raw.charge(customer, "expand-2", **{"expand[0]": "latest_chrage"})
     assert reply.status == 400
     assert reply.body["error"]["param"] == "expand"
     assert (await raw.ledger())["charges"] == []

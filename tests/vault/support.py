@@ -12,6 +12,7 @@ import aiohttp
 import asyncpg
 import pytest
 import stripe
+from stripe.params import PaymentIntentCreateParams
 from yarl import URL
 
 from stripe_emulator import RunningEmulator
@@ -61,23 +62,25 @@ async def charge(
     idempotency_key: str,
     currency: str = "usd",
     fence: str | None = None,
+    payment_method: str | None = None,
 ) -> stripe.PaymentIntent:
     """An off-session recurring charge, as the worker makes it (the worker sends its
-    attempt's fencing token too, as `fence`)."""
+    attempt's fencing token too, as `fence`); naming no `payment_method`, it charges the
+    customer's default source."""
     options: stripe.RequestOptions = {"idempotency_key": idempotency_key}
     if fence is not None:
         options["headers"] = {FENCE_HEADER: fence}
-    return await client.v1.payment_intents.create_async(
-        params={
-            "amount": amount,
-            "currency": currency,
-            "customer": customer,
-            "confirm": True,
-            "off_session": True,
-            "automatic_payment_methods": {"enabled": True, "allow_redirects": "never"},
-        },
-        options=options,
-    )
+    params: PaymentIntentCreateParams = {
+        "amount": amount,
+        "currency": currency,
+        "customer": customer,
+        "confirm": True,
+        "off_session": True,
+        "automatic_payment_methods": {"enabled": True, "allow_redirects": "never"},
+    }
+    if payment_method is not None:
+        params["payment_method"] = payment_method
+    return await client.v1.payment_intents.create_async(params=params, options=options)
 
 
 async def proxied_calls(admin: VaultAdmin, key_id: str) -> list[AuditEntry]:
@@ -110,12 +113,15 @@ async def charge_in_doubt(
     idempotency_key: str,
     fault: Literal["drop_after_commit", "error_before_commit"] = "drop_after_commit",
     currency: str = "usd",
+    payment_method: str | None = None,
 ) -> None:
     """A charge in doubt: one Stripe makes but whose answer is lost on the way back, or
     (error_before_commit) one it answers with a 500 before executing anything."""
     await set_faults(emulator, **{fault: 1.0})
     with pytest.raises(stripe.APIError):
-        await charge(client, customer, amount, idempotency_key, currency)
+        await charge(
+            client, customer, amount, idempotency_key, currency, payment_method=payment_method
+        )
     await set_faults(emulator, **{fault: 0.0})
 
 

@@ -29,8 +29,7 @@ async def unconfirmed(
     """An intent left as Stripe leaves one after answering its create-and-confirm with an
     error: made, not confirmed; its metadata names the request's Idempotency-Key, as the
     billing workers' charges do."""
-    settings = (await direct.v1.customers.retrieve_async(customer)).invoice_settings
-    method = settings.default_payment_method if settings else None
+    method = (await direct.v1.customers.retrieve_async(customer)).default_source
     assert isinstance(method, str)
     made = await direct.v1.payment_intents.create_async(
         params={

@@ -503,7 +503,7 @@ async def test_a_wait_for_a_database_connection_does_not_count_against_the_send_
 async def test_a_debit_replayed_as_processing_is_left_for_reconciliation(
     issue: Issue,
     stripe_via_vault: StripeFor,
-    returned_debit_customer: str,
+    returned_debit_customer: tuple[str, str],
     db: asyncpg.Pool,
     emulator: RunningEmulator,
 ) -> None:
@@ -511,13 +511,15 @@ async def test_a_debit_replayed_as_processing_is_left_for_reconciliation(
     # may have returned the debit since: committed, it would hold room the ledger frees.
     key = await issue(currency="eur")
     client = stripe_via_vault(key)
-    customer = returned_debit_customer
-    await charge_in_doubt(emulator, client, customer, 1_200, "in-doubt", currency="eur")
+    customer, debit = returned_debit_customer
+    await charge_in_doubt(
+        emulator, client, customer, 1_200, "in-doubt", currency="eur", payment_method=debit
+    )
     await EmulatorClient(emulator.url).settle_debits()
-    replayed = await charge(client, customer, 1_200, "in-doubt", "eur")
+    replayed = await charge(client, customer, 1_200, "in-doubt", "eur", payment_method=debit)
     assert replayed.status == "processing"
     # Executed now, a debit processing is made: counted spent until reconciliation says not.
-    fresh = await charge(client, customer, 1_300, "fresh", "eur")
+    fresh = await charge(client, customer, 1_300, "fresh", "eur", payment_method=debit)
     assert fresh.status == "processing"
     assert await _states(db, key.id) == {"in-doubt": "unknown", "fresh": "committed"}
     totals = await assert_consistent(db, key.id)
