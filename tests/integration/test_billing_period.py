@@ -81,6 +81,44 @@ async def test_declined_card_fails_once_and_the_rest_are_charged(harness: Harnes
     assert len(sent) == 1
 
 
+# What Stripe answers a charge naming no payment method when the customer has no legacy
+# default source, as the customers imported with PaymentMethods have none (README).
+NO_METHOD_REFUSALS = {
+    "payment_intents": (
+        "payment_intent_unexpected_state",
+        "You cannot confirm this PaymentIntent because it's missing a payment method.",
+    ),
+    "charges": ("missing", "Cannot charge a customer that has no active card"),
+}
+
+
+@pytest.mark.parametrize("api", sorted(NO_METHOD_REFUSALS))
+async def test_a_customer_with_no_payment_method_fails_with_stripes_refusal(
+    harness: Harness, api: str
+) -> None:
+    # A row imported before imports required a payment method: Stripe takes no saved card
+    # of the customer's for it, not the one shown as the invoice default.
+    customers = await harness.seed(2)
+    legacy = customers[0]
+    async with harness.pool.acquire() as conn:
+        await conn.execute(
+            "UPDATE customers SET payment_method = NULL WHERE customer_id = $1",
+            legacy.customer_id,
+        )
+    harness.settings = harness.settings.model_copy(update={"billing_charge_api": api})
+    async with harness.running_worker():
+        summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    assert (summary.charged, summary.failed) == (1, 1)
+    row = next(
+        r for r in await harness.ledger_rows(str(PERIOD)) if r["customer_id"] == legacy.customer_id
+    )
+    code, message = NO_METHOD_REFUSALS[api]
+    assert (row["status"], row["failure_code"], row["charge_id"]) == ("failed", code, None)
+    assert row["failure_message"].startswith(message), dict(row)
+    charged = {c["customer"] for c in await harness.charges()}
+    assert charged == {customers[1].stripe_customer_id}
+
+
 async def test_running_the_same_period_again_charges_nothing_new(harness: Harness) -> None:
     customers = await harness.seed(20)
     async with harness.running_worker():
