@@ -26,7 +26,7 @@ async def read_body(request: web.Request) -> bytes:
             "refused_request",
             408,
             "body_timeout",
-            f"the request's body did not arrive within {within:g} s of its headers: send the"
+            f"the request's body did not arrive within {within:g} s: send the"
             " body whole, at once, then retry",
             should_retry=True,
             close_connection=True,

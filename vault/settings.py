@@ -79,22 +79,14 @@ class VaultSettings(BaseSettings):
         ge=1,
         le=3600,
         description="how often the counts of requests with no known vault key are written,"
-        " one row per peer, and the window the limit below counts over",
-    )
-    unauthenticated_lookups_per_peer: int = Field(
-        default=20,
-        ge=1,
-        le=1_000_000,
-        description="unknown vault keys a peer may have looked up a window (those being"
-        " looked up count too); past it its keys not seen lately are refused (429) without a"
-        " lookup",
+        " one row per peer",
     )
     body_timeout_seconds: float = Field(
         default=10.0,
         gt=0,
         le=600,
-        description="how long a request's body may take to arrive once its headers have; 408"
-        " past it, with nothing reserved",
+        description="how long a request's body may take to arrive once the vault reads it"
+        " (its headers and key checked); 408 past it, with nothing reserved",
     )
 
     @field_validator("admin_token", "worker_token")

@@ -103,7 +103,7 @@ def lifecycle(settings: VaultSettings) -> Callable[[web.Application], AsyncItera
             behind=aiojobs.Scheduler(
                 limit=_LATE_WRITES_AT_ONCE, pending_limit=_LATE_WRITES_WAITING
             ),
-            unauthenticated=Tally(settings.unauthenticated_lookups_per_peer),
+            unauthenticated=Tally(),
         )
         tally = app[STATE].unauthenticated
         writing = asyncio.create_task(

@@ -234,15 +234,14 @@ class KeyGrant:
     issued_by: str
 
 
-async def key_for_digest(conn: asyncpg.Connection, digest: bytes) -> KeyGrant | None:
-    """The key whose secret has this `secret_digest`."""
+async def key_for_secret(conn: asyncpg.Connection, secret: str) -> KeyGrant | None:
     row = await conn.fetchrow(
         """
         SELECT id, currency, allowed_endpoints, revoked_at IS NOT NULL AS revoked,
                expires_at <= now() AS expired, cap_cents, daily_cap_cents, issued_by
         FROM vault_keys WHERE secret_sha256 = $1
         """,
-        digest,
+        secret_digest(secret),
     )
     return None if row is None else KeyGrant(**dict(row))
 
@@ -279,18 +278,15 @@ class PeerRefusals:
     first_at: datetime
     last_at: datetime
     requests: int = 0
-    # Keys looked up and not found, which the peer's limit counts (not a column).
-    unknown: int = 0
-    throttled: int = 0
 
 
 async def insert_unauthenticated(conn: asyncpg.Connection, rows: list[PeerRefusals]) -> None:
     await conn.executemany(
         """
-        INSERT INTO vault_unauthenticated (peer, first_at, last_at, requests, throttled)
-        VALUES ($1, $2, $3, $4, $5)
+        INSERT INTO vault_unauthenticated (peer, first_at, last_at, requests)
+        VALUES ($1, $2, $3, $4)
         """,
-        [(r.peer, r.first_at, r.last_at, r.requests, r.throttled) for r in rows],
+        [(r.peer, r.first_at, r.last_at, r.requests) for r in rows],
     )
 
 

@@ -350,7 +350,8 @@ async def _listing_held(
     """A run whose second page, held by HoldListingAndControl, outlasts a workflow task:
     the local activity's heartbeat at four fifths of it ends the task, and the next one
     delivers an operator's update while the page is still listed. Entered once it is."""
-    hold = HoldListingAndControl(seconds=3.0)
+    # Past the heartbeat (1.6 s) by more than a loaded machine takes to deliver the update.
+    hold = HoldListingAndControl(seconds=5.0)
     async with harness.running_worker(interceptors=[hold]):
         handle = await harness.client.start_workflow(
             BillingPeriodWorkflow.run,

@@ -627,27 +627,15 @@ async def test_requests_with_no_known_key_are_counted_per_peer_not_audited_one_b
         statuses = await asyncio.gather(*(_get_with(http, vault, token) for token in tokens))
         for _ in range(2):
             assert await _get_with(http, vault, revoked_secret) == 401
-        # A key's refusals are still audited one by one, also from a peer past its lookups.
+        # A key's refusals are still audited one by one.
         entries = await proxied_calls(admin, revoked.id)
         assert [e.refusal_code for e in entries] == ["vault_key_revoked"] * 3
+        # A live key's requests are looked up and forwarded as ever.
+        live = await admin.issue_key(key_request())
+        assert await _get_with(http, vault, live.secret.get_secret_value()) == 404  # Stripe's
     # Stopped, the vault has written what this window counted.
 
     assert await db.fetchval("SELECT count(*) FROM vault_audit WHERE vault_key_id IS NULL") == 0
-    assert set(statuses) == {401, 429}  # 429: past the keys a peer may have looked up
-    counted = await db.fetch("SELECT peer, requests, throttled FROM vault_unauthenticated")
-    assert [tuple(row) for row in counted] == [("127.0.0.1", len(tokens), statuses.count(429))]
-
-
-@pytest.mark.vault_settings(unauthenticated_lookups_per_peer=5)
-async def test_a_peer_past_its_unknown_keys_is_refused_without_lookups_but_known_keys_pass(
-    vault: RunningVault, issue: Issue, http: aiohttp.ClientSession
-) -> None:
-    seen, unseen = await issue(), await issue()
-    assert await _get_with(http, vault, seen.secret.get_secret_value()) == 404  # Stripe's
-
-    statuses = [await _get_with(http, vault, f"vk_{secrets.token_urlsafe(32)}") for _ in range(8)]
-    assert statuses == [401] * 5 + [429] * 3
-    # A key that authenticated before is still looked up, and charges go on; one that never
-    # has waits for the window's end with the flood.
-    assert await _get_with(http, vault, seen.secret.get_secret_value()) == 404
-    assert await _get_with(http, vault, unseen.secret.get_secret_value()) == 429
+    assert set(statuses) == {401}
+    counted = await db.fetch("SELECT peer, requests FROM vault_unauthenticated")
+    assert [tuple(row) for row in counted] == [("127.0.0.1", len(tokens))]
