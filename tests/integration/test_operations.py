@@ -316,12 +316,14 @@ async def _claim_as_another_run(harness: Harness, customer_id: str, *, send: boo
 
 
 class HoldListingAndControl(Interceptor):
-    """Holds the period's second page of due customers (a local activity) for `seconds`,
-    as a slow database would, and each write of the run's control for as long again."""
+    """Holds the period's second page of due customers (a local activity), as a slow
+    database would, until the run's control is being written: the operator's update has then
+    reached the run while the page was listed. Each write of the control is held `seconds`."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
         self.listing = asyncio.Event()
+        self.control_written = asyncio.Event()
         self.held_page: list[str] = []
 
     def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
@@ -331,11 +333,12 @@ class HoldListingAndControl(Interceptor):
             async def execute_activity(self, input: ExecuteActivityInput) -> Any:
                 name = activity.info().activity_type
                 if name == "set_control":
+                    hold.control_written.set()
                     await asyncio.sleep(hold.seconds)
                 if name != "due_customers" or input.args[0].after is None or hold.listing.is_set():
                     return await super().execute_activity(input)
                 hold.listing.set()
-                await asyncio.sleep(hold.seconds)
+                await asyncio.wait_for(hold.control_written.wait(), 30)
                 page = await super().execute_activity(input)
                 hold.held_page = [c.customer_id for c in page.customers]
                 return page
@@ -349,9 +352,9 @@ async def _listing_held(
 ) -> AsyncIterator[tuple[WorkflowHandle[Any, PeriodSummary], HoldListingAndControl]]:
     """A run whose second page, held by HoldListingAndControl, outlasts a workflow task:
     the local activity's heartbeat at four fifths of it ends the task, and the next one
-    delivers an operator's update while the page is still listed. Entered once it is."""
-    # Past the heartbeat (1.6 s) by more than a loaded machine takes to deliver the update.
-    hold = HoldListingAndControl(seconds=5.0)
+    delivers an operator's update while the page is still listed. Entered once it is
+    listed."""
+    hold = HoldListingAndControl(seconds=3.0)
     async with harness.running_worker(interceptors=[hold]):
         handle = await harness.client.start_workflow(
             BillingPeriodWorkflow.run,
