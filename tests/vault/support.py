@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
@@ -168,24 +169,32 @@ async def assert_consistent(db: asyncpg.Pool, key_id: str) -> asyncpg.Record:
     return key
 
 
-def request_head(method: str, path: str, headers: dict[str, str]) -> bytes:
-    """A request's line and headers as a client writes them on the wire."""
-    lines = [f"{method} {path} HTTP/1.1", "Host: vault", *(f"{k}: {v}" for k, v in headers.items())]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode()
-
-
-async def answer_to_partial(vault_url: str, sent: bytes, within: float) -> bytes:
-    """The vault's answer (head and body) to a client that sends `sent` and then nothing
-    more; TimeoutError if none has come within `within` seconds."""
+async def assert_a_slow_body_is_refused(
+    vault_url: str, method: str, path: str, headers: dict[str, str], body: bytes
+) -> None:
+    """Send the request's head and the start of its body, then nothing more: the vault
+    answers 408 `body_timeout` and closes the connection, within its 1 s body timeout (the
+    test's setting) and well before the 5 s this waits."""
+    lines = [
+        f"{method} {path} HTTP/1.1",
+        "Host: vault",
+        *(f"{k}: {v}" for k, v in headers.items()),
+        f"Content-Length: {len(body)}",
+    ]
     url = URL(vault_url)
+    started = time.monotonic()
     reader, writer = await asyncio.open_connection(url.host, url.port)
     try:
-        writer.write(sent)
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + body[:10])
         await writer.drain()
-        async with asyncio.timeout(within):
+        async with asyncio.timeout(5):
             head = await reader.readuntil(b"\r\n\r\n")
             length = re.search(rb"\r\nContent-Length: *([0-9]+)", head, re.IGNORECASE)
             assert length is not None, head
-            return head + await reader.readexactly(int(length[1]))
+            answer = head + await reader.readexactly(int(length[1]))
     finally:
         writer.close()
+    assert time.monotonic() - started < 3
+    assert answer.startswith(b"HTTP/1.1 408 ")
+    assert b"\r\nConnection: close\r\n" in answer
+    assert b'"code":"body_timeout"' in answer

@@ -26,13 +26,12 @@ from .conftest import Issue, Secrets
 from .support import (
     ADMIN_TOKEN,
     MAX_CAP_CENTS,
-    answer_to_partial,
+    assert_a_slow_body_is_refused,
     assert_consistent,
     charge,
     emulator_ledger,
     key_request,
     proxied_calls,
-    request_head,
     via_vault,
 )
 
@@ -583,23 +582,15 @@ async def test_a_body_that_never_arrives_is_refused_with_408_and_nothing_reserve
     vault: RunningVault, issue: Issue, customer: str, db: asyncpg.Pool
 ) -> None:
     key = await issue()
+    headers = {
+        "Authorization": f"Bearer {key.secret.get_secret_value()}",
+        "Idempotency-Key": "slow-body",
+        "Content-Type": "application/x-www-form-urlencoded",
+    }
     body = f"amount=1000&currency=usd&customer={customer}".encode()
-    head = request_head(
-        "POST",
-        "/stripe/v1/payment_intents",
-        {
-            "Authorization": f"Bearer {key.secret.get_secret_value()}",
-            "Idempotency-Key": "slow-body",
-            "Content-Type": "application/x-www-form-urlencoded",
-            "Content-Length": str(len(body)),
-        },
+    await assert_a_slow_body_is_refused(
+        vault.url, "POST", "/stripe/v1/payment_intents", headers, body
     )
-    started = time.monotonic()
-    answer = await answer_to_partial(vault.url, head + body[:10], within=5)
-    assert time.monotonic() - started < 3
-    assert answer.startswith(b"HTTP/1.1 408 ")
-    assert b"\r\nConnection: close\r\n" in answer
-    assert b'"code":"body_timeout"' in answer
     assert await db.fetchval("SELECT count(*) FROM vault_reservations") == 0
     audited = await db.fetch(
         "SELECT decision, idempotency_key FROM vault_audit WHERE refusal_code = 'body_timeout'"
