@@ -64,10 +64,15 @@ def resolve(store: Store, customer: Customer | None, method_id: str, param: str)
     return Source(instrument, None)
 
 
-def default_source(store: Store, customer: Customer | None) -> Source | None:
-    """What Stripe charges for a request naming no payment method: the customer's legacy
-    default source ("`source` automatically populates with `customer.default_source`",
-    stripe-python 16 params/_payment_intent_create_params.py), never its invoice default."""
+def source_to_charge(
+    store: Store, customer: Customer | None, method_id: str | None, param: str
+) -> Source | None:
+    """The payment method named, else what Stripe charges for a request naming none: the
+    customer's legacy default source ("`source` automatically populates with
+    `customer.default_source`", stripe-python 16 params/_payment_intent_create_params.py),
+    never its invoice default. None when there is neither."""
+    if method_id is not None:
+        return resolve(store, customer, method_id, param)
     if customer is None or customer.default_source is None:
         return None
     method = store.payment_methods.by_id[customer.default_source]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..cards import Card, Outcome
 from ..errors import JSON, StripeError, invalid, missing_param
 from ..listing import list_object
-from ..payments import declined, default_source, record_charge, resolve
+from ..payments import declined, record_charge, source_to_charge
 from ..routing import Call, Route
 from ..validation import (
     COMMON,
@@ -58,9 +58,7 @@ def _create(call: Call) -> JSON:
         customer = store.customers.get(customer_id, param="customer", status=400)
     charge_metadata = metadata(params)
     description = string(params, "description")
-    source = (
-        resolve(store, customer, method_id, param) if method_id else default_source(store, customer)
-    )
+    source = source_to_charge(store, customer, method_id, param)
     if source is None:
         raise _no_active_card()
     if not isinstance(source.instrument, Card):

@@ -15,9 +15,8 @@ from ..payments import (
     card_error,
     check_currency,
     declined,
-    default_source,
     record_charge,
-    resolve,
+    source_to_charge,
 )
 from ..routing import Call, Route
 from ..store import seq_of
@@ -99,13 +98,11 @@ def _create(call: Call) -> JSON:
         raise invalid("off_session can only be used when confirm=true.", param="off_session")
     redirects = _allows_redirects(params)
     method_id = string(params, "payment_method")
-    source = None
     # Without confirm, only a named method is validated; the default source is taken at
     # confirmation.
-    if method_id is not None:
-        source = resolve(store, customer, method_id, "payment_method")
-    elif confirm:
-        source = default_source(store, customer)
+    source = None
+    if method_id is not None or confirm:
+        source = source_to_charge(store, customer, method_id, "payment_method")
         if source is None:
             raise _missing_payment_method()
     if source is not None:
@@ -148,11 +145,7 @@ def _confirm(call: Call) -> JSON:
     off_session = boolean(params, "off_session")
     customer = store.customers.by_id.get(intent.customer) if intent.customer else None
     method_id = string(params, "payment_method") or intent.payment_method
-    source = (
-        resolve(store, customer, method_id, "payment_method")
-        if method_id
-        else default_source(store, customer)
-    )
+    source = source_to_charge(store, customer, method_id, "payment_method")
     if source is None:
         error = _missing_payment_method()
         error.error["payment_intent"] = intent.to_api()
