@@ -44,6 +44,12 @@ that polled its task queue during the run (a warning says so too): its share is 
 `parent_tasks`, `parent_task_ms` and `parent_busy` give, for the period's runs and the
 ceiling's parent, its workflow tasks, the mean time each was in flight, and the share of the
 measurement that one was (read from the histories).
+
+One run's ratio to the ceiling moves by about 0.06 between runs of the same code (machine
+noise, bench/FINDINGS.md). --rounds R repeats the orchestrated run R times, each on a fresh
+period of fresh customers between halves of the ceilings, on the same stack: the top-level
+figures pool the rounds (all customers over all the time), `each_round` gives each round's
+rates and ratios, and `ceiling_ratio_mean` the mean of its ratios.
 """
 
 from __future__ import annotations
@@ -493,6 +499,7 @@ async def measure_orchestrated(
         )
     return {
         "per_s": len(customer_ids) / elapsed,
+        "finished": len(customer_ids),
         "other_pollers": others,
         "seconds": round(elapsed, 2),
         "period": str(period),
@@ -701,36 +708,84 @@ def step(what: str) -> Iterator[None]:
     say(f"  {what}: {time.monotonic() - started:.1f} s")
 
 
-def combined(ceilings: list[dict[str, Any]]) -> dict[str, Any]:
-    """One ceiling from its halves: all children over all the time, the worst history, each
-    process's cores weighted by time and its CPU per child by children."""
-    seconds = sum(c["seconds"] for c in ceilings)
-    finished = sum(c["finished"] for c in ceilings)
-    tasks = sum(c["parent_tasks"] for c in ceilings)
-    processes = ceilings[0]["cpu_cores"].keys()
+def combined(measurements: list[dict[str, Any]]) -> dict[str, Any]:
+    """One measurement from several of one kind (a ceiling's halves, the orchestrated
+    rounds): all children over all the time, the worst history, each process's cores
+    weighted by time and its CPU per child by children."""
+    seconds = sum(c["seconds"] for c in measurements)
+    finished = sum(c["finished"] for c in measurements)
+    tasks = sum(c["parent_tasks"] for c in measurements)
+    processes = measurements[0]["cpu_cores"].keys()
     return {
         "per_s": finished / seconds,
         "seconds": round(seconds, 2),
         "finished": finished,
-        "runs": sum(c["runs"] for c in ceilings),
-        "max_history_events": max(c["max_history_events"] for c in ceilings),
-        "workflow_task_timeouts": sum(c["workflow_task_timeouts"] for c in ceilings),
+        "runs": sum(c["runs"] for c in measurements),
+        "max_history_events": max(c["max_history_events"] for c in measurements),
+        "workflow_task_timeouts": sum(c["workflow_task_timeouts"] for c in measurements),
         "parent_tasks": tasks,
         "parent_task_ms": round(
-            sum(c["parent_task_ms"] * c["parent_tasks"] for c in ceilings) / max(1, tasks), 1
+            sum(c["parent_task_ms"] * c["parent_tasks"] for c in measurements) / max(1, tasks), 1
         ),
-        "parent_busy": round(sum(c["parent_busy"] * c["seconds"] for c in ceilings) / seconds, 3),
+        "parent_busy": round(
+            sum(c["parent_busy"] * c["seconds"] for c in measurements) / seconds, 3
+        ),
         "cpu_cores": {
-            p: round(sum(c["cpu_cores"][p] * c["seconds"] for c in ceilings) / seconds, 2)
+            p: round(sum(c["cpu_cores"][p] * c["seconds"] for c in measurements) / seconds, 2)
             for p in processes
         },
         "cpu_ms_per_customer": {
             p: round(
-                sum(c["cpu_ms_per_customer"][p] * c["finished"] for c in ceilings) / finished, 2
+                sum(c["cpu_ms_per_customer"][p] * c["finished"] for c in measurements) / finished,
+                2,
             )
-            for p in ceilings[0]["cpu_ms_per_customer"]
+            for p in measurements[0]["cpu_ms_per_customer"]
         },
     }
+
+
+# What pooled() adds up, and takes the highest of, over the orchestrated rounds.
+_SUMMED = ("due", "charged", "failed", "emulator_429s")
+_HIGHEST = ("worker_peak_rss_mb", "worker_rss_mb_median", "worker_rss_mb_p95")
+
+
+def pooled(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The orchestrated rounds as one run: combined, with the periods' counts summed and the
+    worker's memory at its worst (the highest median and p95 of any round)."""
+    if len(rounds) == 1:
+        return rounds[0]
+
+    def highest(name: str) -> float | None:
+        values = [r[name] for r in rounds if r[name] is not None]
+        return max(values) if values else None
+
+    return combined(rounds) | {
+        "other_pollers": sorted({p for r in rounds for p in r["other_pollers"]}),
+        "period": [r["period"] for r in rounds],
+        **{name: sum(r[name] for r in rounds) for name in _SUMMED},
+        "worker_rss_mb": rounds[-1]["worker_rss_mb"],
+        **{name: highest(name) for name in _HIGHEST},
+        "temporal_limit_warnings": [w for r in rounds for w in r["temporal_limit_warnings"]],
+    }
+
+
+class Round(NamedTuple):
+    """One orchestrated run and the ceiling's halves around it."""
+
+    orchestrated: dict[str, Any]
+    halves: dict[ChildKind, list[dict[str, Any]]]
+
+    def figures(self) -> dict[str, Any]:
+        per_s = self.orchestrated["per_s"]
+        ceilings = {kind: combined(h)["per_s"] for kind, h in self.halves.items()}
+        shaped = ceilings.get(ChildKind.SHAPED)
+        return {
+            "period": self.orchestrated["period"],
+            "orchestrated_per_s": round(per_s, 1),
+            "ceiling_per_s": round(ceilings[ChildKind.NOOP], 1),
+            "ceiling_ratio": round(per_s / ceilings[ChildKind.NOOP], 3),
+            "shaped_ceiling_ratio": round(per_s / shaped, 3) if shaped is not None else None,
+        }
 
 
 async def run(args: argparse.Namespace, options: RunOptions) -> dict[str, Any]:
@@ -767,19 +822,25 @@ async def run(args: argparse.Namespace, options: RunOptions) -> dict[str, Any]:
             say(f"setting {len(others)} other active customers inactive for the run")
         await set_active(pool, others, False)
         try:
-            orchestrated_period, baseline_period = await fresh_periods(client, pool, 2)
+            *orchestrated_periods, baseline_period = await fresh_periods(
+                client, pool, args.rounds + 1
+            )
 
-            # Half the ceiling before the orchestrated run and half after, so that drift over
+            # Half the ceiling before each orchestrated run and half after, so that drift over
             # the run (the dev server's database grows) weighs on both sides alike.
             # With the shaped ceiling, in mirror order after it, so that neither kind of
             # child runs later on average.
             kinds = [ChildKind.NOOP, *([ChildKind.SHAPED] if args.shaped_ceiling else [])]
-            halves: dict[ChildKind, list[dict[str, Any]]] = {kind: [] for kind in kinds}
 
-            async def ceiling_halves(count: int, which: str, order: list[ChildKind]) -> None:
+            async def ceiling_halves(
+                halves: dict[ChildKind, list[dict[str, Any]]],
+                count: int,
+                which: str,
+                order: list[ChildKind],
+            ) -> None:
                 for kind in order:
                     name = CEILING_CHILDREN[kind].name
-                    with step(f"ceiling, {which}: {count} {name} children"):
+                    with step(f"ceiling, {which.replace('-', ' ')}: {count} {name} children"):
                         halves[kind].append(
                             await measure_ceiling(
                                 client,
@@ -792,18 +853,23 @@ async def run(args: argparse.Namespace, options: RunOptions) -> dict[str, Any]:
                             )
                         )
 
-            await ceiling_halves((m + 1) // 2, "before", kinds)
-            with step(f"seeding {n} customers for {orchestrated_period}"):
-                mine = await seed(pool, n, f"bench-{token}-o")
-            try:
-                with step(f"orchestrated: billing {orchestrated_period}"):
-                    orchestrated = await measure_orchestrated(
-                        client, pool, orchestrated_period, mine, options, meter, faults
-                    )
-            finally:
-                await set_active(pool, mine, False)
-            if m > 1:
-                await ceiling_halves(m // 2, "after", kinds[::-1])
+            rounds: list[Round] = []
+            for number, period in enumerate(orchestrated_periods, start=1):
+                halves: dict[ChildKind, list[dict[str, Any]]] = {kind: [] for kind in kinds}
+                round_ = f"round-{number}-" if args.rounds > 1 else ""
+                await ceiling_halves(halves, (m + 1) // 2, f"{round_}before", kinds)
+                with step(f"seeding {n} customers for {period}"):
+                    mine = await seed(pool, n, f"bench-{token}-o{number}")
+                try:
+                    with step(f"orchestrated: billing {period}"):
+                        orchestrated = await measure_orchestrated(
+                            client, pool, period, mine, options, meter, faults
+                        )
+                finally:
+                    await set_active(pool, mine, False)
+                if m > 1:
+                    await ceiling_halves(halves, m // 2, f"{round_}after", kinds[::-1])
+                rounds.append(Round(orchestrated, halves))
             with step(f"seeding {m} other customers for {baseline_period}"):
                 theirs = await seed(pool, m, f"bench-{token}-b")
             try:
@@ -816,14 +882,22 @@ async def run(args: argparse.Namespace, options: RunOptions) -> dict[str, Any]:
         finally:
             await set_active(pool, others, True)
             await pool.close()
-    ceiling = combined(halves[ChildKind.NOOP])
-    shaped = combined(halves[ChildKind.SHAPED]) if args.shaped_ceiling else None
+    orchestrated = pooled([r.orchestrated for r in rounds])
+    ceiling = combined([h for r in rounds for h in r.halves[ChildKind.NOOP]])
+    shaped = (
+        combined([h for r in rounds for h in r.halves[ChildKind.SHAPED]])
+        if args.shaped_ceiling
+        else None
+    )
+    each = [r.figures() for r in rounds]
     return {
         "customers": n,
         "compare_customers": m,
+        "rounds": args.rounds,
         "orchestrated_per_s": round(orchestrated["per_s"], 1),
         "ceiling_per_s": round(ceiling["per_s"], 1),
         "ceiling_ratio": round(orchestrated["per_s"] / ceiling["per_s"], 3),
+        "ceiling_ratio_mean": round(statistics.fmean(f["ceiling_ratio"] for f in each), 3),
         "shaped_ceiling_per_s": round(shaped["per_s"], 1) if shaped is not None else None,
         "shaped_ceiling_ratio": (
             round(orchestrated["per_s"] / shaped["per_s"], 3) if shaped is not None else None
@@ -845,13 +919,20 @@ async def run(args: argparse.Namespace, options: RunOptions) -> dict[str, Any]:
         "machine_cpus": os.cpu_count(),
         "orchestrated": {k: v for k, v in orchestrated.items() if k != "per_s"},
         "ceiling": {k: v for k, v in ceiling.items() if k != "per_s"},
-        "ceiling_halves_per_s": [round(c["per_s"], 1) for c in halves[ChildKind.NOOP]],
+        "ceiling_halves_per_s": [
+            round(h["per_s"], 1) for r in rounds for h in r.halves[ChildKind.NOOP]
+        ],
         "shaped_ceiling": (
             {k: v for k, v in shaped.items() if k != "per_s"}
-            | {"halves_per_s": [round(c["per_s"], 1) for c in halves[ChildKind.SHAPED]]}
+            | {
+                "halves_per_s": [
+                    round(h["per_s"], 1) for r in rounds for h in r.halves[ChildKind.SHAPED]
+                ]
+            }
             if shaped is not None
             else None
         ),
+        "each_round": each,
         "baseline": {k: v for k, v in baseline.items() if k != "per_s"},
     }
 
@@ -902,6 +983,14 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="the stack worker's BILLING_STRIPE_RPS (default none); needs a stack started here",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="orchestrated runs, each on a fresh period between halves of the ceilings; the"
+        " figures pool them, `each_round` gives each and `ceiling_ratio_mean` their mean"
+        " (default 1)",
+    )
     p.add_argument("--keep-running", action="store_true", help="leave a stack started here up")
     p.add_argument("--json", action="store_true", help="print only the JSON object on stdout")
     return p
@@ -914,6 +1003,8 @@ def main() -> int:
         raise SystemExit("--customers must be at least 1")
     if args.compare_customers is not None and args.compare_customers < 1:
         raise SystemExit("--compare-customers must be at least 1")
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
     try:
         options = RunOptions(max_in_flight=args.max_in_flight, max_starting=args.max_starting)
     except ValidationError as exc:
@@ -925,7 +1016,13 @@ def main() -> int:
     path = write_result("throughput", result)
     if not args.json:
         rates = ["orchestrated_per_s", "ceiling_per_s", "shaped_ceiling_per_s", "baseline_per_s"]
-        others = ["ceiling_ratio", "shaped_ceiling_ratio", "ratio", "max_history_events"]
+        others = [
+            "ceiling_ratio",
+            "ceiling_ratio_mean",
+            "shaped_ceiling_ratio",
+            "ratio",
+            "max_history_events",
+        ]
         for name in rates + others:
             if result[name] is not None:
                 print(f"{name:>20}: {result[name]}")
