@@ -419,10 +419,10 @@ class ReconcileActivities:
         customers: list[CustomerToCheck],
         found: list[list[StripeCharge] | None],
     ) -> set[str]:
-        """The page's charges it counts: those listed under the first customer of ours that
-        their Stripe customer is listed under, whose page comes first (if that customer's
-        listing fails, it is reported unchecked; if it is skipped, an inactive customer no key
-        can read, the others' pages log the finding uncounted)."""
+        """The page's charges it counts: those listed under the one customer of ours that
+        counts their Stripe customer's (ledger.first_listers: one the period claimed, whose
+        listing is never skipped, where there is one; if its listing fails, it is reported
+        unchecked)."""
         async with self._pool.acquire() as conn:
             first = await ledger.first_listers(
                 conn, period, {c.stripe_customer_id for c in customers}
@@ -506,13 +506,13 @@ class ReconcileActivities:
                 handled_by=handled_by,
             )
         # A charge listed under two customers of ours (sharing a Stripe customer) is counted
-        # on the first one's page alone, its findings past the report's room likewise.
+        # on one page alone (_counted_here), its findings past the report's room likewise.
         counted = await self._counted_here(request.period, customers, found)
         in_full, unlisted_counts = for_listing(findings, request.listed_room, counted)
         return ChargesPage(
             findings=in_full,
             unlisted_counts=unlisted_counts,
-            # Where its first listing counts it, like a finding past the room.
+            # Where its one counting listing counts it, like a finding past the room.
             handled=sum(charge_id in counted for charge_id, _ in handled),
             customers=len(customers),
             charges=sum(c.state == "made" and c.charge_id in counted for c in charges),

@@ -976,9 +976,10 @@ async def handled_among(
 async def first_listers(
     conn: asyncpg.Connection, period: str, stripe_customer_ids: Collection[str]
 ) -> dict[str, str]:
-    """For each of the Stripe customers, the first (least) id of ours that reconciliation
-    lists its charges under (customers_page): two of ours may share one (a renamed id).
-    Indexed both ways (migrations/024)."""
+    """For each of the Stripe customers, the id of ours whose listing counts its charges,
+    among those reconciliation lists them under (customers_page): two of ours may share one
+    (a renamed id). The least of those the period claimed, whose listing is never skipped,
+    else the least. Indexed both ways (migrations/024)."""
     rows = await conn.fetch(
         f"""
         WITH ours AS (
@@ -988,12 +989,12 @@ async def first_listers(
             SELECT s, customer_id FROM unnest($2::text[]) AS s
             JOIN billing_runs ON billing_period = $1 AND stripe_customer_id = s
         )
-        SELECT o.s, min(c.customer_id) AS first
+        SELECT DISTINCT ON (o.s) o.s, c.customer_id AS first
         FROM ours o
         JOIN customers c USING (customer_id)
         LEFT JOIN billing_runs r ON r.customer_id = c.customer_id AND r.billing_period = $1
         WHERE {_LISTED_UNDER} = o.s
-        GROUP BY o.s
+        ORDER BY o.s, r.customer_id IS NULL, c.customer_id
         """,
         period,
         sorted(stripe_customer_ids),

@@ -923,6 +923,39 @@ async def test_a_customer_no_key_can_read_is_unchecked_only_if_the_period_claime
     assert report.needs_a_person is in_ledger
 
 
+async def test_a_shared_stripe_customers_charges_count_under_a_customer_whose_listing_runs(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A charge listed under two customers of ours is counted under one; not under one whose
+    listing is skipped (inactive, unclaimed, in a currency no key can read), or under none."""
+    first = await billed(harness, 1)
+    old = CustomerRow(
+        # Renamed since, to an id listed after it: the old id comes first.
+        customer_id=f"a-{first.customer_id}",
+        stripe_customer_id=first.stripe_customer_id,
+        payment_method=first.payment_method,
+        amount_cents=first.amount_cents,
+        currency="eur",
+    )
+    await upsert_customers(harness.pool, [old])
+    await harness.pool.execute(
+        "UPDATE customers SET active = false WHERE customer_id = $1", old.customer_id
+    )
+    reading = ReconcileActivities._reading
+
+    async def no_key_for_eur(
+        self: ReconcileActivities, period: str, currency: str, *args: Any, **kwargs: Any
+    ) -> Any:
+        if currency == "eur":
+            raise period_keys.NoPeriodKeyError(f"no key can read {period} ({currency})")
+        return await reading(self, period, currency, *args, **kwargs)
+
+    monkeypatch.setattr(ReconcileActivities, "_reading", no_key_for_eur)
+    report = await reconcile(harness)
+    assert (report.customers_checked, report.unchecked_customers) == (2, [])
+    assert report.findings == [] and report.charges_checked == 1
+
+
 async def test_customers_left_unchecked_alone_make_the_reconcile_command_exit_1(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
