@@ -886,6 +886,21 @@ async def test_a_customer_stripe_will_not_list_is_left_unchecked_and_the_rest_co
     assert code == 1
 
 
+def no_key_can_read_eur(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No key can read the period's charges in euros (none issued, and the vault refuses a
+    lookup key: a currency retired from its policy)."""
+    reading = ReconcileActivities._reading
+
+    async def no_key_for_eur(
+        self: ReconcileActivities, period: str, currency: str, *args: Any, **kwargs: Any
+    ) -> Any:
+        if currency == "eur":
+            raise period_keys.NoPeriodKeyError(f"no key can read {period} ({currency})")
+        return await reading(self, period, currency, *args, **kwargs)
+
+    monkeypatch.setattr(ReconcileActivities, "_reading", no_key_for_eur)
+
+
 @pytest.mark.parametrize("in_ledger", [False, True], ids=["never-claimed", "claimed"])
 async def test_a_customer_no_key_can_read_is_unchecked_only_if_the_period_claimed_it(
     harness: Harness, monkeypatch: pytest.MonkeyPatch, in_ledger: bool
@@ -907,16 +922,7 @@ async def test_a_customer_no_key_can_read_is_unchecked_only_if_the_period_claime
             await ledger.request_skip(
                 conn, retired.customer_id, str(PERIOD), key, "moved away", "ops"
             )
-    reading = ReconcileActivities._reading
-
-    async def no_key_for_eur(
-        self: ReconcileActivities, period: str, currency: str, *args: Any, **kwargs: Any
-    ) -> Any:
-        if currency == "eur":
-            raise period_keys.NoPeriodKeyError(f"no key can read {period} ({currency})")
-        return await reading(self, period, currency, *args, **kwargs)
-
-    monkeypatch.setattr(ReconcileActivities, "_reading", no_key_for_eur)
+    no_key_can_read_eur(monkeypatch)
     report = await reconcile(harness)
     assert report.customers_checked == 3 and report.findings == []
     assert report.unchecked_customers == ([retired.customer_id] if in_ledger else [])
@@ -941,16 +947,7 @@ async def test_a_shared_stripe_customers_charges_count_under_a_customer_whose_li
     await harness.pool.execute(
         "UPDATE customers SET active = false WHERE customer_id = $1", old.customer_id
     )
-    reading = ReconcileActivities._reading
-
-    async def no_key_for_eur(
-        self: ReconcileActivities, period: str, currency: str, *args: Any, **kwargs: Any
-    ) -> Any:
-        if currency == "eur":
-            raise period_keys.NoPeriodKeyError(f"no key can read {period} ({currency})")
-        return await reading(self, period, currency, *args, **kwargs)
-
-    monkeypatch.setattr(ReconcileActivities, "_reading", no_key_for_eur)
+    no_key_can_read_eur(monkeypatch)
     report = await reconcile(harness)
     assert (report.customers_checked, report.unchecked_customers) == (2, [])
     assert report.findings == [] and report.charges_checked == 1
