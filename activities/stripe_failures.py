@@ -39,6 +39,12 @@ KEY_EXPIRED_CODE = "idempotency_key_expired"
 # Stripe saved for the key, which it replays until it forgets the key. Shorter than a round of
 # the bill's retries (BILL_ROUND), which a longer wait would only time out.
 SLOW_RETRY = timedelta(minutes=4)
+# A PaymentIntent someone cancelled on Stripe before any attempt of it failed: not a decline.
+CANCELED_INTENT = "payment_intent_canceled"
+# A PaymentIntent waits for its customer to act on Stripe (off session: a bank account's
+# microdeposits to verify, say): they may still pay it, so it is no answer yet, but no retry
+# soon changes that. Looked up every SLOW_RETRY, not at the retry policy's pace.
+WAITING_ON_CUSTOMER = "payment_intent_waiting_on_customer"
 # The vault fenced this attempt off: a later attempt of the claim was refused on the cap
 # (billing.ledger.reopen_refused_charge), or met a 500 Stripe saved for the key
 # (activities/charging.py). Nothing was sent; the retry takes the gate again.
@@ -150,6 +156,15 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
             "the vault refused this attempt: a later attempt of the charge fenced it off since;"
             " retrying with a new fencing token",
             type=RETRYABLE,
+        )
+    if exc.code == WAITING_ON_CUSTOMER:
+        return ApplicationError(
+            f"{exc.user_message}; looked up again every"
+            f" {SLOW_RETRY.total_seconds() / 60:.0f} minutes until it ends. To stop waiting,"
+            " cancel the intent on Stripe (for a reason other than abandoned): the customer"
+            f" is then recorded failed ({CANCELED_INTENT})",
+            type=RETRYABLE,
+            next_retry_delay=SLOW_RETRY,
         )
     if _error_body(exc).get("code") == KEY_EXPIRED_CODE:
         return ApplicationError(

@@ -8,7 +8,7 @@ from typing import Any
 
 import stripe
 
-from activities.stripe_failures import said_replayed
+from activities.stripe_failures import CANCELED_INTENT, WAITING_ON_CUSTOMER, said_replayed
 from billing.ledger import SENT_DIRECT
 from billing.models import ChargeApi, ChargeFailure, ChargeResult, Claim
 from billing.reconciliation import INCOMPLETE_INTENT, MADE_STATUSES, ChargeState, StripeCharge
@@ -19,7 +19,6 @@ from vault.endpoints import FENCE_HEADER, KEY_METADATA
 _LOOKUP_PAGE = 100
 _CLOCK_SKEW_SECONDS = 3600
 FAILED_INTENT_STATUSES = frozenset({"requires_payment_method", "canceled"})
-CANCELED_INTENT = "payment_intent_canceled"
 # A Charge pending has been made (MADE_STATUSES): a bank debit stays so for days, and may
 # still fail. So has a PaymentIntent processing, a bank debit's while its charge is pending.
 # Recorded as charged at once, as its pending charge is: waiting days for the bank would hold
@@ -122,6 +121,8 @@ class StripeGateway:
         try:
             found = await self._find_through(api, claim)
         except stripe.StripeError as exc:
+            if exc.code == WAITING_ON_CUSTOMER:
+                raise
             # Not the create's refusal (a 429, a refused key), which proves nothing was
             # sent: this create made its charge, so the claim is not to be reopened.
             raise stripe.APIError(
@@ -221,10 +222,7 @@ class StripeGateway:
         if latest.status not in FAILED_INTENT_STATUSES or (abandoned and unfinished):
             # Waiting for a step (off session, e.g. a bank account's microdeposits), or
             # confirmed by a request still running: not an answer yet; try again later.
-            waiting = unfinished[0]
-            raise stripe.APIError(
-                f"payment intent {waiting.id} is {waiting.status}", http_status=503
-            )
+            raise _no_answer_yet(unfinished[0])
         if abandoned:
             # Stripe charged nothing and declined nothing: the claim is as if never sent, so
             # it is charged again with its key once Stripe has forgotten the key (the saved
@@ -307,6 +305,18 @@ def _not_made(made: stripe.PaymentIntent | stripe.Charge) -> stripe.APIError:
         " expected succeeded or processing with a charge",
         http_status=502,
     )
+
+
+def _no_answer_yet(intent: stripe.PaymentIntent) -> stripe.APIError:
+    if intent.status == "requires_action":
+        action = getattr(getattr(intent, "next_action", None), "type", None) or "an action"
+        return stripe.APIError(
+            f"payment intent {intent.id} waits for the customer to act on Stripe ({action}):"
+            " they may still pay it",
+            http_status=503,
+            code=WAITING_ON_CUSTOMER,
+        )
+    return stripe.APIError(f"payment intent {intent.id} is {intent.status}", http_status=503)
 
 
 def _incomplete(intent: stripe.PaymentIntent) -> ChargeFailure:

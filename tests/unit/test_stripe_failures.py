@@ -13,6 +13,7 @@ from activities.stripe_failures import (
     REFUSED,
     RETRYABLE,
     SLOW_RETRY,
+    WAITING_ON_CUSTOMER,
     replays_saved_error,
     to_temporal_failure,
 )
@@ -30,6 +31,19 @@ def test_a_key_past_stripes_window_is_retried_slowly_within_a_round() -> None:
     assert (failure.type, failure.non_retryable) == (RETRYABLE, False)
     assert failure.next_retry_delay == SLOW_RETRY
     assert timedelta(minutes=1) <= SLOW_RETRY < BILL_ROUND
+
+
+def test_an_intent_waiting_on_the_customer_is_looked_up_slowly_and_says_how_to_stop() -> None:
+    waiting = stripe.APIError(
+        "payment intent pi_1 waits for the customer to act on Stripe (verify_with_microdeposits)",
+        http_status=503,
+        code=WAITING_ON_CUSTOMER,
+    )
+    failure = to_temporal_failure(waiting)
+    assert (failure.type, failure.non_retryable) == (RETRYABLE, False)
+    assert failure.next_retry_delay == SLOW_RETRY
+    assert failure.message.startswith("payment intent pi_1 waits for the customer")
+    assert "cancel the intent on Stripe" in failure.message
 
 
 @pytest.mark.parametrize("status", [500, 424])

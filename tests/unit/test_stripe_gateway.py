@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import stripe
 
+from activities.stripe_failures import WAITING_ON_CUSTOMER
 from activities.stripe_gateway import STALLED_AFTER_SECONDS, StripeGateway
 from billing.models import ChargeFailure, ChargeResult
 from billing.reconciliation import INCOMPLETE_INTENT, left_unknown_because
@@ -297,7 +298,7 @@ async def test_an_abandoned_intent_is_no_answer_while_another_is_on_its_way() ->
     # the claim again could charge twice.
     account = Account([intent("requires_action", LONG_AGO - 60, id="pi_waiting"), stalled()])
     account.intents.reverse()  # the stalled one is the newer
-    with pytest.raises(stripe.APIError, match="pi_waiting is requires_action") as raised:
+    with pytest.raises(stripe.APIError, match="pi_waiting waits for the customer") as raised:
         await account.gateway().find(INTENT_CLAIM)
     assert raised.value.http_status == 503 and account.cancelled == ["pi_stalled"]
 
@@ -318,22 +319,33 @@ async def test_a_cancel_that_failed_otherwise_is_tried_again(refusal: stripe.Str
         await account.gateway().find(INTENT_CLAIM)
 
 
-@pytest.mark.parametrize(
-    ("status", "created"),
-    [
-        # Stripe may still roll the request forward; and an hour younger than the rule, for a
-        # worker clock an hour ahead of Stripe's.
-        ("requires_confirmation", int(time.time()) - STALLED_AFTER_SECONDS + 3600 + 60),
-        # Off-session it waits on the customer (e.g. a bank account's microdeposits), who may
-        # still complete it.
-        ("requires_action", LONG_AGO),
-    ],
-    ids=["requires_confirmation-young", "requires_action-old"],
-)
-async def test_an_intent_still_on_its_way_is_not_an_answer_yet(status: str, created: int) -> None:
-    with pytest.raises(stripe.APIError, match=f"pi_{status} is {status}") as raised:
-        await intents_gateway(intent(status, created)).find(INTENT_CLAIM)
-    assert raised.value.http_status == 503
+async def test_an_intent_still_being_confirmed_is_not_an_answer_yet() -> None:
+    # Stripe may still roll the request forward; and an hour younger than the rule, for a
+    # worker clock an hour ahead of Stripe's.
+    young = int(time.time()) - STALLED_AFTER_SECONDS + 3600 + 60
+    with pytest.raises(
+        stripe.APIError, match="pi_requires_confirmation is requires_confirmation"
+    ) as raised:
+        await intents_gateway(intent("requires_confirmation", young)).find(INTENT_CLAIM)
+    assert raised.value.http_status == 503 and raised.value.code is None
+
+
+@pytest.mark.parametrize("created", [LONG_AGO, int(time.time())], ids=["long-ago", "now"])
+async def test_an_intent_waiting_on_the_customer_is_no_answer_and_says_so(created: int) -> None:
+    # Off session it waits on the customer (a bank account's microdeposits), who may still
+    # complete it, however long ago it was made; the create's answer is no lookup refused.
+    waiting = intent("requires_action", created, next_action={"type": "verify_with_microdeposits"})
+    for attempt in (
+        intents_gateway(waiting).find(INTENT_CLAIM),
+        intents_gateway(waiting, created=waiting).charge(INTENT_CLAIM),
+    ):
+        with pytest.raises(stripe.APIError) as raised:
+            await attempt
+        assert (raised.value.http_status, raised.value.code) == (503, WAITING_ON_CUSTOMER)
+        assert str(raised.value) == (
+            "payment intent pi_requires_action waits for the customer to act on Stripe"
+            " (verify_with_microdeposits): they may still pay it"
+        )
 
 
 async def test_a_charge_made_outweighs_an_intent_left_unconfirmed() -> None:
@@ -363,14 +375,6 @@ async def test_a_create_answered_before_the_intent_failed_settles_as_the_failure
     found = await intents_gateway(failed, created=returned).charge(INTENT_CLAIM)
     assert isinstance(found, ChargeFailure)
     assert (found.code, found.decline_code) == ("card_declined", "insufficient_funds")
-
-
-async def test_a_create_whose_intent_is_still_on_its_way_is_tried_again() -> None:
-    now = int(time.time())
-    still = intent("requires_action", now)
-    with pytest.raises(stripe.APIError, match="pi_requires_action is requires_action") as raised:
-        await intents_gateway(still, created=still).charge(INTENT_CLAIM)
-    assert raised.value.http_status == 503
 
 
 @pytest.mark.parametrize("lookup", ["find", "charge"])
