@@ -102,16 +102,26 @@ def check_billed_once(
             if sent != (customer.amount_cents, customer.currency, customer.stripe_customer_id):
                 problem(f"{customer.customer_id}: charge {charge['id']} is {sent}")
 
-    # Every money request with a key: its parameters, and Stripe's answers.
+    # Every money request with a key: its parameters, and Stripe's answers. One of the period
+    # carries a key of its ledger: a retry under another key would charge again once the
+    # first request executes.
+    ledger_keys = {r["idempotency_key"] for r in rows}
     sent_with: dict[str, set[str]] = defaultdict(set)
     answered: dict[str, set[int | None]] = defaultdict(set)
     for request in requests:
         if request["method"] == "POST" and request["path"] in MONEY_PATHS:
-            if not request["idempotency_key"]:
+            key = request["idempotency_key"]
+            if not key:
                 problem(f"a request to {request['path']} without an Idempotency-Key")
                 continue
-            sent_with[request["idempotency_key"]].add(json.dumps(request["params"], sort_keys=True))
-            answered[request["idempotency_key"]].add(request["status"])
+            metadata = (request["params"] or {}).get("metadata") or {}
+            if metadata.get("billing_period") == expected.period and key not in ledger_keys:
+                problem(
+                    f"{metadata.get('customer_id')}: a request to {request['path']} with key"
+                    f" {key[:8]}, which no ledger row of {expected.period} holds"
+                )
+            sent_with[key].add(json.dumps(request["params"], sort_keys=True))
+            answered[key].add(request["status"])
 
     # I2: every due customer in one terminal state, agreeing with Stripe.
     by_customer = {r["customer_id"]: r for r in rows}

@@ -90,12 +90,21 @@ async def proxied_calls(admin: VaultAdmin, key_id: str) -> list[AuditEntry]:
 
 
 async def emulator_ledger(emulator: RunningEmulator) -> list[dict[str, Any]]:
+    return await _inspected(emulator, "ledger", "charges")
+
+
+async def emulator_requests(emulator: RunningEmulator) -> list[dict[str, Any]]:
+    """Every request the emulator received, in order, with its status."""
+    return await _inspected(emulator, "requests", "requests")
+
+
+async def _inspected(emulator: RunningEmulator, view: str, field: str) -> list[dict[str, Any]]:
     async with (
         aiohttp.ClientSession() as session,
-        session.get(emulator.url + "/_emulator/ledger") as response,
+        session.get(f"{emulator.url}/_emulator/{view}") as response,
     ):
-        charges: list[dict[str, Any]] = (await response.json())["charges"]
-        return charges
+        found: list[dict[str, Any]] = (await response.json())[field]
+        return found
 
 
 async def set_faults(emulator: RunningEmulator, **faults: Any) -> None:

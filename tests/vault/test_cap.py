@@ -17,7 +17,15 @@ from vault import VaultSettings, serve
 from vault.models import IssuedKey
 
 from .conftest import Issue
-from .support import assert_consistent, charge, charge_in_doubt, emulator_ledger, via_vault
+from .support import (
+    assert_consistent,
+    charge,
+    charge_in_doubt,
+    emulator_ledger,
+    emulator_requests,
+    set_faults,
+    via_vault,
+)
 
 StripeFor = Callable[[IssuedKey], stripe.StripeClient]
 
@@ -132,15 +140,29 @@ async def test_concurrent_requests_with_one_key_forward_one_at_a_time(
     emulator: RunningEmulator,
 ) -> None:
     key = await issue(cap_cents=10_000)
+    # Stripe answers late, so every request arrives while the first is in flight: the vault
+    # refuses them, and Stripe sees one (it would refuse the others itself, 409 too).
+    await set_faults(emulator, latency_ms=500)
     results = await asyncio.gather(
         *(charge(stripe_via_vault(key), customer, 3_000, "racing") for _ in range(30)),
         return_exceptions=True,
     )
-    intents = {r.id for r in results if isinstance(r, stripe.PaymentIntent)}
-    in_flight = [r for r in results if isinstance(r, stripe.APIError) and r.http_status == 409]
-    assert len(intents) == 1
-    assert len(intents) + len(in_flight) > 0
-    assert all(isinstance(r, stripe.PaymentIntent) or r in in_flight for r in results)
+    intents = [r for r in results if isinstance(r, stripe.PaymentIntent)]
+    refused = [r for r in results if isinstance(r, stripe.APIError)]
+    assert len(intents) == 1 and len(refused) == 29
+    assert {(r.http_status, r.error and r.error.code, r.user_message) for r in refused} == {
+        (
+            409,
+            "idempotency_key_in_use",
+            "a request with this Idempotency-Key is in flight; retry when it has finished",
+        )
+    }
+    sent = [
+        r
+        for r in await emulator_requests(emulator)
+        if r["method"] == "POST" and r["path"] == "/v1/payment_intents"
+    ]
+    assert [r["status"] for r in sent] == [200]
     totals = await assert_consistent(db, key.id)
     assert (totals["spent_cents"], totals["reserved_cents"]) == (3_000, 0)
     assert len(await emulator_ledger(emulator)) == 1

@@ -96,14 +96,19 @@ async def test_a_refusal_without_a_token_fences_nothing(
     admin: VaultAdmin,
     emulator: RunningEmulator,
     customer: str,
+    db: asyncpg.Pool,
 ) -> None:
     """A client that numbers no attempts (not a billing worker) keeps the vault as it was:
-    a cap refusal leaves no reservation behind, and a retry charges once room is freed."""
-    _, client = await _cap_refused_then_freed(
+    a cap refusal leaves no reservation or fence behind, and a retry charges once room is
+    freed, numbered or not."""
+    key, client = await _cap_refused_then_freed(
         issue, stripe_via_vault, admin, emulator, customer, refused_fence=None
     )
-    intent = await charge(client, customer, 1_000, "claim", fence="1")
+    fences = "SELECT count(*) FROM vault_fences WHERE vault_key_id = $1"
+    assert await db.fetchval(fences, key.id) == 0
+    intent = await charge(client, customer, 1_000, "claim", fence=None)
     assert intent.status == "succeeded"
+    assert [c["amount"] for c in await emulator_ledger(emulator)] == [1_000]
 
 
 @pytest.mark.parametrize("token", ["0", "-1", "1.5", "01", "1234567890", "x"])
