@@ -508,6 +508,7 @@ class ReconcileActivities:
         # A charge listed under two customers of ours (sharing a Stripe customer) is counted
         # on one page alone (_counted_here), its findings past the report's room likewise.
         counted = await self._counted_here(request.period, customers, found)
+        once = {c.charge_id: c for c in charges}
         in_full, unlisted_counts = for_listing(findings, request.listed_room, counted)
         return ChargesPage(
             findings=in_full,
@@ -515,8 +516,9 @@ class ReconcileActivities:
             # Where its one counting listing counts it, like a finding past the room.
             handled=sum(charge_id in counted for charge_id, _ in handled),
             customers=len(customers),
-            charges=sum(c.state == "made" and c.charge_id in counted for c in charges),
-            pending=sum(c.pending and c.charge_id in counted for c in charges),
+            # Each charge once, though two of the page's customers listed it.
+            charges=sum(c.state == "made" and c.charge_id in counted for c in once.values()),
+            pending=sum(c.pending and c.charge_id in counted for c in once.values()),
             unchecked=[c.customer_id for c in unchecked],
             next_cursor=customers[-1].customer_id if len(customers) == request.limit else None,
         )

@@ -929,11 +929,13 @@ async def test_a_customer_no_key_can_read_is_unchecked_only_if_the_period_claime
     assert report.needs_a_person is in_ledger
 
 
-async def test_a_shared_stripe_customers_charges_count_under_a_customer_whose_listing_runs(
-    harness: Harness, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("listed", [True, False], ids=["both-listed", "old-id-skipped"])
+async def test_a_shared_stripe_customers_charges_count_once_under_a_customer_whose_listing_runs(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, listed: bool
 ) -> None:
-    """A charge listed under two customers of ours is counted under one; not under one whose
-    listing is skipped (inactive, unclaimed, in a currency no key can read), or under none."""
+    """A charge listed under two customers of ours on one page is counted once; not under
+    one whose listing is skipped (inactive, unclaimed, in a currency no key can read), or
+    under none."""
     first = await billed(harness, 1)
     old = CustomerRow(
         # Renamed since, to an id listed after it: the old id comes first.
@@ -941,7 +943,7 @@ async def test_a_shared_stripe_customers_charges_count_under_a_customer_whose_li
         stripe_customer_id=first.stripe_customer_id,
         payment_method=first.payment_method,
         amount_cents=first.amount_cents,
-        currency="eur",
+        currency=first.currency if listed else "eur",
     )
     await upsert_customers(harness.pool, [old])
     await harness.pool.execute(
