@@ -31,6 +31,7 @@ class ScheduleCheckActivities:
         """The billing schedule's settings, and the months its recent firings left
         unbilled, logged and counted for an alert; None once that schedule is gone (deleted,
         replaced by another kind), also logged and counted."""
+        metrics.watch_schedule(request.schedule_id)
         try:
             async with self._pool.acquire() as conn:
                 found = await schedules.billing_firings(

@@ -81,6 +81,13 @@ def charge_recorded(amount_cents: int, currency: str, claimed_at: datetime) -> N
     CLAIM_TO_CHARGE.observe(max(since_claim.total_seconds(), 0.0))
 
 
+def watch_schedule(schedule_id: str) -> None:
+    """Show the schedule's alert counters at 0 before they count anything: a series first
+    seen at 1 is no increase to Prometheus (`increase()`), and its first alert is lost."""
+    UNBILLED_FIRINGS.labels(schedule=schedule_id)
+    FOLLOWED_SCHEDULE_GONE.labels(schedule=schedule_id)
+
+
 def count_unbilled_firing(schedule_id: str) -> None:
     UNBILLED_FIRINGS.labels(schedule=schedule_id).inc()
 

@@ -131,3 +131,14 @@ def test_ports_left_unset_serve_nothing() -> None:
     assert fields["temporal_metrics_port"].default is None
     settings = ObservabilitySettings(billing_metrics_port=None, temporal_metrics_port=None)
     assert metrics.serve(settings) is None
+
+
+def test_a_schedule_watched_shows_its_alert_counters_at_0_before_they_count() -> None:
+    """A series first seen at 1 is no increase to Prometheus: the first alert would be lost."""
+    names = ("billing_unbilled_firings_total", "billing_followed_schedule_gone_total")
+    labels = {"schedule": "watched-monthly"}
+    assert [REGISTRY.get_sample_value(n, labels) for n in names] == [None, None]
+    metrics.watch_schedule("watched-monthly")
+    assert [REGISTRY.get_sample_value(n, labels) for n in names] == [0.0, 0.0]
+    metrics.count_unbilled_firing("watched-monthly")
+    assert REGISTRY.get_sample_value(names[0], labels) == 1.0
