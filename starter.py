@@ -46,6 +46,7 @@ from billing.config import (
     CapSettings,
     DatabaseRolesSettings,
     DatabaseSettings,
+    OperatorSettings,
     TemporalSettings,
     load_settings,
 )
@@ -302,8 +303,11 @@ def _operator(args: argparse.Namespace) -> str:
     if args.operator is not None:
         given: str = args.operator
         return given
+    named = load_settings(OperatorSettings).billing_operator
+    if named is not None:
+        return named
     try:
-        return os.environ.get("BILLING_OPERATOR") or getpass.getuser()
+        return getpass.getuser()
     except (KeyError, OSError):  # no login name: a container's uid without a passwd entry
         raise InvalidInputError(
             "no operator name to record: pass --operator or set BILLING_OPERATOR"

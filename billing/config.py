@@ -71,6 +71,28 @@ class DatabaseSettings(BaseSettings):
         return value
 
 
+class OperatorSettings(BaseSettings):
+    """Who the CLI records as steering a run, when `--operator` names no one."""
+
+    model_config = SettingsConfigDict(extra="ignore", hide_input_in_errors=True)
+
+    billing_operator: str | None = Field(
+        default=None, description="the name recorded with a pause, cancel, skip or mark"
+    )
+
+    @field_validator("billing_operator")
+    @classmethod
+    def _named(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            # As compose passes it on when the shell has none: the login there is the
+            # image's, no person's.
+            raise ValueError(
+                "is set but empty: set it to your name (docker compose run -e"
+                " BILLING_OPERATOR=...), or pass --operator"
+            )
+        return value
+
+
 class DatabaseRolesSettings(BaseSettings):
     """The roles `starter.py migrate` grants to after migrating (billing/db_roles.py): the
     workers' and CLI's (the ledger's), and the vault's. Both or neither; unset, nothing is

@@ -25,7 +25,7 @@ from temporalio.client import Client
 
 import starter
 from billing import ledger, operations
-from billing.config import BillingSettings
+from billing.config import BillingSettings, SettingsError
 from billing.db import where
 from billing.errors import InvalidInputError, NoWorkerError
 from billing.keys import idempotency_key
@@ -594,6 +594,18 @@ def test_an_operator_without_a_login_name_is_asked_for_one(monkeypatch: pytest.M
     monkeypatch.delenv("BILLING_OPERATOR", raising=False)
     with pytest.raises(InvalidInputError, match="pass --operator or set BILLING_OPERATOR"):
         starter._operator(argparse.Namespace(operator=None))
+
+
+def test_an_operator_set_to_nothing_is_refused_not_taken_from_the_login(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As compose passes it on when the shell has none: the login there is the image's.
+    monkeypatch.setenv("BILLING_OPERATOR", " ")
+    with pytest.raises(SettingsError, match="BILLING_OPERATOR: Value error, is set but empty"):
+        starter._operator(argparse.Namespace(operator=None))
+    monkeypatch.setenv("BILLING_OPERATOR", "alice")
+    assert starter._operator(argparse.Namespace(operator=None)) == "alice"
+    assert starter._operator(argparse.Namespace(operator="bob")) == "bob"
 
 
 @pytest.mark.parametrize("error", [asyncpg.UndefinedColumnError, asyncpg.UndefinedFunctionError])

@@ -22,6 +22,7 @@ from billing.config import (
     DatabaseRolesSettings,
     DatabaseSettings,
     ObservabilitySettings,
+    OperatorSettings,
     TemporalSettings,
 )
 from billing.redact import redact
@@ -34,6 +35,7 @@ BILLING_SETTINGS: tuple[type[BaseSettings], ...] = (
     DatabaseRolesSettings,
     BillingSettings,
     ObservabilitySettings,
+    OperatorSettings,
 )
 SECRET_NAME = re.compile(r"PASSWORD|PWD|SECRET|TOKEN|API_KEY|ENCRYPTION_KEY")
 COMMAND_FLAG = re.compile(r"^--[a-z][a-z-]*$")
