@@ -108,9 +108,15 @@ async def _to_the_run(
             ) from None
         if status is None:
             raise NotRunningError(f"no run of {period} is running to {doing}") from None
+        ended = f"ended {status.name.lower()}"
+        if status == WorkflowExecutionStatus.COMPLETED:
+            summary = await handle.result()
+            ended = (
+                f"was cancelled by {summary.cancelled_by}" if summary.cancelled_by else "completed"
+            )
         raise NotRunningError(
-            f"no run of {period} is running to {doing}: its last run ended"
-            f" {status.name.lower()} (`python starter.py status {period}` says how)"
+            f"no run of {period} is running to {doing}: its last run {ended}"
+            f" (`python starter.py status {period}` says how)"
         ) from None
 
 

@@ -242,7 +242,10 @@ async def test_a_run_whose_workflow_task_fails_is_said_to_be_open_not_gone(
         with pytest.raises(NoWorkerError, match=f"the run of {PERIOD} is open, but could not"):
             await operations.control(harness.client, PERIOD, "pause", ALICE)
     await handle.terminate("checked")
-    with pytest.raises(operations.NotRunningError, match=f"no run of {PERIOD} is running"):
+    with pytest.raises(
+        operations.NotRunningError,
+        match=f"no run of {PERIOD} is running to pause: its last run ended terminated",
+    ):
         await operations.control(harness.client, PERIOD, "pause", ALICE)
     assert await harness.money_requests() == 0
 
@@ -571,7 +574,7 @@ async def test_resume_is_refused_on_a_cancelled_run(harness: Harness) -> None:
         with pytest.raises(operations.OperatorRefusedError, match="cancelled by alice"):
             await operations.control(harness.client, PERIOD, "resume", ALICE)
         await handle.result()
-    with pytest.raises(operations.NotRunningError, match="its last run ended completed"):
+    with pytest.raises(operations.NotRunningError, match="its last run was cancelled by alice"):
         await operations.control(harness.client, PERIOD, "resume", ALICE)
 
 
