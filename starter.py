@@ -22,6 +22,8 @@ import getpass
 import math
 import os
 import re
+import select
+import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine
 from datetime import UTC, datetime, timedelta
@@ -1094,6 +1096,21 @@ def _first_line(exc: Exception) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
+def _reader_gone() -> bool:
+    """Whoever read the CLI's output stopped reading: stdout's pipe has no reader left."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    if not any(events & select.POLLERR for _, events in poller.poll(0)):
+        return False
+    # Nothing more can be said there; the last flush at exit must not fail too.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     handler: Callable[[argparse.Namespace], Coroutine[Any, Any, int]] = args.handler
@@ -1149,6 +1166,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {_validation_problem(error)}", file=sys.stderr)
         return 2
     except CONNECTION_ERRORS as exc:
+        if isinstance(exc, BrokenPipeError) and _reader_gone():
+            # What was asked was done; its output found no reader (`| head`). Exit as a
+            # process that SIGPIPE ends does.
+            return 128 + signal.SIGPIPE
         # A statement past its time (asyncpg's command_timeout) or a connection lost midway
         # (a refused first connection is a BillingError): what was asked may or may not have
         # happened.

@@ -596,6 +596,33 @@ def test_an_operator_without_a_login_name_is_asked_for_one(monkeypatch: pytest.M
         starter._operator(argparse.Namespace(operator=None))
 
 
+@pytest.mark.parametrize("broken", ["stdout", "database"])
+def test_output_nobody_reads_is_no_database_error(
+    broken: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pause ... | head`: the pause was done, and only its output found no reader; a pipe
+    the database's connection broke still says it may or may not have taken effect."""
+    read, write = os.pipe()
+    os.close(read)
+    stdout = os.fdopen(write, "w")
+    monkeypatch.setattr(sys, "stdout", stdout if broken == "stdout" else sys.stdout)
+
+    async def done_then_printed(_: argparse.Namespace) -> int:
+        if broken == "database":
+            raise BrokenPipeError(32, "Broken pipe")
+        print("paused 2026-12\n" * 10_000)
+        return 0
+
+    monkeypatch.setattr(starter, "cmd_control", done_then_printed)
+    code = starter.main(["pause", "2026-12", "--reason", "audit"])
+    err = capsys.readouterr().err
+    if broken == "stdout":
+        assert (code, err) == (141, "")
+        stdout.close()
+    else:
+        assert code == 2 and "it may or may not have taken effect" in err
+
+
 def test_an_operator_set_to_nothing_is_refused_not_taken_from_the_login(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
