@@ -105,6 +105,12 @@ def _far(period: Period, now: datetime) -> Literal["ahead", "late"] | None:
     return "late" if is_late(period, now) else None
 
 
+def run_command(period: Period, now: datetime) -> str:
+    """The `run` command that bills `period` now, with the flag check_run_by_hand asks for."""
+    far = _far(period, now)
+    return f"python starter.py run {period}" + (f" --{far}" if far else "")
+
+
 def check_run_by_hand(
     period: Period, now: datetime, *, ahead: bool = False, late: bool = False
 ) -> None:

@@ -4,7 +4,7 @@ with the ledger. Pure functions over records; the I/O is in activities/reconcile
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
@@ -18,6 +18,7 @@ from billing.models import (
     Outcome,
     Record,
 )
+from billing.periods import parse_period, run_command
 
 # Where the customer's CustomerChargeWorkflow stands, as Temporal describes it.
 ChildState = Literal["running", "closed", "absent"]
@@ -412,7 +413,8 @@ def left_alone(
     if stranded:
         reason += (
             ", and its period's run ended while paused (terminated?), so nothing resumes it:"
-            f" run the period again (python starter.py run {claim.period}), which resumes"
+            f" run the period again ({run_command(parse_period(claim.period), datetime.now(UTC))}),"
+            " which resumes"
             " it, or skip the customer"
         )
     return ClaimResolution(

@@ -33,7 +33,7 @@ from billing.models import (
     PeriodSummary,
     RunOptions,
 )
-from billing.periods import Period
+from billing.periods import Period, run_command
 from billing.reconciliation import ReconcileInput, ReconcileReport
 from billing.reporting import failure_chain
 from workflows.billing_period import BillingPeriodWorkflow
@@ -140,10 +140,11 @@ def status_from_ledger(
         return not_started
     if record.summary is not None:
         return _progress(record.summary)
+    again = run_command(period, datetime.now(UTC))
     raise RunEndedError(
         f"the ledger shows a run of {period} ({record.workflow_id}) that never finished, and"
         " Temporal no longer holds it (terminated, or closed longer ago than the namespace"
-        f" keeps runs): run the period again to finish it (`python starter.py run {period}`)",
+        f" keeps runs): run the period again to finish it (`{again}`)",
         period=str(period),
         workflow_id=record.workflow_id,
         state="unfinished",

@@ -46,10 +46,10 @@ from billing.periods import (
     Billing,
     Period,
     check_run_by_hand,
-    is_late,
     parse_period,
     period_for,
     period_range,
+    run_command,
 )
 from billing.redact import SECRET_RE, one_line
 from billing.temporal_client import workflow_status
@@ -392,9 +392,7 @@ _COMMANDS_LISTED = 6
 def run_by_hand(periods: list[Period], now: datetime) -> str:
     """The `run` commands that bill these months, `--late` where `run` asks for it (a run
     bills the customers as they are now, those who joined since too)."""
-    commands = [
-        f"python starter.py run {p}" + (" --late" if is_late(p, now) else "") for p in periods
-    ]
+    commands = [run_command(p, now) for p in periods]
     if len(commands) > _COMMANDS_LISTED:
         commands = [*commands[:3], f"... ({len(commands)} months in all)", *commands[-2:]]
     return "; ".join(commands)

@@ -48,6 +48,7 @@ from billing.periods import (
     parse_period,
     period_for,
     period_range,
+    run_command,
 )
 from billing.schedules import (
     LAUNCHER,
@@ -117,6 +118,16 @@ def test_period_for_arrears_and_advance() -> None:
     assert str(period_for(tokyo, "advance")) == "2027-01"
     with pytest.raises(InvalidPeriodError, match="time zone"):
         period_for(datetime(2027, 1, 1))
+
+
+def test_the_run_command_suggested_carries_the_flag_the_run_would_ask_for() -> None:
+    now = datetime(2026, 12, 1, 0, 30, tzinfo=UTC)
+    assert run_command(Period(2027, 1), now) == "python starter.py run 2027-01"
+    assert run_command(Period(2027, 2), now) == "python starter.py run 2027-02 --ahead"
+    assert run_command(Period(2026, 9), now) == "python starter.py run 2026-09"
+    assert run_command(Period(2026, 8), now) == "python starter.py run 2026-08 --late"
+    for period, flags in ((Period(2027, 2), {"ahead": True}), (Period(2026, 8), {"late": True})):
+        check_run_by_hand(period, now, **flags)
 
 
 def test_a_run_by_hand_refuses_a_period_far_ahead_or_long_past_unless_told() -> None:
