@@ -8,7 +8,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,8 +60,15 @@ class Service:
 
 
 def spawn(
-    name: str, argv: Sequence[str], log_dir: Path, env: Mapping[str, str] | None = None
+    name: str,
+    argv: Sequence[str],
+    log_dir: Path,
+    env: Mapping[str, str] | None = None,
+    withhold: Collection[str] = (),
 ) -> Service:
+    """Start a service with this process's environment and `env` over it; the names in
+    `withhold` it gets from neither (a shell that sourced `.devstack/env` holds them)."""
+    inherited = {k: v for k, v in os.environ.items() if k not in withhold}
     log = log_dir / f"{name}.log"
     with log.open("ab") as out:
         process = subprocess.Popen(
@@ -69,7 +76,7 @@ def spawn(
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
+            env=inherited | {k: v for k, v in (env or {}).items() if k not in withhold},
             # Own session: a Ctrl-C in the terminal reaches the stack, which stops these in order.
             start_new_session=True,
         )

@@ -32,6 +32,9 @@ VAULT_ROLE = "billing_vault"
 ROLES = DatabaseRoles(ledger=LEDGER_ROLE, vault=VAULT_ROLE)
 # A test-mode key: the emulator accepts any sk_test_ key; never a real one here.
 LOCAL_STRIPE_KEY = "sk_test_local_emulator"
+# The worker charges through the vault and never sees the Stripe secret, nor the vault's admin
+# token: not from the stack's settings, nor from a shell that sourced `.devstack/env`.
+WITHHELD_FROM_WORKER = frozenset({"STRIPE_API_KEY", "BILLING_VAULT_ADMIN_TOKEN"})
 # No local period key may be capped above $100M.
 LOCAL_MAX_CAP_CENTS = 10_000_000_000
 # Room for many periods' keys: the local stack bills what benchmarks and demos ask for.
@@ -149,10 +152,7 @@ class LocalStack:
 
     @property
     def worker_environment(self) -> dict[str, str]:
-        """The worker charges through the vault and never sees the Stripe secret, nor the
-        vault's admin token."""
-        withheld = {"STRIPE_API_KEY", "BILLING_VAULT_ADMIN_TOKEN"}
-        return {k: v for k, v in self.environment.items() if k not in withheld}
+        return {k: v for k, v in self.environment.items() if k not in WITHHELD_FROM_WORKER}
 
     @property
     def vault_environment(self) -> dict[str, str]:
@@ -193,6 +193,7 @@ class LocalStack:
                         [sys.executable, str(PROJECT_ROOT / "worker.py")],
                         c.log_dir,
                         self.worker_environment,
+                        withhold=WITHHELD_FROM_WORKER,
                     )
                 )
         except BaseException:

@@ -3,6 +3,7 @@ environment file that holds its tokens is this user's alone, and its database ro
 
 from __future__ import annotations
 
+import json
 import stat
 import subprocess
 import sys
@@ -15,7 +16,16 @@ import pytest
 
 from billing.migrations import migrate
 from devstack.__main__ import down
-from devstack.stack import DATABASE, LEDGER_ROLE, VAULT_ROLE, LocalStack, StackConfig, read_env
+from devstack.processes import spawn
+from devstack.stack import (
+    DATABASE,
+    LEDGER_ROLE,
+    VAULT_ROLE,
+    WITHHELD_FROM_WORKER,
+    LocalStack,
+    StackConfig,
+    read_env,
+)
 from tests.conftest import free_port
 
 
@@ -95,3 +105,23 @@ async def test_a_stack_from_before_roles_gets_them_and_their_grants(tmp_path: Pa
             await vault.close()
     finally:
         stack.postgres.stop()
+
+
+def test_the_worker_gets_no_admin_token_or_stripe_key_from_a_shell_that_sourced_the_env(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in WITHHELD_FROM_WORKER:
+        monkeypatch.setenv(name, "from-the-shell")
+    monkeypatch.setenv("KEPT_FROM_THE_SHELL", "yes")
+    probe = "import json, os; print(json.dumps(dict(os.environ)))"
+    service = spawn(
+        "probe",
+        [sys.executable, "-c", probe],
+        tmp_path,
+        {"BILLING_VAULT_ADMIN_TOKEN": "from-the-stack", "GIVEN": "yes"},
+        withhold=WITHHELD_FROM_WORKER,
+    )
+    assert service.process.wait(timeout=30) == 0
+    seen = json.loads(service.log.read_text())
+    assert not WITHHELD_FROM_WORKER & set(seen)
+    assert (seen["KEPT_FROM_THE_SHELL"], seen["GIVEN"]) == ("yes", "yes")
