@@ -518,7 +518,8 @@ class Preview(Record):
         warn(
             "held",
             "customers a run would not bill, as the period billed their Stripe customer under"
-            " another id, inactive since (renamed?); bill one by hand if it is another account",
+            " another id, inactive since (renamed?); one that is another account is billed"
+            " once imported with a Stripe customer of its own, when the period is run again",
             [(x.customer_id, f"{x.customer_id} (as {x.held_as})") for x in self.held],
         )
         return found
