@@ -10,6 +10,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
 import asyncpg
@@ -245,7 +246,7 @@ class ReconcileActivities:
         resolve: list[Claim] = []
         left: list[ClaimResolution] = []
         for open_claim, child in zip(taken, children, strict=True):
-            alone = left_alone(child, period_running, open_claim)
+            alone = left_alone(child, period_running, open_claim, datetime.now(UTC))
             if alone is None:
                 resolve.append(open_claim.claim)
             else:

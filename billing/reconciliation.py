@@ -4,7 +4,7 @@ with the ledger. Pure functions over records; the I/O is in activities/reconcile
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
@@ -387,7 +387,7 @@ def recorded_failure(customer_id: str, found: ChargeFailure) -> ClaimResolution:
 
 
 def left_alone(
-    child: ChildState, period_running: bool, open_claim: OpenClaim
+    child: ChildState, period_running: bool, open_claim: OpenClaim, now: datetime
 ) -> ClaimResolution | None:
     """Why reconciliation must leave a claim alone, or None when it may resolve it.
 
@@ -413,9 +413,8 @@ def left_alone(
     if stranded:
         reason += (
             ", and its period's run ended while paused (terminated?), so nothing resumes it:"
-            f" run the period again ({run_command(parse_period(claim.period), datetime.now(UTC))}),"
-            " which resumes"
-            " it, or skip the customer"
+            f" run the period again ({run_command(parse_period(claim.period), now)}), which"
+            " resumes it, or skip the customer"
         )
     return ClaimResolution(
         customer_id=claim.customer_id, action="left", detail=reason, needs_person=stranded

@@ -92,17 +92,17 @@ def entry(charge_id: str | None, status: str = "charged") -> LedgerEntry:
 def test_a_claim_is_resolved_only_when_no_workflow_can_own_it(
     child: ChildState, period_running: bool, resolvable: bool
 ) -> None:
-    alone = left_alone(child, period_running, open_claim())
+    alone = left_alone(child, period_running, open_claim(), NOW)
     assert (alone is None) == resolvable
     assert alone is None or not alone.needs_person
 
 
 def test_an_unsent_charge_of_a_paused_period_waits_for_the_operator() -> None:
-    paused = left_alone("closed", True, open_claim(sent=False, control="paused"))
+    paused = left_alone("closed", True, open_claim(sent=False, control="paused"), NOW)
     assert paused is not None and not paused.needs_person
     # Once sent, only the same key can learn its outcome, pause or not.
-    assert left_alone("closed", False, open_claim(sent=True, control="paused")) is None
-    assert left_alone("closed", False, open_claim(sent=False, control="cancelled")) is None
+    assert left_alone("closed", False, open_claim(sent=True, control="paused"), NOW) is None
+    assert left_alone("closed", False, open_claim(sent=False, control="cancelled"), NOW) is None
 
 
 @pytest.mark.parametrize("child", ["closed", "running"])
@@ -110,11 +110,11 @@ def test_a_claim_of_a_run_that_ended_while_paused_is_left_for_a_person(
     child: ChildState,
 ) -> None:
     # Terminated while paused: no run is left to resume the charge, or its workflow.
-    alone = left_alone(child, False, open_claim(sent=False, control="paused"))
+    alone = left_alone(child, False, open_claim(sent=False, control="paused"), NOW)
     assert alone is not None and alone.needs_person
     assert alone.detail is not None and "python starter.py run 2026-12" in alone.detail
     # Sent, it passes the gate whatever the pause: its workflow ends it.
-    sent = left_alone("running", False, open_claim(sent=True, control="paused"))
+    sent = left_alone("running", False, open_claim(sent=True, control="paused"), NOW)
     assert sent is not None and not sent.needs_person
 
 
