@@ -43,7 +43,7 @@ with workflow.unsafe.imports_passed_through():
         SkipCustomerRequest,
     )
     from billing import logs, money, search_attributes
-    from billing.keys import customer_workflow_id, validate_customer_id
+    from billing.keys import customer_workflow_id, period_workflow_id, validate_customer_id
     from billing.models import (
         AUTOMATIC,
         AWAITED_SHOWN,
@@ -162,6 +162,19 @@ class BillingPeriodWorkflow:
             period = str(parse_period(self._state.period))
         except ValueError as exc:
             raise ApplicationError(str(exc), type="InvalidPeriod", non_retryable=True) from exc
+        # One run of a period at a time rests on its deterministic ID: a run started under
+        # another (the Web UI's start form, `temporal workflow start` without an ID) would open
+        # the period beside the real one, set its control back to running and charge the
+        # customers a pause holds. Refused before any command, so no recorded history differs.
+        expected_id = period_workflow_id(parse_period(period))
+        if workflow.info().workflow_id != expected_id:
+            raise ApplicationError(
+                f"a run of {period} must have the workflow ID {expected_id}, not"
+                f" {workflow.info().workflow_id}: start it with `python starter.py run"
+                f" {period}`",
+                type="WrongWorkflowId",
+                non_retryable=True,
+            )
         if not self._temporal_cancel_is_a_cancel:
             return await self._bill(period)
         # Temporal cancels the task running `run`: billing goes on in a task of its own,

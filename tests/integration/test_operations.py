@@ -37,6 +37,7 @@ from temporalio.client import (
     WorkflowHistory,
 )
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 from temporalio.worker import (
     ActivityInboundInterceptor,
@@ -1339,6 +1340,39 @@ async def test_status_of_a_run_that_ended_early_says_why_and_exits_3(harness: Ha
     code, _, err = await harness.starter("status", str(later))
     assert code == 3, err
     assert f"the run of {later} ended failed (billing period month 13 is not 01-12)" in err
+
+
+async def test_a_period_run_started_under_another_id_fails_before_it_opens_anything(
+    harness: Harness,
+) -> None:
+    """The Web UI's start form, or `temporal workflow start` with no --workflow-id, makes an
+    ID up: such a run would open the period beside its real run, set the control an operator
+    paused back to running, and charge the customers the pause holds (helper-118's F1)."""
+    await harness.seed(2)
+    async with harness.running_worker():
+        by_hand = await harness.client.start_workflow(
+            BillingPeriodWorkflow.run,
+            BillingPeriodInput(period=str(PERIOD)),
+            id="started-in-the-web-ui",
+            task_queue=harness.task_queue,
+        )
+        with pytest.raises(WorkflowFailureError) as failed:
+            await by_hand.result()
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "WrongWorkflowId"
+    assert cause.message == (
+        f"a run of {PERIOD} must have the workflow ID {period_workflow_id(PERIOD)}, not"
+        f" started-in-the-web-ui: start it with `python starter.py run {PERIOD}`"
+    )
+    async with harness.pool.acquire() as conn:
+        opened = await conn.fetchval(
+            "SELECT count(*) FROM billing_periods WHERE billing_period = $1", str(PERIOD)
+        )
+    assert (opened, await harness.ledger_rows(str(PERIOD)), await harness.money_requests()) == (
+        0,
+        [],
+        0,
+    )
 
 
 async def test_creating_a_schedule_twice_is_a_clear_error(harness: Harness) -> None:
