@@ -242,8 +242,12 @@ class ScheduledBillingInput(Record):
     billing_schedule_id: str | None = None
 
 
+# The longest reason a pause, cancel or skip keeps.
+REASON_MAX_LENGTH = 500
+
+
 class OperatorRequest(Record):
-    reason: str = Field(min_length=1, max_length=500)
+    reason: str = Field(min_length=1, max_length=REASON_MAX_LENGTH)
     operator: str = Field(min_length=1, max_length=100)
 
     # Before the length check, which then counts the redacted text: the period rebuilds this

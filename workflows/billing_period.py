@@ -47,6 +47,7 @@ with workflow.unsafe.imports_passed_through():
     from billing.models import (
         AUTOMATIC,
         AWAITED_SHOWN,
+        REASON_MAX_LENGTH,
         BillingPeriodInput,
         ChargeFailure,
         Control,
@@ -65,6 +66,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from billing.period_keys import KeyRenewal
     from billing.periods import parse_period
+    from billing.redact import shown_line
     from workflows.customer_charge import CustomerChargeWorkflow
     from workflows.signals import PERIOD_BLOCKED, PERIOD_CONTROL
 
@@ -123,6 +125,10 @@ BLOCKED_AFTER_OPENING = "blocked-after-opening"
 # control's write: its children could pass the ledger's gate before that write landed, and
 # charge customers the cancel meant to stop. Such a batch is now put back, not started.
 BATCH_PUT_BACK_AT_CONTROL = "batch-put-back-at-control"
+
+
+# Room left when a reason is cut, for what redacting the cut text again may add.
+_CUT_MARGIN = 40
 
 
 # Outside the sandbox for speed; the tests run it inside (see workflows/__init__.py).
@@ -439,7 +445,11 @@ class BillingPeriodWorkflow:
         if self._state.plan is None and workflow.patched(BLOCKED_AFTER_OPENING):
             return
         if self._control.control == "running":
-            reason = f"{failure.code}: {failure.message}"
+            # Cut to what a reason holds: a longer message (a vault's or Stripe's, or anyone's
+            # who can signal the run) would fail this workflow task on every attempt.
+            reason = shown_line(f"{failure.code}: {failure.message}")
+            if len(reason) > REASON_MAX_LENGTH:
+                reason = reason[: REASON_MAX_LENGTH - _CUT_MARGIN] + " (cut)"
             await self._set_control("paused", OperatorRequest(reason=reason, operator=AUTOMATIC))
         elif self._control.control == "cancelled":
             # A charge sent before the cancel cannot be retried: the run waits for it.

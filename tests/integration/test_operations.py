@@ -469,6 +469,37 @@ async def _cancel_written_before_customers_cancelled(
     return False
 
 
+async def test_a_blocked_report_with_a_long_message_pauses_the_run_with_it_cut(
+    harness: Harness,
+) -> None:
+    """A vault's or Stripe's message past what a reason holds (or anyone's who can signal the
+    run) failed the period's workflow task on every attempt (helper-118's F4)."""
+    await harness.seed(3)
+    await harness.set_faults(latency_ms=2000)
+    async with harness.running_worker():
+        handle = await start_period(
+            harness.client, PERIOD, harness.task_queue, RunOptions(max_in_flight=1)
+        )
+        await eventually(lambda: at_least(harness.money_requests(), 1))
+        await handle.signal(
+            PERIOD_BLOCKED, ChargeFailure(code="permission_denied", message="m" * 600)
+        )
+
+        async def paused() -> bool:
+            return (await handle.query(BillingPeriodWorkflow.progress)).state == "paused"
+
+        await eventually(paused)
+        progress = await handle.query(BillingPeriodWorkflow.progress)
+        await operations.control(harness.client, PERIOD, "cancel", ALICE)
+        await handle.result()
+    assert progress.reason is not None and progress.reason.endswith(" (cut)")
+    assert progress.reason.startswith("permission_denied: mmm") and len(progress.reason) <= 500
+    history = await handle.fetch_history()
+    assert not [
+        e for e in history.events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED
+    ]
+
+
 async def test_a_blocked_charge_reported_after_the_last_outcome_pauses_nothing(
     harness: Harness,
 ) -> None:
