@@ -23,6 +23,24 @@ LOOKUP_AFTER_MAX_SECONDS = 23 * 3600
 _HTTP_URL = re.compile(r"https?://[^\s/@]+(/\S*)?")
 
 
+def http_url(value: str) -> str:
+    if not _HTTP_URL.fullmatch(value):
+        raise ValueError(
+            "must be an http:// or https:// URL with a host and no user or password,"
+            " such as http://host:8080"
+        )
+    return value
+
+
+def refuse_untrimmed(value: SecretStr | str | None) -> None:
+    """A setting read with spaces or a line break around it (an env file written by hand, a
+    secret made with `echo`) is refused at start, by name: sent in a header, it fails every
+    request later with a message that names no setting."""
+    text = value.get_secret_value() if isinstance(value, SecretStr) else value
+    if text is not None and text != text.strip():
+        raise ValueError("has spaces or a line break around it: remove them")
+
+
 class SettingsError(BillingError):
     """The environment holds a missing or bad setting."""
 
@@ -51,6 +69,12 @@ class TemporalSettings(BaseSettings):
     namespace: str = "default"
     task_queue: str = "billing"
     ui_url: str = "http://127.0.0.1:8233"
+
+    @field_validator("ui_url")
+    @classmethod
+    def _ui_url(cls, value: str) -> str:
+        # The CLI prints it with every run's link.
+        return http_url(value)
 
 
 class DatabaseSettings(BaseSettings):
@@ -206,17 +230,13 @@ class BillingSettings(CapSettings):
         text = value.get_secret_value() if isinstance(value, SecretStr) else value
         if text is not None and not text.strip():
             raise ValueError("is set but blank: give it a value, or unset it")
+        refuse_untrimmed(value)
         return value
 
     @field_validator("billing_vault_url", "stripe_api_base")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
-        if value is not None and not _HTTP_URL.fullmatch(value):
-            raise ValueError(
-                "must be an http:// or https:// URL with a host and no user or password,"
-                " such as http://host:8080"
-            )
-        return value
+        return None if value is None else http_url(value)
 
     @model_validator(mode="after")
     def _vault_needs_its_secrets(self) -> BillingSettings:

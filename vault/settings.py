@@ -8,6 +8,7 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from billing.config import refuse_untrimmed
 from billing.money import validate_currency
 from vault.budget import WorkerPolicy
 
@@ -95,6 +96,7 @@ class VaultSettings(BaseSettings):
         # Its own message: pydantic's would state the token's length.
         if value is not None and len(value.get_secret_value()) < 16:
             raise ValueError("must be at least 16 characters")
+        refuse_untrimmed(value)
         return value
 
     @field_validator("upstream_stripe_secret")
@@ -102,6 +104,7 @@ class VaultSettings(BaseSettings):
     def _stripe_secret_shape(cls, value: SecretStr) -> SecretStr:
         if not value.get_secret_value().startswith(("sk_", "rk_")):
             raise ValueError("must be a Stripe secret or restricted key (sk_... or rk_...)")
+        refuse_untrimmed(value)
         return value
 
     @field_validator("database_url")

@@ -327,6 +327,12 @@ async def test_concurrent_worker_keys_never_pass_the_budget(
         ),
         ({"database_url": ""}, "is set but blank"),
         ({"upstream_stripe_base": "https://ops:hunter2@stripe.internal"}, "upstream_stripe_base"),
+        # Read from a file with its newline: sent in a header, every request would fail 500.
+        (
+            {"upstream_stripe_secret": UPSTREAM_SECRET + "\n"},
+            "upstream_stripe_secret\n  Value error, has spaces or a line break around it",
+        ),
+        ({"admin_token": ADMIN_TOKEN + "\n"}, "admin_token\n  Value error, has spaces"),
     ],
 )
 def test_vault_settings_that_cannot_work_are_refused(
