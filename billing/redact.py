@@ -9,7 +9,10 @@ import re
 # any length. So "task_queue", "is_sk_enabled", "network_live_status" or a placeholder
 # "sk_test_..." are not keys; over-redacting a rarer look-alike is the cheaper mistake.
 SECRET_RE = re.compile(
-    r"(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9]{16,}"
+    # Stripe's masked form in its own messages ("The provided key 'rk_live_****Ab12' ..."):
+    # its last characters are the key's.
+    r"(?:sk|rk|pk)_(?:live|test)_\*+[A-Za-z0-9]*"
+    r"|(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9]{16,}"
     r"|vk_[A-Za-z0-9_-]{16,}"
     r"|(?<![A-Za-z0-9_])(?:(?:sk|rk|pk)_(?:live|test)_|vk_)[A-Za-z0-9][A-Za-z0-9_-]*"
 )

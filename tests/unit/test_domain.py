@@ -312,6 +312,8 @@ def test_spend_cap_refuses_a_cap_below_the_total() -> None:
         "x vk_abc123 y",
         "rk_live_abc123",
         "=sk_live_abc123",
+        # Stripe's masked form, as its 403 quotes a key: the last characters are the key's.
+        "The provided key 'rk_live_" + "*" * 20 + "abc123' does not have the permissions",
     ],
 )
 def test_redact_finds_keys_glued_to_other_text(text: str) -> None:
