@@ -165,14 +165,15 @@ class BillingPeriodWorkflow:
         self._listing_bounded = workflow.patched(LISTING_CONTINUES)
         self._temporal_cancel_is_a_cancel = workflow.patched(TEMPORAL_CANCEL_IS_A_CANCEL)
         try:
-            period = str(parse_period(self._state.period))
+            parsed = parse_period(self._state.period)
         except ValueError as exc:
             raise ApplicationError(str(exc), type="InvalidPeriod", non_retryable=True) from exc
+        period = str(parsed)
         # One run of a period at a time rests on its deterministic ID: a run started under
         # another (the Web UI's start form, `temporal workflow start` without an ID) would open
         # the period beside the real one, set its control back to running and charge the
         # customers a pause holds. Refused before any command, so no recorded history differs.
-        expected_id = period_workflow_id(parse_period(period))
+        expected_id = period_workflow_id(parsed)
         if workflow.info().workflow_id != expected_id:
             raise ApplicationError(
                 f"a run of {period} must have the workflow ID {expected_id}, not"
