@@ -39,7 +39,6 @@ from billing.stripe_client import stripe_session  # noqa: E402
 from billing.temporal_client import connect  # noqa: E402
 from chaos import scenario  # noqa: E402
 from chaos.invariants import Expected, collect  # noqa: E402
-from devstack.processes import spawn  # noqa: E402
 from devstack.stack import LocalStack, StackConfig  # noqa: E402
 from stripe_emulator.client import EmulatorClient  # noqa: E402
 from vault.client import VaultAdmin  # noqa: E402
@@ -92,14 +91,7 @@ async def chaos(args: argparse.Namespace) -> dict[str, Any]:
             task_queue=temporal.task_queue,
             database_url=env["DATABASE_URL"],
             emulator=EmulatorClient(env["STRIPE_EMULATOR_URL"]),
-            start_worker=lambda: (
-                spawn(
-                    "worker",
-                    [sys.executable, str(ROOT / "worker.py")],
-                    STACK.log_dir,
-                    stack.worker_environment,
-                ).process
-            ),
+            start_worker=lambda: stack.spawn_worker().process,
             restart_postgres=stack.postgres.restart,
         )
         plan = scenario.Plan(

@@ -154,6 +154,16 @@ class LocalStack:
     def worker_environment(self) -> dict[str, str]:
         return {k: v for k, v in self.environment.items() if k not in WITHHELD_FROM_WORKER}
 
+    def spawn_worker(self) -> Service:
+        """A worker on the stack, with none of WITHHELD_FROM_WORKER from the shell either."""
+        return spawn(
+            "worker",
+            [sys.executable, str(PROJECT_ROOT / "worker.py")],
+            self.config.log_dir,
+            self.worker_environment,
+            withhold=WITHHELD_FROM_WORKER,
+        )
+
     @property
     def vault_environment(self) -> dict[str, str]:
         """The vault's own: its database role, the Stripe secret, the admin token."""
@@ -187,15 +197,7 @@ class LocalStack:
             await self._start_vault()
             self.write_env()
             if c.worker:
-                self.services.append(
-                    spawn(
-                        "worker",
-                        [sys.executable, str(PROJECT_ROOT / "worker.py")],
-                        c.log_dir,
-                        self.worker_environment,
-                        withhold=WITHHELD_FROM_WORKER,
-                    )
-                )
+                self.services.append(self.spawn_worker())
         except BaseException:
             self.stop()
             raise
