@@ -42,6 +42,10 @@ class CustomerImportError(InvalidInputError):
     """A CSV import was rejected; nothing was imported."""
 
 
+class PeriodNotOpenError(InvalidInputError):
+    """A claim for a period no run has open: a customer is billed by its period's run only."""
+
+
 class UnknownCustomerError(BillingError):
     pass
 

@@ -14,6 +14,7 @@ from billing.errors import (
     HeldCustomerError,
     LedgerBusyError,
     LedgerConflictError,
+    PeriodNotOpenError,
     UnknownCustomerError,
 )
 from billing.models import (
@@ -226,6 +227,14 @@ async def due_page(conn: asyncpg.Connection, period: str, after: str | None, lim
     return DuePage(customers=customers, next_cursor=next_cursor)
 
 
+# A new claim (or a cancelled run's unstarted row taken over) needs a run of the period
+# open: a CustomerChargeWorkflow started on its own (Temporal's CLI or Web UI) for a period no
+# run opened, or one that completed, would charge outside any run, its pause and its cap.
+def _period_open(period: str) -> str:
+    return f"""EXISTS (SELECT 1 FROM billing_periods p
+                       WHERE p.billing_period = {period} AND p.state = 'running')"""
+
+
 _CLAIM = f"""
         INSERT INTO billing_runs (customer_id, billing_period, idempotency_key, amount_cents,
                                   currency, stripe_customer_id, payment_method,
@@ -233,7 +242,7 @@ _CLAIM = f"""
         SELECT customer_id, $2, $3, amount_cents, currency, stripe_customer_id,
                payment_method, $4, $5
         FROM customers c WHERE customer_id = $1 AND (
-            (active AND {held_as_sql("$2")} IS NULL)
+            (active AND {held_as_sql("$2")} IS NULL AND {_period_open("$2")})
             -- An open claim is taken over whatever its customer is now: it is charged.
             OR EXISTS (SELECT 1 FROM billing_runs o WHERE o.customer_id = $1
                        AND o.billing_period = $2 AND o.status = 'claimed'))
@@ -277,7 +286,10 @@ async def claim(
     another hand has moved it on since, which is the claim to act on."""
     args = (customer_id, period, key, run_id, charge_api)
     row = await conn.fetchrow(_CLAIM, *args)
-    if row is None and await _refuse_held(conn, customer_id, period, key):
+    if row is not None:
+        return Claim(**dict(row))
+    period_open = await conn.fetchval(f"SELECT {_period_open('$1')}", period)
+    if period_open and await _refuse_held(conn, customer_id, period, key):
         # Released between the two statements (the old id's claim failed): claimed now.
         row = await conn.fetchrow(_CLAIM, *args)
     if row is None:
@@ -287,11 +299,24 @@ async def claim(
             customer_id,
             period,
         )
-    if row is None:
-        raise UnknownCustomerError(
-            f"customer {customer_id!r} is not in the ledger or is inactive; nothing was charged"
+    if row is not None:
+        return Claim(**dict(row))
+    if not period_open and await _is_active(conn, customer_id):
+        raise PeriodNotOpenError(
+            f"no run of {period} is open, so customer {customer_id!r} is not billed for it:"
+            " a customer is billed by its period's run (`python starter.py run"
+            f" {period}`), not by a CustomerChargeWorkflow started on its own; nothing was"
+            " charged"
         )
-    return Claim(**dict(row))
+    raise UnknownCustomerError(
+        f"customer {customer_id!r} is not in the ledger or is inactive; nothing was charged"
+    )
+
+
+async def _is_active(conn: asyncpg.Connection, customer_id: str) -> bool:
+    return bool(
+        await conn.fetchval("SELECT active FROM customers WHERE customer_id = $1", customer_id)
+    )
 
 
 async def _refuse_held(conn: asyncpg.Connection, customer_id: str, period: str, key: str) -> bool:

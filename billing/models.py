@@ -46,6 +46,12 @@ class Record(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class WorkflowInput(Record):
+    """A workflow's input: one its model refuses (started by hand with a wrong field) fails
+    the workflow as it starts, saying why (billing.data_converter), rather than its first
+    workflow task for ever, holding the workflow's ID."""
+
+
 class Claim(Record):
     """A customer's row for one period: fixes the key, amount and currency of every attempt."""
 
@@ -93,7 +99,7 @@ class ChargeFailure(Record):
     charge_id: str | None = None
 
 
-class CustomerChargeInput(Record):
+class CustomerChargeInput(WorkflowInput):
     period: str
     customer_id: str
     parent_workflow_id: str | None = None
@@ -224,13 +230,13 @@ class RunOptions(Record):
     drain_seconds: float | None = Field(default=None, exclude=True)
 
 
-class BillingPeriodInput(Record):
+class BillingPeriodInput(WorkflowInput):
     period: str
     options: RunOptions = Field(default_factory=RunOptions)
     state: PeriodState | None = None
 
 
-class ScheduledBillingInput(Record):
+class ScheduledBillingInput(WorkflowInput):
     """What a schedule starts: the period comes from the firing's nominal time."""
 
     options: RunOptions = Field(default_factory=RunOptions)

@@ -17,6 +17,7 @@ from billing.models import (
     OperatorRequest,
     Outcome,
     Record,
+    WorkflowInput,
 )
 from billing.periods import parse_period, run_command
 
@@ -94,11 +95,12 @@ class HandledMarks(Record):
     marks: list[HandledMark]
 
 
-class ReconcileInput(Record):
+class ReconcileInput(WorkflowInput):
     period: str
     # A re-driven charge still retrying after this long (a saved Stripe error, a refused
     # vault key) is stopped and left for the next run; its key stays, so stopping is safe.
-    redrive_timeout_seconds: int = Field(default=900, ge=1)
+    # At most a day: the next daily run takes it up again.
+    redrive_timeout_seconds: int = Field(default=900, ge=1, le=24 * 3600)
     # Open claims looked up (and re-driven) at once.
     claims_at_once: int = Field(default=20, ge=1, le=100)
     # Customers compared with Stripe per activity.

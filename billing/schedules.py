@@ -10,7 +10,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import asyncpg
 from google.protobuf.timestamp_pb2 import Timestamp
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.workflowservice.v1 import ListScheduleMatchingTimesRequest
 from temporalio.client import (
@@ -34,6 +34,7 @@ from temporalio.client import (
 from temporalio.service import RPCError, RPCStatusCode
 
 from billing import ledger
+from billing.data_converter import RefusedWorkflowInputError
 from billing.errors import (
     ForeignScheduleError,
     InvalidInputError,
@@ -426,7 +427,7 @@ async def launch_input(client: Client, description: ScheduleDescription) -> Sche
     try:
         # A described schedule carries its action's arguments still encoded.
         [request] = await client.data_converter.decode(list(action.args), [ScheduledBillingInput])
-    except ValidationError:
+    except RefusedWorkflowInputError:
         raise InvalidInputError(
             f"the schedule {shown(description.id)} holds arguments this release cannot read"
             " (written by another release?): pause, unpause and delete still work; upgrade"

@@ -17,12 +17,12 @@ from typing import Any
 
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.envconfig import ClientConfigProfile, ClientConnectConfig
 from temporalio.runtime import Runtime
 from temporalio.service import RPCError, RPCStatusCode
 
 from billing.config import TemporalSettings
+from billing.data_converter import DATA_CONVERTER
 from billing.errors import ConfigurationError, ServiceUnavailableError
 
 NAMESPACE_CHECK_TIMEOUT = timedelta(seconds=10)
@@ -61,9 +61,7 @@ async def connect(settings: TemporalSettings, runtime: Runtime | None = None) ->
     config = connect_config(settings)
     address = config["target_host"]
     try:
-        client = await Client.connect(
-            data_converter=pydantic_data_converter, runtime=runtime, **config
-        )
+        client = await Client.connect(data_converter=DATA_CONVERTER, runtime=runtime, **config)
     except RuntimeError as exc:
         raise ServiceUnavailableError(
             f"cannot reach Temporal at {address} (TEMPORAL_ADDRESS): {exc};"

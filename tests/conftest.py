@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator, Iterator
 import asyncpg
 import pytest
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from billing import search_attributes
+from billing.data_converter import DATA_CONVERTER
 from billing.migrations import migrate
 from devstack import stack
 from devstack.postgres import LocalPostgres
@@ -92,7 +92,7 @@ async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=venv_binary("temporal"),
         search_attributes=search_attributes.ALL,
-        data_converter=pydantic_data_converter,
+        data_converter=DATA_CONVERTER,
         dev_server_extra_args=[
             *stack.DEV_SERVER_TUNING,
             *(arg for ns in NAMESPACES for arg in ("--namespace", ns)),
@@ -111,5 +111,5 @@ async def temporal_client(temporal_env: WorkflowEnvironment) -> Client:
     return await Client.connect(
         temporal_env.client.service_client.config.target_host,
         namespace=namespace,
-        data_converter=pydantic_data_converter,
+        data_converter=DATA_CONVERTER,
     )

@@ -68,6 +68,7 @@ with workflow.unsafe.imports_passed_through():
     from billing.periods import parse_period
     from billing.redact import shown_line
     from workflows.customer_charge import CustomerChargeWorkflow
+    from workflows.identity import period_of, require_id
     from workflows.signals import PERIOD_BLOCKED, PERIOD_CONTROL
 
 ACTIVITY_TIMEOUT = timedelta(seconds=60)
@@ -164,24 +165,13 @@ class BillingPeriodWorkflow:
         self._pauses_continue = workflow.patched(PAUSES_CONTINUE)
         self._listing_bounded = workflow.patched(LISTING_CONTINUES)
         self._temporal_cancel_is_a_cancel = workflow.patched(TEMPORAL_CANCEL_IS_A_CANCEL)
-        try:
-            parsed = parse_period(self._state.period)
-        except ValueError as exc:
-            raise ApplicationError(str(exc), type="InvalidPeriod", non_retryable=True) from exc
+        parsed = period_of(self._state.period)
         period = str(parsed)
-        # One run of a period at a time rests on its deterministic ID: a run started under
-        # another (the Web UI's start form, `temporal workflow start` without an ID) would open
-        # the period beside the real one, set its control back to running and charge the
-        # customers a pause holds. Refused before any command, so no recorded history differs.
-        expected_id = period_workflow_id(parsed)
-        if workflow.info().workflow_id != expected_id:
-            raise ApplicationError(
-                f"a run of {period} must have the workflow ID {expected_id}, not"
-                f" {workflow.info().workflow_id}: start it with `python starter.py run"
-                f" {period}`",
-                type="WrongWorkflowId",
-                non_retryable=True,
-            )
+        require_id(
+            period_workflow_id(parsed),
+            f"a run of {period}",
+            f"start it with `python starter.py run {period}`",
+        )
         if not self._temporal_cancel_is_a_cancel:
             return await self._bill(period)
         # Temporal cancels the task running `run`: billing goes on in a task of its own,

@@ -21,7 +21,6 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import (
     ActivityError,
-    ApplicationError,
     ChildWorkflowError,
     FailureError,
     RetryState,
@@ -45,6 +44,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from billing.redact import redact
     from workflows.customer_charge import CustomerChargeWorkflow
+    from workflows.identity import period_of
 
 ACTIVITY_TIMEOUT = timedelta(seconds=60)
 PAGE_TIMEOUT = timedelta(minutes=10)
@@ -63,10 +63,7 @@ RETRY = RetryPolicy(
 class ReconcileWorkflow:
     @workflow.run
     async def run(self, request: ReconcileInput) -> ReconcileReport:
-        try:
-            parse_period(request.period)
-        except ValueError as exc:
-            raise ApplicationError(str(exc), type="InvalidPeriod", non_retryable=True) from exc
+        period_of(request.period)
         carried = request.carried
         if carried is None:
             settled = await self._settle(request)

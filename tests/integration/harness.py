@@ -22,6 +22,7 @@ from temporalio.client import Client, WorkflowHandle, WorkflowHistory
 from temporalio.worker import Interceptor, Worker
 
 from activities.stripe_access import StripeAccess, VaultAccess
+from billing import ledger
 from billing.config import BillingSettings
 from billing.customers import CustomerRow, upsert_customers
 from billing.keys import customer_workflow_id
@@ -68,6 +69,13 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 60) 
 
 async def at_least(count: Awaitable[int], n: int) -> bool:
     return await count >= n
+
+
+async def open_period_by_hand(pool: asyncpg.Pool, period: Period | str) -> None:
+    """Record a run of the period as open, as its run's opening does, with no workflow:
+    a customer's claim needs one (ledger.claim)."""
+    async with pool.acquire() as conn:
+        await ledger.open_period(conn, str(period), f"by-hand-{period}")
 
 
 def always_visa(_: int) -> str:
@@ -121,6 +129,9 @@ class Harness:
             id=customer_workflow_id(period, customer_id),
             task_queue=IDLE_QUEUE,
         )
+
+    async def open_period_by_hand(self, period: Period | str) -> None:
+        await open_period_by_hand(self.pool, period)
 
     async def seed(
         self, count: int, card_for: Callable[[int], str] = always_visa, prefix: str = "cust"

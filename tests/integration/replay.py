@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 from temporalio.client import WorkflowHistory
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer, UnsandboxedWorkflowRunner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
+from billing.data_converter import DATA_CONVERTER
 from worker import WORKFLOWS
 
 HISTORIES = Path(__file__).resolve().parent.parent / "histories"
@@ -29,7 +29,7 @@ async def replay(histories: Iterable[WorkflowHistory]) -> None:
     for unsandboxed_runner in (UnsandboxedWorkflowRunner(), SandboxedWorkflowRunner()):
         replayer = Replayer(
             workflows=WORKFLOWS,
-            data_converter=pydantic_data_converter,
+            data_converter=DATA_CONVERTER,
             unsandboxed_workflow_runner=unsandboxed_runner,
         )
         await replayer.replay_workflows(each(), raise_on_replay_failure=True)

@@ -36,6 +36,7 @@ from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
 from workflows.billing_period import BillingPeriodWorkflow
 from workflows.customer_charge import CustomerChargeWorkflow
+from workflows.identity import WRONG_WORKFLOW_ID
 
 PERIOD = Period(2026, 12)
 UNHANDLED_COMMAND = WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_UNHANDLED_COMMAND
@@ -174,6 +175,9 @@ async def test_duplicate_child_start_races_with_the_period(harness: Harness) -> 
     # Stripe answers late, so the period starts its children while the one started by hand
     # is still charging.
     await harness.set_faults(latency_ms=2000)
+    # A run of the period opened it before (its workflow since terminated, say): a customer's
+    # charge is only ever made for a period a run has open.
+    await harness.open_period_by_hand(PERIOD)
     async with harness.running_worker():
         # Someone starts one customer's child by hand, with the deterministic ID, first.
         child = await harness.client.start_workflow(
@@ -197,6 +201,21 @@ async def test_duplicate_child_start_races_with_the_period(harness: Harness) -> 
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
+async def _fails_by_hand(
+    harness: Harness, request: CustomerChargeInput, workflow_id: str
+) -> ApplicationError:
+    """Start the customer's workflow on its own, as Temporal's CLI or Web UI would; its
+    failure, which it must end in at once."""
+    child = await harness.client.start_workflow(
+        CustomerChargeWorkflow.run, request, id=workflow_id, task_queue=harness.task_queue
+    )
+    with pytest.raises(WorkflowFailureError) as failed:
+        await asyncio.wait_for(child.result(), timeout=30)
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError) and cause.non_retryable, cause
+    return cause
+
+
 @pytest.mark.parametrize(
     ("period", "customer_id", "named"),
     [
@@ -211,20 +230,71 @@ async def test_a_customer_workflow_started_by_hand_with_bad_input_fails_at_once(
     a malformed period or id fails, saying which, instead of retrying for ever."""
     await harness.seed(1)
     async with harness.running_worker():
-        child = await harness.client.start_workflow(
-            CustomerChargeWorkflow.run,
-            CustomerChargeInput(period=period, customer_id=customer_id),
-            id=f"by-hand-{period}",
-            task_queue=harness.task_queue,
+        cause = await _fails_by_hand(
+            harness, CustomerChargeInput(period=period, customer_id=customer_id), "by-hand"
         )
-        with pytest.raises(WorkflowFailureError) as failed:
-            await asyncio.wait_for(child.result(), timeout=30)
-    # A local activity's final failure is the workflow's cause as it is, not wrapped.
-    cause = failed.value.cause
-    assert isinstance(cause, ApplicationError) and named in cause.message, cause
+    assert named in cause.message, cause
     assert await harness.money_requests() == 0
     async with harness.pool.acquire() as conn:
         assert await conn.fetchval("SELECT count(*) FROM billing_runs") == 0
+
+
+@pytest.mark.parametrize("run_before", [False, True], ids=["never-opened", "completed"])
+async def test_a_customer_workflow_started_by_hand_outside_a_run_charges_nothing(
+    harness: Harness, run_before: bool
+) -> None:
+    """A CustomerChargeWorkflow started on its own, under the customer's own workflow ID, for
+    a period no run has open (none ever, or its run completed before the customer was
+    imported) would charge outside any run: no pause or cancel reaches it, no vault key
+    caps it, and a worker without the vault charged it (helper-118's F2). It fails, saying
+    so, and leaves no claim."""
+    period = Period(2030, 1)
+    billed = []
+    if run_before:
+        billed = [c.customer_id for c in await harness.seed(1, prefix="early")]
+        async with harness.running_worker():
+            summary = await (
+                await start_period(harness.client, period, harness.task_queue)
+            ).result()
+        assert summary.charged == 1
+    [customer] = await harness.seed(1)
+    async with harness.running_worker():
+        cause = await _fails_by_hand(
+            harness,
+            CustomerChargeInput(period=str(period), customer_id=customer.customer_id),
+            customer_workflow_id(period, customer.customer_id),
+        )
+    assert cause.message == (
+        f"no run of {period} is open, so customer {customer.customer_id!r} is not billed for"
+        f" it: a customer is billed by its period's run (`python starter.py run {period}`),"
+        " not by a CustomerChargeWorkflow started on its own; nothing was charged"
+    )
+    assert [r["customer_id"] for r in await harness.ledger_rows(str(period))] == billed
+    assert await harness.money_requests() == len(billed)
+
+
+async def test_a_customer_workflow_started_under_another_id_fails_before_it_claims(
+    harness: Harness,
+) -> None:
+    """One charge of a customer at a time rests on its workflow ID, as one run of a period
+    does on the period's: a second workflow for the same claim under an ID made up (the Web
+    UI's start form) is refused before its first command."""
+    [customer] = await harness.seed(1)
+    await harness.open_period_by_hand(PERIOD)
+    async with harness.running_worker():
+        cause = await _fails_by_hand(
+            harness,
+            CustomerChargeInput(period=str(PERIOD), customer_id=customer.customer_id),
+            "started-in-the-web-ui",
+        )
+    assert cause.type == WRONG_WORKFLOW_ID
+    assert cause.message == (
+        f"the charge of {customer.customer_id} for {PERIOD} must have the workflow ID"
+        f" {customer_workflow_id(PERIOD, customer.customer_id)}, not 'started-in-the-web-ui':"
+        f" its period's run starts it (`python starter.py run {PERIOD}`)"
+    )
+    assert await harness.ledger_rows(str(PERIOD)) == []
+    assert await harness.money_requests() == 0
 
 
 async def test_response_dropped_after_commit_is_recorded_not_repeated(harness: Harness) -> None:
@@ -406,8 +476,8 @@ async def test_a_child_waiting_long_continues_as_new_and_charges_once(harness: H
     # it continues as new with the same claim, and charges once when the period resumes.
     [customer] = await harness.seed(1)
     period = str(PERIOD)
+    await harness.open_period_by_hand(PERIOD)
     async with harness.pool.acquire() as conn:
-        await ledger.start_period(conn, await ledger.plan_period(conn, period), "by-hand")
         await ledger.set_control(conn, period, "paused", "checking", "alice")
     workflow_id = customer_workflow_id(PERIOD, customer.customer_id)
     request = CustomerChargeInput(
@@ -633,6 +703,7 @@ async def test_a_customer_held_behind_its_old_ids_open_claim_waits_then_is_skipp
     renamed = old.model_copy(update={"customer_id": "renamed-1"})
     await upsert_customers(harness.pool, [renamed])
     old_key = idempotency_key(harness.settings.billing_key_namespace, old.customer_id, PERIOD)
+    await harness.open_period_by_hand(PERIOD)
     async with harness.pool.acquire() as conn:
         await ledger.claim(
             conn, old.customer_id, str(PERIOD), old_key, "run-0", charge_api="charges"

@@ -411,6 +411,7 @@ async def test_legacy_charges_api(harness: Harness) -> None:
 async def test_a_charge_in_doubt_keeps_its_api_when_the_setting_changes(harness: Harness) -> None:
     customers = await harness.seed(3)
     # A worker set to the legacy Charges API claimed and charged them, and lost the answers.
+    await harness.open_period_by_hand(PERIOD)
     async with harness.pool.acquire() as conn:
         for customer in customers:
             key = idempotency_key(

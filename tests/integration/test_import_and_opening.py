@@ -19,6 +19,7 @@ from billing.keys import idempotency_key
 from billing.models import AUTOMATIC, ChargeFailure, ChargeResult, Claim, PeriodPlan
 from billing.periods import parse_period
 from billing.preview import preview_period
+from tests.integration.harness import open_period_by_hand
 
 PERIOD = "2026-12"
 WORKFLOW_ID = "billing-period-2026-12"
@@ -168,6 +169,7 @@ async def _billed_then_renamed(
         sent,
     )
     await db.execute("UPDATE customers SET active = $1 WHERE customer_id = 'c-1'", old_active)
+    await open_period_by_hand(db, PERIOD)
 
 
 async def _due(db: asyncpg.Pool) -> list[str]:

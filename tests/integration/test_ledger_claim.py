@@ -5,13 +5,19 @@ from __future__ import annotations
 import pytest
 
 from billing import ledger
-from billing.errors import UnknownCustomerError
+from billing.errors import PeriodNotOpenError, UnknownCustomerError
 from billing.keys import idempotency_key
 from billing.models import ChargeResult
 from billing.periods import Period
 from tests.integration.harness import Harness
 
 PERIOD = "2026-12"
+
+
+@pytest.fixture(autouse=True)
+async def period_open(harness: Harness) -> None:
+    """A claim is made only in a period a run has open (ledger.claim)."""
+    await harness.open_period_by_hand(PERIOD)
 
 
 def key(customer_id: str, namespace: str = "test") -> str:
@@ -45,6 +51,53 @@ async def test_a_claim_is_inserted_once_and_the_last_run_owns_it_while_open(
     # No run given (a script, the baseline): the row is read, its owner kept.
     assert unowned.claimed_by_run == "run-2"
     assert len(await harness.ledger_rows(PERIOD)) == 1
+
+
+async def test_a_claim_is_made_only_while_a_run_has_its_period_open(harness: Harness) -> None:
+    """A new claim needs a run of its period open (not one never opened, nor one completed);
+    a claim already open goes on to its charge whatever the period's run does since (a
+    terminated child's claim that reconciliation re-drives after the run completed)."""
+    first, second = await harness.seed(2)
+    async with harness.pool.acquire() as conn:
+        with pytest.raises(PeriodNotOpenError, match="no run of 2027-01 is open"):
+            await ledger.claim(
+                conn,
+                first.customer_id,
+                "2027-01",
+                key(first.customer_id),
+                "run-1",
+                charge_api="payment_intents",
+            )
+        opened = await ledger.claim(
+            conn,
+            first.customer_id,
+            PERIOD,
+            key(first.customer_id),
+            "run-1",
+            charge_api="payment_intents",
+        )
+        await ledger.finish_period(conn, PERIOD, "{}")
+        with pytest.raises(PeriodNotOpenError, match=f"no run of {PERIOD} is open"):
+            await ledger.claim(
+                conn,
+                second.customer_id,
+                PERIOD,
+                key(second.customer_id),
+                "run-1",
+                charge_api="payment_intents",
+            )
+        again = await ledger.claim(
+            conn,
+            first.customer_id,
+            PERIOD,
+            key(first.customer_id),
+            "run-2",
+            charge_api="payment_intents",
+        )
+    assert (again.status, again.claimed_by_run) == ("claimed", "run-2")
+    assert again.idempotency_key == opened.idempotency_key
+    assert [r["customer_id"] for r in await harness.ledger_rows(PERIOD)] == [first.customer_id]
+    assert await harness.ledger_rows("2027-01") == []
 
 
 async def test_a_finished_claim_is_returned_as_it_is(harness: Harness) -> None:

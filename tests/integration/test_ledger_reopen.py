@@ -19,6 +19,7 @@ K2 = "vkey_0000000000000002"
 
 async def claimed(harness: Harness, count: int = 1) -> list[Claim]:
     claims = []
+    await harness.open_period_by_hand(PERIOD)
     async with harness.pool.acquire() as conn:
         for customer in await harness.seed(count):
             key = idempotency_key("test", customer.customer_id, PERIOD)

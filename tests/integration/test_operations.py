@@ -86,6 +86,7 @@ from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
 from workflows.billing_period import BillingPeriodWorkflow
+from workflows.identity import WRONG_WORKFLOW_ID
 from workflows.signals import PERIOD_BLOCKED
 
 # The current month: `run` refuses a period long past, so a fixed one would expire.
@@ -307,6 +308,7 @@ async def test_a_rerun_bills_those_the_cancel_never_started_as_they_are_now(
 async def _claim_as_another_run(harness: Harness, customer_id: str, *, send: bool) -> Claim:
     """What a child of a terminated run, left running, did: claim, and maybe send."""
     namespace = harness.settings.billing_key_namespace
+    await harness.open_period_by_hand(PERIOD)
     async with harness.pool.acquire() as conn:
         claim = await ledger.claim(
             conn,
@@ -721,6 +723,7 @@ async def test_preview_names_customers_a_run_would_charge_with_no_payment_method
     # Rows imported before the import required a payment method; one of them already claimed,
     # then imported again with one: its claim still names none.
     customers = await harness.seed(3)
+    await harness.open_period_by_hand(PERIOD)
     async with harness.pool.acquire() as conn:
         await conn.execute(
             "UPDATE customers SET payment_method = NULL WHERE customer_id = ANY($1::text[])",
@@ -1390,10 +1393,10 @@ async def test_a_period_run_started_under_another_id_fails_before_it_opens_anyth
         with pytest.raises(WorkflowFailureError) as failed:
             await by_hand.result()
     cause = failed.value.cause
-    assert isinstance(cause, ApplicationError) and cause.type == "WrongWorkflowId"
+    assert isinstance(cause, ApplicationError) and cause.type == WRONG_WORKFLOW_ID
     assert cause.message == (
         f"a run of {PERIOD} must have the workflow ID {period_workflow_id(PERIOD)}, not"
-        f" started-in-the-web-ui: start it with `python starter.py run {PERIOD}`"
+        f" 'started-in-the-web-ui': start it with `python starter.py run {PERIOD}`"
     )
     async with harness.pool.acquire() as conn:
         opened = await conn.fetchval(

@@ -72,6 +72,7 @@ async def stranded(
     `at_stripe`, committed by Stripe, its answer lost), under the customer's workflow, which
     an operator then terminated (or which still runs, owning the claim)."""
     key = idempotency_key(harness.settings.billing_key_namespace, customer.customer_id, PERIOD)
+    await harness.open_period_by_hand(PERIOD)
     async with harness.pool.acquire() as conn:
         claim = await ledger.claim(
             conn, customer.customer_id, str(PERIOD), key, charge_api="payment_intents"
@@ -1244,6 +1245,7 @@ async def test_a_claim_from_before_its_api_was_recorded_is_found_through_either(
     # lost; the workers now run with PaymentIntents, which refuse the same key.
     [customer] = await harness.seed(1)
     key = idempotency_key(harness.settings.billing_key_namespace, customer.customer_id, PERIOD)
+    await harness.open_period_by_hand(PERIOD)
     async with harness.pool.acquire() as conn:
         claim = await ledger.claim(
             conn, customer.customer_id, str(PERIOD), key, charge_api="charges"

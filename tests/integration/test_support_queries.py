@@ -93,6 +93,7 @@ async def test_a_period_without_the_customers_row_says_where_its_run_is(harness:
     # A claim nothing has finished (its workflow gone): where it is settled.
     later = PERIOD.next()
     namespace = harness.settings.billing_key_namespace
+    await harness.open_period_by_hand(later)
     async with harness.pool.acquire() as conn:
         await ledger.claim(
             conn,
@@ -144,6 +145,7 @@ async def test_a_periods_failures_are_grouped_by_stripes_code(harness: Harness) 
         ),
     }
     namespace = harness.settings.billing_key_namespace
+    await harness.open_period_by_hand(later)
     async with harness.pool.acquire() as conn:
         for customer_id, failure in failed.items():
             key = idempotency_key(namespace, customer_id, later)

@@ -1,0 +1,74 @@
+"""The data converter of every client, worker and replayer: pydantic's, except that a
+workflow input its model refuses fails the workflow, not its task.
+
+The SDK turns a payload that cannot be decoded into a failed workflow task, retried for as
+long as the workflow lives: right for a result a new deploy will read, wrong for a workflow
+started by hand (Temporal's CLI or Web UI) with a field its model forbids, which would hold
+its ID (a period's, a customer's) doing nothing. A FailureError from decoding fails the
+workflow instead, so that is what a refused `WorkflowInput` raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+from temporalio.api.common.v1 import Payload
+from temporalio.contrib.pydantic import PydanticPayloadConverter
+from temporalio.converter import DataConverter
+from temporalio.exceptions import ApplicationError
+
+from billing.models import WorkflowInput
+
+INVALID_WORKFLOW_INPUT = "InvalidWorkflowInput"
+# Problems named in the failure; the rest are counted.
+PROBLEMS_SHOWN = 5
+
+
+class RefusedWorkflowInputError(ApplicationError):
+    """A workflow input its model refuses: in a worker it fails the workflow; a client
+    reading one (a schedule's arguments) gets it in place of pydantic's ValidationError."""
+
+    def __init__(self, model: type[WorkflowInput], exc: ValidationError) -> None:
+        super().__init__(
+            f"the workflow's input is not a valid {model.__name__}: {problems(exc)};"
+            " nothing was done",
+            type=INVALID_WORKFLOW_INPUT,
+            non_retryable=True,
+        )
+
+
+class BillingPayloadConverter(PydanticPayloadConverter):
+    def from_payloads(
+        self, payloads: Sequence[Payload], type_hints: list[type] | None = None
+    ) -> list[Any]:
+        try:
+            return super().from_payloads(payloads, type_hints)
+        except ValidationError as exc:
+            refused = next(
+                (
+                    t
+                    for t in type_hints or ()
+                    if isinstance(t, type) and issubclass(t, WorkflowInput)
+                ),
+                None,
+            )
+            if refused is None:
+                raise
+            raise RefusedWorkflowInputError(refused, exc) from None
+
+
+def problems(exc: ValidationError) -> str:
+    """Where and what, without the values given (a value may be anything, a secret too)."""
+    errors = exc.errors(include_url=False, include_input=False)
+    shown = [
+        f"{'.'.join(str(part) for part in e['loc']) or 'the input'}: {e['msg']}"
+        for e in errors[:PROBLEMS_SHOWN]
+    ]
+    if len(errors) > PROBLEMS_SHOWN:
+        shown.append(f"and {len(errors) - PROBLEMS_SHOWN} more")
+    return "; ".join(shown)
+
+
+DATA_CONVERTER = DataConverter(payload_converter_class=BillingPayloadConverter)

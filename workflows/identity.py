@@ -1,0 +1,33 @@
+"""What a billing workflow checks of itself before its first command."""
+
+from temporalio import workflow
+from temporalio.exceptions import ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from billing.data_converter import INVALID_WORKFLOW_INPUT
+    from billing.errors import InvalidInputError, shown
+    from billing.periods import Period, parse_period
+
+WRONG_WORKFLOW_ID = "WrongWorkflowId"
+
+
+def period_of(text: str) -> Period:
+    """The input's period, or a failure of the workflow (not of its task) that names it."""
+    try:
+        return parse_period(text)
+    except InvalidInputError as exc:
+        raise ApplicationError(str(exc), type=INVALID_WORKFLOW_INPUT, non_retryable=True) from None
+
+
+def require_id(expected: str, what: str, started_by: str) -> None:
+    """Fail unless this run's workflow ID is `expected`: one run of a period, and one charge
+    of a customer in it, at a time rest on deterministic IDs, which a run started by hand under
+    another (the Web UI's start form, `temporal workflow start` without an ID) would bypass.
+    Called before any command, so no recorded history differs."""
+    actual = workflow.info().workflow_id
+    if actual != expected:
+        raise ApplicationError(
+            f"{what} must have the workflow ID {expected}, not {shown(actual, 80)}: {started_by}",
+            type=WRONG_WORKFLOW_ID,
+            non_retryable=True,
+        )
