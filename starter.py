@@ -276,7 +276,12 @@ async def _wait_and_report(
         if concern is not None and concern != told:
             print(f"warning: {concern}", file=sys.stderr)
         told = concern
-    summary = result.result()
+    try:
+        summary = result.result()
+    except WorkflowFailureError:
+        # Told as `status` tells it (RunEndedError): how it ended, as JSON too with --json.
+        await period_status(client, args.period)
+        raise
     _emit(summary, args.json, describe(summary) + f"\n  {ui_link(temporal, handle.id)}")
     return 0
 

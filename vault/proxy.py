@@ -206,9 +206,13 @@ async def _proxy(
     except HeldUpError as held:
         assert reservation is not None
         raise await _held_up(state, reservation, held.held_up, record) from None
-    except (aiohttp.ClientError, TimeoutError) as failure:
+    except Exception as failure:
+        # The request may or may not have gone out, whatever failed: settled unknown, not left
+        # pending, or the retry would be refused as in flight and the cap would hold it.
         if reservation is not None and reservation.owned:
             record.reservation_state = await _settle(state, reservation, "unknown", None)
+        if not isinstance(failure, aiohttp.ClientError | TimeoutError):
+            raise  # the vault's own failure (a header aiohttp refuses, a bug): a 500 (handle)
         timed_out = isinstance(failure, TimeoutError)
         logger.warning(
             "upstream gave no answer to %s (key %s): %s", endpoint, grant.id, type(failure).__name__

@@ -1353,6 +1353,27 @@ async def test_status_of_a_period_temporal_no_longer_holds_comes_from_the_ledger
     assert PeriodProgress.model_validate_json(out).state == "not_started"
 
 
+async def test_run_wait_json_says_how_a_run_that_ended_early_ended(harness: Harness) -> None:
+    """A script waiting on `run --wait --json` reads how the run ended from stdout when it
+    did not complete, as from `status --json`, not only from stderr's words."""
+    await harness.seed(3)
+    await harness.set_faults(latency_ms=2000)
+    async with harness.running_worker():
+        waiting = asyncio.create_task(harness.starter("run", str(PERIOD), "--wait", "--json"))
+        handle = harness.client.get_workflow_handle(period_workflow_id(PERIOD))
+
+        async def charging() -> bool:
+            return (await period_status(harness.client, PERIOD)).in_flight > 0
+
+        await eventually(charging)
+        await handle.terminate(reason="by hand")
+        code, out, err = await waiting
+    assert code == 3 and f"the run of {PERIOD} ended terminated (by hand)" in err, err
+    assert EndedRun.model_validate_json(out) == EndedRun(
+        period=str(PERIOD), workflow_id=period_workflow_id(PERIOD), state="terminated"
+    )
+
+
 async def test_status_of_a_run_that_ended_early_says_why_and_exits_3(harness: Harness) -> None:
     await harness.seed(1)
     handle = await start_period(harness.client, PERIOD, harness.task_queue)

@@ -32,6 +32,7 @@ from vault.reservations import Charge
 from .conftest import Issue, Secrets
 from .support import (
     ADMIN_TOKEN,
+    UPSTREAM_SECRET,
     assert_consistent,
     charge,
     charge_in_doubt,
@@ -441,6 +442,36 @@ async def test_upstream_timeout_is_unknown_and_a_later_replay_commits(
                 await asyncio.sleep(0.1)
     assert await _states(db, key.id) == {"slow": "committed"}
     assert (await assert_consistent(db, key.id))["spent_cents"] == 900
+
+
+async def test_a_forward_that_fails_in_the_vault_leaves_the_reservation_unknown(
+    vault_settings: VaultSettings,
+    emulator: RunningEmulator,
+    customer: str,
+    db: asyncpg.Pool,
+    issue: Issue,
+) -> None:
+    """A forward that fails for a reason neither Stripe's nor the network's (here a header
+    aiohttp refuses to send; a bug would do the same) may or may not have gone out: the
+    reservation is settled unknown, not left pending, so the retry is not refused as in
+    flight and the cap does not hold the amount against it. Before, it stayed pending."""
+    key = await issue()
+    refused_header = vault_settings.model_copy(
+        update={"upstream_stripe_secret": SecretStr(UPSTREAM_SECRET + "\n")}
+    )
+    async with serve(refused_header) as vault, aiohttp.ClientSession() as session:
+        client = via_vault(key.secret.get_secret_value(), vault.url, session)
+        with pytest.raises(stripe.APIError) as failed:
+            await charge(client, customer, 900, "refused-header")
+    assert failed.value.http_status == 500
+    assert "retry with the same Idempotency-Key" in str(failed.value)
+    assert await _states(db, key.id) == {"refused-header": "unknown"}
+    async with serve(vault_settings) as vault, aiohttp.ClientSession() as session:
+        client = via_vault(key.secret.get_secret_value(), vault.url, session)
+        await charge(client, customer, 900, "refused-header")
+    assert await _states(db, key.id) == {"refused-header": "committed"}
+    assert (await assert_consistent(db, key.id))["spent_cents"] == 900
+    assert len(await emulator_ledger(emulator)) == 1
 
 
 async def test_a_reservation_left_pending_by_a_stopped_vault_is_taken_over_once_stale(
