@@ -7,7 +7,7 @@ import pytest
 from billing import ledger
 from billing.errors import PeriodNotOpenError, UnknownCustomerError
 from billing.keys import idempotency_key
-from billing.models import ChargeResult
+from billing.models import ChargeResult, Claim
 from billing.periods import Period
 from tests.integration.harness import Harness
 
@@ -57,46 +57,24 @@ async def test_a_claim_is_made_only_while_a_run_has_its_period_open(harness: Har
     """A new claim needs a run of its period open (not one never opened, nor one completed);
     a claim already open goes on to its charge whatever the period's run does since (a
     terminated child's claim that reconciliation re-drives after the run completed)."""
-    first, second = await harness.seed(2)
+    first, second = (c.customer_id for c in await harness.seed(2))
+
+    async def claim(customer_id: str, period: str, run: str) -> Claim:
+        return await ledger.claim(
+            conn, customer_id, period, key(customer_id), run, charge_api="payment_intents"
+        )
+
     async with harness.pool.acquire() as conn:
         with pytest.raises(PeriodNotOpenError, match="no run of 2027-01 is open"):
-            await ledger.claim(
-                conn,
-                first.customer_id,
-                "2027-01",
-                key(first.customer_id),
-                "run-1",
-                charge_api="payment_intents",
-            )
-        opened = await ledger.claim(
-            conn,
-            first.customer_id,
-            PERIOD,
-            key(first.customer_id),
-            "run-1",
-            charge_api="payment_intents",
-        )
+            await claim(first, "2027-01", "run-1")
+        opened = await claim(first, PERIOD, "run-1")
         await ledger.finish_period(conn, PERIOD, "{}")
         with pytest.raises(PeriodNotOpenError, match=f"no run of {PERIOD} is open"):
-            await ledger.claim(
-                conn,
-                second.customer_id,
-                PERIOD,
-                key(second.customer_id),
-                "run-1",
-                charge_api="payment_intents",
-            )
-        again = await ledger.claim(
-            conn,
-            first.customer_id,
-            PERIOD,
-            key(first.customer_id),
-            "run-2",
-            charge_api="payment_intents",
-        )
+            await claim(second, PERIOD, "run-1")
+        again = await claim(first, PERIOD, "run-2")
     assert (again.status, again.claimed_by_run) == ("claimed", "run-2")
     assert again.idempotency_key == opened.idempotency_key
-    assert [r["customer_id"] for r in await harness.ledger_rows(PERIOD)] == [first.customer_id]
+    assert [r["customer_id"] for r in await harness.ledger_rows(PERIOD)] == [first]
     assert await harness.ledger_rows("2027-01") == []
 
 
