@@ -68,7 +68,7 @@ with workflow.unsafe.imports_passed_through():
     from billing.periods import parse_period
     from billing.redact import shown_line
     from workflows.customer_charge import CustomerChargeWorkflow
-    from workflows.identity import period_of, require_id
+    from workflows.identity import checked, require_id
     from workflows.signals import PERIOD_BLOCKED, PERIOD_CONTROL
 
 ACTIVITY_TIMEOUT = timedelta(seconds=60)
@@ -165,7 +165,7 @@ class BillingPeriodWorkflow:
         self._pauses_continue = workflow.patched(PAUSES_CONTINUE)
         self._listing_bounded = workflow.patched(LISTING_CONTINUES)
         self._temporal_cancel_is_a_cancel = workflow.patched(TEMPORAL_CANCEL_IS_A_CANCEL)
-        parsed = period_of(self._state.period)
+        parsed = checked(parse_period, self._state.period)
         period = str(parsed)
         require_id(
             period_workflow_id(parsed),

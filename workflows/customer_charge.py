@@ -13,12 +13,11 @@ with workflow.unsafe.imports_passed_through():
     from activities.charging import HELD, PAUSED, SLOT_AHEAD, BillRequest, ChargingActivities
     from activities.stripe_failures import PERIOD_BLOCKERS
     from billing import search_attributes
-    from billing.data_converter import INVALID_WORKFLOW_INPUT
-    from billing.errors import InvalidInputError
     from billing.keys import customer_workflow_id, validate_customer_id
     from billing.models import ChargeFailure, CustomerChargeInput, CustomerOutcome
+    from billing.periods import parse_period
     from billing.rate_limit import Slot
-    from workflows.identity import period_of, require_id
+    from workflows.identity import checked, require_id
     from workflows.signals import PERIOD_BLOCKED, PERIOD_CONTROL
 
 # Stripe's own timeout is 30 s, plus a short wait for a Stripe slot, an old claim's lookup
@@ -62,13 +61,8 @@ class CustomerChargeWorkflow:
 
     @workflow.run
     async def run(self, request: CustomerChargeInput) -> CustomerOutcome:
-        period = period_of(request.period)
-        try:
-            customer_id = validate_customer_id(request.customer_id)
-        except InvalidInputError as exc:
-            raise ApplicationError(
-                str(exc), type=INVALID_WORKFLOW_INPUT, non_retryable=True
-            ) from None
+        period = checked(parse_period, request.period)
+        customer_id = checked(validate_customer_id, request.customer_id)
         require_id(
             customer_workflow_id(period, customer_id),
             f"the charge of {customer_id} for {period}",

@@ -1,20 +1,25 @@
 """What a billing workflow checks of itself before its first command."""
 
+from collections.abc import Callable
+from typing import TypeVar
+
 from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from billing.data_converter import INVALID_WORKFLOW_INPUT
     from billing.errors import InvalidInputError, shown
-    from billing.periods import Period, parse_period
 
 WRONG_WORKFLOW_ID = "WrongWorkflowId"
 
+T = TypeVar("T")
 
-def period_of(text: str) -> Period:
-    """The input's period, or a failure of the workflow (not of its task) that names it."""
+
+def checked(check: Callable[[str], T], text: str) -> T:
+    """`check(text)` (a period parsed, an id validated), or a failure of the workflow, not of
+    its task, that says what was wrong."""
     try:
-        return parse_period(text)
+        return check(text)
     except InvalidInputError as exc:
         raise ApplicationError(str(exc), type=INVALID_WORKFLOW_INPUT, non_retryable=True) from None
 

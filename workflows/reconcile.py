@@ -44,7 +44,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from billing.redact import redact
     from workflows.customer_charge import CustomerChargeWorkflow
-    from workflows.identity import period_of
+    from workflows.identity import checked
 
 ACTIVITY_TIMEOUT = timedelta(seconds=60)
 PAGE_TIMEOUT = timedelta(minutes=10)
@@ -63,7 +63,7 @@ RETRY = RetryPolicy(
 class ReconcileWorkflow:
     @workflow.run
     async def run(self, request: ReconcileInput) -> ReconcileReport:
-        period_of(request.period)
+        checked(parse_period, request.period)
         carried = request.carried
         if carried is None:
             settled = await self._settle(request)
