@@ -108,7 +108,9 @@ from billing.reporting import (
 )
 from billing.runs import (
     awaits_a_worker,
+    ended_as,
     period_status,
+    run_ended,
     start_period,
     start_reconcile,
     status_from_ledger,
@@ -278,10 +280,9 @@ async def _wait_and_report(
         told = concern
     try:
         summary = result.result()
-    except WorkflowFailureError:
-        # Told as `status` tells it (RunEndedError): how it ended, as JSON too with --json.
-        await period_status(client, args.period)
-        raise
+    except WorkflowFailureError as exc:
+        # Told as `status` tells it: how the run waited on ended, as JSON too with --json.
+        raise run_ended(args.period, handle.id, ended_as(exc), exc) from None
     _emit(summary, args.json, describe(summary) + f"\n  {ui_link(temporal, handle.id)}")
     return 0
 

@@ -20,10 +20,13 @@ from temporalio.converter import DataConverter
 from temporalio.exceptions import ApplicationError
 
 from billing.models import WorkflowInput
+from billing.redact import shown_line
 
 INVALID_WORKFLOW_INPUT = "InvalidWorkflowInput"
 # Problems named in the failure; the rest are counted.
 PROBLEMS_SHOWN = 5
+# Characters of a location's part shown (four times that of a problem's message).
+PART_SHOWN = 40
 
 
 class RefusedWorkflowInputError(ApplicationError):
@@ -60,15 +63,24 @@ class BillingPayloadConverter(PydanticPayloadConverter):
 
 
 def problems(exc: ValidationError) -> str:
-    """Where and what, without the values given (a value may be anything, a secret too)."""
+    """Where and what, without the values given (a value may be anything, a secret too). A
+    location is the caller's own text where it names a field the model forbids or a dict's
+    key, so each part is redacted and cut, as is the whole."""
     errors = exc.errors(include_url=False, include_input=False)
     shown = [
-        f"{'.'.join(str(part) for part in e['loc']) or 'the input'}: {e['msg']}"
+        f"{'.'.join(_cut(str(part), PART_SHOWN) for part in e['loc']) or 'the input'}:"
+        f" {_cut(e['msg'], PART_SHOWN * 4)}"
         for e in errors[:PROBLEMS_SHOWN]
     ]
     if len(errors) > PROBLEMS_SHOWN:
         shown.append(f"and {len(errors) - PROBLEMS_SHOWN} more")
-    return "; ".join(shown)
+    return _cut("; ".join(shown), PART_SHOWN * 25)
+
+
+def _cut(text: str, limit: int) -> str:
+    # Redacted before the cut, so that a cut key is still found whole.
+    text = shown_line(text)
+    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 DATA_CONVERTER = DataConverter(payload_converter_class=BillingPayloadConverter)

@@ -20,6 +20,8 @@ from temporalio.common import (
     WorkflowIDConflictPolicy,
     WorkflowIDReusePolicy,
 )
+from temporalio.exceptions import CancelledError, TerminatedError
+from temporalio.exceptions import TimeoutError as TemporalTimeoutError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.types import MethodAsyncSingleParam, SelfType
 
@@ -183,17 +185,37 @@ async def period_status(client: Client, period: Period) -> PeriodProgress:
     if status in (WorkflowExecutionStatus.COMPLETED, WorkflowExecutionStatus.CONTINUED_AS_NEW):
         return _progress(await handle.result())
     state = status.name.lower() if status else "unknown"
-    why = ""
     try:
         await handle.result(follow_runs=False)
     except WorkflowFailureError as exc:
-        why = f" ({failure_chain(exc.cause)})"
-    raise RunEndedError(
+        raise run_ended(period, workflow_id, state, exc) from None
+    raise run_ended(period, workflow_id, state, None)
+
+
+def run_ended(
+    period: Period, workflow_id: str, state: str, failure: WorkflowFailureError | None
+) -> RunEndedError:
+    """How a run of the period that gave no summary ended (`state`, as Temporal names its
+    status), with what ended it."""
+    why = f" ({failure_chain(failure.cause)})" if failure is not None else ""
+    return RunEndedError(
         f"the run of {period} ended {state}{why}: see {workflow_id} in the Web UI",
         period=str(period),
         workflow_id=workflow_id,
         state=state,
     )
+
+
+def ended_as(failure: WorkflowFailureError) -> str:
+    """The status a run's failure leaves it in, named as period_status names it."""
+    cause = failure.cause
+    if isinstance(cause, TerminatedError):
+        return "terminated"
+    if isinstance(cause, CancelledError):
+        return "canceled"
+    if isinstance(cause, TemporalTimeoutError):
+        return "timed_out"
+    return "failed"
 
 
 async def drain(client: Client, task_queue: str, timeout: float = 120.0) -> bool:

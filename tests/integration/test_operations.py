@@ -3,6 +3,7 @@ filters on, against the real dev server."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -56,8 +57,9 @@ from temporalio.workflow import ChildWorkflowHandle
 import starter
 from activities.period import PeriodActivities
 from billing import ledger, operations, schedules, search_attributes
+from billing.config import TemporalSettings
 from billing.customers import upsert_customers
-from billing.errors import BillingError, InvalidInputError, NoWorkerError
+from billing.errors import BillingError, InvalidInputError, NoWorkerError, RunEndedError
 from billing.keys import (
     customer_workflow_id,
     idempotency_key,
@@ -1372,6 +1374,30 @@ async def test_run_wait_json_says_how_a_run_that_ended_early_ended(harness: Harn
     assert EndedRun.model_validate_json(out) == EndedRun(
         period=str(PERIOD), workflow_id=period_workflow_id(PERIOD), state="terminated"
     )
+
+
+async def test_run_wait_tells_how_the_run_it_waited_on_ended_when_another_has_started(
+    harness: Harness,
+) -> None:
+    """The period run again between the end of the run waited on and the report (a
+    schedule's firing, another operator's `run`): the report is of the run waited on, not
+    of the period's latest run, which is running."""
+    await harness.seed(3)
+    await harness.set_faults(latency_ms=1500)
+    async with harness.running_worker():
+        first = await start_period(harness.client, PERIOD, harness.task_queue)
+        first_run = (await first.describe()).run_id
+        await first.terminate(reason="by hand")
+        again = await start_period(harness.client, PERIOD, harness.task_queue)
+        waited = harness.client.get_workflow_handle(
+            first.id, run_id=first_run, result_type=PeriodSummary
+        )
+        args = argparse.Namespace(period=PERIOD, json=True)
+        with pytest.raises(RunEndedError) as ended:
+            await starter._wait_and_report(harness.client, waited, args, TemporalSettings())
+        await again.result()
+    assert (ended.value.state, ended.value.workflow_id) == ("terminated", first.id)
+    assert f"the run of {PERIOD} ended terminated (by hand)" in str(ended.value)
 
 
 async def test_status_of_a_run_that_ended_early_says_why_and_exits_3(harness: Harness) -> None:

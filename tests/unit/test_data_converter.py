@@ -1,0 +1,54 @@
+"""What a refused workflow input's failure says: it lands in the run's history (the Web UI,
+`temporal workflow show`, the starter's error), so it shows nothing the input carried, and
+stays short whatever the input. A field the model forbids, or a dict's key, is named by the
+caller's own text, which pydantic's `include_input=False` does not hide."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from billing.data_converter import RefusedWorkflowInputError
+from billing.models import BillingPeriodInput, CustomerChargeInput, WorkflowInput
+
+KEY = "sk_live_" + "A1b2C3d4E5f6G7h8I9j0K1l2"
+
+
+def _refusal(model: type[WorkflowInput], payload: dict[str, Any]) -> str:
+    with pytest.raises(ValidationError) as refused:
+        model.model_validate(payload)
+    return RefusedWorkflowInputError(model, refused.value).message
+
+
+@pytest.mark.parametrize(
+    ("model", "payload"),
+    [
+        pytest.param(
+            CustomerChargeInput,
+            {"period": "2026-12", "customer_id": "cust-1", KEY: "stripe_key"},
+            id="a-forbidden-fields-name",
+        ),
+        pytest.param(
+            BillingPeriodInput,
+            {
+                "period": "2026-12",
+                "state": {"period": "2026-12", "counts": {"charged_by_currency": {KEY: "x"}}},
+            },
+            id="a-dict-key",
+        ),
+    ],
+)
+def test_a_key_given_as_a_name_is_not_shown(
+    model: type[WorkflowInput], payload: dict[str, Any]
+) -> None:
+    message = _refusal(model, payload)
+    assert KEY not in message and "[redacted key]" in message, message
+
+
+def test_the_message_is_bounded_whatever_the_names() -> None:
+    payload = {"period": "2026-12", **{f"f{n}_" + "x" * 20_000: 1 for n in range(5)}}
+    message = _refusal(BillingPeriodInput, payload)
+    assert len(message) < 1_200, len(message)
+    assert message.startswith("the workflow's input is not a valid BillingPeriodInput: f0_xxx")
