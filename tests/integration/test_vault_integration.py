@@ -657,7 +657,8 @@ async def test_a_period_past_the_worker_budget_charges_nothing_and_says_why(
         code, out, err = await vaulted.starter("run", str(PERIOD), "--wait")
     assert (code, out) == (3, ""), err
     assert err.startswith(
-        "error: the workflow failed: its activity prepare_period failed: no vault key for"
+        f"error: the run of {PERIOD} ended failed (its activity prepare_period failed: no"
+        " vault key for"
     )
     assert "VAULT_WORKER_BUDGET_CENTS" in err and "Traceback" not in err
     assert isinstance(failed.value.cause, ActivityError)
