@@ -496,8 +496,8 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
     if args.schedule_command == "create":
         _check_create_flags(args)
     defaults = schedules.MonthlySchedule()
-    if reconcile and args.id == schedules.DEFAULT_SCHEDULE_ID:
-        args.id = schedules.RECONCILE_SCHEDULE_ID
+    if args.id is None:
+        args.id = schedules.RECONCILE_SCHEDULE_ID if reconcile else schedules.DEFAULT_SCHEDULE_ID
     config = (
         schedules.MonthlySchedule(
             schedule_id=args.id,
@@ -525,7 +525,7 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
     ours = await schedules.our_schedule(client, args.id)
     if args.schedule_command == "describe":
         print(schedules.describe(ours, await schedules.launch_input(client, ours)))
-        _warn_missed(args.id, await schedules.missed_launches(client, args.id))
+        await _warn_missed(args.id, await schedules.missed_launches(client, args.id))
     elif args.schedule_command in ("pause", "unpause") and ours.schedule.state.paused == (
         args.schedule_command == "pause"
     ):
@@ -539,15 +539,23 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
     elif args.schedule_command == "unpause":
         await handle.unpause(note=_note(args))
         print(f"unpaused schedule {args.id}")
-        _warn_missed(args.id, await schedules.missed_launches(client, args.id))
+        await _warn_missed(args.id, await schedules.missed_launches(client, args.id))
     elif args.schedule_command == "trigger":
         async with _ledger() as conn:
-            period = await schedules.trigger(client, conn, args.id)
+            period = await schedules.trigger(
+                client, conn, args.id, early=args.early, while_paused=args.while_paused
+            )
         print(f"triggered schedule {args.id}" + (f": it bills {period}" if period else ""))
     elif args.schedule_command == "backfill":
         async with _ledger() as conn:
             done = await schedules.backfill(
-                client, conn, args.id, args.start, args.end, late=args.late
+                client,
+                conn,
+                args.id,
+                args.start,
+                args.end,
+                late=args.late,
+                while_paused=args.while_paused,
             )
         print(
             f"backfilling {len(done.launches)} launches, {args.start} to {args.end}: "
@@ -658,7 +666,23 @@ async def _following(
     )
 
 
-def _warn_missed(schedule_id: str, missed: list[schedules.Missed]) -> None:
+async def _warn_missed(schedule_id: str, missed: list[schedules.Missed]) -> None:
+    """Name the times the schedule launched nothing at, and the months left unbilled: a
+    month whose run completed since (billed by hand) is only noted, as backfill refuses it."""
+    periods = [str(m.period) for m in missed if m.period is not None]
+    billed: list[str] = []
+    if periods:
+        async with _ledger() as conn:
+            billed = await ledger.periods_run(conn, periods, completed=True)
+    done = [m for m in missed if str(m.period) in billed]
+    if done:
+        print(
+            f"note: {schedule_id} launched nothing at "
+            + ", ".join(m.at.isoformat() for m in done)
+            + f", and their months have completed runs since (by hand?): {', '.join(billed)}",
+            file=sys.stderr,
+        )
+    missed = [m for m in missed if str(m.period) not in billed]
     if not missed:
         return
     print(
@@ -669,13 +693,13 @@ def _warn_missed(schedule_id: str, missed: list[schedules.Missed]) -> None:
         + ", ".join(m.at.isoformat() for m in missed),
         file=sys.stderr,
     )
-    periods = [m.period for m in missed if m.period is not None]
-    if periods:
+    unbilled = [m.period for m in missed if m.period is not None]
+    if unbilled:
         print(
-            f"  unbilled by it: {', '.join(map(str, periods))}; to bill them:"
+            f"  unbilled by it: {', '.join(map(str, unbilled))}; to bill them:"
             f" python starter.py schedule backfill --id {schedule_id}"
-            f" --start {periods[0]} --end {periods[-1]}"
-            + (" --late" if is_late(periods[0], datetime.now(UTC)) else ""),
+            f" --start {unbilled[0]} --end {unbilled[-1]}"
+            + (" --late" if is_late(unbilled[0], datetime.now(UTC)) else ""),
             file=sys.stderr,
         )
 
@@ -949,17 +973,35 @@ def parser() -> argparse.ArgumentParser:
         ("describe", "show the schedule, its next and recent runs"),
         ("pause", "stop firing"),
         ("unpause", "fire again"),
-        ("trigger", "fire now (bills the period the schedule would bill now)"),
+        (
+            "trigger",
+            "fire now (bills the period the schedule would bill now, once its firing is past)",
+        ),
         ("backfill", "run missed periods"),
         ("delete", "delete the schedule (runs already started go on)"),
     ):
         sub = schedule_commands.add_parser(name, help=text)
         sub.add_argument(
-            "--id", type=_schedule_id, default=schedules.DEFAULT_SCHEDULE_ID, help="schedule id"
+            "--id",
+            type=_schedule_id,
+            help=f"schedule id (default {schedules.DEFAULT_SCHEDULE_ID};"
+            f" {schedules.RECONCILE_SCHEDULE_ID} for create --reconcile)",
         )
         sub.set_defaults(handler=cmd_schedule)
         if name in ("pause", "unpause"):
             sub.add_argument("--note", default=None)
+        if name in ("trigger", "backfill"):
+            sub.add_argument(
+                "--while-paused",
+                action="store_true",
+                help="launch even though the schedule is paused (refused otherwise)",
+            )
+        if name == "trigger":
+            sub.add_argument(
+                "--early",
+                action="store_true",
+                help="bill the month now, though the schedule's own firing for it is ahead",
+            )
         if name == "backfill":
             sub.add_argument("--start", type=_period, required=True, help="first period")
             sub.add_argument("--end", type=_period, required=True, help="last period")

@@ -52,7 +52,7 @@ from billing.periods import (
     period_range,
     run_command,
 )
-from billing.redact import SECRET_RE, one_line
+from billing.redact import SECRET_RE, one_line, shown_line
 from billing.temporal_client import workflow_status
 
 Overlap = Literal[
@@ -323,12 +323,14 @@ async def backfill(
     last: Period,
     *,
     late: bool = False,
+    while_paused: bool = False,
 ) -> Backfill:
     """Run the schedule for each period from `first` to `last`, all now. Refused if one is
     still ahead, or none falls in the window, or (billing, unless `late`) one is long past, as
     `run` refuses it, or every period in it has a completed run: the launches would start
-    nothing."""
-    _, request = await launcher_of(client, schedule_id)
+    nothing; and, unless `while_paused`, while the schedule is paused."""
+    description, request = await launcher_of(client, schedule_id)
+    _check_not_paused(description, "backfill", while_paused=while_paused)
     completed: list[str] = []
     if request.action == "bill":
         # Later periods are refused below, by their launch times.
@@ -350,8 +352,7 @@ async def backfill(
     if ahead:
         # A backfill starts every launch at once, now: a later one would bill before its time.
         raise InvalidInputError(
-            f"the schedule bills {_billed_at(ahead[0], request)} on {ahead[0].isoformat()},"
-            " not yet: backfill only periods whose launch is past"
+            f"{_not_yet(ahead[0], request)}: backfill only periods whose launch is past"
         )
     # Each period is its own workflow: backfilled months run side by side.
     await client.get_schedule_handle(schedule_id).backfill(
@@ -360,23 +361,62 @@ async def backfill(
     return Backfill(launches=launches, completed=completed)
 
 
-async def trigger(client: Client, conn: asyncpg.Connection, schedule_id: str) -> Period | None:
+async def trigger(
+    client: Client,
+    conn: asyncpg.Connection,
+    schedule_id: str,
+    *,
+    early: bool = False,
+    while_paused: bool = False,
+) -> Period | None:
     """Fire the schedule now; returns the period it bills (None for a reconciliation).
     Never dropped by its overlap policy, as a firing is while an earlier launch is still open:
     a launch starts (or joins) its period's one workflow, so two at once bill each customer
-    once. Refused when that period's run has completed: the launch would start nothing."""
-    _, request = await launcher_of(client, schedule_id)
+    once. Refused when that period's run has completed: the launch would start nothing;
+    unless `early`, when the schedule's first firing for that period is still ahead; and
+    unless `while_paused`, while the schedule is paused."""
+    description, request = await launcher_of(client, schedule_id)
+    _check_not_paused(description, "trigger", while_paused=while_paused)
     period = None
     if request.action == "bill":
-        period = _billed_at(datetime.now(UTC), request)
+        now = datetime.now(UTC)
+        period = _billed_at(now, request)
         completed = await ledger.periods_run(conn, [str(period)], completed=True)
         if completed:
             raise InvalidInputError(
                 f"the schedule {schedule_id} bills {period} now, and a run of it has completed:"
                 f" a launch would start nothing, so none was triggered. {_again_by_hand(completed)}"
             )
+        start, end = backfill_window(period, period, request.options.billing, request.time_zone)
+        fires = await matching_times(client, schedule_id, start, end)
+        if fires and fires[0] > now and not early:
+            # A trigger bills the month of now, not of the firing an operator means to make up.
+            raise InvalidInputError(
+                f"{_not_yet(fires[0], request)}: a trigger now would bill it early, its"
+                " customers as they are today. To make up a firing the schedule missed,"
+                f" `schedule describe --id {schedule_id}` names it and `schedule backfill`"
+                f" bills its month; to bill {period} now all the same, pass --early. Nothing"
+                " was triggered"
+            )
     await client.get_schedule_handle(schedule_id).trigger(overlap=ScheduleOverlapPolicy.ALLOW_ALL)
     return period
+
+
+def _check_not_paused(description: ScheduleDescription, launch: str, *, while_paused: bool) -> None:
+    """Refuse a trigger or backfill of a paused schedule unless told: Temporal runs either
+    whatever the pause, and the operator who paused it gave a reason (its note)."""
+    state = description.schedule.state
+    if state.paused and not while_paused:
+        note = f" ({shown_line(state.note)})" if state.note else ""
+        raise InvalidInputError(
+            f"the schedule {description.id} is paused{note}, and Temporal runs a {launch}"
+            f" whatever the pause: unpause it first, or pass --while-paused to {launch} it all"
+            " the same. Nothing was started"
+        )
+
+
+def _not_yet(launch: datetime, request: ScheduledBillingInput) -> str:
+    return f"the schedule bills {_billed_at(launch, request)} on {launch.isoformat()}, not yet"
 
 
 def _again_by_hand(periods: list[str]) -> str:

@@ -824,7 +824,10 @@ async def test_a_trigger_while_a_launch_is_open_is_not_dropped(harness: Harness)
     # A schedule's overlap policy (here `skip`) drops a firing while an earlier launch is open;
     # an operator's trigger would be dropped too, with "triggered" printed.
     customers = await harness.seed(3)
-    config = schedules.MonthlySchedule(schedule_id="monthly-twice", billing="advance", paused=True)
+    # Fires at midnight on the 1st: the firing that bills this month is always past.
+    config = schedules.MonthlySchedule(
+        schedule_id="monthly-twice", billing="advance", hour=0, paused=True
+    )
     await schedules.create_schedule(harness.client, config, harness.task_queue)
     query = 'WorkflowType="ScheduledBillingWorkflow" AND TemporalScheduledById="monthly-twice"'
 
@@ -834,7 +837,9 @@ async def test_a_trigger_while_a_launch_is_open_is_not_dropped(harness: Harness)
 
     # No worker yet, so the first launch stays open, as one does behind a busy worker.
     for count in (1, 2):
-        code, out, err = await harness.starter("schedule", "trigger", "--id", "monthly-twice")
+        code, out, err = await harness.starter(
+            "schedule", "trigger", "--id", "monthly-twice", "--while-paused"
+        )
         billed = period_for(datetime.now(UTC), "advance")
         assert (code, out) == (0, f"triggered schedule monthly-twice: it bills {billed}\n"), err
         await eventually(partial(launches, count), timeout=30)
@@ -892,9 +897,11 @@ async def _nonempty(found: Awaitable[list[Any]]) -> bool:
 async def backfill(
     harness: Harness, schedule_id: str, first: Period, last: Period, *, late: bool = False
 ) -> list[datetime]:
-    """The times a backfill launched."""
+    """The times a backfill launched (the schedule paused, so that only the backfill bills)."""
     async with harness.pool.acquire() as conn:
-        done = await schedules.backfill(harness.client, conn, schedule_id, first, last, late=late)
+        done = await schedules.backfill(
+            harness.client, conn, schedule_id, first, last, late=late, while_paused=True
+        )
     return done.launches
 
 
@@ -949,7 +956,13 @@ async def test_a_backfill_over_a_billed_period_starts_nothing_in_it(harness: Har
         (late,) = await harness.seed(1, prefix="late")
         async with harness.pool.acquire() as conn:
             done = await schedules.backfill(
-                harness.client, conn, config.schedule_id, august, october, late=True
+                harness.client,
+                conn,
+                config.schedule_id,
+                august,
+                october,
+                late=True,
+                while_paused=True,
             )
         assert done.completed == [str(august), str(september)]
         await eventually(lambda: launched(4), timeout=60)
@@ -996,14 +1009,18 @@ async def firing_every(
     overlap_all: bool = False,
     time_zone: str = "UTC",
     billing: Billing = "arrears",
+    start_at: datetime | None = None,
 ) -> ScheduleHandle:
     """A billing schedule firing every few seconds instead of monthly, so that a test can
-    wait through firings; with `overlap_all`, each firing launches even while others run."""
+    wait through firings; with `overlap_all`, each firing launches even while others run;
+    with `start_at`, none before it."""
     config = schedules.MonthlySchedule(
         schedule_id=schedule_id, paused=paused, time_zone=time_zone, billing=billing
     )
     schedule = schedules.build_schedule(config, harness.task_queue, RunOptions())
-    schedule.spec = ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=seconds))])
+    schedule.spec = ScheduleSpec(
+        intervals=[ScheduleIntervalSpec(every=timedelta(seconds=seconds))], start_at=start_at
+    )
     if overlap_all:
         schedule.policy.overlap = ScheduleOverlapPolicy.ALLOW_ALL
     return await harness.client.create_schedule(schedule_id, schedule)
@@ -1471,22 +1488,111 @@ async def test_a_trigger_or_backfill_that_would_start_nothing_is_refused(harness
     await schedules.create_schedule(harness.client, config, harness.task_queue)
     billed = period_for(datetime.now(UTC))
     await _billed_in_the_ledger_only(harness, billed, charged=0)
-    code, out, err = await harness.starter("schedule", "trigger", "--id", "monthly-done")
+    paused = ("--id", "monthly-done", "--while-paused")
+    code, out, err = await harness.starter("schedule", "trigger", *paused)
     assert (code, out) == (2, ""), out
     assert f"bills {billed} now, and a run of it has completed" in err
     assert f"python starter.py run {billed}" in err and "Traceback" not in err
     span = ("--start", str(billed), "--end", str(billed))
-    code, out, err = await harness.starter("schedule", "backfill", "--id", "monthly-done", *span)
+    code, out, err = await harness.starter("schedule", "backfill", *paused, *span)
     assert (code, out) == (2, "") and "nothing was backfilled" in err, err
     handle = harness.client.get_schedule_handle("monthly-done")
     assert (await handle.describe()).info.num_actions == 0
     # With a month still to bill in the range, the backfill goes on and names the other.
     span = ("--start", str(billed.previous()), "--end", str(billed))
-    code, out, err = await harness.starter("schedule", "backfill", "--id", "monthly-done", *span)
+    code, out, err = await harness.starter("schedule", "backfill", *paused, *span)
     await handle.delete()
     assert code == 0, err
     assert out.startswith("backfilling 2 launches")
     assert f"left as they are, their runs completed: {billed}" in out
+
+
+async def test_a_trigger_or_backfill_of_a_paused_schedule_is_refused_unless_told(
+    harness: Harness,
+) -> None:
+    """Temporal runs a trigger or a backfill whatever the pause: a second operator would bill
+    through a freeze another declared, without a word of it."""
+    config = schedules.MonthlySchedule(schedule_id="frozen", hour=0)
+    await schedules.create_schedule(harness.client, config, harness.task_queue)
+    handle = harness.client.get_schedule_handle("frozen")
+    try:
+        note = ("--note", "freeze for the audit")
+        code, _, err = await harness.starter("schedule", "pause", "--id", "frozen", *note)
+        assert code == 0, err
+        billed = period_for(datetime.now(UTC))
+        span = ("--start", str(billed), "--end", str(billed))
+        for command in (("trigger",), ("backfill", *span)):
+            code, out, err = await harness.starter("schedule", *command, "--id", "frozen")
+            assert (code, out) == (2, ""), out
+            assert "the schedule frozen is paused (freeze for the audit), and Temporal runs" in err
+            assert "pass --while-paused" in err and "Nothing was started" in err, err
+        assert (await handle.describe()).info.num_actions == 0
+    finally:
+        await handle.delete()
+
+
+async def test_a_trigger_does_not_bill_a_month_before_the_schedules_firing_for_it(
+    harness: Harness,
+) -> None:
+    """A trigger bills the month of now. In arrears on the 28th, one on the 4th would bill last
+    month 24 days early, its customers as they are that day, and an operator making up the
+    firing missed before it would leave that month unbilled."""
+    now = datetime.now(UTC)
+    if period_for(now + timedelta(hours=1), "advance") != period_for(now, "advance"):
+        pytest.skip("in a month's last hour no hourly firing is left in it")
+    # Hourly from now instead of monthly: the first firing billing last month is ahead.
+    handle = await firing_every(harness, "hourly", 3600, paused=True, start_at=now)
+    billed = period_for(now)
+    trigger = ("schedule", "trigger", "--id", "hourly", "--while-paused")
+    try:
+        code, out, err = await harness.starter(*trigger)
+        assert (code, out) == (2, ""), out
+        assert f"the schedule bills {billed} on " in err, err
+        assert "not yet: a trigger now would bill it early" in err
+        assert "`schedule backfill` bills its month" in err and "pass --early" in err
+        assert (await handle.describe()).info.num_actions == 0
+        code, out, err = await harness.starter(*trigger, "--early")
+        assert (code, out) == (0, f"triggered schedule hourly: it bills {billed}\n"), err
+    finally:
+        await handle.delete()
+
+
+async def test_describe_notes_a_month_billed_by_hand_rather_than_calling_it_unbilled(
+    harness: Harness,
+) -> None:
+    """A paused schedule skipped its firings, and the month was billed by hand since:
+    `describe` named it unbilled, with a `backfill` command that is refused ("every period ...
+    has a completed run"), where the daily check reads the ledger and says nothing."""
+    handle = await firing_every(harness, "billed-by-hand", 1, paused=True)
+    period = period_for(datetime.now(UTC))
+    await _billed_in_the_ledger_only(harness, period, charged=0)
+    try:
+
+        async def skipped() -> bool:
+            return bool(await schedules.missed_launches(harness.client, "billed-by-hand"))
+
+        await eventually(skipped, timeout=30)
+        code, _, err = await harness.starter("schedule", "describe", "--id", "billed-by-hand")
+        assert code == 0, err
+        assert "WARNING" not in err and "unbilled by it" not in err, err
+        assert "note: billed-by-hand launched nothing at " in err
+        assert f"and their months have completed runs since (by hand?): {period}\n" in err
+    finally:
+        await handle.delete()
+
+
+async def test_a_reconciliation_keeps_the_id_it_is_given(harness: Harness) -> None:
+    """`--id billing-monthly` with `--reconcile` was taken for the default and renamed."""
+    create = ("schedule", "create", "--reconcile", "--paused")
+    for given, created in (
+        (("--id", schedules.DEFAULT_SCHEDULE_ID), schedules.DEFAULT_SCHEDULE_ID),
+        ((), schedules.RECONCILE_SCHEDULE_ID),
+    ):
+        code, out, err = await harness.starter(*create, *given)
+        assert code == 0 and out.startswith(f"created schedule {created}:"), err
+        _, request = await schedules.launcher_of(harness.client, created)
+        assert request.action == "reconcile"
+        await harness.client.get_schedule_handle(created).delete()
 
 
 async def test_a_schedule_not_ours_is_named_so(harness: Harness) -> None:
