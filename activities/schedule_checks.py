@@ -46,6 +46,7 @@ class ScheduleCheckActivities:
                 detail=f"{exc}; the daily reconciliation keeps the mode and zone it was created"
                 " with",
             )
+            metrics.schedule_checked(request.schedule_id)
             return None
         if found.unbilled is not None:
             _alert(
@@ -57,6 +58,7 @@ class ScheduleCheckActivities:
                 earlier=[str(p) for p in found.unbilled.earlier],
                 detail=found.unbilled.describe(),
             )
+        metrics.schedule_checked(request.schedule_id)
         return found
 
 

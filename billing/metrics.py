@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from wsgiref.simple_server import WSGIServer
 
 import stripe
-from prometheus_client import Counter, Histogram, make_wsgi_app, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app, start_http_server
 from temporalio.runtime import (
     LogForwardingConfig,
     LoggingConfig,
@@ -65,6 +65,14 @@ FOLLOWED_SCHEDULE_GONE = Counter(
     " does not bill): nothing bills the months it billed. Alert on any increase.",
     ["schedule"],
 )
+SCHEDULE_CHECKED = Gauge(
+    "billing_schedule_checked_timestamp_seconds",
+    "When a daily reconciliation of this worker process last checked its billing schedule's"
+    " firings (Unix time). The two counters above stay at 0 when no check runs at all (the"
+    " launcher's workflow broken, the reconciliation schedule paused or gone, no worker):"
+    " alert when the newest across workers is more than a day and a few hours old.",
+    ["schedule"],
+)
 # A label value is bounded: a code comes from the vault or Stripe, not from our callers.
 _MAX_CODE_LENGTH = 64
 
@@ -86,6 +94,10 @@ def watch_schedule(schedule_id: str) -> None:
     seen at 1 is no increase to Prometheus (`increase()`), and its first alert is lost."""
     UNBILLED_FIRINGS.labels(schedule=schedule_id)
     FOLLOWED_SCHEDULE_GONE.labels(schedule=schedule_id)
+
+
+def schedule_checked(schedule_id: str) -> None:
+    SCHEDULE_CHECKED.labels(schedule=schedule_id).set_to_current_time()
 
 
 def count_unbilled_firing(schedule_id: str) -> None:

@@ -1775,8 +1775,13 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
         )
         return metadata.current_details, await launcher.fetch_history()
 
+    def checked_since(moment: datetime) -> bool:
+        """Whether a daily check ran since: the gauge a watchdog's alert reads."""
+        return counted("billing_schedule_checked_timestamp_seconds") >= moment.timestamp()
+
     async with harness.running_worker():
         before = counted()
+        begun = datetime.now(UTC)
         nominal = await ahead(days=2)
         period = billed_before(nominal, zone, "advance")
         months = await fired_for(nominal, zone, "advance")
@@ -1787,7 +1792,7 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
         assert f"no run bills {listed}, though the billing schedule billing-monthly" in details
         assert "(the schedule is paused)" in details
         assert f"backfill --id billing-monthly --start {months[0]} --end {period}" in details
-        assert counted() == before + 1
+        assert counted() == before + 1 and checked_since(begun)
         [record] = [r for r in caplog.records if getattr(r, "event", "") == "unbilled_firing"]
         assert record.__dict__["period"] == str(period)
         assert record.__dict__["earlier"] == [str(m) for m in months[:-1]]
@@ -1797,7 +1802,9 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
         await harness.client.get_schedule_handle("billing-monthly").delete()
         # Gone, it bills nothing at all: said as loudly.
         gone = counted("billing_followed_schedule_gone_total")
+        begun = datetime.now(UTC)
         details, _ = await launch(await ahead(days=3))
+        assert checked_since(begun)
         assert "WARNING: the billing schedule billing-monthly is gone or could not be" in details
         assert counted("billing_followed_schedule_gone_total") == gone + 1
         assert any(getattr(r, "event", "") == "followed_schedule_gone" for r in caplog.records)
