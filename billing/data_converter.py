@@ -20,7 +20,7 @@ from temporalio.converter import DataConverter
 from temporalio.exceptions import ApplicationError
 
 from billing.models import WorkflowInput
-from billing.redact import shown_line
+from billing.redact import shown_cut
 
 INVALID_WORKFLOW_INPUT = "InvalidWorkflowInput"
 # Problems named in the failure; the rest are counted.
@@ -68,19 +68,13 @@ def problems(exc: ValidationError) -> str:
     key, so each part is redacted and cut, as is the whole."""
     errors = exc.errors(include_url=False, include_input=False)
     shown = [
-        f"{'.'.join(_cut(str(part), PART_SHOWN) for part in e['loc']) or 'the input'}:"
-        f" {_cut(e['msg'], PART_SHOWN * 4)}"
+        f"{'.'.join(shown_cut(str(part), PART_SHOWN) for part in e['loc']) or 'the input'}:"
+        f" {shown_cut(e['msg'], PART_SHOWN * 4)}"
         for e in errors[:PROBLEMS_SHOWN]
     ]
     if len(errors) > PROBLEMS_SHOWN:
         shown.append(f"and {len(errors) - PROBLEMS_SHOWN} more")
-    return _cut("; ".join(shown), PART_SHOWN * 25)
-
-
-def _cut(text: str, limit: int) -> str:
-    # Redacted before the cut, so that a cut key is still found whole.
-    text = shown_line(text)
-    return text if len(text) <= limit else f"{text[:limit]}..."
+    return shown_cut("; ".join(shown), PART_SHOWN * 25)
 
 
 DATA_CONVERTER = DataConverter(payload_converter_class=BillingPayloadConverter)

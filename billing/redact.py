@@ -35,3 +35,10 @@ def shown_line(text: str) -> str:
     """Text a person typed or a service returned, as it may be shown or kept: no key, and
     one line."""
     return one_line(redact(text))
+
+
+def shown_cut(text: str, limit: int, marker: str = "...") -> str:
+    """`shown_line(text)`, cut to `limit` characters and `marker` when longer. Redacted before
+    the cut, so that a cut key is still found whole."""
+    text = shown_line(text)
+    return text if len(text) <= limit else text[:limit] + marker

@@ -329,6 +329,15 @@ def test_redact_takes_a_whole_key_with_underscores() -> None:
     assert redact("key sk_test_local_emulator, vk_a_b-c") == "key [redacted key], [redacted key]"
 
 
+def test_a_cut_text_is_redacted_first_and_marked() -> None:
+    from billing.redact import shown_cut
+
+    key = "sk_test_abc123XYZ0123456789"
+    # Cut first, a key glued to other text would be too short to be known as one.
+    assert shown_cut(f"code:X{key}\nmore", 10, " (cut)") == "code:X[red (cut)"
+    assert shown_cut("short\ttext", 10) == "short text"
+
+
 def test_redact_leaves_words_that_hold_a_prefix() -> None:
     from billing.redact import redact
 
