@@ -91,7 +91,7 @@ from billing.periods import (
 )
 from billing.preview import preview_period
 from billing.reconciliation import CHARGE_ID_PATTERN, FindingKind, HandledMarks, HandledRequest
-from billing.redact import one_line, redact, shown_line
+from billing.redact import redact, shown_line
 from billing.reporting import (
     describe,
     describe_customer,
@@ -525,13 +525,14 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
     ours = await schedules.our_schedule(client, args.id)
     if args.schedule_command == "describe":
         print(schedules.describe(ours, await schedules.launch_input(client, ours)))
-        await _warn_missed(args.id, await schedules.missed_launches(client, args.id))
+        missed = await schedules.missed_launches(client, args.id)
+        await _warn_missed(args.id, missed, paused=ours.schedule.state.paused)
     elif args.schedule_command in ("pause", "unpause") and ours.schedule.state.paused == (
         args.schedule_command == "pause"
     ):
         # Its note says who paused it and why: kept, not overwritten.
         state = ours.schedule.state
-        note = f" ({one_line(state.note)})" if state.note else ""
+        note = f" ({schedules.shown_note(state.note)})" if state.note else ""
         print(f"schedule {args.id} is {'paused' if state.paused else 'active'}{note}: unchanged")
     elif args.schedule_command == "pause":
         await handle.pause(note=_note(args))
@@ -539,7 +540,7 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
     elif args.schedule_command == "unpause":
         await handle.unpause(note=_note(args))
         print(f"unpaused schedule {args.id}")
-        await _warn_missed(args.id, await schedules.missed_launches(client, args.id))
+        await _warn_missed(args.id, await schedules.missed_launches(client, args.id), paused=False)
     elif args.schedule_command == "trigger":
         async with _ledger() as conn:
             period = await schedules.trigger(
@@ -633,6 +634,11 @@ async def _following(
     """A daily reconciliation takes its billing schedule's mode and zone, so that it checks
     the months that schedule bills, and alerts when one of its firings billed nothing."""
     followed = args.billing_schedule or schedules.DEFAULT_SCHEDULE_ID
+    if followed == config.schedule_id:
+        raise InvalidInputError(
+            f"the reconciliation {followed} would follow itself: name the billing schedule it"
+            " follows with --billing-schedule, or give it another --id"
+        )
     try:
         _, billing = await schedules.launcher_of(client, followed)
     except ForeignScheduleError:
@@ -666,23 +672,41 @@ async def _following(
     )
 
 
-async def _warn_missed(schedule_id: str, missed: list[schedules.Missed]) -> None:
-    """Name the times the schedule launched nothing at, and the months left unbilled: a
-    month whose run completed since (billed by hand) is only noted, as backfill refuses it."""
-    periods = [str(m.period) for m in missed if m.period is not None]
+async def _warn_missed(schedule_id: str, missed: list[schedules.Missed], *, paused: bool) -> None:
+    """Name the times the schedule launched nothing at, and the months left unbilled. A month
+    whose run completed since (billed by hand) is only noted, and one whose run was
+    cancelled is named with the `run` that bills it again: a launch leaves either as it is."""
+    periods = sorted({str(m.period) for m in missed if m.period is not None})
     billed: list[str] = []
+    cancelled: list[str] = []
+    unread = ""
     if periods:
-        async with _ledger() as conn:
-            billed = await ledger.periods_run(conn, periods, completed=True)
-    done = [m for m in missed if str(m.period) in billed]
-    if done:
+        try:
+            async with _ledger() as conn:
+                billed = await ledger.periods_run(conn, periods, completed=True)
+                cancelled = await ledger.periods_cancelled(conn, periods)
+        except CONNECTION_ERRORS as exc:
+            unread = (
+                f" (the ledger could not be read, {type(exc).__name__}: months billed since by"
+                " hand are listed too)"
+            )
+    billed = [p for p in billed if p not in cancelled]
+    if billed:
         print(
             f"note: {schedule_id} launched nothing at "
-            + ", ".join(m.at.isoformat() for m in done)
+            + ", ".join(m.at.isoformat() for m in missed if str(m.period) in billed)
             + f", and their months have completed runs since (by hand?): {', '.join(billed)}",
             file=sys.stderr,
         )
-    missed = [m for m in missed if str(m.period) not in billed]
+    if cancelled:
+        print(
+            f"WARNING: {schedule_id} launched nothing for {', '.join(cancelled)}, and the runs"
+            " of them started since were cancelled; a launch leaves a cancelled run as it is,"
+            " so bill them again by hand: "
+            + schedules.run_by_hand([parse_period(p) for p in cancelled], datetime.now(UTC)),
+            file=sys.stderr,
+        )
+    missed = [m for m in missed if str(m.period) not in billed + cancelled]
     if not missed:
         return
     print(
@@ -690,7 +714,8 @@ async def _warn_missed(schedule_id: str, missed: list[schedules.Missed]) -> None
         " does not make them up (a paused schedule skips its times, and so does one Temporal"
         " could not fire within its catch-up window; a launch that ended before starting its"
         " run, terminated or failed, started nothing either): "
-        + ", ".join(m.at.isoformat() for m in missed),
+        + ", ".join(m.at.isoformat() for m in missed)
+        + unread,
         file=sys.stderr,
     )
     unbilled = [m.period for m in missed if m.period is not None]
@@ -699,7 +724,8 @@ async def _warn_missed(schedule_id: str, missed: list[schedules.Missed]) -> None
             f"  unbilled by it: {', '.join(map(str, unbilled))}; to bill them:"
             f" python starter.py schedule backfill --id {schedule_id}"
             f" --start {unbilled[0]} --end {unbilled[-1]}"
-            + (" --late" if is_late(unbilled[0], datetime.now(UTC)) else ""),
+            + (" --late" if is_late(unbilled[0], datetime.now(UTC)) else "")
+            + schedules.while_paused(paused),
             file=sys.stderr,
         )
 

@@ -842,6 +842,17 @@ async def periods_run(
     return [row["billing_period"] for row in rows]
 
 
+async def periods_cancelled(conn: asyncpg.Connection, periods: list[str]) -> list[str]:
+    """Those of `periods` whose last run completed cancelled (by an operator), in order: a
+    launch leaves them as they are, and only a run by hand bills them again."""
+    rows = await conn.fetch(
+        "SELECT billing_period FROM billing_periods WHERE billing_period = ANY($1::text[])"
+        " AND state = 'completed' AND control = 'cancelled' ORDER BY billing_period",
+        periods,
+    )
+    return [row["billing_period"] for row in rows]
+
+
 async def latest_run_before(conn: asyncpg.Connection, period: str) -> str | None:
     """The latest period before `period` a run was started for, whatever its state."""
     value: str | None = await conn.fetchval(

@@ -52,7 +52,7 @@ from billing.periods import (
     period_range,
     run_command,
 )
-from billing.redact import SECRET_RE, one_line, shown_line
+from billing.redact import SECRET_RE, shown_cut
 from billing.temporal_client import workflow_status
 
 Overlap = Literal[
@@ -381,6 +381,16 @@ async def trigger(
     if request.action == "bill":
         now = datetime.now(UTC)
         period = _billed_at(now, request)
+        if not early and _billed_at(now + _CLOCKS_APART, request) != _billed_at(
+            now - _CLOCKS_APART, request
+        ):
+            # Temporal bills the month of its own clock's trigger time, not of this one's.
+            raise InvalidInputError(
+                f"the month turns within {_CLOCKS_APART.seconds // 60} minutes in"
+                f" {request.time_zone}, so a trigger now may bill {period} or the month next"
+                " to it: trigger it once the month has turned, or pass --early. Nothing was"
+                " triggered"
+            )
         completed = await ledger.periods_run(conn, [str(period)], completed=True)
         if completed:
             raise InvalidInputError(
@@ -402,12 +412,16 @@ async def trigger(
     return period
 
 
+# How far this host's clock and Temporal's may be apart, and a trigger take to reach it.
+_CLOCKS_APART = timedelta(minutes=10)
+
+
 def _check_not_paused(description: ScheduleDescription, launch: str, *, while_paused: bool) -> None:
     """Refuse a trigger or backfill of a paused schedule unless told: Temporal runs either
     whatever the pause, and the operator who paused it gave a reason (its note)."""
     state = description.schedule.state
     if state.paused and not while_paused:
-        note = f" ({shown_line(state.note)})" if state.note else ""
+        note = f" ({shown_note(state.note)})" if state.note else ""
         raise InvalidInputError(
             f"the schedule {description.id} is paused{note}, and Temporal runs a {launch}"
             f" whatever the pause: unpause it first, or pass --while-paused to {launch} it all"
@@ -416,7 +430,17 @@ def _check_not_paused(description: ScheduleDescription, launch: str, *, while_pa
 
 
 def _not_yet(launch: datetime, request: ScheduledBillingInput) -> str:
-    return f"the schedule bills {_billed_at(launch, request)} on {launch.isoformat()}, not yet"
+    at = launch.astimezone(ZoneInfo(request.time_zone)).isoformat()
+    return f"the schedule bills {_billed_at(launch, request)} on {at}, not yet"
+
+
+# A note set with Temporal's own tools skips `_note`'s redaction, and may be of any length.
+_NOTE_SHOWN = 200
+
+
+def shown_note(note: str) -> str:
+    """A schedule's note as it may be shown."""
+    return shown_cut(note, _NOTE_SHOWN)
 
 
 def _again_by_hand(periods: list[str]) -> str:
@@ -518,8 +542,13 @@ class UnbilledFiring(Record):
             f"no run bills {', '.join(map(str, months))}, though the billing schedule"
             f" {self.schedule_id} fired for {it}, last at {self.at.isoformat()} ({why})."
             f" Bill {it} with: python starter.py schedule backfill --id {self.schedule_id}"
-            f" --start {months[0]} --end {self.period}"
+            f" --start {months[0]} --end {self.period}{while_paused(self.paused)}"
         )
+
+
+def while_paused(paused: bool) -> str:
+    """What a backfill command given for a paused schedule needs, as `backfill` refuses one."""
+    return " (it is paused: unpause it first, or add --while-paused)" if paused else ""
 
 
 class BillingFirings(Record):
@@ -692,7 +721,7 @@ def describe(description: ScheduleDescription, request: ScheduledBillingInput) -
         f"schedule {description.id}",
         f"  {_does(request)}",
         f"  {'PAUSED' if schedule.state.paused else 'active'}"
-        + (f" ({one_line(schedule.state.note)})" if schedule.state.note else ""),
+        + (f" ({shown_note(schedule.state.note)})" if schedule.state.note else ""),
         "  fires: "
         + "; ".join(c.comment or str(c) for c in spec.calendars)
         + f" ({spec.time_zone_name or 'UTC'})",

@@ -66,7 +66,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from billing.period_keys import KeyRenewal
     from billing.periods import parse_period
-    from billing.redact import shown_cut
+    from billing.redact import shown_line
     from workflows.customer_charge import CustomerChargeWorkflow
     from workflows.identity import checked, require_id
     from workflows.signals import PERIOD_BLOCKED, PERIOD_CONTROL
@@ -438,9 +438,9 @@ class BillingPeriodWorkflow:
         if self._control.control == "running":
             # Cut to what a reason holds: a longer message (a vault's or Stripe's, or anyone's
             # who can signal the run) would fail this workflow task on every attempt.
-            reason = shown_cut(
-                f"{failure.code}: {failure.message}", REASON_MAX_LENGTH - _CUT_MARGIN, " (cut)"
-            )
+            reason = shown_line(f"{failure.code}: {failure.message}")
+            if len(reason) > REASON_MAX_LENGTH:
+                reason = reason[: REASON_MAX_LENGTH - _CUT_MARGIN] + " (cut)"
             await self._set_control("paused", OperatorRequest(reason=reason, operator=AUTOMATIC))
         elif self._control.control == "cancelled":
             # A charge sent before the cancel cannot be retried: the run waits for it.
