@@ -677,20 +677,19 @@ async def _warn_missed(schedule_id: str, missed: list[schedules.Missed], *, paus
     whose run completed since (billed by hand) is only noted, and one whose run was
     cancelled is named with the `run` that bills it again: a launch leaves either as it is."""
     periods = sorted({str(m.period) for m in missed if m.period is not None})
-    billed: list[str] = []
-    cancelled: list[str] = []
+    completed: dict[str, bool] = {}
     unread = ""
     if periods:
         try:
             async with _ledger() as conn:
-                billed = await ledger.periods_run(conn, periods, completed=True)
-                cancelled = await ledger.periods_cancelled(conn, periods)
+                completed = await ledger.completed_runs(conn, periods)
         except CONNECTION_ERRORS as exc:
             unread = (
                 f" (the ledger could not be read, {type(exc).__name__}: months billed since by"
                 " hand are listed too)"
             )
-    billed = [p for p in billed if p not in cancelled]
+    billed = [p for p, cancelled in completed.items() if not cancelled]
+    cancelled = [p for p, cancelled in completed.items() if cancelled]
     if billed:
         print(
             f"note: {schedule_id} launched nothing at "
@@ -706,7 +705,7 @@ async def _warn_missed(schedule_id: str, missed: list[schedules.Missed], *, paus
             + schedules.run_by_hand([parse_period(p) for p in cancelled], datetime.now(UTC)),
             file=sys.stderr,
         )
-    missed = [m for m in missed if str(m.period) not in billed + cancelled]
+    missed = [m for m in missed if str(m.period) not in completed]
     if not missed:
         return
     print(

@@ -842,15 +842,17 @@ async def periods_run(
     return [row["billing_period"] for row in rows]
 
 
-async def periods_cancelled(conn: asyncpg.Connection, periods: list[str]) -> list[str]:
-    """Those of `periods` whose last run completed cancelled (by an operator), in order: a
-    launch leaves them as they are, and only a run by hand bills them again."""
+async def completed_runs(conn: asyncpg.Connection, periods: list[str]) -> dict[str, bool]:
+    """Those of `periods` whose last run completed, in order, each with whether it was
+    cancelled (by an operator): a launch leaves either as it is, and only a run by hand bills
+    a cancelled one again."""
     rows = await conn.fetch(
-        "SELECT billing_period FROM billing_periods WHERE billing_period = ANY($1::text[])"
-        " AND state = 'completed' AND control = 'cancelled' ORDER BY billing_period",
+        "SELECT billing_period, control = 'cancelled' AS cancelled FROM billing_periods"
+        " WHERE billing_period = ANY($1::text[]) AND state = 'completed'"
+        " ORDER BY billing_period",
         periods,
     )
-    return [row["billing_period"] for row in rows]
+    return {row["billing_period"]: row["cancelled"] for row in rows}
 
 
 async def latest_run_before(conn: asyncpg.Connection, period: str) -> str | None:
