@@ -121,7 +121,10 @@ class MonthlySchedule(Record):
     minute: int = Field(default=0, ge=0, le=59)
     time_zone: str = "UTC"
     billing: Billing = "arrears"
-    overlap: Overlap = "skip"
+    # Temporal starts only the first of the firings it catches up at once under `skip` (the
+    # rest count as overlapping it): an outage over two firings would lose the second.
+    # Buffered, each starts once the launch before it ends, within seconds.
+    overlap: Overlap = "buffer_all"
     # Wide: Temporal drops a firing it could not make within the window for good, and a late
     # launch is harmless (it leaves a period whose run completed as it is, and joins a running
     # one).

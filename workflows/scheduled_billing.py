@@ -190,8 +190,9 @@ async def _run_or_join(
         workflow.set_current_details(f"{workflow_id} runs or has run: nothing more started{alert}")
         return None
     if workflow.patched(RETURN_ONCE_STARTED):
-        # The schedule skips a firing while this launch is open (overlap `skip`): waiting
-        # for a period paused for weeks would drop the next month's. The run goes on alone
+        # The schedule skips (overlap `skip`) or holds back (`buffer_all`) a firing while
+        # this launch is open: waiting for a period paused for weeks would drop or delay the
+        # next month's. The run goes on alone
         # (ABANDON); its own workflow holds its summary.
         workflow.set_current_details(f"started {workflow_id}{alert}")
         return None

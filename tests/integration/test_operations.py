@@ -823,12 +823,13 @@ async def test_schedule_trigger_and_manual_run_bill_each_customer_once(harness: 
 
 
 async def test_a_trigger_while_a_launch_is_open_is_not_dropped(harness: Harness) -> None:
-    # A schedule's overlap policy (here `skip`) drops a firing while an earlier launch is open;
-    # an operator's trigger would be dropped too, with "triggered" printed.
+    # A schedule's overlap policy `skip` (the default before `buffer_all`) drops a firing while
+    # an earlier launch is open; an operator's trigger would be dropped too, with "triggered"
+    # printed.
     customers = await harness.seed(3)
     # Fires at midnight on the 1st: the firing that bills this month is always past.
     config = schedules.MonthlySchedule(
-        schedule_id="monthly-twice", billing="advance", hour=0, paused=True
+        schedule_id="monthly-twice", billing="advance", hour=0, paused=True, overlap="skip"
     )
     await schedules.create_schedule(harness.client, config, harness.task_queue)
     query = 'WorkflowType="ScheduledBillingWorkflow" AND TemporalScheduledById="monthly-twice"'
@@ -858,9 +859,10 @@ async def test_a_trigger_while_a_launch_is_open_is_not_dropped(harness: Harness)
 
 
 async def test_a_scheduled_launch_returns_once_its_period_has_started(harness: Harness) -> None:
-    """A schedule skips a firing while its last launch is still open (overlap `skip`), so a
-    launch that waited for its period would let a period paused for weeks drop the next
-    month. I6 for ScheduledBillingWorkflow too: RECORD_HISTORIES=1 keeps its history."""
+    """A schedule skips a firing while its last launch is still open (overlap `skip`, or holds
+    it back, `buffer_all`), so a launch that waited for its period would let a period paused
+    for weeks drop (or hold back) the next month. I6 for ScheduledBillingWorkflow too:
+    RECORD_HISTORIES=1 keeps its history."""
     customers = await harness.seed(6)
     await harness.set_faults(latency_ms=500)
     period = period_for(datetime.now(UTC), "advance")
@@ -1026,6 +1028,33 @@ async def firing_every(
     if overlap_all:
         schedule.policy.overlap = ScheduleOverlapPolicy.ALLOW_ALL
     return await harness.client.create_schedule(schedule_id, schedule)
+
+
+async def test_firings_due_while_a_launch_is_open_wait_for_it_instead_of_being_dropped(
+    harness: Harness,
+) -> None:
+    """Under `skip`, Temporal drops every firing due while a launch is open, and of firings
+    caught up at once after an outage it starts only the first: an outage over two monthly
+    firings lost the second. The default holds them back (`buffer_all`)."""
+    # No worker: the first launch stays open, as every launch does during an outage.
+    handle = await firing_every(harness, "held-back", 1)
+    try:
+
+        async def held_back() -> bool:
+            return (await handle.describe()).info.num_actions >= 1 and await _waiting(handle)
+
+        await eventually(held_back, timeout=30)
+        info = (await handle.describe()).info
+        assert info.num_actions_skipped_overlap == 0
+        assert len(info.running_actions) == 1
+    finally:
+        await handle.delete()
+
+
+async def _waiting(handle: ScheduleHandle) -> bool:
+    """Whether firings wait behind the open launch (the schedule's buffer)."""
+    described = await handle.describe()
+    return described.raw_description.info.buffer_size >= 2
 
 
 async def test_unpausing_names_the_launches_the_pause_skipped(harness: Harness) -> None:
@@ -1215,7 +1244,7 @@ async def test_a_reconcile_launch_ended_after_starting_its_reconciliation_is_not
             "\n  reconciles the latest period billed (arrears, months in UTC);"
             " follows no billing schedule\n" in out
         ), out
-        assert "overlap skip, catch-up window 168 hours\n" in out, out
+        assert "overlap buffer_all, catch-up window 168 hours\n" in out, out
     finally:
         await handle.delete()
 
