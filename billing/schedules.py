@@ -402,6 +402,8 @@ async def trigger(
             )
         start, end = backfill_window(period, period, request.options.billing, request.time_zone)
         fires = await matching_times(client, schedule_id, start, end)
+        # No firing bills that month (a spec edited with Temporal's tools): no time to be
+        # early for, so the trigger stands for the firing the month lacks.
         if fires and fires[0] > now and not early:
             # A trigger bills the month of now, not of the firing an operator means to make up.
             raise InvalidInputError(
