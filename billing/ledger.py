@@ -828,16 +828,12 @@ async def period_record(conn: asyncpg.Connection, period: str) -> PeriodRecord |
     )
 
 
-async def periods_run(
-    conn: asyncpg.Connection, periods: list[str], *, completed: bool = False
-) -> list[str]:
-    """Those of `periods` a run was started for, whatever its state, or with `completed`
-    those whose last run completed (cancelled ones too), in order."""
+async def periods_run(conn: asyncpg.Connection, periods: list[str]) -> list[str]:
+    """Those of `periods` a run was started for, whatever its state, in order."""
     rows = await conn.fetch(
         "SELECT billing_period FROM billing_periods WHERE billing_period = ANY($1::text[])"
-        " AND (NOT $2 OR state = 'completed') ORDER BY billing_period",
+        " ORDER BY billing_period",
         periods,
-        completed,
     )
     return [row["billing_period"] for row in rows]
 

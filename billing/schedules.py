@@ -339,7 +339,7 @@ async def backfill(
         # Later periods are refused below, by their launch times.
         check_run_by_hand(first, datetime.now(UTC), ahead=True, late=late)
         periods = [str(p) for p in period_range(first, last)]
-        completed = await ledger.periods_run(conn, periods, completed=True)
+        completed = list(await ledger.completed_runs(conn, periods))
         if completed == periods:
             raise InvalidInputError(
                 f"every period from {first} to {last} has a completed run, which a launch"
@@ -394,7 +394,7 @@ async def trigger(
                 " to it: trigger it once the month has turned, or pass --early. Nothing was"
                 " triggered"
             )
-        completed = await ledger.periods_run(conn, [str(period)], completed=True)
+        completed = list(await ledger.completed_runs(conn, [str(period)]))
         if completed:
             raise InvalidInputError(
                 f"the schedule {schedule_id} bills {period} now, and a run of it has completed:"
