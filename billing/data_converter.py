@@ -11,7 +11,7 @@ workflow instead, so that is what a refused `WorkflowInput` raises.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import ValidationError
 from temporalio.api.common.v1 import Payload
@@ -42,6 +42,20 @@ class RefusedWorkflowInputError(ApplicationError):
         )
 
 
+class MissingWorkflowInputError(ApplicationError):
+    """A workflow started with no input at all (`temporal workflow start` without `--input`,
+    the Web UI's start form left empty): the SDK then calls it with no argument, and the
+    converter never sees one, so the workflow raises this itself."""
+
+    def __init__(self, workflow_type: str, model: type[WorkflowInput]) -> None:
+        super().__init__(
+            f"the workflow's input is missing: {workflow_type} takes one {model.__name__};"
+            " nothing was done",
+            type=INVALID_WORKFLOW_INPUT,
+            non_retryable=True,
+        )
+
+
 class BillingPayloadConverter(PydanticPayloadConverter):
     def from_payloads(
         self, payloads: Sequence[Payload], type_hints: list[type] | None = None
@@ -49,10 +63,12 @@ class BillingPayloadConverter(PydanticPayloadConverter):
         try:
             return super().from_payloads(payloads, type_hints)
         except ValidationError as exc:
+            # A workflow's input is optional in its signature (MissingWorkflowInputError).
             refused = next(
                 (
                     t
-                    for t in type_hints or ()
+                    for hint in type_hints or ()
+                    for t in get_args(hint) or (hint,)
                     if isinstance(t, type) and issubclass(t, WorkflowInput)
                 ),
                 None,

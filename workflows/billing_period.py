@@ -68,7 +68,7 @@ with workflow.unsafe.imports_passed_through():
     from billing.periods import parse_period
     from billing.redact import shown_line
     from workflows.customer_charge import CustomerChargeWorkflow
-    from workflows.identity import checked, require_id
+    from workflows.identity import checked, given, require_id
     from workflows.signals import PERIOD_BLOCKED, PERIOD_CONTROL
 
 ACTIVITY_TIMEOUT = timedelta(seconds=60)
@@ -136,7 +136,8 @@ _CUT_MARGIN = 40
 @workflow.defn(name="BillingPeriodWorkflow", sandboxed=False)
 class BillingPeriodWorkflow:
     @workflow.init
-    def __init__(self, request: BillingPeriodInput) -> None:
+    def __init__(self, request: BillingPeriodInput | None = None) -> None:
+        request = given(request, BillingPeriodInput)
         self._options: RunOptions = request.options
         self._state = request.state or PeriodState(period=request.period)
         # Every customer whose outcome the run waits for; those started elsewhere also sit in
@@ -159,7 +160,7 @@ class BillingPeriodWorkflow:
         self._listed_customers = 0
 
     @workflow.run
-    async def run(self, request: BillingPeriodInput) -> PeriodSummary:
+    async def run(self, request: BillingPeriodInput | None = None) -> PeriodSummary:
         # Decided once, before any command: runs recorded before it waited on regardless.
         self._long_waits_continue = workflow.patched(LONG_WAITS_CONTINUE)
         self._pauses_continue = workflow.patched(PAUSES_CONTINUE)

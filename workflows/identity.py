@@ -7,12 +7,23 @@ from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from billing.data_converter import INVALID_WORKFLOW_INPUT
+    from billing.data_converter import INVALID_WORKFLOW_INPUT, MissingWorkflowInputError
     from billing.errors import InvalidInputError, shown
+    from billing.models import WorkflowInput
 
 WRONG_WORKFLOW_ID = "WrongWorkflowId"
 
 T = TypeVar("T")
+InputT = TypeVar("InputT", bound=WorkflowInput)
+
+
+def given(request: InputT | None, model: type[InputT]) -> InputT:
+    """The workflow's input, or a failure of the workflow saying it has none. A workflow's
+    input defaults to None in its signature only so that a start without one reaches this,
+    rather than failing every workflow task for as long as the workflow holds its ID."""
+    if request is None:
+        raise MissingWorkflowInputError(workflow.info().workflow_type, model)
+    return request
 
 
 def checked(check: Callable[[str], T], text: str) -> T:

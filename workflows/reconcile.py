@@ -44,7 +44,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from billing.redact import redact
     from workflows.customer_charge import CustomerChargeWorkflow
-    from workflows.identity import checked
+    from workflows.identity import checked, given
 
 ACTIVITY_TIMEOUT = timedelta(seconds=60)
 PAGE_TIMEOUT = timedelta(minutes=10)
@@ -62,7 +62,8 @@ RETRY = RetryPolicy(
 @workflow.defn(name="ReconcileWorkflow")
 class ReconcileWorkflow:
     @workflow.run
-    async def run(self, request: ReconcileInput) -> ReconcileReport:
+    async def run(self, request: ReconcileInput | None = None) -> ReconcileReport:
+        request = given(request, ReconcileInput)
         checked(parse_period, request.period)
         carried = request.carried
         if carried is None:

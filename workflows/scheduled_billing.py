@@ -32,6 +32,7 @@ with workflow.unsafe.imports_passed_through():
     from billing.periods import parse_period
     from billing.reconciliation import ReconcileInput, ReconcileReport
     from workflows.billing_period import BillingPeriodWorkflow
+    from workflows.identity import given
     from workflows.reconcile import ReconcileWorkflow
 
 SCHEDULED_START = SearchAttributeKey.for_datetime("TemporalScheduledStartTime")
@@ -51,7 +52,10 @@ ResultT = TypeVar("ResultT")
 @workflow.defn(name="ScheduledBillingWorkflow")
 class ScheduledBillingWorkflow:
     @workflow.run
-    async def run(self, request: ScheduledBillingInput) -> PeriodSummary | ReconcileReport | None:
+    async def run(
+        self, request: ScheduledBillingInput | None = None
+    ) -> PeriodSummary | ReconcileReport | None:
+        request = given(request, ScheduledBillingInput)
         nominal = workflow.info().typed_search_attributes.get(SCHEDULED_START)
         if nominal is None:
             raise ApplicationError(

@@ -24,12 +24,12 @@ PERIOD = Period(2026, 12)
 
 
 async def _refused(
-    harness: Harness, workflow_type: str, workflow_id: str, payload: dict[str, Any]
+    harness: Harness, workflow_type: str, workflow_id: str, *payloads: dict[str, Any] | None
 ) -> ApplicationError:
-    """Start the workflow with `payload` as its input; the failure it ends in at once, with
-    no workflow task failed on the way."""
+    """Start the workflow with `payloads` as its input (none, or the one it takes); the
+    failure it ends in at once, with no workflow task failed on the way."""
     handle = await harness.client.start_workflow(
-        workflow_type, payload, id=workflow_id, task_queue=harness.task_queue
+        workflow_type, args=payloads, id=workflow_id, task_queue=harness.task_queue
     )
     with pytest.raises(WorkflowFailureError) as failed:
         await asyncio.wait_for(handle.result(), timeout=30)
@@ -139,3 +139,41 @@ async def test_a_customer_workflow_with_a_refused_input_does_not_hold_its_period
         summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
     assert (summary.due, summary.charged) == (2, 2)
     await assert_billed_once(harness, str(PERIOD), customers)
+
+
+@pytest.mark.parametrize("payloads", [(), (None,)], ids=["no-payload", "null"])
+@pytest.mark.parametrize(
+    ("workflow_type", "model", "workflow_id"),
+    [
+        ("BillingPeriodWorkflow", "BillingPeriodInput", period_workflow_id(PERIOD)),
+        ("CustomerChargeWorkflow", "CustomerChargeInput", customer_workflow_id(PERIOD, "c-1")),
+        ("ReconcileWorkflow", "ReconcileInput", reconcile_workflow_id(PERIOD)),
+        ("ScheduledBillingWorkflow", "ScheduledBillingInput", "scheduled-by-hand"),
+    ],
+)
+async def test_a_workflow_started_with_no_input_fails_saying_so(
+    harness: Harness,
+    workflow_type: str,
+    model: str,
+    workflow_id: str,
+    payloads: tuple[None, ...],
+) -> None:
+    """`temporal workflow start` without `--input`, or the Web UI's start form left empty,
+    sends no payload at all, which the data converter never sees (`--input null` is taken
+    alike). Before, the workflow's task
+    failed for as long as it lived (the period's constructor takes its input), holding its ID:
+    a `starter.py run` of that period then joined it and waited for ever."""
+    customers = await harness.seed(2)
+    async with harness.running_worker():
+        cause = await _refused(harness, workflow_type, workflow_id, *payloads)
+        assert cause.message == (
+            f"the workflow's input is missing: {workflow_type} takes one {model}; nothing was done"
+        )
+        if workflow_type == "BillingPeriodWorkflow":
+            handle = await start_period(harness.client, PERIOD, harness.task_queue)
+            summary = await asyncio.wait_for(handle.result(), timeout=60)
+            assert (summary.due, summary.charged) == (2, 2)
+    if workflow_type == "BillingPeriodWorkflow":
+        await assert_billed_once(harness, str(PERIOD), customers)
+    else:
+        assert await harness.money_requests() == 0
