@@ -110,6 +110,7 @@ from billing.runs import (
     awaits_a_worker,
     ended_as,
     period_status,
+    result_across_outages,
     run_ended,
     start_period,
     start_reconcile,
@@ -259,6 +260,30 @@ def _concern(progress: PeriodProgress) -> str | None:
     return None
 
 
+class _OutageNotice:
+    """Tells once that Temporal cannot be reached while a command waits on a run, and once
+    that it can again (`back()`, from any call that got through)."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._away = False
+
+    def __call__(self, exc: RPCError) -> None:
+        if not self._away:
+            print(
+                f"warning: Temporal cannot be reached ({exc.status.name}: {exc.message}):"
+                f" {self._what} goes on there, its workers reconnect; waiting for Temporal to"
+                " come back",
+                file=sys.stderr,
+            )
+        self._away = True
+
+    def back(self) -> None:
+        if self._away:
+            print("note: Temporal is reachable again; waiting as before", file=sys.stderr)
+        self._away = False
+
+
 async def _wait_and_report(
     client: Client,
     handle: WorkflowHandle[Any, PeriodSummary],
@@ -269,12 +294,14 @@ async def _wait_and_report(
 ) -> int:
     """Wait for the run's summary, saying once each time it waits for a person (it may
     pause itself, e.g. at its key's cap) rather than wait without a word."""
-    result = asyncio.ensure_future(handle.result())
+    outage = _OutageNotice(f"the run of {args.period}")
+    result = asyncio.ensure_future(result_across_outages(handle, outage))
     while not (await asyncio.wait({result}, timeout=PAUSE_CHECK_SECONDS))[0]:
         try:
             concern = _concern(await period_status(client, args.period))
         except (NoWorkerError, RunEndedError, RPCError, WorkflowQueryFailedError):
             continue  # the result says how it ended; a worker or the server may come back
+        outage.back()
         if concern is not None and concern != told:
             print(f"warning: {concern}", file=sys.stderr)
         told = concern
@@ -419,7 +446,9 @@ async def cmd_reconcile(args: argparse.Namespace) -> int:
     temporal = load_settings(TemporalSettings)
     client = await connect(temporal)
     handle = await start_reconcile(client, args.period, temporal.task_queue)
-    result = asyncio.ensure_future(handle.result())
+    result = asyncio.ensure_future(
+        result_across_outages(handle, _OutageNotice(f"the reconciliation of {args.period}"))
+    )
     waited = (await asyncio.wait({result}, timeout=NO_WORKER_SECONDS))[0]
     if not waited and await awaits_a_worker(handle, timedelta(seconds=NO_WORKER_SECONDS)):
         print(

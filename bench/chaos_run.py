@@ -1,5 +1,6 @@
 """Chaos run: a period billed on a local stack while the worker is SIGKILLed and restarted
-every few seconds, PostgreSQL restarts once, Stripe (the emulator) loses answers after
+every few seconds, PostgreSQL restarts once, the vault and Temporal's dev server are each
+SIGKILLed and started again once, Stripe (the emulator) loses answers after
 committing (20%), answers 500 after (5%) and before (5%) committing and rate-limits, and the
 period is started twice more (a second starter, a schedule's trigger). Then it checks, from
 the emulator's ledger, Postgres and the vault: one successful charge per due customer (none
@@ -93,12 +94,15 @@ async def chaos(args: argparse.Namespace) -> dict[str, Any]:
             emulator=EmulatorClient(env["STRIPE_EMULATOR_URL"]),
             start_worker=lambda: stack.spawn_worker().process,
             restart_postgres=stack.postgres.restart,
+            crash_vault=stack.restart_vault,
+            crash_temporal=stack.restart_temporal,
         )
         plan = scenario.Plan(
             seed=args.seed,
             kill_every=(args.kill_min, args.kill_max),
             rate_limit_rps=args.rate_limit_rps,
             timeout=args.timeout,
+            disturb_at=scenario.DISTURBANCES,
         )
         say(f"billing {period} under chaos (worker log: {STACK.log_dir / 'worker.log'})...")
         figures = await scenario.run(targets, period, len(seeded.customers), plan, schedule)
@@ -129,6 +133,8 @@ async def chaos(args: argparse.Namespace) -> dict[str, Any]:
             **figures.faults,
             "worker_kills": figures.kills,
             "postgres_restarts": figures.postgres_restarts,
+            "vault_crashes": figures.vault_crashes,
+            "temporal_crashes": figures.temporal_crashes,
             "duplicate_starts": figures.duplicate_starts,
         },
         "worker_exits": figures.worker_exits,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
@@ -46,8 +47,32 @@ QUERY_TIMEOUT = timedelta(seconds=10)
 _REFUSED = RPCStatusCode.FAILED_PRECONDITION
 _NO_WORKER = (RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED, _REFUSED)
 
+# What a call to Temporal ends in, once the SDK's client has retried it for some seconds, while
+# the server or the way to it is away (a restart, a deploy, a network cut): not an answer.
+TEMPORAL_AWAY = frozenset(
+    {RPCStatusCode.UNAVAILABLE, RPCStatusCode.UNKNOWN, RPCStatusCode.CANCELLED}
+)
+# How long a waiter pauses before it asks again after that.
+AWAY_RETRY = timedelta(seconds=2)
+
 ArgT = TypeVar("ArgT")
 ResultT = TypeVar("ResultT")
+
+
+async def result_across_outages(
+    handle: WorkflowHandle[Any, ResultT], on_away: Callable[[RPCError], None]
+) -> ResultT:
+    """The workflow's result, waiting out Temporal being away. The run goes on on the server
+    whatever its waiter sees (its workers reconnect), so an outage ends only the wait:
+    `on_away` hears each time Temporal could not be reached, and the wait resumes once it is."""
+    while True:
+        try:
+            return await handle.result()
+        except RPCError as exc:
+            if exc.status not in TEMPORAL_AWAY:
+                raise
+            on_away(exc)
+        await asyncio.sleep(AWAY_RETRY.total_seconds())
 
 
 async def start_period(

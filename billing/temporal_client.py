@@ -11,6 +11,7 @@ in their home directory must not point a billing worker at another server.
 
 from __future__ import annotations
 
+import functools
 import os
 from datetime import timedelta
 from typing import Any
@@ -21,9 +22,10 @@ from temporalio.envconfig import ClientConfigProfile, ClientConnectConfig
 from temporalio.runtime import Runtime
 from temporalio.service import RPCError, RPCStatusCode
 
-from billing.config import TemporalSettings
+from billing.config import ObservabilitySettings, TemporalSettings
 from billing.data_converter import DATA_CONVERTER
 from billing.errors import ConfigurationError, ServiceUnavailableError
+from billing.metrics import temporal_runtime
 
 NAMESPACE_CHECK_TIMEOUT = timedelta(seconds=10)
 
@@ -56,12 +58,23 @@ def connect_config(settings: TemporalSettings) -> ClientConnectConfig:
     return config
 
 
+@functools.cache
+def _tools_runtime() -> Runtime:
+    """The runtime of the CLI and other tools: the SDK core's log lines (its retries while
+    Temporal is away) go to stderr through Python's logging, as the worker's do, rather than
+    to stdout, where they would corrupt a `--json` answer. No metrics: the worker exports
+    them on its port."""
+    return temporal_runtime(ObservabilitySettings(temporal_metrics_port=None))
+
+
 async def connect(settings: TemporalSettings, runtime: Runtime | None = None) -> Client:
-    """`runtime` carries the worker's telemetry (SDK metrics); None is the default runtime."""
+    """`runtime` carries the worker's telemetry (SDK metrics); None is the tools' runtime."""
     config = connect_config(settings)
     address = config["target_host"]
     try:
-        client = await Client.connect(data_converter=DATA_CONVERTER, runtime=runtime, **config)
+        client = await Client.connect(
+            data_converter=DATA_CONVERTER, runtime=runtime or _tools_runtime(), **config
+        )
     except RuntimeError as exc:
         raise ServiceUnavailableError(
             f"cannot reach Temporal at {address} (TEMPORAL_ADDRESS): {exc};"

@@ -1,9 +1,10 @@
 """A period billed while everything around it fails: the worker is SIGKILLed and restarted
-every few seconds, PostgreSQL restarts once, Stripe (the emulator) loses answers, fails
-before and after committing and rate-limits, and the period is started twice more (a second
-starter, a schedule's trigger) while it runs. Then the daily reconciliation runs once, as it
-would after the period, and settles what the faults left in doubt (the vault's reservations
-for answers lost after Stripe committed).
+every few seconds, PostgreSQL restarts once (and, where the stack can, the vault and
+Temporal's server are SIGKILLed and started again once each), Stripe (the emulator) loses
+answers, fails before and after committing and rate-limits, and the period is started twice
+more (a second starter, a schedule's trigger) while it runs. Then the daily reconciliation
+runs once, as it would after the period, and settles what the faults left in doubt (the
+vault's reservations for answers lost after Stripe committed).
 
 bench/chaos_run.py runs it on a local stack of its own, tests/integration/test_chaos.py on the
 test session's services; chaos.invariants checks what it leaves behind.
@@ -16,7 +17,7 @@ import math
 import random
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import asyncpg
@@ -27,7 +28,7 @@ from billing.customers import CustomerRow, upsert_customers
 from billing.models import PeriodSummary
 from billing.periods import Period
 from billing.reconciliation import ReconcileReport
-from billing.runs import drain, start_period, start_reconcile
+from billing.runs import drain, result_across_outages, start_period, start_reconcile
 from billing.schedules import MonthlySchedule, create_schedule
 from billing.seeding import DECLINED_CARD, create_demo_customers, demo_card
 from stripe_emulator.client import EmulatorClient
@@ -41,6 +42,16 @@ RATE_LIMIT_RPS = 25.0
 SECOND_START = "second_start"
 TRIGGER = "schedule_trigger"
 POSTGRES_RESTART = "postgres_restart"
+VAULT_CRASH = "vault_crash"
+TEMPORAL_CRASH = "temporal_crash"
+# Each disturbance, and how far the run is (finished customers / due) when it happens.
+DISTURBANCES: tuple[tuple[str, float], ...] = (
+    (SECOND_START, 0.1),
+    (TRIGGER, 0.2),
+    (POSTGRES_RESTART, 0.4),
+    (VAULT_CRASH, 0.5),
+    (TEMPORAL_CRASH, 0.6),
+)
 
 
 @dataclass(frozen=True)
@@ -50,18 +61,15 @@ class Plan:
     kill_every: tuple[float, float] = (2.0, 6.0)
     max_kills: int | None = None
     rate_limit_rps: float = RATE_LIMIT_RPS
-    # How far the run is (finished customers / due) when each disturbance happens.
-    disturb_at: tuple[tuple[str, float], ...] = (
-        (SECOND_START, 0.1),
-        (TRIGGER, 0.2),
-        (POSTGRES_RESTART, 0.4),
-    )
+    # Those of DISTURBANCES this run makes (each needs its Targets' means).
+    disturb_at: tuple[tuple[str, float], ...] = DISTURBANCES[:3]
     timeout: float = 3600.0
 
 
 @dataclass
 class Targets:
-    """Where the run happens, and how to start a worker process and restart PostgreSQL."""
+    """Where the run happens, and how to start a worker process and restart the services
+    (the vault and Temporal's server only where the stack runs them as processes)."""
 
     client: Client
     task_queue: str
@@ -69,6 +77,8 @@ class Targets:
     emulator: EmulatorClient
     start_worker: Callable[[], subprocess.Popen[bytes]]
     restart_postgres: Callable[[], None]
+    crash_vault: Callable[[], Awaitable[None]] | None = None
+    crash_temporal: Callable[[], Awaitable[None]] | None = None
 
 
 @dataclass
@@ -82,6 +92,8 @@ class Figures:
     # Workers that ended on their own (one that starts while PostgreSQL is down gives up).
     worker_exits: int = 0
     postgres_restarts: int = 0
+    vault_crashes: int = 0
+    temporal_crashes: int = 0
     duplicate_starts: int = 0
     # Customers finished when each disturbance happened.
     disturbed_at: dict[str, int] = field(default_factory=dict)
@@ -207,6 +219,14 @@ async def _disturb(
         elif event == POSTGRES_RESTART:
             await asyncio.to_thread(targets.restart_postgres)
             figures.postgres_restarts += 1
+        elif event == VAULT_CRASH:
+            assert targets.crash_vault is not None, "this stack cannot crash its vault"
+            await targets.crash_vault()
+            figures.vault_crashes += 1
+        elif event == TEMPORAL_CRASH:
+            assert targets.crash_temporal is not None, "this stack cannot crash Temporal"
+            await targets.crash_temporal()
+            figures.temporal_crashes += 1
 
 
 async def run(
@@ -227,7 +247,8 @@ async def run(
         async with asyncio.timeout(plan.timeout):
             handle = await start_period(targets.client, period, targets.task_queue)
             disturbing = asyncio.create_task(_disturb(targets, period, plan, schedule, figures))
-            figures.summary = await handle.result()
+            # As `starter.py run` waits: across Temporal's outage.
+            figures.summary = await result_across_outages(handle, lambda exc: None)
             # Any disturbance still waiting happens now (and so fails shortfalls()).
             await disturbing
             # A start after the end runs the period again; children close after their parent.

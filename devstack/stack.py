@@ -285,6 +285,22 @@ class LocalStack:
         self.services.append(service)
         await wait_for_http(service, f"http://127.0.0.1:{c.vault_port}/vault/health")
 
+    async def restart_vault(self) -> None:
+        """SIGKILL the vault and start it again on its port: a crash mid-request (chaos)."""
+        self._kill("vault")
+        await self._start_vault()
+
+    async def restart_temporal(self) -> None:
+        """SIGKILL the dev server and start it again on its database and ports: an outage of
+        Temporal, its history kept (chaos)."""
+        self._kill("temporal")
+        await self._start_temporal()
+
+    def _kill(self, name: str) -> None:
+        service = next(s for s in self.services if s.name == name)
+        service.kill()
+        self.services.remove(service)
+
     def write_env(self) -> None:
         lines = [f"export {k}={shlex.quote(v)}" for k, v in self.environment.items()]
         # It holds the vault's tokens and the sealing key: readable by this user alone.

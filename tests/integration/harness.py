@@ -215,11 +215,11 @@ class Harness:
         async with self.worker(interceptors) as worker:
             yield worker
 
-    async def starter(self, *args: str) -> tuple[int, str, str]:
-        """`starter.py` in its own process against the test's namespace and task queue:
-        exit code, stdout and stderr."""
+    async def starter_process(self, *args: str, **extra_env: str) -> asyncio.subprocess.Process:
+        """`starter.py` started in its own process against the test's namespace and task
+        queue, its output piped; `extra_env` comes last."""
         config = self.client.service_client.config
-        process = await asyncio.create_subprocess_exec(
+        return await asyncio.create_subprocess_exec(
             sys.executable,
             str(PROJECT_ROOT / "starter.py"),
             *args,
@@ -229,10 +229,15 @@ class Harness:
                 "TEMPORAL_NAMESPACE": self.client.namespace,
                 "TEMPORAL_TASK_QUEUE": self.task_queue,
                 "DATABASE_URL": self.database_url,
+                **extra_env,
             },
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
+
+    async def starter(self, *args: str) -> tuple[int, str, str]:
+        """`starter.py` run to its end: exit code, stdout and stderr."""
+        process = await self.starter_process(*args)
         try:
             stdout, stderr = await asyncio.wait_for(process.communicate(), STARTER_TIMEOUT)
         except TimeoutError:
