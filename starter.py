@@ -107,6 +107,7 @@ from billing.reporting import (
     ui_link,
 )
 from billing.runs import (
+    TEMPORAL_AWAY,
     awaits_a_worker,
     ended_as,
     period_status,
@@ -400,7 +401,8 @@ async def cmd_watch(args: argparse.Namespace) -> int:
         TextColumn("{task.fields[counts]}"),
     ) as bar:
         task = bar.add_task(str(args.period), total=None, counts="")
-        answered = True
+        waiting = ""
+        outage = _OutageNotice(f"the run of {args.period}")
         while True:
             done = progress.due - progress.in_flight
             bar.update(
@@ -409,18 +411,24 @@ async def cmd_watch(args: argparse.Namespace) -> int:
                 total=progress.expected_due or progress.due or None,
                 completed=done,
                 counts=f"charged {progress.charged}, failed {progress.failed},"
-                f" in flight {progress.in_flight}"
-                + ("" if answered else " (no worker answered: waiting for one)"),
+                f" in flight {progress.in_flight}{waiting}",
             )
             if progress.state not in ("running", "paused", "cancelling"):
                 break
             await asyncio.sleep(args.interval)
+            # A worker restarting (a deploy), or Temporal away: the run goes on, and so does
+            # the watch, showing the last counts it had.
             try:
                 progress = await period_status(client, args.period)
-                answered = True
+                waiting = ""
             except NoWorkerError:
-                # A worker restarting (a deploy): the run goes on, and so does the watch.
-                answered = False
+                waiting = " (no worker answered: waiting for one)"
+            except RPCError as exc:
+                if exc.status not in TEMPORAL_AWAY:
+                    raise
+                outage(exc)
+                continue
+            outage.back()
     print(describe(progress))
     return 0
 

@@ -16,6 +16,8 @@ class CuttableFront:
         self._server: asyncio.Server | None = None
         self._open: set[asyncio.StreamWriter] = set()
         self.port = 0
+        # Connections taken so far.
+        self.connections = 0
 
     @property
     def address(self) -> str:
@@ -36,6 +38,7 @@ class CuttableFront:
             self._host, self._target_port
         )
         self._open |= {writer, upstream_writer}
+        self.connections += 1
         try:
             await asyncio.gather(
                 self._pipe(reader, upstream_writer), self._pipe(upstream_reader, writer)
