@@ -454,11 +454,17 @@ async def cmd_reconcile(args: argparse.Namespace) -> int:
     temporal = load_settings(TemporalSettings)
     client = await connect(temporal)
     handle = await start_reconcile(client, args.period, temporal.task_queue)
-    result = asyncio.ensure_future(
-        result_across_outages(handle, _OutageNotice(f"the reconciliation of {args.period}"))
-    )
+    outage = _OutageNotice(f"the reconciliation of {args.period}")
+    result = asyncio.ensure_future(result_across_outages(handle, outage))
     waited = (await asyncio.wait({result}, timeout=NO_WORKER_SECONDS))[0]
-    if not waited and await awaits_a_worker(handle, timedelta(seconds=NO_WORKER_SECONDS)):
+    try:
+        stalled = not waited and await awaits_a_worker(handle, timedelta(seconds=NO_WORKER_SECONDS))
+    except RPCError as exc:
+        if exc.status not in TEMPORAL_AWAY:
+            raise
+        outage(exc)
+        stalled = False
+    if stalled:
         print(
             f"warning: reconciliation of {args.period} is open as {handle.id}, but its"
             f" workflow task has waited {NO_WORKER_SECONDS:.0f} s for a worker to take it (or"

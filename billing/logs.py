@@ -17,8 +17,9 @@ from temporalio import workflow
 from billing.config import ObservabilitySettings, load_settings
 from billing.redact import redact
 
-# LogRecord attributes that are not an event's fields (taskName is new in Python 3.12).
-_NOT_FIELDS = frozenset([*RESERVED_ATTRS, "taskName"])
+# LogRecord attributes that are not an event's fields (taskName is new in Python 3.12), and
+# the SDK core's forwarded entry (`temporal_log`), an object whose fields its message holds.
+_NOT_FIELDS = frozenset([*RESERVED_ATTRS, "taskName", "temporal_log"])
 KEY_PREFIX_LENGTH = 8
 
 _signal_log = logging.getLogger("billing.signals")
@@ -41,6 +42,7 @@ class RedactingJsonFormatter(JsonFormatter):
             style="{",
             rename_fields={"levelname": "level", "name": "logger"},
             timestamp="time",
+            reserved_attrs=list(_NOT_FIELDS),
         )
 
     def process_log_record(self, log_data: dict[str, Any]) -> dict[str, Any]:

@@ -5,12 +5,18 @@ rather than ending in an error while the run bills on."""
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import UTC, datetime
 
+from temporalio.client import WorkflowExecutionStatus
+from temporalio.service import RPCError
+
 from billing import operations
+from billing.keys import reconcile_workflow_id
 from billing.models import OperatorRequest
 from billing.periods import period_for
 from billing.runs import start_period
+from starter import NO_WORKER_SECONDS
 from tests.integration.cuttable_front import CuttableFront, cuttable_front
 from tests.integration.harness import Harness, eventually
 from tests.integration.invariants import assert_billed_once
@@ -98,3 +104,35 @@ async def test_watch_outlasts_temporal_going_away(harness: Harness) -> None:
     assert await stderr.says("note: Temporal is reachable again"), stderr.lines
     assert summary.charged == 4 and "charged 4," in out, out
     await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_reconcile_outlasts_temporal_going_away(harness: Harness) -> None:
+    """Temporal is away when `reconcile` looks whether a worker took its workflow up."""
+    async with cuttable_front(harness.client.service_client.config.target_host) as front:
+        started = time.monotonic()
+        reconciling = await harness.starter_process(
+            "reconcile", str(PERIOD), TEMPORAL_ADDRESS=front.address
+        )
+        assert reconciling.stdout is not None
+        stderr = Stderr(reconciling)
+        handle = harness.client.get_workflow_handle(reconcile_workflow_id(PERIOD))
+
+        async def opened() -> bool:
+            try:
+                return (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+            except RPCError:
+                return False
+
+        await eventually(opened)
+        await front.cut()
+        # Past the look for a worker, and the SDK's retries of it.
+        await asyncio.sleep(max(0.0, started + NO_WORKER_SECONDS + 15 - time.monotonic()))
+        assert reconciling.returncode is None, stderr.lines
+        assert await stderr.says("warning: Temporal cannot be reached"), stderr.lines
+        await front.restore()
+        async with harness.running_worker():
+            out = (await asyncio.wait_for(reconciling.stdout.read(), 120)).decode()
+            code = await reconciling.wait()
+        await stderr.reading
+    assert code == 0, stderr.lines
+    assert str(PERIOD) in out, out

@@ -117,6 +117,25 @@ def test_text_lines_are_readable_and_redacted() -> None:
     assert text.count("\n") == 1
 
 
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_a_line_forwarded_from_the_sdk_core_shows_its_message_not_its_entry(
+    log_format: str,
+) -> None:
+    """The SDK hands each core line over with its entry object as an extra field; the
+    message already says what the entry holds, and the object's repr is noise."""
+    logger, stream = capture(log_format)
+
+    class BufferedLogEntry:
+        pass
+
+    logger.warning(
+        "[sdk_core::retry] gRPC call retried 5 times", extra={"temporal_log": BufferedLogEntry()}
+    )
+    logger.handlers = []
+    assert "retried 5 times" in stream.getvalue()
+    assert "temporal_log" not in stream.getvalue() and "BufferedLogEntry" not in stream.getvalue()
+
+
 def test_configure_writes_json_when_asked() -> None:
     program = (
         "import logging\n"
