@@ -25,6 +25,7 @@ import re
 import select
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -90,7 +91,13 @@ from billing.periods import (
     period_range,
 )
 from billing.preview import preview_period
-from billing.reconciliation import CHARGE_ID_PATTERN, FindingKind, HandledMarks, HandledRequest
+from billing.reconciliation import (
+    CHARGE_ID_PATTERN,
+    FindingKind,
+    HandledMarks,
+    HandledRequest,
+    ReconcileReport,
+)
 from billing.redact import redact, shown_line
 from billing.reporting import (
     describe,
@@ -197,6 +204,8 @@ def _number(high: float, *, least: float | None = None) -> Callable[[str], float
 PAUSE_CHECK_SECONDS = 30.0
 # How long `reconcile` waits before it says that no worker has taken its workflow up.
 NO_WORKER_SECONDS = 15.0
+# While Temporal is away, how often a waiting command says it still is.
+OUTAGE_REMINDER = timedelta(minutes=5)
 
 
 def _emit(model: BaseModel, as_json: bool, text: str) -> None:
@@ -208,12 +217,19 @@ async def cmd_run(args: argparse.Namespace) -> int:
     temporal = load_settings(TemporalSettings)
     client = await connect(temporal)
     handle = await start_period(client, args.period, temporal.task_queue)
+    outage = _OutageNotice(f"the run of {args.period}")
     try:
         progress = await period_status(client, args.period)
-    except NoWorkerError as exc:
-        print(f"warning: {exc}", file=sys.stderr)
+    except (NoWorkerError, RPCError) as exc:
+        # Started (or joined), but how it stands is unknown for now.
+        if isinstance(exc, NoWorkerError):
+            print(f"warning: {exc}", file=sys.stderr)
+        elif exc.status in TEMPORAL_AWAY:
+            outage(exc)
+        else:
+            raise
         if args.wait:
-            return await _wait_and_report(client, handle, args, temporal)
+            return await _wait_and_report(client, handle, args, temporal, outage=outage)
         _emit(
             OpenRun(period=str(args.period), workflow_id=handle.id),
             args.json,
@@ -262,27 +278,40 @@ def _concern(progress: PeriodProgress) -> str | None:
 
 
 class _OutageNotice:
-    """Tells once that Temporal cannot be reached while a command waits on a run, and once
-    that it can again (`back()`, from any call that got through)."""
+    """Tells that Temporal cannot be reached while a command waits on a run (again every
+    OUTAGE_REMINDER while it lasts), and that it can again (`back()`, from any call that got
+    through)."""
 
     def __init__(self, what: str) -> None:
         self._what = what
-        self._away = False
+        self._away_since: float | None = None
+        self._told_at = 0.0
 
     def __call__(self, exc: RPCError) -> None:
-        if not self._away:
+        now = time.monotonic()
+        if self._away_since is None:
+            self._away_since = now
             print(
                 f"warning: Temporal cannot be reached ({exc.status.name}: {exc.message}):"
                 f" {self._what} goes on there, its workers reconnect; waiting for Temporal to"
                 " come back",
                 file=sys.stderr,
             )
-        self._away = True
+        elif now - self._told_at >= OUTAGE_REMINDER.total_seconds():
+            print(
+                f"warning: Temporal still cannot be reached after"
+                f" {(now - self._away_since) / 60:.0f} min ({exc.status.name}: {exc.message});"
+                " waiting",
+                file=sys.stderr,
+            )
+        else:
+            return
+        self._told_at = now
 
     def back(self) -> None:
-        if self._away:
+        if self._away_since is not None:
             print("note: Temporal is reachable again; waiting as before", file=sys.stderr)
-        self._away = False
+        self._away_since = None
 
 
 async def _wait_and_report(
@@ -291,12 +320,14 @@ async def _wait_and_report(
     args: argparse.Namespace,
     temporal: TemporalSettings,
     *,
+    outage: _OutageNotice | None = None,
     told: str | None = None,
 ) -> int:
     """Wait for the run's summary, saying once each time it waits for a person (it may
-    pause itself, e.g. at its key's cap) rather than wait without a word."""
-    outage = _OutageNotice(f"the run of {args.period}")
-    result = asyncio.ensure_future(result_across_outages(handle, outage))
+    pause itself, e.g. at its key's cap) rather than wait without a word; `outage` may
+    have told already that Temporal is away."""
+    outage = outage or _OutageNotice(f"the run of {args.period}")
+    result = asyncio.ensure_future(result_across_outages(client, handle, PeriodSummary, outage))
     while not (await asyncio.wait({result}, timeout=PAUSE_CHECK_SECONDS))[0]:
         try:
             concern = _concern(await period_status(client, args.period))
@@ -455,7 +486,7 @@ async def cmd_reconcile(args: argparse.Namespace) -> int:
     client = await connect(temporal)
     handle = await start_reconcile(client, args.period, temporal.task_queue)
     outage = _OutageNotice(f"the reconciliation of {args.period}")
-    result = asyncio.ensure_future(result_across_outages(handle, outage))
+    result = asyncio.ensure_future(result_across_outages(client, handle, ReconcileReport, outage))
     waited = (await asyncio.wait({result}, timeout=NO_WORKER_SECONDS))[0]
     try:
         stalled = not waited and await awaits_a_worker(handle, timedelta(seconds=NO_WORKER_SECONDS))

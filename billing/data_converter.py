@@ -11,7 +11,8 @@ workflow instead, so that is what a refused `WorkflowInput` raises.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, get_args
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 from pydantic import ValidationError
 from temporalio.api.common.v1 import Payload
@@ -63,12 +64,11 @@ class BillingPayloadConverter(PydanticPayloadConverter):
         try:
             return super().from_payloads(payloads, type_hints)
         except ValidationError as exc:
-            # A workflow's input is optional in its signature (MissingWorkflowInputError).
             refused = next(
                 (
                     t
                     for hint in type_hints or ()
-                    for t in get_args(hint) or (hint,)
+                    for t in _optional_of(hint)
                     if isinstance(t, type) and issubclass(t, WorkflowInput)
                 ),
                 None,
@@ -76,6 +76,14 @@ class BillingPayloadConverter(PydanticPayloadConverter):
             if refused is None:
                 raise
             raise RefusedWorkflowInputError(refused, exc) from None
+
+
+def _optional_of(hint: Any) -> tuple[Any, ...]:
+    """The types a hint admits where it is `X | None` (a workflow's input is optional in its
+    signature: MissingWorkflowInputError), else the hint itself."""
+    if get_origin(hint) in (Union, UnionType) and type(None) in get_args(hint):
+        return get_args(hint)
+    return (hint,)
 
 
 def problems(exc: ValidationError) -> str:

@@ -138,12 +138,13 @@ def serve(settings: ObservabilitySettings, heartbeat: Heartbeat | None = None) -
     return server
 
 
-def temporal_runtime(settings: ObservabilitySettings) -> Runtime:
-    """The process's Temporal runtime: the SDK core's log lines go through Python's logging
-    (the project's format and redaction; by default the core prints coloured text to stdout),
-    and its metrics are exported on TEMPORAL_METRICS_PORT while that is set."""
+def temporal_runtime(settings: ObservabilitySettings, core_level: str = "WARN") -> Runtime:
+    """The process's Temporal runtime: the SDK core's log lines from `core_level` up go
+    through Python's logging (the project's format and redaction; by default the core prints
+    coloured text to stdout), and its metrics are exported on TEMPORAL_METRICS_PORT while
+    that is set."""
     core_logs = LoggingConfig(
-        filter=TelemetryFilter(core_level="WARN", other_level="ERROR"),
+        filter=TelemetryFilter(core_level=core_level, other_level="ERROR"),
         forwarding=LogForwardingConfig(logger=logging.getLogger("temporalio.core")),
     )
     prometheus = None

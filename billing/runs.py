@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from temporalio.api.enums.v1 import PendingWorkflowTaskState
 from temporalio.client import (
     Client,
+    WorkflowContinuedAsNewError,
     WorkflowExecutionStatus,
     WorkflowFailureError,
     WorkflowHandle,
@@ -60,14 +61,25 @@ ResultT = TypeVar("ResultT")
 
 
 async def result_across_outages(
-    handle: WorkflowHandle[Any, ResultT], on_away: Callable[[RPCError], None]
+    client: Client,
+    handle: WorkflowHandle[Any, ResultT],
+    result_type: type[ResultT],
+    on_away: Callable[[RPCError], None],
 ) -> ResultT:
     """The workflow's result, waiting out Temporal being away. The run goes on on the server
     whatever its waiter sees (its workers reconnect), so an outage ends only the wait:
-    `on_away` hears each time Temporal could not be reached, and the wait resumes once it is."""
+    `on_away` hears each time Temporal could not be reached, and the wait resumes once it is,
+    from the latest run it had reached: a run continued as new many times need not be walked
+    again, and its first run may have passed the namespace's retention."""
+    run = handle
     while True:
         try:
-            return await handle.result()
+            return await run.result(follow_runs=False)
+        except WorkflowContinuedAsNewError as exc:
+            run = client.get_workflow_handle(
+                handle.id, run_id=exc.new_execution_run_id, result_type=result_type
+            )
+            continue
         except RPCError as exc:
             if exc.status not in TEMPORAL_AWAY:
                 raise

@@ -60,11 +60,12 @@ def connect_config(settings: TemporalSettings) -> ClientConnectConfig:
 
 @functools.cache
 def _tools_runtime() -> Runtime:
-    """The runtime of the CLI and other tools: the SDK core's log lines (its retries while
-    Temporal is away) go to stderr through Python's logging, as the worker's do, rather than
-    to stdout, where they would corrupt a `--json` answer. No metrics: the worker exports
-    them on its port."""
-    return temporal_runtime(ObservabilitySettings(temporal_metrics_port=None))
+    """The runtime of the CLI and other tools: the SDK core's errors go to stderr through
+    Python's logging, rather than to stdout, where the core's default prints them and would
+    corrupt a `--json` answer. Its warnings are left out: while Temporal is away they are
+    its retries, about 30 a minute, and a waiting command says so itself. No metrics: the
+    worker exports them on its port."""
+    return temporal_runtime(ObservabilitySettings(temporal_metrics_port=None), "ERROR")
 
 
 async def connect(settings: TemporalSettings, runtime: Runtime | None = None) -> Client:

@@ -248,7 +248,9 @@ async def run(
             handle = await start_period(targets.client, period, targets.task_queue)
             disturbing = asyncio.create_task(_disturb(targets, period, plan, schedule, figures))
             # As `starter.py run` waits: across Temporal's outage.
-            figures.summary = await result_across_outages(handle, lambda exc: None)
+            figures.summary = await result_across_outages(
+                targets.client, handle, PeriodSummary, lambda exc: None
+            )
             # Any disturbance still waiting happens now (and so fails shortfalls()).
             await disturbing
             # A start after the end runs the period again; children close after their parent.

@@ -37,6 +37,11 @@ class CuttableFront:
         upstream_reader, upstream_writer = await asyncio.open_connection(
             self._host, self._target_port
         )
+        if self._server is None:
+            # Cut while this connection was being opened upstream.
+            writer.transport.abort()
+            upstream_writer.transport.abort()
+            return
         self._open |= {writer, upstream_writer}
         self.connections += 1
         try:

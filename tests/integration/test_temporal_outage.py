@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from datetime import UTC, datetime
 
-from temporalio.client import WorkflowExecutionStatus
-from temporalio.service import RPCError
+import pytest
+from temporalio import workflow
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.workflowservice.v1 import DeleteWorkflowExecutionRequest
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.service import RPCError, RPCStatusCode
+from temporalio.worker import Worker
 
 from billing import operations
-from billing.keys import reconcile_workflow_id
-from billing.models import OperatorRequest
+from billing.keys import period_workflow_id, reconcile_workflow_id
+from billing.models import OperatorRequest, RunOptions
 from billing.periods import period_for
-from billing.runs import start_period
+from billing.runs import result_across_outages, start_period
 from starter import NO_WORKER_SECONDS
 from tests.integration.cuttable_front import CuttableFront, cuttable_front
 from tests.integration.harness import Harness, eventually
@@ -45,30 +51,41 @@ class Stderr:
         return any(words in line for line in self.lines)
 
 
-async def test_run_wait_outlasts_temporal_going_away(harness: Harness) -> None:
+@pytest.mark.parametrize("cut", ["as-it-asks-how-the-run-stands", "as-it-waits"])
+async def test_run_wait_outlasts_temporal_going_away(harness: Harness, cut: str) -> None:
     customers = await harness.seed(3)
+    period_run = harness.client.get_workflow_handle(period_workflow_id(PERIOD))
+
+    async def started() -> bool:
+        try:
+            return (await period_run.describe()).status == WorkflowExecutionStatus.RUNNING
+        except RPCError:
+            return False
+
     async with cuttable_front(harness.client.service_client.config.target_host) as front:
         waiting = await harness.starter_process(
             "run", str(PERIOD), "--wait", TEMPORAL_ADDRESS=front.address
         )
         assert waiting.stdout is not None
         stderr = Stderr(waiting)
-        said = stderr.lines
-        saying = stderr.says
-        # No worker yet: `run` says so after its status query, then waits for the summary.
-        await eventually(lambda: saying("no worker answered its query"))
+        if cut == "as-it-waits":
+            # No worker yet: `run` says so after its status query (10 s), then waits.
+            await eventually(lambda: stderr.says("no worker answered its query"))
+        else:
+            # Started: its status query waits for a worker that is not there.
+            await eventually(started)
         await front.cut()
-        await eventually(lambda: saying("warning: Temporal cannot be reached ("))
-        assert waiting.returncode is None, said
+        await eventually(lambda: stderr.says("warning: Temporal cannot be reached ("))
+        assert waiting.returncode is None, stderr.lines
         await front.restore()
         async with harness.running_worker():
             out = (await asyncio.wait_for(waiting.stdout.read(), 120)).decode()
             code = await waiting.wait()
         await stderr.reading
-    assert code == 0, said
-    # Only the summary: the SDK's retries while Temporal was away are logged on stderr.
+    assert code == 0, stderr.lines
+    # Only the summary on stdout, and none of the SDK's retry lines (30 a minute) on stderr.
     assert out.startswith(f"period {PERIOD} (") and "charged 3," in out, out
-    assert any("temporalio_client::retry" in line for line in said), said
+    assert not any("temporalio_client::retry" in line for line in stderr.lines), stderr.lines
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
@@ -79,7 +96,11 @@ async def test_watch_outlasts_temporal_going_away(harness: Harness) -> None:
         harness.running_worker(),
         cuttable_front(harness.client.service_client.config.target_host) as front,
     ):
-        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        # One charge at a time, each a second long, so the pause lands before the run ends.
+        await harness.set_faults(latency_ms=1000)
+        handle = await start_period(
+            harness.client, PERIOD, harness.task_queue, RunOptions(max_in_flight=1)
+        )
         # Paused until Temporal is away from the watch, so that the run cannot end first.
         await operations.control(harness.client, PERIOD, "pause", operator)
         watching = await harness.starter_process(
@@ -136,3 +157,76 @@ async def test_reconcile_outlasts_temporal_going_away(harness: Harness) -> None:
         await stderr.reading
     assert code == 0, stderr.lines
     assert str(PERIOD) in out, out
+
+
+@workflow.defn(name="ContinuesOnce", sandboxed=False)
+class ContinuesOnce:
+    """Continues as new once, then waits to be told to finish."""
+
+    def __init__(self) -> None:
+        self._finish = False
+
+    @workflow.signal
+    def finish(self) -> None:
+        self._finish = True
+
+    @workflow.run
+    async def run(self, hops: int) -> int:
+        if hops > 0:
+            workflow.continue_as_new(hops - 1)
+        await workflow.wait_condition(lambda: self._finish)
+        return 7
+
+
+async def test_a_wait_resumes_from_the_latest_run_it_reached(harness: Harness) -> None:
+    """After an outage the wait goes on from the run it had followed to, not from the first
+    run of the chain, which may have passed the namespace's retention meanwhile."""
+    queue = f"chain-{uuid.uuid4()}"
+    heard: list[RPCError] = []
+    async with (
+        Worker(harness.client, task_queue=queue, workflows=[ContinuesOnce]),
+        cuttable_front(harness.client.service_client.config.target_host) as front,
+    ):
+        through_front = await Client.connect(front.address, namespace=harness.client.namespace)
+        handle = await through_front.start_workflow(
+            ContinuesOnce.run, 1, id=f"chain-{uuid.uuid4()}", task_queue=queue
+        )
+        waiting = asyncio.ensure_future(
+            result_across_outages(through_front, handle, int, heard.append)
+        )
+        first_run = handle.result_run_id
+        assert first_run is not None
+        first = harness.client.get_workflow_handle(handle.id, run_id=first_run)
+
+        async def continued() -> bool:
+            return (await first.describe()).status == WorkflowExecutionStatus.CONTINUED_AS_NEW
+
+        await eventually(continued)
+        # The wait follows the chain as its long poll sees the first run close.
+        await asyncio.sleep(2)
+        await front.cut()
+        await eventually(lambda: _any(heard))
+        # Retention drops the first run while Temporal is away from the waiter.
+        await harness.client.workflow_service.delete_workflow_execution(
+            DeleteWorkflowExecutionRequest(
+                namespace=harness.client.namespace,
+                workflow_execution=WorkflowExecution(workflow_id=handle.id, run_id=first_run),
+            )
+        )
+
+        async def gone() -> bool:
+            try:
+                await first.describe()
+            except RPCError as exc:
+                return exc.status == RPCStatusCode.NOT_FOUND
+            return False
+
+        # Deleting is a task of the server's own, seconds to tens of seconds away.
+        await eventually(gone, timeout=120)
+        await front.restore()
+        await harness.client.get_workflow_handle(handle.id).signal(ContinuesOnce.finish)
+        assert await asyncio.wait_for(waiting, 60) == 7
+
+
+async def _any(items: list[RPCError]) -> bool:
+    return bool(items)
