@@ -76,6 +76,16 @@ def test_workers_and_the_cli_get_the_ledgers_role_and_the_vault_its_own(tmp_path
     assert LocalStack(config).environment["DATABASE_URL"] == written["DATABASE_URL"]
 
 
+def test_a_worker_gets_two_malloc_arenas_unless_the_operator_says_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    stack = LocalStack(StackConfig(root=tmp_path))
+    assert stack.worker_environment["MALLOC_ARENA_MAX"] == "2"
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
+    assert stack.worker_environment["MALLOC_ARENA_MAX"] == "8"
+
+
 async def test_a_stack_from_before_roles_gets_them_and_their_grants(tmp_path: Path) -> None:
     """A `.devstack` whose database was migrated by the superuser alone, as before roles:
     the next start creates the roles and grants them, keeping the data."""
