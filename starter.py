@@ -68,6 +68,7 @@ from billing.errors import (
     InvalidPeriodError,
     NoWorkerError,
     RunEndedError,
+    ServiceUnavailableError,
     UnknownScheduleError,
     shown,
 )
@@ -224,10 +225,16 @@ async def cmd_run(args: argparse.Namespace) -> int:
         # Started (or joined), but how it stands is unknown for now.
         if isinstance(exc, NoWorkerError):
             print(f"warning: {exc}", file=sys.stderr)
-        elif exc.status in TEMPORAL_AWAY:
+        elif exc.status not in TEMPORAL_AWAY:
+            raise
+        elif args.wait:
             outage(exc)
         else:
-            raise
+            raise ServiceUnavailableError(
+                f"the run of {args.period} is open as {handle.id}, but Temporal could not be"
+                f" reached to say how it stands ({exc.status.name}: {exc.message}): it goes on"
+                f" there; `python starter.py status {args.period}` once Temporal is back"
+            ) from None
         if args.wait:
             return await _wait_and_report(client, handle, args, temporal, outage=outage)
         _emit(

@@ -89,6 +89,34 @@ async def test_run_wait_outlasts_temporal_going_away(harness: Harness, cut: str)
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
+async def test_run_without_wait_says_the_run_is_open_when_temporal_goes_away(
+    harness: Harness,
+) -> None:
+    """Started, then Temporal went away before it said how the run stands: `run` says the
+    run is open and goes on, not only Temporal's words."""
+    period_run = harness.client.get_workflow_handle(period_workflow_id(PERIOD))
+
+    async def started() -> bool:
+        try:
+            return (await period_run.describe()).status == WorkflowExecutionStatus.RUNNING
+        except RPCError:
+            return False
+
+    async with cuttable_front(harness.client.service_client.config.target_host) as front:
+        starting = await harness.starter_process("run", str(PERIOD), TEMPORAL_ADDRESS=front.address)
+        stderr = Stderr(starting)
+        # Its status query waits for a worker that is not there.
+        await eventually(started)
+        await front.cut()
+        code = await asyncio.wait_for(starting.wait(), 120)
+        await stderr.reading
+    assert code == 2, stderr.lines
+    assert await stderr.says(
+        f"error: the run of {PERIOD} is open as {period_workflow_id(PERIOD)}, but Temporal could"
+        " not be reached to say how it stands (UNAVAILABLE"
+    ), stderr.lines
+
+
 async def test_watch_outlasts_temporal_going_away(harness: Harness) -> None:
     customers = await harness.seed(4)
     operator = OperatorRequest(reason="outage test", operator="alice")
