@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
 import pytest
@@ -28,6 +29,19 @@ from tests.integration.harness import Harness, eventually
 from tests.integration.invariants import assert_billed_once
 
 PERIOD = period_for(datetime.now(UTC), "advance")
+
+
+def _running(harness: Harness, workflow_id: str) -> Callable[[], Awaitable[bool]]:
+    """A check that the workflow's latest run is open."""
+    handle = harness.client.get_workflow_handle(workflow_id)
+
+    async def check() -> bool:
+        try:
+            return (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+        except RPCError:
+            return False
+
+    return check
 
 
 async def _connected(front: CuttableFront) -> bool:
@@ -54,13 +68,6 @@ class Stderr:
 @pytest.mark.parametrize("cut", ["as-it-asks-how-the-run-stands", "as-it-waits"])
 async def test_run_wait_outlasts_temporal_going_away(harness: Harness, cut: str) -> None:
     customers = await harness.seed(3)
-    period_run = harness.client.get_workflow_handle(period_workflow_id(PERIOD))
-
-    async def started() -> bool:
-        try:
-            return (await period_run.describe()).status == WorkflowExecutionStatus.RUNNING
-        except RPCError:
-            return False
 
     async with cuttable_front(harness.client.service_client.config.target_host) as front:
         waiting = await harness.starter_process(
@@ -73,7 +80,7 @@ async def test_run_wait_outlasts_temporal_going_away(harness: Harness, cut: str)
             await eventually(lambda: stderr.says("no worker answered its query"))
         else:
             # Started: its status query waits for a worker that is not there.
-            await eventually(started)
+            await eventually(_running(harness, period_workflow_id(PERIOD)))
         await front.cut()
         await eventually(lambda: stderr.says("warning: Temporal cannot be reached ("))
         assert waiting.returncode is None, stderr.lines
@@ -94,19 +101,12 @@ async def test_run_without_wait_says_the_run_is_open_when_temporal_goes_away(
 ) -> None:
     """Started, then Temporal went away before it said how the run stands: `run` says the
     run is open and goes on, not only Temporal's words."""
-    period_run = harness.client.get_workflow_handle(period_workflow_id(PERIOD))
-
-    async def started() -> bool:
-        try:
-            return (await period_run.describe()).status == WorkflowExecutionStatus.RUNNING
-        except RPCError:
-            return False
 
     async with cuttable_front(harness.client.service_client.config.target_host) as front:
         starting = await harness.starter_process("run", str(PERIOD), TEMPORAL_ADDRESS=front.address)
         stderr = Stderr(starting)
         # Its status query waits for a worker that is not there.
-        await eventually(started)
+        await eventually(_running(harness, period_workflow_id(PERIOD)))
         await front.cut()
         code = await asyncio.wait_for(starting.wait(), 120)
         await stderr.reading
@@ -164,15 +164,7 @@ async def test_reconcile_outlasts_temporal_going_away(harness: Harness) -> None:
         )
         assert reconciling.stdout is not None
         stderr = Stderr(reconciling)
-        handle = harness.client.get_workflow_handle(reconcile_workflow_id(PERIOD))
-
-        async def opened() -> bool:
-            try:
-                return (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
-            except RPCError:
-                return False
-
-        await eventually(opened)
+        await eventually(_running(harness, reconcile_workflow_id(PERIOD)))
         await front.cut()
         # Past the look for a worker, and the SDK's retries of it.
         await asyncio.sleep(max(0.0, started + NO_WORKER_SECONDS + 15 - time.monotonic()))
