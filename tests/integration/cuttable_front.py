@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from tests.integration.tls_front import pipe
+
 
 class CuttableFront:
     def __init__(self, target: str) -> None:
@@ -23,16 +25,6 @@ class CuttableFront:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
-
     async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         upstream_reader, upstream_writer = await asyncio.open_connection(
             self._host, self._target_port
@@ -45,9 +37,7 @@ class CuttableFront:
         self._open |= {writer, upstream_writer}
         self.connections += 1
         try:
-            await asyncio.gather(
-                self._pipe(reader, upstream_writer), self._pipe(upstream_reader, writer)
-            )
+            await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
         finally:
             self._open -= {writer, upstream_writer}
 

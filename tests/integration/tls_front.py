@@ -14,7 +14,8 @@ import trustme
 SERVER_NAME = "temporal.test"
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy one direction of a connection until it closes (the cuttable front's too)."""
     try:
         while data := await reader.read(65536):
             writer.write(data)
@@ -41,7 +42,7 @@ async def tls_front(
 
     async def forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         upstream_reader, upstream_writer = await asyncio.open_connection(host, int(port))
-        await asyncio.gather(_pipe(reader, upstream_writer), _pipe(upstream_reader, writer))
+        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
 
     server = await asyncio.start_server(forward, "127.0.0.1", 0, ssl=context)
     async with server:
