@@ -328,6 +328,20 @@ def worker_memory_mb() -> dict[str, float]:
     return {name: round(size / 1024, 1) for name, size in kib.items()}
 
 
+def reset_worker_peak() -> None:
+    """Start the worker's VmHWM again from its resident size now, so that a run's peak is its
+    own, not one of an earlier run on the same worker (`--rounds`, a kept stack)."""
+    for pid in stack_processes()["worker"]:
+        try:
+            Path(f"/proc/{pid}/clear_refs").write_text("5")
+        except OSError as exc:
+            print(
+                f"warning: the worker's peak memory could not be reset ({exc}): its peak is"
+                " the highest since the worker started",
+                file=sys.stderr,
+            )
+
+
 # -- the stack's data -----------------------------------------------------------------------
 
 
@@ -476,6 +490,7 @@ async def measure_orchestrated(
     await set_faults(*faults)
     log_offset = temporal_log_size()
     samples: list[float] = []
+    reset_worker_peak()
     sampling = asyncio.create_task(sample_worker_rss(samples))
     try:
         meter.start()
