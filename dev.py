@@ -36,10 +36,11 @@ PACKAGES = [
     "tests",
 ]
 
-# The suite waits on timers and services more than it computes: one process per core (up to
-# four, each starting its own PostgreSQL and Temporal dev server) takes about 7 minutes here
-# on 2 cores, against 12 in one. `python3 dev.py test -n 0` runs it in one process.
-PARALLEL = ["--numprocesses", "auto", "--maxprocesses", "4", "--dist", "worksteal"]
+# The suite waits on timers and services more than it computes: two processes per core, up to
+# four (each starts its own PostgreSQL and Temporal dev server), take about 6 minutes here on
+# 2 cores, against 9-10 with one per core. `python3 dev.py test -n 0` runs it in one process.
+TEST_PROCESSES = min(4, 2 * (os.cpu_count() or 1))
+PARALLEL = ["--numprocesses", str(TEST_PROCESSES), "--dist", "worksteal"]
 
 
 def setup() -> None:
