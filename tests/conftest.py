@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import socket
 from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
 
 import asyncpg
 import pytest
@@ -25,6 +26,7 @@ from devstack.processes import StackError
 TEMPLATE_DB = "billing_template"
 # Registered when the dev server starts: one per test that takes a Temporal client.
 NAMESPACES = [f"test-{i}" for i in range(200)]
+DEV_SERVER_STARTUP = timedelta(seconds=60)
 _databases = itertools.count()
 _namespaces = iter(NAMESPACES)
 
@@ -91,6 +93,9 @@ async def db(database_url: str) -> AsyncIterator[asyncpg.Pool]:
 async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=venv_binary("temporal"),
+        # The SDK waits 5 s by default; four test processes start their dev servers and
+        # PostgreSQLs at once on two cores.
+        dev_server_startup_timeout=DEV_SERVER_STARTUP,
         search_attributes=search_attributes.ALL,
         data_converter=DATA_CONVERTER,
         dev_server_extra_args=[
