@@ -2094,3 +2094,44 @@ async def test_skipping_an_unknown_customer_during_a_run_says_so(harness: Harnes
         summary = await handle.result()
     assert (summary.due, summary.charged + summary.cancelled) == (8, 8)
     assert "nobody" not in {r["customer_id"] for r in await harness.ledger_rows(str(PERIOD))}
+
+
+class HoldClose(Interceptor):
+    """Holds the period's close activity (its write of the finished run to the ledger) until
+    told to go on."""
+
+    def __init__(self) -> None:
+        self.closing = asyncio.Event()
+        self.go_on = asyncio.Event()
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        hold = self
+
+        class Held(ActivityInboundInterceptor):
+            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                if activity.info().activity_type == "close_period":
+                    hold.closing.set()
+                    await asyncio.wait_for(hold.go_on.wait(), 60)
+                return await super().execute_activity(input)
+
+        return Held(next)
+
+
+async def test_a_run_is_said_completed_only_once_the_ledger_has_it_closed(
+    harness: Harness,
+) -> None:
+    """`status` and `watch` read the run's query; a backfill or a trigger reads the ledger.
+    Before, the query said completed while the close was still to be written, and a backfill
+    started then counted the period as not yet billed."""
+    customers = await harness.seed(2)
+    hold = HoldClose()
+    async with harness.running_worker(interceptors=[hold]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        await asyncio.wait_for(hold.closing.wait(), 60)
+        assert (await period_status(harness.client, PERIOD)).state == "running"
+        async with harness.pool.acquire() as conn:
+            assert await ledger.completed_runs(conn, [str(PERIOD)]) == {}
+        hold.go_on.set()
+        await asyncio.wait_for(handle.result(), 60)
+        assert (await period_status(harness.client, PERIOD)).state == "completed"
+    await assert_billed_once(harness, str(PERIOD), customers)
