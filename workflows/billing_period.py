@@ -150,10 +150,6 @@ class BillingPeriodWorkflow:
         self._ledger_watch: asyncio.Task[None] | None = None
         self._buffer: list[DueCustomer] = []
         self._finished = False
-        # The ledger records the run closed (the close activity) after it has finished: until
-        # then a query says what the run was doing, so that `status` or `watch` never says
-        # completed while a backfill or trigger, which read the ledger, would see it running.
-        self._closed = False
         # Control writes reach the ledger one at a time, each writing the latest word, so a
         # pause written late cannot overwrite a cancel.
         self._control_writes = asyncio.Lock()
@@ -253,7 +249,6 @@ class BillingPeriodWorkflow:
             start_to_close_timeout=ACTIVITY_TIMEOUT,
             summary=f"close {period}",
         )
-        self._closed = True
         self._publish_status()
         return summary
 
@@ -460,7 +455,7 @@ class BillingPeriodWorkflow:
         return PeriodProgress(
             period=self._state.period,
             workflow_id=workflow.info().workflow_id,
-            state=self._progress_word(),
+            state=self._state_word(),
             in_flight=len(self._in_flight),
             expected_due=self._state.plan.due if self._state.plan else None,
             held=self._state.plan.held if self._state.plan else 0,
@@ -478,11 +473,6 @@ class BillingPeriodWorkflow:
         if self._finished:
             return "completed"
         return control
-
-    def _progress_word(self) -> str:
-        if self._finished and not self._closed:
-            return "cancelling" if self._control.control == "cancelled" else self._control.control
-        return self._state_word()
 
     def _publish_status(self) -> None:
         """Search attributes and details the Web UI shows for this run."""
