@@ -945,7 +945,12 @@ async def test_a_backfill_over_a_billed_period_starts_nothing_in_it(harness: Har
     await _billed_in_the_ledger_only(harness, august, charged=0)
 
     async def completed(period: Period) -> bool:
-        return (await period_status(harness.client, period)).state == "completed"
+        """Completed in Temporal and closed in the ledger, which a backfill reads: the run's
+        query says completed before its close activity has written the ledger."""
+        if (await period_status(harness.client, period)).state != "completed":
+            return False
+        async with harness.pool.acquire() as conn:
+            return str(period) in await ledger.completed_runs(conn, [str(period)])
 
     async def launched(count: int) -> bool:
         query = 'WorkflowType="ScheduledBillingWorkflow" AND ExecutionStatus="Completed"'
