@@ -451,7 +451,7 @@ async def cmd_watch(args: argparse.Namespace) -> int:
                 counts=f"charged {progress.charged}, failed {progress.failed},"
                 f" in flight {progress.in_flight}{waiting}",
             )
-            if progress.state not in ("running", "paused", "cancelling"):
+            if progress.state not in ("running", "paused", "closing", "cancelling"):
                 break
             await asyncio.sleep(args.interval)
             # A worker restarting (a deploy), or Temporal away: the run goes on, and so does

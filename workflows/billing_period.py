@@ -150,6 +150,9 @@ class BillingPeriodWorkflow:
         self._ledger_watch: asyncio.Task[None] | None = None
         self._buffer: list[DueCustomer] = []
         self._finished = False
+        # The ledger has the run closed (the close activity, after it finished): `backfill`
+        # and `trigger` read that, so until then a query does not say the run is over.
+        self._closed = False
         # Control writes reach the ledger one at a time, each writing the latest word, so a
         # pause written late cannot overwrite a cancel.
         self._control_writes = asyncio.Lock()
@@ -249,6 +252,7 @@ class BillingPeriodWorkflow:
             start_to_close_timeout=ACTIVITY_TIMEOUT,
             summary=f"close {period}",
         )
+        self._closed = True
         self._publish_status()
         return summary
 
@@ -469,9 +473,12 @@ class BillingPeriodWorkflow:
     def _state_word(self) -> str:
         control = self._control.control
         if control == "cancelled":
-            return "cancelled" if self._finished else "cancelling"
-        if self._finished:
+            return "cancelled" if self._closed else "cancelling"
+        if self._closed:
             return "completed"
+        if self._finished:
+            # Every outcome is in; the ledger is yet to have the run closed.
+            return "closing"
         return control
 
     def _publish_status(self) -> None:
@@ -500,6 +507,7 @@ class BillingPeriodWorkflow:
                 else ""
             ),
             "cancelled": f"CANCELLED by {control.operator}: {control.reason}",
+            "closing": "Closing: every outcome is in, the summary is being written",
             "completed": "Finished",
         }
         workflow.set_current_details(

@@ -528,13 +528,13 @@ async def test_a_blocked_charge_reported_after_the_last_outcome_pauses_nothing(
         skipping = asyncio.create_task(
             operations.skip(harness.client, harness.settings, harness.database_url, PERIOD, skip)
         )
-        await eventually(lambda: harness.in_state(PERIOD, "completed"))
+        await eventually(lambda: harness.in_state(PERIOD, "closing"))
         # A child's report of a refused key, arriving now, has nothing left to pause: not in
         # the run (a query sees the signal handled) nor in the ledger, while the run is open
         # (closing it lifts a pause anyway).
         await handle.signal(PERIOD_BLOCKED, ChargeFailure(code="spend_cap_exceeded", message="x"))
         progress = await handle.query(BillingPeriodWorkflow.progress)
-        assert (progress.state, progress.reason) == ("completed", None), progress
+        assert (progress.state, progress.reason) == ("closing", None), progress
         await asyncio.sleep(1)
         async with harness.pool.acquire() as reader:
             control = await reader.fetchval(
@@ -945,12 +945,7 @@ async def test_a_backfill_over_a_billed_period_starts_nothing_in_it(harness: Har
     await _billed_in_the_ledger_only(harness, august, charged=0)
 
     async def completed(period: Period) -> bool:
-        """Completed in Temporal and closed in the ledger, which a backfill reads: the run's
-        query says completed before its close activity has written the ledger."""
-        if (await period_status(harness.client, period)).state != "completed":
-            return False
-        async with harness.pool.acquire() as conn:
-            return str(period) in await ledger.completed_runs(conn, [str(period)])
+        return (await period_status(harness.client, period)).state == "completed"
 
     async def launched(count: int) -> bool:
         query = 'WorkflowType="ScheduledBillingWorkflow" AND ExecutionStatus="Completed"'
@@ -2099,3 +2094,57 @@ async def test_skipping_an_unknown_customer_during_a_run_says_so(harness: Harnes
         summary = await handle.result()
     assert (summary.due, summary.charged + summary.cancelled) == (8, 8)
     assert "nobody" not in {r["customer_id"] for r in await harness.ledger_rows(str(PERIOD))}
+
+
+class HoldClose(Interceptor):
+    """Holds the period's close activity (its write of the finished run to the ledger) until
+    told to go on."""
+
+    def __init__(self) -> None:
+        self.closing = asyncio.Event()
+        self.go_on = asyncio.Event()
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        hold = self
+
+        class Held(ActivityInboundInterceptor):
+            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                if activity.info().activity_type == "close_period":
+                    hold.closing.set()
+                    await asyncio.wait_for(hold.go_on.wait(), 60)
+                return await super().execute_activity(input)
+
+        return Held(next)
+
+
+@pytest.mark.parametrize("cancelled", [False, True], ids=["completed", "cancelled"])
+async def test_a_run_is_said_over_only_once_the_ledger_has_it_closed(
+    harness: Harness, cancelled: bool
+) -> None:
+    """`status` and `watch` read the run's query; `backfill` and `trigger` read the ledger.
+    The query said completed while the close was still to be written, and a backfill started
+    then found the period not yet billed."""
+    customers = await harness.seed(2)
+    hold = HoldClose()
+    async with harness.running_worker(interceptors=[hold]):
+        if cancelled:
+            await harness.set_faults(latency_ms=1500)
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        if cancelled:
+            # Cancelled while both charges are out: it finishes them, then closes.
+            await eventually(lambda: at_least(harness.money_requests(), 2))
+            await operations.control(harness.client, PERIOD, "cancel", ALICE)
+        await asyncio.wait_for(hold.closing.wait(), 60)
+        progress = await period_status(harness.client, PERIOD)
+        assert progress.state == ("cancelling" if cancelled else "closing"), progress
+        assert progress.in_flight == 0
+        async with harness.pool.acquire() as conn:
+            assert await ledger.completed_runs(conn, [str(PERIOD)]) == {}
+        hold.go_on.set()
+        summary = await asyncio.wait_for(handle.result(), 60)
+        progress = await period_status(harness.client, PERIOD)
+    assert progress.state == ("cancelled" if cancelled else "completed")
+    async with harness.pool.acquire() as conn:
+        assert str(PERIOD) in await ledger.completed_runs(conn, [str(PERIOD)])
+    assert summary.charged == 2
+    await assert_billed_once(harness, str(PERIOD), customers)
