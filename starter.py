@@ -334,7 +334,9 @@ async def _wait_and_report(
     pause itself, e.g. at its key's cap) rather than wait without a word; `outage` may
     have told already that Temporal is away."""
     outage = outage or _OutageNotice(f"the run of {args.period}")
-    result = asyncio.ensure_future(result_across_outages(client, handle, PeriodSummary, outage))
+    result = asyncio.ensure_future(
+        result_across_outages(client, handle, PeriodSummary, outage, outage.back)
+    )
     while not (await asyncio.wait({result}, timeout=PAUSE_CHECK_SECONDS))[0]:
         try:
             concern = _concern(await period_status(client, args.period))
@@ -493,7 +495,9 @@ async def cmd_reconcile(args: argparse.Namespace) -> int:
     client = await connect(temporal)
     handle = await start_reconcile(client, args.period, temporal.task_queue)
     outage = _OutageNotice(f"the reconciliation of {args.period}")
-    result = asyncio.ensure_future(result_across_outages(client, handle, ReconcileReport, outage))
+    result = asyncio.ensure_future(
+        result_across_outages(client, handle, ReconcileReport, outage, outage.back)
+    )
     waited = (await asyncio.wait({result}, timeout=NO_WORKER_SECONDS))[0]
     try:
         stalled = not waited and await awaits_a_worker(handle, timedelta(seconds=NO_WORKER_SECONDS))

@@ -65,15 +65,23 @@ async def result_across_outages(
     handle: WorkflowHandle[Any, ResultT],
     result_type: type[ResultT],
     on_away: Callable[[RPCError], None],
+    on_back: Callable[[], None] | None = None,
 ) -> ResultT:
     """The workflow's result, waiting out Temporal being away. The run goes on on the server
     whatever its waiter sees (its workers reconnect), so an outage ends only the wait:
-    `on_away` hears each time Temporal could not be reached, and the wait resumes once it is,
-    from the latest run it had reached: a run continued as new many times need not be walked
-    again, and its first run may have passed the namespace's retention."""
+    `on_away` hears each time Temporal could not be reached, `on_back` once it can again, and
+    the wait resumes from the latest run it had reached: a run continued as new many times
+    need not be walked again, and its first run may have passed the namespace's retention."""
     run = handle
+    away = False
     while True:
         try:
+            if away and on_back is not None:
+                # The wait itself is a long poll, silent until the run ends: a short call
+                # tells that Temporal answers again.
+                await run.describe()
+                on_back()
+            away = False
             return await run.result(follow_runs=False)
         except WorkflowContinuedAsNewError as exc:
             run = client.get_workflow_handle(
@@ -83,6 +91,7 @@ async def result_across_outages(
         except RPCError as exc:
             if exc.status not in TEMPORAL_AWAY:
                 raise
+            away = True
             on_away(exc)
         await asyncio.sleep(AWAY_RETRY.total_seconds())
 

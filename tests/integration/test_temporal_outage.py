@@ -177,6 +177,8 @@ async def test_reconcile_outlasts_temporal_going_away(harness: Harness) -> None:
         await stderr.reading
     assert code == 0, stderr.lines
     assert str(PERIOD) in out, out
+    # Its wait is one long poll: it says Temporal is back all the same (it said nothing).
+    assert await stderr.says("note: Temporal is reachable again"), stderr.lines
 
 
 @workflow.defn(name="ContinuesOnce", sandboxed=False)
