@@ -15,6 +15,7 @@ from temporalio.client import (
     WorkflowExecutionStatus,
     WorkflowFailureError,
     WorkflowHandle,
+    WorkflowQueryFailedError,
 )
 from temporalio.common import (
     SearchAttributePair,
@@ -215,6 +216,13 @@ async def period_status(client: Client, period: Period) -> PeriodProgress:
     if status == WorkflowExecutionStatus.RUNNING:
         try:
             return await handle.query(BillingPeriodWorkflow.progress, rpc_timeout=QUERY_TIMEOUT)
+        except WorkflowQueryFailedError:
+            # A run that closed after the describe is answered by replaying its whole
+            # history, which has failed so (a nondeterminism error from the SDK's core, once,
+            # under load): what it ended with says how it stands.
+            status = (await handle.describe()).status
+            if status == WorkflowExecutionStatus.RUNNING:
+                raise
         except RPCError as exc:
             # No answer in time, or (once the server has seen no poller for a while) a
             # refusal: either way no worker is there to say how the run stands.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta, tzinfo
@@ -46,6 +47,7 @@ from temporalio.worker import (
     ActivityInboundInterceptor,
     ExecuteActivityInput,
     ExecuteWorkflowInput,
+    HandleQueryInput,
     Interceptor,
     StartChildWorkflowInput,
     WorkflowInboundInterceptor,
@@ -2150,4 +2152,44 @@ async def test_a_run_is_said_over_only_once_the_ledger_has_it_closed(
     async with harness.pool.acquire() as conn:
         assert str(PERIOD) in await ledger.completed_runs(conn, [str(PERIOD)])
     assert summary.charged == 2
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+class _QueriesFailOnceClosed(WorkflowInboundInterceptor):
+    def handle_query(self, input: HandleQueryInput) -> Any:
+        if workflow.unsafe.is_replaying() and input.query == "progress":
+            raise RuntimeError("replay failed")
+        return super().handle_query(input)
+
+
+class QueriesFailOnceClosed(Interceptor):
+    """A run's queries fail when answered by replaying its history, as a run's query once
+    did right after it closed (a nondeterminism error from the SDK's core)."""
+
+    def workflow_interceptor_class(
+        self, input: WorkflowInterceptorClassInput
+    ) -> type[WorkflowInboundInterceptor]:
+        return _QueriesFailOnceClosed
+
+
+async def test_a_status_asked_as_the_run_closes_says_how_it_ended(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Open when `status` (or `watch`) looked, closed when it queried: the query is answered
+    by replaying the run's history, and when that fails, the run's summary answers."""
+    customers = await harness.seed(2)
+    async with harness.running_worker(interceptors=[QueriesFailOnceClosed()]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        summary = await handle.result()
+        describe = WorkflowHandle.describe
+
+        async def seen_open_once(self: WorkflowHandle[Any, Any]) -> Any:
+            monkeypatch.setattr(WorkflowHandle, "describe", describe)
+            seen = await describe(self)
+            return dataclasses.replace(seen, status=WorkflowExecutionStatus.RUNNING)
+
+        monkeypatch.setattr(WorkflowHandle, "describe", seen_open_once)
+        progress = await period_status(harness.client, PERIOD)
+    assert summary.charged == 2
+    assert (progress.state, progress.charged) == ("completed", 2)
     await assert_billed_once(harness, str(PERIOD), customers)
