@@ -41,6 +41,7 @@ from billing.models import (
 from billing.periods import Period, run_command
 from billing.reconciliation import ReconcileInput, ReconcileReport
 from billing.reporting import failure_chain
+from billing.temporal_client import workflow_status
 from workflows.billing_period import BillingPeriodWorkflow
 from workflows.reconcile import ReconcileWorkflow
 
@@ -220,7 +221,7 @@ async def period_status(client: Client, period: Period) -> PeriodProgress:
             # A run that closed after the describe is answered by replaying its whole
             # history, which has failed so (a nondeterminism error from the SDK's core, once,
             # under load): what it ended with says how it stands.
-            status = (await handle.describe()).status
+            status = await workflow_status(handle)
             if status == WorkflowExecutionStatus.RUNNING:
                 raise
         except RPCError as exc:
