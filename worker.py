@@ -68,6 +68,11 @@ WORKFLOWS = [
 ]
 WORKFLOWS_DIR = Path(__file__).resolve().parent / "workflows"
 WORKFLOW_TASK_SLOTS = 2000
+# Workflows a worker keeps in memory: a whole window of children (up to MAX_IN_FLIGHT) and its
+# period, with room. A child keeps its place while its local activity runs, so with the SDK's
+# default of 1,000 a window of 1,500 would push the period out, to be replayed from its whole
+# history at every task; with a cache of 1 or 2 a period never finished at all.
+WORKFLOW_CACHE = WORKFLOW_TASK_SLOTS
 # Workflow-task pollers that scale with the tasks waiting (Temporal's recommended setting; the
 # SDK's default is a fixed 5, one in five on the shared queue). A child's first workflow task
 # goes to the shared queue: with a poller waiting there the server hands it over at once; with
@@ -144,6 +149,7 @@ def create_worker(
         # More slots than children in flight (RunOptions.max_in_flight <= 1,500) leave the
         # period one.
         max_concurrent_workflow_tasks=WORKFLOW_TASK_SLOTS,
+        max_cached_workflows=WORKFLOW_CACHE,
         workflow_task_poller_behavior=WORKFLOW_TASK_POLLING,
         nonsticky_to_sticky_poll_ratio=NONSTICKY_TO_STICKY_POLL_RATIO,
         # In-flight Stripe calls get this long to finish and be recorded on shutdown.

@@ -122,6 +122,7 @@ from devstack.stack import StackConfig  # noqa: E402
 from vault.client import VaultAdmin  # noqa: E402
 from worker import (  # noqa: E402
     NONSTICKY_TO_STICKY_POLL_RATIO,
+    WORKFLOW_CACHE,
     WORKFLOW_TASK_POLLING,
     WORKFLOW_TASK_SLOTS,
 )
@@ -433,6 +434,7 @@ async def measure_ceiling(
         workflows=[FanOutWorkflow, children.workflow],
         activities=list(children.activities),
         max_concurrent_workflow_tasks=WORKFLOW_TASK_SLOTS,
+        max_cached_workflows=WORKFLOW_CACHE,
         workflow_task_poller_behavior=polling,
         nonsticky_to_sticky_poll_ratio=NONSTICKY_TO_STICKY_POLL_RATIO,
     ):

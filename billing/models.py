@@ -206,11 +206,16 @@ class CancelPage(Record):
     sent: list[str] = Field(default_factory=list)
 
 
+# The widest window a run may have: far below Temporal's 2,000 pending children per run, and
+# below what a worker caches (worker.WORKFLOW_CACHE).
+MAX_IN_FLIGHT = 1500
+
+
 class RunOptions(Record):
     """How a period run fans out; defaults suit one worker on a small machine."""
 
-    # Children running at once: far below Temporal's 2,000 pending children per run.
-    max_in_flight: int = Field(default=500, ge=1, le=1500)
+    # Children running at once.
+    max_in_flight: int = Field(default=500, ge=1, le=MAX_IN_FLIGHT)
     # Children started but not yet acknowledged, at most: the server starts each under the
     # period's own lock, and a burst of 500 held it for seconds (the period's next workflow
     # task then waited 10 s on the sticky queue, timed out and was replayed).

@@ -17,6 +17,7 @@ from billing import ledger, operations
 from billing.customers import upsert_customers
 from billing.keys import customer_workflow_id, idempotency_key
 from billing.models import (
+    MAX_IN_FLIGHT,
     BillingPeriodInput,
     ChargeFailure,
     ChargeResult,
@@ -357,6 +358,14 @@ async def test_few_child_starts_wait_for_the_server_at_once(harness: Harness) ->
     assert most == options.max_starting
     await assert_billed_once(harness, str(PERIOD), customers)
     await replay([history])
+
+
+async def test_the_worker_caches_the_widest_window_and_its_period(harness: Harness) -> None:
+    # A child keeps its place in the worker's cache while its local activity runs: a cache
+    # smaller than the window pushes the period out, to be replayed in full at every task
+    # (with 1 or 2 places a period never finished). The SDK's default is 1,000.
+    async with harness.running_worker() as worker:
+        assert worker.config()["max_cached_workflows"] > MAX_IN_FLIGHT
 
 
 async def test_children_in_flight_at_continue_as_new_are_handed_to_the_next_run(
