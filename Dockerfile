@@ -12,6 +12,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /app
 COPY pyproject.toml ./
 COPY billing/ billing/
+COPY cli/ cli/
 COPY workflows/ workflows/
 COPY activities/ activities/
 COPY vault/ vault/

@@ -26,6 +26,7 @@ STAMP = VENV / ".installed"
 # What mypy checks, tests and benchmarks included.
 PACKAGES = [
     "billing",
+    "cli",
     "workflows",
     "activities",
     "stripe_emulator",

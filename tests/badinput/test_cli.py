@@ -23,7 +23,6 @@ import asyncpg
 import pytest
 from temporalio.client import Client
 
-import starter
 from billing import ledger, operations
 from billing.config import BillingSettings, SettingsError
 from billing.db import where
@@ -32,6 +31,8 @@ from billing.keys import idempotency_key
 from billing.models import OperatorRequest, SkipRequest
 from billing.periods import Period
 from billing.runs import start_period
+from cli import arguments, commands
+from cli.main import main
 from devstack import demo
 from devstack.postgres import LocalPostgres
 from devstack.stack import StackConfig
@@ -221,7 +222,7 @@ async def refused(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Exit]:
 
 
 def test_a_watch_interval_below_its_floor_is_refused() -> None:
-    parse = starter._number(3600, least=0.2)
+    parse = arguments.number(3600, least=0.2)
     assert parse("0.2") == 0.2
     with pytest.raises(argparse.ArgumentTypeError, match=r"from 0\.2 to 3600, got '1e-9'"):
         parse("1e-9")
@@ -235,8 +236,8 @@ def test_a_connection_lost_midway_is_one_line_not_a_traceback(
     async def lost(args: argparse.Namespace) -> int:
         raise lost_with()
 
-    monkeypatch.setattr(starter, "cmd_preview", lost)
-    assert starter.main(["preview", "2026-12"]) == 2
+    monkeypatch.setattr(commands, "cmd_preview", lost)
+    assert main(["preview", "2026-12"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {lost_with.__name__} while talking to the database")
     assert "may or may not have taken effect" in err and err.count("\n") == 1
@@ -593,7 +594,7 @@ def test_an_operator_without_a_login_name_is_asked_for_one(monkeypatch: pytest.M
     monkeypatch.setattr(getpass, "getuser", no_login)
     monkeypatch.delenv("BILLING_OPERATOR", raising=False)
     with pytest.raises(InvalidInputError, match="pass --operator or set BILLING_OPERATOR"):
-        starter._operator(argparse.Namespace(operator=None))
+        arguments.operator(argparse.Namespace(operator=None))
 
 
 @pytest.mark.parametrize("broken", ["stdout", "database"])
@@ -613,8 +614,8 @@ def test_output_nobody_reads_is_no_database_error(
         print("paused 2026-12\n" * 10_000)
         return 0
 
-    monkeypatch.setattr(starter, "cmd_control", done_then_printed)
-    code = starter.main(["pause", "2026-12", "--reason", "audit"])
+    monkeypatch.setattr(commands, "cmd_control", done_then_printed)
+    code = main(["pause", "2026-12", "--reason", "audit"])
     err = capsys.readouterr().err
     if broken == "stdout":
         assert (code, err) == (141, "")
@@ -629,10 +630,10 @@ def test_an_operator_set_to_nothing_is_refused_not_taken_from_the_login(
     # As compose passes it on when the shell has none: the login there is the image's.
     monkeypatch.setenv("BILLING_OPERATOR", " ")
     with pytest.raises(SettingsError, match="BILLING_OPERATOR: Value error, is set but empty"):
-        starter._operator(argparse.Namespace(operator=None))
+        arguments.operator(argparse.Namespace(operator=None))
     monkeypatch.setenv("BILLING_OPERATOR", "alice")
-    assert starter._operator(argparse.Namespace(operator=None)) == "alice"
-    assert starter._operator(argparse.Namespace(operator="bob")) == "bob"
+    assert arguments.operator(argparse.Namespace(operator=None)) == "alice"
+    assert arguments.operator(argparse.Namespace(operator="bob")) == "bob"
 
 
 @pytest.mark.parametrize("error", [asyncpg.UndefinedColumnError, asyncpg.UndefinedFunctionError])
@@ -644,8 +645,8 @@ def test_a_database_an_older_release_migrated_is_told_to_migrate(
     async def older_schema(_: argparse.Namespace) -> int:
         raise error("column r.cancelled_before_start does not exist")
 
-    monkeypatch.setattr(starter, "cmd_preview", older_schema)
-    assert starter.main(["preview", "2026-12"]) == 2
+    monkeypatch.setattr(commands, "cmd_preview", older_schema)
+    assert main(["preview", "2026-12"]) == 2
     stderr = capsys.readouterr().err
     assert "cancelled_before_start does not exist" in stderr
     assert "apply the migrations with 'python starter.py migrate'" in stderr

@@ -15,7 +15,6 @@ import pytest
 from check_jsonschema.builtin_schemas import get_builtin_schema
 from pydantic_settings import BaseSettings
 
-import starter
 from billing import liveness, search_attributes
 from billing.config import (
     BillingSettings,
@@ -26,6 +25,7 @@ from billing.config import (
     TemporalSettings,
 )
 from billing.redact import redact
+from cli import commands
 from tests.deploy.compose import COMPOSE_FILE, ROOT, is_project_service, load
 
 DOCKERFILE = ROOT / "Dockerfile"
@@ -115,7 +115,7 @@ def test_project_command_exists(name: str, capsys: pytest.CaptureFixture[str]) -
     assert (ROOT / script).is_file(), f"{script} is not in the project"
     if script == "starter.py":
         try:
-            starter.parser().parse_args(args)
+            commands.parser().parse_args(args)
         except SystemExit as exit_:
             assert exit_.code == 0, f"starter.py rejects {args}: {capsys.readouterr().err}"
     else:

@@ -58,7 +58,6 @@ from temporalio.worker import _workflow as sdk_workflow
 from temporalio.worker._workflow_instance import _WorkflowLogicFlag
 from temporalio.workflow import ChildWorkflowHandle
 
-import starter
 from activities.period import PeriodActivities
 from billing import ledger, operations, schedules, search_attributes
 from billing.config import TemporalSettings
@@ -89,6 +88,7 @@ from billing.preview import preview_period
 from billing.reporting import describe_preview
 from billing.runs import period_status, start_period, start_reconcile
 from billing.temporal_client import workflow_status
+from cli import commands, runs
 from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
@@ -595,11 +595,11 @@ async def test_run_joining_a_cancelled_run_as_it_ends_says_nothing_was_started(
             await handle.result()  # the joined run ends between the join and the status
             return await period_status(client, period)
 
-        monkeypatch.setattr(starter, "period_status", status_once_ended)
+        monkeypatch.setattr(runs, "period_status", status_once_ended)
         with pytest.raises(
             BillingError, match="cancelled by alice and ended as this command joined it"
         ):
-            await starter.cmd_run(starter.parser().parse_args(["run", str(PERIOD)]))
+            await runs.cmd_run(commands.parser().parse_args(["run", str(PERIOD)]))
     assert await harness.succeeded() == 2
 
 
@@ -1447,7 +1447,7 @@ async def test_run_wait_tells_how_the_run_it_waited_on_ended_when_another_has_st
         )
         args = argparse.Namespace(period=PERIOD, json=True)
         with pytest.raises(RunEndedError) as ended:
-            await starter._wait_and_report(harness.client, waited, args, TemporalSettings())
+            await runs._wait_and_report(harness.client, waited, args, TemporalSettings())
         await again.result()
     assert (ended.value.state, ended.value.workflow_id) == ("terminated", first.id)
     assert f"the run of {PERIOD} ended terminated (by hand)" in str(ended.value)

@@ -16,7 +16,6 @@ from temporalio.client import WorkflowFailureError, WorkflowHandle, WorkflowHist
 from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.service import RPCError
 
-import starter
 from activities import reconcile as reconcile_activities
 from activities.reconcile import ReconcileActivities
 from activities.stripe_gateway import StripeGateway, charge_params
@@ -51,6 +50,8 @@ from billing.reconciliation import (
 from billing.runs import period_status, start_period, start_reconcile
 from billing.schedules import RECONCILE_SCHEDULE_ID
 from billing.sealing import SecretBox, new_key
+from cli import commands
+from cli import reconcile as reconcile_command
 from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
@@ -306,9 +307,9 @@ async def test_reconcile_with_no_worker_says_so_and_runs_once_one_polls(
     monkeypatch.setenv("TEMPORAL_ADDRESS", config.target_host)
     monkeypatch.setenv("TEMPORAL_NAMESPACE", harness.client.namespace)
     monkeypatch.setenv("TEMPORAL_TASK_QUEUE", harness.task_queue)
-    monkeypatch.setattr(starter, "NO_WORKER_SECONDS", 1.0)
-    args = starter.parser().parse_args(["reconcile", str(PERIOD)])
-    waiting = asyncio.create_task(starter.cmd_reconcile(args))
+    monkeypatch.setattr(reconcile_command, "NO_WORKER_SECONDS", 1.0)
+    args = commands.parser().parse_args(["reconcile", str(PERIOD)])
+    waiting = asyncio.create_task(reconcile_command.cmd_reconcile(args))
     seen = ""
 
     async def told() -> bool:

@@ -23,7 +23,7 @@ from billing.keys import period_workflow_id, reconcile_workflow_id
 from billing.models import OperatorRequest, RunOptions
 from billing.periods import period_for
 from billing.runs import result_across_outages, start_period
-from starter import NO_WORKER_SECONDS
+from cli.reconcile import NO_WORKER_SECONDS
 from tests.integration.cuttable_front import CuttableFront, cuttable_front
 from tests.integration.harness import Harness, eventually
 from tests.integration.invariants import assert_billed_once

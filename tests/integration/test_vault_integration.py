@@ -14,7 +14,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.exceptions import ActivityError, ApplicationError
 
-import starter
 import worker
 from billing import ledger, operations, period_keys
 from billing.customers import CustomerRow, upsert_customers
@@ -26,6 +25,7 @@ from billing.preview import preview_period
 from billing.reporting import describe
 from billing.runs import period_status, start_period
 from billing.seeding import create_demo_customers
+from cli import commands, runs
 from tests.integration.harness import (
     VAULT_ADMIN_TOKEN,
     VAULT_WORKER_TOKEN,
@@ -278,11 +278,11 @@ async def test_run_wait_says_when_the_run_pauses_itself(
     monkeypatch.setenv("TEMPORAL_ADDRESS", config.target_host)
     monkeypatch.setenv("TEMPORAL_NAMESPACE", vaulted.client.namespace)
     monkeypatch.setenv("TEMPORAL_TASK_QUEUE", vaulted.task_queue)
-    monkeypatch.setattr(starter, "PAUSE_CHECK_SECONDS", 0.2)
+    monkeypatch.setattr(runs, "PAUSE_CHECK_SECONDS", 0.2)
     async with vaulted.running_worker():
         await charging_one_at_a_time(vaulted)
-        args = starter.parser().parse_args(["run", str(PERIOD), "--wait"])
-        waiting = asyncio.create_task(starter.cmd_run(args))
+        args = commands.parser().parse_args(["run", str(PERIOD), "--wait"])
+        waiting = asyncio.create_task(runs.cmd_run(args))
         await priced_past_the_cap(vaulted)
         warned = f"warning: the run of {PERIOD} is paused by {AUTOMATIC} (spend_cap_exceeded"
         seen = ""

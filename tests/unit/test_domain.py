@@ -579,7 +579,7 @@ def test_a_key_given_as_a_schedule_id_is_refused_and_not_echoed() -> None:
     key = "sk_live_" + "a1" * 12
     with pytest.raises(ValidationError) as refused:
         MonthlySchedule(schedule_id=key)
-    # What the CLI prints of it (starter.main): the field and the message.
+    # What the CLI prints of it (cli.main): the field and the message.
     [error] = refused.value.errors()
     assert error["loc"] == ("schedule_id",) and key not in error["msg"]
     assert "looks like a Stripe or vault key" in error["msg"]

@@ -1,0 +1,22 @@
+"""The ledger's database, as one command uses it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import asyncpg
+
+from billing.config import DatabaseSettings, load_settings
+from billing.db import create_pool
+
+
+@contextlib.asynccontextmanager
+async def ledger_connection() -> AsyncIterator[asyncpg.Connection]:
+    """One connection to the ledger, for a command that reads or changes a row or two."""
+    pool = await create_pool(load_settings(DatabaseSettings).database_url, max_size=1)
+    try:
+        async with pool.acquire() as conn:
+            yield conn
+    finally:
+        await pool.close()

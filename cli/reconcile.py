@@ -1,0 +1,93 @@
+"""`reconcile` and `handled`: reconciliation of a period, and the findings a person handled."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from datetime import timedelta
+
+from temporalio.service import RPCError
+
+from billing import ledger
+from billing.config import TemporalSettings, load_settings
+from billing.errors import InvalidInputError
+from billing.reconciliation import HandledMarks, HandledRequest, ReconcileReport
+from billing.reporting import (
+    describe_handled,
+    describe_handled_marks,
+    describe_reconciliation,
+    ui_link,
+)
+from billing.runs import TEMPORAL_AWAY, awaits_a_worker, result_across_outages, start_reconcile
+from billing.temporal_client import connect
+from cli import arguments
+from cli.database import ledger_connection
+from cli.output import OutageNotice, emit
+
+# How long `reconcile` waits before it says that no worker has taken its workflow up.
+NO_WORKER_SECONDS = 15.0
+
+
+async def cmd_reconcile(args: argparse.Namespace) -> int:
+    temporal = load_settings(TemporalSettings)
+    client = await connect(temporal)
+    handle = await start_reconcile(client, args.period, temporal.task_queue)
+    outage = OutageNotice(f"the reconciliation of {args.period}")
+    result = asyncio.ensure_future(
+        result_across_outages(client, handle, ReconcileReport, outage, outage.back)
+    )
+    waited = (await asyncio.wait({result}, timeout=NO_WORKER_SECONDS))[0]
+    try:
+        stalled = not waited and await awaits_a_worker(handle, timedelta(seconds=NO_WORKER_SECONDS))
+    except RPCError as exc:
+        if exc.status not in TEMPORAL_AWAY:
+            raise
+        outage(exc)
+        stalled = False
+    if stalled:
+        print(
+            f"warning: reconciliation of {args.period} is open as {handle.id}, but its"
+            f" workflow task has waited {NO_WORKER_SECONDS:.0f} s for a worker to take it (or"
+            f" keeps failing: see it in the Web UI): is a worker polling task queue"
+            f" {temporal.task_queue}? Waiting; it runs once one does",
+            file=sys.stderr,
+        )
+    report = await result
+    emit(report, args.json, describe_reconciliation(report) + f"\n  {ui_link(temporal, handle.id)}")
+    return 1 if report.needs_a_person else 0
+
+
+async def cmd_handled(args: argparse.Namespace) -> int:
+    if args.kind is None:
+        return await _list_handled(args)
+    if args.charge_id is None or args.reason is None:
+        raise InvalidInputError(
+            "to mark a finding handled (or take a mark back with --undo), give its kind, its"
+            " charge id and --reason; give only the period to list the marks made under it"
+        )
+    request = HandledRequest(
+        period=str(args.period),
+        kind=args.kind,
+        charge_id=args.charge_id,
+        reason=args.reason,
+        operator=arguments.operator(args),
+        undo=args.undo,
+    )
+    async with ledger_connection() as conn:
+        result = await ledger.mark_handled(conn, request)
+    emit(result, args.json, describe_handled(result))
+    return 2 if result.change == "none" else 0
+
+
+async def _list_handled(args: argparse.Namespace) -> int:
+    if args.reason is not None or args.undo:
+        raise InvalidInputError(
+            "--reason and --undo go with a finding's kind and charge id: without them,"
+            " handled only lists the marks made under the period"
+        )
+    period = str(args.period)
+    async with ledger_connection() as conn:
+        listed = HandledMarks(period=period, marks=await ledger.handled_marks(conn, period))
+    emit(listed, args.json, describe_handled_marks(listed))
+    return 0

@@ -1,0 +1,291 @@
+"""Commands on a period's run: run, status, watch, pause/resume/cancel, renew-keys, skip,
+failures and preview."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from datetime import UTC, datetime
+from typing import Any
+
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, WorkflowQueryFailedError
+from temporalio.service import RPCError
+
+from billing import ledger, operations
+from billing.config import (
+    BillingSettings,
+    CapSettings,
+    DatabaseSettings,
+    TemporalSettings,
+    load_settings,
+)
+from billing.db import create_pool
+from billing.errors import (
+    BillingError,
+    InvalidPeriodError,
+    NoWorkerError,
+    RunEndedError,
+    ServiceUnavailableError,
+)
+from billing.failures import period_failures
+from billing.models import OpenRun, OperatorRequest, PeriodProgress, PeriodSummary, SkipRequest
+from billing.periods import Period, check_run_by_hand
+from billing.preview import preview_period
+from billing.reporting import (
+    describe,
+    describe_failures,
+    describe_preview,
+    describe_renewal,
+    next_step,
+    ui_link,
+)
+from billing.runs import (
+    TEMPORAL_AWAY,
+    ended_as,
+    period_status,
+    result_across_outages,
+    run_ended,
+    start_period,
+    status_from_ledger,
+)
+from billing.temporal_client import connect
+from cli import arguments
+from cli.database import ledger_connection
+from cli.output import OutageNotice, emit
+
+# How often `run --wait` asks whether the run it waits for has paused.
+PAUSE_CHECK_SECONDS = 30.0
+
+
+async def cmd_run(args: argparse.Namespace) -> int:
+    check_run_by_hand(args.period, datetime.now(UTC), ahead=args.ahead, late=args.late)
+    temporal = load_settings(TemporalSettings)
+    client = await connect(temporal)
+    handle = await start_period(client, args.period, temporal.task_queue)
+    outage = OutageNotice(f"the run of {args.period}")
+    try:
+        progress = await period_status(client, args.period)
+    except (NoWorkerError, RPCError) as exc:
+        # Started (or joined), but how it stands is unknown for now.
+        if isinstance(exc, NoWorkerError):
+            print(f"warning: {exc}", file=sys.stderr)
+        elif exc.status not in TEMPORAL_AWAY:
+            raise
+        elif args.wait:
+            outage(exc)
+        else:
+            raise ServiceUnavailableError(
+                f"the run of {args.period} is open as {handle.id}, but Temporal could not be"
+                f" reached to say how it stands ({exc.status.name}: {exc.message}): it goes on"
+                f" there; `python starter.py status {args.period}` once Temporal is back"
+            ) from None
+        if args.wait:
+            return await _wait_and_report(client, handle, args, temporal, outage=outage)
+        emit(
+            OpenRun(period=str(args.period), workflow_id=handle.id),
+            args.json,
+            f"period {args.period} open as {handle.id}\n  {ui_link(temporal, handle.id)}",
+        )
+        return 0
+    if progress.state in ("cancelling", "cancelled"):
+        # Joined, not started (a new run is cancelled only by an operator, later): its
+        # summary would read as this run's. It may have ended since it was joined.
+        where = (
+            "is still finishing the charges it had sent"
+            if progress.state == "cancelling"
+            else "ended as this command joined it"
+        )
+        raise BillingError(
+            f"the run of {args.period} was cancelled by {progress.operator} and {where}:"
+            " nothing new was started. Run it again once it has ended"
+            f" (`python starter.py status {args.period}`)"
+        )
+    concern = _concern(progress)
+    if concern is not None:
+        # Joined a paused run: it charges nothing until resumed, and --wait waits for that.
+        print(f"warning: {concern}", file=sys.stderr)
+    if not args.wait:
+        emit(
+            progress,
+            args.json,
+            f"period {args.period} {progress.state} as {handle.id}\n"
+            f"  {ui_link(temporal, handle.id)}",
+        )
+        return 0
+    return await _wait_and_report(client, handle, args, temporal, told=concern)
+
+
+def _concern(progress: PeriodProgress) -> str | None:
+    """What a person waiting for the run must hear: it is paused, or its cancel is held up."""
+    step = next_step(progress)
+    if progress.state == "paused":
+        return (
+            f"the run of {progress.period} is paused by {progress.operator} ({progress.reason}):"
+            f" nothing is charged until it is resumed; {step}"
+        )
+    if step is not None:
+        return f"the cancelled run of {progress.period} has not ended: {step}"
+    return None
+
+
+async def _wait_and_report(
+    client: Client,
+    handle: WorkflowHandle[Any, PeriodSummary],
+    args: argparse.Namespace,
+    temporal: TemporalSettings,
+    *,
+    outage: OutageNotice | None = None,
+    told: str | None = None,
+) -> int:
+    """Wait for the run's summary, saying once each time it waits for a person (it may
+    pause itself, e.g. at its key's cap) rather than wait without a word; `outage` may
+    have told already that Temporal is away."""
+    outage = outage or OutageNotice(f"the run of {args.period}")
+    result = asyncio.ensure_future(
+        result_across_outages(client, handle, PeriodSummary, outage, outage.back)
+    )
+    while not (await asyncio.wait({result}, timeout=PAUSE_CHECK_SECONDS))[0]:
+        try:
+            concern = _concern(await period_status(client, args.period))
+        except (NoWorkerError, RunEndedError, RPCError, WorkflowQueryFailedError):
+            continue  # the result says how it ended; a worker or the server may come back
+        outage.back()
+        if concern is not None and concern != told:
+            print(f"warning: {concern}", file=sys.stderr)
+        told = concern
+    try:
+        summary = result.result()
+    except WorkflowFailureError as exc:
+        # Told as `status` tells it: how the run waited on ended, as JSON too with --json.
+        raise run_ended(args.period, handle.id, ended_as(exc), exc) from None
+    emit(summary, args.json, describe(summary) + f"\n  {ui_link(temporal, handle.id)}")
+    return 0
+
+
+async def cmd_status(args: argparse.Namespace) -> int:
+    client = await connect(load_settings(TemporalSettings))
+    progress = await _period_status(client, args.period)
+    emit(progress, args.json, describe(progress))
+    return 0
+
+
+async def _period_status(client: Client, period: Period) -> PeriodProgress:
+    """The period's status, from the ledger when Temporal holds no run of it."""
+    progress = await period_status(client, period)
+    if progress.state != "not_started":
+        return progress
+    # "not_started" is only true if the ledger, which remembers runs Temporal no longer
+    # keeps, has none either: unreadable, it is an error, not a guess.
+    async with ledger_connection() as conn:
+        record = await ledger.period_record(conn, str(period))
+    return status_from_ledger(period, record, progress)
+
+
+async def cmd_control(args: argparse.Namespace) -> int:
+    # Bad input is refused before anything is contacted.
+    request = OperatorRequest(reason=args.reason, operator=arguments.operator(args))
+    client = await connect(load_settings(TemporalSettings))
+    progress = await operations.control(client, args.period, args.command, request)
+    emit(progress, args.json, describe(progress))
+    return 0
+
+
+async def cmd_renew_keys(args: argparse.Namespace) -> int:
+    request = OperatorRequest(reason=args.reason, operator=arguments.operator(args))
+    client = await connect(load_settings(TemporalSettings))
+    renewal = await operations.renew_keys(client, args.period, request)
+    emit(renewal, args.json, describe_renewal(renewal))
+    return 0
+
+
+async def cmd_skip(args: argparse.Namespace) -> int:
+    request = SkipRequest(
+        customer_id=args.customer, reason=args.reason, operator=arguments.operator(args)
+    )
+    client = await connect(load_settings(TemporalSettings))
+    result = await operations.skip(
+        client,
+        load_settings(BillingSettings),
+        load_settings(DatabaseSettings).database_url,
+        args.period,
+        request,
+        ahead=args.ahead,
+        late=args.late,
+    )
+    said = f"{result.customer_id} in {args.period}: {result.detail}"
+    if result.skipped or args.json:
+        emit(result, args.json, said)
+    else:
+        # Refused (its charge was sent, or it ended otherwise), said as other refusals are.
+        print(f"error: {said}", file=sys.stderr)
+    # 1 is reconciliation's findings.
+    return 0 if result.skipped else 2
+
+
+async def cmd_watch(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    client = await connect(load_settings(TemporalSettings))
+    progress: PeriodProgress = await _period_status(client, args.period)
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[counts]}"),
+    ) as bar:
+        task = bar.add_task(str(args.period), total=None, counts="")
+        waiting = ""
+        outage = OutageNotice(f"the run of {args.period}")
+        while True:
+            done = progress.due - progress.in_flight
+            bar.update(
+                task,
+                description=f"{args.period} {progress.state}",
+                total=progress.expected_due or progress.due or None,
+                completed=done,
+                counts=f"charged {progress.charged}, failed {progress.failed},"
+                f" in flight {progress.in_flight}{waiting}",
+            )
+            if progress.state not in ("running", "paused", "closing", "cancelling"):
+                break
+            await asyncio.sleep(args.interval)
+            # A worker restarting (a deploy), or Temporal away: the run goes on, and so does
+            # the watch, showing the last counts it had.
+            try:
+                progress = await period_status(client, args.period)
+                waiting = ""
+            except NoWorkerError:
+                waiting = " (no worker answered: waiting for one)"
+            except RPCError as exc:
+                if exc.status not in TEMPORAL_AWAY:
+                    raise
+                outage(exc)
+                continue
+            outage.back()
+    print(describe(progress))
+    return 0
+
+
+async def cmd_failures(args: argparse.Namespace) -> int:
+    async with ledger_connection() as conn:
+        failures = await period_failures(conn, str(args.period))
+    emit(failures, args.json, describe_failures(failures))
+    return 0
+
+
+async def cmd_preview(args: argparse.Namespace) -> int:
+    pool = await create_pool(load_settings(DatabaseSettings).database_url, max_size=1)
+    try:
+        preview = await preview_period(
+            pool, str(args.period), load_settings(CapSettings).billing_cap_multiplier
+        )
+    finally:
+        await pool.close()
+    emit(preview, args.json, describe_preview(preview))
+    try:
+        check_run_by_hand(args.period, datetime.now(UTC))
+    except InvalidPeriodError as exc:
+        # A preview charges nothing, but the run it previews would be refused as asked.
+        print(f"note: `run {args.period}` would be refused: {exc}", file=sys.stderr)
+    return 0

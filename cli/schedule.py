@@ -1,0 +1,258 @@
+"""`schedule ...`: the monthly billing and daily reconciliation schedules."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import UTC, datetime, timedelta
+
+from temporalio.client import Client, ScheduleAlreadyRunningError
+
+from billing import ledger, schedules
+from billing.config import TemporalSettings, load_settings
+from billing.db import CONNECTION_ERRORS
+from billing.errors import ForeignScheduleError, InvalidInputError, UnknownScheduleError
+from billing.periods import is_late, parse_period, period_range
+from billing.temporal_client import connect
+from cli import arguments
+from cli.database import ledger_connection
+
+
+async def cmd_schedule(args: argparse.Namespace) -> int:
+    temporal = load_settings(TemporalSettings)
+    # Bad input is refused before anything is contacted.
+    reconcile = args.schedule_command == "create" and args.reconcile
+    if args.schedule_command == "create":
+        _check_create_flags(args)
+    defaults = schedules.MonthlySchedule()
+    if args.id is None:
+        args.id = schedules.RECONCILE_SCHEDULE_ID if reconcile else schedules.DEFAULT_SCHEDULE_ID
+    config = (
+        schedules.MonthlySchedule(
+            schedule_id=args.id,
+            day_of_month=defaults.day_of_month if args.day is None else args.day,
+            hour=args.hour,
+            minute=args.minute,
+            time_zone=defaults.time_zone if args.time_zone is None else args.time_zone,
+            billing=args.billing or defaults.billing,
+            overlap=args.overlap,
+            catchup_window=timedelta(hours=args.catchup_hours),
+            paused=args.paused,
+            action="reconcile" if reconcile else "bill",
+        )
+        if args.schedule_command == "create"
+        else None
+    )
+    if args.schedule_command == "backfill":
+        period_range(args.start, args.end)  # raises if the range ends before it starts
+    client = await connect(temporal)
+    handle = client.get_schedule_handle(args.id)
+    if config is not None:
+        await _create_schedule(client, temporal.task_queue, config, args)
+        return 0
+    # Every other command acts on one of ours: an unknown or foreign id is refused first.
+    ours = await schedules.our_schedule(client, args.id)
+    if args.schedule_command == "describe":
+        print(schedules.describe(ours, await schedules.launch_input(client, ours)))
+        missed = await schedules.missed_launches(client, args.id)
+        await _warn_missed(args.id, missed, paused=ours.schedule.state.paused)
+    elif args.schedule_command in ("pause", "unpause") and ours.schedule.state.paused == (
+        args.schedule_command == "pause"
+    ):
+        # Its note says who paused it and why: kept, not overwritten.
+        state = ours.schedule.state
+        note = f" ({schedules.shown_note(state.note)})" if state.note else ""
+        print(f"schedule {args.id} is {'paused' if state.paused else 'active'}{note}: unchanged")
+    elif args.schedule_command == "pause":
+        await handle.pause(note=arguments.note(args))
+        print(f"paused schedule {args.id}")
+    elif args.schedule_command == "unpause":
+        await handle.unpause(note=arguments.note(args))
+        print(f"unpaused schedule {args.id}")
+        await _warn_missed(args.id, await schedules.missed_launches(client, args.id), paused=False)
+    elif args.schedule_command == "trigger":
+        async with ledger_connection() as conn:
+            period = await schedules.trigger(
+                client, conn, args.id, early=args.early, while_paused=args.while_paused
+            )
+        print(f"triggered schedule {args.id}" + (f": it bills {period}" if period else ""))
+    elif args.schedule_command == "backfill":
+        async with ledger_connection() as conn:
+            done = await schedules.backfill(
+                client,
+                conn,
+                args.id,
+                args.start,
+                args.end,
+                late=args.late,
+                while_paused=args.while_paused,
+            )
+        print(
+            f"backfilling {len(done.launches)} launches, {args.start} to {args.end}: "
+            + ", ".join(t.isoformat() for t in done.launches)
+        )
+        if done.completed:
+            print(
+                f"  left as they are, their runs completed: {', '.join(done.completed)}"
+                " (bill one again by hand: python starter.py run PERIOD)"
+            )
+    elif args.schedule_command == "delete":
+        await handle.delete()
+        print(f"deleted schedule {args.id}")
+    return 0
+
+
+def _check_create_flags(args: argparse.Namespace) -> None:
+    """Refuse a flag the kind of schedule asked for would ignore."""
+    if args.reconcile:
+        ignored = [
+            flag
+            for flag, given in (
+                ("--day", args.day is not None),
+                ("--leave-unbilled", args.leave_unbilled),
+            )
+            if given
+        ]
+        if ignored:
+            verb = "goes" if len(ignored) == 1 else "go"
+            raise InvalidInputError(
+                f"{' and '.join(ignored)} {verb} with a billing schedule, not --reconcile (a"
+                " reconciliation fires every day, and bills nothing)"
+            )
+    elif args.billing_schedule is not None:
+        raise InvalidInputError(
+            "--billing-schedule names the schedule a reconciliation follows: it goes with"
+            " --reconcile"
+        )
+
+
+async def _create_schedule(
+    client: Client, task_queue: str, config: schedules.MonthlySchedule, args: argparse.Namespace
+) -> None:
+    if config.action == "reconcile":
+        config = await _following(client, config, args)
+    elif not args.leave_unbilled:
+        async with ledger_connection() as conn:
+            unbilled = await schedules.unbilled_before(conn, config, datetime.now(UTC))
+        if unbilled is not None:
+            raise InvalidInputError(unbilled.describe(config.schedule_id, datetime.now(UTC)))
+    try:
+        await schedules.create_schedule(client, config, task_queue)
+    except ScheduleAlreadyRunningError:
+        raise InvalidInputError(
+            f"a schedule {args.id!r} exists already: `schedule describe --id {args.id}`"
+            " shows it; delete it first to create it anew, or pass another --id"
+        ) from None
+    daily = config.action == "reconcile"
+    when = "every day" if daily else f"day {config.day_of_month}"
+    what = "reconciling the period billed" if daily else "billing"
+    followed = ""
+    if config.billing_schedule_id is not None:
+        months = config.months_time_zone
+        elsewhere = f", its months in {months}" if months not in (None, config.time_zone) else ""
+        followed = f" (following {config.billing_schedule_id}{elsewhere})"
+    print(
+        f"created schedule {config.schedule_id}: {when} at {config.hour:02d}:{config.minute:02d}"
+        f" {config.time_zone}, {what} in {config.billing}{followed}"
+    )
+
+
+async def _following(
+    client: Client, config: schedules.MonthlySchedule, args: argparse.Namespace
+) -> schedules.MonthlySchedule:
+    """A daily reconciliation takes its billing schedule's mode and zone, so that it checks
+    the months that schedule bills, and alerts when one of its firings billed nothing."""
+    followed = args.billing_schedule or schedules.DEFAULT_SCHEDULE_ID
+    if followed == config.schedule_id:
+        raise InvalidInputError(
+            f"the reconciliation {followed} would follow itself: name the billing schedule it"
+            " follows with --billing-schedule, or give it another --id"
+        )
+    try:
+        _, billing = await schedules.launcher_of(client, followed)
+    except ForeignScheduleError:
+        raise
+    except UnknownScheduleError:
+        print(
+            f"note: no billing schedule {followed!r} to follow (billed by hand?): this one"
+            f" reconciles in {config.billing}, {config.time_zone}, and checks no firing;"
+            " create it after the billing schedule, or pass --billing-schedule",
+            file=sys.stderr,
+        )
+        return config
+    if billing.action != "bill":
+        raise InvalidInputError(
+            f"--billing-schedule {followed} reconciles: name the schedule that bills"
+        )
+    if args.billing is not None and args.billing != billing.options.billing:
+        raise InvalidInputError(
+            f"--billing {args.billing} differs from the billing schedule {followed}'s"
+            f" ({billing.options.billing}): the reconciliation would check the wrong month."
+            " Leave --billing out to follow it, or name another with --billing-schedule"
+        )
+    # `--time-zone` says only when it fires: its months are read in the billing schedule's.
+    return config.model_copy(
+        update={
+            "billing": billing.options.billing,
+            "time_zone": billing.time_zone if args.time_zone is None else args.time_zone,
+            "months_time_zone": billing.time_zone,
+            "billing_schedule_id": followed,
+        }
+    )
+
+
+async def _warn_missed(schedule_id: str, missed: list[schedules.Missed], *, paused: bool) -> None:
+    """Name the times the schedule launched nothing at, and the months left unbilled. A month
+    whose run completed since (billed by hand) is only noted, and one whose run was
+    cancelled is named with the `run` that bills it again: a launch leaves either as it is."""
+    periods = sorted({str(m.period) for m in missed if m.period is not None})
+    completed: dict[str, bool] = {}
+    unread = ""
+    if periods:
+        try:
+            async with ledger_connection() as conn:
+                completed = await ledger.completed_runs(conn, periods)
+        except CONNECTION_ERRORS as exc:
+            unread = (
+                f" (the ledger could not be read, {type(exc).__name__}: months billed since by"
+                " hand are listed too)"
+            )
+    billed = [p for p, cancelled in completed.items() if not cancelled]
+    cancelled = [p for p, cancelled in completed.items() if cancelled]
+    if billed:
+        print(
+            f"note: {schedule_id} launched nothing at "
+            + ", ".join(m.at.isoformat() for m in missed if str(m.period) in billed)
+            + f", and their months have completed runs since (by hand?): {', '.join(billed)}",
+            file=sys.stderr,
+        )
+    if cancelled:
+        print(
+            f"WARNING: {schedule_id} launched nothing for {', '.join(cancelled)}, and the runs"
+            " of them started since were cancelled; a launch leaves a cancelled run as it is,"
+            " so bill them again by hand: "
+            + schedules.run_by_hand([parse_period(p) for p in cancelled], datetime.now(UTC)),
+            file=sys.stderr,
+        )
+    missed = [m for m in missed if str(m.period) not in completed]
+    if not missed:
+        return
+    print(
+        f"WARNING: {schedule_id} launched nothing at {len(missed)} of its times, and Temporal"
+        " does not make them up (a paused schedule skips its times, and so does one Temporal"
+        " could not fire within its catch-up window; a launch that ended before starting its"
+        " run, terminated or failed, started nothing either): "
+        + ", ".join(m.at.isoformat() for m in missed)
+        + unread,
+        file=sys.stderr,
+    )
+    unbilled = [m.period for m in missed if m.period is not None]
+    if unbilled:
+        print(
+            f"  unbilled by it: {', '.join(map(str, unbilled))}; to bill them:"
+            f" python starter.py schedule backfill --id {schedule_id}"
+            f" --start {unbilled[0]} --end {unbilled[-1]}"
+            + (" --late" if is_late(unbilled[0], datetime.now(UTC)) else "")
+            + schedules.while_paused(paused),
+            file=sys.stderr,
+        )
