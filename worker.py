@@ -135,6 +135,7 @@ def create_worker(
             period.close,
             period.completed,
             period.latest_billed,
+            period.periods_to_recheck,
             period.renew_keys,
             scheduled_period,
             schedule_checks.billing_firings,
@@ -142,6 +143,7 @@ def create_worker(
             reconcile.settle_claim,
             reconcile.settle_reservations,
             reconcile.compare_charges,
+            reconcile.record_verdict,
         ],
         # A child holds a workflow-task slot while its local activities run. With the SDK's
         # 100 slots a fan-out of 500 took them all, and the period's own task waited on the

@@ -37,6 +37,7 @@ from billing.models import (
 )
 from billing.money import spend_caps
 from billing.periods import Billing, parse_period, period_for
+from billing.reconciliation import RECHECK_RUNS_WITHIN, RECHECKS_PER_FIRING, PeriodToRecheck
 from vault.client import VaultAdmin, VaultAuthError, VaultForbidden, VaultInvalidRequest
 
 
@@ -260,6 +261,15 @@ class PeriodActivities:
         candidates = [period, str(parse_period(period).previous())]
         async with self._pool.acquire() as conn:
             return await ledger.latest_run(conn, candidates)
+
+    @activity.defn(name="periods_to_recheck")
+    async def periods_to_recheck(self, period: str) -> list[PeriodToRecheck]:
+        """The earlier periods a daily reconciliation of `period` also checks again: those
+        whose last reconciliation left something, or with a run since (ledger)."""
+        async with self._pool.acquire() as conn:
+            return await ledger.periods_to_recheck(
+                conn, period, RECHECK_RUNS_WITHIN, RECHECKS_PER_FIRING
+            )
 
     @activity.defn(name="due_customers")
     async def due_customers(self, request: DuePageRequest) -> DuePage:

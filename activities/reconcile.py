@@ -44,6 +44,7 @@ from billing.reconciliation import (
     ClaimsToResolve,
     CustomerToCheck,
     ReconcileInput,
+    ReconcileVerdict,
     ReservationResolution,
     StripeCharge,
     classify,
@@ -226,6 +227,13 @@ class ReconcileActivities:
             raise ApplicationError(str(exc), type=NO_PERIOD_KEY, non_retryable=True) from None
         except stripe.StripeError as exc:
             raise to_temporal_failure(exc) from None
+
+    @activity.defn(name="reconcile_record_verdict")
+    async def record_verdict(self, verdict: ReconcileVerdict) -> None:
+        """Keep what the reconciliation left to look at again, for the daily one to go back
+        to (ledger.periods_to_recheck)."""
+        async with self._pool.acquire() as conn:
+            await ledger.record_reconciliation(conn, verdict.period, verdict.open_reason)
 
     @activity.defn(name="reconcile_open_claims")
     async def open_claims(self, request: ReconcileInput) -> ClaimsToResolve:

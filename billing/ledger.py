@@ -44,6 +44,7 @@ from billing.reconciliation import (
     HandledResult,
     LedgerEntry,
     OpenClaim,
+    PeriodToRecheck,
 )
 
 # A row a cancelled run wrote for a customer it never started: nothing of it reached Stripe.
@@ -866,6 +867,53 @@ async def latest_run(conn: asyncpg.Connection, periods: list[str]) -> str | None
         periods,
     )
     return value
+
+
+async def record_reconciliation(
+    conn: asyncpg.Connection, period: str, open_reason: str | None
+) -> None:
+    """Keep what the period's latest reconciliation left to look at again (None: nothing)."""
+    await conn.execute(
+        """
+        INSERT INTO period_reconciliations (billing_period, open_reason) VALUES ($1, $2)
+        ON CONFLICT (billing_period)
+        DO UPDATE SET reconciled_at = now(), open_reason = EXCLUDED.open_reason
+        """,
+        period,
+        open_reason,
+    )
+
+
+async def periods_to_recheck(
+    conn: asyncpg.Connection, besides: str, run_within: timedelta, limit: int
+) -> list[PeriodToRecheck]:
+    """Periods other than `besides` to reconcile again, oldest first: those whose latest
+    reconciliation left something, and those with a run started within `run_within` and
+    since they were last reconciled, if ever (older runs were there before reconciliations
+    were kept, and a person reconciles them by hand)."""
+    rows = await conn.fetch(
+        """
+        SELECT p.billing_period, r.open_reason, r.reconciled_at IS NULL AS never
+        FROM billing_periods p LEFT JOIN period_reconciliations r USING (billing_period)
+        WHERE p.billing_period <> $1
+          AND (r.open_reason IS NOT NULL
+               OR (p.started_at > now() - $2::interval
+                   AND (r.reconciled_at IS NULL OR r.reconciled_at < p.started_at)))
+        ORDER BY p.billing_period
+        LIMIT $3
+        """,
+        besides,
+        run_within,
+        limit,
+    )
+    return [
+        PeriodToRecheck(
+            period=row["billing_period"],
+            why=row["open_reason"]
+            or ("never reconciled" if row["never"] else "run again since it was reconciled"),
+        )
+        for row in rows
+    ]
 
 
 async def open_claims(conn: asyncpg.Connection, period: str, limit: int) -> list[OpenClaim]:

@@ -46,6 +46,12 @@ STRIPE_ERROR_ANSWER = 500
 # The failure of a PaymentIntent Stripe left unconfirmed after an error
 # (activities/stripe_gateway.py): not final until a person cancels it.
 INCOMPLETE_INTENT = "payment_intent_incomplete"
+# Earlier periods the daily reconciliation goes back to at one firing, oldest first: the rest
+# wait for the next day's, so that a firing never starts a long list of reconciliations.
+RECHECKS_PER_FIRING = 3
+# A run started this recently, and since its period was last reconciled (if ever), has its
+# period reconciled again; runs before were billed before reconciliations were kept.
+RECHECK_RUNS_WITHIN = timedelta(days=62)
 
 
 # A Stripe charge's id, as a person copies it from a report (card charges ch_, others py_).
@@ -62,6 +68,20 @@ class HandledRequest(OperatorRequest):
     kind: FindingKind
     charge_id: ChargeId
     undo: bool = False
+
+
+class PeriodToRecheck(Record):
+    """An earlier period the daily reconciliation checks again, and why."""
+
+    period: str
+    why: str
+
+
+class ReconcileVerdict(Record):
+    """What a period's reconciliation left to look at again (ReconcileReport.open_reason)."""
+
+    period: str
+    open_reason: str | None
 
 
 class HandledResult(Record):
@@ -351,6 +371,25 @@ class ReconcileReport(Record):
             or any(c.needs_person for c in self.claims)
             or any(r.needs_person for r in self.reservations)
         )
+
+    @property
+    def open_reason(self) -> str | None:
+        """What is left to look at again, in words, or None when nothing is: the daily
+        reconciliation goes back to an earlier period for as long as its last report says
+        something (`ledger.periods_to_recheck`), so that a debit its bank returns weeks later,
+        or a finding nobody has handled, is still reported every day."""
+        reasons = []
+        left = sum(c.action == "left" for c in self.claims)
+        if left or self.more_claims:
+            reasons.append(f"{left} open claims" + (" and more" if self.more_claims else ""))
+        if self.pending_charges:
+            reasons.append(f"{self.pending_charges} bank debits pending")
+        unknown = sum(r.state == "unknown" for r in self.reservations)
+        if unknown:
+            reasons.append(f"{unknown} vault reservations unknown")
+        if self.needs_a_person:
+            reasons.append("something for a person")
+        return ", ".join(reasons) or None
 
 
 def release_wait(found: ChargeFailure | None, upstream_status: int | None) -> timedelta | None:

@@ -40,12 +40,15 @@ with workflow.unsafe.imports_passed_through():
         Comparison,
         ReconcileInput,
         ReconcileReport,
+        ReconcileVerdict,
         Settled,
     )
     from billing.redact import redact
     from workflows.customer_charge import CustomerChargeWorkflow
     from workflows.identity import checked, given
 
+# Reconciliations recorded before this patch kept nothing of their report in the ledger.
+RECORD_VERDICT = "record-verdict"
 ACTIVITY_TIMEOUT = timedelta(seconds=60)
 PAGE_TIMEOUT = timedelta(minutes=10)
 PAGE_HEARTBEAT = timedelta(seconds=20)
@@ -103,7 +106,27 @@ class ReconcileWorkflow:
             f"{len(claims)} open claims, {counts.get('duplicate', 0)} duplicates,"
             f" {counts.get('orphan', 0)} orphans, {sum(counts.values())} findings in all"
         )
+        if workflow.patched(RECORD_VERDICT):
+            await self._record_verdict(report)
         return report
+
+    async def _record_verdict(self, report: ReconcileReport) -> None:
+        """Keep what is left to look at again, for the daily reconciliation to come back to;
+        a ledger that cannot take it costs the report nothing, and the next run records it."""
+        try:
+            await workflow.execute_activity_method(
+                ReconcileActivities.record_verdict,
+                ReconcileVerdict(period=report.period, open_reason=report.open_reason),
+                start_to_close_timeout=ACTIVITY_TIMEOUT,
+                retry_policy=RETRY,
+                summary=f"keep what {report.period}'s reconciliation left to look at again",
+            )
+        except ActivityError as err:
+            workflow.logger.warning(
+                "could not record what reconciling %s left (%s): the report stands",
+                report.period,
+                err.cause or err,
+            )
 
     async def _settle(self, request: ReconcileInput) -> Settled:
         """Unknown vault reservations, then open claims: what the first run does before it

@@ -45,6 +45,8 @@ KEEP_FINISHED_PERIODS = "keep-finished-periods"
 RECONCILE_LAST_BILLED = "reconcile-last-billed"
 # Reconciliations recorded before this patch read no billing schedule.
 FOLLOW_BILLING_SCHEDULE = "follow-billing-schedule"
+# Reconciliations recorded before this patch went back to no earlier period.
+RECHECK_EARLIER = "recheck-earlier"
 ArgT = TypeVar("ArgT")
 ResultT = TypeVar("ResultT")
 
@@ -95,9 +97,10 @@ class ScheduledBillingWorkflow:
                 summary=f"the latest period billed: {period} or the one before",
             )
             if billed is None:
+                rechecked = await self._recheck_earlier(period)
                 workflow.set_current_details(
                     f"neither {period} nor the month before has been billed: nothing to"
-                    f" reconcile{alert}"
+                    f" reconcile{rechecked}{alert}"
                 )
                 return None
             period = billed
@@ -106,16 +109,9 @@ class ScheduledBillingWorkflow:
             f"{words} {period} (nominal time {nominal.isoformat()}){alert}"
         )
         if request.action == "reconcile":
+            rechecked = await self._recheck_earlier(period)
             # Reconciled again on every firing: each finds what changed since.
-            return await _run_or_join(
-                ReconcileWorkflow.run,
-                ReconcileInput(period=period),
-                reconcile_workflow_id(parse_period(period)),
-                f"Reconcile {period}",
-                period,
-                WorkflowIDReusePolicy.ALLOW_DUPLICATE,
-                alert,
-            )
+            return await _reconcile(period, rechecked + alert)
         # A period whose run completed (cancelled ones too) is not started again: a backfill
         # over a billed month, or a time the clocks repeat, would charge the customers added
         # since, or undo an operator's cancel. Billing one again is `starter.py run`'s, by
@@ -145,6 +141,24 @@ class ScheduledBillingWorkflow:
             alert,
         )
 
+    async def _recheck_earlier(self, period: str) -> str:
+        """Reconcile again the periods besides `period` that their last reconciliation left
+        something in, or that have been run since (ledger.periods_to_recheck), a few at a
+        firing; returns the words the launch's details end with."""
+        if not workflow.patched(RECHECK_EARLIER):
+            return ""
+        earlier = await workflow.execute_local_activity_method(
+            PeriodActivities.periods_to_recheck,
+            period,
+            start_to_close_timeout=timedelta(seconds=10),
+            summary=f"earlier periods to reconcile again besides {period}",
+        )
+        for each in earlier:
+            await _reconcile(each.period, "")
+        if not earlier:
+            return ""
+        return "; also reconciling again " + ", ".join(f"{e.period} ({e.why})" for e in earlier)
+
     async def _billing_firings(
         self, schedule_id: str, nominal: datetime
     ) -> schedules.BillingFirings | None:
@@ -166,6 +180,19 @@ class ScheduledBillingWorkflow:
                 err.cause or err,
             )
             return None
+
+
+async def _reconcile(period: str, alert: str) -> ReconcileReport | None:
+    """Start the period's reconciliation, or join the one running."""
+    return await _run_or_join(
+        ReconcileWorkflow.run,
+        ReconcileInput(period=period),
+        reconcile_workflow_id(parse_period(period)),
+        f"Reconcile {period}",
+        period,
+        WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+        alert,
+    )
 
 
 async def _run_or_join(

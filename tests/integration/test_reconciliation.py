@@ -12,7 +12,12 @@ import stripe
 from prometheus_client import REGISTRY
 from pydantic import SecretStr
 from temporalio import activity
-from temporalio.client import WorkflowFailureError, WorkflowHandle, WorkflowHistory
+from temporalio.client import (
+    ScheduleHandle,
+    WorkflowFailureError,
+    WorkflowHandle,
+    WorkflowHistory,
+)
 from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.service import RPCError
 
@@ -1335,13 +1340,69 @@ async def test_a_claim_resumed_after_stripes_idempotency_window_is_not_charged_t
     assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", second.charge_id)]
 
 
+async def daily_reconciliation(harness: Harness) -> ScheduleHandle:
+    code, out, _ = await harness.starter("schedule", "create", "--reconcile", "--paused")
+    assert code == 0 and "every day at 02:00" in out, out
+    return harness.client.get_schedule_handle(RECONCILE_SCHEDULE_ID)
+
+
+async def fire(harness: Harness, handle: ScheduleHandle, launches: int) -> WorkflowHistory:
+    """Trigger the schedule's `launches`-th launch and wait for it to end."""
+    # Temporal names a launch by its second: two triggers within one share it.
+    await asyncio.sleep(1.1)
+    await handle.trigger()
+
+    async def launched() -> bool:
+        return len((await handle.describe()).info.recent_actions) >= launches
+
+    await eventually(launched)
+    action = (await handle.describe()).info.recent_actions[-1].action
+    launcher = harness.client.get_workflow_handle(action.workflow_id)  # type: ignore[attr-defined]
+    await launcher.result()
+    return await launcher.fetch_history()
+
+
+def started(launch: WorkflowHistory) -> list[str]:
+    """The workflows a launch started (or tried to), in order."""
+    return [
+        event.start_child_workflow_execution_initiated_event_attributes.workflow_id
+        for event in launch.events
+        if event.HasField("start_child_workflow_execution_initiated_event_attributes")
+    ]
+
+
+async def reconciled(harness: Harness, checked: Period) -> ReconcileReport | None:
+    reconciling: WorkflowHandle[ReconcileWorkflow, ReconcileReport]
+    reconciling = harness.client.get_workflow_handle_for(
+        ReconcileWorkflow.run, reconcile_workflow_id(checked)
+    )
+    try:
+        return await reconciling.result()
+    except RPCError:
+        return None
+
+
+async def run_started(harness: Harness, billed: Period) -> None:
+    async with harness.pool.acquire() as conn:
+        plan = await ledger.plan_period(conn, str(billed))
+        await ledger.start_period(conn, plan, "by-hand")
+
+
+async def left_to_look_at(harness: Harness, period: Period) -> tuple[bool, str | None]:
+    """Whether the period's reconciliation was kept, and what it left to look at again."""
+    async with harness.pool.acquire() as conn:
+        row = await conn.fetchrow(
+            "SELECT open_reason FROM period_reconciliations WHERE billing_period = $1",
+            str(period),
+        )
+    return (False, None) if row is None else (True, row["open_reason"])
+
+
 async def test_the_daily_schedule_reconciles_the_latest_period_billed(harness: Harness) -> None:
     """It checks the period a billing schedule would bill now once its run has started, else
     the one before (a schedule billing on the 28th bills November on December 28th), and
     nothing while neither has had a run."""
-    code, out, _ = await harness.starter("schedule", "create", "--reconcile", "--paused")
-    assert code == 0 and "every day at 02:00" in out, out
-    handle = harness.client.get_schedule_handle(RECONCILE_SCHEDULE_ID)
+    handle = await daily_reconciliation(harness)
     description = await handle.describe()
     [request] = await harness.client.data_converter.decode(
         list(description.schedule.action.args),  # type: ignore[attr-defined]
@@ -1350,51 +1411,77 @@ async def test_the_daily_schedule_reconciles_the_latest_period_billed(harness: H
     assert request.action == "reconcile"
     period = period_for(datetime.now(UTC))
 
-    async def fire(launches: int) -> WorkflowHistory:
-        # Temporal names a launch by its second: two triggers within one share it.
-        await asyncio.sleep(1.1)
-        await handle.trigger()
-
-        async def launched() -> bool:
-            return len((await handle.describe()).info.recent_actions) >= launches
-
-        await eventually(launched)
-        action = (await handle.describe()).info.recent_actions[-1].action
-        launcher = harness.client.get_workflow_handle(action.workflow_id)  # type: ignore[attr-defined]
-        await launcher.result()
-        return await launcher.fetch_history()
-
-    async def reconciled(checked: Period) -> ReconcileReport | None:
-        reconciling: WorkflowHandle[ReconcileWorkflow, ReconcileReport]
-        reconciling = harness.client.get_workflow_handle_for(
-            ReconcileWorkflow.run, reconcile_workflow_id(checked)
-        )
-        try:
-            return await reconciling.result()
-        except RPCError:
-            return None
-
-    async def run_started(billed: Period) -> None:
-        async with harness.pool.acquire() as conn:
-            plan = await ledger.plan_period(conn, str(billed))
-            await ledger.start_period(conn, plan, "by-hand")
-
     async with harness.running_worker():
-        nothing = await fire(1)
-        assert (await reconciled(period), await reconciled(period.previous())) == (None, None)
-        await run_started(period.previous())
-        await fire(2)
-        report = await reconciled(period.previous())
+        nothing = await fire(harness, handle, 1)
+        assert (
+            await reconciled(harness, period),
+            await reconciled(harness, period.previous()),
+        ) == (
+            None,
+            None,
+        )
+        await run_started(harness, period.previous())
+        await fire(harness, handle, 2)
+        report = await reconciled(harness, period.previous())
         assert report is not None and report.findings == []
-        assert await reconciled(period) is None
-        await run_started(period)
-        latest = await fire(3)
-        report = await reconciled(period)
+        assert await reconciled(harness, period) is None
+        await run_started(harness, period)
+        latest = await fire(harness, handle, 3)
+        report = await reconciled(harness, period)
         assert report is not None and report.period == str(period) and report.findings == []
+        # The month before, reconciled since its run and left with nothing, is not again.
+        assert started(latest) == [reconcile_workflow_id(period)]
     await handle.delete()
     # I6 for both new paths: RECORD_HISTORIES=1 keeps them in tests/histories.
     await replay([nothing, latest])
     keep([nothing, latest])
+
+
+async def test_the_daily_schedule_goes_back_to_earlier_periods_until_nothing_is_left(
+    harness: Harness,
+) -> None:
+    """Besides the latest period billed, a firing reconciles again an earlier one whose last
+    reconciliation left something (a bank debit pending), and one run since it was last
+    reconciled, if ever (a backfill); once their reconciliations leave nothing, it stops."""
+    handle = await daily_reconciliation(harness)
+    period = period_for(datetime.now(UTC))
+    pending = period.previous().previous()
+    backfilled = pending.previous()
+    for billed in (backfilled, pending, period):
+        await run_started(harness, billed)
+    async with harness.pool.acquire() as conn:
+        await ledger.record_reconciliation(conn, str(pending), "1 bank debits pending")
+    async with harness.running_worker():
+        first = await fire(harness, handle, 1)
+        assert started(first) == [
+            reconcile_workflow_id(backfilled),
+            reconcile_workflow_id(pending),
+            reconcile_workflow_id(period),
+        ]
+        for checked in (backfilled, pending, period):
+            report = await reconciled(harness, checked)
+            assert report is not None and report.open_reason is None, report
+            assert await left_to_look_at(harness, checked) == (True, None)
+        second = await fire(harness, handle, 2)
+        assert started(second) == [reconcile_workflow_id(period)]
+    await handle.delete()
+    await replay([first, second])
+    keep([first])
+
+
+async def test_a_reconciliation_keeps_what_it_left_to_look_at_again(harness: Harness) -> None:
+    """A claim its running workflow owns is left, and kept as left, until a later
+    reconciliation finishes it."""
+    [customer] = await harness.seed(1)
+    await stranded(harness, customer, at_stripe=False, terminate=False)
+    assert (await reconcile(harness)).open_reason == "1 open claims"
+    assert await left_to_look_at(harness, PERIOD) == (True, "1 open claims")
+    await harness.client.get_workflow_handle(
+        customer_workflow_id(PERIOD, customer.customer_id)
+    ).terminate(reason="its worker was lost")
+    report = await reconcile(harness)
+    assert [c.action for c in report.claims] == ["redriven"] and report.open_reason is None
+    assert await left_to_look_at(harness, PERIOD) == (True, None)
 
 
 async def test_a_reconcile_history_replays(harness: Harness) -> None:

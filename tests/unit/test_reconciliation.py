@@ -481,3 +481,20 @@ def test_a_lookup_that_failed_is_left_for_a_person_saying_whether_it_may_pass(
     left = _lookup_failed(CLAIM, err)
     assert (left.action, left.needs_person) == ("left", True)
     assert ("next reconciliation looks again" in (left.detail or "")) is passing
+
+
+def test_a_report_says_what_is_left_to_look_at_again() -> None:
+    # quiet_report leaves a claim its workflow owns and a reservation unknown.
+    assert quiet_report().open_reason == "1 open claims, 1 vault reservations unknown"
+    settled = ReservationResolution(
+        vault_key_id="vkey_1", key_prefix="abcdef01", customer_id="c-2", state="committed"
+    )
+    recorded = ClaimResolution(customer_id="c-1", action="recorded", outcome="charged")
+    done = quiet_report(claims=[recorded], reservations=[settled])
+    assert done.open_reason is None
+    assert done.model_copy(update={"more_claims": True}).open_reason == "0 open claims and more"
+    assert done.model_copy(update={"pending_charges": 3}).open_reason == "3 bank debits pending"
+    duplicate = done.model_copy(update={"finding_counts": {"duplicate": 1}})
+    assert duplicate.open_reason == "something for a person"
+    # A finding a person marked handled is not in the counts: nothing is left.
+    assert done.model_copy(update={"handled_count": 2}).open_reason is None
