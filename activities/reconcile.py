@@ -53,6 +53,7 @@ from billing.reconciliation import (
     left_unknown_because,
     recorded_failure,
     release_wait,
+    reservations_to_report,
 )
 from billing.sealing import UnsealError
 from vault.client import (
@@ -356,9 +357,8 @@ class ReconcileActivities:
             # settles takes no fixed place ahead of the rest, and the run goes on to its claims.
             random.shuffle(todo)
             settled = await _bounded([settle(key_id, found) for key_id, found in todo])
+        # Each settlement is logged; the report lists what a person must act on first.
         resolutions = [r for r in settled if r is not None]
-        # Those still unknown first, for a person to act on; each settlement is logged.
-        resolutions.sort(key=lambda r: r.state != "unknown")
         if len(resolutions) < len(todo) or len(resolutions) > MAX_SHOWN:
             log.warning(
                 "%s: %d vault reservations unknown, %d examined in the time given, %d reported",
@@ -367,7 +367,7 @@ class ReconcileActivities:
                 len(resolutions),
                 min(len(resolutions), MAX_SHOWN),
             )
-        return resolutions[:MAX_SHOWN]
+        return reservations_to_report(resolutions, MAX_SHOWN)
 
     async def _settle(
         self, admin: VaultAdmin, key_id: str, reservation: ReservationInfo

@@ -259,6 +259,15 @@ class ChargesPage(Record):
     handled: int = 0
 
 
+def reservations_to_report(
+    resolutions: list[ReservationResolution], room: int
+) -> list[ReservationResolution]:
+    """The reservations a report lists, as many as it has `room` for: those left for a
+    person first (they alone make it need one, so none may fall past the room), then those
+    still unknown, then those settled."""
+    return sorted(resolutions, key=lambda r: (not r.needs_person, r.state != "unknown"))[:room]
+
+
 def for_listing(
     findings: list[Finding], room: int, counted_here: Collection[str]
 ) -> tuple[list[Finding], dict[FindingKind, int]]:

@@ -37,6 +37,7 @@ from billing.reconciliation import (
     left_unknown_because,
     recorded_failure,
     release_wait,
+    reservations_to_report,
 )
 from billing.reporting import describe_reconciliation
 from billing.schedules import MonthlySchedule, build_schedule
@@ -498,3 +499,34 @@ def test_a_report_says_what_is_left_to_look_at_again() -> None:
     assert duplicate.open_reason == "something for a person"
     # A finding a person marked handled is not in the counts: nothing is left.
     assert done.model_copy(update={"handled_count": 2}).open_reason is None
+
+
+def test_a_report_lists_the_reservations_for_a_person_first() -> None:
+    """Past the report's room a reservation left for a person would not make it need one."""
+
+    def reservation(key: str, state: str, *, needs_person: bool = False) -> ReservationResolution:
+        return ReservationResolution.model_validate(
+            {
+                "vault_key_id": "vkey_1",
+                "key_prefix": key,
+                "customer_id": None,
+                "state": state,
+                "needs_person": needs_person,
+            }
+        )
+
+    settled = reservation("00000001", "committed")
+    waiting = [reservation(f"{i:08d}", "unknown") for i in range(2, 5)]
+    stalled = reservation("00000009", "unknown", needs_person=True)
+    listed = reservation_to_report_keys([settled, *waiting, stalled], 2)
+    assert listed == ["00000009", "00000002"]
+    assert reservation_to_report_keys([settled, *waiting], 10) == [
+        "00000002",
+        "00000003",
+        "00000004",
+        "00000001",
+    ]
+
+
+def reservation_to_report_keys(resolutions: list[ReservationResolution], room: int) -> list[str]:
+    return [r.key_prefix for r in reservations_to_report(resolutions, room)]
