@@ -66,8 +66,12 @@ from vault.client import (
 from vault.models import ReservationInfo
 
 # Open claims one run resolves; a period normally ends with none, and the next run (the
-# schedule fires daily) takes any rest.
+# schedule fires daily) takes any rest. Those left alone (a paused period's window of
+# running charges) are read past, a page of this many at a time for as long as
+# CLAIMS_SCAN_SECONDS, so that they take no fixed place ahead of a claim stranded behind
+# them; the report lists this many of them, those for a person first.
 MAX_CLAIMS = 1000
+CLAIMS_SCAN_SECONDS = 20.0
 # Reservations one report lists (a workflow result is bounded); the rest are counted in the
 # worker's log.
 MAX_SHOWN = 1000
@@ -238,29 +242,44 @@ class ReconcileActivities:
 
     @activity.defn(name="reconcile_open_claims")
     async def open_claims(self, request: ReconcileInput) -> ClaimsToResolve:
-        """The period's open claims, split into those no workflow owns (to resolve) and
-        those left alone, with the reason."""
+        """The period's open claims, oldest first, split into those no workflow owns (to
+        resolve, MAX_CLAIMS at most) and those left alone, with the reason, read past."""
         period = parse_period(request.period)
-        async with self._pool.acquire() as conn:
-            found = await ledger.open_claims(conn, request.period, MAX_CLAIMS + 1)
-        taken = found[:MAX_CLAIMS]
         client = activity.client()
         period_running = await _workflow_state(client, period_workflow_id(period)) == "running"
-        children = await _bounded(
-            [
-                _workflow_state(client, customer_workflow_id(period, c.claim.customer_id))
-                for c in taken
-            ]
-        )
+        deadline = time.monotonic() + CLAIMS_SCAN_SECONDS
         resolve: list[Claim] = []
         left: list[ClaimResolution] = []
-        for open_claim, child in zip(taken, children, strict=True):
-            alone = left_alone(child, period_running, open_claim, datetime.now(UTC))
-            if alone is None:
-                resolve.append(open_claim.claim)
-            else:
-                left.append(alone)
-        return ClaimsToResolve(resolve=resolve, left=left, more=len(found) > MAX_CLAIMS)
+        after: Claim | None = None
+        more = True
+        while more and len(resolve) < MAX_CLAIMS and time.monotonic() < deadline:
+            async with self._pool.acquire() as conn:
+                found = await ledger.open_claims(conn, request.period, MAX_CLAIMS + 1, after)
+            taken = found[:MAX_CLAIMS]
+            more = len(found) > MAX_CLAIMS
+            children = await _bounded(
+                [
+                    _workflow_state(client, customer_workflow_id(period, c.claim.customer_id))
+                    for c in taken
+                ]
+            )
+            for open_claim, child in zip(taken, children, strict=True):
+                alone = left_alone(child, period_running, open_claim, datetime.now(UTC))
+                if alone is not None:
+                    left.append(alone)
+                elif len(resolve) < MAX_CLAIMS:
+                    resolve.append(open_claim.claim)
+                else:
+                    more = True  # this one and the rest wait for the next run
+                    break
+            if taken:
+                after = taken[-1].claim
+        if len(left) > MAX_CLAIMS:
+            log.warning(
+                "%s: %d open claims left alone, %d listed", request.period, len(left), MAX_CLAIMS
+            )
+        left.sort(key=lambda c: not c.needs_person)
+        return ClaimsToResolve(resolve=resolve, left=left[:MAX_CLAIMS], more=more)
 
     @activity.defn(name="reconcile_settle_claim")
     async def settle_claim(self, claim: Claim) -> ClaimResolution | None:

@@ -916,18 +916,24 @@ async def periods_to_recheck(
     ]
 
 
-async def open_claims(conn: asyncpg.Connection, period: str, limit: int) -> list[OpenClaim]:
-    """Claims of the period with no recorded outcome, oldest first, for reconciliation."""
+async def open_claims(
+    conn: asyncpg.Connection, period: str, limit: int, after: Claim | None = None
+) -> list[OpenClaim]:
+    """Claims of the period with no recorded outcome, oldest first (after `after`), for
+    reconciliation."""
     rows = await conn.fetch(
         f"""
         SELECT {_CLAIM_COLUMNS}, skip_reason, charge_started_at IS NOT NULL AS sent,
                (SELECT control FROM billing_periods p
                 WHERE p.billing_period = billing_runs.billing_period) AS control
         FROM billing_runs WHERE billing_period = $1 AND status = 'claimed'
+          AND ($3::timestamptz IS NULL OR (claimed_at, customer_id) > ($3, $4))
         ORDER BY claimed_at, customer_id LIMIT $2
         """,
         period,
         limit,
+        None if after is None else after.claimed_at,
+        None if after is None else after.customer_id,
     )
     return [
         OpenClaim(

@@ -1484,6 +1484,25 @@ async def test_a_reconciliation_keeps_what_it_left_to_look_at_again(harness: Har
     assert await left_to_look_at(harness, PERIOD) == (True, None)
 
 
+async def test_claims_left_alone_do_not_hide_one_stranded_behind_them(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page of claims whose workflows still run (a paused period's window) is read past, so
+    a claim stranded behind it is recorded in the same run rather than never reached."""
+    monkeypatch.setattr(reconcile_activities, "MAX_CLAIMS", 2)
+    first, second, behind = await harness.seed(3)
+    for running in (first, second):
+        await stranded(harness, running, at_stripe=False, terminate=False)
+    await stranded(harness, behind, at_stripe=True)
+    report = await reconcile(harness)
+    assert sorted((c.customer_id, c.action) for c in report.claims) == [
+        (first.customer_id, "left"),
+        (second.customer_id, "left"),
+        (behind.customer_id, "recorded"),
+    ]
+    assert not report.more_claims
+
+
 async def test_a_reconcile_history_replays(harness: Harness) -> None:
     """I6 for ReconcileWorkflow; RECORD_HISTORIES=1 keeps its history in tests/histories."""
     recorded, redriven = await harness.seed(2)
