@@ -271,13 +271,16 @@ def reservations_to_report(
 def for_listing(
     findings: list[Finding], room: int, counted_here: Collection[str]
 ) -> tuple[list[Finding], dict[FindingKind, int]]:
-    """The findings a page sends in full (as many as the report has room for), and how many
-    of each kind the others are, of those whose charges are `counted_here`."""
+    """Of the findings whose charges the page counts (`counted_here`: a Stripe customer two
+    of ours share is counted under one of them alone), once each, those it sends in full (as
+    many as the report has room for), and how many of each kind the others are. A page that
+    listed another's charges in full as well could list one that the other page counted past
+    its room, or count one the other listed, and the report would count it twice."""
+    ours = list({f.charge_id: f for f in findings if f.charge_id in counted_here}.values())
     counts: dict[FindingKind, int] = {}
-    for f in findings[room:]:
-        if f.charge_id in counted_here:
-            counts[f.kind] = counts.get(f.kind, 0) + 1
-    return findings[:room], counts
+    for f in ours[room:]:
+        counts[f.kind] = counts.get(f.kind, 0) + 1
+    return ours[:room], counts
 
 
 class Comparison(BaseModel):

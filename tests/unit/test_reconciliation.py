@@ -530,3 +530,28 @@ def test_a_report_lists_the_reservations_for_a_person_first() -> None:
 
 def reservation_to_report_keys(resolutions: list[ReservationResolution], room: int) -> list[str]:
     return [r.key_prefix for r in reservations_to_report(resolutions, room)]
+
+
+def test_a_shared_stripe_customers_findings_are_counted_once_whatever_the_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two of ours (a renamed id) share a Stripe customer whose charges ch_x and ch_y are
+    findings; the page of the one that does not count them comes first and fills the room."""
+    monkeypatch.setattr(reconciliation, "MAX_LISTED", 2)
+    compared = Comparison()
+    for found, counted_here in (
+        # Its own charge ch_a, and the shared ones, which the other's page counts.
+        ([finding("ch_a"), finding("ch_x"), finding("ch_y")], {"ch_a"}),
+        ([finding("ch_x"), finding("ch_y")], {"ch_x", "ch_y"}),
+        # A third sharing it, counting nothing of it, after the room is gone.
+        ([finding("ch_y")], set()),
+    ):
+        in_full, counts = for_listing(found, compared.room, counted_here)
+        compared.add(page_of(*in_full, unlisted_counts=counts))
+    assert compared.finding_counts == {"duplicate": 3}
+    assert [f.charge_id for f in compared.findings] == ["ch_a", "ch_x"]
+
+
+def test_a_page_counts_a_charge_listed_twice_on_it_once() -> None:
+    in_full, counts = for_listing([finding("ch_1"), finding("ch_1"), finding("ch_2")], 0, {"ch_1"})
+    assert (in_full, counts) == ([], {"duplicate": 1})
