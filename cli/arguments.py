@@ -122,3 +122,9 @@ def add_late(command: argparse._ActionsContainer) -> None:
         action="store_true",
         help=f"bill periods more than {LATE_MONTHS} months before this one anyway",
     )
+
+
+def add_operator_flags(command: argparse.ArgumentParser) -> None:
+    """What a command that steers a run records with it: why, and who."""
+    command.add_argument("--reason", required=True, type=reason, help="recorded with your name")
+    command.add_argument("--operator", help="default: $BILLING_OPERATOR or your login")

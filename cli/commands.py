@@ -60,10 +60,7 @@ def parser() -> argparse.ArgumentParser:
     ):
         control = commands.add_parser(action, help=text)
         control.add_argument("period", type=arguments.period, help="YYYY-MM")
-        control.add_argument(
-            "--reason", required=True, type=arguments.reason, help="recorded with your name"
-        )
-        control.add_argument("--operator", help="default: $BILLING_OPERATOR or your login")
+        arguments.add_operator_flags(control)
         control.add_argument("--json", action="store_true")
         control.set_defaults(handler=cmd_control)
 
@@ -73,18 +70,14 @@ def parser() -> argparse.ArgumentParser:
         " key expired); then resume it. A cancelled run held up by a refused key then ends",
     )
     renew.add_argument("period", type=arguments.period, help="YYYY-MM")
-    renew.add_argument(
-        "--reason", required=True, type=arguments.reason, help="recorded with your name"
-    )
-    renew.add_argument("--operator", help="default: $BILLING_OPERATOR or your login")
+    arguments.add_operator_flags(renew)
     renew.add_argument("--json", action="store_true")
     renew.set_defaults(handler=cmd_renew_keys)
 
     skip = commands.add_parser("skip", help="do not charge one customer this period")
     skip.add_argument("period", type=arguments.period, help="YYYY-MM")
     skip.add_argument("customer", help="the customer id")
-    skip.add_argument("--reason", required=True, type=arguments.reason)
-    skip.add_argument("--operator")
+    arguments.add_operator_flags(skip)
     skip.add_argument("--json", action="store_true")
     # A period with no run takes the skip for later: a month far from now is most likely
     # mistyped (billing.periods.check_skip_by_hand).
