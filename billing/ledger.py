@@ -887,10 +887,11 @@ async def record_reconciliation(
 async def periods_to_recheck(
     conn: asyncpg.Connection, besides: str, run_within: timedelta, limit: int
 ) -> list[PeriodToRecheck]:
-    """Periods other than `besides` to reconcile again, oldest first: those whose latest
-    reconciliation left something, and those with a run started within `run_within` and
-    since they were last reconciled, if ever (older runs were there before reconciliations
-    were kept, and a person reconciles them by hand)."""
+    """Periods other than `besides` to reconcile again, those reconciled longest ago (or
+    never) first, so that periods left open for good take turns with the rest: those whose
+    latest reconciliation left something, and those with a run started within `run_within`
+    and since they were last reconciled, if ever (older runs were there before
+    reconciliations were kept, and a person reconciles them by hand)."""
     rows = await conn.fetch(
         """
         SELECT p.billing_period, r.open_reason, r.reconciled_at IS NULL AS never
@@ -899,7 +900,7 @@ async def periods_to_recheck(
           AND (r.open_reason IS NOT NULL
                OR (p.started_at > now() - $2::interval
                    AND (r.reconciled_at IS NULL OR r.reconciled_at < p.started_at)))
-        ORDER BY p.billing_period
+        ORDER BY r.reconciled_at NULLS FIRST, p.billing_period
         LIMIT $3
         """,
         besides,

@@ -46,8 +46,9 @@ STRIPE_ERROR_ANSWER = 500
 # The failure of a PaymentIntent Stripe left unconfirmed after an error
 # (activities/stripe_gateway.py): not final until a person cancels it.
 INCOMPLETE_INTENT = "payment_intent_incomplete"
-# Earlier periods the daily reconciliation goes back to at one firing, oldest first: the rest
-# wait for the next day's, so that a firing never starts a long list of reconciliations.
+# Earlier periods the daily reconciliation goes back to at one firing, those reconciled
+# longest ago first: the rest wait for the next day's, so that a firing never starts a long
+# list of reconciliations.
 RECHECKS_PER_FIRING = 3
 # A run started this recently, and since its period was last reconciled (if ever), has its
 # period reconciled again; runs before were billed before reconciliations were kept.

@@ -1469,6 +1469,49 @@ async def test_the_daily_schedule_goes_back_to_earlier_periods_until_nothing_is_
     keep([first])
 
 
+async def test_periods_left_open_for_good_take_turns_being_reconciled_again(
+    harness: Harness,
+) -> None:
+    """Periods are taken reconciled longest ago (or never) first, so that a few left open for
+    good (a duplicate nobody handles) do not keep the others waiting for ever."""
+    for month in range(5, 11):
+        await run_started(harness, Period(2026, month))
+    open_for_good = "something for a person"
+    async with harness.pool.acquire() as conn:
+
+        async def reconciled_as(months: range, reason: str | None) -> None:
+            for month in months:
+                await ledger.record_reconciliation(conn, str(Period(2026, month)), reason)
+
+        async def due() -> list[tuple[str, str]]:
+            found = await ledger.periods_to_recheck(conn, "2026-11", timedelta(days=62), 3)
+            return [(p.period, p.why) for p in found]
+
+        await reconciled_as(range(6, 10), open_for_good)
+        await reconciled_as(range(10, 11), None)
+        assert await due() == [
+            ("2026-05", "never reconciled"),
+            ("2026-06", open_for_good),
+            ("2026-07", open_for_good),
+        ]
+        await reconciled_as(range(5, 6), None)
+        await reconciled_as(range(6, 8), open_for_good)
+        assert await due() == [
+            ("2026-08", open_for_good),
+            ("2026-09", open_for_good),
+            ("2026-06", open_for_good),
+        ]
+        await run_started(harness, Period(2026, 10))
+        assert await due() == [
+            ("2026-08", open_for_good),
+            ("2026-09", open_for_good),
+            ("2026-10", "run again since it was reconciled"),
+        ]
+        # The period a firing reconciles anyway is not named again.
+        found = await ledger.periods_to_recheck(conn, "2026-08", timedelta(days=62), 1)
+        assert [p.period for p in found] == ["2026-09"]
+
+
 async def test_a_reconciliation_keeps_what_it_left_to_look_at_again(harness: Harness) -> None:
     """A claim its running workflow owns is left, and kept as left, until a later
     reconciliation finishes it."""
