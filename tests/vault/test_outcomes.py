@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import aiohttp
@@ -698,6 +698,57 @@ async def test_a_revoke_between_the_key_check_and_the_reservation_stops_a_takeov
     # Left in doubt, still counted, for reconciliation to settle from Stripe.
     assert await _states(db, key.id) == {"in-doubt": "unknown"}
     assert (await assert_consistent(db, key.id))["reserved_cents"] == 1_200
+
+
+async def test_a_revoke_between_the_key_check_and_the_reservation_stops_a_replay(
+    issue: Issue, stripe_via_vault: StripeFor, customer: str, db: asyncpg.Pool
+) -> None:
+    """A replay is forwarded too (its commit may be a resolve's, for a charge Stripe never
+    made), so a key revoked since the vault's own key check stops it, as it stops a
+    takeover."""
+    key = await issue()
+    await charge(stripe_via_vault(key), customer, 1_200, "done")
+    await db.execute("UPDATE vault_keys SET revoked_at = now() WHERE id = $1", key.id)
+    retry = Charge("POST /v1/payment_intents", 1_200, "usd", customer)
+    async with db.acquire() as conn:
+        with pytest.raises(reservations.KeyUnusable, match="revoked"):
+            await reservations.reserve(conn, key.id, "done", retry, timedelta(minutes=5))
+    assert await _states(db, key.id) == {"done": "committed"}
+    assert (await assert_consistent(db, key.id))["spent_cents"] == 1_200
+
+
+async def test_a_key_that_expires_while_a_reservation_waits_for_its_lock_is_refused(
+    issue: Issue, customer: str, db: asyncpg.Pool
+) -> None:
+    """Expiry is judged when the key row's lock is granted, not when the transaction began:
+    a reservation begun just before the key expired, and kept waiting past it, is refused."""
+    key = await issue(expires_at=datetime.now(UTC) + timedelta(seconds=2))
+    async with db.acquire() as holder:
+        holding = holder.transaction()
+        await holding.start()
+        await holder.execute("SELECT 1 FROM vault_keys WHERE id = $1 FOR UPDATE", key.id)
+
+        async def reserve() -> reservations.Reservation:
+            async with db.acquire() as conn:
+                late = Charge("POST /v1/payment_intents", 500, "usd", customer)
+                return await reservations.reserve(conn, key.id, "late", late, timedelta(minutes=5))
+
+        waiting = asyncio.create_task(reserve())
+
+        async def blocked() -> bool:
+            waiters: int = await db.fetchval(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE wait_event_type = 'Lock' AND query LIKE '%vault_reserve%'"
+            )
+            return waiters == 1
+
+        await eventually(blocked, timeout=10)
+        await asyncio.sleep(2.5)  # the key expires meanwhile
+        await holding.commit()
+    with pytest.raises(reservations.KeyUnusable, match="expired"):
+        await waiting
+    assert await _states(db, key.id) == {}
+    assert (await assert_consistent(db, key.id))["reserved_cents"] == 0
 
 
 async def test_an_in_doubt_retry_refused_before_stripe_reads_its_key_stays_unknown(
