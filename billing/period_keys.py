@@ -19,7 +19,7 @@ from billing.periods import Period
 from billing.sealing import SecretBox
 from vault.client import VaultAdmin
 from vault.endpoints import WORKER_ENDPOINTS
-from vault.models import IssuedKey, IssueKeyRequest
+from vault.models import IssuedKey, IssueKeyRequest, new_key_id
 
 LABEL = "billing"
 ALLOWED_ENDPOINTS = list(WORKER_ENDPOINTS)
@@ -135,10 +135,20 @@ async def issue_key(
     known_in: asyncpg.Pool,
 ) -> PeriodKey:
     """A new key for the period and currency, capped at `cap_cents`, stored (through `db`,
-    perhaps in a transaction) in place of any other. It is listed in `known_in` at once,
-    whatever becomes of that transaction, for revoke_unstored."""
+    perhaps in a transaction) in place of any other. Its id is listed in `known_in` before
+    the vault is asked, whatever becomes of that transaction or of the vault's answer, for
+    revoke_unstored."""
+    key_id = new_key_id()
+    await known_in.execute(
+        "INSERT INTO issued_vault_keys (vault_key_id, billing_period, currency)"
+        " VALUES ($1, $2, $3)",
+        key_id,
+        str(period),
+        currency,
+    )
     issued = await admin.issue_key(
         IssueKeyRequest(
+            key_id=key_id,
             label=LABEL,
             period=str(period),
             cap_cents=cap_cents,
@@ -146,13 +156,6 @@ async def issue_key(
             allowed_endpoints=ALLOWED_ENDPOINTS,
             expires_at=key_expiry(period, datetime.now(UTC), grace),
         )
-    )
-    await known_in.execute(
-        "INSERT INTO issued_vault_keys (vault_key_id, billing_period, currency)"
-        " VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
-        issued.id,
-        str(period),
-        currency,
     )
     await db.execute(
         """
@@ -181,12 +184,13 @@ async def revoke_unstored(
     """Revoke the keys this ledger's workers issued for the period (issue_key lists them)
     that no row stores any more; returns their ids. Call it under the opening's lock only:
     a key another opening just issued is stored by its commit. An opening that failed after
-    the vault issued a key (a later currency refused, its transaction rolled back) left such
-    a key, which counted its whole cap against the vault's worker budget until it expired:
-    a few failed openings could refuse every new key. A key replaced is revoked once the new
-    one is stored; one whose revoke failed then is revoked here, as a worker that cached it
-    could still charge through its room. Keys this ledger did not issue (another
-    deployment's on the same vault) are left alone."""
+    the vault issued a key (a later currency refused, its transaction rolled back, or the
+    vault's answer lost to a timeout or a crash) left such a key, which counted its whole cap
+    against the vault's worker budget until it expired: a few failed openings could refuse
+    every new key. An id listed whose issue the vault never made is not found, and stays.
+    A key replaced is revoked once the new one is stored; one whose revoke failed then is
+    revoked here, as a worker that cached it could still charge through its room. Keys
+    this ledger did not issue (another deployment's on the same vault) are left alone."""
     rows = await db.fetch(
         """
         SELECT i.vault_key_id FROM issued_vault_keys i

@@ -43,6 +43,7 @@ from vault.models import (
     ResolveRequest,
     Role,
     Status,
+    new_key_id,
 )
 from vault.state import STATE, token_digest
 
@@ -203,7 +204,7 @@ async def issue_key(request: web.Request) -> web.Response:
     started = time.monotonic()
     state = request.app[STATE]
     issue = await _body(request, IssueKeyRequest, **{MAX_CAP_CONTEXT: state.settings.max_cap_cents})
-    key_id = "vkey_" + secrets.token_hex(8)
+    key_id = issue.key_id or new_key_id()
     secret = SECRET_PREFIX + secrets.token_urlsafe(32)
     by = request[ROLE]
     policy = _worker_policy(request)
@@ -213,7 +214,17 @@ async def issue_key(request: web.Request) -> web.Response:
                 issue = await budget.admit(conn, issue, policy)
             except budget.WorkerKeyRefused as error:
                 raise _refused(error) from None
-        info = await store.insert_key(conn, key_id, secret, issue, by)
+        try:
+            info = await store.insert_key(conn, key_id, secret, issue, by)
+        except asyncpg.UniqueViolationError as error:
+            if error.constraint_name != "vault_keys_pkey":
+                raise
+            raise VaultError(
+                409,
+                "key_id_taken",
+                f"a key with id {key_id} exists: its secret was shown only to the request"
+                " that issued it. Choose another id; revoke that key if its answer was lost",
+            ) from None
         await _audit(conn, request, key_id, "issued", started, currency=info.currency)
     return _reply(IssuedKey(**info.model_dump(), secret=secret), status=201, reveal_secret=True)
 
@@ -386,7 +397,7 @@ OPERATIONS: tuple[Operation, ...] = (
         status=201,
         body=IssueKeyRequest,
         access="worker",
-        other_errors=(403,),
+        other_errors=(403, 409),
     ),
     Operation(
         "GET",

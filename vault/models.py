@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from datetime import UTC, date, datetime, timedelta
 from typing import Annotated, Literal
 
@@ -95,6 +96,11 @@ class View(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
+def new_key_id() -> str:
+    """A fresh vault key id: 64 random bits, so ids callers choose do not meet."""
+    return "vkey_" + secrets.token_hex(8)
+
+
 def past_ceiling(cents: int, ceiling: int) -> str | None:
     """Why a cap or daily cap cannot be issued under VAULT_MAX_CAP_CENTS; None if it can."""
     if cents > ceiling:
@@ -129,6 +135,13 @@ def never_issuable(
 
 
 class IssueKeyRequest(Body):
+    key_id: KeyId | None = Field(
+        default=None,
+        description="the new key's id, chosen by the caller (new_key_id) so that one who loses"
+        " the answer still knows which key to revoke; drawn by the vault when absent. An id"
+        " already taken is refused (409): the secret is shown once, to the request that"
+        " issued the key.",
+    )
     vendor: Literal["stripe"] = "stripe"
     label: Label
     period: Period

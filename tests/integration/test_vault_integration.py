@@ -492,6 +492,48 @@ async def test_an_opening_revokes_the_unused_keys_a_failed_one_left_unstored(
     await assert_billed_once(vaulted, str(PERIOD), customers)
 
 
+async def test_an_opening_revokes_a_key_whose_issue_answer_was_lost(vaulted: Harness) -> None:
+    """The vault, slow to answer, issued a key after the worker had given up on the answer:
+    nobody has its secret, and its whole cap counted against the worker budget until it
+    expired. The worker lists the id it asks for first, so the next opening revokes it."""
+    assert vaulted.vault is not None
+    customers = await vaulted.seed(2)
+    async with vaulted.pool.acquire() as holder, holder.transaction():
+        # The vault's worker budget lock for usd (vault/budget.py), held past the timeout.
+        await holder.execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended('vault-worker-budget:usd', 0))"
+        )
+        async with VaultAdmin(vaulted.vault.url, VAULT_WORKER_TOKEN, timeout=1) as impatient:
+            with pytest.raises(VaultUnavailable):
+                await period_keys.issue_key(
+                    vaulted.pool,
+                    impatient,
+                    vaulted.settings.secret_box(),
+                    PERIOD,
+                    "usd",
+                    100_000,
+                    timedelta(days=1),
+                    known_in=vaulted.pool,
+                )
+
+    async def issued_anyway() -> bool:
+        assert vaulted.vault is not None
+        return len(await vaulted.vault.admin.find_keys(period=str(PERIOD))) == 1
+
+    await eventually(issued_anyway, timeout=10)
+    [lost] = await vaulted.vault.admin.find_keys(period=str(PERIOD))
+    assert not lost.revoked
+    assert await period_keys.stored_key_id(vaulted.pool, str(PERIOD), "usd") is None
+    async with vaulted.running_worker():
+        summary = await (await start_period(vaulted.client, PERIOD, vaulted.task_queue)).result()
+    assert summary.charged == 2
+    stored = await period_keys.stored_key_id(vaulted.pool, str(PERIOD), "usd")
+    keys = {k.id: k for k in await vaulted.vault.admin.find_keys(period=str(PERIOD))}
+    assert keys[lost.id].revoked and keys[lost.id].revoked_by == "worker"
+    assert stored is not None and stored != lost.id and not keys[stored].revoked
+    await assert_billed_once(vaulted, str(PERIOD), customers)
+
+
 async def test_a_stored_key_near_its_expiry_is_replaced_not_reused(vaulted: Harness) -> None:
     """A rerun late in the key's life would stop part-billed when the key expired, and a
     resume would only pause it again: its preparation issues a new key instead."""

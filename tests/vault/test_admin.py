@@ -15,6 +15,7 @@ from jsonschema import Draft202012Validator
 from vault import RunningVault
 from vault import admin as admin_module
 from vault.client import VaultAdmin, VaultAuthError, VaultInvalidRequest, VaultNotFound
+from vault.models import new_key_id
 
 from .conftest import Issue
 from .support import (
@@ -97,6 +98,8 @@ async def test_admin_token_is_required_and_compared_in_constant_time(
         ({"allowed_endpoints": ["GET /v1/../x"]}, "allowed_endpoints.0"),
         ({"vendor": "paypal"}, "vendor"),
         ({"secret": "vk_mine"}, "secret"),
+        ({"key_id": "vkey_NOT-HEX"}, "key_id"),
+        ({"key_id": "../vkey_0000000000000000"}, "key_id"),
     ],
 )
 async def test_invalid_keys_are_refused_naming_the_field(
@@ -115,6 +118,26 @@ async def test_an_integral_number_is_an_integer(
         http, vault, "POST", "/vault/keys", _issue_body(cap_cents=10_000.0)
     )
     assert (status, reply["cap_cents"]) == (201, 10_000)
+
+
+async def test_a_key_id_the_caller_chose_is_issued_once(
+    vault: RunningVault, http: aiohttp.ClientSession, admin: VaultAdmin, db: asyncpg.Pool
+) -> None:
+    """A caller that lists the id before asking knows which key to revoke if the answer is
+    lost; asked again, the vault refuses rather than show a second secret for it."""
+    chosen = new_key_id()
+    status, first = await _admin_call(
+        http, vault, "POST", "/vault/keys", _issue_body(key_id=chosen)
+    )
+    assert (status, first["id"]) == (201, chosen)
+    again = _issue_body(key_id=chosen, cap_cents=99)
+    status, reply = await _admin_call(http, vault, "POST", "/vault/keys", again)
+    assert (status, reply["error"]["code"]) == (409, "key_id_taken"), reply
+    assert chosen in reply["error"]["message"] and "secret" not in reply
+    kept = await admin.get_key(chosen)
+    assert kept.cap_cents == 10_000 and not kept.revoked
+    assert await db.fetchval("SELECT count(*) FROM vault_keys") == 1
+    assert await db.fetchval("SELECT count(*) FROM vault_audit WHERE decision = 'issued'") == 1
 
 
 async def test_malformed_json_is_a_400(vault: RunningVault, http: aiohttp.ClientSession) -> None:
@@ -211,7 +234,17 @@ async def test_openapi_document_matches_the_routes(
         assert ref.removeprefix("#/components/schemas/") in schemas, ref
     issue_op = document["paths"]["/vault/keys"]["post"]
     assert issue_op["security"] == [{"adminToken": []}, {"workerToken": []}]
-    assert set(issue_op["responses"]) == {"201", "400", "401", "403", "408", "413", "422", "500"}
+    assert set(issue_op["responses"]) == {
+        "201",
+        "400",
+        "401",
+        "403",
+        "408",
+        "409",
+        "413",
+        "422",
+        "500",
+    }
     audit_op = document["paths"]["/vault/keys/{key_id}/audit"]["get"]
     assert audit_op["security"] == [{"adminToken": []}]
     assert "403" in audit_op["responses"]
