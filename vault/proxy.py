@@ -598,10 +598,16 @@ async def _forward(
 def _outcome(answer: _Answer, *, in_doubt: bool) -> Outcome:
     """What an upstream answer says about the money of this reservation."""
     if 200 <= answer.status < 300:
-        if _replayed(answer) and _status_of(answer) in _UNSETTLED:
+        status = _status_of(answer)
+        if _replayed(answer) and status in _UNSETTLED:
             # Saved up to a day ago, while the bank had yet to answer the debit: it may have
             # returned it since. Reconciliation looks up where it stands.
             return "unknown"
+        if status in _NOT_CHARGED:
+            # Created but not confirmed (no `confirm`): no money moved, and none can through
+            # the vault (no key may confirm it, and a replay of its key answers the same), so
+            # its room is freed rather than spent for good.
+            return "failed"
         return "succeeded"
     if 400 <= answer.status < 500:
         if not in_doubt:
@@ -617,6 +623,9 @@ def _outcome(answer: _Answer, *, in_doubt: bool) -> Outcome:
 
 # A bank debit Stripe made and the bank has yet to answer: its PaymentIntent, its Charge.
 _UNSETTLED = frozenset({"processing", "pending"})
+# A PaymentIntent created unconfirmed, which moved no money. Not requires_action: the
+# customer may still authenticate it, and the charge go through.
+_NOT_CHARGED = frozenset({"requires_payment_method", "requires_confirmation"})
 
 
 def _status_of(answer: _Answer) -> object:

@@ -17,6 +17,7 @@ import stripe
 from aiohttp.client_proto import ResponseHandler
 from prometheus_client import REGISTRY
 from pydantic import SecretStr
+from stripe.params import PaymentIntentCreateParams
 from yarl import URL
 
 from devstack.postgres import LocalPostgres
@@ -698,6 +699,47 @@ async def test_a_revoke_between_the_key_check_and_the_reservation_stops_a_takeov
     # Left in doubt, still counted, for reconciliation to settle from Stripe.
     assert await _states(db, key.id) == {"in-doubt": "unknown"}
     assert (await assert_consistent(db, key.id))["reserved_cents"] == 1_200
+
+
+async def test_an_intent_created_without_confirming_frees_its_room(
+    issue: Issue, stripe_via_vault: StripeFor, direct_stripe: stripe.StripeClient, db: asyncpg.Pool
+) -> None:
+    """Created but not confirmed, a PaymentIntent moved no money, and no vault key may
+    confirm it: its room is freed, not spent for good."""
+    key = await issue(cap_cents=1_000)
+    client = stripe_via_vault(key)
+    method = "pm_card_visa"
+    created = await direct_stripe.v1.customers.create_async(
+        params={"payment_method": method, "invoice_settings": {"default_payment_method": method}}
+    )
+    customer = created.id
+    attached = created.invoice_settings and created.invoice_settings.default_payment_method
+    assert isinstance(attached, str)
+    for payment_method, status in (
+        (None, "requires_payment_method"),
+        (attached, "requires_confirmation"),
+    ):
+        params: PaymentIntentCreateParams = {
+            "amount": 1_000,
+            "currency": "usd",
+            "customer": customer,
+        }
+        if payment_method is not None:
+            params["payment_method"] = payment_method
+        unconfirmed = await client.v1.payment_intents.create_async(
+            params=params, options={"idempotency_key": status}
+        )
+        assert unconfirmed.status == status
+    assert await _states(db, key.id) == {
+        "requires_payment_method": "released",
+        "requires_confirmation": "released",
+    }
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 0)
+    # The whole cap is left for a charge that moves money.
+    charged = await charge(client, customer, 1_000, "charged", payment_method=attached)
+    assert charged.status == "succeeded"
+    assert (await assert_consistent(db, key.id))["spent_cents"] == 1_000
 
 
 async def test_a_revoke_between_the_key_check_and_the_reservation_stops_a_replay(
