@@ -376,13 +376,13 @@ class PreviewLine(Record):
     amount_cents: int
     currency: str
     status: LedgerStatus | None
-    # What a run started now would charge (see ledger._OPEN).
+    # What a run started now would charge (see billing.ledger.sql.OPEN).
     open: bool
     # False for a row imported before a payment method was required: its charge would name
     # none, and Stripe would take the customer's legacy default source, or refuse.
     has_payment_method: bool
     # The inactive id under which the period billed this line's Stripe customer: a run holds
-    # this line rather than bill it (ledger._HELD_AS).
+    # this line rather than bill it (billing.ledger.sql.HELD_AS).
     held_as: str | None = None
 
 

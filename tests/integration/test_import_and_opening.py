@@ -94,7 +94,7 @@ async def test_an_import_kept_waiting_gives_up_saying_why(
     db: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Past the pool's statement timeout it would fail with a bare TimeoutError.
-    monkeypatch.setattr(ledger, "CHANGE_WAIT_SECONDS", 0.5)
+    monkeypatch.setattr(ledger.runs, "CHANGE_WAIT_SECONDS", 0.5)
     async with db.acquire() as conn, conn.transaction():
         await conn.execute(ledger.OPENING_LOCK)  # a run being opened, waiting for the vault
         with pytest.raises(LedgerBusyError, match=r"the import waited 0\.5 s for a run being"):

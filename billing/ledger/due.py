@@ -1,0 +1,115 @@
+"""What a period bills: its plan and totals, the preview, the customers it holds, and the
+pages of due customers a run walks."""
+
+from __future__ import annotations
+
+import asyncpg
+
+from billing.ledger.sql import DUE, DUE_WHERE, HELD_AS, OPEN, due_join
+from billing.models import DueCustomer, DuePage, PeriodPlan, PreviewLine
+
+
+async def plan_period(conn: asyncpg.Connection, period: str) -> PeriodPlan:
+    rows = await conn.fetch(
+        f"""
+        SELECT coalesce(r.currency, c.currency) AS currency, count(*) AS due,
+               count(*) FILTER (WHERE {OPEN}) AS to_charge,
+               coalesce(sum(coalesce(r.amount_cents, c.amount_cents)) FILTER (WHERE {OPEN}), 0)
+                   AS total
+        {DUE}
+        GROUP BY 1
+        """,
+        period,
+    )
+    totals = {row["currency"]: row["total"] for row in rows if row["total"]}
+    return PeriodPlan(
+        period=period,
+        due=sum(row["due"] for row in rows),
+        to_charge=sum(row["to_charge"] for row in rows),
+        expected_total_cents=sum(totals.values()),
+        totals_by_currency=totals,
+    )
+
+
+async def unsent_totals(conn: asyncpg.Connection, period: str) -> dict[str, int]:
+    """Per currency, what a run would charge for claims no attempt of which went out through
+    the period's current key (none yet, or only through keys it replaced): none of it is in
+    that key's spend or reservations."""
+    rows = await conn.fetch(
+        f"""
+        SELECT coalesce(r.currency, c.currency) AS currency,
+               sum(coalesce(r.amount_cents, c.amount_cents)) AS total
+        {DUE} AND {OPEN} AND NOT EXISTS (
+            SELECT 1 FROM period_vault_keys k
+            WHERE k.billing_period = $1 AND k.currency = r.currency
+                AND k.vault_key_id = ANY(r.sent_through))
+        GROUP BY 1
+        """,
+        period,
+    )
+    return {row["currency"]: row["total"] for row in rows}
+
+
+async def preview_lines(conn: asyncpg.Connection, period: str) -> list[PreviewLine]:
+    """Every due customer with the amount a run would claim (or has claimed) and its row,
+    and the customers it holds, read in one snapshot."""
+    async with conn.transaction(isolation="repeatable_read", readonly=True):
+        return await _preview_lines(conn, period)
+
+
+async def _preview_lines(conn: asyncpg.Connection, period: str) -> list[PreviewLine]:
+    rows = await conn.fetch(
+        f"""
+        SELECT c.customer_id,
+               coalesce(r.stripe_customer_id, c.stripe_customer_id) AS stripe_customer_id,
+               coalesce(r.amount_cents, c.amount_cents) AS amount_cents,
+               coalesce(r.currency, c.currency) AS currency, r.status, {OPEN} AS open,
+               CASE WHEN r.status IS NULL THEN c.payment_method
+                    ELSE r.payment_method END IS NOT NULL AS has_payment_method
+        {DUE} ORDER BY c.customer_id
+        """,
+        period,
+    )
+    held = await held_customers(conn, period)
+    lines = [PreviewLine(**dict(row)) for row in rows]
+    return sorted([*lines, *held], key=lambda line: line.customer_id)
+
+
+async def issued_caps(conn: asyncpg.Connection, period: str) -> dict[str, int]:
+    """The caps of the period's stored vault keys, by currency."""
+    rows = await conn.fetch(
+        "SELECT currency, cap_cents FROM period_vault_keys WHERE billing_period = $1", period
+    )
+    return {row["currency"]: row["cap_cents"] for row in rows}
+
+
+async def held_customers(conn: asyncpg.Connection, period: str) -> list[PreviewLine]:
+    """The active customers a run of the period holds rather than bills (see HELD_AS), each
+    with the id its Stripe customer was billed under (`held_as`)."""
+    rows = await conn.fetch(
+        f"""
+        SELECT * FROM (
+            SELECT c.customer_id, c.stripe_customer_id, c.amount_cents, c.currency,
+                   NULL AS status, false AS open,
+                   c.payment_method IS NOT NULL AS has_payment_method, {HELD_AS} AS held_as
+            {due_join()} WHERE c.active AND r.status IS NULL) held
+        WHERE held_as IS NOT NULL ORDER BY customer_id
+        """,
+        period,
+    )
+    return [PreviewLine(**dict(row)) for row in rows]
+
+
+async def due_page(conn: asyncpg.Connection, period: str, after: str | None, limit: int) -> DuePage:
+    rows = await conn.fetch(
+        f"""
+        SELECT c.customer_id, r.status {due_join("$2")} {DUE_WHERE} AND c.customer_id > $2
+        ORDER BY c.customer_id LIMIT $3
+        """,
+        period,
+        after or "",
+        limit,
+    )
+    customers = [DueCustomer(customer_id=r["customer_id"], status=r["status"]) for r in rows]
+    next_cursor = customers[-1].customer_id if len(customers) == limit else None
+    return DuePage(customers=customers, next_cursor=next_cursor)

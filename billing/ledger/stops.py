@@ -1,0 +1,103 @@
+"""An operator's stop of customers: a skip, and a cancelled run's customers it never started."""
+
+from __future__ import annotations
+
+import asyncpg
+
+from billing.errors import UnknownCustomerError
+from billing.ledger.gate import SKIP_BEHIND_SAVED_ERROR_FOR
+from billing.models import SkipResult
+
+
+async def request_skip(
+    conn: asyncpg.Connection, customer_id: str, period: str, key: str, reason: str, operator: str
+) -> SkipResult:
+    """Skip a customer this period, unless its charge has started or ended.
+
+    A customer no run has claimed yet is written skipped at once: a run that lists it counts
+    it so, and one whose cursor has passed it (or that does not list it, an inactive
+    customer) leaves no claim open behind. An open claim keeps its status and stops at the
+    gate as skipped. A customer a cancelled run never started is skipped too, so the next
+    run does not reopen it. A charge held behind a 500 Stripe saved for its key ends skipped
+    at its next try if Stripe still shows no charge (stop_behind_saved_error)."""
+    row = await conn.fetchrow(
+        """
+        INSERT INTO billing_runs (customer_id, billing_period, idempotency_key, amount_cents,
+                                  currency, stripe_customer_id, payment_method, skip_reason,
+                                  skip_by, status, reason, decided_by, completed_at)
+        SELECT customer_id, $2, $3, amount_cents, currency, stripe_customer_id, payment_method,
+               $4, $5, 'skipped', $4, $5, now()
+        FROM customers WHERE customer_id = $1
+        ON CONFLICT (customer_id, billing_period) DO UPDATE
+            SET skip_reason = EXCLUDED.skip_reason, skip_by = EXCLUDED.skip_by,
+                status = CASE billing_runs.status WHEN 'cancelled' THEN 'skipped'
+                              ELSE billing_runs.status END,
+                reason = CASE billing_runs.status WHEN 'cancelled' THEN EXCLUDED.reason
+                              ELSE billing_runs.reason END,
+                decided_by = CASE billing_runs.status WHEN 'cancelled' THEN EXCLUDED.decided_by
+                                  ELSE billing_runs.decided_by END,
+                cancelled_before_start = false, updated_at = now()
+            WHERE (billing_runs.status = 'claimed' AND billing_runs.charge_started_at IS NULL)
+               OR (billing_runs.status = 'cancelled' AND billing_runs.cancelled_before_start)
+               OR (billing_runs.status = 'claimed' AND billing_runs.saved_error_at IS NOT NULL
+                   AND billing_runs.claimed_at > now() - $6::interval)
+        RETURNING status, charge_started_at IS NOT NULL AS sent
+        """,
+        customer_id,
+        period,
+        key,
+        reason,
+        operator,
+        SKIP_BEHIND_SAVED_ERROR_FOR,
+    )
+    if row is not None and row["sent"]:
+        return SkipResult(
+            customer_id=customer_id,
+            skipped=True,
+            detail="skip recorded: its charge is held behind a 500 Stripe saved for its key,"
+            " and ends skipped at its next try (within 4 minutes) unless Stripe shows a charge"
+            " then; if no worker tries it within the hour, it is charged once Stripe forgets"
+            " the key",
+        )
+    if row is not None:
+        return SkipResult(customer_id=customer_id, skipped=True, detail="skip recorded")
+    current = await conn.fetchrow(
+        "SELECT status FROM billing_runs WHERE customer_id = $1 AND billing_period = $2",
+        customer_id,
+        period,
+    )
+    if current is None:
+        raise UnknownCustomerError(f"customer {customer_id!r} is not in the ledger")
+    if current["status"] == "skipped":
+        # Asked again: what was asked for holds.
+        return SkipResult(customer_id=customer_id, skipped=True, detail="already skipped")
+    detail = (
+        f"already {current['status']}"
+        if current["status"] != "claimed"
+        else "its charge has already been sent to Stripe"
+    )
+    return SkipResult(customer_id=customer_id, skipped=False, detail=f"cannot skip: {detail}")
+
+
+async def cancel_customers(
+    conn: asyncpg.Connection, period: str, keys: dict[str, str], reason: str, operator: str
+) -> None:
+    """Mark customers a cancelled run never started as cancelled (no child, no charge)."""
+    await conn.executemany(
+        """
+        INSERT INTO billing_runs (customer_id, billing_period, idempotency_key, amount_cents,
+                                  currency, stripe_customer_id, payment_method, status, reason,
+                                  decided_by, completed_at, cancelled_before_start)
+        SELECT customer_id, $2, $3, amount_cents, currency, stripe_customer_id, payment_method,
+               'cancelled', $4, $5, now(), true
+        FROM customers WHERE customer_id = $1
+        ON CONFLICT (customer_id, billing_period) DO UPDATE
+            SET status = 'cancelled', reason = $4, decided_by = $5, completed_at = now(),
+                -- A row a child claimed (one of a terminated run's, still running) keeps
+                -- that child's ID, which a later run cannot start again: not reopened.
+                cancelled_before_start = billing_runs.claimed_by_run IS NULL,
+                updated_at = now()
+            WHERE billing_runs.status = 'claimed' AND billing_runs.charge_started_at IS NULL
+        """,
+        [(customer_id, period, key, reason, operator) for customer_id, key in keys.items()],
+    )
