@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import aiohttp
+import asyncpg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from temporalio.client import WorkflowFailureError, WorkflowHandle
@@ -75,6 +76,22 @@ def _period_key(cap_cents: int, lives: timedelta = timedelta(days=2)) -> IssueKe
         currency="usd",
         allowed_endpoints=period_keys.ALLOWED_ENDPOINTS,
         expires_at=datetime.now(UTC) + lives,
+    )
+
+
+async def _issue_as_an_opening(
+    vaulted: Harness, db: asyncpg.Pool | asyncpg.Connection, admin: VaultAdmin
+) -> period_keys.PeriodKey:
+    """A usd key for the period issued as a run's opening issues it, listed in the ledger."""
+    return await period_keys.issue_key(
+        db,
+        admin,
+        vaulted.settings.secret_box(),
+        PERIOD,
+        "usd",
+        100_000,
+        timedelta(days=1),
+        known_in=vaulted.pool,
     )
 
 
@@ -468,16 +485,7 @@ async def test_an_opening_revokes_the_unused_keys_a_failed_one_left_unstored(
     async with vaulted.pool.acquire() as conn:
         opening = conn.transaction()
         await opening.start()
-        left = await period_keys.issue_key(
-            conn,
-            vaulted.vault.worker,
-            vaulted.settings.secret_box(),
-            PERIOD,
-            "usd",
-            100_000,
-            timedelta(days=1),
-            known_in=vaulted.pool,
-        )
+        left = await _issue_as_an_opening(vaulted, conn, vaulted.vault.worker)
         await opening.rollback()
     theirs = await vaulted.vault.worker.issue_key(_period_key(100_000))
     assert await period_keys.stored_key_id(vaulted.pool, str(PERIOD), "usd") is None
@@ -505,16 +513,7 @@ async def test_an_opening_revokes_a_key_whose_issue_answer_was_lost(vaulted: Har
         )
         async with VaultAdmin(vaulted.vault.url, VAULT_WORKER_TOKEN, timeout=1) as impatient:
             with pytest.raises(VaultUnavailable):
-                await period_keys.issue_key(
-                    vaulted.pool,
-                    impatient,
-                    vaulted.settings.secret_box(),
-                    PERIOD,
-                    "usd",
-                    100_000,
-                    timedelta(days=1),
-                    known_in=vaulted.pool,
-                )
+                await _issue_as_an_opening(vaulted, vaulted.pool, impatient)
 
     async def issued_anyway() -> bool:
         assert vaulted.vault is not None
