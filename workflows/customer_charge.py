@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime, timedelta
 
 from temporalio import workflow
@@ -11,10 +12,11 @@ from temporalio.exceptions import TimeoutError as TemporalTimeoutError
 
 with workflow.unsafe.imports_passed_through():
     from activities.charging import HELD, PAUSED, SLOT_AHEAD, BillRequest, ChargingActivities
+    from activities.period import PeriodActivities, SkipCustomerRequest
     from activities.stripe_failures import PERIOD_BLOCKERS
     from billing import search_attributes
     from billing.keys import customer_workflow_id, validate_customer_id
-    from billing.models import ChargeFailure, CustomerChargeInput, CustomerOutcome
+    from billing.models import ChargeFailure, CustomerChargeInput, CustomerOutcome, SkipRequest
     from billing.periods import parse_period
     from billing.rate_limit import Slot
     from workflows.identity import checked, given, require_id
@@ -46,12 +48,21 @@ PERIOD_WAIT_MAX = timedelta(minutes=5)
 # retried for this long gives the workflow a look, and past the request's history limit the
 # child continues as new (the next run finds the same claim in the ledger).
 BILL_ROUND = timedelta(minutes=10)
+# Temporal's own cancel of a customer's workflow (the Web UI's Cancel, its API) is a skip of
+# the customer, as the period's is a cancel: it used to end the workflow CANCELED with its
+# claim left open, which reconciliation then drove on and charged. A charge already sent is
+# finished and recorded all the same (a skip cannot stop it).
+TEMPORAL_CANCEL_IS_A_SKIP = "temporal-cancel-is-a-skip"
+TEMPORAL_CANCEL_REASON = "cancelled in Temporal (the Web UI's Cancel, or its API)"
+SKIP_TIMEOUT = timedelta(seconds=60)
 
 
 # Outside the sandbox for speed; the tests run it inside (see workflows/__init__.py).
 @workflow.defn(name="CustomerChargeWorkflow", sandboxed=False)
 class CustomerChargeWorkflow:
     def __init__(self) -> None:
+        # The period's signals, and the skip a Temporal cancel made: each wakes a charge
+        # waiting for the gate to try again.
         self._period_signals = 0
 
     @workflow.signal(name=PERIOD_CONTROL)
@@ -69,7 +80,21 @@ class CustomerChargeWorkflow:
             f"the charge of {customer_id} for {period}",
             f"its period's run starts it (`python starter.py run {period}`)",
         )
-        outcome = await self._bill_when_allowed(request)
+        # Temporal cancels the task running `run`: billing goes on in a task of its own, so a
+        # bill in flight is not cut off, and the cancel reaches it as a skip would.
+        billing = asyncio.create_task(self._bill_when_allowed(request))
+        try:
+            outcome = await asyncio.shield(billing)
+        except asyncio.CancelledError:
+            if billing.done():
+                outcome = billing.result()
+            elif workflow.patched(TEMPORAL_CANCEL_IS_A_SKIP):
+                outcome = await self._skip_then_finish(request, billing)
+            else:
+                # Recorded before the patch: the cancel reached the wait or the bill itself.
+                billing.cancel()
+                await billing
+                raise
         workflow.upsert_search_attributes(
             [search_attributes.BILLING_STATUS.value_set(outcome.outcome)]
         )
@@ -126,6 +151,27 @@ class CustomerChargeWorkflow:
                     raise
             slot = None
             patience = await self._wait_for_period(signals_seen, patience)
+
+    async def _skip_then_finish(
+        self, request: CustomerChargeInput, billing: asyncio.Task[CustomerOutcome]
+    ) -> CustomerOutcome:
+        """Skip the customer as an operator would, then let the billing end: stopped at the
+        gate as skipped, or, if its charge was sent, finished and recorded with its key."""
+        await workflow.execute_activity_method(
+            PeriodActivities.skip_customer,
+            SkipCustomerRequest(
+                period=request.period,
+                request=SkipRequest(
+                    customer_id=request.customer_id,
+                    reason=TEMPORAL_CANCEL_REASON,
+                    operator="temporal",
+                ),
+            ),
+            start_to_close_timeout=SKIP_TIMEOUT,
+            summary=f"skip {request.customer_id}: {TEMPORAL_CANCEL_REASON}",
+        )
+        self._period_signals += 1
+        return await billing
 
     async def _wait_for_period(self, signals_seen: int, patience: timedelta) -> timedelta:
         """Wait for a signal from the period later than the first `signals_seen`, or for

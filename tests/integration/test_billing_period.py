@@ -31,12 +31,12 @@ from billing.models import (
 )
 from billing.periods import Period
 from billing.reporting import describe
-from billing.runs import period_status, start_period
+from billing.runs import period_status, start_period, start_reconcile
 from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
 from workflows.billing_period import BillingPeriodWorkflow
-from workflows.customer_charge import CustomerChargeWorkflow
+from workflows.customer_charge import TEMPORAL_CANCEL_REASON, CustomerChargeWorkflow
 from workflows.identity import WRONG_WORKFLOW_ID
 
 PERIOD = Period(2026, 12)
@@ -515,6 +515,74 @@ async def test_a_child_waiting_long_continues_as_new_and_charges_once(harness: H
     await replay(runs)
     keep(runs)
     await assert_billed_once(harness, period, [customer])
+
+
+async def _start_child(
+    harness: Harness, customer_id: str
+) -> WorkflowHandle[CustomerChargeWorkflow, CustomerOutcome]:
+    """The customer's child for the period, started as its period's run starts it."""
+    return await harness.client.start_workflow(
+        CustomerChargeWorkflow.run,
+        CustomerChargeInput(period=str(PERIOD), customer_id=customer_id),
+        id=customer_workflow_id(PERIOD, customer_id),
+        task_queue=harness.task_queue,
+    )
+
+
+async def test_a_child_cancelled_in_temporal_is_skipped_not_charged_later(
+    harness: Harness,
+) -> None:
+    """Temporal's Cancel on a customer's workflow (the Web UI's button) is a skip: the child
+    waiting at a paused period's gate ends skipped, so neither the period's resume nor
+    reconciliation charges it. It used to end CANCELED with its claim open, which
+    reconciliation then drove on and charged."""
+    [customer] = await harness.seed(1)
+    period = str(PERIOD)
+    await harness.open_period_by_hand(PERIOD)
+    async with harness.pool.acquire() as conn:
+        await ledger.set_control(conn, period, "paused", "checking", "alice")
+    async with harness.running_worker():
+        handle = await _start_child(harness, customer.customer_id)
+
+        async def claimed() -> bool:
+            rows = await harness.ledger_rows(period)
+            return [row["status"] for row in rows] == ["claimed"]
+
+        await eventually(claimed)
+        await handle.cancel()
+        outcome = await handle.result()
+        async with harness.pool.acquire() as conn:
+            await ledger.set_control(conn, period, "running", "checked", "bob")
+        await (await start_reconcile(harness.client, PERIOD, harness.task_queue)).result()
+    assert outcome.outcome == "skipped"
+    [row] = await harness.ledger_rows(period)
+    assert (row["status"], row["reason"], row["decided_by"]) == (
+        "skipped",
+        TEMPORAL_CANCEL_REASON,
+        "temporal",
+    )
+    assert await harness.money_requests() == 0
+    history = await handle.fetch_history()
+    await replay([history])
+    keep([history])
+
+
+async def test_a_child_cancelled_in_temporal_with_its_charge_sent_records_it(
+    harness: Harness,
+) -> None:
+    """A cancel cannot take back a charge already on its way to Stripe: the child finishes
+    it and records it, once, instead of leaving it unrecorded for reconciliation."""
+    [customer] = await harness.seed(1)
+    await harness.open_period_by_hand(PERIOD)
+    await harness.set_faults(latency_ms=2000)
+    async with harness.running_worker():
+        handle = await _start_child(harness, customer.customer_id)
+        await eventually(lambda: at_least(harness.money_requests(), 1))
+        await handle.cancel()
+        outcome = await handle.result()
+    assert outcome.outcome == "charged"
+    await assert_billed_once(harness, str(PERIOD), [customer])
+    await replay([await handle.fetch_history()])
 
 
 async def test_a_child_closed_before_its_claim_does_not_hold_the_period(harness: Harness) -> None:
