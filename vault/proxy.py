@@ -195,8 +195,10 @@ async def _proxy(
 
     reservation = None
     send_by = None
+    confirms = True
     if endpoint in METERED:
         reservation, send_by = await _reserve_charge(state, request, grant, endpoint, body, record)
+        confirms = _confirms(body)
     # Replayed or executed: only Stripe's answer says which (below), even for a reservation
     # committed already, since a commit by resolve may stand for a charge Stripe never made.
     record.decision = "forwarded"
@@ -252,7 +254,7 @@ async def _proxy(
             grant.id,
         )
     if reservation is not None and reservation.owned:
-        outcome = _outcome(answer, in_doubt=reservation.in_doubt)
+        outcome = _outcome(answer, in_doubt=reservation.in_doubt, confirms=confirms)
         record.reservation_state = await _settle(state, reservation, outcome, answer.status)
     body = _without_client_secrets(answer.body)
     if state.upstream_secret in body:
@@ -595,18 +597,20 @@ async def _forward(
             return _Answer(response.status, payload, returned)
 
 
-def _outcome(answer: _Answer, *, in_doubt: bool) -> Outcome:
-    """What an upstream answer says about the money of this reservation."""
+def _outcome(answer: _Answer, *, in_doubt: bool, confirms: bool) -> Outcome:
+    """What an upstream answer says about the money of this reservation, whose request asked
+    Stripe to confirm what it created if `confirms`."""
     if 200 <= answer.status < 300:
         status = _status_of(answer)
         if _replayed(answer) and status in _UNSETTLED:
             # Saved up to a day ago, while the bank had yet to answer the debit: it may have
             # returned it since. Reconciliation looks up where it stands.
             return "unknown"
-        if status in _NOT_CHARGED:
-            # Created but not confirmed (no `confirm`): no money moved, and none can through
-            # the vault (no key may confirm it, and a replay of its key answers the same), so
-            # its room is freed rather than spent for good.
+        if status in _NOT_CHARGED and not confirms:
+            # Created, not asked to confirm: no money moved, and none can through the vault
+            # (no key may confirm it, and a replay of its key answers the same), so its room
+            # is freed rather than spent for good. One asked to confirm that Stripe left so
+            # may yet be rolled forward (activities/stripe_gateway.py): it stays spent.
             return "failed"
         return "succeeded"
     if 400 <= answer.status < 500:
@@ -626,6 +630,12 @@ _UNSETTLED = frozenset({"processing", "pending"})
 # A PaymentIntent created unconfirmed, which moved no money. Not requires_action: the
 # customer may still authenticate it, and the charge go through.
 _NOT_CHARGED = frozenset({"requires_payment_method", "requires_confirmation"})
+
+
+def _confirms(body: bytes) -> bool:
+    """Whether a metered request, its body accepted by _charge, asks Stripe to confirm what
+    it creates (anything but an absent or false `confirm`)."""
+    return parse_qs(body.decode()).get("confirm", ["false"]) != ["false"]
 
 
 def _status_of(answer: _Answer) -> object:

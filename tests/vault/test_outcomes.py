@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -28,6 +29,7 @@ from vault import RunningVault, VaultSettings, reservations, serve, store
 from vault import state as vault_state
 from vault.client import VaultAdmin, VaultConflict, VaultInvalidRequest, VaultNotFound
 from vault.models import IssuedKey
+from vault.proxy import _Answer, _outcome
 from vault.reservations import Charge
 
 from .conftest import Issue, Secrets
@@ -753,6 +755,50 @@ async def test_an_intent_created_without_confirming_frees_its_room(
     charged = await charge(client, customer, 1_000, "charged", payment_method=attached)
     assert charged.status == "succeeded"
     assert (await assert_consistent(db, key.id))["spent_cents"] == 1_000
+
+
+async def test_an_intent_waiting_on_the_customer_stays_spent(
+    issue: Issue, stripe_via_vault: StripeFor, direct_stripe: stripe.StripeClient, db: asyncpg.Pool
+) -> None:
+    """requires_action is not freed: the customer may still authenticate it, and pay."""
+    key = await issue(cap_cents=1_000)
+    method = "pm_card_authenticationRequired"
+    created = await direct_stripe.v1.customers.create_async(
+        params={"payment_method": method, "invoice_settings": {"default_payment_method": method}}
+    )
+    attached = created.invoice_settings and created.invoice_settings.default_payment_method
+    assert isinstance(attached, str)
+    waiting = await stripe_via_vault(key).v1.payment_intents.create_async(
+        params={
+            "amount": 1_000,
+            "currency": "usd",
+            "customer": created.id,
+            "payment_method": attached,
+            "confirm": True,  # on session: 3-D Secure is asked of the customer
+            "automatic_payment_methods": {"enabled": True, "allow_redirects": "never"},
+        },
+        options={"idempotency_key": "waits"},
+    )
+    assert waiting.status == "requires_action"
+    assert await _states(db, key.id) == {"waits": "committed"}
+    assert (await assert_consistent(db, key.id))["spent_cents"] == 1_000
+
+
+@pytest.mark.parametrize(
+    ("status", "confirms", "outcome"),
+    [
+        ("requires_payment_method", False, "failed"),
+        ("requires_confirmation", False, "failed"),
+        # Asked to confirm, left so by Stripe, which may yet roll it forward.
+        ("requires_payment_method", True, "succeeded"),
+        ("requires_confirmation", True, "succeeded"),
+        ("requires_action", True, "succeeded"),
+        ("succeeded", True, "succeeded"),
+    ],
+)
+def test_what_a_2xx_intent_says_of_its_money(status: str, confirms: bool, outcome: str) -> None:
+    answer = _Answer(200, json.dumps({"object": "payment_intent", "status": status}).encode(), {})
+    assert _outcome(answer, in_doubt=False, confirms=confirms) == outcome
 
 
 async def test_a_key_that_expires_while_a_reservation_waits_for_its_lock_is_refused(
