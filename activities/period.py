@@ -20,7 +20,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.stripe_failures import KEY_REFUSED
 from billing import ledger, logs, period_keys
 from billing.config import BillingSettings
-from billing.errors import UnknownCustomerError
+from billing.errors import LedgerBusyError, UnknownCustomerError
 from billing.keys import customer_workflow_id, idempotency_key
 from billing.models import (
     CancelPage,
@@ -38,7 +38,13 @@ from billing.models import (
 from billing.money import spend_caps
 from billing.periods import Billing, parse_period, period_for
 from billing.reconciliation import RECHECK_RUNS_WITHIN, RECHECKS_PER_FIRING, PeriodToRecheck
-from vault.client import VaultAdmin, VaultAuthError, VaultForbidden, VaultInvalidRequest
+from vault.client import (
+    VaultAdmin,
+    VaultAdminError,
+    VaultAuthError,
+    VaultForbidden,
+    VaultInvalidRequest,
+)
 
 
 class PrepareRequest(Record):
@@ -190,13 +196,10 @@ class PeriodActivities:
         # At every opening and renewal, not only before an issue: a key replaced by one
         # this run's first try stored, whose revoke failed, is revoked when it is tried again.
         try:
-            revoked = await period_keys.revoke_unstored(conn, admin, period)
+            await _revoke_unstored(conn, admin, plan.period)
         except VaultForbidden as exc:
             # A vault from before workers could revoke their own keys: they stay counted.
             log.warning("%s: could not revoke unused keys: %s", plan.period, exc.message)
-            revoked = []
-        for key_id in revoked:
-            logs.log_event(log, "unstored_key_revoked", period=plan.period, vault_key_id=key_id)
         grace = timedelta(days=self._settings.billing_vault_key_grace_days)
         box = self._settings.secret_box()
         issued = []
@@ -388,6 +391,28 @@ class PeriodActivities:
     async def close(self, summary: PeriodSummary) -> None:
         async with self._pool.acquire() as conn:
             await ledger.finish_period(conn, summary.period, summary.model_dump_json())
+            if self._admin is None:
+                return
+            # A key the vault issued only after the opening's retry had looked (a vault slow
+            # to answer) would otherwise hold its cap against the worker budget until it
+            # expired: a completed period has no next opening. Under the opening's lock, as
+            # there; the close does not wait on the vault.
+            try:
+                async with conn.transaction():
+                    await ledger.lock_for_change(conn, "revoking the period's unused keys")
+                    await _revoke_unstored(conn, self._admin, summary.period)
+            except (VaultAdminError, LedgerBusyError) as exc:
+                log.warning(
+                    "%s: unused keys not revoked at the close (the next opening revokes them): %s",
+                    summary.period,
+                    exc,
+                )
+
+
+async def _revoke_unstored(conn: asyncpg.Connection, admin: VaultAdmin, period: str) -> None:
+    """Revoke the period's keys no run stores (period_keys.revoke_unstored), saying so."""
+    for key_id in await period_keys.revoke_unstored(conn, admin, parse_period(period)):
+        logs.log_event(log, "unstored_key_revoked", period=period, vault_key_id=key_id)
 
 
 async def _revoke_replaced(

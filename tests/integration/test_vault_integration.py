@@ -16,6 +16,7 @@ from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.exceptions import ActivityError, ApplicationError
 
 import worker
+from activities.period import PeriodActivities
 from billing import ledger, operations, period_keys
 from billing.customers import CustomerRow, upsert_customers
 from billing.keys import customer_workflow_id
@@ -37,7 +38,7 @@ from tests.integration.harness import (
 from tests.integration.invariants import assert_billed_once
 from tests.integration.test_operations import replays
 from vault.client import VaultAdmin, VaultUnavailable
-from vault.models import IssuedKey, IssueKeyRequest, KeyInfo
+from vault.models import IssuedKey, IssueKeyRequest, KeyInfo, new_key_id
 
 # The current month: `run` refuses a period long past, so a fixed one would expire.
 PERIOD = period_for(datetime.now(UTC), "advance")
@@ -531,6 +532,53 @@ async def test_an_opening_revokes_a_key_whose_issue_answer_was_lost(vaulted: Har
     assert keys[lost.id].revoked and keys[lost.id].revoked_by == "worker"
     assert stored is not None and stored != lost.id and not keys[stored].revoked
     await assert_billed_once(vaulted, str(PERIOD), customers)
+
+
+async def test_a_close_revokes_a_key_the_vault_issued_after_the_opening_looked(
+    vaulted: Harness,
+) -> None:
+    """A key whose issue the vault committed only after the opening's retry had looked (a
+    vault slow to answer) has no next opening to revoke it once the period completes: the
+    close revokes it, and leaves the run's own key."""
+    assert vaulted.vault is not None
+    customers = await vaulted.seed(2)
+    await vaulted.set_faults(latency_ms=1500)
+    async with vaulted.running_worker():
+        handle = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
+        await eventually(lambda: at_least(vaulted.money_requests(), 1))
+        async with vaulted.pool.acquire() as conn:
+            late_opening = conn.transaction()
+            await late_opening.start()
+            late = await _issue_as_an_opening(vaulted, conn, vaulted.vault.worker)
+            await late_opening.rollback()
+        assert (await handle.result()).charged == 2
+    stored = await period_keys.stored_key_id(vaulted.pool, str(PERIOD), "usd")
+    keys = {k.id: k for k in await vaulted.vault.admin.find_keys(period=str(PERIOD))}
+    assert keys[late.vault_key_id].revoked and keys[late.vault_key_id].revoked_by == "worker"
+    assert stored is not None and not keys[stored].revoked
+    await assert_billed_once(vaulted, str(PERIOD), customers)
+
+
+async def test_a_close_with_the_vault_down_completes_the_period(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Revoking unused keys at the close is a courtesy: with the vault unreachable the
+    period completes all the same, and the warning says the next opening revokes them."""
+    await harness.open_period_by_hand(PERIOD)
+    # A key listed as asked for, and stored by no run: the close asks the vault about it.
+    await harness.pool.execute(
+        "INSERT INTO issued_vault_keys (vault_key_id, billing_period, currency)"
+        " VALUES ($1, $2, 'usd')",
+        new_key_id(),
+        str(PERIOD),
+    )
+    async with VaultAdmin("http://127.0.0.1:9", VAULT_WORKER_TOKEN, timeout=1) as unreachable:
+        closing = PeriodActivities(harness.pool, harness.settings, unreachable)
+        await closing.close(PeriodSummary.empty(str(PERIOD), "by-hand"))
+    async with harness.pool.acquire() as conn:
+        record = await ledger.period_record(conn, str(PERIOD))
+    assert record is not None and record.state == "completed"
+    assert "unused keys not revoked at the close" in caplog.text
 
 
 async def test_a_stored_key_near_its_expiry_is_replaced_not_reused(vaulted: Harness) -> None:
