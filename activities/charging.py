@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from datetime import datetime, timedelta
 from typing import Any
@@ -44,6 +45,7 @@ from billing.models import (
     CustomerOutcome,
     Gate,
     LedgerStatus,
+    OperatorRequest,
     Outcome,
     Record,
     finished_outcome,
@@ -101,6 +103,10 @@ class BillRequest(Record):
     # chain, so that a later run counts a charge an earlier one recorded as its own ("charged",
     # not "already billed"). None: the activity's own run.
     claimant: str | None = None
+    # Stop the customer before claiming, as `skip` would (its workflow was cancelled in
+    # Temporal): written by the same activity that then reads the outcome from the ledger,
+    # so the two agree. A charge already sent is finished all the same.
+    stop: OperatorRequest | None = None
 
     @property
     def claimant_run(self) -> str | None:
@@ -204,6 +210,17 @@ class ChargingActivities:
         customer_id = validate_customer_id(request.customer_id)
         key = idempotency_key(self._settings.billing_key_namespace, customer_id, period)
         async with self._pool.acquire() as conn:
+            if request.stop is not None:
+                with contextlib.suppress(UnknownCustomerError):
+                    # Not in the ledger: the claim below says so, and charges nothing.
+                    await ledger.request_skip(
+                        conn,
+                        customer_id,
+                        str(period),
+                        key,
+                        request.stop.reason,
+                        request.stop.operator,
+                    )
             claim = await ledger.claim(
                 conn,
                 customer_id,

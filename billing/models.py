@@ -106,6 +106,9 @@ class CustomerChargeInput(WorkflowInput):
     # A child's history grows only while it waits (a Stripe outage of hours, a pause of
     # days); past this many events it continues as new with the same claim.
     history_event_limit: int = Field(default=2000, ge=10, le=40000)
+    # A stop the run before this one was given (a Temporal cancel), carried across
+    # continue-as-new.
+    stop: OperatorRequest | None = None
 
 
 class CustomerOutcome(Record):

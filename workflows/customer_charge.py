@@ -12,11 +12,15 @@ from temporalio.exceptions import TimeoutError as TemporalTimeoutError
 
 with workflow.unsafe.imports_passed_through():
     from activities.charging import HELD, PAUSED, SLOT_AHEAD, BillRequest, ChargingActivities
-    from activities.period import PeriodActivities, SkipCustomerRequest
     from activities.stripe_failures import PERIOD_BLOCKERS
     from billing import search_attributes
     from billing.keys import customer_workflow_id, validate_customer_id
-    from billing.models import ChargeFailure, CustomerChargeInput, CustomerOutcome, SkipRequest
+    from billing.models import (
+        ChargeFailure,
+        CustomerChargeInput,
+        CustomerOutcome,
+        OperatorRequest,
+    )
     from billing.periods import parse_period
     from billing.rate_limit import Slot
     from workflows.identity import checked, given, require_id
@@ -50,20 +54,28 @@ PERIOD_WAIT_MAX = timedelta(minutes=5)
 BILL_ROUND = timedelta(minutes=10)
 # Temporal's own cancel of a customer's workflow (the Web UI's Cancel, its API) is a skip of
 # the customer, as the period's is a cancel: it used to end the workflow CANCELED with its
-# claim left open, which reconciliation then drove on and charged. A charge already sent is
-# finished and recorded all the same (a skip cannot stop it).
-TEMPORAL_CANCEL_IS_A_SKIP = "temporal-cancel-is-a-skip"
-TEMPORAL_CANCEL_REASON = "cancelled in Temporal (the Web UI's Cancel, or its API)"
-SKIP_TIMEOUT = timedelta(seconds=60)
+# claim left open, which reconciliation then drove on and charged. Every bill after it
+# carries the stop, which the bill writes to the ledger before its claim (and a continued run
+# carries on): stopped at the gate the customer ends skipped, and a charge already sent (or
+# being started as the cancel arrives) is finished and recorded, as under `skip`.
+TEMPORAL_CANCEL_STOPS_THE_BILL = "temporal-cancel-stops-the-bill"
+TEMPORAL_CANCEL = OperatorRequest(
+    reason="cancelled in Temporal (the Web UI's Cancel, or its API)", operator="temporal"
+)
 
 
 # Outside the sandbox for speed; the tests run it inside (see workflows/__init__.py).
 @workflow.defn(name="CustomerChargeWorkflow", sandboxed=False)
 class CustomerChargeWorkflow:
     def __init__(self) -> None:
-        # The period's signals, and the skip a Temporal cancel made: each wakes a charge
-        # waiting for the gate to try again.
+        # The period's signals, and a Temporal cancel: each wakes a charge waiting for the
+        # gate to try again.
         self._period_signals = 0
+        # The stop every bill carries once a Temporal cancel arrived (this run's or one
+        # before it continued as new).
+        self._stop: OperatorRequest | None = None
+        # Set when run cancels the billing itself (a run recorded before the patch).
+        self._billing_cancelled = False
 
     @workflow.signal(name=PERIOD_CONTROL)
     def period_control(self) -> None:
@@ -80,21 +92,27 @@ class CustomerChargeWorkflow:
             f"the charge of {customer_id} for {period}",
             f"its period's run starts it (`python starter.py run {period}`)",
         )
+        self._stop = request.stop
         # Temporal cancels the task running `run`: billing goes on in a task of its own, so a
         # bill in flight is not cut off, and the cancel reaches it as a skip would.
         billing = asyncio.create_task(self._bill_when_allowed(request))
         try:
             outcome = await asyncio.shield(billing)
         except asyncio.CancelledError:
-            if billing.done():
-                outcome = billing.result()
-            elif workflow.patched(TEMPORAL_CANCEL_IS_A_SKIP):
-                outcome = await self._skip_then_finish(request, billing)
-            else:
+            if not workflow.patched(TEMPORAL_CANCEL_STOPS_THE_BILL):
                 # Recorded before the patch: the cancel reached the wait or the bill itself.
+                self._billing_cancelled = True
                 billing.cancel()
                 await billing
                 raise
+            self._stop = TEMPORAL_CANCEL
+            self._period_signals += 1
+            try:
+                outcome = await billing
+            except workflow.ContinueAsNewError:
+                # Continued as new in the cancel's own turn, before the stop: the next run
+                # carries it.
+                workflow.continue_as_new(self._carried(request))
         workflow.upsert_search_attributes(
             [search_attributes.BILLING_STATUS.value_set(outcome.outcome)]
         )
@@ -111,7 +129,7 @@ class CustomerChargeWorkflow:
         slot: datetime | None = None
         patience = PERIOD_WAIT_FIRST
         while True:
-            _continue_as_new_if_long(request)
+            self._continue_as_new_if_long(request)
             signals_seen = self._period_signals
             try:
                 return await workflow.execute_local_activity_method(
@@ -121,6 +139,7 @@ class CustomerChargeWorkflow:
                         customer_id=request.customer_id,
                         slot=slot,
                         claimant=workflow.info().first_execution_run_id,
+                        stop=self._stopped(),
                     ),
                     start_to_close_timeout=BILL_TIMEOUT,
                     schedule_to_close_timeout=BILL_ROUND,
@@ -152,26 +171,30 @@ class CustomerChargeWorkflow:
             slot = None
             patience = await self._wait_for_period(signals_seen, patience)
 
-    async def _skip_then_finish(
-        self, request: CustomerChargeInput, billing: asyncio.Task[CustomerOutcome]
-    ) -> CustomerOutcome:
-        """Skip the customer as an operator would, then let the billing end: stopped at the
-        gate as skipped, or, if its charge was sent, finished and recorded with its key."""
-        await workflow.execute_activity_method(
-            PeriodActivities.skip_customer,
-            SkipCustomerRequest(
-                period=request.period,
-                request=SkipRequest(
-                    customer_id=request.customer_id,
-                    reason=TEMPORAL_CANCEL_REASON,
-                    operator="temporal",
-                ),
-            ),
-            start_to_close_timeout=SKIP_TIMEOUT,
-            summary=f"skip {request.customer_id}: {TEMPORAL_CANCEL_REASON}",
-        )
-        self._period_signals += 1
-        return await billing
+    def _stopped(self) -> OperatorRequest | None:
+        """The stop the next bill carries: once Temporal's cancel has arrived, before `run`
+        hears of it too (the cancel reaches `run` a turn later, after a bill scheduled in
+        the same turn)."""
+        if (
+            self._stop is None
+            and not self._billing_cancelled
+            and workflow.cancellation_reason() is not None
+        ):
+            self._stop = TEMPORAL_CANCEL
+        return self._stop
+
+    def _carried(self, request: CustomerChargeInput) -> CustomerChargeInput:
+        """The next run's input: the same, with the stop once there is one."""
+        stop = self._stopped()
+        return request if stop is None else request.model_copy(update={"stop": stop})
+
+    def _continue_as_new_if_long(self, request: CustomerChargeInput) -> None:
+        info = workflow.info()
+        if (
+            info.is_continue_as_new_suggested()
+            or info.get_current_history_length() >= request.history_event_limit
+        ):
+            workflow.continue_as_new(self._carried(request))
 
     async def _wait_for_period(self, signals_seen: int, patience: timedelta) -> timedelta:
         """Wait for a signal from the period later than the first `signals_seen`, or for
@@ -184,6 +207,13 @@ class CustomerChargeWorkflow:
             )
         except TimeoutError:
             return min(patience * 2, PERIOD_WAIT_MAX)
+        except asyncio.CancelledError:
+            # Under the SDK's coming activation rule (its logic flag 2), a wait begun before
+            # a Temporal cancel raises this when it ends, in whichever task waits: the wait
+            # is over, and the next bill carries the stop. Only run's own cancel (a run
+            # recorded before the patch) is a cancel of the billing.
+            if self._billing_cancelled:
+                raise
         return patience
 
     async def _tell_period_blocked(
@@ -197,15 +227,6 @@ class CustomerChargeWorkflow:
         except FailureError:
             # The period run has closed (e.g. terminated): nobody is left to pause.
             workflow.logger.warning("period workflow gone; %s not delivered", PERIOD_BLOCKED)
-
-
-def _continue_as_new_if_long(request: CustomerChargeInput) -> None:
-    info = workflow.info()
-    if (
-        info.is_continue_as_new_suggested()
-        or info.get_current_history_length() >= request.history_event_limit
-    ):
-        workflow.continue_as_new(request)
 
 
 def _cause(err: FailureError) -> BaseException | None:

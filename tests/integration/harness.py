@@ -14,12 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import pytest
 from stripe import HTTPClient, StripeClient
 from temporalio.api.enums.v1 import EventType, TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client, WorkflowHandle, WorkflowHistory
 from temporalio.worker import Interceptor, Worker
+from temporalio.worker import _workflow as sdk_workflow
+from temporalio.worker._workflow_instance import _WorkflowLogicFlag
 
 from activities.stripe_access import StripeAccess, VaultAccess
 from billing import ledger
@@ -306,3 +309,10 @@ class Harness:
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def single_batch_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers run workflows under the activation rule the SDK means to make its default
+    (its logic flag 2), which raises a Temporal cancel in every task whose wait it ends."""
+    flag = _WorkflowLogicFlag.PROCESS_WORKFLOW_ACTIVATION_JOBS_AS_SINGLE_BATCH
+    monkeypatch.setattr(sdk_workflow, "_DEFAULT_ENABLED_WORKFLOW_LOGIC_FLAGS", frozenset({flag}))

@@ -32,11 +32,11 @@ from billing.models import (
 from billing.periods import Period
 from billing.reporting import describe
 from billing.runs import period_status, start_period, start_reconcile
-from tests.integration.harness import Harness, at_least, eventually
+from tests.integration.harness import Harness, at_least, eventually, single_batch_activations
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
 from workflows.billing_period import BillingPeriodWorkflow
-from workflows.customer_charge import TEMPORAL_CANCEL_REASON, CustomerChargeWorkflow
+from workflows.customer_charge import PERIOD_WAIT_FIRST, TEMPORAL_CANCEL, CustomerChargeWorkflow
 from workflows.identity import WRONG_WORKFLOW_ID
 
 PERIOD = Period(2026, 12)
@@ -518,53 +518,137 @@ async def test_a_child_waiting_long_continues_as_new_and_charges_once(harness: H
 
 
 async def _start_child(
-    harness: Harness, customer_id: str
+    harness: Harness, customer_id: str, **options: Any
 ) -> WorkflowHandle[CustomerChargeWorkflow, CustomerOutcome]:
     """The customer's child for the period, started as its period's run starts it."""
     return await harness.client.start_workflow(
         CustomerChargeWorkflow.run,
-        CustomerChargeInput(period=str(PERIOD), customer_id=customer_id),
+        CustomerChargeInput(period=str(PERIOD), customer_id=customer_id, **options),
         id=customer_workflow_id(PERIOD, customer_id),
         task_queue=harness.task_queue,
     )
 
 
-async def test_a_child_cancelled_in_temporal_is_skipped_not_charged_later(
-    harness: Harness,
-) -> None:
-    """Temporal's Cancel on a customer's workflow (the Web UI's button) is a skip: the child
-    waiting at a paused period's gate ends skipped, so neither the period's resume nor
-    reconciliation charges it. It used to end CANCELED with its claim open, which
-    reconciliation then drove on and charged."""
-    [customer] = await harness.seed(1)
+async def _paused_with_a_claim_waiting(
+    harness: Harness, customer_id: str, **options: Any
+) -> WorkflowHandle[CustomerChargeWorkflow, CustomerOutcome]:
+    """The customer's child, started in a paused period, once it has claimed and waits at
+    the gate for the period's word; the caller runs a worker."""
     period = str(PERIOD)
     await harness.open_period_by_hand(PERIOD)
     async with harness.pool.acquire() as conn:
         await ledger.set_control(conn, period, "paused", "checking", "alice")
-    async with harness.running_worker():
-        handle = await _start_child(harness, customer.customer_id)
+    handle = await _start_child(harness, customer_id, **options)
 
-        async def claimed() -> bool:
-            rows = await harness.ledger_rows(period)
-            return [row["status"] for row in rows] == ["claimed"]
+    async def claimed() -> bool:
+        rows = await harness.ledger_rows(period)
+        return [row["status"] for row in rows] == ["claimed"]
 
-        await eventually(claimed)
-        await handle.cancel()
-        outcome = await handle.result()
-        async with harness.pool.acquire() as conn:
-            await ledger.set_control(conn, period, "running", "checked", "bob")
-        await (await start_reconcile(harness.client, PERIOD, harness.task_queue)).result()
+    await eventually(claimed)
+    return handle
+
+
+async def _resume_and_reconcile(harness: Harness) -> None:
+    async with harness.pool.acquire() as conn:
+        await ledger.set_control(conn, str(PERIOD), "running", "checked", "bob")
+    await (await start_reconcile(harness.client, PERIOD, harness.task_queue)).result()
+
+
+async def _assert_skipped_by_temporal(harness: Harness, outcome: CustomerOutcome) -> None:
     assert outcome.outcome == "skipped"
-    [row] = await harness.ledger_rows(period)
+    [row] = await harness.ledger_rows(str(PERIOD))
     assert (row["status"], row["reason"], row["decided_by"]) == (
         "skipped",
-        TEMPORAL_CANCEL_REASON,
-        "temporal",
+        TEMPORAL_CANCEL.reason,
+        TEMPORAL_CANCEL.operator,
     )
     assert await harness.money_requests() == 0
+
+
+@pytest.mark.parametrize("single_batch", [False, True], ids=["sdk-default", "sdk-flag-2"])
+async def test_a_child_cancelled_in_temporal_is_skipped_not_charged_later(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, single_batch: bool
+) -> None:
+    """Temporal's Cancel on a customer's workflow (the Web UI's button) is a skip: the child
+    waiting at a paused period's gate ends skipped, so neither the period's resume nor
+    reconciliation charges it. It used to end CANCELED with its claim open, which
+    reconciliation then drove on and charged. Also under the activation rule the SDK means to
+    make its default, which raises the cancel in the wait at the gate."""
+    if single_batch:
+        single_batch_activations(monkeypatch)
+    [customer] = await harness.seed(1)
+    async with harness.running_worker():
+        handle = await _paused_with_a_claim_waiting(harness, customer.customer_id)
+        await handle.cancel()
+        outcome = await handle.result()
+        await _resume_and_reconcile(harness)
+    await _assert_skipped_by_temporal(harness, outcome)
     history = await handle.fetch_history()
     await replay([history])
     keep([history])
+
+
+async def test_a_cancel_with_the_continue_as_new_it_arrives_with_is_carried_on(
+    harness: Harness,
+) -> None:
+    """A cancel that reaches the child in the workflow task in which it continues as new (its
+    wait's timer woke it, its history past its limit) is carried into the next run, which
+    skips: a cancel request does not cross continue-as-new by itself."""
+    [customer] = await harness.seed(1)
+    async with harness.running_worker():
+        handle = await _paused_with_a_claim_waiting(
+            harness, customer.customer_id, history_event_limit=10
+        )
+        await asyncio.sleep(0.5)  # its workflow task done: it waits for the period's word
+    # No worker: its wait's first timer fires, and the cancel comes, in one workflow task.
+    await asyncio.sleep(PERIOD_WAIT_FIRST.total_seconds() + 1)
+    await handle.cancel()
+    async with harness.running_worker():
+        latest: WorkflowHandle[CustomerChargeWorkflow, CustomerOutcome]
+        latest = harness.client.get_workflow_handle_for(CustomerChargeWorkflow.run, handle.id)
+        # Bounded: a run that lost the cancel waits at the paused gate for ever.
+        outcome = await asyncio.wait_for(latest.result(), 60)
+        await _resume_and_reconcile(harness)
+    await _assert_skipped_by_temporal(harness, outcome)
+    runs = await harness.chain_of_runs(handle.id, bound=10 + 10)
+    assert len(runs) >= 2
+    await replay(runs)
+    keep(runs)
+
+
+async def test_a_child_cancelled_before_its_first_task_is_skipped(harness: Harness) -> None:
+    """Cancelled while its first workflow task waits for a worker (workers busy with a large
+    fan-out): nothing was sent, and its first bill carries the stop."""
+    [customer] = await harness.seed(1)
+    await harness.open_period_by_hand(PERIOD)
+    handle = await _start_child(harness, customer.customer_id)
+    await handle.cancel()
+    async with harness.running_worker():
+        outcome = await handle.result()
+    await _assert_skipped_by_temporal(harness, outcome)
+
+
+@pytest.mark.parametrize("customer_id", ["cust-999999", "cust-000001"], ids=["unknown", "inactive"])
+async def test_a_cancelled_child_of_a_customer_not_billed_agrees_with_the_ledger(
+    harness: Harness, customer_id: str
+) -> None:
+    """A customer removed or deactivated after its period listed it: cancelled, its child
+    ends with what the ledger says (unknown: failed, no row; inactive: skipped, as `skip`
+    writes it), not failed on the stop."""
+    [customer] = await harness.seed(1)
+    assert customer.customer_id == "cust-000001"
+    await harness.pool.execute("UPDATE customers SET active = false")
+    await harness.open_period_by_hand(PERIOD)
+    handle = await _start_child(harness, customer_id)
+    await handle.cancel()
+    async with harness.running_worker():
+        outcome = await handle.result()
+    rows = [(row["status"], row["decided_by"]) for row in await harness.ledger_rows(str(PERIOD))]
+    if customer_id == customer.customer_id:
+        assert (outcome.outcome, rows) == ("skipped", [("skipped", TEMPORAL_CANCEL.operator)])
+    else:
+        assert (outcome.outcome, outcome.failure_code, rows) == ("failed", "unknown_customer", [])
+    assert await harness.money_requests() == 0
 
 
 async def test_a_child_cancelled_in_temporal_with_its_charge_sent_records_it(

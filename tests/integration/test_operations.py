@@ -55,8 +55,6 @@ from temporalio.worker import (
     WorkflowInterceptorClassInput,
     WorkflowOutboundInterceptor,
 )
-from temporalio.worker import _workflow as sdk_workflow
-from temporalio.worker._workflow_instance import _WorkflowLogicFlag
 from temporalio.workflow import ChildWorkflowHandle
 
 from activities.period import PeriodActivities
@@ -90,7 +88,7 @@ from billing.reporting import describe_preview
 from billing.runs import period_status, start_period, start_reconcile
 from billing.temporal_client import workflow_status
 from cli import commands, runs
-from tests.integration.harness import Harness, at_least, eventually
+from tests.integration.harness import Harness, at_least, eventually, single_batch_activations
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
 from workflows.billing_period import BillingPeriodWorkflow
@@ -215,10 +213,7 @@ async def test_temporals_own_cancel_is_an_operators_cancel(
     schedule's next launch leaves the period alone. Also under the activation rule the SDK
     means to make its default (logic flag 2), which raises the cancel in every waiting task."""
     if single_batch:
-        flag = _WorkflowLogicFlag.PROCESS_WORKFLOW_ACTIVATION_JOBS_AS_SINGLE_BATCH
-        monkeypatch.setattr(
-            sdk_workflow, "_DEFAULT_ENABLED_WORKFLOW_LOGIC_FLAGS", frozenset({flag})
-        )
+        single_batch_activations(monkeypatch)
     customers = await harness.seed(30)
     await harness.set_faults(latency_ms=150)
     async with harness.running_worker():
