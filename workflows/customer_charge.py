@@ -56,9 +56,15 @@ BILL_ROUND = timedelta(minutes=10)
 # the customer, as the period's is a cancel: it used to end the workflow CANCELED with its
 # claim left open, which reconciliation then drove on and charged. Every bill after it
 # carries the stop, which the bill writes to the ledger before its claim (and a continued run
-# carries on): stopped at the gate the customer ends skipped, and a charge already sent (or
-# being started as the cancel arrives) is finished and recorded, as under `skip`.
+# carries on): stopped at the gate the customer ends skipped, and a charge already sent (its
+# bill running as the cancel arrives) is finished and recorded, as under `skip`.
 TEMPORAL_CANCEL_STOPS_THE_BILL = "temporal-cancel-stops-the-bill"
+# The SDK runs a signal, and the workflow with it, before it applies a cancel that came in the
+# same workflow task: a charge the period's signal woke would be sent, or the child continued
+# as new, before it could see that cancel. Woken by a signal, the child waits one short timer
+# first, so the cancel is known to its next bill or to its next run.
+SETTLE_AFTER_SIGNAL = "settle-after-signal"
+SETTLE = timedelta(milliseconds=1)
 TEMPORAL_CANCEL = OperatorRequest(
     reason="cancelled in Temporal (the Web UI's Cancel, or its API)", operator="temporal"
 )
@@ -214,6 +220,9 @@ class CustomerChargeWorkflow:
             # recorded before the patch) is a cancel of the billing.
             if self._billing_cancelled:
                 raise
+            return patience
+        if self._stopped() is None and workflow.patched(SETTLE_AFTER_SIGNAL):
+            await workflow.sleep(SETTLE, summary="let a cancel sent with the signal arrive")
         return patience
 
     async def _tell_period_blocked(

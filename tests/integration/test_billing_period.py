@@ -616,6 +616,40 @@ async def test_a_cancel_with_the_continue_as_new_it_arrives_with_is_carried_on(
     keep(runs)
 
 
+@pytest.mark.parametrize("long", [False, True], ids=["resumed", "continuing-as-new"])
+async def test_a_cancel_sent_with_the_periods_signal_stops_the_charge_it_wakes(
+    harness: Harness, long: bool
+) -> None:
+    """The period's signal (its resume) and an operator's Temporal cancel reach the child in
+    one workflow task. The SDK runs the signal, and the workflow, before it applies the
+    cancel: the child waits one short timer first, so its next bill carries the stop (and a
+    child past its history limit carries it into its next run) and nothing is charged."""
+    [customer] = await harness.seed(1)
+    options = {"history_event_limit": 10} if long else {}
+    async with harness.running_worker():
+        handle = await _paused_with_a_claim_waiting(harness, customer.customer_id, **options)
+        await asyncio.sleep(0.5)  # its workflow task done: it waits for the period's word
+    if not long:
+        async with harness.pool.acquire() as conn:
+            await ledger.set_control(conn, str(PERIOD), "running", "checked", "bob")
+    # No worker: the signal and the cancel reach the workflow in one workflow task.
+    await handle.signal(CustomerChargeWorkflow.period_control)
+    await handle.cancel()
+    async with harness.running_worker():
+        latest: WorkflowHandle[CustomerChargeWorkflow, CustomerOutcome]
+        latest = harness.client.get_workflow_handle_for(CustomerChargeWorkflow.run, handle.id)
+        outcome = await asyncio.wait_for(latest.result(), 60)
+        await _resume_and_reconcile(harness)
+    await _assert_skipped_by_temporal(harness, outcome)
+    runs = (
+        await harness.chain_of_runs(handle.id, bound=10 + 20)
+        if long
+        else [await handle.fetch_history()]
+    )
+    await replay(runs)
+    keep(runs)
+
+
 async def test_a_child_cancelled_before_its_first_task_is_skipped(harness: Harness) -> None:
     """Cancelled while its first workflow task waits for a worker (workers busy with a large
     fan-out): nothing was sent, and its first bill carries the stop."""
