@@ -126,6 +126,7 @@ def create_worker(
         workflows=WORKFLOWS,
         activities=[
             charging.bill,
+            charging.stop,
             period.prepare,
             period.due_customers,
             period.await_outcomes,

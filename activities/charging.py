@@ -204,27 +204,32 @@ class ChargingActivities:
         _log_event("record", claim, status="charged", charge_id=result.charge_id)
         return _outcome(claim, "charged", charge_id=result.charge_id)
 
-    async def _claim(self, request: BillRequest) -> Claim:
-        """The claim, made now or found again; a run that claims an open row owns it."""
+    @activity.defn(name="stop_customer")
+    async def stop(self, request: BillRequest) -> None:
+        """Write `request.stop` at once, as the workflow hears its cancel: a bill retrying
+        then (its retries carry the request it began with) meets it at the gate."""
+        assert request.stop is not None, "stop_customer needs the stop"
+        customer_id, period, key = self._claim_of(request)
+        async with self._pool.acquire() as conn:
+            await _write_stop(conn, customer_id, period, key, request.stop)
+
+    def _claim_of(self, request: BillRequest) -> tuple[str, str, str]:
+        """The customer, period and idempotency key of the request's claim."""
         period = parse_period(request.period)
         customer_id = validate_customer_id(request.customer_id)
         key = idempotency_key(self._settings.billing_key_namespace, customer_id, period)
+        return customer_id, str(period), key
+
+    async def _claim(self, request: BillRequest) -> Claim:
+        """The claim, made now or found again; a run that claims an open row owns it."""
+        customer_id, period, key = self._claim_of(request)
         async with self._pool.acquire() as conn:
             if request.stop is not None:
-                with contextlib.suppress(UnknownCustomerError):
-                    # Not in the ledger: the claim below says so, and charges nothing.
-                    await ledger.request_skip(
-                        conn,
-                        customer_id,
-                        str(period),
-                        key,
-                        request.stop.reason,
-                        request.stop.operator,
-                    )
+                await _write_stop(conn, customer_id, period, key, request.stop)
             claim = await ledger.claim(
                 conn,
                 customer_id,
-                str(period),
+                period,
                 key,
                 request.claimant_run,
                 charge_api=self._settings.billing_charge_api,
@@ -486,3 +491,14 @@ def _report_failure(claim: Claim, error: Exception) -> None:
         decline_code=failure.decline_code,
         attempt=activity.info().attempt,
     )
+
+
+async def _write_stop(
+    conn: asyncpg.Connection, customer_id: str, period: str, key: str, stop: OperatorRequest
+) -> None:
+    """Skip the customer for a Temporal cancel (ledger.request_skip's `stop`)."""
+    with contextlib.suppress(UnknownCustomerError):
+        # Not in the ledger (or no run of the period open): the claim says so.
+        await ledger.request_skip(
+            conn, customer_id, period, key, stop.reason, stop.operator, stop=True
+        )

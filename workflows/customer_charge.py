@@ -58,7 +58,7 @@ BILL_ROUND = timedelta(minutes=10)
 # carries the stop, which the bill writes to the ledger before its claim (and a continued run
 # carries on): stopped at the gate the customer ends skipped, and a charge already sent (its
 # bill running as the cancel arrives) is finished and recorded, as under `skip`.
-TEMPORAL_CANCEL_STOPS_THE_BILL = "temporal-cancel-stops-the-bill"
+TEMPORAL_CANCEL_IS_A_STOP = "temporal-cancel-is-a-stop"
 # The SDK runs a signal, and the workflow with it, before it applies a cancel that came in the
 # same workflow task: a charge the period's signal woke would be sent, or the child continued
 # as new, before it could see that cancel. Woken by a signal, the child waits one short timer
@@ -105,13 +105,22 @@ class CustomerChargeWorkflow:
         try:
             outcome = await asyncio.shield(billing)
         except asyncio.CancelledError:
-            if not workflow.patched(TEMPORAL_CANCEL_STOPS_THE_BILL):
+            if not workflow.patched(TEMPORAL_CANCEL_IS_A_STOP):
                 # Recorded before the patch: the cancel reached the wait or the bill itself.
                 self._billing_cancelled = True
                 billing.cancel()
                 await billing
                 raise
             self._stop = TEMPORAL_CANCEL
+            if not billing.done():
+                # Written at once too: a bill retrying carries the request it began with.
+                await workflow.execute_local_activity_method(
+                    ChargingActivities.stop,
+                    self._stop_request(request),
+                    start_to_close_timeout=BILL_TIMEOUT,
+                    retry_policy=BILL_RETRY,
+                    summary=f"stop {request.customer_id}: {TEMPORAL_CANCEL.reason}",
+                )
             self._period_signals += 1
             try:
                 outcome = await billing
@@ -188,6 +197,9 @@ class CustomerChargeWorkflow:
         ):
             self._stop = TEMPORAL_CANCEL
         return self._stop
+
+    def _stop_request(self, request: CustomerChargeInput) -> BillRequest:
+        return BillRequest(period=request.period, customer_id=request.customer_id, stop=self._stop)
 
     def _carried(self, request: CustomerChargeInput) -> CustomerChargeInput:
         """The next run's input: the same, with the stop once there is one."""

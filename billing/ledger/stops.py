@@ -10,7 +10,14 @@ from billing.models import SkipResult
 
 
 async def request_skip(
-    conn: asyncpg.Connection, customer_id: str, period: str, key: str, reason: str, operator: str
+    conn: asyncpg.Connection,
+    customer_id: str,
+    period: str,
+    key: str,
+    reason: str,
+    operator: str,
+    *,
+    stop: bool = False,
 ) -> SkipResult:
     """Skip a customer this period, unless its charge has started or ended.
 
@@ -19,7 +26,13 @@ async def request_skip(
     customer) leaves no claim open behind. An open claim keeps its status and stops at the
     gate as skipped. A customer a cancelled run never started is skipped too, so the next
     run does not reopen it. A charge held behind a 500 Stripe saved for its key ends skipped
-    at its next try if Stripe still shows no charge (stop_behind_saved_error)."""
+    at its next try if Stripe still shows no charge (stop_behind_saved_error).
+
+    A `stop` (a Temporal cancel of the customer's workflow, not an operator's skip) writes
+    a new row only while a run of the period is open, where a claim could be made: a stray
+    workflow of a period no run has opened must not skip the customer for its run, nor one
+    of a row a cancelled run left for the next. It keeps an operator's earlier skip, who
+    made it and why."""
     row = await conn.fetchrow(
         """
         INSERT INTO billing_runs (customer_id, billing_period, idempotency_key, amount_cents,
@@ -28,8 +41,13 @@ async def request_skip(
         SELECT customer_id, $2, $3, amount_cents, currency, stripe_customer_id, payment_method,
                $4, $5, 'skipped', $4, $5, now()
         FROM customers WHERE customer_id = $1
+            AND (NOT $7 OR EXISTS (SELECT 1 FROM billing_periods p
+                                   WHERE p.billing_period = $2 AND p.state = 'running'))
         ON CONFLICT (customer_id, billing_period) DO UPDATE
-            SET skip_reason = EXCLUDED.skip_reason, skip_by = EXCLUDED.skip_by,
+            SET skip_reason = CASE WHEN $7 THEN coalesce(billing_runs.skip_reason, $4)
+                                   ELSE EXCLUDED.skip_reason END,
+                skip_by = CASE WHEN $7 THEN coalesce(billing_runs.skip_by, $5)
+                               ELSE EXCLUDED.skip_by END,
                 status = CASE billing_runs.status WHEN 'cancelled' THEN 'skipped'
                               ELSE billing_runs.status END,
                 reason = CASE billing_runs.status WHEN 'cancelled' THEN EXCLUDED.reason
@@ -38,7 +56,8 @@ async def request_skip(
                                   ELSE billing_runs.decided_by END,
                 cancelled_before_start = false, updated_at = now()
             WHERE (billing_runs.status = 'claimed' AND billing_runs.charge_started_at IS NULL)
-               OR (billing_runs.status = 'cancelled' AND billing_runs.cancelled_before_start)
+               OR (billing_runs.status = 'cancelled' AND billing_runs.cancelled_before_start
+                   AND NOT $7)
                OR (billing_runs.status = 'claimed' AND billing_runs.saved_error_at IS NOT NULL
                    AND billing_runs.claimed_at > now() - $6::interval)
         RETURNING status, charge_started_at IS NOT NULL AS sent
@@ -49,6 +68,7 @@ async def request_skip(
         reason,
         operator,
         SKIP_BEHIND_SAVED_ERROR_FOR,
+        stop,
     )
     if row is not None and row["sent"]:
         return SkipResult(

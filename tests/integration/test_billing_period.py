@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
+import stripe
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
 from temporalio.client import WorkflowFailureError, WorkflowHandle, WorkflowHistory
@@ -13,6 +15,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
 from activities.period import OutcomesRequest, PeriodActivities
+from activities.stripe_gateway import StripeGateway
 from billing import ledger, operations
 from billing.customers import upsert_customers
 from billing.keys import customer_workflow_id, idempotency_key
@@ -648,6 +651,75 @@ async def test_a_cancel_sent_with_the_periods_signal_stops_the_charge_it_wakes(
     )
     await replay(runs)
     keep(runs)
+
+
+async def test_a_cancel_stops_a_bill_retrying_after_stripe_refused_it(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stripe answers 429 (nothing charged, the claim back at the gate) and the bill retries
+    with the request it began with, which carries no stop: the stop written as the cancel
+    arrives meets its next try at the gate."""
+    [customer] = await harness.seed(1)
+    await harness.open_period_by_hand(PERIOD)
+    real = StripeGateway.charge
+    refused = 0
+
+    async def rate_limited(self: StripeGateway, *args: Any, **kwargs: Any) -> Any:
+        nonlocal refused
+        if refused < 1000:
+            refused += 1
+            raise stripe.RateLimitError("Too many requests", http_status=429)
+        return await real(self, *args, **kwargs)
+
+    monkeypatch.setattr(StripeGateway, "charge", rate_limited)
+    async with harness.running_worker():
+        handle = await _start_child(harness, customer.customer_id)
+
+        async def retrying() -> bool:
+            return refused >= 3
+
+        await eventually(retrying, timeout=30)
+        await handle.cancel()
+        outcome = await asyncio.wait_for(handle.result(), 60)
+    refused = 1000  # Stripe answers again: the next charge would go through
+    await _assert_skipped_by_temporal(harness, outcome)
+
+
+async def test_a_cancel_keeps_an_operators_earlier_skip(harness: Harness) -> None:
+    """Skipped by an operator at the paused gate, then cancelled in Temporal: the row keeps
+    who skipped it and why."""
+    [customer] = await harness.seed(1)
+    async with harness.running_worker():
+        handle = await _paused_with_a_claim_waiting(harness, customer.customer_id)
+        key = idempotency_key(harness.settings.billing_key_namespace, customer.customer_id, PERIOD)
+        async with harness.pool.acquire() as conn:
+            await ledger.request_skip(
+                conn, customer.customer_id, str(PERIOD), key, "refund pending", "alice"
+            )
+        await handle.cancel()
+        outcome = await handle.result()
+    [row] = await harness.ledger_rows(str(PERIOD))
+    assert (outcome.outcome, row["status"], row["reason"], row["decided_by"]) == (
+        "skipped",
+        "skipped",
+        "refund pending",
+        "alice",
+    )
+
+
+async def test_a_cancelled_stray_child_of_a_period_not_open_writes_nothing(
+    harness: Harness,
+) -> None:
+    """A customer's workflow started by hand for a period no run has opened, cancelled: the
+    stop writes no row, so the period's run bills the customer when it comes."""
+    [customer] = await harness.seed(1)
+    handle = await _start_child(harness, customer.customer_id)
+    await handle.cancel()
+    async with harness.running_worker():
+        with contextlib.suppress(WorkflowFailureError):
+            await asyncio.wait_for(handle.result(), 60)
+    assert await harness.ledger_rows(str(PERIOD)) == []
+    assert await harness.money_requests() == 0
 
 
 async def test_a_child_cancelled_before_its_first_task_is_skipped(harness: Harness) -> None:
