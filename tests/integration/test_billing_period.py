@@ -568,6 +568,18 @@ async def _assert_skipped_by_temporal(harness: Harness, outcome: CustomerOutcome
     assert await harness.money_requests() == 0
 
 
+async def _assert_the_latest_run_skipped(harness: Harness, workflow_id: str) -> None:
+    """With a worker, the latest run of the child ends skipped by Temporal's cancel, and
+    nothing is charged when the period resumes and is reconciled."""
+    async with harness.running_worker():
+        latest: WorkflowHandle[CustomerChargeWorkflow, CustomerOutcome]
+        latest = harness.client.get_workflow_handle_for(CustomerChargeWorkflow.run, workflow_id)
+        # Bounded: a run that lost the cancel waits at the paused gate for ever.
+        outcome = await asyncio.wait_for(latest.result(), 60)
+        await _resume_and_reconcile(harness)
+    await _assert_skipped_by_temporal(harness, outcome)
+
+
 @pytest.mark.parametrize("single_batch", [False, True], ids=["sdk-default", "sdk-flag-2"])
 async def test_a_child_cancelled_in_temporal_is_skipped_not_charged_later(
     harness: Harness, monkeypatch: pytest.MonkeyPatch, single_batch: bool
@@ -606,13 +618,7 @@ async def test_a_cancel_with_the_continue_as_new_it_arrives_with_is_carried_on(
     # No worker: its wait's first timer fires, and the cancel comes, in one workflow task.
     await asyncio.sleep(PERIOD_WAIT_FIRST.total_seconds() + 1)
     await handle.cancel()
-    async with harness.running_worker():
-        latest: WorkflowHandle[CustomerChargeWorkflow, CustomerOutcome]
-        latest = harness.client.get_workflow_handle_for(CustomerChargeWorkflow.run, handle.id)
-        # Bounded: a run that lost the cancel waits at the paused gate for ever.
-        outcome = await asyncio.wait_for(latest.result(), 60)
-        await _resume_and_reconcile(harness)
-    await _assert_skipped_by_temporal(harness, outcome)
+    await _assert_the_latest_run_skipped(harness, handle.id)
     runs = await harness.chain_of_runs(handle.id, bound=10 + 10)
     assert len(runs) >= 2
     await replay(runs)
@@ -638,12 +644,7 @@ async def test_a_cancel_sent_with_the_periods_signal_stops_the_charge_it_wakes(
     # No worker: the signal and the cancel reach the workflow in one workflow task.
     await handle.signal(CustomerChargeWorkflow.period_control)
     await handle.cancel()
-    async with harness.running_worker():
-        latest: WorkflowHandle[CustomerChargeWorkflow, CustomerOutcome]
-        latest = harness.client.get_workflow_handle_for(CustomerChargeWorkflow.run, handle.id)
-        outcome = await asyncio.wait_for(latest.result(), 60)
-        await _resume_and_reconcile(harness)
-    await _assert_skipped_by_temporal(harness, outcome)
+    await _assert_the_latest_run_skipped(harness, handle.id)
     runs = (
         await harness.chain_of_runs(handle.id, bound=10 + 20)
         if long
