@@ -116,7 +116,9 @@ class CustomerChargeWorkflow:
                 # Written at once too: a bill retrying carries the request it began with.
                 await workflow.execute_local_activity_method(
                     ChargingActivities.stop,
-                    self._stop_request(request),
+                    BillRequest(
+                        period=request.period, customer_id=request.customer_id, stop=self._stop
+                    ),
                     start_to_close_timeout=BILL_TIMEOUT,
                     retry_policy=BILL_RETRY,
                     summary=f"stop {request.customer_id}: {TEMPORAL_CANCEL.reason}",
@@ -197,9 +199,6 @@ class CustomerChargeWorkflow:
         ):
             self._stop = TEMPORAL_CANCEL
         return self._stop
-
-    def _stop_request(self, request: CustomerChargeInput) -> BillRequest:
-        return BillRequest(period=request.period, customer_id=request.customer_id, stop=self._stop)
 
     def _carried(self, request: CustomerChargeInput) -> CustomerChargeInput:
         """The next run's input: the same, with the stop once there is one."""
