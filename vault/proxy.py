@@ -197,8 +197,9 @@ async def _proxy(
     send_by = None
     confirms = True
     if endpoint in METERED:
-        reservation, send_by = await _reserve_charge(state, request, grant, endpoint, body, record)
-        confirms = _confirms(body)
+        reservation, send_by, confirms = await _reserve_charge(
+            state, request, grant, endpoint, body, record
+        )
     # Replayed or executed: only Stripe's answer says which (below), even for a reservation
     # committed already, since a commit by resolve may stand for a charge Stripe never made.
     record.decision = "forwarded"
@@ -269,9 +270,10 @@ async def _reserve_charge(
     endpoint: str,
     body: bytes,
     record: AuditRecord,
-) -> tuple[Reservation, SendBy]:
-    """The charge's reservation, and when it must be sent by."""
-    charge = _charge(request, endpoint, body, record)
+) -> tuple[Reservation, SendBy, bool]:
+    """The charge's reservation, when it must be sent by, and whether it asks Stripe to
+    confirm what it creates."""
+    charge, confirms = _charge(request, endpoint, body, record)
     idempotency_key = request.headers.get("Idempotency-Key")
     if idempotency_key is None:
         raise Refusal(
@@ -293,7 +295,7 @@ async def _reserve_charge(
         state, grant.id, idempotency_key, charge, _fencing_token(request)
     )
     record.reservation_state = reservation.state
-    return reservation, send_by
+    return reservation, send_by, confirms
 
 
 async def _held_up(
@@ -369,9 +371,13 @@ async def _authenticate(state: VaultState, request: web.Request, record: AuditRe
     return grant
 
 
-def _charge(request: web.Request, endpoint: str, body: bytes, record: AuditRecord) -> Charge:
+def _charge(
+    request: web.Request, endpoint: str, body: bytes, record: AuditRecord
+) -> tuple[Charge, bool]:
     """Amount, currency and customer of a metered request, read exactly as Stripe reads them;
-    anything ambiguous (a repeated field, a query string, another encoding) is refused."""
+    anything ambiguous (a repeated field, a query string, another encoding) is refused. And
+    whether it asks Stripe to confirm what it creates (anything but an absent or false
+    `confirm`)."""
     if request.content_type != FORM:
         raise Refusal(
             "refused_request", 400, "content_type_invalid", f"send the parameters as {FORM}"
@@ -448,7 +454,8 @@ def _charge(request: web.Request, endpoint: str, body: bytes, record: AuditRecor
         raise Refusal(
             "refused_request", 400, "parameter_invalid", "customer is not an id", param="customer"
         )
-    return Charge(endpoint, int(amount), currency, customer)
+    confirms = fields.get("confirm", ["false"]) != ["false"]
+    return Charge(endpoint, int(amount), currency, customer), confirms
 
 
 def _refuse_secret(name: str, value: str) -> None:
@@ -601,12 +608,11 @@ def _outcome(answer: _Answer, *, in_doubt: bool, confirms: bool) -> Outcome:
     """What an upstream answer says about the money of this reservation, whose request asked
     Stripe to confirm what it created if `confirms`."""
     if 200 <= answer.status < 300:
-        status = _status_of(answer)
-        if _replayed(answer) and status in _UNSETTLED:
+        if _replayed(answer) and _status_of(answer) in _UNSETTLED:
             # Saved up to a day ago, while the bank had yet to answer the debit: it may have
             # returned it since. Reconciliation looks up where it stands.
             return "unknown"
-        if status in _NOT_CHARGED and not confirms:
+        if not confirms and _status_of(answer) in _NOT_CHARGED:
             # Created, not asked to confirm: no money moved, and none can through the vault
             # (no key may confirm it, and a replay of its key answers the same), so its room
             # is freed rather than spent for good. One asked to confirm that Stripe left so
@@ -630,12 +636,6 @@ _UNSETTLED = frozenset({"processing", "pending"})
 # A PaymentIntent created unconfirmed, which moved no money. Not requires_action: the
 # customer may still authenticate it, and the charge go through.
 _NOT_CHARGED = frozenset({"requires_payment_method", "requires_confirmation"})
-
-
-def _confirms(body: bytes) -> bool:
-    """Whether a metered request, its body accepted by _charge, asks Stripe to confirm what
-    it creates (anything but an absent or false `confirm`)."""
-    return parse_qs(body.decode()).get("confirm", ["false"]) != ["false"]
 
 
 def _status_of(answer: _Answer) -> object:
