@@ -362,19 +362,30 @@ class BillingPeriodWorkflow:
 
     @skip.validator
     def _validate_skip(self, request: SkipRequest) -> None:
-        self._refuse_if_over("skip a customer of", "skip it again: the skip is kept for the next")
+        # Closing, its workflow ends within moments; then the skip goes to the ledger.
+        self._refuse_if_over(
+            "skip a customer of", "skip it again: the skip is kept for the next run"
+        )
         validate_customer_id(request.customer_id)
 
-    def _refuse_if_over(self, action: str, then: str = "start a new") -> None:
+    def _refuse_if_over(self, action: str, then: str | None = None) -> None:
+        """Refuse `action` on a run cancelled or finished. `then` is what to do once it has
+        ended: for a cancelled run by default, start a new run; a finished one has nothing
+        left to pause or resume, so it is said only when given."""
         if self._control.control == "cancelled":
             # Still finishing the charges it sent: a new run is refused until it ends.
-            by = self._control.operator
-            raise ApplicationError(
-                f"cannot {action} a run cancelled by {by}: once it has ended"
-                f" (`python starter.py status {self._state.period}`), {then} run"
-            )
-        if self._finished:
-            raise ApplicationError(f"cannot {action} a run that has finished")
+            over = f"a run cancelled by {self._control.operator}"
+            then = then or "start a new run"
+        elif self._finished:
+            over = "a run that is closing"
+        else:
+            return
+        advice = (
+            f": once it has ended (`python starter.py status {self._state.period}`), {then}"
+            if then
+            else ""
+        )
+        raise ApplicationError(f"cannot {action} {over}{advice}")
 
     async def _set_control(self, control: Control, request: OperatorRequest) -> PeriodProgress:
         logs.log_signal(
