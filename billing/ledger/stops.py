@@ -29,10 +29,12 @@ async def request_skip(
     at its next try if Stripe still shows no charge (stop_behind_saved_error).
 
     A `stop` (a Temporal cancel of the customer's workflow, not an operator's skip) writes
-    a new row only while a run of the period is open, where a claim could be made: a stray
-    workflow of a period no run has opened must not skip the customer for its run, nor one
-    of a row a cancelled run left for the next. It keeps an operator's earlier skip, who
-    made it and why."""
+    a new row only where a claim could be made, for an active customer while a run of the
+    period is open: a stray workflow of a period no run has opened must not skip the
+    customer for its run, nor one of a row a cancelled run left for the next, and an
+    inactive customer's bill, running beside the stop, answers that it is not billed (a row
+    written meanwhile would say skipped). It keeps an operator's earlier skip, who made it
+    and why."""
     row = await conn.fetchrow(
         """
         INSERT INTO billing_runs (customer_id, billing_period, idempotency_key, amount_cents,
@@ -41,8 +43,11 @@ async def request_skip(
         SELECT customer_id, $2, $3, amount_cents, currency, stripe_customer_id, payment_method,
                $4, $5, 'skipped', $4, $5, now()
         FROM customers WHERE customer_id = $1
-            AND (NOT $7 OR EXISTS (SELECT 1 FROM billing_periods p
-                                   WHERE p.billing_period = $2 AND p.state = 'running'))
+            AND (NOT $7 OR (EXISTS (SELECT 1 FROM billing_periods p
+                                    WHERE p.billing_period = $2 AND p.state = 'running')
+                            AND (active OR EXISTS (SELECT 1 FROM billing_runs o
+                                                   WHERE o.customer_id = $1
+                                                   AND o.billing_period = $2))))
         ON CONFLICT (customer_id, billing_period) DO UPDATE
             SET skip_reason = CASE WHEN $7 THEN coalesce(billing_runs.skip_reason, $4)
                                    ELSE EXCLUDED.skip_reason END,

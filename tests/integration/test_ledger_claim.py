@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+
 import pytest
 
 from billing import ledger
 from billing.errors import PeriodNotOpenError, UnknownCustomerError
 from billing.keys import idempotency_key
-from billing.models import ChargeResult, Claim
+from billing.models import ChargeResult, Claim, SkipResult
 from billing.periods import Period
 from tests.integration.harness import Harness
 
@@ -119,6 +121,45 @@ async def test_a_customer_deactivated_after_its_claim_keeps_it(harness: Harness)
     # its workflow task after the record counts the charge as its own, not already billed.
     assert (kept.status, kept.claimed_by_run) == ("claimed", "run-2")
     assert len(await harness.ledger_rows(PERIOD)) == 1
+
+
+async def test_a_temporal_stop_writes_a_row_only_where_a_claim_could_be_made(
+    harness: Harness,
+) -> None:
+    """A Temporal cancel's stop of a deactivated customer with no row writes nothing, as
+    its claim makes nothing: it wrote the customer skipped, so a bill that had answered
+    "not billed" a moment before ended failed beside a skipped row. An open claim of a
+    customer deactivated since is still stopped at the gate, and an operator's skip still
+    writes any customer skipped."""
+    claimed_id, unclaimed_id, skipped_id = (c.customer_id for c in await harness.seed(3))
+    async with harness.pool.acquire() as conn:
+        await ledger.claim(
+            conn, claimed_id, PERIOD, key(claimed_id), "run-1", charge_api="payment_intents"
+        )
+        await conn.execute("UPDATE customers SET active = false")
+
+        def stop(customer_id: str, *, by_temporal: bool = True) -> Awaitable[SkipResult]:
+            return ledger.request_skip(
+                conn,
+                customer_id,
+                PERIOD,
+                key(customer_id),
+                "cancelled",
+                "temporal",
+                stop=by_temporal,
+            )
+
+        assert (await stop(claimed_id)).skipped
+        with pytest.raises(UnknownCustomerError, match="not in the ledger"):
+            await stop(unclaimed_id)
+        assert (await stop(skipped_id, by_temporal=False)).skipped
+    rows = {r["customer_id"]: r["status"] for r in await harness.ledger_rows(PERIOD)}
+    # The claim stays open until its gate, which ends it skipped.
+    assert rows == {claimed_id: "claimed", skipped_id: "skipped"}
+    gated = await harness.pool.fetchval(
+        "SELECT skip_reason FROM billing_runs WHERE customer_id = $1", claimed_id
+    )
+    assert gated == "cancelled"
 
 
 async def test_a_row_without_an_api_takes_the_claims_unless_it_was_sent(harness: Harness) -> None:
