@@ -57,6 +57,21 @@ class MissingWorkflowInputError(ApplicationError):
         )
 
 
+class ExtraWorkflowInputError(ApplicationError):
+    """More inputs than the workflow takes (a second `--input` to `temporal workflow
+    start`): the SDK then decodes none of them to its model and calls the workflow with them
+    all, whose TypeError would fail every workflow task for as long as the workflow lived,
+    holding its ID; so the workflow raises this itself (workflows.identity.one_input)."""
+
+    def __init__(self, model: type[WorkflowInput], given: int) -> None:
+        super().__init__(
+            f"the workflow takes one input, a {model.__name__}, and {given} were given;"
+            " nothing was done",
+            type=INVALID_WORKFLOW_INPUT,
+            non_retryable=True,
+        )
+
+
 class BillingPayloadConverter(PydanticPayloadConverter):
     def from_payloads(
         self, payloads: Sequence[Payload], type_hints: list[type] | None = None

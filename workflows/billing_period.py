@@ -68,7 +68,7 @@ with workflow.unsafe.imports_passed_through():
     from billing.periods import parse_period
     from billing.redact import shown_line
     from workflows.customer_charge import CustomerChargeWorkflow
-    from workflows.identity import checked, given, require_id
+    from workflows.identity import checked, given, one_input, require_id
     from workflows.signals import PERIOD_BLOCKED, PERIOD_CONTROL
 
 ACTIVITY_TIMEOUT = timedelta(seconds=60)
@@ -136,6 +136,7 @@ _CUT_MARGIN = 40
 @workflow.defn(name="BillingPeriodWorkflow", sandboxed=False)
 class BillingPeriodWorkflow:
     @workflow.init
+    @one_input(BillingPeriodInput)
     def __init__(self, request: BillingPeriodInput | None = None) -> None:
         request = given(request, BillingPeriodInput)
         self._options: RunOptions = request.options

@@ -23,7 +23,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from billing.periods import parse_period
     from billing.rate_limit import Slot
-    from workflows.identity import checked, given, require_id
+    from workflows.identity import checked, given, one_input, require_id
     from workflows.signals import PERIOD_BLOCKED, PERIOD_CONTROL
 
 # Stripe's own timeout is 30 s, plus a short wait for a Stripe slot, an old claim's lookup
@@ -89,6 +89,7 @@ class CustomerChargeWorkflow:
         self._period_signals += 1
 
     @workflow.run
+    @one_input(CustomerChargeInput)
     async def run(self, request: CustomerChargeInput | None = None) -> CustomerOutcome:
         request = given(request, CustomerChargeInput)
         period = checked(parse_period, request.period)

@@ -1,13 +1,19 @@
 """What a billing workflow checks of itself before its first command."""
 
+import functools
+import inspect
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from billing.data_converter import INVALID_WORKFLOW_INPUT, MissingWorkflowInputError
+    from billing.data_converter import (
+        INVALID_WORKFLOW_INPUT,
+        ExtraWorkflowInputError,
+        MissingWorkflowInputError,
+    )
     from billing.errors import InvalidInputError, shown
     from billing.models import WorkflowInput
 
@@ -15,6 +21,38 @@ WRONG_WORKFLOW_ID = "WrongWorkflowId"
 
 T = TypeVar("T")
 InputT = TypeVar("InputT", bound=WorkflowInput)
+MethodT = TypeVar("MethodT", bound=Callable[..., Any])
+
+
+def one_input(model: type[WorkflowInput]) -> Callable[[MethodT], MethodT]:
+    """For the method a workflow's input reaches first (its run, or its `@workflow.init`
+    constructor): called with more inputs than that one, it fails the workflow saying so
+    (ExtraWorkflowInputError). The SDK reads the signature through the wrapper, so the
+    input is still decoded to `model`; a `*inputs` of the method's own would drop every
+    type hint."""
+
+    def check(inputs: tuple[object, ...]) -> None:
+        if len(inputs) > 1:
+            raise ExtraWorkflowInputError(model, len(inputs))
+
+    def wrap(method: MethodT) -> MethodT:
+        if inspect.iscoroutinefunction(method):
+
+            @functools.wraps(method)
+            async def run(self: object, *inputs: object) -> object:
+                check(inputs)
+                return await method(self, *inputs)
+
+            return cast(MethodT, run)
+
+        @functools.wraps(method)
+        def init(self: object, *inputs: object) -> None:
+            check(inputs)
+            method(self, *inputs)
+
+        return cast(MethodT, init)
+
+    return wrap
 
 
 def given(request: InputT | None, model: type[InputT]) -> InputT:

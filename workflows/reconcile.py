@@ -45,7 +45,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from billing.redact import redact
     from workflows.customer_charge import CustomerChargeWorkflow
-    from workflows.identity import checked, given
+    from workflows.identity import checked, given, one_input
 
 # Reconciliations recorded before this patch kept nothing of their report in the ledger.
 RECORD_VERDICT = "record-verdict"
@@ -65,6 +65,7 @@ RETRY = RetryPolicy(
 @workflow.defn(name="ReconcileWorkflow")
 class ReconcileWorkflow:
     @workflow.run
+    @one_input(ReconcileInput)
     async def run(self, request: ReconcileInput | None = None) -> ReconcileReport:
         request = given(request, ReconcileInput)
         checked(parse_period, request.period)

@@ -32,7 +32,7 @@ with workflow.unsafe.imports_passed_through():
     from billing.periods import parse_period
     from billing.reconciliation import ReconcileInput, ReconcileReport
     from workflows.billing_period import BillingPeriodWorkflow
-    from workflows.identity import given
+    from workflows.identity import given, one_input
     from workflows.reconcile import ReconcileWorkflow
 
 SCHEDULED_START = SearchAttributeKey.for_datetime("TemporalScheduledStartTime")
@@ -54,6 +54,7 @@ ResultT = TypeVar("ResultT")
 @workflow.defn(name="ScheduledBillingWorkflow")
 class ScheduledBillingWorkflow:
     @workflow.run
+    @one_input(ScheduledBillingInput)
     async def run(
         self, request: ScheduledBillingInput | None = None
     ) -> PeriodSummary | ReconcileReport | None:

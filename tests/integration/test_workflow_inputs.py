@@ -107,6 +107,40 @@ async def test_a_workflow_started_with_an_input_its_model_refuses_fails_saying_w
     assert await harness.money_requests() == 0
 
 
+@pytest.mark.parametrize(
+    ("workflow_type", "workflow_id", "model", "payload"),
+    [
+        ("BillingPeriodWorkflow", period_workflow_id(PERIOD), "BillingPeriodInput", {}),
+        (
+            "CustomerChargeWorkflow",
+            customer_workflow_id(PERIOD, "cust-000001"),
+            "CustomerChargeInput",
+            {"customer_id": "cust-000001"},
+        ),
+        ("ReconcileWorkflow", reconcile_workflow_id(PERIOD), "ReconcileInput", {}),
+        ("ScheduledBillingWorkflow", "scheduled-by-hand", "ScheduledBillingInput", None),
+    ],
+)
+async def test_a_workflow_started_with_two_inputs_fails_saying_it_takes_one(
+    harness: Harness,
+    workflow_type: str,
+    workflow_id: str,
+    model: str,
+    payload: dict[str, Any] | None,
+) -> None:
+    """A second input (two `--input`s to `temporal workflow start`, or the Web UI's form)
+    failed every workflow task with the call's TypeError, for as long as the workflow lived,
+    holding its ID (helper-139's F3)."""
+    await harness.seed(2)
+    first = None if payload is None else {"period": str(PERIOD), **payload}
+    async with harness.running_worker():
+        cause = await _refused(harness, workflow_type, workflow_id, first, {})
+    assert cause.message == (
+        f"the workflow takes one input, a {model}, and 2 were given; nothing was done"
+    )
+    assert await harness.money_requests() == 0
+
+
 async def test_a_refused_input_names_a_few_problems_and_counts_the_rest(harness: Harness) -> None:
     """An input with many wrong fields fails with a message of bounded length, which shows
     none of the values given (one may be anything, a key too)."""
