@@ -56,6 +56,7 @@ class ScheduleCheckActivities:
                 fired_at=found.unbilled.at.isoformat(),
                 period=str(found.unbilled.period),
                 earlier=[str(p) for p in found.unbilled.earlier],
+                ended_unfinished=[str(p) for p in found.unbilled.ended_unfinished],
                 detail=found.unbilled.describe(),
             )
         metrics.schedule_checked(request.schedule_id)

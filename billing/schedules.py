@@ -532,6 +532,10 @@ class UnbilledFiring(Record):
     earlier: list[Period] = Field(
         default=[], description="earlier months fired for that have no run, oldest first"
     )
+    ended_unfinished: list[Period] = Field(
+        default=[],
+        description="those of the months whose run ended (terminated, failed) before its close",
+    )
 
     def describe(self) -> str:
         months = [*self.earlier, self.period]
@@ -542,6 +546,11 @@ class UnbilledFiring(Record):
             " firing it could not make within the schedule's catch-up window, and a run held"
             " at its start (the vault or the database away) has not reached the ledger yet"
         )
+        if self.ended_unfinished:
+            why += (
+                f"; the run of {', '.join(map(str, self.ended_unfinished))} ended (terminated,"
+                " failed) before it finished, leaving the customers it had not claimed"
+            )
         it = "it" if len(months) == 1 else "them"
         return (
             f"no run bills {', '.join(map(str, months))}, though the billing schedule"
@@ -583,7 +592,8 @@ async def billing_firings(
     # Each month by its latest firing: a later firing for the same month may have billed it.
     latest = {_billed_at(at, request): at for at in fired}
     run = await ledger.periods_run(conn, [str(p) for p in latest])
-    missing = sorted(p for p in latest if str(p) not in run)
+    unfinished = await ended_unfinished(client, conn, list(latest))
+    missing = sorted(p for p in latest if str(p) not in run or p in unfinished)
     unbilled = None
     if missing:
         unbilled = UnbilledFiring(
@@ -592,9 +602,51 @@ async def billing_firings(
             period=missing[-1],
             paused=description.schedule.state.paused,
             earlier=missing[:-1],
+            ended_unfinished=unfinished,
         )
     return BillingFirings(
         billing=request.options.billing, time_zone=request.time_zone, unbilled=unbilled
+    )
+
+
+# A period's run whose ledger row is still open is billing while its workflow runs (or has
+# just completed, its close written first); in any other state it ended without a close.
+_STILL_BILLING = frozenset(
+    {
+        WorkflowExecutionStatus.RUNNING,
+        WorkflowExecutionStatus.CONTINUED_AS_NEW,
+        WorkflowExecutionStatus.COMPLETED,
+    }
+)
+
+
+async def ended_unfinished(
+    client: Client, conn: asyncpg.Connection, periods: list[Period]
+) -> list[Period]:
+    """Those of `periods` whose run ended before its close (terminated by an operator who
+    thought it stuck, failed, or cancelled by a release before Temporal's cancel was one;
+    gone from Temporal since): the ledger holds it open for good, and the customers it had
+    not claimed are billed by no run, nor seen by reconciliation, which reads claims. A
+    launch (`schedule trigger` or `backfill`) or `run` starts it again."""
+    unfinished = []
+    for period in map(parse_period, await ledger.open_runs(conn, sorted(map(str, periods)))):
+        run = client.get_workflow_handle(period_workflow_id(period))
+        if await workflow_status(run) not in _STILL_BILLING:
+            unfinished.append(period)
+    return unfinished
+
+
+async def launched_unfinished(
+    client: Client, conn: asyncpg.Connection, schedule_id: str
+) -> list[Period]:
+    """The months the billing schedule's listed launches bill whose run ended before its
+    close (ended_unfinished): each launch started it, so missed_launches names none."""
+    description, request = await launcher_of(client, schedule_id)
+    if request.action != "bill":
+        return []
+    actions = description.info.recent_actions
+    return await ended_unfinished(
+        client, conn, list({_billed_at(a.scheduled_at, request) for a in actions})
     )
 
 

@@ -56,6 +56,7 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
         print(schedules.describe(ours, await schedules.launch_input(client, ours)))
         missed = await schedules.missed_launches(client, args.id)
         await _warn_missed(args.id, missed, paused=ours.schedule.state.paused)
+        await _warn_unfinished(client, args.id, paused=ours.schedule.state.paused)
     elif args.schedule_command in ("pause", "unpause") and ours.schedule.state.paused == (
         args.schedule_command == "pause"
     ):
@@ -199,6 +200,32 @@ async def _following(
             "billing_schedule_id": followed,
         }
     )
+
+
+async def _warn_unfinished(client: Client, schedule_id: str, *, paused: bool) -> None:
+    """Name the months its launches started whose run ended before finishing: no launch
+    starts one again on its own, and the customers it had not claimed are unbilled."""
+    try:
+        async with ledger_connection() as conn:
+            unfinished = await schedules.launched_unfinished(client, conn, schedule_id)
+    except CONNECTION_ERRORS as exc:
+        print(
+            f"note: the ledger could not be read ({type(exc).__name__}): runs of months"
+            f" {schedule_id} launched that ended before finishing were not looked for",
+            file=sys.stderr,
+        )
+        return
+    if unfinished:
+        months = ", ".join(map(str, unfinished))
+        print(
+            f"WARNING: the runs {schedule_id} launched for {months} ended (terminated, failed)"
+            " before they finished, and no launch starts them again: the customers they had"
+            f" not claimed are unbilled; to bill them: python starter.py schedule backfill"
+            f" --id {schedule_id} --start {unfinished[0]} --end {unfinished[-1]}"
+            + (" --late" if is_late(unfinished[0], datetime.now(UTC)) else "")
+            + schedules.while_paused(paused),
+            file=sys.stderr,
+        )
 
 
 async def _warn_missed(schedule_id: str, missed: list[schedules.Missed], *, paused: bool) -> None:

@@ -137,6 +137,17 @@ async def periods_run(conn: asyncpg.Connection, periods: list[str]) -> list[str]
     return [row["billing_period"] for row in rows]
 
 
+async def open_runs(conn: asyncpg.Connection, periods: list[str]) -> list[str]:
+    """Those of `periods` whose last run the ledger holds open, in order: running, or ended
+    without its close (terminated, failed), which only Temporal can tell apart."""
+    rows = await conn.fetch(
+        "SELECT billing_period FROM billing_periods WHERE billing_period = ANY($1::text[])"
+        " AND state = 'running' ORDER BY billing_period",
+        periods,
+    )
+    return [row["billing_period"] for row in rows]
+
+
 async def completed_runs(conn: asyncpg.Connection, periods: list[str]) -> dict[str, bool]:
     """Those of `periods` whose last run completed, in order, each with whether it was
     cancelled (by an operator): a launch leaves either as it is, and only a run by hand bills

@@ -2021,6 +2021,62 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
     keep([flagged, quiet])
 
 
+async def test_a_launched_run_terminated_midway_is_flagged_until_it_is_started_again(
+    harness: Harness,
+) -> None:
+    """A launch starts its month's run, which an operator then terminates (it looked
+    stuck): the ledger holds it open for good, no launch starts it again, and reconciliation
+    reads only claims, so its customers not yet claimed were billed by nobody while the
+    daily check (any ledger row counted as run) and `describe` (the launch had started its
+    run) said nothing (helper-138's F1). Both now name the month, until a backfill bills it."""
+    customers = await harness.seed(6)
+    await harness.set_faults(latency_ms=800)
+    period = period_for(datetime.now(UTC), "advance")
+    if period_for(datetime.now(UTC) + timedelta(minutes=2), "advance") != period:
+        pytest.skip("the month turns during the test")
+    config = schedules.MonthlySchedule(schedule_id="cut-short", billing="advance", paused=True)
+    # One charge at a time, so that the terminate finds customers unclaimed; hourly, so that
+    # the daily check two hours on has a firing for the month behind it.
+    schedule = schedules.build_schedule(config, harness.task_queue, RunOptions(max_in_flight=1))
+    schedule.spec = ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(hours=1))])
+    handle = await harness.client.create_schedule("cut-short", schedule)
+    run = harness.client.get_workflow_handle(period_workflow_id(period))
+
+    async def daily_check() -> schedules.UnbilledFiring | None:
+        later = datetime.now(UTC) + timedelta(hours=2)
+        async with harness.pool.acquire() as conn:
+            firings = await schedules.billing_firings(harness.client, conn, "cut-short", later)
+        return firings.unbilled
+
+    try:
+        async with harness.running_worker():
+            await handle.trigger()
+            await eventually(lambda: _nonempty(harness.ledger_rows(str(period))), timeout=30)
+            await run.terminate("looked stuck")
+            claimed = len(await harness.ledger_rows(str(period)))
+            assert claimed < len(customers), "the run finished before the terminate"
+            unbilled = await daily_check()
+            assert unbilled is not None and unbilled.period == period, unbilled
+            assert unbilled.ended_unfinished == [period]
+            assert (
+                f"the run of {period} ended (terminated, failed) before it finished"
+                in unbilled.describe()
+            )
+            code, _, err = await harness.starter("schedule", "describe", "--id", "cut-short")
+            assert code == 0, err
+            assert f"WARNING: the runs cut-short launched for {period} ended" in err
+            assert f"schedule backfill --id cut-short --start {period} --end {period}" in err
+            # A launch starts the run again (the hourly spec leaves a backfill none to make).
+            await handle.trigger()
+            await eventually(lambda: _completed(harness, period), timeout=60)
+            assert await daily_check() is None
+            code, _, err = await harness.starter("schedule", "describe", "--id", "cut-short")
+            assert "WARNING" not in err, err
+    finally:
+        await handle.delete()
+    await assert_billed_once(harness, str(period), customers)
+
+
 def _without_rechecks(details: str) -> str:
     """A launch's details without the earlier periods it reconciled again."""
     return re.sub(r"; also reconciling again [^;]*", "", details)
