@@ -70,7 +70,13 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
     elif args.schedule_command == "unpause":
         await handle.unpause(note=arguments.note(args))
         print(f"unpaused schedule {args.id}")
-        await _warn_missed(args.id, await schedules.missed_launches(client, args.id), paused=False)
+        try:
+            missed = await schedules.missed_launches(client, args.id)
+        except InvalidInputError as exc:
+            # Unpaused all the same: a failure here would read as an unpause that failed.
+            print(f"note: the firings it skipped were not looked for: {exc}", file=sys.stderr)
+        else:
+            await _warn_missed(args.id, missed, paused=False)
     elif args.schedule_command == "trigger":
         async with ledger_connection() as conn:
             period = await schedules.trigger(
@@ -174,6 +180,13 @@ async def _following(
     except ForeignScheduleError:
         raise
     except UnknownScheduleError:
+        if args.billing_schedule is not None:
+            # Named, and mistyped (or not made yet): followed by nothing, it would leave the
+            # check for a month left unbilled off for good.
+            raise InvalidInputError(
+                f"--billing-schedule {followed}: no such schedule, so nothing was created."
+                " Check the id, or create the billing schedule first"
+            ) from None
         print(
             f"note: no billing schedule {followed!r} to follow (billed by hand?): this one"
             f" reconciles in {config.billing}, {config.time_zone}, and checks no firing;"

@@ -1821,6 +1821,10 @@ async def test_a_schedule_another_release_wrote_can_still_be_paused(harness: Har
     code, out, err = await harness.starter("schedule", "describe", "--id", "from-elsewhere")
     assert (code, out) == (2, ""), out
     assert "holds arguments this release cannot read" in err and "Traceback" not in err, err
+    # Unpaused all the same, and said so: exit 2 read as an unpause that failed.
+    code, out, err = await harness.starter("schedule", "unpause", "--id", "from-elsewhere")
+    assert (code, out.strip()) == (0, "unpaused schedule from-elsewhere"), err
+    assert "note: the firings it skipped were not looked for: the schedule" in err, err
     code, _, err = await harness.starter("schedule", "delete", "--id", "from-elsewhere")
     assert code == 0, err
 
@@ -1844,6 +1848,12 @@ async def test_a_reconciliation_is_told_what_it_cannot_follow(harness: Harness) 
     code, out, err = await harness.starter(*reconcile, "on-one", "--billing-schedule", "alone")
     assert (code, out) == (2, ""), out
     assert "--billing-schedule alone reconciles: name the schedule that bills" in err
+    # Named but mistyped: it was created following nothing, its unbilled-month check off.
+    code, out, err = await harness.starter(
+        *reconcile, "on-typo", "--billing-schedule", "billing-montly"
+    )
+    assert (code, out) == (2, ""), out
+    assert "--billing-schedule billing-montly: no such schedule, so nothing was created" in err
     for made in ("alone", "utc", "billing-monthly"):
         await harness.client.get_schedule_handle(made).delete()
 
