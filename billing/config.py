@@ -169,7 +169,7 @@ class CapSettings(BaseSettings):
     model_config = SettingsConfigDict(extra="ignore", hide_input_in_errors=True)
 
     # The period's vault key is capped at the expected total times this.
-    billing_cap_multiplier: float = Field(default=1.10, ge=1.0, le=10.0)
+    billing_cap_multiplier: float = Field(default=1.10, ge=1.0, le=10.0, allow_inf_nan=False)
 
 
 class BillingSettings(CapSettings):

@@ -27,7 +27,8 @@ CONNECTION_ERRORS: tuple[type[Exception], ...] = (
 
 _MALFORMED = (
     "is not a valid PostgreSQL URL (postgresql://user:password@host:port/database):"
-    " percent-encode any '/', '#', '?', '@' or ':' in the user name or password"
+    " percent-encode any '/', '#', '?', '@' or ':' in the user name or password, and check"
+    " the value of each parameter after '?' (sslmode, target_session_attrs, ...)"
 )
 
 

@@ -267,6 +267,8 @@ def test_bad_arguments_are_refused_before_anything_is_contacted(
         ),
         ({"BILLING_VAULT_WORKER_TOKEN": "a-worker-token-0123"}, "BILLING_VAULT_URL is not"),
         ({"BILLING_CAP_MULTIPLIER": "0.5"}, "BILLING_CAP_MULTIPLIER: Input should be greater"),
+        # Not "less than or equal to 10", which sent the operator to the wrong fix.
+        ({"BILLING_CAP_MULTIPLIER": "nan"}, "BILLING_CAP_MULTIPLIER: Input should be a finite"),
         # Past Stripe's key window a retry without a lookup first would charge again.
         ({"BILLING_LOOKUP_AFTER_SECONDS": "90000"}, "could be charged a second time"),
         ({"BILLING_LOOKUP_AFTER_SECONDS": "inf"}, "should be a finite number"),
