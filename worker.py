@@ -15,7 +15,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import asyncpg
@@ -36,7 +36,7 @@ from activities.reconcile import ReconcileActivities
 from activities.schedule_checks import ScheduleCheckActivities
 from activities.stripe_access import DirectAccess, StripeAccess, VaultAccess
 from activities.stripe_gateway import StripeGateway
-from billing import logs, metrics, payload_walks
+from billing import logs, metrics, payload_walks, period_keys
 from billing.config import (
     BillingSettings,
     DatabaseSettings,
@@ -49,10 +49,11 @@ from billing.errors import BillingError, ServiceUnavailableError
 from billing.liveness import Heartbeat
 from billing.migrations import migrate
 from billing.period_keys import reseal_secrets
+from billing.periods import period_for
 from billing.sealing import SETTING
 from billing.stripe_client import stripe_client, stripe_http
 from billing.temporal_client import connect
-from vault.client import VaultAdmin, VaultAdminError
+from vault.client import VaultAdmin, VaultAdminError, VaultAuthError
 from workflows.billing_period import BillingPeriodWorkflow
 from workflows.customer_charge import CustomerChargeWorkflow
 from workflows.reconcile import ReconcileWorkflow
@@ -164,11 +165,24 @@ def create_worker(
     )
 
 
-async def _check_vault(admin: VaultAdmin, url: str) -> None:
-    """A wrong BILLING_VAULT_URL shows only as runs waiting at their opening: say so at the
-    start. The worker starts anyway, as the vault may come up after it."""
+async def _check_vault(admin: VaultAdmin, url: str, token_setting: str) -> None:
+    """A wrong BILLING_VAULT_URL shows only as runs waiting at their opening, and a wrong
+    token as the next opening's failure (a schedule's, perhaps at night): say so at the
+    start. The worker starts anyway, as the vault may come up, or be given the token, after
+    it."""
     try:
         await admin.ready()
+        # `ready` asks for no token: a read that does (this month's keys) tries this one.
+        await admin.find_keys(
+            label=period_keys.LABEL, period=str(period_for(datetime.now(UTC), "advance"))
+        )
+    except VaultAuthError:
+        log.error(
+            "the vault at %s refused %s: every period's opening fails until the worker has"
+            " the token the vault's VAULT_WORKER_TOKEN holds",
+            url,
+            token_setting,
+        )
     except VaultAdminError as exc:
         log.warning(
             "the vault at %s did not answer as ready (%s): runs wait at their opening until it"
@@ -210,7 +224,9 @@ async def main() -> None:
                         " issue keys only within the vault's worker budget"
                     )
                 admin = VaultAdmin(settings.billing_vault_url, token)
-                await _check_vault(admin, settings.billing_vault_url)
+                await _check_vault(
+                    admin, settings.billing_vault_url, settings.vault_token_setting()
+                )
                 box = settings.secret_box()
                 sealed, unopened = await reseal_secrets(pool, box)
                 log.info("sealed %d period keys with the first encryption key", sealed)

@@ -456,6 +456,14 @@ def _needs_operator(period: str, currency: str) -> Iterator[None]:
     ) as exc:
         # Revoked (the kill switch), too small for the run, a cap over the vault's ceiling, a
         # wrong token, a worker budget spent: each needs an operator, not a retry.
+        fix = (
+            " (the workers' BILLING_VAULT_WORKER_TOKEN, or BILLING_VAULT_ADMIN_TOKEN without"
+            " one, is not a token the vault holds)"
+            if isinstance(exc, VaultAuthError)
+            else ""
+        )
         raise ApplicationError(
-            f"no vault key for {period} ({currency}): {exc}", type=KEY_REFUSED, non_retryable=True
+            f"no vault key for {period} ({currency}): {exc}{fix}",
+            type=KEY_REFUSED,
+            non_retryable=True,
         ) from None

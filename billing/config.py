@@ -266,6 +266,12 @@ class BillingSettings(CapSettings):
         """What workers call the vault with: the worker token, else the admin token."""
         return self.billing_vault_worker_token or self.billing_vault_admin_token
 
+    def vault_token_setting(self) -> str:
+        """The variable vault_token() comes from, for a message about a token refused."""
+        if self.billing_vault_worker_token is not None:
+            return "BILLING_VAULT_WORKER_TOKEN"
+        return "BILLING_VAULT_ADMIN_TOKEN"
+
     def secret_box(self) -> SecretBox:
         """What seals the period keys' secrets; only a worker with a vault needs one."""
         if self.billing_key_encryption_keys is None:

@@ -16,7 +16,7 @@ from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.exceptions import ActivityError, ApplicationError
 
 import worker
-from activities.period import PeriodActivities
+from activities.period import PeriodActivities, _needs_operator
 from billing import ledger, operations, period_keys
 from billing.customers import CustomerRow, upsert_customers
 from billing.keys import customer_workflow_id
@@ -760,15 +760,29 @@ async def test_a_period_past_the_worker_budget_charges_nothing_and_says_why(
 async def test_a_worker_says_at_start_when_the_vault_does_not_answer(
     vaulted: Harness, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A wrong BILLING_VAULT_URL showed only as runs waiting at their opening, for ever."""
+    """A wrong BILLING_VAULT_URL showed only as runs waiting at their opening, for ever; a
+    wrong token as the next period's opening failing, with a 401 that named no setting."""
     assert vaulted.vault is not None
-    await worker._check_vault(vaulted.vault.worker, vaulted.vault.url)
-    assert "did not answer" not in caplog.text
+    setting = "BILLING_VAULT_WORKER_TOKEN"
+    await worker._check_vault(vaulted.vault.worker, vaulted.vault.url, setting)
+    assert "did not answer" not in caplog.text and "refused" not in caplog.text
     wrong = "http://127.0.0.1:9"  # discard: nothing listens
     async with VaultAdmin(wrong, "a-worker-token-0123") as admin:
-        await worker._check_vault(admin, wrong)
+        await worker._check_vault(admin, wrong, setting)
     assert f"the vault at {wrong} did not answer as ready" in caplog.text
     assert "check BILLING_VAULT_URL" in caplog.text
+    async with VaultAdmin(vaulted.vault.url, "a-rotated-token-0123") as admin:
+        await worker._check_vault(admin, vaulted.vault.url, setting)
+    [refused] = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert refused.levelname == "ERROR"
+    assert f"the vault at {vaulted.vault.url} refused {setting}" in refused.getMessage()
+    assert "a-rotated-token" not in caplog.text
+    # Started regardless, it fails the next period's opening, naming the setting there too.
+    async with VaultAdmin(vaulted.vault.url, "a-rotated-token-0123") as admin:
+        with pytest.raises(ApplicationError) as failed, _needs_operator(str(PERIOD), "usd"):
+            await admin.find_keys(period=str(PERIOD))
+    assert "admin_token_invalid" in failed.value.message
+    assert "the workers' BILLING_VAULT_WORKER_TOKEN" in failed.value.message
 
 
 async def test_a_lookup_key_the_vault_refuses_leaves_the_period_unreadable(
