@@ -1760,6 +1760,7 @@ async def test_a_reconciliation_keeps_the_id_it_is_given(harness: Harness) -> No
     # Under the billing schedule's own id, it would follow itself (and check no firing).
     code, out, err = await harness.starter(*create, "--id", schedules.DEFAULT_SCHEDULE_ID)
     assert (code, out) == (2, "") and "would follow itself" in err, err
+    elsewhere = await firing_every(harness, "elsewhere", 3600, paused=True)
     for given, created in (
         (
             ("--id", schedules.DEFAULT_SCHEDULE_ID, "--billing-schedule", "elsewhere"),
@@ -1772,6 +1773,7 @@ async def test_a_reconciliation_keeps_the_id_it_is_given(harness: Harness) -> No
         _, request = await schedules.launcher_of(harness.client, created)
         assert request.action == "reconcile"
         await harness.client.get_schedule_handle(created).delete()
+    await elsewhere.delete()
 
 
 async def test_a_schedule_not_ours_is_named_so(harness: Harness) -> None:
