@@ -26,6 +26,7 @@ from temporalio.runtime import (
 from billing.config import ObservabilitySettings
 from billing.liveness import Heartbeat, with_health
 from billing.models import SPEND_CAP_EXCEEDED_CODE
+from billing.redact import shown_cut
 
 CHARGES = Counter(
     "billing_charges_total",
@@ -89,23 +90,33 @@ def charge_recorded(amount_cents: int, currency: str, claimed_at: datetime) -> N
     CLAIM_TO_CHARGE.observe(max(since_claim.total_seconds(), 0.0))
 
 
+# Characters of a schedule's id kept in a label.
+SCHEDULE_LABEL_MAX = 200
+
+
+def _schedule(schedule_id: str) -> str:
+    """A schedule's id as a label: `schedule create` checks the ids it makes, but one made
+    with Temporal's own tools may be followed under any text, a key's too."""
+    return shown_cut(schedule_id, SCHEDULE_LABEL_MAX)
+
+
 def watch_schedule(schedule_id: str) -> None:
     """Show the schedule's alert counters at 0 before they count anything: a series first
     seen at 1 is no increase to Prometheus (`increase()`), and its first alert is lost."""
-    UNBILLED_FIRINGS.labels(schedule=schedule_id)
-    FOLLOWED_SCHEDULE_GONE.labels(schedule=schedule_id)
+    UNBILLED_FIRINGS.labels(schedule=_schedule(schedule_id))
+    FOLLOWED_SCHEDULE_GONE.labels(schedule=_schedule(schedule_id))
 
 
 def schedule_checked(schedule_id: str) -> None:
-    SCHEDULE_CHECKED.labels(schedule=schedule_id).set_to_current_time()
+    SCHEDULE_CHECKED.labels(schedule=_schedule(schedule_id)).set_to_current_time()
 
 
 def count_unbilled_firing(schedule_id: str) -> None:
-    UNBILLED_FIRINGS.labels(schedule=schedule_id).inc()
+    UNBILLED_FIRINGS.labels(schedule=_schedule(schedule_id)).inc()
 
 
 def count_followed_schedule_gone(schedule_id: str) -> None:
-    FOLLOWED_SCHEDULE_GONE.labels(schedule=schedule_id).inc()
+    FOLLOWED_SCHEDULE_GONE.labels(schedule=_schedule(schedule_id)).inc()
 
 
 def count_vault_refusal(exc: stripe.StripeError) -> None:

@@ -32,7 +32,7 @@ with workflow.unsafe.imports_passed_through():
     from billing.periods import parse_period
     from billing.reconciliation import ReconcileInput, ReconcileReport
     from workflows.billing_period import BillingPeriodWorkflow
-    from workflows.identity import checked, given, one_input
+    from workflows.identity import given, one_input
     from workflows.reconcile import ReconcileWorkflow
 
 SCHEDULED_START = SearchAttributeKey.for_datetime("TemporalScheduledStartTime")
@@ -59,10 +59,6 @@ class ScheduledBillingWorkflow:
         self, request: ScheduledBillingInput | None = None
     ) -> PeriodSummary | ReconcileReport | None:
         request = given(request, ScheduledBillingInput)
-        if request.billing_schedule_id is not None:
-            # A schedule made with Temporal's own tools is not checked as `schedule create`
-            # checks one; the id names metrics and alerts.
-            checked(schedules.validate_schedule_id, request.billing_schedule_id)
         nominal = workflow.info().typed_search_attributes.get(SCHEDULED_START)
         if nominal is None:
             raise ApplicationError(

@@ -143,3 +143,15 @@ def test_a_schedule_watched_shows_its_alert_counters_at_0_before_they_count() ->
     assert [REGISTRY.get_sample_value(n, labels) for n in names] == [0.0, 0.0]
     metrics.count_unbilled_firing("watched-monthly")
     assert REGISTRY.get_sample_value(names[0], labels) == 1.0
+
+
+def test_a_schedule_id_made_by_hand_is_labelled_redacted_and_cut() -> None:
+    """A reconciliation made with Temporal's own tools may follow any text: a key-shaped id
+    reached the label as it was (helper-139's F1)."""
+    key = "sk_live_" + "A1b2C3d4E5f6G7h8J9k0"
+    metrics.count_followed_schedule_gone(f"made-by-hand-{key}")
+    labels = {"schedule": "made-by-hand-[redacted key]"}
+    assert REGISTRY.get_sample_value("billing_followed_schedule_gone_total", labels) == 1.0
+    metrics.schedule_checked("x" * 5_000)
+    cut = {"schedule": "x" * metrics.SCHEDULE_LABEL_MAX + "..."}
+    assert REGISTRY.get_sample_value("billing_schedule_checked_timestamp_seconds", cut)
