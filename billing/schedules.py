@@ -549,7 +549,8 @@ class UnbilledFiring(Record):
         if self.ended_unfinished:
             why += (
                 f"; the run of {', '.join(map(str, self.ended_unfinished))} ended (terminated,"
-                " failed) before it finished, leaving the customers it had not claimed"
+                " failed) before it finished, leaving the customers it had not claimed (one"
+                " paused then starts again running)"
             )
         it = "it" if len(months) == 1 else "them"
         return (
@@ -625,9 +626,10 @@ async def ended_unfinished(
 ) -> list[Period]:
     """Those of `periods` whose run ended before its close (terminated by an operator who
     thought it stuck, failed, or cancelled by a release before Temporal's cancel was one;
-    gone from Temporal since): the ledger holds it open for good, and the customers it had
-    not claimed are billed by no run, nor seen by reconciliation, which reads claims. A
-    launch (`schedule trigger` or `backfill`) or `run` starts it again."""
+    gone from Temporal since), unless an operator had cancelled it: the ledger holds it open
+    for good, and the customers it had not claimed are billed by no run, nor seen by
+    reconciliation, which reads claims. A launch (`schedule trigger` or `backfill`) or `run`
+    starts it again, running even if it was paused."""
     unfinished = []
     for period in map(parse_period, await ledger.open_runs(conn, sorted(map(str, periods)))):
         run = client.get_workflow_handle(period_workflow_id(period))

@@ -233,7 +233,8 @@ async def _warn_unfinished(client: Client, schedule_id: str, *, paused: bool) ->
         print(
             f"WARNING: the runs {schedule_id} launched for {months} ended (terminated, failed)"
             " before they finished, and no launch starts them again: the customers they had"
-            f" not claimed are unbilled; to bill them: python starter.py schedule backfill"
+            " not claimed are unbilled (a run paused then starts again running); to bill"
+            f" them: python starter.py schedule backfill"
             f" --id {schedule_id} --start {unfinished[0]} --end {unfinished[-1]}"
             + (" --late" if is_late(unfinished[0], datetime.now(UTC)) else "")
             + schedules.while_paused(paused),

@@ -138,11 +138,13 @@ async def periods_run(conn: asyncpg.Connection, periods: list[str]) -> list[str]
 
 
 async def open_runs(conn: asyncpg.Connection, periods: list[str]) -> list[str]:
-    """Those of `periods` whose last run the ledger holds open, in order: running, or ended
-    without its close (terminated, failed), which only Temporal can tell apart."""
+    """Those of `periods` whose last run the ledger holds open and no operator cancelled, in
+    order: running, or ended without its close (terminated, failed), which only Temporal can
+    tell apart. A cancelled one left open is the operator's word that its customers stay
+    unbilled, as a completed one cancelled is."""
     rows = await conn.fetch(
         "SELECT billing_period FROM billing_periods WHERE billing_period = ANY($1::text[])"
-        " AND state = 'running' ORDER BY billing_period",
+        " AND state = 'running' AND control <> 'cancelled' ORDER BY billing_period",
         periods,
     )
     return [row["billing_period"] for row in rows]

@@ -2033,14 +2033,17 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
     keep([flagged, quiet])
 
 
+@pytest.mark.parametrize("control", ["running", "paused", "cancelled"])
 async def test_a_launched_run_terminated_midway_is_flagged_until_it_is_started_again(
-    harness: Harness,
+    harness: Harness, control: str
 ) -> None:
     """A launch starts its month's run, which an operator then terminates (it looked
     stuck): the ledger holds it open for good, no launch starts it again, and reconciliation
     reads only claims, so its customers not yet claimed were billed by nobody while the
     daily check (any ledger row counted as run) and `describe` (the launch had started its
-    run) said nothing (helper-138's F1). Both now name the month, until a backfill bills it."""
+    run) said nothing (helper-138's F1). Both now name the month, until a launch bills it;
+    one paused first too, but not one an operator cancelled first, whose customers stay
+    unbilled as asked: its remedy would have charged them (helper-140's F1)."""
     customers = await harness.seed(6)
     await harness.set_faults(latency_ms=800)
     period = period_for(datetime.now(UTC), "advance")
@@ -2053,6 +2056,9 @@ async def test_a_launched_run_terminated_midway_is_flagged_until_it_is_started_a
     schedule.spec = ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(hours=1))])
     handle = await harness.client.create_schedule("cut-short", schedule)
     run = harness.client.get_workflow_handle(period_workflow_id(period))
+    # A cancelled run finishes its charge in flight, then closes: held there, it is
+    # terminated before the ledger has it closed.
+    hold = HoldClose()
 
     async def daily_check() -> schedules.UnbilledFiring | None:
         later = datetime.now(UTC) + timedelta(hours=2)
@@ -2061,30 +2067,42 @@ async def test_a_launched_run_terminated_midway_is_flagged_until_it_is_started_a
         return firings.unbilled
 
     try:
-        async with harness.running_worker():
+        async with harness.running_worker(interceptors=[hold]):
             await handle.trigger()
             await eventually(lambda: _nonempty(harness.ledger_rows(str(period))), timeout=30)
+            if control == "paused":
+                await operations.control(harness.client, period, "pause", ALICE)
+            elif control == "cancelled":
+                await operations.control(harness.client, period, "cancel", ALICE)
+                await asyncio.wait_for(hold.closing.wait(), 60)
             await run.terminate("looked stuck")
-            claimed = len(await harness.ledger_rows(str(period)))
-            assert claimed < len(customers), "the run finished before the terminate"
+            rows = await harness.ledger_rows(str(period))
+            charged = [r for r in rows if r["status"] == "charged"]
+            assert len(charged) < len(customers), "the run finished before the terminate"
             unbilled = await daily_check()
+            code, _, err = await harness.starter("schedule", "describe", "--id", "cut-short")
+            assert code == 0, err
+            if control == "cancelled":
+                assert unbilled is None, unbilled
+                assert "WARNING" not in err, err
+                return
             assert unbilled is not None and unbilled.period == period, unbilled
             assert unbilled.ended_unfinished == [period]
             assert (
                 f"the run of {period} ended (terminated, failed) before it finished"
                 in unbilled.describe()
             )
-            code, _, err = await harness.starter("schedule", "describe", "--id", "cut-short")
-            assert code == 0, err
             assert f"WARNING: the runs cut-short launched for {period} ended" in err
             assert f"schedule backfill --id cut-short --start {period} --end {period}" in err
             # A launch starts the run again (the hourly spec leaves a backfill none to make).
+            hold.go_on.set()
             await handle.trigger()
             await eventually(lambda: _completed(harness, period), timeout=60)
             assert await daily_check() is None
             code, _, err = await harness.starter("schedule", "describe", "--id", "cut-short")
             assert "WARNING" not in err, err
     finally:
+        hold.go_on.set()
         await handle.delete()
     await assert_billed_once(harness, str(period), customers)
 
