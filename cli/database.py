@@ -7,8 +7,18 @@ from collections.abc import AsyncIterator
 
 import asyncpg
 
-from billing.config import DatabaseSettings, load_settings
-from billing.db import create_pool
+from billing.config import DatabaseSettings, SettingsError, load_settings
+from billing.db import CONNECTION_ERRORS, create_pool
+from billing.errors import ConfigurationError, ServiceUnavailableError
+
+# What a command that reads the ledger only to say more (a schedule's `describe`) meets when
+# it cannot: said in a note, not failed on, after the command has done its part.
+LEDGER_UNREADABLE: tuple[type[Exception], ...] = (
+    *CONNECTION_ERRORS,
+    ServiceUnavailableError,
+    ConfigurationError,
+    SettingsError,
+)
 
 
 @contextlib.asynccontextmanager

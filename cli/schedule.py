@@ -10,12 +10,11 @@ from temporalio.client import Client, ScheduleAlreadyRunningError
 
 from billing import ledger, schedules
 from billing.config import TemporalSettings, load_settings
-from billing.db import CONNECTION_ERRORS
 from billing.errors import ForeignScheduleError, InvalidInputError, UnknownScheduleError
 from billing.periods import is_late, parse_period, period_range
 from billing.temporal_client import connect
 from cli import arguments
-from cli.database import ledger_connection
+from cli.database import LEDGER_UNREADABLE, ledger_connection
 
 
 async def cmd_schedule(args: argparse.Namespace) -> int:
@@ -221,7 +220,7 @@ async def _warn_unfinished(client: Client, schedule_id: str, *, paused: bool) ->
     try:
         async with ledger_connection() as conn:
             unfinished = await schedules.launched_unfinished(client, conn, schedule_id)
-    except CONNECTION_ERRORS as exc:
+    except LEDGER_UNREADABLE as exc:
         print(
             f"note: the ledger could not be read ({type(exc).__name__}): runs of months"
             f" {schedule_id} launched that ended before finishing were not looked for",
@@ -253,7 +252,7 @@ async def _warn_missed(schedule_id: str, missed: list[schedules.Missed], *, paus
         try:
             async with ledger_connection() as conn:
                 completed = await ledger.completed_runs(conn, periods)
-        except CONNECTION_ERRORS as exc:
+        except LEDGER_UNREADABLE as exc:
             unread = (
                 f" (the ledger could not be read, {type(exc).__name__}: months billed since by"
                 " hand are listed too)"

@@ -2107,6 +2107,30 @@ async def test_a_launched_run_terminated_midway_is_flagged_until_it_is_started_a
     await assert_billed_once(harness, str(period), customers)
 
 
+@pytest.mark.parametrize(
+    "ledger_url",
+    ["postgresql://billing@127.0.0.1:1/billing", "postgresql://billing:pa/ss#w@host/db"],
+    ids=["unreachable", "malformed"],
+)
+async def test_describe_says_what_it_could_not_read_and_succeeds(
+    harness: Harness, ledger_url: str
+) -> None:
+    """The ledger is read only to say more: with it away, or its URL malformed, `describe`
+    printed the schedule, then exited 2 with the connection's error."""
+    handle = await firing_every(harness, "no-ledger", 3600, paused=True)
+    try:
+        process = await harness.starter_process(
+            "schedule", "describe", "--id", "no-ledger", DATABASE_URL=ledger_url
+        )
+        out, err = (part.decode() for part in await process.communicate())
+    finally:
+        await handle.delete()
+    assert process.returncode == 0, err
+    assert out.startswith("schedule no-ledger"), out
+    assert "note: the ledger could not be read" in err and "Traceback" not in err, err
+    assert "pa/ss" not in err
+
+
 def _without_rechecks(details: str) -> str:
     """A launch's details without the earlier periods it reconciled again."""
     return re.sub(r"; also reconciling again [^;]*", "", details)
