@@ -23,6 +23,7 @@ from activities.stripe_failures import (
     SPEND_CAP_EXCEEDED,
     declined,
     fence_of,
+    lookup_failure,
     replays_saved_error,
     to_temporal_failure,
 )
@@ -298,11 +299,14 @@ class ChargingActivities:
                 type=KEY_REFUSED,
                 non_retryable=True,
             )
+        # Whether what is under way is a lookup, whose error is mapped as one (lookup_failure).
+        looking_up = self._looks_up_first(claim)
         try:
-            if self._looks_up_first(claim):
+            if looking_up:
                 found = await gateway.find(claim)
                 if found is not None:
                     return _settle(found)
+                looking_up = False
             return _settle(await gateway.charge(claim, fencing_token))
         except stripe.StripeError as exc:
             error = exc
@@ -315,7 +319,7 @@ class ChargingActivities:
                 except stripe.StripeError as lookup_error:
                     # The lookup's own failure (Stripe's rate, a key refused) is what the
                     # retry must wait out.
-                    error = lookup_error
+                    error, looking_up = lookup_error, True
                 else:
                     if found is not None:
                         return _settle(found)
@@ -324,7 +328,7 @@ class ChargingActivities:
                         if stop is not None:
                             raise _StoppedBehindSavedError(stop, to_temporal_failure(exc))
             metrics.count_vault_refusal(error)
-            failure = to_temporal_failure(error)
+            failure = lookup_failure(error) if looking_up else to_temporal_failure(error)
             # Only the create's own refusal can show that this attempt never reached Stripe;
             # a lookup refused after Stripe answered the create shows nothing of the kind.
             refused_before_stripe = error is exc

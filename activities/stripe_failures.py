@@ -194,6 +194,24 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
     )
 
 
+def lookup_failure(exc: stripe.StripeError) -> ApplicationError:
+    """The failure of a lookup that was to say whether a charge with the key exists (after
+    a replayed 500 or an idempotency error, or before an old claim's create). A refusal of
+    the lookup itself (Stripe's "No such customer" once the Stripe customer is deleted, a
+    parameter refused) says nothing of that charge: not the customer's final failure, as
+    the create's refusal would be, but looked up again slowly, saying what to check."""
+    failure = to_temporal_failure(exc)
+    if failure.type not in (DECLINED, REFUSED):
+        return failure
+    return ApplicationError(
+        f"the lookup of a charge this key may have made was refused ({failure.message});"
+        f" looked up again every {SLOW_RETRY.total_seconds() / 60:.0f} minutes: check the"
+        " customer on Stripe",
+        type=RETRYABLE,
+        next_retry_delay=SLOW_RETRY,
+    )
+
+
 def replays_saved_error(exc: stripe.StripeError) -> bool:
     """Stripe answered with an error it saved for the key: it began the request and failed,
     and gives every request with the key the same answer until it forgets the key. A 5xx, or

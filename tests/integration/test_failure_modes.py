@@ -171,6 +171,39 @@ async def test_a_lookup_refused_after_a_saved_500_never_sends_the_claim_back_to_
     assert row["charge_started_at"] is not None
 
 
+class LookupRefused(StripeGateway):
+    """Every lookup is refused as Stripe refuses a list by a customer it no longer has."""
+
+    async def find(self, claim: Claim) -> ChargeResult | ChargeFailure | None:
+        raise stripe.InvalidRequestError(  # type: ignore[no-untyped-call]
+            f"No such customer: '{claim.stripe_customer_id}'",
+            param="customer",
+            code="resource_missing",
+            http_status=404,
+            json_body={"error": {"type": "invalid_request_error", "code": "resource_missing"}},
+        )
+
+
+@pytest.mark.parametrize("looked_up", ["after-a-saved-500", "first-on-an-old-claim"])
+async def test_a_refused_lookup_leaves_the_claim_open_not_failed(
+    harness: Harness, looked_up: str
+) -> None:
+    """Where a charge with the key may exist (Stripe began the first request and saved its
+    500; a claim past 23 hours), a lookup refused as a create is (404, "No such customer")
+    was recorded as the customer's final failure, though it showed nothing of that charge
+    (helper-141's F1). It is looked up again slowly instead, the claim left open."""
+    _, charging, request = await _behind_a_saved_500(harness, LookupRefused)
+    if looked_up == "first-on-an-old-claim":
+        await harness.stripe_forgets_keys()
+        await harness.pool.execute("UPDATE billing_runs SET claimed_at = now() - interval '1 day'")
+    with pytest.raises(ApplicationError, match="the lookup of a charge this key") as refused:
+        await _attempt(2).run(charging.bill, request)
+    assert (refused.value.non_retryable, refused.value.next_retry_delay) == (False, SLOW_RETRY)
+    assert "resource_missing" in refused.value.message
+    [row] = await harness.ledger_rows(str(PERIOD))
+    assert row["status"] == "claimed"
+
+
 async def test_a_500_stripe_saved_before_charging_is_retried_until_stripe_forgets_the_key(
     harness: Harness,
 ) -> None:
