@@ -18,7 +18,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.stripe_failures import KEY_REFUSED
-from billing import ledger, logs, period_keys
+from billing import ledger, logs, period_keys, schedules
 from billing.config import BillingSettings
 from billing.errors import LedgerBusyError, UnknownCustomerError
 from billing.keys import customer_workflow_id, idempotency_key
@@ -250,11 +250,11 @@ class PeriodActivities:
 
     @activity.defn(name="period_completed")
     async def completed(self, period: str) -> bool:
-        """Whether the ledger shows a run of the period that completed (cancelled ones too),
-        which it remembers past the namespace's retention."""
+        """Whether a launch leaves the period as it is (schedules.finished_runs): the ledger
+        shows a run of it that completed, cancelled ones too, which it remembers past the
+        namespace's retention, or one an operator cancelled that then ended unclosed."""
         async with self._pool.acquire() as conn:
-            record = await ledger.period_record(conn, period)
-        return record is not None and record.state == "completed"
+            return bool(await schedules.finished_runs(activity.client(), conn, [period]))
 
     @activity.defn(name="latest_billed_period")
     async def latest_billed(self, period: str) -> str | None:

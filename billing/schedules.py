@@ -42,7 +42,7 @@ from billing.errors import (
     shown,
 )
 from billing.keys import period_workflow_id
-from billing.models import Record, RunOptions, ScheduledAction, ScheduledBillingInput
+from billing.models import Control, Record, RunOptions, ScheduledAction, ScheduledBillingInput
 from billing.periods import (
     Billing,
     Period,
@@ -339,11 +339,12 @@ async def backfill(
         # Later periods are refused below, by their launch times.
         check_run_by_hand(first, datetime.now(UTC), ahead=True, late=late)
         periods = [str(p) for p in period_range(first, last)]
-        completed = list(await ledger.completed_runs(conn, periods))
+        completed = await finished_runs(client, conn, periods)
         if completed == periods:
             raise InvalidInputError(
-                f"every period from {first} to {last} has a completed run, which a launch"
-                f" leaves as it is: nothing was backfilled. {_again_by_hand(completed)}"
+                f"every period from {first} to {last} has a run that completed or was"
+                " cancelled, which a launch leaves as it is: nothing was backfilled."
+                f" {_again_by_hand(completed)}"
             )
     start, end = backfill_window(first, last, request.options.billing, request.time_zone)
     launches = await matching_times(client, schedule_id, start, end)
@@ -394,11 +395,12 @@ async def trigger(
                 " to it: trigger it once the month has turned, or pass --early. Nothing was"
                 " triggered"
             )
-        completed = list(await ledger.completed_runs(conn, [str(period)]))
+        completed = await finished_runs(client, conn, [str(period)])
         if completed:
             raise InvalidInputError(
-                f"the schedule {schedule_id} bills {period} now, and a run of it has completed:"
-                f" a launch would start nothing, so none was triggered. {_again_by_hand(completed)}"
+                f"the schedule {schedule_id} bills {period} now, and a run of it has completed"
+                " or been cancelled: a launch would start nothing, so none was triggered."
+                f" {_again_by_hand(completed)}"
             )
         start, end = backfill_window(period, period, request.options.billing, request.time_zone)
         fires = await matching_times(client, schedule_id, start, end)
@@ -621,21 +623,38 @@ _STILL_BILLING = frozenset(
 )
 
 
+async def _ended_open(
+    client: Client, conn: asyncpg.Connection, periods: list[str]
+) -> dict[str, Control]:
+    """Those of `periods` whose run ended before its close (terminated by an operator who
+    thought it stuck, failed, or cancelled by a release before Temporal's cancel was one;
+    gone from Temporal since), with the control it had: the ledger holds it open for good."""
+    ended = {}
+    for period, control in (await ledger.open_runs(conn, sorted(periods))).items():
+        run = client.get_workflow_handle(period_workflow_id(parse_period(period)))
+        if await workflow_status(run) not in _STILL_BILLING:
+            ended[period] = control
+    return ended
+
+
 async def ended_unfinished(
     client: Client, conn: asyncpg.Connection, periods: list[Period]
 ) -> list[Period]:
-    """Those of `periods` whose run ended before its close (terminated by an operator who
-    thought it stuck, failed, or cancelled by a release before Temporal's cancel was one;
-    gone from Temporal since), unless an operator had cancelled it: the ledger holds it open
-    for good, and the customers it had not claimed are billed by no run, nor seen by
+    """Those of `periods` whose run ended before its close (_ended_open) unless an operator
+    had cancelled it: the customers it had not claimed are billed by no run, nor seen by
     reconciliation, which reads claims. A launch (`schedule trigger` or `backfill`) or `run`
     starts it again, running even if it was paused."""
-    unfinished = []
-    for period in map(parse_period, await ledger.open_runs(conn, sorted(map(str, periods)))):
-        run = client.get_workflow_handle(period_workflow_id(period))
-        if await workflow_status(run) not in _STILL_BILLING:
-            unfinished.append(period)
-    return unfinished
+    ended = await _ended_open(client, conn, [str(p) for p in periods])
+    return [parse_period(p) for p, control in ended.items() if control != "cancelled"]
+
+
+async def finished_runs(client: Client, conn: asyncpg.Connection, periods: list[str]) -> list[str]:
+    """Those of `periods` a launch leaves as they are: a run that completed (cancelled ones
+    too), or one an operator cancelled that then ended before its close (_ended_open), whose
+    customers it had not charged stay unbilled as the operator asked."""
+    completed = await ledger.completed_runs(conn, periods)
+    ended = await _ended_open(client, conn, periods)
+    return sorted({*completed, *(p for p, control in ended.items() if control == "cancelled")})
 
 
 async def launched_unfinished(

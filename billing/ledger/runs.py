@@ -137,17 +137,16 @@ async def periods_run(conn: asyncpg.Connection, periods: list[str]) -> list[str]
     return [row["billing_period"] for row in rows]
 
 
-async def open_runs(conn: asyncpg.Connection, periods: list[str]) -> list[str]:
-    """Those of `periods` whose last run the ledger holds open and no operator cancelled, in
-    order: running, or ended without its close (terminated, failed), which only Temporal can
-    tell apart. A cancelled one left open is the operator's word that its customers stay
-    unbilled, as a completed one cancelled is."""
+async def open_runs(conn: asyncpg.Connection, periods: list[str]) -> dict[str, Control]:
+    """Those of `periods` whose last run the ledger holds open, in order, each with its
+    control: running, or ended without its close (terminated, failed), which only Temporal
+    can tell apart."""
     rows = await conn.fetch(
-        "SELECT billing_period FROM billing_periods WHERE billing_period = ANY($1::text[])"
-        " AND state = 'running' AND control <> 'cancelled' ORDER BY billing_period",
+        "SELECT billing_period, control FROM billing_periods"
+        " WHERE billing_period = ANY($1::text[]) AND state = 'running' ORDER BY billing_period",
         periods,
     )
-    return [row["billing_period"] for row in rows]
+    return {row["billing_period"]: row["control"] for row in rows}
 
 
 async def completed_runs(conn: asyncpg.Connection, periods: list[str]) -> dict[str, bool]:

@@ -44,6 +44,7 @@ from temporalio.client import (
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
+from temporalio.testing import ActivityEnvironment
 from temporalio.worker import (
     ActivityInboundInterceptor,
     ExecuteActivityInput,
@@ -221,7 +222,8 @@ async def test_temporals_own_cancel_is_an_operators_cancel(
         await eventually(lambda: at_least(harness.succeeded(), 3))
         await handle.cancel()
         summary = await handle.result()
-        assert await PeriodActivities(harness.pool, harness.settings).completed(str(PERIOD))
+        completed = PeriodActivities(harness.pool, harness.settings).completed
+        assert await ActivityEnvironment(client=harness.client).run(completed, str(PERIOD))
     assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
     assert (summary.cancelled_by, summary.charged + summary.cancelled) == ("temporal", 30)
     assert summary.cancelled > 0
@@ -2085,6 +2087,16 @@ async def test_a_launched_run_terminated_midway_is_flagged_until_it_is_started_a
             if control == "cancelled":
                 assert unbilled is None, unbilled
                 assert "WARNING" not in err, err
+                # Nor does a launch undo the cancel: its new run would have charged them.
+                code, _, err = await harness.starter(
+                    "schedule", "trigger", "--id", "cut-short", "--while-paused", "--early"
+                )
+                assert code == 2 and "a run of it has completed or been cancelled" in err, err
+                await handle.trigger()
+                await (await _nth_launch(harness.client, handle, 2)).result()
+                assert [r["status"] for r in await harness.ledger_rows(str(period))] == [
+                    r["status"] for r in rows
+                ]
                 return
             assert unbilled is not None and unbilled.period == period, unbilled
             assert unbilled.ended_unfinished == [period]
