@@ -30,34 +30,35 @@ PROBLEMS_SHOWN = 5
 PART_SHOWN = 40
 
 
-class RefusedWorkflowInputError(ApplicationError):
+class InvalidWorkflowInputError(ApplicationError):
+    """A workflow's input refused: it fails the workflow, not its task, saying why."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(
+            f"{why}; nothing was done", type=INVALID_WORKFLOW_INPUT, non_retryable=True
+        )
+
+
+class RefusedWorkflowInputError(InvalidWorkflowInputError):
     """A workflow input its model refuses: in a worker it fails the workflow; a client
     reading one (a schedule's arguments) gets it in place of pydantic's ValidationError."""
 
     def __init__(self, model: type[WorkflowInput], exc: ValidationError) -> None:
-        super().__init__(
-            f"the workflow's input is not a valid {model.__name__}: {problems(exc)};"
-            " nothing was done",
-            type=INVALID_WORKFLOW_INPUT,
-            non_retryable=True,
-        )
+        super().__init__(f"the workflow's input is not a valid {model.__name__}: {problems(exc)}")
 
 
-class MissingWorkflowInputError(ApplicationError):
+class MissingWorkflowInputError(InvalidWorkflowInputError):
     """A workflow started with no input at all (`temporal workflow start` without `--input`,
     the Web UI's start form left empty): the SDK then calls it with no argument, and the
     converter never sees one, so the workflow raises this itself."""
 
     def __init__(self, workflow_type: str, model: type[WorkflowInput]) -> None:
         super().__init__(
-            f"the workflow's input is missing: {workflow_type} takes one {model.__name__};"
-            " nothing was done",
-            type=INVALID_WORKFLOW_INPUT,
-            non_retryable=True,
+            f"the workflow's input is missing: {workflow_type} takes one {model.__name__}"
         )
 
 
-class ExtraWorkflowInputError(ApplicationError):
+class ExtraWorkflowInputError(InvalidWorkflowInputError):
     """More inputs than the workflow takes (a second `--input` to `temporal workflow
     start`): the SDK then decodes none of them to its model and calls the workflow with them
     all, whose TypeError would fail every workflow task for as long as the workflow lived,
@@ -65,10 +66,7 @@ class ExtraWorkflowInputError(ApplicationError):
 
     def __init__(self, model: type[WorkflowInput], given: int) -> None:
         super().__init__(
-            f"the workflow takes one input, a {model.__name__}, and {given} were given;"
-            " nothing was done",
-            type=INVALID_WORKFLOW_INPUT,
-            non_retryable=True,
+            f"the workflow takes one input, a {model.__name__}, and {given} were given"
         )
 
 
