@@ -49,6 +49,10 @@ WAITING_ON_CUSTOMER = "payment_intent_waiting_on_customer"
 # (billing.ledger.reopen_refused_charge), or met a 500 Stripe saved for the key
 # (activities/charging.py). Nothing was sent; the retry takes the gate again.
 SUPERSEDED_CODE = "attempt_superseded"
+# A lookup that was to say whether a charge with the key exists was itself refused for good:
+# the customer is recorded failed so that the run can end, under this code, which says a
+# charge may exist all the same (stripe_failures.lookup_failure).
+LOOKUP_REFUSED = "lookup_refused"
 
 
 def vault_key_unusable(exc: stripe.StripeError) -> bool:
@@ -198,17 +202,22 @@ def lookup_failure(exc: stripe.StripeError) -> ApplicationError:
     """The failure of a lookup that was to say whether a charge with the key exists (after
     a replayed 500 or an idempotency error, or before an old claim's create). A refusal of
     the lookup itself (Stripe's "No such customer" once the Stripe customer is deleted, a
-    parameter refused) says nothing of that charge: not the customer's final failure, as
-    the create's refusal would be, but looked up again slowly, saying what to check."""
+    parameter refused) says nothing of that charge, and no retry changes it: recorded as the
+    customer's failure, so that the run can end (retried, the claim would hold it for ever,
+    past any skip or cancel), under LOOKUP_REFUSED, saying a charge may exist."""
     failure = to_temporal_failure(exc)
     if failure.type not in (DECLINED, REFUSED):
         return failure
-    return ApplicationError(
-        f"the lookup of a charge this key may have made was refused ({failure.message});"
-        f" looked up again every {SLOW_RETRY.total_seconds() / 60:.0f} minutes: check the"
-        " customer on Stripe",
-        type=RETRYABLE,
-        next_retry_delay=SLOW_RETRY,
+    refused = failure.details[0]
+    assert isinstance(refused, ChargeFailure)
+    return _non_retryable(
+        REFUSED,
+        ChargeFailure(
+            code=LOOKUP_REFUSED,
+            message=f"the lookup of a charge this key may have made was refused ({refused.code}:"
+            f" {refused.message}): recorded failed, though the charge may exist; check the"
+            " customer's payments on Stripe before billing them again",
+        ),
     )
 
 

@@ -185,23 +185,25 @@ class LookupRefused(StripeGateway):
 
 
 @pytest.mark.parametrize("looked_up", ["after-a-saved-500", "first-on-an-old-claim"])
-async def test_a_refused_lookup_leaves_the_claim_open_not_failed(
+async def test_a_refused_lookup_is_recorded_saying_a_charge_may_exist(
     harness: Harness, looked_up: str
 ) -> None:
     """Where a charge with the key may exist (Stripe began the first request and saved its
     500; a claim past 23 hours), a lookup refused as a create is (404, "No such customer")
-    was recorded as the customer's final failure, though it showed nothing of that charge
-    (helper-141's F1). It is looked up again slowly instead, the claim left open."""
+    was recorded as if Stripe had refused the charge, under the lookup's code (helper-141's
+    F1). It shows nothing of that charge, and no retry changes it (retried, the claim would
+    hold the run for ever, past any skip or cancel: helper-142's F1): the customer is
+    recorded failed under `lookup_refused`, whose message says to check Stripe first."""
     _, charging, request = await _behind_a_saved_500(harness, LookupRefused)
     if looked_up == "first-on-an-old-claim":
         await harness.stripe_forgets_keys()
         await harness.pool.execute("UPDATE billing_runs SET claimed_at = now() - interval '1 day'")
-    with pytest.raises(ApplicationError, match="the lookup of a charge this key") as refused:
-        await _attempt(2).run(charging.bill, request)
-    assert (refused.value.non_retryable, refused.value.next_retry_delay) == (False, SLOW_RETRY)
-    assert "resource_missing" in refused.value.message
+    outcome = await _attempt(2).run(charging.bill, request)
+    assert (outcome.outcome, outcome.failure_code) == ("failed", "lookup_refused")
     [row] = await harness.ledger_rows(str(PERIOD))
-    assert row["status"] == "claimed"
+    assert (row["status"], row["failure_code"]) == ("failed", "lookup_refused")
+    assert "resource_missing" in row["failure_message"]
+    assert "the charge may exist" in row["failure_message"]
 
 
 async def test_a_500_stripe_saved_before_charging_is_retried_until_stripe_forgets_the_key(
