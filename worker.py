@@ -172,6 +172,15 @@ async def _check_vault(admin: VaultAdmin, url: str, token_setting: str) -> None:
     it."""
     try:
         await admin.ready()
+    except VaultAdminError as exc:
+        log.warning(
+            "the vault at %s did not answer as ready (%s): runs wait at their opening until it"
+            " does; check BILLING_VAULT_URL if it stays so",
+            url,
+            exc,
+        )
+        return
+    try:
         # `ready` asks for no token: a read that does (this month's keys) tries this one.
         await admin.find_keys(
             label=period_keys.LABEL, period=str(period_for(datetime.now(UTC), "advance"))
@@ -184,12 +193,7 @@ async def _check_vault(admin: VaultAdmin, url: str, token_setting: str) -> None:
             token_setting,
         )
     except VaultAdminError as exc:
-        log.warning(
-            "the vault at %s did not answer as ready (%s): runs wait at their opening until it"
-            " does; check BILLING_VAULT_URL if it stays so",
-            url,
-            exc,
-        )
+        log.warning("the vault at %s refused to list this month's keys: %s", url, exc)
 
 
 async def main() -> None:

@@ -99,7 +99,8 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
         )
         if done.completed:
             print(
-                f"  left as they are, their runs completed: {', '.join(done.completed)}"
+                "  left as they are, their runs completed or were cancelled:"
+                f" {', '.join(done.completed)}"
                 " (bill one again by hand: python starter.py run PERIOD)"
             )
     elif args.schedule_command == "delete":

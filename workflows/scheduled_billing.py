@@ -127,8 +127,8 @@ class ScheduledBillingWorkflow:
                 summary=f"has a run of {period} completed?",
             ):
                 workflow.set_current_details(
-                    f"a run of {period} has completed: nothing started (bill it again by hand:"
-                    f" `python starter.py run {period}`)"
+                    f"a run of {period} has completed or was cancelled: nothing started (bill it"
+                    f" again by hand: `python starter.py run {period}`)"
                 )
                 return None
             reuse = WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY

@@ -1538,7 +1538,7 @@ async def test_a_trigger_or_backfill_that_would_start_nothing_is_refused(harness
     await handle.delete()
     assert code == 0, err
     assert out.startswith("backfilling 2 launches")
-    assert f"left as they are, their runs completed: {billed}" in out
+    assert f"left as they are, their runs completed or were cancelled: {billed}" in out
 
 
 async def test_a_trigger_or_backfill_of_a_paused_schedule_is_refused_unless_told(
