@@ -212,6 +212,7 @@ async def import_customers(
     async with pool.acquire() as conn, conn.transaction():
         await lock_for_change(conn, "the import")
         await _refuse_respelt(conn, rows)
+        await _refuse_renames_undone(conn, rows)
         changes = await changes_to_open_runs(conn, rows)
         if while_running or not changes:
             await _write(conn, rows)
@@ -241,6 +242,43 @@ async def _refuse_respelt(conn: asyncpg.Connection, rows: Sequence[CustomerRow])
             f" spelt another way, with the same Stripe customer: {shown}."
             " Imported, each would be charged twice a"
             " period, once per id. Use the ids already imported; nothing was imported"
+        )
+
+
+async def _refuse_renames_undone(conn: asyncpg.Connection, rows: Sequence[CustomerRow]) -> None:
+    """Refuse to make an inactive id active again while its Stripe customer has another
+    active id, in the ledger or in the import: most likely a rename undone (a master file
+    imported whole, say), which releases the new id's hold (ledger.sql.HELD_AS) in a period
+    the old id charged, or makes the old id due in one the new id charged: the Stripe
+    customer charged twice in it."""
+    found = await conn.fetch(
+        """
+        SELECT n.customer_id AS old_id, n.stripe_customer_id,
+               array_agg(DISTINCT o.customer_id ORDER BY o.customer_id) AS other_ids
+        FROM unnest($1::text[], $2::text[]) AS n(customer_id, stripe_customer_id)
+        JOIN customers c ON c.customer_id = n.customer_id AND NOT c.active
+        JOIN (SELECT customer_id, stripe_customer_id FROM customers WHERE active
+              UNION SELECT * FROM unnest($1::text[], $2::text[])) AS o
+            ON o.stripe_customer_id = n.stripe_customer_id AND o.customer_id <> n.customer_id
+        GROUP BY n.customer_id, n.stripe_customer_id
+        ORDER BY n.customer_id
+        """,
+        [r.customer_id for r in rows],
+        [r.stripe_customer_id for r in rows],
+    )
+    if found:
+        shown = listed(
+            [
+                f"{r['old_id']!r} ({r['stripe_customer_id']}, now {', '.join(r['other_ids'])})"
+                for r in found
+            ]
+        )
+        raise CustomerImportError(
+            f"{len(found)} inactive customer ids would be made active again while their Stripe"
+            f" customer has another active id: {shown}. Most likely renamed since: made"
+            " active, each Stripe customer would be charged under both ids, twice in a period"
+            " one of them was charged in. Leave them out of the file, or deactivate the other"
+            " id first; nothing was imported"
         )
 
 

@@ -290,3 +290,42 @@ async def test_a_held_customer_is_deactivated_without_being_named_as_one_a_run_b
         await ledger.open_period(conn, PERIOD, WORKFLOW_ID)
     done = await deactivate_customers(db, ["c-2"], while_running=False)
     assert (done.deactivated, done.still_billable) == (["c-2"], [])
+
+
+OLD_ID = CustomerRow(
+    customer_id="c-1",
+    stripe_customer_id="cus_A",
+    payment_method="pm_1",
+    amount_cents=100,
+    currency="usd",
+)
+
+
+@pytest.mark.parametrize("charged_as", ["old-id-run-open", "new-id-run-completed"])
+async def test_a_rename_undone_by_an_import_is_refused(db: asyncpg.Pool, charged_as: str) -> None:
+    """c-1 (cus_A) renamed to c-2: an import making c-1 active again (a master file
+    imported whole) released c-2's hold in an open run where c-1 had charged cus_A, or made
+    c-1 due in a period c-2 had charged: cus_A charged twice in it, with nothing refused
+    (helper-143's F1)."""
+    if charged_as == "old-id-run-open":
+        await _billed_then_renamed(db, "charged")
+        async with db.acquire() as conn:
+            await ledger.open_period(conn, PERIOD, WORKFLOW_ID)
+    else:
+        await _billed_then_renamed(db, "charged")
+        await db.execute(
+            "UPDATE billing_runs SET customer_id = 'c-2', idempotency_key = $1", _key("c-2")
+        )
+    with pytest.raises(CustomerImportError) as refused:
+        await import_customers(db, [OLD_ID], while_running=True)
+    assert "'c-1' (cus_A, now c-2)" in str(refused.value)
+    assert "nothing was imported" in str(refused.value)
+    assert not await db.fetchval("SELECT active FROM customers WHERE customer_id = 'c-1'")
+    # With c-2 deactivated, a file making c-1 active beside another id for cus_A is refused
+    # as well: cus_A would be billed under each.
+    await db.execute("UPDATE customers SET active = false WHERE customer_id = 'c-2'")
+    other = OLD_ID.model_copy(update={"customer_id": "c-3"})
+    with pytest.raises(CustomerImportError, match="'c-1' \\(cus_A, now c-3\\)"):
+        await import_customers(db, [OLD_ID, other], while_running=True)
+    await import_customers(db, [OLD_ID], while_running=True)
+    assert await db.fetchval("SELECT active FROM customers WHERE customer_id = 'c-1'")
