@@ -346,22 +346,26 @@ async def changes_to_open_runs(
     """Customers the rows add, make active again, or reprice while a period's run has not yet
     claimed them: that run may bill them, at a price its plan and its vault key's cap did not
     count (a new currency, with no key in that period, pauses it), and bill some customers at
-    the old price and these at the new."""
+    the old price and these at the new. And those repriced whose claim is open but not yet
+    sent: the claim keeps the price it was made with (every request with its key carries the
+    same), so the run charges the old one, which the operator is told."""
     found = await conn.fetch(
         f"""
         SELECT p.billing_period, n.customer_id, c.active, c.amount_cents, c.currency,
-               n.amount_cents AS new_amount, n.currency AS new_currency
+               n.amount_cents AS new_amount, n.currency AS new_currency,
+               r.status = 'claimed' AS claimed, r.amount_cents AS claimed_amount,
+               r.currency AS claimed_currency
         FROM unnest($1::text[], $2::bigint[], $3::text[])
             AS n(customer_id, amount_cents, currency)
         LEFT JOIN customers c ON c.customer_id = n.customer_id
         JOIN billing_periods p ON p.state = 'running'
         LEFT JOIN billing_runs r
             ON r.customer_id = n.customer_id AND r.billing_period = p.billing_period
-        -- A claim holds the price it was made with: only customers not yet claimed (no
-        -- row, or one a cancelled run never started) change.
-        WHERE (c.customer_id IS NULL OR NOT c.active
-               OR (c.amount_cents, c.currency) <> (n.amount_cents, n.currency))
-              AND (r.status IS NULL OR ({NEVER_STARTED.format(r="r")}))
+        WHERE ((c.customer_id IS NULL OR NOT c.active
+                OR (c.amount_cents, c.currency) <> (n.amount_cents, n.currency))
+               AND (r.status IS NULL OR ({NEVER_STARTED.format(r="r")})))
+           OR (r.status = 'claimed' AND r.charge_started_at IS NULL AND r.skip_reason IS NULL
+               AND (r.amount_cents, r.currency) <> (n.amount_cents, n.currency))
         ORDER BY p.billing_period, n.customer_id
         """,
         [r.customer_id for r in rows],
@@ -373,13 +377,20 @@ async def changes_to_open_runs(
             period=row["billing_period"],
             customer_id=row["customer_id"],
             was=_was(row),
-            becomes=f"{row['new_amount']} {row['new_currency']}",
+            becomes=(
+                f"{row['new_amount']} {row['new_currency']} from the next period"
+                if row["claimed"]
+                else f"{row['new_amount']} {row['new_currency']}"
+            ),
         )
         for row in found
     ]
 
 
 def _was(row: asyncpg.Record) -> str:
+    if row["claimed"]:
+        claimed = f"{row['claimed_amount']} {row['claimed_currency']}"
+        return f"claimed at {claimed}, which the run charges unless skipped"
     if row["active"] is None:
         return "new"
     price = f"{row['amount_cents']} {row['currency']}"

@@ -329,3 +329,25 @@ async def test_a_rename_undone_by_an_import_is_refused(db: asyncpg.Pool, charged
         await import_customers(db, [OLD_ID, other], while_running=True)
     await import_customers(db, [OLD_ID], while_running=True)
     assert await db.fetchval("SELECT active FROM customers WHERE customer_id = 'c-1'")
+
+
+async def test_a_price_changed_under_an_open_unsent_claim_is_named(db: asyncpg.Pool) -> None:
+    """A claim keeps the price it was made with (each request with its key carries the
+    same): an import repricing its customer while the claim waits (a paused run) was taken
+    without a word, and the run charged the old price (helper-143's F3)."""
+    await _a_customer(db)
+    await open_period_by_hand(db, PERIOD)
+    async with db.acquire() as conn:
+        await ledger.claim(conn, "c-1", PERIOD, _key("c-1"), "run-1", charge_api="payment_intents")
+    repriced = OLD_ID.model_copy(update={"amount_cents": 1000})
+    [change] = await import_customers(db, [repriced], while_running=False)
+    assert (change.customer_id, change.was, change.becomes) == (
+        "c-1",
+        "claimed at 100 usd, which the run charges unless skipped",
+        "1000 usd from the next period",
+    )
+    assert await db.fetchval("SELECT amount_cents FROM customers") == 100
+    # Sent already, it is charged as it was sent: nothing for the operator to decide.
+    await db.execute("UPDATE billing_runs SET charge_started_at = now()")
+    assert await import_customers(db, [repriced], while_running=False) == []
+    assert await db.fetchval("SELECT amount_cents FROM customers") == 1000
