@@ -407,12 +407,23 @@ class Billable(Record):
     claimed: bool
 
 
+class Held(Record):
+    """An active customer an open run would hold once `held_as` is inactive: it shares its
+    Stripe customer, which the run billed under `held_as`, so is taken for it renamed."""
+
+    period: str
+    customer_id: str
+    held_as: str
+
+
 class Deactivation(Record):
-    """What `deactivate_customers` did: nothing when `still_billable` is refused."""
+    """What `deactivate_customers` did: nothing when `still_billable` or `would_hold` is
+    refused."""
 
     deactivated: list[str]
     already_inactive: list[str]
     still_billable: list[Billable]
+    would_hold: list[Held] = []
 
 
 async def deactivate_customers(
@@ -438,14 +449,54 @@ async def deactivate_customers(
         inactive = sorted(row["customer_id"] for row in found if not row["active"])
         active = sorted(row["customer_id"] for row in found if row["active"])
         billable = await _still_billable(conn, active)
-        if billable and not while_running:
-            return Deactivation(deactivated=[], already_inactive=inactive, still_billable=billable)
+        would_hold = await _would_hold(conn, active)
+        if (billable or would_hold) and not while_running:
+            return Deactivation(
+                deactivated=[],
+                already_inactive=inactive,
+                still_billable=billable,
+                would_hold=would_hold,
+            )
         await conn.execute(
             "UPDATE customers SET active = false, updated_at = now()"
             " WHERE customer_id = ANY($1::text[])",
             active,
         )
-    return Deactivation(deactivated=active, already_inactive=inactive, still_billable=billable)
+    return Deactivation(
+        deactivated=active,
+        already_inactive=inactive,
+        still_billable=billable,
+        would_hold=would_hold,
+    )
+
+
+async def _would_hold(conn: asyncpg.Connection, customer_ids: Sequence[str]) -> list[Held]:
+    """The active customers an open run has yet to bill that it would hold once these are
+    inactive (ledger.sql.HELD_AS): another account on the same Stripe customer, which a
+    deactivation after its charge would leave unbilled for that period without a word."""
+    rows = await conn.fetch(
+        f"""
+        SELECT DISTINCT p.billing_period, c.customer_id, o.customer_id AS held_as
+        FROM billing_periods p
+        JOIN billing_runs o ON o.billing_period = p.billing_period
+            AND o.customer_id = ANY($1::text[])
+            AND (o.status = 'charged' OR (o.status = 'claimed'
+                 AND (o.skip_reason IS NULL OR o.charge_started_at IS NOT NULL)))
+        JOIN customers oc ON oc.customer_id = o.customer_id
+            AND oc.stripe_customer_id = o.stripe_customer_id
+        JOIN customers c ON c.stripe_customer_id = o.stripe_customer_id AND c.active
+            AND c.customer_id <> ALL($1::text[])
+        LEFT JOIN billing_runs r ON r.customer_id = c.customer_id
+            AND r.billing_period = p.billing_period AND NOT ({NEVER_STARTED.format(r="r")})
+        WHERE p.state = 'running' AND r.status IS NULL
+        ORDER BY 1, 2
+        """,
+        list(customer_ids),
+    )
+    return [
+        Held(period=r["billing_period"], customer_id=r["customer_id"], held_as=r["held_as"])
+        for r in rows
+    ]
 
 
 async def _still_billable(conn: asyncpg.Connection, customer_ids: Sequence[str]) -> list[Billable]:

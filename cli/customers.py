@@ -89,6 +89,14 @@ async def cmd_deactivate(args: argparse.Namespace) -> int:
             f" {_billables(unclaimed)}; that run does not charge them, but reports failed"
             " (unknown_customer) those whose child it has started"
         )
+    if done.would_hold:
+        notes.append(
+            f"{len(done.would_hold)} active customers share a Stripe customer an open run"
+            " billed under these ids, and that run would take them for these renamed, and"
+            " not bill them: "
+            + listed([f"{h.customer_id} in {h.period} (as {h.held_as})" for h in done.would_hold])
+            + ". If they are other accounts, deactivate once the run has ended"
+        )
     if notes and not args.while_running:
         raise InvalidInputError(
             "; ".join(notes)

@@ -351,3 +351,23 @@ async def test_a_price_changed_under_an_open_unsent_claim_is_named(db: asyncpg.P
     await db.execute("UPDATE billing_runs SET charge_started_at = now()")
     assert await import_customers(db, [repriced], while_running=False) == []
     assert await db.fetchval("SELECT amount_cents FROM customers") == 1000
+
+
+async def test_deactivating_an_account_says_which_other_the_open_run_would_then_hold(
+    db: asyncpg.Pool,
+) -> None:
+    """Two accounts on one Stripe customer, the first charged in the open run: deactivating
+    it made the run take the second for it renamed and never bill it, without a word
+    (helper-143's F4)."""
+    await _billed_then_renamed(db, "charged", old_active=True)
+    async with db.acquire() as conn:
+        await ledger.open_period(conn, PERIOD, WORKFLOW_ID)
+    refused = await deactivate_customers(db, ["c-1"], while_running=False)
+    assert refused.deactivated == []
+    assert [(h.period, h.customer_id, h.held_as) for h in refused.would_hold] == [
+        (PERIOD, "c-2", "c-1")
+    ]
+    assert await _due(db) == ["c-1", "c-2"]
+    done = await deactivate_customers(db, ["c-1"], while_running=True)
+    assert done.deactivated == ["c-1"] and done.would_hold == refused.would_hold
+    assert await _due(db) == ["c-1"]
