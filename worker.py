@@ -130,7 +130,6 @@ def create_worker(
             charging.stop,
             period.prepare,
             period.due_customers,
-            period.changed_since_opening,
             period.await_outcomes,
             period.set_control,
             period.skip_customer,

@@ -58,13 +58,6 @@ class DuePageRequest(Record):
     limit: int
 
 
-class SweepRequest(Record):
-    period: str
-    # Customers the sweeps listed already.
-    listed: list[str]
-    limit: int
-
-
 class OutcomesRequest(Record):
     period: str
     customer_ids: list[str]
@@ -285,13 +278,6 @@ class PeriodActivities:
     async def due_customers(self, request: DuePageRequest) -> DuePage:
         async with self._pool.acquire() as conn:
             return await ledger.due_page(conn, request.period, request.after, request.limit)
-
-    @activity.defn(name="changed_since_opening")
-    async def changed_since_opening(self, request: SweepRequest) -> DuePage:
-        async with self._pool.acquire() as conn:
-            return await ledger.changed_since_opening(
-                conn, request.period, request.listed, request.limit
-            )
 
     @activity.defn(name="await_outcomes")
     async def await_outcomes(self, request: OutcomesRequest) -> list[CustomerOutcome]:

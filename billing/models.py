@@ -197,9 +197,6 @@ class PeriodState(BaseModel):
     # be a charge never sent, refused and reopened, which the gate then cancels: the run
     # then ends at once.
     refused_after_cancel: str | None = None
-    # Customers the close's sweeps listed (changed_since_opening), so that one ending without
-    # a row (its claim refused) is not listed again.
-    swept: list[str] = Field(default_factory=list)
 
 
 class CancelPage(Record):

@@ -41,7 +41,6 @@ with workflow.unsafe.imports_passed_through():
         PeriodActivities,
         PrepareRequest,
         SkipCustomerRequest,
-        SweepRequest,
     )
     from billing import logs, money, search_attributes
     from billing.keys import customer_workflow_id, period_workflow_id, validate_customer_id
@@ -127,9 +126,6 @@ BLOCKED_AFTER_OPENING = "blocked-after-opening"
 # control's write: its children could pass the ledger's gate before that write landed, and
 # charge customers the cancel meant to stop. Such a batch is now put back, not started.
 BATCH_PUT_BACK_AT_CONTROL = "batch-put-back-at-control"
-# Runs recorded before this patch closed once their listing was done: a customer imported
-# mid-run whose id the listing had passed was never billed by the run, and nothing said so.
-SWEEP_BEFORE_CLOSE = "sweep-before-close"
 
 
 # Room left when a reason is cut, for what redacting the cut text again may add.
@@ -231,7 +227,7 @@ class BillingPeriodWorkflow:
                     await self._continue_as_new(period)
                 break
             await self._fill_window()
-            if self._exhausted() and not self._in_flight and not await self._sweep():
+            if self._exhausted() and not self._in_flight:
                 break
             await self._wait_for_room()
             if self._should_continue_as_new():
@@ -545,23 +541,6 @@ class BillingPeriodWorkflow:
 
     def _exhausted(self) -> bool:
         return self._state.listing_done and not self._buffer
-
-    async def _sweep(self) -> bool:
-        """Before the close, list the customers imported (or made active) since the opening
-        whose id the listing had passed: a run lists in id order, so it never reached them,
-        and said nothing. True if it found any, now in the buffer."""
-        if not workflow.patched(SWEEP_BEFORE_CLOSE):
-            return False
-        state = self._state
-        page = await workflow.execute_local_activity_method(
-            PeriodActivities.changed_since_opening,
-            SweepRequest(period=state.period, listed=state.swept, limit=self._options.page_size),
-            start_to_close_timeout=ACTIVITY_TIMEOUT,
-            summary="list customers imported behind the listing",
-        )
-        state.swept += [c.customer_id for c in page.customers]
-        self._buffer = page.customers
-        return bool(self._buffer)
 
     async def _next_batch(self, room: int) -> list[DueCustomer]:
         """Up to `room` customers to start; customers finished in the ledger are counted.

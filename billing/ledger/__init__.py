@@ -12,7 +12,6 @@ from billing.ledger.claims import (
     without_rows,
 )
 from billing.ledger.due import (
-    changed_since_opening,
     due_page,
     held_customers,
     issued_caps,
@@ -72,7 +71,6 @@ __all__ = [
     "Passage",
     "begin_charge",
     "cancel_customers",
-    "changed_since_opening",
     "claim",
     "claim_by_key",
     "completed_runs",

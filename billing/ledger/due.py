@@ -113,27 +113,3 @@ async def due_page(conn: asyncpg.Connection, period: str, after: str | None, lim
     customers = [DueCustomer(customer_id=r["customer_id"], status=r["status"]) for r in rows]
     next_cursor = customers[-1].customer_id if len(customers) == limit else None
     return DuePage(customers=customers, next_cursor=next_cursor)
-
-
-async def changed_since_opening(
-    conn: asyncpg.Connection, period: str, listed: list[str], limit: int
-) -> DuePage:
-    """Due customers with no row of the period, imported (or made active, or repriced) since
-    its run opened, but those in `listed`: a run lists customers in id order, so one whose
-    id it had passed when imported was never listed (the run sweeps these before its close).
-    No cursor: one behind any sweep's is found by the next; `listed` keeps one that ended
-    without a row (its claim refused) from being listed for ever."""
-    rows = await conn.fetch(
-        f"""
-        SELECT c.customer_id, r.status {DUE} AND r.status IS NULL
-            AND c.updated_at > (SELECT started_at FROM billing_periods
-                                WHERE billing_period = $1)
-            AND c.customer_id <> ALL($2::text[])
-        ORDER BY c.customer_id LIMIT $3
-        """,
-        period,
-        listed,
-        limit,
-    )
-    customers = [DueCustomer(customer_id=r["customer_id"], status=None) for r in rows]
-    return DuePage(customers=customers, next_cursor=None)
