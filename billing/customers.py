@@ -246,22 +246,35 @@ async def _refuse_respelt(conn: asyncpg.Connection, rows: Sequence[CustomerRow])
 
 
 async def _refuse_renames_undone(conn: asyncpg.Connection, rows: Sequence[CustomerRow]) -> None:
-    """Refuse to make an inactive id active again while its Stripe customer has another
-    active id, in the ledger or in the import: most likely a rename undone (a master file
-    imported whole, say), which releases the new id's hold (ledger.sql.HELD_AS) in a period
+    """Refuse to write an inactive id (the import makes it active) while a Stripe customer it
+    has, had, or is given has another active id, in the ledger or in the import: most likely
+    a rename undone (a master file imported whole, say), which releases the new id's hold
+    (ledger.sql.HELD_AS, which reads the old id's Stripe customer as it is now) in a period
     the old id charged, or makes the old id due in one the new id charged: the Stripe
     customer charged twice in it."""
     found = await conn.fetch(
         """
-        SELECT n.customer_id AS old_id, n.stripe_customer_id,
+        WITH n(customer_id, stripe_customer_id) AS (SELECT * FROM unnest($1::text[], $2::text[])),
+        old(customer_id, stripe_customer_id) AS (
+            SELECT n.customer_id, n.stripe_customer_id FROM n
+            JOIN customers c ON c.customer_id = n.customer_id AND NOT c.active
+            UNION SELECT c.customer_id, c.stripe_customer_id FROM customers c
+            WHERE c.customer_id = ANY($1::text[]) AND NOT c.active
+            UNION SELECT r.customer_id, r.stripe_customer_id FROM billing_runs r
+            JOIN customers c ON c.customer_id = r.customer_id AND NOT c.active
+            WHERE r.customer_id = ANY($1::text[])),
+        others(customer_id, stripe_customer_id) AS (
+            SELECT customer_id, stripe_customer_id FROM customers
+            WHERE active AND customer_id <> ALL($1::text[])
+            UNION SELECT * FROM n)
+        SELECT old.customer_id AS old_id,
+               array_agg(DISTINCT o.stripe_customer_id ORDER BY o.stripe_customer_id)
+                   AS stripe_ids,
                array_agg(DISTINCT o.customer_id ORDER BY o.customer_id) AS other_ids
-        FROM unnest($1::text[], $2::text[]) AS n(customer_id, stripe_customer_id)
-        JOIN customers c ON c.customer_id = n.customer_id AND NOT c.active
-        JOIN (SELECT customer_id, stripe_customer_id FROM customers WHERE active
-              UNION SELECT * FROM unnest($1::text[], $2::text[])) AS o
-            ON o.stripe_customer_id = n.stripe_customer_id AND o.customer_id <> n.customer_id
-        GROUP BY n.customer_id, n.stripe_customer_id
-        ORDER BY n.customer_id
+        FROM old JOIN others o ON o.stripe_customer_id = old.stripe_customer_id
+            AND o.customer_id <> old.customer_id
+        GROUP BY old.customer_id
+        ORDER BY old.customer_id
         """,
         [r.customer_id for r in rows],
         [r.stripe_customer_id for r in rows],
@@ -269,17 +282,21 @@ async def _refuse_renames_undone(conn: asyncpg.Connection, rows: Sequence[Custom
     if found:
         shown = listed(
             [
-                f"{r['old_id']!r} ({r['stripe_customer_id']}, now {', '.join(r['other_ids'])})"
+                f"{r['old_id']!r} ({', '.join(r['stripe_ids'])}, now {', '.join(r['other_ids'])})"
                 for r in found
             ]
         )
         raise CustomerImportError(
-            f"{len(found)} inactive customer ids would be made active again while their Stripe"
-            f" customer has another active id: {shown}. Most likely renamed since: made"
-            " active, each Stripe customer would be charged under both ids, twice in a period"
-            " one of them was charged in. Leave them out of the file, or deactivate the other"
-            " id first; nothing was imported"
+            f"{_ids(len(found))} would be made active again while a Stripe customer of theirs"
+            f" has another active id: {shown}. Most likely renamed since: made active, each"
+            " Stripe customer would be charged under both ids, twice in a period one of them"
+            " was charged in. Leave them out of the file, or deactivate the other id first;"
+            " nothing was imported"
         )
+
+
+def _ids(count: int) -> str:
+    return "1 inactive customer id" if count == 1 else f"{count} inactive customer ids"
 
 
 async def sharing_a_stripe_customer(
@@ -365,6 +382,7 @@ async def changes_to_open_runs(
                 OR (c.amount_cents, c.currency) <> (n.amount_cents, n.currency))
                AND (r.status IS NULL OR ({NEVER_STARTED.format(r="r")})))
            OR (r.status = 'claimed' AND r.charge_started_at IS NULL AND r.skip_reason IS NULL
+               AND (c.amount_cents, c.currency) <> (n.amount_cents, n.currency)
                AND (r.amount_cents, r.currency) <> (n.amount_cents, n.currency))
         ORDER BY p.billing_period, n.customer_id
         """,

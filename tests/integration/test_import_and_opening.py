@@ -318,8 +318,15 @@ async def test_a_rename_undone_by_an_import_is_refused(db: asyncpg.Pool, charged
         )
     with pytest.raises(CustomerImportError) as refused:
         await import_customers(db, [OLD_ID], while_running=True)
+    assert str(refused.value).startswith("1 inactive customer id would be made active")
     assert "'c-1' (cus_A, now c-2)" in str(refused.value)
     assert "nothing was imported" in str(refused.value)
+    # Given another Stripe customer, it still released the hold, which reads the old id's
+    # Stripe customer as it is now (helper-144's F4).
+    with pytest.raises(CustomerImportError, match="'c-1' \\(cus_A, now c-2\\)"):
+        await import_customers(
+            db, [OLD_ID.model_copy(update={"stripe_customer_id": "cus_B"})], while_running=True
+        )
     assert not await db.fetchval("SELECT active FROM customers WHERE customer_id = 'c-1'")
     # With c-2 deactivated, a file making c-1 active beside another id for cus_A is refused
     # as well: cus_A would be billed under each.
@@ -347,6 +354,11 @@ async def test_a_price_changed_under_an_open_unsent_claim_is_named(db: asyncpg.P
         "1000 usd from the next period",
     )
     assert await db.fetchval("SELECT amount_cents FROM customers") == 100
+    # Imported all the same, the same file again changes nothing more to name (helper-144's
+    # F5: it was refused as a change for as long as the claim waited).
+    await import_customers(db, [repriced], while_running=True)
+    assert await import_customers(db, [repriced], while_running=False) == []
+    await db.execute("UPDATE customers SET amount_cents = 100")
     # Sent already, it is charged as it was sent: nothing for the operator to decide.
     await db.execute("UPDATE billing_runs SET charge_started_at = now()")
     assert await import_customers(db, [repriced], while_running=False) == []
