@@ -371,9 +371,17 @@ async def changes_to_open_runs(
         SELECT p.billing_period, n.customer_id, c.active, c.amount_cents, c.currency,
                n.amount_cents AS new_amount, n.currency AS new_currency,
                r.status = 'claimed' AS claimed, r.amount_cents AS claimed_amount,
-               r.currency AS claimed_currency
-        FROM unnest($1::text[], $2::bigint[], $3::text[])
-            AS n(customer_id, amount_cents, currency)
+               r.currency AS claimed_currency, n.stripe_customer_id,
+               -- Another active id the run billed this Stripe customer as: this one may be
+               -- that one renamed before it was deactivated, which the run would charge again.
+               (SELECT min(o.customer_id) FROM billing_runs o
+                JOIN customers oc ON oc.customer_id = o.customer_id AND oc.active
+                WHERE o.billing_period = p.billing_period
+                    AND o.stripe_customer_id = n.stripe_customer_id
+                    AND o.customer_id <> n.customer_id
+                    AND o.status IN ('charged', 'claimed')) AS billed_as
+        FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[])
+            AS n(customer_id, amount_cents, currency, stripe_customer_id)
         LEFT JOIN customers c ON c.customer_id = n.customer_id
         JOIN billing_periods p ON p.state = 'running'
         LEFT JOIN billing_runs r
@@ -389,6 +397,7 @@ async def changes_to_open_runs(
         [r.customer_id for r in rows],
         [r.amount_cents for r in rows],
         [r.currency for r in rows],
+        [r.stripe_customer_id for r in rows],
     )
     return [
         RunningChange(
@@ -410,9 +419,16 @@ def _was(row: asyncpg.Record) -> str:
         claimed = f"{row['claimed_amount']} {row['claimed_currency']}"
         return f"claimed at {claimed}, which the run charges unless skipped"
     if row["active"] is None:
-        return "new"
-    price = f"{row['amount_cents']} {row['currency']}"
-    return price if row["active"] else f"inactive, {price}"
+        was = "new"
+    else:
+        price = f"{row['amount_cents']} {row['currency']}"
+        was = price if row["active"] else f"inactive, {price}"
+    if row["billed_as"] is not None:
+        was += (
+            f", on {row['stripe_customer_id']}, which this run billed as {row['billed_as']}"
+            f" (if renamed, deactivate {row['billed_as']} first)"
+        )
+    return was
 
 
 class Billable(Record):

@@ -383,3 +383,21 @@ async def test_deactivating_an_account_says_which_other_the_open_run_would_then_
     done = await deactivate_customers(db, ["c-1"], while_running=True)
     assert done.deactivated == ["c-1"] and done.would_hold == refused.would_hold
     assert await _due(db) == ["c-1"]
+
+
+async def test_a_new_id_on_a_stripe_customer_the_run_billed_names_the_id_it_billed(
+    db: asyncpg.Pool,
+) -> None:
+    """A rename done in the wrong order (the new id imported while the old one, charged this
+    period, is still active): the refusal named the new id as "new" only, and the warning
+    that its Stripe customer has two ids came after the write (helper-143's F5)."""
+    await _billed_then_renamed(db, "charged", old_active=True)
+    await db.execute("DELETE FROM customers WHERE customer_id = 'c-2'")
+    async with db.acquire() as conn:
+        await ledger.open_period(conn, PERIOD, WORKFLOW_ID)
+    renamed = OLD_ID.model_copy(update={"customer_id": "c-2"})
+    [change] = await import_customers(db, [renamed], while_running=False)
+    assert change.was == (
+        "new, on cus_A, which this run billed as c-1 (if renamed, deactivate c-1 first)"
+    )
+    assert await db.fetchval("SELECT count(*) FROM customers") == 1
