@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import re
 from collections.abc import Iterable, Sequence
+from datetime import timedelta
 from pathlib import Path
 
 import asyncpg
@@ -18,6 +19,7 @@ from billing.errors import (
 )
 from billing.keys import validate_customer_id
 from billing.ledger import NEVER_STARTED, held_as_sql, lock_for_change
+from billing.ledger.sql import BILLED
 from billing.models import Record
 from billing.money import parse_amount, validate_amount, validate_amount_in, validate_currency
 from billing.redact import SECRET_RE
@@ -245,15 +247,20 @@ async def _refuse_respelt(conn: asyncpg.Connection, rows: Sequence[CustomerRow])
         )
 
 
+# Periods billed this recently may be run again (a rerun bills customers added since).
+RERUN_WINDOW = timedelta(days=62)
+
+
 async def _refuse_renames_undone(conn: asyncpg.Connection, rows: Sequence[CustomerRow]) -> None:
     """Refuse to write an inactive id (the import makes it active) while a Stripe customer it
-    has, had, or is given has another active id, in the ledger or in the import: most likely
-    a rename undone (a master file imported whole, say), which releases the new id's hold
-    (ledger.sql.HELD_AS, which reads the old id's Stripe customer as it is now) in a period
-    the old id charged, or makes the old id due in one the new id charged: the Stripe
-    customer charged twice in it."""
+    has, had in a billed row, or is given has another active id (in the ledger or in the
+    import), or was billed under another id in a period that may still run (RERUN_WINDOW)
+    where this one has no row: most likely a rename undone (a master file imported whole,
+    say), which releases the new id's hold (ledger.sql.HELD_AS, which reads the old id's
+    Stripe customer as it is now), or makes the old id due in a period the new id charged:
+    the Stripe customer charged twice in it."""
     found = await conn.fetch(
-        """
+        f"""
         WITH n(customer_id, stripe_customer_id) AS (SELECT * FROM unnest($1::text[], $2::text[])),
         old(customer_id, stripe_customer_id) AS (
             SELECT n.customer_id, n.stripe_customer_id FROM n
@@ -262,36 +269,46 @@ async def _refuse_renames_undone(conn: asyncpg.Connection, rows: Sequence[Custom
             WHERE c.customer_id = ANY($1::text[]) AND NOT c.active
             UNION SELECT r.customer_id, r.stripe_customer_id FROM billing_runs r
             JOIN customers c ON c.customer_id = r.customer_id AND NOT c.active
-            WHERE r.customer_id = ANY($1::text[])),
-        others(customer_id, stripe_customer_id) AS (
-            SELECT customer_id, stripe_customer_id FROM customers
+            WHERE r.customer_id = ANY($1::text[]) AND {BILLED.format(r="r")}),
+        others(customer_id, stripe_customer_id, billing_period) AS (
+            SELECT customer_id, stripe_customer_id, NULL FROM customers
             WHERE active AND customer_id <> ALL($1::text[])
-            UNION SELECT * FROM n)
+            UNION SELECT customer_id, stripe_customer_id, NULL FROM n
+            UNION SELECT r.customer_id, r.stripe_customer_id, r.billing_period
+            FROM billing_runs r JOIN billing_periods p USING (billing_period)
+            WHERE {BILLED.format(r="r")}
+                AND (p.state = 'running' OR p.started_at > now() - $3::interval))
         SELECT old.customer_id AS old_id,
                array_agg(DISTINCT o.stripe_customer_id ORDER BY o.stripe_customer_id)
                    AS stripe_ids,
                array_agg(DISTINCT o.customer_id ORDER BY o.customer_id) AS other_ids
         FROM old JOIN others o ON o.stripe_customer_id = old.stripe_customer_id
             AND o.customer_id <> old.customer_id
+            -- Billed in a period: only where this id has no row of its own, to be billed.
+            AND (o.billing_period IS NULL OR NOT EXISTS (
+                SELECT 1 FROM billing_runs mine WHERE mine.customer_id = old.customer_id
+                    AND mine.billing_period = o.billing_period))
         GROUP BY old.customer_id
         ORDER BY old.customer_id
         """,
         [r.customer_id for r in rows],
         [r.stripe_customer_id for r in rows],
+        RERUN_WINDOW,
     )
     if found:
         shown = listed(
             [
-                f"{r['old_id']!r} ({', '.join(r['stripe_ids'])}, now {', '.join(r['other_ids'])})"
+                f"{r['old_id']!r} ({', '.join(r['stripe_ids'])},"
+                f" also {', '.join(r['other_ids'])}'s)"
                 for r in found
             ]
         )
         raise CustomerImportError(
             f"{_ids(len(found))} would be made active again while a Stripe customer of theirs"
-            f" has another active id: {shown}. Most likely renamed since: made active, each"
-            " Stripe customer would be charged under both ids, twice in a period one of them"
-            " was charged in. Leave them out of the file, or deactivate the other id first;"
-            " nothing was imported"
+            f" is another id's, or was billed as one lately: {shown}. Most likely renamed"
+            " since: made active, a Stripe customer would be charged under both ids, twice in"
+            " a period. Leave them out of the file, or make sure the other id is not that"
+            " customer; nothing was imported"
         )
 
 
@@ -513,9 +530,7 @@ async def _would_hold(conn: asyncpg.Connection, customer_ids: Sequence[str]) -> 
         SELECT DISTINCT p.billing_period, c.customer_id, o.customer_id AS held_as
         FROM billing_periods p
         JOIN billing_runs o ON o.billing_period = p.billing_period
-            AND o.customer_id = ANY($1::text[])
-            AND (o.status = 'charged' OR (o.status = 'claimed'
-                 AND (o.skip_reason IS NULL OR o.charge_started_at IS NOT NULL)))
+            AND o.customer_id = ANY($1::text[]) AND {BILLED.format(r="o")}
         JOIN customers oc ON oc.customer_id = o.customer_id
             AND oc.stripe_customer_id = o.stripe_customer_id
         JOIN customers c ON c.stripe_customer_id = o.stripe_customer_id AND c.active

@@ -16,15 +16,18 @@ NEVER_STARTED = (
 # deactivated, the new one imported), with a key of its own: it is held, not due, for as long
 # as this holds (an old claim that fails releases it). An index of inactive customers by
 # Stripe customer (migrations/017) makes it one probe per customer.
+# A row `r` that charged its Stripe customer, or holds a claim for it that is not skipped
+# before its charge was sent (to be charged, or in doubt).
+BILLED = (
+    "({r}.status = 'charged' OR ({r}.status = 'claimed'"
+    " AND ({r}.skip_reason IS NULL OR {r}.charge_started_at IS NOT NULL)))"
+)
+
+
 def held_as_sql(period: str = "$1", *, charged: bool = False) -> str:
     """The SQL of the above for customer `c`, the period being `period` (a parameter or a
     column); only charged rows count if `charged`."""
-    billed = "o.status = 'charged'"
-    if not charged:
-        billed = (
-            f"({billed} OR (o.status = 'claimed'"
-            " AND (o.skip_reason IS NULL OR o.charge_started_at IS NOT NULL)))"
-        )
+    billed = "o.status = 'charged'" if charged else BILLED.format(r="o")
     return f"""(
     SELECT min(oc.customer_id) FROM customers oc
     JOIN billing_runs o ON o.customer_id = oc.customer_id AND o.billing_period = {period}

@@ -319,11 +319,11 @@ async def test_a_rename_undone_by_an_import_is_refused(db: asyncpg.Pool, charged
     with pytest.raises(CustomerImportError) as refused:
         await import_customers(db, [OLD_ID], while_running=True)
     assert str(refused.value).startswith("1 inactive customer id would be made active")
-    assert "'c-1' (cus_A, now c-2)" in str(refused.value)
+    assert "'c-1' (cus_A, also c-2's)" in str(refused.value)
     assert "nothing was imported" in str(refused.value)
     # Given another Stripe customer, it still released the hold, which reads the old id's
     # Stripe customer as it is now (helper-144's F4).
-    with pytest.raises(CustomerImportError, match="'c-1' \\(cus_A, now c-2\\)"):
+    with pytest.raises(CustomerImportError, match="'c-1' \\(cus_A, also c-2's\\)"):
         await import_customers(
             db, [OLD_ID.model_copy(update={"stripe_customer_id": "cus_B"})], while_running=True
         )
@@ -332,8 +332,14 @@ async def test_a_rename_undone_by_an_import_is_refused(db: asyncpg.Pool, charged
     # as well: cus_A would be billed under each.
     await db.execute("UPDATE customers SET active = false WHERE customer_id = 'c-2'")
     other = OLD_ID.model_copy(update={"customer_id": "c-3"})
-    with pytest.raises(CustomerImportError, match="'c-1' \\(cus_A, now c-3\\)"):
+    with pytest.raises(CustomerImportError, match=r"'c-1' \(cus_A, also (c-2, )?c-3's\)"):
         await import_customers(db, [OLD_ID, other], while_running=True)
+    if charged_as == "new-id-run-completed":
+        # c-2 charged cus_A in a period c-1 has no row of: c-1 would be due there, and
+        # charge cus_A again, whatever c-2 is now.
+        with pytest.raises(CustomerImportError, match="'c-1' \\(cus_A, also c-2's\\)"):
+            await import_customers(db, [OLD_ID], while_running=True)
+        return
     await import_customers(db, [OLD_ID], while_running=True)
     assert await db.fetchval("SELECT active FROM customers WHERE customer_id = 'c-1'")
 
@@ -401,3 +407,44 @@ async def test_a_new_id_on_a_stripe_customer_the_run_billed_names_the_id_it_bill
         "new, on cus_A, which this run billed as c-1 (if renamed, deactivate c-1 first)"
     )
     assert await db.fetchval("SELECT count(*) FROM customers") == 1
+
+
+@pytest.mark.parametrize("other", ["moved-in-the-same-file", "moved-then-deactivated"])
+async def test_a_rename_undone_after_the_new_id_moved_is_refused(
+    db: asyncpg.Pool, other: str
+) -> None:
+    """c-2 charged cus_A this period, then moved to cus_B (in the same file, or before, and
+    deactivated since): c-1 brought back on cus_A was due with no row and held by nothing,
+    cus_A charged twice (helper-145's F1, F2). The billed rows of a period that may still
+    run count, not only what the other id is given now."""
+    await _billed_then_renamed(db, "charged")
+    await db.execute(
+        "UPDATE billing_runs SET customer_id = 'c-2', idempotency_key = $1", _key("c-2")
+    )
+    async with db.acquire() as conn:
+        await ledger.open_period(conn, PERIOD, WORKFLOW_ID)
+    moved = OLD_ID.model_copy(update={"customer_id": "c-2", "stripe_customer_id": "cus_B"})
+    if other == "moved-in-the-same-file":
+        file = [OLD_ID, moved]
+    else:
+        await import_customers(db, [moved], while_running=True)
+        await db.execute("UPDATE customers SET active = false WHERE customer_id = 'c-2'")
+        file = [OLD_ID]
+    with pytest.raises(CustomerImportError, match="'c-1' \\(cus_A, also c-2's\\)"):
+        await import_customers(db, file, while_running=True)
+    assert "c-1" not in await _due(db)
+
+
+async def test_an_old_failed_row_does_not_refuse_bringing_an_id_back(db: asyncpg.Pool) -> None:
+    """Only rows that charged or may charge count: a failed row of c-1's under a Stripe
+    customer another id has now refused c-1 for good (helper-145's low finding)."""
+    await _billed_then_renamed(db, "failed")
+    await db.execute("DELETE FROM customers WHERE customer_id = 'c-2'")
+    await db.execute("UPDATE customers SET stripe_customer_id = 'cus_C' WHERE customer_id = 'c-1'")
+    await db.execute(
+        "INSERT INTO customers (customer_id, stripe_customer_id, payment_method, amount_cents,"
+        " currency) VALUES ('c-5', 'cus_A', 'pm_1', 100, 'usd')"
+    )
+    back = OLD_ID.model_copy(update={"stripe_customer_id": "cus_C"})
+    await import_customers(db, [back], while_running=True)
+    assert await db.fetchval("SELECT active FROM customers WHERE customer_id = 'c-1'")
