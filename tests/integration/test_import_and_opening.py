@@ -13,7 +13,12 @@ import asyncpg
 import pytest
 
 from billing import ledger
-from billing.customers import CustomerRow, deactivate_customers, import_customers
+from billing.customers import (
+    CustomerRow,
+    deactivate_customers,
+    import_customers,
+    upsert_customers,
+)
 from billing.errors import CustomerImportError, HeldCustomerError, LedgerBusyError
 from billing.keys import idempotency_key
 from billing.models import AUTOMATIC, ChargeFailure, ChargeResult, Claim, PeriodPlan
@@ -23,6 +28,14 @@ from tests.integration.harness import open_period_by_hand
 
 PERIOD = "2026-12"
 WORKFLOW_ID = "billing-period-2026-12"
+# The customer _a_customer writes, as an import names it (the old id of a rename).
+OLD_ID = CustomerRow(
+    customer_id="c-1",
+    stripe_customer_id="cus_A",
+    payment_method="pm_1",
+    amount_cents=100,
+    currency="usd",
+)
 NEW = CustomerRow(
     customer_id="c-2",
     stripe_customer_id="cus_B",
@@ -37,10 +50,7 @@ def _key(customer_id: str) -> str:
 
 
 async def _a_customer(db: asyncpg.Pool) -> None:
-    await db.execute(
-        "INSERT INTO customers (customer_id, stripe_customer_id, payment_method, amount_cents,"
-        " currency) VALUES ('c-1', 'cus_A', 'pm_1', 100, 'usd')"
-    )
+    await upsert_customers(db, [OLD_ID])
 
 
 async def _is_waiting(task: asyncio.Future[Any]) -> bool:
@@ -290,15 +300,6 @@ async def test_a_held_customer_is_deactivated_without_being_named_as_one_a_run_b
         await ledger.open_period(conn, PERIOD, WORKFLOW_ID)
     done = await deactivate_customers(db, ["c-2"], while_running=False)
     assert (done.deactivated, done.still_billable) == (["c-2"], [])
-
-
-OLD_ID = CustomerRow(
-    customer_id="c-1",
-    stripe_customer_id="cus_A",
-    payment_method="pm_1",
-    amount_cents=100,
-    currency="usd",
-)
 
 
 @pytest.mark.parametrize("charged_as", ["old-id-run-open", "new-id-run-completed"])
