@@ -48,7 +48,6 @@ from billing.db import create_pool
 from billing.errors import BillingError, ServiceUnavailableError
 from billing.liveness import Heartbeat
 from billing.migrations import migrate
-from billing.period_keys import reseal_secrets
 from billing.periods import period_for
 from billing.sealing import SETTING
 from billing.stripe_client import stripe_client, stripe_http
@@ -232,7 +231,7 @@ async def main() -> None:
                     admin, settings.billing_vault_url, settings.vault_token_setting()
                 )
                 box = settings.secret_box()
-                sealed, unopened = await reseal_secrets(pool, box)
+                sealed, unopened = await period_keys.reseal_secrets(pool, box)
                 log.info("sealed %d period keys with the first encryption key", sealed)
                 if unopened:
                     log.warning(
