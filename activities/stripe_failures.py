@@ -13,6 +13,7 @@ from datetime import timedelta
 import stripe
 from temporalio.exceptions import ApplicationError
 
+from billing.ledger.sql import LOOKUP_REFUSED
 from billing.models import (
     SPEND_CAP_EXCEEDED_CODE,
     VAULT_KEY_EXPIRED_CODE,
@@ -49,10 +50,6 @@ WAITING_ON_CUSTOMER = "payment_intent_waiting_on_customer"
 # (billing.ledger.reopen_refused_charge), or met a 500 Stripe saved for the key
 # (activities/charging.py). Nothing was sent; the retry takes the gate again.
 SUPERSEDED_CODE = "attempt_superseded"
-# A lookup that was to say whether a charge with the key exists was itself refused for good:
-# the customer is recorded failed so that the run can end, under this code, which says a
-# charge may exist all the same (stripe_failures.lookup_failure).
-LOOKUP_REFUSED = "lookup_refused"
 
 
 def vault_key_unusable(exc: stripe.StripeError) -> bool:

@@ -13,7 +13,14 @@ from billing.errors import (
     PeriodNotOpenError,
     UnknownCustomerError,
 )
-from billing.ledger.sql import CLAIM_COLUMNS, HELD_AS, NEVER_STARTED, due_join, held_as_sql
+from billing.ledger.sql import (
+    CLAIM_COLUMNS,
+    HELD_AS,
+    LOOKUP_REFUSED,
+    NEVER_STARTED,
+    due_join,
+    held_as_sql,
+)
 from billing.ledger.stops import request_skip
 from billing.models import (
     AUTOMATIC,
@@ -138,9 +145,9 @@ async def _is_active(conn: asyncpg.Connection, customer_id: str) -> bool:
 async def _refuse_held(conn: asyncpg.Connection, customer_id: str, period: str, key: str) -> bool:
     """For a customer held since its run listed it (see HELD_AS): while the Stripe
     customer's old id has a claim open, HeldCustomerError, to try again once it ends; once
-    the old id is charged, a skip, which the claim then finds. True for an active customer
-    with no row that is not held (any more): the claim may be made now. A customer that is
-    inactive or has a row of its own is left to the caller."""
+    the old id is charged (or may be: LOOKUP_REFUSED), a skip, which the claim then finds.
+    True for an active customer with no row that is not held (any more): the claim may be
+    made now. A customer that is inactive or has a row of its own is left to the caller."""
     held = await conn.fetchrow(
         f"""
         SELECT {HELD_AS} AS held_as, {held_as_sql(charged=True)} AS charged_as
@@ -160,12 +167,19 @@ async def _refuse_held(conn: asyncpg.Connection, customer_id: str, period: str, 
             " if that claim does not charge",
             held["held_as"],
         )
+    charged_as = held["charged_as"]
+    doubt = await conn.fetchval(
+        "SELECT failure_code FROM billing_runs WHERE customer_id = $1 AND billing_period = $2",
+        charged_as,
+        period,
+    )
+    charged = "may have charged" if doubt == LOOKUP_REFUSED else "charged"
     await request_skip(
         conn,
         customer_id,
         period,
         key,
-        f"held: {period} charged its Stripe customer as {held['charged_as']!r}, an id inactive"
+        f"held: {period} {charged} its Stripe customer as {charged_as!r}, an id inactive"
         " since (renamed?); not charged twice",
         AUTOMATIC,
     )

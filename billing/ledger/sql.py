@@ -9,25 +9,34 @@ NEVER_STARTED = (
 )
 
 
-# The customer id, inactive now, under which the period charged the Stripe customer of
-# customer `c`, or holds a claim for it that is not skipped before its charge was sent (to be
-# charged, or in doubt: a skip of a sent claim holds only if Stripe shows nothing then). An
-# active customer with the same Stripe customer is most likely that one renamed (the old id
-# deactivated, the new one imported), with a key of its own: it is held, not due, for as long
-# as this holds (an old claim that fails releases it). An index of inactive customers by
-# Stripe customer (migrations/017) makes it one probe per customer.
-# A row `r` that charged its Stripe customer, or holds a claim for it that is not skipped
-# before its charge was sent (to be charged, or in doubt).
+# The failure code of a claim whose lookup (does a charge with its key exist?) was refused
+# for good: recorded failed so that its run can end, though a charge may exist.
+LOOKUP_REFUSED = "lookup_refused"
+# A row `r` that charged its Stripe customer, or may have: failed under LOOKUP_REFUSED.
+CHARGED = (
+    f"({{r}}.status = 'charged'"
+    f" OR ({{r}}.status = 'failed' AND {{r}}.failure_code = '{LOOKUP_REFUSED}'))"
+)
+# A row `r` that charged its Stripe customer (or may have), or holds a claim for it that is not
+# skipped before its charge was sent (to be charged, or in doubt).
 BILLED = (
-    "({r}.status = 'charged' OR ({r}.status = 'claimed'"
+    f"({CHARGED} OR ({{r}}.status = 'claimed'"
     " AND ({r}.skip_reason IS NULL OR {r}.charge_started_at IS NOT NULL)))"
 )
 
 
+# The customer id, inactive now, under which the period charged the Stripe customer of
+# customer `c` (or may have), or holds a claim for it that is not skipped before its charge
+# was sent (to be charged, or in doubt: a skip of a sent claim holds only if Stripe shows
+# nothing then). An active customer with the same Stripe customer is most likely that one
+# renamed (the old id deactivated, the new one imported), with a key of its own: it is held,
+# not due, for as long as this holds (an old claim that fails releases it, unless a charge may
+# exist all the same). An index of inactive customers by Stripe customer (migrations/017)
+# makes it one probe per customer.
 def held_as_sql(period: str = "$1", *, charged: bool = False) -> str:
     """The SQL of the above for customer `c`, the period being `period` (a parameter or a
-    column); only charged rows count if `charged`."""
-    billed = "o.status = 'charged'" if charged else BILLED.format(r="o")
+    column); only rows that charged (or may have) count if `charged`."""
+    billed = (CHARGED if charged else BILLED).format(r="o")
     return f"""(
     SELECT min(oc.customer_id) FROM customers oc
     JOIN billing_runs o ON o.customer_id = oc.customer_id AND o.billing_period = {period}

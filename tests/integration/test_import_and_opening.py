@@ -21,6 +21,7 @@ from billing.customers import (
 )
 from billing.errors import CustomerImportError, HeldCustomerError, LedgerBusyError
 from billing.keys import idempotency_key
+from billing.ledger.sql import LOOKUP_REFUSED
 from billing.models import AUTOMATIC, ChargeFailure, ChargeResult, Claim, PeriodPlan
 from billing.periods import parse_period
 from billing.preview import preview_period
@@ -272,13 +273,27 @@ async def test_a_customer_held_after_its_run_listed_it_waits_for_the_old_claim(
     assert "charged its Stripe customer as 'c-1', an id inactive since" in row["reason"]
 
 
-async def test_a_claim_the_old_id_fails_releases_the_new_one(db: asyncpg.Pool) -> None:
+@pytest.mark.parametrize(
+    ("failure_code", "released"),
+    [
+        ("card_declined", True),
+        # Its lookup refused for good: a charge may exist all the same.
+        (LOOKUP_REFUSED, False),
+    ],
+)
+async def test_a_claim_the_old_id_fails_releases_the_new_one_unless_in_doubt(
+    db: asyncpg.Pool, failure_code: str, released: bool
+) -> None:
     await _billed_then_renamed(db, "claimed", sent=True)
     async with db.acquire() as conn:
-        failure = ChargeFailure(code="card_declined", message="declined")
+        failure = ChargeFailure(code=failure_code, message="refused")
         await ledger.record_unbilled(conn, _key("c-1"), "failed", failure)
+        assert ("c-2" in await _due(db)) is released
         claim = await ledger.claim(conn, "c-2", PERIOD, _key("c-2"), "run-1", charge_api="charges")
-    assert claim.status == "claimed"
+        reason = await conn.fetchval("SELECT reason FROM billing_runs WHERE customer_id = 'c-2'")
+    assert claim.status == ("claimed" if released else "skipped")
+    if not released:
+        assert "may have charged its Stripe customer as 'c-1'" in reason
 
 
 async def test_an_open_claim_of_a_customer_inactive_since_is_taken_over_by_the_run(
