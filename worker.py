@@ -134,6 +134,7 @@ def create_worker(
             period.skip_customer,
             period.cancel_unstarted,
             period.close,
+            period.close_if_all_listed,
             period.completed,
             period.latest_billed,
             period.periods_to_recheck,

@@ -9,11 +9,16 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta
+from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import asyncpg
 from temporalio import activity
-from temporalio.client import WorkflowExecutionStatus
+from temporalio.client import (
+    WorkflowExecutionDescription,
+    WorkflowExecutionStatus,
+    WorkflowHandle,
+)
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -56,6 +61,8 @@ class DuePageRequest(Record):
     period: str
     after: str | None
     limit: int
+    # Only due customers the run's listing did not reach (PeriodActivities._due_page).
+    unlisted: bool = False
 
 
 class OutcomesRequest(Record):
@@ -82,6 +89,8 @@ class CancelRequest(Record):
     after: str | None
     limit: int
     request: OperatorRequest
+    # Cancel only due customers the run's listing did not reach (PeriodActivities._due_page).
+    unlisted: bool = False
 
 
 log = logging.getLogger("billing.period")
@@ -92,6 +101,8 @@ OUTCOMES_POLL_SECONDS = 0.5
 ENDED_WITHOUT_CLAIM = "ended_without_claim"
 # ApplicationError type: the customer to skip is not in the ledger, or inactive.
 UNKNOWN_CUSTOMER = "UnknownCustomer"
+# How many due customers with no row the close reads at a time, looking for one never listed.
+UNLISTED_PAGE = 500
 
 
 class ScheduledPeriodRequest(Record):
@@ -277,7 +288,51 @@ class PeriodActivities:
     @activity.defn(name="due_customers")
     async def due_customers(self, request: DuePageRequest) -> DuePage:
         async with self._pool.acquire() as conn:
-            return await ledger.due_page(conn, request.period, request.after, request.limit)
+            return await self._due_page(
+                conn, request.period, request.after, request.limit, unlisted=request.unlisted
+            )
+
+    async def _due_page(
+        self,
+        conn: asyncpg.Connection,
+        period: str,
+        after: str | None,
+        limit: int,
+        *,
+        unlisted: bool,
+    ) -> DuePage:
+        """A page of due customers after the cursor; if `unlisted`, only those the run's
+        listing did not reach: with no row and no child (imported, or released from a hold,
+        behind the listing). One whose child ended before its claim has no row either, but
+        the run counted it already. The cursor is the page's, so a page may be empty."""
+        page = await ledger.due_page(conn, period, after, limit, without_row=unlisted)
+        if not unlisted:
+            return page
+        started = await asyncio.gather(
+            *(self._child_of(period, c.customer_id) for c in page.customers)
+        )
+        return DuePage(
+            customers=[
+                c for c, child in zip(page.customers, started, strict=True) if child is None
+            ],
+            next_cursor=page.next_cursor,
+        )
+
+    @staticmethod
+    def _child(period: str, customer_id: str) -> WorkflowHandle[Any, CustomerOutcome]:
+        return activity.client().get_workflow_handle(
+            customer_workflow_id(parse_period(period), customer_id), result_type=CustomerOutcome
+        )
+
+    async def _child_of(self, period: str, customer_id: str) -> WorkflowExecutionDescription | None:
+        """The customer's workflow for the period, however it ended; None if it never ran (or
+        is gone past the namespace's retention)."""
+        try:
+            return await self._child(period, customer_id).describe()
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+            return None
 
     @activity.defn(name="await_outcomes")
     async def await_outcomes(self, request: OutcomesRequest) -> list[CustomerOutcome]:
@@ -303,25 +358,15 @@ class PeriodActivities:
         result; one that failed or was terminated before its claim charged nothing."""
         async with self._pool.acquire() as conn:
             missing = await ledger.without_rows(conn, period, customer_ids)
-        client = activity.client()
-        billed = parse_period(period)
         outcomes: list[CustomerOutcome] = []
         ended: list[str] = []
         for customer_id in missing:
-            handle = client.get_workflow_handle(
-                customer_workflow_id(billed, customer_id),
-                result_type=CustomerOutcome,
-            )
-            try:
-                description = await handle.describe()
-            except RPCError as exc:
-                if exc.status != RPCStatusCode.NOT_FOUND:
-                    raise
+            description = await self._child_of(period, customer_id)
+            if description is None:
                 # Gone past the retention while awaited: ended, as far as anyone can tell.
                 ended.append(customer_id)
-                continue
-            if description.status == WorkflowExecutionStatus.COMPLETED:
-                outcomes.append(await handle.result())
+            elif description.status == WorkflowExecutionStatus.COMPLETED:
+                outcomes.append(await self._child(period, customer_id).result())
             elif description.status != WorkflowExecutionStatus.RUNNING:
                 ended.append(customer_id)
         if ended:
@@ -365,7 +410,9 @@ class PeriodActivities:
     async def cancel_unstarted(self, request: CancelRequest) -> CancelPage:
         """Cancel one page of customers after the cursor; count what each one ends as."""
         async with self._pool.acquire() as conn:
-            page = await ledger.due_page(conn, request.period, request.after, request.limit)
+            page = await self._due_page(
+                conn, request.period, request.after, request.limit, unlisted=request.unlisted
+            )
             open_ids = [c.customer_id for c in page.customers if c.status in (None, "claimed")]
             await ledger.cancel_customers(
                 conn,
@@ -391,22 +438,50 @@ class PeriodActivities:
     async def close(self, summary: PeriodSummary) -> None:
         async with self._pool.acquire() as conn:
             await ledger.finish_period(conn, summary.period, summary.model_dump_json())
-            if self._admin is None:
-                return
-            # A key the vault issued only after the opening's retry had looked (a vault slow
-            # to answer) would otherwise hold its cap against the worker budget until it
-            # expired: a completed period has no next opening. Under the opening's lock, as
-            # there; the close does not wait on the vault.
-            try:
-                async with conn.transaction():
-                    await ledger.lock_for_change(conn, "revoking the period's unused keys")
-                    await _revoke_unstored(conn, self._admin, summary.period)
-            except (VaultAdminError, LedgerBusyError) as exc:
-                log.warning(
-                    "%s: unused keys not revoked at the close (the next opening revokes them): %s",
-                    summary.period,
-                    exc,
-                )
+            await self._revoke_unused(conn, summary.period)
+
+    @activity.defn(name="close_period_if_all_listed")
+    async def close_if_all_listed(self, summary: PeriodSummary) -> bool:
+        """Close the period as `close` does, unless a due customer is left that the run's
+        listing did not reach (imported behind it): then False, and nothing is written.
+        Checked and closed as one step to an import (ledger.lock_for_change), so that none
+        lands in between."""
+        async with self._pool.acquire() as conn:
+            async with conn.transaction():
+                await ledger.lock_for_change(conn, "the run's close")
+                if await self._any_unlisted(conn, summary.period):
+                    return False
+                await ledger.finish_period(conn, summary.period, summary.model_dump_json())
+            await self._revoke_unused(conn, summary.period)
+        return True
+
+    async def _any_unlisted(self, conn: asyncpg.Connection, period: str) -> bool:
+        after: str | None = None
+        while True:
+            page = await self._due_page(conn, period, after, UNLISTED_PAGE, unlisted=True)
+            if page.customers:
+                return True
+            if page.next_cursor is None:
+                return False
+            after = page.next_cursor
+
+    async def _revoke_unused(self, conn: asyncpg.Connection, period: str) -> None:
+        """A key the vault issued only after the opening's retry had looked (a vault slow to
+        answer) would otherwise hold its cap against the worker budget until it expired: a
+        completed period has no next opening. Under the opening's lock, as there; the close
+        does not wait on the vault."""
+        if self._admin is None:
+            return
+        try:
+            async with conn.transaction():
+                await ledger.lock_for_change(conn, "revoking the period's unused keys")
+                await _revoke_unstored(conn, self._admin, period)
+        except (VaultAdminError, LedgerBusyError) as exc:
+            log.warning(
+                "%s: unused keys not revoked at the close (the next opening revokes them): %s",
+                period,
+                exc,
+            )
 
 
 async def _revoke_unstored(conn: asyncpg.Connection, admin: VaultAdmin, period: str) -> None:

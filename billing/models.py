@@ -187,6 +187,9 @@ class PeriodState(BaseModel):
     plan: PeriodPlan | None = None
     cursor: str | None = None
     listing_done: bool = False
+    # The listing is of due customers an earlier one did not reach (imported behind it): see
+    # BillingPeriodWorkflow's LISTS_THE_UNLISTED.
+    unlisted: bool = False
     # Customers whose child another run started, including the children still in flight
     # when the last run continued as new: the ledger says when they finish.
     started_elsewhere: list[str] = Field(default_factory=list)

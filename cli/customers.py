@@ -34,8 +34,7 @@ async def cmd_import(args: argparse.Namespace) -> int:
                 f"{args.file} adds or changes the price of {len(changes)} customers the open"
                 f" run of {periods} has not billed yet:"
                 f" {named}. That run may bill them at a"
-                " price its plan and its key's cap did not count (a new currency pauses it),"
-                " and bills none it has passed: it lists customers in id order."
+                " price its plan and its key's cap did not count (a new currency pauses it)."
                 " Import once it has ended, or pass --while-running (also"
                 " if that run failed or was terminated, which leaves it open in the ledger);"
                 " nothing was imported"
@@ -57,10 +56,8 @@ async def cmd_import(args: argparse.Namespace) -> int:
     if changes:
         # --while-running: what the open run may now bill otherwise, for the record.
         print(
-            f"note: the open run of {periods} may bill these as now imported: {named}. It"
-            " lists customers in id order, and bills none it had passed: once it has ended,"
-            " `python starter.py preview PERIOD` lists any left to charge,"
-            " and running the period again bills them"
+            f"note: the open run of {periods} may bill these as now imported: {named}"
+            " (those its listing has passed, before it closes)"
         )
     return 0
 

@@ -126,6 +126,11 @@ BLOCKED_AFTER_OPENING = "blocked-after-opening"
 # control's write: its children could pass the ledger's gate before that write landed, and
 # charge customers the cancel meant to stop. Such a batch is now put back, not started.
 BATCH_PUT_BACK_AT_CONTROL = "batch-put-back-at-control"
+# The listing walks customers in id order: one imported (or released from a hold) behind it
+# was never billed by the run, and nothing said so after. Before its close the run lists
+# such customers (due, with no row and no child) and bills them, and its close, taken as one
+# step to an import, refuses to close while any is left; a cancel marks them cancelled.
+LISTS_THE_UNLISTED = "lists-the-unlisted"
 
 
 # Room left when a reason is cut, for what redacting the cut text again may add.
@@ -170,6 +175,7 @@ class BillingPeriodWorkflow:
         self._pauses_continue = workflow.patched(PAUSES_CONTINUE)
         self._listing_bounded = workflow.patched(LISTING_CONTINUES)
         self._temporal_cancel_is_a_cancel = workflow.patched(TEMPORAL_CANCEL_IS_A_CANCEL)
+        self._lists_the_unlisted = workflow.patched(LISTS_THE_UNLISTED)
         parsed = checked(parse_period, self._state.period)
         period = str(parsed)
         require_id(
@@ -208,6 +214,38 @@ class BillingPeriodWorkflow:
         self._publish_status()
         self._await_elsewhere(())
         while True:
+            await self._fan_out(period)
+            self._finished = True
+            if workflow.patched(ANSWER_UPDATES_BEFORE_CLOSE):
+                # An update accepted before (a skip, a pause) gets its answer, not "workflow
+                # completed before the update completed".
+                await self._wait(workflow.all_handlers_finished)
+            control = self._control
+            cancelled = control.control == "cancelled"
+            summary = PeriodSummary(
+                period=period,
+                workflow_id=workflow.info().workflow_id,
+                cancel_reason=control.reason if cancelled else None,
+                cancelled_by=control.operator if cancelled else None,
+                held=state.plan.held,
+                **state.counts.model_dump(),
+            )
+            if await self._close(summary):
+                break
+            workflow.logger.info("due customers were imported behind the listing: listing them")
+            self._finished = False
+            self._list_the_unlisted()
+        # A skip accepted as the run closed gets its answer.
+        await self._wait(workflow.all_handlers_finished)
+        self._closed = True
+        self._publish_status()
+        return summary
+
+    async def _fan_out(self, period: str) -> None:
+        """Start a child per customer listed, until every outcome is in (or the run is
+        cancelled and its cancel has marked the rest)."""
+        state = self._state
+        while True:
             await self._wait(
                 lambda: (
                     self._control.control != "paused"
@@ -232,30 +270,31 @@ class BillingPeriodWorkflow:
             await self._wait_for_room()
             if self._should_continue_as_new():
                 await self._continue_as_new(period)
-        self._finished = True
-        if workflow.patched(ANSWER_UPDATES_BEFORE_CLOSE):
-            # An update accepted before (a skip, a pause) gets its answer, not "workflow
-            # completed before the update completed".
-            await self._wait(workflow.all_handlers_finished)
-        control = self._control
-        cancelled = control.control == "cancelled"
-        summary = PeriodSummary(
-            period=period,
-            workflow_id=workflow.info().workflow_id,
-            cancel_reason=control.reason if cancelled else None,
-            cancelled_by=control.operator if cancelled else None,
-            held=state.plan.held,
-            **state.counts.model_dump(),
-        )
+
+    async def _close(self, summary: PeriodSummary) -> bool:
+        """Write the run's summary to the ledger; False, nothing written, while a due
+        customer is left that no listing of a run still billing has reached."""
+        if self._lists_the_unlisted and self._control.control != "cancelled":
+            return await workflow.execute_activity_method(
+                PeriodActivities.close_if_all_listed,
+                summary,
+                start_to_close_timeout=ACTIVITY_TIMEOUT,
+                summary=f"close {summary.period}, once every due customer is listed",
+            )
         await workflow.execute_activity_method(
             PeriodActivities.close,
             summary,
             start_to_close_timeout=ACTIVITY_TIMEOUT,
-            summary=f"close {period}",
+            summary=f"close {summary.period}",
         )
-        self._closed = True
-        self._publish_status()
-        return summary
+        return True
+
+    def _list_the_unlisted(self) -> None:
+        """List, from the start, only the due customers the listing has not reached."""
+        state = self._state
+        state.unlisted = True
+        state.cursor = None
+        state.listing_done = False
 
     # -- operator controls -------------------------------------------------------------
 
@@ -363,21 +402,24 @@ class BillingPeriodWorkflow:
 
     @skip.validator
     def _validate_skip(self, request: SkipRequest) -> None:
-        # Closing, its workflow ends within moments; then the skip goes to the ledger.
+        # A closing run waits for the skip: its close may yet find customers imported behind
+        # its listing, and bill them.
         self._refuse_if_over(
-            "skip a customer of", "skip it again: the skip is kept for the next run"
+            "skip a customer of", "skip it again: the skip is kept for the next run", closing=False
         )
         validate_customer_id(request.customer_id)
 
-    def _refuse_if_over(self, action: str, then: str | None = None) -> None:
-        """Refuse `action` on a run cancelled or finished. `then` is what to do once it has
-        ended: for a cancelled run by default, start a new run; a finished one has nothing
-        left to pause or resume, so it is said only when given."""
+    def _refuse_if_over(
+        self, action: str, then: str | None = None, *, closing: bool = True
+    ) -> None:
+        """Refuse `action` on a run cancelled, or finished if `closing`. `then` is what to do
+        once it has ended: for a cancelled run by default, start a new run; a finished one has
+        nothing left to pause or resume, so it is said only when given."""
         if self._control.control == "cancelled":
             # Still finishing the charges it sent: a new run is refused until it ends.
             over = f"a run cancelled by {self._control.operator}"
             then = then or "start a new run"
-        elif self._finished:
+        elif self._finished and closing:
             over = "a run that is closing"
         else:
             return
@@ -560,10 +602,17 @@ class BillingPeriodWorkflow:
                 page = await workflow.execute_local_activity_method(
                     PeriodActivities.due_customers,
                     DuePageRequest(
-                        period=state.period, after=state.cursor, limit=self._options.page_size
+                        period=state.period,
+                        after=state.cursor,
+                        limit=self._options.page_size,
+                        unlisted=state.unlisted,
                     ),
                     start_to_close_timeout=ACTIVITY_TIMEOUT,
-                    summary="list due customers",
+                    summary=(
+                        "list due customers imported behind the listing"
+                        if state.unlisted
+                        else "list due customers"
+                    ),
                 )
                 self._buffer = page.customers
                 state.listing_done = page.next_cursor is None
@@ -730,7 +779,12 @@ class BillingPeriodWorkflow:
         # Listed but not started: the cancel pages list them again from the cursor.
         state.listing_done = state.listing_done and not self._buffer
         self._buffer = []
-        while not state.listing_done:
+        while True:
+            if state.listing_done:
+                if state.unlisted or not self._lists_the_unlisted:
+                    break
+                # Then those imported behind the cursor.
+                self._list_the_unlisted()
             if self._listing_bounded and self._should_continue_as_new():
                 break  # the next run pages on from the cursor, still cancelled
             page = await workflow.execute_activity_method(
@@ -743,6 +797,7 @@ class BillingPeriodWorkflow:
                         reason=self._control.reason or "cancelled",
                         operator=self._control.operator or "unknown",
                     ),
+                    unlisted=state.unlisted,
                 ),
                 start_to_close_timeout=ACTIVITY_TIMEOUT,
                 summary="mark customers not started cancelled",

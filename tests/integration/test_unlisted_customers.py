@@ -1,0 +1,154 @@
+"""Customers a run's listing did not reach: imported behind it (it walks ids in order) while
+the run bills. The run lists and bills them before it closes, counts each once, and a cancel
+marks them cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from temporalio import activity
+from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
+
+from billing import operations
+from billing.customers import CustomerRow, import_customers
+from billing.keys import customer_workflow_id
+from billing.models import (
+    CustomerChargeInput,
+    OperatorRequest,
+    PeriodSummary,
+    RunOptions,
+)
+from billing.periods import Period
+from billing.runs import start_period
+from billing.seeding import create_demo_customers
+from tests.integration.harness import Harness, at_least, eventually
+from tests.integration.invariants import assert_billed_once
+from tests.integration.replay import keep, replay
+from workflows.customer_charge import CustomerChargeWorkflow
+
+PERIOD = Period(2026, 12)
+# Two at a time, Stripe answering slowly: the run is midway when the test imports.
+NARROW = RunOptions(max_in_flight=2, max_starting=2)
+ALICE = OperatorRequest(reason="wrong amounts", operator="alice")
+
+
+def _counted(summary: PeriodSummary) -> int:
+    return (
+        summary.charged
+        + summary.already_billed
+        + summary.failed
+        + summary.skipped
+        + summary.cancelled
+    )
+
+
+async def _late(harness: Harness) -> list[CustomerRow]:
+    """A customer whose id sorts before every seeded one ("cust-..."), imported while the run
+    is open."""
+    rows = await create_demo_customers(harness.stripe, 1, prefix="a-late")
+    await import_customers(harness.pool, rows, while_running=True)
+    return rows
+
+
+async def test_a_customer_imported_behind_the_listing_is_billed_before_the_close(
+    harness: Harness,
+) -> None:
+    customers = await harness.seed(10)
+    await harness.set_faults(latency_ms=300)
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue, NARROW)
+        await eventually(lambda: at_least(harness.succeeded(), 4))
+        late = await _late(harness)
+        summary = await asyncio.wait_for(handle.result(), 60)
+        history = await handle.fetch_history()
+    assert (summary.due, summary.charged, _counted(summary)) == (11, 11, 11)
+    await assert_billed_once(harness, str(PERIOD), [*customers, *late])
+    await replay([history])
+    keep([history])
+
+
+class ImportAtTheClose(Interceptor):
+    """Imports a customer behind the listing as the run's first close begins: after the
+    listing has ended, before the ledger has the run closed."""
+
+    def __init__(self, harness: Harness) -> None:
+        self.harness = harness
+        self.late: list[CustomerRow] = []
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        outer = self
+
+        class Importing(ActivityInboundInterceptor):
+            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                if activity.info().activity_type.startswith("close_period") and not outer.late:
+                    outer.late = await _late(outer.harness)
+                return await super().execute_activity(input)
+
+        return Importing(next)
+
+
+async def test_a_customer_imported_as_the_run_closes_is_billed_by_it(harness: Harness) -> None:
+    """The close checks for such customers as one step to an import: it leaves the run open
+    while one is left, and the run bills it."""
+    customers = await harness.seed(3)
+    importing = ImportAtTheClose(harness)
+    async with harness.running_worker(interceptors=[importing]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        summary = await asyncio.wait_for(handle.result(), 60)
+        history = await handle.fetch_history()
+    assert importing.late
+    assert (summary.due, summary.charged, _counted(summary)) == (4, 4, 4)
+    await assert_billed_once(harness, str(PERIOD), [*customers, *importing.late])
+    await replay([history])
+    keep([history])
+
+
+async def test_a_cancel_marks_a_customer_imported_behind_the_listing_cancelled(
+    harness: Harness,
+) -> None:
+    """Counted once, as are the customers the cancel marked after the cursor: the rows the
+    cancel wrote are no customers left unlisted."""
+    customers = await harness.seed(10)
+    await harness.set_faults(latency_ms=1000)
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue, NARROW)
+        await eventually(lambda: at_least(harness.money_requests(), 2))
+        late = await _late(harness)
+        await operations.control(harness.client, PERIOD, "cancel", ALICE)
+        summary = await asyncio.wait_for(handle.result(), 60)
+    assert summary.cancelled >= 1
+    assert (summary.due, _counted(summary)) == (11, 11)
+    rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
+    assert rows[late[0].customer_id]["status"] == "cancelled"
+    cancelled = frozenset(c for c, r in rows.items() if r["status"] == "cancelled")
+    await assert_billed_once(harness, str(PERIOD), [*customers, *late], cancelled=cancelled)
+
+
+async def test_a_customer_whose_child_ended_without_a_row_is_counted_once(
+    harness: Harness,
+) -> None:
+    """Active again after its child found it inactive (failed, unknown_customer, no row): a
+    due customer with no row, but one a child has handled, which the run counts from that
+    child's result, once, and does not start again."""
+    customers = await harness.seed(3)
+    returned = customers[1]
+    await harness.pool.execute(
+        "UPDATE customers SET active = false WHERE customer_id = $1", returned.customer_id
+    )
+    async with harness.running_worker():
+        outcome = await harness.client.execute_workflow(
+            CustomerChargeWorkflow.run,
+            CustomerChargeInput(period=str(PERIOD), customer_id=returned.customer_id),
+            id=customer_workflow_id(PERIOD, returned.customer_id),
+            task_queue=harness.task_queue,
+        )
+        assert outcome.failure_code == "unknown_customer"
+        await import_customers(harness.pool, [returned], while_running=False)
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        summary = await asyncio.wait_for(handle.result(), 60)
+    assert (summary.due, summary.charged, summary.failed, _counted(summary)) == (3, 2, 1, 3)
+    billed = [c for c in customers if c != returned]
+    await assert_billed_once(harness, str(PERIOD), billed)
+    charged = {c["customer"] for c in await harness.charges()}
+    assert returned.stripe_customer_id not in charged
