@@ -167,6 +167,8 @@ class BillingPeriodWorkflow:
         # Listed by this run (LISTING_CONTINUES).
         self._listed_pages = 0
         self._listed_customers = 0
+        # Decided with the run's other patches; an update may be validated before that.
+        self._lists_the_unlisted = False
 
     @workflow.run
     async def run(self, request: BillingPeriodInput | None = None) -> PeriodSummary:
@@ -235,8 +237,9 @@ class BillingPeriodWorkflow:
             workflow.logger.info("due customers were imported behind the listing: listing them")
             self._finished = False
             self._list_the_unlisted()
-        # A skip accepted as the run closed gets its answer.
-        await self._wait(workflow.all_handlers_finished)
+        if self._lists_the_unlisted:
+            # A skip accepted as the run closed gets its answer.
+            await self._wait(workflow.all_handlers_finished)
         self._closed = True
         self._publish_status()
         return summary
@@ -405,7 +408,9 @@ class BillingPeriodWorkflow:
         # A closing run waits for the skip: its close may yet find customers imported behind
         # its listing, and bill them.
         self._refuse_if_over(
-            "skip a customer of", "skip it again: the skip is kept for the next run", closing=False
+            "skip a customer of",
+            "skip it again: the skip is kept for the next run",
+            closing=not self._lists_the_unlisted,
         )
         validate_customer_id(request.customer_id)
 
