@@ -81,7 +81,15 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
             period = await schedules.trigger(
                 client, conn, args.id, early=args.early, while_paused=args.while_paused
             )
-        print(f"triggered schedule {args.id}" + (f": it bills {period}" if period else ""))
+            open_runs = await ledger.open_runs(conn, [str(period)]) if period else {}
+        if open_runs.get(str(period)) == "paused":
+            # The launch joins that run, which bills nothing until it is resumed.
+            print(
+                f"triggered schedule {args.id}: {period}'s run is open and paused, which the"
+                f" launch joins: `python starter.py resume {period} --reason ...` to bill it"
+            )
+        else:
+            print(f"triggered schedule {args.id}" + (f": it bills {period}" if period else ""))
     elif args.schedule_command == "backfill":
         async with ledger_connection() as conn:
             done = await schedules.backfill(

@@ -1541,6 +1541,25 @@ async def test_a_trigger_or_backfill_that_would_start_nothing_is_refused(harness
     assert f"left as they are, their runs completed or were cancelled: {billed}" in out
 
 
+async def test_a_trigger_joining_a_paused_run_says_to_resume_it(harness: Harness) -> None:
+    """The launch joins the month's open run, which bills nothing while paused: "it bills"
+    would have an operator wait for charges that do not come."""
+    config = schedules.MonthlySchedule(schedule_id="monthly-held", hour=0, paused=True)
+    await schedules.create_schedule(harness.client, config, harness.task_queue)
+    billed = period_for(datetime.now(UTC))
+    plan = PeriodPlan(period=str(billed), due=0, to_charge=0, expected_total_cents=0)
+    async with harness.pool.acquire() as conn:
+        await ledger.start_period(conn, plan, period_workflow_id(billed))
+        await ledger.set_control(conn, str(billed), "paused", "checking the amounts", "bob")
+    code, out, err = await harness.starter(
+        "schedule", "trigger", "--id", "monthly-held", "--while-paused"
+    )
+    await harness.client.get_schedule_handle("monthly-held").delete()
+    assert code == 0, err
+    assert f"{billed}'s run is open and paused" in out, out
+    assert f"python starter.py resume {billed} --reason" in out
+
+
 async def test_a_trigger_or_backfill_of_a_paused_schedule_is_refused_unless_told(
     harness: Harness,
 ) -> None:
