@@ -624,6 +624,9 @@ class BillingPeriodWorkflow:
                 self._listed_pages += 1
                 self._listed_customers += len(page.customers)
                 if not self._buffer:
+                    # A page of the unlisted may be empty before the end (each customer on it
+                    # had a child): the next one starts after it.
+                    state.cursor = page.next_cursor or state.cursor
                     break
             customer = self._buffer.pop(0)
             taken.append(customer)

@@ -125,26 +125,33 @@ async def test_a_cancel_marks_a_customer_imported_behind_the_listing_cancelled(
     await assert_billed_once(harness, str(PERIOD), [*customers, *late], cancelled=cancelled)
 
 
-async def test_a_customer_whose_child_ended_without_a_row_is_counted_once(
-    harness: Harness,
-) -> None:
-    """Active again after its child found it inactive (failed, unknown_customer, no row): a
-    due customer with no row, but one a child has handled, which the run counts from that
-    child's result, once, and does not start again."""
-    customers = await harness.seed(3)
-    returned = customers[1]
+async def _ended_without_a_row(harness: Harness, customers: list[CustomerRow]) -> None:
+    """Each customer's child finds it inactive (failed, unknown_customer, no row); then it is
+    made active again."""
+    ids = [c.customer_id for c in customers]
     await harness.pool.execute(
-        "UPDATE customers SET active = false WHERE customer_id = $1", returned.customer_id
+        "UPDATE customers SET active = false WHERE customer_id = ANY($1::text[])", ids
     )
-    async with harness.running_worker():
+    for customer_id in ids:
         outcome = await harness.client.execute_workflow(
             CustomerChargeWorkflow.run,
-            CustomerChargeInput(period=str(PERIOD), customer_id=returned.customer_id),
-            id=customer_workflow_id(PERIOD, returned.customer_id),
+            CustomerChargeInput(period=str(PERIOD), customer_id=customer_id),
+            id=customer_workflow_id(PERIOD, customer_id),
             task_queue=harness.task_queue,
         )
         assert outcome.failure_code == "unknown_customer"
-        await import_customers(harness.pool, [returned], while_running=False)
+    await import_customers(harness.pool, customers, while_running=False)
+
+
+async def test_a_customer_whose_child_ended_without_a_row_is_counted_once(
+    harness: Harness,
+) -> None:
+    """A due customer with no row, but one a child has handled, which the run counts from
+    that child's result, once, and does not start again."""
+    customers = await harness.seed(3)
+    returned = customers[1]
+    async with harness.running_worker():
+        await _ended_without_a_row(harness, [returned])
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
         summary = await asyncio.wait_for(handle.result(), 60)
     assert (summary.due, summary.charged, summary.failed, _counted(summary)) == (3, 2, 1, 3)
@@ -152,3 +159,19 @@ async def test_a_customer_whose_child_ended_without_a_row_is_counted_once(
     await assert_billed_once(harness, str(PERIOD), billed)
     charged = {c["customer"] for c in await harness.charges()}
     assert returned.stripe_customer_id not in charged
+
+
+async def test_a_page_of_the_unlisted_left_whole_is_passed_over(harness: Harness) -> None:
+    """Every customer of a page of the unlisted had a child: an empty page, after which the
+    listing goes on (it listed the same page for ever)."""
+    returned = await harness.seed(2, prefix="a-a")
+    customers = await harness.seed(2)
+    importing = ImportAtTheClose(harness)
+    async with harness.running_worker(interceptors=[importing]):
+        await _ended_without_a_row(harness, returned)
+        handle = await start_period(
+            harness.client, PERIOD, harness.task_queue, RunOptions(page_size=2)
+        )
+        summary = await asyncio.wait_for(handle.result(), 60)
+    assert (summary.due, summary.charged, summary.failed, _counted(summary)) == (5, 3, 2, 5)
+    await assert_billed_once(harness, str(PERIOD), [*customers, *importing.late])
