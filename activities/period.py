@@ -32,6 +32,7 @@ from billing.models import (
     Control,
     Counts,
     CustomerOutcome,
+    DueCustomer,
     DuePage,
     OperatorRequest,
     PeriodPlan,
@@ -89,8 +90,6 @@ class CancelRequest(Record):
     after: str | None
     limit: int
     request: OperatorRequest
-    # Cancel only due customers the run's listing did not reach (PeriodActivities._due_page).
-    unlisted: bool = False
 
 
 log = logging.getLogger("billing.period")
@@ -308,15 +307,14 @@ class PeriodActivities:
         page = await ledger.due_page(conn, period, after, limit, without_row=unlisted)
         if not unlisted:
             return page
-        started = await asyncio.gather(
-            *(self._child_of(period, c.customer_id) for c in page.customers)
-        )
         return DuePage(
-            customers=[
-                c for c, child in zip(page.customers, started, strict=True) if child is None
-            ],
-            next_cursor=page.next_cursor,
+            customers=await self._unreached(period, page.customers), next_cursor=page.next_cursor
         )
+
+    async def _unreached(self, period: str, customers: Sequence[DueCustomer]) -> list[DueCustomer]:
+        """Those of `customers` (due, with no row) that have no workflow for the period."""
+        children = await asyncio.gather(*(self._child_of(period, c.customer_id) for c in customers))
+        return [c for c, child in zip(customers, children, strict=True) if child is None]
 
     @staticmethod
     def _child(period: str, customer_id: str) -> WorkflowHandle[Any, CustomerOutcome]:
@@ -410,9 +408,7 @@ class PeriodActivities:
     async def cancel_unstarted(self, request: CancelRequest) -> CancelPage:
         """Cancel one page of customers after the cursor; count what each one ends as."""
         async with self._pool.acquire() as conn:
-            page = await self._due_page(
-                conn, request.period, request.after, request.limit, unlisted=request.unlisted
-            )
+            page = await ledger.due_page(conn, request.period, request.after, request.limit)
             open_ids = [c.customer_id for c in page.customers if c.status in (None, "claimed")]
             await ledger.cancel_customers(
                 conn,
@@ -445,24 +441,36 @@ class PeriodActivities:
         """Close the period as `close` does, unless a due customer is left that the run's
         listing did not reach (imported behind it): then False, and nothing is written.
         Checked and closed as one step to an import (ledger.lock_for_change), so that none
-        lands in between."""
+        lands in between. Looked for first without the lock, which Temporal's answers would
+        hold up (a describe per customer with no row): under it, only those new since are."""
+        period = summary.period
         async with self._pool.acquire() as conn:
+            reached = await self._reached_without_row(conn, period, frozenset())
+            if reached is None:
+                return False
             async with conn.transaction():
                 await ledger.lock_for_change(conn, "the run's close")
-                if await self._any_unlisted(conn, summary.period):
+                if await self._reached_without_row(conn, period, reached) is None:
                     return False
-                await ledger.finish_period(conn, summary.period, summary.model_dump_json())
-            await self._revoke_unused(conn, summary.period)
+                await ledger.finish_period(conn, period, summary.model_dump_json())
+            await self._revoke_unused(conn, period)
         return True
 
-    async def _any_unlisted(self, conn: asyncpg.Connection, period: str) -> bool:
+    async def _reached_without_row(
+        self, conn: asyncpg.Connection, period: str, known: frozenset[str]
+    ) -> frozenset[str] | None:
+        """The due customers with no row, each of which has a workflow for the period (those
+        in `known` are taken to have one); None if one has none: no listing reached it."""
+        reached: set[str] = set()
         after: str | None = None
         while True:
-            page = await self._due_page(conn, period, after, UNLISTED_PAGE, unlisted=True)
-            if page.customers:
-                return True
+            page = await ledger.due_page(conn, period, after, UNLISTED_PAGE, without_row=True)
+            new = [c for c in page.customers if c.customer_id not in known]
+            if await self._unreached(period, new):
+                return None
+            reached.update(c.customer_id for c in page.customers)
             if page.next_cursor is None:
-                return False
+                return frozenset(reached)
             after = page.next_cursor
 
     async def _revoke_unused(self, conn: asyncpg.Connection, period: str) -> None:

@@ -127,9 +127,10 @@ BLOCKED_AFTER_OPENING = "blocked-after-opening"
 # charge customers the cancel meant to stop. Such a batch is now put back, not started.
 BATCH_PUT_BACK_AT_CONTROL = "batch-put-back-at-control"
 # The listing walks customers in id order: one imported (or released from a hold) behind it
-# was never billed by the run, and nothing said so after. Before its close the run lists
-# such customers (due, with no row and no child) and bills them, and its close, taken as one
-# step to an import, refuses to close while any is left; a cancel marks them cancelled.
+# was never billed by the run, and nothing said so after. Its close, taken as one step to an
+# import, now writes nothing while such a customer (due, with no row and no child) is left,
+# and the run lists those and bills them. An operator's word given meanwhile (pause, cancel,
+# skip, Temporal's cancel) is taken and applies if the run goes back to billing.
 LISTS_THE_UNLISTED = "lists-the-unlisted"
 
 
@@ -197,7 +198,9 @@ class BillingPeriodWorkflow:
                 if billing.done():
                     # Finished in the same turn: its summary, or what ended it.
                     return billing.result()
-                if not self._finished and self._control.control != "cancelled":
+                if self._control.control != "cancelled" and (
+                    not self._finished or self._lists_the_unlisted
+                ):
                     await self._set_control("cancelled", TEMPORAL_CANCEL)
 
     async def _bill(self, period: str) -> PeriodSummary:
@@ -234,13 +237,14 @@ class BillingPeriodWorkflow:
             )
             if await self._close(summary):
                 break
-            workflow.logger.info("due customers were imported behind the listing: listing them")
+            workflow.logger.info("due customers the listing did not reach: listing them")
+            # An operator's word given while the run closed applies now (_set_control).
             self._finished = False
             self._list_the_unlisted()
-        if self._lists_the_unlisted:
-            # A skip accepted as the run closed gets its answer.
-            await self._wait(workflow.all_handlers_finished)
         self._closed = True
+        if self._lists_the_unlisted:
+            # Words given as the run closed get their answer.
+            await self._wait(workflow.all_handlers_finished)
         self._publish_status()
         return summary
 
@@ -405,26 +409,22 @@ class BillingPeriodWorkflow:
 
     @skip.validator
     def _validate_skip(self, request: SkipRequest) -> None:
-        # A closing run waits for the skip: its close may yet find customers imported behind
-        # its listing, and bill them.
         self._refuse_if_over(
-            "skip a customer of",
-            "skip it again: the skip is kept for the next run",
-            closing=not self._lists_the_unlisted,
+            "skip a customer of", "skip it again: the skip is kept for the next run"
         )
         validate_customer_id(request.customer_id)
 
-    def _refuse_if_over(
-        self, action: str, then: str | None = None, *, closing: bool = True
-    ) -> None:
-        """Refuse `action` on a run cancelled, or finished if `closing`. `then` is what to do
-        once it has ended: for a cancelled run by default, start a new run; a finished one has
-        nothing left to pause or resume, so it is said only when given."""
+    def _refuse_if_over(self, action: str, then: str | None = None) -> None:
+        """Refuse `action` on a run cancelled or finished. `then` is what to do once it has
+        ended: for a cancelled run by default, start a new run; a finished one has nothing
+        left to pause or resume, so it is said only when given. A closing run that may yet
+        list customers its listing did not reach (LISTS_THE_UNLISTED) takes the word, which
+        applies if it does (_set_control)."""
         if self._control.control == "cancelled":
             # Still finishing the charges it sent: a new run is refused until it ends.
             over = f"a run cancelled by {self._control.operator}"
             then = then or "start a new run"
-        elif self._finished and closing:
+        elif self._finished and not self._lists_the_unlisted:
             over = "a run that is closing"
         else:
             return
@@ -436,6 +436,12 @@ class BillingPeriodWorkflow:
         raise ApplicationError(f"cannot {action} {over}{advice}")
 
     async def _set_control(self, control: Control, request: OperatorRequest) -> PeriodProgress:
+        if self._finished and self._lists_the_unlisted:
+            # Given as the run closes: it applies if the close finds customers the listing
+            # did not reach, and the run goes back to bill them; else the run has ended.
+            await self._wait(lambda: self._closed or not self._finished)
+            if self._closed:
+                return self.progress()
         logs.log_signal(
             control, period=self._state.period, operator=request.operator, reason=request.reason
         )
@@ -784,15 +790,11 @@ class BillingPeriodWorkflow:
         if workflow.patched(CANCEL_AFTER_CONTROL_WRITTEN):
             async with self._control_writes:
                 pass  # the cancel's own write, scheduled in the same task, has landed
-        # Listed but not started: the cancel pages list them again from the cursor.
-        state.listing_done = state.listing_done and not self._buffer
+        # Listed but not started: the cancel pages list them again from the cursor. Those of
+        # a listing of the unlisted are left as they are, with no row: not reached by the run.
+        state.listing_done = (state.listing_done and not self._buffer) or state.unlisted
         self._buffer = []
-        while True:
-            if state.listing_done:
-                if state.unlisted or not self._lists_the_unlisted:
-                    break
-                # Then those imported behind the cursor.
-                self._list_the_unlisted()
+        while not state.listing_done:
             if self._listing_bounded and self._should_continue_as_new():
                 break  # the next run pages on from the cursor, still cancelled
             page = await workflow.execute_activity_method(
@@ -805,7 +807,6 @@ class BillingPeriodWorkflow:
                         reason=self._control.reason or "cancelled",
                         operator=self._control.operator or "unknown",
                     ),
-                    unlisted=state.unlisted,
                 ),
                 start_to_close_timeout=ACTIVITY_TIMEOUT,
                 summary="mark customers not started cancelled",

@@ -110,16 +110,8 @@ async def due_page(
 ) -> DuePage:
     """Due customers after the cursor, in id order; only those with no row if `without_row`
     (at a run's end: customers imported, or released from a hold, behind its listing, and
-    those whose child ended before its claim). A row the run's own cancel wrote, written since
-    it opened, is a row there, though a run takes one as none (NEVER_STARTED)."""
-    unrowed = (
-        """ AND r.status IS NULL AND NOT EXISTS (
-            SELECT 1 FROM billing_runs x JOIN billing_periods p USING (billing_period)
-            WHERE x.billing_period = $1 AND x.customer_id = c.customer_id
-                AND x.completed_at >= p.started_at)"""
-        if without_row
-        else ""
-    )
+    those whose child ended before its claim)."""
+    unrowed = " AND r.status IS NULL" if without_row else ""
     rows = await conn.fetch(
         f"""
         SELECT c.customer_id, r.status {due_join("$2")} {DUE_WHERE}{unrowed}

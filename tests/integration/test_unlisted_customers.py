@@ -1,12 +1,13 @@
 """Customers a run's listing did not reach: imported behind it (it walks ids in order) while
-the run bills. The run lists and bills them before it closes, counts each once, and a cancel
-marks them cancelled."""
+the run bills. The run lists and bills them before it closes, and counts each once; an
+operator's word given as it closes applies if it goes back to bill them."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+import pytest
 from temporalio import activity
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
@@ -25,6 +26,7 @@ from billing.seeding import create_demo_customers
 from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
+from workflows.billing_period import BillingPeriodWorkflow
 from workflows.customer_charge import CustomerChargeWorkflow
 
 PERIOD = Period(2026, 12)
@@ -83,9 +85,13 @@ class ImportAtTheClose(Interceptor):
             async def execute_activity(self, input: ExecuteActivityInput) -> Any:
                 if activity.info().activity_type.startswith("close_period") and not outer.late:
                     outer.late = await _late(outer.harness)
+                    await outer.imported()
                 return await super().execute_activity(input)
 
         return Importing(next)
+
+    async def imported(self) -> None:
+        """What happens next, in the close, before it begins."""
 
 
 async def test_a_customer_imported_as_the_run_closes_is_billed_by_it(harness: Harness) -> None:
@@ -104,11 +110,11 @@ async def test_a_customer_imported_as_the_run_closes_is_billed_by_it(harness: Ha
     keep([history])
 
 
-async def test_a_cancel_marks_a_customer_imported_behind_the_listing_cancelled(
+async def test_a_cancel_leaves_a_customer_imported_behind_the_listing_unreached(
     harness: Harness,
 ) -> None:
-    """Counted once, as are the customers the cancel marked after the cursor: the rows the
-    cancel wrote are no customers left unlisted."""
+    """The cancel marks the customers after its cursor, and counts each once; one imported
+    behind it is not reached by the run: no row, no charge, in no count."""
     customers = await harness.seed(10)
     await harness.set_faults(latency_ms=1000)
     async with harness.running_worker():
@@ -118,11 +124,76 @@ async def test_a_cancel_marks_a_customer_imported_behind_the_listing_cancelled(
         await operations.control(harness.client, PERIOD, "cancel", ALICE)
         summary = await asyncio.wait_for(handle.result(), 60)
     assert summary.cancelled >= 1
-    assert (summary.due, _counted(summary)) == (11, 11)
+    assert (summary.due, _counted(summary)) == (10, 10)
     rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
-    assert rows[late[0].customer_id]["status"] == "cancelled"
+    assert late[0].customer_id not in rows
     cancelled = frozenset(c for c, r in rows.items() if r["status"] == "cancelled")
-    await assert_billed_once(harness, str(PERIOD), [*customers, *late], cancelled=cancelled)
+    await assert_billed_once(harness, str(PERIOD), customers, cancelled=cancelled)
+
+
+async def test_a_rerun_cancelled_counts_what_an_earlier_cancel_marked_once(
+    harness: Harness,
+) -> None:
+    """A run cancelled midway marks the rest cancelled, rows a later run takes as none: a
+    rerun cancelled at once counts each of them once."""
+    customers = await harness.seed(8)
+    await harness.set_faults(latency_ms=1000)
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue, NARROW)
+        await eventually(lambda: at_least(harness.money_requests(), 2))
+        await operations.control(harness.client, PERIOD, "cancel", ALICE)
+        assert (await asyncio.wait_for(handle.result(), 60)).cancelled >= 1
+        await harness.set_faults(latency_ms=0)
+        handle = await start_period(harness.client, PERIOD, harness.task_queue, NARROW)
+        await operations.control(harness.client, PERIOD, "cancel", ALICE)
+        rerun = await asyncio.wait_for(handle.result(), 60)
+    assert (rerun.due, _counted(rerun)) == (8, 8), rerun
+    rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
+    cancelled = frozenset(c for c, r in rows.items() if r["status"] == "cancelled")
+    await assert_billed_once(harness, str(PERIOD), customers, cancelled=cancelled)
+
+
+class ImportAndHoldAtTheClose(ImportAtTheClose):
+    """As ImportAtTheClose, then holds that close until told to go on."""
+
+    def __init__(self, harness: Harness) -> None:
+        super().__init__(harness)
+        self.closing = asyncio.Event()
+        self.go_on = asyncio.Event()
+
+    async def imported(self) -> None:
+        self.closing.set()
+        await asyncio.wait_for(self.go_on.wait(), 60)
+
+
+@pytest.mark.parametrize("by", ["operator", "temporal"])
+async def test_a_cancel_given_as_the_run_closes_applies_if_it_goes_back_to_billing(
+    harness: Harness, by: str
+) -> None:
+    """Refused as the run closed ("closing"), or dropped (Temporal's cancel), the cancel
+    left the run to bill, after it, the customers its close then found unreached."""
+    customers = await harness.seed(3)
+    hold = ImportAndHoldAtTheClose(harness)
+    async with harness.running_worker(interceptors=[hold]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        await asyncio.wait_for(hold.closing.wait(), 60)
+        if by == "temporal":
+            await handle.cancel()
+            cancelling = None
+        else:
+            cancelling = asyncio.create_task(
+                operations.control(harness.client, PERIOD, "cancel", ALICE)
+            )
+        await asyncio.sleep(1.0)
+        hold.go_on.set()
+        summary = await asyncio.wait_for(handle.result(), 60)
+        if cancelling is not None:
+            assert (await cancelling).state == "cancelling"
+    assert summary.cancelled_by == ("alice" if by == "operator" else "temporal")
+    assert (summary.due, summary.charged, _counted(summary)) == (3, 3, 3)
+    charged = {c["customer"] for c in await harness.charges()}
+    assert hold.late[0].stripe_customer_id not in charged
+    await assert_billed_once(harness, str(PERIOD), customers)
 
 
 async def _ended_without_a_row(harness: Harness, customers: list[CustomerRow]) -> None:
@@ -175,3 +246,24 @@ async def test_a_page_of_the_unlisted_left_whole_is_passed_over(harness: Harness
         summary = await asyncio.wait_for(handle.result(), 60)
     assert (summary.due, summary.charged, summary.failed, _counted(summary)) == (5, 3, 2, 5)
     await assert_billed_once(harness, str(PERIOD), [*customers, *importing.late])
+
+
+async def test_a_cancel_while_children_start_counts_each_customer_once(harness: Harness) -> None:
+    """Cancelled while starts are still to be made by the server: each customer is counted
+    once (a cancel that also paged the unlisted took such a child for none, counting twice)."""
+    count = 200
+    customers = await harness.seed(count)
+    wide = RunOptions(max_in_flight=count, max_starting=count, page_size=count)
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue, wide)
+
+        async def starting() -> bool:
+            return (await handle.query(BillingPeriodWorkflow.progress)).in_flight > 0
+
+        await eventually(starting)
+        await operations.control(harness.client, PERIOD, "cancel", ALICE)
+        summary = await asyncio.wait_for(handle.result(), 120)
+    assert (summary.due, _counted(summary)) == (count, count), summary
+    rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
+    cancelled = frozenset(c for c, r in rows.items() if r["status"] == "cancelled")
+    await assert_billed_once(harness, str(PERIOD), customers, cancelled=cancelled)
