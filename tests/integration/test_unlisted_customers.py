@@ -189,11 +189,14 @@ async def test_a_cancel_given_as_the_run_closes_applies_if_it_goes_back_to_billi
         summary = await asyncio.wait_for(handle.result(), 60)
         if cancelling is not None:
             assert (await cancelling).state == "cancelling"
+        history = await handle.fetch_history()
     assert summary.cancelled_by == ("alice" if by == "operator" else "temporal")
     assert (summary.due, summary.charged, _counted(summary)) == (3, 3, 3)
     charged = {c["customer"] for c in await harness.charges()}
     assert hold.late[0].stripe_customer_id not in charged
     await assert_billed_once(harness, str(PERIOD), customers)
+    await replay([history])
+    keep([history])
 
 
 async def _ended_without_a_row(harness: Harness, customers: list[CustomerRow]) -> None:
