@@ -170,6 +170,8 @@ class BillingPeriodWorkflow:
         self._listed_customers = 0
         # Decided with the run's other patches; an update may be validated before that.
         self._lists_the_unlisted = False
+        # The close's activity is under way (LISTS_THE_UNLISTED): a word waits for its verdict.
+        self._verdict_pending = False
 
     @workflow.run
     async def run(self, request: BillingPeriodInput | None = None) -> PeriodSummary:
@@ -235,7 +237,14 @@ class BillingPeriodWorkflow:
                 held=state.plan.held,
                 **state.counts.model_dump(),
             )
-            if await self._close(summary):
+            if self._lists_the_unlisted and control.control == "paused":
+                # Paused while the close waited for updates: hand over, close on resume.
+                self._finished = False
+                continue
+            self._verdict_pending = self._lists_the_unlisted
+            closed = await self._close(summary)
+            self._verdict_pending = False
+            if closed:
                 break
             workflow.logger.info("due customers the listing did not reach: listing them")
             # An operator's word given while the run closed applies now (_set_control).
@@ -307,7 +316,7 @@ class BillingPeriodWorkflow:
 
     @workflow.update
     async def pause(self, request: OperatorRequest) -> PeriodProgress:
-        return await self._set_control("paused", request)
+        return self._answer("pause", await self._set_control("paused", request))
 
     @pause.validator
     def _validate_pause(self, request: OperatorRequest) -> None:
@@ -322,7 +331,7 @@ class BillingPeriodWorkflow:
 
     @workflow.update
     async def resume(self, request: OperatorRequest) -> PeriodProgress:
-        return await self._set_control("running", request)
+        return self._answer("resume", await self._set_control("running", request))
 
     @resume.validator
     def _validate_resume(self, request: OperatorRequest) -> None:
@@ -335,7 +344,7 @@ class BillingPeriodWorkflow:
 
     @workflow.update
     async def cancel(self, request: OperatorRequest) -> PeriodProgress:
-        return await self._set_control("cancelled", request)
+        return self._answer("cancel", await self._set_control("cancelled", request))
 
     @cancel.validator
     def _validate_cancel(self, request: OperatorRequest) -> None:
@@ -435,13 +444,31 @@ class BillingPeriodWorkflow:
         )
         raise ApplicationError(f"cannot {action} {over}{advice}")
 
-    async def _set_control(self, control: Control, request: OperatorRequest) -> PeriodProgress:
-        if self._finished and self._lists_the_unlisted:
+    def _answer(self, action: str, progress: PeriodProgress | None) -> PeriodProgress:
+        """An update's answer; a word given as the run closed that did not apply says why."""
+        if progress is not None:
+            return progress
+        if self._closed:
+            raise ApplicationError(
+                f"the run of {self._state.period} completed as the {action} arrived: every due"
+                f" customer has its outcome, so the {action} changed nothing"
+            )
+        raise ApplicationError(
+            f"the run of {self._state.period} was cancelled by {self._control.operator} as the"
+            f" {action} arrived, so the {action} changed nothing"
+        )
+
+    async def _set_control(
+        self, control: Control, request: OperatorRequest
+    ) -> PeriodProgress | None:
+        """Apply the word; None if it was given as the run closed, and then the run closed
+        or was cancelled."""
+        if self._verdict_pending:
             # Given as the run closes: it applies if the close finds customers the listing
             # did not reach, and the run goes back to bill them; else the run has ended.
-            await self._wait(lambda: self._closed or not self._finished)
-            if self._closed:
-                return self.progress()
+            await self._wait(lambda: not self._verdict_pending)
+            if self._closed or self._control.control == "cancelled":
+                return None
         logs.log_signal(
             control, period=self._state.period, operator=request.operator, reason=request.reason
         )

@@ -1,0 +1,157 @@
+"""Operators' words (pause, cancel, Temporal's cancel) given as a run closes: its close may
+find customers its listing did not reach and go back to bill them, where the word applies;
+else the run has ended, and the word is answered so. Never a run left waiting on itself, nor
+a cancel undone."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from temporalio import activity
+from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
+
+from billing import operations
+from billing.models import OperatorRequest, SkipRequest
+from billing.periods import Period
+from billing.runs import start_period
+from tests.integration.harness import Harness, eventually
+from tests.integration.invariants import assert_billed_once
+from tests.integration.test_operations import HoldClose
+from tests.integration.test_unlisted_customers import ALICE, ImportAndHoldAtTheClose, _counted
+from workflows.billing_period import BillingPeriodWorkflow
+
+PERIOD = Period(2026, 12)
+BOB = OperatorRequest(reason="looking into it", operator="bob")
+
+
+class HoldTheSkip(Interceptor):
+    """Holds the skip_customer activity until told to go on."""
+
+    def __init__(self) -> None:
+        self.skipping = asyncio.Event()
+        self.go_on = asyncio.Event()
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        outer = self
+
+        class Holding(ActivityInboundInterceptor):
+            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                if activity.info().activity_type == "skip_customer":
+                    outer.skipping.set()
+                    await asyncio.wait_for(outer.go_on.wait(), 60)
+                return await super().execute_activity(input)
+
+        return Holding(next)
+
+
+async def test_a_cancel_given_while_the_close_waits_for_a_skip_applies(harness: Harness) -> None:
+    """Every outcome in, the run waits for a skip still running before its close: a cancel
+    then applies at once. It waited for the close's verdict, which waited for it."""
+    customers = await harness.seed(3)
+    hold = HoldTheSkip()
+    async with harness.running_worker(interceptors=[hold]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        skip = SkipRequest(customer_id=customers[0].customer_id, reason="x", operator="bob")
+        skipping = asyncio.create_task(handle.execute_update(BillingPeriodWorkflow.skip, skip))
+        await asyncio.wait_for(hold.skipping.wait(), 60)
+
+        async def closing() -> bool:
+            return (await handle.query(BillingPeriodWorkflow.progress)).state == "closing"
+
+        await eventually(closing)
+        cancelling = asyncio.create_task(
+            operations.control(harness.client, PERIOD, "cancel", ALICE)
+        )
+        await asyncio.sleep(1.0)
+        hold.go_on.set()
+        await asyncio.wait_for(skipping, 30)
+        summary = await asyncio.wait_for(handle.result(), 30)
+        await asyncio.wait_for(cancelling, 30)
+    assert summary.cancelled_by == "alice"
+    assert (summary.due, _counted(summary)) == (3, 3)
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+@pytest.mark.parametrize("by", ["operator", "temporal"])
+async def test_a_pause_after_a_cancel_as_the_run_closes_does_not_undo_it(
+    harness: Harness, by: str
+) -> None:
+    """Both taken as the run closes; the close finds a customer its listing did not reach:
+    the cancel applies, and the pause after it changes nothing (it overwrote the cancel, and
+    a resume billed the customer the cancel was to stop)."""
+    customers = await harness.seed(3)
+    hold = ImportAndHoldAtTheClose(harness)
+    async with harness.running_worker(interceptors=[hold]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        await asyncio.wait_for(hold.closing.wait(), 60)
+        cancelling = None
+        if by == "temporal":
+            await handle.cancel()
+        else:
+            cancelling = asyncio.create_task(
+                operations.control(harness.client, PERIOD, "cancel", ALICE)
+            )
+        await asyncio.sleep(1.0)
+        pausing = asyncio.create_task(operations.control(harness.client, PERIOD, "pause", BOB))
+        await asyncio.sleep(1.0)
+        hold.go_on.set()
+        with pytest.raises(operations.OperatorRefusedError) as refused:
+            await asyncio.wait_for(pausing, 30)
+        summary = await asyncio.wait_for(handle.result(), 30)
+        if cancelling is not None:
+            assert (await cancelling).state == "cancelling"
+    assert "as the pause arrived, so the pause changed nothing" in str(refused.value)
+    assert summary.cancelled_by == ("alice" if by == "operator" else "temporal")
+    charged = {c["customer"] for c in await harness.charges()}
+    assert hold.late[0].stripe_customer_id not in charged
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_a_pause_as_the_run_closes_holds_the_customers_it_goes_back_to(
+    harness: Harness,
+) -> None:
+    """The pause applies once the close goes back; the run waits (continuing as new with
+    the listing of the unlisted), and a resume bills the customer, counted once."""
+    customers = await harness.seed(3)
+    hold = ImportAndHoldAtTheClose(harness)
+    async with harness.running_worker(interceptors=[hold]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        await asyncio.wait_for(hold.closing.wait(), 60)
+        pausing = asyncio.create_task(operations.control(harness.client, PERIOD, "pause", BOB))
+        await asyncio.sleep(1.0)
+        hold.go_on.set()
+        assert (await asyncio.wait_for(pausing, 30)).state == "paused"
+        assert not {c["customer"] for c in await harness.charges()} & {
+            hold.late[0].stripe_customer_id
+        }
+        await operations.control(harness.client, PERIOD, "resume", BOB)
+        summary = await asyncio.wait_for(handle.result(), 60)
+    assert (summary.due, summary.charged, _counted(summary)) == (4, 4, 4), summary
+    await assert_billed_once(harness, str(PERIOD), [*customers, *hold.late])
+
+
+async def test_a_cancel_as_the_run_closes_for_good_says_it_changed_nothing(
+    harness: Harness,
+) -> None:
+    """The close finds every customer reached and closes: the cancel it took is refused,
+    saying why, not answered as though it had applied."""
+    customers = await harness.seed(2)
+    hold = HoldClose()
+    async with harness.running_worker(interceptors=[hold]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        await asyncio.wait_for(hold.closing.wait(), 60)
+        cancelling = asyncio.create_task(
+            operations.control(harness.client, PERIOD, "cancel", ALICE)
+        )
+        await asyncio.sleep(1.0)
+        hold.go_on.set()
+        with pytest.raises(operations.OperatorRefusedError) as refused:
+            await asyncio.wait_for(cancelling, 30)
+        summary = await asyncio.wait_for(handle.result(), 30)
+    assert "completed as the cancel arrived: every due customer has its outcome" in str(
+        refused.value
+    )
+    assert (summary.charged, summary.cancelled_by) == (2, None)
+    await assert_billed_once(harness, str(PERIOD), customers)
