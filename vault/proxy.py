@@ -55,6 +55,8 @@ _RETURNED_HEADERS = (
     "Retry-After",
 )
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+# Percent-decodings of a value looked through for a key: none sends one encoded more often.
+_DECODING_ROUNDS = 8
 _IDEMPOTENCY_KEY_RE = re.compile(IDEMPOTENCY_KEY_PATTERN)
 # Stripe's ceiling on `amount` is eight digits; a sign, decimals or exponent are refused.
 _AMOUNT_RE = re.compile(r"[0-9]{1,8}")
@@ -180,7 +182,7 @@ async def _proxy(
     except web.HTTPRequestEntityTooLarge:
         raise Refusal("refused_request", 413, "body_too_large", "the body is too large") from None
     text = body.decode("utf-8", "replace")
-    _refuse_secret("the body", unquote_plus(text))
+    _refuse_secret("the body", text)
     if body and request.method == "GET":
         raise Refusal(
             "refused_request",
@@ -459,8 +461,9 @@ def _charge(
 
 
 def _refuse_secret(name: str, value: str) -> None:
-    """Values the vault stores or forwards must never hold a key, even one sent by mistake."""
-    if SECRET_RE.search(value):
+    """Values the vault stores or forwards must never hold a key, even one sent by mistake,
+    or percent-encoded once or more."""
+    if SECRET_RE.search(value) or SECRET_RE.search(_decoded(value)):
         raise Refusal(
             "refused_request",
             400,
@@ -747,7 +750,18 @@ def _audited_path(request: web.Request, path: str) -> str:
     which customer or page a list read asked for."""
     query = request.rel_url.raw_query_string
     audited = _clean(path, 300)
-    return audited + "?" + _clean(unquote_plus(query), 500) if query else audited
+    return audited + "?" + _clean(_decoded(query), 500) if query else audited
+
+
+def _decoded(text: str) -> str:
+    """`text` percent-decoded until it no longer changes (_DECODING_ROUNDS at most): a key
+    encoded twice over is still one to refuse and to redact."""
+    for _ in range(_DECODING_ROUNDS):
+        decoded = unquote_plus(text)
+        if decoded == text:
+            break
+        text = decoded
+    return text
 
 
 def _clean(text: str, limit: int) -> str:

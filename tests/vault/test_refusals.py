@@ -427,6 +427,7 @@ async def test_the_audit_row_names_a_reads_query_redacted_and_bounded(
         f"customer={customer}&limit=3",
         "customer=cus%5Fa+b&starting_after=" + "x" * 2_000,  # decoded, and clipped
         "customer=sk%5Ftest%5F" + "A" * 30,  # a percent-encoded key: refused, and redacted
+        "customer=%2573k%255Ftest%255F" + "A" * 30,  # so is one encoded twice
     ]
     for query in queries:
         async with http.get(
@@ -435,11 +436,13 @@ async def test_the_audit_row_names_a_reads_query_redacted_and_bounded(
             pass
     async with http.get(vault.url + "/stripe/v1/charges", headers=bearer):
         pass
-    plain, long, encoded_key, bare = reversed([e.path for e in await proxied_calls(admin, key.id)])
+    calls = list(reversed(await proxied_calls(admin, key.id)))
+    plain, long, encoded_key, twice, bare = (e.path for e in calls)
+    assert [e.refusal_code for e in calls[2:4]] == ["secret_in_parameter"] * 2
     assert plain == f"/v1/charges?customer={customer}&limit=3"
     assert long.startswith("/v1/charges?customer=cus_a b&starting_after=xxx")
     assert len(long) == len("/v1/charges?") + 500
-    assert encoded_key == "/v1/charges?customer=[redacted key]"
+    assert encoded_key == twice == "/v1/charges?customer=[redacted key]"
     assert bare == "/v1/charges"
 
 
