@@ -647,7 +647,7 @@ class BillingPeriodWorkflow:
                     ),
                     start_to_close_timeout=ACTIVITY_TIMEOUT,
                     summary=(
-                        "list due customers imported behind the listing"
+                        "list due customers the listing did not reach"
                         if state.unlisted
                         else "list due customers"
                     ),
