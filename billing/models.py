@@ -456,7 +456,7 @@ class Preview(Record):
     @property
     def held(self) -> list[PreviewLine]:
         """Those a run would hold rather than bill: the period billed their Stripe customer
-        under another id, inactive or moved to another Stripe customer since."""
+        under another id, inactive since."""
         return [line for line in self.not_billable if line.held_as is not None]
 
     @property
@@ -539,7 +539,7 @@ class Preview(Record):
         warn(
             "held",
             "customers a run would not bill, as the period billed their Stripe customer under"
-            " another id, inactive or moved since (renamed?); one that is another account is billed"
+            " another id, inactive since (renamed?); one that is another account is billed"
             " once imported with a Stripe customer of its own, when the period is run again",
             [(x.customer_id, f"{x.customer_id} (as {x.held_as})") for x in self.held],
         )

@@ -163,8 +163,8 @@ async def _refuse_held(conn: asyncpg.Connection, customer_id: str, period: str, 
     if held["charged_as"] is None:
         raise HeldCustomerError(
             f"customer {customer_id!r} is held: {period} has a claim open for its Stripe"
-            f" customer as {held['held_as']!r}, an id inactive or moved since (renamed?); it is"
-            " claimed only if that claim does not charge",
+            f" customer as {held['held_as']!r}, inactive since (renamed?); it is claimed only"
+            " if that claim does not charge",
             held["held_as"],
         )
     charged_as = held["charged_as"]
@@ -179,8 +179,8 @@ async def _refuse_held(conn: asyncpg.Connection, customer_id: str, period: str, 
         customer_id,
         period,
         key,
-        f"held: {period} {charged} its Stripe customer as {charged_as!r}, an id inactive or"
-        " moved since (renamed?); not charged twice",
+        f"held: {period} {charged} its Stripe customer as {charged_as!r}, an id inactive"
+        " since (renamed?); not charged twice",
         AUTOMATIC,
     )
     return False

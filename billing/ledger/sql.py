@@ -25,27 +25,24 @@ BILLED = (
 )
 
 
-# The customer id under which the period charged the Stripe customer of customer `c` (or
-# may have), or holds a claim for it that is not skipped before its charge was sent (to be
-# charged, or in doubt: a skip of a sent claim holds only if Stripe shows nothing then), an
-# id that no longer stands for that Stripe customer: inactive, moved to another, or removed.
-# `c` is most likely that one renamed (the old id deactivated or moved, the new one
-# imported), with a key of its own: it is held, not due, for as long as this holds (an old
-# claim that fails releases it, unless a charge may exist all the same). An id still active
-# on the same Stripe customer is another account, and both are billed. Matched on the row's
-# Stripe customer, not the id's of now, which an import may change: one probe per customer
-# of the period's rows by Stripe customer (migrations/024), which mostly finds none.
+# The customer id, inactive now, under which the period charged the Stripe customer of
+# customer `c` (or may have), or holds a claim for it that is not skipped before its charge
+# was sent (to be charged, or in doubt: a skip of a sent claim holds only if Stripe shows
+# nothing then). An active customer with the same Stripe customer is most likely that one
+# renamed (the old id deactivated, the new one imported), with a key of its own: it is held,
+# not due, for as long as this holds (an old claim that fails releases it, unless a charge may
+# exist all the same). An index of inactive customers by Stripe customer (migrations/017)
+# makes it one probe per customer.
 def held_as_sql(period: str = "$1", *, charged: bool = False) -> str:
     """The SQL of the above for customer `c`, the period being `period` (a parameter or a
     column); only rows that charged (or may have) count if `charged`."""
     billed = (CHARGED if charged else BILLED).format(r="o")
     return f"""(
-    SELECT min(o.customer_id) FROM billing_runs o
-    WHERE o.billing_period = {period} AND o.stripe_customer_id = c.stripe_customer_id
-        AND o.customer_id <> c.customer_id AND {billed}
-        AND NOT EXISTS (
-            SELECT 1 FROM customers oc WHERE oc.customer_id = o.customer_id AND oc.active
-                AND oc.stripe_customer_id = o.stripe_customer_id))"""
+    SELECT min(oc.customer_id) FROM customers oc
+    JOIN billing_runs o ON o.customer_id = oc.customer_id AND o.billing_period = {period}
+    WHERE NOT oc.active AND oc.stripe_customer_id = c.stripe_customer_id
+        AND o.stripe_customer_id = c.stripe_customer_id AND oc.customer_id <> c.customer_id
+        AND {billed})"""
 
 
 HELD_AS = held_as_sql()
