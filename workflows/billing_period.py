@@ -200,8 +200,10 @@ class BillingPeriodWorkflow:
                 if billing.done():
                     # Finished in the same turn: its summary, or what ended it.
                     return billing.result()
-                if self._control.control != "cancelled" and (
-                    not self._finished or self._lists_the_unlisted
+                if (
+                    self._control.control != "cancelled"
+                    and not self._closed
+                    and (not self._finished or self._lists_the_unlisted)
                 ):
                     await self._set_control("cancelled", TEMPORAL_CANCEL)
 
@@ -428,8 +430,11 @@ class BillingPeriodWorkflow:
         ended: for a cancelled run by default, start a new run; a finished one has nothing
         left to pause or resume, so it is said only when given. A closing run that may yet
         list customers its listing did not reach (LISTS_THE_UNLISTED) takes the word, which
-        applies if it does (_set_control)."""
-        if self._control.control == "cancelled":
+        applies if it does (_set_control); a closed one that still answers words given as it
+        closed takes none."""
+        if self._closed and self._lists_the_unlisted:
+            over = "a run that has ended"
+        elif self._control.control == "cancelled":
             # Still finishing the charges it sent: a new run is refused until it ends.
             over = f"a run cancelled by {self._control.operator}"
             then = then or "start a new run"
@@ -463,6 +468,8 @@ class BillingPeriodWorkflow:
     ) -> PeriodProgress | None:
         """Apply the word; None if it was given as the run closed, and then the run closed
         or was cancelled."""
+        if self._closed and self._lists_the_unlisted:
+            return None
         if self._verdict_pending:
             # Given as the run closes: it applies if the close finds customers the listing
             # did not reach, and the run goes back to bill them; else the run has ended.

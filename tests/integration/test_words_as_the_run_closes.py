@@ -155,3 +155,45 @@ async def test_a_cancel_as_the_run_closes_for_good_says_it_changed_nothing(
     )
     assert (summary.charged, summary.cancelled_by) == (2, None)
     await assert_billed_once(harness, str(PERIOD), customers)
+
+
+@pytest.mark.parametrize("by", ["pause", "cancel", "temporal"])
+async def test_a_word_after_the_close_is_not_written_over_the_completed_run(
+    harness: Harness, by: str
+) -> None:
+    """Closed, the run still waits for a skip taken as it closed: a word given then was
+    applied, its control written over the completed period (a pause there holds a later
+    re-drive at the gate for good; a cancel makes launches read the period as cancelled)."""
+    customers = await harness.seed(2)
+    close = HoldClose()
+    skip_hold = HoldTheSkip()
+    async with harness.running_worker(interceptors=[close, skip_hold]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        await asyncio.wait_for(close.closing.wait(), 60)
+        skip = SkipRequest(customer_id=customers[0].customer_id, reason="x", operator="bob")
+        skipping = asyncio.create_task(handle.execute_update(BillingPeriodWorkflow.skip, skip))
+        await asyncio.wait_for(skip_hold.skipping.wait(), 60)
+        close.go_on.set()
+
+        async def completed() -> bool:
+            return (await handle.query(BillingPeriodWorkflow.progress)).state == "completed"
+
+        await eventually(completed)
+        word = None
+        if by == "temporal":
+            await handle.cancel()
+        elif by == "pause":
+            word = asyncio.create_task(operations.control(harness.client, PERIOD, "pause", BOB))
+        else:
+            word = asyncio.create_task(operations.control(harness.client, PERIOD, "cancel", BOB))
+        await asyncio.sleep(1.0)
+        skip_hold.go_on.set()
+        await asyncio.wait_for(skipping, 30)
+        summary = await asyncio.wait_for(handle.result(), 30)
+        if word is not None:
+            with pytest.raises(operations.OperatorRefusedError, match="a run that has ended"):
+                await asyncio.wait_for(word, 30)
+    row = await harness.pool.fetchrow(
+        "SELECT state, control FROM billing_periods WHERE billing_period = $1", str(PERIOD)
+    )
+    assert (row["state"], row["control"], summary.cancelled_by) == ("completed", "running", None)
