@@ -102,6 +102,16 @@ ENDED_WITHOUT_CLAIM = "ended_without_claim"
 UNKNOWN_CUSTOMER = "UnknownCustomer"
 # How many due customers with no row the close reads at a time, looking for one never listed.
 UNLISTED_PAGE = 500
+# How a customer's workflow that a listing starts again ends (RESTART_UNCLAIMED: the start's
+# reuse policy allows a new run after these only).
+ENDED_UNCLAIMED = frozenset(
+    {
+        WorkflowExecutionStatus.FAILED,
+        WorkflowExecutionStatus.TERMINATED,
+        WorkflowExecutionStatus.TIMED_OUT,
+        WorkflowExecutionStatus.CANCELED,
+    }
+)
 
 
 class ScheduledPeriodRequest(Record):
@@ -308,13 +318,31 @@ class PeriodActivities:
         if not unlisted:
             return page
         return DuePage(
-            customers=await self._unreached(period, page.customers), next_cursor=page.next_cursor
+            customers=await self._unreached(conn, period, page.customers),
+            next_cursor=page.next_cursor,
         )
 
-    async def _unreached(self, period: str, customers: Sequence[DueCustomer]) -> list[DueCustomer]:
-        """Those of `customers` (due, with no row) that have no workflow for the period."""
+    async def _unreached(
+        self, conn: asyncpg.Connection, period: str, customers: Sequence[DueCustomer]
+    ) -> list[DueCustomer]:
+        """Those of `customers` (due, with no row) that no child of the period's open run has
+        reached: with no workflow for the period, or only one of an earlier run that ended
+        before its claim (failed, terminated), which a listing starts again."""
+        if not customers:
+            return []
+        opened = await ledger.run_opened_at(conn, period)
         children = await asyncio.gather(*(self._child_of(period, c.customer_id) for c in customers))
-        return [c for c, child in zip(customers, children, strict=True) if child is None]
+        return [
+            c
+            for c, child in zip(customers, children, strict=True)
+            if child is None
+            or (
+                child.status in ENDED_UNCLAIMED
+                and opened is not None
+                and child.start_time is not None
+                and child.start_time < opened
+            )
+        ]
 
     @staticmethod
     def _child(period: str, customer_id: str) -> WorkflowHandle[Any, CustomerOutcome]:
@@ -445,6 +473,9 @@ class PeriodActivities:
         hold up (a describe per customer with no row): under it, only those new since are."""
         period = summary.period
         async with self._pool.acquire() as conn:
+            record = await ledger.period_record(conn, period)
+            if record is not None and record.state == "completed":
+                return True  # an earlier attempt closed it, and its answer was lost
             reached = await self._reached_without_row(conn, period, frozenset())
             if reached is None:
                 return False
@@ -466,7 +497,7 @@ class PeriodActivities:
         while True:
             page = await ledger.due_page(conn, period, after, UNLISTED_PAGE, without_row=True)
             new = [c for c in page.customers if c.customer_id not in known]
-            if await self._unreached(period, new):
+            if await self._unreached(conn, period, new):
                 return None
             reached.update(c.customer_id for c in page.customers)
             if page.next_cursor is None:

@@ -50,6 +50,7 @@ from billing.ledger.runs import (
     open_runs,
     period_record,
     periods_run,
+    run_opened_at,
     set_control,
     start_period,
 )
@@ -102,6 +103,7 @@ __all__ = [
     "record_unbilled",
     "reopen_refused_charge",
     "request_skip",
+    "run_opened_at",
     "set_control",
     "start_period",
     "stop_behind_saved_error",

@@ -4,6 +4,7 @@ control (pause, resume, cancel), their close, and what the ledger remembers of t
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 
 import asyncpg
 
@@ -125,6 +126,14 @@ async def period_record(conn: asyncpg.Connection, period: str) -> PeriodRecord |
         state=row["state"],
         summary=None if summary is None else PeriodSummary.model_validate_json(summary),
     )
+
+
+async def run_opened_at(conn: asyncpg.Connection, period: str) -> datetime | None:
+    """When the period's last run was opened, by the database's clock; None if none was."""
+    opened: datetime | None = await conn.fetchval(
+        "SELECT started_at FROM billing_periods WHERE billing_period = $1", period
+    )
+    return opened
 
 
 async def periods_run(conn: asyncpg.Connection, periods: list[str]) -> list[str]:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
 from billing import operations
@@ -270,3 +271,67 @@ async def test_a_cancel_while_children_start_counts_each_customer_once(harness: 
     rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
     cancelled = frozenset(c for c, r in rows.items() if r["status"] == "cancelled")
     await assert_billed_once(harness, str(PERIOD), customers, cancelled=cancelled)
+
+
+async def test_a_customer_an_earlier_run_left_unclaimed_imported_behind_is_billed(
+    harness: Harness,
+) -> None:
+    """An earlier run's child of the customer ended before its claim (terminated): a listing
+    starts such a one again, and so does the close, for one imported behind the listing (it
+    took any workflow of the customer for this run's, and closed with it unbilled)."""
+    customers = await harness.seed(3)
+    (late,) = await create_demo_customers(harness.stripe, 1, prefix="a-late")
+    earlier = await harness.client.start_workflow(
+        CustomerChargeWorkflow.run,
+        CustomerChargeInput(period=str(PERIOD), customer_id=late.customer_id),
+        id=customer_workflow_id(PERIOD, late.customer_id),
+        task_queue=f"{harness.task_queue}-nobody-polls",
+    )
+    await earlier.terminate("terminated by an operator before its claim")
+    importing = ImportAtTheClose(harness)
+    async with harness.running_worker(interceptors=[importing]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        summary = await asyncio.wait_for(handle.result(), 60)
+    assert importing.late == [late]
+    assert (summary.due, summary.charged, _counted(summary)) == (4, 4, 4), summary
+    await assert_billed_once(harness, str(PERIOD), [*customers, late])
+
+
+class CloseCommitsThenItsAnswerIsLost(ImportAtTheClose):
+    """The first close commits; then a customer is imported behind the listing, and the
+    attempt fails as a worker lost before it reported would: Temporal tries the close again."""
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        outer = self
+
+        class Losing(ActivityInboundInterceptor):
+            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                result = await super().execute_activity(input)
+                if activity.info().activity_type.startswith("close_period") and not outer.late:
+                    outer.late = await _late(outer.harness)
+                    raise ApplicationError("worker lost before the close was reported")
+                return result
+
+        return Losing(next)
+
+
+async def test_a_close_tried_again_after_it_was_written_does_not_reopen_the_run(
+    harness: Harness,
+) -> None:
+    """Tried again, the close looked for unlisted customers again, found one imported since
+    the run was closed, and sent the run back to billing a period the ledger has completed
+    (its children refused, counted failed), to write a second summary over the first."""
+    customers = await harness.seed(3)
+    losing = CloseCommitsThenItsAnswerIsLost(harness)
+    async with harness.running_worker(interceptors=[losing]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        summary = await asyncio.wait_for(handle.result(), 90)
+    assert losing.late
+    written = PeriodSummary.model_validate_json(
+        await harness.pool.fetchval(
+            "SELECT summary FROM billing_periods WHERE billing_period = $1", str(PERIOD)
+        )
+    )
+    assert (summary.due, summary.charged, summary.failed) == (3, 3, 0), summary
+    assert written == summary
+    await assert_billed_once(harness, str(PERIOD), customers)
