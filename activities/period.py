@@ -325,9 +325,10 @@ class PeriodActivities:
     async def _unreached(
         self, conn: asyncpg.Connection, period: str, customers: Sequence[DueCustomer]
     ) -> list[DueCustomer]:
-        """Those of `customers` (due, with no row) that no child of the period's open run has
-        reached: with no workflow for the period, or only one of an earlier run that ended
-        before its claim (failed, terminated), which a listing starts again."""
+        """Those of `customers` (due, with no row) that the period's open run has not reached:
+        with no workflow for the period, or only one that ended before its claim (failed,
+        terminated) before the run opened, which a listing starts again. One that ended since
+        was this run's, or one it waited for and counted."""
         if not customers:
             return []
         opened = await ledger.run_opened_at(conn, period)
@@ -339,8 +340,8 @@ class PeriodActivities:
             or (
                 child.status in ENDED_UNCLAIMED
                 and opened is not None
-                and child.start_time is not None
-                and child.start_time < opened
+                and child.close_time is not None
+                and child.close_time < opened
             )
         ]
 
