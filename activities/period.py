@@ -476,7 +476,10 @@ class PeriodActivities:
         async with self._pool.acquire() as conn:
             record = await ledger.period_record(conn, period)
             if record is not None and record.state == "completed":
-                return True  # an earlier attempt closed it, and its answer was lost
+                # An earlier attempt closed it, and its answer was lost: maybe before it had
+                # revoked the period's unused keys.
+                await self._revoke_unused(conn, period)
+                return True
             reached = await self._reached_without_row(conn, period, frozenset())
             if reached is None:
                 return False
