@@ -311,9 +311,9 @@ class PeriodActivities:
         unlisted: bool,
     ) -> DuePage:
         """A page of due customers after the cursor; if `unlisted`, only those the run's
-        listing did not reach: with no row and no child (imported, or released from a hold,
-        behind the listing). One whose child ended before its claim has no row either, but
-        the run counted it already. The cursor is the page's, so a page may be empty."""
+        listing did not reach (_unreached: imported, or released from a hold, behind it). One
+        whose child of this run ended before its claim has no row either, but the run counted
+        it already. The cursor is the page's, so a page may be empty."""
         page = await ledger.due_page(conn, period, after, limit, without_row=unlisted)
         if not unlisted:
             return page
