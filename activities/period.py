@@ -38,6 +38,7 @@ from billing.models import (
     PeriodPlan,
     PeriodSummary,
     Record,
+    RunIdentity,
     SkipRequest,
     SkipResult,
 )
@@ -56,6 +57,8 @@ from vault.client import (
 class PrepareRequest(Record):
     period: str
     workflow_id: str
+    # None from a run that began before runs were told apart (migrations/031).
+    run: RunIdentity | None = None
 
 
 class DuePageRequest(Record):
@@ -166,7 +169,11 @@ class PeriodActivities:
             # from the pool could wait behind other openings for ever): one refused leaves the
             # period's record as it was, and an import waits, so the plan they serve holds.
             plan = await ledger.open_period(
-                conn, request.period, request.workflow_id, None if admin is None else ensure_keys
+                conn,
+                request.period,
+                request.workflow_id,
+                None if admin is None else ensure_keys,
+                request.run,
             )
             held = await ledger.held_customers(conn, request.period)
         if admin is not None:
@@ -462,8 +469,19 @@ class PeriodActivities:
     @activity.defn(name="close_period")
     async def close(self, summary: PeriodSummary) -> None:
         async with self._pool.acquire() as conn:
-            await ledger.finish_period(conn, summary.period, summary.model_dump_json())
-            await self._revoke_unused(conn, summary.period)
+            if await self._finish(conn, summary):
+                await self._revoke_unused(conn, summary.period)
+
+    @staticmethod
+    async def _finish(conn: asyncpg.Connection, summary: PeriodSummary) -> bool:
+        """Write the run's summary; False if a later run has opened the period since (this
+        one was terminated as it closed): the period is that run's."""
+        if await ledger.finish_period(
+            conn, summary.period, summary.model_dump_json(), summary.run_id
+        ):
+            return True
+        _superseded(summary)
+        return False
 
     @activity.defn(name="close_period_if_all_listed")
     async def close_if_all_listed(self, summary: PeriodSummary) -> bool:
@@ -475,6 +493,9 @@ class PeriodActivities:
         period = summary.period
         async with self._pool.acquire() as conn:
             record = await ledger.period_record(conn, period)
+            if record is not None and record.opened_by_another(summary.run_id):
+                _superseded(summary)
+                return True
             if record is not None and record.state == "completed":
                 # An earlier attempt closed it, and its answer was lost: maybe before it had
                 # revoked the period's unused keys.
@@ -487,8 +508,9 @@ class PeriodActivities:
                 await ledger.lock_for_change(conn, "the run's close")
                 if await self._reached_without_row(conn, period, reached) is None:
                     return False
-                await ledger.finish_period(conn, period, summary.model_dump_json())
-            await self._revoke_unused(conn, period)
+                written = await self._finish(conn, summary)
+            if written:
+                await self._revoke_unused(conn, period)
         return True
 
     async def _reached_without_row(
@@ -525,6 +547,14 @@ class PeriodActivities:
                 period,
                 exc,
             )
+
+
+def _superseded(summary: PeriodSummary) -> None:
+    log.warning(
+        "%s: the close of run %s wrote nothing: a later run has opened the period",
+        summary.period,
+        summary.run_id,
+    )
 
 
 async def _revoke_unstored(conn: asyncpg.Connection, admin: VaultAdmin, period: str) -> None:

@@ -130,6 +130,14 @@ class DuePage(Record):
     next_cursor: str | None
 
 
+class RunIdentity(Record):
+    """Which run opened a period (migrations/031), from its workflow: the first run id of
+    its chain of runs, and the time of its opening by Temporal's clock."""
+
+    run_id: str
+    opened_at: datetime
+
+
 class PeriodPlan(Record):
     period: str
     due: int
@@ -307,6 +315,9 @@ class PeriodCounts(Record):
 
 
 class PeriodSummary(PeriodCounts):
+    # RunIdentity.run_id of the run: where to find it in the Web UI, and whose close it is.
+    # None from a run that began before it was recorded.
+    run_id: str | None = None
     # Set when an operator cancelled the run: the counts are what happened before the cancel.
     cancel_reason: str | None = None
     cancelled_by: str | None = None
@@ -349,8 +360,15 @@ class PeriodRecord(Record):
     """The ledger's row of a period's last run: the summary once it completed."""
 
     workflow_id: str
+    # The run's RunIdentity.run_id; None for a row opened before migrations/031.
+    run_id: str | None = None
     state: Literal["running", "completed"]
     summary: PeriodSummary | None
+
+    def opened_by_another(self, run_id: str | None) -> bool:
+        """The row is a run's other than `run_id`'s, which a terminate ended before that run
+        opened it. A row or a run from before migrations/031 carries no run id: it matches."""
+        return self.run_id is not None and run_id is not None and self.run_id != run_id
 
 
 class OpenRun(Record):

@@ -170,7 +170,7 @@ async def _run_or_join(
 
 
 def _progress(summary: PeriodSummary) -> PeriodProgress:
-    counts = summary.model_dump(exclude={"cancel_reason", "cancelled_by"})
+    counts = summary.model_dump(exclude={"cancel_reason", "cancelled_by", "run_id"})
     return PeriodProgress(
         state="cancelled" if summary.cancelled_by else "completed",
         in_flight=0,

@@ -59,6 +59,7 @@ with workflow.unsafe.imports_passed_through():
         PeriodProgress,
         PeriodState,
         PeriodSummary,
+        RunIdentity,
         RunOptions,
         SkipRequest,
         SkipResult,
@@ -213,7 +214,13 @@ class BillingPeriodWorkflow:
         if state.plan is None:
             state.plan = await workflow.execute_activity_method(
                 PeriodActivities.prepare,
-                PrepareRequest(period=period, workflow_id=workflow.info().workflow_id),
+                PrepareRequest(
+                    period=period,
+                    workflow_id=workflow.info().workflow_id,
+                    run=RunIdentity(
+                        run_id=workflow.info().first_execution_run_id, opened_at=workflow.now()
+                    ),
+                ),
                 start_to_close_timeout=ACTIVITY_TIMEOUT,
                 summary=f"plan {period}: count due customers and the expected total",
             )
@@ -234,6 +241,7 @@ class BillingPeriodWorkflow:
             summary = PeriodSummary(
                 period=period,
                 workflow_id=workflow.info().workflow_id,
+                run_id=workflow.info().first_execution_run_id,
                 cancel_reason=control.reason if cancelled else None,
                 cancelled_by=control.operator if cancelled else None,
                 held=state.plan.held,

@@ -10,7 +10,7 @@ import asyncpg
 
 from billing.errors import LedgerBusyError
 from billing.ledger.due import plan_period, unsent_totals
-from billing.models import Control, PeriodPlan, PeriodRecord, PeriodSummary
+from billing.models import Control, PeriodPlan, PeriodRecord, PeriodSummary, RunIdentity
 
 # Held by a run's opening and by a change to the customers (billing.customers: an import,
 # a deactivation) for their transaction: either the plan counts the change, or the change sees
@@ -47,6 +47,7 @@ async def open_period(
     period: str,
     workflow_id: str,
     before_recording: BeforeRecording | None = None,
+    run: RunIdentity | None = None,
 ) -> PeriodPlan:
     """Plan the period and record its new run, as one step to a customer import. In between,
     under the same lock, `before_recording` gets the plan and `unsent_totals`: what it raises
@@ -56,28 +57,34 @@ async def open_period(
         plan = await plan_period(conn, period)
         if before_recording is not None:
             await before_recording(plan, await unsent_totals(conn, period))
-        await start_period(conn, plan, workflow_id)
+        await start_period(conn, plan, workflow_id, run)
     return plan
 
 
-async def start_period(conn: asyncpg.Connection, plan: PeriodPlan, workflow_id: str) -> None:
-    """Record a new run of the period. Customers a cancelled run never started are due
-    again (see migrations/005) while active: their claim takes the row over (see claim)."""
+async def start_period(
+    conn: asyncpg.Connection, plan: PeriodPlan, workflow_id: str, run: RunIdentity | None = None
+) -> None:
+    """Record a new run of the period (`run`: which one, see migrations/031). Customers a
+    cancelled run never started are due again (see migrations/005) while active: their
+    claim takes the row over (see claim)."""
     await conn.execute(
         """
         INSERT INTO billing_periods (billing_period, workflow_id, state, due,
-                                     expected_total_cents)
-        VALUES ($1, $2, 'running', $3, $4)
+                                     expected_total_cents, run_id, run_opened_in_temporal_at)
+        VALUES ($1, $2, 'running', $3, $4, $5, $6)
         ON CONFLICT (billing_period) DO UPDATE SET
             workflow_id = EXCLUDED.workflow_id, state = 'running', due = EXCLUDED.due,
             expected_total_cents = EXCLUDED.expected_total_cents, started_at = now(),
             finished_at = NULL, summary = NULL, control = 'running', control_reason = NULL,
-            control_by = NULL, control_at = now()
+            control_by = NULL, control_at = now(), run_id = EXCLUDED.run_id,
+            run_opened_in_temporal_at = EXCLUDED.run_opened_in_temporal_at
         """,
         plan.period,
         workflow_id,
         plan.due,
         plan.expected_total_cents,
+        None if run is None else run.run_id,
+        None if run is None else run.opened_at,
     )
 
 
@@ -97,25 +104,30 @@ async def set_control(
     )
 
 
-async def finish_period(conn: asyncpg.Connection, period: str, summary_json: str) -> None:
-    """Record the run's summary. A pause left at the close is lifted: one accepted with the
-    run's last outcome has nothing left to hold, and a claim charged after the run (a
-    re-drive) would wait at the gate for a resume no run can give."""
-    await conn.execute(
+async def finish_period(
+    conn: asyncpg.Connection, period: str, summary_json: str, run_id: str | None = None
+) -> bool:
+    """Record the summary of the run `run_id`; False, nothing written, if the period's row
+    is another run's (PeriodRecord.opened_by_another). A pause left at the close is lifted:
+    one accepted with the run's last outcome has nothing left to hold, and a claim charged
+    after the run (a re-drive) would wait at the gate for a resume no run can give."""
+    status: str = await conn.execute(
         """
         UPDATE billing_periods SET state = 'completed', summary = $2::jsonb, finished_at = now(),
             control = CASE WHEN control = 'paused' THEN 'running' ELSE control END
-        WHERE billing_period = $1
+        WHERE billing_period = $1 AND ($3::text IS NULL OR run_id IS NULL OR run_id = $3)
         """,
         period,
         summary_json,
+        run_id,
     )
+    return status != "UPDATE 0"
 
 
 async def period_record(conn: asyncpg.Connection, period: str) -> PeriodRecord | None:
     """What the ledger remembers of the period's last run; None if none was started."""
     row = await conn.fetchrow(
-        "SELECT workflow_id, state, summary FROM billing_periods WHERE billing_period = $1",
+        "SELECT workflow_id, run_id, state, summary FROM billing_periods WHERE billing_period = $1",
         period,
     )
     if row is None:
@@ -123,15 +135,19 @@ async def period_record(conn: asyncpg.Connection, period: str) -> PeriodRecord |
     summary = row["summary"]
     return PeriodRecord(
         workflow_id=row["workflow_id"],
+        run_id=row["run_id"],
         state=row["state"],
         summary=None if summary is None else PeriodSummary.model_validate_json(summary),
     )
 
 
 async def run_opened_at(conn: asyncpg.Connection, period: str) -> datetime | None:
-    """When the period's last run was opened, by the database's clock; None if none was."""
+    """When the period's last run was opened, by Temporal's clock (by the database's for a
+    row from before migrations/031); None if none was."""
     opened: datetime | None = await conn.fetchval(
-        "SELECT started_at FROM billing_periods WHERE billing_period = $1", period
+        "SELECT coalesce(run_opened_in_temporal_at, started_at) FROM billing_periods"
+        " WHERE billing_period = $1",
+        period,
     )
     return opened
 

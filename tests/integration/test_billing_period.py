@@ -325,6 +325,15 @@ async def test_continue_as_new_lets_children_finish_and_counts(harness: Harness)
     # Bounded: the limit plus what one turn of the loop adds (starts, completions and their
     # workflow tasks for about a window of children).
     runs = await harness.chain_of_runs(handle.id, bound=200 + 15 * options.max_in_flight)
+    # The run is told by its chain's first run id, which each run of the chain carries, and
+    # the ledger's row is that run's.
+    assert len(runs) > 1
+    assert {
+        h.events[0].workflow_execution_started_event_attributes.first_execution_run_id for h in runs
+    } == {summary.run_id}
+    async with harness.pool.acquire() as conn:
+        record = await ledger.period_record(conn, str(PERIOD))
+    assert record is not None and (record.run_id, record.summary) == (summary.run_id, summary)
     # Each run let its children finish before it continued as new, so none reported while
     # it did: the server refused no continue-as-new, and no run handed a child over.
     for history in runs:
