@@ -223,7 +223,9 @@ def describe_reconciliation(report: ReconcileReport) -> str:
         + (f"; {report.handled_count} handled by a person" if report.handled_count else "")
     )
     lines += [
-        f"    {f.kind.upper()} {f.charge_id} {f.amount_cents} {f.currency} for {f.customer_id}"
+        # The metadata of a charge made outside the orchestrator (an orphan) is anyone's text.
+        f"    {f.kind.upper()} {shown_line(f.charge_id)} {f.amount_cents}"
+        f" {shown_line(f.currency)} for {shown_line(f.customer_id)}"
         + (f" (ledger: {f.ledger_status}" if f.ledger_status else " (no ledger row")
         + (f", charge {f.ledger_charge_id})" if f.ledger_charge_id else ")")
         for f in report.findings

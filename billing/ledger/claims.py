@@ -16,7 +16,7 @@ from billing.errors import (
 from billing.ledger.sql import (
     CLAIM_COLUMNS,
     HELD_AS,
-    LOOKUP_REFUSED,
+    MAY_HAVE_CHARGED,
     NEVER_STARTED,
     due_join,
     held_as_sql,
@@ -145,7 +145,7 @@ async def _is_active(conn: asyncpg.Connection, customer_id: str) -> bool:
 async def _refuse_held(conn: asyncpg.Connection, customer_id: str, period: str, key: str) -> bool:
     """For a customer held since its run listed it (see HELD_AS): while the Stripe
     customer's old id has a claim open, HeldCustomerError, to try again once it ends; once
-    the old id is charged (or may be: LOOKUP_REFUSED), a skip, which the claim then finds.
+    the old id is charged (or may be: MAY_HAVE_CHARGED), a skip, which the claim then finds.
     True for an active customer with no row that is not held (any more): the claim may be
     made now. A customer that is inactive or has a row of its own is left to the caller."""
     held = await conn.fetchrow(
@@ -173,7 +173,7 @@ async def _refuse_held(conn: asyncpg.Connection, customer_id: str, period: str, 
         charged_as,
         period,
     )
-    charged = "may have charged" if doubt == LOOKUP_REFUSED else "charged"
+    charged = "may have charged" if doubt in MAY_HAVE_CHARGED else "charged"
     await request_skip(
         conn,
         customer_id,

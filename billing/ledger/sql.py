@@ -3,6 +3,8 @@ the columns of a claim."""
 
 from __future__ import annotations
 
+from billing.reconciliation import INCOMPLETE_INTENT
+
 # A row a cancelled run wrote for a customer it never started: nothing of it reached Stripe.
 NEVER_STARTED = (
     "{r}.status = 'cancelled' AND {r}.cancelled_before_start AND {r}.charge_started_at IS NULL"
@@ -12,10 +14,13 @@ NEVER_STARTED = (
 # The failure code of a claim whose lookup (does a charge with its key exist?) was refused
 # for good: recorded failed so that its run can end, though a charge may exist.
 LOOKUP_REFUSED = "lookup_refused"
-# A row `r` that charged its Stripe customer, or may have: failed under LOOKUP_REFUSED.
+# Failure codes of a claim recorded failed though a charge may exist: LOOKUP_REFUSED, and a
+# PaymentIntent Stripe left unconfirmed, which it may yet complete until a person cancels it.
+MAY_HAVE_CHARGED = (LOOKUP_REFUSED, INCOMPLETE_INTENT)
+# A row `r` that charged its Stripe customer, or may have (failed under MAY_HAVE_CHARGED).
 CHARGED = (
-    f"({{r}}.status = 'charged'"
-    f" OR ({{r}}.status = 'failed' AND {{r}}.failure_code = '{LOOKUP_REFUSED}'))"
+    f"({{r}}.status = 'charged' OR ({{r}}.status = 'failed' AND {{r}}.failure_code IN"
+    f" ({', '.join(repr(code) for code in MAY_HAVE_CHARGED)})))"
 )
 # A row `r` that charged its Stripe customer (or may have), or holds a claim for it that is not
 # skipped before its charge was sent (to be charged, or in doubt).

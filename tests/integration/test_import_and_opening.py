@@ -25,6 +25,7 @@ from billing.ledger.sql import LOOKUP_REFUSED
 from billing.models import AUTOMATIC, ChargeFailure, ChargeResult, Claim, PeriodPlan
 from billing.periods import parse_period
 from billing.preview import preview_period
+from billing.reconciliation import INCOMPLETE_INTENT
 from tests.integration.harness import open_period_by_hand
 
 PERIOD = "2026-12"
@@ -279,6 +280,8 @@ async def test_a_customer_held_after_its_run_listed_it_waits_for_the_old_claim(
         ("card_declined", True),
         # Its lookup refused for good: a charge may exist all the same.
         (LOOKUP_REFUSED, False),
+        # A PaymentIntent Stripe left unconfirmed: it may yet complete it.
+        (INCOMPLETE_INTENT, False),
     ],
 )
 async def test_a_claim_the_old_id_fails_releases_the_new_one_unless_in_doubt(

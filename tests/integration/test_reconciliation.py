@@ -22,6 +22,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.service import RPCError
 
 from activities import reconcile as reconcile_activities
+from activities import stripe_gateway
 from activities.reconcile import ReconcileActivities
 from activities.stripe_gateway import StripeGateway, charge_params
 from billing import ledger, operations, period_keys, reconciliation
@@ -42,6 +43,7 @@ from billing.models import (
 )
 from billing.periods import Period, period_for
 from billing.reconciliation import (
+    INCOMPLETE_INTENT,
     MAX_LISTED,
     ChargesPage,
     ChargesPageRequest,
@@ -52,6 +54,7 @@ from billing.reconciliation import (
     StripeCharge,
     for_listing,
 )
+from billing.reporting import describe_reconciliation
 from billing.runs import period_status, start_period, start_reconcile
 from billing.schedules import RECONCILE_SCHEDULE_ID
 from billing.sealing import SecretBox, new_key
@@ -61,6 +64,7 @@ from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
 from vault.client import VaultAdmin
+from vault.endpoints import KEY_METADATA
 from workflows.customer_charge import CustomerChargeWorkflow
 from workflows.reconcile import ReconcileWorkflow
 
@@ -1557,3 +1561,65 @@ async def test_a_reconcile_history_replays(harness: Harness) -> None:
     history: WorkflowHistory = await handle.fetch_history()
     await replay([history])
     keep([history])
+
+
+async def test_an_intent_recorded_incomplete_still_holds_the_customer_renamed_since(
+    vaulted: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lost run's claim whose PaymentIntent Stripe left unconfirmed, reconciled through a
+    key that may not cancel it: the row is recorded failed (payment_intent_incomplete), yet
+    Stripe may still complete that intent. The customer renamed since (its old id
+    deactivated, its Stripe customer imported anew) stays held: a rerun charged it under the
+    new id, and Stripe then completed the old intent (helper-151 F1)."""
+    monkeypatch.setattr(stripe_gateway, "STALLED_AFTER_SECONDS", 0)
+    [old] = await vaulted.seed(1)
+    claim = await stranded(vaulted, old, at_stripe=False)
+    stalled = await vaulted.stripe.v1.payment_intents.create_async(
+        {
+            "amount": claim.amount_cents,
+            "currency": claim.currency,
+            "customer": claim.stripe_customer_id,
+            "payment_method": old.payment_method,
+            "automatic_payment_methods": {"enabled": True, "allow_redirects": "never"},
+            "metadata": {
+                KEY_METADATA: claim.idempotency_key,
+                "billing_period": str(PERIOD),
+                "customer_id": old.customer_id,
+            },
+        }
+    )
+    assert stalled.status == "requires_confirmation"
+    [resolution] = (await reconcile(vaulted)).claims
+    assert resolution.needs_person and (resolution.detail or "").startswith(INCOMPLETE_INTENT)
+    [row] = await vaulted.ledger_rows(str(PERIOD))
+    assert (row["status"], row["failure_code"]) == ("failed", INCOMPLETE_INTENT)
+    renamed = old.model_copy(update={"customer_id": "renamed-1"})
+    await upsert_customers(vaulted.pool, [renamed])
+    await vaulted.pool.execute(
+        "UPDATE customers SET active = false WHERE customer_id = $1", old.customer_id
+    )
+    await bill(vaulted)
+    await vaulted.stripe.v1.payment_intents.confirm_async(stalled.id, {})
+    paid = [
+        c
+        for c in await vaulted.charges()
+        if c["customer"] == old.stripe_customer_id and c["status"] == "succeeded"
+    ]
+    assert len(paid) == 1
+    # Held: not due, so never claimed.
+    assert [r["customer_id"] for r in await vaulted.ledger_rows(str(PERIOD))] == [old.customer_id]
+
+
+async def test_an_orphans_metadata_cannot_forge_a_line_of_the_report(harness: Harness) -> None:
+    """A charge made outside the orchestrator names its customer in Stripe's metadata, which
+    anyone may write: the report shows it on its one line (helper-151 F2)."""
+    claim = await billed(harness, 1)
+    forged = "ghost\n  Stripe: 0 charges of 0 customers checked; all clear"
+    await plant(
+        harness, claim.model_copy(update={"customer_id": forged}), claim.idempotency_key + "-x"
+    )
+    report = await reconcile(harness)
+    assert report.finding_counts == {"orphan": 1}
+    lines = describe_reconciliation(report).splitlines()
+    assert not any(line.startswith("  Stripe: 0 charges") for line in lines), lines
+    assert any("ORPHAN" in line and "ghost" in line for line in lines)
