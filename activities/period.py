@@ -279,9 +279,9 @@ class PeriodActivities:
     async def completed(self, period: str) -> bool:
         """Whether a launch leaves the period as it is (schedules.finished_runs): the ledger
         shows a run of it that completed, cancelled ones too, which it remembers past the
-        namespace's retention, or one an operator cancelled that then ended unclosed."""
+        namespace's retention, or one an operator cancelled that has not closed."""
         async with self._pool.acquire() as conn:
-            return bool(await schedules.finished_runs(activity.client(), conn, [period]))
+            return bool(await schedules.finished_runs(conn, [period]))
 
     @activity.defn(name="latest_billed_period")
     async def latest_billed(self, period: str) -> str | None:

@@ -339,7 +339,7 @@ async def backfill(
         # Later periods are refused below, by their launch times.
         check_run_by_hand(first, datetime.now(UTC), ahead=True, late=late)
         periods = [str(p) for p in period_range(first, last)]
-        completed = await finished_runs(client, conn, periods)
+        completed = await finished_runs(conn, periods)
         if completed == periods:
             raise InvalidInputError(
                 f"every period from {first} to {last} has a run that completed or was"
@@ -395,7 +395,7 @@ async def trigger(
                 " to it: trigger it once the month has turned, or pass --early. Nothing was"
                 " triggered"
             )
-        completed = await finished_runs(client, conn, [str(period)])
+        completed = await finished_runs(conn, [str(period)])
         if completed:
             raise InvalidInputError(
                 f"the schedule {schedule_id} bills {period} now, and a run of it has completed"
@@ -648,13 +648,14 @@ async def ended_unfinished(
     return [parse_period(p) for p, control in ended.items() if control != "cancelled"]
 
 
-async def finished_runs(client: Client, conn: asyncpg.Connection, periods: list[str]) -> list[str]:
+async def finished_runs(conn: asyncpg.Connection, periods: list[str]) -> list[str]:
     """Those of `periods` a launch leaves as they are: a run that completed (cancelled ones
-    too), or one an operator cancelled that then ended before its close (_ended_open), whose
-    customers it had not charged stay unbilled as the operator asked."""
+    too), or one an operator cancelled that has not closed, whose customers it had not
+    charged stay unbilled as the operator asked: still finishing the charges it had sent (a
+    launch would join it, starting nothing), or ended before its close."""
     completed = await ledger.completed_runs(conn, periods)
-    ended = await _ended_open(client, conn, periods)
-    return sorted({*completed, *(p for p, control in ended.items() if control == "cancelled")})
+    open_runs = await ledger.open_runs(conn, periods)
+    return sorted({*completed, *(p for p, control in open_runs.items() if control == "cancelled")})
 
 
 async def launched_unfinished(

@@ -1541,6 +1541,40 @@ async def test_a_trigger_or_backfill_that_would_start_nothing_is_refused(harness
     assert f"left as they are, their runs completed or were cancelled: {billed}" in out
 
 
+async def test_a_trigger_of_a_month_whose_cancelled_run_still_finishes_is_refused(
+    harness: Harness,
+) -> None:
+    """Cancelled, the run still finishes the charges it had sent: a launch would join it and
+    start nothing. The trigger said "it bills" the month, and the launcher joined the run,
+    as `run` refuses to (helper-152 F2)."""
+    await harness.seed(6)
+    await harness.set_faults(latency_ms=10_000)
+    config = schedules.MonthlySchedule(
+        schedule_id="monthly-cancelled", billing="advance", hour=0, paused=True
+    )
+    await schedules.create_schedule(harness.client, config, harness.task_queue)
+    try:
+        async with harness.running_worker():
+            handle = await start_period(
+                harness.client, PERIOD, harness.task_queue, RunOptions(max_in_flight=2)
+            )
+            await eventually(lambda: at_least(harness.money_requests(), 2))
+            await operations.control(harness.client, PERIOD, "cancel", ALICE)
+            code, out, err = await harness.starter(
+                "schedule", "trigger", "--id", config.schedule_id, "--while-paused"
+            )
+            await harness.set_faults(latency_ms=0)
+            summary = await handle.result()
+            described = await harness.client.get_schedule_handle(config.schedule_id).describe()
+    finally:
+        await harness.client.get_schedule_handle(config.schedule_id).delete()
+    assert (code, out) == (2, ""), (out, err)
+    assert f"bills {PERIOD} now, and a run of it has completed or been cancelled" in err
+    assert described.info.num_actions == 0
+    assert summary.cancelled_by == "alice"
+    assert await harness.succeeded() == 2
+
+
 async def test_a_trigger_joining_a_paused_run_says_to_resume_it(harness: Harness) -> None:
     """The launch joins the month's open run, which bills nothing while paused: "it bills"
     would have an operator wait for charges that do not come."""
