@@ -87,9 +87,11 @@ def validate_time_zone(name: str) -> str:
     return name
 
 
-# Its launches' workflow IDs add "-" and a firing's time (21 characters) to it, and Temporal
-# takes up to 1,000: a longer id could never launch (earlier releases checked no length).
-SCHEDULE_ID_MAX = 979
+# Its launches' workflow IDs add LAUNCH_SUFFIX, then "-" and a firing's time (21 characters)
+# to it, and Temporal takes up to 1,000: it refuses a schedule with a longer id, naming a
+# "WorkflowId" rather than --id (earlier releases checked no length).
+LAUNCH_SUFFIX = "-run"
+SCHEDULE_ID_MAX = 1000 - len(LAUNCH_SUFFIX) - 21
 _SCHEDULE_ID_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{SCHEDULE_ID_MAX - 1}}}")
 
 
@@ -209,7 +211,7 @@ def build_schedule(config: MonthlySchedule, task_queue: str, options: RunOptions
                 action=config.action,
                 billing_schedule_id=config.billing_schedule_id,
             ),
-            id=f"{config.schedule_id}-run",
+            id=f"{config.schedule_id}{LAUNCH_SUFFIX}",
             task_queue=task_queue,
             static_summary=(
                 f"Daily reconciliation ({config.billing}) from {config.schedule_id}"

@@ -8,17 +8,26 @@ import getpass
 import math
 import re
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from billing import schedules
 from billing.config import OperatorSettings, load_settings
 from billing.errors import BillingError, InvalidInputError, shown
 from billing.periods import LATE_MONTHS, parse_period
 from billing.reconciliation import CHARGE_ID_PATTERN
-from billing.redact import shown_line
+from billing.redact import redact, shown_line
 from billing.seeding import MAX_DEMO_CUSTOMERS
 
 T = TypeVar("T")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors (an invalid choice, a value not a number, an argument
+    not expected) quote the value given: one shaped like a key, pasted into the wrong flag,
+    is shown redacted. Its sub-commands' parsers are of its class."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(redact(message))
 
 
 def argument(check: Callable[[str], T]) -> Callable[[str], T]:
@@ -56,7 +65,7 @@ def charge_id(text: str) -> str:
 def positive(text: str) -> int:
     # isascii: "²" and other Unicode digits pass isdigit() but not int().
     if not text.isascii() or not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {shown(text)}")
     return int(text)
 
 
@@ -85,7 +94,7 @@ def number(high: float, *, least: float | None = None) -> Callable[[str], float]
             value = math.nan
         # nan fails every comparison.
         if not (0 < value <= high and (least is None or value >= least)):
-            raise argparse.ArgumentTypeError(f"expected a number {wanted}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected a number {wanted}, got {shown(text)}")
         return value
 
     return parse

@@ -29,7 +29,7 @@ from cli.schedule import cmd_schedule
 
 
 def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(
+    root = arguments.Parser(
         prog="starter.py",
         description="Operator's command line: run, watch and steer billing periods, schedules and"
         " customers.",

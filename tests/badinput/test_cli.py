@@ -256,6 +256,33 @@ def test_bad_arguments_are_refused_before_anything_is_contacted(
     assert result.stdout == ""
 
 
+LIVE_KEY = "sk_live_" + "Q7" * 12
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["schedule", "create", "--billing", LIVE_KEY],
+        ["schedule", "create", "--hour", LIVE_KEY],
+        ["schedule", "create", "--catchup-hours", LIVE_KEY],
+        ["watch", "2026-12", "--interval", LIVE_KEY],
+        ["schedule", LIVE_KEY],
+        ["status", "2026-12", LIVE_KEY],
+    ],
+    ids=["choice", "int", "positive", "number", "sub-command", "unexpected"],
+)
+def test_a_key_pasted_into_the_wrong_place_is_not_echoed(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse's own errors quote the value given (helper-152 F4): redacted, as the
+    project's own checks show bad input."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert LIVE_KEY not in err and "[redacted key]" in err, err
+
+
 @pytest.mark.parametrize(
     ("env", "expected"),
     [

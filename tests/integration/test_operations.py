@@ -1541,6 +1541,21 @@ async def test_a_trigger_or_backfill_that_would_start_nothing_is_refused(harness
     assert f"left as they are, their runs completed or were cancelled: {billed}" in out
 
 
+async def test_the_longest_schedule_id_taken_is_one_temporal_takes(harness: Harness) -> None:
+    """Temporal checks the launches' workflow ID (the id, "-run", "-" and a firing's time) as
+    the schedule is made: the CLI took four characters more than it does (helper-152 F3)."""
+    longest = "m" * schedules.SCHEDULE_ID_MAX
+    code, out, err = await harness.starter(
+        "schedule", "create", "--id", longest, "--paused", "--leave-unbilled"
+    )
+    assert code == 0, err
+    await harness.client.get_schedule_handle(longest).delete()
+    code, out, err = await harness.starter(
+        "schedule", "create", "--id", longest + "m", "--paused", "--leave-unbilled"
+    )
+    assert (code, out) == (2, "") and f"must be 1-{schedules.SCHEDULE_ID_MAX} characters" in err
+
+
 async def test_a_trigger_of_a_month_whose_cancelled_run_still_finishes_is_refused(
     harness: Harness,
 ) -> None:
