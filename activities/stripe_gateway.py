@@ -120,9 +120,9 @@ class StripeGateway:
             return self._result(made)
         try:
             found = await self._find_through(api, claim)
+        except NoAnswerYet:
+            raise
         except stripe.StripeError as exc:
-            if exc.code == WAITING_ON_CUSTOMER:
-                raise
             # Not the create's refusal (a 429, a refused key), which proves nothing was
             # sent: this create made its charge, so the claim is not to be reopened.
             raise stripe.APIError(
@@ -205,7 +205,7 @@ class StripeGateway:
                 if exc.error is not None and exc.error.code == NOT_IN_DOUBT:
                     # Its charge is being sent again right now (its vault reservation pending,
                     # not unknown): the next retry cancels it.
-                    raise stripe.APIError(
+                    raise NoAnswerYet(
                         f"the vault would not cancel payment intent {intent.id} yet: {exc}",
                         http_status=503,
                     ) from None
@@ -307,16 +307,24 @@ def _not_made(made: stripe.PaymentIntent | stripe.Charge) -> stripe.APIError:
     )
 
 
-def _no_answer_yet(intent: stripe.PaymentIntent) -> stripe.APIError:
+class NoAnswerYet(stripe.APIError):
+    """A lookup found the claim's intent with no final state yet: tried again later (a 503,
+    as Stripe's own "try again"), and said as such, not as a lookup refused."""
+
+
+def _no_answer_yet(intent: stripe.PaymentIntent) -> NoAnswerYet:
     if intent.status == "requires_action":
         action = getattr(getattr(intent, "next_action", None), "type", None) or "an action"
-        return stripe.APIError(
+        return NoAnswerYet(
             f"payment intent {intent.id} waits for the customer to act on Stripe ({action}):"
             " they may still pay it",
             http_status=503,
             code=WAITING_ON_CUSTOMER,
         )
-    return stripe.APIError(f"payment intent {intent.id} is {intent.status}", http_status=503)
+    return NoAnswerYet(
+        f"payment intent {intent.id} is {intent.status}, with no final state yet",
+        http_status=503,
+    )
 
 
 def _incomplete(intent: stripe.PaymentIntent) -> ChargeFailure:

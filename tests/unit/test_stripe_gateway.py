@@ -14,7 +14,7 @@ import pytest
 import stripe
 
 from activities.stripe_failures import WAITING_ON_CUSTOMER
-from activities.stripe_gateway import STALLED_AFTER_SECONDS, StripeGateway
+from activities.stripe_gateway import STALLED_AFTER_SECONDS, NoAnswerYet, StripeGateway
 from billing.models import ChargeFailure, ChargeResult
 from billing.reconciliation import INCOMPLETE_INTENT, left_unknown_because
 from tests.unit.claims import CLAIM as LEDGER_CLAIM
@@ -488,3 +488,14 @@ async def test_a_refused_lookup_after_a_create_is_not_taken_for_the_creates_refu
         await gateway.charge(INTENT_CLAIM)
     assert type(raised.value) is stripe.APIError
     assert raised.value.http_status == 503
+
+
+async def test_an_intent_with_no_final_state_after_a_create_is_said_so() -> None:
+    # The create was answered before the intent ended, and the lookup after it finds it
+    # still to be confirmed: no answer yet, tried again; nothing refused the lookup, as the
+    # failure said (helper-153 L1).
+    now = int(time.time())
+    answered = intent("processing", now, replayed=True)
+    young = intent("requires_confirmation", now)
+    with pytest.raises(NoAnswerYet, match="is requires_confirmation, with no final state yet"):
+        await intents_gateway(young, created=answered).charge(INTENT_CLAIM)
