@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any, Literal, TypeVar
 
 import asyncpg
@@ -113,14 +114,23 @@ async def heartbeating(every: float = HEARTBEAT_EVERY) -> AsyncIterator[None]:
         task.cancel()
 
 
-async def _bounded(calls: list[Awaitable[T]]) -> list[T]:
+async def _bounded(calls: list[Callable[[], Awaitable[T]]]) -> list[T]:
+    """Each call's result, CONCURRENCY at a time. The first failure is raised as it is and
+    stops the rest: they would go on calling Stripe, taking turns of its rate, while the
+    activity is tried again. Each call is made only at its turn, so none stopped is left
+    unawaited."""
     limit = asyncio.Semaphore(CONCURRENCY)
 
-    async def one(call: Awaitable[T]) -> T:
+    async def one(call: Callable[[], Awaitable[T]]) -> T:
         async with limit:
-            return await call
+            return await call()
 
-    return await asyncio.gather(*(one(call) for call in calls))
+    tasks = [asyncio.ensure_future(one(call)) for call in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def _workflow_state(client: Client, workflow_id: str) -> ChildState:
@@ -259,7 +269,9 @@ class ReconcileActivities:
             more = len(found) > MAX_CLAIMS
             children = await _bounded(
                 [
-                    _workflow_state(client, customer_workflow_id(period, c.claim.customer_id))
+                    partial(
+                        _workflow_state, client, customer_workflow_id(period, c.claim.customer_id)
+                    )
                     for c in taken
                 ]
             )
@@ -375,7 +387,7 @@ class ReconcileActivities:
             # In a new order each run, for as long as the budget lasts: a backlog that never
             # settles takes no fixed place ahead of the rest, and the run goes on to its claims.
             random.shuffle(todo)
-            settled = await _bounded([settle(key_id, found) for key_id, found in todo])
+            settled = await _bounded([partial(settle, key_id, found) for key_id, found in todo])
         # Each settlement is logged; the report lists what a person must act on first.
         resolutions = [r for r in settled if r is not None]
         if len(resolutions) < len(todo) or len(resolutions) > MAX_SHOWN:
@@ -502,7 +514,7 @@ class ReconcileActivities:
 
         try:
             async with heartbeating():
-                found = await _bounded([listed(c) for c in customers])
+                found = await _bounded([partial(listed, c) for c in customers])
         except stripe.StripeError as exc:
             raise to_temporal_failure(exc) from None
         charges = [charge for listing in found if listing for charge in listing]
