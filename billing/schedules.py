@@ -706,8 +706,32 @@ async def missed_launches(client: Client, schedule_id: str) -> list[Missed]:
     now = datetime.now(UTC)
     window = await matching_times(client, schedule_id, since, now) if since < now else []
     due = sorted(listed.union(window) - launched)
+    waiting = set(_waiting(description, due))
+    due = [t for t in due if t not in waiting]
     bills = request.action == "bill"
     return [Missed(at=t, period=_billed_at(t, request) if bills else None) for t in due]
+
+
+def _waiting(description: ScheduleDescription, due: list[datetime]) -> list[datetime]:
+    """Those of `due` (times that launched nothing) Temporal holds in the schedule's buffer,
+    to start once the launch still open ends (`buffer_all`, or `buffer_one`'s one): the
+    first of those after the oldest open launch's time."""
+    held = waiting_firings(description)
+    if not held:
+        return []
+    info = description.info
+    running = {getattr(a, "workflow_id", None) for a in info.running_actions}
+    opened = [
+        a.scheduled_at
+        for a in info.recent_actions
+        if getattr(a.action, "workflow_id", None) in running
+    ]
+    return [t for t in due if not opened or t > min(opened)][:held]
+
+
+def waiting_firings(description: ScheduleDescription) -> int:
+    """How many firings Temporal holds for the launch still open to end."""
+    return description.raw_description.info.buffer_size
 
 
 # How a launcher ends without having started its period's run: an operator's terminate, a
@@ -814,6 +838,9 @@ def describe(description: ScheduleDescription, request: ScheduledBillingInput) -
         lines.append(
             f"  ran {action.scheduled_at.isoformat()}: {getattr(action.action, 'workflow_id', '')}"
         )
+    waiting = waiting_firings(description)
+    if waiting:
+        lines.append(f"  waiting: {waiting} firings, held by Temporal until the open launch ends")
     return "\n".join(lines)
 
 

@@ -295,7 +295,7 @@ async def _warn_missed(schedule_id: str, missed: list[schedules.Missed], *, paus
         + unread,
         file=sys.stderr,
     )
-    unbilled = [m.period for m in missed if m.period is not None]
+    unbilled = list(dict.fromkeys(m.period for m in missed if m.period is not None))
     if unbilled:
         print(
             f"  unbilled by it: {', '.join(map(str, unbilled))}; to bill them:"

@@ -1017,16 +1017,19 @@ async def firing_every(
     time_zone: str = "UTC",
     billing: Billing = "arrears",
     start_at: datetime | None = None,
+    end_at: datetime | None = None,
 ) -> ScheduleHandle:
     """A billing schedule firing every few seconds instead of monthly, so that a test can
     wait through firings; with `overlap_all`, each firing launches even while others run;
-    with `start_at`, none before it."""
+    with `start_at`, none before it, and with `end_at`, none after."""
     config = schedules.MonthlySchedule(
         schedule_id=schedule_id, paused=paused, time_zone=time_zone, billing=billing
     )
     schedule = schedules.build_schedule(config, harness.task_queue, RunOptions())
     schedule.spec = ScheduleSpec(
-        intervals=[ScheduleIntervalSpec(every=timedelta(seconds=seconds))], start_at=start_at
+        intervals=[ScheduleIntervalSpec(every=timedelta(seconds=seconds))],
+        start_at=start_at,
+        end_at=end_at,
     )
     if overlap_all:
         schedule.policy.overlap = ScheduleOverlapPolicy.ALLOW_ALL
@@ -1052,6 +1055,27 @@ async def test_firings_due_while_a_launch_is_open_wait_for_it_instead_of_being_d
         assert len(info.running_actions) == 1
     finally:
         await handle.delete()
+
+
+async def test_firings_waiting_for_an_open_launch_are_not_called_missed(harness: Harness) -> None:
+    """`describe` said of firings Temporal holds in the schedule's buffer that it "launched
+    nothing at" them, and "Temporal does not make them up", with a backfill to run
+    (helper-152 F5): they start once the open launch ends."""
+    # No worker: the first launch stays open. Firings for a few seconds only: the buffer
+    # then holds what it will.
+    end_at = datetime.now(UTC) + timedelta(seconds=8)
+    handle = await firing_every(harness, "held-and-named", 1, end_at=end_at)
+    try:
+        await asyncio.sleep((end_at - datetime.now(UTC)).total_seconds() + 1)
+        assert await _waiting(handle)
+        missed = await schedules.missed_launches(harness.client, "held-and-named")
+        code, out, err = await harness.starter("schedule", "describe", "--id", "held-and-named")
+        waiting = (await handle.describe()).raw_description.info.buffer_size
+    finally:
+        await handle.delete()
+    assert missed == []
+    assert code == 0 and "launched nothing" not in err, err
+    assert f"waiting: {waiting} firings, held by Temporal until the open launch ends" in out
 
 
 async def _waiting(handle: ScheduleHandle) -> bool:
