@@ -25,7 +25,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.stripe_failures import KEY_REFUSED
 from billing import ledger, logs, period_keys, schedules
 from billing.config import BillingSettings
-from billing.errors import LedgerBusyError, UnknownCustomerError
+from billing.errors import LedgerBusyError, RunSupersededError, UnknownCustomerError
 from billing.keys import customer_workflow_id, idempotency_key
 from billing.models import (
     CancelPage,
@@ -53,12 +53,16 @@ from vault.client import (
     VaultInvalidRequest,
 )
 
+# The opening of a run a later one has superseded: it was ended, and opens nothing.
+RUN_SUPERSEDED = "RunSuperseded"
+
 
 class PrepareRequest(Record):
     period: str
     workflow_id: str
-    # None from a run that began before runs were told apart (migrations/031).
-    run: RunIdentity | None = None
+    # RunIdentity.run_id; None from a run that began before runs were told apart
+    # (migrations/031).
+    run_id: str | None = None
 
 
 class DuePageRequest(Record):
@@ -168,13 +172,17 @@ class PeriodActivities:
             # The keys before the run is recorded, on the opening's connection (a second one
             # from the pool could wait behind other openings for ever): one refused leaves the
             # period's record as it was, and an import waits, so the plan they serve holds.
-            plan = await ledger.open_period(
-                conn,
-                request.period,
-                request.workflow_id,
-                None if admin is None else ensure_keys,
-                request.run,
-            )
+            try:
+                plan = await ledger.open_period(
+                    conn,
+                    request.period,
+                    request.workflow_id,
+                    None if admin is None else ensure_keys,
+                    _opening(request),
+                )
+            except RunSupersededError as exc:
+                # Keys it issued are revoked by the next opening or close (_revoke_unstored).
+                raise ApplicationError(str(exc), type=RUN_SUPERSEDED, non_retryable=True) from None
             held = await ledger.held_customers(conn, request.period)
         if admin is not None:
             await _revoke_replaced(admin, request.period, issued)
@@ -549,9 +557,19 @@ class PeriodActivities:
             )
 
 
+def _opening(request: PrepareRequest) -> RunIdentity | None:
+    """The run opening the period, at this attempt's time by Temporal's clock: a child
+    of an earlier run may end after the run started, while its opening was tried again."""
+    if request.run_id is None:
+        return None
+    return RunIdentity(
+        run_id=request.run_id, opened_at=activity.info().current_attempt_scheduled_time
+    )
+
+
 def _superseded(summary: PeriodSummary) -> None:
     log.warning(
-        "%s: the close of run %s wrote nothing: a later run has opened the period",
+        "%s: the close of run %s wrote nothing: another run has opened the period since",
         summary.period,
         summary.run_id,
     )

@@ -86,6 +86,11 @@ class ClaimClosedError(LedgerConflictError):
         self.status = status
 
 
+class RunSupersededError(LedgerConflictError):
+    """A run's opening found the period opened by a later run: this one was ended (an
+    activity of a terminated run finishes on its worker all the same) and opens nothing."""
+
+
 class RunEndedError(BillingError):
     """A period's run ended without a summary (failed, terminated, timed out)."""
 

@@ -131,8 +131,9 @@ class DuePage(Record):
 
 
 class RunIdentity(Record):
-    """Which run opened a period (migrations/031), from its workflow: the first run id of
-    its chain of runs, and the time of its opening by Temporal's clock."""
+    """Which run opened a period (migrations/031): the first run id of its workflow's chain
+    of runs, and the time of its opening by Temporal's clock (when the opening's attempt
+    that succeeded was scheduled)."""
 
     run_id: str
     opened_at: datetime

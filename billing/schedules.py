@@ -455,7 +455,8 @@ def shown_note(note: str) -> str:
 def _again_by_hand(periods: list[str]) -> str:
     return (
         "To bill the customers added since, for a month before they joined too, run it again"
-        " by hand: " + run_by_hand([parse_period(p) for p in periods], datetime.now(UTC))
+        " by hand, once its run has ended (a cancelled run may still be finishing the charges"
+        " it had sent): " + run_by_hand([parse_period(p) for p in periods], datetime.now(UTC))
     )
 
 

@@ -9,3 +9,23 @@
 ALTER TABLE billing_periods
     ADD COLUMN run_id text,
     ADD COLUMN run_opened_in_temporal_at timestamptz;
+
+-- An opening by a release from before this one (a rolling upgrade, a rollback) writes
+-- neither column: the row would keep the last run's id, and the close of the run it opened
+-- would match nothing. A new opening that leaves the run id as it was clears both, which
+-- matches any close, as before this migration.
+CREATE FUNCTION billing_periods_opened_unnamed() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.started_at IS DISTINCT FROM OLD.started_at
+            AND NEW.run_id IS NOT DISTINCT FROM OLD.run_id
+            AND NEW.run_opened_in_temporal_at IS NOT DISTINCT FROM OLD.run_opened_in_temporal_at
+    THEN
+        NEW.run_id := NULL;
+        NEW.run_opened_in_temporal_at := NULL;
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+CREATE TRIGGER billing_periods_opened_unnamed BEFORE UPDATE ON billing_periods
+    FOR EACH ROW EXECUTE FUNCTION billing_periods_opened_unnamed();

@@ -59,7 +59,6 @@ with workflow.unsafe.imports_passed_through():
         PeriodProgress,
         PeriodState,
         PeriodSummary,
-        RunIdentity,
         RunOptions,
         SkipRequest,
         SkipResult,
@@ -217,9 +216,7 @@ class BillingPeriodWorkflow:
                 PrepareRequest(
                     period=period,
                     workflow_id=workflow.info().workflow_id,
-                    run=RunIdentity(
-                        run_id=workflow.info().first_execution_run_id, opened_at=workflow.now()
-                    ),
+                    run_id=workflow.info().first_execution_run_id,
                 ),
                 start_to_close_timeout=ACTIVITY_TIMEOUT,
                 summary=f"plan {period}: count due customers and the expected total",

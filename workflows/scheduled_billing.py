@@ -128,7 +128,7 @@ class ScheduledBillingWorkflow:
             ):
                 workflow.set_current_details(
                     f"a run of {period} has completed or was cancelled: nothing started (bill it"
-                    f" again by hand: `python starter.py run {period}`)"
+                    f" again by hand once it has ended: `python starter.py run {period}`)"
                 )
                 return None
             reuse = WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY

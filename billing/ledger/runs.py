@@ -8,7 +8,7 @@ from datetime import datetime
 
 import asyncpg
 
-from billing.errors import LedgerBusyError
+from billing.errors import LedgerBusyError, RunSupersededError
 from billing.ledger.due import plan_period, unsent_totals
 from billing.models import Control, PeriodPlan, PeriodRecord, PeriodSummary, RunIdentity
 
@@ -64,10 +64,11 @@ async def open_period(
 async def start_period(
     conn: asyncpg.Connection, plan: PeriodPlan, workflow_id: str, run: RunIdentity | None = None
 ) -> None:
-    """Record a new run of the period (`run`: which one, see migrations/031). Customers a
-    cancelled run never started are due again (see migrations/005) while active: their
-    claim takes the row over (see claim)."""
-    await conn.execute(
+    """Record a new run of the period (`run`: which one, see migrations/031); refused with
+    RunSupersededError if a later run has opened it since `run` was. Customers a cancelled
+    run never started are due again (see migrations/005) while active: their claim takes
+    the row over (see claim)."""
+    status: str = await conn.execute(
         """
         INSERT INTO billing_periods (billing_period, workflow_id, state, due,
                                      expected_total_cents, run_id, run_opened_in_temporal_at)
@@ -78,6 +79,9 @@ async def start_period(
             finished_at = NULL, summary = NULL, control = 'running', control_reason = NULL,
             control_by = NULL, control_at = now(), run_id = EXCLUDED.run_id,
             run_opened_in_temporal_at = EXCLUDED.run_opened_in_temporal_at
+        WHERE billing_periods.run_id IS NULL OR EXCLUDED.run_id IS NULL
+            OR billing_periods.run_id = EXCLUDED.run_id
+            OR billing_periods.run_opened_in_temporal_at < EXCLUDED.run_opened_in_temporal_at
         """,
         plan.period,
         workflow_id,
@@ -86,6 +90,12 @@ async def start_period(
         None if run is None else run.run_id,
         None if run is None else run.opened_at,
     )
+    if status == "INSERT 0 0":
+        assert run is not None
+        raise RunSupersededError(
+            f"{plan.period}: a later run has opened the period since run {run.run_id} was"
+            " started, which was ended (terminated?) meanwhile: it opens nothing"
+        )
 
 
 async def set_control(

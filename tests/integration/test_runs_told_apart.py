@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -17,7 +17,8 @@ from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
 from billing import ledger
-from billing.models import PeriodSummary, RunIdentity
+from billing.errors import RunSupersededError
+from billing.models import PeriodPlan, PeriodSummary, RunIdentity
 from billing.periods import Period
 from billing.runs import start_period
 from tests.integration.harness import Harness
@@ -27,14 +28,25 @@ PERIOD = Period(2026, 12)
 OPENED = datetime(2026, 12, 1, 3, 0, tzinfo=UTC)
 
 
-class HoldEachRunsClose(Interceptor):
-    """Holds the close activity of each run (by its workflow run id) until that run's is let
-    go, and says when it has ended."""
+class HoldEachRun(Interceptor):
+    """Holds each run's activities of the given kinds ("prepare_period", "close_period",
+    matched as prefixes of the activity's type), each (kind, run) until let go, and says when
+    one is reached and when it has ended."""
 
-    def __init__(self) -> None:
-        self.closing: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
-        self.go_on: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
-        self.closed: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
+    def __init__(self, *kinds: str) -> None:
+        self.kinds = kinds
+        self._reached: defaultdict[tuple[str, str], asyncio.Event] = defaultdict(asyncio.Event)
+        self._go_on: defaultdict[tuple[str, str], asyncio.Event] = defaultdict(asyncio.Event)
+        self._ended: defaultdict[tuple[str, str], asyncio.Event] = defaultdict(asyncio.Event)
+
+    async def reached(self, kind: str, run: str) -> None:
+        await asyncio.wait_for(self._reached[kind, run].wait(), 60)
+
+    def release(self, kind: str, run: str) -> None:
+        self._go_on[kind, run].set()
+
+    async def ended(self, kind: str, run: str) -> None:
+        await asyncio.wait_for(self._ended[kind, run].wait(), 30)
 
     def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
         hold = self
@@ -42,17 +54,22 @@ class HoldEachRunsClose(Interceptor):
         class Held(ActivityInboundInterceptor):
             async def execute_activity(self, input: ExecuteActivityInput) -> Any:
                 info = activity.info()
-                if not info.activity_type.startswith("close_period"):
+                kind = [k for k in hold.kinds if info.activity_type.startswith(k)]
+                if not kind:
                     return await super().execute_activity(input)
-                run = info.workflow_run_id or ""
-                hold.closing[run].set()
-                await asyncio.wait_for(hold.go_on[run].wait(), 60)
+                key = (kind[0], info.workflow_run_id or "")
+                hold._reached[key].set()
+                await asyncio.wait_for(hold._go_on[key].wait(), 60)
                 try:
                     return await super().execute_activity(input)
                 finally:
-                    hold.closed[run].set()
+                    hold._ended[key].set()
 
         return Held(next)
+
+
+CLOSE = "close_period"
+PREPARE = "prepare_period"
 
 
 @pytest.mark.parametrize("cancelled", [False, True], ids=["completed", "cancelled"])
@@ -63,24 +80,24 @@ async def test_a_terminated_runs_close_leaves_a_later_runs_period_alone(
     close then finishes. It marked the rerun's period completed with its own summary, and the
     rerun's close, finding it so, wrote nothing."""
     customers = await harness.seed(2)
-    hold = HoldEachRunsClose()
+    hold = HoldEachRun(CLOSE)
     async with harness.running_worker(interceptors=[hold]):
         first = await start_period(harness.client, PERIOD, harness.task_queue)
         if cancelled:
             await first.cancel()
         first_run = (await first.describe()).run_id
-        await asyncio.wait_for(hold.closing[first_run].wait(), 60)
+        await hold.reached(CLOSE, first_run)
         await first.terminate(reason="stuck, says the operator")
         rerun = await start_period(harness.client, PERIOD, harness.task_queue)
         rerun_id = (await rerun.describe()).run_id
         assert rerun_id != first_run
-        await asyncio.wait_for(hold.closing[rerun_id].wait(), 60)
-        hold.go_on[first_run].set()
-        await asyncio.wait_for(hold.closed[first_run].wait(), 30)
+        await hold.reached(CLOSE, rerun_id)
+        hold.release(CLOSE, first_run)
+        await hold.ended(CLOSE, first_run)
         async with harness.pool.acquire() as conn:
             record = await ledger.period_record(conn, str(PERIOD))
         assert record is not None and (record.state, record.run_id) == ("running", rerun_id)
-        hold.go_on[rerun_id].set()
+        hold.release(CLOSE, rerun_id)
         summary = await asyncio.wait_for(rerun.result(), 30)
     assert summary.run_id == rerun_id
     async with harness.pool.acquire() as conn:
@@ -90,6 +107,85 @@ async def test_a_terminated_runs_close_leaves_a_later_runs_period_alone(
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
+async def test_a_terminated_runs_late_opening_leaves_a_later_runs_period_alone(
+    harness: Harness,
+) -> None:
+    """The first run is terminated while its opening is on its way (a slow vault, say); a
+    rerun opens the period; the first opening then finishes. It wrote its own run over the
+    rerun's row, whose close then wrote nothing (helper-154 F1): it is refused now."""
+    customers = await harness.seed(2)
+    hold = HoldEachRun(PREPARE, CLOSE)
+    async with harness.running_worker(interceptors=[hold]):
+        first = await start_period(harness.client, PERIOD, harness.task_queue)
+        first_run = (await first.describe()).run_id
+        await hold.reached(PREPARE, first_run)
+        await first.terminate(reason="stuck at its opening")
+        rerun = await start_period(harness.client, PERIOD, harness.task_queue)
+        rerun_id = (await rerun.describe()).run_id
+        await hold.reached(PREPARE, rerun_id)
+        hold.release(PREPARE, rerun_id)
+        await hold.reached(CLOSE, rerun_id)
+        hold.release(PREPARE, first_run)
+        await hold.ended(PREPARE, first_run)
+        hold.release(CLOSE, rerun_id)
+        summary = await asyncio.wait_for(rerun.result(), 30)
+    async with harness.pool.acquire() as conn:
+        record = await ledger.period_record(conn, str(PERIOD))
+    assert record is not None
+    assert (record.state, record.run_id, record.summary) == ("completed", rerun_id, summary)
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_an_opening_by_a_release_from_before_leaves_the_next_close_free(
+    harness: Harness,
+) -> None:
+    """An opening by a worker of the release before migrations/031 (a rolling upgrade, a
+    rollback) writes no run id: the row kept the last run's, and the close of the run it
+    opened matched nothing (helper-154 F2). It is cleared (migrations/031's trigger)."""
+    await harness.seed(1)
+    plan = PeriodPlan(period=str(PERIOD), due=1, to_charge=1, expected_total_cents=1_000)
+    summary = PeriodSummary.empty(str(PERIOD), "by-hand").model_dump_json()
+    async with harness.pool.acquire() as conn:
+        await ledger.start_period(
+            conn, plan, "by-hand", RunIdentity(run_id="r-1", opened_at=OPENED)
+        )
+        assert await ledger.finish_period(conn, str(PERIOD), summary, "r-1")
+        # The release before's opening, as it wrote the row.
+        await conn.execute(
+            "UPDATE billing_periods SET state = 'running', summary = NULL, started_at = now()"
+            " WHERE billing_period = $1",
+            str(PERIOD),
+        )
+        record = await ledger.period_record(conn, str(PERIOD))
+        assert record is not None and record.run_id is None
+        assert await ledger.finish_period(conn, str(PERIOD), summary, "r-2")
+
+
+async def test_an_opening_tried_again_keeps_its_run_and_takes_its_new_time(
+    harness: Harness,
+) -> None:
+    """The same run's opening, tried again after its answer was lost, is its own: a later
+    run's is refused, an earlier run's too."""
+    await harness.seed(1)
+    plan = PeriodPlan(period=str(PERIOD), due=1, to_charge=1, expected_total_cents=1_000)
+    later = OPENED + timedelta(minutes=5)
+    async with harness.pool.acquire() as conn:
+        await ledger.start_period(
+            conn, plan, "by-hand", RunIdentity(run_id="r-1", opened_at=OPENED)
+        )
+        await ledger.start_period(conn, plan, "by-hand", RunIdentity(run_id="r-1", opened_at=later))
+        assert await ledger.run_opened_at(conn, str(PERIOD)) == later
+        await ledger.start_period(
+            conn, plan, "by-hand", RunIdentity(run_id="r-2", opened_at=later + timedelta(1))
+        )
+        with pytest.raises(RunSupersededError, match="a later run has opened the period"):
+            await ledger.start_period(
+                conn, plan, "by-hand", RunIdentity(run_id="r-1", opened_at=later)
+            )
+        record = await ledger.period_record(conn, str(PERIOD))
+    assert record is not None and record.run_id == "r-2"
+
+
 async def test_a_run_reset_past_its_opening_is_still_the_run_that_opened_it(
     harness: Harness,
 ) -> None:
@@ -97,11 +193,11 @@ async def test_a_run_reset_past_its_opening_is_still_the_run_that_opened_it(
     once the fault is fixed: the reset run keeps the first run id of its chain (Temporal copies
     the start event), so its close is the opening's, and writes."""
     customers = await harness.seed(2)
-    hold = HoldEachRunsClose()
+    hold = HoldEachRun(CLOSE)
     async with harness.running_worker(interceptors=[hold]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
         stuck = (await handle.describe()).run_id
-        await asyncio.wait_for(hold.closing[stuck].wait(), 60)
+        await hold.reached(CLOSE, stuck)
         await handle.terminate(reason="stuck at its close")
         events = [e async for e in handle.fetch_history_events()]
         opened = next(
@@ -123,15 +219,15 @@ async def test_a_run_reset_past_its_opening_is_still_the_run_that_opened_it(
                 request_id=f"reset-{stuck}",
             )
         )
-        await asyncio.wait_for(hold.closing[reset.run_id].wait(), 60)
-        hold.go_on[reset.run_id].set()
+        await hold.reached(CLOSE, reset.run_id)
+        hold.release(CLOSE, reset.run_id)
         summary = await asyncio.wait_for(
             harness.client.get_workflow_handle(
                 handle.id, run_id=reset.run_id, result_type=PeriodSummary
             ).result(),
             30,
         )
-        hold.go_on[stuck].set()
+        hold.release(CLOSE, stuck)
     assert summary.run_id == stuck
     async with harness.pool.acquire() as conn:
         record = await ledger.period_record(conn, str(PERIOD))
