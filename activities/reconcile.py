@@ -32,7 +32,7 @@ from activities.stripe_failures import (
 from activities.stripe_gateway import StripeGateway
 from billing import ledger, logs, metrics, period_keys
 from billing.config import BillingSettings
-from billing.errors import LedgerConflictError
+from billing.errors import LedgerConflictError, shown
 from billing.keys import customer_workflow_id, period_workflow_id
 from billing.models import ChargeFailure, ChargeResult, Claim
 from billing.periods import parse_period
@@ -342,27 +342,46 @@ class ReconcileActivities:
 
     async def _charged_otherwise(self, claim: Claim) -> ClaimResolution | None:
         """Before the claim is charged again: None unless Stripe already holds a charge of
-        the period for the customer that its key's lookup did not find (made under another
-        key, e.g. an earlier BILLING_KEY_NAMESPACE or a script, or through the other API).
-        A second charge would bill the customer twice; which charge stands is a person's
-        call."""
+        the period for its Stripe customer that its key's lookup did not find: for the
+        customer, made under another key (an earlier BILLING_KEY_NAMESPACE, a script) or
+        through the other API; or under an id of ours not active now (the customer renamed,
+        which the rename hold guards in a run). One under another active id is that
+        account's own (two may share a Stripe customer). A second charge would bill the
+        customer twice; which charge stands is a person's call."""
         charges, _ = await self._read_for(
             claim, lambda g: g.period_charges(claim.stripe_customer_id, claim.period)
         )
-        held = [c for c in charges if c.customer_id == claim.customer_id and c.state == "made"]
+        made = [c for c in charges if c.state == "made"]
+        others = {c.customer_id for c in made} - {claim.customer_id}
+        active: set[str] = set()
+        if others:
+            async with self._pool.acquire() as conn:
+                active = await ledger.active_among(conn, others)
+        held = [c for c in made if c.customer_id not in active]
         if not held:
             return None
         first = held[0]
-        keyed = "its own key" if first.billing_key == claim.idempotency_key else "another key"
+        if first.customer_id != claim.customer_id:
+            detail = (
+                f"Stripe already holds charge {first.charge_id} of this period for its Stripe"
+                f" customer under the id {shown(first.customer_id)}, not an active customer now"
+                " (renamed?): charging again would bill it twice. Record that charge for the"
+                " claim, or refund it and run the period again, by hand"
+            )
+        else:
+            keyed = "its own key" if first.billing_key == claim.idempotency_key else "another key"
+            detail = (
+                f"Stripe already holds charge {first.charge_id} of this period for this"
+                f" customer, made under {keyed} or through the other API: charging again would"
+                " bill it twice. Record that charge for the claim, or refund it and run the"
+                " period again, by hand"
+            )
         return ClaimResolution(
             customer_id=claim.customer_id,
             action="left",
             needs_person=True,
             charge_id=first.charge_id,
-            detail=f"Stripe already holds charge {first.charge_id} of this period for this"
-            f" customer, made under {keyed} or through the other API: charging again would bill"
-            " it twice. Record that charge for the claim, or refund it and run the period"
-            " again, by hand",
+            detail=detail,
         )
 
     @activity.defn(name="reconcile_reservations")

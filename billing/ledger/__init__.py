@@ -28,6 +28,7 @@ from billing.ledger.gate import (
     stop_behind_saved_error,
 )
 from billing.ledger.reconciliation import (
+    active_among,
     claim_by_key,
     customers_page,
     first_listers,
@@ -70,6 +71,7 @@ __all__ = [
     "SENT_DIRECT",
     "SKIP_BEHIND_SAVED_ERROR_FOR",
     "Passage",
+    "active_among",
     "begin_charge",
     "cancel_customers",
     "claim",

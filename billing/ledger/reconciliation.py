@@ -216,6 +216,15 @@ async def handled_among(
     return {(row["charge_id"], row["kind"]): row["handled_by"] for row in rows}
 
 
+async def active_among(conn: asyncpg.Connection, customer_ids: Collection[str]) -> set[str]:
+    """Those of `customer_ids` that are active customers."""
+    rows = await conn.fetch(
+        "SELECT customer_id FROM customers WHERE customer_id = ANY($1::text[]) AND active",
+        list(customer_ids),
+    )
+    return {row["customer_id"] for row in rows}
+
+
 async def first_listers(
     conn: asyncpg.Connection, period: str, stripe_customer_ids: Collection[str]
 ) -> dict[str, str]:

@@ -176,6 +176,40 @@ async def test_a_claim_stripe_already_charged_otherwise_is_not_charged_again(
     assert left.detail and "charging again would bill it twice" in left.detail
 
 
+@pytest.mark.parametrize("active", [False, True], ids=["renamed", "another-account"])
+async def test_a_charge_of_its_stripe_customer_under_another_id_holds_a_claim_unless_active(
+    harness: Harness, active: bool
+) -> None:
+    """A lost run's claim never reached Stripe; Stripe holds a charge of the period for the
+    same Stripe customer under another of our ids. Not active now, that id is most likely the
+    customer's old one (renamed): a re-drive would bill the Stripe customer twice, so the claim
+    is left for a person (helper-151 F3). Active, it is another account of that Stripe
+    customer, billed for its own: the claim is charged."""
+    [customer] = await harness.seed(1)
+    other = customer.model_copy(update={"customer_id": "other-1"})
+    await upsert_customers(harness.pool, [other])
+    await harness.pool.execute(
+        "UPDATE customers SET active = $1 WHERE customer_id = 'other-1'", active
+    )
+    claim = await stranded(harness, customer, at_stripe=False)
+    key = idempotency_key(harness.settings.billing_key_namespace, "other-1", PERIOD)
+    paid = await plant(
+        harness, claim.model_copy(update={"customer_id": "other-1", "idempotency_key": key}), key
+    )
+    report = await reconcile(harness)
+    [resolution] = report.claims
+    if active:
+        assert resolution.action == "redriven" and await harness.succeeded() == 2
+        return
+    assert (resolution.action, resolution.charge_id, resolution.needs_person) == (
+        "left",
+        paid,
+        True,
+    )
+    assert "under the id 'other-1', not an active customer now" in (resolution.detail or "")
+    assert await harness.succeeded() == 1
+
+
 async def test_a_period_with_thousands_of_findings_still_gets_its_report(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
