@@ -6,12 +6,15 @@ import argparse
 import sys
 from datetime import UTC, datetime, timedelta
 
+import asyncpg
 from temporalio.client import Client, ScheduleAlreadyRunningError
+from temporalio.service import RPCError
 
 from billing import ledger, schedules
 from billing.config import TemporalSettings, load_settings
 from billing.errors import ForeignScheduleError, InvalidInputError, UnknownScheduleError
 from billing.periods import is_late, parse_period, period_range
+from billing.redact import shown_line
 from billing.temporal_client import connect
 from cli import arguments
 from cli.database import LEDGER_UNREADABLE, ledger_connection
@@ -71,9 +74,12 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
         print(f"unpaused schedule {args.id}")
         try:
             missed = await schedules.missed_launches(client, args.id)
-        except InvalidInputError as exc:
+        except (InvalidInputError, RPCError) as exc:
             # Unpaused all the same: a failure here would read as an unpause that failed.
-            print(f"note: the firings it skipped were not looked for: {exc}", file=sys.stderr)
+            print(
+                f"note: the firings it skipped were not looked for: {shown_line(str(exc))}",
+                file=sys.stderr,
+            )
         else:
             await _warn_missed(args.id, missed, paused=False)
     elif args.schedule_command == "trigger":
@@ -81,8 +87,8 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
             period = await schedules.trigger(
                 client, conn, args.id, early=args.early, while_paused=args.while_paused
             )
-            open_runs = await ledger.open_runs(conn, [str(period)]) if period else {}
-        if open_runs.get(str(period)) == "paused":
+            paused = await _paused_runs(conn, [str(period)] if period else [])
+        if paused:
             # The launch joins that run, which bills nothing until it is resumed.
             print(
                 f"triggered schedule {args.id}: {period}'s run is open and paused, which the"
@@ -101,6 +107,7 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
                 late=args.late,
                 while_paused=args.while_paused,
             )
+            paused = await _paused_runs(conn, [str(p) for p in period_range(args.start, args.end)])
         print(
             f"backfilling {len(done.launches)} launches, {args.start} to {args.end}: "
             + ", ".join(t.isoformat() for t in done.launches)
@@ -109,12 +116,25 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
             print(
                 "  left as they are, their runs completed or were cancelled:"
                 f" {', '.join(done.completed)}"
-                " (bill one again by hand: python starter.py run PERIOD)"
+                " (bill one again by hand, once its run has ended: python starter.py run PERIOD)"
+            )
+        if paused:
+            # Their launches join those runs, which bill nothing until resumed.
+            print(
+                f"  joining the open, paused runs of {', '.join(paused)}:"
+                " `python starter.py resume PERIOD --reason ...` to bill each"
             )
     elif args.schedule_command == "delete":
         await handle.delete()
         print(f"deleted schedule {args.id}")
     return 0
+
+
+async def _paused_runs(conn: asyncpg.Connection, periods: list[str]) -> list[str]:
+    """Those of `periods` whose run is open and paused: a launch joins it, billing nothing."""
+    return [
+        p for p, control in (await ledger.open_runs(conn, periods)).items() if control == "paused"
+    ]
 
 
 def _check_create_flags(args: argparse.Namespace) -> None:

@@ -1627,10 +1627,17 @@ async def test_a_trigger_joining_a_paused_run_says_to_resume_it(harness: Harness
     code, out, err = await harness.starter(
         "schedule", "trigger", "--id", "monthly-held", "--while-paused"
     )
+    span = ("--start", str(billed), "--end", str(billed))
+    backfill = await harness.starter(
+        "schedule", "backfill", "--id", "monthly-held", "--while-paused", *span
+    )
     await harness.client.get_schedule_handle("monthly-held").delete()
     assert code == 0, err
     assert f"{billed}'s run is open and paused" in out, out
     assert f"python starter.py resume {billed} --reason" in out
+    # A backfill over it says so too (helper-152 N1).
+    assert backfill[0] == 0, backfill
+    assert f"joining the open, paused runs of {billed}" in backfill[1], backfill
 
 
 async def test_a_trigger_or_backfill_of_a_paused_schedule_is_refused_unless_told(
