@@ -190,6 +190,24 @@ async def _create_schedule(
         f"created schedule {config.schedule_id}: {when} at {config.hour:02d}:{config.minute:02d}"
         f" {config.time_zone}, {what} in {config.billing}{followed}"
     )
+    risk = _OVERLAP_RISKS.get(config.overlap)
+    if risk is not None:
+        print(
+            f"warning: --overlap {config.overlap}: {risk}; `schedule describe` names such"
+            " firings, with the backfill that bills their months (the default, buffer_all,"
+            " loses none)",
+            file=sys.stderr,
+        )
+
+
+# What each overlap policy but buffer_all and allow_all can lose: a firing due while a launch
+# is still open (no worker for a while, an outage over two firings caught up at once).
+_OVERLAP_RISKS = {
+    "skip": "Temporal drops a firing due while a launch is still open",
+    "buffer_one": "Temporal drops a firing due while a launch is open and another waits",
+    "cancel_other": "a firing cancels a launch still open, which may not have started its run",
+    "terminate_other": "a firing ends a launch still open, which may not have started its run",
+}
 
 
 async def _following(

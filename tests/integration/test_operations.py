@@ -1565,6 +1565,18 @@ async def test_a_trigger_or_backfill_that_would_start_nothing_is_refused(harness
     assert f"left as they are, their runs completed or were cancelled: {billed}" in out
 
 
+@pytest.mark.parametrize("overlap", ["skip", "terminate_other", "buffer_all"])
+async def test_an_overlap_policy_that_can_lose_a_firing_is_warned_of(
+    harness: Harness, overlap: str
+) -> None:
+    """Still offered for a schedule of one's own making, but not silently (helper-152 N3)."""
+    made = ("schedule", "create", "--id", f"policy-{overlap}", "--paused", "--leave-unbilled")
+    code, out, err = await harness.starter(*made, "--overlap", overlap)
+    await harness.client.get_schedule_handle(f"policy-{overlap}").delete()
+    assert code == 0 and out.startswith("created schedule"), err
+    assert (f"warning: --overlap {overlap}:" in err) is (overlap != "buffer_all"), err
+
+
 async def test_the_longest_schedule_id_taken_is_one_temporal_takes(harness: Harness) -> None:
     """Temporal checks the launches' workflow ID (the id, "-run", "-" and a firing's time) as
     the schedule is made: the CLI took four characters more than it does (helper-152 F3)."""
