@@ -147,8 +147,10 @@ class ReconcileWorkflow:
             retry_policy=RETRY,
             summary=f"find {request.period}'s open claims no workflow owns",
         )
+        claims = list(plan.left) + await self._resolve_all(plan.resolve, request)
         return Settled(
-            claims=list(plan.left) + await self._resolve_all(plan.resolve, request),
+            # Those for a person first, wherever they came from (a stable sort).
+            claims=sorted(claims, key=lambda c: not c.needs_person),
             more_claims=plan.more,
             reservations=reservations or [],
             vault_checked=reservations is not None,

@@ -210,6 +210,21 @@ async def test_a_charge_of_its_stripe_customer_under_another_id_holds_a_claim_un
     assert await harness.succeeded() == 1
 
 
+async def test_the_report_lists_the_claims_for_a_person_first(harness: Harness) -> None:
+    """Claims left alone (their workflow still runs) came before those resolved, some of
+    which need a person (helper-151 F4)."""
+    [running, charged_otherwise] = await harness.seed(2)
+    await stranded(harness, running, at_stripe=False, terminate=False)
+    claim = await stranded(harness, charged_otherwise, at_stripe=False)
+    other = idempotency_key("old-namespace", charged_otherwise.customer_id, PERIOD)
+    await plant(harness, claim.model_copy(update={"idempotency_key": other}), other)
+    report = await reconcile(harness)
+    assert [(c.customer_id, c.needs_person) for c in report.claims] == [
+        (charged_otherwise.customer_id, True),
+        (running.customer_id, False),
+    ]
+
+
 async def test_a_period_with_thousands_of_findings_still_gets_its_report(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
