@@ -283,10 +283,11 @@ def _lookup_failed(claim: Claim, err: ActivityError) -> ClaimResolution:
 def _still_retried(workflow_id: str, timeout: timedelta) -> str:
     return (
         f"re-drive stopped after {timeout.total_seconds():g} s, its charge still being"
-        f" retried; the worker's log has each try's error (workflow_id {workflow_id})."
+        " retried, or waiting (at the gate while its period is paused, or for its turn in"
+        f" Stripe's rate); the worker's log has each try's error (workflow_id {workflow_id})."
         " A 500 Stripe saved for the key is replayed until Stripe forgets the key, a day"
         " after its first request, and the next reconciliation after that charges it once;"
-        " a refused vault key waits for what `python starter.py status` advises"
+        " a refused vault key or a pause waits for what `python starter.py status` advises"
     )
 
 

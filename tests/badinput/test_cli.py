@@ -145,7 +145,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "schedule blank id": (
         ["starter.py", "schedule", "describe", "--id", ""],
-        "schedule id '' must be 1-979 characters",
+        "schedule id '' must be 1-975 characters",
     ),
     "schedule zone": (
         ["starter.py", "schedule", "create", "--time-zone", "Mars/Olympus"],

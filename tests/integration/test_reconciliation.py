@@ -763,8 +763,9 @@ async def test_a_redrive_still_retried_is_stopped_and_left_saying_why(vaulted: H
     assert (claim.action, claim.needs_person) == ("left", True)
     workflow_id = customer_workflow_id(PERIOD, customer.customer_id)
     assert (
-        "re-drive stopped after 5 s, its charge still being retried; the worker's log has each"
-        f" try's error (workflow_id {workflow_id})"
+        "re-drive stopped after 5 s, its charge still being retried, or waiting (at the gate"
+        " while its period is paused, or for its turn in Stripe's rate); the worker's log has"
+        f" each try's error (workflow_id {workflow_id})"
     ) in (claim.detail or "")
     assert report.needs_a_person
     assert await vaulted.succeeded() == 0
