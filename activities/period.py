@@ -482,12 +482,13 @@ class PeriodActivities:
 
     @staticmethod
     async def _finish(conn: asyncpg.Connection, summary: PeriodSummary) -> bool:
-        """Write the run's summary; False if a later run has opened the period since (this
-        one was terminated as it closed): the period is that run's."""
-        if await ledger.finish_period(
-            conn, summary.period, summary.model_dump_json(), summary.run_id
-        ):
+        """Write the run's summary; False if another run has opened the period since and
+        this one has ended (terminated as it closed): the period is that run's."""
+        period, written = summary.period, summary.model_dump_json()
+        if await ledger.finish_period(conn, period, written, summary.run_id):
             return True
+        if await _own_run_open():
+            return await ledger.finish_period(conn, period, written, summary.run_id, take_over=True)
         _superseded(summary)
         return False
 
@@ -501,10 +502,11 @@ class PeriodActivities:
         period = summary.period
         async with self._pool.acquire() as conn:
             record = await ledger.period_record(conn, period)
-            if record is not None and record.opened_by_another(summary.run_id):
+            another = record is not None and record.opened_by_another(summary.run_id)
+            if another and not await _own_run_open():
                 _superseded(summary)
                 return True
-            if record is not None and record.state == "completed":
+            if record is not None and record.state == "completed" and not another:
                 # An earlier attempt closed it, and its answer was lost: maybe before it had
                 # revoked the period's unused keys.
                 await self._revoke_unused(conn, period)
@@ -565,6 +567,18 @@ def _opening(request: PrepareRequest) -> RunIdentity | None:
     return RunIdentity(
         run_id=request.run_id, opened_at=activity.info().current_attempt_scheduled_time
     )
+
+
+async def _own_run_open() -> bool:
+    """Whether the run of the workflow this activity serves is still open. One run of a
+    workflow ID is open at a time: while this one is, a run that opened the period since
+    has ended (a rerun tried and terminated before this run was reset past its opening),
+    and the period is this run's to close."""
+    info = activity.info()
+    if info.workflow_id is None:
+        return False
+    run = activity.client().get_workflow_handle(info.workflow_id, run_id=info.workflow_run_id)
+    return (await run.describe()).status == WorkflowExecutionStatus.RUNNING
 
 
 def _superseded(summary: PeriodSummary) -> None:

@@ -178,20 +178,28 @@ async def test_an_opening_tried_again_keeps_its_run_and_takes_its_new_time(
         await ledger.start_period(
             conn, plan, "by-hand", RunIdentity(run_id="r-2", opened_at=later + timedelta(1))
         )
-        with pytest.raises(RunSupersededError, match="a later run has opened the period"):
+        with pytest.raises(RunSupersededError, match="the period was opened after this"):
             await ledger.start_period(
                 conn, plan, "by-hand", RunIdentity(run_id="r-1", opened_at=later)
+            )
+        # A stale try of the run that opened it last, finishing after a later try did.
+        with pytest.raises(RunSupersededError, match="or a later try of this one"):
+            await ledger.start_period(
+                conn, plan, "by-hand", RunIdentity(run_id="r-2", opened_at=later)
             )
         record = await ledger.period_record(conn, str(PERIOD))
     assert record is not None and record.run_id == "r-2"
 
 
-async def test_a_run_reset_past_its_opening_is_still_the_run_that_opened_it(
-    harness: Harness,
+@pytest.mark.parametrize("rerun_between", [False, True], ids=["alone", "after-a-rerun"])
+async def test_a_run_reset_past_its_opening_closes_as_the_run_that_opened_it(
+    harness: Harness, rerun_between: bool
 ) -> None:
     """An operator who terminated a run stuck at its close may reset it to after its opening
     once the fault is fixed: the reset run keeps the first run id of its chain (Temporal copies
-    the start event), so its close is the opening's, and writes."""
+    the start event), so its close is the opening's, and writes. Had a rerun been tried in
+    between (stuck at its close too, and terminated), the row is the rerun's: the reset run,
+    open while the rerun is not, takes it over (it wrote nothing, helper-155 A2)."""
     customers = await harness.seed(2)
     hold = HoldEachRun(CLOSE)
     async with harness.running_worker(interceptors=[hold]):
@@ -199,40 +207,57 @@ async def test_a_run_reset_past_its_opening_is_still_the_run_that_opened_it(
         stuck = (await handle.describe()).run_id
         await hold.reached(CLOSE, stuck)
         await handle.terminate(reason="stuck at its close")
-        events = [e async for e in handle.fetch_history_events()]
-        opened = next(
-            e.event_id
-            for e in events
-            if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
-        )
-        after_opening = next(
-            e.event_id
-            for e in events
-            if e.event_id > opened and e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED
-        )
-        reset = await harness.client.workflow_service.reset_workflow_execution(
-            ResetWorkflowExecutionRequest(
-                namespace=harness.client.namespace,
-                workflow_execution=ExecutionRef(workflow_id=handle.id, run_id=stuck),
-                reason="the fault is fixed",
-                workflow_task_finish_event_id=after_opening,
-                request_id=f"reset-{stuck}",
-            )
-        )
-        await hold.reached(CLOSE, reset.run_id)
-        hold.release(CLOSE, reset.run_id)
+        ended = [stuck]
+        if rerun_between:
+            rerun = await start_period(harness.client, PERIOD, harness.task_queue)
+            ended.append((await rerun.describe()).run_id)
+            await hold.reached(CLOSE, ended[-1])
+            await rerun.terminate(reason="stuck at its close too")
+        reset = await _reset_past_its_opening(harness, handle.id, stuck)
+        await hold.reached(CLOSE, reset)
+        hold.release(CLOSE, reset)
         summary = await asyncio.wait_for(
             harness.client.get_workflow_handle(
-                handle.id, run_id=reset.run_id, result_type=PeriodSummary
+                handle.id, run_id=reset, result_type=PeriodSummary
             ).result(),
             30,
         )
-        hold.release(CLOSE, stuck)
+        async with harness.pool.acquire() as conn:
+            record = await ledger.period_record(conn, str(PERIOD))
+        # The ended runs' closes, still on the worker, write nothing: their runs are over.
+        for run in ended:
+            hold.release(CLOSE, run)
+            await hold.ended(CLOSE, run)
+        async with harness.pool.acquire() as conn:
+            assert await ledger.period_record(conn, str(PERIOD)) == record
     assert summary.run_id == stuck
-    async with harness.pool.acquire() as conn:
-        record = await ledger.period_record(conn, str(PERIOD))
-    assert record is not None and (record.state, record.summary) == ("completed", summary)
+    assert record is not None
+    assert (record.state, record.run_id, record.summary) == ("completed", stuck, summary)
     await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def _reset_past_its_opening(harness: Harness, workflow_id: str, run_id: str) -> str:
+    """Reset the run to the workflow task after its opening; the new run's id."""
+    run = harness.client.get_workflow_handle(workflow_id, run_id=run_id)
+    events = [e async for e in run.fetch_history_events()]
+    opened = next(
+        e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
+    )
+    after_opening = next(
+        e.event_id
+        for e in events
+        if e.event_id > opened and e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED
+    )
+    reset = await harness.client.workflow_service.reset_workflow_execution(
+        ResetWorkflowExecutionRequest(
+            namespace=harness.client.namespace,
+            workflow_execution=ExecutionRef(workflow_id=workflow_id, run_id=run_id),
+            reason="the fault is fixed",
+            workflow_task_finish_event_id=after_opening,
+            request_id=f"reset-{run_id}",
+        )
+    )
+    return reset.run_id
 
 
 @pytest.mark.parametrize(
