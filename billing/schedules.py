@@ -680,6 +680,9 @@ class Missed(Record):
 
     at: datetime
     period: Period | None = Field(description="the period it would have billed")
+    # Temporal holds firings for a launch still open, and this may be one of them (it starts
+    # once that launch ends): _held_or_maybe.
+    maybe_waiting: bool = False
 
 
 # How many of its latest actions Temporal keeps in a schedule's description.
@@ -707,19 +710,26 @@ async def missed_launches(client: Client, schedule_id: str) -> list[Missed]:
     now = datetime.now(UTC)
     window = await matching_times(client, schedule_id, since, now) if since < now else []
     due = sorted(listed.union(window) - launched)
-    waiting = set(_waiting(description, due))
-    due = [t for t in due if t not in waiting]
+    held, maybe = _held_or_maybe(description, due)
     bills = request.action == "bill"
-    return [Missed(at=t, period=_billed_at(t, request) if bills else None) for t in due]
+    return [
+        Missed(at=t, period=_billed_at(t, request) if bills else None, maybe_waiting=t in maybe)
+        for t in due
+        if t not in held
+    ]
 
 
-def _waiting(description: ScheduleDescription, due: list[datetime]) -> list[datetime]:
-    """Those of `due` (times that launched nothing) Temporal holds in the schedule's buffer,
-    to start once the launch still open ends (`buffer_all`, or `buffer_one`'s one): the
-    first of those after the oldest open launch's time."""
+def _held_or_maybe(
+    description: ScheduleDescription, due: list[datetime]
+) -> tuple[set[datetime], set[datetime]]:
+    """Of `due` (times that launched nothing), those Temporal holds in the schedule's buffer
+    to start once the launch still open ends, and those that may be. Temporal gives only
+    their count; every one is due after the open launch's time, as are firings it dropped
+    (skipped while paused, past the catch-up window): held only when the count is exactly
+    that of the times after it, else each of those may be."""
     held = waiting_firings(description)
     if not held:
-        return []
+        return set(), set()
     info = description.info
     running = {getattr(a, "workflow_id", None) for a in info.running_actions}
     opened = [
@@ -727,7 +737,8 @@ def _waiting(description: ScheduleDescription, due: list[datetime]) -> list[date
         for a in info.recent_actions
         if getattr(a.action, "workflow_id", None) in running
     ]
-    return [t for t in due if not opened or t > min(opened)][:held]
+    after = {t for t in due if not opened or t > min(opened)}
+    return (after, set()) if len(after) == held else (set(), after)
 
 
 def waiting_firings(description: ScheduleDescription) -> int:

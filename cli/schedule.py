@@ -333,6 +333,13 @@ async def _warn_missed(schedule_id: str, missed: list[schedules.Missed], *, paus
         + unread,
         file=sys.stderr,
     )
+    maybe = [m.at.isoformat() for m in missed if m.maybe_waiting]
+    if maybe:
+        print(
+            f"  some of {', '.join(maybe)} may be firings Temporal holds for the launch still"
+            " open, which start once it ends: `schedule describe` again then",
+            file=sys.stderr,
+        )
     unbilled = list(dict.fromkeys(m.period for m in missed if m.period is not None))
     if unbilled:
         print(

@@ -35,6 +35,8 @@ from temporalio.client import (
     ScheduleRange,
     ScheduleSpec,
     ScheduleState,
+    ScheduleUpdate,
+    ScheduleUpdateInput,
     WorkflowExecution,
     WorkflowExecutionStatus,
     WorkflowFailureError,
@@ -1017,19 +1019,16 @@ async def firing_every(
     time_zone: str = "UTC",
     billing: Billing = "arrears",
     start_at: datetime | None = None,
-    end_at: datetime | None = None,
 ) -> ScheduleHandle:
     """A billing schedule firing every few seconds instead of monthly, so that a test can
     wait through firings; with `overlap_all`, each firing launches even while others run;
-    with `start_at`, none before it, and with `end_at`, none after."""
+    with `start_at`, none before it."""
     config = schedules.MonthlySchedule(
         schedule_id=schedule_id, paused=paused, time_zone=time_zone, billing=billing
     )
     schedule = schedules.build_schedule(config, harness.task_queue, RunOptions())
     schedule.spec = ScheduleSpec(
-        intervals=[ScheduleIntervalSpec(every=timedelta(seconds=seconds))],
-        start_at=start_at,
-        end_at=end_at,
+        intervals=[ScheduleIntervalSpec(every=timedelta(seconds=seconds))], start_at=start_at
     )
     if overlap_all:
         schedule.policy.overlap = ScheduleOverlapPolicy.ALLOW_ALL
@@ -1061,13 +1060,13 @@ async def test_firings_waiting_for_an_open_launch_are_not_called_missed(harness:
     """`describe` said of firings Temporal holds in the schedule's buffer that it "launched
     nothing at" them, and "Temporal does not make them up", with a backfill to run
     (helper-152 F5): they start once the open launch ends."""
-    # No worker: the first launch stays open. Firings for a few seconds only: the buffer
-    # then holds what it will.
-    end_at = datetime.now(UTC) + timedelta(seconds=8)
-    handle = await firing_every(harness, "held-and-named", 1, end_at=end_at)
+    # No worker: the first launch stays open. Once firings wait, no more: the buffer then
+    # holds what it will.
+    handle = await firing_every(harness, "held-and-named", 1)
     try:
-        await asyncio.sleep((end_at - datetime.now(UTC)).total_seconds() + 1)
-        assert await _waiting(handle)
+        await eventually(partial(_waiting, handle), timeout=60)
+        await handle.update(_no_more_firings)
+        await asyncio.sleep(2)
         missed = await schedules.missed_launches(harness.client, "held-and-named")
         code, out, err = await harness.starter("schedule", "describe", "--id", "held-and-named")
         waiting = (await handle.describe()).raw_description.info.buffer_size
@@ -1076,6 +1075,57 @@ async def test_firings_waiting_for_an_open_launch_are_not_called_missed(harness:
     assert missed == []
     assert code == 0 and "launched nothing" not in err, err
     assert f"waiting: {waiting} firings, held by Temporal until the open launch ends" in out
+
+
+async def test_firings_skipped_while_paused_are_named_beside_firings_held(
+    harness: Harness,
+) -> None:
+    """Firings buffered, then skipped while paused, then buffered again: Temporal gives only
+    how many it holds, and taking the first that many after the open launch hid the skipped
+    ones (their month never named) and named held ones instead (helper-155 C1). Each is
+    named, with a word that some may be held."""
+    # No worker: the first launch stays open and later firings wait in the buffer.
+    handle = await firing_every(harness, "paused-between-held", 2)
+    try:
+
+        async def launched() -> bool:
+            return len((await handle.describe()).info.running_actions) >= 1
+
+        await eventually(launched, timeout=90)
+        await asyncio.sleep(4)
+        paused_at = datetime.now(UTC)
+        await handle.pause(note="between held firings")
+        await asyncio.sleep(6)
+        unpaused_at = datetime.now(UTC)
+        await handle.unpause(note="again")
+        await asyncio.sleep(4)
+
+        await handle.update(_no_more_firings)
+        await asyncio.sleep(3)
+        held = (await handle.describe()).raw_description.info.buffer_size
+        missed = await schedules.missed_launches(harness.client, "paused-between-held")
+        code, _out, err = await harness.starter(
+            "schedule", "describe", "--id", "paused-between-held"
+        )
+        skipped = [
+            t
+            for t in await schedules.matching_times(
+                harness.client, "paused-between-held", paused_at, unpaused_at
+            )
+            if paused_at + timedelta(seconds=0.7) < t < unpaused_at - timedelta(seconds=0.7)
+        ]
+    finally:
+        await handle.delete()
+    assert skipped and held >= 1
+    assert set(skipped) <= {m.at for m in missed}
+    assert sum(m.maybe_waiting for m in missed) >= held
+    assert code == 0 and "may be firings Temporal holds for the launch still open" in err, err
+
+
+def _no_more_firings(update: ScheduleUpdateInput) -> ScheduleUpdate:
+    schedule = update.description.schedule
+    schedule.spec.end_at = datetime.now(UTC)
+    return ScheduleUpdate(schedule=schedule)
 
 
 async def _waiting(handle: ScheduleHandle) -> bool:
