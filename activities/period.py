@@ -164,9 +164,18 @@ class PeriodActivities:
         admin = self._admin
         issued: list[period_keys.RenewedKey] = []
 
-        async def ensure_keys(plan: PeriodPlan, unsent: dict[str, int]) -> None:
-            assert admin is not None
-            issued.extend(await self._ensure_keys(conn, admin, plan, unsent))
+        opening = _opening(request)
+
+        async def before_recording(plan: PeriodPlan, unsent: dict[str, int]) -> None:
+            if admin is not None:
+                issued.extend(await self._ensure_keys(conn, admin, plan, unsent))
+            if opening is not None and not await _own_run_open():
+                # Terminated while it opened: a run since (a rerun, or this one reset) may
+                # have opened the period, and closed it, at an earlier time than this try's.
+                raise RunSupersededError(
+                    f"{plan.period}: run {opening.run_id} ended as it opened the period: it"
+                    " opens nothing"
+                )
 
         async with self._pool.acquire() as conn:
             # The keys before the run is recorded, on the opening's connection (a second one
@@ -174,11 +183,7 @@ class PeriodActivities:
             # period's record as it was, and an import waits, so the plan they serve holds.
             try:
                 plan = await ledger.open_period(
-                    conn,
-                    request.period,
-                    request.workflow_id,
-                    None if admin is None else ensure_keys,
-                    _opening(request),
+                    conn, request.period, request.workflow_id, before_recording, opening
                 )
             except RunSupersededError as exc:
                 # Keys it issued are revoked by the next opening or close (_revoke_unstored).

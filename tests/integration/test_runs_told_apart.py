@@ -236,6 +236,49 @@ async def test_a_run_reset_past_its_opening_closes_as_the_run_that_opened_it(
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
+async def test_a_terminated_reruns_late_opening_leaves_the_period_a_reset_run_closed(
+    harness: Harness,
+) -> None:
+    """A stuck at its close, terminated; a rerun B stuck at its opening (a slow vault, a
+    frozen worker), terminated; the operator resets A past its opening. A' closes. B's
+    opening then finishes: tried after A's opening, it passed the time guard and reopened
+    the closed month for good (helper-156 G1). An opening whose run has ended opens nothing."""
+    customers = await harness.seed(2)
+    hold = HoldEachRun(PREPARE, CLOSE)
+    async with harness.running_worker(interceptors=[hold]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        a = (await handle.describe()).run_id
+        hold.release(PREPARE, a)
+        await hold.reached(CLOSE, a)
+        await handle.terminate(reason="stuck at its close")
+        rerun = await start_period(harness.client, PERIOD, harness.task_queue)
+        b = (await rerun.describe()).run_id
+        await hold.reached(PREPARE, b)
+        await rerun.terminate(reason="stuck at its opening too")
+        reset = await _reset_past_its_opening(harness, handle.id, a)
+        await hold.reached(CLOSE, reset)
+        hold.release(CLOSE, reset)
+        summary = await asyncio.wait_for(
+            harness.client.get_workflow_handle(
+                handle.id, run_id=reset, result_type=PeriodSummary
+            ).result(),
+            30,
+        )
+        async with harness.pool.acquire() as conn:
+            closed = await ledger.period_record(conn, str(PERIOD))
+        assert closed is not None and closed.state == "completed"
+        # The terminated runs' activities, still on their worker, finish.
+        hold.release(CLOSE, a)
+        await hold.ended(CLOSE, a)
+        hold.release(PREPARE, b)
+        await hold.ended(PREPARE, b)
+        async with harness.pool.acquire() as conn:
+            record = await ledger.period_record(conn, str(PERIOD))
+    assert record is not None
+    assert (record.state, record.run_id, record.summary) == ("completed", a, summary), record
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
 async def _reset_past_its_opening(harness: Harness, workflow_id: str, run_id: str) -> str:
     """Reset the run to the workflow task after its opening; the new run's id."""
     run = harness.client.get_workflow_handle(workflow_id, run_id=run_id)
