@@ -640,6 +640,18 @@ async def _ended_open(
     return ended
 
 
+async def paused_open_runs(
+    client: Client, conn: asyncpg.Connection, periods: list[str]
+) -> list[str]:
+    """Those of `periods` whose run is open and paused: a launch joins it, and bills
+    nothing until it is resumed. One the ledger holds open whose workflow has ended is not
+    (_ended_open): a launch starts it again, running."""
+    open_runs = await ledger.open_runs(conn, periods)
+    paused = [p for p, control in open_runs.items() if control == "paused"]
+    ended = await _ended_open(client, conn, paused)
+    return [p for p in paused if p not in ended]
+
+
 async def ended_unfinished(
     client: Client, conn: asyncpg.Connection, periods: list[Period]
 ) -> list[Period]:

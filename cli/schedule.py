@@ -6,7 +6,6 @@ import argparse
 import sys
 from datetime import UTC, datetime, timedelta
 
-import asyncpg
 from temporalio.client import Client, ScheduleAlreadyRunningError
 from temporalio.service import RPCError
 
@@ -87,12 +86,13 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
             period = await schedules.trigger(
                 client, conn, args.id, early=args.early, while_paused=args.while_paused
             )
-            paused = await _paused_runs(conn, [str(period)] if period else [])
+            paused = await schedules.paused_open_runs(client, conn, [str(period)] if period else [])
         if paused:
             # The launch joins that run, which bills nothing until it is resumed.
             print(
                 f"triggered schedule {args.id}: {period}'s run is open and paused, which the"
-                f" launch joins: `python starter.py resume {period} --reason ...` to bill it"
+                " launch joins: it bills nothing until resumed (`python starter.py status"
+                f" {period}` says how)"
             )
         else:
             print(f"triggered schedule {args.id}" + (f": it bills {period}" if period else ""))
@@ -107,7 +107,9 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
                 late=args.late,
                 while_paused=args.while_paused,
             )
-            paused = await _paused_runs(conn, [str(p) for p in period_range(args.start, args.end)])
+            paused = await schedules.paused_open_runs(
+                client, conn, [str(p) for p in period_range(args.start, args.end)]
+            )
         print(
             f"backfilling {len(done.launches)} launches, {args.start} to {args.end}: "
             + ", ".join(t.isoformat() for t in done.launches)
@@ -121,20 +123,13 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
         if paused:
             # Their launches join those runs, which bill nothing until resumed.
             print(
-                f"  joining the open, paused runs of {', '.join(paused)}:"
-                " `python starter.py resume PERIOD --reason ...` to bill each"
+                f"  joining the open, paused runs of {', '.join(paused)}: each bills nothing"
+                " until resumed (`python starter.py status PERIOD` says how)"
             )
     elif args.schedule_command == "delete":
         await handle.delete()
         print(f"deleted schedule {args.id}")
     return 0
-
-
-async def _paused_runs(conn: asyncpg.Connection, periods: list[str]) -> list[str]:
-    """Those of `periods` whose run is open and paused: a launch joins it, billing nothing."""
-    return [
-        p for p, control in (await ledger.open_runs(conn, periods)).items() if control == "paused"
-    ]
 
 
 def _check_create_flags(args: argparse.Namespace) -> None:

@@ -1676,16 +1676,35 @@ async def test_a_trigger_of_a_month_whose_cancelled_run_still_finishes_is_refuse
     assert await harness.succeeded() == 2
 
 
-async def test_a_trigger_joining_a_paused_run_says_to_resume_it(harness: Harness) -> None:
+@pytest.mark.parametrize("run", ["open", "ended"])
+async def test_a_trigger_or_backfill_says_it_joins_a_paused_run_only_while_it_runs(
+    harness: Harness, run: str
+) -> None:
     """The launch joins the month's open run, which bills nothing while paused: "it bills"
-    would have an operator wait for charges that do not come."""
+    would have an operator wait for charges that do not come. A run that ended paused
+    (terminated), which the ledger still holds open, is not joined but started again,
+    billing at once: "joins" was false then (helper-156 G2)."""
     config = schedules.MonthlySchedule(schedule_id="monthly-held", hour=0, paused=True)
     await schedules.create_schedule(harness.client, config, harness.task_queue)
     billed = period_for(datetime.now(UTC))
-    plan = PeriodPlan(period=str(billed), due=0, to_charge=0, expected_total_cents=0)
-    async with harness.pool.acquire() as conn:
-        await ledger.start_period(conn, plan, period_workflow_id(billed))
-        await ledger.set_control(conn, str(billed), "paused", "checking the amounts", "bob")
+    await harness.seed(1)
+    if run == "open":
+        await harness.set_faults(latency_ms=10_000)
+
+        async def paused() -> bool:
+            async with harness.pool.acquire() as conn:
+                return await ledger.open_runs(conn, [str(billed)]) == {str(billed): "paused"}
+
+        async with harness.running_worker():
+            await start_period(harness.client, billed, harness.task_queue, SLOW)
+            await operations.control(harness.client, billed, "pause", ALICE)
+            await eventually(paused)
+        await harness.set_faults(latency_ms=0)
+    else:
+        plan = PeriodPlan(period=str(billed), due=1, to_charge=1, expected_total_cents=0)
+        async with harness.pool.acquire() as conn:
+            await ledger.start_period(conn, plan, period_workflow_id(billed))
+            await ledger.set_control(conn, str(billed), "paused", "checking the amounts", "bob")
     code, out, err = await harness.starter(
         "schedule", "trigger", "--id", "monthly-held", "--while-paused"
     )
@@ -1694,12 +1713,13 @@ async def test_a_trigger_joining_a_paused_run_says_to_resume_it(harness: Harness
         "schedule", "backfill", "--id", "monthly-held", "--while-paused", *span
     )
     await harness.client.get_schedule_handle("monthly-held").delete()
-    assert code == 0, err
-    assert f"{billed}'s run is open and paused" in out, out
-    assert f"python starter.py resume {billed} --reason" in out
+    assert code == 0 and backfill[0] == 0, (err, backfill)
+    joins = run == "open"
+    assert (f"{billed}'s run is open and paused" in out) is joins, out
+    assert (f"`python starter.py status {billed}` says how" in out) is joins, out
+    assert (f"it bills {billed}" in out) is not joins, out
     # A backfill over it says so too (helper-152 N1).
-    assert backfill[0] == 0, backfill
-    assert f"joining the open, paused runs of {billed}" in backfill[1], backfill
+    assert (f"joining the open, paused runs of {billed}" in backfill[1]) is joins, backfill
 
 
 async def test_a_trigger_or_backfill_of_a_paused_schedule_is_refused_unless_told(
