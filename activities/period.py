@@ -164,18 +164,15 @@ class PeriodActivities:
         admin = self._admin
         issued: list[period_keys.RenewedKey] = []
 
-        opening = _opening(request)
-
         async def before_recording(plan: PeriodPlan, unsent: dict[str, int]) -> None:
+            if not await _current_try():
+                raise RunSupersededError(
+                    f"{plan.period}: this try of the opening is no longer its run's (the run"
+                    " has ended, or the try timed out and another took its place): it opens"
+                    " nothing"
+                )
             if admin is not None:
                 issued.extend(await self._ensure_keys(conn, admin, plan, unsent))
-            if opening is not None and not await _own_run_open():
-                # Terminated while it opened: a run since (a rerun, or this one reset) may
-                # have opened the period, and closed it, at an earlier time than this try's.
-                raise RunSupersededError(
-                    f"{plan.period}: run {opening.run_id} ended as it opened the period: it"
-                    " opens nothing"
-                )
 
         async with self._pool.acquire() as conn:
             # The keys before the run is recorded, on the opening's connection (a second one
@@ -183,10 +180,9 @@ class PeriodActivities:
             # period's record as it was, and an import waits, so the plan they serve holds.
             try:
                 plan = await ledger.open_period(
-                    conn, request.period, request.workflow_id, before_recording, opening
+                    conn, request.period, request.workflow_id, before_recording, _opening(request)
                 )
             except RunSupersededError as exc:
-                # Keys it issued are revoked by the next opening or close (_revoke_unstored).
                 raise ApplicationError(str(exc), type=RUN_SUPERSEDED, non_retryable=True) from None
             held = await ledger.held_customers(conn, request.period)
         if admin is not None:
@@ -428,7 +424,11 @@ class PeriodActivities:
 
     @activity.defn(name="set_control")
     async def set_control(self, request: ControlRequest) -> None:
-        async with self._pool.acquire() as conn:
+        async with self._pool.acquire() as conn, conn.transaction():
+            await ledger.lock_period(conn, request.period)
+            if not await _current_try():
+                _stale("control", request.period)
+                return
             await ledger.set_control(
                 conn,
                 request.period,
@@ -482,20 +482,11 @@ class PeriodActivities:
     @activity.defn(name="close_period")
     async def close(self, summary: PeriodSummary) -> None:
         async with self._pool.acquire() as conn:
-            if await self._finish(conn, summary):
+            async with conn.transaction():
+                await ledger.lock_period(conn, summary.period)
+                written = await _finish(conn, summary)
+            if written:
                 await self._revoke_unused(conn, summary.period)
-
-    @staticmethod
-    async def _finish(conn: asyncpg.Connection, summary: PeriodSummary) -> bool:
-        """Write the run's summary; False if another run has opened the period since and
-        this one has ended (terminated as it closed): the period is that run's."""
-        period, written = summary.period, summary.model_dump_json()
-        if await ledger.finish_period(conn, period, written, summary.run_id):
-            return True
-        if await _own_run_open():
-            return await ledger.finish_period(conn, period, written, summary.run_id, take_over=True)
-        _superseded(summary)
-        return False
 
     @activity.defn(name="close_period_if_all_listed")
     async def close_if_all_listed(self, summary: PeriodSummary) -> bool:
@@ -507,11 +498,11 @@ class PeriodActivities:
         period = summary.period
         async with self._pool.acquire() as conn:
             record = await ledger.period_record(conn, period)
-            another = record is not None and record.opened_by_another(summary.run_id)
-            if another and not await _own_run_open():
-                _superseded(summary)
-                return True
-            if record is not None and record.state == "completed" and not another:
+            if (
+                record is not None
+                and record.state == "completed"
+                and (summary.run_id is None or record.run_id in (None, summary.run_id))
+            ):
                 # An earlier attempt closed it, and its answer was lost: maybe before it had
                 # revoked the period's unused keys.
                 await self._revoke_unused(conn, period)
@@ -523,7 +514,7 @@ class PeriodActivities:
                 await ledger.lock_for_change(conn, "the run's close")
                 if await self._reached_without_row(conn, period, reached) is None:
                     return False
-                written = await self._finish(conn, summary)
+                written = await _finish(conn, summary)
             if written:
                 await self._revoke_unused(conn, period)
         return True
@@ -574,23 +565,45 @@ def _opening(request: PrepareRequest) -> RunIdentity | None:
     )
 
 
-async def _own_run_open() -> bool:
-    """Whether the run of the workflow this activity serves is still open. One run of a
-    workflow ID is open at a time: while this one is, a run that opened the period since
-    has ended (a rerun tried and terminated before this run was reset past its opening),
-    and the period is this run's to close."""
+async def _current_try() -> bool:
+    """Whether this activity is the current try of the latest run of its workflow. A try
+    that timed out (its worker frozen past the timeout), or one of a run that has ended
+    (terminated, or reset: its activities finish on their workers all the same), is not,
+    and writes nothing to the period's row: another run, or try, may have opened or closed
+    the period since. Asked under the period's row lock (ledger.lock_period), or under
+    OPENING_LOCK by an opening (whose write then takes the row), so that no other writer's
+    write lands between the answer and the write. True outside an activity (a benchmark's
+    opening)."""
+    if not activity.in_activity():
+        return True
     info = activity.info()
     if info.workflow_id is None:
         return False
-    run = activity.client().get_workflow_handle(info.workflow_id, run_id=info.workflow_run_id)
-    return (await run.describe()).status == WorkflowExecutionStatus.RUNNING
+    latest = await activity.client().get_workflow_handle(info.workflow_id).describe()
+    if latest.run_id != info.workflow_run_id or latest.status != WorkflowExecutionStatus.RUNNING:
+        return False
+    return any(
+        pending.activity_id == info.activity_id and pending.attempt == info.attempt
+        for pending in latest.raw_description.pending_activities
+    )
 
 
-def _superseded(summary: PeriodSummary) -> None:
+async def _finish(conn: asyncpg.Connection, summary: PeriodSummary) -> bool:
+    """Write the run's summary, if this close is the current try of the latest run: another
+    run or try may have opened (and closed) the period since. In the caller's transaction,
+    under the period's row lock or OPENING_LOCK (_current_try)."""
+    if not await _current_try():
+        _stale("close", summary.period)
+        return False
+    await ledger.finish_period(conn, summary.period, summary.model_dump_json())
+    return True
+
+
+def _stale(what: str, period: str) -> None:
     log.warning(
-        "%s: the close of run %s wrote nothing: another run has opened the period since",
-        summary.period,
-        summary.run_id,
+        "%s: a %s of a run that has ended, or of a try that timed out, wrote nothing",
+        period,
+        what,
     )
 
 

@@ -316,8 +316,8 @@ class PeriodCounts(Record):
 
 
 class PeriodSummary(PeriodCounts):
-    # RunIdentity.run_id of the run: where to find it in the Web UI, and whose close it is.
-    # None from a run that began before it was recorded.
+    # RunIdentity.run_id of the run: where to find it in the Web UI. None from a run that
+    # began before it was recorded.
     run_id: str | None = None
     # Set when an operator cancelled the run: the counts are what happened before the cancel.
     cancel_reason: str | None = None
@@ -361,15 +361,11 @@ class PeriodRecord(Record):
     """The ledger's row of a period's last run: the summary once it completed."""
 
     workflow_id: str
-    # The run's RunIdentity.run_id; None for a row opened before migrations/031.
+    # RunIdentity.run_id of the run that opened it; None for one opened before
+    # migrations/031, or by a release from before it.
     run_id: str | None = None
     state: Literal["running", "completed"]
     summary: PeriodSummary | None
-
-    def opened_by_another(self, run_id: str | None) -> bool:
-        """The row is a run's other than `run_id`'s, which a terminate ended before that run
-        opened it. A row or a run from before migrations/031 carries no run id: it matches."""
-        return self.run_id is not None and run_id is not None and self.run_id != run_id
 
 
 class OpenRun(Record):

@@ -8,7 +8,7 @@ from datetime import datetime
 
 import asyncpg
 
-from billing.errors import LedgerBusyError, RunSupersededError
+from billing.errors import LedgerBusyError
 from billing.ledger.due import plan_period, unsent_totals
 from billing.models import Control, PeriodPlan, PeriodRecord, PeriodSummary, RunIdentity
 
@@ -64,13 +64,10 @@ async def open_period(
 async def start_period(
     conn: asyncpg.Connection, plan: PeriodPlan, workflow_id: str, run: RunIdentity | None = None
 ) -> None:
-    """Record a new run of the period (`run`: which one, see migrations/031); refused with
-    RunSupersededError if it was opened since `run`'s attempt was scheduled: by a later run,
-    or by a later attempt of the same run (this one, stale, finishing on a worker that froze
-    past its timeout, would reopen a period the run may have closed since). Customers a
+    """Record a new run of the period (`run`: which one, see migrations/031). Customers a
     cancelled run never started are due again (see migrations/005) while active: their
     claim takes the row over (see claim)."""
-    status: str = await conn.execute(
+    await conn.execute(
         """
         INSERT INTO billing_periods (billing_period, workflow_id, state, due,
                                      expected_total_cents, run_id, run_opened_in_temporal_at)
@@ -81,8 +78,6 @@ async def start_period(
             finished_at = NULL, summary = NULL, control = 'running', control_reason = NULL,
             control_by = NULL, control_at = now(), run_id = EXCLUDED.run_id,
             run_opened_in_temporal_at = EXCLUDED.run_opened_in_temporal_at
-        WHERE billing_periods.run_id IS NULL OR EXCLUDED.run_id IS NULL
-            OR billing_periods.run_opened_in_temporal_at < EXCLUDED.run_opened_in_temporal_at
         """,
         plan.period,
         workflow_id,
@@ -91,12 +86,14 @@ async def start_period(
         None if run is None else run.run_id,
         None if run is None else run.opened_at,
     )
-    if status == "INSERT 0 0":
-        assert run is not None
-        raise RunSupersededError(
-            f"{plan.period}: the period was opened after this opening of run {run.run_id}"
-            " was tried (by a later run, or a later try of this one): it opens nothing"
-        )
+
+
+async def lock_period(conn: asyncpg.Connection, period: str) -> None:
+    """Hold the period's row for the caller's transaction: a writer of it checks, under the
+    lock, that it may still write (a run's control or close), and no opening can land
+    between that check and its write."""
+    assert conn.is_in_transaction(), "lock_period needs the caller's transaction"
+    await conn.execute("SELECT 1 FROM billing_periods WHERE billing_period = $1 FOR UPDATE", period)
 
 
 async def set_control(
@@ -115,33 +112,19 @@ async def set_control(
     )
 
 
-async def finish_period(
-    conn: asyncpg.Connection,
-    period: str,
-    summary_json: str,
-    run_id: str | None = None,
-    *,
-    take_over: bool = False,
-) -> bool:
-    """Record the summary of the run `run_id`; False, nothing written, if the period's row
-    is another run's (PeriodRecord.opened_by_another), unless told to `take_over` the row
-    from a run that has ended. A pause left at the close is lifted: one accepted with the
+async def finish_period(conn: asyncpg.Connection, period: str, summary_json: str) -> None:
+    """Record the run's summary. A pause left at the close is lifted: one accepted with the
     run's last outcome has nothing left to hold, and a claim charged after the run (a
     re-drive) would wait at the gate for a resume no run can give."""
-    status: str = await conn.execute(
+    await conn.execute(
         """
         UPDATE billing_periods SET state = 'completed', summary = $2::jsonb, finished_at = now(),
-            control = CASE WHEN control = 'paused' THEN 'running' ELSE control END,
-            run_id = CASE WHEN $4 THEN $3 ELSE run_id END
+            control = CASE WHEN control = 'paused' THEN 'running' ELSE control END
         WHERE billing_period = $1
-            AND ($4 OR $3::text IS NULL OR run_id IS NULL OR run_id = $3)
         """,
         period,
         summary_json,
-        run_id,
-        take_over,
     )
-    return status != "UPDATE 0"
 
 
 async def period_record(conn: asyncpg.Connection, period: str) -> PeriodRecord | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -14,10 +14,10 @@ from temporalio import activity
 from temporalio.api.common.v1 import WorkflowExecution as ExecutionRef
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+from temporalio.exceptions import ApplicationError
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
 from billing import ledger
-from billing.errors import RunSupersededError
 from billing.models import PeriodPlan, PeriodSummary, RunIdentity
 from billing.periods import Period
 from billing.runs import start_period
@@ -30,20 +30,35 @@ OPENED = datetime(2026, 12, 1, 3, 0, tzinfo=UTC)
 
 class HoldEachRun(Interceptor):
     """Holds each run's activities of the given kinds ("prepare_period", "close_period",
-    matched as prefixes of the activity's type), each (kind, run) until let go, and says when
-    one is reached and when it has ended."""
+    matched as prefixes of the activity's type), each (kind, run) until let go (with
+    `first_try_only`, only their first tries), and says when one is reached and when it has
+    ended."""
 
-    def __init__(self, *kinds: str) -> None:
+    def __init__(self, *kinds: str, first_try_only: bool = False) -> None:
         self.kinds = kinds
+        self.first_try_only = first_try_only
         self._reached: defaultdict[tuple[str, str], asyncio.Event] = defaultdict(asyncio.Event)
         self._go_on: defaultdict[tuple[str, str], asyncio.Event] = defaultdict(asyncio.Event)
         self._ended: defaultdict[tuple[str, str], asyncio.Event] = defaultdict(asyncio.Event)
+        self._any: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self._released: set[str] = set()
 
     async def reached(self, kind: str, run: str) -> None:
         await asyncio.wait_for(self._reached[kind, run].wait(), 60)
 
+    async def reached_any(self, kind: str) -> None:
+        """Once any run's activity of `kind` is held (a customer's, whose run is its own)."""
+        await asyncio.wait_for(self._any[kind].wait(), 60)
+
     def release(self, kind: str, run: str) -> None:
         self._go_on[kind, run].set()
+
+    def release_all(self, kind: str) -> None:
+        """Let every activity of `kind` go, those held and those to come."""
+        self._released.add(kind)
+        for held, run in list(self._reached):
+            if held == kind:
+                self._go_on[held, run].set()
 
     async def ended(self, kind: str, run: str) -> None:
         await asyncio.wait_for(self._ended[kind, run].wait(), 30)
@@ -55,10 +70,15 @@ class HoldEachRun(Interceptor):
             async def execute_activity(self, input: ExecuteActivityInput) -> Any:
                 info = activity.info()
                 kind = [k for k in hold.kinds if info.activity_type.startswith(k)]
-                if not kind:
+                if (
+                    not kind
+                    or kind[0] in hold._released
+                    or (hold.first_try_only and info.attempt > 1)
+                ):
                     return await super().execute_activity(input)
                 key = (kind[0], info.workflow_run_id or "")
                 hold._reached[key].set()
+                hold._any[kind[0]].set()
                 await asyncio.wait_for(hold._go_on[key].wait(), 60)
                 try:
                     return await super().execute_activity(input)
@@ -70,6 +90,8 @@ class HoldEachRun(Interceptor):
 
 CLOSE = "close_period"
 PREPARE = "prepare_period"
+SET_CONTROL = "set_control"
+BILL = "bill"
 
 
 @pytest.mark.parametrize("cancelled", [False, True], ids=["completed", "cancelled"])
@@ -136,20 +158,19 @@ async def test_a_terminated_runs_late_opening_leaves_a_later_runs_period_alone(
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
-async def test_an_opening_by_a_release_from_before_leaves_the_next_close_free(
+async def test_an_opening_by_a_release_from_before_clears_the_runs_identity(
     harness: Harness,
 ) -> None:
     """An opening by a worker of the release before migrations/031 (a rolling upgrade, a
-    rollback) writes no run id: the row kept the last run's, and the close of the run it
-    opened matched nothing (helper-154 F2). It is cleared (migrations/031's trigger)."""
+    rollback) writes neither column: the row would keep the last run's, and its opening time
+    (migrations/031's trigger clears both; the database's clock stands in)."""
     await harness.seed(1)
     plan = PeriodPlan(period=str(PERIOD), due=1, to_charge=1, expected_total_cents=1_000)
-    summary = PeriodSummary.empty(str(PERIOD), "by-hand").model_dump_json()
     async with harness.pool.acquire() as conn:
         await ledger.start_period(
             conn, plan, "by-hand", RunIdentity(run_id="r-1", opened_at=OPENED)
         )
-        assert await ledger.finish_period(conn, str(PERIOD), summary, "r-1")
+        assert await ledger.run_opened_at(conn, str(PERIOD)) == OPENED
         # The release before's opening, as it wrote the row.
         await conn.execute(
             "UPDATE billing_periods SET state = 'running', summary = NULL, started_at = now()"
@@ -157,38 +178,100 @@ async def test_an_opening_by_a_release_from_before_leaves_the_next_close_free(
             str(PERIOD),
         )
         record = await ledger.period_record(conn, str(PERIOD))
-        assert record is not None and record.run_id is None
-        assert await ledger.finish_period(conn, str(PERIOD), summary, "r-2")
+        opened = await ledger.run_opened_at(conn, str(PERIOD))
+        started = await conn.fetchval(
+            "SELECT started_at FROM billing_periods WHERE billing_period = $1", str(PERIOD)
+        )
+    assert record is not None and record.run_id is None
+    assert opened == started
 
 
-async def test_an_opening_tried_again_keeps_its_run_and_takes_its_new_time(
+async def test_a_stale_try_of_a_runs_opening_leaves_the_period_it_closed_alone(
     harness: Harness,
 ) -> None:
-    """The same run's opening, tried again after its answer was lost, is its own: a later
-    run's is refused, an earlier run's too."""
-    await harness.seed(1)
-    plan = PeriodPlan(period=str(PERIOD), due=1, to_charge=1, expected_total_cents=1_000)
-    later = OPENED + timedelta(minutes=5)
-    async with harness.pool.acquire() as conn:
-        await ledger.start_period(
-            conn, plan, "by-hand", RunIdentity(run_id="r-1", opened_at=OPENED)
+    """The opening's first try, on a worker frozen past its timeout, finishes after the
+    second try opened the period and the run closed it: it reopened the month (running, no
+    summary, its control reset) for good (helper-155 A1). It is not the current try."""
+    customers = await harness.seed(2)
+    hold = HoldEachRun(PREPARE, first_try_only=True)
+    async with harness.running_worker(interceptors=[hold]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        run = (await handle.describe()).run_id
+        await hold.reached(PREPARE, run)
+        # As its timeout would: Temporal fails the first try, and the second runs.
+        [pending] = (await handle.describe()).raw_description.pending_activities
+        await harness.client.get_async_activity_handle(
+            workflow_id=handle.id, run_id=run, activity_id=pending.activity_id
+        ).fail(ApplicationError("its worker froze"))
+        summary = await asyncio.wait_for(handle.result(), 60)
+        hold.release(PREPARE, run)
+        await hold.ended(PREPARE, run)
+        async with harness.pool.acquire() as conn:
+            record = await ledger.period_record(conn, str(PERIOD))
+    assert record is not None and (record.state, record.summary) == ("completed", summary)
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_a_terminated_runs_close_leaves_its_reset_run_alone(harness: Harness) -> None:
+    """A stuck at its close, terminated; a customer imported; A reset to before its opening.
+    A' opens and bills all three; A's close, still on its worker, then wrote A's summary over
+    A''s period (the same first run id), and A''s close found it completed (helper-157 H1)."""
+    customers = await harness.seed(2)
+    hold = HoldEachRun(PREPARE, CLOSE)
+    async with harness.running_worker(interceptors=[hold]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        stuck = (await handle.describe()).run_id
+        hold.release(PREPARE, stuck)
+        await hold.reached(CLOSE, stuck)
+        await handle.terminate(reason="stuck at its close")
+        customers += await harness.seed(1, prefix="late")
+        reset = await _reset_to(harness, handle.id, stuck, after_opening=False)
+        hold.release(PREPARE, reset)
+        await hold.reached(CLOSE, reset)
+        hold.release(CLOSE, stuck)
+        await hold.ended(CLOSE, stuck)
+        hold.release(CLOSE, reset)
+        summary = await asyncio.wait_for(
+            harness.client.get_workflow_handle(
+                handle.id, run_id=reset, result_type=PeriodSummary
+            ).result(),
+            30,
         )
-        await ledger.start_period(conn, plan, "by-hand", RunIdentity(run_id="r-1", opened_at=later))
-        assert await ledger.run_opened_at(conn, str(PERIOD)) == later
-        await ledger.start_period(
-            conn, plan, "by-hand", RunIdentity(run_id="r-2", opened_at=later + timedelta(1))
-        )
-        with pytest.raises(RunSupersededError, match="the period was opened after this"):
-            await ledger.start_period(
-                conn, plan, "by-hand", RunIdentity(run_id="r-1", opened_at=later)
+        async with harness.pool.acquire() as conn:
+            record = await ledger.period_record(conn, str(PERIOD))
+    assert summary.due == 3
+    assert record is not None and (record.state, record.summary) == ("completed", summary)
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_a_terminated_runs_late_control_leaves_a_reruns_alone(harness: Harness) -> None:
+    """A cancelled (Temporal's cancel) as it opens, its write of the cancel held on a frozen
+    worker; A terminated, a rerun B opens and bills. A's write then landed on B's row: B's
+    customers met a cancelled gate, and the month read as cancelled (helper-157 H2)."""
+    customers = await harness.seed(2)
+    hold = HoldEachRun(PREPARE, SET_CONTROL, BILL)
+    async with harness.running_worker(interceptors=[hold]):
+        first = await start_period(harness.client, PERIOD, harness.task_queue)
+        stuck = (await first.describe()).run_id
+        await hold.reached(PREPARE, stuck)
+        await first.cancel()
+        await hold.reached(SET_CONTROL, stuck)
+        await first.terminate(reason="stuck, says the operator")
+        rerun = await start_period(harness.client, PERIOD, harness.task_queue)
+        rerun_id = (await rerun.describe()).run_id
+        hold.release(PREPARE, rerun_id)
+        await hold.reached_any(BILL)
+        hold.release(SET_CONTROL, stuck)
+        await hold.ended(SET_CONTROL, stuck)
+        hold.release_all(BILL)
+        hold.release(PREPARE, stuck)
+        summary = await asyncio.wait_for(rerun.result(), 60)
+        async with harness.pool.acquire() as conn:
+            control = await conn.fetchval(
+                "SELECT control FROM billing_periods WHERE billing_period = $1", str(PERIOD)
             )
-        # A stale try of the run that opened it last, finishing after a later try did.
-        with pytest.raises(RunSupersededError, match="or a later try of this one"):
-            await ledger.start_period(
-                conn, plan, "by-hand", RunIdentity(run_id="r-2", opened_at=later)
-            )
-        record = await ledger.period_record(conn, str(PERIOD))
-    assert record is not None and record.run_id == "r-2"
+    assert (summary.charged, summary.cancelled, control) == (2, 0, "running")
+    await assert_billed_once(harness, str(PERIOD), customers)
 
 
 @pytest.mark.parametrize("rerun_between", [False, True], ids=["alone", "after-a-rerun"])
@@ -213,7 +296,7 @@ async def test_a_run_reset_past_its_opening_closes_as_the_run_that_opened_it(
             ended.append((await rerun.describe()).run_id)
             await hold.reached(CLOSE, ended[-1])
             await rerun.terminate(reason="stuck at its close too")
-        reset = await _reset_past_its_opening(harness, handle.id, stuck)
+        reset = await _reset_to(harness, handle.id, stuck)
         await hold.reached(CLOSE, reset)
         hold.release(CLOSE, reset)
         summary = await asyncio.wait_for(
@@ -231,8 +314,7 @@ async def test_a_run_reset_past_its_opening_closes_as_the_run_that_opened_it(
         async with harness.pool.acquire() as conn:
             assert await ledger.period_record(conn, str(PERIOD)) == record
     assert summary.run_id == stuck
-    assert record is not None
-    assert (record.state, record.run_id, record.summary) == ("completed", stuck, summary)
+    assert record is not None and (record.state, record.summary) == ("completed", summary)
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
@@ -255,7 +337,7 @@ async def test_a_terminated_reruns_late_opening_leaves_the_period_a_reset_run_cl
         b = (await rerun.describe()).run_id
         await hold.reached(PREPARE, b)
         await rerun.terminate(reason="stuck at its opening too")
-        reset = await _reset_past_its_opening(harness, handle.id, a)
+        reset = await _reset_to(harness, handle.id, a)
         await hold.reached(CLOSE, reset)
         hold.release(CLOSE, reset)
         summary = await asyncio.wait_for(
@@ -279,49 +361,45 @@ async def test_a_terminated_reruns_late_opening_leaves_the_period_a_reset_run_cl
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
-async def _reset_past_its_opening(harness: Harness, workflow_id: str, run_id: str) -> str:
-    """Reset the run to the workflow task after its opening; the new run's id."""
+async def _reset_to(
+    harness: Harness, workflow_id: str, run_id: str, *, after_opening: bool = True
+) -> str:
+    """Reset the run to the workflow task after its opening (or its first, before it); the
+    new run's id."""
     run = harness.client.get_workflow_handle(workflow_id, run_id=run_id)
     events = [e async for e in run.fetch_history_events()]
     opened = next(
         e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
     )
-    after_opening = next(
+    task = next(
         e.event_id
         for e in events
-        if e.event_id > opened and e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED
+        if (e.event_id > opened or not after_opening)
+        and e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED
     )
     reset = await harness.client.workflow_service.reset_workflow_execution(
         ResetWorkflowExecutionRequest(
             namespace=harness.client.namespace,
             workflow_execution=ExecutionRef(workflow_id=workflow_id, run_id=run_id),
             reason="the fault is fixed",
-            workflow_task_finish_event_id=after_opening,
-            request_id=f"reset-{run_id}",
+            workflow_task_finish_event_id=task,
+            request_id=f"reset-{run_id}-{task}",
         )
     )
     return reset.run_id
 
 
-@pytest.mark.parametrize(
-    ("opened_by", "closed_by", "written"),
-    [("r-1", "r-1", True), ("r-1", "r-2", False), (None, "r-2", True), ("r-1", None, True)],
-    ids=["its-own", "another-runs", "row-from-before", "run-from-before"],
-)
-async def test_a_close_writes_only_over_its_own_run(
-    harness: Harness, opened_by: str | None, closed_by: str | None, written: bool
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "from-before"])
+async def test_the_opening_time_is_temporals_when_recorded(
+    harness: Harness, recorded: bool
 ) -> None:
-    """A row opened, or a summary sent, by a worker from before migrations/031 carries no run
-    id: the close writes, as it did."""
+    """Read against children's close times, which are Temporal's: the opening's time by
+    Temporal's clock, or the database's for a row from before migrations/031."""
     await harness.seed(1)
-    run = None if opened_by is None else RunIdentity(run_id=opened_by, opened_at=OPENED)
-    summary = PeriodSummary.empty(str(PERIOD), "by-hand").model_dump_json()
+    run = RunIdentity(run_id="r-1", opened_at=OPENED) if recorded else None
     async with harness.pool.acquire() as conn:
         await ledger.open_period(conn, str(PERIOD), "by-hand", run=run)
-        assert await ledger.finish_period(conn, str(PERIOD), summary, closed_by) is written
         record = await ledger.period_record(conn, str(PERIOD))
         opened = await ledger.run_opened_at(conn, str(PERIOD))
-    assert record is not None
-    assert (record.state, record.run_id) == ("completed" if written else "running", opened_by)
-    # Read against children's close times, which are Temporal's: the opening's, if recorded.
-    assert (opened == OPENED) is (run is not None)
+    assert record is not None and record.run_id == (run and run.run_id)
+    assert (opened == OPENED) is recorded
