@@ -231,12 +231,7 @@ async def test_a_terminated_runs_close_leaves_its_reset_run_alone(harness: Harne
         hold.release(CLOSE, stuck)
         await hold.ended(CLOSE, stuck)
         hold.release(CLOSE, reset)
-        summary = await asyncio.wait_for(
-            harness.client.get_workflow_handle(
-                handle.id, run_id=reset, result_type=PeriodSummary
-            ).result(),
-            30,
-        )
+        summary = await _result_of(harness, handle.id, reset)
         async with harness.pool.acquire() as conn:
             record = await ledger.period_record(conn, str(PERIOD))
     assert summary.due == 3
@@ -299,12 +294,7 @@ async def test_a_run_reset_past_its_opening_closes_as_the_run_that_opened_it(
         reset = await _reset_to(harness, handle.id, stuck)
         await hold.reached(CLOSE, reset)
         hold.release(CLOSE, reset)
-        summary = await asyncio.wait_for(
-            harness.client.get_workflow_handle(
-                handle.id, run_id=reset, result_type=PeriodSummary
-            ).result(),
-            30,
-        )
+        summary = await _result_of(harness, handle.id, reset)
         async with harness.pool.acquire() as conn:
             record = await ledger.period_record(conn, str(PERIOD))
         # The ended runs' closes, still on the worker, write nothing: their runs are over.
@@ -340,12 +330,7 @@ async def test_a_terminated_reruns_late_opening_leaves_the_period_a_reset_run_cl
         reset = await _reset_to(harness, handle.id, a)
         await hold.reached(CLOSE, reset)
         hold.release(CLOSE, reset)
-        summary = await asyncio.wait_for(
-            harness.client.get_workflow_handle(
-                handle.id, run_id=reset, result_type=PeriodSummary
-            ).result(),
-            30,
-        )
+        summary = await _result_of(harness, handle.id, reset)
         async with harness.pool.acquire() as conn:
             closed = await ledger.period_record(conn, str(PERIOD))
         assert closed is not None and closed.state == "completed"
@@ -359,6 +344,12 @@ async def test_a_terminated_reruns_late_opening_leaves_the_period_a_reset_run_cl
     assert record is not None
     assert (record.state, record.run_id, record.summary) == ("completed", a, summary), record
     await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def _result_of(harness: Harness, workflow_id: str, run_id: str) -> PeriodSummary:
+    """The summary of the workflow's run `run_id` (a reset's), once it has closed."""
+    run = harness.client.get_workflow_handle(workflow_id, run_id=run_id, result_type=PeriodSummary)
+    return await asyncio.wait_for(run.result(), 30)
 
 
 async def _reset_to(
