@@ -87,9 +87,9 @@ class ClaimClosedError(LedgerConflictError):
 
 
 class RunSupersededError(LedgerConflictError):
-    """A run's opening found the period opened since it was tried: by a later run (this one
-    was ended: an activity of a terminated run finishes on its worker all the same), or by a
-    later try of its own. It opens nothing."""
+    """An opening whose try is no longer its run's current one: the run has ended (an
+    activity of a terminated run finishes on its worker all the same), or the try timed out
+    and another took its place. It opens nothing."""
 
 
 class RunEndedError(BillingError):
