@@ -25,7 +25,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.stripe_failures import KEY_REFUSED
 from billing import ledger, logs, period_keys, schedules
 from billing.config import BillingSettings
-from billing.errors import LedgerBusyError, RunSupersededError, UnknownCustomerError
+from billing.errors import LedgerBusyError, UnknownCustomerError
 from billing.keys import customer_workflow_id, idempotency_key
 from billing.models import (
     CancelPage,
@@ -53,8 +53,11 @@ from vault.client import (
     VaultInvalidRequest,
 )
 
-# The opening of a run a later one has superseded: it was ended, and opens nothing.
-RUN_SUPERSEDED = "RunSuperseded"
+# A try of a run's opening, control or close that is not the current try of the period's
+# latest run: it writes nothing (_check_current_try).
+STALE_TRY = "StaleTry"
+# How long a writer of the period's row, holding its lock, waits for Temporal's answer.
+DESCRIBE_TIMEOUT = timedelta(seconds=10)
 
 
 class PrepareRequest(Record):
@@ -165,25 +168,21 @@ class PeriodActivities:
         issued: list[period_keys.RenewedKey] = []
 
         async def before_recording(plan: PeriodPlan, unsent: dict[str, int]) -> None:
-            if not await _current_try():
-                raise RunSupersededError(
-                    f"{plan.period}: this try of the opening is no longer its run's (the run"
-                    " has ended, or the try timed out and another took its place): it opens"
-                    " nothing"
-                )
+            # Before the keys, which a stale try would issue for nothing, and again after
+            # them (the vault may be slow), under the row's lock, which the write then holds.
+            await _check_current_try("opening", plan.period)
             if admin is not None:
                 issued.extend(await self._ensure_keys(conn, admin, plan, unsent))
+            await ledger.lock_period(conn, plan.period)
+            await _check_current_try("opening", plan.period)
 
         async with self._pool.acquire() as conn:
             # The keys before the run is recorded, on the opening's connection (a second one
             # from the pool could wait behind other openings for ever): one refused leaves the
             # period's record as it was, and an import waits, so the plan they serve holds.
-            try:
-                plan = await ledger.open_period(
-                    conn, request.period, request.workflow_id, before_recording, _opening(request)
-                )
-            except RunSupersededError as exc:
-                raise ApplicationError(str(exc), type=RUN_SUPERSEDED, non_retryable=True) from None
+            plan = await ledger.open_period(
+                conn, request.period, request.workflow_id, before_recording, _opening(request)
+            )
             held = await ledger.held_customers(conn, request.period)
         if admin is not None:
             await _revoke_replaced(admin, request.period, issued)
@@ -426,9 +425,7 @@ class PeriodActivities:
     async def set_control(self, request: ControlRequest) -> None:
         async with self._pool.acquire() as conn, conn.transaction():
             await ledger.lock_period(conn, request.period)
-            if not await _current_try():
-                _stale("control", request.period)
-                return
+            await _check_current_try("control", request.period)
             await ledger.set_control(
                 conn,
                 request.period,
@@ -484,9 +481,8 @@ class PeriodActivities:
         async with self._pool.acquire() as conn:
             async with conn.transaction():
                 await ledger.lock_period(conn, summary.period)
-                written = await _finish(conn, summary)
-            if written:
-                await self._revoke_unused(conn, summary.period)
+                await _finish(conn, summary)
+            await self._revoke_unused(conn, summary.period)
 
     @activity.defn(name="close_period_if_all_listed")
     async def close_if_all_listed(self, summary: PeriodSummary) -> bool:
@@ -498,13 +494,11 @@ class PeriodActivities:
         period = summary.period
         async with self._pool.acquire() as conn:
             record = await ledger.period_record(conn, period)
-            if (
-                record is not None
-                and record.state == "completed"
-                and (summary.run_id is None or record.run_id in (None, summary.run_id))
-            ):
-                # An earlier attempt closed it, and its answer was lost: maybe before it had
-                # revoked the period's unused keys.
+            if record is not None and record.state == "completed":
+                # Only the current try of the latest run writes the row, whose opening left
+                # it running: an earlier try of this close wrote it, its answer lost (maybe
+                # before it had revoked the period's unused keys).
+                await _check_current_try("close", period)
                 await self._revoke_unused(conn, period)
                 return True
             reached = await self._reached_without_row(conn, period, frozenset())
@@ -514,9 +508,9 @@ class PeriodActivities:
                 await ledger.lock_for_change(conn, "the run's close")
                 if await self._reached_without_row(conn, period, reached) is None:
                     return False
-                written = await _finish(conn, summary)
-            if written:
-                await self._revoke_unused(conn, period)
+                await ledger.lock_period(conn, period)
+                await _finish(conn, summary)
+            await self._revoke_unused(conn, period)
         return True
 
     async def _reached_without_row(
@@ -568,18 +562,17 @@ def _opening(request: PrepareRequest) -> RunIdentity | None:
 async def _current_try() -> bool:
     """Whether this activity is the current try of the latest run of its workflow. A try
     that timed out (its worker frozen past the timeout), or one of a run that has ended
-    (terminated, or reset: its activities finish on their workers all the same), is not,
-    and writes nothing to the period's row: another run, or try, may have opened or closed
-    the period since. Asked under the period's row lock (ledger.lock_period), or under
-    OPENING_LOCK by an opening (whose write then takes the row), so that no other writer's
-    write lands between the answer and the write. True outside an activity (a benchmark's
-    opening)."""
+    (terminated, or reset: its activities finish on their workers all the same), is not:
+    another run, or try, may have opened or closed the period since. True outside an
+    activity (a benchmark's opening)."""
     if not activity.in_activity():
         return True
     info = activity.info()
     if info.workflow_id is None:
         return False
-    latest = await activity.client().get_workflow_handle(info.workflow_id).describe()
+    workflow = activity.client().get_workflow_handle(info.workflow_id)
+    # Asked under the period's row lock, which every charge's gate shares: not for long.
+    latest = await workflow.describe(rpc_timeout=DESCRIBE_TIMEOUT)
     if latest.run_id != info.workflow_run_id or latest.status != WorkflowExecutionStatus.RUNNING:
         return False
     return any(
@@ -588,23 +581,24 @@ async def _current_try() -> bool:
     )
 
 
-async def _finish(conn: asyncpg.Connection, summary: PeriodSummary) -> bool:
-    """Write the run's summary, if this close is the current try of the latest run: another
-    run or try may have opened (and closed) the period since. In the caller's transaction,
-    under the period's row lock or OPENING_LOCK (_current_try)."""
+async def _check_current_try(what: str, period: str) -> None:
+    """Write the period's row (its run's `what`) only as the current try of the latest run,
+    asked under the row's lock (ledger.lock_period), which every writer of it holds to its
+    write: no other write lands between the answer and this one. Refused, it fails the try,
+    retryably: Temporal drops a stale try's answer, and one refused wrongly is tried again."""
     if not await _current_try():
-        _stale("close", summary.period)
-        return False
+        raise ApplicationError(
+            f"{period}: this try of the run's {what} is not the current try of the period's"
+            " latest run (the run has ended, or the try timed out and another took its"
+            " place): it writes nothing",
+            type=STALE_TRY,
+        )
+
+
+async def _finish(conn: asyncpg.Connection, summary: PeriodSummary) -> None:
+    """Write the run's summary, as the current try of the latest run (_check_current_try)."""
+    await _check_current_try("close", summary.period)
     await ledger.finish_period(conn, summary.period, summary.model_dump_json())
-    return True
-
-
-def _stale(what: str, period: str) -> None:
-    log.warning(
-        "%s: a %s of a run that has ended, or of a try that timed out, wrote nothing",
-        period,
-        what,
-    )
 
 
 async def _revoke_unstored(conn: asyncpg.Connection, admin: VaultAdmin, period: str) -> None:

@@ -86,12 +86,6 @@ class ClaimClosedError(LedgerConflictError):
         self.status = status
 
 
-class RunSupersededError(LedgerConflictError):
-    """An opening whose try is no longer its run's current one: the run has ended (an
-    activity of a terminated run finishes on its worker all the same), or the try timed out
-    and another took its place. It opens nothing."""
-
-
 class RunEndedError(BillingError):
     """A period's run ended without a summary (failed, terminated, timed out)."""
 

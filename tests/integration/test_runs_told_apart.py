@@ -6,22 +6,24 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from datetime import UTC, datetime
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 from temporalio import activity
 from temporalio.api.common.v1 import WorkflowExecution as ExecutionRef
-from temporalio.api.enums.v1 import EventType
+from temporalio.api.enums.v1 import EventType, PendingActivityState
 from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
+import activities.period as period_activities
 from billing import ledger
 from billing.models import PeriodPlan, PeriodSummary, RunIdentity
 from billing.periods import Period
 from billing.runs import start_period
-from tests.integration.harness import Harness
+from tests.integration.harness import Harness, eventually
 from tests.integration.invariants import assert_billed_once
 
 PERIOD = Period(2026, 12)
@@ -92,6 +94,8 @@ CLOSE = "close_period"
 PREPARE = "prepare_period"
 SET_CONTROL = "set_control"
 BILL = "bill"
+CLOSE_IF_ALL_LISTED = "close_period_if_all_listed"
+DUE = "due_customers"
 
 
 @pytest.mark.parametrize("cancelled", [False, True], ids=["completed", "cancelled"])
@@ -394,3 +398,175 @@ async def test_the_opening_time_is_temporals_when_recorded(
         opened = await ledger.run_opened_at(conn, str(PERIOD))
     assert record is not None and record.run_id == (run and run.run_id)
     assert (opened == OPENED) is recorded
+
+
+class FreezeAfterCheck:
+    """A worker frozen (a GC pause, a slow vault) right after `_current_try` said yes: the
+    activities named, of the runs named, wait there until let go."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self._checked: dict[tuple[str, str], asyncio.Event] = {}
+        self._go: dict[tuple[str, str], asyncio.Event] = {}
+        original = period_activities._current_try
+
+        async def frozen() -> bool:
+            answer = await original()
+            if activity.in_activity():
+                info = activity.info()
+                key = (info.activity_type, info.workflow_run_id or "")
+                if answer and key in self._go and not self._checked[key].is_set():
+                    self._checked[key].set()
+                    await asyncio.wait_for(self._go[key].wait(), 90)
+            return answer
+
+        monkeypatch.setattr(period_activities, "_current_try", frozen)
+
+    def freeze(self, activity_type: str, run: str) -> None:
+        self._checked[activity_type, run] = asyncio.Event()
+        self._go[activity_type, run] = asyncio.Event()
+
+    async def checked(self, activity_type: str, run: str) -> None:
+        await asyncio.wait_for(self._checked[activity_type, run].wait(), 60)
+
+    def release(self, activity_type: str, run: str) -> None:
+        self._go[activity_type, run].set()
+
+
+class Gate(Interceptor):
+    """Holds activities (local ones too) that `match` until let go."""
+
+    def __init__(self, match: Callable[[activity.Info], bool]) -> None:
+        self.match = match
+        self.reached = asyncio.Event()
+        self.go = asyncio.Event()
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        gate = self
+
+        class Held(ActivityInboundInterceptor):
+            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                if not gate.go.is_set() and gate.match(activity.info()):
+                    gate.reached.set()
+                    await asyncio.wait_for(gate.go.wait(), 90)
+                return await super().execute_activity(input)
+
+        return Held(next)
+
+
+async def _row(harness: Harness) -> tuple[str, str | None, PeriodSummary | None, str | None]:
+    async with harness.pool.acquire() as conn:
+        record = await ledger.period_record(conn, str(PERIOD))
+        control = await conn.fetchval(
+            "SELECT control FROM billing_periods WHERE billing_period = $1", str(PERIOD)
+        )
+    assert record is not None
+    return record.state, record.run_id, record.summary, control
+
+
+async def _written_or_waiting(harness: Harness, workflow_id: str, kind: str, value: str) -> None:
+    """Until the row's control or state (`kind`) is `value`, or a writer of the row of the
+    latest run (its control or its close) has waited seconds for the row's lock, which a
+    frozen writer holds (with the fix)."""
+
+    async def there() -> bool:
+        state, _, _, control = await _row(harness)
+        if (control if kind == "control" else state) == value:
+            return True
+        latest = await harness.client.get_workflow_handle(workflow_id).describe()
+        now = datetime.now(UTC)
+        return any(
+            p.activity_type.name.startswith((SET_CONTROL, CLOSE))
+            and p.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
+            and now - p.last_started_time.ToDatetime(UTC) > timedelta(seconds=2)
+            for p in latest.raw_description.pending_activities
+        )
+
+    await eventually(there, timeout=60)
+
+
+async def test_a_close_that_checked_then_froze_lands_before_the_reset_runs_close(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A's close checks it is current, and its worker freezes; the operator resets A past
+    its opening; A' is cancelled and closes. A's close, checked under OPENING_LOCK but not
+    the row's, wrote A's summary over A''s for good (helper-158 G1): the row's lock, held
+    from the check to the write, now orders A's write before A''s."""
+    customers = await harness.seed(2)
+    freeze = FreezeAfterCheck(monkeypatch)
+    handle = None
+    a = ""
+    # The reset run's listing is held (a slow ledger), so that the cancel reaches it first.
+    gate = Gate(lambda info: bool(a) and info.activity_type == DUE and info.workflow_run_id != a)
+    async with harness.running_worker(interceptors=[gate]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        a = (await handle.describe()).run_id
+        freeze.freeze(CLOSE_IF_ALL_LISTED, a)
+        await freeze.checked(CLOSE_IF_ALL_LISTED, a)
+        reset = await _reset_to(harness, handle.id, a)
+        await asyncio.wait_for(gate.reached.wait(), 60)
+        await harness.client.get_workflow_handle(handle.id).cancel()
+        await _written_or_waiting(harness, handle.id, "control", "cancelled")
+        gate.go.set()
+        await _written_or_waiting(harness, handle.id, "state", "completed")
+        freeze.release(CLOSE_IF_ALL_LISTED, a)  # A's frozen close goes on
+        summary = await asyncio.wait_for(
+            harness.client.get_workflow_handle(
+                handle.id, run_id=reset, result_type=PeriodSummary
+            ).result(),
+            60,
+        )
+        await asyncio.sleep(1)
+        state, _, written, control = await _row(harness)
+    assert summary.cancel_reason is not None
+    assert (state, written, control) == ("completed", summary, "cancelled")
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_an_opening_that_checked_then_waited_on_the_vault_opens_nothing(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stuck at its close, terminated; rerun B's opening checks it is current, then waits
+    on a slow vault; the operator terminates B and resets A past its opening; A' is
+    cancelled and closes. B's opening then left the month A' closed running, with no
+    summary, for good (helper-158 G2): it checks again under the row's lock after the keys."""
+    customers = await harness.seed(2)
+    freeze = FreezeAfterCheck(monkeypatch)
+    hold = HoldEachRun(PREPARE, CLOSE)
+    # The late customer's charge is held, so that the reset run has one in flight.
+    bill = Gate(lambda info: info.activity_type == "bill" and "late" in (info.workflow_id or ""))
+    async with harness.running_worker(interceptors=[hold, bill]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        a = (await handle.describe()).run_id
+        hold.release(PREPARE, a)
+        await hold.reached(CLOSE, a)
+        await handle.terminate(reason="stuck at its close")
+        customers += await harness.seed(1, prefix="late")
+        rerun = await start_period(harness.client, PERIOD, harness.task_queue)
+        b = (await rerun.describe()).run_id
+        await hold.reached(PREPARE, b)
+        freeze.freeze(PREPARE, b)
+        hold.release(PREPARE, b)
+        await freeze.checked(PREPARE, b)  # B was current; now its vault is slow
+        await rerun.terminate(reason="stuck at its opening")
+        reset = await _reset_to(harness, handle.id, a)
+        hold.release(CLOSE, reset)
+        await asyncio.wait_for(bill.reached.wait(), 60)
+        await harness.client.get_workflow_handle(handle.id).cancel()
+        await _written_or_waiting(harness, handle.id, "control", "cancelled")
+        bill.go.set()
+        await _written_or_waiting(harness, handle.id, "state", "completed")
+        freeze.release(PREPARE, b)  # B's vault answers
+        await hold.ended(PREPARE, b)
+        summary = await asyncio.wait_for(
+            harness.client.get_workflow_handle(
+                handle.id, run_id=reset, result_type=PeriodSummary
+            ).result(),
+            60,
+        )
+        state, _, written, control = await _row(harness)
+    assert summary.cancel_reason is not None
+    assert (state, written, control) == ("completed", summary, "cancelled")
+    # The late customer is charged or cancelled as the cancel races its charge: once at most.
+    succeeded = [c for c in await harness.charges() if c["status"] == "succeeded"]
+    assert len(succeeded) in (2, 3)
+    assert len({c.get("customer") for c in succeeded}) == len(succeeded)
