@@ -88,11 +88,19 @@ async def start_period(
     )
 
 
+# How long a writer holding the period's row may leave its transaction idle (it asks
+# Temporal whether it may still write): every charge's gate shares the row, so a writer
+# frozen there would hold up the period's charges. Past it, Postgres ends the session, and
+# the frozen write never lands.
+ROW_HELD_IDLE = "30s"
+
+
 async def lock_period(conn: asyncpg.Connection, period: str) -> None:
     """Hold the period's row for the caller's transaction: a writer of it checks, under the
     lock, that it may still write (a run's control or close), and no opening can land
     between that check and its write."""
     assert conn.is_in_transaction(), "lock_period needs the caller's transaction"
+    await conn.execute(f"SET LOCAL idle_in_transaction_session_timeout = '{ROW_HELD_IDLE}'")
     await conn.execute("SELECT 1 FROM billing_periods WHERE billing_period = $1 FOR UPDATE", period)
 
 

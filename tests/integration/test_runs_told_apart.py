@@ -10,6 +10,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import asyncpg
 import pytest
 from temporalio import activity
 from temporalio.api.common.v1 import WorkflowExecution as ExecutionRef
@@ -19,6 +20,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
 import activities.period as period_activities
+import billing.ledger.runs as ledger_runs
 from billing import ledger
 from billing.models import PeriodPlan, PeriodSummary, RunIdentity
 from billing.periods import Period
@@ -570,3 +572,24 @@ async def test_an_opening_that_checked_then_waited_on_the_vault_opens_nothing(
     succeeded = [c for c in await harness.charges() if c["status"] == "succeeded"]
     assert len(succeeded) in (2, 3)
     assert len({c.get("customer") for c in succeeded}) == len(succeeded)
+
+
+async def test_a_writer_frozen_holding_the_periods_row_lets_it_go(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every charge's gate shares the period's row: a writer frozen while it holds it (asking
+    Temporal whether it may write) would hold up the period's charges (helper-159 I1).
+    Postgres ends its session, and its write never lands."""
+    monkeypatch.setattr(ledger_runs, "ROW_HELD_IDLE", "1s")
+    await harness.seed(1)
+    async with harness.pool.acquire() as conn:
+        await ledger.open_period(conn, str(PERIOD), "by-hand")
+    async with harness.pool.acquire() as frozen:
+        await frozen.transaction().start()
+        await ledger.lock_period(frozen, str(PERIOD))
+        await asyncio.sleep(2)
+        with pytest.raises((asyncpg.PostgresError, asyncpg.InterfaceError)):
+            await ledger.set_control(frozen, str(PERIOD), "paused", "frozen", "nobody")
+    async with harness.pool.acquire() as conn, conn.transaction():
+        await ledger.lock_period(conn, str(PERIOD))
+        assert await ledger.open_runs(conn, [str(PERIOD)]) == {str(PERIOD): "running"}
