@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
@@ -60,6 +60,21 @@ AWAY_RETRY = timedelta(seconds=2)
 
 ArgT = TypeVar("ArgT")
 ResultT = TypeVar("ResultT")
+
+
+async def started_across_outages(
+    start: Callable[[], Awaitable[ResultT]], on_away: Callable[[RPCError], None]
+) -> ResultT:
+    """`start()`'s answer, tried again while Temporal is away: a start joins the run already
+    open (USE_EXISTING), so one whose answer an outage lost is joined, not started twice."""
+    while True:
+        try:
+            return await start()
+        except RPCError as exc:
+            if exc.status not in TEMPORAL_AWAY:
+                raise
+            on_away(exc)
+        await asyncio.sleep(AWAY_RETRY.total_seconds())
 
 
 async def result_across_outages(

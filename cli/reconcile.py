@@ -19,7 +19,13 @@ from billing.reporting import (
     describe_reconciliation,
     ui_link,
 )
-from billing.runs import TEMPORAL_AWAY, awaits_a_worker, result_across_outages, start_reconcile
+from billing.runs import (
+    TEMPORAL_AWAY,
+    awaits_a_worker,
+    result_across_outages,
+    start_reconcile,
+    started_across_outages,
+)
 from billing.temporal_client import connect
 from cli import arguments
 from cli.database import ledger_connection
@@ -32,8 +38,10 @@ NO_WORKER_SECONDS = 15.0
 async def cmd_reconcile(args: argparse.Namespace) -> int:
     temporal = load_settings(TemporalSettings)
     client = await connect(temporal)
-    handle = await start_reconcile(client, args.period, temporal.task_queue)
     outage = OutageNotice(f"the reconciliation of {args.period}")
+    handle = await started_across_outages(
+        lambda: start_reconcile(client, args.period, temporal.task_queue), outage
+    )
     result = asyncio.ensure_future(
         result_across_outages(client, handle, ReconcileReport, outage, outage.back)
     )
