@@ -45,6 +45,7 @@ from billing.models import (
 from billing.money import spend_caps
 from billing.periods import Billing, parse_period, period_for
 from billing.reconciliation import RECHECK_RUNS_WITHIN, RECHECKS_PER_FIRING, PeriodToRecheck
+from billing.temporal_client import ENDED_UNCOMPLETED
 from vault.client import (
     VaultAdmin,
     VaultAdminError,
@@ -112,16 +113,6 @@ ENDED_WITHOUT_CLAIM = "ended_without_claim"
 UNKNOWN_CUSTOMER = "UnknownCustomer"
 # How many due customers with no row the close reads at a time, looking for one never listed.
 UNLISTED_PAGE = 500
-# How a customer's workflow that a listing starts again ends (RESTART_UNCLAIMED: the start's
-# reuse policy allows a new run after these only).
-ENDED_UNCLAIMED = frozenset(
-    {
-        WorkflowExecutionStatus.FAILED,
-        WorkflowExecutionStatus.TERMINATED,
-        WorkflowExecutionStatus.TIMED_OUT,
-        WorkflowExecutionStatus.CANCELED,
-    }
-)
 
 
 class ScheduledPeriodRequest(Record):
@@ -353,7 +344,8 @@ class PeriodActivities:
             for c, child in zip(customers, children, strict=True)
             if child is None
             or (
-                child.status in ENDED_UNCLAIMED
+                # Started again by a listing (RESTART_UNCLAIMED's reuse policy).
+                child.status in ENDED_UNCOMPLETED
                 and opened is not None
                 and child.close_time is not None
                 and child.close_time < opened

@@ -53,7 +53,7 @@ from billing.periods import (
     run_command,
 )
 from billing.redact import SECRET_RE, shown_cut
-from billing.temporal_client import workflow_status
+from billing.temporal_client import ENDED_UNCOMPLETED, workflow_status
 
 Overlap = Literal[
     "skip", "buffer_one", "buffer_all", "cancel_other", "terminate_other", "allow_all"
@@ -758,18 +758,6 @@ def waiting_firings(description: ScheduleDescription) -> int:
     return description.raw_description.info.buffer_size
 
 
-# How a launcher ends without having started its period's run: an operator's terminate, a
-# firing whose zone the worker cannot read, `--overlap terminate_other` at the next firing.
-_ENDED_EARLY = frozenset(
-    {
-        WorkflowExecutionStatus.FAILED,
-        WorkflowExecutionStatus.TERMINATED,
-        WorkflowExecutionStatus.CANCELED,
-        WorkflowExecutionStatus.TIMED_OUT,
-    }
-)
-
-
 # A child start refused is one already running: the launch joins it (_run_or_join).
 _STARTED_OR_JOINED = frozenset(
     {
@@ -804,7 +792,9 @@ async def _run_launched(launcher: WorkflowHandle[Any, Any]) -> bool:
     """Whether this run of a launcher is open, or ended after starting its period's run or
     finding it running: a reconciliation's ID is reused daily, so only the launcher's own
     history tells."""
-    if await workflow_status(launcher) not in _ENDED_EARLY:
+    # A launcher ends early (uncompleted) by an operator's terminate, a firing whose zone
+    # the worker cannot read, `--overlap terminate_other` at the next firing.
+    if await workflow_status(launcher) not in ENDED_UNCOMPLETED:
         return True
     async for event in launcher.fetch_history_events():
         if event.event_type in _STARTED_OR_JOINED:

@@ -28,6 +28,16 @@ from billing.errors import ConfigurationError, ServiceUnavailableError
 from billing.metrics import temporal_runtime
 
 NAMESPACE_CHECK_TIMEOUT = timedelta(seconds=10)
+# How a workflow ends without completing (nor continuing as new): the ends after which a
+# start under ALLOW_DUPLICATE_FAILED_ONLY may run its ID again.
+ENDED_UNCOMPLETED = frozenset(
+    {
+        WorkflowExecutionStatus.FAILED,
+        WorkflowExecutionStatus.TERMINATED,
+        WorkflowExecutionStatus.CANCELED,
+        WorkflowExecutionStatus.TIMED_OUT,
+    }
+)
 
 
 def connect_config(settings: TemporalSettings) -> ClientConnectConfig:
