@@ -159,11 +159,11 @@ class PeriodActivities:
         issued: list[period_keys.RenewedKey] = []
 
         async def before_recording(plan: PeriodPlan, unsent: dict[str, int]) -> None:
-            # Before the keys, which a stale try would issue for nothing, and again after
-            # them (the vault may be slow), under the row's lock, which the write then holds.
-            await _check_current_try("opening", plan.period)
             if admin is not None:
+                # Before the keys too, which a stale try would issue for nothing.
+                await _check_current_try("opening", plan.period)
                 issued.extend(await self._ensure_keys(conn, admin, plan, unsent))
+            # Under the row's lock, which the write then holds (the vault may have been slow).
             await ledger.lock_period(conn, plan.period)
             await _check_current_try("opening", plan.period)
 
