@@ -362,26 +362,21 @@ class ReconcileActivities:
             return None
         first = held[0]
         if first.customer_id != claim.customer_id:
-            detail = (
-                f"Stripe already holds charge {first.charge_id} of this period for its Stripe"
-                f" customer under the id {shown(first.customer_id)}, not an active customer now"
-                " (renamed?): charging again would bill it twice. Record that charge for the"
-                " claim, or refund it and run the period again, by hand"
+            whose = (
+                f"its Stripe customer under the id {shown(first.customer_id)}, not an active"
+                " customer now (renamed?)"
             )
         else:
             keyed = "its own key" if first.billing_key == claim.idempotency_key else "another key"
-            detail = (
-                f"Stripe already holds charge {first.charge_id} of this period for this"
-                f" customer, made under {keyed} or through the other API: charging again would"
-                " bill it twice. Record that charge for the claim, or refund it and run the"
-                " period again, by hand"
-            )
+            whose = f"this customer, made under {keyed} or through the other API"
         return ClaimResolution(
             customer_id=claim.customer_id,
             action="left",
             needs_person=True,
             charge_id=first.charge_id,
-            detail=detail,
+            detail=f"Stripe already holds charge {first.charge_id} of this period for {whose}:"
+            " charging again would bill it twice. Record that charge for the claim, or refund it"
+            " and run the period again, by hand",
         )
 
     @activity.defn(name="reconcile_reservations")
