@@ -171,9 +171,16 @@ class PeriodActivities:
             # The keys before the run is recorded, on the opening's connection (a second one
             # from the pool could wait behind other openings for ever): one refused leaves the
             # period's record as it was, and an import waits, so the plan they serve holds.
-            plan = await ledger.open_period(
-                conn, request.period, request.workflow_id, before_recording, _opening(request)
-            )
+            try:
+                plan = await ledger.open_period(
+                    conn, request.period, request.workflow_id, before_recording, _opening(request)
+                )
+            except ApplicationError as exc:
+                if exc.type == STALE_TRY and issued:
+                    # Refused after the vault answered: the keys it issued are stored by no
+                    # run now, and the month may be closed, with no opening or close to come.
+                    await self._revoke_unused(conn, request.period)
+                raise
             held = await ledger.held_customers(conn, request.period)
         if admin is not None:
             await _revoke_replaced(admin, request.period, issued)
@@ -523,10 +530,11 @@ class PeriodActivities:
             after = page.next_cursor
 
     async def _revoke_unused(self, conn: asyncpg.Connection, period: str) -> None:
-        """A key the vault issued only after the opening's retry had looked (a vault slow to
-        answer) would otherwise hold its cap against the worker budget until it expired: a
-        completed period has no next opening. Under the opening's lock, as there; the close
-        does not wait on the vault."""
+        """Revoke the period's keys no run stores, where no opening may come to: at the
+        close (a key the vault issued only after the opening's retry had looked, a vault slow
+        to answer) and after a stale opening's refusal. Each would otherwise hold its cap
+        against the worker budget until it expired. Under the opening's lock, as there; a
+        failure only warns (the close does not wait on the vault)."""
         if self._admin is None:
             return
         try:
@@ -535,7 +543,8 @@ class PeriodActivities:
                 await _revoke_unstored(conn, self._admin, period)
         except (VaultAdminError, LedgerBusyError) as exc:
             log.warning(
-                "%s: unused keys not revoked at the close (the next opening revokes them): %s",
+                "%s: unused keys not revoked (a later opening or close revokes them, else"
+                " they expire): %s",
                 period,
                 exc,
             )
@@ -551,38 +560,48 @@ def _opening(request: PrepareRequest) -> RunIdentity | None:
     )
 
 
-async def _current_try() -> bool:
-    """Whether this activity is the current try of the latest run of its workflow. A try
-    that timed out (its worker frozen past the timeout), or one of a run that has ended
-    (terminated, or reset: its activities finish on their workers all the same), is not:
-    another run, or try, may have opened or closed the period since. True outside an
+async def _not_current_try() -> str | None:
+    """Why this activity is not the current try of the latest run of its workflow, or None
+    if it is. A try that timed out (its worker frozen past the timeout), or one of a run that
+    has ended (terminated, or reset: its activities finish on their workers all the same), is
+    not: another run, or try, may have opened or closed the period since. None outside an
     activity (a benchmark's opening)."""
     if not activity.in_activity():
-        return True
+        return None
     info = activity.info()
     if info.workflow_id is None:
-        return False
+        return "no workflow started it"
     workflow = activity.client().get_workflow_handle(info.workflow_id)
     # Asked under the period's row lock, which every charge's gate shares: not for long.
     latest = await workflow.describe(rpc_timeout=DESCRIBE_TIMEOUT)
-    if latest.run_id != info.workflow_run_id or latest.status != WorkflowExecutionStatus.RUNNING:
-        return False
-    return any(
-        pending.activity_id == info.activity_id and pending.attempt == info.attempt
-        for pending in latest.raw_description.pending_activities
-    )
+    if latest.run_id != info.workflow_run_id:
+        return f"its run {info.workflow_run_id} is not the workflow's latest, {latest.run_id}"
+    if latest.status != WorkflowExecutionStatus.RUNNING:
+        ended = latest.status.name.lower() if latest.status is not None else "ended"
+        return f"its run {info.workflow_run_id} has ended ({ended})"
+    pending = [
+        p.attempt
+        for p in latest.raw_description.pending_activities
+        if p.activity_id == info.activity_id
+    ]
+    if info.attempt in pending:
+        return None
+    if pending:
+        return f"it is attempt {info.attempt}, and Temporal waits on attempt {pending[0]}"
+    return f"Temporal no longer waits on activity {info.activity_id} of its run"
 
 
 async def _check_current_try(what: str, period: str) -> None:
     """Write the period's row (its run's `what`) only as the current try of the latest run,
     asked under the row's lock (ledger.lock_period), which every writer of it holds to its
     write: no other write lands between the answer and this one. Refused, it fails the try,
-    retryably: Temporal drops a stale try's answer, and one refused wrongly is tried again."""
-    if not await _current_try():
+    retryably: Temporal drops a stale try's answer, and one refused wrongly is tried again
+    (its message says what did not match)."""
+    why = await _not_current_try()
+    if why is not None:
         raise ApplicationError(
-            f"{period}: this try of the run's {what} is not the current try of the period's"
-            " latest run (the run has ended, or the try timed out and another took its"
-            " place): it writes nothing",
+            f"{period}: this try of the run's {what} writes nothing: it is not the current try"
+            f" of the period's latest run ({why})",
             type=STALE_TRY,
         )
 

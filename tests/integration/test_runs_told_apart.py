@@ -5,6 +5,7 @@ has opened since."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import defaultdict
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -17,6 +18,7 @@ from temporalio.api.common.v1 import WorkflowExecution as ExecutionRef
 from temporalio.api.enums.v1 import EventType, PendingActivityState
 from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
 from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
 import activities.period as period_activities
@@ -403,25 +405,25 @@ async def test_the_opening_time_is_temporals_when_recorded(
 
 
 class FreezeAfterCheck:
-    """A worker frozen (a GC pause, a slow vault) right after `_current_try` said yes: the
-    activities named, of the runs named, wait there until let go."""
+    """A worker frozen (a GC pause, a slow vault) right after `_not_current_try` said it is
+    current: the activities named, of the runs named, wait there until let go."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self._checked: dict[tuple[str, str], asyncio.Event] = {}
         self._go: dict[tuple[str, str], asyncio.Event] = {}
-        original = period_activities._current_try
+        original = period_activities._not_current_try
 
-        async def frozen() -> bool:
-            answer = await original()
+        async def frozen() -> str | None:
+            why = await original()
             if activity.in_activity():
                 info = activity.info()
                 key = (info.activity_type, info.workflow_run_id or "")
-                if answer and key in self._go and not self._checked[key].is_set():
+                if why is None and key in self._go and not self._checked[key].is_set():
                     self._checked[key].set()
                     await asyncio.wait_for(self._go[key].wait(), 90)
-            return answer
+            return why
 
-        monkeypatch.setattr(period_activities, "_current_try", frozen)
+        monkeypatch.setattr(period_activities, "_not_current_try", frozen)
 
     def freeze(self, activity_type: str, run: str) -> None:
         self._checked[activity_type, run] = asyncio.Event()
@@ -572,6 +574,70 @@ async def test_an_opening_that_checked_then_waited_on_the_vault_opens_nothing(
     succeeded = [c for c in await harness.charges() if c["status"] == "succeeded"]
     assert len(succeeded) in (2, 3)
     assert len({c.get("customer") for c in succeeded}) == len(succeeded)
+
+
+async def test_a_stale_opening_refused_after_the_vault_revokes_the_keys_it_issued(
+    vaulted: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run terminated while its opening, found current, waited on the vault: refused under
+    the row's lock, it writes nothing, and the keys the vault issued it, which no run stores,
+    are revoked at once. Left, they held their caps against the worker budget until they
+    expired, the month perhaps closed, with no opening or close to come (helper-159 I3)."""
+    await vaulted.seed(1)
+    freeze = FreezeAfterCheck(monkeypatch)
+    hold = HoldEachRun(PREPARE)
+    async with vaulted.running_worker(interceptors=[hold]):
+        handle = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
+        run = (await handle.describe()).run_id
+        await hold.reached(PREPARE, run)
+        freeze.freeze(PREPARE, run)
+        hold.release(PREPARE, run)
+        await freeze.checked(PREPARE, run)  # current; now the vault is slow
+        await handle.terminate(reason="stuck at its opening")
+        freeze.release(PREPARE, run)  # the vault answers
+        await hold.ended(PREPARE, run)
+    assert vaulted.vault is not None
+    keys = await vaulted.vault.admin.find_keys(period=str(PERIOD))
+    assert keys, "the stale try issued no key: the test no longer reaches the second check"
+    assert [k.id for k in keys if not k.revoked] == []
+    async with vaulted.pool.acquire() as conn:
+        assert await ledger.period_record(conn, str(PERIOD)) is None
+
+
+async def test_a_refused_try_says_what_did_not_match(harness: Harness) -> None:
+    """A try refused as not current says why: another run is the latest, its run has ended,
+    Temporal waits on another attempt or on none. A refusal no one expected can then be told
+    from a stale try's (helper-159 I2)."""
+    await harness.seed(1)
+    hold = HoldEachRun(PREPARE)
+    async with harness.running_worker(interceptors=[hold]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        run = (await handle.describe()).run_id
+        await hold.reached(PREPARE, run)
+        [pending] = (await handle.describe()).raw_description.pending_activities
+
+        async def why(**differs: Any) -> str | None:
+            environment = ActivityEnvironment(client=harness.client)
+            current: dict[str, Any] = {
+                "workflow_id": handle.id,
+                "workflow_run_id": run,
+                "activity_id": pending.activity_id,
+                "attempt": pending.attempt,
+            }
+            environment.info = dataclasses.replace(environment.info, **(current | differs))
+            return await environment.run(period_activities._not_current_try)
+
+        assert await why() is None
+        assert await why(attempt=pending.attempt + 1) == (
+            f"it is attempt {pending.attempt + 1}, and Temporal waits on attempt {pending.attempt}"
+        )
+        assert await why(activity_id="99") == "Temporal no longer waits on activity 99 of its run"
+        assert await why(workflow_run_id="an-earlier-run") == (
+            f"its run an-earlier-run is not the workflow's latest, {run}"
+        )
+        await handle.terminate(reason="checked")
+        assert await why() == f"its run {run} has ended (terminated)"
+        hold.release(PREPARE, run)
 
 
 async def test_a_writer_frozen_holding_the_periods_row_lets_it_go(
