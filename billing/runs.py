@@ -12,6 +12,7 @@ from temporalio.api.enums.v1 import PendingWorkflowTaskState
 from temporalio.client import (
     Client,
     WorkflowContinuedAsNewError,
+    WorkflowExecutionDescription,
     WorkflowExecutionStatus,
     WorkflowFailureError,
     WorkflowHandle,
@@ -60,16 +61,58 @@ AWAY_RETRY = timedelta(seconds=2)
 
 ArgT = TypeVar("ArgT")
 ResultT = TypeVar("ResultT")
+CallT = TypeVar("CallT")
 
 
 async def started_across_outages(
-    start: Callable[[], Awaitable[ResultT]], on_away: Callable[[RPCError], None]
-) -> ResultT:
-    """`start()`'s answer, tried again while Temporal is away: a start joins the run already
-    open (USE_EXISTING), so one whose answer an outage lost is joined, not started twice."""
+    client: Client,
+    workflow_id: str,
+    start: Callable[[], Awaitable[WorkflowHandle[Any, ResultT]]],
+    result_type: type[ResultT],
+    on_away: Callable[[RPCError], None],
+) -> WorkflowHandle[Any, ResultT]:
+    """`start()`'s run, tried again while Temporal is away. A start whose answer an outage
+    lost may have started the run: still open, the next start joins it (USE_EXISTING); ended
+    since (a short one), it is the workflow ID's latest run and not the one before the first
+    try, and is the run returned, not started again."""
+    earlier = await _while_away(lambda: _latest_run(client, workflow_id), on_away)
+    before = earlier.run_id if earlier is not None else None
+    tried = False
+
+    async def start_unless_ended() -> WorkflowHandle[Any, ResultT]:
+        nonlocal tried
+        if tried:
+            latest = await _latest_run(client, workflow_id)
+            if (
+                latest is not None
+                and latest.run_id != before
+                and latest.status != WorkflowExecutionStatus.RUNNING
+            ):
+                return client.get_workflow_handle(
+                    workflow_id, run_id=latest.run_id, result_type=result_type
+                )
+        tried = True
+        return await start()
+
+    return await _while_away(start_unless_ended, on_away)
+
+
+async def _latest_run(client: Client, workflow_id: str) -> WorkflowExecutionDescription | None:
+    try:
+        return await client.get_workflow_handle(workflow_id).describe()
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            return None
+        raise
+
+
+async def _while_away(
+    call: Callable[[], Awaitable[CallT]], on_away: Callable[[RPCError], None]
+) -> CallT:
+    """`call()`'s answer, asked again every AWAY_RETRY while Temporal is away."""
     while True:
         try:
-            return await start()
+            return await call()
         except RPCError as exc:
             if exc.status not in TEMPORAL_AWAY:
                 raise

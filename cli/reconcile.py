@@ -12,6 +12,7 @@ from temporalio.service import RPCError
 from billing import ledger
 from billing.config import TemporalSettings, load_settings
 from billing.errors import InvalidInputError
+from billing.keys import reconcile_workflow_id
 from billing.reconciliation import HandledMarks, HandledRequest, ReconcileReport
 from billing.reporting import (
     describe_handled,
@@ -40,7 +41,11 @@ async def cmd_reconcile(args: argparse.Namespace) -> int:
     client = await connect(temporal)
     outage = OutageNotice(f"the reconciliation of {args.period}")
     handle = await started_across_outages(
-        lambda: start_reconcile(client, args.period, temporal.task_queue), outage
+        client,
+        reconcile_workflow_id(args.period),
+        lambda: start_reconcile(client, args.period, temporal.task_queue),
+        ReconcileReport,
+        outage,
     )
     result = asyncio.ensure_future(
         result_across_outages(client, handle, ReconcileReport, outage, outage.back)

@@ -29,6 +29,7 @@ from billing.errors import (
     ServiceUnavailableError,
 )
 from billing.failures import period_failures
+from billing.keys import period_workflow_id
 from billing.models import OpenRun, OperatorRequest, PeriodProgress, PeriodSummary, SkipRequest
 from billing.periods import Period, check_run_by_hand
 from billing.preview import preview_period
@@ -47,6 +48,7 @@ from billing.runs import (
     result_across_outages,
     run_ended,
     start_period,
+    started_across_outages,
     status_from_ledger,
 )
 from billing.temporal_client import connect
@@ -62,8 +64,8 @@ async def cmd_run(args: argparse.Namespace) -> int:
     check_run_by_hand(args.period, datetime.now(UTC), ahead=args.ahead, late=args.late)
     temporal = load_settings(TemporalSettings)
     client = await connect(temporal)
-    handle = await start_period(client, args.period, temporal.task_queue)
     outage = OutageNotice(f"the run of {args.period}")
+    handle = await _started(client, args, temporal, outage)
     try:
         progress = await period_status(client, args.period)
     except (NoWorkerError, RPCError) as exc:
@@ -114,6 +116,33 @@ async def cmd_run(args: argparse.Namespace) -> int:
         )
         return 0
     return await _wait_and_report(client, handle, args, temporal, told=concern)
+
+
+async def _started(
+    client: Client, args: argparse.Namespace, temporal: TemporalSettings, outage: OutageNotice
+) -> WorkflowHandle[Any, PeriodSummary]:
+    """The period's run, started or joined. A start whose answer an outage lost may have
+    started it: `--wait` tries again once Temporal is back (a start joins the open run);
+    without it, `run` says so and what to do."""
+
+    async def start() -> WorkflowHandle[Any, PeriodSummary]:
+        return await start_period(client, args.period, temporal.task_queue)
+
+    if args.wait:
+        return await started_across_outages(
+            client, period_workflow_id(args.period), start, PeriodSummary, outage
+        )
+    try:
+        return await start()
+    except RPCError as exc:
+        if exc.status not in TEMPORAL_AWAY:
+            raise
+        raise ServiceUnavailableError(
+            f"Temporal could not be reached to start the run of {args.period}"
+            f" ({exc.status.name}: {exc.message}): it may have started all the same. Once"
+            " Temporal is back, run this again (it joins a run already open), or see"
+            f" `python starter.py status {args.period}`"
+        ) from None
 
 
 def _concern(progress: PeriodProgress) -> str | None:

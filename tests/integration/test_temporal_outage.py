@@ -9,20 +9,23 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 from temporalio import workflow
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.workflowservice.v1 import DeleteWorkflowExecutionRequest
-from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 
 from billing import operations
+from billing.errors import ServiceUnavailableError
 from billing.keys import period_workflow_id, reconcile_workflow_id
-from billing.models import OperatorRequest, RunOptions
+from billing.models import OperatorRequest, PeriodSummary, RunOptions
 from billing.periods import period_for
 from billing.runs import result_across_outages, start_period
+from cli import commands, runs
 from cli.reconcile import NO_WORKER_SECONDS
 from tests.integration.cuttable_front import CuttableFront, cuttable_front
 from tests.integration.harness import Harness, eventually
@@ -179,6 +182,52 @@ async def test_reconcile_outlasts_temporal_going_away(harness: Harness) -> None:
     assert str(PERIOD) in out, out
     # Its wait is one long poll: it says Temporal is back all the same (it said nothing).
     assert await stderr.says("note: Temporal is reachable again"), stderr.lines
+
+
+@pytest.mark.parametrize("wait", [True, False], ids=["wait", "no-wait"])
+async def test_run_whose_start_answer_was_lost_joins_the_run_it_started(
+    harness: Harness,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    wait: bool,
+) -> None:
+    """Temporal started the run, then went away before `run` had its answer. With --wait it
+    asks again once Temporal answers, joins the run it started and reports it, as `reconcile`
+    does; without, it says the run may have started, and what to do, not only Temporal's
+    words."""
+    customers = await harness.seed(2)
+    config = harness.client.service_client.config
+    monkeypatch.setenv("TEMPORAL_ADDRESS", config.target_host)
+    monkeypatch.setenv("TEMPORAL_NAMESPACE", harness.client.namespace)
+    monkeypatch.setenv("TEMPORAL_TASK_QUEUE", harness.task_queue)
+    started: list[str | None] = []
+
+    async def answer_lost_once(*args: Any) -> WorkflowHandle[Any, PeriodSummary]:
+        handle = await start_period(*args)
+        started.append(handle.first_execution_run_id)
+        if len(started) == 1:
+            raise RPCError("connection reset", RPCStatusCode.UNAVAILABLE, b"")
+        return handle
+
+    monkeypatch.setattr(runs, "start_period", answer_lost_once)
+    args = commands.parser().parse_args(["run", str(PERIOD), *(["--wait"] if wait else [])])
+    async with harness.running_worker():
+        if wait:
+            assert await asyncio.wait_for(runs.cmd_run(args), 60) == 0
+            out, err = capsys.readouterr()
+            assert "charged 2," in out, out
+            assert "warning: Temporal cannot be reached (UNAVAILABLE: connection reset)" in err
+            # Joined (the run still open), or found ended: started once.
+            assert set(started) == {started[0]}
+        else:
+            with pytest.raises(
+                ServiceUnavailableError,
+                match=f"to start the run of {PERIOD} \\(UNAVAILABLE: connection reset\\): it"
+                " may have started all the same",
+            ):
+                await runs.cmd_run(args)
+            await harness.client.get_workflow_handle(period_workflow_id(PERIOD)).result()
+    await assert_billed_once(harness, str(PERIOD), customers)
 
 
 @workflow.defn(name="ContinuesOnce", sandboxed=False)
