@@ -18,6 +18,7 @@ import asyncpg
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from billing.redact import SECRET_RE, redact
 from vault import budget, reservations, store
 from vault.bodies import read_body
 from vault.errors import VaultError, invalid_input
@@ -45,7 +46,7 @@ from vault.models import (
     Status,
     new_key_id,
 )
-from vault.state import STATE, token_digest
+from vault.state import STATE
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 M = TypeVar("M", bound=BaseModel)
@@ -116,7 +117,7 @@ def _no_key(key_id: str) -> VaultError:
 
 def _role(request: web.Request) -> Role | None:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    presented = token_digest(token.strip() if scheme.lower() == "bearer" else "")
+    presented = store.secret_digest(token.strip() if scheme.lower() == "bearer" else "")
     state = request.app[STATE]
     # Compared in constant time, so response timing reveals nothing about either token.
     is_admin = hmac.compare_digest(presented, state.admin_token_digest)
@@ -179,7 +180,8 @@ async def _audit(
     actor: Role = request[ROLE]
     record = store.AuditRecord(
         method=request.method,
-        path=request.path,
+        # Whatever a path held by mistake, the audit keeps no key.
+        path=redact(request.path),
         vault_key_id=key_id,
         currency=currency,
         decision=action,
@@ -326,6 +328,14 @@ async def fence(request: web.Request) -> web.Response:
     if _IDEMPOTENCY_KEY_RE.fullmatch(idempotency_key) is None:
         raise VaultError(
             422, "parameter_invalid", "the idempotency key is malformed", param="idempotency_key"
+        )
+    if SECRET_RE.search(idempotency_key):
+        # Stored and audited as given: a key pasted there would be kept for good.
+        raise VaultError(
+            422,
+            "secret_in_parameter",
+            "the idempotency key looks like a secret key; never send a key there",
+            param="idempotency_key",
         )
     async with request.app[STATE].pool.acquire() as conn, conn.transaction():
         # A fence only refuses requests: the worker token may fence its own keys.

@@ -13,12 +13,12 @@ from vault import admin, metrics, proxy
 from vault.errors import VaultError
 from vault.openapi import openapi_document
 from vault.settings import VaultSettings
-from vault.state import lifecycle
+from vault.state import lifecycle, longest_request
 
 logger = logging.getLogger("vault")
 
 VERSION = "0.1.0"
-# Finishing in-flight requests on shutdown takes at most the upstream timeout plus a little.
+# Finishing in-flight requests on shutdown takes at most their longest time plus a little.
 _SHUTDOWN_MARGIN_SECONDS = 5.0
 
 
@@ -59,6 +59,11 @@ class RunningVault:
     url: str
 
 
+def shutdown_seconds(settings: VaultSettings) -> float:
+    """How long a stopping vault lets its in-flight requests finish."""
+    return longest_request(settings).total_seconds() + _SHUTDOWN_MARGIN_SECONDS
+
+
 @asynccontextmanager
 async def serve(
     settings: VaultSettings, host: str = "127.0.0.1", port: int = 0
@@ -69,7 +74,7 @@ async def serve(
         create_app(settings),
         # The audit table is the per-request record; an access log would only add cost.
         access_log=None,
-        shutdown_timeout=settings.upstream_timeout_seconds + _SHUTDOWN_MARGIN_SECONDS,
+        shutdown_timeout=shutdown_seconds(settings),
         # aiohttp's server starts this clock when a connection opens and again after each
         # answer, and closes the connection if a request's headers have not all arrived when
         # it runs out, however slowly they trickle in: the only bound on reading headers that

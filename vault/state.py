@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -64,9 +63,15 @@ class VaultState:
 STATE = web.AppKey("vault_state", VaultState)
 
 
-def token_digest(token: str) -> bytes:
-    # Tokens are compared as digests: equal length, so the comparison time says nothing.
-    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+def longest_request(settings: VaultSettings) -> timedelta:
+    """The longest a request in flight may still take: its body, its wait to be sent, Stripe's
+    answer, then its settle and its audit each through a database outage. A vault stopping
+    waits this long, or a charge that may have gone through would leave no audit row."""
+    return (
+        timedelta(seconds=settings.body_timeout_seconds + settings.upstream_timeout_seconds)
+        + _STALE_MARGIN
+        + 2 * _OUTAGE_RETRY
+    )
 
 
 def lifecycle(settings: VaultSettings) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -91,11 +96,11 @@ def lifecycle(settings: VaultSettings) -> Callable[[web.Application], AsyncItera
             upstream=upstream,
             upstream_authorization=f"Bearer {secret}",
             upstream_secret=secret.encode(),
-            admin_token_digest=token_digest(settings.admin_token.get_secret_value()),
+            admin_token_digest=store.secret_digest(settings.admin_token.get_secret_value()),
             worker_token_digest=(
                 None
                 if settings.worker_token is None
-                else token_digest(settings.worker_token.get_secret_value())
+                else store.secret_digest(settings.worker_token.get_secret_value())
             ),
             worker_policy=settings.worker_policy(),
             stale_after=timedelta(seconds=settings.upstream_timeout_seconds) + _STALE_MARGIN,

@@ -59,8 +59,11 @@ RESERVATION_COLUMNS = """
 
 
 def secret_digest(secret: str) -> bytes:
-    # A plain hash suffices: the secret is 32 random bytes, so there is nothing to brute-force.
-    return hashlib.sha256(secret.encode()).digest()
+    """A key's secret or a token, as stored and compared: a plain hash suffices (each is
+    random, nothing to brute-force), and digests are of equal length, so comparing them takes
+    the same time whatever matched. A header's bytes that are not UTF-8 come as lone
+    surrogates (aiohttp): hashed as they came, they match nothing, rather than raise."""
+    return hashlib.sha256(secret.encode("utf-8", "surrogateescape")).digest()
 
 
 async def create_pool(dsn: str, size: int) -> asyncpg.Pool:

@@ -27,6 +27,8 @@ from billing.config import (
 from billing.redact import redact
 from cli import commands
 from tests.deploy.compose import COMPOSE_FILE, ROOT, is_project_service, load
+from vault import VaultSettings
+from vault.app import shutdown_seconds
 
 DOCKERFILE = ROOT / "Dockerfile"
 BILLING_SETTINGS: tuple[type[BaseSettings], ...] = (
@@ -185,6 +187,13 @@ def test_workers_charge_through_the_vault_and_hold_neither_stripe_secret_nor_adm
         assert env["BILLING_KEY_ENCRYPTION_KEYS"] == "<BILLING_KEY_ENCRYPTION_KEYS>"
         assert "STRIPE_API_KEY" not in env
         assert not any("<STRIPE_SECRET_KEY>" in value for value in env.values())
+
+
+def test_the_vault_is_given_time_to_finish_its_requests_before_it_is_killed() -> None:
+    """Killed before, a charge that may have gone through would leave no audit row."""
+    grace = SERVICES["vault"]["stop_grace_period"]
+    assert grace.endswith("s")
+    assert float(grace[:-1]) > shutdown_seconds(VaultSettings.model_construct())
 
 
 def _database_user(url: str) -> tuple[str | None, str | None]:

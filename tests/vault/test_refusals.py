@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -605,6 +606,35 @@ async def _get_with(http: aiohttp.ClientSession, vault: RunningVault, token: str
     headers = {} if token is None else {"Authorization": f"Bearer {token}"}
     async with http.get(vault.url + "/stripe/v1/payment_intents/pi_1", headers=headers) as r:
         return r.status
+
+
+async def _raw(vault: RunningVault, request: bytes) -> bytes:
+    host = URL(vault.url)
+    assert host.host is not None and host.port is not None
+    reader, writer = await asyncio.open_connection(host.host, host.port)
+    writer.write(request)
+    await writer.drain()
+    answer = await reader.read()
+    writer.close()
+    return answer
+
+
+async def test_a_key_with_a_byte_that_is_not_utf8_is_counted_not_audited_nor_a_500(
+    vault: RunningVault, db: asyncpg.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bearer token that starts `vk_` but holds a byte that is not UTF-8 is no known vault
+    key: 401, counted per peer, no audit row. Hashed strictly, it raised: a 500 saying
+    "retry", a traceback logged at ERROR and an audit row with no key, one per request, for
+    anyone who can reach the port (helper-161 F1)."""
+    for _ in range(3):
+        answer = await _raw(
+            vault,
+            b"GET /stripe/v1/payment_intents/pi_1 HTTP/1.1\r\nHost: vault\r\n"
+            b"Authorization: Bearer vk_abc\xff\r\nConnection: close\r\n\r\n",
+        )
+        assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+    assert await db.fetchval("SELECT count(*) FROM vault_audit WHERE vault_key_id IS NULL") == 0
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 async def test_requests_with_no_known_key_are_counted_per_peer_not_audited_one_by_one(

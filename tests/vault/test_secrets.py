@@ -269,3 +269,31 @@ def test_client_secrets_are_stripped_at_any_depth_and_other_bodies_pass_unchange
     # JSON without the field is not re-encoded.
     spaced = b'{ "id" : "pi_1" }'
     assert _without_client_secrets(spaced) is spaced
+
+
+async def test_a_secret_given_as_a_fences_idempotency_key_is_refused_not_stored(
+    issue: Issue,
+    vault: RunningVault,
+    db: asyncpg.Pool,
+    http: aiohttp.ClientSession,
+    secrets_seen: Secrets,
+) -> None:
+    """A key pasted as a fence's idempotency key (the path's) is refused as the proxy refuses
+    one sent as an Idempotency-Key: it was stored whole in vault_fences and in the audit's
+    path and idempotency key, for good (helper-161 F2)."""
+    key = await issue()
+    vk = key.secret.get_secret_value()
+    async with http.post(
+        f"{vault.url}/vault/keys/{key.id}/fences/{vk}",
+        json={"below": 2},
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+    ) as response:
+        assert response.status == 422
+        assert (await response.json())["error"]["code"] == "secret_in_parameter"
+    rows = [
+        str(tuple(row))
+        for table in ("vault_audit", "vault_fences")
+        for row in await db.fetch(f"SELECT * FROM {table}")
+    ]
+    stored = "\n".join(rows)
+    assert secrets_seen.found_in(stored) == []
