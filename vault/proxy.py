@@ -36,7 +36,7 @@ from vault.reservations import Charge, Outcome, Reservation
 from vault.send_deadline import HeldUpError, SendBy, Stamp, sending
 from vault.state import STATE, VaultState
 from vault.store import AuditRecord, KeyGrant
-from vault.unauthenticated import Unauthenticated, peer_of
+from vault.unauthenticated import KeyUncheckable, Unauthenticated, peer_of
 
 logger = logging.getLogger("vault.proxy")
 T = TypeVar("T")
@@ -342,8 +342,11 @@ async def _authenticate(state: VaultState, request: web.Request, record: AuditRe
     token = token.strip()
     if scheme.lower() != "bearer" or not token.startswith(SECRET_PREFIX):
         raise Unauthenticated("send a vault key as 'Authorization: Bearer vk_...'")
-    async with state.pool.acquire() as conn:
-        grant = await store.key_for_secret(conn, token)
+    try:
+        async with state.pool.acquire() as conn:
+            grant = await store.key_for_secret(conn, token)
+    except CONNECTION_ERRORS:
+        raise KeyUncheckable() from None
     if grant is None:
         raise Unauthenticated("unknown vault key")
     record.vault_key_id = grant.id

@@ -39,6 +39,25 @@ class Unauthenticated(Refusal):
         super().__init__("refused_auth", 401, "vault_key_invalid", message)
 
 
+class KeyUncheckable(Unauthenticated):
+    """A request whose key could not be looked up, the vault's database away: no more known
+    than an unknown key, so counted the same way, not audited. Its audit row would only wait
+    behind answers among the settles of charges sent before the outage, and could crowd
+    them out in a flood."""
+
+    def __init__(self) -> None:
+        Refusal.__init__(
+            self,
+            "refused_auth",
+            503,
+            "vault_database_unavailable",
+            "the vault cannot check vault keys now (its database cannot be reached); nothing"
+            " was sent: retry shortly",
+            error_type="api_error",
+            should_retry=True,
+        )
+
+
 def peer_of(remote: str | None) -> str:
     """Who sent a request, as counted: its IPv4 address, or the /64 its IPv6 address is in
     (one host commonly holds a whole /64, so one address each would count nothing)."""

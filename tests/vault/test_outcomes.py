@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -289,6 +290,34 @@ async def test_a_database_outage_while_stripe_charges_still_settles_the_reservat
     assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 2_500)
     audited = [(e.decision, e.reservation_state) for e in await proxied_calls(admin, key.id)]
     assert audited == [("forwarded", "committed")]
+
+
+async def test_a_key_not_checkable_in_a_database_outage_is_counted_not_audited(
+    issue: Issue,
+    vault: RunningVault,
+    http: aiohttp.ClientSession,
+    db: asyncpg.Pool,
+    postgres: LocalPostgres,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """PostgreSQL away: a request whose key cannot be looked up is answered 503 "retry" and
+    counted per peer, as one with no known key. It was a 500 with a traceback and a keyless
+    audit row, which waited behind answers among the settles of charges sent before the
+    outage and, in a flood, could crowd them out (helper-161 F1)."""
+    key = await issue()
+    await asyncio.to_thread(postgres.stop)
+    try:
+        async with http.get(
+            f"{vault.url}/stripe/v1/payment_intents/pi_1",
+            headers={"Authorization": f"Bearer {key.secret.get_secret_value()}"},
+        ) as response:
+            answer = (response.status, response.headers["Stripe-Should-Retry"])
+            code = (await response.json())["error"]["code"]
+    finally:
+        await asyncio.to_thread(postgres.start)
+    assert (answer, code) == ((503, "true"), "vault_database_unavailable")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert await db.fetchval("SELECT count(*) FROM vault_audit WHERE vault_key_id IS NULL") == 0
 
 
 async def test_a_database_outage_past_the_retries_settles_the_reservation_once_it_ends(
