@@ -15,6 +15,7 @@ from billing.keys import CUSTOMER_WORKFLOW_ID
 from billing.models import (
     AUTOMATIC,
     RENEWABLE_PAUSES,
+    SPEND_CAP_EXCEEDED_CODE,
     VAULT_KEY_REVOKED_CODE,
     PeriodCounts,
     PeriodProgress,
@@ -25,6 +26,7 @@ from billing.money import describe_amounts
 from billing.period_keys import KeyRenewal
 from billing.reconciliation import HandledMarks, HandledResult, ReconcileReport
 from billing.redact import shown_line
+from vault.models import DAILY_CAP
 
 
 def describe(summary: PeriodCounts) -> str:
@@ -80,6 +82,11 @@ def next_step(progress: PeriodProgress) -> str | None:
     resume = f"python starter.py resume {period} --reason ..."
     if progress.operator != AUTOMATIC:
         return f"to go on: {resume}"
+    if _code(progress.reason) == SPEND_CAP_EXCEEDED_CODE and DAILY_CAP in (progress.reason or ""):
+        return (
+            f"to bill the rest (or cancel the run): the key's {DAILY_CAP} frees itself at 00:00"
+            f" UTC, then {resume}"
+        )
     renewal = _renewal(period, progress.reason)
     if renewal is None:
         return f"to go on: mend what the reason says, then {resume}"

@@ -30,6 +30,9 @@ from vault.endpoints import ENTRY_PATTERN, beyond_worker_endpoints, malformed_en
 KEY_ID_PATTERN = r"^vkey_[0-9a-f]{16}$"
 SECRET_PREFIX = "vk_"  # noqa: S105 (a prefix, not a secret)
 IDEMPOTENCY_KEY_PATTERN = r"^[A-Za-z0-9_.:-]{1,255}$"
+# How a spend_cap_exceeded names a key's daily cap (keys issued by hand may have one), which
+# the run's advice reads: it frees itself at midnight UTC, where a renewal would not help.
+DAILY_CAP = "daily cap (UTC day)"
 # Validation context: the server's ceiling on caps (VAULT_MAX_CAP_CENTS).
 MAX_CAP_CONTEXT = "max_cap_cents"
 # Serialisation context under which IssuedKey's secret is written out instead of masked.

@@ -26,7 +26,7 @@ from typing import Literal
 import asyncpg
 
 from vault import budget, store
-from vault.models import ReservationInfo, ReservationState
+from vault.models import DAILY_CAP, ReservationInfo, ReservationState
 
 Outcome = Literal["succeeded", "failed", "unknown"]
 # An attempt's answer settles its reservation while it is pending, or unknown (found stale).
@@ -186,7 +186,7 @@ async def reserve(
         # A database migrated past this vault's code: refuse rather than guess.
         raise RuntimeError(f"vault_reserve answered {decision!r}, which this vault does not know")
     daily = decision == "daily_cap"
-    cap = "daily cap (UTC day)" if daily else "cap"
+    cap = DAILY_CAP if daily else "cap"
     raise CapExceeded(
         f"{charge.amount_cents} cents would pass this key's {cap}: {detail} cents remain",
         daily=daily,

@@ -20,6 +20,7 @@ from billing.models import (
 )
 from billing.money import describe_amounts, spend_cap, spend_caps
 from billing.reporting import describe, describe_preview, listed
+from vault.models import DAILY_CAP
 
 OUTCOMES = st.builds(
     CustomerOutcome,
@@ -287,3 +288,23 @@ def test_customers_held_at_the_opening_are_named_apart_from_the_counts() -> None
     assert "held" not in describe(summary)
     held = describe(summary.model_copy(update={"held": 2}))
     assert "held 2: not due" in held and "python starter.py preview 2026-12 lists them" in held
+
+
+def test_a_run_paused_at_a_keys_daily_cap_says_it_frees_itself_at_midnight() -> None:
+    """A key issued by hand may have a daily cap: a renewal keeps it (it has room for the
+    run), so the advice is to resume once the UTC day is over, not to renew (helper-153 N1)."""
+    paused = PeriodProgress(
+        **_nothing_counted(
+            state="paused",
+            in_flight=1,
+            operator=AUTOMATIC,
+            reason=f"spend_cap_exceeded: 500 cents would pass this key's {DAILY_CAP}: 20 cents"
+            " remain",
+        )
+    )
+    text = describe(paused)
+    assert (
+        f"the key's {DAILY_CAP} frees itself at 00:00 UTC, then python starter.py resume"
+        " 2026-12 --reason ..."
+    ) in text
+    assert "renew-keys" not in text
