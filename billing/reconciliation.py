@@ -203,6 +203,8 @@ class LedgerEntry(Record):
     customer_id: str
     status: LedgerStatus
     charge_id: str | None
+    # The row's idempotency key: an open claim records the charge made under it.
+    idempotency_key: str | None = None
 
 
 class Finding(Record):
@@ -479,8 +481,9 @@ def classify(charges: Iterable[StripeCharge], ledger: dict[str, LedgerEntry]) ->
     """What of the period's charges on Stripe (as Stripe lists them, newest first) the ledger
     does not account for. `ledger` holds the period's rows by customer id.
 
-    While a row is still claimed, its customer's newest charge made stands for it (its open
-    claim records one charge when it is resolved, whichever): any other is a duplicate. When
+    While a row is still claimed, the charge made under its key stands for it (its open claim
+    records that one when it is resolved), else its customer's newest charge made: any other
+    is a duplicate. When
     a row's own charge is no longer made (refunded by a person, or failed later), its oldest
     other charge made stands for it, so the one reported is the same from day to day. A
     row's charge that failed later with none other made is reported, and so is every charge
@@ -502,7 +505,10 @@ def classify(charges: Iterable[StripeCharge], ledger: dict[str, LedgerEntry]) ->
             continue
         entry = ledger.get(charge.customer_id)
         if entry is not None and entry.status == "claimed":
-            stands.setdefault(charge.customer_id, charge.charge_id)
+            if charge.billing_key is not None and charge.billing_key == entry.idempotency_key:
+                stands[charge.customer_id] = charge.charge_id
+            else:
+                stands.setdefault(charge.customer_id, charge.charge_id)
         elif charge.customer_id in unmade:
             stands[charge.customer_id] = charge.charge_id
     findings: list[Finding] = []

@@ -259,7 +259,7 @@ async def ledger_entries(
 ) -> dict[str, LedgerEntry]:
     rows = await conn.fetch(
         """
-        SELECT customer_id, status, charge_id FROM billing_runs
+        SELECT customer_id, status, charge_id, idempotency_key FROM billing_runs
         WHERE billing_period = $1 AND customer_id = ANY($2::text[])
         """,
         period,

@@ -56,6 +56,7 @@ def charge(
     customer_id: str = "cust-1",
     amount: int = 1000,
     state: ChargeState = "made",
+    billing_key: str = "abcdef0123456789" * 2,
 ) -> StripeCharge:
     return StripeCharge(
         charge_id=charge_id,
@@ -67,13 +68,20 @@ def charge(
         stripe_customer_id="cus_1",
         customer_id=customer_id,
         period="2026-12",
-        billing_key="abcdef0123456789" * 2,
+        billing_key=billing_key,
     )
 
 
-def entry(charge_id: str | None, status: str = "charged") -> LedgerEntry:
+def entry(
+    charge_id: str | None, status: str = "charged", idempotency_key: str | None = None
+) -> LedgerEntry:
     return LedgerEntry.model_validate(
-        {"customer_id": "cust-1", "status": status, "charge_id": charge_id}
+        {
+            "customer_id": "cust-1",
+            "status": status,
+            "charge_id": charge_id,
+            "idempotency_key": idempotency_key,
+        }
     )
 
 
@@ -155,6 +163,16 @@ def test_an_open_claims_second_charge_is_a_duplicate_whichever_it_records() -> N
         "ch_1",
         "claimed",
     )
+
+
+def test_an_open_claims_own_charge_stands_over_a_newer_one_under_another_key() -> None:
+    """The claim, resolved, records the charge made under its key: the newer one, under
+    another key (a script, an old namespace), is the duplicate to refund, not the one the
+    ledger is about to record (helper-151 F7)."""
+    own = "k" * 32
+    charges = [charge("ch_2", billing_key="other-" * 5), charge("ch_1", billing_key=own)]
+    [finding] = classify(charges, {"cust-1": entry(None, "claimed", idempotency_key=own)})
+    assert (finding.kind, finding.charge_id) == ("duplicate", "ch_2")
 
 
 def test_a_recorded_charge_that_failed_later_is_reported_with_stripes_code() -> None:
