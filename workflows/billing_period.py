@@ -95,6 +95,10 @@ PAUSES_CONTINUE = "pauses-continue-as-new"
 # failed) before its claim; it was counted failed (ended_without_claim), and its ID used to
 # refuse every later run of the period until Temporal's retention dropped it.
 RESTART_UNCLAIMED = "restart-unclaimed"
+# ... and when the one before completed without a claim: it found the customer inactive
+# (unknown_customer), who has been made active again since. No row means no claim, so
+# nothing was charged under that ID; its ID used to refuse every later run of the period.
+RESTART_COMPLETED_UNCLAIMED = "restart-completed-unclaimed"
 # A cancel accepted while keys are renewed woke the children before the new keys existed:
 # refused again, they waited on their timers (up to 5 minutes), and the advice to renew
 # stayed. The renewal now wakes them, as for a run cancelled before it.
@@ -725,7 +729,11 @@ class BillingPeriodWorkflow:
         # the same ID: not started again. One that closed before claiming charged nothing.
         reuse = WorkflowIDReusePolicy.REJECT_DUPLICATE
         if customer.status is None and workflow.patched(RESTART_UNCLAIMED):
-            reuse = WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY
+            reuse = (
+                WorkflowIDReusePolicy.ALLOW_DUPLICATE
+                if workflow.patched(RESTART_COMPLETED_UNCLAIMED)
+                else WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY
+            )
         try:
             return await workflow.start_child_workflow(
                 CustomerChargeWorkflow.run,

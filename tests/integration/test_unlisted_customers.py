@@ -218,22 +218,54 @@ async def _ended_without_a_row(harness: Harness, customers: list[CustomerRow]) -
     await import_customers(harness.pool, customers, while_running=False)
 
 
-async def test_a_customer_whose_child_ended_without_a_row_is_counted_once(
+async def test_a_customer_active_again_since_its_child_found_it_gone_is_billed(
     harness: Harness,
 ) -> None:
-    """A due customer with no row, but one a child has handled, which the run counts from
-    that child's result, once, and does not start again."""
+    """A due customer with no row whose child of the period completed finding it inactive
+    (unknown_customer), made active again since: no row means no claim, nothing charged, so
+    a run of the period starts it a new child and bills it. Its old child's ID refused every
+    later run of the period until Temporal's retention dropped it, each counting it failed."""
     customers = await harness.seed(3)
     returned = customers[1]
     async with harness.running_worker():
         await _ended_without_a_row(harness, [returned])
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
         summary = await asyncio.wait_for(handle.result(), 60)
-    assert (summary.due, summary.charged, summary.failed, _counted(summary)) == (3, 2, 1, 3)
-    billed = [c for c in customers if c != returned]
-    await assert_billed_once(harness, str(PERIOD), billed)
-    charged = {c["customer"] for c in await harness.charges()}
-    assert returned.stripe_customer_id not in charged
+        history = await handle.fetch_history()
+    assert (summary.due, summary.charged, summary.failed, _counted(summary)) == (3, 3, 0, 3)
+    await assert_billed_once(harness, str(PERIOD), customers)
+    await replay([history])
+    keep([history])
+
+
+class GoneOnceListed(ImportAtTheClose):
+    """Also makes the `returned` customers inactive as soon as the run has listed them (their
+    children find them gone: failed, unknown_customer, no row), and active again as the close
+    begins: due, with no row, each with a child of this run."""
+
+    def __init__(self, harness: Harness, returned: list[CustomerRow]) -> None:
+        super().__init__(harness)
+        self.returned = returned
+        self.gone = False
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        outer = self
+
+        class Deactivating(ActivityInboundInterceptor):
+            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                page = await super().execute_activity(input)
+                if activity.info().activity_type == "due_customers" and not outer.gone:
+                    outer.gone = True
+                    await outer.harness.pool.execute(
+                        "UPDATE customers SET active = false WHERE customer_id = ANY($1::text[])",
+                        [c.customer_id for c in outer.returned],
+                    )
+                return page
+
+        return Deactivating(super().intercept_activity(next))
+
+    async def imported(self) -> None:
+        await import_customers(self.harness.pool, self.returned, while_running=True)
 
 
 async def test_a_page_of_the_unlisted_left_whole_is_passed_over(harness: Harness) -> None:
@@ -241,13 +273,13 @@ async def test_a_page_of_the_unlisted_left_whole_is_passed_over(harness: Harness
     listing goes on (it listed the same page for ever)."""
     returned = await harness.seed(2, prefix="a-a")
     customers = await harness.seed(2)
-    importing = ImportAtTheClose(harness)
+    importing = GoneOnceListed(harness, returned)
     async with harness.running_worker(interceptors=[importing]):
-        await _ended_without_a_row(harness, returned)
         handle = await start_period(
             harness.client, PERIOD, harness.task_queue, RunOptions(page_size=2)
         )
         summary = await asyncio.wait_for(handle.result(), 60)
+    assert importing.gone
     assert (summary.due, summary.charged, summary.failed, _counted(summary)) == (5, 3, 2, 5)
     await assert_billed_once(harness, str(PERIOD), [*customers, *importing.late])
 
