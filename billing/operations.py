@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Literal, TypeVar
 
@@ -14,7 +15,7 @@ from temporalio.client import (
     WorkflowUpdateRPCTimeoutOrCancelledError,
     WorkflowUpdateStage,
 )
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.workflow import UpdateMethodMultiParam
 
@@ -27,7 +28,7 @@ from billing.models import OperatorRequest, PeriodProgress, SkipRequest, SkipRes
 from billing.period_keys import KeyRenewal
 from billing.periods import Period, check_skip_by_hand
 from billing.temporal_client import workflow_status
-from workflows.billing_period import BillingPeriodWorkflow
+from workflows.billing_period import HANDING_OVER, BillingPeriodWorkflow
 
 Action = Literal["pause", "resume", "cancel"]
 _NOT_RUNNING = (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION)
@@ -35,6 +36,8 @@ _NOT_RUNNING = (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION)
 # (its ledger write may retry through an outage); until then no worker may be there at all.
 # Long enough for a busy worker that first replays a long history.
 ACCEPT_TIMEOUT = timedelta(seconds=30)
+# How soon an update refused as the run hands over is tried again on the next run.
+HAND_OVER_RETRY = timedelta(milliseconds=200)
 Request = TypeVar("Request")
 Answer = TypeVar("Answer")
 
@@ -45,6 +48,10 @@ class OperatorRefusedError(BillingError):
 
 class NotRunningError(BillingError):
     pass
+
+
+def _handing_over(exc: WorkflowUpdateFailedError) -> bool:
+    return isinstance(exc.cause, ApplicationError) and exc.cause.type == HANDING_OVER
 
 
 def _refused(exc: WorkflowUpdateFailedError) -> OperatorRefusedError:
@@ -121,6 +128,24 @@ async def _to_the_run(
 
 
 async def _update(
+    handle: WorkflowHandle[BillingPeriodWorkflow, object],
+    update: UpdateMethodMultiParam[[BillingPeriodWorkflow, Request], Answer],
+    request: Request,
+    what: str,
+) -> Answer:
+    """Run an update (see _taken), tried again while the run hands over to its next run,
+    which takes it (for ACCEPT_TIMEOUT at most: a hand-over takes a moment)."""
+    deadline = time.monotonic() + ACCEPT_TIMEOUT.total_seconds()
+    while True:
+        try:
+            return await _taken(handle, update, request, what)
+        except WorkflowUpdateFailedError as exc:
+            if not _handing_over(exc) or time.monotonic() >= deadline:
+                raise
+        await asyncio.sleep(HAND_OVER_RETRY.total_seconds())
+
+
+async def _taken(
     handle: WorkflowHandle[BillingPeriodWorkflow, object],
     update: UpdateMethodMultiParam[[BillingPeriodWorkflow, Request], Answer],
     request: Request,

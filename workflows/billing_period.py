@@ -115,6 +115,18 @@ LISTED_PER_RUN = 20_000
 # cancel. It used to end the run CANCELED with nothing in the ledger: the customers not yet
 # charged were never marked, and the schedule's next launch billed them after all.
 TEMPORAL_CANCEL_IS_A_CANCEL = "temporal-cancel-is-a-cancel"
+# Under the SDK's job order for runs without its logic flag 2, a workflow task's signals and
+# updates run a pass of the workflow before its other jobs, Temporal's cancel among them: a
+# paused run that signals took past its history limit handed over in that pass, and the cancel,
+# which does not cross continue-as-new, was lost (a later resume billed customers it was to
+# stop). And children reporting while `run` wrote a cancel after the hand-over were counted in
+# this run and awaited again by the next. A run that hands over now waits one short timer
+# first, and hands over what is still in flight then.
+SETTLE_BEFORE_HAND_OVER = "settle-before-hand-over"
+HAND_OVER_SETTLE = timedelta(milliseconds=1)
+# An operator's update refused meanwhile, which billing.operations tries again on the next
+# run: taken, each would add to a history already past its limit, for as long as they came.
+HANDING_OVER = "HandingOver"
 TEMPORAL_CANCEL = OperatorRequest(
     reason="cancelled in Temporal (the Web UI's Cancel, or its API): customers not yet charged"
     " end cancelled",
@@ -174,6 +186,10 @@ class BillingPeriodWorkflow:
         self._listed_customers = 0
         # Decided with the run's other patches; an update may be validated before that.
         self._lists_the_unlisted = False
+        self._settles_before_hand_over = False
+        # The hand-over's timer has been waited (_settled).
+        self._hand_over_settled = False
+        self._billing: asyncio.Task[PeriodSummary] | None = None
         # The close's activity is under way (LISTS_THE_UNLISTED): a word waits for its verdict.
         self._verdict_pending = False
 
@@ -185,6 +201,7 @@ class BillingPeriodWorkflow:
         self._listing_bounded = workflow.patched(LISTING_CONTINUES)
         self._temporal_cancel_is_a_cancel = workflow.patched(TEMPORAL_CANCEL_IS_A_CANCEL)
         self._lists_the_unlisted = workflow.patched(LISTS_THE_UNLISTED)
+        self._settles_before_hand_over = workflow.patched(SETTLE_BEFORE_HAND_OVER)
         parsed = checked(parse_period, self._state.period)
         period = str(parsed)
         require_id(
@@ -196,12 +213,14 @@ class BillingPeriodWorkflow:
             return await self._bill(period)
         # Temporal cancels the task running `run`: billing goes on in a task of its own,
         # which the cancel reaches as an operator's would, through the run's control.
-        billing = asyncio.create_task(self._bill(period))
+        billing = self._billing = asyncio.create_task(self._bill(period))
         while True:
             try:
+                if self._settles_before_hand_over:
+                    await self._settled(billing)
                 return await asyncio.shield(billing)
             except asyncio.CancelledError:
-                if billing.done():
+                if billing.done() and not self._handed_over(billing):
                     # Finished in the same turn: its summary, or what ended it.
                     return billing.result()
                 if (
@@ -209,7 +228,40 @@ class BillingPeriodWorkflow:
                     and not self._closed
                     and (not self._finished or self._lists_the_unlisted)
                 ):
+                    # Handed over already, the next run carries the cancel (and its state
+                    # is sent once `run` ends).
                     await self._set_control("cancelled", TEMPORAL_CANCEL)
+
+    async def _settled(self, billing: asyncio.Task[PeriodSummary]) -> None:
+        """Once billing has ended: if it handed over, one short timer later, so that a cancel
+        that came in the same workflow task reaches `run` first, with every update answered
+        and only what is still in flight handed over."""
+        await workflow.wait([billing])
+        if not self._handed_over(billing):
+            return
+        if not self._hand_over_settled:
+            self._hand_over_settled = True
+            await workflow.sleep(HAND_OVER_SETTLE)
+        # An update taken meanwhile gets its answer. Each ends on its activity's result: in a
+        # pass after all of a task's jobs, a cancel among them.
+        await self._wait(workflow.all_handlers_finished)
+        # Sent as `run` ends: children that reported since billing handed over are counted.
+        self._state.started_elsewhere = sorted(self._in_flight)
+
+    def _refuse_while_handing_over(self) -> None:
+        if self._billing is not None and self._handed_over(self._billing):
+            raise ApplicationError(
+                f"the run of {self._state.period} is handing over to its next run"
+                " (continue-as-new): try again in a moment",
+                type=HANDING_OVER,
+            )
+
+    def _handed_over(self, billing: asyncio.Task[PeriodSummary]) -> bool:
+        return (
+            self._settles_before_hand_over
+            and billing.done()
+            and isinstance(billing.exception(), workflow.ContinueAsNewError)
+        )
 
     async def _bill(self, period: str) -> PeriodSummary:
         """Plan the period, fan out its customers, and close it with its summary."""
@@ -400,6 +452,7 @@ class BillingPeriodWorkflow:
 
     @renew_keys.validator
     def _validate_renew_keys(self, request: OperatorRequest) -> None:
+        self._refuse_while_handing_over()
         if self._finished:
             raise ApplicationError("cannot renew the keys of a run that has finished")
         if self._control.control == "running":
@@ -441,6 +494,7 @@ class BillingPeriodWorkflow:
         list customers its listing did not reach (LISTS_THE_UNLISTED) takes the word, which
         applies if it does (_set_control); a closed one that still answers words given as it
         closed takes none."""
+        self._refuse_while_handing_over()
         if self._closed and self._lists_the_unlisted:
             over = "a run that has ended"
         elif self._control.control == "cancelled":

@@ -785,8 +785,8 @@ async def test_a_child_cancelled_in_temporal_with_its_charge_sent_records_it(
 
 async def test_a_child_closed_before_its_claim_does_not_hold_the_period(harness: Harness) -> None:
     # The customer's child ran, found no such customer and closed, before the customer was
-    # imported. The period cannot start the child again (its ID is taken) and the ledger
-    # has no row for it, so the period counts the child's own result instead of waiting.
+    # imported. The ledger has no row for it, so nothing was claimed or charged: the period
+    # starts it a new child (RESTART_COMPLETED_UNCLAIMED), which bills it, rather than wait.
     late = "late-000001"
     async with harness.running_worker():
         await harness.client.execute_workflow(
@@ -799,8 +799,8 @@ async def test_a_child_closed_before_its_claim_does_not_hold_the_period(harness:
         assert imported.customer_id == late
         others = await harness.seed(3)
         summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
-    assert (summary.due, summary.charged, summary.failed) == (4, 3, 1)
-    await assert_billed_once(harness, str(PERIOD), others)
+    assert (summary.due, summary.charged, summary.failed) == (4, 4, 0)
+    await assert_billed_once(harness, str(PERIOD), [imported, *others])
 
 
 async def blocked_elsewhere(

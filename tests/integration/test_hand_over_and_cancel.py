@@ -1,0 +1,405 @@
+"""Temporal's cancel and a run handing over to its next (continue-as-new) at the same time
+(helper-160): the cancel is never lost, and a customer is counted by one run only.
+
+The billing task hands over by raising continue-as-new, which the SDK applies only once it
+leaves the top-level `run`: a cancel `run` is writing lands first. A run that hands over waits
+one short timer (SETTLE_BEFORE_HAND_OVER), so that a cancel that came in the same workflow task
+as the signals that took it past its limit reaches `run` before it ends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from temporalio import activity
+from temporalio.api.enums.v1 import EventType
+from temporalio.api.history.v1 import HistoryEvent
+from temporalio.client import WorkflowExecutionStatus, WorkflowHandle
+from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
+
+from activities.stripe_gateway import StripeGateway
+from billing import operations
+from billing.keys import customer_workflow_id
+from billing.models import ChargeFailure, OperatorRequest, PeriodSummary, RunOptions
+from billing.periods import Period
+from billing.runs import start_period
+from tests.integration.harness import Harness, at_least, eventually, single_batch_activations
+from tests.integration.invariants import assert_billed_once
+from tests.integration.replay import keep, replay
+from workflows.billing_period import BillingPeriodWorkflow
+
+PERIOD = Period(2026, 12)
+BOB = OperatorRequest(reason="looking into it", operator="bob")
+LIMIT = 200  # RunOptions.history_event_limit's least
+IN_FLIGHT = 60  # children started before the pause, every one held at its bill
+HELD = 3  # children kept in flight through the hand-over, to meet the paused gate
+DUE = IN_FLIGHT + 10  # the rest are never started: the cancel marks them
+
+E = EventType
+
+
+class HoldWritesAndBills(Interceptor):
+    """Holds the period's first control write of each word ("paused", "cancelled") until
+    let go; holds every customer's bill until `bills_go`, and those of `late` customers
+    until `late_go`."""
+
+    def __init__(self, late: set[str]) -> None:
+        self.late = late
+        self.reached: dict[str, asyncio.Event] = {
+            w: asyncio.Event() for w in ("paused", "cancelled")
+        }
+        self.go: dict[str, asyncio.Event] = {w: asyncio.Event() for w in ("paused", "cancelled")}
+        self.bills_go = asyncio.Event()
+        self.late_go = asyncio.Event()
+        self.billing: set[str] = set()
+
+    def release_all(self) -> None:
+        """Let everything go (a failed test then shuts its worker down at once)."""
+        for event in (*self.go.values(), self.bills_go, self.late_go):
+            event.set()
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        hold = self
+
+        class Held(ActivityInboundInterceptor):
+            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                name = activity.info().activity_type
+                if name == "set_control":
+                    word = input.args[0].control
+                    if word in hold.go and not hold.go[word].is_set():
+                        hold.reached[word].set()
+                        await asyncio.wait_for(hold.go[word].wait(), 90)
+                elif name == "bill":
+                    customer_id = input.args[0].customer_id
+                    hold.billing.add(customer_id)
+                    await asyncio.wait_for(hold.bills_go.wait(), 90)
+                    if customer_id in hold.late:
+                        await asyncio.wait_for(hold.late_go.wait(), 90)
+                return await super().execute_activity(input)
+
+        return Held(next)
+
+
+async def _events(handle: WorkflowHandle[Any, Any]) -> list[HistoryEvent]:
+    return [e async for e in handle.fetch_history_events()]
+
+
+async def _running(handle: WorkflowHandle[Any, Any]) -> bool:
+    return (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+
+
+def _first(events: list[HistoryEvent], match: Callable[[HistoryEvent], bool]) -> int | None:
+    return next((e.event_id for e in events if match(e)), None)
+
+
+def _is(kind: int) -> Callable[[HistoryEvent], bool]:
+    return lambda e: e.event_type == kind
+
+
+def _control_writes(events: list[HistoryEvent]) -> dict[str, tuple[int, int | None]]:
+    """Each set_control's word: (scheduled event id, completed event id or None)."""
+    scheduled: dict[int, str] = {}
+    found: dict[str, tuple[int, int | None]] = {}
+    for e in events:
+        if e.event_type == E.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            attrs = e.activity_task_scheduled_event_attributes
+            if attrs.activity_type.name == "set_control":
+                word = json.loads(attrs.input.payloads[0].data)["control"]
+                scheduled[e.event_id] = word
+                found.setdefault(word, (e.event_id, None))
+        elif e.event_type == E.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+            sid = e.activity_task_completed_event_attributes.scheduled_event_id
+            if sid in scheduled:
+                word = scheduled[sid]
+                found[word] = (found[word][0], e.event_id)
+    return found
+
+
+def _task_started_before(events: list[HistoryEvent], event_id: int) -> int:
+    return max(
+        e.event_id
+        for e in events
+        if e.event_type == E.EVENT_TYPE_WORKFLOW_TASK_STARTED and e.event_id < event_id
+    )
+
+
+def _task_done_after(events: list[HistoryEvent], event_id: int, *, started_at: int = 0) -> bool:
+    """A workflow task started after `event_id` (at or past event `started_at`) completed."""
+    started = [
+        e.event_id
+        for e in events
+        if e.event_type == E.EVENT_TYPE_WORKFLOW_TASK_STARTED
+        and e.event_id > event_id
+        and e.event_id >= started_at
+    ]
+    return any(
+        e.event_type == E.EVENT_TYPE_WORKFLOW_TASK_COMPLETED
+        and e.workflow_task_completed_event_attributes.started_event_id in started
+        for e in events
+    )
+
+
+@pytest.mark.parametrize("single_batch", [False, True], ids=["sdk-default", "sdk-flag-2"])
+async def test_a_temporal_cancel_of_a_paused_run_handing_over_lands_before_it_continues(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, single_batch: bool
+) -> None:
+    """Paused, its pause's write held; its children (the ledger still running) report and
+    push its history past the limit: the billing task waits, in the paused branch, for the
+    pause's answer to hand over. Temporal's cancel then comes; the pause's write lands and
+    the billing task hands over in the activation that schedules the cancel's write: the run
+    continues as new only once that write has landed, and its next run ends the period
+    cancelled, the children it handed over woken and never charged. Also under the
+    activation rule the SDK means to make its default (its logic flag 2)."""
+    if single_batch:
+        single_batch_activations(monkeypatch)
+    customers = await harness.seed(DUE)
+    ids = sorted(c.customer_id for c in customers)
+    late = set(ids[:HELD])  # listed first: among the children started
+    hold = HoldWritesAndBills(late)
+    options = RunOptions(
+        max_in_flight=IN_FLIGHT,
+        max_starting=IN_FLIGHT,
+        history_event_limit=LIMIT,
+        hand_over_after_seconds=1,
+    )
+    async with harness.running_worker(interceptors=[hold]):
+        try:
+            handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
+            first = harness.client.get_workflow_handle(
+                handle.id, run_id=(await handle.describe()).run_id
+            )
+
+            await eventually(lambda: _all_billing(hold), timeout=30)
+            pausing = asyncio.create_task(operations.control(harness.client, PERIOD, "pause", BOB))
+            await asyncio.wait_for(hold.reached["paused"].wait(), 30)
+            # The ledger still says running: every child but the late ones charges and reports.
+            hold.bills_go.set()
+
+            async def past_the_limit() -> bool:
+                events = await _events(first)
+                accepted = _first(events, _is(E.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED))
+                return accepted is not None and _task_done_after(events, accepted, started_at=LIMIT)
+
+            await eventually(past_the_limit, timeout=30)
+            await handle.cancel()
+
+            async def cancel_taken() -> bool:
+                events = await _events(first)
+                asked = _first(events, _is(E.EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED))
+                return asked is not None and _task_done_after(events, asked)
+
+            await eventually(cancel_taken, timeout=30)
+            assert not pausing.done()
+            # The pause's write lands: its handler finishes, the billing task hands over, and
+            # `run` schedules the cancel's write, all in one activation.
+            hold.go["paused"].set()
+
+            async def written_or_closed() -> bool:
+                return hold.reached["cancelled"].is_set() or not await _running(first)
+
+            await eventually(written_or_closed, timeout=30)
+            # The workflow task that scheduled the cancel's write has completed; the run has not
+            # continued as new: the cancel's write is still held.
+            assert await _running(first), "the run continued as new before the cancel's write"
+            answered = await asyncio.wait_for(pausing, 30)
+            assert answered.state == "cancelling"
+            # The late children now meet the ledger's gate paused, and wait for the period's word.
+            hold.late_go.set()
+
+            async def waiting_at_the_gate() -> bool:
+                for customer_id in late:
+                    child = harness.client.get_workflow_handle(
+                        customer_workflow_id(PERIOD, customer_id)
+                    )
+                    events = await _events(child)
+                    if _first(events, _is(E.EVENT_TYPE_TIMER_STARTED)) is None:
+                        return False
+                return True
+
+            await eventually(waiting_at_the_gate, timeout=30)
+            assert await _running(first)
+            assert not _first(
+                await _events(first), _is(E.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW)
+            )
+            hold.go["cancelled"].set()
+            summary: PeriodSummary = await asyncio.wait_for(handle.result(), 60)
+        finally:
+            hold.release_all()
+
+    events = await _events(first)
+    ended = events[-1]
+    assert ended.event_type == E.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW
+    writes = _control_writes(events)
+    accepted = _first(events, _is(E.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED))
+    asked = _first(events, _is(E.EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED))
+    assert accepted is not None and asked is not None
+    # The pause came with the history under the limit (the fan-out's paused branch, not the
+    # continue-as-new after the window's wait), and before the cancel...
+    assert _task_started_before(events, accepted) < LIMIT
+    assert accepted < asked < (writes["paused"][1] or 0)
+    # ... which the run took while the pause's write was held: its write scheduled only once
+    # the pause's had landed, and landed before the run continued as new.
+    paused_done = writes["paused"][1]
+    cancel_scheduled, cancel_done = writes["cancelled"]
+    assert paused_done is not None and cancel_done is not None
+    assert paused_done < cancel_scheduled < cancel_done < ended.event_id
+    # The billing task handed over from the paused branch: it never began the cancel's paging.
+    scheduled_here = {
+        e.activity_task_scheduled_event_attributes.activity_type.name
+        for e in events
+        if e.event_type == E.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+    }
+    assert "cancel_unstarted" not in scheduled_here
+    # The children in flight were woken after the cancel's write, before the run ended.
+    woken = [
+        e.event_id
+        for e in events
+        if e.event_type == E.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
+    ]
+    assert len(woken) == HELD and all(cancel_done < w < ended.event_id for w in woken)
+
+    assert (summary.cancelled_by, summary.due) == ("temporal", DUE)
+    assert (summary.charged, summary.cancelled) == (IN_FLIGHT - HELD, DUE - IN_FLIGHT + HELD)
+    control = await harness.pool.fetchval(
+        "SELECT control FROM billing_periods WHERE billing_period = $1", str(PERIOD)
+    )
+    assert control == "cancelled"
+    charged = {c["metadata"]["customer_id"] for c in await harness.charges()}
+    cancelled = frozenset(c.customer_id for c in customers if c.customer_id not in charged)
+    assert late <= cancelled and len(cancelled) == DUE - IN_FLIGHT + HELD
+    await assert_billed_once(harness, str(PERIOD), customers, cancelled=cancelled)
+    runs = await harness.chain_of_runs(handle.id, bound=LIMIT + 100)
+    assert runs[0].run_id == first.run_id
+    await replay(runs)
+
+
+async def test_a_temporal_cancel_with_signals_taking_a_paused_run_past_its_limit_is_kept(
+    harness: Harness,
+) -> None:
+    """A paused run, under its history limit, gets signals that take it past the limit and
+    Temporal's cancel in one workflow task. Under the SDK's job order without its logic flag 2
+    the signals run a pass first, in which the run handed over; the cancel, applied after and
+    not carried across continue-as-new, was lost: the next run stayed paused, the ledger too,
+    and a resume billed the customers the cancel was to stop (helper-160 F1)."""
+    await harness.seed(5)
+    await harness.set_faults(latency_ms=1000)
+    options = RunOptions(max_in_flight=1, history_event_limit=LIMIT)
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
+        first = harness.client.get_workflow_handle(
+            handle.id, run_id=(await handle.describe()).run_id
+        )
+        await eventually(lambda: at_least(harness.money_requests(), 1))
+        await operations.control(harness.client, PERIOD, "pause", BOB)
+        await eventually(lambda: at_least(harness.succeeded(), 1))
+
+        async def idle() -> bool:
+            return (await first.describe()).raw_description.pending_activities == []
+
+        await eventually(idle, timeout=30)
+    length = (await first.describe()).raw_description.workflow_execution_info.history_length
+    assert length < LIMIT
+    # With no worker, all of these reach the run in its next workflow task.
+    blocked = ChargeFailure(code="card_declined", message="not a key's refusal")
+    for _ in range(LIMIT - length + 5):
+        await first.signal(BillingPeriodWorkflow.period_blocked, blocked)
+    await first.cancel()
+    async with harness.running_worker():
+        summary: PeriodSummary = await asyncio.wait_for(handle.result(), 60)
+    assert summary.cancelled_by == "temporal"
+    control = await harness.pool.fetchval(
+        "SELECT control FROM billing_periods WHERE billing_period = $1", str(PERIOD)
+    )
+    assert control == "cancelled"
+    events = await _events(first)
+    assert events[-1].event_type == E.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW
+    runs = await harness.chain_of_runs(handle.id, bound=LIMIT + 100)
+    await replay(runs)
+    keep(runs)
+
+
+async def test_children_reporting_between_the_hand_over_and_the_cancels_write_count_once(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Children past the gate report while `run` writes Temporal's cancel, the billing task
+    having handed over already: they were counted in this run and handed over all the same,
+    the next run counting them again (due 70, counted 73; helper-160 F2)."""
+
+    customers = await harness.seed(DUE)
+    ids = sorted(c.customer_id for c in customers)
+    late = set(ids[:HELD])
+    hold = HoldWritesAndBills(set())
+    charge_go = asyncio.Event()
+    real = StripeGateway.charge
+
+    async def held_charge(self: StripeGateway, claim: Any, *args: Any, **kwargs: Any) -> Any:
+        if claim.customer_id in late:
+            await asyncio.wait_for(charge_go.wait(), 90)
+        return await real(self, claim, *args, **kwargs)
+
+    monkeypatch.setattr(StripeGateway, "charge", held_charge)
+    options = RunOptions(max_in_flight=IN_FLIGHT, max_starting=IN_FLIGHT, history_event_limit=LIMIT)
+    async with harness.running_worker(interceptors=[hold]):
+        try:
+            handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
+            first = harness.client.get_workflow_handle(
+                handle.id, run_id=(await handle.describe()).run_id
+            )
+            await eventually(lambda: _all_billing(hold), timeout=30)
+            pausing = asyncio.create_task(operations.control(harness.client, PERIOD, "pause", BOB))
+            await asyncio.wait_for(hold.reached["paused"].wait(), 30)
+            hold.bills_go.set()
+
+            async def past_the_limit() -> bool:
+                events = await _events(first)
+                accepted = _first(events, _is(E.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED))
+                return accepted is not None and _task_done_after(events, accepted, started_at=LIMIT)
+
+            await eventually(past_the_limit, timeout=30)
+            await handle.cancel()
+
+            async def cancel_taken() -> bool:
+                events = await _events(first)
+                asked = _first(events, _is(E.EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED))
+                return asked is not None and _task_done_after(events, asked)
+
+            await eventually(cancel_taken, timeout=30)
+            hold.go["paused"].set()
+            await asyncio.wait_for(hold.reached["cancelled"].wait(), 30)
+            await asyncio.wait_for(pausing, 30)
+            charge_go.set()
+
+            async def reported() -> bool:
+                events = await _events(first)
+                done = [
+                    e.event_id
+                    for e in events
+                    if e.event_type == E.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_COMPLETED
+                ]
+                return len(done) == IN_FLIGHT and _task_done_after(events, max(done))
+
+            await eventually(reported, timeout=30)
+            assert await _running(first)
+            hold.go["cancelled"].set()
+            summary: PeriodSummary = await asyncio.wait_for(handle.result(), 60)
+        finally:
+            hold.release_all()
+            charge_go.set()
+    assert (summary.due, summary.charged, summary.cancelled) == (
+        DUE,
+        IN_FLIGHT,
+        DUE - IN_FLIGHT,
+    )
+    await assert_billed_once(
+        harness,
+        str(PERIOD),
+        customers,
+        cancelled=frozenset(ids) - {c["metadata"]["customer_id"] for c in await harness.charges()},
+    )
+
+
+async def _all_billing(hold: HoldWritesAndBills) -> bool:
+    return len(hold.billing) >= IN_FLIGHT
