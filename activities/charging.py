@@ -53,6 +53,7 @@ from billing.models import (
 )
 from billing.periods import parse_period
 from billing.rate_limit import Slot, stripe_rate
+from vault.endpoints import NOT_SENT_CODES
 
 # The period is paused: the workflow waits for its resume or cancel.
 PAUSED = "PeriodPaused"
@@ -332,10 +333,12 @@ class ChargingActivities:
             # Only the create's own refusal can show that this attempt never reached Stripe;
             # a lookup refused after Stripe answered the create shows nothing of the kind.
             refused_before_stripe = error is exc
-            if refused_before_stripe and isinstance(exc, stripe.RateLimitError):
-                # Stripe executes nothing it rate-limits: if this was the claim's only
-                # attempt, nothing of it is at Stripe, so the retry passes the gate afresh
-                # and a pause, cancel or skip meanwhile still stops it.
+            if refused_before_stripe and (
+                isinstance(exc, stripe.RateLimitError) or exc.code in NOT_SENT_CODES
+            ):
+                # Stripe executes nothing it rate-limits, and the vault sent nothing: if this
+                # was the claim's only attempt, nothing of it is at Stripe, so the retry
+                # passes the gate afresh and a pause, cancel or skip meanwhile still stops it.
                 await self._reopen(claim, fencing_token)
             if failure.type in PERIOD_BLOCKERS:
                 if await self._access.replaced(claim.period, claim.currency, gateway.vault_key_id):

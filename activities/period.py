@@ -175,10 +175,11 @@ class PeriodActivities:
                 plan = await ledger.open_period(
                     conn, request.period, request.workflow_id, before_recording, _opening(request)
                 )
-            except ApplicationError as exc:
-                if exc.type == STALE_TRY and issued:
-                    # Refused after the vault answered: the keys it issued are stored by no
-                    # run now, and the month may be closed, with no opening or close to come.
+            except Exception:
+                if admin is not None:
+                    # Rolled back, perhaps after the vault issued keys (a stale try refused,
+                    # another currency's key refused, Temporal away as it asked): stored by
+                    # no run now, and no retry, opening or close of the month may come.
                     await self._revoke_unused(conn, request.period)
                 raise
             held = await ledger.held_customers(conn, request.period)

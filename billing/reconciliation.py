@@ -481,9 +481,9 @@ def classify(charges: Iterable[StripeCharge], ledger: dict[str, LedgerEntry]) ->
     """What of the period's charges on Stripe (as Stripe lists them, newest first) the ledger
     does not account for. `ledger` holds the period's rows by customer id.
 
-    While a row is still claimed, the charge made under its key stands for it (its open claim
-    records that one when it is resolved), else its customer's newest charge made: any other
-    is a duplicate. When
+    While a row is still claimed, the newest charge made under its key stands for it (its
+    open claim's lookup records that one when it is resolved), else its customer's newest
+    charge made: any other is a duplicate. When
     a row's own charge is no longer made (refunded by a person, or failed later), its oldest
     other charge made stands for it, so the one reported is the same from day to day. A
     row's charge that failed later with none other made is reported, and so is every charge
@@ -500,12 +500,17 @@ def classify(charges: Iterable[StripeCharge], ledger: dict[str, LedgerEntry]) ->
         if row.status == "charged" and own is not None and own.state != "made":
             unmade[customer_id] = own
     stands: dict[str, str] = {}  # customer id: the charge that stands for its row
+    by_key: set[str] = set()  # claimed customers whose charge under the row's key stands
     for charge in listed.values():
         if charge.state != "made":
             continue
         entry = ledger.get(charge.customer_id)
         if entry is not None and entry.status == "claimed":
+            if charge.customer_id in by_key:
+                continue
             if charge.billing_key is not None and charge.billing_key == entry.idempotency_key:
+                # The newest under its key, as the claim's lookup finds it.
+                by_key.add(charge.customer_id)
                 stands[charge.customer_id] = charge.charge_id
             else:
                 stands.setdefault(charge.customer_id, charge.charge_id)

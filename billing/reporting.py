@@ -84,8 +84,9 @@ def next_step(progress: PeriodProgress) -> str | None:
         return f"to go on: {resume}"
     if _code(progress.reason) == SPEND_CAP_EXCEEDED_CODE and DAILY_CAP in (progress.reason or ""):
         return (
-            f"to bill the rest (or cancel the run): the key's {DAILY_CAP} frees itself at 00:00"
-            f" UTC, then {resume}"
+            f"to go on (or cancel the run): the key's {DAILY_CAP} frees a day's room at 00:00"
+            f" UTC, then {resume}; the run pauses again each day its room is spent, and a"
+            " charge larger than the daily cap never passes it (issue the key again)"
         )
     renewal = _renewal(period, progress.reason)
     if renewal is None:

@@ -72,11 +72,13 @@ async def started_across_outages(
     on_away: Callable[[RPCError], None],
 ) -> WorkflowHandle[Any, ResultT]:
     """`start()`'s run, tried again while Temporal is away. A start whose answer an outage
-    lost may have started the run: still open, the next start joins it (USE_EXISTING); ended
-    since (a short one), it is the workflow ID's latest run and not the one before the first
-    try, and is the run returned, not started again."""
+    lost may have started or joined the run: still open, the next start joins it
+    (USE_EXISTING); ended since, it is the workflow ID's latest run, and either not the one
+    before the first try or one open then, and is the run returned, not started again."""
     earlier = await _while_away(lambda: _latest_run(client, workflow_id), on_away)
     before = earlier.run_id if earlier is not None else None
+    # Open then, the first try joined it.
+    joined = earlier is not None and earlier.status == WorkflowExecutionStatus.RUNNING
     tried = False
 
     async def start_unless_ended() -> WorkflowHandle[Any, ResultT]:
@@ -85,7 +87,7 @@ async def started_across_outages(
             latest = await _latest_run(client, workflow_id)
             if (
                 latest is not None
-                and latest.run_id != before
+                and (latest.run_id != before or joined)
                 and latest.status != WorkflowExecutionStatus.RUNNING
             ):
                 return client.get_workflow_handle(

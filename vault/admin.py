@@ -287,6 +287,7 @@ async def resolve(request: web.Request) -> web.Response:
     started = time.monotonic()
     key_id = _key_id(request)
     idempotency_key = request.match_info["idempotency_key"]
+    _refuse_secret(idempotency_key)
     resolution = await _body(request, ResolveRequest)
     state = request.app[STATE]
     async with state.pool.acquire() as conn, conn.transaction():
@@ -329,14 +330,7 @@ async def fence(request: web.Request) -> web.Response:
         raise VaultError(
             422, "parameter_invalid", "the idempotency key is malformed", param="idempotency_key"
         )
-    if SECRET_RE.search(idempotency_key):
-        # Stored and audited as given: a key pasted there would be kept for good.
-        raise VaultError(
-            422,
-            "secret_in_parameter",
-            "the idempotency key looks like a secret key; never send a key there",
-            param="idempotency_key",
-        )
+    _refuse_secret(idempotency_key)
     async with request.app[STATE].pool.acquire() as conn, conn.transaction():
         # A fence only refuses requests: the worker token may fence its own keys.
         _own_keys_only(request, key_id, await _require_key(conn, key_id), "fence it")
@@ -353,6 +347,18 @@ async def fence(request: web.Request) -> web.Response:
             idempotency_key=idempotency_key,
         )
     return _reply(Fence(idempotency_key=idempotency_key, fenced_below=standing))
+
+
+def _refuse_secret(idempotency_key: str) -> None:
+    """A path's idempotency key is stored and audited as given: a key pasted there by mistake
+    would be kept for good."""
+    if SECRET_RE.search(idempotency_key):
+        raise VaultError(
+            422,
+            "secret_in_parameter",
+            "the idempotency key looks like a secret key; never send a key there",
+            param="idempotency_key",
+        )
 
 
 def _own_keys_only(request: web.Request, key_id: str, issued_by: str, what: str) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from billing.redact import redact
 from vault import admin, metrics, proxy
 from vault.errors import VaultError
 from vault.openapi import openapi_document
@@ -35,7 +36,7 @@ async def _errors(request: web.Request, handler: admin.Handler) -> web.StreamRes
         allow = {"Allow": error.headers["Allow"]} if "Allow" in error.headers else None
         return VaultError(error.status, None, error.reason).response(allow)
     except Exception:
-        logger.exception("admin request failed: %s %s", request.method, request.path)
+        logger.exception("admin request failed: %s %s", request.method, redact(request.path))
         return VaultError(500, "vault_error", "internal error", error_type="api_error").response()
 
 

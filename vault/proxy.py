@@ -23,7 +23,7 @@ from billing.db import CONNECTION_ERRORS
 from billing.redact import SECRET_RE, redact
 from vault import cancels, metrics, reservations, store
 from vault.bodies import read_body
-from vault.endpoints import CANCEL, FENCE_HEADER, METERED, PATH_RE, allows
+from vault.endpoints import CANCEL, FENCE_HEADER, HELD_UP, METERED, PATH_RE, allows
 from vault.errors import Refusal, VaultError
 from vault.models import (
     IDEMPOTENCY_KEY_PATTERN,
@@ -314,7 +314,7 @@ async def _held_up(
     return Refusal(
         "refused_request",
         503,
-        "vault_held_up",
+        HELD_UP,
         f"the vault was held up {held_up:.1f} s between reserving this charge and sending it,"
         f" past the {state.send_within.total_seconds():.0f} s it may take, so it did not send"
         " it; retry with the same Idempotency-Key",
@@ -345,7 +345,7 @@ async def _authenticate(state: VaultState, request: web.Request, record: AuditRe
     try:
         async with state.pool.acquire() as conn:
             grant = await store.key_for_secret(conn, token)
-    except CONNECTION_ERRORS:
+    except (*CONNECTION_ERRORS, asyncpg.TooManyConnectionsError):
         raise KeyUncheckable() from None
     if grant is None:
         raise Unauthenticated("unknown vault key")

@@ -18,6 +18,7 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 
 from vault import store
+from vault.endpoints import DATABASE_UNAVAILABLE
 from vault.errors import Refusal
 from vault.store import PeerRefusals
 
@@ -50,7 +51,7 @@ class KeyUncheckable(Unauthenticated):
             self,
             "refused_auth",
             503,
-            "vault_database_unavailable",
+            DATABASE_UNAVAILABLE,
             "the vault cannot check vault keys now (its database cannot be reached); nothing"
             " was sent: retry shortly",
             error_type="api_error",

@@ -36,7 +36,7 @@ from billing.runs import start_period
 from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
 from vault.client import VaultAdmin
-from vault.endpoints import CANCEL, KEY_METADATA
+from vault.endpoints import CANCEL, DATABASE_UNAVAILABLE, HELD_UP, KEY_METADATA
 from workflows.signals import PERIOD_CONTROL
 
 PERIOD = Period(2026, 12)
@@ -60,13 +60,30 @@ class RateLimitedOnce(StripeGateway):
 
     refused = False
 
+    def refusal(self) -> stripe.StripeError:
+        return stripe.RateLimitError("Too many requests", http_status=429)
+
     async def charge(
         self, claim: Claim, fencing_token: int | None = None
     ) -> ChargeResult | ChargeFailure:
         if not self.refused:
             self.refused = True
-            raise stripe.RateLimitError("Too many requests", http_status=429)
+            raise self.refusal()
         return await super().charge(claim, fencing_token)
+
+
+class VaultHeldUpOnce(RateLimitedOnce):
+    """The vault sends nothing of the first create: held up past its deadline to send it."""
+
+    def refusal(self) -> stripe.StripeError:
+        return stripe.APIError("held up", http_status=503, code=HELD_UP)
+
+
+class VaultDatabaseAwayOnce(RateLimitedOnce):
+    """The vault sends nothing of the first create: its key not checkable, the database away."""
+
+    def refusal(self) -> stripe.StripeError:
+        return stripe.APIError("database away", http_status=503, code=DATABASE_UNAVAILABLE)
 
 
 async def _billing_one(
@@ -412,12 +429,20 @@ async def test_a_skip_reaches_a_charge_behind_a_500_stripe_saved(harness: Harnes
     assert (row["status"], row["reason"], row["decided_by"]) == ("skipped", "disputed", "ops")
 
 
+@pytest.mark.parametrize(
+    "refused_once",
+    [RateLimitedOnce, VaultHeldUpOnce, VaultDatabaseAwayOnce],
+    ids=["stripe-429", "vault-held-up", "vault-database-away"],
+)
 @pytest.mark.parametrize("control", ["cancelled", "paused"])
-async def test_a_stop_reaches_a_charge_whose_only_request_stripe_rate_limited(
-    harness: Harness, control: Control
+async def test_a_stop_reaches_a_charge_whose_only_request_was_not_sent(
+    harness: Harness, control: Control, refused_once: type[RateLimitedOnce]
 ) -> None:
-    _, charging, request = await _billing_one(harness, RateLimitedOnce)
-    with pytest.raises(ApplicationError, match="rate limit"):
+    """Stripe executes nothing it rate-limits, and the vault sends nothing it answers held up
+    or cannot check the key of: the retry passes the gate afresh, and a stop given meanwhile
+    reaches it (the vault's two were charged after a cancel; helper-162 F3)."""
+    _, charging, request = await _billing_one(harness, refused_once)
+    with pytest.raises(ApplicationError):
         await _attempt(1).run(charging.bill, request)
     # Before the retry, an operator stops the period: nothing of this charge is at Stripe.
     async with harness.pool.acquire() as conn:

@@ -30,6 +30,7 @@ from cli.reconcile import NO_WORKER_SECONDS
 from tests.integration.cuttable_front import CuttableFront, cuttable_front
 from tests.integration.harness import Harness, eventually
 from tests.integration.invariants import assert_billed_once
+from tests.integration.test_runs_told_apart import PREPARE, HoldEachRun
 
 PERIOD = period_for(datetime.now(UTC), "advance")
 
@@ -228,6 +229,51 @@ async def test_run_whose_start_answer_was_lost_joins_the_run_it_started(
                 await runs.cmd_run(args)
             await harness.client.get_workflow_handle(period_workflow_id(PERIOD)).result()
     await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_run_wait_that_joined_an_open_run_which_ended_during_the_outage_starts_no_other(
+    harness: Harness,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The period's run A is open when `run --wait` first looks; its start joins A but the
+    answer is lost, and A completes during the outage. The command's next try saw the same
+    latest run and started a second, reporting "charged 0, already billed 2" for the run it
+    had joined: a run open at the first look and ended since is the one it joined
+    (helper-162 F1)."""
+    await harness.seed(2)
+    config = harness.client.service_client.config
+    monkeypatch.setenv("TEMPORAL_ADDRESS", config.target_host)
+    monkeypatch.setenv("TEMPORAL_NAMESPACE", harness.client.namespace)
+    monkeypatch.setenv("TEMPORAL_TASK_QUEUE", harness.task_queue)
+    hold = HoldEachRun(PREPARE)
+    started: list[str | None] = []
+
+    async def joined_then_answer_lost(*args: Any) -> WorkflowHandle[Any, PeriodSummary]:
+        handle = await start_period(*args)
+        started.append(handle.result_run_id)
+        if len(started) == 1:
+            # Joined A; A goes on and completes while Temporal is away for this command.
+            hold.release(PREPARE, handle.result_run_id or "")
+            await harness.client.get_workflow_handle(period_workflow_id(PERIOD)).result()
+            raise RPCError("connection reset", RPCStatusCode.UNAVAILABLE, b"")
+        # A second run (if the command starts one): let it go so the command can end.
+        hold.release_all(PREPARE)
+        return handle
+
+    monkeypatch.setattr(runs, "start_period", joined_then_answer_lost)
+    args = commands.parser().parse_args(["run", str(PERIOD), "--wait"])
+    async with harness.running_worker(interceptors=[hold]):
+        first = await start_period(harness.client, PERIOD, harness.task_queue)
+        run_a = (await first.describe()).run_id
+        await hold.reached(PREPARE, run_a)  # A is open at the command's first look
+        assert await asyncio.wait_for(runs.cmd_run(args), 90) == 0
+        out, _ = capsys.readouterr()
+    assert started[0] == run_a
+    assert set(started) == {run_a}, (
+        f"the command started another run {started[1:]} after joining {run_a}; it reported: {out!r}"
+    )
+    assert "charged 2," in out, out
 
 
 @workflow.defn(name="ContinuesOnce", sandboxed=False)

@@ -304,7 +304,7 @@ def test_a_run_paused_at_a_keys_daily_cap_says_it_frees_itself_at_midnight() -> 
     )
     text = describe(paused)
     assert (
-        f"the key's {DAILY_CAP} frees itself at 00:00 UTC, then python starter.py resume"
+        f"the key's {DAILY_CAP} frees a day's room at 00:00 UTC, then python starter.py resume"
         " 2026-12 --reason ..."
     ) in text
     assert "renew-keys" not in text

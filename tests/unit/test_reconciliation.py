@@ -175,6 +175,19 @@ def test_an_open_claims_own_charge_stands_over_a_newer_one_under_another_key() -
     assert (finding.kind, finding.charge_id) == ("duplicate", "ch_2")
 
 
+def test_of_two_charges_under_an_open_claims_key_the_newest_stands_as_its_lookup_finds() -> None:
+    """Stripe forgot the key after a day, or a script reused it: the claim's lookup records
+    the newest made under its key, so that one stands, before and after it is recorded; the
+    report named the one about to be recorded as the duplicate, then flipped (helper-162 F2)."""
+    own = "k" * 32
+    charges = [charge("ch_new", billing_key=own), charge("ch_old", billing_key=own)]
+    [before] = classify(charges, {"cust-1": entry(None, "claimed", idempotency_key=own)})
+    [after] = classify(charges, {"cust-1": entry("ch_new")})
+    assert (
+        (before.kind, before.charge_id) == (after.kind, after.charge_id) == ("duplicate", "ch_old")
+    )
+
+
 def test_a_recorded_charge_that_failed_later_is_reported_with_stripes_code() -> None:
     # A bank debit recorded while pending, then returned: the customer has not paid.
     [finding] = classify([charge("ch_1", state="failed")], {"cust-1": entry("ch_1")})

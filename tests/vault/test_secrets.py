@@ -271,21 +271,29 @@ def test_client_secrets_are_stripped_at_any_depth_and_other_bodies_pass_unchange
     assert _without_client_secrets(spaced) is spaced
 
 
-async def test_a_secret_given_as_a_fences_idempotency_key_is_refused_not_stored(
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("fences/{vk}", {"below": 2}), ("reservations/{vk}/resolve", {"outcome": "failed"})],
+    ids=["fence", "resolve"],
+)
+async def test_a_secret_given_as_a_paths_idempotency_key_is_refused_not_stored(
     issue: Issue,
     vault: RunningVault,
     db: asyncpg.Pool,
     http: aiohttp.ClientSession,
     secrets_seen: Secrets,
+    path: str,
+    body: dict[str, object],
 ) -> None:
-    """A key pasted as a fence's idempotency key (the path's) is refused as the proxy refuses
-    one sent as an Idempotency-Key: it was stored whole in vault_fences and in the audit's
-    path and idempotency key, for good (helper-161 F2)."""
+    """A key pasted as the path's idempotency key is refused as the proxy refuses one sent
+    as an Idempotency-Key, before the database: a fence stored it whole in vault_fences and
+    in the audit's path and idempotency key, for good (helper-161 F2), and the admin API's
+    error log printed the path (helper-162 F4)."""
     key = await issue()
     vk = key.secret.get_secret_value()
     async with http.post(
-        f"{vault.url}/vault/keys/{key.id}/fences/{vk}",
-        json={"below": 2},
+        f"{vault.url}/vault/keys/{key.id}/" + path.format(vk=vk),
+        json=body,
         headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
     ) as response:
         assert response.status == 422
