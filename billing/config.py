@@ -9,7 +9,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from billing.db_roles import ROLE_NAME, DatabaseRoles
-from billing.errors import BillingError
+from billing.errors import BillingError, validation_reason
 from billing.models import ChargeApi
 from billing.sealing import SETTING, SecretBox
 
@@ -17,17 +17,37 @@ S = TypeVar("S", bound=BaseSettings)
 
 # The oldest a claim may be before it is looked up on Stripe first (billing_lookup_after_seconds).
 LOOKUP_AFTER_MAX_SECONDS = 23 * 3600
-# A scheme, a host (with its port), and any path.
-# No user or password before the host: the vault and Stripe take their tokens in headers,
-# and the workers log these URLs.
-_HTTP_URL = re.compile(r"https?://[^\s/@]+(/\S*)?")
+# A scheme, a host (with its port), and any path. No user or password before the host, and
+# no query or fragment: the vault and Stripe take their tokens in headers, the workers log
+# these URLs, and the CLI prints the Web UI's with every run's link.
+_HTTP_URL = re.compile(r"https?://[^\s/@?#]+(/[^\s?#]*)?")
+# A host (a name, an IPv4 or a bracketed IPv6 address) and its port: nothing else, such as a
+# user and password, or an API key pasted into the wrong variable, which errors then echo.
+_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?):[0-9]{1,5}")
+# Temporal's namespace names: letters, digits, '.', '-' and '_'.
+_NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 
 
 def http_url(value: str) -> str:
     if not _HTTP_URL.fullmatch(value):
         raise ValueError(
-            "must be an http:// or https:// URL with a host and no user or password,"
-            " such as http://host:8080"
+            "must be an http:// or https:// URL with a host and no user, password, query or"
+            " fragment, such as http://host:8080"
+        )
+    return value
+
+
+def namespace_name(value: str) -> str:
+    if not _NAMESPACE.fullmatch(value):
+        raise ValueError("must be a namespace's name: letters, digits, '.', '-' and '_'")
+    return value
+
+
+def host_port(value: str) -> str:
+    if not _HOST_PORT.fullmatch(value):
+        raise ValueError(
+            "must be host:port, such as 127.0.0.1:7233, with no scheme, user or password"
+            " (a Temporal Cloud API key goes in TEMPORAL_API_KEY)"
         )
     return value
 
@@ -55,7 +75,11 @@ def load_settings(cls: type[S]) -> S:
         lines = []
         for problem in error.errors(include_input=False, include_url=False):
             name = prefix + "_".join(str(part) for part in problem["loc"]).upper()
-            reason = "is required but not set" if problem["type"] == "missing" else problem["msg"]
+            reason = (
+                "is required but not set"
+                if problem["type"] == "missing"
+                else validation_reason(problem["msg"])
+            )
             lines.append(f"{name}: {reason}" if problem["loc"] else reason)
         raise SettingsError("invalid settings:\n  " + "\n  ".join(lines)) from None
 
@@ -75,6 +99,16 @@ class TemporalSettings(BaseSettings):
     def _ui_url(cls, value: str) -> str:
         # The CLI prints it with every run's link.
         return http_url(value)
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        return host_port(value)
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, value: str) -> str:
+        return namespace_name(value)
 
 
 class DatabaseSettings(BaseSettings):

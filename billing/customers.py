@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import csv
 import re
 from collections.abc import Iterable, Sequence
@@ -187,9 +188,23 @@ def read_customers_csv(path: Path) -> list[CustomerRow]:
         raise CustomerImportError(f"cannot read {path}: {exc}") from None
     except UnicodeDecodeError as exc:
         raise CustomerImportError(
-            f"cannot read {path}: it is not UTF-8 ({exc.reason} at byte {exc.start}); save it"
-            " as UTF-8 (CSV UTF-8 in a spreadsheet's Save As)"
+            f"cannot read {path}: it is not UTF-8 ({_not_utf8(path, exc)}); save it as UTF-8"
+            " (CSV UTF-8 in a spreadsheet's Save As)"
         ) from None
+
+
+def _not_utf8(path: Path, exc: UnicodeDecodeError) -> str:
+    """Where in the file it stops being UTF-8: the reader's error counts from the chunk it
+    was decoding, and from after a byte-order mark."""
+    data = path.read_bytes()
+    mark = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        data[mark:].decode("utf-8")
+    except UnicodeDecodeError as whole:
+        at = mark + whole.start
+        line = data[:at].count(b"\n") + 1
+        return f"{whole.reason} at byte {at}, line {line}"
+    return exc.reason
 
 
 def _reason(exc: Exception) -> str:

@@ -106,3 +106,8 @@ class ServiceUnavailableError(BillingError):
 
 class NoWorkerError(ServiceUnavailableError):
     """A run is open, but no worker answered for it."""
+
+
+def validation_reason(message: str) -> str:
+    """A pydantic error's message as said to a person: without its "Value error, " prefix."""
+    return message.removeprefix("Value error, ")

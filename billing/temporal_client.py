@@ -22,7 +22,7 @@ from temporalio.envconfig import ClientConfigProfile, ClientConnectConfig
 from temporalio.runtime import Runtime
 from temporalio.service import RPCError, RPCStatusCode
 
-from billing.config import ObservabilitySettings, TemporalSettings
+from billing.config import ObservabilitySettings, TemporalSettings, host_port, namespace_name
 from billing.data_converter import DATA_CONVERTER
 from billing.errors import ConfigurationError, ServiceUnavailableError
 from billing.metrics import temporal_runtime
@@ -65,6 +65,15 @@ def connect_config(settings: TemporalSettings) -> ClientConnectConfig:
         config["target_host"] = settings.address
     if "namespace" in chosen or "namespace" not in config:
         config["namespace"] = settings.namespace
+    # A profile's are checked as the settings' are: errors name them.
+    for name, check, value in (
+        ("address", host_port, config["target_host"]),
+        ("namespace", namespace_name, config["namespace"]),
+    ):
+        try:
+            check(value)
+        except ValueError as exc:
+            raise ConfigurationError(f"the Temporal {name} {exc}") from None
     return config
 
 

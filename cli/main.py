@@ -15,11 +15,11 @@ import asyncpg
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 from temporalio.client import WorkflowFailureError, WorkflowQueryFailedError
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 from billing import logs
 from billing.db import CONNECTION_ERRORS
-from billing.errors import BillingError, RunEndedError
+from billing.errors import BillingError, RunEndedError, validation_reason
 from billing.models import EndedRun
 from billing.redact import redact
 from billing.reporting import failure_chain
@@ -43,7 +43,7 @@ _GIVEN_AS = {
 def _validation_problem(error: ErrorDetails) -> str:
     """One of pydantic's errors as the person who typed the command gave it: the flag, not
     the model's field, and the reason without pydantic's "Value error, " prefix."""
-    message = error["msg"].removeprefix("Value error, ")
+    message = validation_reason(error["msg"])
     if error["type"] == "string_too_long" and isinstance(error["input"], str):
         message += f" (got {len(error['input'])})"
     field = ".".join(str(_GIVEN_AS.get(str(part), part)) for part in error["loc"])
@@ -88,7 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RPCError as exc:
         # Temporal refused a call: its own words carry no secret of ours.
-        print(f"error: Temporal answered {exc.status.name}: {exc.message}", file=sys.stderr)
+        hint = (
+            ": the namespace lacks the project's search attributes; `python starter.py setup`"
+            " registers them"
+            if exc.status == RPCStatusCode.INVALID_ARGUMENT and "search attribute" in exc.message
+            else ""
+        )
+        print(f"error: Temporal answered {exc.status.name}: {exc.message}{hint}", file=sys.stderr)
         return 2
     except WorkflowQueryFailedError as exc:
         # The run is open but cannot answer (e.g. its workflow task keeps failing).

@@ -290,7 +290,7 @@ def test_a_key_pasted_into_the_wrong_place_is_not_echoed(
         # Blank in an env file: read as unset, the worker charged around the vault, uncapped.
         (
             {"BILLING_VAULT_URL": "http://127.0.0.1:1", "BILLING_VAULT_WORKER_TOKEN": ""},
-            "BILLING_VAULT_WORKER_TOKEN: Value error, is set but blank",
+            "BILLING_VAULT_WORKER_TOKEN: is set but blank",
         ),
         ({"BILLING_VAULT_WORKER_TOKEN": "a-worker-token-0123"}, "BILLING_VAULT_URL is not"),
         ({"BILLING_CAP_MULTIPLIER": "0.5"}, "BILLING_CAP_MULTIPLIER: Input should be greater"),
@@ -304,14 +304,14 @@ def test_a_key_pasted_into_the_wrong_place_is_not_echoed(
         ({"BILLING_STRIPE_RPS": "1e-300"}, "BILLING_STRIPE_RPS: Input should be greater than"),
         ({"LOG_LEVEL": "LOUD"}, "LOG_LEVEL: Input should be"),
         # No scheme: every call failed as unreachable, and runs waited at their opening.
-        ({"BILLING_VAULT_URL": "vault:8080"}, "BILLING_VAULT_URL: Value error, must be an http"),
+        ({"BILLING_VAULT_URL": "vault:8080"}, "BILLING_VAULT_URL: must be an http"),
         # A live key, in clear text over the network.
         (
             {"STRIPE_API_KEY": "sk_live_" + "Q7" * 12, "STRIPE_API_BASE": "http://api.stripe.com"},
             "STRIPE_API_BASE must be an https:// URL for a live Stripe key",
         ),
         # Blank, asyncpg tried local defaults and the worker migrated whatever answered.
-        ({"DATABASE_URL": " "}, "DATABASE_URL: Value error, is set but blank"),
+        ({"DATABASE_URL": " "}, "DATABASE_URL: is set but blank"),
     ],
 )
 async def test_a_worker_with_a_bad_setting_names_it_and_shows_no_value(
@@ -658,7 +658,7 @@ def test_an_operator_set_to_nothing_is_refused_not_taken_from_the_login(
 ) -> None:
     # As compose passes it on when the shell has none: the login there is the image's.
     monkeypatch.setenv("BILLING_OPERATOR", " ")
-    with pytest.raises(SettingsError, match="BILLING_OPERATOR: Value error, is set but empty"):
+    with pytest.raises(SettingsError, match="BILLING_OPERATOR: is set but empty"):
         arguments.operator(argparse.Namespace(operator=None))
     monkeypatch.setenv("BILLING_OPERATOR", "alice")
     assert arguments.operator(argparse.Namespace(operator=None)) == "alice"

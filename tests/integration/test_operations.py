@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import dataclasses
 import re
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta, tzinfo
@@ -15,13 +16,17 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 import pytest
+from google.protobuf.duration_pb2 import Duration
 from prometheus_client import REGISTRY
 from pydantic import ValidationError
 from temporalio import activity, workflow
 from temporalio.api.common.v1 import WorkflowExecution as ExecutionRef
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.sdk.v1 import WorkflowMetadata
-from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+from temporalio.api.workflowservice.v1 import (
+    RegisterNamespaceRequest,
+    ResetWorkflowExecutionRequest,
+)
 from temporalio.client import (
     Client,
     Schedule,
@@ -2524,3 +2529,21 @@ async def test_a_status_asked_as_the_run_closes_says_how_it_ended(
     assert summary.charged == 2
     assert (progress.state, progress.charged) == ("completed", 2)
     await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_run_in_a_namespace_without_the_search_attributes_says_to_run_setup(
+    harness: Harness,
+) -> None:
+    """Temporal refuses a start naming a search attribute its namespace lacks: the command
+    says what to run, not only Temporal's words (helper-163 F5). Nothing starts."""
+    bare = f"bare-{uuid.uuid4().hex[:8]}"
+    await harness.client.workflow_service.register_namespace(
+        RegisterNamespaceRequest(
+            namespace=bare, workflow_execution_retention_period=Duration(seconds=86400)
+        )
+    )
+    process = await harness.starter_process("run", str(PERIOD), TEMPORAL_NAMESPACE=bare)
+    _, err = await asyncio.wait_for(process.communicate(), 60)
+    stderr = err.decode()
+    assert process.returncode == 2, stderr
+    assert "search attribute" in stderr and "`python starter.py setup` registers them" in stderr

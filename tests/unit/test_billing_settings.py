@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from billing.config import BillingSettings, TemporalSettings
+from billing.config import BillingSettings, SettingsError, TemporalSettings, load_settings
+from billing.sealing import new_key
 
 
 @pytest.mark.parametrize("setting", ["stripe_api_base", "billing_vault_url"])
 def test_a_url_with_a_password_is_refused_without_echoing_it(setting: str) -> None:
     with pytest.raises(ValidationError) as refused:
         BillingSettings(**{setting: "https://ops:hunter2@vault.internal"})  # type: ignore[arg-type]
-    assert "no user or password" in str(refused.value)
+    assert "no user, password, query or fragment" in str(refused.value)
     assert "hunter2" not in str(refused.value)
 
 
@@ -39,3 +40,63 @@ def test_a_token_read_with_its_newline_is_refused_naming_it() -> None:
 def test_an_at_sign_after_the_host_is_no_password() -> None:
     settings = BillingSettings(stripe_api_base="https://stripe.internal/v1@edge")
     assert settings.stripe_api_base == "https://stripe.internal/v1@edge"
+
+
+# Shaped like no Stripe or vault key, as a vault token or a Temporal Cloud API key (a JWT) is:
+# billing.redact does not know it, so only not echoing it keeps it out (helper-163).
+TOKEN = "Zx9qRtWorkerToken0123456789abcdef"  # noqa: S105
+JWT = "eyJhbGciOiJFUzI1NiJ9.eyJzdWIiOiJvcHMifQ.c2lnbmF0dXJlLW9mLXRoZS1rZXk"
+
+
+@pytest.mark.parametrize("setting", ["stripe_api_base", "billing_vault_url"])
+def test_a_url_with_a_token_in_its_query_is_refused_without_echoing_it(setting: str) -> None:
+    """The workers log these URLs at start (helper-163 F1)."""
+    valid = {
+        "billing_vault_url": "http://vault.internal:8180",
+        "billing_vault_worker_token": SecretStr("worker-token"),
+        "billing_key_encryption_keys": SecretStr(new_key()),
+    }
+    with pytest.raises(ValidationError) as refused:
+        BillingSettings(**{**valid, setting: f"https://vault.internal/?access_token={TOKEN}"})  # type: ignore[arg-type]
+    assert setting in str(refused.value)
+    assert TOKEN not in str(refused.value)
+
+
+@pytest.mark.parametrize("tail", [f"/?token={TOKEN}", f"/#{TOKEN}"])
+def test_the_web_uis_url_with_a_token_after_it_is_refused(tail: str) -> None:
+    """The CLI prints it, with "/namespaces/..." after it, in every run's link."""
+    with pytest.raises(ValidationError) as refused:
+        TemporalSettings(ui_url="https://temporal-ui.internal" + tail)
+    assert TOKEN not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("address", f"ops:{TOKEN}@127.0.0.1:7233"), ("address", JWT), ("namespace", f"ns {TOKEN}")],
+)
+def test_a_temporal_address_or_namespace_not_shaped_as_one_is_refused_unechoed(
+    setting: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A password before the host, or an API key pasted into the wrong variable, was echoed
+    whole by every error naming the address (helper-163 F2)."""
+    monkeypatch.setenv(f"TEMPORAL_{setting.upper()}", value)
+    with pytest.raises(SettingsError) as refused:
+        load_settings(TemporalSettings)
+    assert f"TEMPORAL_{setting.upper()}: must be" in str(refused.value)
+    assert TOKEN not in str(refused.value) and JWT[:24] not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "address", ["127.0.0.1:7233", "temporal:7233", "ns.acct.tmprl.cloud:7233", "[::1]:7233"]
+)
+def test_a_temporal_address_as_host_and_port_is_taken(address: str) -> None:
+    assert TemporalSettings(address=address).address == address
+
+
+def test_a_settings_error_reads_without_pydantics_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BILLING_VAULT_URL", "http://vault:8080")
+    monkeypatch.setenv("BILLING_VAULT_WORKER_TOKEN", "abc")
+    monkeypatch.delenv("BILLING_KEY_ENCRYPTION_KEYS", raising=False)
+    with pytest.raises(SettingsError) as refused:
+        load_settings(BillingSettings)
+    assert "Value error, " not in str(refused.value)

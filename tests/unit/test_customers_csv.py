@@ -179,6 +179,20 @@ def test_a_file_separated_otherwise_is_told_to_use_commas(separator: str) -> Non
         parse_customers_csv([header, separator.join(["c-1", "cus_A", "", "1", "usd"]) + "\n"])
 
 
+@pytest.mark.parametrize("mark", [b"", b"\xef\xbb\xbf"], ids=["plain", "byte-order-mark"])
+def test_a_byte_that_is_not_utf8_is_located_in_the_file(tmp_path: Path, mark: bytes) -> None:
+    """Past the reader's first chunk, it was placed by its offset in that chunk, and no line
+    was named (helper-163 F3)."""
+    rows = "".join(f"c{i},cus_{i}A,pm_card_visa,1000,usd\n" for i in range(400))
+    good = mark + (HEADER + rows).encode()
+    bad_at = len(good) + len(b"cx,cus_X,pm_card_visa,1000,us")
+    path = tmp_path / "customers.csv"
+    path.write_bytes(good + b"cx,cus_X,pm_card_visa,1000,us\xffd\n")
+    with pytest.raises(CustomerImportError) as refused:
+        read_customers_csv(path)
+    assert f"at byte {bad_at}, line 402)" in str(refused.value), str(refused.value)
+
+
 def test_a_latin1_file_is_told_to_be_saved_as_utf8(tmp_path: Path) -> None:
     path = tmp_path / "customers.csv"
     path.write_bytes((HEADER + "c-1,cus_A,pm_1,1500,usd\n# M\xfcller\n").encode("latin-1"))

@@ -29,9 +29,9 @@ def test_both_set_name_the_two_roles(monkeypatch: pytest.MonkeyPatch) -> None:
         (
             'x"; DROP TABLE customers; --',
             "billing_vault",
-            "BILLING_DB_LEDGER_ROLE: Value error, must be",
+            "BILLING_DB_LEDGER_ROLE: must be",
         ),
-        ("billing_ledger", "Vault", "BILLING_DB_VAULT_ROLE: Value error, must be"),
+        ("billing_ledger", "Vault", "BILLING_DB_VAULT_ROLE: must be"),
     ],
 )
 def test_one_alone_the_same_twice_or_an_odd_name_is_refused(

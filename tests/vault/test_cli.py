@@ -115,7 +115,7 @@ async def test_missing_settings_are_named_and_no_secret_is_printed() -> None:
     assert process.returncode == 2
     assert stdout == b""
     message = stderr.decode()
-    assert "VAULT_ADMIN_TOKEN: Value error, must be at least 16 characters" in message
+    assert "VAULT_ADMIN_TOKEN: must be at least 16 characters" in message
     assert "VAULT_MAX_CAP_CENTS: is required but not set" in message
     assert UPSTREAM_SECRET not in message and "short" not in message
 
