@@ -57,6 +57,8 @@ from vault.endpoints import NOT_SENT_CODES
 
 # The period is paused: the workflow waits for its resume or cancel.
 PAUSED = "PeriodPaused"
+# A claim closed by another hand whose row is gone when read again (deleted by hand).
+CLAIM_MISSING = "claim_missing"
 # The customer is held while its Stripe customer's old id has a claim open (see
 # ledger.claim): the workflow waits, as for a pause, and tries again.
 HELD = "CustomerHeld"
@@ -170,9 +172,12 @@ class ChargingActivities:
             # Finished by another hand (e.g. cancelled by its run) since it was claimed.
             async with self._pool.acquire() as conn:
                 closed = await ledger.claim_by_key(conn, claim.idempotency_key)
-            return _finished(
-                closed or claim.model_copy(update={"status": "failed"}), request.claimant_run
-            )
+            if closed is None:
+                # Its row deleted by hand since: nothing says how it ended, so it is failed,
+                # by a code that says why.
+                missing = {"status": "failed", "failure_code": CLAIM_MISSING}
+                closed = claim.model_copy(update=missing)
+            return _finished(closed, request.claimant_run)
         gate: Gate = passage.gate
         if gate == "paused":
             # The workflow waits for the period's word (resume or cancel), not this task.

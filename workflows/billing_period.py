@@ -243,8 +243,9 @@ class BillingPeriodWorkflow:
             self._hand_over_settled = True
             await workflow.sleep(HAND_OVER_SETTLE)
         # An update taken meanwhile gets its answer. Each ends on its activity's result: in a
-        # pass after all of a task's jobs, a cancel among them.
-        await self._wait(workflow.all_handlers_finished)
+        # pass after all of a task's jobs, a cancel among them. Not `_wait`, which takes a
+        # cancel for the wait's end: here it is Temporal's, which `run` must write.
+        await workflow.wait_condition(workflow.all_handlers_finished)
         # Sent as `run` ends: children that reported since billing handed over are counted.
         self._state.started_elsewhere = sorted(self._in_flight)
 

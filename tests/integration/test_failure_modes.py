@@ -15,7 +15,7 @@ from temporalio.testing import ActivityEnvironment
 
 from activities import charging as charging_module
 from activities import stripe_gateway
-from activities.charging import PAUSED, BillRequest, ChargingActivities
+from activities.charging import CLAIM_MISSING, PAUSED, BillRequest, ChargingActivities
 from activities.stripe_access import DirectAccess, StripeAccess, VaultAccess
 from activities.stripe_failures import SLOW_RETRY, fence_of
 from activities.stripe_gateway import StripeGateway, charge_params
@@ -452,6 +452,24 @@ async def test_a_stop_reaches_a_charge_whose_only_request_was_not_sent(
     except ApplicationError as err:
         outcome = err.type
     assert outcome == ("cancelled" if control == "cancelled" else PAUSED)
+    assert await harness.charges() == []
+
+
+async def test_a_claim_whose_row_was_deleted_by_hand_fails_saying_so(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its row gone between the claim and the gate: failed, by a code that says why, not a
+    failure with no code (helper-153 L2). Nothing is charged."""
+    _, charging, request = await _billing_one(harness, StripeGateway)
+
+    async def deleted(_: ChargingActivities, claim: Claim, reserved: object) -> None:
+        await harness.pool.execute(
+            "DELETE FROM billing_runs WHERE idempotency_key = $1", claim.idempotency_key
+        )
+
+    monkeypatch.setattr(ChargingActivities, "_wait_for_slot", deleted)
+    outcome = await _attempt(1).run(charging.bill, request)
+    assert (outcome.outcome, outcome.failure_code) == ("failed", CLAIM_MISSING)
     assert await harness.charges() == []
 
 

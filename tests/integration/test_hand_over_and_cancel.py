@@ -9,11 +9,14 @@ as the signals that took it past its limit reaches `run` before it ends."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
+import temporalio.workflow
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
@@ -39,6 +42,11 @@ HELD = 3  # children kept in flight through the hand-over, to meet the paused ga
 DUE = IN_FLIGHT + 10  # the rest are never started: the cancel marks them
 
 E = EventType
+# The hand-over's timer, widened so that a test can act within it (_stretch_hand_over_timer).
+STRETCHED = timedelta(seconds=6)
+# A run's history at most: the limit, then each child's report while the hand-over waits (an
+# event and, on a loaded machine, a workflow task each), and the cancel's writes.
+REPORTS_BOUND = LIMIT + 4 * IN_FLIGHT + 40
 
 
 class HoldWritesAndBills(Interceptor):
@@ -99,6 +107,28 @@ def _is(kind: int) -> Callable[[HistoryEvent], bool]:
     return lambda e: e.event_type == kind
 
 
+async def _paused_past_the_limit(first: WorkflowHandle[Any, Any]) -> bool:
+    """The pause accepted, every child but the HELD ones reported, and a workflow task past
+    the limit done after both: the run waits for the pause's write to hand over."""
+    events = await _events(first)
+    accepted = _first(events, _is(E.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED))
+    reported = [
+        e.event_id
+        for e in events
+        if e.event_type == E.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_COMPLETED
+    ]
+    if accepted is None or len(reported) < IN_FLIGHT - HELD:
+        return False
+    return _task_done_after(events, max(accepted, *reported), started_at=LIMIT)
+
+
+async def _cancel_taken(first: WorkflowHandle[Any, Any]) -> bool:
+    """Temporal's cancel requested, and a workflow task done since."""
+    events = await _events(first)
+    asked = _first(events, _is(E.EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED))
+    return asked is not None and _task_done_after(events, asked)
+
+
 def _control_writes(events: list[HistoryEvent]) -> dict[str, tuple[int, int | None]]:
     """Each set_control's word: (scheduled event id, completed event id or None)."""
     scheduled: dict[int, str] = {}
@@ -116,14 +146,6 @@ def _control_writes(events: list[HistoryEvent]) -> dict[str, tuple[int, int | No
                 word = scheduled[sid]
                 found[word] = (found[word][0], e.event_id)
     return found
-
-
-def _task_started_before(events: list[HistoryEvent], event_id: int) -> int:
-    return max(
-        e.event_id
-        for e in events
-        if e.event_type == E.EVENT_TYPE_WORKFLOW_TASK_STARTED and e.event_id < event_id
-    )
 
 
 def _task_done_after(events: list[HistoryEvent], event_id: int, *, started_at: int = 0) -> bool:
@@ -178,20 +200,10 @@ async def test_a_temporal_cancel_of_a_paused_run_handing_over_lands_before_it_co
             # The ledger still says running: every child but the late ones charges and reports.
             hold.bills_go.set()
 
-            async def past_the_limit() -> bool:
-                events = await _events(first)
-                accepted = _first(events, _is(E.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED))
-                return accepted is not None and _task_done_after(events, accepted, started_at=LIMIT)
-
-            await eventually(past_the_limit, timeout=30)
+            await eventually(lambda: _paused_past_the_limit(first), timeout=60)
             await handle.cancel()
 
-            async def cancel_taken() -> bool:
-                events = await _events(first)
-                asked = _first(events, _is(E.EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED))
-                return asked is not None and _task_done_after(events, asked)
-
-            await eventually(cancel_taken, timeout=30)
+            await eventually(lambda: _cancel_taken(first), timeout=30)
             assert not pausing.done()
             # The pause's write lands: its handler finishes, the billing task hands over, and
             # `run` schedules the cancel's write, all in one activation.
@@ -236,9 +248,9 @@ async def test_a_temporal_cancel_of_a_paused_run_handing_over_lands_before_it_co
     accepted = _first(events, _is(E.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED))
     asked = _first(events, _is(E.EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED))
     assert accepted is not None and asked is not None
-    # The pause came with the history under the limit (the fan-out's paused branch, not the
-    # continue-as-new after the window's wait), and before the cancel...
-    assert _task_started_before(events, accepted) < LIMIT
+    # The pause came before the cancel (with the history under the limit, the fan-out's
+    # paused branch; on a loaded machine, past it, the continue-as-new after the window's
+    # wait: `run` settles both alike)...
     assert accepted < asked < (writes["paused"][1] or 0)
     # ... which the run took while the pause's write was held: its write scheduled only once
     # the pause's had landed, and landed before the run continued as new.
@@ -271,7 +283,7 @@ async def test_a_temporal_cancel_of_a_paused_run_handing_over_lands_before_it_co
     cancelled = frozenset(c.customer_id for c in customers if c.customer_id not in charged)
     assert late <= cancelled and len(cancelled) == DUE - IN_FLIGHT + HELD
     await assert_billed_once(harness, str(PERIOD), customers, cancelled=cancelled)
-    runs = await harness.chain_of_runs(handle.id, bound=LIMIT + 100)
+    runs = await harness.chain_of_runs(handle.id, bound=REPORTS_BOUND)
     assert runs[0].run_id == first.run_id
     await replay(runs)
 
@@ -353,20 +365,10 @@ async def test_children_reporting_between_the_hand_over_and_the_cancels_write_co
             await asyncio.wait_for(hold.reached["paused"].wait(), 30)
             hold.bills_go.set()
 
-            async def past_the_limit() -> bool:
-                events = await _events(first)
-                accepted = _first(events, _is(E.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED))
-                return accepted is not None and _task_done_after(events, accepted, started_at=LIMIT)
-
-            await eventually(past_the_limit, timeout=30)
+            await eventually(lambda: _paused_past_the_limit(first), timeout=60)
             await handle.cancel()
 
-            async def cancel_taken() -> bool:
-                events = await _events(first)
-                asked = _first(events, _is(E.EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED))
-                return asked is not None and _task_done_after(events, asked)
-
-            await eventually(cancel_taken, timeout=30)
+            await eventually(lambda: _cancel_taken(first), timeout=30)
             hold.go["paused"].set()
             await asyncio.wait_for(hold.reached["cancelled"].wait(), 30)
             await asyncio.wait_for(pausing, 30)
@@ -403,3 +405,108 @@ async def test_children_reporting_between_the_hand_over_and_the_cancels_write_co
 
 async def _all_billing(hold: HoldWritesAndBills) -> bool:
     return len(hold.billing) >= IN_FLIGHT
+
+
+class HoldPausedWrite(Interceptor):
+    """Holds the period's first "paused" control write until `go`."""
+
+    def __init__(self) -> None:
+        self.reached = asyncio.Event()
+        self.go = asyncio.Event()
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        hold = self
+
+        class Held(ActivityInboundInterceptor):
+            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                if (
+                    activity.info().activity_type == "set_control"
+                    and input.args[0].control == "paused"
+                    and not hold.go.is_set()
+                ):
+                    hold.reached.set()
+                    await asyncio.wait_for(hold.go.wait(), 90)
+                return await super().execute_activity(input)
+
+        return Held(next)
+
+
+def _stretch_hand_over_timer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Widens the 1 ms hand-over timer (HAND_OVER_SETTLE, the only 1 ms sleep without a
+    summary) so that a test can act within it; the race exists at 1 ms (a signal in the task
+    that fires the timer), only narrower."""
+    real = temporalio.workflow.sleep
+
+    async def sleep(duration: Any, *, summary: str | None = None) -> None:
+        if summary is None and duration == timedelta(milliseconds=1):
+            duration = STRETCHED
+        await real(duration, summary=summary)
+
+    monkeypatch.setattr(temporalio.workflow, "sleep", sleep)
+
+
+async def test_a_temporal_cancel_while_the_hand_over_awaits_a_handler_is_kept(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Handing over, `run` waits for a handler (a child's key refusal pausing the run, its
+    write held); Temporal's cancel then came and was taken for the wait's end: the run
+    handed over paused, the cancel lost (helper-164 R1)."""
+    _stretch_hand_over_timer(monkeypatch)
+    await harness.seed(60)
+    await harness.set_faults(latency_ms=300)
+    hold = HoldPausedWrite()
+    options = RunOptions(
+        max_in_flight=5, max_starting=5, history_event_limit=200, hand_over_after_seconds=0
+    )
+    async with harness.running_worker(interceptors=[hold]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
+        first = harness.client.get_workflow_handle(
+            handle.id, run_id=(await handle.describe()).run_id
+        )
+        try:
+
+            async def settling() -> bool:
+                events = await _events(first)
+                return any(
+                    e.event_type == E.EVENT_TYPE_TIMER_STARTED
+                    and e.timer_started_event_attributes.start_to_fire_timeout.ToTimedelta()
+                    == STRETCHED
+                    for e in events
+                )
+
+            # The billing task has handed over (running, past its history limit); `run`
+            # waits its hand-over timer.
+            await eventually(settling, timeout=60)
+            # A child's key refusal (or anyone's signal) arrives: the run pauses, its write held.
+            await first.signal(
+                BillingPeriodWorkflow.period_blocked,
+                ChargeFailure(code="spend_cap_exceeded", message="cap reached"),
+            )
+            await asyncio.wait_for(hold.reached.wait(), 30)
+
+            async def timer_fired() -> bool:
+                events = await _events(first)
+                fired = _first(events, _is(E.EVENT_TYPE_TIMER_FIRED))
+                return fired is not None and _task_done_after(events, fired)
+
+            # `_settled` now waits, in `_wait`, for the signal's handler to finish.
+            await eventually(timer_fired, timeout=30)
+            await first.cancel()
+
+            await eventually(lambda: _cancel_taken(first), timeout=30)
+            hold.go.set()
+
+            async def ledger_cancelled() -> bool:
+                control: str | None = await harness.pool.fetchval(
+                    "SELECT control FROM billing_periods WHERE billing_period = $1", str(PERIOD)
+                )
+                return control == "cancelled"
+
+            # The cancel is written and carried on: the chain ends cancelled.
+            await eventually(ledger_cancelled, timeout=30)
+            summary: PeriodSummary = await asyncio.wait_for(handle.result(), 60)
+            assert summary.cancelled_by == "temporal"
+        finally:
+            hold.go.set()
+            with contextlib.suppress(Exception):
+                await handle.terminate("test over")
