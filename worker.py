@@ -135,6 +135,7 @@ def create_worker(
             period.cancel_unstarted,
             period.close,
             period.close_if_all_listed,
+            period.close_if_all_reached,
             period.completed,
             period.latest_billed,
             period.periods_to_recheck,

@@ -75,6 +75,9 @@ class DuePageRequest(Record):
     limit: int
     # Only due customers the run's listing did not reach (PeriodActivities._due_page).
     unlisted: bool = False
+    # The run starts a customer with no row again whatever its last child's end
+    # (RESTART_COMPLETED_UNCLAIMED): one closed before the run opened is not reached.
+    restarts_completed: bool = False
 
 
 class OutcomesRequest(Record):
@@ -312,7 +315,12 @@ class PeriodActivities:
     async def due_customers(self, request: DuePageRequest) -> DuePage:
         async with self._pool.acquire() as conn:
             return await self._due_page(
-                conn, request.period, request.after, request.limit, unlisted=request.unlisted
+                conn,
+                request.period,
+                request.after,
+                request.limit,
+                unlisted=request.unlisted,
+                restarts_completed=request.restarts_completed,
             )
 
     async def _due_page(
@@ -323,6 +331,7 @@ class PeriodActivities:
         limit: int,
         *,
         unlisted: bool,
+        restarts_completed: bool,
     ) -> DuePage:
         """A page of due customers after the cursor; if `unlisted`, only those the run's
         listing did not reach (_unreached: imported, or released from a hold, behind it). One
@@ -332,17 +341,22 @@ class PeriodActivities:
         if not unlisted:
             return page
         return DuePage(
-            customers=await self._unreached(conn, period, page.customers),
+            customers=await self._unreached(conn, period, page.customers, restarts_completed),
             next_cursor=page.next_cursor,
         )
 
     async def _unreached(
-        self, conn: asyncpg.Connection, period: str, customers: Sequence[DueCustomer]
+        self,
+        conn: asyncpg.Connection,
+        period: str,
+        customers: Sequence[DueCustomer],
+        restarts_completed: bool,
     ) -> list[DueCustomer]:
         """Those of `customers` (due, with no row) that the period's open run has not reached:
         with no workflow for the period, or only one that ended before its claim (failed,
-        terminated) before the run opened, which a listing starts again. One that ended since
-        was this run's, or one it waited for and counted."""
+        terminated; completed too, if the run `restarts_completed`) before the run opened,
+        which a listing starts again. One that ended since was this run's, or one it waited
+        for and counted."""
         if not customers:
             return []
         opened = await ledger.run_opened_at(conn, period)
@@ -353,7 +367,11 @@ class PeriodActivities:
             if child is None
             or (
                 # Started again by a listing (RESTART_UNCLAIMED's reuse policy).
-                child.status in ENDED_UNCOMPLETED
+                (
+                    child.status != WorkflowExecutionStatus.RUNNING
+                    if restarts_completed
+                    else child.status in ENDED_UNCOMPLETED
+                )
                 and opened is not None
                 and child.close_time is not None
                 and child.close_time < opened
@@ -491,6 +509,15 @@ class PeriodActivities:
         Checked and closed as one step to an import (ledger.lock_for_change), so that none
         lands in between. Looked for first without the lock, which Temporal's answers would
         hold up (a describe per customer with no row): under it, only those new since are."""
+        return await self._close_if_reached(summary, restarts_completed=False)
+
+    @activity.defn(name="close_period_if_all_reached")
+    async def close_if_all_reached(self, summary: PeriodSummary) -> bool:
+        """`close_if_all_listed` for a run that starts a customer with no row again whatever
+        its last child's end (RESTART_COMPLETED_UNCLAIMED)."""
+        return await self._close_if_reached(summary, restarts_completed=True)
+
+    async def _close_if_reached(self, summary: PeriodSummary, *, restarts_completed: bool) -> bool:
         period = summary.period
         async with self._pool.acquire() as conn:
             record = await ledger.period_record(conn, period)
@@ -501,12 +528,15 @@ class PeriodActivities:
                 await _check_current_try("close", period)
                 await self._revoke_unused(conn, period)
                 return True
-            reached = await self._reached_without_row(conn, period, frozenset())
+            reached = await self._reached_without_row(conn, period, frozenset(), restarts_completed)
             if reached is None:
                 return False
             async with conn.transaction():
                 await ledger.lock_for_change(conn, "the run's close")
-                if await self._reached_without_row(conn, period, reached) is None:
+                if (
+                    await self._reached_without_row(conn, period, reached, restarts_completed)
+                    is None
+                ):
                     return False
                 await ledger.lock_period(conn, period)
                 await _finish(conn, summary)
@@ -514,7 +544,11 @@ class PeriodActivities:
         return True
 
     async def _reached_without_row(
-        self, conn: asyncpg.Connection, period: str, known: frozenset[str]
+        self,
+        conn: asyncpg.Connection,
+        period: str,
+        known: frozenset[str],
+        restarts_completed: bool,
     ) -> frozenset[str] | None:
         """The due customers with no row, each of which has a workflow for the period (those
         in `known` are taken to have one); None if one has none: no listing reached it."""
@@ -523,7 +557,7 @@ class PeriodActivities:
         while True:
             page = await ledger.due_page(conn, period, after, UNLISTED_PAGE, without_row=True)
             new = [c for c in page.customers if c.customer_id not in known]
-            if await self._unreached(conn, period, new):
+            if await self._unreached(conn, period, new, restarts_completed):
                 return None
             reached.update(c.customer_id for c in page.customers)
             if page.next_cursor is None:

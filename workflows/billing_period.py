@@ -98,6 +98,9 @@ RESTART_UNCLAIMED = "restart-unclaimed"
 # ... and when the one before completed without a claim: it found the customer inactive
 # (unknown_customer), who has been made active again since. No row means no claim, so
 # nothing was charged under that ID; its ID used to refuse every later run of the period.
+# The listing of the unlisted and the close then take such a child, closed before the run
+# opened, for one this run has not reached (close_if_all_reached): a run from before would
+# list it again for ever, its start refused.
 RESTART_COMPLETED_UNCLAIMED = "restart-completed-unclaimed"
 # A cancel accepted while keys are renewed woke the children before the new keys existed:
 # refused again, they waited on their timers (up to 5 minutes), and the advice to renew
@@ -187,6 +190,7 @@ class BillingPeriodWorkflow:
         # Decided with the run's other patches; an update may be validated before that.
         self._lists_the_unlisted = False
         self._settles_before_hand_over = False
+        self._restarts_completed = False
         # The hand-over's timer has been waited (_settled).
         self._hand_over_settled = False
         self._billing: asyncio.Task[PeriodSummary] | None = None
@@ -202,6 +206,7 @@ class BillingPeriodWorkflow:
         self._temporal_cancel_is_a_cancel = workflow.patched(TEMPORAL_CANCEL_IS_A_CANCEL)
         self._lists_the_unlisted = workflow.patched(LISTS_THE_UNLISTED)
         self._settles_before_hand_over = workflow.patched(SETTLE_BEFORE_HAND_OVER)
+        self._restarts_completed = workflow.patched(RESTART_COMPLETED_UNCLAIMED)
         parsed = checked(parse_period, self._state.period)
         period = str(parsed)
         require_id(
@@ -356,7 +361,11 @@ class BillingPeriodWorkflow:
         customer is left that no listing of a run still billing has reached."""
         if self._lists_the_unlisted and self._control.control != "cancelled":
             return await workflow.execute_activity_method(
-                PeriodActivities.close_if_all_listed,
+                (
+                    PeriodActivities.close_if_all_reached
+                    if self._restarts_completed
+                    else PeriodActivities.close_if_all_listed
+                ),
                 summary,
                 start_to_close_timeout=ACTIVITY_TIMEOUT,
                 summary=f"close {summary.period}, once every due customer is listed",
@@ -715,6 +724,7 @@ class BillingPeriodWorkflow:
                         after=state.cursor,
                         limit=self._options.page_size,
                         unlisted=state.unlisted,
+                        restarts_completed=self._restarts_completed,
                     ),
                     start_to_close_timeout=ACTIVITY_TIMEOUT,
                     summary=(
@@ -786,7 +796,7 @@ class BillingPeriodWorkflow:
         if customer.status is None and workflow.patched(RESTART_UNCLAIMED):
             reuse = (
                 WorkflowIDReusePolicy.ALLOW_DUPLICATE
-                if workflow.patched(RESTART_COMPLETED_UNCLAIMED)
+                if self._restarts_completed
                 else WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY
             )
         try:

@@ -367,3 +367,43 @@ async def test_a_close_tried_again_after_it_was_written_does_not_reopen_the_run(
     assert (summary.due, summary.charged, summary.failed) == (3, 3, 0), summary
     assert written == summary
     await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_a_customer_active_again_behind_the_listing_is_billed_by_the_run(
+    harness: Harness,
+) -> None:
+    """Its child of the period found it gone (completed, no row) before the run opened; made
+    active again behind the run's listing, it was taken for reached by the close, and the run
+    ended with it neither billed nor counted (helper-164 R2)."""
+    customers = await harness.seed(3)
+    # Sorts before every seeded customer: behind the listing once it has begun.
+    returned = await create_demo_customers(harness.stripe, 1, prefix="a-ret")
+    await import_customers(harness.pool, returned, while_running=False)
+    ids = [c.customer_id for c in returned]
+    await harness.pool.execute(
+        "UPDATE customers SET active = false WHERE customer_id = ANY($1::text[])", ids
+    )
+    async with harness.running_worker():
+        # An earlier look at the period found it gone: completed, unknown_customer, no row.
+        outcome = await harness.client.execute_workflow(
+            CustomerChargeWorkflow.run,
+            CustomerChargeInput(period=str(PERIOD), customer_id=ids[0]),
+            id=customer_workflow_id(PERIOD, ids[0]),
+            task_queue=harness.task_queue,
+        )
+        assert outcome.failure_code == "unknown_customer"
+
+    class ReturnAtTheClose(ImportAtTheClose):
+        async def imported(self) -> None:
+            await import_customers(self.harness.pool, returned, while_running=True)
+
+    importing = ReturnAtTheClose(harness)
+    async with harness.running_worker(interceptors=[importing]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        summary = await asyncio.wait_for(handle.result(), 60)
+        history = await handle.fetch_history()
+    # Billed by the run, as the customer imported at the close beside it.
+    assert (summary.due, summary.charged) == (5, 5), summary
+    await assert_billed_once(harness, str(PERIOD), [*customers, *importing.late, *returned])
+    await replay([history])
+    keep([history])
