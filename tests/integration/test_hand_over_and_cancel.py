@@ -107,6 +107,25 @@ def _is(kind: int) -> Callable[[HistoryEvent], bool]:
     return lambda e: e.event_type == kind
 
 
+async def _cancelled_while_paused_past_the_limit(
+    harness: Harness, hold: HoldWritesAndBills, options: RunOptions
+) -> tuple[WorkflowHandle[Any, PeriodSummary], WorkflowHandle[Any, Any], asyncio.Task[Any]]:
+    """Starts the run; once every child bills, pauses it, its write held (`pausing`), and lets
+    the bills go: the ledger still says running, so every child but the late ones charges and
+    reports, past the run's history limit. Then Temporal's cancel, taken by the run. Returns
+    the run, its first run, and the pause."""
+    handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
+    first = harness.client.get_workflow_handle(handle.id, run_id=(await handle.describe()).run_id)
+    await eventually(lambda: _all_billing(hold), timeout=30)
+    pausing = asyncio.create_task(operations.control(harness.client, PERIOD, "pause", BOB))
+    await asyncio.wait_for(hold.reached["paused"].wait(), 30)
+    hold.bills_go.set()
+    await eventually(lambda: _paused_past_the_limit(first), timeout=60)
+    await handle.cancel()
+    await eventually(lambda: _cancel_taken(first), timeout=30)
+    return handle, first, pausing
+
+
 async def _paused_past_the_limit(first: WorkflowHandle[Any, Any]) -> bool:
     """The pause accepted, every child but the HELD ones reported, and a workflow task past
     the limit done after both: the run waits for the pause's write to hand over."""
@@ -189,21 +208,9 @@ async def test_a_temporal_cancel_of_a_paused_run_handing_over_lands_before_it_co
     )
     async with harness.running_worker(interceptors=[hold]):
         try:
-            handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
-            first = harness.client.get_workflow_handle(
-                handle.id, run_id=(await handle.describe()).run_id
+            handle, first, pausing = await _cancelled_while_paused_past_the_limit(
+                harness, hold, options
             )
-
-            await eventually(lambda: _all_billing(hold), timeout=30)
-            pausing = asyncio.create_task(operations.control(harness.client, PERIOD, "pause", BOB))
-            await asyncio.wait_for(hold.reached["paused"].wait(), 30)
-            # The ledger still says running: every child but the late ones charges and reports.
-            hold.bills_go.set()
-
-            await eventually(lambda: _paused_past_the_limit(first), timeout=60)
-            await handle.cancel()
-
-            await eventually(lambda: _cancel_taken(first), timeout=30)
             assert not pausing.done()
             # The pause's write lands: its handler finishes, the billing task hands over, and
             # `run` schedules the cancel's write, all in one activation.
@@ -356,19 +363,9 @@ async def test_children_reporting_between_the_hand_over_and_the_cancels_write_co
     options = RunOptions(max_in_flight=IN_FLIGHT, max_starting=IN_FLIGHT, history_event_limit=LIMIT)
     async with harness.running_worker(interceptors=[hold]):
         try:
-            handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
-            first = harness.client.get_workflow_handle(
-                handle.id, run_id=(await handle.describe()).run_id
+            handle, first, pausing = await _cancelled_while_paused_past_the_limit(
+                harness, hold, options
             )
-            await eventually(lambda: _all_billing(hold), timeout=30)
-            pausing = asyncio.create_task(operations.control(harness.client, PERIOD, "pause", BOB))
-            await asyncio.wait_for(hold.reached["paused"].wait(), 30)
-            hold.bills_go.set()
-
-            await eventually(lambda: _paused_past_the_limit(first), timeout=60)
-            await handle.cancel()
-
-            await eventually(lambda: _cancel_taken(first), timeout=30)
             hold.go["paused"].set()
             await asyncio.wait_for(hold.reached["cancelled"].wait(), 30)
             await asyncio.wait_for(pausing, 30)
@@ -407,30 +404,6 @@ async def _all_billing(hold: HoldWritesAndBills) -> bool:
     return len(hold.billing) >= IN_FLIGHT
 
 
-class HoldPausedWrite(Interceptor):
-    """Holds the period's first "paused" control write until `go`."""
-
-    def __init__(self) -> None:
-        self.reached = asyncio.Event()
-        self.go = asyncio.Event()
-
-    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
-        hold = self
-
-        class Held(ActivityInboundInterceptor):
-            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
-                if (
-                    activity.info().activity_type == "set_control"
-                    and input.args[0].control == "paused"
-                    and not hold.go.is_set()
-                ):
-                    hold.reached.set()
-                    await asyncio.wait_for(hold.go.wait(), 90)
-                return await super().execute_activity(input)
-
-        return Held(next)
-
-
 def _stretch_hand_over_timer(monkeypatch: pytest.MonkeyPatch) -> None:
     """Widens the 1 ms hand-over timer (HAND_OVER_SETTLE, the only 1 ms sleep without a
     summary) so that a test can act within it; the race exists at 1 ms (a signal in the task
@@ -454,7 +427,10 @@ async def test_a_temporal_cancel_while_the_hand_over_awaits_a_handler_is_kept(
     _stretch_hand_over_timer(monkeypatch)
     await harness.seed(60)
     await harness.set_faults(latency_ms=300)
-    hold = HoldPausedWrite()
+    # Only the run's first write of "paused" is held.
+    hold = HoldWritesAndBills(set())
+    for released in (hold.bills_go, hold.late_go, hold.go["cancelled"]):
+        released.set()
     options = RunOptions(
         max_in_flight=5, max_starting=5, history_event_limit=200, hand_over_after_seconds=0
     )
@@ -482,7 +458,7 @@ async def test_a_temporal_cancel_while_the_hand_over_awaits_a_handler_is_kept(
                 BillingPeriodWorkflow.period_blocked,
                 ChargeFailure(code="spend_cap_exceeded", message="cap reached"),
             )
-            await asyncio.wait_for(hold.reached.wait(), 30)
+            await asyncio.wait_for(hold.reached["paused"].wait(), 30)
 
             async def timer_fired() -> bool:
                 events = await _events(first)
@@ -494,7 +470,7 @@ async def test_a_temporal_cancel_while_the_hand_over_awaits_a_handler_is_kept(
             await first.cancel()
 
             await eventually(lambda: _cancel_taken(first), timeout=30)
-            hold.go.set()
+            hold.go["paused"].set()
 
             async def ledger_cancelled() -> bool:
                 control: str | None = await harness.pool.fetchval(
@@ -507,6 +483,6 @@ async def test_a_temporal_cancel_while_the_hand_over_awaits_a_handler_is_kept(
             summary: PeriodSummary = await asyncio.wait_for(handle.result(), 60)
             assert summary.cancelled_by == "temporal"
         finally:
-            hold.go.set()
+            hold.go["paused"].set()
             with contextlib.suppress(Exception):
                 await handle.terminate("test over")
