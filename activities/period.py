@@ -353,10 +353,11 @@ class PeriodActivities:
         restarts_completed: bool,
     ) -> list[DueCustomer]:
         """Those of `customers` (due, with no row) that the period's open run has not reached:
-        with no workflow for the period, or only one that ended before its claim (failed,
-        terminated; completed too, if the run `restarts_completed`) before the run opened,
-        which a listing starts again. One that ended since was this run's, or one it waited
-        for and counted."""
+        with no workflow for the period, one still running (an earlier run's: this run's have
+        ended by its close, and each is on one page of a listing), or only one that ended
+        before its claim (failed, terminated; completed too, if the run `restarts_completed`)
+        before the run opened, which a listing starts again. One that ended since was this
+        run's, or one it waited for and counted."""
         if not customers:
             return []
         opened = await ledger.run_opened_at(conn, period)
@@ -365,13 +366,12 @@ class PeriodActivities:
             c
             for c, child in zip(customers, children, strict=True)
             if child is None
+            # Still running before its claim, an earlier run's (terminated): the listing's
+            # start is refused, and the run awaits its outcome.
+            or child.status == WorkflowExecutionStatus.RUNNING
             or (
                 # Started again by a listing (RESTART_UNCLAIMED's reuse policy).
-                (
-                    child.status != WorkflowExecutionStatus.RUNNING
-                    if restarts_completed
-                    else child.status in ENDED_UNCOMPLETED
-                )
+                (restarts_completed or child.status in ENDED_UNCOMPLETED)
                 and opened is not None
                 and child.close_time is not None
                 and child.close_time < opened

@@ -209,6 +209,9 @@ class PeriodState(BaseModel):
     # be a charge never sent, refused and reopened, which the gate then cancels: the run
     # then ends at once.
     refused_after_cancel: str | None = None
+    # Decided by the chain's first run (BillingPeriodWorkflow's RESTART_COMPLETED_UNCLAIMED),
+    # which counts a customer in its own way; None from a run of before: then off throughout.
+    restarts_completed: bool | None = None
 
 
 class CancelPage(Record):

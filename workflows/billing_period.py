@@ -206,7 +206,12 @@ class BillingPeriodWorkflow:
         self._temporal_cancel_is_a_cancel = workflow.patched(TEMPORAL_CANCEL_IS_A_CANCEL)
         self._lists_the_unlisted = workflow.patched(LISTS_THE_UNLISTED)
         self._settles_before_hand_over = workflow.patched(SETTLE_BEFORE_HAND_OVER)
-        self._restarts_completed = workflow.patched(RESTART_COMPLETED_UNCLAIMED)
+        if self._state.restarts_completed is None:
+            # Decided for the whole chain: a customer counted failed by a run of before would
+            # otherwise be billed, and counted again, by its next.
+            first = self._state.runs == 1
+            self._state.restarts_completed = first and workflow.patched(RESTART_COMPLETED_UNCLAIMED)
+        self._restarts_completed = self._state.restarts_completed
         parsed = checked(parse_period, self._state.period)
         period = str(parsed)
         require_id(

@@ -9,9 +9,11 @@ from typing import Any
 
 import pytest
 from temporalio import activity
+from temporalio import workflow as wf
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
+from activities.stripe_access import StripeAccess
 from billing import operations
 from billing.customers import CustomerRow, import_customers
 from billing.keys import customer_workflow_id
@@ -27,7 +29,8 @@ from billing.seeding import create_demo_customers
 from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
-from workflows.billing_period import BillingPeriodWorkflow
+from worker import create_worker, direct_access
+from workflows.billing_period import RESTART_COMPLETED_UNCLAIMED, BillingPeriodWorkflow
 from workflows.customer_charge import CustomerChargeWorkflow
 
 PERIOD = Period(2026, 12)
@@ -407,3 +410,108 @@ async def test_a_customer_active_again_behind_the_listing_is_billed_by_the_run(
     await assert_billed_once(harness, str(PERIOD), [*customers, *importing.late, *returned])
     await replay([history])
     keep([history])
+
+
+async def test_a_customer_due_again_behind_the_listing_whose_earlier_child_still_runs_is_counted(
+    harness: Harness,
+) -> None:
+    """An earlier run's child of the customer is still RUNNING, before its claim, when this
+    run opens (e.g. the earlier run was terminated; its child waits, held or for a worker);
+    the customer is inactive as the listing passes it and active again at the close. The
+    close (`_unreached`: a RUNNING child is 'reached') closes the run without the customer:
+    not counted, not awaited, and then charged by that child after the run's summary was
+    written (I2; helper-165 R2)."""
+    await harness.seed(3)
+    returned = await create_demo_customers(harness.stripe, 1, prefix="a-ret")
+    await import_customers(harness.pool, returned, while_running=False)
+    ids = [c.customer_id for c in returned]
+    await harness.pool.execute(
+        "UPDATE customers SET active = false WHERE customer_id = ANY($1::text[])", ids
+    )
+    elsewhere = f"{harness.task_queue}-earlier"
+    # The earlier run's child: started, not yet claimed (its worker is not polling yet).
+    earlier = await harness.client.start_workflow(
+        CustomerChargeWorkflow.run,
+        CustomerChargeInput(period=str(PERIOD), customer_id=ids[0]),
+        id=customer_workflow_id(PERIOD, ids[0]),
+        task_queue=elsewhere,
+    )
+
+    class ReturnAtTheClose(ImportAtTheClose):
+        async def imported(self) -> None:
+            await import_customers(self.harness.pool, returned, while_running=True)
+            closing.set()
+
+    closing = asyncio.Event()
+    importing = ReturnAtTheClose(harness)
+    async with harness.running_worker(interceptors=[importing]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        await asyncio.wait_for(closing.wait(), 60)
+
+        async def awaited() -> bool:
+            pending = (await handle.describe()).raw_description.pending_activities
+            return any(p.activity_type.name == "await_outcomes" for p in pending)
+
+        # The close found it not reached: listed again, its start refused, it is awaited.
+        await eventually(awaited, timeout=30)
+        # The earlier child's worker comes back: it claims and charges the customer.
+        other = create_worker(
+            harness.client,
+            elsewhere,
+            harness.pool,
+            _access(harness),
+            harness.settings,
+            None,
+            sandbox_all=True,
+        )
+        async with other:
+            summary = await asyncio.wait_for(handle.result(), 90)
+            outcome = await asyncio.wait_for(earlier.result(), 60)
+    assert outcome.outcome == "charged", outcome
+    rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
+    assert rows[ids[0]]["status"] == "charged"
+    # Due at the close and charged for the period: the run's summary should count it.
+    assert (summary.due, _counted(summary)) == (5, 5), summary
+
+
+def _access(harness: Harness) -> StripeAccess:
+    if harness.vault is None:
+        return direct_access(harness.stripe, harness.settings)
+    return harness.vault_access()
+
+
+async def test_a_run_continued_from_one_before_the_patch_counts_a_returned_customer_once(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run begun by a worker of before RESTART_COMPLETED_UNCLAIMED (no marker at its start:
+    here its first run is told the patch is absent, as replay tells it) lists a customer with
+    no row whose child completed before the run opened: ALLOW_DUPLICATE_FAILED_ONLY refuses
+    the start, the run awaits it in the ledger and counts it failed (unknown_customer). The
+    run hands over (its history's length), and the next run, under the patch,
+    closes through close_period_if_all_reached, which takes that child for unreached: the
+    customer was listed again, started again, charged, and counted a second time (I2;
+    helper-165 R1): the chain's first run decides for it."""
+    real = wf.patched
+
+    def patched(patch_id: str) -> bool:
+        if patch_id == RESTART_COMPLETED_UNCLAIMED and wf.info().continued_run_id is None:
+            return False  # the run's first run began on a worker of before the patch
+        return real(patch_id)
+
+    monkeypatch.setattr(wf, "patched", patched)
+    customers = await harness.seed(40)
+    returned = await create_demo_customers(harness.stripe, 1, prefix="a-ret")
+    await import_customers(harness.pool, returned, while_running=False)
+    # Two at a time and a short history: the run continues as new midway.
+    options = RunOptions(max_in_flight=2, max_starting=2, history_event_limit=200)
+    await harness.set_faults(latency_ms=200)
+    async with harness.running_worker():
+        await _ended_without_a_row(harness, returned)
+        handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
+        summary = await asyncio.wait_for(handle.result(), 120)
+        latest = await harness.client.get_workflow_handle(handle.id).describe()
+    assert latest.run_id != handle.result_run_id, "the run never continued as new"
+    rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
+    assert set(rows) <= {c.customer_id for c in [*customers, *returned]}
+    # 41 customers; each counted once.
+    assert (summary.due, _counted(summary)) == (41, 41), summary
