@@ -567,9 +567,10 @@ class PeriodActivities:
     async def _revoke_unused(self, conn: asyncpg.Connection, period: str) -> None:
         """Revoke the period's keys no run stores, where no opening may come to: at the
         close (a key the vault issued only after the opening's retry had looked, a vault slow
-        to answer) and after a stale opening's refusal. Each would otherwise hold its cap
-        against the worker budget until it expired. Under the opening's lock, as there; a
-        failure only warns (the close does not wait on the vault)."""
+        to answer) and after an opening that failed once the vault may have issued keys. Each
+        would otherwise hold its cap against the worker budget until it expired. Under the
+        opening's lock, as there; a failure only warns (the close does not wait on the
+        vault)."""
         if self._admin is None:
             return
         try:
