@@ -123,8 +123,8 @@ TEMPORAL_CANCEL_IS_A_CANCEL = "temporal-cancel-is-a-cancel"
 # paused run that signals took past its history limit handed over in that pass, and the cancel,
 # which does not cross continue-as-new, was lost (a later resume billed customers it was to
 # stop). And children reporting while `run` wrote a cancel after the hand-over were counted in
-# this run and awaited again by the next. A run that hands over now waits one short timer
-# first, and hands over what is still in flight then.
+# this run and awaited again by the next. A run that hands over now waits for a later
+# workflow task first (a short timer at most), and hands over what is still in flight then.
 SETTLE_BEFORE_HAND_OVER = "settle-before-hand-over"
 HAND_OVER_SETTLE = timedelta(milliseconds=1)
 # An operator's update refused meanwhile, which billing.operations tries again on the next
@@ -191,7 +191,7 @@ class BillingPeriodWorkflow:
         self._lists_the_unlisted = False
         self._settles_before_hand_over = False
         self._restarts_completed = False
-        # The hand-over's timer has been waited (_settled).
+        # The hand-over has waited for a later workflow task (_settled).
         self._hand_over_settled = False
         self._billing: asyncio.Task[PeriodSummary] | None = None
         # The close's activity is under way (LISTS_THE_UNLISTED): a word waits for its verdict.
@@ -243,15 +243,24 @@ class BillingPeriodWorkflow:
                     await self._set_control("cancelled", TEMPORAL_CANCEL)
 
     async def _settled(self, billing: asyncio.Task[PeriodSummary]) -> None:
-        """Once billing has ended: if it handed over, one short timer later, so that a cancel
-        that came in the same workflow task reaches `run` first, with every update answered
-        and only what is still in flight handed over."""
+        """Once billing has ended: if it handed over, in a later workflow task, so that a
+        cancel that came in the same one reaches `run` first, with every update answered and
+        only what is still in flight handed over."""
         await workflow.wait([billing])
         if not self._handed_over(billing):
             return
         if not self._hand_over_settled:
             self._hand_over_settled = True
-            await workflow.sleep(HAND_OVER_SETTLE)
+            decided_in = workflow.info().get_current_history_length()
+            # Until a later workflow task, by which this one's jobs are all applied: a busy
+            # run gets one from a child's report at once, an idle one when the timer fires
+            # (about a second on the dev server: a timer alone cost throughput).
+            with contextlib.suppress(TimeoutError):
+                await workflow.wait_condition(
+                    lambda: workflow.info().get_current_history_length() > decided_in,
+                    timeout=HAND_OVER_SETTLE,
+                    timeout_summary="hand over once the workflow task's jobs are all in",
+                )
         # An update taken meanwhile gets its answer. Each ends on its activity's result: in a
         # pass after all of a task's jobs, a cancel among them. Not `_wait`, which takes a
         # cancel for the wait's end: here it is Temporal's, which `run` must write.

@@ -26,13 +26,13 @@ from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, 
 from activities.stripe_gateway import StripeGateway
 from billing import operations
 from billing.keys import customer_workflow_id
-from billing.models import ChargeFailure, OperatorRequest, PeriodSummary, RunOptions
+from billing.models import ChargeFailure, OperatorRequest, PeriodSummary, RunOptions, SkipRequest
 from billing.periods import Period
 from billing.runs import start_period
 from tests.integration.harness import Harness, at_least, eventually, single_batch_activations
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
-from workflows.billing_period import BillingPeriodWorkflow
+from workflows.billing_period import HAND_OVER_SETTLE, BillingPeriodWorkflow
 
 PERIOD = Period(2026, 12)
 BOB = OperatorRequest(reason="looking into it", operator="bob")
@@ -401,21 +401,29 @@ async def test_children_reporting_between_the_hand_over_and_the_cancels_write_co
 
 
 async def _all_billing(hold: HoldWritesAndBills) -> bool:
-    return len(hold.billing) >= IN_FLIGHT
+    return await _billing(hold, IN_FLIGHT)
 
 
-def _stretch_hand_over_timer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Widens the 1 ms hand-over timer (HAND_OVER_SETTLE, the only 1 ms sleep without a
-    summary) so that a test can act within it; the race exists at 1 ms (a signal in the task
-    that fires the timer), only narrower."""
-    real = temporalio.workflow.sleep
+async def _billing(hold: HoldWritesAndBills, count: int) -> bool:
+    return len(hold.billing) >= count
 
-    async def sleep(duration: Any, *, summary: str | None = None) -> None:
-        if summary is None and duration == timedelta(milliseconds=1):
-            duration = STRETCHED
-        await real(duration, summary=summary)
 
-    monkeypatch.setattr(temporalio.workflow, "sleep", sleep)
+def _stretch_hand_over_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Widens the hand-over's wait for a later workflow task (its timer, HAND_OVER_SETTLE)
+    so that a test can act within it on a run with nothing else to bring one."""
+    real = temporalio.workflow.wait_condition
+
+    async def wait_condition(
+        fn: Callable[[], bool],
+        *,
+        timeout: timedelta | float | None = None,
+        timeout_summary: str | None = None,
+    ) -> None:
+        if timeout == HAND_OVER_SETTLE:
+            timeout = STRETCHED
+        await real(fn, timeout=timeout, timeout_summary=timeout_summary)
+
+    monkeypatch.setattr(temporalio.workflow, "wait_condition", wait_condition)
 
 
 async def test_a_temporal_cancel_while_the_hand_over_awaits_a_handler_is_kept(
@@ -424,15 +432,15 @@ async def test_a_temporal_cancel_while_the_hand_over_awaits_a_handler_is_kept(
     """Handing over, `run` waits for a handler (a child's key refusal pausing the run, its
     write held); Temporal's cancel then came and was taken for the wait's end: the run
     handed over paused, the cancel lost (helper-164 R1)."""
-    _stretch_hand_over_timer(monkeypatch)
-    await harness.seed(60)
-    await harness.set_faults(latency_ms=300)
-    # Only the run's first write of "paused" is held.
+    _stretch_hand_over_wait(monkeypatch)
+    customers = await harness.seed(60)
+    # Every bill held (no child reports: nothing brings the run a workflow task), and the
+    # run's first write of "paused".
     hold = HoldWritesAndBills(set())
-    for released in (hold.bills_go, hold.late_go, hold.go["cancelled"]):
+    for released in (hold.late_go, hold.go["cancelled"]):
         released.set()
     options = RunOptions(
-        max_in_flight=5, max_starting=5, history_event_limit=200, hand_over_after_seconds=0
+        max_in_flight=5, max_starting=5, history_event_limit=LIMIT, hand_over_after_seconds=0
     )
     async with harness.running_worker(interceptors=[hold]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
@@ -440,37 +448,37 @@ async def test_a_temporal_cancel_while_the_hand_over_awaits_a_handler_is_kept(
             handle.id, run_id=(await handle.describe()).run_id
         )
         try:
+            await eventually(lambda: _billing(hold, 5), timeout=30)
 
             async def settling() -> bool:
-                events = await _events(first)
                 return any(
                     e.event_type == E.EVENT_TYPE_TIMER_STARTED
                     and e.timer_started_event_attributes.start_to_fire_timeout.ToTimedelta()
                     == STRETCHED
-                    for e in events
+                    for e in await _events(first)
                 )
 
-            # The billing task has handed over (running, past its history limit); `run`
-            # waits its hand-over timer.
-            await eventually(settling, timeout=60)
-            # A child's key refusal (or anyone's signal) arrives: the run pauses, its write held.
+            # Skips of customers not yet listed take the run past its limit: it hands over,
+            # its children in flight, and waits for a later workflow task.
+            for customer in reversed(customers):
+                if await settling():
+                    break
+                skip = SkipRequest(customer_id=customer.customer_id, reason="r", operator="o")
+                await operations.skip(
+                    harness.client, harness.settings, harness.database_url, PERIOD, skip
+                )
+            assert await settling(), "the run never handed over"
+            # A child's key refusal arrives: the run pauses, its write held, and `_settled`
+            # waits for that handler.
             await first.signal(
                 BillingPeriodWorkflow.period_blocked,
                 ChargeFailure(code="spend_cap_exceeded", message="cap reached"),
             )
             await asyncio.wait_for(hold.reached["paused"].wait(), 30)
-
-            async def timer_fired() -> bool:
-                events = await _events(first)
-                fired = _first(events, _is(E.EVENT_TYPE_TIMER_FIRED))
-                return fired is not None and _task_done_after(events, fired)
-
-            # `_settled` now waits, in `_wait`, for the signal's handler to finish.
-            await eventually(timer_fired, timeout=30)
             await first.cancel()
-
             await eventually(lambda: _cancel_taken(first), timeout=30)
             hold.go["paused"].set()
+            hold.bills_go.set()
 
             async def ledger_cancelled() -> bool:
                 control: str | None = await harness.pool.fetchval(
@@ -483,6 +491,6 @@ async def test_a_temporal_cancel_while_the_hand_over_awaits_a_handler_is_kept(
             summary: PeriodSummary = await asyncio.wait_for(handle.result(), 60)
             assert summary.cancelled_by == "temporal"
         finally:
-            hold.go["paused"].set()
+            hold.release_all()
             with contextlib.suppress(Exception):
                 await handle.terminate("test over")
