@@ -20,7 +20,6 @@ from temporalio.client import (
     WorkflowHandle,
 )
 from temporalio.exceptions import ApplicationError
-from temporalio.service import RPCError, RPCStatusCode
 
 from activities.stripe_failures import KEY_REFUSED
 from billing import ledger, logs, period_keys, schedules
@@ -45,7 +44,7 @@ from billing.models import (
 from billing.money import spend_caps
 from billing.periods import Billing, parse_period, period_for
 from billing.reconciliation import RECHECK_RUNS_WITHIN, RECHECKS_PER_FIRING, PeriodToRecheck
-from billing.temporal_client import ENDED_UNCOMPLETED
+from billing.temporal_client import ENDED_UNCOMPLETED, described
 from vault.client import (
     VaultAdmin,
     VaultAdminError,
@@ -387,12 +386,7 @@ class PeriodActivities:
     async def _child_of(self, period: str, customer_id: str) -> WorkflowExecutionDescription | None:
         """The customer's workflow for the period, however it ended; None if it never ran (or
         is gone past the namespace's retention)."""
-        try:
-            return await self._child(period, customer_id).describe()
-        except RPCError as exc:
-            if exc.status != RPCStatusCode.NOT_FOUND:
-                raise
-            return None
+        return await described(self._child(period, customer_id))
 
     @activity.defn(name="await_outcomes")
     async def await_outcomes(self, request: OutcomesRequest) -> list[CustomerOutcome]:

@@ -19,7 +19,6 @@ import stripe
 from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.exceptions import ApplicationError
-from temporalio.service import RPCError, RPCStatusCode
 
 from activities.stripe_access import StripeAccess
 from activities.stripe_failures import (
@@ -57,6 +56,7 @@ from billing.reconciliation import (
     reservations_to_report,
 )
 from billing.sealing import UnsealError
+from billing.temporal_client import workflow_status
 from vault.client import (
     VaultAdmin,
     VaultAdminError,
@@ -134,13 +134,10 @@ async def _bounded(calls: list[Callable[[], Awaitable[T]]]) -> list[T]:
 
 
 async def _workflow_state(client: Client, workflow_id: str) -> ChildState:
-    try:
-        description = await client.get_workflow_handle(workflow_id).describe()
-    except RPCError as exc:
-        if exc.status == RPCStatusCode.NOT_FOUND:
-            return "absent"
-        raise
-    return "running" if description.status == WorkflowExecutionStatus.RUNNING else "closed"
+    status = await workflow_status(client.get_workflow_handle(workflow_id))
+    if status is None:
+        return "absent"
+    return "running" if status == WorkflowExecutionStatus.RUNNING else "closed"
 
 
 def _log(event: str, period: str, key: str, **fields: Any) -> None:

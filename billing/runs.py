@@ -12,7 +12,6 @@ from temporalio.api.enums.v1 import PendingWorkflowTaskState
 from temporalio.client import (
     Client,
     WorkflowContinuedAsNewError,
-    WorkflowExecutionDescription,
     WorkflowExecutionStatus,
     WorkflowFailureError,
     WorkflowHandle,
@@ -42,7 +41,7 @@ from billing.models import (
 from billing.periods import Period, run_command
 from billing.reconciliation import ReconcileInput, ReconcileReport
 from billing.reporting import failure_chain
-from billing.temporal_client import workflow_status
+from billing.temporal_client import described, workflow_status
 from workflows.billing_period import BillingPeriodWorkflow
 from workflows.reconcile import ReconcileWorkflow
 
@@ -75,7 +74,8 @@ async def started_across_outages(
     lost may have started or joined the run: still open, the next start joins it
     (USE_EXISTING); ended since, it is the workflow ID's latest run, and either not the one
     before the first try or one open then, and is the run returned, not started again."""
-    earlier = await _while_away(lambda: _latest_run(client, workflow_id), on_away)
+    latest_run = client.get_workflow_handle(workflow_id)
+    earlier = await _while_away(lambda: described(latest_run), on_away)
     before = earlier.run_id if earlier is not None else None
     # Open then, the first try joined it.
     joined = earlier is not None and earlier.status == WorkflowExecutionStatus.RUNNING
@@ -84,7 +84,7 @@ async def started_across_outages(
     async def start_unless_ended() -> WorkflowHandle[Any, ResultT]:
         nonlocal tried
         if tried:
-            latest = await _latest_run(client, workflow_id)
+            latest = await described(latest_run)
             if (
                 latest is not None
                 and (latest.run_id != before or joined)
@@ -97,15 +97,6 @@ async def started_across_outages(
         return await start()
 
     return await _while_away(start_unless_ended, on_away)
-
-
-async def _latest_run(client: Client, workflow_id: str) -> WorkflowExecutionDescription | None:
-    try:
-        return await client.get_workflow_handle(workflow_id).describe()
-    except RPCError as exc:
-        if exc.status == RPCStatusCode.NOT_FOUND:
-            return None
-        raise
 
 
 async def _while_away(
@@ -266,11 +257,8 @@ async def period_status(client: Client, period: Period) -> PeriodProgress:
     `not_started` when Temporal holds no run (see status_from_ledger)."""
     workflow_id = period_workflow_id(period)
     handle = client.get_workflow_handle_for(BillingPeriodWorkflow.run, workflow_id)
-    try:
-        description = await handle.describe()
-    except RPCError as exc:
-        if exc.status != RPCStatusCode.NOT_FOUND:
-            raise
+    description = await described(handle)
+    if description is None:
         empty = PeriodSummary.empty(str(period), workflow_id)
         return _progress(empty).model_copy(update={"state": "not_started"})
     status = description.status

@@ -17,7 +17,12 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.client import (
+    Client,
+    WorkflowExecutionDescription,
+    WorkflowExecutionStatus,
+    WorkflowHandle,
+)
 from temporalio.envconfig import ClientConfigProfile, ClientConnectConfig
 from temporalio.runtime import Runtime
 from temporalio.service import RPCError, RPCStatusCode
@@ -126,11 +131,18 @@ async def _check_namespace(client: Client, address: str) -> None:
         # A key scoped to its namespace may not describe it; its own calls say what is wrong.
 
 
-async def workflow_status(handle: WorkflowHandle[Any, Any]) -> WorkflowExecutionStatus | None:
-    """The workflow's status; None if Temporal holds no run of it."""
+async def described(handle: WorkflowHandle[Any, Any]) -> WorkflowExecutionDescription | None:
+    """The workflow's latest run (or the handle's run), described; None if Temporal holds no
+    run of it (never started, or gone past the namespace's retention)."""
     try:
-        return (await handle.describe()).status
+        return await handle.describe()
     except RPCError as err:
         if err.status == RPCStatusCode.NOT_FOUND:
             return None
         raise
+
+
+async def workflow_status(handle: WorkflowHandle[Any, Any]) -> WorkflowExecutionStatus | None:
+    """The workflow's status; None if Temporal holds no run of it."""
+    description = await described(handle)
+    return None if description is None else description.status
