@@ -14,6 +14,7 @@ import asyncio
 import ipaddress
 import logging
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import asyncpg
 
@@ -36,8 +37,10 @@ class Unauthenticated(Refusal):
     """A proxied request that presented no known vault key: counted here rather than
     audited, as it has no key to be audited under."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__("refused_auth", 401, "vault_key_invalid", message)
+    def __init__(
+        self, message: str, status: int = 401, code: str = "vault_key_invalid", **kwargs: Any
+    ) -> None:
+        super().__init__("refused_auth", status, code, message, **kwargs)
 
 
 class KeyUncheckable(Unauthenticated):
@@ -47,13 +50,11 @@ class KeyUncheckable(Unauthenticated):
     them out in a flood."""
 
     def __init__(self) -> None:
-        Refusal.__init__(
-            self,
-            "refused_auth",
-            503,
-            DATABASE_UNAVAILABLE,
+        super().__init__(
             "the vault cannot check vault keys now (its database cannot be reached); nothing"
             " was sent: retry shortly",
+            503,
+            DATABASE_UNAVAILABLE,
             error_type="api_error",
             should_retry=True,
         )

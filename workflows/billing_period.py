@@ -227,10 +227,10 @@ class BillingPeriodWorkflow:
         while True:
             try:
                 if self._settles_before_hand_over:
-                    await self._settled(billing)
+                    await self._settled()
                 return await asyncio.shield(billing)
             except asyncio.CancelledError:
-                if billing.done() and not self._handed_over(billing):
+                if billing.done() and not self._handed_over():
                     # Finished in the same turn: its summary, or what ended it.
                     return billing.result()
                 if (
@@ -242,12 +242,13 @@ class BillingPeriodWorkflow:
                     # is sent once `run` ends).
                     await self._set_control("cancelled", TEMPORAL_CANCEL)
 
-    async def _settled(self, billing: asyncio.Task[PeriodSummary]) -> None:
+    async def _settled(self) -> None:
         """Once billing has ended: if it handed over, in a later workflow task, so that a
         cancel that came in the same one reaches `run` first, with every update answered and
         only what is still in flight handed over."""
-        await workflow.wait([billing])
-        if not self._handed_over(billing):
+        assert self._billing is not None
+        await workflow.wait([self._billing])
+        if not self._handed_over():
             return
         if not self._hand_over_settled:
             self._hand_over_settled = True
@@ -269,16 +270,19 @@ class BillingPeriodWorkflow:
         self._state.started_elsewhere = sorted(self._in_flight)
 
     def _refuse_while_handing_over(self) -> None:
-        if self._billing is not None and self._handed_over(self._billing):
+        if self._handed_over():
             raise ApplicationError(
                 f"the run of {self._state.period} is handing over to its next run"
                 " (continue-as-new): try again in a moment",
                 type=HANDING_OVER,
             )
 
-    def _handed_over(self, billing: asyncio.Task[PeriodSummary]) -> bool:
+    def _handed_over(self) -> bool:
+        """Billing has ended by continuing as new (SETTLE_BEFORE_HAND_OVER)."""
+        billing = self._billing
         return (
             self._settles_before_hand_over
+            and billing is not None
             and billing.done()
             and isinstance(billing.exception(), workflow.ContinueAsNewError)
         )
