@@ -17,6 +17,7 @@ from temporalio import activity
 from temporalio.api.common.v1 import WorkflowExecution as ExecutionRef
 from temporalio.api.enums.v1 import EventType, PendingActivityState
 from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+from temporalio.client import WorkflowHandle
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
@@ -100,6 +101,20 @@ SET_CONTROL = "set_control"
 BILL = "bill"
 CLOSE_IF_ALL_REACHED = "close_period_if_all_reached"
 DUE = "due_customers"
+
+
+async def _terminated_at_its_close(
+    harness: Harness, hold: HoldEachRun
+) -> tuple[WorkflowHandle[Any, PeriodSummary], str]:
+    """A run started, let through its opening (if `hold` holds openings), held at its close
+    and terminated there: its workflow and its run id."""
+    handle = await start_period(harness.client, PERIOD, harness.task_queue)
+    run = (await handle.describe()).run_id
+    if PREPARE in hold.kinds:
+        hold.release(PREPARE, run)
+    await hold.reached(CLOSE, run)
+    await handle.terminate(reason="stuck at its close")
+    return handle, run
 
 
 @pytest.mark.parametrize("cancelled", [False, True], ids=["completed", "cancelled"])
@@ -227,11 +242,7 @@ async def test_a_terminated_runs_close_leaves_its_reset_run_alone(harness: Harne
     customers = await harness.seed(2)
     hold = HoldEachRun(PREPARE, CLOSE)
     async with harness.running_worker(interceptors=[hold]):
-        handle = await start_period(harness.client, PERIOD, harness.task_queue)
-        stuck = (await handle.describe()).run_id
-        hold.release(PREPARE, stuck)
-        await hold.reached(CLOSE, stuck)
-        await handle.terminate(reason="stuck at its close")
+        handle, stuck = await _terminated_at_its_close(harness, hold)
         customers += await harness.seed(1, prefix="late")
         reset = await _reset_to(harness, handle.id, stuck, after_opening=False)
         hold.release(PREPARE, reset)
@@ -289,10 +300,7 @@ async def test_a_run_reset_past_its_opening_closes_as_the_run_that_opened_it(
     customers = await harness.seed(2)
     hold = HoldEachRun(CLOSE)
     async with harness.running_worker(interceptors=[hold]):
-        handle = await start_period(harness.client, PERIOD, harness.task_queue)
-        stuck = (await handle.describe()).run_id
-        await hold.reached(CLOSE, stuck)
-        await handle.terminate(reason="stuck at its close")
+        handle, stuck = await _terminated_at_its_close(harness, hold)
         ended = [stuck]
         if rerun_between:
             rerun = await start_period(harness.client, PERIOD, harness.task_queue)
@@ -326,11 +334,7 @@ async def test_a_terminated_reruns_late_opening_leaves_the_period_a_reset_run_cl
     customers = await harness.seed(2)
     hold = HoldEachRun(PREPARE, CLOSE)
     async with harness.running_worker(interceptors=[hold]):
-        handle = await start_period(harness.client, PERIOD, harness.task_queue)
-        a = (await handle.describe()).run_id
-        hold.release(PREPARE, a)
-        await hold.reached(CLOSE, a)
-        await handle.terminate(reason="stuck at its close")
+        handle, a = await _terminated_at_its_close(harness, hold)
         rerun = await start_period(harness.client, PERIOD, harness.task_queue)
         b = (await rerun.describe()).run_id
         await hold.reached(PREPARE, b)
@@ -539,11 +543,7 @@ async def test_an_opening_that_checked_then_waited_on_the_vault_opens_nothing(
     # The late customer's charge is held, so that the reset run has one in flight.
     bill = Gate(lambda info: info.activity_type == "bill" and "late" in (info.workflow_id or ""))
     async with harness.running_worker(interceptors=[hold, bill]):
-        handle = await start_period(harness.client, PERIOD, harness.task_queue)
-        a = (await handle.describe()).run_id
-        hold.release(PREPARE, a)
-        await hold.reached(CLOSE, a)
-        await handle.terminate(reason="stuck at its close")
+        handle, a = await _terminated_at_its_close(harness, hold)
         customers += await harness.seed(1, prefix="late")
         rerun = await start_period(harness.client, PERIOD, harness.task_queue)
         b = (await rerun.describe()).run_id
