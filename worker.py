@@ -136,6 +136,7 @@ def create_worker(
             period.close,
             period.close_if_all_listed,
             period.close_if_all_reached,
+            period.close_if_all_marked,
             period.completed,
             period.latest_billed,
             period.periods_to_recheck,

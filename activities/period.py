@@ -33,6 +33,7 @@ from billing.models import (
     CustomerOutcome,
     DueCustomer,
     DuePage,
+    Listing,
     OperatorRequest,
     PeriodPlan,
     PeriodSummary,
@@ -77,6 +78,16 @@ class DuePageRequest(Record):
     # The run starts a customer with no row again whatever its last child's end
     # (RESTART_COMPLETED_UNCLAIMED): one closed before the run opened is not reached.
     restarts_completed: bool = False
+    # The listing of the run, which marks the customers it lists and takes those no other
+    # listing of the run marked (LISTINGS_MARKED); None from a run begun before, which tells
+    # them by rows and children (`unlisted`, `restarts_completed`).
+    listing: Listing | None = None
+
+
+class MarkedCloseRequest(Record):
+    summary: PeriodSummary
+    # The run's latest listing: its marks and those of earlier ones count.
+    listing: Listing
 
 
 class OutcomesRequest(Record):
@@ -313,6 +324,10 @@ class PeriodActivities:
     @activity.defn(name="due_customers")
     async def due_customers(self, request: DuePageRequest) -> DuePage:
         async with self._pool.acquire() as conn:
+            if request.listing is not None:
+                return await ledger.listed_page(
+                    conn, request.period, request.after, request.limit, request.listing
+                )
             return await self._due_page(
                 conn,
                 request.period,
@@ -511,16 +526,41 @@ class PeriodActivities:
         its last child's end (RESTART_COMPLETED_UNCLAIMED)."""
         return await self._close_if_reached(summary, restarts_completed=True)
 
+    @activity.defn(name="close_period_if_all_marked")
+    async def close_if_all_marked(self, request: MarkedCloseRequest) -> bool:
+        """`close_if_all_listed` for a run whose listings mark the customers they list
+        (LISTINGS_MARKED): a due customer left is one no listing of the run marked, whatever
+        its row or workflow (given a row meanwhile by a skip, or by an earlier run's child,
+        it is in no count of the run yet). One query, under the import's lock."""
+        summary = request.summary
+        period = summary.period
+        async with self._pool.acquire() as conn:
+            if await self._closed_before(conn, period):
+                return True
+            async with conn.transaction():
+                await ledger.lock_for_change(conn, "the run's close")
+                if await ledger.unlisted_due(conn, period, request.listing):
+                    return False
+                await ledger.lock_period(conn, period)
+                await _finish(conn, summary)
+            await self._revoke_unused(conn, period)
+        return True
+
+    async def _closed_before(self, conn: asyncpg.Connection, period: str) -> bool:
+        """Whether an earlier try of this close wrote the summary, its answer lost (maybe
+        before it had revoked the period's unused keys, which it does now). Only the current
+        try of the latest run writes the row, whose opening left it running."""
+        record = await ledger.period_record(conn, period)
+        if record is None or record.state != "completed":
+            return False
+        await _check_current_try("close", period)
+        await self._revoke_unused(conn, period)
+        return True
+
     async def _close_if_reached(self, summary: PeriodSummary, *, restarts_completed: bool) -> bool:
         period = summary.period
         async with self._pool.acquire() as conn:
-            record = await ledger.period_record(conn, period)
-            if record is not None and record.state == "completed":
-                # Only the current try of the latest run writes the row, whose opening left
-                # it running: an earlier try of this close wrote it, its answer lost (maybe
-                # before it had revoked the period's unused keys).
-                await _check_current_try("close", period)
-                await self._revoke_unused(conn, period)
+            if await self._closed_before(conn, period):
                 return True
             reached = await self._reached_without_row(conn, period, frozenset(), restarts_completed)
             if reached is None:

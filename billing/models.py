@@ -130,6 +130,15 @@ class DuePage(Record):
     next_cursor: str | None
 
 
+class Listing(Record):
+    """One listing of a period's run, which marks in the ledger each customer it lists
+    (migrations/032): the run's id (RunIdentity.run_id, which opened the period) and which of
+    its listings this is, 0 the first, one more for each listing of the unlisted."""
+
+    run_id: str
+    number: int = Field(ge=0)
+
+
 class RunIdentity(Record):
     """Which run opened a period (migrations/031): the first run id of its workflow's chain
     of runs, and the time of its opening by Temporal's clock (when the opening's attempt
@@ -212,6 +221,10 @@ class PeriodState(BaseModel):
     # Decided by the chain's first run (BillingPeriodWorkflow's RESTART_COMPLETED_UNCLAIMED),
     # which counts a customer in its own way; None from a run of before: then off throughout.
     restarts_completed: bool | None = None
+    # Which listing of the run this is (Listing.number), each marking the customers it lists
+    # (BillingPeriodWorkflow's LISTINGS_MARKED); None for a run whose first run began before:
+    # it tells the customers it has not reached by their rows and children.
+    listing: int | None = None
 
 
 class CancelPage(Record):

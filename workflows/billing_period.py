@@ -37,6 +37,7 @@ with workflow.unsafe.imports_passed_through():
         CancelRequest,
         ControlRequest,
         DuePageRequest,
+        MarkedCloseRequest,
         OutcomesRequest,
         PeriodActivities,
         PrepareRequest,
@@ -55,6 +56,7 @@ with workflow.unsafe.imports_passed_through():
         CustomerChargeInput,
         CustomerOutcome,
         DueCustomer,
+        Listing,
         OperatorRequest,
         PeriodProgress,
         PeriodState,
@@ -151,6 +153,14 @@ BATCH_PUT_BACK_AT_CONTROL = "batch-put-back-at-control"
 # and the run lists those and bills them. An operator's word given meanwhile (pause, cancel,
 # skip, Temporal's cancel) is taken and applies if the run goes back to billing.
 LISTS_THE_UNLISTED = "lists-the-unlisted"
+# The listing of the unlisted and the close took a due customer for reached if it had a row,
+# or a workflow this run had reached: one given a row meanwhile (an operator's skip, a claim by
+# a child an earlier run left running) was in the ledger but in no count of the run's summary,
+# and one whose child was gone past the namespace's retention was listed again, counted twice.
+# A run's listings now mark the customers they list (migrations/032); the listing of the
+# unlisted and the close (close_if_all_marked) take those no listing of the run marked.
+# Decided by the chain's first run: the listings of a run of before marked nothing.
+LISTINGS_MARKED = "listings-marked"
 
 
 # Room left when a reason is cut, for what redacting the cut text again may add.
@@ -212,6 +222,8 @@ class BillingPeriodWorkflow:
             first = self._state.runs == 1
             self._state.restarts_completed = first and workflow.patched(RESTART_COMPLETED_UNCLAIMED)
         self._restarts_completed = self._state.restarts_completed
+        if self._state.runs == 1 and workflow.patched(LISTINGS_MARKED):
+            self._state.listing = 0
         parsed = checked(parse_period, self._state.period)
         period = str(parsed)
         require_id(
@@ -378,6 +390,14 @@ class BillingPeriodWorkflow:
         """Write the run's summary to the ledger; False, nothing written, while a due
         customer is left that no listing of a run still billing has reached."""
         if self._lists_the_unlisted and self._control.control != "cancelled":
+            listing = self._listing()
+            if listing is not None:
+                return await workflow.execute_activity_method(
+                    PeriodActivities.close_if_all_marked,
+                    MarkedCloseRequest(summary=summary, listing=listing),
+                    start_to_close_timeout=ACTIVITY_TIMEOUT,
+                    summary=f"close {summary.period}, once every due customer is listed",
+                )
             return await workflow.execute_activity_method(
                 (
                     PeriodActivities.close_if_all_reached
@@ -396,12 +416,21 @@ class BillingPeriodWorkflow:
         )
         return True
 
+    def _listing(self) -> Listing | None:
+        """The run's listing under way, which marks the customers it lists (LISTINGS_MARKED);
+        None for a run whose first run began before."""
+        if self._state.listing is None:
+            return None
+        return Listing(run_id=workflow.info().first_execution_run_id, number=self._state.listing)
+
     def _list_the_unlisted(self) -> None:
         """List, from the start, only the due customers the listing has not reached."""
         state = self._state
         state.unlisted = True
         state.cursor = None
         state.listing_done = False
+        if state.listing is not None:
+            state.listing += 1
 
     # -- operator controls -------------------------------------------------------------
 
@@ -743,6 +772,7 @@ class BillingPeriodWorkflow:
                         limit=self._options.page_size,
                         unlisted=state.unlisted,
                         restarts_completed=self._restarts_completed,
+                        listing=self._listing(),
                     ),
                     start_to_close_timeout=ACTIVITY_TIMEOUT,
                     summary=(

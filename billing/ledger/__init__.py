@@ -15,8 +15,10 @@ from billing.ledger.due import (
     due_page,
     held_customers,
     issued_caps,
+    listed_page,
     plan_period,
     preview_lines,
+    unlisted_due,
     unsent_totals,
 )
 from billing.ledger.gate import (
@@ -90,6 +92,7 @@ __all__ = [
     "latest_run",
     "latest_run_before",
     "ledger_entries",
+    "listed_page",
     "lock_for_change",
     "lock_period",
     "mark_handled",
@@ -111,6 +114,7 @@ __all__ = [
     "set_control",
     "start_period",
     "stop_behind_saved_error",
+    "unlisted_due",
     "unsent_totals",
     "vault_keys_sent_through",
     "without_rows",

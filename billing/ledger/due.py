@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncpg
 
 from billing.ledger.sql import DUE, DUE_WHERE, HELD_AS, OPEN, due_join
-from billing.models import DueCustomer, DuePage, PeriodPlan, PreviewLine
+from billing.models import DueCustomer, DuePage, Listing, PeriodPlan, PreviewLine
 
 
 async def plan_period(conn: asyncpg.Connection, period: str) -> PeriodPlan:
@@ -122,6 +122,63 @@ async def due_page(
         after or "",
         limit,
     )
+    return _page(rows, limit)
+
+
+def _page(rows: list[asyncpg.Record], limit: int) -> DuePage:
     customers = [DueCustomer(customer_id=r["customer_id"], status=r["status"]) for r in rows]
     next_cursor = customers[-1].customer_id if len(customers) == limit else None
     return DuePage(customers=customers, next_cursor=next_cursor)
+
+
+# Marked by an earlier listing of the run. A mark of a later one is of a timeline a reset
+# of the run undid: not a listing of this one.
+_LISTED_BEFORE = """EXISTS (
+    SELECT 1 FROM period_listed l WHERE l.billing_period = $1 AND l.customer_id = c.customer_id
+        AND l.run_id = $4 AND l.listing < $5)"""
+
+
+async def listed_page(
+    conn: asyncpg.Connection, period: str, after: str | None, limit: int, listing: Listing
+) -> DuePage:
+    """Due customers after the cursor, in id order, that no earlier listing of the run
+    marked, each marked as listed by this one (migrations/032): those it marked itself are
+    listed again (a page put back at a pause)."""
+    rows = await conn.fetch(
+        f"""
+        WITH page AS (
+            SELECT c.customer_id, r.status {due_join("$2")} {DUE_WHERE}
+                AND c.customer_id > $2 AND NOT {_LISTED_BEFORE}
+            ORDER BY c.customer_id LIMIT $3
+        ), marked AS (
+            INSERT INTO period_listed (billing_period, run_id, customer_id, listing)
+            SELECT $1, $4, customer_id, $5 FROM page
+            ON CONFLICT (billing_period, run_id, customer_id) DO UPDATE
+            SET listing = EXCLUDED.listing
+        )
+        SELECT customer_id, status FROM page ORDER BY customer_id
+        """,
+        period,
+        after or "",
+        limit,
+        listing.run_id,
+        listing.number,
+    )
+    return _page(rows, limit)
+
+
+async def unlisted_due(conn: asyncpg.Connection, period: str, listing: Listing) -> bool:
+    """Whether a due customer is left that neither `listing` nor an earlier listing of its
+    run marked."""
+    return bool(
+        await conn.fetchval(
+            f"""
+            SELECT EXISTS (SELECT 1 {DUE} AND NOT EXISTS (
+                SELECT 1 FROM period_listed l WHERE l.billing_period = $1
+                    AND l.customer_id = c.customer_id AND l.run_id = $2 AND l.listing <= $3))
+            """,
+            period,
+            listing.run_id,
+            listing.number,
+        )
+    )

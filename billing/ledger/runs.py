@@ -121,9 +121,10 @@ async def set_control(
 
 
 async def finish_period(conn: asyncpg.Connection, period: str, summary_json: str) -> None:
-    """Record the run's summary. A pause left at the close is lifted: one accepted with the
-    run's last outcome has nothing left to hold, and a claim charged after the run (a
-    re-drive) would wait at the gate for a resume no run can give."""
+    """Record the run's summary, and let go of the marks of its listings (migrations/032). A
+    pause left at the close is lifted: one accepted with the run's last outcome has nothing
+    left to hold, and a claim charged after the run (a re-drive) would wait at the gate for a
+    resume no run can give."""
     await conn.execute(
         """
         UPDATE billing_periods SET state = 'completed', summary = $2::jsonb, finished_at = now(),
@@ -133,6 +134,7 @@ async def finish_period(conn: asyncpg.Connection, period: str, summary_json: str
         period,
         summary_json,
     )
+    await conn.execute("DELETE FROM period_listed WHERE billing_period = $1", period)
 
 
 async def period_record(conn: asyncpg.Connection, period: str) -> PeriodRecord | None:

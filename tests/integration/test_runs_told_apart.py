@@ -99,7 +99,7 @@ CLOSE = "close_period"
 PREPARE = "prepare_period"
 SET_CONTROL = "set_control"
 BILL = "bill"
-CLOSE_IF_ALL_REACHED = "close_period_if_all_reached"
+CLOSE_IF_ALL_MARKED = "close_period_if_all_marked"
 DUE = "due_customers"
 
 
@@ -508,15 +508,15 @@ async def test_a_close_that_checked_then_froze_lands_before_the_reset_runs_close
     async with harness.running_worker(interceptors=[gate]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
         a = (await handle.describe()).run_id
-        freeze.freeze(CLOSE_IF_ALL_REACHED, a)
-        await freeze.checked(CLOSE_IF_ALL_REACHED, a)
+        freeze.freeze(CLOSE_IF_ALL_MARKED, a)
+        await freeze.checked(CLOSE_IF_ALL_MARKED, a)
         reset = await _reset_to(harness, handle.id, a)
         await asyncio.wait_for(gate.reached.wait(), 60)
         await harness.client.get_workflow_handle(handle.id).cancel()
         await _written_or_waiting(harness, handle.id, "control", "cancelled")
         gate.go.set()
         await _written_or_waiting(harness, handle.id, "state", "completed")
-        freeze.release(CLOSE_IF_ALL_REACHED, a)  # A's frozen close goes on
+        freeze.release(CLOSE_IF_ALL_MARKED, a)  # A's frozen close goes on
         summary = await asyncio.wait_for(
             harness.client.get_workflow_handle(
                 handle.id, run_id=reset, result_type=PeriodSummary

@@ -22,6 +22,7 @@ from billing.models import (
     OperatorRequest,
     PeriodSummary,
     RunOptions,
+    SkipRequest,
 )
 from billing.periods import Period
 from billing.runs import start_period
@@ -30,7 +31,11 @@ from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
 from worker import create_worker, direct_access
-from workflows.billing_period import RESTART_COMPLETED_UNCLAIMED, BillingPeriodWorkflow
+from workflows.billing_period import (
+    LISTINGS_MARKED,
+    RESTART_COMPLETED_UNCLAIMED,
+    BillingPeriodWorkflow,
+)
 from workflows.customer_charge import CustomerChargeWorkflow
 
 PERIOD = Period(2026, 12)
@@ -70,6 +75,34 @@ async def test_a_customer_imported_behind_the_listing_is_billed_before_the_close
         history = await handle.fetch_history()
     assert (summary.due, summary.charged, _counted(summary)) == (11, 11, 11)
     await assert_billed_once(harness, str(PERIOD), [*customers, *late])
+    await replay([history])
+    keep([history])
+
+
+async def test_a_customer_imported_behind_the_listing_and_skipped_is_counted_skipped(
+    harness: Harness,
+) -> None:
+    """Skipped by an operator before the run reached it, the customer had a row: the listing
+    of the unlisted took only customers with none, and the run's summary left it out of
+    every count (helper-146 F4)."""
+    customers = await harness.seed(10)
+    await harness.set_faults(latency_ms=300)
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue, NARROW)
+        await eventually(lambda: at_least(harness.succeeded(), 4))
+        late = await _late(harness)
+        skip = SkipRequest(customer_id=late[0].customer_id, reason="disputed", operator="carol")
+        result = await operations.skip(
+            harness.client, harness.settings, harness.database_url, PERIOD, skip
+        )
+        assert result.skipped, result
+        summary = await asyncio.wait_for(handle.result(), 60)
+        history = await handle.fetch_history()
+    assert (summary.due, summary.charged, summary.skipped, _counted(summary)) == (11, 10, 1, 11)
+    rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
+    assert rows[late[0].customer_id]["status"] == "skipped"
+    charged = [c["customer"] for c in await harness.charges() if c["status"] == "succeeded"]
+    assert sorted(charged) == sorted(c.stripe_customer_id for c in customers)
     await replay([history])
     keep([history])
 
@@ -474,6 +507,57 @@ async def test_a_customer_due_again_behind_the_listing_whose_earlier_child_still
     assert (summary.due, _counted(summary)) == (5, 5), summary
 
 
+async def test_a_customer_due_again_behind_the_listing_charged_by_an_earlier_child_is_counted(
+    harness: Harness,
+) -> None:
+    """As above, but the earlier run's child claims and charges the customer before the run
+    closes: with a row, it was not listed again, and the run closed with it in no count
+    (the ledger right, the summary one short)."""
+    await harness.seed(3)
+    returned = await create_demo_customers(harness.stripe, 1, prefix="a-ret")
+    await import_customers(harness.pool, returned, while_running=False)
+    ids = [c.customer_id for c in returned]
+    await harness.pool.execute(
+        "UPDATE customers SET active = false WHERE customer_id = ANY($1::text[])", ids
+    )
+    elsewhere = f"{harness.task_queue}-earlier"
+    earlier = await harness.client.start_workflow(
+        CustomerChargeWorkflow.run,
+        CustomerChargeInput(period=str(PERIOD), customer_id=ids[0]),
+        id=customer_workflow_id(PERIOD, ids[0]),
+        task_queue=elsewhere,
+    )
+
+    class ChargedAtTheClose(ImportAtTheClose):
+        async def imported(self) -> None:
+            await import_customers(self.harness.pool, returned, while_running=True)
+            # The earlier child's worker comes back and charges it, before the close looks.
+            other = create_worker(
+                self.harness.client,
+                elsewhere,
+                self.harness.pool,
+                _access(self.harness),
+                self.harness.settings,
+                None,
+                sandbox_all=True,
+            )
+            async with other:
+                outcome = await asyncio.wait_for(earlier.result(), 60)
+            assert outcome.outcome == "charged", outcome
+
+    importing = ChargedAtTheClose(harness)
+    async with harness.running_worker(interceptors=[importing]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        summary = await asyncio.wait_for(handle.result(), 90)
+        history = await handle.fetch_history()
+    rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
+    assert rows[ids[0]]["status"] == "charged"
+    # Charged once, by the earlier child; this run counts it already billed.
+    assert (summary.due, summary.already_billed, _counted(summary)) == (5, 1, 5), summary
+    await replay([history])
+    keep([history])
+
+
 def _access(harness: Harness) -> StripeAccess:
     if harness.vault is None:
         return direct_access(harness.stripe, harness.settings)
@@ -494,8 +578,11 @@ async def test_a_run_continued_from_one_before_the_patch_counts_a_returned_custo
     real = wf.patched
 
     def patched(patch_id: str) -> bool:
-        if patch_id == RESTART_COMPLETED_UNCLAIMED and wf.info().continued_run_id is None:
-            return False  # the run's first run began on a worker of before the patch
+        if (
+            patch_id in (RESTART_COMPLETED_UNCLAIMED, LISTINGS_MARKED)
+            and wf.info().continued_run_id is None
+        ):
+            return False  # the run's first run began on a worker of before the patches
         return real(patch_id)
 
     monkeypatch.setattr(wf, "patched", patched)

@@ -1,0 +1,98 @@
+"""A run's listings mark the customers they list (migrations/032): the listing of the
+unlisted and the close take those no listing of the run marked, whatever their row."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from billing import ledger
+from billing.keys import idempotency_key
+from billing.models import Counts, Listing, PeriodSummary, RunIdentity
+from billing.periods import Period
+from tests.integration.harness import Harness
+
+PERIOD = "2026-12"
+RUN = RunIdentity(run_id="run-1", opened_at=datetime(2026, 12, 1, tzinfo=UTC))
+
+
+async def _open(harness: Harness, run: RunIdentity = RUN) -> None:
+    async with harness.pool.acquire() as conn:
+        await ledger.open_period(conn, PERIOD, "wf", run=run)
+
+
+async def _listed(harness: Harness, number: int, run_id: str = RUN.run_id) -> list[str]:
+    """Every customer a listing lists, page by page (two a page)."""
+    listed: list[str] = []
+    after = None
+    async with harness.pool.acquire() as conn:
+        while True:
+            page = await ledger.listed_page(
+                conn, PERIOD, after, 2, Listing(run_id=run_id, number=number)
+            )
+            listed += [c.customer_id for c in page.customers]
+            if page.next_cursor is None:
+                return listed
+            after = page.next_cursor
+
+
+async def _unlisted(harness: Harness, number: int, run_id: str = RUN.run_id) -> bool:
+    async with harness.pool.acquire() as conn:
+        return await ledger.unlisted_due(conn, PERIOD, Listing(run_id=run_id, number=number))
+
+
+async def test_a_listing_of_the_unlisted_takes_what_no_earlier_listing_marked(
+    harness: Harness,
+) -> None:
+    first = sorted(c.customer_id for c in await harness.seed(3))
+    await _open(harness)
+    assert await _unlisted(harness, 0)
+    assert await _listed(harness, 0) == first
+    assert not await _unlisted(harness, 0)
+    # Imported behind the listing, one of them skipped meanwhile: a row, but not listed.
+    late = sorted(c.customer_id for c in await harness.seed(2, prefix="a-late"))
+    async with harness.pool.acquire() as conn:
+        skipped = await ledger.request_skip(
+            conn, late[0], PERIOD, idempotency_key("test", late[0], Period(2026, 12)), "no", "carol"
+        )
+    assert skipped.skipped
+    assert await _unlisted(harness, 1)
+    assert await _listed(harness, 1) == late
+    # Listed again by the same listing (a page put back at a pause), not by the next one.
+    assert await _listed(harness, 1) == late
+    assert not await _unlisted(harness, 1)
+    assert await _listed(harness, 2) == []
+
+
+async def test_a_later_listings_marks_are_not_this_ones(harness: Harness) -> None:
+    """A run reset to a listing before its last finds the marks of the listings it undid:
+    they count for neither its close nor its listings until it lists them again."""
+    customers = sorted(c.customer_id for c in await harness.seed(3))
+    await _open(harness)
+    assert await _listed(harness, 0) == customers
+    late = sorted(c.customer_id for c in await harness.seed(1, prefix="a-late"))
+    assert await _listed(harness, 1) == late
+    # Reset to before its listing of the unlisted: at its first listing again.
+    assert await _unlisted(harness, 0)
+    assert await _listed(harness, 0) == [*late, *customers]
+    assert not await _unlisted(harness, 0)
+
+
+async def test_each_runs_marks_are_its_own_until_a_close(harness: Harness) -> None:
+    customers = sorted(c.customer_id for c in await harness.seed(2))
+    await _open(harness)
+    assert await _listed(harness, 0) == customers
+    # A run that ended, its listing still on a worker, marks for itself only.
+    assert await _listed(harness, 3, run_id="run-0") == customers
+    assert not await _unlisted(harness, 0)
+    rerun = RunIdentity(run_id="run-2", opened_at=RUN.opened_at)
+    await _open(harness, rerun)
+    assert await _unlisted(harness, 0, rerun.run_id)
+    assert await _listed(harness, 0, run_id=rerun.run_id) == customers
+    assert not await _unlisted(harness, 0, rerun.run_id)
+    async with harness.pool.acquire() as conn:
+        summary = PeriodSummary(
+            period=PERIOD, workflow_id="wf", run_id=rerun.run_id, **Counts().model_dump()
+        )
+        await ledger.finish_period(conn, PERIOD, summary.model_dump_json())
+        marks = await conn.fetchval("SELECT count(*) FROM period_listed")
+    assert marks == 0
