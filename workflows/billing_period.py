@@ -394,7 +394,11 @@ class BillingPeriodWorkflow:
             if listing is not None:
                 return await workflow.execute_activity_method(
                     PeriodActivities.close_if_all_marked,
-                    MarkedCloseRequest(summary=summary, listing=listing),
+                    MarkedCloseRequest(
+                        summary=summary,
+                        listing=listing,
+                        restarts_completed=self._restarts_completed,
+                    ),
                     start_to_close_timeout=ACTIVITY_TIMEOUT,
                     summary=f"close {summary.period}, once every due customer is listed",
                 )

@@ -3,6 +3,8 @@ pages of due customers a run walks."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import asyncpg
 
 from billing.ledger.sql import DUE, DUE_WHERE, HELD_AS, OPEN, due_join
@@ -138,25 +140,37 @@ _LISTED_BEFORE = """EXISTS (
         AND l.run_id = $4 AND l.listing < $5)"""
 
 
+@dataclass(frozen=True)
+class ListedPage:
+    page: DuePage
+    # Customers of the page with no row that an earlier listing of the run marked.
+    listed_before: frozenset[str]
+
+
 async def listed_page(
     conn: asyncpg.Connection, period: str, after: str | None, limit: int, listing: Listing
-) -> DuePage:
-    """Due customers after the cursor, in id order, that no earlier listing of the run
-    marked, each marked as listed by this one (migrations/032): those it marked itself are
-    listed again (a page put back at a pause)."""
+) -> ListedPage:
+    """Due customers after the cursor, in id order, but those with a row that an earlier
+    listing of the run marked; each is marked as listed by this one, unless an earlier one
+    did (migrations/032). Those it marked itself are listed again (a page put back at a
+    pause). A mark says a listing ran, not that the run took its page (its result may have
+    been lost: a reset's terminated run, a local activity run twice): those with no row that
+    an earlier listing marked are in `listed_before`, for the caller to tell by their
+    workflow."""
     rows = await conn.fetch(
         f"""
         WITH page AS (
-            SELECT c.customer_id, r.status {due_join("$2")} {DUE_WHERE}
-                AND c.customer_id > $2 AND NOT {_LISTED_BEFORE}
+            SELECT c.customer_id, r.status, {_LISTED_BEFORE} AS listed_before
+            {due_join("$2")} {DUE_WHERE} AND c.customer_id > $2
+                AND NOT (r.status IS NOT NULL AND {_LISTED_BEFORE})
             ORDER BY c.customer_id LIMIT $3
         ), marked AS (
             INSERT INTO period_listed (billing_period, run_id, customer_id, listing)
             SELECT $1, $4, customer_id, $5 FROM page
             ON CONFLICT (billing_period, run_id, customer_id) DO UPDATE
-            SET listing = EXCLUDED.listing
+            SET listing = least(period_listed.listing, EXCLUDED.listing)
         )
-        SELECT customer_id, status FROM page ORDER BY customer_id
+        SELECT customer_id, status, listed_before FROM page ORDER BY customer_id
         """,
         period,
         after or "",
@@ -164,12 +178,16 @@ async def listed_page(
         listing.run_id,
         listing.number,
     )
-    return _page(rows, limit)
+    return ListedPage(
+        page=_page(rows, limit),
+        listed_before=frozenset(r["customer_id"] for r in rows if r["listed_before"]),
+    )
 
 
 async def unlisted_due(conn: asyncpg.Connection, period: str, listing: Listing) -> bool:
     """Whether a due customer is left that neither `listing` nor an earlier listing of its
-    run marked."""
+    run marked (those marked, a caller tells by their workflow if they have no row: see
+    listed_page)."""
     return bool(
         await conn.fetchval(
             f"""

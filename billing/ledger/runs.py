@@ -86,6 +86,13 @@ async def start_period(
         None if run is None else run.run_id,
         None if run is None else run.opened_at,
     )
+    if run is not None:
+        # Opened again by the same run (reset to before its opening): it lists from the start.
+        await conn.execute(
+            "DELETE FROM period_listed WHERE billing_period = $1 AND run_id = $2",
+            plan.period,
+            run.run_id,
+        )
 
 
 # How long a writer holding the period's row may leave its transaction idle (it asks

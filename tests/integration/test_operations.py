@@ -2471,7 +2471,7 @@ async def test_a_skip_sent_as_the_run_closes_is_written_before_it_ends(harness: 
     """Refused while the run wrote its close, a skip was to be sent again once it had ended;
     but the close may find customers imported behind the listing, which the run then bills.
     The skip is taken, and the run waits for it: a customer imported as the run closed and
-    skipped then is not billed by it."""
+    skipped then is not billed by it, and is counted skipped."""
     customers = await harness.seed(1)
     hold = HoldClose()
     async with harness.running_worker(interceptors=[hold]):
@@ -2486,7 +2486,7 @@ async def test_a_skip_sent_as_the_run_closes_is_written_before_it_ends(harness: 
         hold.go_on.set()
         summary = await asyncio.wait_for(handle.result(), 60)
         assert (await skipping).skipped
-    assert (summary.due, summary.charged) == (1, 1)
+    assert (summary.due, summary.charged, summary.skipped) == (2, 1, 1)
     rows = {r["customer_id"]: r["status"] for r in await harness.ledger_rows(str(PERIOD))}
     assert rows == {customers[0].customer_id: "charged", added.customer_id: "skipped"}
 

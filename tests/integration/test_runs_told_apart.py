@@ -5,6 +5,7 @@ has opened since."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections import defaultdict
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from typing import Any
 import asyncpg
 import pytest
 from temporalio import activity
+from temporalio import workflow as wf
 from temporalio.api.common.v1 import WorkflowExecution as ExecutionRef
 from temporalio.api.enums.v1 import EventType, PendingActivityState
 from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
@@ -25,11 +27,14 @@ from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, 
 import activities.period as period_activities
 import billing.ledger.runs as ledger_runs
 from billing import ledger
+from billing.customers import import_customers
 from billing.models import PeriodPlan, PeriodSummary, RunIdentity
 from billing.periods import Period
 from billing.runs import start_period
+from billing.seeding import create_demo_customers
 from tests.integration.harness import Harness, eventually
 from tests.integration.invariants import assert_billed_once
+from workflows.billing_period import LISTINGS_MARKED
 
 PERIOD = Period(2026, 12)
 OPENED = datetime(2026, 12, 1, 3, 0, tzinfo=UTC)
@@ -100,6 +105,7 @@ PREPARE = "prepare_period"
 SET_CONTROL = "set_control"
 BILL = "bill"
 CLOSE_IF_ALL_MARKED = "close_period_if_all_marked"
+CLOSE_IF_ALL_REACHED = "close_period_if_all_reached"
 DUE = "due_customers"
 
 
@@ -492,13 +498,19 @@ async def _written_or_waiting(harness: Harness, workflow_id: str, kind: str, val
     await eventually(there, timeout=60)
 
 
+@pytest.mark.parametrize("marked", [True, False], ids=["marked", "begun-before-marks"])
 async def test_a_close_that_checked_then_froze_lands_before_the_reset_runs_close(
-    harness: Harness, monkeypatch: pytest.MonkeyPatch
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, marked: bool
 ) -> None:
     """A's close checks it is current, and its worker freezes; the operator resets A past
     its opening; A' is cancelled and closes. A's close, checked under OPENING_LOCK but not
     the row's, wrote A's summary over A''s for good (helper-158 G1): the row's lock, held
-    from the check to the write, now orders A's write before A''s."""
+    from the check to the write, now orders A's write before A''s. Also for a run begun
+    before LISTINGS_MARKED, which closes through close_period_if_all_reached."""
+    if not marked:
+        real = wf.patched
+        monkeypatch.setattr(wf, "patched", lambda p: p != LISTINGS_MARKED and real(p))
+    close = CLOSE_IF_ALL_MARKED if marked else CLOSE_IF_ALL_REACHED
     customers = await harness.seed(2)
     freeze = FreezeAfterCheck(monkeypatch)
     handle = None
@@ -508,15 +520,15 @@ async def test_a_close_that_checked_then_froze_lands_before_the_reset_runs_close
     async with harness.running_worker(interceptors=[gate]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
         a = (await handle.describe()).run_id
-        freeze.freeze(CLOSE_IF_ALL_MARKED, a)
-        await freeze.checked(CLOSE_IF_ALL_MARKED, a)
+        freeze.freeze(close, a)
+        await freeze.checked(close, a)
         reset = await _reset_to(harness, handle.id, a)
         await asyncio.wait_for(gate.reached.wait(), 60)
         await harness.client.get_workflow_handle(handle.id).cancel()
         await _written_or_waiting(harness, handle.id, "control", "cancelled")
         gate.go.set()
         await _written_or_waiting(harness, handle.id, "state", "completed")
-        freeze.release(CLOSE_IF_ALL_MARKED, a)  # A's frozen close goes on
+        freeze.release(close, a)  # A's frozen close goes on
         summary = await asyncio.wait_for(
             harness.client.get_workflow_handle(
                 handle.id, run_id=reset, result_type=PeriodSummary
@@ -659,3 +671,71 @@ async def test_a_writer_frozen_holding_the_periods_row_lets_it_go(
     async with harness.pool.acquire() as conn, conn.transaction():
         await ledger.lock_period(conn, str(PERIOD))
         assert await ledger.open_runs(conn, [str(PERIOD)]) == {str(PERIOD): "running"}
+
+
+class StaleListing(Interceptor):
+    """Holds the first listing (`due_customers`, local) of the first run to list, as a worker
+    waiting for a pool connection would, then lets it run to its end though its run's
+    eviction cancels it (a query Postgres had already run). Holds every other run's close."""
+
+    def __init__(self) -> None:
+        self.stale_run: str | None = None
+        self.reached = asyncio.Event()
+        self.go = asyncio.Event()
+        self.done = asyncio.Event()
+        self.close_reached = asyncio.Event()
+        self.close_go = asyncio.Event()
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        outer = self
+
+        class Held(ActivityInboundInterceptor):
+            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                info = activity.info()
+                if info.activity_type == DUE and outer.stale_run is None:
+                    outer.stale_run = info.workflow_run_id
+                    outer.reached.set()
+                    stale = asyncio.ensure_future(self._stale(input))
+                    while not stale.done():
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await asyncio.shield(stale)
+                    outer.done.set()
+                    return stale.result()
+                if info.activity_type.startswith(CLOSE) and info.workflow_run_id != outer.stale_run:
+                    outer.close_reached.set()
+                    await asyncio.wait_for(outer.close_go.wait(), 120)
+                return await super().execute_activity(input)
+
+            async def _stale(self, input: ExecuteActivityInput) -> Any:
+                await asyncio.wait_for(outer.go.wait(), 120)
+                return await super().execute_activity(input)
+
+        return Held(next)
+
+
+async def test_a_reset_runs_stale_listing_does_not_hide_a_customer_from_its_close(
+    harness: Harness,
+) -> None:
+    """A's first listing waits on its worker; the operator resets A to before its opening.
+    A' lists and bills the three customers and reaches its close; a customer is imported
+    behind its listing. A's listing then runs, and marks every due customer, the late one
+    too, under the chain's first run id, which A' shares: A''s close found them all marked,
+    and closed without the late one, neither billed nor counted (helper-167 F1). A customer
+    with no row is reached only if the run's workflow for it says so."""
+    customers = await harness.seed(3)
+    stale = StaleListing()
+    async with harness.running_worker(interceptors=[stale]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        await asyncio.wait_for(stale.reached.wait(), 60)
+        assert stale.stale_run is not None
+        reset = await _reset_to(harness, handle.id, stale.stale_run, after_opening=False)
+        await asyncio.wait_for(stale.close_reached.wait(), 60)
+        assert await harness.succeeded() == len(customers)
+        late = await create_demo_customers(harness.stripe, 1, prefix="a-late")
+        await import_customers(harness.pool, late, while_running=True)
+        stale.go.set()
+        await asyncio.wait_for(stale.done.wait(), 60)
+        stale.close_go.set()
+        summary = await _result_of(harness, handle.id, reset)
+    assert (summary.due, summary.charged) == (4, 4), summary
+    await assert_billed_once(harness, str(PERIOD), [*customers, *late])
