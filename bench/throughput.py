@@ -39,8 +39,10 @@ Prints one JSON object (with --json, the only thing on stdout) and writes it to 
 `cpu_cores` gives, per measurement, the cores each process of the stack used on average and
 `machine_busy_cores` all the machine's: anything else running shows up there.
 `cpu_ms_per_customer` gives the CPU time each spent per customer (per child in a ceiling), and
-`machine` the machine's. `orchestrated.other_pollers` names any worker besides the stack's
-that polled its task queue during the run (a warning says so too): its share is not measured.
+`machine` the machine's; `cpu_per_emulator` the same in units of the emulator's, whose work
+does not change with the code: compare those across sessions (the machine's speed drifts).
+`orchestrated.other_pollers` names any worker besides the stack's that polled its task queue
+during the run (a warning says so too): its share is not measured.
 `parent_tasks`, `parent_task_ms` and `parent_busy` give, for the period's runs and the
 ceiling's parent, its workflow tasks, the mean time each was in flight, and the share of the
 measurement that one was (read from the histories).
@@ -158,6 +160,18 @@ def _machine_busy_seconds() -> float:
         fields = [int(v) for v in stat.readline().split()[1:]]
     idle = fields[3] + fields[4]
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def emulator_units(ms_per_customer: dict[str, float]) -> dict[str, float]:
+    """Each process's CPU per customer in units of the emulator's: its code and its work per
+    customer (one create through the vault) do not change with the billing code, so these
+    compare across sessions on a machine whose speed drifts 5-10% between them (FINDINGS,
+    2026-12-06: a worker's 7.1 then 7.7 ms per customer were 14.0 units both). Empty for a
+    ceiling, which never calls the emulator."""
+    emulator = ms_per_customer.get("emulator", 0.0)
+    if emulator < 0.05:
+        return {}
+    return {name: round(ms / emulator, 1) for name, ms in ms_per_customer.items()}
 
 
 def _processes() -> Iterator[tuple[int, int, list[str]]]:
@@ -284,15 +298,17 @@ class CpuMeter:
             # in full; one that ended meanwhile is lost.
             used[name] = sum(cpu - before.get(pid, 0.0) for pid, cpu in now.items())
         machine = _machine_busy_seconds() - self._machine
+        per_customer = {
+            name: cpu * 1000 / customers for name, cpu in {**used, "machine": machine}.items()
+        }
         return {
             "cpu_cores": {
                 **{name: round(cpu / elapsed, 2) for name, cpu in used.items()},
                 "machine_busy_cores": round(machine / elapsed, 2),
             },
-            "cpu_ms_per_customer": {
-                name: round(cpu * 1000 / customers, 2)
-                for name, cpu in {**used, "machine": machine}.items()
-            },
+            "cpu_ms_per_customer": {name: round(ms, 2) for name, ms in per_customer.items()},
+            # From the unrounded figures: the emulator's 0.5 ms rounds to 1%.
+            "cpu_per_emulator": emulator_units(per_customer),
         }
 
 
@@ -733,6 +749,10 @@ def combined(measurements: list[dict[str, Any]]) -> dict[str, Any]:
     finished = sum(c["finished"] for c in measurements)
     tasks = sum(c["parent_tasks"] for c in measurements)
     processes = measurements[0]["cpu_cores"].keys()
+    per_customer = {
+        p: sum(c["cpu_ms_per_customer"][p] * c["finished"] for c in measurements) / finished
+        for p in measurements[0]["cpu_ms_per_customer"]
+    }
     return {
         "per_s": finished / seconds,
         "seconds": round(seconds, 2),
@@ -751,13 +771,8 @@ def combined(measurements: list[dict[str, Any]]) -> dict[str, Any]:
             p: round(sum(c["cpu_cores"][p] * c["seconds"] for c in measurements) / seconds, 2)
             for p in processes
         },
-        "cpu_ms_per_customer": {
-            p: round(
-                sum(c["cpu_ms_per_customer"][p] * c["finished"] for c in measurements) / finished,
-                2,
-            )
-            for p in measurements[0]["cpu_ms_per_customer"]
-        },
+        "cpu_ms_per_customer": {p: round(ms, 2) for p, ms in per_customer.items()},
+        "cpu_per_emulator": emulator_units(per_customer),
     }
 
 
