@@ -78,9 +78,9 @@ class DuePageRequest(Record):
     # The run starts a customer with no row again whatever its last child's end
     # (RESTART_COMPLETED_UNCLAIMED): one closed before the run opened is not reached.
     restarts_completed: bool = False
-    # The listing of the run, which marks the customers it lists and takes those no other
-    # listing of the run marked (LISTINGS_MARKED); None from a run begun before, which tells
-    # them by rows and children (`unlisted`, `restarts_completed`).
+    # The listing of the run, which marks the customers it lists and passes over those with
+    # a row that an earlier listing of the run marked (LISTINGS_MARKED); None from a run
+    # begun before, which tells them by rows and children (`unlisted`).
     listing: Listing | None = None
 
 

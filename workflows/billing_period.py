@@ -155,11 +155,11 @@ BATCH_PUT_BACK_AT_CONTROL = "batch-put-back-at-control"
 LISTS_THE_UNLISTED = "lists-the-unlisted"
 # The listing of the unlisted and the close took a due customer for reached if it had a row,
 # or a workflow this run had reached: one given a row meanwhile (an operator's skip, a claim by
-# a child an earlier run left running) was in the ledger but in no count of the run's summary,
-# and one whose child was gone past the namespace's retention was listed again, counted twice.
+# a child an earlier run left running) was in the ledger but in no count of the run's summary.
 # A run's listings now mark the customers they list (migrations/032); the listing of the
-# unlisted and the close (close_if_all_marked) take those no listing of the run marked.
-# Decided by the chain's first run: the listings of a run of before marked nothing.
+# unlisted and the close (close_if_all_marked) take those with a row that no listing of the
+# run marked, and those with none as before. Decided by the chain's first run: the listings
+# of a run of before marked nothing.
 LISTINGS_MARKED = "listings-marked"
 
 
