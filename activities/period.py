@@ -13,6 +13,7 @@ from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import asyncpg
+from pydantic import Field
 from temporalio import activity
 from temporalio.client import (
     WorkflowExecutionDescription,
@@ -78,17 +79,20 @@ class DuePageRequest(Record):
     # The run starts a customer with no row again whatever its last child's end
     # (RESTART_COMPLETED_UNCLAIMED): one closed before the run opened is not reached.
     restarts_completed: bool = False
-    # The listing of the run, which marks the customers it lists and passes over those with
-    # a row that an earlier listing of the run marked (LISTINGS_MARKED); None from a run
-    # begun before, which tells them by rows and children (`unlisted`).
+    # The listing of the run (LISTINGS_MARKED), which passes over the customers an earlier
+    # listing of the run took; None from a run begun before, which tells them by rows and
+    # children (`unlisted`).
     listing: Listing | None = None
+    # The customers the run took from this listing's pages since its last request: marked
+    # as taken before the page is read.
+    taken: list[str] = Field(default_factory=list)
 
 
 class MarkedCloseRequest(Record):
     summary: PeriodSummary
-    # The run's latest listing: its marks and those of earlier ones count.
+    # The run's latest listing, and the customers it took since its last page.
     listing: Listing
-    restarts_completed: bool
+    taken: list[str] = Field(default_factory=list)
 
 
 class OutcomesRequest(Record):
@@ -326,7 +330,14 @@ class PeriodActivities:
     async def due_customers(self, request: DuePageRequest) -> DuePage:
         async with self._pool.acquire() as conn:
             if request.listing is not None:
-                return await self._listed_page(conn, request, request.listing)
+                return await ledger.listed_page(
+                    conn,
+                    request.period,
+                    request.after,
+                    request.limit,
+                    request.listing,
+                    request.taken,
+                )
             return await self._due_page(
                 conn,
                 request.period,
@@ -357,26 +368,6 @@ class PeriodActivities:
             customers=await self._unreached(conn, period, page.customers, restarts_completed),
             next_cursor=page.next_cursor,
         )
-
-    async def _listed_page(
-        self, conn: asyncpg.Connection, request: DuePageRequest, listing: Listing
-    ) -> DuePage:
-        """A page of the listing `listing` (ledger.listed_page): of the customers with no row
-        that an earlier listing marked, only those the run has not reached (_unreached)."""
-        listed = await ledger.listed_page(
-            conn, request.period, request.after, request.limit, listing
-        )
-        customers = listed.page.customers
-        before = [c for c in customers if c.customer_id in listed.listed_before]
-        if before:
-            reached = {c.customer_id for c in before} - {
-                c.customer_id
-                for c in await self._unreached(
-                    conn, request.period, before, request.restarts_completed
-                )
-            }
-            customers = [c for c in customers if c.customer_id not in reached]
-        return DuePage(customers=customers, next_cursor=listed.page.next_cursor)
 
     async def _unreached(
         self,
@@ -547,16 +538,24 @@ class PeriodActivities:
 
     @activity.defn(name="close_period_if_all_marked")
     async def close_if_all_marked(self, request: MarkedCloseRequest) -> bool:
-        """`close_if_all_reached` for a run whose listings mark the customers they list
-        (LISTINGS_MARKED): a due customer is left if no listing of the run marked it,
+        """`close_if_all_listed` for a run whose listings mark the customers it took
+        (LISTINGS_MARKED): a due customer is left if the run took it from no listing,
         whatever its row (given one meanwhile by a skip, or by an earlier run's child, it is
-        in no count of the run yet), or if, with no row, the run has not reached it though a
-        listing marked it (its result lost: ledger.listed_page)."""
-        return await self._close_if_reached(
-            request.summary,
-            restarts_completed=request.restarts_completed,
-            listing=request.listing,
-        )
+        in no count of the run yet) or workflow. One query, under the import's lock."""
+        summary, listing = request.summary, request.listing
+        period = summary.period
+        async with self._pool.acquire() as conn:
+            if await self._closed_before(conn, period):
+                return True
+            await ledger.mark_taken(conn, period, listing, request.taken)
+            async with conn.transaction():
+                await ledger.lock_for_change(conn, "the run's close")
+                if await ledger.unlisted_due(conn, period, listing):
+                    return False
+                await ledger.lock_period(conn, period)
+                await _finish(conn, summary)
+            await self._revoke_unused(conn, period)
+        return True
 
     async def _closed_before(self, conn: asyncpg.Connection, period: str) -> bool:
         """Whether an earlier try of this close wrote the summary, its answer lost (maybe
@@ -569,25 +568,17 @@ class PeriodActivities:
         await self._revoke_unused(conn, period)
         return True
 
-    async def _close_if_reached(
-        self,
-        summary: PeriodSummary,
-        *,
-        restarts_completed: bool,
-        listing: Listing | None = None,
-    ) -> bool:
+    async def _close_if_reached(self, summary: PeriodSummary, *, restarts_completed: bool) -> bool:
         period = summary.period
         async with self._pool.acquire() as conn:
             if await self._closed_before(conn, period):
                 return True
-            if listing is not None and await ledger.unlisted_due(conn, period, listing):
-                return False
             reached = await self._reached_without_row(conn, period, frozenset(), restarts_completed)
             if reached is None:
                 return False
             async with conn.transaction():
                 await ledger.lock_for_change(conn, "the run's close")
-                if (listing is not None and await ledger.unlisted_due(conn, period, listing)) or (
+                if (
                     await self._reached_without_row(conn, period, reached, restarts_completed)
                     is None
                 ):

@@ -131,9 +131,10 @@ class DuePage(Record):
 
 
 class Listing(Record):
-    """One listing of a period's run, which marks in the ledger each customer it lists
-    (migrations/032): the run's id (RunIdentity.run_id, which opened the period) and which of
-    its listings this is, 0 the first, one more for each listing of the unlisted."""
+    """One listing of a period's run, under which the ledger marks each customer the run took
+    from its pages (migrations/032): the run's id (RunIdentity.run_id, which opened the
+    period) and which of its listings this is, 0 the first, one more for each listing of the
+    unlisted."""
 
     run_id: str
     number: int = Field(ge=0)
@@ -221,10 +222,14 @@ class PeriodState(BaseModel):
     # Decided by the chain's first run (BillingPeriodWorkflow's RESTART_COMPLETED_UNCLAIMED),
     # which counts a customer in its own way; None from a run of before: then off throughout.
     restarts_completed: bool | None = None
-    # Which listing of the run this is (Listing.number), each marking the customers it lists
-    # (BillingPeriodWorkflow's LISTINGS_MARKED); None for a run whose first run began before:
-    # it tells the customers it has not reached by their rows and children.
+    # Which listing of the run this is (Listing.number), under which the ledger marks the
+    # customers the run took (BillingPeriodWorkflow's LISTINGS_MARKED); None for a run whose
+    # first run began before: it tells the customers it has not reached by their rows and
+    # children.
     listing: int | None = None
+    # Customers taken from the listing's pages (counted due) whose marks the ledger has yet
+    # to write: the next page's request, or the close's, writes them.
+    taken: list[str] = Field(default_factory=list)
 
 
 class CancelPage(Record):

@@ -1,14 +1,15 @@
--- Which due customers a run of a period has listed, and in which of its listings. Its close
--- writes the summary only once every due customer is marked by the run (run_id, the first run
--- id of its chain, which a reset keeps); one that is not (imported behind the listing, or
--- given a row meanwhile by an operator's skip or an earlier run's child) is listed then, and
--- counted once. A listing of the unlisted passes over the customers with a row that an
--- earlier listing of the run marked (`listing`: 0 the first, one more for each listing of
--- the unlisted; a mark keeps the lowest).
--- A mark says a listing ran, not that the run took its page: a reset's terminated run, or a
--- local activity run twice, may mark under the same run id. So a customer with no row is
--- taken for reached only if the run's workflow for it says so, as before marks. A rerun's
--- marks are its own. A close deletes the period's marks, an opening those of its own run.
+-- Which due customers a run of a period took from its listings' pages (counted due), and
+-- under which of its listings: written with the run's next page's request, or its close's,
+-- so that a listing whose result no run took (a Temporal reset's terminated run, a local
+-- activity run twice) marks nothing. The close writes the summary only once every due
+-- customer is marked by the run (run_id, the first run id of its chain, which a reset
+-- keeps); one that is not (imported behind the listing, or given a row meanwhile by an
+-- operator's skip or an earlier run's child) is listed then, and counted once; one that is,
+-- whatever its row or workflow (gone past the namespace's retention), is not listed again.
+-- `listing`: 0 the first, one more for each listing of the unlisted, which passes over the
+-- customers an earlier listing took; a mark keeps the lowest (one of a timeline a reset
+-- undid is higher, and counts for neither). A close deletes the period's marks, an opening
+-- those of its own run.
 CREATE TABLE period_listed (
     billing_period text NOT NULL,
     run_id text NOT NULL,

@@ -156,10 +156,11 @@ LISTS_THE_UNLISTED = "lists-the-unlisted"
 # The listing of the unlisted and the close took a due customer for reached if it had a row,
 # or a workflow this run had reached: one given a row meanwhile (an operator's skip, a claim by
 # a child an earlier run left running) was in the ledger but in no count of the run's summary.
-# A run's listings now mark the customers they list (migrations/032); the listing of the
-# unlisted and the close (close_if_all_marked) take those with a row that no listing of the
-# run marked, and those with none as before. Decided by the chain's first run: the listings
-# of a run of before marked nothing.
+# The ledger now marks the customers a run takes from its listings' pages (migrations/032),
+# sent with the next page's request or the close's; the listing of the unlisted and the close
+# (close_if_all_marked) take those it took from no listing, whatever their row or workflow
+# (one whose workflow is gone past the namespace's retention is not listed again). Decided by
+# the chain's first run: a run of before marked nothing.
 LISTINGS_MARKED = "listings-marked"
 
 
@@ -392,16 +393,15 @@ class BillingPeriodWorkflow:
         if self._lists_the_unlisted and self._control.control != "cancelled":
             listing = self._listing()
             if listing is not None:
-                return await workflow.execute_activity_method(
+                taken = list(self._state.taken)
+                closed = await workflow.execute_activity_method(
                     PeriodActivities.close_if_all_marked,
-                    MarkedCloseRequest(
-                        summary=summary,
-                        listing=listing,
-                        restarts_completed=self._restarts_completed,
-                    ),
+                    MarkedCloseRequest(summary=summary, listing=listing, taken=taken),
                     start_to_close_timeout=ACTIVITY_TIMEOUT,
                     summary=f"close {summary.period}, once every due customer is listed",
                 )
+                self._marked(taken)
+                return closed
             return await workflow.execute_activity_method(
                 (
                     PeriodActivities.close_if_all_reached
@@ -421,11 +421,15 @@ class BillingPeriodWorkflow:
         return True
 
     def _listing(self) -> Listing | None:
-        """The run's listing under way, which marks the customers it lists (LISTINGS_MARKED);
-        None for a run whose first run began before."""
+        """The run's listing under way, under which the ledger marks the customers the run
+        takes from its pages (LISTINGS_MARKED); None for a run whose first run began before."""
         if self._state.listing is None:
             return None
         return Listing(run_id=workflow.info().first_execution_run_id, number=self._state.listing)
+
+    def _marked(self, taken: list[str]) -> None:
+        """The ledger has marked `taken`, the first of the customers taken so far."""
+        del self._state.taken[: len(taken)]
 
     def _list_the_unlisted(self) -> None:
         """List, from the start, only the due customers the listing has not reached."""
@@ -766,6 +770,7 @@ class BillingPeriodWorkflow:
             if not self._buffer:
                 if state.listing_done or self._listing_full():
                     break
+                marking = list(state.taken)
                 # Local: one short query, which the window waits for; through the task
                 # queue it took a second under load while the window drained.
                 page = await workflow.execute_local_activity_method(
@@ -777,6 +782,7 @@ class BillingPeriodWorkflow:
                         unlisted=state.unlisted,
                         restarts_completed=self._restarts_completed,
                         listing=self._listing(),
+                        taken=marking,
                     ),
                     start_to_close_timeout=ACTIVITY_TIMEOUT,
                     summary=(
@@ -785,6 +791,7 @@ class BillingPeriodWorkflow:
                         else "list due customers"
                     ),
                 )
+                self._marked(marking)
                 self._buffer = page.customers
                 state.listing_done = page.next_cursor is None
                 self._listed_pages += 1
@@ -812,6 +819,8 @@ class BillingPeriodWorkflow:
             state.cursor = cursor
             return []
         state.counts.due += len(taken)
+        if state.listing is not None:
+            state.taken += [c.customer_id for c in taken]
         for outcome in finished:
             state.counts.add(outcome)
         return batch

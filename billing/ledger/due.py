@@ -3,7 +3,7 @@ pages of due customers a run walks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import asyncpg
 
@@ -140,37 +140,43 @@ _LISTED_BEFORE = """EXISTS (
         AND l.run_id = $4 AND l.listing < $5)"""
 
 
-@dataclass(frozen=True)
-class ListedPage:
-    page: DuePage
-    # Customers of the page with no row that an earlier listing of the run marked.
-    listed_before: frozenset[str]
+async def mark_taken(
+    conn: asyncpg.Connection, period: str, listing: Listing, taken: Sequence[str]
+) -> None:
+    """Mark the customers the run took from `listing`'s pages (migrations/032); a mark keeps
+    the lowest listing (one a reset undid cannot raise it)."""
+    if not taken:
+        return
+    await conn.execute(
+        """
+        INSERT INTO period_listed (billing_period, run_id, customer_id, listing)
+        SELECT $1, $2, customer_id, $3 FROM unnest($4::text[]) AS customer_id
+        ON CONFLICT (billing_period, run_id, customer_id) DO UPDATE
+        SET listing = least(period_listed.listing, EXCLUDED.listing)
+        """,
+        period,
+        listing.run_id,
+        listing.number,
+        list(taken),
+    )
 
 
 async def listed_page(
-    conn: asyncpg.Connection, period: str, after: str | None, limit: int, listing: Listing
-) -> ListedPage:
-    """Due customers after the cursor, in id order, but those with a row that an earlier
-    listing of the run marked; each is marked as listed by this one, unless an earlier one
-    did (migrations/032). Those it marked itself are listed again (a page put back at a
-    pause). A mark says a listing ran, not that the run took its page (its result may have
-    been lost: a reset's terminated run, a local activity run twice): those with no row that
-    an earlier listing marked are in `listed_before`, for the caller to tell by their
-    workflow."""
+    conn: asyncpg.Connection,
+    period: str,
+    after: str | None,
+    limit: int,
+    listing: Listing,
+    taken: Sequence[str],
+) -> DuePage:
+    """Due customers after the cursor, in id order, that no earlier listing of the run took,
+    once the customers it took since its last page are marked (mark_taken)."""
+    await mark_taken(conn, period, listing, taken)
     rows = await conn.fetch(
         f"""
-        WITH page AS (
-            SELECT c.customer_id, r.status, {_LISTED_BEFORE} AS listed_before
-            {due_join("$2")} {DUE_WHERE} AND c.customer_id > $2
-                AND NOT (r.status IS NOT NULL AND {_LISTED_BEFORE})
-            ORDER BY c.customer_id LIMIT $3
-        ), marked AS (
-            INSERT INTO period_listed (billing_period, run_id, customer_id, listing)
-            SELECT $1, $4, customer_id, $5 FROM page
-            ON CONFLICT (billing_period, run_id, customer_id) DO UPDATE
-            SET listing = least(period_listed.listing, EXCLUDED.listing)
-        )
-        SELECT customer_id, status, listed_before FROM page ORDER BY customer_id
+        SELECT c.customer_id, r.status {due_join("$2")} {DUE_WHERE}
+            AND c.customer_id > $2 AND NOT {_LISTED_BEFORE}
+        ORDER BY c.customer_id LIMIT $3
         """,
         period,
         after or "",
@@ -178,16 +184,12 @@ async def listed_page(
         listing.run_id,
         listing.number,
     )
-    return ListedPage(
-        page=_page(rows, limit),
-        listed_before=frozenset(r["customer_id"] for r in rows if r["listed_before"]),
-    )
+    return _page(rows, limit)
 
 
 async def unlisted_due(conn: asyncpg.Connection, period: str, listing: Listing) -> bool:
     """Whether a due customer is left that neither `listing` nor an earlier listing of its
-    run marked (those marked, a caller tells by their workflow if they have no row: see
-    listed_page)."""
+    run took."""
     return bool(
         await conn.fetchval(
             f"""

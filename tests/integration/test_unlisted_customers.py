@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 from temporalio import activity
 from temporalio import workflow as wf
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.workflowservice.v1 import DeleteWorkflowExecutionRequest
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
@@ -27,6 +29,7 @@ from billing.models import (
 from billing.periods import Period
 from billing.runs import start_period
 from billing.seeding import create_demo_customers
+from billing.temporal_client import described
 from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
@@ -318,6 +321,47 @@ async def test_a_page_of_the_unlisted_left_whole_is_passed_over(harness: Harness
     assert importing.gone
     assert (summary.due, summary.charged, summary.failed, _counted(summary)) == (5, 3, 2, 5)
     await assert_billed_once(harness, str(PERIOD), [*customers, *importing.late])
+
+
+class GoneOnceListedThenPastRetention(GoneOnceListed):
+    """GoneOnceListed, and as the close begins the `returned` customers' children (of this
+    run, which counted each failed, unknown_customer) are gone from Temporal, as past the
+    namespace's retention (a run paused over it): deleted here."""
+
+    async def imported(self) -> None:
+        client = self.harness.client
+        for customer in self.returned:
+            workflow_id = customer_workflow_id(PERIOD, customer.customer_id)
+            await client.workflow_service.delete_workflow_execution(
+                DeleteWorkflowExecutionRequest(
+                    namespace=client.namespace,
+                    workflow_execution=WorkflowExecution(workflow_id=workflow_id),
+                )
+            )
+
+            async def gone(workflow_id: str = workflow_id) -> bool:
+                return await described(client.get_workflow_handle(workflow_id)) is None
+
+            await eventually(gone)
+        await super().imported()
+
+
+async def test_a_customer_counted_failed_whose_child_is_gone_is_not_counted_again(
+    harness: Harness,
+) -> None:
+    """A customer with no row that this run counted failed (its child found it inactive),
+    whose child is gone from Temporal by the close, was taken for unreached: listed again,
+    started again, counted twice (helper-146 F6, helper-168 F1). The run took it: marked."""
+    returned = await harness.seed(2, prefix="a-a")
+    await harness.seed(2)
+    importing = GoneOnceListedThenPastRetention(harness, returned)
+    async with harness.running_worker(interceptors=[importing]):
+        handle = await start_period(
+            harness.client, PERIOD, harness.task_queue, RunOptions(page_size=2)
+        )
+        summary = await asyncio.wait_for(handle.result(), 90)
+    assert importing.gone
+    assert (summary.due, summary.charged, summary.failed, _counted(summary)) == (5, 3, 2, 5)
 
 
 async def test_a_cancel_while_children_start_counts_each_customer_once(harness: Harness) -> None:
