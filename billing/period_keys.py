@@ -15,6 +15,7 @@ from pydantic import SecretStr
 
 from billing.errors import BillingError
 from billing.models import Record
+from billing.money import describe_amounts
 from billing.periods import Period
 from billing.sealing import SecretBox
 from vault.client import VaultAdmin
@@ -109,14 +110,18 @@ async def kept_key(
         return None
     room = info.cap_cents - info.spent_cents - info.reserved_cents
     if room < unsent_cents:
+        left, cap, owed = (
+            describe_amounts({currency: c}) for c in (room, info.cap_cents, unsent_cents)
+        )
         raise KeyTooSmallError(
-            f"the vault key for {period} ({currency}) has {room} {currency} left of its"
-            f" cap of {info.cap_cents}, less than the {unsent_cents} {currency} this run"
-            " has yet to charge (customers added since it was issued?), so the run"
-            " would stop part-billed at the cap; nothing was charged. Reconcile the"
-            " period if charges in doubt hold part of the cap; otherwise revoke the key,"
-            " delete its row in period_vault_keys and run again: the run issues a key"
-            " capped for what is left"
+            f"its stored key {info.id} has {left} left of its cap of {cap}, less than the"
+            f" {owed} this run has yet to charge (customers added since it was issued?), so"
+            " the run would stop part-billed at the cap; nothing was charged. Reconcile the"
+            " period if charges in doubt hold part of the cap; otherwise delete the key's row"
+            f" (DELETE FROM period_vault_keys WHERE billing_period = '{period}' AND currency ="
+            f" '{currency}') and run the period again: the run revokes the key, if the workers"
+            " issued it (one issued with the admin token is for that token to revoke), and"
+            " issues one capped for what is left"
         )
     return PeriodKey(
         period=str(period), currency=currency, vault_key_id=info.id, cap_cents=info.cap_cents

@@ -440,18 +440,20 @@ async def test_a_rerun_expecting_more_than_its_key_has_left_charges_nobody(
         assert "its activity prepare_period failed: no vault key for" in err
         assert "this run has yet to charge (customers added since it was issued?)" in err
         assert "nothing was charged. Reconcile the period if charges in doubt" in err
+        assert f"DELETE FROM period_vault_keys WHERE billing_period = '{PERIOD}'" in err
         assert await vaulted.money_requests() == 3
         async with vaulted.pool.acquire() as conn:
             # The refused rerun left the period's record alone: a backfill still skips it.
             record = await ledger.period_record(conn, str(PERIOD))
         assert record is not None and record.state == "completed"
         old = await period_key(vaulted)
-        await vaulted.vault.admin.revoke(old)
+        # As the message says: the row deleted, the rerun revokes the workers' key itself.
         async with vaulted.pool.acquire() as conn:
             await conn.execute("DELETE FROM period_vault_keys")
         rerun = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
         assert (await rerun.result()).charged == 3
     assert await period_key(vaulted) != old
+    assert (await vaulted.vault.admin.get_key(old)).revoked
     await assert_billed_once(vaulted, str(PERIOD), [*first, *added])
 
 
@@ -601,7 +603,7 @@ async def test_a_stored_key_near_its_expiry_is_replaced_not_reused(vaulted: Harn
     assert (await ensure(5_000)).vault_key_id == first.vault_key_id  # a week left: reused
     # Kept with less room than the run has yet to send, it fails the run before it starts;
     # it is not replaced, as its cap may be an operator's.
-    with pytest.raises(period_keys.KeyTooSmallError, match="has 5000 usd left of its cap"):
+    with pytest.raises(period_keys.KeyTooSmallError, match="has usd 5,000 left of its cap"):
         await ensure(5_001)
     near = period_keys.REUSE_MIN_LIFE - timedelta(minutes=1)
     issued = await vaulted.vault.worker.issue_key(_period_key(5_000, near))
