@@ -227,9 +227,9 @@ class PeriodState(BaseModel):
     # first run began before: it tells the customers it has not reached by their rows and
     # children.
     listing: int | None = None
-    # Customers taken from the listing's pages (counted due) whose marks the ledger has yet
-    # to write: the next page's request, or the close's, writes them.
-    taken: list[str] = Field(default_factory=list)
+    # Customers taken from the listing's pages whose marks the ledger has yet to write: the
+    # next page's request, or the close's, writes them.
+    unmarked: list[str] = Field(default_factory=list)
 
 
 class CancelPage(Record):

@@ -58,6 +58,9 @@ from cli.output import OutageNotice, emit
 
 # How often `run --wait` asks whether the run it waits for has paused.
 PAUSE_CHECK_SECONDS = 30.0
+# How long `run` waits for a new run's opening (its plan) before it says how the run stands.
+PLAN_WAIT_SECONDS = 15.0
+PLAN_POLL_SECONDS = 0.5
 
 
 async def cmd_run(args: argparse.Namespace) -> int:
@@ -108,6 +111,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
         # Joined a paused run: it charges nothing until resumed, and --wait waits for that.
         print(f"warning: {concern}", file=sys.stderr)
     if not args.wait:
+        progress = await _planned(client, args.period, progress)
         emit(
             progress,
             args.json,
@@ -116,6 +120,23 @@ async def cmd_run(args: argparse.Namespace) -> int:
         )
         return 0
     return await _wait_and_report(client, handle, args, temporal, told=concern)
+
+
+async def _planned(client: Client, period: Period, progress: PeriodProgress) -> PeriodProgress:
+    """How the run stands once its opening has made the plan, for PLAN_WAIT_SECONDS at
+    most: an opening refused (a key too small, a revoked key) fails the run a moment after
+    it started, which `run` would otherwise report as running (RunEndedError says how it
+    ended)."""
+    deadline = asyncio.get_running_loop().time() + PLAN_WAIT_SECONDS
+    while progress.expected_due is None and progress.state == "running":
+        if asyncio.get_running_loop().time() >= deadline:
+            break
+        await asyncio.sleep(PLAN_POLL_SECONDS)
+        try:
+            progress = await period_status(client, period)
+        except (NoWorkerError, RPCError):
+            break  # the run is open; how it stands, `status` says once it can be asked
+    return progress
 
 
 async def _started(

@@ -7,9 +7,10 @@
 -- operator's skip or an earlier run's child) is listed then, and counted once; one that is,
 -- whatever its row or workflow (gone past the namespace's retention), is not listed again.
 -- `listing`: 0 the first, one more for each listing of the unlisted, which passes over the
--- customers an earlier listing took; a mark keeps the lowest (one of a timeline a reset
--- undid is higher, and counts for neither). A close deletes the period's marks, an opening
--- those of its own run.
+-- customers an earlier listing took; a mark keeps the lowest. A reset keeps the run id: the
+-- marks of the timeline it undid stay the run's, as its rows do (a later listing's count for
+-- nothing until that listing comes). A close deletes the period's marks, an opening those of
+-- its own run.
 CREATE TABLE period_listed (
     billing_period text NOT NULL,
     run_id text NOT NULL,

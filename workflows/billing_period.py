@@ -393,7 +393,7 @@ class BillingPeriodWorkflow:
         if self._lists_the_unlisted and self._control.control != "cancelled":
             listing = self._listing()
             if listing is not None:
-                taken = list(self._state.taken)
+                taken = list(self._state.unmarked)
                 closed = await workflow.execute_activity_method(
                     PeriodActivities.close_if_all_marked,
                     MarkedCloseRequest(summary=summary, listing=listing, taken=taken),
@@ -427,9 +427,16 @@ class BillingPeriodWorkflow:
             return None
         return Listing(run_id=workflow.info().first_execution_run_id, number=self._state.listing)
 
+    def _unmarked(self, taken: list[DueCustomer], sent: int) -> int:
+        """Leave `taken[sent:]` for the ledger to mark (LISTINGS_MARKED); returns how many of
+        `taken` are left so."""
+        if self._state.listing is not None:
+            self._state.unmarked += [c.customer_id for c in taken[sent:]]
+        return len(taken)
+
     def _marked(self, taken: list[str]) -> None:
-        """The ledger has marked `taken`, the first of the customers taken so far."""
-        del self._state.taken[: len(taken)]
+        """The ledger has marked `taken`, the first of the customers left unmarked."""
+        del self._state.unmarked[: len(taken)]
 
     def _list_the_unlisted(self) -> None:
         """List, from the start, only the due customers the listing has not reached."""
@@ -764,13 +771,19 @@ class BillingPeriodWorkflow:
         state = self._state
         cursor = state.cursor
         taken: list[DueCustomer] = []
+        # Those of `taken` already left to mark (_unmarked).
+        sent = 0
         finished: list[CustomerOutcome] = []
         batch: list[DueCustomer] = []
         while len(batch) < room:
             if not self._buffer:
                 if state.listing_done or self._listing_full():
                     break
-                marking = list(state.taken)
+                # This call's customers too, though a control's change may put them back:
+                # the listing then takes them again, and over many pages of customers
+                # finished already (a rerun), the unmarked would grow past a page.
+                sent = self._unmarked(taken, sent)
+                marking = list(state.unmarked)
                 # Local: one short query, which the window waits for; through the task
                 # queue it took a second under load while the window drained.
                 page = await workflow.execute_local_activity_method(
@@ -819,8 +832,7 @@ class BillingPeriodWorkflow:
             state.cursor = cursor
             return []
         state.counts.due += len(taken)
-        if state.listing is not None:
-            state.taken += [c.customer_id for c in taken]
+        self._unmarked(taken, sent)
         for outcome in finished:
             state.counts.add(outcome)
         return batch

@@ -70,7 +70,9 @@ async def test_a_listing_of_the_unlisted_takes_what_no_earlier_listing_took(
     assert await _listing(harness, 2) == []
 
 
-async def test_a_listing_whose_result_is_lost_marks_nothing(harness: Harness) -> None:
+async def test_a_listing_whose_result_is_lost_marks_only_what_its_run_took(
+    harness: Harness,
+) -> None:
     """A listing of the run whose result no one takes (the run a Temporal reset terminated,
     still on its worker; a local activity run twice) sends only what its run took before
     it: a customer imported behind the listing stays unlisted (helper-167 F1)."""
