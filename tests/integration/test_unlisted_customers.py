@@ -12,8 +12,14 @@ from temporalio import activity
 from temporalio import workflow as wf
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.workflowservice.v1 import DeleteWorkflowExecutionRequest
+from temporalio.client import WorkflowHandle
 from temporalio.exceptions import ApplicationError
-from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
+from temporalio.worker import (
+    ActivityInboundInterceptor,
+    ExecuteActivityInput,
+    Interceptor,
+    Worker,
+)
 
 from activities.stripe_access import StripeAccess
 from billing import operations
@@ -21,6 +27,7 @@ from billing.customers import CustomerRow, import_customers
 from billing.keys import customer_workflow_id
 from billing.models import (
     CustomerChargeInput,
+    CustomerOutcome,
     OperatorRequest,
     PeriodSummary,
     RunOptions,
@@ -499,20 +506,8 @@ async def test_a_customer_due_again_behind_the_listing_whose_earlier_child_still
     not counted, not awaited, and then charged by that child after the run's summary was
     written (I2; helper-165 R2)."""
     await harness.seed(3)
-    returned = await create_demo_customers(harness.stripe, 1, prefix="a-ret")
-    await import_customers(harness.pool, returned, while_running=False)
+    returned, earlier = await _inactive_with_an_earlier_child(harness)
     ids = [c.customer_id for c in returned]
-    await harness.pool.execute(
-        "UPDATE customers SET active = false WHERE customer_id = ANY($1::text[])", ids
-    )
-    elsewhere = f"{harness.task_queue}-earlier"
-    # The earlier run's child: started, not yet claimed (its worker is not polling yet).
-    earlier = await harness.client.start_workflow(
-        CustomerChargeWorkflow.run,
-        CustomerChargeInput(period=str(PERIOD), customer_id=ids[0]),
-        id=customer_workflow_id(PERIOD, ids[0]),
-        task_queue=elsewhere,
-    )
 
     class ReturnAtTheClose(ImportAtTheClose):
         async def imported(self) -> None:
@@ -532,15 +527,7 @@ async def test_a_customer_due_again_behind_the_listing_whose_earlier_child_still
         # The close found it not reached: listed again, its start refused, it is awaited.
         await eventually(awaited, timeout=30)
         # The earlier child's worker comes back: it claims and charges the customer.
-        other = create_worker(
-            harness.client,
-            elsewhere,
-            harness.pool,
-            _access(harness),
-            harness.settings,
-            None,
-            sandbox_all=True,
-        )
+        other = _earlier_worker(harness)
         async with other:
             summary = await asyncio.wait_for(handle.result(), 90)
             outcome = await asyncio.wait_for(earlier.result(), 60)
@@ -558,33 +545,14 @@ async def test_a_customer_due_again_behind_the_listing_charged_by_an_earlier_chi
     closes: with a row, it was not listed again, and the run closed with it in no count
     (the ledger right, the summary one short)."""
     await harness.seed(3)
-    returned = await create_demo_customers(harness.stripe, 1, prefix="a-ret")
-    await import_customers(harness.pool, returned, while_running=False)
+    returned, earlier = await _inactive_with_an_earlier_child(harness)
     ids = [c.customer_id for c in returned]
-    await harness.pool.execute(
-        "UPDATE customers SET active = false WHERE customer_id = ANY($1::text[])", ids
-    )
-    elsewhere = f"{harness.task_queue}-earlier"
-    earlier = await harness.client.start_workflow(
-        CustomerChargeWorkflow.run,
-        CustomerChargeInput(period=str(PERIOD), customer_id=ids[0]),
-        id=customer_workflow_id(PERIOD, ids[0]),
-        task_queue=elsewhere,
-    )
 
     class ChargedAtTheClose(ImportAtTheClose):
         async def imported(self) -> None:
             await import_customers(self.harness.pool, returned, while_running=True)
             # The earlier child's worker comes back and charges it, before the close looks.
-            other = create_worker(
-                self.harness.client,
-                elsewhere,
-                self.harness.pool,
-                _access(self.harness),
-                self.harness.settings,
-                None,
-                sandbox_all=True,
-            )
+            other = _earlier_worker(self.harness)
             async with other:
                 outcome = await asyncio.wait_for(earlier.result(), 60)
             assert outcome.outcome == "charged", outcome
@@ -600,6 +568,42 @@ async def test_a_customer_due_again_behind_the_listing_charged_by_an_earlier_chi
     assert (summary.due, summary.already_billed, _counted(summary)) == (5, 1, 5), summary
     await replay([history])
     keep([history])
+
+
+def _earlier_tasks(harness: Harness) -> str:
+    return f"{harness.task_queue}-earlier"
+
+
+async def _inactive_with_an_earlier_child(
+    harness: Harness,
+) -> tuple[list[CustomerRow], WorkflowHandle[CustomerChargeWorkflow, CustomerOutcome]]:
+    """A customer, sorting before every seeded one, inactive, with a child of the period an
+    earlier run started: not yet claimed, as its worker (_earlier_worker) is not polling."""
+    returned = await create_demo_customers(harness.stripe, 1, prefix="a-ret")
+    await import_customers(harness.pool, returned, while_running=False)
+    await harness.pool.execute(
+        "UPDATE customers SET active = false WHERE customer_id = $1", returned[0].customer_id
+    )
+    earlier = await harness.client.start_workflow(
+        CustomerChargeWorkflow.run,
+        CustomerChargeInput(period=str(PERIOD), customer_id=returned[0].customer_id),
+        id=customer_workflow_id(PERIOD, returned[0].customer_id),
+        task_queue=_earlier_tasks(harness),
+    )
+    return returned, earlier
+
+
+def _earlier_worker(harness: Harness) -> Worker:
+    """The worker of the earlier run's child, come back."""
+    return create_worker(
+        harness.client,
+        _earlier_tasks(harness),
+        harness.pool,
+        _access(harness),
+        harness.settings,
+        None,
+        sandbox_all=True,
+    )
 
 
 def _access(harness: Harness) -> StripeAccess:
