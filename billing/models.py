@@ -397,6 +397,26 @@ class OpenRun(Record):
     state: Literal["no_worker"] = "no_worker"
 
 
+class PeriodTotals(Record):
+    """What the ledger holds of a period, every run's rows together: a rerun's own summary
+    counts only what it did (`already billed` for what the runs before it charged)."""
+
+    charged: int = 0
+    failed: int = 0
+    skipped: int = 0
+    cancelled: int = 0
+    # Claims not finished: a run's in flight, or left to reconciliation.
+    claimed: int = 0
+    charged_by_currency: dict[str, int] = Field(default_factory=dict)
+
+
+class PeriodStatus(PeriodProgress):
+    """`status`: how the period's latest run stands, and the ledger's totals of every run
+    (None when the ledger could not be read)."""
+
+    ledger: PeriodTotals | None = None
+
+
 class EndedRun(Record):
     """A run that ended without a summary: Temporal's status (failed, terminated, timed_out,
     canceled), or `unfinished` for the ledger's row of a run Temporal no longer holds."""

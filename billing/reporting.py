@@ -19,7 +19,9 @@ from billing.models import (
     VAULT_KEY_REVOKED_CODE,
     PeriodCounts,
     PeriodProgress,
+    PeriodStatus,
     PeriodSummary,
+    PeriodTotals,
     Preview,
 )
 from billing.money import describe_amounts
@@ -63,7 +65,18 @@ def describe(summary: PeriodCounts) -> str:
             )
     elif isinstance(summary, PeriodSummary) and summary.cancelled_by is not None:
         lines.insert(1, f"  cancelled by {summary.cancelled_by}: {summary.cancel_reason}")
+    if isinstance(summary, PeriodStatus) and summary.ledger is not None:
+        lines.append(f"  {describe_totals(summary.ledger)}")
     return "\n".join(lines)
+
+
+def describe_totals(totals: PeriodTotals) -> str:
+    """The ledger's totals of a period, every run's together, on one line."""
+    return (
+        f"the period in the ledger, every run: charged {totals.charged}"
+        f" ({describe_amounts(totals.charged_by_currency)}), failed {totals.failed}, skipped"
+        f" {totals.skipped}, cancelled {totals.cancelled}, claims open {totals.claimed}"
+    )
 
 
 def next_step(progress: PeriodProgress) -> str | None:

@@ -30,7 +30,15 @@ from billing.errors import (
 )
 from billing.failures import period_failures
 from billing.keys import period_workflow_id
-from billing.models import OpenRun, OperatorRequest, PeriodProgress, PeriodSummary, SkipRequest
+from billing.models import (
+    OpenRun,
+    OperatorRequest,
+    PeriodProgress,
+    PeriodStatus,
+    PeriodSummary,
+    PeriodTotals,
+    SkipRequest,
+)
 from billing.periods import Period, check_run_by_hand
 from billing.preview import preview_period
 from billing.reporting import (
@@ -38,6 +46,7 @@ from billing.reporting import (
     describe_failures,
     describe_preview,
     describe_renewal,
+    describe_totals,
     next_step,
     ui_link,
 )
@@ -53,7 +62,7 @@ from billing.runs import (
 )
 from billing.temporal_client import connect
 from cli import arguments
-from cli.database import ledger_connection
+from cli.database import LEDGER_UNREADABLE, ledger_connection
 from cli.output import OutageNotice, emit
 
 # How often `run --wait` asks whether the run it waits for has paused.
@@ -215,9 +224,38 @@ async def _wait_and_report(
 
 async def cmd_status(args: argparse.Namespace) -> int:
     client = await connect(load_settings(TemporalSettings))
-    progress = await _period_status(client, args.period)
-    emit(progress, args.json, describe(progress))
+    try:
+        progress = await _period_status(client, args.period)
+    except RunEndedError as exc:
+        # Ended with no summary: what the period's runs billed is still worth saying.
+        totals = await _ledger_totals(args.period)
+        if totals is None or not totals.model_dump(exclude_defaults=True):
+            raise
+        raise RunEndedError(
+            f"{exc}; {describe_totals(totals)}",
+            period=exc.period,
+            workflow_id=exc.workflow_id,
+            state=exc.state,
+        ) from None
+    status = PeriodStatus(**progress.model_dump(), ledger=await _ledger_totals(args.period))
+    emit(status, args.json, describe(status))
     return 0
+
+
+async def _ledger_totals(period: Period) -> PeriodTotals | None:
+    """The ledger's totals of the period's runs; None, said in a note, if it is unreadable:
+    they only say more than the run's own counts (a rerun's summary counts what the runs
+    before it charged as already billed)."""
+    try:
+        async with ledger_connection() as conn:
+            return await ledger.period_totals(conn, str(period))
+    except LEDGER_UNREADABLE as exc:
+        print(
+            f"note: the ledger could not be read ({type(exc).__name__}): the totals of"
+            f" {period}'s runs are not shown",
+            file=sys.stderr,
+        )
+        return None
 
 
 async def _period_status(client: Client, period: Period) -> PeriodProgress:

@@ -10,7 +10,14 @@ import asyncpg
 
 from billing.errors import LedgerBusyError
 from billing.ledger.due import plan_period, unsent_totals
-from billing.models import Control, PeriodPlan, PeriodRecord, PeriodSummary, RunIdentity
+from billing.models import (
+    Control,
+    PeriodPlan,
+    PeriodRecord,
+    PeriodSummary,
+    PeriodTotals,
+    RunIdentity,
+)
 
 # Held by a run's opening and by a change to the customers (billing.customers: an import,
 # a deactivation) for their transaction: either the plan counts the change, or the change sees
@@ -142,6 +149,24 @@ async def finish_period(conn: asyncpg.Connection, period: str, summary_json: str
         summary_json,
     )
     await conn.execute("DELETE FROM period_listed WHERE billing_period = $1", period)
+
+
+async def period_totals(conn: asyncpg.Connection, period: str) -> PeriodTotals:
+    """The period's rows by status, and what they charged by currency, every run's together."""
+    rows = await conn.fetch(
+        """
+        SELECT status, currency, count(*) AS count, sum(amount_cents) AS cents
+        FROM billing_runs WHERE billing_period = $1 GROUP BY status, currency
+        """,
+        period,
+    )
+    counts: dict[str, int] = {}
+    charged: dict[str, int] = {}
+    for row in rows:
+        counts[row["status"]] = counts.get(row["status"], 0) + row["count"]
+        if row["status"] == "charged":
+            charged[row["currency"]] = row["cents"]
+    return PeriodTotals(**counts, charged_by_currency=charged)
 
 
 async def period_record(conn: asyncpg.Connection, period: str) -> PeriodRecord | None:

@@ -86,7 +86,9 @@ from billing.models import (
     OperatorRequest,
     PeriodPlan,
     PeriodProgress,
+    PeriodStatus,
     PeriodSummary,
+    PeriodTotals,
     RunOptions,
     SkipRequest,
 )
@@ -1479,10 +1481,28 @@ async def test_status_of_a_period_temporal_no_longer_holds_comes_from_the_ledger
     )
     await _billed_in_the_ledger_only(harness, PERIOD, charged=3)
     code, out, err = await harness.starter("status", str(PERIOD), "--json")
-    status = PeriodProgress.model_validate_json(out)
+    status = PeriodStatus.model_validate_json(out)
     assert (code, status.state, status.charged) == (0, "completed", 3), err
     code, out, _ = await harness.starter("status", str(PERIOD.previous()), "--json")
-    assert PeriodProgress.model_validate_json(out).state == "not_started"
+    assert PeriodStatus.model_validate_json(out).state == "not_started"
+
+
+async def test_status_after_a_rerun_says_what_every_run_billed(harness: Harness) -> None:
+    """A rerun's summary counts what the runs before it charged as already billed: `status`
+    said "charged nothing" for a period billed in full (helper-169 F3). It adds the ledger's
+    totals of every run."""
+    customers = await harness.seed(3)
+    async with harness.running_worker():
+        for _ in range(2):
+            await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    code, out, err = await harness.starter("status", str(PERIOD), "--json")
+    status = PeriodStatus.model_validate_json(out)
+    assert (code, status.charged, status.already_billed) == (0, 0, 3), err
+    total = sum(c.amount_cents for c in customers)
+    assert status.ledger == PeriodTotals(charged=3, charged_by_currency={"usd": total})
+    code, out, err = await harness.starter("status", str(PERIOD))
+    assert code == 0, err
+    assert f"the period in the ledger, every run: charged 3 (usd {total:,})" in out
 
 
 async def test_run_wait_json_says_how_a_run_that_ended_early_ended(harness: Harness) -> None:

@@ -442,6 +442,10 @@ async def test_a_rerun_expecting_more_than_its_key_has_left_charges_nobody(
         assert "this run has yet to charge (customers added since it was issued?)" in err
         assert "nothing was charged. Reconcile the period if charges in doubt" in err
         assert f"DELETE FROM period_vault_keys WHERE billing_period = '{PERIOD}'" in err
+        # `status` says how the rerun ended, and what the period's runs billed.
+        code, out, err = await vaulted.starter("status", str(PERIOD))
+        assert (code, out) == (3, ""), err
+        assert "prepare_period failed" in err and "every run: charged 3 (usd " in err
         assert await vaulted.money_requests() == 3
         async with vaulted.pool.acquire() as conn:
             # The refused rerun left the period's record alone: a backfill still skips it.
