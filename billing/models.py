@@ -412,7 +412,7 @@ class PeriodTotals(Record):
 
 class PeriodStatus(PeriodProgress):
     """`status`: how the period's latest run stands, and the ledger's totals of every run
-    (None when the ledger could not be read)."""
+    (None when the ledger holds no row of the period, or could not be read)."""
 
     ledger: PeriodTotals | None = None
 

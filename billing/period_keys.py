@@ -113,15 +113,26 @@ async def kept_key(
         left, cap, owed = (
             describe_amounts({currency: c}) for c in (room, info.cap_cents, unsent_cents)
         )
+        # A key this ledger's workers issued, a rerun revokes once its row is gone
+        # (revoke_unstored); one they did not (an operator's), it leaves live.
+        revoked_by_rerun = await db.fetchval(
+            "SELECT true FROM issued_vault_keys WHERE vault_key_id = $1", stored
+        )
+        revoke = (
+            "the run revokes the key and issues one capped for what is left"
+            if revoked_by_rerun
+            else "the run issues a key capped for what is left; this one the workers did not"
+            " issue: revoke it first with the token that did (the admin token), or workers"
+            " holding it charge through its room too"
+        )
         raise KeyTooSmallError(
             f"its stored key {info.id} has {left} left of its cap of {cap}, less than the"
-            f" {owed} this run has yet to charge (customers added since it was issued?), so"
-            " the run would stop part-billed at the cap; nothing was charged. Reconcile the"
-            " period if charges in doubt hold part of the cap; otherwise delete the key's row"
-            f" (DELETE FROM period_vault_keys WHERE billing_period = '{period}' AND currency ="
-            f" '{currency}') and run the period again: the run revokes the key, if the workers"
-            " issued it (one issued with the admin token is for that token to revoke), and"
-            " issues one capped for what is left"
+            f" {owed} this run has yet to charge (in the currency's smallest unit; customers"
+            " added since it was issued?), so the run would stop part-billed at the cap;"
+            " nothing was charged. Reconcile the period if charges in doubt hold part of the"
+            " cap; otherwise delete the key's row (DELETE FROM period_vault_keys WHERE"
+            f" billing_period = '{period}' AND currency = '{currency}') and run the period"
+            f" again: {revoke}"
         )
     return PeriodKey(
         period=str(period), currency=currency, vault_key_id=info.id, cap_cents=info.cap_cents

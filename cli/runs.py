@@ -9,6 +9,7 @@ import sys
 from datetime import UTC, datetime
 from typing import Any
 
+import asyncpg
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, WorkflowQueryFailedError
 from temporalio.service import RPCError
 
@@ -70,6 +71,8 @@ PAUSE_CHECK_SECONDS = 30.0
 # How long `run` waits for a new run's opening (its plan) before it says how the run stands.
 PLAN_WAIT_SECONDS = 15.0
 PLAN_POLL_SECONDS = 0.5
+# How long `status` waits for the ledger's totals before it says without them.
+LEDGER_TOTALS_SECONDS = 5.0
 
 
 async def cmd_run(args: argparse.Namespace) -> int:
@@ -80,6 +83,8 @@ async def cmd_run(args: argparse.Namespace) -> int:
     handle = await _started(client, args, temporal, outage)
     try:
         progress = await period_status(client, args.period)
+        if not args.wait:
+            progress = await _planned(client, args.period, progress)
     except (NoWorkerError, RPCError) as exc:
         # Started (or joined), but how it stands is unknown for now.
         if isinstance(exc, NoWorkerError):
@@ -120,7 +125,6 @@ async def cmd_run(args: argparse.Namespace) -> int:
         # Joined a paused run: it charges nothing until resumed, and --wait waits for that.
         print(f"warning: {concern}", file=sys.stderr)
     if not args.wait:
-        progress = await _planned(client, args.period, progress)
         emit(
             progress,
             args.json,
@@ -135,16 +139,13 @@ async def _planned(client: Client, period: Period, progress: PeriodProgress) -> 
     """How the run stands once its opening has made the plan, for PLAN_WAIT_SECONDS at
     most: an opening refused (a key too small, a revoked key) fails the run a moment after
     it started, which `run` would otherwise report as running (RunEndedError says how it
-    ended)."""
+    ended; the caller tells a worker or Temporal gone meanwhile as at its first look)."""
     deadline = asyncio.get_running_loop().time() + PLAN_WAIT_SECONDS
     while progress.expected_due is None and progress.state == "running":
         if asyncio.get_running_loop().time() >= deadline:
             break
         await asyncio.sleep(PLAN_POLL_SECONDS)
-        try:
-            progress = await period_status(client, period)
-        except (NoWorkerError, RPCError):
-            break  # the run is open; how it stands, `status` says once it can be asked
+        progress = await period_status(client, period)
     return progress
 
 
@@ -229,7 +230,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
     except RunEndedError as exc:
         # Ended with no summary: what the period's runs billed is still worth saying.
         totals = await _ledger_totals(args.period)
-        if totals is None or not totals.model_dump(exclude_defaults=True):
+        if totals is None:
             raise
         raise RunEndedError(
             f"{exc}; {describe_totals(totals)}",
@@ -243,19 +244,23 @@ async def cmd_status(args: argparse.Namespace) -> int:
 
 
 async def _ledger_totals(period: Period) -> PeriodTotals | None:
-    """The ledger's totals of the period's runs; None, said in a note, if it is unreadable:
-    they only say more than the run's own counts (a rerun's summary counts what the runs
-    before it charged as already billed)."""
+    """The ledger's totals of the period's runs; None if it holds no row of the period, or,
+    said in a note, if it is unreadable: they only say more than the run's own counts (a
+    rerun's summary counts what the runs before it charged as already billed)."""
     try:
-        async with ledger_connection() as conn:
-            return await ledger.period_totals(conn, str(period))
-    except LEDGER_UNREADABLE as exc:
+        # Bounded: `status` answered from Temporal alone before, and must not hang on a
+        # database that takes connections but does not answer.
+        async with asyncio.timeout(LEDGER_TOTALS_SECONDS), ledger_connection() as conn:
+            totals = await ledger.period_totals(conn, str(period))
+    except (*LEDGER_UNREADABLE, TimeoutError, asyncpg.PostgresError) as exc:
         print(
             f"note: the ledger could not be read ({type(exc).__name__}): the totals of"
             f" {period}'s runs are not shown",
             file=sys.stderr,
         )
         return None
+    # A period no run has billed yet has nothing to add.
+    return totals if totals.model_dump(exclude_defaults=True) else None
 
 
 async def _period_status(client: Client, period: Period) -> PeriodProgress:

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import dataclasses
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -1485,6 +1486,29 @@ async def test_status_of_a_period_temporal_no_longer_holds_comes_from_the_ledger
     assert (code, status.state, status.charged) == (0, "completed", 3), err
     code, out, _ = await harness.starter("status", str(PERIOD.previous()), "--json")
     assert PeriodStatus.model_validate_json(out).state == "not_started"
+
+
+async def test_status_says_without_the_ledger_totals_when_the_ledger_does_not_answer(
+    harness: Harness,
+) -> None:
+    """The totals are an extra: a database that takes connections and answers nothing (a
+    hung server, a proxy before one) held `status` for asyncpg's minute (helper-171 F4)."""
+    await harness.seed(2)
+    silent = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    try:
+        async with harness.running_worker():
+            await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+        began = time.monotonic()
+        process = await harness.starter_process(
+            "status", str(PERIOD), DATABASE_URL=f"postgresql://billing@127.0.0.1:{port}/billing"
+        )
+        out, err = (s.decode() for s in await asyncio.wait_for(process.communicate(), 30))
+    finally:
+        silent.close()
+    assert process.returncode == 0, err
+    assert time.monotonic() - began < 20
+    assert "charged 2" in out and "the ledger could not be read" in err, (out, err)
 
 
 async def test_status_after_a_rerun_says_what_every_run_billed(harness: Harness) -> None:

@@ -439,7 +439,7 @@ async def test_a_rerun_expecting_more_than_its_key_has_left_charges_nobody(
         code, out, err = await vaulted.starter("run", str(PERIOD))
         assert (code, out) == (3, ""), err
         assert "its activity prepare_period failed: no vault key for" in err
-        assert "this run has yet to charge (customers added since it was issued?)" in err
+        assert "this run has yet to charge (in the currency's smallest unit; customers" in err
         assert "nothing was charged. Reconcile the period if charges in doubt" in err
         assert f"DELETE FROM period_vault_keys WHERE billing_period = '{PERIOD}'" in err
         # `status` says how the rerun ended, and what the period's runs billed.
@@ -460,6 +460,24 @@ async def test_a_rerun_expecting_more_than_its_key_has_left_charges_nobody(
     assert await period_key(vaulted) != old
     assert (await vaulted.vault.admin.get_key(old)).revoked
     await assert_billed_once(vaulted, str(PERIOD), [*first, *added])
+
+
+async def test_a_key_too_small_issued_with_the_admin_token_is_named_for_its_revoke(
+    vaulted: Harness,
+) -> None:
+    """An operator's key (issued with the admin token) stored as the period's, too small for
+    a rerun: deleting its row leaves it live, as the rerun revokes only keys its workers
+    issued; the message said the run revokes it (helper-171 F2). It says to revoke it."""
+    assert vaulted.vault is not None
+    await vaulted.seed(3)
+    theirs = await vaulted.vault.admin.issue_key(_period_key(100, timedelta(days=3)))
+    await _stored_as_the_periods(vaulted, theirs)
+    async with vaulted.running_worker():
+        code, out, err = await vaulted.starter("run", str(PERIOD))
+    assert (code, out) == (3, ""), err
+    assert f"its stored key {theirs.id} has usd 100 left" in err, err
+    assert "this one the workers did not issue: revoke it first" in err, err
+    assert "the run revokes the key" not in err, err
 
 
 async def test_a_stored_key_refused_leaves_no_new_key_in_another_currency(
