@@ -133,11 +133,13 @@ def _page(rows: list[asyncpg.Record], limit: int) -> DuePage:
     return DuePage(customers=customers, next_cursor=next_cursor)
 
 
-# Marked by an earlier listing of the run. A mark of a later one is of a timeline a reset
-# of the run undid: not a listing of this one.
-_LISTED_BEFORE = """EXISTS (
-    SELECT 1 FROM period_listed l WHERE l.billing_period = $1 AND l.customer_id = c.customer_id
-        AND l.run_id = $4 AND l.listing < $5)"""
+def _taken(run_id: str, listing: str) -> str:
+    """SQL: customer `c` was taken by the run `run_id` in a listing whose number meets
+    `listing` (a comparison). A mark of a later listing than the run's own is of a timeline a
+    reset of the run undid: not a listing of this one."""
+    return f"""EXISTS (
+        SELECT 1 FROM period_listed l WHERE l.billing_period = $1
+            AND l.customer_id = c.customer_id AND l.run_id = {run_id} AND l.listing {listing})"""
 
 
 async def mark_taken(
@@ -175,7 +177,7 @@ async def listed_page(
     rows = await conn.fetch(
         f"""
         SELECT c.customer_id, r.status {due_join("$2")} {DUE_WHERE}
-            AND c.customer_id > $2 AND NOT {_LISTED_BEFORE}
+            AND c.customer_id > $2 AND NOT {_taken("$4", "< $5")}
         ORDER BY c.customer_id LIMIT $3
         """,
         period,
@@ -193,9 +195,7 @@ async def unlisted_due(conn: asyncpg.Connection, period: str, listing: Listing) 
     return bool(
         await conn.fetchval(
             f"""
-            SELECT EXISTS (SELECT 1 {DUE} AND NOT EXISTS (
-                SELECT 1 FROM period_listed l WHERE l.billing_period = $1
-                    AND l.customer_id = c.customer_id AND l.run_id = $2 AND l.listing <= $3))
+            SELECT EXISTS (SELECT 1 {DUE} AND NOT {_taken("$2", "<= $3")})
             """,
             period,
             listing.run_id,
