@@ -226,23 +226,18 @@ class PeriodActivities:
     ) -> list[period_keys.RenewedKey]:
         """The period's vault key per currency, capped at the expected total with headroom;
         returns those issued. A stored key kept with less room than the run has yet to send
-        fails a run's opening (its cap may be an operator's) but is replaced when `renewing`;
-        a revoked one is never replaced. Every stored key is checked before any is issued: a
-        new key whose row a later refusal rolled back would count against the vault's worker
-        budget until it expired."""
+        is replaced if the workers issued it or when `renewing`; one an operator issued fails
+        a run's opening, and a revoked one is never replaced (period_keys.kept_key). Every
+        stored key is checked before any is issued: a new key whose row a later refusal
+        rolled back would count against the vault's worker budget until it expired."""
         period = parse_period(plan.period)
         caps = spend_caps(plan.totals_by_currency, self._settings.billing_cap_multiplier)
         to_issue: list[str] = []
         for currency in caps:
             with _needs_operator(plan.period, currency):
-                try:
-                    kept = await period_keys.kept_key(
-                        conn, admin, period, currency, unsent.get(currency, 0)
-                    )
-                except period_keys.KeyTooSmallError:
-                    if not renewing:
-                        raise
-                    kept = None
+                kept = await period_keys.kept_key(
+                    conn, admin, period, currency, unsent.get(currency, 0), renewing=renewing
+                )
             if kept is None:
                 to_issue.append(currency)
         # At every opening and renewal, not only before an issue: a key replaced by one

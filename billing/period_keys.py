@@ -89,14 +89,19 @@ async def kept_key(
     period: Period,
     currency: str,
     unsent_cents: int,
+    *,
+    renewing: bool = False,
 ) -> PeriodKey | None:
     """The period's stored key for the currency, if a run keeps it: usable for another
-    REUSE_MIN_LIFE. None when there is none, or it is to be replaced by issue_key.
+    REUSE_MIN_LIFE, with room for `unsent_cents`, what the run has yet to send (charges
+    already sent with it are in its spend or reservations). None when there is none, or it
+    is to be replaced by issue_key.
 
-    A stored key is refused, not replaced, if revoked (the kill switch), or if kept with less
-    room than `unsent_cents`, what the run has yet to send (a rerun after customers were
-    added, which would stop part-billed at the cap): its cap may be an operator's. Charges
-    already sent with it are in its spend or reservations, not in `unsent_cents`."""
+    A key with too little room (a rerun after customers were added would stop part-billed
+    at the cap) is replaced if this ledger's workers issued it (its cap was theirs, for the
+    customers of then) or when `renewing` (an operator asked); an operator's key fails the
+    opening instead, as its cap is theirs to change. A revoked key (the kill switch) is
+    always refused."""
     stored = await stored_key_id(db, str(period), currency)
     if stored is None:
         return None
@@ -109,33 +114,31 @@ async def kept_key(
     if info.expires_at - datetime.now(UTC) < REUSE_MIN_LIFE:
         return None
     room = info.cap_cents - info.spent_cents - info.reserved_cents
-    if room < unsent_cents:
-        left, cap, owed = (
-            describe_amounts({currency: c}) for c in (room, info.cap_cents, unsent_cents)
+    if room >= unsent_cents:
+        return PeriodKey(
+            period=str(period), currency=currency, vault_key_id=info.id, cap_cents=info.cap_cents
         )
-        # A key this ledger's workers issued, a rerun revokes once its row is gone
-        # (revoke_unstored); one they did not (an operator's), it leaves live.
-        revoked_by_rerun = await db.fetchval(
-            "SELECT true FROM issued_vault_keys WHERE vault_key_id = $1", stored
-        )
-        revoke = (
-            "the run revokes the key and issues one capped for what is left"
-            if revoked_by_rerun
-            else "the run issues a key capped for what is left; this one the workers did not"
-            " issue: revoke it first with the token that did (the admin token), or workers"
-            " holding it charge through its room too"
-        )
-        raise KeyTooSmallError(
-            f"its stored key {info.id} has {left} left of its cap of {cap}, less than the"
-            f" {owed} this run has yet to charge (in the currency's smallest unit; customers"
-            " added since it was issued?), so the run would stop part-billed at the cap;"
-            " nothing was charged. Reconcile the period if charges in doubt hold part of the"
-            " cap; otherwise delete the key's row (DELETE FROM period_vault_keys WHERE"
-            f" billing_period = '{period}' AND currency = '{currency}') and run the period"
-            f" again: {revoke}"
-        )
-    return PeriodKey(
-        period=str(period), currency=currency, vault_key_id=info.id, cap_cents=info.cap_cents
+    if renewing or await issued_here(db, stored):
+        return None
+    left, cap, owed = (
+        describe_amounts({currency: c}) for c in (room, info.cap_cents, unsent_cents)
+    )
+    raise KeyTooSmallError(
+        f"its stored key {info.id}, which the workers did not issue, has {left} left of its"
+        f" cap of {cap}, less than the {owed} this run has yet to charge (in the currency's"
+        " smallest unit; customers added since it was issued?), so the run would stop"
+        " part-billed at the cap; nothing was charged. Reconcile the period if charges in"
+        " doubt hold part of the cap; otherwise revoke the key with the token that issued it"
+        " (the admin token), or workers holding it charge through its room too, delete its"
+        f" row (DELETE FROM period_vault_keys WHERE billing_period = '{period}' AND currency ="
+        f" '{currency}') and run the period again: the run issues a key capped for what is left"
+    )
+
+
+async def issued_here(db: asyncpg.Pool | asyncpg.Connection, key_id: str) -> bool:
+    """Whether this ledger's workers issued the key (issue_key lists every one)."""
+    return bool(
+        await db.fetchval("SELECT true FROM issued_vault_keys WHERE vault_key_id = $1", key_id)
     )
 
 

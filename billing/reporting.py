@@ -147,7 +147,8 @@ def describe_preview(preview: Preview, shown: int = 20) -> str:
         lines.append(
             f"  the period's keys issued so far are capped at"
             f" {describe_amounts(preview.issued_caps_by_currency)}: a run keeps a key while it"
-            " has room for what the run charges"
+            " has room for what the run charges, and replaces one the workers issued that has"
+            " not (one issued with the admin token refuses the run)"
         )
     lines += [
         f"    {x.customer_id}: {x.amount_cents} {x.currency}" for x in preview.to_charge[:shown]

@@ -422,25 +422,58 @@ async def test_renewing_keys_leaves_the_kill_switch_pulled(vaulted: Harness) -> 
         await handle.result()
 
 
-async def test_a_rerun_expecting_more_than_its_key_has_left_charges_nobody(
+async def test_a_rerun_expecting_more_than_its_key_has_left_replaces_it(
     vaulted: Harness,
 ) -> None:
     """Customers added after a period's run: its key, capped for the first run, has room for
-    few of them, so a rerun would stop part-billed at the cap. It stops before any charge,
-    saying what to do; done, the next rerun bills them."""
+    few of them, so a rerun keeping it would stop part-billed at the cap. The workers issued
+    it, so the rerun's opening issues one for what is left and revokes it, as a renewal does
+    (helper-169 F1: the operator had to find, revoke and delete the key by hand)."""
     assert vaulted.vault is not None
     first = await vaulted.seed(3)
     async with vaulted.running_worker():
         assert (
             await (await start_period(vaulted.client, PERIOD, vaulted.task_queue)).result()
         ).charged == 3
+        old = await period_key(vaulted)
+        added = await vaulted.seed(3, prefix="late")
+        code, out, err = await vaulted.starter("run", str(PERIOD), "--wait")
+        assert code == 0, err
+        assert "charged 3, already billed 3" in out, out
+    new = await vaulted.vault.admin.get_key(await period_key(vaulted))
+    assert new.id != old
+    assert new.cap_cents == spend_cap(
+        sum(c.amount_cents for c in added), vaulted.settings.billing_cap_multiplier
+    )
+    revoked = await vaulted.vault.admin.get_key(old)
+    assert revoked.revoked and revoked.revoked_by == "worker"
+    await assert_billed_once(vaulted, str(PERIOD), [*first, *added])
+
+
+async def test_a_key_too_small_issued_with_the_admin_token_refuses_the_rerun(
+    vaulted: Harness,
+) -> None:
+    """An operator's key (issued with the admin token) stored as the period's, too small for
+    a rerun: its cap is theirs to change, so the rerun stops before any charge, saying what
+    to do (its revoke is the admin token's: deleting its row would leave it live, helper-171
+    F2); done, the next rerun bills the rest."""
+    assert vaulted.vault is not None
+    first = await vaulted.seed(3)
+    async with vaulted.running_worker():
+        assert (
+            await (await start_period(vaulted.client, PERIOD, vaulted.task_queue)).result()
+        ).charged == 3
+        theirs = await vaulted.vault.admin.issue_key(_period_key(100, timedelta(days=3)))
+        await vaulted.pool.execute("DELETE FROM period_vault_keys")
+        await _stored_as_the_periods(vaulted, theirs)
         added = await vaulted.seed(3, prefix="late")
         # Without --wait too, `run` waits for the opening, and says it was refused.
         code, out, err = await vaulted.starter("run", str(PERIOD))
         assert (code, out) == (3, ""), err
         assert "its activity prepare_period failed: no vault key for" in err
-        assert "this run has yet to charge (in the currency's smallest unit; customers" in err
+        assert f"its stored key {theirs.id}, which the workers did not issue, has usd 100" in err
         assert "nothing was charged. Reconcile the period if charges in doubt" in err
+        assert "revoke the key with the token that issued it (the admin token)" in err
         assert f"DELETE FROM period_vault_keys WHERE billing_period = '{PERIOD}'" in err
         # `status` says how the rerun ended, and what the period's runs billed.
         code, out, err = await vaulted.starter("status", str(PERIOD))
@@ -451,33 +484,13 @@ async def test_a_rerun_expecting_more_than_its_key_has_left_charges_nobody(
             # The refused rerun left the period's record alone: a backfill still skips it.
             record = await ledger.period_record(conn, str(PERIOD))
         assert record is not None and record.state == "completed"
-        old = await period_key(vaulted)
-        # As the message says: the row deleted, the rerun revokes the workers' key itself.
-        async with vaulted.pool.acquire() as conn:
-            await conn.execute("DELETE FROM period_vault_keys")
+        # As the message says.
+        await vaulted.vault.admin.revoke(theirs.id)
+        await vaulted.pool.execute("DELETE FROM period_vault_keys")
         rerun = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
         assert (await rerun.result()).charged == 3
-    assert await period_key(vaulted) != old
-    assert (await vaulted.vault.admin.get_key(old)).revoked
+    assert await period_key(vaulted) != theirs.id
     await assert_billed_once(vaulted, str(PERIOD), [*first, *added])
-
-
-async def test_a_key_too_small_issued_with_the_admin_token_is_named_for_its_revoke(
-    vaulted: Harness,
-) -> None:
-    """An operator's key (issued with the admin token) stored as the period's, too small for
-    a rerun: deleting its row leaves it live, as the rerun revokes only keys its workers
-    issued; the message said the run revokes it (helper-171 F2). It says to revoke it."""
-    assert vaulted.vault is not None
-    await vaulted.seed(3)
-    theirs = await vaulted.vault.admin.issue_key(_period_key(100, timedelta(days=3)))
-    await _stored_as_the_periods(vaulted, theirs)
-    async with vaulted.running_worker():
-        code, out, err = await vaulted.starter("run", str(PERIOD))
-    assert (code, out) == (3, ""), err
-    assert f"its stored key {theirs.id} has usd 100 left" in err, err
-    assert "this one the workers did not issue: revoke it first" in err, err
-    assert "the run revokes the key" not in err, err
 
 
 async def test_a_stored_key_refused_leaves_no_new_key_in_another_currency(
@@ -624,10 +637,6 @@ async def test_a_stored_key_near_its_expiry_is_replaced_not_reused(vaulted: Harn
 
     first = await ensure()
     assert (await ensure(5_000)).vault_key_id == first.vault_key_id  # a week left: reused
-    # Kept with less room than the run has yet to send, it fails the run before it starts;
-    # it is not replaced, as its cap may be an operator's.
-    with pytest.raises(period_keys.KeyTooSmallError, match="has usd 5,000 left of its cap"):
-        await ensure(5_001)
     near = period_keys.REUSE_MIN_LIFE - timedelta(minutes=1)
     issued = await vaulted.vault.worker.issue_key(_period_key(5_000, near))
     async with vaulted.pool.acquire() as conn:
