@@ -10,6 +10,7 @@ import stripe
 from billing.config import BillingSettings, DatabaseSettings, load_settings
 from billing.customers import CustomerRow, upsert_customers
 from billing.db import create_pool
+from billing.models import Record
 from billing.stripe_client import stripe_session
 
 # One customer in this many gets a card that Stripe declines, so the demo shows failures.
@@ -76,12 +77,28 @@ async def create_demo_customers(
     return rows
 
 
-async def seed_demo(count: int) -> int:
+class DemoSeed(Record):
+    """What seeding left in the ledger: a period's run bills every active customer, not
+    only the demo's."""
+
+    written: int
+    active: int
+    # Active customers the demo did not create (imported from a CSV, say).
+    not_demo: int
+
+
+async def seed_demo(count: int, prefix: str = "demo") -> DemoSeed:
     """Create demo customers in the configured Stripe and upsert them into the ledger."""
     async with stripe_session(load_settings(BillingSettings)) as client:
-        rows = await create_demo_customers(client, count)
+        rows = await create_demo_customers(client, count, prefix)
     pool = await create_pool(load_settings(DatabaseSettings).database_url)
     try:
-        return await upsert_customers(pool, rows)
+        written = await upsert_customers(pool, rows)
+        counts = await pool.fetchrow(
+            "SELECT count(*) AS active, count(*) FILTER (WHERE customer_id NOT LIKE $1)"
+            " AS not_demo FROM customers WHERE active",
+            f"{prefix}-%",
+        )
     finally:
         await pool.close()
+    return DemoSeed(written=written, active=counts["active"], not_demo=counts["not_demo"])

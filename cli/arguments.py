@@ -133,6 +133,16 @@ def add_late(command: argparse._ActionsContainer) -> None:
     )
 
 
+def add_far_months(command: argparse.ArgumentParser) -> None:
+    """`run` and `demo` bill a month far from now only when told which way: the two
+    together are a mistyped period."""
+    when = command.add_mutually_exclusive_group()
+    when.add_argument(
+        "--ahead", action="store_true", help="bill a period later than next month anyway"
+    )
+    add_late(when)
+
+
 def add_operator_flags(command: argparse.ArgumentParser) -> None:
     """What a command that steers a run records with it: why, and who."""
     command.add_argument("--reason", required=True, type=reason, help="recorded with your name")

@@ -40,12 +40,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("period", type=arguments.period, help="YYYY-MM")
     run.add_argument("--wait", action="store_true", help="wait for the run and print its summary")
     run.add_argument("--json", action="store_true", help="print one JSON object")
-    # A month is ahead or late, never both: the two together are a mistyped period.
-    when = run.add_mutually_exclusive_group()
-    when.add_argument(
-        "--ahead", action="store_true", help="bill a period later than next month anyway"
-    )
-    arguments.add_late(when)
+    arguments.add_far_months(run)
     run.set_defaults(handler=cmd_run)
 
     status = commands.add_parser("status", help="counts of a period's run")
@@ -294,8 +289,14 @@ def parser() -> argparse.ArgumentParser:
     seed.set_defaults(handler=cmd_seed_demo)
 
     demo = commands.add_parser("demo", help="bill a period of demo customers on the local stack")
-    demo.add_argument("--customers", type=arguments.demo_count, default=1000)
+    demo.add_argument(
+        "--customers",
+        type=arguments.demo_count,
+        default=1000,
+        help="demo customers to create if missing; the run bills every active customer",
+    )
     demo.add_argument("--period", type=arguments.period, default=None, help="default: last month")
+    arguments.add_far_months(demo)
     demo.add_argument("--json", action="store_true")
     demo.add_argument(
         "--keep-running", action="store_true", help="leave the local stack up for the Web UI"

@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import argparse
+from datetime import UTC, datetime
 
+from billing.periods import check_run_by_hand
 from billing.seeding import seed_demo
 
 
 async def cmd_seed_demo(args: argparse.Namespace) -> int:
-    written = await seed_demo(args.count)
-    print(f"created {written} demo customers in Stripe and the ledger")
+    seeded = await seed_demo(args.count)
+    print(
+        f"{args.count} demo customers are in Stripe and the ledger ({seeded.written} rows"
+        f" written); {seeded.active} active customers in all"
+    )
     return 0
 
 
 async def cmd_demo(args: argparse.Namespace) -> int:
     from devstack.demo import run_demo  # the local stack is only needed by the demo
 
+    if args.period is not None:
+        # The demo bills as `run` does: a mistyped month is refused before the stack starts.
+        check_run_by_hand(args.period, datetime.now(UTC), ahead=args.ahead, late=args.late)
     return await run_demo(args)

@@ -98,11 +98,16 @@ async def run_demo(args: argparse.Namespace) -> int:
     async with ensure_stack(quiet=args.json, keep_running=args.keep_running):
         temporal = load_settings(TemporalSettings)
         period = args.period or period_for(datetime.now(UTC))
-        _say(f"creating {args.customers} demo customers in the Stripe emulator...", args.json)
-        await seed_demo(args.customers)
+        _say(f"creating {args.customers} demo customers (or finding them)...", args.json)
+        seeded = await seed_demo(args.customers)
         client = await connect(temporal)
         handle = await start_period(client, period, temporal.task_queue)
-        _say(f"billing {period}: {ui_link(temporal, handle.id)}", args.json)
+        others = f", {seeded.not_demo} of them not the demo's" if seeded.not_demo else ""
+        _say(
+            f"billing {period} for every active customer ({seeded.active}{others}):"
+            f" {ui_link(temporal, handle.id)}",
+            args.json,
+        )
         started = time.monotonic()
         task = asyncio.ensure_future(handle.result())
         while not task.done():
@@ -120,7 +125,9 @@ async def run_demo(args: argparse.Namespace) -> int:
             print(summary.model_dump_json())
         else:
             print(describe(summary))
-            print(f"  took {elapsed:.1f} s ({summary.due / elapsed:.0f} customers/s)")
+            sent = summary.charged + summary.failed
+            rate = f" ({sent / elapsed:.0f} charges sent/s)" if sent else ""
+            print(f"  took {elapsed:.1f} s{rate}")
         _say(
             f"Web UI: {temporal.ui_url}/namespaces/{temporal.namespace}/workflows"
             f"?query=BillingPeriod%3D%22{period}%22",

@@ -189,6 +189,12 @@ CASES: dict[str, tuple[list[str], str]] = {
         "at most 1,000,000 demo customers, got 99,999,999,999",
     ),
     "demo superscript": (["starter.py", "demo", "--customers", "²"], "positive whole"),
+    # As `run`: refused before the local stack starts (helper-169 F4).
+    "demo late": (
+        ["starter.py", "demo", "--period", "2019-01"],
+        "2019-01 is more than 3 months before the current month",
+    ),
+    "demo ahead": (["starter.py", "demo", "--period", "2031-01"], "2031-01 has not begun"),
     "vault port": (["-m", "vault", "--port", "70000"], "not a TCP port"),
 }
 
