@@ -32,9 +32,13 @@ from vault.models import DAILY_CAP
 
 
 def describe(summary: PeriodCounts) -> str:
+    due = f"due {summary.due}"
+    if isinstance(summary, PeriodProgress) and summary.expected_due not in (None, summary.due):
+        # A run lists its customers a page at a time: `due` is what it has listed so far.
+        due += f" listed so far, of {summary.expected_due} expected"
     lines = [
         f"period {summary.period} ({summary.workflow_id})",
-        f"  due {summary.due}: charged {summary.charged}, already billed"
+        f"  {due}: charged {summary.charged}, already billed"
         f" {summary.already_billed}, failed {summary.failed}, skipped {summary.skipped},"
         f" cancelled {summary.cancelled}",
         f"  charged {describe_amounts(summary.charged_by_currency)}"
@@ -51,7 +55,13 @@ def describe(summary: PeriodCounts) -> str:
             f" {summary.period} lists them"
         )
     if isinstance(summary, PeriodProgress):
-        lines.insert(1, f"  state {summary.state}, in flight {summary.in_flight}")
+        flight = (
+            # Held at the gate, but for charges sent before the pause, which settle.
+            f"{summary.in_flight} started, held until the resume"
+            if summary.state == "paused"
+            else f"in flight {summary.in_flight}"
+        )
+        lines.insert(1, f"  state {summary.state}, {flight}")
         if summary.state in ("paused", "cancelling", "cancelled"):
             lines.insert(2, f"  {summary.state} by {summary.operator}: {summary.reason}")
         step = next_step(summary)
@@ -66,16 +76,23 @@ def describe(summary: PeriodCounts) -> str:
     elif isinstance(summary, PeriodSummary) and summary.cancelled_by is not None:
         lines.insert(1, f"  cancelled by {summary.cancelled_by}: {summary.cancel_reason}")
     if isinstance(summary, PeriodStatus) and summary.ledger is not None:
-        lines.append(f"  {describe_totals(summary.ledger)}")
+        run_open = summary.state in ("running", "paused", "cancelling")
+        lines.append(f"  {describe_totals(summary.period, summary.ledger, run_open=run_open)}")
     return "\n".join(lines)
 
 
-def describe_totals(totals: PeriodTotals) -> str:
-    """The ledger's totals of a period, every run's together, on one line."""
+def describe_totals(period: str, totals: PeriodTotals, *, run_open: bool) -> str:
+    """The ledger's totals of a period, every run's together, on one line; claims open
+    with no run open are for reconciliation to settle."""
+    settle = (
+        f" (no run holds them: python starter.py reconcile {period} settles them)"
+        if totals.claimed and not run_open
+        else ""
+    )
     return (
         f"the period in the ledger, every run: charged {totals.charged}"
         f" ({describe_amounts(totals.charged_by_currency)}), failed {totals.failed}, skipped"
-        f" {totals.skipped}, cancelled {totals.cancelled}, claims open {totals.claimed}"
+        f" {totals.skipped}, cancelled {totals.cancelled}, claims open {totals.claimed}{settle}"
     )
 
 

@@ -233,7 +233,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
         if totals is None:
             raise
         raise RunEndedError(
-            f"{exc}; {describe_totals(totals)}",
+            f"{exc}; {describe_totals(str(args.period), totals, run_open=False)}",
             period=exc.period,
             workflow_id=exc.workflow_id,
             state=exc.state,

@@ -14,7 +14,9 @@ from billing.models import (
     CustomerOutcome,
     LedgerStatus,
     PeriodProgress,
+    PeriodStatus,
     PeriodSummary,
+    PeriodTotals,
     Preview,
     PreviewLine,
 )
@@ -308,3 +310,25 @@ def test_a_run_paused_at_a_keys_daily_cap_says_it_frees_itself_at_midnight() -> 
         " 2026-12 --reason ..."
     ) in text
     assert "renew-keys" not in text
+
+
+def test_a_runs_progress_says_what_it_has_listed_and_what_a_pause_holds() -> None:
+    """`due` is what the run has listed so far, and those started when it paused wait at the
+    gate: the text said `due 500` of a thousand, and `in flight` for minutes (helper-169 F6)."""
+    running = PeriodProgress(**_nothing_counted(due=500, state="running", in_flight=7))
+    running = running.model_copy(update={"expected_due": 1000})
+    assert "due 500 listed so far, of 1000 expected: charged 0" in describe(running)
+    assert "state running, in flight 7" in describe(running)
+    listed_all = running.model_copy(update={"due": 1000})
+    assert "  due 1000: charged 0" in describe(listed_all)
+    paused = running.model_copy(update={"state": "paused", "operator": "alice", "reason": "x"})
+    assert "state paused, 7 started, held until the resume" in describe(paused)
+
+
+def test_claims_open_with_no_run_open_point_to_reconciliation() -> None:
+    totals = PeriodTotals(charged=2, claimed=1, charged_by_currency={"usd": 3000})
+    ended = PeriodStatus(**_nothing_counted(state="completed", in_flight=0, ledger=totals))
+    settle = "claims open 1 (no run holds them: python starter.py reconcile 2026-12 settles them)"
+    assert settle in describe(ended)
+    running = ended.model_copy(update={"state": "running"})
+    assert describe(running).endswith("claims open 1")
