@@ -119,7 +119,12 @@ def parse_customers_csv(lines: Iterable[str], source: str = "input") -> list[Cus
 
 def _parse_rows(reader: csv.DictReader[str], source: str) -> list[CustomerRow]:
     # Values are read stripped, so are the names: "customer_id, amount_cents" is no typo.
-    header = [name.strip() for name in reader.fieldnames or []]
+    if not reader.fieldnames:
+        raise CustomerImportError(
+            f"{source} is empty: it needs a header naming {', '.join(CSV_COLUMNS)}, then a row"
+            " per customer"
+        )
+    header = [name.strip() for name in reader.fieldnames]
     reader.fieldnames = header
     # DictReader keeps the last of two same-named columns: which one the file meant is a guess.
     twice = sorted({name for name in header if header.count(name) > 1})

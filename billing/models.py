@@ -409,6 +409,11 @@ class PeriodTotals(Record):
     claimed: int = 0
     charged_by_currency: dict[str, int] = Field(default_factory=dict)
 
+    @property
+    def empty(self) -> bool:
+        """No row of the period: no run has billed it, nor has a skip been recorded."""
+        return not self.model_dump(exclude_defaults=True)
+
 
 class PeriodStatus(PeriodProgress):
     """`status`: how the period's latest run stands, and the ledger's totals of every run

@@ -183,6 +183,11 @@ def describe_preview(preview: Preview, shown: int = 20) -> str:
     return "\n".join(lines)
 
 
+def counted(count: int, noun: str) -> str:
+    """ "1 customer", "2 customers": an English plural in s, which every noun here takes."""
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
 def listed(items: Sequence[str], shown: int = 5) -> str:
     """The first `shown` items, and how many more: a message names a few, not thousands."""
     more = len(items) - shown

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -102,13 +103,27 @@ async def connect(settings: TemporalSettings, runtime: Runtime | None = None) ->
         )
     except RuntimeError as exc:
         raise ServiceUnavailableError(
-            f"cannot reach Temporal at {address} (TEMPORAL_ADDRESS): {exc};"
+            f"cannot reach Temporal at {address} (TEMPORAL_ADDRESS): {unreachable_because(exc)};"
             " for the local stack run `python -m devstack up`"
         ) from None
     except ValueError as exc:  # e.g. a port past 65535
         raise ConfigurationError(f"TEMPORAL_ADDRESS {address!r}: {exc}") from None
     await _check_namespace(client, address)
     return client
+
+
+# The SDK core's connect error ends in a debug dump of its causes; the innermost reason is
+# the operating system's (`message: "Connection refused"`) or the resolver's (`error: "..."`).
+_ROOT_CAUSE = re.compile(r'(?:message|error): "([^"]+)"')
+
+
+def unreachable_because(exc: RuntimeError) -> str:
+    """Why the SDK could not connect, in the words of the root cause."""
+    text = str(exc)
+    found = _ROOT_CAUSE.findall(text)
+    if found:
+        return str(found[-1])
+    return text.split(": tonic::", 1)[0]
 
 
 async def _check_namespace(client: Client, address: str) -> None:

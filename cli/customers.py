@@ -17,7 +17,7 @@ from billing.customers import (
 from billing.db import create_pool
 from billing.errors import InvalidInputError
 from billing.keys import validate_customer_id
-from billing.reporting import describe_customer, listed
+from billing.reporting import counted, describe_customer, listed
 from cli.database import ledger_connection
 from cli.output import emit
 
@@ -42,7 +42,7 @@ async def cmd_import(args: argparse.Namespace) -> int:
         shared = await sharing_a_stripe_customer(pool, [r.customer_id for r in rows])
     finally:
         await pool.close()
-    print(f"imported {len(rows)} customers from {args.file}")
+    print(f"imported {counted(len(rows), 'customer')} from {args.file}")
     if shared:
         # Refused only for ids spelt alike (_refuse_respelt): two ids may be two accounts.
         print(
@@ -76,13 +76,13 @@ async def cmd_deactivate(args: argparse.Namespace) -> int:
     notes = []
     if claimed:
         notes.append(
-            f"{len(claimed)} claims are open, which a run charges whether or not the customer is"
-            f" active: {_billables(claimed)};"
+            f"{counted(len(claimed), 'claim')} open, which a run charges whether or not the"
+            f" customer is active: {_billables(claimed)};"
             " `starter.py skip PERIOD CUSTOMER --reason ...` stops one"
         )
     if unclaimed:
         notes.append(
-            f"{len(unclaimed)} customers an open run has not claimed yet:"
+            f"{counted(len(unclaimed), 'customer')} an open run has not claimed yet:"
             f" {_billables(unclaimed)}; that run does not charge them, but reports failed"
             " (unknown_customer) those whose child it has started"
         )
@@ -97,12 +97,13 @@ async def cmd_deactivate(args: argparse.Namespace) -> int:
     if notes and not args.while_running:
         raise InvalidInputError(
             "; ".join(notes)
-            + ". Nothing was deactivated: skip those claims first, or deactivate once the run"
+            + ". Nothing was deactivated: skip those customers first, or deactivate once the run"
             " has ended, or pass --while-running (also if a run failed or was terminated,"
             " which leaves it open in the ledger)"
         )
     if done.deactivated:
-        print(f"deactivated {len(done.deactivated)} customers: {', '.join(done.deactivated)}")
+        deactivated = counted(len(done.deactivated), "customer")
+        print(f"deactivated {deactivated}: {', '.join(done.deactivated)}")
     if done.already_inactive:
         print(f"already inactive: {', '.join(done.already_inactive)}")
     for note in notes:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import sys
 from collections.abc import AsyncIterator
 
 import asyncpg
 
+from billing import ledger
 from billing.config import DatabaseSettings, SettingsError, load_settings
 from billing.db import CONNECTION_ERRORS, create_pool
 from billing.errors import ConfigurationError, ServiceUnavailableError
+from billing.models import PeriodTotals
 
 # What a command that reads the ledger only to say more (a schedule's `describe`) meets when
 # it cannot: said in a note, not failed on, after the command has done its part.
@@ -19,6 +23,8 @@ LEDGER_UNREADABLE: tuple[type[Exception], ...] = (
     ConfigurationError,
     SettingsError,
 )
+# How long a command waits for the ledger's totals of a period before it says without them.
+LEDGER_TOTALS_SECONDS = 5.0
 
 
 @contextlib.asynccontextmanager
@@ -30,3 +36,21 @@ async def ledger_connection() -> AsyncIterator[asyncpg.Connection]:
             yield conn
     finally:
         await pool.close()
+
+
+async def ledger_totals(period: str) -> PeriodTotals | None:
+    """The ledger's totals of the period's runs (`empty` when it holds no row of it); None,
+    said in a note, if it cannot be read: they only say more than what the command asked
+    Temporal (a rerun's summary counts what the runs before it charged as already billed).
+    Bounded: such a command must not hang on a database that takes connections but does not
+    answer."""
+    try:
+        async with asyncio.timeout(LEDGER_TOTALS_SECONDS), ledger_connection() as conn:
+            return await ledger.period_totals(conn, period)
+    except (*LEDGER_UNREADABLE, TimeoutError, asyncpg.PostgresError) as exc:
+        print(
+            f"note: the ledger could not be read ({type(exc).__name__}): the totals of"
+            f" {period}'s runs are not shown",
+            file=sys.stderr,
+        )
+        return None

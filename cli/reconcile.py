@@ -29,7 +29,7 @@ from billing.runs import (
 )
 from billing.temporal_client import connect
 from cli import arguments
-from cli.database import ledger_connection
+from cli.database import ledger_connection, ledger_totals
 from cli.output import OutageNotice, emit
 
 # How long `reconcile` waits before it says that no worker has taken its workflow up.
@@ -68,6 +68,13 @@ async def cmd_reconcile(args: argparse.Namespace) -> int:
         )
     report = await result
     emit(report, args.json, describe_reconciliation(report) + f"\n  {ui_link(temporal, handle.id)}")
+    totals = await ledger_totals(str(args.period))
+    if totals is not None and totals.empty:
+        print(
+            f"note: the ledger holds no row of {args.period}: no run has billed it, so every"
+            " charge Stripe has for it would be reported, and none is expected",
+            file=sys.stderr,
+        )
     return 1 if report.needs_a_person else 0
 
 

@@ -9,7 +9,6 @@ import sys
 from datetime import UTC, datetime
 from typing import Any
 
-import asyncpg
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, WorkflowQueryFailedError
 from temporalio.service import RPCError
 
@@ -37,7 +36,6 @@ from billing.models import (
     PeriodProgress,
     PeriodStatus,
     PeriodSummary,
-    PeriodTotals,
     SkipRequest,
 )
 from billing.periods import Period, check_run_by_hand
@@ -63,7 +61,7 @@ from billing.runs import (
 )
 from billing.temporal_client import connect
 from cli import arguments
-from cli.database import LEDGER_UNREADABLE, ledger_connection
+from cli.database import ledger_connection, ledger_totals
 from cli.output import OutageNotice, emit
 
 # How often `run --wait` asks whether the run it waits for has paused.
@@ -71,8 +69,6 @@ PAUSE_CHECK_SECONDS = 30.0
 # How long `run` waits for a new run's opening (its plan) before it says how the run stands.
 PLAN_WAIT_SECONDS = 15.0
 PLAN_POLL_SECONDS = 0.5
-# How long `status` waits for the ledger's totals before it says without them.
-LEDGER_TOTALS_SECONDS = 5.0
 
 
 async def cmd_run(args: argparse.Namespace) -> int:
@@ -229,8 +225,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
         progress = await _period_status(client, args.period)
     except RunEndedError as exc:
         # Ended with no summary: what the period's runs billed is still worth saying.
-        totals = await _ledger_totals(args.period)
-        if totals is None:
+        totals = await ledger_totals(str(args.period))
+        if totals is None or totals.empty:
             raise
         raise RunEndedError(
             f"{exc}; {describe_totals(str(args.period), totals, run_open=False)}",
@@ -238,29 +234,11 @@ async def cmd_status(args: argparse.Namespace) -> int:
             workflow_id=exc.workflow_id,
             state=exc.state,
         ) from None
-    status = PeriodStatus(**progress.model_dump(), ledger=await _ledger_totals(args.period))
+    totals = await ledger_totals(str(args.period))
+    shown = None if totals is None or totals.empty else totals
+    status = PeriodStatus(**progress.model_dump(), ledger=shown)
     emit(status, args.json, describe(status))
     return 0
-
-
-async def _ledger_totals(period: Period) -> PeriodTotals | None:
-    """The ledger's totals of the period's runs; None if it holds no row of the period, or,
-    said in a note, if it is unreadable: they only say more than the run's own counts (a
-    rerun's summary counts what the runs before it charged as already billed)."""
-    try:
-        # Bounded: `status` answered from Temporal alone before, and must not hang on a
-        # database that takes connections but does not answer.
-        async with asyncio.timeout(LEDGER_TOTALS_SECONDS), ledger_connection() as conn:
-            totals = await ledger.period_totals(conn, str(period))
-    except (*LEDGER_UNREADABLE, TimeoutError, asyncpg.PostgresError) as exc:
-        print(
-            f"note: the ledger could not be read ({type(exc).__name__}): the totals of"
-            f" {period}'s runs are not shown",
-            file=sys.stderr,
-        )
-        return None
-    # A period no run has billed yet has nothing to add.
-    return totals if totals.model_dump(exclude_defaults=True) else None
 
 
 async def _period_status(client: Client, period: Period) -> PeriodProgress:

@@ -715,13 +715,13 @@ async def test_deactivating_customers_says_what_it_did_and_refuses_what_it_canno
         await ledger.start_period(conn, plan, "billing-period-2026-12")
     refused = await run_cli(*deactivate, "c-1", "c-3", env=env)
     assert (refused.code, refused.stdout) == (2, ""), refused
-    assert "1 customers an open run has not claimed yet: c-1 (2026-12)" in refused.stderr
+    assert "1 customer an open run has not claimed yet: c-1 (2026-12)" in refused.stderr
     assert "Nothing was deactivated" in refused.stderr
     assert await active() == ["c-1", "c-2"]
     forced = await run_cli(*deactivate, "c-1", "c-3", "--while-running", env=env)
     assert forced.code == 0, forced
-    assert "deactivated 1 customers: c-1\nalready inactive: c-3\n" in forced.stdout
-    assert "note: 1 customers an open run has not claimed yet: c-1 (2026-12)" in forced.stdout
+    assert "deactivated 1 customer: c-1\nalready inactive: c-3\n" in forced.stdout
+    assert "note: 1 customer an open run has not claimed yet: c-1 (2026-12)" in forced.stdout
     assert await active() == ["c-2"]
     # c-2's claim is open (the run ended, say terminated, without finishing it): a run
     # charges it whether or not c-2 is active, so it is named, with what stops it.
@@ -737,12 +737,12 @@ async def test_deactivating_customers_says_what_it_did_and_refuses_what_it_canno
         await ledger.finish_period(conn, "2026-12", "{}")
     open_claim = await run_cli(*deactivate, "c-2", env=env)
     assert (open_claim.code, open_claim.stdout) == (2, ""), open_claim
-    assert "1 claims are open, which a run charges whether or not" in open_claim.stderr
+    assert "1 claim open, which a run charges whether or not" in open_claim.stderr
     skip = "`starter.py skip PERIOD CUSTOMER --reason ...` stops one"
     assert f"c-2 (2026-12); {skip}" in open_claim.stderr
     assert await active() == ["c-2"]
     async with db.acquire() as conn:
         await conn.execute("UPDATE billing_runs SET skip_reason = 'gone' WHERE customer_id = 'c-2'")
     done = await run_cli(*deactivate, "c-2", env=env)
-    assert (done.code, done.stdout) == (0, "deactivated 1 customers: c-2\n"), done
+    assert (done.code, done.stdout) == (0, "deactivated 1 customer: c-2\n"), done
     assert await active() == []

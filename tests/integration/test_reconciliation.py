@@ -903,8 +903,9 @@ async def test_a_duplicate_charge_is_reported_with_its_id_and_amount(harness: Ha
     claim = await billed(harness, 3)
     duplicate = await plant(harness, claim, claim.idempotency_key + "-retry")
     async with harness.running_worker():
-        code, out, _ = await harness.starter("reconcile", str(PERIOD), "--json")
+        code, out, err = await harness.starter("reconcile", str(PERIOD), "--json")
     assert code == 1, out
+    assert "holds no row" not in err, err
     report = ReconcileReport.model_validate_json(out)
     [finding] = report.findings
     assert (finding.kind, finding.charge_id, finding.amount_cents) == (
@@ -915,6 +916,17 @@ async def test_a_duplicate_charge_is_reported_with_its_id_and_amount(harness: Ha
     assert finding.customer_id == claim.customer_id
     assert finding.ledger_charge_id == claim.charge_id != duplicate
     assert "orphan" not in report.finding_counts and report.claims == []
+
+
+async def test_a_period_no_run_billed_is_said_to_be_unbilled(harness: Harness) -> None:
+    """Its report reads as zeros for every customer checked, as for a period billed clean:
+    it says no run has billed it (helper-169 F9)."""
+    await harness.seed(2)
+    async with harness.running_worker():
+        code, out, err = await harness.starter("reconcile", str(PERIOD))
+    assert code == 0, err
+    assert "2 customers checked" in out, out
+    assert f"note: the ledger holds no row of {PERIOD}: no run has billed it" in err, err
 
 
 async def test_a_customer_stripe_will_not_list_is_left_unchecked_and_the_rest_compared(

@@ -198,3 +198,10 @@ def test_a_latin1_file_is_told_to_be_saved_as_utf8(tmp_path: Path) -> None:
     path.write_bytes((HEADER + "c-1,cus_A,pm_1,1500,usd\n# M\xfcller\n").encode("latin-1"))
     with pytest.raises(CustomerImportError, match=r"not UTF-8 .*save it as UTF-8"):
         read_customers_csv(path)
+
+
+@pytest.mark.parametrize("content", ["", "\n", "\r\n\r\n"])
+def test_an_empty_file_is_called_empty_not_missing_columns(content: str) -> None:
+    """A 0-byte file was told its header lacked every column (helper-169 F9)."""
+    with pytest.raises(CustomerImportError, match=r"^in.csv is empty: it needs a header naming"):
+        parse_customers_csv(content.splitlines(True), source="in.csv")

@@ -9,7 +9,7 @@ import pytest
 
 from billing.config import TemporalSettings
 from billing.errors import ConfigurationError
-from billing.temporal_client import connect_config
+from billing.temporal_client import connect_config, unreachable_because
 
 API_KEY = "tmprl-api-key-do-not-print"
 PROFILES = f"""
@@ -97,3 +97,29 @@ def test_a_broken_profile_file_is_refused_without_quoting_its_key(
     with pytest.raises(ConfigurationError, match="TEMPORAL_CONFIG_FILE") as caught:
         connect_config(TemporalSettings())
     assert API_KEY not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("core_error", "because"),
+    [
+        (
+            "Failed client connect: Server connection error: tonic::transport::Error(Transport,"
+            ' ConnectError(ConnectError("tcp connect error", 127.0.0.1:1, Os { code: 111, kind:'
+            ' ConnectionRefused, message: "Connection refused" })))',
+            "Connection refused",
+        ),
+        (
+            "Failed client connect: Server connection error: tonic::transport::Error(Transport,"
+            ' ConnectError(ConnectError("dns error", Custom { kind: Uncategorized, error:'
+            ' "failed to lookup address information: Name or service not known" })))',
+            "failed to lookup address information: Name or service not known",
+        ),
+        (
+            "Failed client connect: Server connection error: tonic::transport::Error(Transport)",
+            "Failed client connect: Server connection error",
+        ),
+    ],
+)
+def test_temporal_unreachable_is_told_by_its_root_cause(core_error: str, because: str) -> None:
+    """Not the SDK core's debug dump of its causes (helper-169 F9)."""
+    assert unreachable_because(RuntimeError(core_error)) == because
