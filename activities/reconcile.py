@@ -534,7 +534,10 @@ class ReconcileActivities:
                 conn, request.period, sorted({c.customer_id for c in charges})
             )
             classified = classify(charges, entries)
-            handled = await ledger.handled_among(conn, classified) if classified else {}
+            handled: dict[tuple[str, str], str] = {}
+            if classified:
+                await ledger.record_reported(conn, request.period, classified)
+                handled = await ledger.handled_among(conn, classified)
         unchecked = [c for c, listing in zip(customers, found, strict=True) if listing is None]
         findings = [f for f in classified if (f.charge_id, f.kind) not in handled]
         for f in classified:

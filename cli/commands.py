@@ -142,6 +142,11 @@ def parser() -> argparse.ArgumentParser:
         help="what was done (or why it is taken back); required to mark",
     )
     handled.add_argument("--undo", action="store_true", help="take the mark back")
+    handled.add_argument(
+        "--force",
+        action="store_true",
+        help="mark a finding no reconciliation here reported (say, before this release)",
+    )
     handled.add_argument("--operator", help="default: $BILLING_OPERATOR or your login")
     handled.add_argument("--json", action="store_true")
     handled.set_defaults(handler=cmd_handled)

@@ -13,7 +13,7 @@ from billing import ledger
 from billing.config import TemporalSettings, load_settings
 from billing.errors import InvalidInputError
 from billing.keys import reconcile_workflow_id
-from billing.reconciliation import HandledMarks, HandledRequest, ReconcileReport
+from billing.reconciliation import FindingKind, HandledMarks, HandledRequest, ReconcileReport
 from billing.reporting import (
     describe_handled,
     describe_handled_marks,
@@ -95,9 +95,30 @@ async def cmd_handled(args: argparse.Namespace) -> int:
         undo=args.undo,
     )
     async with ledger_connection() as conn:
+        if not (args.undo or args.force):
+            _check_reported(args, await ledger.reported_kinds(conn, args.charge_id))
         result = await ledger.mark_handled(conn, request)
     emit(result, args.json, describe_handled(result))
     return 2 if result.change == "none" else 0
+
+
+def _check_reported(args: argparse.Namespace, reported: dict[FindingKind, str]) -> None:
+    """A mark only for a finding a reconciliation reported: a mistyped charge id, confirmed
+    as handled, would leave the real finding open while the operator believed it seen to."""
+    if args.kind in reported:
+        return
+    elsewhere = (
+        "; it reported "
+        + ", ".join(f"{kind.upper()} under {period}" for kind, period in reported.items())
+        if reported
+        else ""
+    )
+    raise InvalidInputError(
+        f"no reconciliation has reported {args.kind.upper()} for {args.charge_id}{elsewhere}:"
+        f" check the kind and the charge id against the report (python starter.py reconcile"
+        f" {args.period} lists its findings). Nothing was marked; --force marks it all the"
+        " same (for a finding reported by a worker from before reported findings were kept)"
+    )
 
 
 async def _list_handled(args: argparse.Namespace) -> int:

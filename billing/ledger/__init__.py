@@ -42,6 +42,8 @@ from billing.ledger.reconciliation import (
     open_claims,
     periods_to_recheck,
     record_reconciliation,
+    record_reported,
+    reported_kinds,
 )
 from billing.ledger.runs import (
     OPENING_LOCK,
@@ -111,8 +113,10 @@ __all__ = [
     "preview_lines",
     "record_charge",
     "record_reconciliation",
+    "record_reported",
     "record_unbilled",
     "reopen_refused_charge",
+    "reported_kinds",
     "request_skip",
     "run_opened_at",
     "set_control",

@@ -14,6 +14,7 @@ from billing.models import Claim
 from billing.reconciliation import (
     CustomerToCheck,
     Finding,
+    FindingKind,
     HandledMark,
     HandledRequest,
     HandledResult,
@@ -214,6 +215,37 @@ async def handled_among(
         [f.kind for f in findings],
     )
     return {(row["charge_id"], row["kind"]): row["handled_by"] for row in rows}
+
+
+async def record_reported(
+    conn: asyncpg.Connection, period: str, findings: Collection[Finding]
+) -> None:
+    """Keep that these findings were reported (under `period`), for `handled` to check a
+    charge id against."""
+    await conn.execute(
+        """
+        INSERT INTO reported_findings (charge_id, kind, billing_period)
+        -- Once each (a charge two customers of ours share is found under both), in one
+        -- order, so that two pages writing the same charges wait rather than deadlock.
+        SELECT DISTINCT f.charge_id, f.kind, $3
+        FROM unnest($1::text[], $2::text[]) AS f (charge_id, kind) ORDER BY 1, 2
+        ON CONFLICT (charge_id, kind) DO UPDATE
+            SET billing_period = EXCLUDED.billing_period, last_reported_at = now()
+        """,
+        [f.charge_id for f in findings],
+        [f.kind for f in findings],
+        period,
+    )
+
+
+async def reported_kinds(conn: asyncpg.Connection, charge_id: str) -> dict[FindingKind, str]:
+    """The kinds of finding reconciliation has reported for the charge, each with the period
+    it was last reported under."""
+    rows = await conn.fetch(
+        "SELECT kind, billing_period FROM reported_findings WHERE charge_id = $1 ORDER BY kind",
+        charge_id,
+    )
+    return {row["kind"]: row["billing_period"] for row in rows}
 
 
 async def active_among(conn: asyncpg.Connection, customer_ids: Collection[str]) -> set[str]:

@@ -1303,6 +1303,37 @@ async def test_a_finding_a_person_handled_is_counted_not_reported(harness: Harne
     assert code == 0 and "0 finding(s) marked handled under" in out, out
 
 
+async def test_a_mark_for_a_finding_no_reconciliation_reported_is_refused(
+    harness: Harness,
+) -> None:
+    """A mistyped charge id (or kind) was confirmed as handled while the real finding stayed
+    open (helper-169 F5): a mark is only for a finding a reconciliation reported, unless
+    --force says otherwise."""
+    claim = await billed(harness, 2)
+    duplicate = await plant(harness, claim, claim.idempotency_key + "-retry")
+    mark = ("handled", str(PERIOD), "duplicate", "ch_nonexistent", "--reason", "refunded")
+    code, out, err = await harness.starter(*mark)
+    assert code == 2 and "no reconciliation has reported DUPLICATE for ch_nonexistent:" in err
+    assert "Nothing was marked; --force marks it all the same" in err, err
+    async with harness.running_worker():
+        assert duplicate in (await harness.starter("reconcile", str(PERIOD)))[1]
+    code, out, err = await harness.starter(
+        "handled", str(PERIOD), "orphan", duplicate, "--reason", "refunded"
+    )
+    assert code == 2, out
+    assert f"no reconciliation has reported ORPHAN for {duplicate}; it reported DUPLICATE" in err
+    assert f"DUPLICATE under {PERIOD}: check the kind" in err, err
+    code, out, err = await harness.starter(*mark, "--force")
+    assert code == 0 and "DUPLICATE ch_nonexistent: recorded as handled" in out, err
+    code, out, err = await harness.starter(
+        "handled", str(PERIOD), "duplicate", duplicate, "--reason", "refunded"
+    )
+    assert code == 0 and f"DUPLICATE {duplicate}: recorded as handled" in out, err
+    async with harness.pool.acquire() as conn:
+        marks = await ledger.handled_marks(conn, str(PERIOD))
+    assert sorted(m.charge_id for m in marks) == sorted(["ch_nonexistent", duplicate])
+
+
 async def test_a_duplicate_made_through_the_other_api_is_reported(harness: Harness) -> None:
     claim = await billed(harness, 2)
     assert claim.charge_api == "payment_intents"
