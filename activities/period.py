@@ -252,7 +252,7 @@ class PeriodActivities:
         issued = []
         for currency in to_issue:
             replaced = await period_keys.stored_key_id(conn, plan.period, currency)
-            with _needs_operator(plan.period, currency):
+            with _needs_operator(plan.period, currency, replacing=replaced):
                 key = await period_keys.issue_key(
                     conn, admin, box, period, currency, caps[currency], grace, known_in=self._pool
                 )
@@ -706,6 +706,20 @@ async def _revoke_replaced(
     for key in issued:
         if key.replaced is None:
             continue
+        old = await admin.get_key(key.replaced)
+        if old.revoked and old.revoked_by != "worker":
+            # Revoked since the opening found it live: an operator's kill switch stays
+            # pulled, on the new key too, and the run pauses at its first charge, saying so.
+            await admin.revoke(key.vault_key_id)
+            logs.log_event(
+                log,
+                "replacement_revoked",
+                level=logging.WARNING,
+                period=period,
+                vault_key_id=key.vault_key_id,
+                replaced=key.replaced,
+            )
+            continue
         try:
             await admin.revoke(key.replaced)
         except VaultForbidden as exc:
@@ -722,8 +736,9 @@ async def _revoke_replaced(
 
 
 @contextlib.contextmanager
-def _needs_operator(period: str, currency: str) -> Iterator[None]:
-    """A key refused for a reason no retry changes fails the run, saying why."""
+def _needs_operator(period: str, currency: str, replacing: str | None = None) -> Iterator[None]:
+    """A key refused for a reason no retry changes fails the run, saying why; `replacing`,
+    the stored key a new one would replace."""
     try:
         yield
     except (
@@ -735,12 +750,19 @@ def _needs_operator(period: str, currency: str) -> Iterator[None]:
     ) as exc:
         # Revoked (the kill switch), too small for the run, a cap over the vault's ceiling, a
         # wrong token, a worker budget spent: each needs an operator, not a retry.
-        fix = (
-            " (the workers' BILLING_VAULT_WORKER_TOKEN, or BILLING_VAULT_ADMIN_TOKEN without"
-            " one, is not a token the vault holds)"
-            if isinstance(exc, VaultAuthError)
-            else ""
-        )
+        fix = ""
+        if isinstance(exc, VaultAuthError):
+            fix = (
+                " (the workers' BILLING_VAULT_WORKER_TOKEN, or BILLING_VAULT_ADMIN_TOKEN without"
+                " one, is not a token the vault holds)"
+            )
+        elif isinstance(exc, VaultForbidden) and replacing is not None:
+            # Issued before the old key is revoked, so that a refusal leaves it working.
+            fix = (
+                f" (the key it would replace, {replacing}, counts its whole cap against the"
+                " budget until then: raise VAULT_WORKER_BUDGET_CENTS, or revoke that key with"
+                " the worker token, delete its row in period_vault_keys and run again)"
+            )
         raise ApplicationError(
             f"no vault key for {period} ({currency}): {exc}{fix}",
             type=KEY_REFUSED,

@@ -124,14 +124,15 @@ async def kept_key(
         describe_amounts({currency: c}) for c in (room, info.cap_cents, unsent_cents)
     )
     raise KeyTooSmallError(
-        f"its stored key {info.id}, which the workers did not issue, has {left} left of its"
-        f" cap of {cap}, less than the {owed} this run has yet to charge (in the currency's"
-        " smallest unit; customers added since it was issued?), so the run would stop"
-        " part-billed at the cap; nothing was charged. Reconcile the period if charges in"
-        " doubt hold part of the cap; otherwise revoke the key with the token that issued it"
-        " (the admin token), or workers holding it charge through its room too, delete its"
-        f" row (DELETE FROM period_vault_keys WHERE billing_period = '{period}' AND currency ="
-        f" '{currency}') and run the period again: the run issues a key capped for what is left"
+        f"its stored key {info.id}, which this ledger's workers did not issue (issued with the"
+        f" {info.issued_by} token), has {left} left of its cap of {cap}, less than the {owed}"
+        " this run has yet to charge (in the currency's smallest unit; customers added since"
+        " it was issued?), so the run would stop part-billed at the cap; nothing was charged."
+        " Reconcile the period if charges in doubt hold part of the cap; otherwise revoke it"
+        f" with the {info.issued_by} token (workers holding it would still charge through its"
+        " room), delete its row (DELETE FROM period_vault_keys WHERE billing_period ="
+        f" '{period}' AND currency = '{currency}') and run the period again, which issues a"
+        " key capped for what is left"
     )
 
 

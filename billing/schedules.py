@@ -4,6 +4,7 @@ create, backfill, ...)."""
 from __future__ import annotations
 
 import re
+from collections import Counter
 from datetime import UTC, date, datetime, timedelta
 from typing import Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -640,16 +641,15 @@ async def _ended_open(
     return ended
 
 
-async def paused_open_runs(
+async def joined_open_runs(
     client: Client, conn: asyncpg.Connection, periods: list[str]
-) -> list[str]:
-    """Those of `periods` whose run is open and paused: a launch joins it, and bills
-    nothing until it is resumed. One the ledger holds open whose workflow has ended is not
-    (_ended_open): a launch starts it again, running."""
+) -> dict[str, Control]:
+    """Those of `periods` whose run is open, with its control: a launch joins it (and one
+    paused bills nothing until it is resumed). One the ledger holds open whose workflow has
+    ended is not (_ended_open): a launch starts it again, running."""
     open_runs = await ledger.open_runs(conn, periods)
-    paused = [p for p, control in open_runs.items() if control == "paused"]
-    ended = await _ended_open(client, conn, paused)
-    return [p for p in paused if p not in ended]
+    ended = await _ended_open(client, conn, list(open_runs))
+    return {p: control for p, control in open_runs.items() if p not in ended}
 
 
 async def ended_unfinished(
@@ -848,10 +848,15 @@ def describe(description: ScheduleDescription, request: ScheduledBillingInput) -
         f" catch-up window {_hours(schedule.policy.catchup_window)}",
         "  next: " + ", ".join(t.isoformat() for t in description.info.next_action_times[:3]),
     ]
-    for action in description.info.recent_actions[-5:]:
-        lines.append(
-            f"  ran {action.scheduled_at.isoformat()}: {getattr(action.action, 'workflow_id', '')}"
-        )
+    # Two backfills of a month launch it twice, under one workflow id: one line each.
+    launches = Counter(
+        (action.scheduled_at, getattr(action.action, "workflow_id", ""))
+        for action in description.info.recent_actions[-5:]
+    )
+    for (at, workflow_id), times in launches.items():
+        bills = f" (bills {_billed_at(at, request)})" if request.action == "bill" else ""
+        twice = f", launched {times} times" if times > 1 else ""
+        lines.append(f"  ran {at.isoformat()}{bills}: {workflow_id}{twice}")
     waiting = waiting_firings(description)
     if waiting:
         lines.append(f"  waiting: {waiting} firings, held by Temporal until the open launch ends")

@@ -116,11 +116,13 @@ def operator(args: argparse.Namespace) -> str:
         ) from None
 
 
-def note(args: argparse.Namespace) -> str | None:
-    """A schedule's note, kept by Temporal and printed by `describe`: redacted, as reasons
-    are."""
+def note(args: argparse.Namespace, done: str = "") -> str:
+    """A schedule's note for a pause (or, with `done`, an unpause), kept by Temporal and
+    printed by `describe`: who did it, and the note given, redacted as reasons are (without
+    one, Temporal's own would read "Unpaused via Python SDK")."""
     given: str | None = args.note
-    return None if given is None else shown_line(given)
+    who = f"{done} by {operator(args)}".lstrip()
+    return who + ("" if given is None else f": {shown_line(given)}")
 
 
 # argparse names no public type for "a parser or a group of its flags".

@@ -179,7 +179,8 @@ def parser() -> argparse.ArgumentParser:
         )
         sub.set_defaults(handler=cmd_schedule)
         if name in ("pause", "unpause"):
-            sub.add_argument("--note", default=None)
+            sub.add_argument("--note", default=None, help="why; `describe` shows it")
+            sub.add_argument("--operator", help="default: $BILLING_OPERATOR or your login")
         if name in ("trigger", "backfill"):
             sub.add_argument(
                 "--while-paused",

@@ -69,7 +69,7 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
         await handle.pause(note=arguments.note(args))
         print(f"paused schedule {args.id}")
     elif args.schedule_command == "unpause":
-        await handle.unpause(note=arguments.note(args))
+        await handle.unpause(note=arguments.note(args, "unpaused"))
         print(f"unpaused schedule {args.id}")
         try:
             missed = await schedules.missed_launches(client, args.id)
@@ -86,8 +86,8 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
             period = await schedules.trigger(
                 client, conn, args.id, early=args.early, while_paused=args.while_paused
             )
-            paused = await schedules.paused_open_runs(client, conn, [str(period)] if period else [])
-        if paused:
+            joined = await schedules.joined_open_runs(client, conn, [str(period)] if period else [])
+        if joined.get(str(period)) == "paused":
             # The launch joins that run, which bills nothing until it is resumed.
             print(
                 f"triggered schedule {args.id}: {period}'s run is open and paused, which the"
@@ -98,6 +98,10 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
             print(f"triggered schedule {args.id}" + (f": it bills {period}" if period else ""))
     elif args.schedule_command == "backfill":
         async with ledger_connection() as conn:
+            # Before the launches, which open runs of their own.
+            joined = await schedules.joined_open_runs(
+                client, conn, [str(p) for p in period_range(args.start, args.end)]
+            )
             done = await schedules.backfill(
                 client,
                 conn,
@@ -106,9 +110,6 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
                 args.end,
                 late=args.late,
                 while_paused=args.while_paused,
-            )
-            paused = await schedules.paused_open_runs(
-                client, conn, [str(p) for p in period_range(args.start, args.end)]
             )
         print(
             f"backfilling {len(done.launches)} launches, {args.start} to {args.end}: "
@@ -119,6 +120,14 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
                 "  left as they are, their runs completed or were cancelled:"
                 f" {', '.join(done.completed)}"
                 " (bill one again by hand, once its run has ended: python starter.py run PERIOD)"
+            )
+        paused = [p for p, control in joined.items() if control == "paused"]
+        running = [p for p in joined if p not in paused]
+        if running:
+            # A second backfill of the same months starts nothing new.
+            print(
+                f"  joining the open runs of {', '.join(running)}: each customer is billed"
+                " once all the same"
             )
         if paused:
             # Their launches join those runs, which bill nothing until resumed.

@@ -194,7 +194,7 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["starter.py", "demo", "--period", "2019-01"],
         "2019-01 is more than 3 months before the current month",
     ),
-    "demo ahead": (["starter.py", "demo", "--period", "2031-01"], "2031-01 has not begun"),
+    "demo ahead": (["starter.py", "demo", "--period", "2099-01"], "2099-01 has not begun"),
     "vault port": (["-m", "vault", "--port", "70000"], "not a TCP port"),
 }
 

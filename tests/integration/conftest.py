@@ -14,6 +14,7 @@ from stripe_emulator import EmulatorConfig, serve
 from tests.integration.harness import (
     KEY_ENCRYPTION_KEYS,
     VAULT_ADMIN_TOKEN,
+    VAULT_WORKER_BUDGET,
     VAULT_WORKER_TOKEN,
     Harness,
     VaultHandle,
@@ -74,7 +75,7 @@ async def vaulted(harness: Harness, vault_database_url: str) -> AsyncIterator[Ha
         upstream_stripe_secret=harness.settings.stripe_api_key,
         max_cap_cents=10**9,
         worker_token=SecretStr(VAULT_WORKER_TOKEN),
-        worker_budget_cents=10**10,
+        worker_budget_cents=VAULT_WORKER_BUDGET,
         worker_currencies="usd,eur,jpy",  # parsed from text
     )
     async with (

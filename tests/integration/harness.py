@@ -42,6 +42,8 @@ from workflows.customer_charge import CustomerChargeWorkflow
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 VAULT_ADMIN_TOKEN = "admin-token-for-tests-only"  # noqa: S105
 VAULT_WORKER_TOKEN = "worker-token-for-tests-only"  # noqa: S105
+# What worker keys may hold at once in the tests' vault: far past any test's periods.
+VAULT_WORKER_BUDGET = 10**10
 # A Fernet key for the tests only: it seals the period keys' secrets in the ledger.
 KEY_ENCRYPTION_KEYS = "dGVzdHMtb25seS1rZXktZW5jcnlwdGlvbi1rZXktMzI="
 

@@ -1771,6 +1771,58 @@ async def test_a_trigger_or_backfill_says_it_joins_a_paused_run_only_while_it_ru
     assert (f"joining the open, paused runs of {billed}" in backfill[1]) is joins, backfill
 
 
+async def test_a_second_backfill_and_describe_say_what_the_launches_joined_and_billed(
+    harness: Harness,
+) -> None:
+    """A second backfill of months whose runs are open said "backfilling 2 launches" as if
+    they would bill anew; `describe` listed each month's two launches twice, naming no
+    month, and after an unpause Temporal's "Unpaused via Python SDK" (helper-169 F8)."""
+    config = schedules.MonthlySchedule(schedule_id="monthly-twice", hour=0, paused=True)
+    await schedules.create_schedule(harness.client, config, harness.task_queue)
+    handle = harness.client.get_schedule_handle("monthly-twice")
+    last = period_for(datetime.now(UTC))
+    months = [last.previous(), last]
+    span = ("--start", str(months[0]), "--end", str(last))
+    backfill = ("schedule", "backfill", "--id", "monthly-twice", "--while-paused", *span)
+    await harness.seed(2)
+    await harness.set_faults(latency_ms=5_000)
+
+    async def both_open() -> bool:
+        async with harness.pool.acquire() as conn:
+            return len(await ledger.open_runs(conn, [str(m) for m in months])) == 2
+
+    try:
+        async with harness.running_worker():
+            code, out, err = await harness.starter(*backfill)
+            assert code == 0 and "joining" not in out, (out, err)
+            await eventually(both_open, timeout=30)
+            code, out, err = await harness.starter(*backfill)
+            assert code == 0, err
+            assert f"joining the open runs of {months[0]}, {last}: each customer is billed" in out
+            await eventually(lambda: _launched(handle, 4), timeout=30)
+            code, out, err = await harness.starter(
+                "schedule", "unpause", "--id", "monthly-twice", "--operator", "bob"
+            )
+            assert code == 0, err
+            code, out, err = await harness.starter("schedule", "describe", "--id", "monthly-twice")
+            assert code == 0, err
+            assert "\n  active (unpaused by bob)\n" in out, out
+            for month in months:
+                assert f" (bills {month}): monthly-twice-run-" in out, out
+            assert out.count(", launched 2 times") == 2, out
+            for month in months:
+                await operations.control(harness.client, month, "cancel", ALICE)
+            for month in months:
+                await harness.client.get_workflow_handle(period_workflow_id(month)).result()
+    finally:
+        await handle.delete()
+        await harness.set_faults(latency_ms=0)
+
+
+async def _launched(handle: ScheduleHandle, count: int) -> bool:
+    return len((await handle.describe()).info.recent_actions) >= count
+
+
 async def test_a_trigger_or_backfill_of_a_paused_schedule_is_refused_unless_told(
     harness: Harness,
 ) -> None:
@@ -1788,7 +1840,8 @@ async def test_a_trigger_or_backfill_of_a_paused_schedule_is_refused_unless_told
         for command in (("trigger",), ("backfill", *span)):
             code, out, err = await harness.starter("schedule", *command, "--id", "frozen")
             assert (code, out) == (2, ""), out
-            assert "the schedule frozen is paused (freeze for the audit), and Temporal runs" in err
+            assert "the schedule frozen is paused (by " in err, err
+            assert ": freeze for the audit), and Temporal runs" in err, err
             assert "pass --while-paused" in err and "Nothing was started" in err, err
         assert (await handle.describe()).info.num_actions == 0
     finally:

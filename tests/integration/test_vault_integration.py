@@ -30,6 +30,7 @@ from billing.seeding import create_demo_customers
 from cli import commands, runs
 from tests.integration.harness import (
     VAULT_ADMIN_TOKEN,
+    VAULT_WORKER_BUDGET,
     VAULT_WORKER_TOKEN,
     Harness,
     at_least,
@@ -450,6 +451,77 @@ async def test_a_rerun_expecting_more_than_its_key_has_left_replaces_it(
     await assert_billed_once(vaulted, str(PERIOD), [*first, *added])
 
 
+async def test_a_kill_switch_pulled_while_an_opening_replaces_the_key_stays_pulled(
+    vaulted: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator revokes the period's key with the admin token while a rerun's opening,
+    which found it live but too small, replaces it: the new key was stored and charged
+    through, undoing the kill switch (helper-172 F1). It is revoked too, and the run pauses
+    on vault_key_revoked before charging anyone."""
+    assert vaulted.vault is not None
+    vault = vaulted.vault
+    await vaulted.seed(3)
+    async with vaulted.running_worker():
+        first = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
+        assert (await first.result()).charged == 3
+        old = await period_key(vaulted)
+        await vaulted.seed(3, prefix="late")
+        issue = period_keys.issue_key
+
+        async def revoked_meanwhile(*args: Any, **kwargs: Any) -> period_keys.PeriodKey:
+            await vault.admin.revoke(old)
+            return await issue(*args, **kwargs)
+
+        monkeypatch.setattr(period_keys, "issue_key", revoked_meanwhile)
+        handle = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
+        await eventually(lambda: vaulted.in_state(PERIOD, "paused"), timeout=30)
+        progress = await period_status(vaulted.client, PERIOD)
+        assert progress.reason is not None and "vault_key_revoked" in progress.reason
+        await operations.control(vaulted.client, PERIOD, "cancel", ALICE)
+        assert (await handle.result()).charged == 0
+    new = await vault.admin.get_key(await period_key(vaulted))
+    assert new.id != old and new.revoked and new.revoked_by == "worker"
+    assert await vaulted.succeeded() == 3
+
+
+async def test_a_replacement_past_the_worker_budget_names_the_key_it_would_replace(
+    vaulted: Harness,
+) -> None:
+    """The opening issues the new key while the one it replaces still counts its whole cap
+    against the worker budget (revoked after, so that a refusal leaves it working): a budget
+    that fits only once that key is revoked refuses the replacement, and the message names
+    the key in the way and the way out (helper-172 F2), which then bills the rest."""
+    assert vaulted.vault is not None
+    first = await vaulted.seed(3)
+    async with vaulted.running_worker():
+        assert (
+            await (await start_period(vaulted.client, PERIOD, vaulted.task_queue)).result()
+        ).charged == 3
+        old = await period_key(vaulted)
+        added = await vaulted.seed(3, prefix="late")
+        new_cap = spend_cap(
+            sum(c.amount_cents for c in added), vaulted.settings.billing_cap_multiplier
+        )
+        # Fill the budget (tests/integration/conftest.py) so that the new cap fits only once
+        # the old key counts what it spent alone.
+        left = VAULT_WORKER_BUDGET - sum(c.amount_cents for c in first) - new_cap
+        while left > 0:
+            filler = _period_key(min(left, 10**9)).model_copy(
+                update={"label": "filler", "period": str(PERIOD.previous())}
+            )
+            await vaulted.vault.worker.issue_key(filler)
+            left -= filler.cap_cents
+        code, out, err = await vaulted.starter("run", str(PERIOD), "--wait")
+        assert code == 3, (out, err)
+        assert f"(the key it would replace, {old}, counts its whole cap against the" in err, err
+        # As the message says.
+        await vaulted.vault.worker.revoke(old)
+        await vaulted.pool.execute("DELETE FROM period_vault_keys")
+        code, out, err = await vaulted.starter("run", str(PERIOD), "--wait")
+        assert code == 0 and "charged 3, already billed 3" in out, (out, err)
+    await assert_billed_once(vaulted, str(PERIOD), [*first, *added])
+
+
 async def test_a_key_too_small_issued_with_the_admin_token_refuses_the_rerun(
     vaulted: Harness,
 ) -> None:
@@ -471,9 +543,10 @@ async def test_a_key_too_small_issued_with_the_admin_token_refuses_the_rerun(
         code, out, err = await vaulted.starter("run", str(PERIOD))
         assert (code, out) == (3, ""), err
         assert "its activity prepare_period failed: no vault key for" in err
-        assert f"its stored key {theirs.id}, which the workers did not issue, has usd 100" in err
+        assert f"its stored key {theirs.id}, which this ledger's workers did not issue" in err
+        assert "(issued with the admin token), has usd 100 left" in err, err
         assert "nothing was charged. Reconcile the period if charges in doubt" in err
-        assert "revoke the key with the token that issued it (the admin token)" in err
+        assert "otherwise revoke it with the admin token (workers holding it would" in err
         assert f"DELETE FROM period_vault_keys WHERE billing_period = '{PERIOD}'" in err
         # `status` says how the rerun ended, and what the period's runs billed.
         code, out, err = await vaulted.starter("status", str(PERIOD))
