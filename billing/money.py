@@ -12,6 +12,7 @@ from billing.stripe_currencies import (
     STRIPE_CURRENCIES,
     THREE_DECIMAL,
     WHOLE_UNITS_ONLY,
+    decimal_places,
 )
 
 # Stripe's ceiling for `amount`: eight digits in the smallest currency unit.
@@ -95,9 +96,17 @@ def spend_caps(totals_by_currency: Mapping[str, int], multiplier: float) -> dict
     return {c: spend_cap(total, multiplier) for c, total in sorted(totals_by_currency.items())}
 
 
+def describe_amount(currency: str, amount: int) -> str:
+    """One amount for a person to read, in the currency's unit as Stripe's API counts it:
+    1999 usd is "usd 19.99", 1700 jpy "jpy 1,700", 1230 kwd "kwd 1.230"."""
+    places = decimal_places(currency)
+    whole, part = divmod(abs(amount), 10**places)
+    digits = f"{whole:,}" + (f".{part:0{places}d}" if places else "")
+    return f"{currency} {'-' if amount < 0 else ''}{digits}"
+
+
 def describe_amounts(by_currency: Mapping[str, int]) -> str:
-    """Money per currency for a person to read, never added across currencies, each in the
-    currency's smallest unit as Stripe and the ledger count it ("usd 1,999" is $19.99)."""
+    """Money per currency for a person to read, never added across currencies."""
     if not by_currency:
         return "nothing"
-    return ", ".join(f"{currency} {amount:,}" for currency, amount in sorted(by_currency.items()))
+    return ", ".join(describe_amount(c, amount) for c, amount in sorted(by_currency.items()))

@@ -15,7 +15,7 @@ from pydantic import SecretStr
 
 from billing.errors import BillingError
 from billing.models import Record
-from billing.money import describe_amounts
+from billing.money import describe_amount
 from billing.periods import Period
 from billing.sealing import SecretBox
 from vault.client import VaultAdmin
@@ -120,16 +120,14 @@ async def kept_key(
         )
     if renewing or await issued_here(db, stored):
         return None
-    left, cap, owed = (
-        describe_amounts({currency: c}) for c in (room, info.cap_cents, unsent_cents)
-    )
+    left, cap, owed = (describe_amount(currency, c) for c in (room, info.cap_cents, unsent_cents))
     raise KeyTooSmallError(
         f"its stored key {info.id}, which this ledger's workers did not issue (issued with the"
         f" {info.issued_by} token), has {left} left of its cap of {cap}, less than the {owed}"
-        " this run has yet to charge (in the currency's smallest unit; customers added since"
-        " it was issued?), so the run would stop part-billed at the cap; nothing was charged."
-        " Reconcile the period if charges in doubt hold part of the cap; otherwise revoke it"
-        f" with the {info.issued_by} token (workers holding it would still charge through its"
+        " this run has yet to charge (customers added since it was issued?), so the run would"
+        " stop part-billed at the cap; nothing was charged. Reconcile the period if charges in"
+        " doubt hold part of the cap; otherwise revoke it with the"
+        f" {info.issued_by} token (workers holding it would still charge through its"
         " room), delete its row (DELETE FROM period_vault_keys WHERE billing_period ="
         f" '{period}' AND currency = '{currency}') and run the period again, which issues a"
         " key capped for what is left"

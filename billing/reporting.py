@@ -24,7 +24,7 @@ from billing.models import (
     PeriodTotals,
     Preview,
 )
-from billing.money import describe_amounts
+from billing.money import describe_amount, describe_amounts
 from billing.period_keys import KeyRenewal
 from billing.reconciliation import HandledMarks, HandledResult, ReconcileReport
 from billing.redact import shown_line
@@ -41,8 +41,7 @@ def describe(summary: PeriodCounts) -> str:
         f"  {due}: charged {summary.charged}, already billed"
         f" {summary.already_billed}, failed {summary.failed}, skipped {summary.skipped},"
         f" cancelled {summary.cancelled}",
-        f"  charged {describe_amounts(summary.charged_by_currency)}"
-        " (in each currency's smallest unit)",
+        f"  charged {describe_amounts(summary.charged_by_currency)}",
     ]
     if summary.failed:
         lines.append(
@@ -153,7 +152,7 @@ def describe_preview(preview: Preview, shown: int = 20) -> str:
     lines = [
         f"preview of {preview.period}: nothing is charged",
         f"  would charge {len(preview.to_charge)} customers"
-        f" {describe_amounts(preview.totals_by_currency)} (in each currency's smallest unit);"
+        f" {describe_amounts(preview.totals_by_currency)};"
         f" new keys would be capped at {describe_amounts(preview.caps_by_currency)}, at"
         f" BILLING_CAP_MULTIPLIER={preview.cap_multiplier:g} as set here (the workers' own"
         " decides)"
@@ -168,7 +167,8 @@ def describe_preview(preview: Preview, shown: int = 20) -> str:
             " not (one issued with the admin token refuses the run)"
         )
     lines += [
-        f"    {x.customer_id}: {x.amount_cents} {x.currency}" for x in preview.to_charge[:shown]
+        f"    {x.customer_id}: {describe_amount(x.currency, x.amount_cents)}"
+        for x in preview.to_charge[:shown]
     ]
     if len(preview.to_charge) > shown:
         lines.append(f"    ... and {len(preview.to_charge) - shown} more (--json lists all)")
@@ -205,7 +205,7 @@ def describe_renewal(renewal: KeyRenewal) -> str:
         )
     lines = [f"new vault keys for {renewal.period}:"]
     for key in renewal.keys:
-        cap = describe_amounts({key.currency: key.cap_cents})
+        cap = describe_amount(key.currency, key.cap_cents)
         replaced = (
             f", in place of {key.replaced} (revoked: workers still holding it take the new one;"
             " one issued with the admin token is for that token to revoke)"
@@ -247,7 +247,11 @@ def describe_reconciliation(report: ReconcileReport) -> str:
         )
         lines += [
             f"    {r.vault_key_id} key {r.key_prefix}...: {r.state}"
-            + (f" {r.amount_cents} {r.currency}" if r.amount_cents else "")
+            + (
+                f" {describe_amount(r.currency, r.amount_cents)}"
+                if r.amount_cents and r.currency
+                else ""
+            )
             + (f" ({r.detail})" if r.detail else "")
             for r in report.reservations
         ]
@@ -268,8 +272,9 @@ def describe_reconciliation(report: ReconcileReport) -> str:
     )
     lines += [
         # The metadata of a charge made outside the orchestrator (an orphan) is anyone's text.
-        f"    {f.kind.upper()} {shown_line(f.charge_id)} {f.amount_cents}"
-        f" {shown_line(f.currency)} for {shown_line(f.customer_id)}"
+        f"    {f.kind.upper()} {shown_line(f.charge_id)}"
+        f" {describe_amount(shown_line(f.currency), f.amount_cents)} for"
+        f" {shown_line(f.customer_id)}"
         + (f" (ledger: {f.ledger_status}" if f.ledger_status else " (no ledger row")
         + (f", charge {f.ledger_charge_id})" if f.ledger_charge_id else ")")
         for f in report.findings
@@ -351,8 +356,7 @@ def describe_customer(history: CustomerHistory) -> str:
     account = history.account
     lines = [
         f"customer {account.customer_id}: {'active' if account.active else 'inactive'},"
-        f" {describe_amounts({account.currency: account.amount_cents})} a period"
-        " (in the currency's smallest unit), Stripe customer"
+        f" {describe_amount(account.currency, account.amount_cents)} a period, Stripe customer"
         f" {account.stripe_customer_id}, payment method {account.payment_method or 'none named'}",
         "  each period's workflow: "
         + CUSTOMER_WORKFLOW_ID.format(period="PERIOD", customer_id=account.customer_id),
@@ -369,7 +373,7 @@ def describe_customer(history: CustomerHistory) -> str:
 
 def _billed(row: BilledPeriod) -> str:
     """`{status} {amount} {when}` and what came of it."""
-    head = f"{row.status} {describe_amounts({row.currency: row.amount_cents})}"
+    head = f"{row.status} {describe_amount(row.currency, row.amount_cents)}"
     if row.completed_at is None:
         skip = f"; a skip is asked by {row.skip_by} ({row.skip_reason})" if row.skip_reason else ""
         return (

@@ -14,6 +14,11 @@ _CODES = (
 )
 STRIPE_CURRENCIES = frozenset(_CODES.split())
 
+# Stripe counts these in whole units: an amount of 1700 jpy is ¥1,700.
+ZERO_DECIMAL = frozenset(
+    {"bif", "clp", "djf", "gnf", "jpy", "kmf", "krw", "mga", "pyg", "rwf", "ugx", "vnd", "vuv"}
+    | {"xaf", "xof", "xpf"}
+)
 # Amounts in these are in thousandths, but Stripe charges them to the hundredth: the last digit
 # must be 0.
 THREE_DECIMAL = frozenset({"bhd", "jod", "kwd", "omr", "tnd"})
@@ -50,3 +55,10 @@ MINIMUM_CHARGE = {
     "sgd": 50,
     "thb": 1000,
 }
+
+
+def decimal_places(currency: str) -> int:
+    """How many of an amount's last digits Stripe's API counts below the currency's unit."""
+    if currency in ZERO_DECIMAL:
+        return 0
+    return 3 if currency in THREE_DECIMAL else 2

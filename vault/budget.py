@@ -51,7 +51,7 @@ async def _room(conn: asyncpg.Connection, currency: str, policy: WorkerPolicy) -
         SELECT coalesce(sum(worker_released_cents + CASE
                    WHEN revoked_at IS NULL AND expires_at > now() THEN cap_cents
                    WHEN revoked_by = 'admin' THEN cap_cents
-                   ELSE spent_cents + reserved_cents END), 0)
+                   ELSE spent_cents + reserved_cents END), 0)::bigint
         FROM vault_keys
         WHERE issued_by = 'worker' AND currency = $1 AND allowed_endpoints && $3::text[]
               AND (revoked_at IS NULL AND expires_at > now()

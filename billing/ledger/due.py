@@ -40,7 +40,7 @@ async def unsent_totals(conn: asyncpg.Connection, period: str) -> dict[str, int]
     rows = await conn.fetch(
         f"""
         SELECT coalesce(r.currency, c.currency) AS currency,
-               sum(coalesce(r.amount_cents, c.amount_cents)) AS total
+               sum(coalesce(r.amount_cents, c.amount_cents))::bigint AS total
         {DUE} AND {OPEN} AND NOT EXISTS (
             SELECT 1 FROM period_vault_keys k
             WHERE k.billing_period = $1 AND k.currency = r.currency

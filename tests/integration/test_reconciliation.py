@@ -41,6 +41,7 @@ from billing.models import (
     OperatorRequest,
     ScheduledBillingInput,
 )
+from billing.money import describe_amount
 from billing.periods import Period, period_for
 from billing.reconciliation import (
     INCOMPLETE_INTENT,
@@ -1247,7 +1248,10 @@ async def test_a_bank_debit_is_charged_at_once_and_reported_every_day_once_retur
         async with harness.running_worker():
             code, out, _ = await harness.starter("reconcile", str(PERIOD))
         assert code == 1, out
-        assert f"FAILED_LATER {returned} {debtor.amount_cents}" in out
+        assert (
+            f"FAILED_LATER {returned} {describe_amount(debtor.currency, debtor.amount_cents)}"
+            in out
+        )
         assert "1 failed later" in out and "0 duplicates" in out
     report = await reconcile(harness)
     [finding] = report.findings
@@ -1393,7 +1397,8 @@ async def test_an_orphan_charge_with_our_metadata_is_reported(harness: Harness) 
         code, out, _ = await harness.starter("reconcile", str(PERIOD))
     assert code == 1, out
     assert (
-        f"ORPHAN {orphan} {late.amount_cents} {late.currency} for {late.customer_id}"
+        f"ORPHAN {orphan} {describe_amount(late.currency, late.amount_cents)} for"
+        f" {late.customer_id}"
         " (no ledger row)" in out
     )
     assert "0 duplicates, 1 orphans" in out

@@ -8,6 +8,7 @@ from billing.customers import upsert_customers
 from billing.failures import PeriodFailures
 from billing.keys import customer_workflow_id, idempotency_key
 from billing.models import ChargeFailure
+from billing.money import describe_amount
 from billing.periods import Period
 from billing.runs import start_period
 from tests.integration.harness import Harness
@@ -33,15 +34,17 @@ async def test_a_customer_shows_each_period_charged_failed_or_skipped(harness: H
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0] == (
-        f"customer {paid.customer_id}: active, usd {paid.amount_cents:,} a period (in the"
-        f" currency's smallest unit), Stripe customer {paid.stripe_customer_id}, payment method"
+        f"customer {paid.customer_id}: active, {describe_amount('usd', paid.amount_cents)} a"
+        f" period, Stripe customer {paid.stripe_customer_id}, payment method"
         f" {paid.payment_method}"
     )
     # Newest first.
-    assert lines[2].startswith(f"  {PERIOD.next()} skipped usd {paid.amount_cents:,} 20")
+    assert lines[2].startswith(
+        f"  {PERIOD.next()} skipped {describe_amount('usd', paid.amount_cents)} 20"
+    )
     assert lines[2].endswith(" UTC by ann (moved out)")
     charge = rows[paid.customer_id]["charge_id"]
-    assert lines[3].startswith(f"  {PERIOD} charged usd {paid.amount_cents:,} 20")
+    assert lines[3].startswith(f"  {PERIOD} charged {describe_amount('usd', paid.amount_cents)} 20")
     assert f" UTC as {charge} (pi_" in lines[3]
     assert len(lines) == 4
 
@@ -56,7 +59,7 @@ async def test_a_customer_shows_each_period_charged_failed_or_skipped(harness: H
     )
     assert failed.workflow_id == customer_workflow_id(PERIOD, declined.customer_id)
     code, out, _ = await harness.starter("customers", "show", declined.customer_id)
-    assert f"  {PERIOD} failed usd {declined.amount_cents:,} 20" in out
+    assert f"  {PERIOD} failed {describe_amount('usd', declined.amount_cents)} 20" in out
     assert (
         " UTC after 1 attempt(s): card_declined (generic_decline): Your card was declined." in out
     )
@@ -103,7 +106,9 @@ async def test_a_period_without_the_customers_row_says_where_its_run_is(harness:
             charge_api="payment_intents",
         )
     code, out, _ = await harness.starter("customers", "show", late.customer_id)
-    assert out.splitlines()[2].startswith(f"  {later} claimed usd {late.amount_cents:,} 20")
+    assert out.splitlines()[2].startswith(
+        f"  {later} claimed {describe_amount('usd', late.amount_cents)} 20"
+    )
     assert out.splitlines()[2].endswith(
         " UTC, not finished after 0 attempt(s): its run's workflow ends it; if none runs,"
         f" `reconcile {later}` settles it"

@@ -544,7 +544,7 @@ async def test_a_key_too_small_issued_with_the_admin_token_refuses_the_rerun(
         assert (code, out) == (3, ""), err
         assert "its activity prepare_period failed: no vault key for" in err
         assert f"its stored key {theirs.id}, which this ledger's workers did not issue" in err
-        assert "(issued with the admin token), has usd 100 left" in err, err
+        assert "(issued with the admin token), has usd 1.00 left" in err, err
         assert "nothing was charged. Reconcile the period if charges in doubt" in err
         assert "otherwise revoke it with the admin token (workers holding it would" in err
         assert f"DELETE FROM period_vault_keys WHERE billing_period = '{PERIOD}'" in err

@@ -20,7 +20,7 @@ from billing.models import (
     Preview,
     PreviewLine,
 )
-from billing.money import describe_amounts, spend_cap, spend_caps
+from billing.money import describe_amount, describe_amounts, spend_cap, spend_caps
 from billing.reporting import describe, describe_preview, listed
 from vault.models import DAILY_CAP
 
@@ -60,11 +60,17 @@ def test_merged_pages_count_as_one(
     assert merged == _counted(first + second)
 
 
-def test_amounts_are_shown_per_currency_in_smallest_units() -> None:
+def test_amounts_are_shown_per_currency_in_its_unit_as_stripe_counts_it() -> None:
+    """Not "usd 9,719" for $97.19, which reads as whole dollars (helper-169 F7)."""
     assert describe_amounts({}) == "nothing"
     assert describe_amounts({"usd": 123_456, "eur": 1_500, "jpy": 700}) == (
-        "eur 1,500, jpy 700, usd 123,456"
+        "eur 15.00, jpy 700, usd 1,234.56"
     )
+    assert describe_amount("kwd", 1_230) == "kwd 1.230"
+    assert describe_amount("isk", 150_000) == "isk 1,500.00"  # two-decimal in Stripe's API
+    assert describe_amount("krw", 1_234_567) == "krw 1,234,567"
+    assert describe_amount("usd", 5) == "usd 0.05"
+    assert describe_amount("usd", -1_999) == "usd -19.99"
 
 
 def test_a_summary_never_adds_currencies_together() -> None:
@@ -82,7 +88,7 @@ def test_a_summary_never_adds_currencies_together() -> None:
         period="2026-12", workflow_id="billing-period-2026-12", **counts.model_dump()
     )
     text = describe(summary)
-    assert "charged jpy 1,700, usd 123,999 (in each currency's smallest unit)" in text
+    assert text.endswith("charged jpy 1,700, usd 1,239.99")
     assert "125,699" not in text and "1,256.99" not in text
 
 
@@ -131,10 +137,9 @@ def line(
 
 def test_a_preview_shows_each_currencys_total_and_cap() -> None:
     text = describe_preview(preview_of(line("a", 1_999, "usd"), line("b", 1_700, "jpy")))
-    assert (
-        "would charge 2 customers jpy 1,700, usd 1,999 (in each currency's smallest unit);" in text
-    )
-    assert "new keys would be capped at jpy 1,870, usd 2,199, at BILLING_CAP_MULTIPLIER=1.1" in text
+    assert "would charge 2 customers jpy 1,700, usd 19.99;" in text
+    assert "new keys would be capped at jpy 1,870, usd 21.99, at BILLING_CAP_MULTIPLIER=1.1" in text
+    assert "    a: usd 19.99\n    b: jpy 1,700\n" in text
     assert "3,699" not in text and "3699" not in text
     assert "warning" not in text and "issued so far" not in text
 
@@ -144,7 +149,7 @@ def test_a_preview_shows_the_caps_of_the_keys_issued() -> None:
     issued = preview_of(line("a", 1_999, "usd")).model_copy(
         update={"issued_caps_by_currency": {"usd": 4_000}}
     )
-    assert "the period's keys issued so far are capped at usd 4,000" in describe_preview(issued)
+    assert "the period's keys issued so far are capped at usd 40.00" in describe_preview(issued)
 
 
 def test_a_preview_warns_of_customers_with_no_payment_method() -> None:

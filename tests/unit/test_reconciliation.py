@@ -259,8 +259,8 @@ def test_the_report_reads_with_ids_and_amounts() -> None:
     )
     text = describe_reconciliation(report)
     assert "cust-1: recorded charged ch_1" in text
-    assert "DUPLICATE ch_2 1000 usd for cust-1" in text
-    assert "ORPHAN ch_3 500 usd for cust-3 (no ledger row)" in text
+    assert "DUPLICATE ch_2 usd 10.00 for cust-1" in text
+    assert "ORPHAN ch_3 usd 5.00 for cust-3 (no ledger row)" in text
     assert "1 duplicates, 1 orphans" in text
     assert [f.charge_id for f in report.findings if f.kind == "duplicate"] == ["ch_2"]
 
@@ -421,7 +421,7 @@ def test_a_reservation_settled_is_shown_in_its_own_currency() -> None:
         currency="jpy",
     )
     text = describe_reconciliation(quiet_report(reservations=[committed]))
-    assert "vkey_jp key abcd1234...: committed 150000 jpy" in text
+    assert "vkey_jp key abcd1234...: committed jpy 150,000" in text
     assert "cents" not in text
 
 

@@ -68,10 +68,10 @@ def test_an_open_claim_says_a_skip_asked_of_it_and_where_it_is_settled() -> None
         older=0,
     )
     assert describe_customer(history).splitlines() == [
-        "customer acme: inactive, eur 2,500 a period (in the currency's smallest unit), Stripe"
-        " customer cus_1, payment method none named",
+        "customer acme: inactive, eur 25.00 a period, Stripe customer cus_1, payment method"
+        " none named",
         "  each period's workflow: billing-PERIOD-acme",
-        "  2026-12 claimed eur 1,999 2026-12-01 02:00 UTC, not finished after 2 attempt(s); a"
+        "  2026-12 claimed eur 19.99 2026-12-01 02:00 UTC, not finished after 2 attempt(s); a"
         " skip is asked by ann (disputed): its run's workflow ends it; if none runs,"
         " `reconcile 2026-12` settles it",
     ]
