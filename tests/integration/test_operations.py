@@ -1788,7 +1788,8 @@ async def test_a_second_backfill_and_describe_say_what_the_launches_joined_and_b
     span = ("--start", str(months[0]), "--end", str(last))
     backfill = ("schedule", "backfill", "--id", "monthly-twice", "--while-paused", *span)
     await harness.seed(2)
-    await harness.set_faults(latency_ms=5_000)
+    # Long enough that both runs stay open through four commands on a loaded machine.
+    await harness.set_faults(latency_ms=15_000)
 
     async def both_open() -> bool:
         async with harness.pool.acquire() as conn:
