@@ -56,6 +56,8 @@ from billing.periods import (
 from billing.redact import SECRET_RE, shown_cut
 from billing.temporal_client import ENDED_UNCOMPLETED, workflow_status
 
+# How a launch finds a period's run it leaves as it is (finished_runs).
+Finished = Literal["completed", "cancelled", "cancelling"]
 Overlap = Literal[
     "skip", "buffer_one", "buffer_all", "cancel_other", "terminate_other", "allow_all"
 ]
@@ -318,7 +320,9 @@ class Backfill(Record):
     """What a backfill launched, and the periods in its range a launch leaves as they are."""
 
     launches: list[datetime]
-    completed: list[str] = Field(description="periods whose run completed: started again by hand")
+    finished: dict[str, Finished] = Field(
+        description="periods whose run completed or was cancelled: billed again by hand"
+    )
 
 
 async def backfill(
@@ -337,17 +341,17 @@ async def backfill(
     nothing; and, unless `while_paused`, while the schedule is paused."""
     description, request = await launcher_of(client, schedule_id)
     _check_not_paused(description, "backfill", while_paused=while_paused)
-    completed: list[str] = []
+    finished: dict[str, Finished] = {}
     if request.action == "bill":
         # Later periods are refused below, by their launch times.
         check_run_by_hand(first, datetime.now(UTC), ahead=True, late=late)
         periods = [str(p) for p in period_range(first, last)]
-        completed = await finished_runs(conn, periods)
-        if completed == periods:
+        finished = await finished_runs(conn, periods)
+        if list(finished) == periods:
             raise InvalidInputError(
-                f"every period from {first} to {last} has a run that completed or was"
-                " cancelled, which a launch leaves as it is: nothing was backfilled."
-                f" {_again_by_hand(completed)}"
+                f"a launch leaves every period from {first} to {last} as it is:"
+                f" {describe_finished(finished)}. Nothing was backfilled."
+                f" {_again_by_hand(list(finished))}"
             )
     start, end = backfill_window(first, last, request.options.billing, request.time_zone)
     launches = await matching_times(client, schedule_id, start, end)
@@ -365,7 +369,7 @@ async def backfill(
     await client.get_schedule_handle(schedule_id).backfill(
         ScheduleBackfill(start_at=start, end_at=end, overlap=ScheduleOverlapPolicy.ALLOW_ALL)
     )
-    return Backfill(launches=launches, completed=completed)
+    return Backfill(launches=launches, finished=finished)
 
 
 async def trigger(
@@ -398,12 +402,12 @@ async def trigger(
                 " to it: trigger it once the month has turned, or pass --early. Nothing was"
                 " triggered"
             )
-        completed = await finished_runs(conn, [str(period)])
-        if completed:
+        finished = await finished_runs(conn, [str(period)])
+        if finished:
             raise InvalidInputError(
-                f"the schedule {schedule_id} bills {period} now, and a run of it has completed"
-                " or been cancelled: a launch would start nothing, so none was triggered."
-                f" {_again_by_hand(completed)}"
+                f"the schedule {schedule_id} bills {period} now, and"
+                f" {describe_finished(finished)}: a launch would start nothing, so none was"
+                f" triggered. {_again_by_hand(list(finished))}"
             )
         start, end = backfill_window(period, period, request.options.billing, request.time_zone)
         fires = await matching_times(client, schedule_id, start, end)
@@ -456,8 +460,8 @@ def shown_note(note: str) -> str:
 def _again_by_hand(periods: list[str]) -> str:
     return (
         "To bill the customers added since, for a month before they joined too, run it again"
-        " by hand, once its run has ended (a cancelled run may still be finishing the charges"
-        " it had sent): " + run_by_hand([parse_period(p) for p in periods], datetime.now(UTC))
+        " by hand, once its run has ended: "
+        + run_by_hand([parse_period(p) for p in periods], datetime.now(UTC))
     )
 
 
@@ -663,14 +667,29 @@ async def ended_unfinished(
     return [parse_period(p) for p, control in ended.items() if control != "cancelled"]
 
 
-async def finished_runs(conn: asyncpg.Connection, periods: list[str]) -> list[str]:
-    """Those of `periods` a launch leaves as they are: a run that completed (cancelled ones
-    too), or one an operator cancelled that has not closed, whose customers it had not
+async def finished_runs(conn: asyncpg.Connection, periods: list[str]) -> dict[str, Finished]:
+    """Those of `periods` a launch leaves as they are, in order: a run that completed (cancelled
+    ones too), or one an operator cancelled that has not closed, whose customers it had not
     charged stay unbilled as the operator asked: still finishing the charges it had sent (a
     launch would join it, starting nothing), or ended before its close."""
     completed = await ledger.completed_runs(conn, periods)
     open_runs = await ledger.open_runs(conn, periods)
-    return sorted({*completed, *(p for p, control in open_runs.items() if control == "cancelled")})
+    finished: dict[str, Finished] = {
+        p: "cancelled" if cancelled else "completed" for p, cancelled in completed.items()
+    }
+    finished |= {p: "cancelling" for p, control in open_runs.items() if control == "cancelled"}
+    return dict(sorted(finished.items()))
+
+
+def describe_finished(finished: dict[str, Finished]) -> str:
+    """Each period's run as a launch finds it, for the operator told it is left as it is."""
+    said = {
+        "completed": "completed",
+        "cancelled": "was cancelled",
+        # Only Temporal tells a run finishing its charges from one terminated before its close.
+        "cancelling": "was cancelled (it may still be finishing the charges it had sent)",
+    }
+    return "; ".join(f"{period}'s run {said[how]}" for period, how in finished.items())
 
 
 async def launched_unfinished(

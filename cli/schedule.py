@@ -115,10 +115,9 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
             f"backfilling {len(done.launches)} launches, {args.start} to {args.end}: "
             + ", ".join(t.isoformat() for t in done.launches)
         )
-        if done.completed:
+        if done.finished:
             print(
-                "  left as they are, their runs completed or were cancelled:"
-                f" {', '.join(done.completed)}"
+                f"  left as they are: {schedules.describe_finished(done.finished)}"
                 " (bill one again by hand, once its run has ended: python starter.py run PERIOD)"
             )
         paused = [p for p, control in joined.items() if control == "paused"]

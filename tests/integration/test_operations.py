@@ -982,7 +982,7 @@ async def test_a_backfill_over_a_billed_period_starts_nothing_in_it(harness: Har
                 late=True,
                 while_paused=True,
             )
-        assert done.completed == [str(august), str(september)]
+        assert done.finished == {str(august): "completed", str(september): "completed"}
         await eventually(lambda: launched(4), timeout=60)
         await eventually(partial(_completed, harness, october), timeout=60)
     again = await harness.client.get_workflow_handle(period_workflow_id(september)).describe()
@@ -1651,11 +1651,13 @@ async def test_a_trigger_or_backfill_that_would_start_nothing_is_refused(harness
     paused = ("--id", "monthly-done", "--while-paused")
     code, out, err = await harness.starter("schedule", "trigger", *paused)
     assert (code, out) == (2, ""), out
-    assert f"bills {billed} now, and a run of it has completed" in err
+    assert f"bills {billed} now, and {billed}'s run completed: a launch" in err
     assert f"python starter.py run {billed}" in err and "Traceback" not in err
     span = ("--start", str(billed), "--end", str(billed))
     code, out, err = await harness.starter("schedule", "backfill", *paused, *span)
-    assert (code, out) == (2, "") and "nothing was backfilled" in err, err
+    assert (code, out) == (2, "") and f"{billed}'s run completed. Nothing was backfilled" in err, (
+        err
+    )
     handle = harness.client.get_schedule_handle("monthly-done")
     assert (await handle.describe()).info.num_actions == 0
     # With a month still to bill in the range, the backfill goes on and names the other.
@@ -1664,7 +1666,7 @@ async def test_a_trigger_or_backfill_that_would_start_nothing_is_refused(harness
     await handle.delete()
     assert code == 0, err
     assert out.startswith("backfilling 2 launches")
-    assert f"left as they are, their runs completed or were cancelled: {billed}" in out
+    assert f"left as they are: {billed}'s run completed (bill one again" in out
 
 
 @pytest.mark.parametrize("overlap", ["skip", "terminate_other", "buffer_all"])
@@ -1722,7 +1724,7 @@ async def test_a_trigger_of_a_month_whose_cancelled_run_still_finishes_is_refuse
     finally:
         await harness.client.get_schedule_handle(config.schedule_id).delete()
     assert (code, out) == (2, ""), (out, err)
-    assert f"bills {PERIOD} now, and a run of it has completed or been cancelled" in err
+    assert f"bills {PERIOD} now, and {PERIOD}'s run was cancelled (it may still be" in err
     assert described.info.num_actions == 0
     assert summary.cancelled_by == "alice"
     assert await harness.succeeded() == 2
@@ -2378,7 +2380,7 @@ async def test_a_launched_run_terminated_midway_is_flagged_until_it_is_started_a
                 code, _, err = await harness.starter(
                     "schedule", "trigger", "--id", "cut-short", "--while-paused", "--early"
                 )
-                assert code == 2 and "a run of it has completed or been cancelled" in err, err
+                assert code == 2 and f"{period}'s run was cancelled (it may still" in err, err
                 await handle.trigger()
                 await (await _nth_launch(harness.client, handle, 2)).result()
                 assert [r["status"] for r in await harness.ledger_rows(str(period))] == [
