@@ -22,7 +22,13 @@ from billing.keys import validate_customer_id
 from billing.ledger import NEVER_STARTED, held_as_sql, lock_for_change
 from billing.ledger.sql import BILLED
 from billing.models import Record
-from billing.money import parse_amount, validate_amount, validate_amount_in, validate_currency
+from billing.money import (
+    describe_amount,
+    parse_amount,
+    validate_amount,
+    validate_amount_in,
+    validate_currency,
+)
 from billing.redact import SECRET_RE
 from billing.reporting import listed
 
@@ -456,9 +462,9 @@ async def changes_to_open_runs(
             customer_id=row["customer_id"],
             was=_was(row),
             becomes=(
-                f"{row['new_amount']} {row['new_currency']} from the next period"
+                f"{describe_amount(row['new_currency'], row['new_amount'])} from the next period"
                 if row["claimed"]
-                else f"{row['new_amount']} {row['new_currency']}"
+                else describe_amount(row["new_currency"], row["new_amount"])
             ),
         )
         for row in found
@@ -467,12 +473,12 @@ async def changes_to_open_runs(
 
 def _was(row: asyncpg.Record) -> str:
     if row["claimed"]:
-        claimed = f"{row['claimed_amount']} {row['claimed_currency']}"
+        claimed = describe_amount(row["claimed_currency"], row["claimed_amount"])
         return f"claimed at {claimed}, which the run charges unless skipped"
     if row["active"] is None:
         was = "new"
     else:
-        price = f"{row['amount_cents']} {row['currency']}"
+        price = describe_amount(row["currency"], row["amount_cents"])
         was = price if row["active"] else f"inactive, {price}"
     if row["billed_as"] is not None:
         was += (

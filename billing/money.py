@@ -67,8 +67,9 @@ def validate_amount_in(amount: int, currency: str) -> int:
     minimum = MINIMUM_CHARGE.get(currency)
     if minimum is not None and amount < minimum:
         raise InvalidAmountError(
-            f"amount {amount} {currency} is below Stripe's minimum charge of {minimum}"
-            f" {currency} (amounts are in the currency's smallest unit: is it in cents?)"
+            f"amount {amount} {currency} ({describe_amount(currency, amount)}) is below"
+            f" Stripe's minimum charge of {describe_amount(currency, minimum)} (amounts are in"
+            " the currency's smallest unit: is it in cents?)"
         )
     if currency in THREE_DECIMAL and amount % 10:
         raise InvalidAmountError(

@@ -19,6 +19,7 @@ from datetime import datetime, timedelta
 
 import asyncpg
 
+from billing.money import describe_amount
 from vault.endpoints import METERED, WORKER_ENDPOINTS, beyond_worker_endpoints
 from vault.models import IssueKeyRequest
 
@@ -68,8 +69,9 @@ def _past_budget(
     what: str, currency: str, short: int, policy: WorkerPolicy, otherwise: str
 ) -> WorkerKeyRefused:
     return WorkerKeyRefused(
-        f"{what} would take worker keys {short} {currency} past"
-        f" VAULT_WORKER_BUDGET_CENTS={policy.budget_cents} for the last {policy.window.days}"
+        f"{what} would take worker keys {describe_amount(currency, short)} past"
+        f" VAULT_WORKER_BUDGET_CENTS={policy.budget_cents}"
+        f" ({describe_amount(currency, policy.budget_cents)}) for the last {policy.window.days}"
         " days: revoke unused worker keys with the worker token (GET /vault/keys lists them;"
         " a key it revoked counts only what it took, one the admin token revoked its whole"
         " cap for the window),"
@@ -100,7 +102,7 @@ async def admit(
         if request.cap_cents > room:
             short = request.cap_cents - room
             raise _past_budget(
-                f"a cap of {request.cap_cents}",
+                f"a cap of {describe_amount(request.currency, request.cap_cents)}",
                 request.currency,
                 short,
                 policy,
@@ -123,7 +125,7 @@ async def count_release(
     room = await _room(conn, key["currency"], policy)
     if key["live"] and cents > room:
         raise _past_budget(
-            f"freeing {cents} reserved",
+            f"freeing {describe_amount(key['currency'], cents)} reserved",
             key["currency"],
             cents - room,
             policy,

@@ -25,6 +25,7 @@ from typing import Literal
 
 import asyncpg
 
+from billing.money import describe_amount
 from vault import budget, store
 from vault.models import DAILY_CAP, ReservationInfo, ReservationState
 
@@ -187,8 +188,10 @@ async def reserve(
         raise RuntimeError(f"vault_reserve answered {decision!r}, which this vault does not know")
     daily = decision == "daily_cap"
     cap = DAILY_CAP if daily else "cap"
+    left, of = (describe_amount(charge.currency, int(c)) for c in detail.split(" of "))
     raise CapExceeded(
-        f"{charge.amount_cents} cents would pass this key's {cap}: {detail} cents remain",
+        f"{describe_amount(charge.currency, charge.amount_cents)} would pass this key's {cap}:"
+        f" {left} of {of} remain",
         daily=daily,
         fenced_below=row["fenced_below"],
     )

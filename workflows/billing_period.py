@@ -749,7 +749,7 @@ class BillingPeriodWorkflow:
             f" {len(self._in_flight)} in flight; {counts.charged} charged,"
             f" {counts.already_billed} already billed, {counts.failed} failed,"
             f" {counts.skipped} skipped, {counts.cancelled} cancelled;"
-            f" charged {money.describe_amounts(counts.charged_by_currency)} (smallest units)"
+            f" charged {money.describe_amounts(counts.charged_by_currency)}"
         )
 
     # -- fan-out -----------------------------------------------------------------------

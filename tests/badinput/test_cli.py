@@ -429,19 +429,21 @@ async def test_an_import_repricing_customers_a_running_period_has_not_billed_is_
     refused = await run_cli(*argv, env=env)
     assert (refused.code, refused.stdout) == (2, ""), refused
     assert "adds or changes the price of 5 customers the open run of 2026-12" in refused.stderr
-    assert "c-4 (100 usd -> 300 usd)" in refused.stderr
+    assert "c-4 (usd 1.00 -> usd 3.00)" in refused.stderr
     # Made active again, or new: either may join the run's list at a price it never counted.
-    assert "c-3 (inactive, 100 usd -> 100 eur)" in refused.stderr
-    assert "c-5 (new -> 100 eur)" in refused.stderr
-    assert "c-6 (inactive, 100 usd -> 100 usd)" in refused.stderr
-    assert "c-2 (100 usd -> 250 usd)" in refused.stderr and "nothing was imported" in refused.stderr
+    assert "c-3 (inactive, usd 1.00 -> eur 1.00)" in refused.stderr
+    assert "c-5 (new -> eur 1.00)" in refused.stderr
+    assert "c-6 (inactive, usd 1.00 -> usd 1.00)" in refused.stderr
+    assert (
+        "c-2 (usd 1.00 -> usd 2.50)" in refused.stderr and "nothing was imported" in refused.stderr
+    )
     assert await db.fetchval("SELECT amount_cents FROM customers WHERE customer_id = 'c-2'") == 100
     forced = await run_cli(*argv, "--while-running", env=env)
     assert forced.code == 0, forced
     assert await db.fetchval("SELECT amount_cents FROM customers WHERE customer_id = 'c-2'") == 250
     # Imported all the same, the changes are on record in the output.
     assert "note: the open run of 2026-12 may bill these as now imported:" in forced.stdout
-    assert "c-4 (100 usd -> 300 usd)" in forced.stdout
+    assert "c-4 (usd 1.00 -> usd 3.00)" in forced.stdout
 
 
 async def test_an_import_warns_of_a_stripe_customer_charged_under_two_ids(

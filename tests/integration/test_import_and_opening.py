@@ -72,7 +72,7 @@ async def test_an_import_waits_for_a_run_being_opened_then_sees_it_open(
         assert await _is_waiting(importing)
         await ledger.start_period(conn, plan, WORKFLOW_ID)
     changes = await importing
-    assert [(c.customer_id, c.was, c.becomes) for c in changes] == [("c-2", "new", "250 usd")]
+    assert [(c.customer_id, c.was, c.becomes) for c in changes] == [("c-2", "new", "usd 2.50")]
     assert await db.fetchval("SELECT count(*) FROM customers") == 1  # nothing written
 
 
@@ -375,8 +375,8 @@ async def test_a_price_changed_under_an_open_unsent_claim_is_named(db: asyncpg.P
     [change] = await import_customers(db, [repriced], while_running=False)
     assert (change.customer_id, change.was, change.becomes) == (
         "c-1",
-        "claimed at 100 usd, which the run charges unless skipped",
-        "1000 usd from the next period",
+        "claimed at usd 1.00, which the run charges unless skipped",
+        "usd 10.00 from the next period",
     )
     assert await db.fetchval("SELECT amount_cents FROM customers") == 100
     # Imported all the same, the same file again changes nothing more to name (helper-144's

@@ -174,8 +174,8 @@ def test_a_preview_warns_of_amounts_stripe_refuses() -> None:
     assert [(x.customer_id, why) for x, why in preview.with_amounts_stripe_refuses] == [
         (
             "a",
-            "amount 49 usd is below Stripe's minimum charge of 50 usd (amounts are in the"
-            " currency's smallest unit: is it in cents?)",
+            "amount 49 usd (usd 0.49) is below Stripe's minimum charge of usd 0.50 (amounts are"
+            " in the currency's smallest unit: is it in cents?)",
         ),
         (
             "c",
@@ -184,13 +184,13 @@ def test_a_preview_warns_of_amounts_stripe_refuses() -> None:
         ),
         (
             "d",
-            "amount 30 eur is below Stripe's minimum charge of 50 eur (amounts are in the"
-            " currency's smallest unit: is it in cents?)",
+            "amount 30 eur (eur 0.30) is below Stripe's minimum charge of eur 0.50 (amounts are"
+            " in the currency's smallest unit: is it in cents?)",
         ),
     ]
     text = describe_preview(preview, shown=1)
     assert "warning: 2 of them have an amount Stripe refuses, so they would end failed" in text
-    assert "before the run: a (amount 49 usd is below Stripe's minimum charge" in text
+    assert "before the run: a (amount 49 usd (usd 0.49) is below Stripe's minimum charge" in text
     assert "and 1 more" in text
     assert "1 of them were claimed with an amount Stripe refuses" in text
     assert "bill them by hand: d (amount 30 eur" in text
@@ -218,8 +218,8 @@ def test_a_previews_json_carries_its_warnings_so_no_consumer_redoes_the_rules() 
     ]
     assert warnings[1]["message"].startswith("1 of them have an amount Stripe refuses")
     assert warnings[1]["entries"] == [
-        "a (amount 49 usd is below Stripe's minimum charge of 50 usd (amounts are in the"
-        " currency's smallest unit: is it in cents?))"
+        "a (amount 49 usd (usd 0.49) is below Stripe's minimum charge of usd 0.50 (amounts are"
+        " in the currency's smallest unit: is it in cents?))"
     ]
     # The text says the same, from the same warnings.
     assert f"warning: {warnings[1]['message']}: {warnings[1]['entries'][0]}" in describe_preview(

@@ -105,7 +105,10 @@ BAD_ROWS = [
     ("c-bad,cus_A,pm_1,-100,usd\n", "amount must be positive"),
     ("c-bad,cus_A,pm_1,100,US$\n", "currency"),
     ("c-bad,cus_A,pm_1," + "9" * 5000 + ",usd\n", "amount of 5000 digits exceeds"),
-    ("c-bad,cus_A,pm_1,49,usd\n", "amount 49 usd is below Stripe's minimum charge of 50 usd"),
+    (
+        "c-bad,cus_A,pm_1,49,usd\n",
+        "amount 49 usd (usd 0.49) is below Stripe's minimum charge of usd 0.50",
+    ),
     ('c-bad,"' + "x" * 200_000 + '",pm_1,100,usd\n', "field larger than field limit"),
 ]
 

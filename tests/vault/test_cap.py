@@ -130,6 +130,9 @@ async def test_replays_are_not_counted_twice(
     with pytest.raises(stripe.CardError) as refused:
         await charge(client, customer, 2_000, "other-key")
     assert refused.value.code == "spend_cap_exceeded"
+    assert "usd 20.00 would pass this key's cap: usd 5.00 of usd 25.00 remain" in str(
+        refused.value.user_message
+    )
 
 
 async def test_concurrent_requests_with_one_key_forward_one_at_a_time(
@@ -208,7 +211,10 @@ async def test_daily_cap_per_utc_day(
     with pytest.raises(stripe.CardError) as refused:
         await charge(client, customer, 2_500, "day-2")
     assert refused.value.code == "spend_cap_exceeded"
-    assert "daily cap" in str(refused.value.user_message)
+    assert (
+        "usd 25.00 would pass this key's daily cap (UTC day): usd 20.00 of usd 50.00 remain"
+        in str(refused.value.user_message)
+    )
     await charge(client, customer, 2_000, "day-3")  # exactly fills the day
     await assert_consistent(db, key.id)
 
@@ -236,7 +242,10 @@ async def test_a_retry_in_doubt_from_an_earlier_utc_day_counts_against_today(
     with pytest.raises(stripe.CardError) as refused:
         await charge(client, customer, 1_000, "late-evening")
     assert refused.value.code == "spend_cap_exceeded"
-    assert "daily cap" in str(refused.value.user_message)
+    assert (
+        "usd 10.00 would pass this key's daily cap (UTC day): usd 0.00 of usd 10.00 remain"
+        in str(refused.value.user_message)
+    )
     assert len(await emulator_ledger(emulator)) == 1
     await assert_consistent(db, key.id)
     # Another day with room: the retry goes, and is counted on that day.

@@ -65,7 +65,7 @@ async def test_worker_keys_stop_at_the_budget_and_other_keys_do_not_count(
     with pytest.raises(VaultForbidden, match="VAULT_WORKER_BUDGET_CENTS=300000") as refused:
         await _issue(worker, secrets_seen, cap_cents=1)
     assert refused.value.code == "worker_key_refused"
-    assert "1 usd past" in refused.value.message
+    assert "usd 0.01 past" in refused.value.message
     assert "revoke unused worker keys" in refused.value.message
     # The budget is per currency; keys that move no money and the admin's keys are free.
     await _issue(worker, secrets_seen, currency="eur")
@@ -117,7 +117,7 @@ async def test_a_dead_worker_key_counts_what_it_took_within_the_window(
     await worker.revoke(unused.id)
     await _age(db, expiring.id, expires_days_ago=0)
     await _issue(worker, secrets_seen, cap_cents=WORKER_BUDGET_CENTS - 40_000)
-    with pytest.raises(VaultForbidden, match="1 usd past"):
+    with pytest.raises(VaultForbidden, match=r"usd 0\.01 past"):
         await _issue(worker, secrets_seen, cap_cents=1)
     # A key dead for longer than the window no longer counts; a live one always does,
     # however old (the window may have been shortened since it was issued).
@@ -125,7 +125,7 @@ async def test_a_dead_worker_key_counts_what_it_took_within_the_window(
     await _issue(worker, secrets_seen, cap_cents=40_000)
     async with db.acquire() as conn:
         await conn.execute("UPDATE vault_keys SET created_at = now() - interval '400 days'")
-    with pytest.raises(VaultForbidden, match="1 usd past"):
+    with pytest.raises(VaultForbidden, match=r"usd 0\.01 past"):
         await _issue(worker, secrets_seen, cap_cents=1)
 
 
@@ -143,7 +143,7 @@ async def test_a_worker_key_the_admin_revokes_keeps_its_cap_counted_for_the_wind
     await charge(stripe_via_vault(whole), customer, 50_000, "before-kill")
     killed = await admin.revoke(whole.id)
     assert (killed.revoked, killed.revoked_by) == (True, "admin")
-    with pytest.raises(VaultForbidden, match="1 usd past"):
+    with pytest.raises(VaultForbidden, match=r"usd 0\.01 past"):
         await _issue(worker, secrets_seen, cap_cents=1)
     # A worker revoking it again changes nothing; nor does a worker key the admin revokes
     # after the worker token did: it is counted whole from then on.
@@ -221,9 +221,9 @@ async def test_cents_a_worker_frees_count_against_the_budget(
     await set_faults(emulator, drop_after_commit=0.0)
     # 250,000 of live caps leave 50,000: freeing 30,000 fits, another 30,000 does not.
     await worker.resolve(mine.id, "in-doubt-a", "failed")
-    with pytest.raises(VaultForbidden, match="freeing 30000 reserved") as refused:
+    with pytest.raises(VaultForbidden, match=r"freeing usd 300\.00 reserved") as refused:
         await worker.resolve(mine.id, "in-doubt-b", "failed")
-    assert "10000 usd past" in refused.value.message
+    assert "usd 100.00 past" in refused.value.message
     assert "settle it with the admin token" in refused.value.message
     assert {r.idempotency_key for r in await admin.unknown_reservations(mine.id)} == {"in-doubt-b"}
     # Settled as charged for less, the rest is freed: 5,000, which fits.
@@ -236,14 +236,16 @@ async def test_cents_a_worker_frees_count_against_the_budget(
             "SELECT sum(worker_released_cents) FROM vault_keys WHERE currency = 'usd'"
         )
     assert freed == 30_000 + 5_000
-    with pytest.raises(VaultForbidden, match="a cap of 15001 would take worker keys 1 usd past"):
+    with pytest.raises(
+        VaultForbidden, match=r"a cap of usd 150\.01 would take worker keys usd 0\.01 past"
+    ):
         await _issue(worker, secrets_seen, cap_cents=15_001)
     # Freed on a dead key, reserved cents only change name: allowed with no room left. (A
     # key the worker token revoked: one the admin revoked would count its whole cap.)
     await worker.revoke(other.id)
     await _issue(worker, secrets_seen, cap_cents=15_000 + 50_000 - 30_000)
     await worker.resolve(other.id, "in-doubt-c", "failed")
-    with pytest.raises(VaultForbidden, match="1 usd past"):
+    with pytest.raises(VaultForbidden, match=r"usd 0\.01 past"):
         await _issue(worker, secrets_seen, cap_cents=1)
 
 
