@@ -55,8 +55,8 @@ def describe(summary: PeriodCounts) -> str:
         )
     if isinstance(summary, PeriodProgress):
         flight = (
-            # Held at the gate, but for charges sent before the pause, which settle.
-            f"{summary.in_flight} started, held until the resume"
+            f"{summary.in_flight} started, held at the gate until the resume but for charges"
+            " sent before the pause, which finish"
             if summary.state == "paused"
             else f"in flight {summary.in_flight}"
         )
@@ -75,16 +75,18 @@ def describe(summary: PeriodCounts) -> str:
     elif isinstance(summary, PeriodSummary) and summary.cancelled_by is not None:
         lines.insert(1, f"  cancelled by {summary.cancelled_by}: {summary.cancel_reason}")
     if isinstance(summary, PeriodStatus) and summary.ledger is not None:
-        run_open = summary.state in ("running", "paused", "cancelling")
+        run_open = summary.state in ("running", "paused", "closing", "cancelling")
         lines.append(f"  {describe_totals(summary.period, summary.ledger, run_open=run_open)}")
     return "\n".join(lines)
 
 
 def describe_totals(period: str, totals: PeriodTotals, *, run_open: bool) -> str:
     """The ledger's totals of a period, every run's together, on one line; claims open
-    with no run open are for reconciliation to settle."""
+    with no run open are for reconciliation, which leaves those a workflow still owns or a
+    pause holds, and says so."""
     settle = (
-        f" (no run holds them: python starter.py reconcile {period} settles them)"
+        f" (no run is open: python starter.py reconcile {period} settles those whose workflow"
+        " has ended, and names any it must leave)"
         if totals.claimed and not run_open
         else ""
     )

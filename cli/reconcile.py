@@ -105,8 +105,15 @@ async def cmd_handled(args: argparse.Namespace) -> int:
 def _check_reported(args: argparse.Namespace, reported: dict[FindingKind, str]) -> None:
     """A mark only for a finding a reconciliation reported: a mistyped charge id, confirmed
     as handled, would leave the real finding open while the operator believed it seen to."""
-    if args.kind in reported:
+    under = reported.get(args.kind)
+    if under == str(args.period):
         return
+    if under is not None:
+        raise InvalidInputError(
+            f"reconciliation reported {args.kind.upper()} for {args.charge_id} under {under},"
+            f" not {args.period}: mark it under {under}, where `handled {under}` lists it."
+            " Nothing was marked"
+        )
     elsewhere = (
         "; it reported "
         + ", ".join(f"{kind.upper()} under {period}" for kind, period in reported.items())
@@ -122,10 +129,10 @@ def _check_reported(args: argparse.Namespace, reported: dict[FindingKind, str]) 
 
 
 async def _list_handled(args: argparse.Namespace) -> int:
-    if args.reason is not None or args.undo:
+    if args.reason is not None or args.undo or args.force:
         raise InvalidInputError(
-            "--reason and --undo go with a finding's kind and charge id: without them,"
-            " handled only lists the marks made under the period"
+            "--reason, --undo and --force go with a finding's kind and charge id: without"
+            " them, handled only lists the marks made under the period"
         )
     period = str(args.period)
     async with ledger_connection() as conn:

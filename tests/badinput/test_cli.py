@@ -123,6 +123,10 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["starter.py", "handled", "2026-12", "--undo"],
         "without them, handled only lists the marks",
     ),
+    "handled list force": (
+        ["starter.py", "handled", "2026-12", "--force"],
+        "--reason, --undo and --force go with a finding's kind and charge id",
+    ),
     "schedule hour": (
         ["starter.py", "schedule", "create", "--hour", "25"],
         "error: --hour: Input should be less than or equal to 23",

@@ -1268,10 +1268,12 @@ async def test_a_finding_a_person_handled_is_counted_not_reported(harness: Harne
     async with harness.running_worker():
         code, out, _ = await harness.starter("reconcile", str(PERIOD))
         assert code == 1 and f"DUPLICATE {duplicate}" in out, out
-        # Marked under another period by mistake: a charge is one charge all the same.
-        code, out, _ = await harness.starter(
-            "handled", "2026-11", "DUPLICATE", duplicate, "--reason", "agreed", "--operator", "ann"
-        )
+        # Under another period: refused as a typo, then marked all the same, and a charge is
+        # one charge whatever the period it was marked under.
+        elsewhere = ("handled", "2026-11", "DUPLICATE", duplicate, "--reason", "agreed")
+        code, out, err = await harness.starter(*elsewhere)
+        assert code == 2 and f"under {PERIOD}, not 2026-11: mark it under {PERIOD}" in err, err
+        code, out, _ = await harness.starter(*elsewhere, "--operator", "ann", "--force")
         assert code == 0 and f"DUPLICATE {duplicate}: recorded as handled" in out, out
         # Once: a second word does not replace the first.
         code, out, _ = await harness.starter(

@@ -327,13 +327,20 @@ def test_a_runs_progress_says_what_it_has_listed_and_what_a_pause_holds() -> Non
     listed_all = running.model_copy(update={"due": 1000})
     assert "  due 1000: charged 0" in describe(listed_all)
     paused = running.model_copy(update={"state": "paused", "operator": "alice", "reason": "x"})
-    assert "state paused, 7 started, held until the resume" in describe(paused)
+    assert (
+        "state paused, 7 started, held at the gate until the resume but for charges sent before"
+        " the pause, which finish" in describe(paused)
+    )
 
 
 def test_claims_open_with_no_run_open_point_to_reconciliation() -> None:
     totals = PeriodTotals(charged=2, claimed=1, charged_by_currency={"usd": 3000})
     ended = PeriodStatus(**_nothing_counted(state="completed", in_flight=0, ledger=totals))
-    settle = "claims open 1 (no run holds them: python starter.py reconcile 2026-12 settles them)"
+    settle = (
+        "claims open 1 (no run is open: python starter.py reconcile 2026-12 settles those whose"
+        " workflow has ended, and names any it must leave)"
+    )
     assert settle in describe(ended)
-    running = ended.model_copy(update={"state": "running"})
-    assert describe(running).endswith("claims open 1")
+    for state in ("running", "closing"):
+        still_open = ended.model_copy(update={"state": state})
+        assert describe(still_open).endswith("claims open 1"), state
