@@ -125,12 +125,16 @@ def parse_customers_csv(lines: Iterable[str], source: str = "input") -> list[Cus
 
 def _parse_rows(reader: csv.DictReader[str], source: str) -> list[CustomerRow]:
     # Values are read stripped, so are the names: "customer_id, amount_cents" is no typo.
-    if not reader.fieldnames:
+    fieldnames = reader.fieldnames
+    if not fieldnames:
+        # The csv module reads a blank first line as a header of no names: is more to come?
+        more = fieldnames is not None and any(row for row in reader.reader)
+        what = "starts with a blank line" if more else "is empty"
         raise CustomerImportError(
-            f"{source} is empty: it needs a header naming {', '.join(CSV_COLUMNS)}, then a row"
-            " per customer"
+            f"{source} {what}: its first line must be a header naming"
+            f" {', '.join(CSV_COLUMNS)}, then a row per customer"
         )
-    header = [name.strip() for name in reader.fieldnames]
+    header = [name.strip() for name in fieldnames]
     reader.fieldnames = header
     # DictReader keeps the last of two same-named columns: which one the file meant is a guess.
     twice = sorted({name for name in header if header.count(name) > 1})

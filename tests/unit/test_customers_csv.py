@@ -206,5 +206,12 @@ def test_a_latin1_file_is_told_to_be_saved_as_utf8(tmp_path: Path) -> None:
 @pytest.mark.parametrize("content", ["", "\n", "\r\n\r\n"])
 def test_an_empty_file_is_called_empty_not_missing_columns(content: str) -> None:
     """A 0-byte file was told its header lacked every column (helper-169 F9)."""
-    with pytest.raises(CustomerImportError, match=r"^in.csv is empty: it needs a header naming"):
+    with pytest.raises(
+        CustomerImportError, match=r"^in.csv is empty: its first line must be a header naming"
+    ):
         parse_customers_csv(content.splitlines(True), source="in.csv")
+
+
+def test_a_blank_first_line_is_named_not_called_empty() -> None:
+    with pytest.raises(CustomerImportError, match=r"^in.csv starts with a blank line: its first"):
+        parse_customers_csv(["\n", HEADER, "c-1,cus_A,pm_1,1500,usd\n"], source="in.csv")
