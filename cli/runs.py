@@ -223,17 +223,19 @@ async def cmd_status(args: argparse.Namespace) -> int:
     client = await connect(load_settings(TemporalSettings))
     try:
         progress = await _period_status(client, args.period)
-    except RunEndedError as exc:
-        # Ended with no summary: what the period's runs billed is still worth saying.
+    except (RunEndedError, NoWorkerError) as exc:
+        # Ended with no summary, or no worker answers: what the period's runs billed is still
+        # worth saying.
         totals = await ledger_totals(str(args.period))
         if totals is None or totals.empty:
             raise
-        raise RunEndedError(
-            f"{exc}; {describe_totals(str(args.period), totals, run_open=False)}",
-            period=exc.period,
-            workflow_id=exc.workflow_id,
-            state=exc.state,
-        ) from None
+        ended = isinstance(exc, RunEndedError)
+        said = f"{exc}; {describe_totals(str(args.period), totals, run_open=not ended)}"
+        if isinstance(exc, RunEndedError):
+            raise RunEndedError(
+                said, period=exc.period, workflow_id=exc.workflow_id, state=exc.state
+            ) from None
+        raise NoWorkerError(said) from None
     totals = await ledger_totals(str(args.period))
     shown = None if totals is None or totals.empty else totals
     status = PeriodStatus(**progress.model_dump(), ledger=shown)

@@ -1532,6 +1532,25 @@ async def test_status_after_a_rerun_says_what_every_run_billed(harness: Harness)
     )
 
 
+async def test_status_with_no_worker_answering_says_what_the_ledger_holds(
+    harness: Harness,
+) -> None:
+    """With no worker to answer the run's query `status` said only that, not what the
+    period's runs had charged, which the ledger holds all the same (helper-171)."""
+    await harness.seed(2)
+    async with harness.running_worker():
+        await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    rerun = await start_period(harness.client, PERIOD, harness.task_queue)
+    try:
+        code, out, err = await harness.starter("status", str(PERIOD))
+    finally:
+        await rerun.terminate(reason="test over")
+    assert code != 0 and out == "", out
+    assert "no worker answered its query" in err, err
+    assert "; the period in the ledger, every run: charged 2 (usd " in err, err
+    assert err.rstrip().endswith("claims open 0"), err
+
+
 async def test_run_wait_json_says_how_a_run_that_ended_early_ended(harness: Harness) -> None:
     """A script waiting on `run --wait --json` reads how the run ended from stdout when it
     did not complete, as from `status --json`, not only from stderr's words."""
