@@ -463,6 +463,27 @@ PreviewWarningKind = Literal[
 ]
 
 
+class StoredKey(Record):
+    """A period's vault key as the ledger stores it."""
+
+    currency: str
+    vault_key_id: str
+    cap_cents: int
+    # Listed in issued_vault_keys: a run replaces such a key when it lacks room, and is
+    # refused by any other (one issued with the admin token).
+    issued_here: bool
+
+
+class ShortKey(Record):
+    """A stored key a run would be refused by: not the workers', with a cap below what the
+    run has yet to charge in its currency (period_keys.kept_key)."""
+
+    currency: str
+    vault_key_id: str
+    cap_cents: int
+    unsent_cents: int
+
+
 class PreviewWarning(Record):
     """Something a run of the period would do that an operator should look at first."""
 
@@ -496,6 +517,9 @@ class Preview(Record):
     # The caps of the keys the period's runs have issued, which a run keeps while they have
     # room for what it charges.
     issued_caps_by_currency: dict[str, int] = Field(default_factory=dict)
+    # Read from the ledger alone: a key with a cap above what is left may still lack room
+    # (its spend is the vault's to know), which the run itself says.
+    short_keys: list[ShortKey] = Field(default_factory=list)
 
     @property
     def without_payment_method(self) -> list[PreviewLine]:

@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncpg
 
 from billing import ledger
-from billing.models import Preview
+from billing.models import Preview, ShortKey
 from billing.money import spend_cap, spend_caps
 
 
 async def preview_period(pool: asyncpg.Pool, period: str, cap_multiplier: float) -> Preview:
     async with pool.acquire() as conn:
         lines = await ledger.preview_lines(conn, period)
-        issued = await ledger.issued_caps(conn, period)
+        keys = await ledger.stored_keys(conn, period)
+        unsent = await ledger.unsent_totals(conn, period)
     to_charge = [line for line in lines if line.open]
     billed = [line for line in lines if line.status == "charged"]
     other = [line for line in lines if not line.open and line.status != "charged"]
@@ -30,5 +31,10 @@ async def preview_period(pool: asyncpg.Pool, period: str, cap_multiplier: float)
         totals_by_currency=totals,
         caps_by_currency=spend_caps(totals, cap_multiplier),
         cap_multiplier=cap_multiplier,
-        issued_caps_by_currency=issued,
+        issued_caps_by_currency={k.currency: k.cap_cents for k in keys},
+        short_keys=[
+            ShortKey(**k.model_dump(exclude={"issued_here"}), unsent_cents=unsent[k.currency])
+            for k in keys
+            if not k.issued_here and k.cap_cents < unsent.get(k.currency, 0)
+        ],
     )

@@ -169,6 +169,14 @@ def describe_preview(preview: Preview, shown: int = 20) -> str:
             " not (one issued with the admin token refuses the run)"
         )
     lines += [
+        f"  warning: the period's {k.currency} key {k.vault_key_id}, not issued by this"
+        f" ledger's workers, is capped at {describe_amount(k.currency, k.cap_cents)}, below"
+        f" the {describe_amount(k.currency, k.unsent_cents)} a run has yet to charge: the run"
+        " would be refused, charging nothing, until the key is revoked with the token that"
+        " issued it and its row in period_vault_keys deleted (the refusal says how)"
+        for k in preview.short_keys
+    ]
+    lines += [
         f"    {x.customer_id}: {describe_amount(x.currency, x.amount_cents)}"
         for x in preview.to_charge[:shown]
     ]

@@ -14,11 +14,11 @@ from billing.ledger.claims import (
 from billing.ledger.due import (
     due_page,
     held_customers,
-    issued_caps,
     listed_page,
     mark_taken,
     plan_period,
     preview_lines,
+    stored_keys,
     unlisted_due,
     unsent_totals,
 )
@@ -92,7 +92,6 @@ __all__ = [
     "handled_marks",
     "held_as_sql",
     "held_customers",
-    "issued_caps",
     "latest_run",
     "latest_run_before",
     "ledger_entries",
@@ -122,6 +121,7 @@ __all__ = [
     "set_control",
     "start_period",
     "stop_behind_saved_error",
+    "stored_keys",
     "unlisted_due",
     "unsent_totals",
     "vault_keys_sent_through",

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import asyncpg
 
 from billing.ledger.sql import DUE, DUE_WHERE, HELD_AS, OPEN, due_join
-from billing.models import DueCustomer, DuePage, Listing, PeriodPlan, PreviewLine
+from billing.models import DueCustomer, DuePage, Listing, PeriodPlan, PreviewLine, StoredKey
 
 
 async def plan_period(conn: asyncpg.Connection, period: str) -> PeriodPlan:
@@ -77,12 +77,18 @@ async def _preview_lines(conn: asyncpg.Connection, period: str) -> list[PreviewL
     return sorted([*lines, *held], key=lambda line: line.customer_id)
 
 
-async def issued_caps(conn: asyncpg.Connection, period: str) -> dict[str, int]:
-    """The caps of the period's stored vault keys, by currency."""
+async def stored_keys(conn: asyncpg.Connection, period: str) -> list[StoredKey]:
+    """The period's stored vault keys, by currency, each with whether this ledger's workers
+    issued it (period_keys.issued_here)."""
     rows = await conn.fetch(
-        "SELECT currency, cap_cents FROM period_vault_keys WHERE billing_period = $1", period
+        """
+        SELECT k.currency, k.vault_key_id, k.cap_cents, i.vault_key_id IS NOT NULL AS issued_here
+        FROM period_vault_keys k LEFT JOIN issued_vault_keys i USING (vault_key_id)
+        WHERE k.billing_period = $1 ORDER BY k.currency
+        """,
+        period,
     )
-    return {row["currency"]: row["cap_cents"] for row in rows}
+    return [StoredKey(**dict(row)) for row in rows]
 
 
 async def held_customers(conn: asyncpg.Connection, period: str) -> list[PreviewLine]:

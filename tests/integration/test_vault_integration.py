@@ -20,8 +20,16 @@ from activities.period import PeriodActivities, _needs_operator
 from billing import ledger, operations, period_keys
 from billing.customers import CustomerRow, upsert_customers
 from billing.keys import customer_workflow_id
-from billing.models import AUTOMATIC, OperatorRequest, PeriodSummary, RunOptions, SkipRequest
-from billing.money import describe_amounts, spend_cap
+from billing.models import (
+    AUTOMATIC,
+    OperatorRequest,
+    PeriodSummary,
+    Preview,
+    RunOptions,
+    ShortKey,
+    SkipRequest,
+)
+from billing.money import describe_amount, describe_amounts, spend_cap
 from billing.periods import period_for
 from billing.preview import preview_period
 from billing.reporting import describe
@@ -539,6 +547,18 @@ async def test_a_key_too_small_issued_with_the_admin_token_refuses_the_rerun(
         await vaulted.pool.execute("DELETE FROM period_vault_keys")
         await _stored_as_the_periods(vaulted, theirs)
         added = await vaulted.seed(3, prefix="late")
+        # The preview says so first, from the ledger alone (helper-169 F9).
+        owed = sum(c.amount_cents for c in added)
+        code, out, err = await vaulted.starter("preview", str(PERIOD), "--json")
+        assert code == 0, err
+        short = ShortKey(currency="usd", vault_key_id=theirs.id, cap_cents=100, unsent_cents=owed)
+        assert Preview.model_validate_json(out).short_keys == [short]
+        code, out, err = await vaulted.starter("preview", str(PERIOD))
+        assert (
+            f"warning: the period's usd key {theirs.id}, not issued by this ledger's workers, is"
+            f" capped at usd 1.00, below the {describe_amount('usd', owed)} a run has yet to"
+            " charge: the run would be refused" in out
+        ), out
         # Without --wait too, `run` waits for the opening, and says it was refused.
         code, out, err = await vaulted.starter("run", str(PERIOD))
         assert (code, out) == (3, ""), err
