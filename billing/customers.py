@@ -128,7 +128,7 @@ def _parse_rows(reader: csv.DictReader[str], source: str) -> list[CustomerRow]:
     fieldnames = reader.fieldnames
     if not fieldnames:
         # The csv module reads a blank first line as a header of no names: is more to come?
-        more = fieldnames is not None and any(row for row in reader.reader)
+        more = fieldnames is not None and any(any(map(str.strip, r)) for r in reader.reader)
         what = "starts with a blank line" if more else "is empty"
         raise CustomerImportError(
             f"{source} {what}: its first line must be a header naming"

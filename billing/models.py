@@ -469,18 +469,22 @@ class StoredKey(Record):
     currency: str
     vault_key_id: str
     cap_cents: int
+    # Charged through this key alone, as the ledger records: at least that much of its cap
+    # is spent (the vault also counts charges in doubt, and others' through it).
+    charged_cents: int
     # Listed in issued_vault_keys: a run replaces such a key when it lacks room, and is
     # refused by any other (one issued with the admin token).
     issued_here: bool
 
 
 class ShortKey(Record):
-    """A stored key a run would be refused by: not the workers', with a cap below what the
-    run has yet to charge in its currency (period_keys.kept_key)."""
+    """A stored key a run would be refused by (period_keys.kept_key): not the workers', with
+    less room than the run has yet to charge in its currency, by the ledger's count alone."""
 
     currency: str
     vault_key_id: str
     cap_cents: int
+    charged_cents: int
     unsent_cents: int
 
 

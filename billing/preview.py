@@ -35,6 +35,6 @@ async def preview_period(pool: asyncpg.Pool, period: str, cap_multiplier: float)
         short_keys=[
             ShortKey(**k.model_dump(exclude={"issued_here"}), unsent_cents=unsent[k.currency])
             for k in keys
-            if not k.issued_here and k.cap_cents < unsent.get(k.currency, 0)
+            if not k.issued_here and k.cap_cents - k.charged_cents < unsent.get(k.currency, 0)
         ],
     )

@@ -23,6 +23,7 @@ from billing.models import (
     PeriodSummary,
     PeriodTotals,
     Preview,
+    ShortKey,
 )
 from billing.money import describe_amount, describe_amounts
 from billing.period_keys import KeyRenewal
@@ -146,6 +147,26 @@ def _renewal(period: str, reason: str | None) -> str | None:
     return None
 
 
+def _short_key(key: ShortKey) -> str:
+    left, cap, charged, owed = (
+        describe_amount(key.currency, c)
+        for c in (
+            key.cap_cents - key.charged_cents,
+            key.cap_cents,
+            key.charged_cents,
+            key.unsent_cents,
+        )
+    )
+    return (
+        f"  warning: the period's {key.currency} key {key.vault_key_id}, not issued by this"
+        f" ledger's workers, has at most {left} left of its cap of {cap} ({charged} charged"
+        f" through it), less than the {owed} a run has yet to charge: a new run would be"
+        " refused by it, and an open one pause at its cap, charging no more, unless it"
+        " expires within a day (a run replaces such a key). Revoke it with the token that"
+        " issued it and delete its row in period_vault_keys first (the refusal says how)"
+    )
+
+
 def ui_link(temporal: TemporalSettings, workflow_id: str) -> str:
     return f"{temporal.ui_url}/namespaces/{temporal.namespace}/workflows/{workflow_id}"
 
@@ -168,14 +189,7 @@ def describe_preview(preview: Preview, shown: int = 20) -> str:
             " has room for what the run charges, and replaces one the workers issued that has"
             " not (one issued with the admin token refuses the run)"
         )
-    lines += [
-        f"  warning: the period's {k.currency} key {k.vault_key_id}, not issued by this"
-        f" ledger's workers, is capped at {describe_amount(k.currency, k.cap_cents)}, below"
-        f" the {describe_amount(k.currency, k.unsent_cents)} a run has yet to charge: the run"
-        " would be refused, charging nothing, until the key is revoked with the token that"
-        " issued it and its row in period_vault_keys deleted (the refusal says how)"
-        for k in preview.short_keys
-    ]
+    lines += [_short_key(k) for k in preview.short_keys]
     lines += [
         f"    {x.customer_id}: {describe_amount(x.currency, x.amount_cents)}"
         for x in preview.to_charge[:shown]

@@ -120,6 +120,8 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
                 f"  left as they are: {schedules.describe_finished(done.finished)}"
                 " (bill one again by hand, once its run has ended: python starter.py run PERIOD)"
             )
+        # A cancelled run still open is among those left as they are.
+        joined = {p: control for p, control in joined.items() if p not in done.finished}
         paused = [p for p, control in joined.items() if control == "paused"]
         running = [p for p in joined if p not in paused]
         if running:

@@ -79,10 +79,14 @@ async def _preview_lines(conn: asyncpg.Connection, period: str) -> list[PreviewL
 
 async def stored_keys(conn: asyncpg.Connection, period: str) -> list[StoredKey]:
     """The period's stored vault keys, by currency, each with whether this ledger's workers
-    issued it (period_keys.issued_here)."""
+    issued it (period_keys.issued_here) and what the ledger knows was charged through it."""
     rows = await conn.fetch(
         """
-        SELECT k.currency, k.vault_key_id, k.cap_cents, i.vault_key_id IS NOT NULL AS issued_here
+        SELECT k.currency, k.vault_key_id, k.cap_cents,
+               i.vault_key_id IS NOT NULL AS issued_here,
+               (SELECT coalesce(sum(r.amount_cents), 0)::bigint FROM billing_runs r
+                WHERE r.billing_period = k.billing_period AND r.status = 'charged'
+                    AND r.sent_through = ARRAY[k.vault_key_id]) AS charged_cents
         FROM period_vault_keys k LEFT JOIN issued_vault_keys i USING (vault_key_id)
         WHERE k.billing_period = $1 ORDER BY k.currency
         """,

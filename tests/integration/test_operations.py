@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import re
 import time
@@ -1737,16 +1738,37 @@ async def test_a_trigger_of_a_month_whose_cancelled_run_still_finishes_is_refuse
             code, out, err = await harness.starter(
                 "schedule", "trigger", "--id", config.schedule_id, "--while-paused"
             )
+            described = await harness.client.get_schedule_handle(config.schedule_id).describe()
+            # A backfill of it and the month before bills the month before alone, and says
+            # the cancelled run is left as it is, not joined.
+            span = ("--start", str(PERIOD.previous()), "--end", str(PERIOD))
+            backfill = ("schedule", "backfill", "--id", config.schedule_id, "--while-paused")
+            filled = await harness.starter(*backfill, *span, "--late")
             await harness.set_faults(latency_ms=0)
             summary = await handle.result()
-            described = await harness.client.get_schedule_handle(config.schedule_id).describe()
+            earlier = harness.client.get_workflow_handle(
+                period_workflow_id(PERIOD.previous()), result_type=PeriodSummary
+            )
+
+            async def started() -> bool:
+                with contextlib.suppress(RPCError):
+                    return bool(await earlier.describe())
+                return False
+
+            await eventually(started, timeout=30)
+            assert (await earlier.result()).charged == 6
     finally:
         await harness.client.get_schedule_handle(config.schedule_id).delete()
     assert (code, out) == (2, ""), (out, err)
-    assert f"bills {PERIOD} now, and {PERIOD}'s run was cancelled (it may still be" in err
+    # "(it may still be finishing ...)" while it is, which a loaded machine may not catch.
+    assert f"bills {PERIOD} now, and {PERIOD}'s run was cancelled" in err, err
     assert described.info.num_actions == 0
     assert summary.cancelled_by == "alice"
-    assert await harness.succeeded() == 2
+    code, out, err = filled
+    assert code == 0 and out.startswith("backfilling 2 launches"), (out, err)
+    assert f"left as they are: {PERIOD}'s run was cancelled" in out, out
+    assert "joining" not in out, out
+    assert await harness.succeeded() == 2 + 6
 
 
 @pytest.mark.parametrize("run", ["open", "ended"])

@@ -539,25 +539,37 @@ async def test_a_key_too_small_issued_with_the_admin_token_refuses_the_rerun(
     F2); done, the next rerun bills the rest."""
     assert vaulted.vault is not None
     first = await vaulted.seed(3)
+    # Room for the first run and a dollar more, which the first run keeps.
+    charged = sum(c.amount_cents for c in first)
+    theirs = await vaulted.vault.admin.issue_key(_period_key(charged + 100, timedelta(days=3)))
+    await _stored_as_the_periods(vaulted, theirs)
     async with vaulted.running_worker():
         assert (
             await (await start_period(vaulted.client, PERIOD, vaulted.task_queue)).result()
         ).charged == 3
-        theirs = await vaulted.vault.admin.issue_key(_period_key(100, timedelta(days=3)))
-        await vaulted.pool.execute("DELETE FROM period_vault_keys")
-        await _stored_as_the_periods(vaulted, theirs)
+        assert await period_key(vaulted) == theirs.id
         added = await vaulted.seed(3, prefix="late")
-        # The preview says so first, from the ledger alone (helper-169 F9).
+        # The preview says so first, from the ledger alone, though the cap is above what the
+        # run has yet to charge (helper-169 F9, helper-174 F1).
         owed = sum(c.amount_cents for c in added)
+        assert theirs.cap_cents >= owed
         code, out, err = await vaulted.starter("preview", str(PERIOD), "--json")
         assert code == 0, err
-        short = ShortKey(currency="usd", vault_key_id=theirs.id, cap_cents=100, unsent_cents=owed)
+        short = ShortKey(
+            currency="usd",
+            vault_key_id=theirs.id,
+            cap_cents=theirs.cap_cents,
+            charged_cents=charged,
+            unsent_cents=owed,
+        )
         assert Preview.model_validate_json(out).short_keys == [short]
         code, out, err = await vaulted.starter("preview", str(PERIOD))
         assert (
-            f"warning: the period's usd key {theirs.id}, not issued by this ledger's workers, is"
-            f" capped at usd 1.00, below the {describe_amount('usd', owed)} a run has yet to"
-            " charge: the run would be refused" in out
+            f"warning: the period's usd key {theirs.id}, not issued by this ledger's workers,"
+            f" has at most usd 1.00 left of its cap of {describe_amount('usd', charged + 100)}"
+            f" ({describe_amount('usd', charged)} charged through it), less than the"
+            f" {describe_amount('usd', owed)} a run has yet to charge: a new run would be"
+            " refused by it" in out
         ), out
         # Without --wait too, `run` waits for the opening, and says it was refused.
         code, out, err = await vaulted.starter("run", str(PERIOD))

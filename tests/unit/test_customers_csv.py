@@ -203,7 +203,7 @@ def test_a_latin1_file_is_told_to_be_saved_as_utf8(tmp_path: Path) -> None:
         read_customers_csv(path)
 
 
-@pytest.mark.parametrize("content", ["", "\n", "\r\n\r\n"])
+@pytest.mark.parametrize("content", ["", "\n", "\r\n\r\n", "\n  \n\t\n"])
 def test_an_empty_file_is_called_empty_not_missing_columns(content: str) -> None:
     """A 0-byte file was told its header lacked every column (helper-169 F9)."""
     with pytest.raises(
