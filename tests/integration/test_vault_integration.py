@@ -431,6 +431,18 @@ async def test_renewing_keys_leaves_the_kill_switch_pulled(vaulted: Harness) -> 
         await handle.result()
 
 
+async def _billed_then_more_imported(
+    vaulted: Harness,
+) -> tuple[list[CustomerRow], str, list[CustomerRow]]:
+    """Three customers billed through a key of the workers', then three more imported: the
+    customers billed, that key's id, the customers added."""
+    first = await vaulted.seed(3)
+    async with vaulted.running_worker():
+        handle = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
+        assert (await handle.result()).charged == 3
+    return first, await period_key(vaulted), await vaulted.seed(3, prefix="late")
+
+
 async def test_a_rerun_expecting_more_than_its_key_has_left_replaces_it(
     vaulted: Harness,
 ) -> None:
@@ -439,13 +451,8 @@ async def test_a_rerun_expecting_more_than_its_key_has_left_replaces_it(
     it, so the rerun's opening issues one for what is left and revokes it, as a renewal does
     (helper-169 F1: the operator had to find, revoke and delete the key by hand)."""
     assert vaulted.vault is not None
-    first = await vaulted.seed(3)
+    first, old, added = await _billed_then_more_imported(vaulted)
     async with vaulted.running_worker():
-        assert (
-            await (await start_period(vaulted.client, PERIOD, vaulted.task_queue)).result()
-        ).charged == 3
-        old = await period_key(vaulted)
-        added = await vaulted.seed(3, prefix="late")
         code, out, err = await vaulted.starter("run", str(PERIOD), "--wait")
         assert code == 0, err
         assert "charged 3, already billed 3" in out, out
@@ -500,13 +507,8 @@ async def test_a_replacement_past_the_worker_budget_names_the_key_it_would_repla
     that fits only once that key is revoked refuses the replacement, and the message names
     the key in the way and the way out (helper-172 F2), which then bills the rest."""
     assert vaulted.vault is not None
-    first = await vaulted.seed(3)
+    first, old, added = await _billed_then_more_imported(vaulted)
     async with vaulted.running_worker():
-        assert (
-            await (await start_period(vaulted.client, PERIOD, vaulted.task_queue)).result()
-        ).charged == 3
-        old = await period_key(vaulted)
-        added = await vaulted.seed(3, prefix="late")
         new_cap = spend_cap(
             sum(c.amount_cents for c in added), vaulted.settings.billing_cap_multiplier
         )
