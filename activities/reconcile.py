@@ -29,7 +29,7 @@ from activities.stripe_failures import (
     vault_key_unusable,
 )
 from activities.stripe_gateway import StripeGateway
-from billing import ledger, logs, metrics, period_keys
+from billing import ledger, logs, metrics, period_keys, schedules
 from billing.config import BillingSettings
 from billing.errors import LedgerConflictError, shown
 from billing.keys import customer_workflow_id, period_workflow_id
@@ -254,6 +254,10 @@ class ReconcileActivities:
         period = parse_period(request.period)
         client = activity.client()
         period_running = await _workflow_state(client, period_workflow_id(period)) == "running"
+        async with self._pool.acquire() as conn:
+            ended_unclosed = bool(await schedules.ended_unfinished(client, conn, [period]))
+        if ended_unclosed:
+            logs.log_event(log, "run_ended_unclosed", level=logging.WARNING, period=request.period)
         deadline = time.monotonic() + CLAIMS_SCAN_SECONDS
         resolve: list[Claim] = []
         left: list[ClaimResolution] = []
@@ -288,7 +292,9 @@ class ReconcileActivities:
                 "%s: %d open claims left alone, %d listed", request.period, len(left), MAX_CLAIMS
             )
         left.sort(key=lambda c: not c.needs_person)
-        return ClaimsToResolve(resolve=resolve, left=left[:MAX_CLAIMS], more=more)
+        return ClaimsToResolve(
+            resolve=resolve, left=left[:MAX_CLAIMS], more=more, run_ended_unclosed=ended_unclosed
+        )
 
     @activity.defn(name="reconcile_settle_claim")
     async def settle_claim(self, claim: Claim) -> ClaimResolution | None:

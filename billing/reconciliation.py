@@ -157,6 +157,8 @@ class ClaimsToResolve(Record):
     left: list[ClaimResolution]
     # More open claims than one run takes; the next run continues.
     more: bool
+    # As ReconcileReport's (False in histories recorded before it was found).
+    run_ended_unclosed: bool = False
 
 
 class ReservationResolution(Record):
@@ -344,6 +346,7 @@ class Settled(Record):
     more_claims: bool
     reservations: list[ReservationResolution]
     vault_checked: bool  # as in ReconcileReport
+    run_ended_unclosed: bool = False  # as in ReconcileReport
 
 
 class CarriedOver(Record):
@@ -374,14 +377,20 @@ class ReconcileReport(Record):
     unchecked_count: int
     # Findings a person marked handled (`python starter.py handled`), not in the above.
     handled_count: int = 0
+    # The period's last run ended before its close (terminated, failed) and no operator had
+    # cancelled it (schedules.ended_unfinished): the customers it had not claimed are billed
+    # by no run, and have no claim to reconcile. Said here for runs no schedule launched,
+    # which the daily check of the billing schedule's firings does not see.
+    run_ended_unclosed: bool = False
 
     @property
     def needs_a_person(self) -> bool:
         """Money on Stripe the ledger does not account for, customers nobody could check
-        (e.g. every listing refused to a key of the wrong account), or a claim or reservation
-        left for a person."""
+        (e.g. every listing refused to a key of the wrong account), a claim or reservation
+        left for a person, or a run ended before its close."""
         return bool(
             self.finding_counts
+            or self.run_ended_unclosed
             or self.unchecked_count
             or any(c.needs_person for c in self.claims)
             or any(r.needs_person for r in self.reservations)

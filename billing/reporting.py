@@ -27,6 +27,7 @@ from billing.models import (
 )
 from billing.money import describe_amount, describe_amounts
 from billing.period_keys import KeyRenewal
+from billing.periods import parse_period, run_command
 from billing.reconciliation import HandledMarks, HandledResult, ReconcileReport
 from billing.redact import shown_line
 from vault.models import DAILY_CAP
@@ -257,6 +258,14 @@ def describe_reconciliation(report: ReconcileReport) -> str:
         )
         + (" (more remain: run it again)" if report.more_claims else ""),
     ]
+    if report.run_ended_unclosed:
+        again = run_command(parse_period(report.period), datetime.now(UTC))
+        lines.insert(
+            1,
+            "  WARNING: the period's last run ended before its close (terminated or failed):"
+            " the customers it had not claimed are billed by no run and have no claim to"
+            f" settle here; run it again to bill them: {again}",
+        )
     lines += [
         f"    {c.customer_id}: {c.action}"
         + (f" {c.outcome}" if c.outcome else "")

@@ -91,6 +91,7 @@ class ReconcileWorkflow:
             findings=compared.findings,
             finding_counts=compared.finding_counts,
             handled_count=compared.handled_count,
+            run_ended_unclosed=settled.run_ended_unclosed,
         )
         claims = settled.claims
         counts = compared.finding_counts
@@ -154,6 +155,7 @@ class ReconcileWorkflow:
             more_claims=plan.more,
             reservations=reservations or [],
             vault_checked=reservations is not None,
+            run_ended_unclosed=plan.run_ended_unclosed,
         )
 
     async def _resolve_all(

@@ -39,6 +39,8 @@ from billing.models import (
     Claim,
     CustomerChargeInput,
     OperatorRequest,
+    PeriodSummary,
+    RunOptions,
     ScheduledBillingInput,
 )
 from billing.money import describe_amount
@@ -1493,9 +1495,19 @@ async def reconciled(harness: Harness, checked: Period) -> ReconcileReport | Non
 
 
 async def run_started(harness: Harness, billed: Period) -> None:
+    """A run of the period, opened and closed in the ledger as a run's workflow does."""
     async with harness.pool.acquire() as conn:
         plan = await ledger.plan_period(conn, str(billed))
         await ledger.start_period(conn, plan, "by-hand")
+    await closed_by_hand(harness, billed)
+
+
+async def closed_by_hand(harness: Harness, period: Period) -> None:
+    """The period's run closed in the ledger, with no workflow: one the ledger held open with
+    none would be reported ended before its close."""
+    async with harness.pool.acquire() as conn:
+        summary = PeriodSummary.empty(str(period), "by-hand")
+        await ledger.finish_period(conn, str(period), summary.model_dump_json())
 
 
 async def left_to_look_at(harness: Harness, period: Period) -> tuple[bool, str | None]:
@@ -1622,11 +1634,45 @@ async def test_periods_left_open_for_good_take_turns_being_reconciled_again(
         assert [p.period for p in found] == ["2026-09"]
 
 
+@pytest.mark.parametrize("cancelled", [False, True])
+async def test_a_run_ended_before_its_close_is_reported(harness: Harness, cancelled: bool) -> None:
+    """A run started by hand and terminated midway left customers billed by no run, with no
+    claim to reconcile: only a schedule's daily check of its own firings said so. The report
+    does, unless an operator had cancelled the run (its customers stay unbilled as asked)."""
+    await harness.seed(4)
+    await harness.set_faults(latency_ms=1000)
+    async with harness.running_worker():
+        handle = await start_period(
+            harness.client, PERIOD, harness.task_queue, RunOptions(max_in_flight=1)
+        )
+        await eventually(lambda: at_least(harness.money_requests(), 1))
+        if cancelled:
+            request = OperatorRequest(reason="wrong prices", operator="alice")
+            await operations.control(harness.client, PERIOD, "cancel", request)
+        await handle.terminate(reason="looked stuck")
+        await harness.set_faults(latency_ms=0)
+        code, out, err = await harness.starter("reconcile", str(PERIOD))
+    warning = "WARNING: the period's last run ended before its close (terminated or failed)"
+    if cancelled:
+        assert code == 0 and warning not in out, (out, err)
+        return
+    assert code == 1, (out, err)
+    assert f"{warning}: the customers it had not claimed are billed by no run" in out, out
+    assert f"run it again to bill them: python starter.py run {PERIOD}" in out, out
+    # Run again, as it says: every customer billed once, and nothing more to report.
+    async with harness.running_worker():
+        await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+        code, out, err = await harness.starter("reconcile", str(PERIOD))
+    assert code == 0 and warning not in out, (out, err)
+    assert await harness.succeeded() == 4
+
+
 async def test_a_reconciliation_keeps_what_it_left_to_look_at_again(harness: Harness) -> None:
     """A claim its running workflow owns is left, and kept as left, until a later
     reconciliation finishes it."""
     [customer] = await harness.seed(1)
     await stranded(harness, customer, at_stripe=False, terminate=False)
+    await closed_by_hand(harness, PERIOD)
     assert (await reconcile(harness)).open_reason == "1 open claims"
     assert await left_to_look_at(harness, PERIOD) == (True, "1 open claims")
     await harness.client.get_workflow_handle(
