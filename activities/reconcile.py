@@ -253,11 +253,28 @@ class ReconcileActivities:
         resolve, MAX_CLAIMS at most) and those left alone, with the reason, read past."""
         period = parse_period(request.period)
         client = activity.client()
-        period_running = await _workflow_state(client, period_workflow_id(period)) == "running"
+        # The ledger first: a run that closes before the describe is seen completed.
         async with self._pool.acquire() as conn:
-            ended_unclosed = bool(await schedules.ended_unfinished(client, conn, [period]))
-        if ended_unclosed:
-            logs.log_event(log, "run_ended_unclosed", level=logging.WARNING, period=request.period)
+            control = (await ledger.open_runs(conn, [request.period])).get(request.period)
+        status = await workflow_status(client.get_workflow_handle(period_workflow_id(period)))
+        period_running = status == WorkflowExecutionStatus.RUNNING
+        unclaimed = 0
+        if (
+            control not in (None, "cancelled")
+            and status != WorkflowExecutionStatus.CANCELED  # Temporal's Cancel: an operator's
+            and schedules.ended_unclosed(status)
+        ):
+            async with self._pool.acquire() as conn:
+                unclaimed = await ledger.unclaimed_due(conn, request.period)
+        if unclaimed:
+            logs.log_event(
+                log,
+                "run_ended_unclosed",
+                level=logging.ERROR,
+                period=request.period,
+                unclaimed=unclaimed,
+                status=status.name.lower() if status else "gone",
+            )
         deadline = time.monotonic() + CLAIMS_SCAN_SECONDS
         resolve: list[Claim] = []
         left: list[ClaimResolution] = []
@@ -293,7 +310,7 @@ class ReconcileActivities:
             )
         left.sort(key=lambda c: not c.needs_person)
         return ClaimsToResolve(
-            resolve=resolve, left=left[:MAX_CLAIMS], more=more, run_ended_unclosed=ended_unclosed
+            resolve=resolve, left=left[:MAX_CLAIMS], more=more, unclaimed_by_ended_run=unclaimed
         )
 
     @activity.defn(name="reconcile_settle_claim")

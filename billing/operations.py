@@ -7,6 +7,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import Literal, TypeVar
 
+import asyncpg
 from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
@@ -19,12 +20,12 @@ from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.workflow import UpdateMethodMultiParam
 
-from billing import ledger
+from billing import ledger, schedules
 from billing.config import BillingSettings
 from billing.db import create_pool
 from billing.errors import BillingError, NoWorkerError
 from billing.keys import idempotency_key, period_workflow_id
-from billing.models import OperatorRequest, PeriodProgress, SkipRequest, SkipResult
+from billing.models import OperatorRequest, PeriodProgress, Record, SkipRequest, SkipResult
 from billing.period_keys import KeyRenewal
 from billing.periods import Period, check_skip_by_hand
 from billing.temporal_client import workflow_status
@@ -48,6 +49,34 @@ class OperatorRefusedError(BillingError):
 
 class NotRunningError(BillingError):
     pass
+
+
+class EndedRunCancelled(Record):
+    """An operator's cancel of a run that ended before its close, recorded in the ledger."""
+
+    period: str
+    operator: str
+    reason: str
+
+
+async def cancel_ended_run(
+    client: Client, conn: asyncpg.Connection, period: Period, request: OperatorRequest
+) -> EndedRunCancelled | None:
+    """Record an operator's cancel of a period's run that ended before its close (terminated
+    on purpose, say), which no update reaches: the ledger's control, which launches, the
+    daily check and reconciliation honour, so the customers it had not claimed stay unbilled
+    as asked. None when the ledger holds no such run (none open, or one still running)."""
+    async with conn.transaction():
+        # No opening lands between the check and the write.
+        await ledger.lock_period(conn, str(period))
+        control = (await ledger.open_runs(conn, [str(period)])).get(str(period))
+        if control in (None, "cancelled"):
+            return None
+        run = client.get_workflow_handle(period_workflow_id(period))
+        if not schedules.ended_unclosed(await workflow_status(run)):
+            return None
+        await ledger.set_control(conn, str(period), "cancelled", request.reason, request.operator)
+    return EndedRunCancelled(period=str(period), operator=request.operator, reason=request.reason)
 
 
 def _handing_over(exc: WorkflowUpdateFailedError) -> bool:

@@ -157,8 +157,8 @@ class ClaimsToResolve(Record):
     left: list[ClaimResolution]
     # More open claims than one run takes; the next run continues.
     more: bool
-    # As ReconcileReport's (False in histories recorded before it was found).
-    run_ended_unclosed: bool = False
+    # As ReconcileReport's (0 in histories recorded before it was counted).
+    unclaimed_by_ended_run: int = 0
 
 
 class ReservationResolution(Record):
@@ -346,7 +346,7 @@ class Settled(Record):
     more_claims: bool
     reservations: list[ReservationResolution]
     vault_checked: bool  # as in ReconcileReport
-    run_ended_unclosed: bool = False  # as in ReconcileReport
+    unclaimed_by_ended_run: int = 0  # as in ReconcileReport
 
 
 class CarriedOver(Record):
@@ -377,11 +377,12 @@ class ReconcileReport(Record):
     unchecked_count: int
     # Findings a person marked handled (`python starter.py handled`), not in the above.
     handled_count: int = 0
-    # The period's last run ended before its close (terminated, failed) and no operator had
-    # cancelled it (schedules.ended_unfinished): the customers it had not claimed are billed
-    # by no run, and have no claim to reconcile. Said here for runs no schedule launched,
-    # which the daily check of the billing schedule's firings does not see.
-    run_ended_unclosed: bool = False
+    # Due customers no run claimed, the period's last run having ended before its close
+    # (terminated, failed, timed out, gone from Temporal) with no cancel of an operator's
+    # (or Temporal's Cancel): billed by no run, with no claim to reconcile. Counted here for
+    # runs no schedule launched, which the daily check of the billing schedule's firings
+    # does not see.
+    unclaimed_by_ended_run: int = 0
 
     @property
     def needs_a_person(self) -> bool:
@@ -390,7 +391,7 @@ class ReconcileReport(Record):
         left for a person, or a run ended before its close."""
         return bool(
             self.finding_counts
-            or self.run_ended_unclosed
+            or self.unclaimed_by_ended_run
             or self.unchecked_count
             or any(c.needs_person for c in self.claims)
             or any(r.needs_person for r in self.reservations)

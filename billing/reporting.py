@@ -258,13 +258,16 @@ def describe_reconciliation(report: ReconcileReport) -> str:
         )
         + (" (more remain: run it again)" if report.more_claims else ""),
     ]
-    if report.run_ended_unclosed:
+    if report.unclaimed_by_ended_run:
         again = run_command(parse_period(report.period), datetime.now(UTC))
         lines.insert(
             1,
-            "  WARNING: the period's last run ended before its close (terminated or failed):"
-            " the customers it had not claimed are billed by no run and have no claim to"
-            f" settle here; run it again to bill them: {again}",
+            f"  WARNING: {counted(report.unclaimed_by_ended_run, 'due customer')} of the period"
+            " no run claimed, and its last run ended before its close (terminated, failed or"
+            " timed out, or gone from Temporal): no run bills them and they have no claim to"
+            f" settle here. Run it again to bill them ({again}; it bills customers added since"
+            f" too), or, if it was stopped on purpose, `python starter.py cancel"
+            f" {report.period} --reason ...` records that and leaves them unbilled",
         )
     lines += [
         f"    {c.customer_id}: {c.action}"

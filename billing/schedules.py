@@ -640,9 +640,15 @@ async def _ended_open(
     ended = {}
     for period, control in (await ledger.open_runs(conn, sorted(periods))).items():
         run = client.get_workflow_handle(period_workflow_id(parse_period(period)))
-        if await workflow_status(run) not in _STILL_BILLING:
+        if ended_unclosed(await workflow_status(run)):
             ended[period] = control
     return ended
+
+
+def ended_unclosed(status: WorkflowExecutionStatus | None) -> bool:
+    """Whether a period's run the ledger holds open has ended without its close, by its
+    workflow's status (None: gone from Temporal)."""
+    return status not in _STILL_BILLING
 
 
 async def joined_open_runs(
@@ -660,9 +666,9 @@ async def ended_unfinished(
     client: Client, conn: asyncpg.Connection, periods: list[Period]
 ) -> list[Period]:
     """Those of `periods` whose run ended before its close (_ended_open) unless an operator
-    had cancelled it: the customers it had not claimed are billed by no run, nor seen by
-    reconciliation, which reads claims. A launch (`schedule trigger` or `backfill`) or `run`
-    starts it again, running even if it was paused."""
+    had cancelled it: the customers it had not claimed are billed by no run and have no claim
+    to reconcile (the period's reconciliation counts them). A launch (`schedule trigger` or
+    `backfill`) or `run` starts it again, running even if it was paused."""
     ended = await _ended_open(client, conn, [str(p) for p in periods])
     return [parse_period(p) for p, control in ended.items() if control != "cancelled"]
 

@@ -259,7 +259,24 @@ async def cmd_control(args: argparse.Namespace) -> int:
     # Bad input is refused before anything is contacted.
     request = OperatorRequest(reason=args.reason, operator=arguments.operator(args))
     client = await connect(load_settings(TemporalSettings))
-    progress = await operations.control(client, args.period, args.command, request)
+    try:
+        progress = await operations.control(client, args.period, args.command, request)
+    except operations.NotRunningError:
+        if args.command != "cancel":
+            raise
+        async with ledger_connection() as conn:
+            cancelled = await operations.cancel_ended_run(client, conn, args.period, request)
+        if cancelled is None:
+            raise
+        emit(
+            cancelled,
+            args.json,
+            f"the run of {args.period} had ended before its close; the ledger records it"
+            f" cancelled by {request.operator}: {request.reason}. The customers it had not"
+            " claimed stay unbilled: no launch starts it again and reconciliation reports"
+            f" them no more (`python starter.py run {args.period}` bills them all the same)",
+        )
+        return 0
     emit(progress, args.json, describe(progress))
     return 0
 

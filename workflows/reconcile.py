@@ -91,7 +91,7 @@ class ReconcileWorkflow:
             findings=compared.findings,
             finding_counts=compared.finding_counts,
             handled_count=compared.handled_count,
-            run_ended_unclosed=settled.run_ended_unclosed,
+            unclaimed_by_ended_run=settled.unclaimed_by_ended_run,
         )
         claims = settled.claims
         counts = compared.finding_counts
@@ -155,7 +155,7 @@ class ReconcileWorkflow:
             more_claims=plan.more,
             reservations=reservations or [],
             vault_checked=reservations is not None,
-            run_ended_unclosed=plan.run_ended_unclosed,
+            unclaimed_by_ended_run=plan.unclaimed_by_ended_run,
         )
 
     async def _resolve_all(

@@ -19,6 +19,7 @@ from billing.ledger.due import (
     plan_period,
     preview_lines,
     stored_keys,
+    unclaimed_due,
     unlisted_due,
     unsent_totals,
 )
@@ -122,6 +123,7 @@ __all__ = [
     "start_period",
     "stop_behind_saved_error",
     "stored_keys",
+    "unclaimed_due",
     "unlisted_due",
     "unsent_totals",
     "vault_keys_sent_through",

@@ -199,6 +199,12 @@ async def listed_page(
     return _page(rows, limit)
 
 
+async def unclaimed_due(conn: asyncpg.Connection, period: str) -> int:
+    """How many due customers have no row of the period: no run claimed them."""
+    count: int = await conn.fetchval(f"SELECT count(*) {DUE} AND r.status IS NULL", period)
+    return count
+
+
 async def unlisted_due(conn: asyncpg.Connection, period: str, listing: Listing) -> bool:
     """Whether a due customer is left that neither `listing` nor an earlier listing of its
     run took."""

@@ -1634,31 +1634,45 @@ async def test_periods_left_open_for_good_take_turns_being_reconciled_again(
         assert [p.period for p in found] == ["2026-09"]
 
 
-@pytest.mark.parametrize("cancelled", [False, True])
-async def test_a_run_ended_before_its_close_is_reported(harness: Harness, cancelled: bool) -> None:
+@pytest.mark.parametrize("cancelled", ["no", "before-the-end", "after-the-end"])
+async def test_a_run_ended_before_its_close_is_reported(harness: Harness, cancelled: str) -> None:
     """A run started by hand and terminated midway left customers billed by no run, with no
     claim to reconcile: only a schedule's daily check of its own firings said so. The report
-    does, unless an operator had cancelled the run (its customers stay unbilled as asked)."""
+    does, unless an operator had cancelled the run (its customers stay unbilled as asked),
+    which `cancel` records once the run has ended too (helper-176 F1)."""
     await harness.seed(4)
     await harness.set_faults(latency_ms=1000)
+    request = OperatorRequest(reason="wrong prices", operator="alice")
     async with harness.running_worker():
         handle = await start_period(
             harness.client, PERIOD, harness.task_queue, RunOptions(max_in_flight=1)
         )
         await eventually(lambda: at_least(harness.money_requests(), 1))
-        if cancelled:
-            request = OperatorRequest(reason="wrong prices", operator="alice")
+        if cancelled == "before-the-end":
             await operations.control(harness.client, PERIOD, "cancel", request)
         await handle.terminate(reason="looked stuck")
         await harness.set_faults(latency_ms=0)
         code, out, err = await harness.starter("reconcile", str(PERIOD))
-    warning = "WARNING: the period's last run ended before its close (terminated or failed)"
-    if cancelled:
+        as_json = (await harness.starter("reconcile", str(PERIOD), "--json"))[1]
+        if cancelled == "after-the-end":
+            assert code == 1, (out, err)
+            cancel = ("cancel", str(PERIOD), "--reason", "wrong prices", "--operator", "alice")
+            code, out, err = await harness.starter(*cancel)
+            assert code == 0 and "had ended before its close; the ledger records it" in out, err
+            code, out, err = await harness.starter(*cancel)
+            assert code == 2 and f"no run of {PERIOD} is running to cancel" in err, (out, err)
+            code, out, err = await harness.starter("reconcile", str(PERIOD))
+    warning = "no run claimed, and its last run ended before its close (terminated"
+    if cancelled != "no":
         assert code == 0 and warning not in out, (out, err)
+        assert await harness.succeeded() < 4
         return
     assert code == 1, (out, err)
-    assert f"{warning}: the customers it had not claimed are billed by no run" in out, out
-    assert f"run it again to bill them: python starter.py run {PERIOD}" in out, out
+    report = ReconcileReport.model_validate_json(as_json)
+    unclaimed = report.unclaimed_by_ended_run
+    assert 0 < unclaimed < 4, report
+    assert f"WARNING: {unclaimed} due customer" in out and warning in out, out
+    assert f"Run it again to bill them (python starter.py run {PERIOD};" in out, out
     # Run again, as it says: every customer billed once, and nothing more to report.
     async with harness.running_worker():
         await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
