@@ -267,6 +267,7 @@ class ReconcileActivities:
             async with self._pool.acquire() as conn:
                 unclaimed = await ledger.unclaimed_due(conn, request.period)
         if unclaimed:
+            metrics.count_run_ended_unclosed()
             logs.log_event(
                 log,
                 "run_ended_unclosed",

@@ -66,6 +66,12 @@ FOLLOWED_SCHEDULE_GONE = Counter(
     " does not bill): nothing bills the months it billed. Alert on any increase.",
     ["schedule"],
 )
+RUNS_ENDED_UNCLOSED = Counter(
+    "billing_runs_ended_unclosed_total",
+    "Reconciliations that found due customers of a period no run claimed, its last run having"
+    " ended before its close (terminated, failed, timed out, gone from Temporal) with no"
+    " cancel: no run bills them until it is run again. Alert on any increase.",
+)
 SCHEDULE_CHECKED = Gauge(
     "billing_schedule_checked_timestamp_seconds",
     "When a daily reconciliation of this worker process last checked its billing schedule's"
@@ -105,6 +111,10 @@ def watch_schedule(schedule_id: str) -> None:
     seen at 1 is no increase to Prometheus (`increase()`), and its first alert is lost."""
     UNBILLED_FIRINGS.labels(schedule=_schedule(schedule_id))
     FOLLOWED_SCHEDULE_GONE.labels(schedule=_schedule(schedule_id))
+
+
+def count_run_ended_unclosed() -> None:
+    RUNS_ENDED_UNCLOSED.inc()
 
 
 def schedule_checked(schedule_id: str) -> None:

@@ -1643,6 +1643,7 @@ async def test_a_run_ended_before_its_close_is_reported(harness: Harness, cancel
     await harness.seed(4)
     await harness.set_faults(latency_ms=1000)
     request = OperatorRequest(reason="wrong prices", operator="alice")
+    alerts_before = REGISTRY.get_sample_value("billing_runs_ended_unclosed_total") or 0.0
     async with harness.running_worker():
         handle = await start_period(
             harness.client, PERIOD, harness.task_queue, RunOptions(max_in_flight=1)
@@ -1665,9 +1666,14 @@ async def test_a_run_ended_before_its_close_is_reported(harness: Harness, cancel
     warning = "no run claimed, and its last run ended before its close (terminated"
     if cancelled != "no":
         assert code == 0 and warning not in out, (out, err)
+        if cancelled == "before-the-end":
+            assert REGISTRY.get_sample_value("billing_runs_ended_unclosed_total") == alerts_before
         assert await harness.succeeded() < 4
         return
     assert code == 1, (out, err)
+    # Both reconciliations (the text and the JSON) counted it, for an alert.
+    alerts = REGISTRY.get_sample_value("billing_runs_ended_unclosed_total") or 0.0
+    assert alerts - alerts_before == 2
     report = ReconcileReport.model_validate_json(as_json)
     unclaimed = report.unclaimed_by_ended_run
     assert 0 < unclaimed < 4, report
