@@ -38,6 +38,7 @@ def test_names_follow_prometheus_conventions() -> None:
         "billing_worker_event_loop_lag_seconds",
         "billing_unbilled_firings",
         "billing_followed_schedule_gone",
+        "billing_runs_ended_unclosed",
         "billing_schedule_checked_timestamp_seconds",
     }
     for family in families.values():
