@@ -69,11 +69,7 @@ async def cancel_ended_run(
     async with conn.transaction():
         # No opening lands between the check and the write.
         await ledger.lock_period(conn, str(period))
-        control = (await ledger.open_runs(conn, [str(period)])).get(str(period))
-        if control in (None, "cancelled"):
-            return None
-        run = client.get_workflow_handle(period_workflow_id(period))
-        if not schedules.ended_unclosed(await workflow_status(run)):
+        if not await schedules.ended_unfinished(client, conn, [period]):
             return None
         await ledger.set_control(conn, str(period), "cancelled", request.reason, request.operator)
     return EndedRunCancelled(period=str(period), operator=request.operator, reason=request.reason)

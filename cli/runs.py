@@ -229,8 +229,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
         totals = await ledger_totals(str(args.period))
         if totals is None or totals.empty:
             raise
-        ended = isinstance(exc, RunEndedError)
-        said = f"{exc}; {describe_totals(str(args.period), totals, run_open=not ended)}"
+        no_worker = isinstance(exc, NoWorkerError)
+        said = f"{exc}; {describe_totals(str(args.period), totals, run_open=no_worker)}"
         if isinstance(exc, RunEndedError):
             raise RunEndedError(
                 said, period=exc.period, workflow_id=exc.workflow_id, state=exc.state
