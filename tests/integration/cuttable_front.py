@@ -8,7 +8,55 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import hpack
+
 from tests.integration.tls_front import pipe
+
+# What a client's HTTP/2 connection begins with, and the frames and flags that carry a
+# request's headers.
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_HEADERS, _CONTINUATION = 0x1, 0x9
+_END_HEADERS, _PADDED, _PRIORITY = 0x4, 0x8, 0x20
+
+
+class _CallReader:
+    """Reads the gRPC methods a client calls down one connection from the header blocks
+    of its HTTP/2 requests (every block is decoded, in order, so that hpack keeps the
+    connection's header table): a test can tell what a command has gone on to do."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self._calls = calls
+        self._decoder = hpack.Decoder()
+        self._preface_left = len(_PREFACE)
+        self._buffer = b""
+        self._block = b""
+
+    def __call__(self, data: bytes) -> None:
+        skipped = min(self._preface_left, len(data))
+        self._preface_left -= skipped
+        self._buffer += data[skipped:]
+        # A frame: 3 bytes of payload length, its type, flags and stream id, then the payload.
+        while len(self._buffer) >= 9:
+            end = 9 + int.from_bytes(self._buffer[:3], "big")
+            if len(self._buffer) < end:
+                return
+            kind, flags, payload = self._buffer[3], self._buffer[4], self._buffer[9:end]
+            self._buffer = self._buffer[end:]
+            if kind == _HEADERS:
+                if flags & _PADDED:
+                    payload = payload[1 : len(payload) - payload[0]]
+                if flags & _PRIORITY:
+                    payload = payload[5:]
+                self._block = payload
+            elif kind == _CONTINUATION:
+                self._block += payload
+            else:
+                continue
+            if flags & _END_HEADERS:
+                path = dict(self._decoder.decode(self._block, raw=True)).get(b":path")
+                self._block = b""
+                if path is not None:
+                    self._calls.append(path.decode().rsplit("/", 1)[-1])
 
 
 class CuttableFront:
@@ -18,8 +66,9 @@ class CuttableFront:
         self._server: asyncio.Server | None = None
         self._open: set[asyncio.StreamWriter] = set()
         self.port = 0
-        # Connections taken so far.
+        # Connections taken so far, and the gRPC methods called through them, in order.
         self.connections = 0
+        self.calls: list[str] = []
 
     @property
     def address(self) -> str:
@@ -37,7 +86,10 @@ class CuttableFront:
         self._open |= {writer, upstream_writer}
         self.connections += 1
         try:
-            await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+            await asyncio.gather(
+                pipe(reader, upstream_writer, _CallReader(self.calls)),
+                pipe(upstream_reader, writer),
+            )
         finally:
             self._open -= {writer, upstream_writer}
 

@@ -7,17 +7,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import trustme
 
 SERVER_NAME = "temporal.test"
 
 
-async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Copy one direction of a connection until it closes (the cuttable front's too)."""
+async def pipe(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    seen: Callable[[bytes], None] | None = None,
+) -> None:
+    """Copy one direction of a connection until it closes (the cuttable front's too),
+    showing each piece to `seen` first."""
     try:
         while data := await reader.read(65536):
+            if seen is not None:
+                seen(data)
             writer.write(data)
             await writer.drain()
     except (ConnectionError, ssl.SSLError):
