@@ -114,8 +114,10 @@ async def run_demo(args: argparse.Namespace) -> int:
         while not task.done():
             progress = await period_status(client, period)
             finished = progress.due - progress.in_flight
+            # `due` counts the customers listed so far: between two pages it is all finished.
+            total = progress.expected_due or progress.due
             _say(
-                f"  {finished} customers finished, {progress.in_flight} in flight,"
+                f"  {finished} of {total} customers finished, {progress.in_flight} in flight,"
                 f" {progress.charged} charged, {progress.failed} failed",
                 args.json,
             )
