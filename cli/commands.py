@@ -246,6 +246,13 @@ def parser() -> argparse.ArgumentParser:
                 f" (default {schedules.DEFAULT_SCHEDULE_ID})",
             )
             sub.add_argument(
+                "--billed-by-hand",
+                action="store_true",
+                help="with --reconcile: follow no billing schedule (periods are billed by"
+                " hand with `run`); without it, a reconciliation with no billing schedule to"
+                " follow is refused",
+            )
+            sub.add_argument(
                 "--leave-unbilled",
                 action="store_true",
                 help="create a billing schedule even though months between the ledger's latest"

@@ -159,11 +159,26 @@ def _check_create_flags(args: argparse.Namespace) -> None:
                 f"{' and '.join(ignored)} {verb} with a billing schedule, not --reconcile (a"
                 " reconciliation fires every day, and bills nothing)"
             )
-    elif args.billing_schedule is not None:
-        raise InvalidInputError(
-            "--billing-schedule names the schedule a reconciliation follows: it goes with"
-            " --reconcile"
-        )
+        if args.billed_by_hand and args.billing_schedule is not None:
+            raise InvalidInputError(
+                "--billed-by-hand says the reconciliation follows no billing schedule:"
+                f" leave it out to follow {args.billing_schedule}"
+            )
+    else:
+        flags = [
+            flag
+            for flag, given in (
+                ("--billing-schedule", args.billing_schedule is not None),
+                ("--billed-by-hand", args.billed_by_hand),
+            )
+            if given
+        ]
+        if flags:
+            verb = "says" if len(flags) == 1 else "say"
+            raise InvalidInputError(
+                f"{' and '.join(flags)} {verb} what a reconciliation follows: it goes with"
+                " --reconcile"
+            )
 
 
 async def _create_schedule(
@@ -186,7 +201,7 @@ async def _create_schedule(
     daily = config.action == "reconcile"
     when = "every day" if daily else f"day {config.day_of_month}"
     what = "reconciling the period billed" if daily else "billing"
-    followed = ""
+    followed = " (billed by hand: following no billing schedule)" if daily else ""
     if config.billing_schedule_id is not None:
         months = config.months_time_zone
         elsewhere = f", its months in {months}" if months not in (None, config.time_zone) else ""
@@ -220,6 +235,8 @@ async def _following(
 ) -> schedules.MonthlySchedule:
     """A daily reconciliation takes its billing schedule's mode and zone, so that it checks
     the months that schedule bills, and alerts when one of its firings billed nothing."""
+    if args.billed_by_hand:
+        return config
     followed = args.billing_schedule or schedules.DEFAULT_SCHEDULE_ID
     if followed == config.schedule_id:
         raise InvalidInputError(
@@ -231,20 +248,16 @@ async def _following(
     except ForeignScheduleError:
         raise
     except UnknownScheduleError:
-        if args.billing_schedule is not None:
-            # Named, and mistyped (or not made yet): followed by nothing, it would leave the
-            # check for a month left unbilled off for good.
-            raise InvalidInputError(
-                f"--billing-schedule {followed}: no such schedule, so nothing was created."
-                " Check the id, or create the billing schedule first"
-            ) from None
-        print(
-            f"note: no billing schedule {followed!r} to follow (billed by hand?): this one"
-            f" reconciles in {config.billing}, {config.time_zone}, and checks no firing;"
-            " create it after the billing schedule, or pass --billing-schedule",
-            file=sys.stderr,
-        )
-        return config
+        # Followed by nothing, it would check no month left unbilled, for good: a billing
+        # schedule created next would go unwatched.
+        named = "" if args.billing_schedule is None else " (mistyped?)"
+        raise InvalidInputError(
+            f"no billing schedule {followed!r}{named} for the reconciliation to follow, so"
+            " nothing was created: create the billing schedule first (`python starter.py"
+            " schedule create`), name the one it follows with --billing-schedule, or pass"
+            " --billed-by-hand if periods are billed by hand (it then checks no schedule's"
+            " firings)"
+        ) from None
     if billing.action != "bill":
         raise InvalidInputError(
             f"--billing-schedule {followed} reconciles: name the schedule that bills"

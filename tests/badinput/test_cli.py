@@ -137,7 +137,11 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "schedule follows without reconciling": (
         ["starter.py", "schedule", "create", "--billing-schedule", "billing-monthly"],
-        "--billing-schedule names the schedule a reconciliation follows: it goes with",
+        "--billing-schedule says what a reconciliation follows: it goes with --reconcile",
+    ),
+    "schedule billed by hand without reconciling": (
+        ["starter.py", "schedule", "create", "--billed-by-hand"],
+        "--billed-by-hand says what a reconciliation follows: it goes with --reconcile",
     ),
     "schedule reconciles on a day": (
         ["starter.py", "schedule", "create", "--reconcile", "--day", "5", "--leave-unbilled"],

@@ -2098,7 +2098,7 @@ async def test_a_reconciliation_keeps_the_id_it_is_given(harness: Harness) -> No
             ("--id", schedules.DEFAULT_SCHEDULE_ID, "--billing-schedule", "elsewhere"),
             schedules.DEFAULT_SCHEDULE_ID,
         ),
-        ((), schedules.RECONCILE_SCHEDULE_ID),
+        (("--billed-by-hand",), schedules.RECONCILE_SCHEDULE_ID),
     ):
         code, out, err = await harness.starter(*create, *given)
         assert code == 0 and out.startswith(f"created schedule {created}:"), err
@@ -2165,8 +2165,15 @@ async def test_a_schedule_another_release_wrote_can_still_be_paused(harness: Har
 
 async def test_a_reconciliation_is_told_what_it_cannot_follow(harness: Harness) -> None:
     reconcile = ("schedule", "create", "--reconcile", "--paused", "--id")
-    code, _, err = await harness.starter(*reconcile, "alone")
-    assert code == 0 and "note: no billing schedule 'billing-monthly' to follow" in err, err
+    # With no billing schedule to follow, it would check no month left unbilled, for good.
+    code, out, err = await harness.starter(*reconcile, "alone")
+    assert (code, out) == (2, ""), out
+    assert "no billing schedule 'billing-monthly' for the reconciliation to follow, so" in err
+    assert "--billed-by-hand" in err, err
+    with pytest.raises(RPCError, match="not found"):
+        await harness.client.get_schedule_handle("alone").describe()
+    code, out, err = await harness.starter(*reconcile, "alone", "--billed-by-hand")
+    assert code == 0 and out.rstrip().endswith("(billed by hand: following no billing schedule)")
     _, request = await schedules.launcher_of(harness.client, "alone")
     assert request.billing_schedule_id is None
     await firing_every(harness, "billing-monthly", 3600, paused=True, time_zone="Europe/Berlin")
@@ -2187,7 +2194,12 @@ async def test_a_reconciliation_is_told_what_it_cannot_follow(harness: Harness) 
         *reconcile, "on-typo", "--billing-schedule", "billing-montly"
     )
     assert (code, out) == (2, ""), out
-    assert "--billing-schedule billing-montly: no such schedule, so nothing was created" in err
+    assert "no billing schedule 'billing-montly' (mistyped?) for the reconciliation" in err
+    code, out, err = await harness.starter(
+        *reconcile, "on-both", "--billing-schedule", "billing-monthly", "--billed-by-hand"
+    )
+    assert (code, out) == (2, ""), out
+    assert "--billed-by-hand says the reconciliation follows no billing schedule" in err
     for made in ("alone", "utc", "billing-monthly"):
         await harness.client.get_schedule_handle(made).delete()
 

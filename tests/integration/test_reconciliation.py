@@ -1453,7 +1453,9 @@ async def test_a_claim_resumed_after_stripes_idempotency_window_is_not_charged_t
 
 
 async def daily_reconciliation(harness: Harness) -> ScheduleHandle:
-    code, out, _ = await harness.starter("schedule", "create", "--reconcile", "--paused")
+    code, out, _ = await harness.starter(
+        "schedule", "create", "--reconcile", "--paused", "--billed-by-hand"
+    )
     assert code == 0 and "every day at 02:00" in out, out
     return harness.client.get_schedule_handle(RECONCILE_SCHEDULE_ID)
 
