@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from datetime import UTC, datetime
 
+from billing.errors import InvalidInputError
 from billing.periods import check_run_by_hand
 from billing.seeding import seed_demo
 
@@ -24,4 +25,10 @@ async def cmd_demo(args: argparse.Namespace) -> int:
     if args.period is not None:
         # The demo bills as `run` does: a mistyped month is refused before the stack starts.
         check_run_by_hand(args.period, datetime.now(UTC), ahead=args.ahead, late=args.late)
+    elif args.ahead or args.late:
+        flag = "--ahead" if args.ahead else "--late"
+        raise InvalidInputError(
+            f"{flag} lets --period name a month far from this one: without --period the demo"
+            " bills last month, which needs neither"
+        )
     return await run_demo(args)

@@ -203,6 +203,10 @@ CASES: dict[str, tuple[list[str], str]] = {
         "2019-01 is more than 3 months before the current month",
     ),
     "demo ahead": (["starter.py", "demo", "--period", "2099-01"], "2099-01 has not begun"),
+    "demo ahead without a period": (
+        ["starter.py", "demo", "--ahead"],
+        "--ahead lets --period name a month far from this one: without --period",
+    ),
     "vault port": (["-m", "vault", "--port", "70000"], "not a TCP port"),
 }
 
