@@ -484,17 +484,23 @@ class PeriodActivities:
 
     @activity.defn(name="cancel_unstarted")
     async def cancel_unstarted(self, request: CancelRequest) -> CancelPage:
-        """Cancel one page of customers after the cursor; count what each one ends as."""
+        """Cancel one page of customers after the cursor; count what each one ends as. As
+        the current try of the period's latest run only (_check_current_try): a try of a run
+        terminated since, landing late, would cancel the claims of a rerun's children, which
+        no run reopens."""
         async with self._pool.acquire() as conn:
-            page = await ledger.due_page(conn, request.period, request.after, request.limit)
-            open_ids = [c.customer_id for c in page.customers if c.status in (None, "claimed")]
-            await ledger.cancel_customers(
-                conn,
-                request.period,
-                {c: self._key(c, request.period) for c in open_ids},
-                request.request.reason,
-                request.request.operator,
-            )
+            async with conn.transaction():
+                await ledger.lock_period(conn, request.period)
+                await _check_current_try("cancel", request.period)
+                page = await ledger.due_page(conn, request.period, request.after, request.limit)
+                open_ids = [c.customer_id for c in page.customers if c.status in (None, "claimed")]
+                await ledger.cancel_customers(
+                    conn,
+                    request.period,
+                    {c: self._key(c, request.period) for c in open_ids},
+                    request.request.reason,
+                    request.request.operator,
+                )
             ended = await ledger.outcomes(
                 conn, request.period, [c.customer_id for c in page.customers]
             )

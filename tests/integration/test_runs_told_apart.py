@@ -27,7 +27,7 @@ from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, 
 import activities.period as period_activities
 import billing.ledger.runs as ledger_runs
 from billing import ledger
-from billing.customers import import_customers
+from billing.customers import CustomerRow, import_customers
 from billing.models import PeriodPlan, PeriodSummary, RunIdentity
 from billing.periods import Period
 from billing.runs import start_period
@@ -107,6 +107,7 @@ BILL = "bill"
 CLOSE_IF_ALL_MARKED = "close_period_if_all_marked"
 CLOSE_IF_ALL_REACHED = "close_period_if_all_reached"
 DUE = "due_customers"
+CANCEL_UNSTARTED = "cancel_unstarted"
 
 
 async def _terminated_at_its_close(
@@ -292,6 +293,48 @@ async def test_a_terminated_runs_late_control_leaves_a_reruns_alone(harness: Har
             )
     assert (summary.charged, summary.cancelled, control) == (2, 0, "running")
     await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_a_terminated_runs_late_cancel_of_its_unstarted_leaves_a_reruns_alone(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancelled (Temporal's cancel) as it opens, its page of customers not started held on
+    a frozen worker as it marks them cancelled; A terminated, a rerun B opens and claims its
+    customers. A's page then marked B's claims cancelled before their charge: B charged none
+    of them, and no later run could (a claimed row cancelled is not reopened)."""
+    customers = await harness.seed(2)
+    hold = HoldEachRun(PREPARE, CANCEL_UNSTARTED)
+    claims: list[str] = []
+    charge = asyncio.Event()
+    begin_charge = ledger.begin_charge
+
+    async def claimed_then_held(conn: asyncpg.Connection, claim: Any, route: Any) -> Any:
+        claims.append(claim.customer_id)
+        await asyncio.wait_for(charge.wait(), 60)
+        return await begin_charge(conn, claim, route)
+
+    monkeypatch.setattr(ledger, "begin_charge", claimed_then_held)
+    async with harness.running_worker(interceptors=[hold]):
+        first = await start_period(harness.client, PERIOD, harness.task_queue)
+        stuck = (await first.describe()).run_id
+        await hold.reached(PREPARE, stuck)
+        await first.cancel()
+        hold.release(PREPARE, stuck)
+        await hold.reached(CANCEL_UNSTARTED, stuck)
+        await first.terminate(reason="stuck, says the operator")
+        rerun = await start_period(harness.client, PERIOD, harness.task_queue)
+        hold.release(PREPARE, (await rerun.describe()).run_id)
+        await eventually(lambda: _all_claimed(claims, customers))
+        hold.release(CANCEL_UNSTARTED, stuck)
+        await hold.ended(CANCEL_UNSTARTED, stuck)
+        charge.set()
+        summary = await asyncio.wait_for(rerun.result(), 60)
+    assert (summary.charged, summary.cancelled) == (2, 0), summary
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def _all_claimed(claims: list[str], customers: list[CustomerRow]) -> bool:
+    return sorted(claims) == sorted(c.customer_id for c in customers)
 
 
 @pytest.mark.parametrize("rerun_between", [False, True], ids=["alone", "after-a-rerun"])
