@@ -25,7 +25,14 @@ from billing.config import BillingSettings
 from billing.db import create_pool
 from billing.errors import BillingError, NoWorkerError
 from billing.keys import idempotency_key, period_workflow_id
-from billing.models import OperatorRequest, PeriodProgress, Record, SkipRequest, SkipResult
+from billing.models import (
+    OperatorRequest,
+    PeriodProgress,
+    PeriodSummary,
+    Record,
+    SkipRequest,
+    SkipResult,
+)
 from billing.period_keys import KeyRenewal
 from billing.periods import Period, check_skip_by_hand
 from billing.temporal_client import workflow_status
@@ -52,27 +59,82 @@ class NotRunningError(BillingError):
 
 
 class EndedRunCancelled(Record):
-    """An operator's cancel of a run that ended before its close, recorded in the ledger."""
+    """An operator's cancel of a run that ended before its close, recorded in the ledger:
+    the customers it had not started are cancelled, and the period closed with what the
+    ledger holds (`summary`)."""
 
     period: str
     operator: str
     reason: str
+    summary: PeriodSummary
+    # Claims whose charge was sent before the run ended, left to reconciliation.
+    in_doubt: int
+
+
+# How many customers a cancel of an ended run marks at a time.
+_CANCEL_PAGE = 1000
 
 
 async def cancel_ended_run(
-    client: Client, conn: asyncpg.Connection, period: Period, request: OperatorRequest
+    client: Client,
+    conn: asyncpg.Connection,
+    key_namespace: str,
+    period: Period,
+    request: OperatorRequest,
 ) -> EndedRunCancelled | None:
     """Record an operator's cancel of a period's run that ended before its close (terminated
-    on purpose, say), which no update reaches: the ledger's control, which launches, the
-    daily check and reconciliation honour, so the customers it had not claimed stay unbilled
-    as asked. None when the ledger holds no such run (none open, or one still running)."""
+    on purpose, say), which no update reaches, as its run would have: the customers it had
+    not started are marked cancelled (a later run claims them afresh), and the period is
+    closed with the ledger's counts, so that every command reads the run as over and the
+    customers as cancelled. Children it left running finish the charges they had sent.
+    None when the ledger holds no such run (none open, or one still running)."""
     async with conn.transaction():
-        # No opening lands between the check and the write.
+        # No opening lands between the check and the writes.
         await ledger.lock_period(conn, str(period))
-        if not await schedules.ended_unfinished(client, conn, [period]):
+        # An operator's cancel recorded by a release that left the period open is closed now.
+        if str(period) not in await schedules.ended_open(client, conn, [str(period)]):
             return None
         await ledger.set_control(conn, str(period), "cancelled", request.reason, request.operator)
-    return EndedRunCancelled(period=str(period), operator=request.operator, reason=request.reason)
+        after: str | None = None
+        while True:
+            page = await ledger.due_page(conn, str(period), after, _CANCEL_PAGE)
+            unstarted = [c.customer_id for c in page.customers if c.status in (None, "claimed")]
+            await ledger.cancel_customers(
+                conn,
+                str(period),
+                {c: idempotency_key(key_namespace, c, period) for c in unstarted},
+                request.reason,
+                request.operator,
+            )
+            if page.next_cursor is None:
+                break
+            after = page.next_cursor
+        record = await ledger.period_record(conn, str(period))
+        assert record is not None, "ended_unfinished found the period's row"
+        totals = await ledger.period_totals(conn, str(period))
+        summary = PeriodSummary(
+            period=str(period),
+            workflow_id=record.workflow_id,
+            run_id=record.run_id,
+            due=totals.charged + totals.failed + totals.skipped + totals.cancelled + totals.claimed,
+            charged=totals.charged,
+            already_billed=0,
+            failed=totals.failed,
+            skipped=totals.skipped,
+            cancelled=totals.cancelled,
+            total_charged_cents=sum(totals.charged_by_currency.values()),
+            charged_by_currency=totals.charged_by_currency,
+            cancel_reason=request.reason,
+            cancelled_by=request.operator,
+        )
+        await ledger.finish_period(conn, str(period), summary.model_dump_json())
+    return EndedRunCancelled(
+        period=str(period),
+        operator=request.operator,
+        reason=request.reason,
+        summary=summary,
+        in_doubt=totals.claimed,
+    )
 
 
 def _handing_over(exc: WorkflowUpdateFailedError) -> bool:

@@ -220,7 +220,8 @@ async def _run_or_join(
     )
 
 
-def _progress(summary: PeriodSummary) -> PeriodProgress:
+def summary_progress(summary: PeriodSummary) -> PeriodProgress:
+    """How a run with this summary stands: completed, or cancelled."""
     counts = summary.model_dump(exclude={"cancel_reason", "cancelled_by", "run_id"})
     return PeriodProgress(
         state="cancelled" if summary.cancelled_by else "completed",
@@ -240,7 +241,7 @@ def status_from_ledger(
     if record is None:
         return not_started
     if record.summary is not None:
-        return _progress(record.summary)
+        return summary_progress(record.summary)
     again = run_command(period, datetime.now(UTC))
     raise RunEndedError(
         f"the ledger shows a run of {period} ({record.workflow_id}) that never finished, and"
@@ -260,7 +261,7 @@ async def period_status(client: Client, period: Period) -> PeriodProgress:
     description = await described(handle)
     if description is None:
         empty = PeriodSummary.empty(str(period), workflow_id)
-        return _progress(empty).model_copy(update={"state": "not_started"})
+        return summary_progress(empty).model_copy(update={"state": "not_started"})
     status = description.status
     if status == WorkflowExecutionStatus.RUNNING:
         try:
@@ -286,7 +287,7 @@ async def period_status(client: Client, period: Period) -> PeriodProgress:
                 f" {description.task_queue}? Nothing is charged until one does{said}"
             ) from None
     if status in (WorkflowExecutionStatus.COMPLETED, WorkflowExecutionStatus.CONTINUED_AS_NEW):
-        return _progress(await handle.result())
+        return summary_progress(await handle.result())
     state = status.name.lower() if status else "unknown"
     try:
         await handle.result(follow_runs=False)

@@ -631,12 +631,13 @@ _STILL_BILLING = frozenset(
 )
 
 
-async def _ended_open(
+async def ended_open(
     client: Client, conn: asyncpg.Connection, periods: list[str]
 ) -> dict[str, Control]:
     """Those of `periods` whose run ended before its close (terminated by an operator who
     thought it stuck, failed, or cancelled by a release before Temporal's cancel was one;
-    gone from Temporal since), with the control it had: the ledger holds it open for good."""
+    gone from Temporal since), with the control it had: the ledger holds it open until an
+    operator's `cancel` closes it (operations.cancel_ended_run)."""
     ended = {}
     for period, control in (await ledger.open_runs(conn, sorted(periods))).items():
         run = client.get_workflow_handle(period_workflow_id(parse_period(period)))
@@ -656,20 +657,20 @@ async def joined_open_runs(
 ) -> dict[str, Control]:
     """Those of `periods` whose run is open, with its control: a launch joins it (and one
     paused bills nothing until it is resumed). One the ledger holds open whose workflow has
-    ended is not (_ended_open): a launch starts it again, running."""
+    ended is not (ended_open): a launch starts it again, running."""
     open_runs = await ledger.open_runs(conn, periods)
-    ended = await _ended_open(client, conn, list(open_runs))
+    ended = await ended_open(client, conn, list(open_runs))
     return {p: control for p, control in open_runs.items() if p not in ended}
 
 
 async def ended_unfinished(
     client: Client, conn: asyncpg.Connection, periods: list[Period]
 ) -> list[Period]:
-    """Those of `periods` whose run ended before its close (_ended_open) unless an operator
+    """Those of `periods` whose run ended before its close (ended_open) unless an operator
     had cancelled it: the customers it had not claimed are billed by no run and have no claim
     to reconcile (the period's reconciliation counts them). A launch (`schedule trigger` or
     `backfill`) or `run` starts it again, running even if it was paused."""
-    ended = await _ended_open(client, conn, [str(p) for p in periods])
+    ended = await ended_open(client, conn, [str(p) for p in periods])
     return [parse_period(p) for p, control in ended.items() if control != "cancelled"]
 
 

@@ -38,7 +38,7 @@ from billing.models import (
     PeriodSummary,
     SkipRequest,
 )
-from billing.periods import Period, check_run_by_hand
+from billing.periods import Period, check_run_by_hand, parse_period, run_command
 from billing.preview import preview_period
 from billing.reporting import (
     describe,
@@ -58,6 +58,7 @@ from billing.runs import (
     start_period,
     started_across_outages,
     status_from_ledger,
+    summary_progress,
 )
 from billing.temporal_client import connect
 from cli import arguments
@@ -244,8 +245,16 @@ async def cmd_status(args: argparse.Namespace) -> int:
 
 
 async def _period_status(client: Client, period: Period) -> PeriodProgress:
-    """The period's status, from the ledger when Temporal holds no run of it."""
-    progress = await period_status(client, period)
+    """The period's status, from the ledger when Temporal holds no run of it, or one that
+    ended before its close which the ledger has closed since (cancelled by an operator)."""
+    try:
+        progress = await period_status(client, period)
+    except RunEndedError:
+        async with ledger_connection() as conn:
+            record = await ledger.period_record(conn, str(period))
+        if record is None or record.summary is None:
+            raise
+        return summary_progress(record.summary)
     if progress.state != "not_started":
         return progress
     # "not_started" is only true if the ledger, which remembers runs Temporal no longer
@@ -261,24 +270,45 @@ async def cmd_control(args: argparse.Namespace) -> int:
     client = await connect(load_settings(TemporalSettings))
     try:
         progress = await operations.control(client, args.period, args.command, request)
-    except operations.NotRunningError:
+    except operations.NotRunningError as exc:
         if args.command != "cancel":
             raise
+        namespace = load_settings(BillingSettings).billing_key_namespace
         async with ledger_connection() as conn:
-            cancelled = await operations.cancel_ended_run(client, conn, args.period, request)
+            cancelled = await operations.cancel_ended_run(
+                client, conn, namespace, args.period, request
+            )
+            record = None if cancelled else await ledger.period_record(conn, str(args.period))
         if cancelled is None:
-            raise
-        emit(
-            cancelled,
-            args.json,
-            f"the run of {args.period} had ended before its close; the ledger records it"
-            f" cancelled by {request.operator}: {request.reason}. The customers it had not"
-            " claimed stay unbilled: no launch starts it again and reconciliation reports"
-            f" them no more (`python starter.py run {args.period}` bills them all the same)",
-        )
+            summary = None if record is None else record.summary
+            if summary is None or summary.cancelled_by is None:
+                raise
+            raise operations.NotRunningError(
+                f"{exc}; the ledger records it cancelled by {summary.cancelled_by}:"
+                f" {summary.cancel_reason}"
+            ) from None
+        emit(cancelled, args.json, _describe_ended_cancel(cancelled))
         return 0
     emit(progress, args.json, describe(progress))
     return 0
+
+
+def _describe_ended_cancel(cancelled: operations.EndedRunCancelled) -> str:
+    period = parse_period(cancelled.period)
+    in_doubt = (
+        f"; {cancelled.in_doubt} whose charge was sent before it ended are left to"
+        f" reconciliation (`python starter.py reconcile {period}`)"
+        if cancelled.in_doubt
+        else ""
+    )
+    return (
+        f"the run of {period} had ended before its close; the ledger records the cancel and"
+        " closes the period. The customers it had not started are cancelled and stay"
+        " unbilled: no launch starts the period again, and reconciliation reports them no more"
+        f" (`{run_command(period, datetime.now(UTC))}` bills them all the same){in_doubt}."
+        " Children it left running finish the charges they had sent.\n"
+        + describe(cancelled.summary)
+    )
 
 
 async def cmd_renew_keys(args: argparse.Namespace) -> int:

@@ -1657,13 +1657,37 @@ async def test_a_run_ended_before_its_close_is_reported(harness: Harness, cancel
         await harness.set_faults(latency_ms=0)
         code, out, err = await harness.starter("reconcile", str(PERIOD))
         as_json = (await harness.starter("reconcile", str(PERIOD), "--json"))[1]
+        cancel = ("cancel", str(PERIOD), "--reason", "wrong prices", "--operator", "alice")
+        if cancelled == "before-the-end":
+            # Its cancel recorded, but not its close: a `cancel` now closes the period.
+            code, out, err = await harness.starter(*cancel)
+            assert code == 0 and "the ledger records the cancel and closes" in out, (out, err)
+            code, out, err = await harness.starter("reconcile", str(PERIOD))
         if cancelled == "after-the-end":
             assert code == 1, (out, err)
-            cancel = ("cancel", str(PERIOD), "--reason", "wrong prices", "--operator", "alice")
             code, out, err = await harness.starter(*cancel)
-            assert code == 0 and "had ended before its close; the ledger records it" in out, err
+            assert code == 0 and "had ended before its close; the ledger records the" in out, err
+            assert "\n  cancelled by alice: wrong prices\n" in out, out
             code, out, err = await harness.starter(*cancel)
             assert code == 2 and f"no run of {PERIOD} is running to cancel" in err, (out, err)
+            assert "the ledger records it cancelled by alice: wrong prices" in err, err
+            # Every command reads the run as over, its customers not started as cancelled
+            # (helper-177 F1): before, as still open and about to bill them.
+            code, out, err = await harness.starter("status", str(PERIOD))
+            assert code == 0 and "state cancelled" in out, (out, err)
+            assert "cancelled by alice: wrong prices" in out, out
+            async with harness.pool.acquire() as conn:
+                unstarted = await conn.fetchval(
+                    "SELECT min(customer_id) FROM billing_runs WHERE billing_period = $1"
+                    " AND status = 'cancelled' AND cancelled_before_start",
+                    str(PERIOD),
+                )
+            code, out, err = await harness.starter(
+                "customers", "show", unstarted, "--period", str(PERIOD)
+            )
+            assert code == 0 and "cancelled" in out and "nothing yet" not in out, (out, err)
+            code, out, err = await harness.starter("customers", "deactivate", unstarted)
+            assert code == 0, (out, err)
             code, out, err = await harness.starter("reconcile", str(PERIOD))
     warning = "no run claimed, and its last run ended before its close (terminated"
     if cancelled != "no":
