@@ -111,6 +111,25 @@ def run_command(period: Period, now: datetime) -> str:
     return f"python starter.py run {period}" + (f" --{far}" if far else "")
 
 
+def check_far_flags(
+    period: Period, now: datetime, *, ahead: bool = False, late: bool = False
+) -> None:
+    """Refuse `--ahead` or `--late` given for a period that needs neither: the flag says the
+    operator meant a month far from this one, and the month typed is not (a mistyped year)."""
+    far = _far(period, now)
+    for flag, given in (("ahead", ahead), ("late", late)):
+        if given and far != flag:
+            meant = (
+                f"later than next month ({period_for(now, 'advance').next()})"
+                if flag == "ahead"
+                else f"more than {LATE_MONTHS} months before the current month"
+            )
+            raise InvalidPeriodError(
+                f"--{flag} is for a period {meant}, and {period} is not: check the period (a"
+                f" mistyped year?), or leave --{flag} out"
+            )
+
+
 def check_run_by_hand(
     period: Period, now: datetime, *, ahead: bool = False, late: bool = False
 ) -> None:
@@ -122,8 +141,9 @@ def check_run_by_hand(
     far = _far(period, now)
     if far == "ahead" and not ahead:
         raise InvalidPeriodError(
-            f"{period} has not begun, and a run now charges its customers ahead of"
-            " time: check the period, or pass --ahead to bill it now"
+            f"{period} is later than next month ({period_for(now, 'advance').next()}), and a"
+            " run now charges its customers ahead of time: check the period, or pass --ahead"
+            " to bill it now"
         )
     if far == "late" and not late:
         raise InvalidPeriodError(
@@ -142,11 +162,11 @@ def check_skip_by_hand(
     far = _far(period, now)
     if far is not None and not (ahead if far == "ahead" else late):
         when = (
-            "has not begun"
+            "is later than next month"
             if far == "ahead"
             else f"is more than {LATE_MONTHS} months before the current month"
         )
         raise InvalidPeriodError(
-            f"{period} {when} and has no run: a skip recorded for it stops no charge in any"
+            f"{period} {when}, and has no run: a skip recorded for it stops no charge in any"
             f" other month. Check the period, or pass --{far} to record it anyway"
         )

@@ -6,7 +6,7 @@ import argparse
 from datetime import UTC, datetime
 
 from billing.errors import InvalidInputError
-from billing.periods import check_run_by_hand
+from billing.periods import check_far_flags, check_run_by_hand
 from billing.seeding import seed_demo
 
 
@@ -24,7 +24,9 @@ async def cmd_demo(args: argparse.Namespace) -> int:
 
     if args.period is not None:
         # The demo bills as `run` does: a mistyped month is refused before the stack starts.
-        check_run_by_hand(args.period, datetime.now(UTC), ahead=args.ahead, late=args.late)
+        now = datetime.now(UTC)
+        check_far_flags(args.period, now, ahead=args.ahead, late=args.late)
+        check_run_by_hand(args.period, now, ahead=args.ahead, late=args.late)
     elif args.ahead or args.late:
         flag = "--ahead" if args.ahead else "--late"
         raise InvalidInputError(

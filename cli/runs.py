@@ -38,7 +38,13 @@ from billing.models import (
     PeriodSummary,
     SkipRequest,
 )
-from billing.periods import Period, check_run_by_hand, parse_period, run_command
+from billing.periods import (
+    Period,
+    check_far_flags,
+    check_run_by_hand,
+    parse_period,
+    run_command,
+)
 from billing.preview import preview_period
 from billing.reporting import (
     describe,
@@ -73,7 +79,9 @@ PLAN_POLL_SECONDS = 0.5
 
 
 async def cmd_run(args: argparse.Namespace) -> int:
-    check_run_by_hand(args.period, datetime.now(UTC), ahead=args.ahead, late=args.late)
+    now = datetime.now(UTC)
+    check_far_flags(args.period, now, ahead=args.ahead, late=args.late)
+    check_run_by_hand(args.period, now, ahead=args.ahead, late=args.late)
     temporal = load_settings(TemporalSettings)
     client = await connect(temporal)
     outage = OutageNotice(f"the run of {args.period}")
@@ -320,6 +328,7 @@ async def cmd_renew_keys(args: argparse.Namespace) -> int:
 
 
 async def cmd_skip(args: argparse.Namespace) -> int:
+    check_far_flags(args.period, datetime.now(UTC), ahead=args.ahead, late=args.late)
     request = SkipRequest(
         customer_id=args.customer, reason=args.reason, operator=arguments.operator(args)
     )

@@ -12,7 +12,7 @@ from temporalio.service import RPCError
 from billing import ledger, schedules
 from billing.config import TemporalSettings, load_settings
 from billing.errors import ForeignScheduleError, InvalidInputError, UnknownScheduleError
-from billing.periods import is_late, parse_period, period_range
+from billing.periods import check_far_flags, is_late, parse_period, period_range
 from billing.redact import shown_line
 from billing.temporal_client import connect
 from cli import arguments
@@ -46,6 +46,8 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
     )
     if args.schedule_command == "backfill":
         period_range(args.start, args.end)  # raises if the range ends before it starts
+        # --late for a range whose first month is recent: a mistyped year, most likely.
+        check_far_flags(args.start, datetime.now(UTC), late=args.late)
     client = await connect(temporal)
     handle = client.get_schedule_handle(args.id)
     if config is not None:

@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import asyncpg
@@ -29,7 +29,7 @@ from billing.db import where
 from billing.errors import InvalidInputError, NoWorkerError
 from billing.keys import idempotency_key
 from billing.models import OperatorRequest, SkipRequest
-from billing.periods import Period
+from billing.periods import Period, period_for
 from billing.runs import start_period
 from cli import arguments, commands
 from cli.main import main
@@ -75,7 +75,7 @@ def _csv(body: str) -> str:
 CASES: dict[str, tuple[list[str], str]] = {
     "run month 13": (["starter.py", "run", "2026-13"], "month 13 is not 01-12"),
     "run sql period": (["starter.py", "run", "2026-12' OR '1'='1"], "not in the form YYYY-MM"),
-    "run years ahead": (["starter.py", "run", "2099-01"], "2099-01 has not begun"),
+    "run years ahead": (["starter.py", "run", "2099-01"], "2099-01 is later than next month"),
     "run years back": (["starter.py", "run", "2016-12"], "2016-12 is more than 3 months before"),
     "status year": (["starter.py", "status", "1999-12"], "year 1999 is outside 2000-2999"),
     "preview month 0": (["starter.py", "preview", "2026-00"], "month 0 is not 01-12"),
@@ -202,7 +202,19 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["starter.py", "demo", "--period", "2019-01"],
         "2019-01 is more than 3 months before the current month",
     ),
-    "demo ahead": (["starter.py", "demo", "--period", "2099-01"], "2099-01 has not begun"),
+    "demo ahead": (
+        ["starter.py", "demo", "--period", "2099-01"],
+        "2099-01 is later than next month",
+    ),
+    # A flag for a far month, given for a month that is not: a mistyped year (helper-177 F3).
+    "run ahead of a past month": (
+        ["starter.py", "run", "2020-01", "--ahead"],
+        "--ahead is for a period later than next month",
+    ),
+    "run late of a recent month": (
+        ["starter.py", "run", str(period_for(datetime.now(UTC), "advance").previous()), "--late"],
+        "--late is for a period more than 3 months before the current month",
+    ),
     "demo ahead without a period": (
         ["starter.py", "demo", "--ahead"],
         "--ahead lets --period name a month far from this one: without --period",
@@ -561,7 +573,10 @@ async def test_unknown_names_on_the_real_stack_are_clear_errors_and_start_nothin
     for argv, expected in (
         (["skip", "2026-12", "nobody", "--reason", "r"], "customer 'nobody' is not in the ledger"),
         # A month far from now with no run: most likely mistyped, so the skip would stop nothing.
-        (["skip", "2062-12", "nobody", "--reason", "r"], "2062-12 has not begun and has no run"),
+        (
+            ["skip", "2062-12", "nobody", "--reason", "r"],
+            "2062-12 is later than next month, and has no run",
+        ),
         (["skip", "2025-01", "nobody", "--reason", "r"], "2025-01 is more than"),
         (
             ["skip", "2062-12", "nobody", "--reason", "r", "--ahead"],

@@ -208,7 +208,7 @@ async def test_a_period_in_several_currencies_keeps_each_apart(
     later = PERIOD.next().next()
     code, out, err = await vaulted.starter("preview", str(later))
     assert code == 0 and f"preview of {later}: nothing is charged" in out, err
-    assert f"note: `run {later}` would be refused: {later} has not begun" in err
+    assert f"note: `run {later}` would be refused: {later} is later than next month" in err
     assert "pass --ahead" in err
 
 

@@ -44,6 +44,7 @@ from billing.money import (
 from billing.periods import (
     LATE_MONTHS,
     Period,
+    check_far_flags,
     check_run_by_hand,
     is_late,
     parse_period,
@@ -131,11 +132,27 @@ def test_the_run_command_suggested_carries_the_flag_the_run_would_ask_for() -> N
         check_run_by_hand(period, now, **flags)
 
 
+def test_a_flag_for_a_far_month_is_refused_for_a_month_that_is_not() -> None:
+    """`run 2026-10 --ahead` is 2027-10 mistyped, most likely: refused, not run."""
+    now = datetime(2026, 12, 1, 0, 30, tzinfo=UTC)
+    check_far_flags(Period(2027, 2), now, ahead=True)
+    check_far_flags(Period(2026, 8), now, late=True)
+    check_far_flags(Period(2026, 12), now)
+    with pytest.raises(
+        InvalidPeriodError,
+        match=r"--ahead is for a period later than next month \(2027-01\), and 2026-10 is not",
+    ):
+        check_far_flags(Period(2026, 10), now, ahead=True)
+    for period in (Period(2027, 1), Period(2026, 9), Period(2027, 2)):
+        with pytest.raises(InvalidPeriodError, match=f"--late is for .*, and {period} is not"):
+            check_far_flags(period, now, late=True)
+
+
 def test_a_run_by_hand_refuses_a_period_far_ahead_or_long_past_unless_told() -> None:
     now = datetime(2026, 12, 1, 0, 30, tzinfo=UTC)
     for text in ("2026-09", "2026-11", "2026-12", "2027-01"):
         check_run_by_hand(parse_period(text), now)
-    with pytest.raises(InvalidPeriodError, match=r"2027-02 has not begun.*--ahead"):
+    with pytest.raises(InvalidPeriodError, match=r"2027-02 is later than next month.*--ahead"):
         check_run_by_hand(Period(2027, 2), now, late=True)
     check_run_by_hand(Period(2027, 2), now, ahead=True)
     # A typo of a decade: every active customer would pay for a month before they joined.
