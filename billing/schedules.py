@@ -24,6 +24,7 @@ from temporalio.client import (
     ScheduleCalendarSpec,
     ScheduleDescription,
     ScheduleHandle,
+    ScheduleListActionStartWorkflow,
     ScheduleOverlapPolicy,
     SchedulePolicy,
     ScheduleRange,
@@ -522,6 +523,35 @@ async def launcher_of(
     """One of our schedules and what its launches are given."""
     description = await our_schedule(client, schedule_id)
     return description, await launch_input(client, description)
+
+
+async def followers(client: Client, schedule_id: str) -> list[str]:
+    """The daily reconciliations that follow the billing schedule `schedule_id`, by id: with
+    it gone, each firing of theirs checks no month it left unbilled, and alerts."""
+    found = []
+    async for listed in await client.list_schedules():
+        action = None if listed.schedule is None else listed.schedule.action
+        if isinstance(action, ScheduleListActionStartWorkflow) and action.workflow != LAUNCHER:
+            continue
+        try:
+            _, request = await launcher_of(client, listed.id)
+        except (UnknownScheduleError, InvalidInputError):
+            continue  # deleted meanwhile, or written by a release this one cannot read
+        if request.action == "reconcile" and request.billing_schedule_id == schedule_id:
+            found.append(listed.id)
+    return sorted(found)
+
+
+def describe_followers(schedule_id: str, found: list[str]) -> str:
+    """What becomes of the daily reconciliations following a billing schedule that is gone."""
+    them = ", ".join(found)
+    return (
+        f"{them} {'follows' if len(found) == 1 else 'follow'} the billing schedule"
+        f" {schedule_id}, which is gone or does not bill: until one of that id bills, each firing"
+        " checks no month it fired for and alerts (`followed_schedule_gone`). Create the"
+        " billing schedule again, or, where periods are now billed by hand, delete the"
+        " reconciliation and create it with --billed-by-hand"
+    )
 
 
 # A firing's launch starts its period's run within seconds; an hour covers a worker restart.

@@ -56,7 +56,9 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
     # Every other command acts on one of ours: an unknown or foreign id is refused first.
     ours = await schedules.our_schedule(client, args.id)
     if args.schedule_command == "describe":
-        print(schedules.describe(ours, await schedules.launch_input(client, ours)))
+        request = await schedules.launch_input(client, ours)
+        print(schedules.describe(ours, request))
+        await _warn_followed_gone(client, args.id, request.billing_schedule_id)
         missed = await schedules.missed_launches(client, args.id)
         await _warn_missed(args.id, missed, paused=ours.schedule.state.paused)
         await _warn_unfinished(client, args.id, paused=ours.schedule.state.paused)
@@ -141,6 +143,9 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
     elif args.schedule_command == "delete":
         await handle.delete()
         print(f"deleted schedule {args.id}")
+        left = await schedules.followers(client, args.id)
+        if left:
+            print(f"warning: {schedules.describe_followers(args.id, left)}", file=sys.stderr)
     return 0
 
 
@@ -279,6 +284,21 @@ async def _following(
             "billing_schedule_id": followed,
         }
     )
+
+
+async def _warn_followed_gone(client: Client, schedule_id: str, followed: str | None) -> None:
+    """Say so when the billing schedule a reconciliation follows is gone: only the worker's
+    log and the launches' details would."""
+    if followed is None:
+        return
+    try:
+        _, request = await schedules.launcher_of(client, followed)
+        bills = request.action == "bill"
+    except UnknownScheduleError:  # a schedule not ours too
+        bills = False
+    if not bills:
+        gone = schedules.describe_followers(followed, [schedule_id])
+        print(f"warning: {gone}", file=sys.stderr)
 
 
 async def _warn_unfinished(client: Client, schedule_id: str, *, paused: bool) -> None:

@@ -2200,8 +2200,23 @@ async def test_a_reconciliation_is_told_what_it_cannot_follow(harness: Harness) 
     )
     assert (code, out) == (2, ""), out
     assert "--billed-by-hand says the reconciliation follows no billing schedule" in err
-    for made in ("alone", "utc", "billing-monthly"):
+    # Deleted, the billing schedule leaves "utc" following nothing: said at the delete, and
+    # by describe (helper-177 F2), not only in the worker's log at its next firing.
+    gone = "utc follows the billing schedule billing-monthly, which is gone or does not bill"
+    await eventually(lambda: _lists(harness, "utc"))
+    code, out, err = await harness.starter("schedule", "delete", "--id", "billing-monthly")
+    assert code == 0 and f"warning: {gone}" in err, (out, err)
+    code, out, err = await harness.starter("schedule", "describe", "--id", "utc")
+    assert code == 0 and f"warning: {gone}" in err, (out, err)
+    code, out, err = await harness.starter("schedule", "describe", "--id", "alone")
+    assert code == 0 and "warning" not in err, (out, err)
+    for made in ("alone", "utc"):
         await harness.client.get_schedule_handle(made).delete()
+
+
+async def _lists(harness: Harness, schedule_id: str) -> bool:
+    """Whether Temporal's list of schedules (its visibility, which lags) has the schedule."""
+    return schedule_id in [s.id async for s in await harness.client.list_schedules()]
 
 
 async def test_a_billing_schedule_that_would_leave_months_unbilled_is_refused(
