@@ -337,23 +337,30 @@ async def backfill(
     while_paused: bool = False,
 ) -> Backfill:
     """Run the schedule for each period from `first` to `last`, all now. Refused if one is
-    still ahead, or none falls in the window, or (billing, unless `late`) one is long past, as
+    still ahead, or none falls in the window, or (unless `late`) one is long past, as
     `run` refuses it, or every period in it has a completed run: the launches would start
-    nothing; and, unless `while_paused`, while the schedule is paused."""
+    nothing; and, unless `while_paused`, while the schedule is paused. A reconciliation's
+    schedule is refused: it bills nothing."""
     description, request = await launcher_of(client, schedule_id)
+    if request.action != "bill":
+        # Each of its daily firings reconciles the latest period billed: a backfill would
+        # start one launch a day of the window, all reconciling the same period.
+        raise InvalidInputError(
+            f"the schedule {schedule_id} reconciles, and bills nothing to backfill: reconcile"
+            f" a period by hand with `python starter.py reconcile {first}`. Nothing was"
+            " backfilled"
+        )
     _check_not_paused(description, "backfill", while_paused=while_paused)
-    finished: dict[str, Finished] = {}
-    if request.action == "bill":
-        # Later periods are refused below, by their launch times.
-        check_run_by_hand(first, datetime.now(UTC), ahead=True, late=late)
-        periods = [str(p) for p in period_range(first, last)]
-        finished = await finished_runs(conn, periods)
-        if list(finished) == periods:
-            raise InvalidInputError(
-                f"a launch leaves every period from {first} to {last} as it is:"
-                f" {describe_finished(finished)}. Nothing was backfilled."
-                f" {_again_by_hand(list(finished))}"
-            )
+    # Later periods are refused below, by their launch times.
+    check_run_by_hand(first, datetime.now(UTC), ahead=True, late=late)
+    periods = [str(p) for p in period_range(first, last)]
+    finished = await finished_runs(conn, periods)
+    if list(finished) == periods:
+        raise InvalidInputError(
+            f"a launch leaves every period from {first} to {last} as it is:"
+            f" {describe_finished(finished)}. Nothing was backfilled."
+            f" {_again_by_hand(list(finished))}"
+        )
     start, end = backfill_window(first, last, request.options.billing, request.time_zone)
     launches = await matching_times(client, schedule_id, start, end)
     if not launches:

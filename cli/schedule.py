@@ -219,10 +219,14 @@ async def _create_schedule(
     )
     risk = _OVERLAP_RISKS.get(config.overlap)
     if risk is not None:
+        made_up = (
+            "the next day's firing reconciles what that one would have"
+            if daily
+            else "`schedule describe` names such firings, with the backfill that bills their months"
+        )
         print(
-            f"warning: --overlap {config.overlap}: {risk}; `schedule describe` names such"
-            " firings, with the backfill that bills their months (the default, buffer_all,"
-            " loses none)",
+            f"warning: --overlap {config.overlap}: {risk}; {made_up} (the default,"
+            " buffer_all, loses none)",
             file=sys.stderr,
         )
 

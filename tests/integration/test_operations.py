@@ -2200,6 +2200,11 @@ async def test_a_reconciliation_is_told_what_it_cannot_follow(harness: Harness) 
     )
     assert (code, out) == (2, ""), out
     assert "--billed-by-hand says the reconciliation follows no billing schedule" in err
+    # A backfill of a reconciliation would start one launch a day, all reconciling one period.
+    month = str(period_for(datetime.now(UTC), "advance").previous())
+    backfill = ("schedule", "backfill", "--id", "utc", "--start", month, "--end", month)
+    code, out, err = await harness.starter(*backfill)
+    assert (code, out) == (2, "") and "utc reconciles, and bills nothing to backfill" in err
     # Deleted, the billing schedule leaves "utc" following nothing: said at the delete, and
     # by describe (helper-177 F2), not only in the worker's log at its next firing.
     gone = "utc follows the billing schedule billing-monthly, which is gone or does not bill"
