@@ -63,6 +63,14 @@ def describe(summary: PeriodCounts) -> str:
             else f"in flight {summary.in_flight}"
         )
         lines.insert(1, f"  state {summary.state}, {flight}")
+        if summary.state == "not_started":
+            # Not an empty run that succeeded: a mistyped month reads so too.
+            period = parse_period(summary.period)
+            lines.insert(
+                2,
+                f"  no run of {period} has started: `{run_command(period, datetime.now(UTC))}`"
+                f" starts one (`python starter.py preview {period}` shows what it would charge)",
+            )
         if summary.state in ("paused", "cancelling", "cancelled"):
             lines.insert(2, f"  {summary.state} by {summary.operator}: {summary.reason}")
         step = next_step(summary)

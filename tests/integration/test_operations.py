@@ -1488,6 +1488,9 @@ async def test_status_of_a_period_temporal_no_longer_holds_comes_from_the_ledger
     assert (code, status.state, status.charged) == (0, "completed", 3), err
     code, out, _ = await harness.starter("status", str(PERIOD.previous()), "--json")
     assert PeriodStatus.model_validate_json(out).state == "not_started"
+    # Not read as an empty run that succeeded, as a mistyped month would be (helper-177 F7).
+    code, out, _ = await harness.starter("status", str(PERIOD.previous()))
+    assert code == 0 and f"no run of {PERIOD.previous()} has started: `python starter" in out
 
 
 async def test_status_says_without_the_ledger_totals_when_the_ledger_does_not_answer(
