@@ -115,10 +115,18 @@ def _row_from_csv(fields: dict[str, str | None]) -> CustomerRow:
 
 def parse_customers_csv(lines: Iterable[str], source: str = "input") -> list[CustomerRow]:
     """Validate every row; the first bad one rejects the whole file with its line number."""
-    reader = csv.DictReader(lines, restkey="_extra")
+    # Strict: a quote left open would otherwise take the rest of the file into one field.
+    reader = csv.DictReader(lines, restkey="_extra", strict=True)
     try:
         return _parse_rows(reader, source)
     except csv.Error as exc:  # a line the csv module cannot split, e.g. a field over its limit
+        if str(exc) == "unexpected end of data":
+            # The row began on the line after the last one read whole.
+            began = reader.line_num + 1
+            raise CustomerImportError(
+                f'{source}, line {began}: a quote (") opened on this line or the next ones is'
+                " never closed: the field runs to the end of the file"
+            ) from None
         # The inner reader's count: DictReader updates its own only after a row parses.
         raise CustomerImportError(f"{source}, line {reader.reader.line_num}: {exc}") from None
 
