@@ -17,8 +17,10 @@ class FailureGroup(Record):
     count: int
     # The first CUSTOMERS_NAMED, by id.
     customer_ids: list[str]
-    # Stripe's message of the first of them: the same code reads alike.
+    # Stripe's message of the first of them, and how many messages the group holds: one
+    # code may name each customer's own object ("No such customer: 'cus_...'").
     message: str | None
+    messages: int = 1
 
 
 class PeriodFailures(Record):
@@ -37,7 +39,8 @@ async def period_failures(conn: asyncpg.Connection, period: str) -> PeriodFailur
         """
         SELECT failure_code, decline_code, count(*) AS count,
                (array_agg(customer_id ORDER BY customer_id))[1:$2] AS customer_ids,
-               (array_agg(failure_message ORDER BY customer_id))[1] AS message
+               (array_agg(failure_message ORDER BY customer_id))[1] AS message,
+               count(DISTINCT failure_message) AS messages
         FROM billing_runs
         WHERE billing_period = $1 AND status = 'failed'
         GROUP BY failure_code, decline_code

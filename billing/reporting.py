@@ -466,6 +466,8 @@ def describe_failures(failures: PeriodFailures) -> str:
     for group in failures.groups:
         decline = f" ({group.decline_code})" if group.decline_code else ""
         message = f' "{shown_line(group.message)}"' if group.message else ""
+        if group.message and group.messages > 1:
+            message = f" ({group.messages} messages; {group.customer_ids[0]}'s:{message})"
         named = listed(group.customer_ids, len(group.customer_ids))
         more = group.count - len(group.customer_ids)
         lines.append(

@@ -26,6 +26,24 @@ def test_a_large_failure_group_names_its_first_customers_and_counts_the_rest() -
     assert line.endswith(", c19 and 5 more")
 
 
+def test_a_group_whose_messages_differ_says_whose_message_it_shows() -> None:
+    """One code, each customer's own object named: the first message is not all of theirs
+    (helper-177 F5)."""
+    group = FailureGroup(
+        failure_code="resource_missing",
+        decline_code=None,
+        count=2,
+        customer_ids=["acme-1", "acme-2"],
+        message="No such customer: 'cus_AAA111'",
+        messages=2,
+    )
+    text = describe_failures(PeriodFailures(period="2026-10", failed=2, groups=[group]))
+    assert text.splitlines()[1] == (
+        "  resource_missing 2 (2 messages; acme-1's: \"No such customer: 'cus_AAA111'\"):"
+        " acme-1, acme-2"
+    )
+
+
 def _claimed(**fields: object) -> BilledPeriod:
     row = dict(
         period="2026-12",
