@@ -183,7 +183,7 @@ def ui_link(temporal: TemporalSettings, workflow_id: str) -> str:
 def describe_preview(preview: Preview, shown: int = 20) -> str:
     lines = [
         f"preview of {preview.period}: nothing is charged",
-        f"  would charge {len(preview.to_charge)} customers"
+        f"  would charge {counted(len(preview.to_charge), 'customer')}"
         f" {describe_amounts(preview.totals_by_currency)};"
         f" new keys would be capped at {describe_amounts(preview.caps_by_currency)}, at"
         f" BILLING_CAP_MULTIPLIER={preview.cap_multiplier:g} as set here (the workers' own"
@@ -301,7 +301,8 @@ def describe_reconciliation(report: ReconcileReport) -> str:
         ]
     counts = report.finding_counts
     lines.append(
-        f"  Stripe: {report.charges_checked} charges of {report.customers_checked} customers"
+        f"  Stripe: {counted(report.charges_checked, 'charge')} of"
+        f" {counted(report.customers_checked, 'customer')}"
         " checked"
         + (
             f" ({report.pending_charges} of them bank debits still pending: one the bank"
@@ -309,7 +310,8 @@ def describe_reconciliation(report: ReconcileReport) -> str:
             if report.pending_charges
             else ""
         )
-        + f"; {counts.get('duplicate', 0)} duplicates, {counts.get('orphan', 0)} orphans,"
+        + f"; {counted(counts.get('duplicate', 0), 'duplicate')},"
+        f" {counted(counts.get('orphan', 0), 'orphan')},"
         f" {counts.get('unrecorded', 0)} unrecorded, {counts.get('failed_later', 0)} failed later"
         + _listed_of(len(report.findings), sum(counts.values()), "reconcile_finding")
         + (f"; {report.handled_count} handled by a person" if report.handled_count else "")

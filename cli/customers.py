@@ -31,7 +31,8 @@ async def cmd_import(args: argparse.Namespace) -> int:
         named = listed([f"{c.customer_id} ({c.was} -> {c.becomes})" for c in changes])
         if changes and not args.while_running:
             raise InvalidInputError(
-                f"{args.file} adds or changes the price of {len(changes)} customers the open"
+                f"{args.file} adds or changes the price of {counted(len(changes), 'customer')}"
+                " the open"
                 f" run of {periods} has not billed yet:"
                 f" {named}. That run may bill them at a"
                 " price its plan and its key's cap did not count (a new currency pauses it)."

@@ -115,12 +115,14 @@ async def run_demo(args: argparse.Namespace) -> int:
             progress = await period_status(client, period)
             finished = progress.due - progress.in_flight
             # `due` counts the customers listed so far: between two pages it is all finished.
-            total = progress.expected_due or progress.due
-            _say(
-                f"  {finished} of {total} customers finished, {progress.in_flight} in flight,"
-                f" {progress.charged} charged, {progress.failed} failed",
-                args.json,
+            said = (
+                "  opening the run: counting the customers due"
+                if progress.expected_due is None
+                else f"  {finished} of {progress.expected_due} customers finished,"
+                f" {progress.in_flight} in flight, {progress.charged} charged,"
+                f" {progress.failed} failed"
             )
+            _say(said, args.json)
             await asyncio.wait({task}, timeout=2)
         summary: PeriodSummary = task.result()
         elapsed = time.monotonic() - started

@@ -1405,7 +1405,7 @@ async def test_an_orphan_charge_with_our_metadata_is_reported(harness: Harness) 
         f" {late.customer_id}"
         " (no ledger row)" in out
     )
-    assert "0 duplicates, 1 orphans" in out
+    assert "0 duplicates, 1 orphan," in out
 
 
 async def test_a_clean_period_reports_nothing(harness: Harness) -> None:

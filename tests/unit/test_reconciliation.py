@@ -261,7 +261,7 @@ def test_the_report_reads_with_ids_and_amounts() -> None:
     assert "cust-1: recorded charged ch_1" in text
     assert "DUPLICATE ch_2 usd 10.00 for cust-1" in text
     assert "ORPHAN ch_3 usd 5.00 for cust-3 (no ledger row)" in text
-    assert "1 duplicates, 1 orphans" in text
+    assert "1 duplicate, 1 orphan," in text
     assert [f.charge_id for f in report.findings if f.kind == "duplicate"] == ["ch_2"]
 
 
