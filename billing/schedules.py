@@ -359,7 +359,7 @@ async def backfill(
         raise InvalidInputError(
             f"a launch leaves every period from {first} to {last} as it is:"
             f" {describe_finished(finished)}. Nothing was backfilled."
-            f" {_again_by_hand(list(finished))}"
+            f" {_again_by_hand(finished)}"
         )
     start, end = backfill_window(first, last, request.options.billing, request.time_zone)
     launches = await matching_times(client, schedule_id, start, end)
@@ -415,7 +415,7 @@ async def trigger(
             raise InvalidInputError(
                 f"the schedule {schedule_id} bills {period} now, and"
                 f" {describe_finished(finished)}: a launch would start nothing, so none was"
-                f" triggered. {_again_by_hand(list(finished))}"
+                f" triggered. {_again_by_hand(finished)}"
             )
         start, end = backfill_window(period, period, request.options.billing, request.time_zone)
         fires = await matching_times(client, schedule_id, start, end)
@@ -465,11 +465,12 @@ def shown_note(note: str) -> str:
     return shown_cut(note, _NOTE_SHOWN)
 
 
-def _again_by_hand(periods: list[str]) -> str:
+def _again_by_hand(finished: dict[str, Finished]) -> str:
+    # A cancelled run still finishing its charges refuses a run until it has ended.
+    once = ", once its run has ended" if "cancelling" in finished.values() else ""
     return (
         "To bill the customers added since, for a month before they joined too, run it again"
-        " by hand, once its run has ended: "
-        + run_by_hand([parse_period(p) for p in periods], datetime.now(UTC))
+        f" by hand{once}: " + run_by_hand([parse_period(p) for p in finished], datetime.now(UTC))
     )
 
 

@@ -1676,6 +1676,8 @@ async def test_a_trigger_or_backfill_that_would_start_nothing_is_refused(harness
     assert (code, out) == (2, ""), out
     assert f"bills {billed} now, and {billed}'s run completed: a launch" in err
     assert f"python starter.py run {billed}" in err and "Traceback" not in err
+    # Completed: nothing to wait for before running it again.
+    assert f"run it again by hand: python starter.py run {billed}" in err, err
     span = ("--start", str(billed), "--end", str(billed))
     code, out, err = await harness.starter("schedule", "backfill", *paused, *span)
     assert (code, out) == (2, "") and f"{billed}'s run completed. Nothing was backfilled" in err, (
@@ -1746,7 +1748,7 @@ async def test_a_trigger_of_a_month_whose_cancelled_run_still_finishes_is_refuse
             # the cancelled run is left as it is, not joined.
             span = ("--start", str(PERIOD.previous()), "--end", str(PERIOD))
             backfill = ("schedule", "backfill", "--id", config.schedule_id, "--while-paused")
-            filled = await harness.starter(*backfill, *span, "--late")
+            filled = await harness.starter(*backfill, *span)
             await harness.set_faults(latency_ms=0)
             summary = await handle.result()
             earlier = harness.client.get_workflow_handle(
