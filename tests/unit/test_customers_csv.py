@@ -38,6 +38,11 @@ def test_valid_file() -> None:
         ("x'; DROP TABLE customers;--,cus_A,pm_1,1500,usd\n", "line 2: customer_id"),
         ("c-1,acct_A,pm_1,1500,usd\n", "line 2: stripe_customer_id"),
         ("c-1,cus_A,card_1,1500,usd\n", "line 2: payment_method"),
+        # Stripe's ids: a prefix alone, or another object's, is no customer or method.
+        ("c-1,cus_,pm_1,1500,usd\n", "line 2: stripe_customer_id"),
+        ("c-1,cus_A_b,pm_1,1500,usd\n", "line 2: stripe_customer_id"),
+        ("c-1,cus_A,pm_,1500,usd\n", "line 2: payment_method"),
+        ("c-1,cus_A,pi_1,1500,usd\n", "line 2: payment_method"),
         ("c-1,cus_A,pm_1,1500,usd\nc-1,cus_B,pm_2,1000,usd\n", "line 3: customer 'c-1' already"),
         (
             "acme-1,cus_A,pm_1,1500,usd\nACME-1,cus_A,pm_2,1500,usd\n",
@@ -228,3 +233,11 @@ def test_a_quote_left_open_is_named_not_taken_for_an_empty_column(before: int) -
         match=rf"^in.csv, line {before + 2}: a quote \(\"\) opened on this line or the next",
     ):
         parse_customers_csv(lines, source="in.csv")
+
+
+def test_stripe_ids_of_any_length_stripe_gives_are_taken() -> None:
+    long_id = "A" * 200
+    [row] = parse_customers_csv(
+        [HEADER, f"c-1,cus_{long_id},pm_{long_id},1500,usd\n"], source="in.csv"
+    )
+    assert (row.stripe_customer_id, row.payment_method) == (f"cus_{long_id}", f"pm_{long_id}")

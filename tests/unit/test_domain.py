@@ -46,6 +46,7 @@ from billing.periods import (
     Period,
     check_far_flags,
     check_run_by_hand,
+    check_skip_by_hand,
     is_late,
     parse_period,
     period_for,
@@ -59,7 +60,7 @@ from billing.schedules import (
     run_by_hand,
     validate_time_zone,
 )
-from billing.stripe_currencies import STRIPE_CURRENCIES
+from billing.stripe_currencies import MINIMUM_CHARGE, STRIPE_CURRENCIES, decimal_places
 from workflows.scheduled_billing import ScheduledBillingWorkflow
 
 
@@ -331,6 +332,10 @@ def test_spend_cap_refuses_a_cap_below_the_total() -> None:
         "x vk_abc123 y",
         "rk_live_abc123",
         "=sk_live_abc123",
+        # Glued, a restricted key too, and one of the shortest length a key has.
+        "token=key_rk_live_abc123XYZ0123456789",
+        "key_sk_test_abc123" + "a" * 10,
+        "pi_1Xvk_abc123" + "a" * 10,
         # Stripe's masked form, as its 403 quotes a key: the last characters are the key's.
         "The provided key 'rk_live_" + "*" * 20 + "abc123' does not have the permissions",
     ],
@@ -670,3 +675,62 @@ def test_run_by_hand_asks_for_late_where_run_does_and_shortens_a_long_gap() -> N
     assert listed[3] == "... (34 months in all)"
     assert listed[-1] == "python starter.py run 2026-10"
     assert len(listed) == 6
+
+
+def test_stripes_largest_amount_passes_and_one_more_does_not() -> None:
+    assert validate_amount(99_999_999) == 99_999_999
+    with pytest.raises(InvalidAmountError, match="exceeds Stripe's maximum"):
+        validate_amount(100_000_000)
+
+
+@pytest.mark.parametrize(
+    ("customer_id", "valid"),
+    [("a" * 64, True), ("a" * 65, False), ("_c1", False), ("c:1", False), ("c.1-x_2", True)],
+)
+def test_a_customer_id_is_up_to_64_of_the_characters_a_workflow_id_takes(
+    customer_id: str, valid: bool
+) -> None:
+    if valid:
+        assert validate_customer_id(customer_id) == customer_id
+    else:
+        with pytest.raises(InvalidCustomerIdError):
+            validate_customer_id(customer_id)
+
+
+def test_a_skip_for_a_far_month_with_no_run_needs_the_flag_for_its_direction() -> None:
+    """A skip waits in the ledger for a run of its month: one for a mistyped month stops no
+    charge in the month meant."""
+    now = datetime(2026, 12, 15, tzinfo=UTC)
+    check_skip_by_hand(Period(2026, 11), now)
+    check_skip_by_hand(Period(2026, 1), now, late=True)
+    check_skip_by_hand(Period(2027, 6), now, ahead=True)
+    for period, wrong in ((Period(2026, 1), "ahead"), (Period(2027, 6), "late")):
+        with pytest.raises(InvalidPeriodError, match=f"{period} .*, and has no run"):
+            check_skip_by_hand(period, now, **{wrong: True})
+        with pytest.raises(InvalidPeriodError, match="pass --"):
+            check_skip_by_hand(period, now)
+
+
+@pytest.mark.parametrize(
+    ("currency", "places", "minimum"),
+    [
+        # As Stripe publishes them ("Supported currencies": zero-decimal, three-decimal,
+        # minimum charge amounts), a few of each kind: a table edited by mistake shows here,
+        # where the emulator, reading the same tables, would not.
+        ("usd", 2, 50),
+        ("chf", 2, 50),
+        ("huf", 2, 17500),
+        ("mxn", 2, 1000),
+        ("jpy", 0, 50),
+        ("xpf", 0, None),
+        ("ugx", 0, None),
+        ("bhd", 3, None),
+        ("kwd", 3, None),
+    ],
+)
+def test_currency_tables_hold_stripes_published_figures(
+    currency: str, places: int, minimum: int | None
+) -> None:
+    assert currency in STRIPE_CURRENCIES
+    assert decimal_places(currency) == places
+    assert MINIMUM_CHARGE.get(currency) == minimum

@@ -13,10 +13,12 @@ from activities.stripe_failures import (
     REFUSED,
     RETRYABLE,
     SLOW_RETRY,
+    SPEND_CAP_EXCEEDED,
     WAITING_ON_CUSTOMER,
     replays_saved_error,
     to_temporal_failure,
 )
+from billing.models import SPEND_CAP_EXCEEDED_CODE
 from workflows.customer_charge import BILL_ROUND
 
 
@@ -141,3 +143,70 @@ def test_a_vault_key_expired_or_revoked_says_where_to_learn_what_to_do(
     assert (failure.type, failure.non_retryable) == (KEY_REFUSED, True)
     assert failure.message.startswith(f"{code}: {said}")
     assert "python starter.py status names what to do" in failure.message
+
+
+def test_a_key_forbidden_an_endpoint_stops_the_period_for_an_operator() -> None:
+    """A 403 (the vault's endpoint allowlist, a restricted key missing a permission) is the
+    key's matter, not the customer's: not recorded as each customer failing for good."""
+    failure = to_temporal_failure(
+        _error(stripe.PermissionError, 403, code="endpoint_not_allowed", message="not allowed")
+    )
+    assert (failure.type, failure.non_retryable) == (KEY_REFUSED, True)
+    assert failure.details[0].code == "endpoint_not_allowed"
+
+
+def test_a_request_stripe_refuses_is_final_and_keeps_its_code() -> None:
+    body = {"error": {"code": "resource_missing", "message": "No such customer"}}
+    failure = to_temporal_failure(
+        stripe.InvalidRequestError(  # type: ignore[no-untyped-call]
+            "No such customer", "customer", "resource_missing", http_status=400, json_body=body
+        )
+    )
+    assert (failure.type, failure.non_retryable) == (REFUSED, True)
+    assert failure.details[0].code == "resource_missing"
+
+
+def test_the_vault_cap_refusal_is_its_own_failure_not_a_decline() -> None:
+    body = {"error": {"code": SPEND_CAP_EXCEEDED_CODE, "message": "cap"}}
+    failure = to_temporal_failure(
+        stripe.CardError(  # type: ignore[no-untyped-call]
+            "cap", None, SPEND_CAP_EXCEEDED_CODE, http_status=402, json_body=body
+        )
+    )
+    assert (failure.type, failure.non_retryable) == (SPEND_CAP_EXCEEDED, True)
+
+
+def test_a_decline_keeps_the_issuers_reason_and_stripes_objects() -> None:
+    """`failures` groups by the decline code, and support finds the failed intent by id."""
+    body = {
+        "error": {
+            "code": "card_declined",
+            "decline_code": "insufficient_funds",
+            "message": "Your card has insufficient funds.",
+            "payment_intent": {"id": "pi_1", "object": "payment_intent"},
+            "charge": "ch_1",
+        }
+    }
+    failure = to_temporal_failure(
+        stripe.CardError(  # type: ignore[no-untyped-call]
+            "declined", None, "card_declined", http_status=402, json_body=body
+        )
+    )
+    found = failure.details[0]
+    assert (found.code, found.decline_code, found.payment_intent_id, found.charge_id) == (
+        "card_declined",
+        "insufficient_funds",
+        "pi_1",
+        "ch_1",
+    )
+
+
+@pytest.mark.parametrize(("header", "replayed"), [("true", True), ("false", False)])
+def test_only_stripes_true_says_a_response_was_replayed(header: str, replayed: bool) -> None:
+    error = stripe.APIError(
+        "An unknown error occurred",
+        http_status=500,
+        json_body={"error": {"type": "api_error"}},
+        headers={"Idempotent-Replayed": header},
+    )
+    assert replays_saved_error(error) is replayed

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 from billing.customer_history import BilledPeriod, CustomerAccount, CustomerHistory
 from billing.failures import FailureGroup, PeriodFailures
-from billing.reporting import describe_customer, describe_failures
+from billing.reporting import describe_customer, describe_failures, failure_chain
 
 AT = datetime(2026, 12, 1, 2, 0, tzinfo=UTC)
 
@@ -93,3 +93,10 @@ def test_an_open_claim_says_a_skip_asked_of_it_and_where_it_is_settled() -> None
         " skip is asked by ann (disputed): its run's workflow ends it; if none runs,"
         " `reconcile 2026-12` settles it",
     ]
+
+
+def test_a_failure_chain_is_one_line_with_no_key() -> None:
+    """The CLI prints it after "error:": a terminate reason holds whatever an operator
+    pasted."""
+    error = RuntimeError("rotate sk_live_A1b2C3d4E5f6G7h8I9j0K1l2\nnow")
+    assert failure_chain(error) == "rotate [redacted key] now"
