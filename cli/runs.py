@@ -260,7 +260,12 @@ async def _period_status(client: Client, period: Period) -> PeriodProgress:
     except RunEndedError:
         async with ledger_connection() as conn:
             record = await ledger.period_record(conn, str(period))
-        if record is None or record.summary is None:
+        if record is None or record.summary is None or record.run_id is None:
+            raise
+        # Only the run the ledger closed: a later one refused at its opening (a key too
+        # small) ended leaving the record, and summary, of the run before it.
+        ended = await client.get_workflow_handle(period_workflow_id(period)).describe()
+        if ended.raw_info.first_run_id != record.run_id:
             raise
         return summary_progress(record.summary)
     if progress.state != "not_started":
