@@ -121,8 +121,7 @@ class MonthlySchedule(Record):
     """When the monthly run fires, and what it does when runs overlap or were missed."""
 
     schedule_id: str = DEFAULT_SCHEDULE_ID
-    # Up to 28 so that every month has the day.
-    day_of_month: int = Field(default=1, ge=1, le=28)
+    day_of_month: int = Field(default=1, ge=1)
     hour: int = Field(default=2, ge=0, le=23)
     minute: int = Field(default=0, ge=0, le=59)
     time_zone: str = "UTC"
@@ -149,6 +148,16 @@ class MonthlySchedule(Record):
     @classmethod
     def _schedule_id(cls, value: str | None) -> str | None:
         return None if value is None else validate_schedule_id(value)
+
+    @field_validator("day_of_month")
+    @classmethod
+    def _in_every_month(cls, value: int) -> int:
+        if value > 28:
+            raise ValueError(
+                f"must be 28 or less: day {value} is missing from some months (February has"
+                " 28 days), which would go unbilled"
+            )
+        return value
 
     @field_validator("catchup_window")
     @classmethod

@@ -127,6 +127,10 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["starter.py", "handled", "2026-12", "--force"],
         "--reason, --undo and --force go with a finding's kind and charge id",
     ),
+    "schedule day 29": (
+        ["starter.py", "schedule", "create", "--day", "29"],
+        "error: --day: must be 28 or less: day 29 is missing from some months",
+    ),
     "schedule hour": (
         ["starter.py", "schedule", "create", "--hour", "25"],
         "error: --hour: Input should be less than or equal to 23",
