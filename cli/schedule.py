@@ -152,40 +152,35 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
 def _check_create_flags(args: argparse.Namespace) -> None:
     """Refuse a flag the kind of schedule asked for would ignore."""
     if args.reconcile:
-        ignored = [
-            flag
-            for flag, given in (
-                ("--day", args.day is not None),
-                ("--leave-unbilled", args.leave_unbilled),
-            )
-            if given
-        ]
+        ignored = _given(("--day", args.day is not None), ("--leave-unbilled", args.leave_unbilled))
         if ignored:
-            verb = "goes" if len(ignored) == 1 else "go"
+            names, several = ignored
             raise InvalidInputError(
-                f"{' and '.join(ignored)} {verb} with a billing schedule, not --reconcile (a"
-                " reconciliation fires every day, and bills nothing)"
+                f"{names} {'go' if several else 'goes'} with a billing schedule, not --reconcile"
+                " (a reconciliation fires every day, and bills nothing)"
             )
         if args.billed_by_hand and args.billing_schedule is not None:
             raise InvalidInputError(
                 "--billed-by-hand says the reconciliation follows no billing schedule:"
                 f" leave it out to follow {args.billing_schedule}"
             )
-    else:
-        flags = [
-            flag
-            for flag, given in (
-                ("--billing-schedule", args.billing_schedule is not None),
-                ("--billed-by-hand", args.billed_by_hand),
-            )
-            if given
-        ]
-        if flags:
-            verb = "says" if len(flags) == 1 else "say"
-            raise InvalidInputError(
-                f"{' and '.join(flags)} {verb} what a reconciliation follows: it goes with"
-                " --reconcile"
-            )
+        return
+    following = _given(
+        ("--billing-schedule", args.billing_schedule is not None),
+        ("--billed-by-hand", args.billed_by_hand),
+    )
+    if following:
+        names, several = following
+        raise InvalidInputError(
+            f"{names} {'say' if several else 'says'} what a reconciliation follows: it goes with"
+            " --reconcile"
+        )
+
+
+def _given(*flags: tuple[str, bool]) -> tuple[str, bool] | None:
+    """The flags given, named together, and whether there are several; None if none is."""
+    given = [flag for flag, on in flags if on]
+    return (" and ".join(given), len(given) > 1) if given else None
 
 
 async def _create_schedule(
