@@ -110,7 +110,7 @@ async def cancel_ended_run(
                 break
             after = page.next_cursor
         record = await ledger.period_record(conn, str(period))
-        assert record is not None, "ended_unfinished found the period's row"
+        assert record is not None, "ended_open found the period's row"
         totals = await ledger.period_totals(conn, str(period))
         summary = PeriodSummary(
             period=str(period),
