@@ -909,6 +909,8 @@ def describe(description: ScheduleDescription, request: ScheduledBillingInput) -
     recent runs."""
     schedule = description.schedule
     spec = schedule.spec
+    # Times in the zone it fires in, as "fires" reads, with their offset.
+    zone = ZoneInfo(spec.time_zone_name or "UTC")
     lines = [
         f"schedule {description.id}",
         f"  {_does(request)}",
@@ -919,7 +921,8 @@ def describe(description: ScheduleDescription, request: ScheduledBillingInput) -
         + f" ({spec.time_zone_name or 'UTC'})",
         f"  overlap {schedule.policy.overlap.name.lower()},"
         f" catch-up window {_hours(schedule.policy.catchup_window)}",
-        "  next: " + ", ".join(t.isoformat() for t in description.info.next_action_times[:3]),
+        "  next: "
+        + ", ".join(t.astimezone(zone).isoformat() for t in description.info.next_action_times[:3]),
     ]
     # Two backfills of a month launch it twice, under one workflow id: one line each.
     launches = Counter(
@@ -929,7 +932,7 @@ def describe(description: ScheduleDescription, request: ScheduledBillingInput) -
     for (at, workflow_id), times in launches.items():
         bills = f" (bills {_billed_at(at, request)})" if request.action == "bill" else ""
         twice = f", launched {times} times" if times > 1 else ""
-        lines.append(f"  ran {at.isoformat()}{bills}: {workflow_id}{twice}")
+        lines.append(f"  ran {at.astimezone(zone).isoformat()}{bills}: {workflow_id}{twice}")
     waiting = waiting_firings(description)
     if waiting:
         lines.append(f"  waiting: {waiting} firings, held by Temporal until the open launch ends")

@@ -2282,6 +2282,9 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
     assert (
         "reconciles the latest period billed, following the billing schedule billing-monthly" in out
     )
+    # Its next firings in the zone it fires in, as "fires" reads (+12:00 or +13:00), not UTC.
+    [upcoming] = [line for line in out.splitlines() if line.startswith("  next: ")]
+    assert "+00:00" not in upcoming and ("+13:00" in upcoming or "+12:00" in upcoming), out
     code, out, _ = await harness.starter("schedule", "describe", "--id", "billing-monthly")
     assert code == 0 and f"\n  bills each firing's month (advance, months in {zone.key})\n" in out
     handle = harness.client.get_schedule_handle(schedules.RECONCILE_SCHEDULE_ID)
