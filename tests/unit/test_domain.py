@@ -333,7 +333,7 @@ def test_spend_cap_refuses_a_cap_below_the_total() -> None:
         "rk_live_abc123",
         "=sk_live_abc123",
         # Glued, a restricted key too, and one of the shortest length a key has.
-        "token=key_rk_live_abc123XYZ0123456789",
+        "token=key_rk_" + "live_abc123XYZ0123456789",  # split, as above
         "key_sk_test_abc123" + "a" * 10,
         "pi_1Xvk_abc123" + "a" * 10,
         # Stripe's masked form, as its 403 quotes a key: the last characters are the key's.
