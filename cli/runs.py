@@ -47,6 +47,7 @@ from billing.periods import (
 )
 from billing.preview import preview_period
 from billing.reporting import (
+    counted,
     describe,
     describe_failures,
     describe_preview,
@@ -309,8 +310,9 @@ async def cmd_control(args: argparse.Namespace) -> int:
 def _describe_ended_cancel(cancelled: operations.EndedRunCancelled) -> str:
     period = parse_period(cancelled.period)
     in_doubt = (
-        f"; {cancelled.in_doubt} whose charge was sent before it ended are left to"
-        f" reconciliation (`python starter.py reconcile {period}`)"
+        f"; {counted(cancelled.in_doubt, 'claim')} whose charge was sent before it ended"
+        f" {'is' if cancelled.in_doubt == 1 else 'are'} left to reconciliation"
+        f" (`python starter.py reconcile {period}`)"
         if cancelled.in_doubt
         else ""
     )
@@ -318,9 +320,10 @@ def _describe_ended_cancel(cancelled: operations.EndedRunCancelled) -> str:
         f"the run of {period} had ended before its close; the ledger records the cancel and"
         " closes the period. The customers it had not started are cancelled and stay"
         " unbilled: no launch starts the period again, and reconciliation reports them no more"
-        f" (`{run_command(period, datetime.now(UTC))}` bills them all the same){in_doubt}."
-        " Children it left running finish the charges they had sent.\n"
-        + describe(cancelled.summary)
+        f" (`{run_command(period, datetime.now(UTC))}` bills those it had not claimed; one it"
+        f" had claimed but not yet sent stays cancelled, as the run's own cancel leaves it)"
+        f"{in_doubt}. Children it left running finish the charges they had sent. The counts"
+        " below are the ledger's as of the cancel:\n" + describe(cancelled.summary)
     )
 
 

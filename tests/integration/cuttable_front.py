@@ -30,8 +30,18 @@ class _CallReader:
         self._preface_left = len(_PREFACE)
         self._buffer = b""
         self._block = b""
+        self._broken = False
 
     def __call__(self, data: bytes) -> None:
+        if self._broken:
+            return
+        try:
+            self._read(data)
+        except hpack.HPACKError:
+            # Reading stops; the connection itself goes on, so no outage is made up.
+            self._broken = True
+
+    def _read(self, data: bytes) -> None:
         skipped = min(self._preface_left, len(data))
         self._preface_left -= skipped
         self._buffer += data[skipped:]
