@@ -492,12 +492,12 @@ class PeriodActivities:
             async with conn.transaction():
                 await ledger.lock_period(conn, request.period)
                 await _check_current_try("cancel", request.period)
-                page = await ledger.due_page(conn, request.period, request.after, request.limit)
-                open_ids = [c.customer_id for c in page.customers if c.status in (None, "claimed")]
-                await ledger.cancel_customers(
+                page, open_ids = await ledger.cancel_unstarted_page(
                     conn,
                     request.period,
-                    {c: self._key(c, request.period) for c in open_ids},
+                    request.after,
+                    request.limit,
+                    self._settings.billing_key_namespace,
                     request.request.reason,
                     request.request.operator,
                 )

@@ -97,12 +97,12 @@ async def cancel_ended_run(
         await ledger.set_control(conn, str(period), "cancelled", request.reason, request.operator)
         after: str | None = None
         while True:
-            page = await ledger.due_page(conn, str(period), after, _CANCEL_PAGE)
-            unstarted = [c.customer_id for c in page.customers if c.status in (None, "claimed")]
-            await ledger.cancel_customers(
+            page, _ = await ledger.cancel_unstarted_page(
                 conn,
                 str(period),
-                {c: idempotency_key(key_namespace, c, period) for c in unstarted},
+                after,
+                _CANCEL_PAGE,
+                key_namespace,
                 request.reason,
                 request.operator,
             )

@@ -69,6 +69,7 @@ from billing.ledger.sql import (
 )
 from billing.ledger.stops import (
     cancel_customers,
+    cancel_unstarted_page,
     request_skip,
 )
 
@@ -82,6 +83,7 @@ __all__ = [
     "active_among",
     "begin_charge",
     "cancel_customers",
+    "cancel_unstarted_page",
     "claim",
     "claim_by_key",
     "completed_runs",

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncpg
 
 from billing.errors import UnknownCustomerError
+from billing.keys import idempotency_key
+from billing.ledger.due import due_page
 from billing.ledger.gate import SKIP_BEHIND_SAVED_ERROR_FOR
-from billing.models import SkipResult
+from billing.models import DuePage, SkipResult
+from billing.periods import parse_period
 
 
 async def request_skip(
@@ -126,3 +129,22 @@ async def cancel_customers(
         """,
         [(customer_id, period, key, reason, operator) for customer_id, key in keys.items()],
     )
+
+
+async def cancel_unstarted_page(
+    conn: asyncpg.Connection,
+    period: str,
+    after: str | None,
+    limit: int,
+    key_namespace: str,
+    reason: str,
+    operator: str,
+) -> tuple[DuePage, list[str]]:
+    """A cancel's page: the period's due customers after the cursor, those not started (no
+    row, or a claim with nothing sent) marked cancelled. Returns the page and their ids."""
+    page = await due_page(conn, period, after, limit)
+    unstarted = [c.customer_id for c in page.customers if c.status in (None, "claimed")]
+    month = parse_period(period)
+    keys = {c: idempotency_key(key_namespace, c, month) for c in unstarted}
+    await cancel_customers(conn, period, keys, reason, operator)
+    return page, unstarted
