@@ -53,9 +53,12 @@ _REOPENED = (
 # A new claim (or a cancelled run's unstarted row taken over) needs a run of the period
 # open: a CustomerChargeWorkflow started on its own (Temporal's CLI or Web UI) for a period no
 # run opened, or one that completed, would charge outside any run, its pause and its cap.
+# FOR SHARE, as the gate's: the statement's snapshot would read a period that a writer holding
+# its row (an ended run's cancel, operations.cancel_ended_run) is closing as open, and the claim
+# would take over a row that cancel is writing for the next run to claim.
 def _period_open(period: str) -> str:
     return f"""EXISTS (SELECT 1 FROM billing_periods p
-                       WHERE p.billing_period = {period} AND p.state = 'running')"""
+                       WHERE p.billing_period = {period} AND p.state = 'running' FOR SHARE)"""
 
 
 _CLAIM = f"""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable
 
+import asyncpg
 import pytest
 
 from billing import ledger
@@ -11,7 +13,7 @@ from billing.errors import PeriodNotOpenError, UnknownCustomerError
 from billing.keys import idempotency_key
 from billing.models import ChargeResult, Claim, SkipResult
 from billing.periods import Period
-from tests.integration.harness import Harness
+from tests.integration.harness import Harness, eventually
 
 PERIOD = "2026-12"
 
@@ -270,6 +272,47 @@ async def test_a_run_awaiting_a_child_does_not_take_a_never_started_row_for_its_
         )
         [charged] = await ledger.outcomes(conn, PERIOD, [customer_id], awaited=True)
     assert charged.outcome == "charged"
+
+
+async def test_a_claim_waits_for_an_ended_runs_cancel_and_leaves_its_row_to_the_next_run(
+    harness: Harness,
+) -> None:
+    """A child an ended run left running claims while an operator's cancel of that run
+    (operations.cancel_ended_run) holds the period: it waits for the cancel, and finds the
+    period closed. Read from the claim's snapshot, the period was open, and the claim took
+    over the row the cancel wrote for the next run; the gate then stopped it cancelled, no
+    longer never-started, and no later run billed the customer."""
+    (customer,) = await harness.seed(1)
+    customer_id = customer.customer_id
+
+    async def claim(conn: asyncpg.Connection, run: str) -> Claim:
+        return await ledger.claim(
+            conn, customer_id, PERIOD, key(customer_id), run, charge_api="payment_intents"
+        )
+
+    async with harness.pool.acquire() as cancelling, harness.pool.acquire() as claiming:
+        pid = claiming.get_server_pid()
+
+        async def claim_waits() -> bool:
+            waiting = "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1"
+            return bool(await harness.pool.fetchval(waiting, pid))
+
+        async with cancelling.transaction():
+            await ledger.lock_period(cancelling, PERIOD)
+            await ledger.set_control(cancelling, PERIOD, "cancelled", "ended", "alice")
+            await ledger.cancel_customers(
+                cancelling, PERIOD, {customer_id: key(customer_id)}, "ended", "alice"
+            )
+            await ledger.finish_period(cancelling, PERIOD, "{}")
+            claimed = asyncio.create_task(claim(claiming, "run-1"))
+            await eventually(claim_waits, timeout=15)
+        stopped = await claimed
+        [row] = await harness.ledger_rows(PERIOD)
+        assert (stopped.status, row["cancelled_before_start"]) == ("cancelled", True)
+        # The next run claims it afresh.
+        await ledger.open_period(claiming, PERIOD, "wf-2")
+        again = await claim(claiming, "run-2")
+    assert (again.status, again.claimed_by_run) == ("claimed", "run-2")
 
 
 async def test_pages_of_due_customers_carry_each_row_past_the_cursor(harness: Harness) -> None:
