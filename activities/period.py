@@ -20,15 +20,19 @@ from temporalio.client import (
     WorkflowExecutionStatus,
     WorkflowHandle,
 )
-from temporalio.exceptions import ApplicationError
+from temporalio.common import WorkflowIDReusePolicy
+from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 
 from activities.stripe_failures import KEY_REFUSED
 from billing import ledger, logs, period_keys, schedules
 from billing.config import BillingSettings
+from billing.customer_start import CUSTOMER_CHARGE_WORKFLOW, customer_start
 from billing.errors import LedgerBusyError, UnknownCustomerError
 from billing.keys import customer_workflow_id, idempotency_key
 from billing.models import (
+    CHILD_HISTORY_EVENTS,
     CancelPage,
+    ChildHistoryLimit,
     Control,
     Counts,
     CustomerOutcome,
@@ -101,6 +105,8 @@ class OutcomesRequest(Record):
     # Answer once this many have an outcome, or after wait_seconds with those found.
     enough: int
     wait_seconds: float
+    # For a child started again in place of one that a cancel stopped (_closed_without_row).
+    child_history_event_limit: ChildHistoryLimit = CHILD_HISTORY_EVENTS
 
 
 class ControlRequest(Record):
@@ -422,16 +428,20 @@ class PeriodActivities:
                 break
             await asyncio.sleep(OUTCOMES_POLL_SECONDS)
         if len(found) < request.enough:
-            found += await self._closed_without_row(request.period, request.customer_ids)
+            found += await self._closed_without_row(request)
         return found
 
-    async def _closed_without_row(
-        self, period: str, customer_ids: Sequence[str]
-    ) -> list[CustomerOutcome]:
+    async def _closed_without_row(self, request: OutcomesRequest) -> list[CustomerOutcome]:
         """Children that closed without ever writing a ledger row report through their own
-        result; one that failed or was terminated before its claim charged nothing."""
+        result; one that failed or was terminated before its claim charged nothing. One an
+        earlier run started that found its row written by a cancel of that run (an ended
+        run's, operations.cancel_ended_run), the period closed at its claim, is started again
+        in its place while this run bills: the row is the next run's to claim, and this run
+        is that run. Its outcome is then awaited as before, through the ledger."""
+        period = request.period
         async with self._pool.acquire() as conn:
-            missing = await ledger.without_rows(conn, period, customer_ids)
+            missing = await ledger.without_rows(conn, period, request.customer_ids)
+            billing_since = await ledger.run_opened_at(conn, period, billing=True)
         outcomes: list[CustomerOutcome] = []
         ended: list[str] = []
         for customer_id in missing:
@@ -440,7 +450,15 @@ class PeriodActivities:
                 # Gone past the retention while awaited: ended, as far as anyone can tell.
                 ended.append(customer_id)
             elif description.status == WorkflowExecutionStatus.COMPLETED:
-                outcomes.append(await self._child(period, customer_id).result())
+                outcome = await self._child(period, customer_id).result()
+                if (
+                    outcome.outcome == "cancelled"
+                    and billing_since is not None
+                    and description.start_time < billing_since
+                ):
+                    await self._start_again(request, customer_id)
+                else:
+                    outcomes.append(outcome)
             elif description.status != WorkflowExecutionStatus.RUNNING:
                 ended.append(customer_id)
         if ended:
@@ -452,6 +470,26 @@ class PeriodActivities:
             for c in ended
         ]
         return outcomes
+
+    @staticmethod
+    async def _start_again(request: OutcomesRequest, customer_id: str) -> None:
+        """Start the customer's workflow for this run, as its child would be started."""
+        info = activity.info()
+        start = customer_start(
+            request.period, customer_id, info.workflow_id, request.child_history_event_limit
+        )
+        log.info("%s: starting %s again for this run", request.period, start.workflow_id)
+        with contextlib.suppress(WorkflowAlreadyStartedError):
+            # Started by a try of this activity before, and running: awaited as it is.
+            await activity.client().start_workflow(
+                CUSTOMER_CHARGE_WORKFLOW,
+                start.input,
+                id=start.workflow_id,
+                task_queue=info.task_queue,
+                id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+                static_summary=start.summary,
+                search_attributes=start.search_attributes,
+            )
 
     @activity.defn(name="set_control")
     async def set_control(self, request: ControlRequest) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator
 
@@ -26,6 +26,10 @@ RENEWABLE_PAUSES = frozenset({SPEND_CAP_EXCEEDED_CODE, VAULT_KEY_EXPIRED_CODE, N
 LedgerStatus = Literal["claimed", "charged", "failed", "skipped", "cancelled"]
 TERMINAL_STATUSES: frozenset[str] = frozenset({"charged", "failed", "skipped", "cancelled"})
 Outcome = Literal["charged", "already_billed", "failed", "skipped", "cancelled"]
+# A customer's charge workflow's history grows only while it waits (a Stripe outage of hours,
+# a pause of days); past this many events it continues as new with the same claim.
+ChildHistoryLimit = Annotated[int, Field(ge=10, le=40000)]
+CHILD_HISTORY_EVENTS = 2000
 Control = Literal["running", "paused", "cancelled"]
 # What the ledger says about one charge attempt, just before Stripe would be called.
 Gate = Literal["go", "paused", "cancelled", "skipped"]
@@ -103,9 +107,7 @@ class CustomerChargeInput(WorkflowInput):
     period: str
     customer_id: str
     parent_workflow_id: str | None = None
-    # A child's history grows only while it waits (a Stripe outage of hours, a pause of
-    # days); past this many events it continues as new with the same claim.
-    history_event_limit: int = Field(default=2000, ge=10, le=40000)
+    history_event_limit: ChildHistoryLimit = CHILD_HISTORY_EVENTS
     # A stop the run before this one was given (a Temporal cancel), carried across
     # continue-as-new.
     stop: OperatorRequest | None = None
@@ -260,7 +262,7 @@ class RunOptions(Record):
     # Continue as new well before Temporal's 4,096-event suggestion and 51,200-event limit.
     history_event_limit: int = Field(default=8000, ge=200, le=40000)
     # Each child's own limit (CustomerChargeInput.history_event_limit).
-    child_history_event_limit: int = Field(default=2000, ge=10, le=40000)
+    child_history_event_limit: ChildHistoryLimit = CHILD_HISTORY_EVENTS
     # A run due to continue as new first lets its children in flight finish, for up to
     # this long (they take about a second), then hands the rest to the next run; 0 hands
     # them over at once.

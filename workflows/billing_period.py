@@ -23,7 +23,7 @@ from datetime import timedelta
 from typing import NoReturn
 
 from temporalio import workflow
-from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
+from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import (
     ActivityError,
     ApplicationError,
@@ -44,6 +44,7 @@ with workflow.unsafe.imports_passed_through():
         SkipCustomerRequest,
     )
     from billing import logs, money, search_attributes
+    from billing.customer_start import customer_start
     from billing.keys import customer_workflow_id, period_workflow_id, validate_customer_id
     from billing.models import (
         AUTOMATIC,
@@ -53,7 +54,6 @@ with workflow.unsafe.imports_passed_through():
         ChargeFailure,
         Control,
         ControlState,
-        CustomerChargeInput,
         CustomerOutcome,
         DueCustomer,
         Listing,
@@ -872,25 +872,21 @@ class BillingPeriodWorkflow:
                 if self._restarts_completed
                 else WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY
             )
+        start = customer_start(
+            period,
+            customer_id,
+            workflow.info().workflow_id,
+            self._options.child_history_event_limit,
+        )
         try:
             return await workflow.start_child_workflow(
                 CustomerChargeWorkflow.run,
-                CustomerChargeInput(
-                    period=period,
-                    customer_id=customer_id,
-                    parent_workflow_id=workflow.info().workflow_id,
-                    history_event_limit=self._options.child_history_event_limit,
-                ),
-                id=customer_workflow_id(parse_period(period), customer_id),
+                start.input,
+                id=start.workflow_id,
                 id_reuse_policy=reuse,
                 parent_close_policy=workflow.ParentClosePolicy.ABANDON,
-                static_summary=f"Charge customer {customer_id} for {period}",
-                search_attributes=TypedSearchAttributes(
-                    [
-                        SearchAttributePair(search_attributes.BILLING_PERIOD, period),
-                        SearchAttributePair(search_attributes.CUSTOMER_ID, customer_id),
-                    ]
-                ),
+                static_summary=start.summary,
+                search_attributes=start.search_attributes,
             )
         except WorkflowAlreadyStartedError:
             return None
@@ -934,6 +930,7 @@ class BillingPeriodWorkflow:
                         # A window's refill: the run needs no more to start more children.
                         enough=min(len(waiting), self._refill()),
                         wait_seconds=LEDGER_WAIT.total_seconds(),
+                        child_history_event_limit=self._options.child_history_event_limit,
                     ),
                     start_to_close_timeout=ACTIVITY_TIMEOUT,
                     summary=f"wait for outcomes of {len(waiting)} children started elsewhere",

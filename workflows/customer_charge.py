@@ -14,6 +14,7 @@ with workflow.unsafe.imports_passed_through():
     from activities.charging import HELD, PAUSED, SLOT_AHEAD, BillRequest, ChargingActivities
     from activities.stripe_failures import PERIOD_BLOCKERS
     from billing import search_attributes
+    from billing.customer_start import CUSTOMER_CHARGE_WORKFLOW
     from billing.keys import customer_workflow_id, validate_customer_id
     from billing.models import (
         ChargeFailure,
@@ -71,7 +72,7 @@ TEMPORAL_CANCEL = OperatorRequest(
 
 
 # Outside the sandbox for speed; the tests run it inside (see workflows/__init__.py).
-@workflow.defn(name="CustomerChargeWorkflow", sandboxed=False)
+@workflow.defn(name=CUSTOMER_CHARGE_WORKFLOW, sandboxed=False)
 class CustomerChargeWorkflow:
     def __init__(self) -> None:
         # The period's signals, and a Temporal cancel: each wakes a charge waiting for the

@@ -186,13 +186,19 @@ async def period_record(conn: asyncpg.Connection, period: str) -> PeriodRecord |
     )
 
 
-async def run_opened_at(conn: asyncpg.Connection, period: str) -> datetime | None:
+async def run_opened_at(
+    conn: asyncpg.Connection, period: str, *, billing: bool = False
+) -> datetime | None:
     """When the period's last run was opened, by Temporal's clock (by the database's for a
-    row from before migrations/031); None if none was."""
+    row from before migrations/031); None if none was, or with `billing`, unless that run is
+    open and not cancelled."""
     opened: datetime | None = await conn.fetchval(
-        "SELECT coalesce(run_opened_in_temporal_at, started_at) FROM billing_periods"
-        " WHERE billing_period = $1",
+        """
+        SELECT coalesce(run_opened_in_temporal_at, started_at) FROM billing_periods
+        WHERE billing_period = $1 AND (NOT $2 OR (state = 'running' AND control <> 'cancelled'))
+        """,
         period,
+        billing,
     )
     return opened
 

@@ -24,3 +24,24 @@ async def test_a_run_closing_lifts_a_pause_but_keeps_a_cancel(
         summary = PeriodSummary.empty(str(PERIOD), "billing-period-2026-12")
         await ledger.finish_period(conn, str(PERIOD), summary.model_dump_json())
         assert (await ledger.begin_charge(conn, claim, None)).gate == gate
+
+
+async def test_a_run_bills_since_its_opening_until_its_cancel_or_close(harness: Harness) -> None:
+    """What a run that awaits a child an earlier run started reads before starting it again
+    (activities.period, _closed_without_row): never after the run is cancelled or closed."""
+    async with harness.pool.acquire() as conn:
+        assert await ledger.run_opened_at(conn, str(PERIOD), billing=True) is None
+        plan = PeriodPlan(period=str(PERIOD), due=0, to_charge=0, expected_total_cents=0)
+        await ledger.start_period(conn, plan, "billing-period-2026-12")
+        opened = await ledger.run_opened_at(conn, str(PERIOD))
+        assert opened is not None
+        assert await ledger.run_opened_at(conn, str(PERIOD), billing=True) == opened
+        await ledger.set_control(conn, str(PERIOD), "paused", "wrong prices", "ops")
+        assert await ledger.run_opened_at(conn, str(PERIOD), billing=True) == opened
+        await ledger.set_control(conn, str(PERIOD), "cancelled", "wrong prices", "ops")
+        assert await ledger.run_opened_at(conn, str(PERIOD), billing=True) is None
+        await ledger.set_control(conn, str(PERIOD), "running", "resumed", "ops")
+        summary = PeriodSummary.empty(str(PERIOD), "billing-period-2026-12")
+        await ledger.finish_period(conn, str(PERIOD), summary.model_dump_json())
+        assert await ledger.run_opened_at(conn, str(PERIOD), billing=True) is None
+        assert await ledger.run_opened_at(conn, str(PERIOD)) == opened

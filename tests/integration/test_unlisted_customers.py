@@ -5,6 +5,7 @@ operator's word given as it closes applies if it goes back to bill them."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -583,7 +584,7 @@ async def _inactive_with_an_earlier_child(
     return returned, earlier
 
 
-def _earlier_worker(harness: Harness) -> Worker:
+def _earlier_worker(harness: Harness, interceptors: Sequence[Interceptor] = ()) -> Worker:
     """The worker of the earlier run's child, come back."""
     return create_worker(
         harness.client,
@@ -593,7 +594,71 @@ def _earlier_worker(harness: Harness) -> Worker:
         harness.settings,
         None,
         sandbox_all=True,
+        interceptors=interceptors,
     )
+
+
+class HoldTheBillsEnd(Interceptor):
+    """Holds a customer's bill once it has run (its claim made, its outcome not yet in the
+    workflow's history) until let go."""
+
+    def __init__(self) -> None:
+        self.billed = asyncio.Event()
+        self.go_on = asyncio.Event()
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        hold = self
+
+        class Held(ActivityInboundInterceptor):
+            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                outcome = await super().execute_activity(input)
+                if activity.info().activity_type == "bill":
+                    hold.billed.set()
+                    await asyncio.wait_for(hold.go_on.wait(), 60)
+                return outcome
+
+        return Held(next)
+
+
+async def test_a_rerun_bills_a_customer_whose_earlier_child_stopped_at_an_ended_runs_cancel(
+    harness: Harness,
+) -> None:
+    """A run terminated while it awaited a child an earlier run started, not yet claimed; its
+    `cancel` (operations.cancel_ended_run) writes the customer never started, for the next run.
+    The child claims while the period is closed, and ends cancelled just as a rerun, finding it
+    still running, awaits it: the rerun took that outcome for its own and billed nobody (the
+    customer left to a third run; helper-179 F2). It starts the customer's workflow again."""
+    [customer] = await harness.seed(1)
+    earlier = await harness.client.start_workflow(
+        CustomerChargeWorkflow.run,
+        CustomerChargeInput(period=str(PERIOD), customer_id=customer.customer_id),
+        id=customer_workflow_id(PERIOD, customer.customer_id),
+        task_queue=_earlier_tasks(harness),
+    )
+
+    async def awaits(handle: WorkflowHandle[Any, Any]) -> bool:
+        pending = (await handle.describe()).raw_description.pending_activities
+        return any(p.activity_type.name == "await_outcomes" for p in pending)
+
+    hold = HoldTheBillsEnd()
+    async with harness.running_worker():
+        ended = await start_period(harness.client, PERIOD, harness.task_queue)
+        await eventually(lambda: awaits(ended), timeout=30)
+        await ended.terminate(reason="looked stuck")
+        async with harness.pool.acquire() as conn:
+            cancel = await operations.cancel_ended_run(
+                harness.client, conn, harness.settings.billing_key_namespace, PERIOD, ALICE
+            )
+        assert cancel is not None
+        async with _earlier_worker(harness, [hold]):
+            await asyncio.wait_for(hold.billed.wait(), 30)
+            rerun = await start_period(harness.client, PERIOD, harness.task_queue)
+            await eventually(lambda: awaits(rerun), timeout=30)
+            hold.go_on.set()
+            assert (await earlier.result()).outcome == "cancelled"
+            summary = await asyncio.wait_for(rerun.result(), 60)
+    assert (summary.due, summary.charged, summary.cancelled) == (1, 1, 0), summary
+    await assert_billed_once(harness, str(PERIOD), [customer])
 
 
 def _access(harness: Harness) -> StripeAccess:
