@@ -67,7 +67,7 @@ from billing.runs import (
     status_from_ledger,
     summary_progress,
 )
-from billing.temporal_client import connect
+from billing.temporal_client import connect, described
 from cli import arguments
 from cli.database import ledger_connection, ledger_totals
 from cli.output import OutageNotice, emit
@@ -265,8 +265,8 @@ async def _period_status(client: Client, period: Period) -> PeriodProgress:
             raise
         # Only the run the ledger closed: a later one refused at its opening (a key too
         # small) ended leaving the record, and summary, of the run before it.
-        ended = await client.get_workflow_handle(period_workflow_id(period)).describe()
-        if ended.raw_info.first_run_id != record.run_id:
+        ended = await described(client.get_workflow_handle(period_workflow_id(period)))
+        if ended is None or ended.raw_info.first_run_id != record.run_id:
             raise
         return summary_progress(record.summary)
     if progress.state != "not_started":
