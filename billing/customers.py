@@ -5,7 +5,7 @@ from __future__ import annotations
 import codecs
 import csv
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -115,14 +115,25 @@ def _row_from_csv(fields: dict[str, str | None]) -> CustomerRow:
 
 def parse_customers_csv(lines: Iterable[str], source: str = "input") -> list[CustomerRow]:
     """Validate every row; the first bad one rejects the whole file with its line number."""
+    blank: set[int] = set()
+
+    def numbered() -> Iterator[str]:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                blank.add(number)
+            yield line
+
     # Strict: a quote left open would otherwise take the rest of the file into one field.
-    reader = csv.DictReader(lines, restkey="_extra", strict=True)
+    reader = csv.DictReader(numbered(), restkey="_extra", strict=True)
     try:
         return _parse_rows(reader, source)
     except csv.Error as exc:  # a line the csv module cannot split, e.g. a field over its limit
         if str(exc) == "unexpected end of data":
-            # The row began on the line after the last one read whole.
+            # The row began on the first line after the last one read whole that is not
+            # blank (the reader skips blank lines between rows).
             began = reader.line_num + 1
+            while began in blank:
+                began += 1
             raise CustomerImportError(
                 f'{source}, line {began}: a quote (") opened on this line or the next ones is'
                 " never closed: the field runs to the end of the file"

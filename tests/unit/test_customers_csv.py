@@ -222,15 +222,18 @@ def test_a_blank_first_line_is_named_not_called_empty() -> None:
         parse_customers_csv(["\n", HEADER, "c-1,cus_A,pm_1,1500,usd\n"], source="in.csv")
 
 
-@pytest.mark.parametrize("before", [0, 2])
-def test_a_quote_left_open_is_named_not_taken_for_an_empty_column(before: int) -> None:
+@pytest.mark.parametrize(("before", "blank"), [(0, 0), (2, 0), (2, 2)])
+def test_a_quote_left_open_is_named_not_taken_for_an_empty_column(before: int, blank: int) -> None:
     """Read leniently, the rest of the file became one customer id, and the import said
-    that row's Stripe customer was empty (helper-177 F9)."""
+    that row's Stripe customer was empty (helper-177 F9). Blank lines before it are not
+    the line named."""
     rows = [f"c-{n},cus_{n},pm_1,1500,usd\n" for n in range(before)]
-    lines = [HEADER, *rows, '"acme-9,cus_A,pm_x,1000,usd\n', "acme-10,cus_B,pm_y,1000,usd\n"]
+    opened = '"acme-9,cus_A,pm_x,1000,usd\n'
+    lines = [HEADER, *rows, *["\n"] * blank, opened, "acme-10,cus_B,pm_y,1000,usd\n"]
+    line = before + blank + 2
     with pytest.raises(
         CustomerImportError,
-        match=rf"^in.csv, line {before + 2}: a quote \(\"\) opened on this line or the next",
+        match=rf"^in.csv, line {line}: a quote \(\"\) opened on this line or the next",
     ):
         parse_customers_csv(lines, source="in.csv")
 
