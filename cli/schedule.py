@@ -295,6 +295,13 @@ async def _warn_followed_gone(client: Client, schedule_id: str, followed: str | 
         bills = request.action == "bill"
     except UnknownScheduleError:  # a schedule not ours too
         bills = False
+    except InvalidInputError as exc:  # written by another release: it may bill
+        print(
+            f"note: the billing schedule {followed} it follows could not be read:"
+            f" {shown_line(str(exc))}",
+            file=sys.stderr,
+        )
+        return
     if not bills:
         gone = schedules.describe_followers(followed, [schedule_id])
         print(f"warning: {gone}", file=sys.stderr)

@@ -2168,6 +2168,36 @@ async def test_a_schedule_another_release_wrote_can_still_be_paused(harness: Har
     assert code == 0, err
 
 
+async def test_a_reconciliation_following_a_schedule_another_release_wrote_is_described(
+    harness: Harness,
+) -> None:
+    """Its `describe` read the billing schedule it follows, to warn if that is gone, and
+    failed on that schedule's arguments, naming it as if asked about it (helper-179 nit)."""
+    billing = await firing_every(harness, "billing-monthly", 3600, paused=True)
+    code, out, err = await harness.starter(
+        "schedule", "create", "--reconcile", "--paused", "--id", "daily"
+    )
+    assert code == 0, err
+    await billing.delete()
+    await harness.client.create_schedule(
+        "billing-monthly",
+        Schedule(
+            action=ScheduleActionStartWorkflow(
+                schedules.LAUNCHER,
+                {"time_zone": "UTC", "a_field_of_a_later_release": 1},
+                id="billing-monthly-run",
+                task_queue=harness.task_queue,
+            ),
+            spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(days=1))]),
+            state=ScheduleState(paused=True),
+        ),
+    )
+    code, out, err = await harness.starter("schedule", "describe", "--id", "daily")
+    assert code == 0 and "schedule daily" in out, (out, err)
+    assert "note: the billing schedule billing-monthly it follows could not be read: the" in err
+    assert "warning" not in err, err
+
+
 async def test_a_reconciliation_is_told_what_it_cannot_follow(harness: Harness) -> None:
     reconcile = ("schedule", "create", "--reconcile", "--paused", "--id")
     # With no billing schedule to follow, it would check no month left unbilled, for good.
