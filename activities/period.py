@@ -271,7 +271,9 @@ class PeriodActivities:
         run's open claims and unclaimed customers may charge, or expires soon, capped for
         what it has left (at the prices of now, with the usual headroom): resumed, it bills
         the rest. Keys with room are kept, and a revoked key is refused, as at a run's
-        opening; run again, it issues nothing."""
+        opening; run again, it issues nothing. As the current try of the period's latest run
+        only (_check_current_try), asked under the opening's lock: a try of a run terminated
+        since, landing late, would replace and revoke the keys a rerun opened with."""
         admin = self._admin
         if admin is None:
             raise ApplicationError(
@@ -282,6 +284,7 @@ class PeriodActivities:
         async with self._pool.acquire() as conn, conn.transaction():
             # As a run's opening does: the plan the caps come from holds until they are stored.
             await ledger.lock_for_change(conn, "renewing the period's keys")
+            await _check_current_try("key renewal", period)
             plan = await ledger.plan_period(conn, period)
             # Everything still open, not only what no attempt sent with the key: a claim sent
             # with it may hold nothing of its room (refused before Stripe on a retry), and one
@@ -714,7 +717,8 @@ async def _not_current_try() -> str | None:
 async def _check_current_try(what: str, period: str) -> None:
     """Write the period's row (its run's `what`) only as the current try of the latest run,
     asked under the row's lock (ledger.lock_period), which every writer of it holds to its
-    write: no other write lands between the answer and this one. Refused, it fails the try,
+    write (its keys: under the opening's lock, which a run's opening holds to its record):
+    no other write lands between the answer and this one. Refused, it fails the try,
     retryably: Temporal drops a stale try's answer, and one refused wrongly is tried again
     (its message says what did not match)."""
     why = await _not_current_try()

@@ -26,14 +26,19 @@ from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, 
 
 import activities.period as period_activities
 import billing.ledger.runs as ledger_runs
-from billing import ledger
+from billing import ledger, operations
 from billing.customers import CustomerRow, import_customers
-from billing.models import PeriodPlan, PeriodSummary, RunIdentity
+from billing.models import OperatorRequest, PeriodPlan, PeriodSummary, RunIdentity
 from billing.periods import Period
 from billing.runs import start_period
 from billing.seeding import create_demo_customers
 from tests.integration.harness import Harness, eventually
 from tests.integration.invariants import assert_billed_once
+from tests.integration.test_vault_integration import (
+    charging_one_at_a_time,
+    period_key,
+    priced_past_the_cap,
+)
 from workflows.billing_period import LISTINGS_MARKED
 
 PERIOD = Period(2026, 12)
@@ -72,6 +77,10 @@ class HoldEachRun(Interceptor):
             if held == kind:
                 self._go_on[held, run].set()
 
+    def hold_again(self, kind: str) -> None:
+        """Hold the activities of `kind` to come again, after release_all."""
+        self._released.discard(kind)
+
     async def ended(self, kind: str, run: str) -> None:
         await asyncio.wait_for(self._ended[kind, run].wait(), 30)
 
@@ -108,6 +117,8 @@ CLOSE_IF_ALL_MARKED = "close_period_if_all_marked"
 CLOSE_IF_ALL_REACHED = "close_period_if_all_reached"
 DUE = "due_customers"
 CANCEL_UNSTARTED = "cancel_unstarted"
+RENEW = "renew_period_keys"
+ALICE = OperatorRequest(reason="prices raised", operator="alice")
 
 
 async def _terminated_at_its_close(
@@ -331,6 +342,40 @@ async def test_a_terminated_runs_late_cancel_of_its_unstarted_leaves_a_reruns_al
         summary = await asyncio.wait_for(rerun.result(), 60)
     assert (summary.charged, summary.cancelled) == (2, 0), summary
     await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_a_terminated_runs_late_key_renewal_leaves_a_reruns_keys_alone(
+    vaulted: Harness,
+) -> None:
+    """A run paused at its key's cap, its renewal held on a frozen worker; the run terminated,
+    a rerun opens with a key capped for what is left, and prices rise again before it lists
+    anyone. The late renewal replaced the rerun's key, and revoked it under its workers."""
+    await vaulted.seed(4)
+    assert vaulted.vault is not None
+    hold = HoldEachRun(RENEW, DUE)
+    async with vaulted.running_worker(interceptors=[hold]):
+        hold.release_all(DUE)
+        first = await charging_one_at_a_time(vaulted)
+        stuck = (await first.describe()).run_id
+        await priced_past_the_cap(vaulted)
+        hold.hold_again(DUE)
+        renewing = asyncio.create_task(operations.renew_keys(vaulted.client, PERIOD, ALICE))
+        await hold.reached(RENEW, stuck)
+        await first.terminate(reason="stuck, says the operator")
+        with pytest.raises(operations.OperatorRefusedError):
+            await renewing
+        rerun = await start_period(vaulted.client, PERIOD, vaulted.task_queue)
+        try:
+            await hold.reached(DUE, (await rerun.describe()).run_id)
+            opened_with = await period_key(vaulted)
+            async with vaulted.pool.acquire() as conn:
+                await conn.execute("UPDATE customers SET amount_cents = amount_cents * 10")
+            hold.release(RENEW, stuck)
+            await hold.ended(RENEW, stuck)
+            assert await period_key(vaulted) == opened_with
+            assert not (await vaulted.vault.admin.get_key(opened_with)).revoked
+        finally:
+            await rerun.terminate(reason="test over")
 
 
 async def _all_claimed(claims: list[str], customers: list[CustomerRow]) -> bool:
