@@ -440,7 +440,9 @@ class PeriodActivities:
         earlier run started that found its row written by a cancel of that run (an ended
         run's, operations.cancel_ended_run), the period closed at its claim, is started again
         in its place while this run bills: the row is the next run's to claim, and this run
-        is that run. Its outcome is then awaited as before, through the ledger."""
+        is that run. Its outcome is then awaited as before, through the ledger. A cancel of
+        this run landing after the check is the claim's to see: it leaves such a row to the
+        next run (ledger.claim)."""
         period = request.period
         async with self._pool.acquire() as conn:
             missing = await ledger.without_rows(conn, period, request.customer_ids)

@@ -56,19 +56,23 @@ _REOPENED = (
 # FOR SHARE, as the gate's: the statement's snapshot would read a period that a writer holding
 # its row (an ended run's cancel, operations.cancel_ended_run) is closing as open, and the claim
 # would take over a row that cancel is writing for the next run to claim.
+_PERIOD = "SELECT state = 'running' AS open, control FROM billing_periods WHERE billing_period = {}"
+
+
 def _period_open(period: str) -> str:
-    return f"""EXISTS (SELECT 1 FROM billing_periods p
-                       WHERE p.billing_period = {period} AND p.state = 'running' FOR SHARE)"""
+    return f"coalesce((SELECT open FROM ({_PERIOD.format(period)} FOR SHARE) p), false)"
 
 
 _CLAIM = f"""
+        WITH period AS ({_PERIOD.format("$2")} FOR SHARE)
         INSERT INTO billing_runs (customer_id, billing_period, idempotency_key, amount_cents,
                                   currency, stripe_customer_id, payment_method,
                                   claimed_by_run, charge_api)
         SELECT customer_id, $2, $3, amount_cents, currency, stripe_customer_id,
                payment_method, $4, $5
         FROM customers c WHERE customer_id = $1 AND (
-            (active AND {held_as_sql("$2")} IS NULL AND {_period_open("$2")})
+            (active AND {held_as_sql("$2")} IS NULL
+             AND coalesce((SELECT open FROM period), false))
             -- An open claim is taken over whatever its customer is now: it is charged.
             OR EXISTS (SELECT 1 FROM billing_runs o WHERE o.customer_id = $1
                        AND o.billing_period = $2 AND o.status = 'claimed'))
@@ -85,7 +89,13 @@ _CLAIM = f"""
             {", ".join(f"{c} = {_REOPENED.format(c=c)}" for c in _REFRESHED)},
             status = 'claimed', completed_at = NULL, cancelled_before_start = false
         WHERE EXCLUDED.claimed_by_run IS NOT NULL AND (
-            billing_runs.status = 'claimed' OR ({NEVER_STARTED.format(r="billing_runs")}))
+            billing_runs.status = 'claimed'
+            -- ...by a run that bills: a run's cancel writes the customers past its cursor
+            -- never started, for the next run. Taken over while that run is cancelled (by a
+            -- child of an earlier run, left running), the gate would stop it cancelled for
+            -- good, and no run would bill it.
+            OR ({NEVER_STARTED.format(r="billing_runs")}
+                AND (SELECT control FROM period) <> 'cancelled'))
         RETURNING {CLAIM_COLUMNS}
         """
 

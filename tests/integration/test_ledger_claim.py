@@ -315,6 +315,33 @@ async def test_a_claim_waits_for_an_ended_runs_cancel_and_leaves_its_row_to_the_
     assert (again.status, again.claimed_by_run) == ("claimed", "run-2")
 
 
+async def test_a_claim_during_a_runs_cancel_leaves_a_never_started_row_to_the_next_run(
+    harness: Harness,
+) -> None:
+    """A run's cancel writes the customers past its cursor never started, the period still
+    open while its children finish. A child an earlier run left running (or one the run
+    started again for it) claiming then took such a row over, the gate stopped it cancelled
+    for good, and no later run billed the customer (helper-180)."""
+    (customer,) = await harness.seed(1)
+    customer_id = customer.customer_id
+    async with harness.pool.acquire() as conn:
+        await ledger.set_control(conn, PERIOD, "cancelled", "wrong prices", "alice")
+        await ledger.cancel_customers(
+            conn, PERIOD, {customer_id: key(customer_id)}, "wrong prices", "alice"
+        )
+        stopped = await ledger.claim(
+            conn, customer_id, PERIOD, key(customer_id), "run-1", charge_api="payment_intents"
+        )
+        [row] = await harness.ledger_rows(PERIOD)
+        assert (stopped.status, row["cancelled_before_start"]) == ("cancelled", True)
+        await ledger.finish_period(conn, PERIOD, "{}")
+        await ledger.open_period(conn, PERIOD, "wf-2")
+        again = await ledger.claim(
+            conn, customer_id, PERIOD, key(customer_id), "run-2", charge_api="payment_intents"
+        )
+    assert (again.status, again.claimed_by_run) == ("claimed", "run-2")
+
+
 async def test_pages_of_due_customers_carry_each_row_past_the_cursor(harness: Harness) -> None:
     customers = sorted(c.customer_id for c in await harness.seed(5))
     async with harness.pool.acquire() as conn:

@@ -23,7 +23,7 @@ from temporalio.worker import (
 )
 
 from activities.stripe_access import StripeAccess
-from billing import operations
+from billing import ledger, operations
 from billing.customers import CustomerRow, import_customers
 from billing.keys import customer_workflow_id
 from billing.models import (
@@ -620,14 +620,17 @@ class HoldTheBillsEnd(Interceptor):
         return Held(next)
 
 
+@pytest.mark.parametrize("cancelled", [False, True], ids=["billing", "cancelled-meanwhile"])
 async def test_a_rerun_bills_a_customer_whose_earlier_child_stopped_at_an_ended_runs_cancel(
-    harness: Harness,
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, cancelled: bool
 ) -> None:
     """A run terminated while it awaited a child an earlier run started, not yet claimed; its
     `cancel` (operations.cancel_ended_run) writes the customer never started, for the next run.
     The child claims while the period is closed, and ends cancelled just as a rerun, finding it
     still running, awaits it: the rerun took that outcome for its own and billed nobody (the
-    customer left to a third run; helper-179 F2). It starts the customer's workflow again."""
+    customer left to a third run; helper-179 F2). It starts the customer's workflow again.
+    Cancelled just after it read that it bills, the rerun still starts it: that workflow's
+    claim leaves the row to the next run (helper-180)."""
     [customer] = await harness.seed(1)
     earlier = await harness.client.start_workflow(
         CustomerChargeWorkflow.run,
@@ -635,6 +638,16 @@ async def test_a_rerun_bills_a_customer_whose_earlier_child_stopped_at_an_ended_
         id=customer_workflow_id(PERIOD, customer.customer_id),
         task_queue=_earlier_tasks(harness),
     )
+    opened_at = ledger.run_opened_at
+
+    async def read_then_cancelled(conn: Any, period: str, *, billing: bool = False) -> Any:
+        opened = await opened_at(conn, period, billing=billing)
+        if billing and opened is not None:
+            await operations.control(harness.client, PERIOD, "cancel", ALICE)
+        return opened
+
+    if cancelled:
+        monkeypatch.setattr(ledger, "run_opened_at", read_then_cancelled)
 
     async def awaits(handle: WorkflowHandle[Any, Any]) -> bool:
         pending = (await handle.describe()).raw_description.pending_activities
@@ -657,6 +670,11 @@ async def test_a_rerun_bills_a_customer_whose_earlier_child_stopped_at_an_ended_
             hold.go_on.set()
             assert (await earlier.result()).outcome == "cancelled"
             summary = await asyncio.wait_for(rerun.result(), 60)
+    if cancelled:
+        assert (summary.due, summary.charged, summary.cancelled) == (1, 0, 1), summary
+        [row] = await harness.ledger_rows(str(PERIOD))
+        assert (row["status"], row["cancelled_before_start"]) == ("cancelled", True)
+        return
     assert (summary.due, summary.charged, summary.cancelled) == (1, 1, 0), summary
     await assert_billed_once(harness, str(PERIOD), [customer])
 
