@@ -2134,21 +2134,29 @@ async def test_a_schedule_not_ours_is_named_so(harness: Harness) -> None:
     await handle.delete()
 
 
-async def test_a_schedule_another_release_wrote_can_still_be_paused(harness: Harness) -> None:
-    """A pause must not depend on reading the launch's arguments: arguments this release
-    cannot read stop only the commands that need them, with a message that says so."""
-    await harness.client.create_schedule(
-        "from-elsewhere",
+async def written_by_another_release(
+    harness: Harness, schedule_id: str, *, paused: bool = False
+) -> ScheduleHandle:
+    """One of our schedules whose launch arguments this release cannot read."""
+    return await harness.client.create_schedule(
+        schedule_id,
         Schedule(
             action=ScheduleActionStartWorkflow(
                 schedules.LAUNCHER,
                 {"time_zone": "UTC", "a_field_of_a_later_release": 1},
-                id="from-elsewhere-run",
+                id=f"{schedule_id}-run",
                 task_queue=harness.task_queue,
             ),
             spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(days=1))]),
+            state=ScheduleState(paused=paused),
         ),
     )
+
+
+async def test_a_schedule_another_release_wrote_can_still_be_paused(harness: Harness) -> None:
+    """A pause must not depend on reading the launch's arguments: arguments this release
+    cannot read stop only the commands that need them, with a message that says so."""
+    await written_by_another_release(harness, "from-elsewhere")
     code, out, err = await harness.starter("schedule", "pause", "--id", "from-elsewhere")
     assert (code, out.strip()) == (0, "paused schedule from-elsewhere"), err
     # Paused already: said so, and the note of who paused it is kept.
@@ -2179,19 +2187,7 @@ async def test_a_reconciliation_following_a_schedule_another_release_wrote_is_de
     )
     assert code == 0, err
     await billing.delete()
-    await harness.client.create_schedule(
-        "billing-monthly",
-        Schedule(
-            action=ScheduleActionStartWorkflow(
-                schedules.LAUNCHER,
-                {"time_zone": "UTC", "a_field_of_a_later_release": 1},
-                id="billing-monthly-run",
-                task_queue=harness.task_queue,
-            ),
-            spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(days=1))]),
-            state=ScheduleState(paused=True),
-        ),
-    )
+    await written_by_another_release(harness, "billing-monthly", paused=True)
     code, out, err = await harness.starter("schedule", "describe", "--id", "daily")
     assert code == 0 and "schedule daily" in out, (out, err)
     assert "note: the billing schedule billing-monthly it follows could not be read: the" in err
