@@ -21,7 +21,7 @@ from billing.ledger.sql import (
     due_join,
     held_as_sql,
 )
-from billing.ledger.stops import request_skip
+from billing.ledger.stops import cancel_customers, request_skip
 from billing.models import (
     AUTOMATIC,
     ChargeApi,
@@ -51,28 +51,27 @@ _REOPENED = (
 
 
 # A new claim (or a cancelled run's unstarted row taken over) needs a run of the period
-# open: a CustomerChargeWorkflow started on its own (Temporal's CLI or Web UI) for a period no
-# run opened, or one that completed, would charge outside any run, its pause and its cap.
-# FOR SHARE, as the gate's: the statement's snapshot would read a period that a writer holding
-# its row (an ended run's cancel, operations.cancel_ended_run) is closing as open, and the claim
-# would take over a row that cancel is writing for the next run to claim.
-_PERIOD = "SELECT state = 'running' AS open, control FROM billing_periods WHERE billing_period = {}"
-
-
-def _period_open(period: str) -> str:
-    return f"coalesce((SELECT open FROM ({_PERIOD.format(period)} FOR SHARE) p), false)"
+# open, and not cancelled: a CustomerChargeWorkflow started on its own (Temporal's CLI or Web
+# UI) for a period no run opened, or one that completed, would charge outside any run, its
+# pause and its cap; and a claim made once a run's cancel is recorded would stop at the gate
+# for good, where the cancel leaves the customers it has not started to the next run (claim).
+# FOR SHARE, as the gate's, and before any row (joined in the claim's SELECT): the
+# statement's snapshot would read a period that a writer holding its row (a cancel, a close)
+# has moved on as it was.
+_PERIOD = """SELECT state = 'running' AS open, control, control_reason, control_by
+             FROM billing_periods WHERE billing_period = {} FOR SHARE"""
 
 
 _CLAIM = f"""
-        WITH period AS ({_PERIOD.format("$2")} FOR SHARE)
+        WITH period AS ({_PERIOD.format("$2")})
         INSERT INTO billing_runs (customer_id, billing_period, idempotency_key, amount_cents,
                                   currency, stripe_customer_id, payment_method,
                                   claimed_by_run, charge_api)
-        SELECT customer_id, $2, $3, amount_cents, currency, stripe_customer_id,
-               payment_method, $4, $5
-        FROM customers c WHERE customer_id = $1 AND (
-            (active AND {held_as_sql("$2")} IS NULL
-             AND coalesce((SELECT open FROM period), false))
+        SELECT c.customer_id, $2, $3, c.amount_cents, c.currency, c.stripe_customer_id,
+               c.payment_method, $4, $5
+        FROM customers c LEFT JOIN period p ON true
+        WHERE c.customer_id = $1 AND (
+            (c.active AND {held_as_sql("$2")} IS NULL AND p.open AND p.control <> 'cancelled')
             -- An open claim is taken over whatever its customer is now: it is charged.
             OR EXISTS (SELECT 1 FROM billing_runs o WHERE o.customer_id = $1
                        AND o.billing_period = $2 AND o.status = 'claimed'))
@@ -90,10 +89,8 @@ _CLAIM = f"""
             status = 'claimed', completed_at = NULL, cancelled_before_start = false
         WHERE EXCLUDED.claimed_by_run IS NOT NULL AND (
             billing_runs.status = 'claimed'
-            -- ...by a run that bills: a run's cancel writes the customers past its cursor
-            -- never started, for the next run. Taken over while that run is cancelled (by a
-            -- child of an earlier run, left running), the gate would stop it cancelled for
-            -- good, and no run would bill it.
+            -- ...by a run that bills (an open claim made never started while this claim
+            -- waited on it is read as it is now).
             OR ({NEVER_STARTED.format(r="billing_runs")}
                 AND (SELECT control FROM period) <> 'cancelled'))
         RETURNING {CLAIM_COLUMNS}
@@ -117,17 +114,26 @@ async def claim(
     goes to the same endpoint with the same key, whatever the setting says later.
     One statement when the row is new or open (the insert returns it), whatever the
     customer is now for an open one: it is charged all the same. Otherwise a held customer
-    is dealt with (_refuse_held), and a finished row, or a customer no longer active, is
+    is dealt with (_refuse_held), one found after its run's cancel was recorded is written
+    never started and returned so (cancel_customers), and a finished row, or a customer no
+    longer active, is
     read by a further statement, with no transaction around them: the read sees the row as
     another hand has moved it on since, which is the claim to act on."""
     args = (customer_id, period, key, run_id, charge_api)
     row = await conn.fetchrow(_CLAIM, *args)
     if row is not None:
         return Claim(**dict(row))
-    period_open = await conn.fetchval(f"SELECT {_period_open('$1')}", period)
+    run = await conn.fetchrow(_PERIOD.format("$1"), period)
+    period_open = run is not None and run["open"]
     if period_open and await _refuse_held(conn, customer_id, period, key):
-        # Released between the two statements (the old id's claim failed): claimed now.
-        row = await conn.fetchrow(_CLAIM, *args)
+        if run["control"] == "cancelled":
+            # Its run's cancel is recorded: left never started, as the cancel's pages leave
+            # the customers they reach, for the next run.
+            keys = {customer_id: key}
+            await cancel_customers(conn, period, keys, run["control_reason"], run["control_by"])
+        else:
+            # Released between the two statements (the old id's claim failed): claimed now.
+            row = await conn.fetchrow(_CLAIM, *args)
     if row is None:
         row = await conn.fetchrow(
             f"""SELECT {CLAIM_COLUMNS} FROM billing_runs

@@ -315,25 +315,30 @@ async def test_a_claim_waits_for_an_ended_runs_cancel_and_leaves_its_row_to_the_
     assert (again.status, again.claimed_by_run) == ("claimed", "run-2")
 
 
-async def test_a_claim_during_a_runs_cancel_leaves_a_never_started_row_to_the_next_run(
-    harness: Harness,
+@pytest.mark.parametrize("reached", [True, False], ids=["page-reached-it", "before-its-page"])
+async def test_a_claim_after_a_runs_cancel_leaves_the_customer_to_the_next_run(
+    harness: Harness, reached: bool
 ) -> None:
-    """A run's cancel writes the customers past its cursor never started, the period still
-    open while its children finish. A child an earlier run left running (or one the run
-    started again for it) claiming then took such a row over, the gate stopped it cancelled
-    for good, and no later run billed the customer (helper-180)."""
+    """A run's cancel is recorded, then its pages write the customers past its cursor never
+    started, the period open while its children finish. A child an earlier run left running
+    (or one the run started again for it) claiming then took such a row over (helper-180), or,
+    before the page reached its customer, made a new claim (helper-181); the gate stopped
+    either cancelled for good, and no later run billed the customer. Its claim now leaves it
+    never started, as the cancel's page does."""
     (customer,) = await harness.seed(1)
     customer_id = customer.customer_id
     async with harness.pool.acquire() as conn:
         await ledger.set_control(conn, PERIOD, "cancelled", "wrong prices", "alice")
-        await ledger.cancel_customers(
-            conn, PERIOD, {customer_id: key(customer_id)}, "wrong prices", "alice"
-        )
+        if reached:
+            await ledger.cancel_customers(
+                conn, PERIOD, {customer_id: key(customer_id)}, "wrong prices", "alice"
+            )
         stopped = await ledger.claim(
             conn, customer_id, PERIOD, key(customer_id), "run-1", charge_api="payment_intents"
         )
         [row] = await harness.ledger_rows(PERIOD)
         assert (stopped.status, row["cancelled_before_start"]) == ("cancelled", True)
+        assert (row["reason"], row["decided_by"]) == ("wrong prices", "alice")
         await ledger.finish_period(conn, PERIOD, "{}")
         await ledger.open_period(conn, PERIOD, "wf-2")
         again = await ledger.claim(
