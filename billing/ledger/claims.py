@@ -116,9 +116,8 @@ async def claim(
     customer is now for an open one: it is charged all the same. Otherwise a held customer
     is dealt with (_refuse_held), one found after its run's cancel was recorded is written
     never started and returned so (cancel_customers), and a finished row, or a customer no
-    longer active, is
-    read by a further statement, with no transaction around them: the read sees the row as
-    another hand has moved it on since, which is the claim to act on."""
+    longer active, is read by a further statement, with no transaction around them: the read
+    sees the row as another hand has moved it on since, which is the claim to act on."""
     args = (customer_id, period, key, run_id, charge_api)
     row = await conn.fetchrow(_CLAIM, *args)
     if row is not None:
