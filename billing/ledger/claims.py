@@ -21,7 +21,7 @@ from billing.ledger.sql import (
     due_join,
     held_as_sql,
 )
-from billing.ledger.stops import cancel_customers, request_skip
+from billing.ledger.stops import never_started_row, request_skip
 from billing.models import (
     AUTOMATIC,
     ChargeApi,
@@ -97,6 +97,19 @@ _CLAIM = f"""
         """
 
 
+# A customer found, after its run's cancel was recorded, as the cancel's pages leave those they
+# reach: never started, for the next run. One statement, which reads the period again and
+# changes no row: between the claim's statements the run may have closed and a rerun claimed
+# the customer (a stale attempt of the bill, say), whose claim this must not cancel.
+_LEFT_TO_THE_NEXT_RUN = f"""
+        WITH period AS ({_PERIOD.format("$2")})
+        {never_started_row("p.control_reason", "p.control_by")}
+        JOIN period p ON p.open AND p.control = 'cancelled'
+        WHERE c.customer_id = $1 AND c.active AND {held_as_sql("$2")} IS NULL
+        ON CONFLICT (customer_id, billing_period) DO NOTHING
+        """
+
+
 async def claim(
     conn: asyncpg.Connection,
     customer_id: str,
@@ -115,7 +128,7 @@ async def claim(
     One statement when the row is new or open (the insert returns it), whatever the
     customer is now for an open one: it is charged all the same. Otherwise a held customer
     is dealt with (_refuse_held), one found after its run's cancel was recorded is written
-    never started and returned so (cancel_customers), and a finished row, or a customer no
+    never started and returned so (_LEFT_TO_THE_NEXT_RUN), and a finished row, or a customer no
     longer active, is read by a further statement, with no transaction around them: the read
     sees the row as another hand has moved it on since, which is the claim to act on."""
     args = (customer_id, period, key, run_id, charge_api)
@@ -126,10 +139,7 @@ async def claim(
     period_open = run is not None and run["open"]
     if period_open and await _refuse_held(conn, customer_id, period, key):
         if run["control"] == "cancelled":
-            # Its run's cancel is recorded: left never started, as the cancel's pages leave
-            # the customers they reach, for the next run.
-            keys = {customer_id: key}
-            await cancel_customers(conn, period, keys, run["control_reason"], run["control_by"])
+            await conn.execute(_LEFT_TO_THE_NEXT_RUN, customer_id, period, key)
         else:
             # Released between the two statements (the old id's claim failed): claimed now.
             row = await conn.fetchrow(_CLAIM, *args)

@@ -107,18 +107,25 @@ async def request_skip(
     return SkipResult(customer_id=customer_id, skipped=False, detail=f"cannot skip: {detail}")
 
 
+# The row of customer `c` ($1), as it is now, that a cancelled run never started: for period
+# $2 under key $3, with the cancel's reason and operator (SQL expressions).
+def never_started_row(reason: str, operator: str) -> str:
+    return f"""
+        INSERT INTO billing_runs (customer_id, billing_period, idempotency_key, amount_cents,
+                                  currency, stripe_customer_id, payment_method, status, reason,
+                                  decided_by, completed_at, cancelled_before_start)
+        SELECT c.customer_id, $2, $3, c.amount_cents, c.currency, c.stripe_customer_id,
+               c.payment_method, 'cancelled', {reason}, {operator}, now(), true
+        FROM customers c"""
+
+
 async def cancel_customers(
     conn: asyncpg.Connection, period: str, keys: dict[str, str], reason: str, operator: str
 ) -> None:
     """Mark customers a cancelled run never started as cancelled (no child, no charge)."""
     await conn.executemany(
-        """
-        INSERT INTO billing_runs (customer_id, billing_period, idempotency_key, amount_cents,
-                                  currency, stripe_customer_id, payment_method, status, reason,
-                                  decided_by, completed_at, cancelled_before_start)
-        SELECT customer_id, $2, $3, amount_cents, currency, stripe_customer_id, payment_method,
-               'cancelled', $4, $5, now(), true
-        FROM customers WHERE customer_id = $1
+        f"""
+        {never_started_row("$4", "$5")} WHERE c.customer_id = $1
         ON CONFLICT (customer_id, billing_period) DO UPDATE
             SET status = 'cancelled', reason = $4, decided_by = $5, completed_at = now(),
                 -- A row a child claimed (one of a terminated run's, still running) keeps

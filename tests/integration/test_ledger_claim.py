@@ -11,6 +11,7 @@ import pytest
 from billing import ledger
 from billing.errors import PeriodNotOpenError, UnknownCustomerError
 from billing.keys import idempotency_key
+from billing.ledger import claims
 from billing.models import ChargeResult, Claim, SkipResult
 from billing.periods import Period
 from tests.integration.harness import Harness, eventually
@@ -345,6 +346,37 @@ async def test_a_claim_after_a_runs_cancel_leaves_the_customer_to_the_next_run(
             conn, customer_id, PERIOD, key(customer_id), "run-2", charge_api="payment_intents"
         )
     assert (again.status, again.claimed_by_run) == ("claimed", "run-2")
+
+
+async def test_a_claim_left_to_the_next_run_leaves_that_runs_own_claim_alone(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stale attempt of a bill reads its run cancelled; before it writes the customer never
+    started, the run closes and a rerun claims the customer. Written so by a statement that
+    updated an open claim, it cancelled the rerun's claim for good (helper-182)."""
+    (customer,) = await harness.seed(1)
+    customer_id = customer.customer_id
+    refuse_held = claims._refuse_held
+
+    async def rerun_claims_meanwhile(
+        conn: asyncpg.Connection, customer_id: str, period: str, key: str
+    ) -> bool:
+        claimable = await refuse_held(conn, customer_id, period, key)
+        async with harness.pool.acquire() as other:
+            await ledger.finish_period(other, PERIOD, "{}")
+            await ledger.open_period(other, PERIOD, "wf-2")
+            await ledger.claim(other, customer_id, PERIOD, key, "run-2", charge_api="charges")
+        return claimable
+
+    async with harness.pool.acquire() as conn:
+        await ledger.set_control(conn, PERIOD, "cancelled", "wrong prices", "alice")
+        monkeypatch.setattr(claims, "_refuse_held", rerun_claims_meanwhile)
+        stale = await ledger.claim(
+            conn, customer_id, PERIOD, key(customer_id), "run-1", charge_api="charges"
+        )
+    [row] = await harness.ledger_rows(PERIOD)
+    assert (row["status"], row["claimed_by_run"]) == ("claimed", "run-2")
+    assert stale.status == "claimed"
 
 
 async def test_pages_of_due_customers_carry_each_row_past_the_cursor(harness: Harness) -> None:
