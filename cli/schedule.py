@@ -141,9 +141,11 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
                 " until resumed (`python starter.py status PERIOD` says how)"
             )
     elif args.schedule_command == "delete":
+        # Read before the delete: a failure to read them then stops the command with nothing
+        # deleted, not after it, as if the delete had failed.
+        left = await schedules.followers(client, args.id)
         await handle.delete()
         print(f"deleted schedule {args.id}")
-        left = await schedules.followers(client, args.id)
         if left:
             print(f"warning: {schedules.describe_followers(args.id, left)}", file=sys.stderr)
     return 0
