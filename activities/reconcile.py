@@ -245,7 +245,9 @@ class ReconcileActivities:
         """Keep what the reconciliation left to look at again, for the daily one to go back
         to (ledger.periods_to_recheck)."""
         async with self._pool.acquire() as conn:
-            await ledger.record_reconciliation(conn, verdict.period, verdict.open_reason)
+            await ledger.record_reconciliation(
+                conn, verdict.period, verdict.open_reason, verdict.began_at
+            )
 
     @activity.defn(name="reconcile_open_claims")
     async def open_claims(self, request: ReconcileInput) -> ClaimsToResolve:

@@ -83,6 +83,11 @@ class ReconcileVerdict(Record):
 
     period: str
     open_reason: str | None
+    # When the reconciliation that reached it began (its first run's start, Temporal's
+    # clock): the ledger keeps the verdict of the latest to begin, not of the last attempt
+    # to land (a worker frozen past its timeout writing days late). None from a release
+    # before it: kept as of when it is recorded.
+    began_at: datetime | None = None
 
 
 class HandledResult(Record):
@@ -355,6 +360,7 @@ class CarriedOver(Record):
     settled: Settled
     compared: Comparison
     cursor: str
+    began_at: datetime | None = None  # as in ReconcileVerdict; None from a release before it
 
 
 class ReconcileReport(Record):

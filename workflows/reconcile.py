@@ -15,7 +15,7 @@ Stripe holds that the ledger does not account for.
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, WorkflowIDReusePolicy
@@ -70,12 +70,18 @@ class ReconcileWorkflow:
         request = given(request, ReconcileInput)
         checked(parse_period, request.period)
         carried = request.carried
+        # When the chain began: the ledger keeps the verdict of the latest to begin.
+        began = workflow.info().workflow_start_time
+        if carried is not None and carried.began_at is not None:
+            began = carried.began_at
         if carried is None:
             settled = await self._settle(request)
-            compared = await self._compare(request, settled, Comparison(), None)
+            compared = await self._compare(request, settled, Comparison(), None, began)
         else:
             settled = carried.settled
-            compared = await self._compare(request, settled, carried.compared, carried.cursor)
+            compared = await self._compare(
+                request, settled, carried.compared, carried.cursor, began
+            )
         report = ReconcileReport(
             period=request.period,
             workflow_id=workflow.info().workflow_id,
@@ -109,16 +115,18 @@ class ReconcileWorkflow:
             f" {counts.get('orphan', 0)} orphans, {sum(counts.values())} findings in all"
         )
         if workflow.patched(RECORD_VERDICT):
-            await self._record_verdict(report)
+            await self._record_verdict(report, began)
         return report
 
-    async def _record_verdict(self, report: ReconcileReport) -> None:
+    async def _record_verdict(self, report: ReconcileReport, began: datetime) -> None:
         """Keep what is left to look at again, for the daily reconciliation to come back to;
         a ledger that cannot take it costs the report nothing, and the next run records it."""
         try:
             await workflow.execute_activity_method(
                 ReconcileActivities.record_verdict,
-                ReconcileVerdict(period=report.period, open_reason=report.open_reason),
+                ReconcileVerdict(
+                    period=report.period, open_reason=report.open_reason, began_at=began
+                ),
                 start_to_close_timeout=ACTIVITY_TIMEOUT,
                 retry_policy=RETRY,
                 summary=f"keep what {report.period}'s reconciliation left to look at again",
@@ -231,6 +239,7 @@ class ReconcileWorkflow:
         settled: Settled,
         compared: Comparison,
         cursor: str | None,
+        began: datetime,
     ) -> Comparison:
         period = request.period
         while True:
@@ -253,7 +262,9 @@ class ReconcileWorkflow:
                 return compared
             if _history_full(request) and workflow.patched("reconcile-continue-as-new"):
                 # Each page adds to the history: a million customers would pass its limits.
-                carried = CarriedOver(settled=settled, compared=compared, cursor=cursor)
+                carried = CarriedOver(
+                    settled=settled, compared=compared, cursor=cursor, began_at=began
+                )
                 workflow.continue_as_new(request.model_copy(update={"carried": carried}))
 
 

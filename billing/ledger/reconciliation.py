@@ -4,7 +4,7 @@ customers and charges to compare with Stripe, and the findings a person marked h
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Literal
 
 import asyncpg
@@ -25,17 +25,26 @@ from billing.reconciliation import (
 
 
 async def record_reconciliation(
-    conn: asyncpg.Connection, period: str, open_reason: str | None
+    conn: asyncpg.Connection,
+    period: str,
+    open_reason: str | None,
+    began_at: datetime | None = None,
 ) -> None:
-    """Keep what the period's latest reconciliation left to look at again (None: nothing)."""
+    """Keep what the period's latest reconciliation left to look at again (None: nothing),
+    as of when it began (`began_at`; now if None): a verdict of one that began before the
+    one kept is stale (an attempt landing days late) and is dropped. Kept as of its start,
+    a reconciliation counts a run started while it read as started since (periods_to_recheck)."""
     await conn.execute(
         """
-        INSERT INTO period_reconciliations (billing_period, open_reason) VALUES ($1, $2)
-        ON CONFLICT (billing_period)
-        DO UPDATE SET reconciled_at = now(), open_reason = EXCLUDED.open_reason
+        INSERT INTO period_reconciliations (billing_period, open_reason, reconciled_at)
+        VALUES ($1, $2, coalesce($3, now()))
+        ON CONFLICT (billing_period) DO UPDATE
+        SET reconciled_at = EXCLUDED.reconciled_at, open_reason = EXCLUDED.open_reason
+        WHERE period_reconciliations.reconciled_at <= EXCLUDED.reconciled_at
         """,
         period,
         open_reason,
+        began_at,
     )
 
 

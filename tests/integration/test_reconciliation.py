@@ -341,6 +341,15 @@ async def test_findings_past_the_reports_room_are_each_counted_once(
     )
     runs = await harness.chain_of_runs(handle.id, bound=40)
     await replay(runs)
+    # Kept as of the chain's start, carried through its runs.
+    began = runs[0].events[0].event_time.ToDatetime(tzinfo=UTC)
+    assert (
+        await harness.pool.fetchval(
+            "SELECT reconciled_at FROM period_reconciliations WHERE billing_period = $1",
+            str(PERIOD),
+        )
+        == began
+    )
     if how == "renamed":
         # I6 for a reconciliation continued as new, from a carried input too.
         assert len(runs) > 2
@@ -1634,6 +1643,29 @@ async def test_periods_left_open_for_good_take_turns_being_reconciled_again(
         # The period a firing reconciles anyway is not named again.
         found = await ledger.periods_to_recheck(conn, "2026-08", timedelta(days=62), 1)
         assert [p.period for p in found] == ["2026-09"]
+
+
+async def test_a_verdict_landing_after_a_later_reconciliations_is_dropped(
+    harness: Harness,
+) -> None:
+    """A reconciliation's verdict is kept as of when it began: one landing late (its worker
+    frozen past the activity's timeout while a later reconciliation of the period recorded
+    its own) replaced the later one, and "nothing left" from it stopped the daily checks of
+    what the later one had left open."""
+    billed = str(Period(2026, 9))
+    await run_started(harness, Period(2026, 9))
+    began = datetime.now(UTC) - timedelta(hours=1)
+    pending = "1 bank debits pending"
+    async with harness.pool.acquire() as conn:
+        await ledger.record_reconciliation(conn, billed, pending, began)
+        await ledger.record_reconciliation(conn, billed, None, began - timedelta(days=1))
+        assert await left_to_look_at(harness, Period(2026, 9)) == (True, pending)
+        # The same reconciliation's verdict again (a retried attempt) stands.
+        await ledger.record_reconciliation(conn, billed, None, began)
+        assert await left_to_look_at(harness, Period(2026, 9)) == (True, None)
+        # From a release before the start was sent: kept as of now.
+        await ledger.record_reconciliation(conn, billed, pending, None)
+        assert await left_to_look_at(harness, Period(2026, 9)) == (True, pending)
 
 
 @pytest.mark.parametrize("cancelled", ["no", "before-the-end", "after-the-end"])
