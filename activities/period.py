@@ -24,7 +24,7 @@ from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 
 from activities.stripe_failures import KEY_REFUSED
-from billing import ledger, logs, period_keys, schedules
+from billing import ledger, logs, period_keys, run_states
 from billing.config import BillingSettings
 from billing.customer_start import CUSTOMER_CHARGE_WORKFLOW, customer_start
 from billing.errors import LedgerBusyError, UnknownCustomerError
@@ -306,11 +306,11 @@ class PeriodActivities:
 
     @activity.defn(name="period_completed")
     async def completed(self, period: str) -> bool:
-        """Whether a launch leaves the period as it is (schedules.finished_runs): the ledger
+        """Whether a launch leaves the period as it is (run_states.finished_runs): the ledger
         shows a run of it that completed, cancelled ones too, which it remembers past the
         namespace's retention, or one an operator cancelled that has not closed."""
         async with self._pool.acquire() as conn:
-            return bool(await schedules.finished_runs(conn, [period]))
+            return bool(await run_states.finished_runs(conn, [period]))
 
     @activity.defn(name="latest_billed_period")
     async def latest_billed(self, period: str) -> str | None:

@@ -29,7 +29,7 @@ from activities.stripe_failures import (
     vault_key_unusable,
 )
 from activities.stripe_gateway import StripeGateway
-from billing import ledger, logs, metrics, period_keys, schedules
+from billing import ledger, logs, metrics, period_keys, run_states
 from billing.config import BillingSettings
 from billing.errors import LedgerConflictError, shown
 from billing.keys import customer_workflow_id, period_workflow_id
@@ -264,7 +264,7 @@ class ReconcileActivities:
         if (
             control not in (None, "cancelled")
             and status != WorkflowExecutionStatus.CANCELED  # Temporal's Cancel: an operator's
-            and schedules.ended_unclosed(status)
+            and run_states.ended_unclosed(status)
         ):
             async with self._pool.acquire() as conn:
                 unclaimed = await ledger.unclaimed_due(conn, request.period)

@@ -20,7 +20,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.workflow import UpdateMethodMultiParam
 
-from billing import ledger, schedules
+from billing import ledger, run_states
 from billing.config import BillingSettings
 from billing.db import create_pool
 from billing.errors import BillingError, NoWorkerError
@@ -92,7 +92,7 @@ async def cancel_ended_run(
         # No opening lands between the check and the writes.
         await ledger.lock_period(conn, str(period))
         # An operator's cancel recorded by a release that left the period open is closed now.
-        if str(period) not in await schedules.ended_open(client, conn, [str(period)]):
+        if str(period) not in await run_states.ended_open(client, conn, [str(period)]):
             return None
         await ledger.set_control(conn, str(period), "cancelled", request.reason, request.operator)
         after: str | None = None

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 from temporalio.client import Client, ScheduleAlreadyRunningError
 from temporalio.service import RPCError
 
-from billing import ledger, schedules
+from billing import ledger, run_states, schedules
 from billing.config import TemporalSettings, load_settings
 from billing.errors import ForeignScheduleError, InvalidInputError, UnknownScheduleError
 from billing.periods import check_far_flags, is_late, parse_period, period_range
@@ -90,7 +90,9 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
             period = await schedules.trigger(
                 client, conn, args.id, early=args.early, while_paused=args.while_paused
             )
-            joined = await schedules.joined_open_runs(client, conn, [str(period)] if period else [])
+            joined = await run_states.joined_open_runs(
+                client, conn, [str(period)] if period else []
+            )
         if joined.get(str(period)) == "paused":
             # The launch joins that run, which bills nothing until it is resumed.
             print(
@@ -103,7 +105,7 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
     elif args.schedule_command == "backfill":
         async with ledger_connection() as conn:
             # Before the launches, which open runs of their own.
-            joined = await schedules.joined_open_runs(
+            joined = await run_states.joined_open_runs(
                 client, conn, [str(p) for p in period_range(args.start, args.end)]
             )
             done = await schedules.backfill(
@@ -121,7 +123,7 @@ async def cmd_schedule(args: argparse.Namespace) -> int:
         )
         if done.finished:
             print(
-                f"  left as they are: {schedules.describe_finished(done.finished)}"
+                f"  left as they are: {run_states.describe_finished(done.finished)}"
                 " (bill one again by hand, once its run has ended: python starter.py run PERIOD)"
             )
         # A cancelled run still open is among those left as they are.
