@@ -5,7 +5,7 @@ anyone who can reach the port could grow the audit log at will. Instead each win
 row per peer saying how many (`vault_unauthenticated`). A key is still looked up for every
 request that presents one: a limit on those lookups per address would throttle honest workers
 behind the same address, or every new key once a flood from enough addresses shares one count.
-Limit requests per client in front of the vault instead (README, "Slow clients").
+Limit requests per client in front of the vault instead (docs/vault.md, "Slow clients").
 """
 
 from __future__ import annotations

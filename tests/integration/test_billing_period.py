@@ -87,7 +87,7 @@ async def test_declined_card_fails_once_and_the_rest_are_charged(harness: Harnes
 
 
 # What Stripe answers a charge naming no payment method when the customer has no legacy
-# default source, as the customers imported with PaymentMethods have none (README).
+# default source, as the customers imported with PaymentMethods have none (docs/operations.md).
 NO_METHOD_REFUSALS = {
     "payment_intents": (
         "payment_intent_unexpected_state",
