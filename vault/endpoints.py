@@ -18,11 +18,13 @@ CANCEL = "POST /v1/payment_intents/*/cancel"
 # ties an intent to the request that made it (Stripe does not say which key made an intent).
 KEY_METADATA = "billing_key"
 # The vault's answers to a metered request of which nothing reached Stripe, past its key's
-# check: held up past its deadline to be sent, or its key not checkable (the database away).
-# A worker's retry then passes the ledger's gate afresh, as after a 429.
+# check: held up past its deadline to be sent, its key not checkable (the database away), or
+# no connection to Stripe made. A worker's retry then passes the ledger's gate afresh, as
+# after a 429.
 HELD_UP = "vault_held_up"
 DATABASE_UNAVAILABLE = "vault_database_unavailable"
-NOT_SENT_CODES = frozenset({HELD_UP, DATABASE_UNAVAILABLE})
+UPSTREAM_UNREACHABLE = "vault_upstream_unreachable"
+NOT_SENT_CODES = frozenset({HELD_UP, DATABASE_UNAVAILABLE, UPSTREAM_UNREACHABLE})
 # All a key issued with the worker token may allow: the billing workers' charges and the
 # lookups of them (billing/period_keys.py), so such a key cannot read the rest of the account.
 WORKER_ENDPOINTS = (

@@ -23,7 +23,15 @@ from billing.db import CONNECTION_ERRORS
 from billing.redact import SECRET_RE, redact
 from vault import cancels, metrics, reservations, store
 from vault.bodies import read_body
-from vault.endpoints import CANCEL, FENCE_HEADER, HELD_UP, METERED, PATH_RE, allows
+from vault.endpoints import (
+    CANCEL,
+    FENCE_HEADER,
+    HELD_UP,
+    METERED,
+    PATH_RE,
+    UPSTREAM_UNREACHABLE,
+    allows,
+)
 from vault.errors import Refusal, VaultError
 from vault.models import (
     IDEMPOTENCY_KEY_PATTERN,
@@ -211,6 +219,24 @@ async def _proxy(
     except HeldUpError as held:
         assert reservation is not None
         raise await _held_up(state, reservation, held.held_up, record) from None
+    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as failure:
+        # Raised while connecting, before a byte of the request is written.
+        logger.warning(
+            "could not connect to Stripe for %s (key %s): %s",
+            endpoint,
+            grant.id,
+            type(failure).__name__,
+        )
+        await _settle_unsent(state, reservation, record)
+        raise Refusal(
+            "refused_request",
+            503,
+            UPSTREAM_UNREACHABLE,
+            "the vault could not connect to Stripe, so it sent nothing; retry with the same"
+            " Idempotency-Key",
+            error_type="api_error",
+            should_retry=True,
+        ) from None
     except Exception as failure:
         # The request may or may not have gone out, whatever failed: settled unknown, not left
         # pending, or the retry would be refused as in flight and the cap would hold it.
@@ -307,10 +333,7 @@ async def _held_up(
     a paused container, a suspended machine) is not sent at all. Its reservation may have
     been found stale and released meanwhile, and a retry may have charged with the key: sent
     once Stripe has forgotten the key, a day on, it would charge again."""
-    if reservation.owned:
-        # Nothing of this attempt reached Stripe; one it took over stays in doubt.
-        outcome: Outcome = "unknown" if reservation.in_doubt else "failed"
-        record.reservation_state = await _settle(state, reservation, outcome, None)
+    await _settle_unsent(state, reservation, record)
     return Refusal(
         "refused_request",
         503,
@@ -321,6 +344,16 @@ async def _held_up(
         error_type="api_error",
         should_retry=True,
     )
+
+
+async def _settle_unsent(
+    state: VaultState, reservation: Reservation | None, record: AuditRecord
+) -> None:
+    """Nothing of this attempt reached Stripe: its room is freed, but a reservation it took
+    over from an attempt that may have stays in doubt."""
+    if reservation is not None and reservation.owned:
+        outcome: Outcome = "unknown" if reservation.in_doubt else "failed"
+        record.reservation_state = await _settle(state, reservation, outcome, None)
 
 
 def _fencing_token(request: web.Request) -> int | None:

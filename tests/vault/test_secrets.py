@@ -16,11 +16,20 @@ from yarl import URL
 
 from stripe_emulator import RunningEmulator
 from vault import RunningVault, VaultSettings, serve
+from vault.client import VaultAdmin
+from vault.endpoints import UPSTREAM_UNREACHABLE
 from vault.models import IssuedKey
 from vault.proxy import _without_client_secrets
 
 from .conftest import Issue, Secrets
-from .support import ADMIN_TOKEN, UPSTREAM_SECRET, charge, charge_in_doubt, via_vault
+from .support import (
+    ADMIN_TOKEN,
+    UPSTREAM_SECRET,
+    charge,
+    charge_in_doubt,
+    proxied_calls,
+    via_vault,
+)
 
 StripeFor = Callable[[IssuedKey], stripe.StripeClient]
 
@@ -158,29 +167,44 @@ async def test_the_upstream_secret_is_scrubbed_from_what_the_upstream_echoes(
     assert "Bearer [redacted]" in body
 
 
-async def test_unreachable_upstream_is_logged_without_secrets(
+async def test_an_unreachable_upstream_frees_the_room_and_logs_no_secret(
     vault_settings: VaultSettings,
     issue: Issue,
     customer: str,
     db: asyncpg.Pool,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    key = await issue()
+    """No connection made, nothing was sent: the reservation is released (it was held
+    unknown, 900 of a 1,000 cap kept from every other charge until reconciliation settled a
+    charge Stripe never saw: helper-183), the answer says nothing was sent, and the audit
+    row says the request was not forwarded."""
+    key = await issue(cap_cents=1000)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         closed_port = sock.getsockname()[1]
     nowhere = vault_settings.model_copy(
         update={"upstream_stripe_base": f"http://127.0.0.1:{closed_port}"}
     )
+    secret = key.secret.get_secret_value()
     async with serve(nowhere) as vault, aiohttp.ClientSession() as session:
-        client = via_vault(key.secret.get_secret_value(), vault.url, session)
         with pytest.raises(stripe.APIError) as failed:
-            await charge(client, customer, 100, "nowhere")
-    assert failed.value.http_status == 502
-    assert "upstream gave no answer" in caplog.text
-    # Nothing reached Stripe, but the vault cannot know that: the money stays reserved.
-    state = await db.fetchval("SELECT state FROM vault_reservations")
-    assert state == "unknown"
+            await charge(via_vault(secret, vault.url, session), customer, 900, "nowhere")
+    assert failed.value.http_status == 503 and failed.value.error is not None
+    assert failed.value.error.code == UPSTREAM_UNREACHABLE
+    assert (failed.value.headers or {}).get("Stripe-Should-Retry") == "true"
+    assert "could not connect to Stripe for POST /v1/payment_intents" in caplog.text
+    assert await db.fetchval("SELECT state FROM vault_reservations") == "released"
+    async with serve(vault_settings) as vault, aiohttp.ClientSession() as session:
+        async with VaultAdmin(vault.url, ADMIN_TOKEN) as admin:
+            [audited] = await proxied_calls(admin, key.id)
+        assert (audited.decision, audited.refusal_code, audited.upstream_status) == (
+            "refused_request",
+            UPSTREAM_UNREACHABLE,
+            None,
+        )
+        # 900 held unknown would leave no room for it.
+        client = via_vault(secret, vault.url, session)
+        assert (await charge(client, customer, 200, "elsewhere")).status == "succeeded"
 
 
 async def test_proxied_answers_carry_no_payment_intent_client_secret(
