@@ -53,6 +53,7 @@ from billing.models import (
 )
 from billing.periods import parse_period
 from billing.rate_limit import Slot, stripe_rate
+from billing.stripe_client import error_code
 from vault.endpoints import NOT_SENT_CODES
 
 # The period is paused: the workflow waits for its resume or cancel.
@@ -339,7 +340,7 @@ class ChargingActivities:
             # a lookup refused after Stripe answered the create shows nothing of the kind.
             refused_before_stripe = error is exc
             if refused_before_stripe and (
-                isinstance(exc, stripe.RateLimitError) or exc.code in NOT_SENT_CODES
+                isinstance(exc, stripe.RateLimitError) or error_code(exc) in NOT_SENT_CODES
             ):
                 # Stripe executes nothing it rate-limits, and the vault sent nothing: if this
                 # was the claim's only attempt, nothing of it is at Stripe, so the retry

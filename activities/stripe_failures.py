@@ -21,6 +21,7 @@ from billing.models import (
     ChargeFailure,
 )
 from billing.redact import redact
+from billing.stripe_client import error_code
 
 # ApplicationError types the workflow tells apart.
 DECLINED = "ChargeDeclined"
@@ -54,7 +55,7 @@ SUPERSEDED_CODE = "attempt_superseded"
 
 def vault_key_unusable(exc: stripe.StripeError) -> bool:
     """The vault refused the request because the vault key has expired or was revoked."""
-    code = _error_body(exc).get("code")
+    code = error_code(exc)
     return exc.http_status == 401 and code in (VAULT_KEY_EXPIRED_CODE, VAULT_KEY_REVOKED_CODE)
 
 
@@ -80,7 +81,7 @@ def fence_of(exc: stripe.StripeError) -> int | None:
 
 def failure_from(exc: stripe.StripeError, default_code: str) -> ChargeFailure:
     error = _error_body(exc)
-    code = error.get("code") or exc.code or default_code
+    code = error_code(exc) or default_code
     decline = error.get("decline_code")
     return ChargeFailure(
         code=str(code),
@@ -103,7 +104,7 @@ def declined(failure: ChargeFailure) -> ApplicationError:
 
 def _key_refused(exc: stripe.StripeError, key: str, then: str) -> ChargeFailure:
     # Stripe's own message can quote part of the key: say what to check instead.
-    code = _error_body(exc).get("code")
+    code = error_code(exc)
     if code == VAULT_KEY_EXPIRED_CODE:
         return ChargeFailure(code=code, message=f"{key} has expired ({then})")
     if code == VAULT_KEY_REVOKED_CODE:
@@ -152,13 +153,13 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
         return _non_retryable(REFUSED, failure_from(exc, "idempotency_error"))
     if isinstance(exc, stripe.InvalidRequestError):
         return _non_retryable(REFUSED, failure_from(exc, "invalid_request"))
-    if _error_body(exc).get("code") == SUPERSEDED_CODE:
+    if error_code(exc) == SUPERSEDED_CODE:
         return ApplicationError(
             "the vault refused this attempt: a later attempt of the charge fenced it off since;"
             " retrying with a new fencing token",
             type=RETRYABLE,
         )
-    if exc.code == WAITING_ON_CUSTOMER:
+    if error_code(exc) == WAITING_ON_CUSTOMER:
         return ApplicationError(
             f"{exc.user_message}; looked up again every"
             f" {SLOW_RETRY.total_seconds() / 60:.0f} minutes until it ends. To stop waiting,"
@@ -167,7 +168,7 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
             type=RETRYABLE,
             next_retry_delay=SLOW_RETRY,
         )
-    if _error_body(exc).get("code") == KEY_EXPIRED_CODE:
+    if error_code(exc) == KEY_EXPIRED_CODE:
         return ApplicationError(
             f"{KEY_EXPIRED_CODE}: {redact(str(exc.user_message))}",
             type=RETRYABLE,

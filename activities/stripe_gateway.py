@@ -13,6 +13,7 @@ from billing.ledger import SENT_DIRECT
 from billing.models import ChargeApi, ChargeFailure, ChargeResult, Claim
 from billing.reconciliation import INCOMPLETE_INTENT, MADE_STATUSES, ChargeState, StripeCharge
 from billing.redact import redact
+from billing.stripe_client import error_code
 from vault.endpoints import FENCE_HEADER, KEY_METADATA
 
 # Customers rarely hold more than a few charges a period; pages this size find ours at once.
@@ -202,7 +203,7 @@ class StripeGateway:
                 for intent in stalled:
                     await self._cancel(intent)
             except stripe.PermissionError as exc:
-                if exc.error is not None and exc.error.code == NOT_IN_DOUBT:
+                if error_code(exc) == NOT_IN_DOUBT:
                     # Its charge is being sent again right now (its vault reservation pending,
                     # not unknown): the next retry cancels it.
                     raise NoAnswerYet(
@@ -212,7 +213,7 @@ class StripeGateway:
                 # The key may not cancel (issued before keys could).
             except stripe.InvalidRequestError as exc:
                 # It moved on since it was listed: Stripe completed it, or someone cancelled it.
-                if exc.code != "payment_intent_unexpected_state":
+                if error_code(exc) != "payment_intent_unexpected_state":
                     raise
             # Where the claim stands now, as Stripe holds it; nothing is cancelled twice.
             return await self._find_intent(claim, cancel_stalled=False)

@@ -27,6 +27,7 @@ from billing.config import ObservabilitySettings
 from billing.liveness import Heartbeat, with_health
 from billing.models import SPEND_CAP_EXCEEDED_CODE
 from billing.redact import shown_cut
+from billing.stripe_client import error_code
 
 CHARGES = Counter(
     "billing_charges_total",
@@ -132,19 +133,11 @@ def count_followed_schedule_gone(schedule_id: str) -> None:
 def count_vault_refusal(exc: stripe.StripeError) -> None:
     """Count a 401, a 403 or a 402 spend_cap_exceeded: what the vault answers when it refuses
     a request before forwarding it."""
-    code = _error_code(exc)
+    code = error_code(exc)
     if exc.http_status in (401, 403) or (
         exc.http_status == 402 and code == SPEND_CAP_EXCEEDED_CODE
     ):
         VAULT_REFUSALS.labels(code=(code or f"http_{exc.http_status}")[:_MAX_CODE_LENGTH]).inc()
-
-
-def _error_code(exc: stripe.StripeError) -> str | None:
-    # The SDK sets `code` on 402s only; the body holds it for 401s and 403s too.
-    body = exc.json_body
-    error = body.get("error") if isinstance(body, dict) else None
-    code = error.get("code") if isinstance(error, dict) else None
-    return str(code) if code else exc.code
 
 
 def serve(settings: ObservabilitySettings, heartbeat: Heartbeat | None = None) -> WSGIServer | None:

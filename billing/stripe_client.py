@@ -20,6 +20,15 @@ async def stripe_http(timeout: float) -> AsyncIterator[stripe.HTTPClient]:
         await http.close_async()  # type: ignore[no-untyped-call]
 
 
+def error_code(exc: stripe.StripeError) -> str | None:
+    """The error's code as Stripe (or the vault) sent it. The SDK sets `exc.code` for some
+    statuses only (400, 402, 404); the body holds it for every one, e.g. the vault's 503s."""
+    body = exc.json_body
+    error = body.get("error") if isinstance(body, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return str(code) if code else exc.code
+
+
 def stripe_client(api_key: str, api_base: str, http: stripe.HTTPClient) -> stripe.StripeClient:
     # No max_network_retries: Temporal retries, always with the claim's idempotency key.
     return stripe.StripeClient(api_key, base_addresses={"api": api_base}, http_client=http)

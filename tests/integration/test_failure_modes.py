@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import signal
 from datetime import UTC, datetime, timedelta, tzinfo
 
@@ -76,14 +77,21 @@ class VaultHeldUpOnce(RateLimitedOnce):
     """The vault sends nothing of the first create: held up past its deadline to send it."""
 
     def refusal(self) -> stripe.StripeError:
-        return stripe.APIError("held up", http_status=503, code=HELD_UP)
+        return _vault_503(HELD_UP)
 
 
 class VaultDatabaseAwayOnce(RateLimitedOnce):
     """The vault sends nothing of the first create: its key not checkable, the database away."""
 
     def refusal(self) -> stripe.StripeError:
-        return stripe.APIError("database away", http_status=503, code=DATABASE_UNAVAILABLE)
+        return _vault_503(DATABASE_UNAVAILABLE)
+
+
+def _vault_503(code: str) -> stripe.APIError:
+    """The vault's 503 as the Stripe SDK raises it: the code in the body only (the SDK sets
+    `code` on 400s, 402s and 404s)."""
+    body = {"error": {"type": "api_error", "code": code, "message": code}}
+    return stripe.APIError(code, http_body=json.dumps(body), http_status=503, json_body=body)
 
 
 async def _billing_one(
