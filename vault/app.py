@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from billing.redact import redact
 from vault import admin, metrics, proxy
@@ -21,6 +22,25 @@ logger = logging.getLogger("vault")
 VERSION = "0.1.0"
 # Finishing in-flight requests on shutdown takes at most their longest time plus a little.
 _SHUTDOWN_MARGIN_SECONDS = 5.0
+
+
+class _MalformedRequests(logging.Filter):
+    """aiohttp's parser quotes a header line it rejects, whole, in the error its server logs:
+    an Authorization line with a stray control byte would put the admin or worker token,
+    which no pattern can tell from other text, in the log. Such a record keeps the peer and
+    the kind of error only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError):
+            peer = record.args[0] if isinstance(record.args, tuple) and record.args else None
+            record.msg = "refused a malformed request from %s (%s, HTTP %s): not logged"
+            record.args = (peer, type(error).__name__, error.code)
+            record.exc_info = record.exc_text = None
+        return True
+
+
+_MALFORMED_REQUESTS = _MalformedRequests()
 
 
 @web.middleware
@@ -82,6 +102,7 @@ async def serve(
         # its server has (it has none on the number of connections).
         keepalive_timeout=settings.header_timeout_seconds,
     )
+    logging.getLogger("aiohttp.server").addFilter(_MALFORMED_REQUESTS)  # once, however many
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
