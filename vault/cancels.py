@@ -91,6 +91,17 @@ async def _read(state: VaultState, intent_id: str) -> _Intent:
             return _Intent.model_validate_json(body)
         except ValidationError:
             pass
+    if status in (401, 403):
+        # The vault's own key may not read intents: no retry mends that.
+        raise Refusal(
+            "refused_request",
+            502,
+            "upstream_refused",
+            f"Stripe refused the vault's own key reading {intent_id} ({status}), so the vault"
+            " cannot check it before cancelling it: nothing was cancelled. Give"
+            " VAULT_UPSTREAM_STRIPE_SECRET a key that may read and cancel PaymentIntents",
+            error_type="api_error",
+        )
     raise Refusal(
         "refused_request",
         502 if status == 0 else 503,

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import aiohttp
 import pytest
 import stripe
+from pydantic import SecretStr
 
 from stripe_emulator import RunningEmulator
+from vault import VaultSettings, serve
 from vault.client import VaultAdmin
 from vault.endpoints import CANCEL, KEY_METADATA
 from vault.models import IssuedKey
 
 from .conftest import Issue
-from .support import DEFAULT_ENDPOINTS, charge, charge_in_doubt, proxied_calls
+from .support import DEFAULT_ENDPOINTS, charge, charge_in_doubt, proxied_calls, via_vault
 
 StripeFor = Callable[[IssuedKey], stripe.StripeClient]
 AMOUNT = 2_500
@@ -184,4 +187,31 @@ async def test_a_key_without_the_cancel_entry_or_an_unknown_intent_is_refused(
     with pytest.raises(stripe.InvalidRequestError) as missing:
         await cancel(stripe_via_vault(cancelling_key), "pi_unknown")
     assert missing.value.code == "resource_missing"
+    assert await status_of(direct_stripe, intent_id) == "requires_confirmation"
+
+
+async def test_a_vault_whose_own_key_may_not_read_the_intent_says_so_once(
+    cancelling_key: IssuedKey,
+    stripe_via_vault: StripeFor,
+    direct_stripe: stripe.StripeClient,
+    customer: str,
+    emulator: RunningEmulator,
+    vault_settings: VaultSettings,
+) -> None:
+    """Its read before the cancel refused (401, 403: a restricted key without the right) was
+    answered 503 "retry", which no retry mends (helper-183)."""
+    await in_doubt(emulator, stripe_via_vault(cancelling_key), customer)
+    intent_id = await unconfirmed(direct_stripe, customer)
+    # The emulator takes test secret keys only, as Stripe refuses a key without the right.
+    restricted = vault_settings.model_copy(
+        update={"upstream_stripe_secret": SecretStr("rk_test_" + "cannot_read_intents")}
+    )
+    async with serve(restricted) as vault, aiohttp.ClientSession() as session:
+        client = via_vault(cancelling_key.secret.get_secret_value(), vault.url, session)
+        with pytest.raises(stripe.APIError) as refused:
+            await cancel(client, intent_id)
+    assert refused.value.http_status == 502 and refused.value.error is not None
+    assert refused.value.error.code == "upstream_refused"
+    assert (refused.value.headers or {}).get("Stripe-Should-Retry") == "false"
+    assert "VAULT_UPSTREAM_STRIPE_SECRET" in str(refused.value.user_message)
     assert await status_of(direct_stripe, intent_id) == "requires_confirmation"
