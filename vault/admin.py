@@ -19,7 +19,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from billing.redact import SECRET_RE, redact
-from vault import budget, reservations, store
+from vault import budget, metrics, reservations, store
 from vault.bodies import read_body
 from vault.errors import VaultError, invalid_input
 from vault.models import (
@@ -133,6 +133,7 @@ def _authorized(access: Access, handler: Handler) -> Handler:
     async def checked(request: web.Request) -> web.StreamResponse:
         role = _role(request)
         if role is None:
+            metrics.REFUSALS.labels(code="admin_token_invalid").inc()
             raise VaultError(
                 401,
                 # The code from before the worker token, for clients that match on it.
@@ -141,6 +142,7 @@ def _authorized(access: Access, handler: Handler) -> Handler:
                 error_type="authentication_error",
             )
         if role == "worker" and access == "admin":
+            metrics.REFUSALS.labels(code="admin_token_required").inc()
             raise VaultError(
                 403,
                 "admin_token_required",

@@ -14,7 +14,8 @@ REQUESTS = Counter(
 )
 REFUSALS = Counter(
     "vault_refusals_total",
-    "Requests the vault answered itself, by refusal code (e.g. spend_cap_exceeded).",
+    "Requests the vault answered itself, by refusal code (e.g. spend_cap_exceeded); the"
+    " admin API's refused tokens too.",
     ["code"],
 )
 LATE_WRITES = Counter(

@@ -13,6 +13,7 @@ import aiohttp
 import asyncpg
 import pytest
 import stripe
+from prometheus_client import REGISTRY
 from stripe.params import PaymentIntentCreateParams
 from yarl import URL
 
@@ -207,3 +208,8 @@ async def assert_a_slow_body_is_refused(
     assert answer.startswith(b"HTTP/1.1 408 ")
     assert b"\r\nConnection: close\r\n" in answer
     assert b'"code":"body_timeout"' in answer
+
+
+def refusals_counted(code: str) -> float:
+    """The vault's `vault_refusals_total` for `code`, in this process."""
+    return REGISTRY.get_sample_value("vault_refusals_total", {"code": code}) or 0.0

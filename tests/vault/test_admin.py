@@ -24,6 +24,7 @@ from .support import (
     MAX_CAP_CENTS,
     assert_a_slow_body_is_refused,
     key_request,
+    refusals_counted,
 )
 
 
@@ -63,6 +64,7 @@ async def test_admin_token_is_required_and_compared_in_constant_time(
         return real(a, b)
 
     monkeypatch.setattr(hmac, "compare_digest", spy)  # vault.admin calls hmac.compare_digest
+    before = refusals_counted("admin_token_invalid")
     for token in (None, "wrong", ADMIN_TOKEN + "x", ADMIN_TOKEN[:-1]):
         status, reply = await _admin_call(http, vault, "GET", "/vault/keys", token=token)
         assert (status, reply["error"]["code"]) == (401, "admin_token_invalid")
@@ -70,6 +72,8 @@ async def test_admin_token_is_required_and_compared_in_constant_time(
         with pytest.raises(VaultAuthError):
             await wrong.find_keys()
     assert (await _admin_call(http, vault, "GET", "/vault/keys"))[0] == 200
+    # Not audited (no key to audit them under), counted: probing shows.
+    assert refusals_counted("admin_token_invalid") == before + 5
     # Digests are compared, so even a shorter or longer token takes the same comparison.
     assert compared and all(lengths == (32, 32) for lengths in compared)
 

@@ -25,6 +25,7 @@ from .support import (
     WORKER_TOKEN,
     charge,
     key_request,
+    refusals_counted,
     set_faults,
 )
 
@@ -46,9 +47,11 @@ async def test_a_worker_issues_reads_resolves_and_revokes_its_own_but_cannot_rea
     assert (await worker.get_key(mine.id)).id == mine.id
     assert {k.id for k in await worker.find_keys(period="2026-12")} == {mine.id, theirs.id}
     assert await worker.unknown_reservations(mine.id) == []
+    before = refusals_counted("admin_token_required")
     with pytest.raises(VaultForbidden, match="needs the admin token") as refused:
         await worker.audit(theirs.id)
     assert refused.value.code == "admin_token_required"
+    assert refusals_counted("admin_token_required") == before + 1
     # A worker revokes a key it issued and no run uses (it moves no money); an operator's
     # keys are the operator's to revoke.
     with pytest.raises(VaultForbidden, match="issued with the admin token: revoke it with it"):
