@@ -219,25 +219,11 @@ async def _proxy(
     except HeldUpError as held:
         assert reservation is not None
         raise await _held_up(state, reservation, held.held_up, record) from None
-    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as failure:
-        # Raised while connecting, before a byte of the request is written.
-        logger.warning(
-            "could not connect to Stripe for %s (key %s): %s",
-            endpoint,
-            grant.id,
-            type(failure).__name__,
-        )
-        await _settle_unsent(state, reservation, record)
-        raise Refusal(
-            "refused_request",
-            503,
-            UPSTREAM_UNREACHABLE,
-            "the vault could not connect to Stripe, so it sent nothing; retry with the same"
-            " Idempotency-Key",
-            error_type="api_error",
-            should_retry=True,
-        ) from None
     except Exception as failure:
+        if _never_connected(request, failure):
+            raise await _not_connected(
+                state, reservation, record, endpoint, grant.id, failure
+            ) from None
         # The request may or may not have gone out, whatever failed: settled unknown, not left
         # pending, or the retry would be refused as in flight and the cap would hold it.
         if reservation is not None and reservation.owned:
@@ -341,6 +327,38 @@ async def _held_up(
         f"the vault was held up {held_up:.1f} s between reserving this charge and sending it,"
         f" past the {state.send_within.total_seconds():.0f} s it may take, so it did not send"
         " it; retry with the same Idempotency-Key",
+        error_type="api_error",
+        should_retry=True,
+    )
+
+
+def _never_connected(request: web.Request, failure: Exception) -> bool:
+    """Whether the forward failed connecting, before a byte of the request was written. Only
+    for a POST: aiohttp tries an idempotent method again on a new connection when a reused
+    one was dropped, so a failed connect may follow a request sent."""
+    connecting = isinstance(failure, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError)
+    return connecting and request.method == "POST"
+
+
+async def _not_connected(
+    state: VaultState,
+    reservation: Reservation | None,
+    record: AuditRecord,
+    endpoint: str,
+    key_id: str,
+    failure: Exception,
+) -> Refusal:
+    """No connection to Stripe was made (refused, not resolved, timed out): nothing was sent."""
+    logger.warning(
+        "could not connect to Stripe for %s (key %s): %s", endpoint, key_id, type(failure).__name__
+    )
+    await _settle_unsent(state, reservation, record)
+    return Refusal(
+        "refused_request",
+        503,
+        UPSTREAM_UNREACHABLE,
+        "the vault could not connect to Stripe, so it sent nothing; retry with the same"
+        " Idempotency-Key",
         error_type="api_error",
         should_retry=True,
     )

@@ -74,6 +74,10 @@ def longest_request(settings: VaultSettings) -> timedelta:
     )
 
 
+# How long the vault waits for a TCP connection to Stripe (at most half its whole wait).
+CONNECT_SECONDS = 10.0
+
+
 def lifecycle(settings: VaultSettings) -> Callable[[web.Application], AsyncIterator[None]]:
     """An aiohttp cleanup context opening the pool and the upstream session, and closing them
     after the last in-flight request has finished."""
@@ -87,7 +91,13 @@ def lifecycle(settings: VaultSettings) -> Callable[[web.Application], AsyncItera
             raise
         upstream = aiohttp.ClientSession(
             connector=DeadlineConnector(limit=settings.upstream_max_connections),
-            timeout=aiohttp.ClientTimeout(total=settings.upstream_timeout_seconds),
+            timeout=aiohttp.ClientTimeout(
+                total=settings.upstream_timeout_seconds,
+                # A connect of its own, so that a connect that hangs (Stripe's address
+                # blackholed) ends as one never made, which sent nothing (vault.proxy), not as
+                # a request that may have gone out.
+                sock_connect=min(CONNECT_SECONDS, settings.upstream_timeout_seconds / 2),
+            ),
         )
         secret = settings.upstream_stripe_secret.get_secret_value()
         app[STATE] = VaultState(

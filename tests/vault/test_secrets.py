@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 
 import aiohttp
 import asyncpg
@@ -192,28 +193,55 @@ async def test_a_token_in_a_malformed_header_is_not_logged(
     assert "refused a malformed request from 127.0.0.1 (BadHttpMessage, HTTP 400)" in caplog.text
 
 
+@contextmanager
+def unanswered_port() -> Iterator[int]:
+    """A port whose connects hang, as to an address a firewall blackholes: its listener's
+    queue is full and never accepted from, so Linux drops every further SYN."""
+    with socket.socket() as listener, ExitStack() as fillers:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        for _ in range(3):
+            filler = fillers.enter_context(socket.socket())
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", port))
+        yield port
+
+
+@contextmanager
+def closed_port() -> Iterator[int]:
+    """A port nothing listens on: a connect is refused at once."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("upstream", [closed_port, unanswered_port], ids=["refused", "hangs"])
 async def test_an_unreachable_upstream_frees_the_room_and_logs_no_secret(
     vault_settings: VaultSettings,
     issue: Issue,
     customer: str,
     db: asyncpg.Pool,
     caplog: pytest.LogCaptureFixture,
+    upstream: Callable[[], AbstractContextManager[int]],
 ) -> None:
     """No connection made, nothing was sent: the reservation is released (it was held
     unknown, 900 of a 1,000 cap kept from every other charge until reconciliation settled a
-    charge Stripe never saw: helper-183), the answer says nothing was sent, and the audit
-    row says the request was not forwarded."""
+    charge Stripe never saw: helper-183; a connect that hung ran into the whole request's
+    timeout, read as a request that may have gone out: helper-184), the answer says nothing
+    was sent, and the audit row says the request was not forwarded."""
     key = await issue(cap_cents=1000)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        closed_port = sock.getsockname()[1]
-    nowhere = vault_settings.model_copy(
-        update={"upstream_stripe_base": f"http://127.0.0.1:{closed_port}"}
-    )
     secret = key.secret.get_secret_value()
-    async with serve(nowhere) as vault, aiohttp.ClientSession() as session:
-        with pytest.raises(stripe.APIError) as failed:
-            await charge(via_vault(secret, vault.url, session), customer, 900, "nowhere")
+    with upstream() as port:
+        nowhere = vault_settings.model_copy(
+            update={
+                "upstream_stripe_base": f"http://127.0.0.1:{port}",
+                "upstream_timeout_seconds": 4,
+            }
+        )
+        async with serve(nowhere) as vault, aiohttp.ClientSession() as session:
+            with pytest.raises(stripe.APIError) as failed:
+                await charge(via_vault(secret, vault.url, session), customer, 900, "nowhere")
     assert failed.value.http_status == 503 and failed.value.error is not None
     assert failed.value.error.code == UPSTREAM_UNREACHABLE
     assert (failed.value.headers or {}).get("Stripe-Should-Retry") == "true"
