@@ -14,7 +14,7 @@ from billing.models import ChargeApi, ChargeFailure, ChargeResult, Claim
 from billing.reconciliation import INCOMPLETE_INTENT, MADE_STATUSES, ChargeState, StripeCharge
 from billing.redact import redact
 from billing.stripe_client import error_code
-from vault.endpoints import FENCE_HEADER, KEY_METADATA
+from vault.endpoints import FENCE_HEADER, KEY_METADATA, NOT_IN_DOUBT, UPSTREAM_REFUSED
 
 # Customers rarely hold more than a few charges a period; pages this size find ours at once.
 _LOOKUP_PAGE = 100
@@ -37,8 +37,6 @@ MADE_INTENT_STATUSES = frozenset({"succeeded", "processing"})
 STALLED_INTENT_STATUS = "requires_confirmation"
 STALLED_AFTER_SECONDS = 3600 + _CLOCK_SKEW_SECONDS
 ABANDONED = "abandoned"
-# The vault's refusal of a cancel of an intent it does not tie to a charge in doubt.
-NOT_IN_DOUBT = "payment_intent_not_this_keys"
 
 
 def charge_params(claim: Claim, api: ChargeApi) -> dict[str, Any]:
@@ -214,6 +212,11 @@ class StripeGateway:
             except stripe.InvalidRequestError as exc:
                 # It moved on since it was listed: Stripe completed it, or someone cancelled it.
                 if error_code(exc) != "payment_intent_unexpected_state":
+                    raise
+            except stripe.APIError as exc:
+                # The vault's own secret may not read the intent to check it: no retry mends
+                # that, so the intent is left to a person, as where the key may not cancel.
+                if error_code(exc) != UPSTREAM_REFUSED:
                     raise
             # Where the claim stands now, as Stripe holds it; nothing is cancelled twice.
             return await self._find_intent(claim, cancel_stalled=False)

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from yarl import URL
 
 from vault import reservations
-from vault.endpoints import KEY_METADATA
+from vault.endpoints import KEY_METADATA, NOT_IN_DOUBT, UPSTREAM_REFUSED
 from vault.errors import Refusal
 from vault.reservations import Charge
 from vault.state import VaultState
@@ -59,7 +59,7 @@ async def check(state: VaultState, grant: KeyGrant, intent_id: str, record: Audi
         raise Refusal(
             "refused_request",
             403,
-            "payment_intent_not_this_keys",
+            NOT_IN_DOUBT,
             f"this vault key may cancel only a PaymentIntent made by a charge its period's keys"
             f" sent and have no answer to, and {intent_id} is not one",
         )
@@ -96,7 +96,7 @@ async def _read(state: VaultState, intent_id: str) -> _Intent:
         raise Refusal(
             "refused_request",
             502,
-            "upstream_refused",
+            UPSTREAM_REFUSED,
             f"Stripe refused the vault's own key reading {intent_id} ({status}), so the vault"
             " cannot check it before cancelling it: nothing was cancelled. Give"
             " VAULT_UPSTREAM_STRIPE_SECRET a key that may read and cancel PaymentIntents",

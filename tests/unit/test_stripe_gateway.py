@@ -18,6 +18,7 @@ from activities.stripe_gateway import STALLED_AFTER_SECONDS, NoAnswerYet, Stripe
 from billing.models import ChargeFailure, ChargeResult
 from billing.reconciliation import INCOMPLETE_INTENT, left_unknown_because
 from tests.unit.claims import CLAIM as LEDGER_CLAIM
+from vault.endpoints import UPSTREAM_REFUSED
 
 CLAIM = LEDGER_CLAIM.model_copy(update={"charge_api": "charges"})
 
@@ -230,10 +231,25 @@ async def test_intents_stripe_left_unconfirmed_are_cancelled_and_the_claim_sent_
     assert [i.status for i in account.intents] == ["canceled", "canceled"]
 
 
-async def test_an_intent_left_unconfirmed_the_key_may_not_cancel_is_left_to_a_person() -> None:
-    # A period key issued before keys could cancel, or an intent the vault does not tie to a
-    # charge of the key's period: looked up once more, then failed with advice to a person.
-    refused = stripe.PermissionError("this vault key may not call it", http_status=403)
+_VAULT_CANNOT_READ = {"error": {"code": UPSTREAM_REFUSED, "message": "no", "type": "api_error"}}
+
+
+@pytest.mark.parametrize(
+    "refused",
+    [
+        stripe.PermissionError("this vault key may not call it", http_status=403),
+        # As the SDK raises a 502: the code in the body only.
+        stripe.APIError("no", http_status=502, json_body=_VAULT_CANNOT_READ),
+    ],
+    ids=["key-may-not-cancel", "vault-may-not-read"],
+)
+async def test_an_intent_left_unconfirmed_the_key_may_not_cancel_is_left_to_a_person(
+    refused: stripe.StripeError,
+) -> None:
+    # A period key issued before keys could cancel, an intent the vault does not tie to a
+    # charge of the key's period, or a vault whose own secret may not read the intent to check
+    # it (retried for ever before: helper-184): looked up once more, then failed with advice
+    # to a person.
     account = Account([stalled()], refusal=refused)
     found = await account.gateway().find(INTENT_CLAIM)
     assert account.cancelled == ["pi_stalled"]
