@@ -33,7 +33,8 @@ async def record_reconciliation(
     """Keep what the period's latest reconciliation left to look at again (None: nothing),
     as of when it began (`began_at`; now if None): a verdict of one that began before the
     one kept is stale (an attempt landing days late) and is dropped. Kept as of its start,
-    a reconciliation counts a run started while it read as started since (periods_to_recheck)."""
+    a reconciliation counts a run started while it read as started since (periods_to_recheck),
+    by Temporal's clock against Postgres's: one started within their skew of it may not."""
     await conn.execute(
         """
         INSERT INTO period_reconciliations (billing_period, open_reason, reconciled_at)
