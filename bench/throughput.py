@@ -512,9 +512,11 @@ async def measure_orchestrated(
     samples: list[float] = []
     reset_worker_peak()
     lock_waits: list[float] = []
-    sampling = asyncio.gather(
-        sample_worker_rss(samples), sample_period_lock_wait(pool, period, lock_waits)
-    )
+    # Tasks of their own: one failing leaves the other to be cancelled all the same.
+    sampling = [
+        asyncio.create_task(sample_worker_rss(samples)),
+        asyncio.create_task(sample_period_lock_wait(pool, period, lock_waits)),
+    ]
     try:
         meter.start()
         started_at = datetime.now(UTC)
@@ -524,7 +526,10 @@ async def measure_orchestrated(
         elapsed = time.monotonic() - started
         cpu = meter.stop(len(customer_ids))
     finally:
-        sampling.cancel()
+        for task in sampling:
+            task.cancel()
+        # A sampler's own failure (its connection lost) costs only its figures.
+        await asyncio.gather(*sampling, return_exceptions=True)
         await set_faults(0, None)
     runs = await workflow_runs(client, period_workflow_id(period))
     others = await other_pollers(client, temporal.task_queue, started_at)

@@ -22,7 +22,8 @@ async def stripe_http(timeout: float) -> AsyncIterator[stripe.HTTPClient]:
 
 def error_code(exc: stripe.StripeError) -> str | None:
     """The error's code as Stripe (or the vault) sent it. The SDK sets `exc.code` for some
-    statuses only (400, 402, 404); the body holds it for every one, e.g. the vault's 503s."""
+    errors only (most 400s, 402s, 404s); the body holds it for every one, e.g. the vault's
+    503s."""
     body = exc.json_body
     error = body.get("error") if isinstance(body, dict) else None
     code = error.get("code") if isinstance(error, dict) else None

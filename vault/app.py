@@ -61,6 +61,9 @@ async def _errors(request: web.Request, handler: admin.Handler) -> web.StreamRes
 
 
 def create_app(settings: VaultSettings) -> web.Application:
+    # For whatever runs the app; aiohttp's server logger is shared by the process, the filter
+    # added once however many apps.
+    logging.getLogger("aiohttp.server").addFilter(_MALFORMED_REQUESTS)
     app = web.Application(middlewares=[_errors])
     app.cleanup_ctx.append(lifecycle(settings))
     admin.add_routes(app.router)
@@ -102,7 +105,6 @@ async def serve(
         # its server has (it has none on the number of connections).
         keepalive_timeout=settings.header_timeout_seconds,
     )
-    logging.getLogger("aiohttp.server").addFilter(_MALFORMED_REQUESTS)  # once, however many
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
