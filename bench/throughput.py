@@ -563,7 +563,9 @@ async def measure_orchestrated(
         ),
         "temporal_limit_warnings": temporal_limit_warnings(log_offset),
         "period_lock_wait_ms_p95": (
-            round(statistics.quantiles(lock_waits, n=20)[-1], 1) if len(lock_waits) > 1 else None
+            round(statistics.quantiles(lock_waits, n=20, method="inclusive")[-1], 1)
+            if len(lock_waits) > 1
+            else None
         ),
         "period_lock_wait_ms_max": round(max(lock_waits), 1) if lock_waits else None,
     }
