@@ -180,6 +180,19 @@ class Harness:
         await self.set_faults(idempotency_ttl_seconds=0.001)
         await asyncio.sleep(0.01)
 
+    async def day_passes(self) -> None:
+        """A day passes for everyone, not only Stripe (stripe_forgets_keys): every claim and
+        vault reservation made so far is a day older, as the vault's and the ledger's checks
+        of a key's age read them."""
+        await self.stripe_forgets_keys()
+        async with self.pool.acquire() as conn:
+            await conn.execute("UPDATE billing_runs SET claimed_at = claimed_at - interval '1 day'")
+            if self.vault is not None:
+                await conn.execute(
+                    "UPDATE vault_reservations SET created_at = created_at - interval '1 day',"
+                    " updated_at = updated_at - interval '1 day'"
+                )
+
     def worker(self, interceptors: Sequence[Interceptor] = ()) -> Worker:
         """A worker charging directly, or through the vault when the harness has one."""
         access: StripeAccess

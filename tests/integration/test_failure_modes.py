@@ -33,7 +33,7 @@ from billing.models import (
 )
 from billing.periods import Period
 from billing.reconciliation import INCOMPLETE_INTENT
-from billing.runs import start_period
+from billing.runs import start_period, start_reconcile
 from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
 from vault.client import VaultAdmin
@@ -256,9 +256,12 @@ async def test_an_intent_stripe_left_unconfirmed_behind_a_saved_500_is_cancelled
 ) -> None:
     """Stripe saved a 500 for the key and left the intent it had made unconfirmed (planted
     here: the emulator makes none). Once it is old enough not to be on its way, the lookup
-    cancels it through the vault: it can charge nothing any more, and the claim is charged
-    once with its key when Stripe has forgotten the key. A period key from before keys could
-    cancel leaves it, and the claim fails saying to cancel it by hand."""
+    cancels it through the vault: it can charge nothing any more. A day on, Stripe has
+    forgotten the key, and the vault sends it no more while its reservation is in doubt:
+    reconciliation releases the reservation and charges the claim once, with its key. (With
+    Stripe's day alone passing, the retry charged at once: a timeline that cannot happen,
+    helper-185.) A period key from before keys could cancel leaves it, and the claim fails
+    saying to cancel it by hand."""
     monkeypatch.setattr(stripe_gateway, "STALLED_AFTER_SECONDS", 0)
     customer, charging, request = await _behind_a_saved_500(vaulted)
     [row] = await vaulted.ledger_rows(str(PERIOD))
@@ -287,8 +290,14 @@ async def test_an_intent_stripe_left_unconfirmed_behind_a_saved_500_is_cancelled
     assert replayed.value.next_retry_delay == SLOW_RETRY
     left = await vaulted.stripe.v1.payment_intents.retrieve_async(stalled.id)
     assert (left.status, left.cancellation_reason) == ("canceled", "abandoned")
-    await vaulted.stripe_forgets_keys()
-    assert (await _attempt(3).run(charging.bill, request)).outcome == "charged"
+    await vaulted.day_passes()
+    with pytest.raises(ApplicationError, match="first sent 23 hours ago or more") as expired:
+        await _attempt(3).run(charging.bill, request)
+    assert expired.value.next_retry_delay == SLOW_RETRY
+    async with vaulted.running_worker():
+        report = await (await start_reconcile(vaulted.client, PERIOD, vaulted.task_queue)).result()
+    assert [r.state for r in report.reservations] == ["released"]
+    assert [(c.action, c.outcome) for c in report.claims] == [("redriven", "charged")]
     await assert_billed_once(vaulted, str(PERIOD), [customer])
 
 

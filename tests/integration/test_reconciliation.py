@@ -751,13 +751,7 @@ async def test_a_500_stripe_saved_for_a_lost_run_is_charged_once_stripe_forgets_
     releases the reservation and charges the claim once, with its key."""
     [customer] = await vaulted.seed(1)
     admin = await lost_in_doubt(vaulted, [customer], fault="error_saved_before_commit")
-    async with vaulted.pool.acquire() as conn:
-        await conn.execute(
-            "UPDATE vault_reservations SET created_at = created_at - interval '1 day',"
-            " updated_at = updated_at - interval '1 day'"
-        )
-        await conn.execute("UPDATE billing_runs SET claimed_at = claimed_at - interval '1 day'")
-    await vaulted.stripe_forgets_keys()
+    await vaulted.day_passes()
     report = await reconcile(vaulted)
     assert [r.state for r in report.reservations] == ["released"]
     assert {(c.action, c.outcome) for c in report.claims} == {("redriven", "charged")}
