@@ -14,7 +14,7 @@ from billing.models import ChargeApi, ChargeFailure, ChargeResult, Claim
 from billing.reconciliation import INCOMPLETE_INTENT, MADE_STATUSES, ChargeState, StripeCharge
 from billing.redact import redact
 from billing.stripe_client import error_code
-from vault.endpoints import FENCE_HEADER, KEY_METADATA, NOT_IN_DOUBT, UPSTREAM_REFUSED
+from vault.endpoints import CHARGE_IN_FLIGHT, FENCE_HEADER, KEY_METADATA, UPSTREAM_REFUSED
 
 # Customers rarely hold more than a few charges a period; pages this size find ours at once.
 _LOOKUP_PAGE = 100
@@ -200,20 +200,23 @@ class StripeGateway:
             try:
                 for intent in stalled:
                     await self._cancel(intent)
-            except stripe.PermissionError as exc:
-                if error_code(exc) == NOT_IN_DOUBT:
-                    # Its charge is being sent again right now (its vault reservation pending,
-                    # not unknown): the next retry cancels it.
-                    raise NoAnswerYet(
-                        f"the vault would not cancel payment intent {intent.id} yet: {exc}",
-                        http_status=503,
-                    ) from None
-                # The key may not cancel (issued before keys could).
+            except stripe.PermissionError:
+                # The key may not cancel (issued before keys could), or the vault ties the
+                # intent to no charge of the key's period in doubt (its reservation settled
+                # since, by a person's resolve say): left to a person.
+                pass
             except stripe.InvalidRequestError as exc:
                 # It moved on since it was listed: Stripe completed it, or someone cancelled it.
                 if error_code(exc) != "payment_intent_unexpected_state":
                     raise
             except stripe.APIError as exc:
+                if error_code(exc) == CHARGE_IN_FLIGHT:
+                    # Its charge is being sent again right now (its vault reservation
+                    # pending): the next retry cancels it.
+                    raise NoAnswerYet(
+                        f"the vault would not cancel payment intent {intent.id} yet: {exc}",
+                        http_status=503,
+                    ) from None
                 # The vault's own secret may not read the intent to check it: no retry mends
                 # that, so the intent is left to a person, as where the key may not cancel.
                 if error_code(exc) != UPSTREAM_REFUSED:

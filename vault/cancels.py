@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from yarl import URL
 
 from vault import reservations
-from vault.endpoints import KEY_METADATA, NOT_IN_DOUBT, UPSTREAM_REFUSED
+from vault.endpoints import CHARGE_IN_FLIGHT, KEY_METADATA, NOT_IN_DOUBT, UPSTREAM_REFUSED
 from vault.errors import Refusal
 from vault.reservations import Charge
 from vault.state import VaultState
@@ -44,11 +44,22 @@ async def check(state: VaultState, grant: KeyGrant, intent_id: str, record: Audi
     intent = await _read(state, intent_id)
     sent_with = intent.metadata.get(KEY_METADATA)
     charge = Charge(_CREATE, intent.amount, intent.currency, intent.customer)
-    ours = False
+    reserved = None
     if sent_with is not None and intent.customer is not None:
         async with state.pool.acquire() as conn:
-            ours = await reservations.in_doubt_for(conn, grant.id, sent_with, charge)
-    if ours:
+            reserved = await reservations.charge_state_for(conn, grant.id, sent_with, charge)
+    if reserved == "pending":
+        # A retry of the charge is on its way now: its answer may settle it.
+        raise Refusal(
+            "refused_in_flight",
+            409,
+            CHARGE_IN_FLIGHT,
+            f"the charge {intent_id} was made for is being sent again right now; retry once"
+            " it has its answer",
+            error_type="api_error",
+            should_retry=True,
+        )
+    if reserved == "unknown":
         # The charge the intent was made for (the path names the intent).
         record.customer, record.amount_cents, record.currency = (
             charge.customer,

@@ -26,8 +26,11 @@ DATABASE_UNAVAILABLE = "vault_database_unavailable"
 UPSTREAM_UNREACHABLE = "vault_upstream_unreachable"
 NOT_SENT_CODES = frozenset({HELD_UP, DATABASE_UNAVAILABLE, UPSTREAM_UNREACHABLE})
 # The vault's refusals of a cancel (vault.cancels): an intent it does not tie to a charge in
-# doubt of the key's period, and its own secret refused reading the intent (no retry mends it).
+# doubt of the key's period (none, or one answered or settled since), one whose charge is
+# being sent again right now (retry), and its own secret refused reading the intent (no
+# retry mends it).
 NOT_IN_DOUBT = "payment_intent_not_this_keys"
+CHARGE_IN_FLIGHT = "payment_intent_charge_in_flight"
 UPSTREAM_REFUSED = "upstream_refused"
 # All a key issued with the worker token may allow: the billing workers' charges and the
 # lookups of them (billing/period_keys.py), so such a key cannot read the rest of the account.

@@ -354,22 +354,24 @@ async def resolve(
     return store.reservation_info(info)
 
 
-async def in_doubt_for(
+async def charge_state_for(
     conn: asyncpg.Connection, key_id: str, idempotency_key: str, charge: Charge
-) -> bool:
-    """Whether a key of this key's period and label reserved this charge (endpoint, customer,
-    amount and currency) under `idempotency_key`, and it is unknown: sent, with no answer to
-    say what Stripe did."""
-    found: bool = await conn.fetchval(
+) -> ReservationState | None:
+    """Where a key of this key's period and label stands with this charge (endpoint,
+    customer, amount and currency) reserved under `idempotency_key`: `unknown` (sent, with no
+    answer to say what Stripe did) if any such reservation is, else `pending` (being sent) if
+    any is, else the state of one of them; None if no key of the period reserved it."""
+    found: ReservationState | None = await conn.fetchval(
         """
-        SELECT EXISTS (
-            SELECT 1
-            FROM vault_keys mine
-            JOIN vault_keys k ON k.period = mine.period AND k.label = mine.label
-            JOIN vault_reservations r ON r.vault_key_id = k.id
-            WHERE mine.id = $1 AND r.idempotency_key = $2 AND r.state = 'unknown'
-                  AND r.endpoint = $3 AND r.customer = $4 AND r.amount_cents = $5
-                  AND r.currency = $6)
+        SELECT r.state
+        FROM vault_keys mine
+        JOIN vault_keys k ON k.period = mine.period AND k.label = mine.label
+        JOIN vault_reservations r ON r.vault_key_id = k.id
+        WHERE mine.id = $1 AND r.idempotency_key = $2
+              AND r.endpoint = $3 AND r.customer = $4 AND r.amount_cents = $5
+              AND r.currency = $6
+        ORDER BY r.state = 'unknown' DESC, r.state = 'pending' DESC
+        LIMIT 1
         """,
         key_id,
         idempotency_key,

@@ -18,7 +18,7 @@ from activities.stripe_gateway import STALLED_AFTER_SECONDS, NoAnswerYet, Stripe
 from billing.models import ChargeFailure, ChargeResult
 from billing.reconciliation import INCOMPLETE_INTENT, left_unknown_because
 from tests.unit.claims import CLAIM as LEDGER_CLAIM
-from vault.endpoints import UPSTREAM_REFUSED
+from vault.endpoints import CHARGE_IN_FLIGHT, NOT_IN_DOUBT, UPSTREAM_REFUSED
 
 CLAIM = LEDGER_CLAIM.model_copy(update={"charge_api": "charges"})
 
@@ -231,23 +231,26 @@ async def test_intents_stripe_left_unconfirmed_are_cancelled_and_the_claim_sent_
     assert [i.status for i in account.intents] == ["canceled", "canceled"]
 
 
-_VAULT_CANNOT_READ = {"error": {"code": UPSTREAM_REFUSED, "message": "no", "type": "api_error"}}
+def _vault_error(code: str) -> dict[str, object]:
+    return {"error": {"code": code, "message": "no", "type": "api_error"}}
 
 
 @pytest.mark.parametrize(
     "refused",
     [
         stripe.PermissionError("this vault key may not call it", http_status=403),
+        stripe.PermissionError("no", http_status=403, json_body=_vault_error(NOT_IN_DOUBT)),
         # As the SDK raises a 502: the code in the body only.
-        stripe.APIError("no", http_status=502, json_body=_VAULT_CANNOT_READ),
+        stripe.APIError("no", http_status=502, json_body=_vault_error(UPSTREAM_REFUSED)),
     ],
-    ids=["key-may-not-cancel", "vault-may-not-read"],
+    ids=["key-may-not-cancel", "not-in-doubt", "vault-may-not-read"],
 )
 async def test_an_intent_left_unconfirmed_the_key_may_not_cancel_is_left_to_a_person(
     refused: stripe.StripeError,
 ) -> None:
     # A period key issued before keys could cancel, an intent the vault does not tie to a
-    # charge of the key's period, or a vault whose own secret may not read the intent to check
+    # charge of the key's period in doubt (none, or one a person settled since: retried for
+    # ever before, helper-185), or a vault whose own secret may not read the intent to check
     # it (retried for ever before: helper-184): looked up once more, then failed with advice
     # to a person.
     account = Account([stalled()], refusal=refused)
@@ -264,10 +267,8 @@ async def test_an_intent_left_unconfirmed_the_key_may_not_cancel_is_left_to_a_pe
 async def test_a_cancel_the_vault_refuses_while_its_charge_is_sent_again_is_tried_again() -> None:
     # An earlier attempt is sending the charge right now: its reservation is pending, not
     # unknown. Failing the claim for good would leave the customer to a person.
-    refused = stripe.PermissionError(
-        "not a charge in doubt",
-        http_status=403,
-        json_body={"error": {"code": "payment_intent_not_this_keys", "message": "no"}},
+    refused = stripe.APIError(
+        "in flight", http_status=409, json_body=_vault_error(CHARGE_IN_FLIGHT)
     )
     account = Account([stalled()], refusal=refused)
     with pytest.raises(stripe.APIError, match="would not cancel payment intent pi_stalled yet"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import aiohttp
+import asyncpg
 import pytest
 import stripe
 from pydantic import SecretStr
@@ -13,7 +14,7 @@ from pydantic import SecretStr
 from stripe_emulator import RunningEmulator
 from vault import VaultSettings, serve
 from vault.client import VaultAdmin
-from vault.endpoints import CANCEL, KEY_METADATA
+from vault.endpoints import CANCEL, CHARGE_IN_FLIGHT, KEY_METADATA, NOT_IN_DOUBT
 from vault.models import IssuedKey
 
 from .conftest import Issue
@@ -215,3 +216,42 @@ async def test_a_vault_whose_own_key_may_not_read_the_intent_says_so_once(
     assert (refused.value.headers or {}).get("Stripe-Should-Retry") == "false"
     assert "VAULT_UPSTREAM_STRIPE_SECRET" in str(refused.value.user_message)
     assert await status_of(direct_stripe, intent_id) == "requires_confirmation"
+
+
+async def test_a_charge_sent_again_now_is_waited_for_and_one_settled_since_is_not_cancelled(
+    cancelling_key: IssuedKey,
+    stripe_via_vault: StripeFor,
+    direct_stripe: stripe.StripeClient,
+    customer: str,
+    emulator: RunningEmulator,
+    admin: VaultAdmin,
+    db: asyncpg.Pool,
+) -> None:
+    """Both were 403 `payment_intent_not_this_keys`, which the worker took for "being sent
+    again, retry": after a person resolved the reservation by hand, its lookup retried the
+    cancel for ever (helper-185). A retry on its way now (the reservation pending) is 409
+    `payment_intent_charge_in_flight`, to retry; one settled since is not the key's to
+    cancel."""
+    client = stripe_via_vault(cancelling_key)
+    await in_doubt(emulator, client, customer)
+    intent_id = await unconfirmed(direct_stripe, customer)
+    # As a takeover leaves it while its request is on its way.
+    await db.execute("UPDATE vault_reservations SET state = 'pending'")
+    with pytest.raises(stripe.APIError) as in_flight:
+        await cancel(client, intent_id)
+    assert in_flight.value.http_status == 409 and in_flight.value.error is not None
+    assert in_flight.value.error.code == CHARGE_IN_FLIGHT
+    assert (in_flight.value.headers or {}).get("Stripe-Should-Retry") == "true"
+    await db.execute("UPDATE vault_reservations SET state = 'unknown'")
+    await admin.resolve(cancelling_key.id, "stalled", "failed")
+    with pytest.raises(stripe.PermissionError) as settled:
+        await cancel(client, intent_id)
+    assert settled.value.error is not None and settled.value.error.code == NOT_IN_DOUBT
+    assert await status_of(direct_stripe, intent_id) == "requires_confirmation"
+    decisions = [
+        (r.decision, r.refusal_code) for r in await proxied_calls(admin, cancelling_key.id)
+    ]
+    assert decisions[:2] == [
+        ("refused_request", NOT_IN_DOUBT),
+        ("refused_in_flight", CHARGE_IN_FLIGHT),
+    ]
