@@ -19,7 +19,6 @@ from zoneinfo import ZoneInfo
 
 import pytest
 from google.protobuf.duration_pb2 import Duration
-from prometheus_client import REGISTRY
 from pydantic import ValidationError
 from temporalio import activity, workflow
 from temporalio.api.common.v1 import WorkflowExecution as ExecutionRef
@@ -104,6 +103,7 @@ from cli import commands, runs
 from tests.integration.harness import Harness, at_least, eventually, single_batch_activations
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
+from tests.prometheus import metric_value
 from workflows.billing_period import BillingPeriodWorkflow
 from workflows.identity import WRONG_WORKFLOW_ID
 from workflows.signals import PERIOD_BLOCKED
@@ -2316,8 +2316,7 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
     handle = harness.client.get_schedule_handle(schedules.RECONCILE_SCHEDULE_ID)
 
     def counted(metric: str = "billing_unbilled_firings_total") -> float:
-        labels = {"schedule": "billing-monthly"}
-        return REGISTRY.get_sample_value(metric, labels) or 0.0
+        return metric_value(metric, schedule="billing-monthly")
 
     async def ahead(days: int) -> datetime:
         """A launch time `days` ahead: a backfill may be in the future."""

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import stripe
-from prometheus_client import REGISTRY
 from pydantic import SecretStr
 from temporalio import activity
 from temporalio.client import (
@@ -66,6 +65,7 @@ from cli import reconcile as reconcile_command
 from tests.integration.harness import Harness, at_least, eventually
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
+from tests.prometheus import metric_value
 from vault.client import VaultAdmin
 from vault.endpoints import KEY_METADATA
 from workflows.customer_charge import CustomerChargeWorkflow
@@ -100,9 +100,7 @@ async def stranded(
 
 
 def charged_cents() -> float:
-    return (
-        REGISTRY.get_sample_value("billing_charged_amount_cents_total", {"currency": "usd"}) or 0.0
-    )
+    return metric_value("billing_charged_amount_cents_total", currency="usd")
 
 
 async def reconciled_with(
@@ -1671,7 +1669,7 @@ async def test_a_run_ended_before_its_close_is_reported(harness: Harness, cancel
     await harness.seed(4)
     await harness.set_faults(latency_ms=1000)
     request = OperatorRequest(reason="wrong prices", operator="alice")
-    alerts_before = REGISTRY.get_sample_value("billing_runs_ended_unclosed_total") or 0.0
+    alerts_before = metric_value("billing_runs_ended_unclosed_total")
     async with harness.running_worker():
         handle = await start_period(
             harness.client, PERIOD, harness.task_queue, RunOptions(max_in_flight=1)
@@ -1719,12 +1717,12 @@ async def test_a_run_ended_before_its_close_is_reported(harness: Harness, cancel
     if cancelled != "no":
         assert code == 0 and warning not in out, (out, err)
         if cancelled == "before-the-end":
-            assert REGISTRY.get_sample_value("billing_runs_ended_unclosed_total") == alerts_before
+            assert metric_value("billing_runs_ended_unclosed_total") == alerts_before
         assert await harness.succeeded() < 4
         return
     assert code == 1, (out, err)
     # Both reconciliations (the text and the JSON) counted it, for an alert.
-    alerts = REGISTRY.get_sample_value("billing_runs_ended_unclosed_total") or 0.0
+    alerts = metric_value("billing_runs_ended_unclosed_total")
     assert alerts - alerts_before == 2
     report = ReconcileReport.model_validate_json(as_json)
     unclaimed = report.unclaimed_by_ended_run

@@ -15,17 +15,13 @@ from prometheus_client.metrics_core import Metric
 from billing import metrics
 from billing.config import ObservabilitySettings
 from tests.conftest import free_port
+from tests.prometheus import metric_value
 
 SNAKE = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
 
 
 def billing_metrics() -> list[Metric]:
     return [m for m in REGISTRY.collect() if m.name.startswith("billing_")]
-
-
-def value(name: str, **labels: str) -> float:
-    found = REGISTRY.get_sample_value(name, labels)
-    return found or 0.0
 
 
 def test_names_follow_prometheus_conventions() -> None:
@@ -54,10 +50,10 @@ def test_names_follow_prometheus_conventions() -> None:
 
 def charge_samples() -> list[float]:
     return [
-        value("billing_charges_total", outcome="charged"),
-        value("billing_charged_amount_cents_total", currency="eur"),
-        value("billing_claim_to_charge_seconds_count"),
-        value("billing_claim_to_charge_seconds_bucket", le="5.0"),
+        metric_value("billing_charges_total", outcome="charged"),
+        metric_value("billing_charged_amount_cents_total", currency="eur"),
+        metric_value("billing_claim_to_charge_seconds_count"),
+        metric_value("billing_claim_to_charge_seconds_bucket", le="5.0"),
     ]
 
 
@@ -104,9 +100,9 @@ def refusal(kind: type[stripe.StripeError], status: int, code: str | None) -> st
 def test_vault_refusals_count_401_403_and_the_spend_cap(
     error: stripe.StripeError, label: str, counted: bool
 ) -> None:
-    before = value("billing_vault_refusals_total", code=label)
+    before = metric_value("billing_vault_refusals_total", code=label)
     metrics.count_vault_refusal(error)
-    assert value("billing_vault_refusals_total", code=label) - before == int(counted)
+    assert metric_value("billing_vault_refusals_total", code=label) - before == int(counted)
 
 
 @pytest.fixture

@@ -13,11 +13,11 @@ import aiohttp
 import asyncpg
 import pytest
 import stripe
-from prometheus_client import REGISTRY
 from stripe.params import PaymentIntentCreateParams
 from yarl import URL
 
 from stripe_emulator import RunningEmulator
+from tests.prometheus import metric_value
 from vault.client import VaultAdmin
 from vault.endpoints import FENCE_HEADER
 from vault.models import AuditEntry, IssueKeyRequest
@@ -212,4 +212,4 @@ async def assert_a_slow_body_is_refused(
 
 def refusals_counted(code: str) -> float:
     """The vault's `vault_refusals_total` for `code`, in this process."""
-    return REGISTRY.get_sample_value("vault_refusals_total", {"code": code}) or 0.0
+    return metric_value("vault_refusals_total", code=code)

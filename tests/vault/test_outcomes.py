@@ -17,7 +17,6 @@ import asyncpg
 import pytest
 import stripe
 from aiohttp.client_proto import ResponseHandler
-from prometheus_client import REGISTRY
 from pydantic import SecretStr
 from stripe.params import PaymentIntentCreateParams
 from yarl import URL
@@ -26,6 +25,7 @@ from devstack.postgres import LocalPostgres
 from stripe_emulator import RunningEmulator
 from stripe_emulator.client import EmulatorClient
 from tests.integration.harness import eventually
+from tests.prometheus import metric_value
 from vault import RunningVault, VaultSettings, reservations, serve, store
 from vault import state as vault_state
 from vault.client import VaultAdmin, VaultConflict, VaultInvalidRequest, VaultNotFound
@@ -368,10 +368,7 @@ async def test_a_database_outage_past_the_retries_settles_the_reservation_once_i
 
 
 def late_writes(kind: str, result: str) -> float:
-    return (
-        REGISTRY.get_sample_value("vault_late_writes_total", {"kind": kind, "result": result})
-        or 0.0
-    )
+    return metric_value("vault_late_writes_total", kind=kind, result=result)
 
 
 async def test_an_answer_settled_late_still_settles_its_attempt_found_stale(
