@@ -99,6 +99,13 @@ async def started_across_outages(
     return await _while_away(start_unless_ended, on_away)
 
 
+def tell_if_away(exc: RPCError, on_away: Callable[[RPCError], None]) -> None:
+    """Tell `on_away` of `exc` if it says Temporal is away; raise it if it is an answer."""
+    if exc.status not in TEMPORAL_AWAY:
+        raise exc
+    on_away(exc)
+
+
 async def _while_away(
     call: Callable[[], Awaitable[CallT]], on_away: Callable[[RPCError], None]
 ) -> CallT:
@@ -107,9 +114,7 @@ async def _while_away(
         try:
             return await call()
         except RPCError as exc:
-            if exc.status not in TEMPORAL_AWAY:
-                raise
-            on_away(exc)
+            tell_if_away(exc, on_away)
         await asyncio.sleep(AWAY_RETRY.total_seconds())
 
 
@@ -142,10 +147,8 @@ async def result_across_outages(
             )
             continue
         except RPCError as exc:
-            if exc.status not in TEMPORAL_AWAY:
-                raise
+            tell_if_away(exc, on_away)
             away = True
-            on_away(exc)
         await asyncio.sleep(AWAY_RETRY.total_seconds())
 
 

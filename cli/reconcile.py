@@ -21,11 +21,11 @@ from billing.reporting import (
     ui_link,
 )
 from billing.runs import (
-    TEMPORAL_AWAY,
     awaits_a_worker,
     result_across_outages,
     start_reconcile,
     started_across_outages,
+    tell_if_away,
 )
 from billing.temporal_client import connect
 from cli import arguments
@@ -54,9 +54,7 @@ async def cmd_reconcile(args: argparse.Namespace) -> int:
     try:
         stalled = not waited and await awaits_a_worker(handle, timedelta(seconds=NO_WORKER_SECONDS))
     except RPCError as exc:
-        if exc.status not in TEMPORAL_AWAY:
-            raise
-        outage(exc)
+        tell_if_away(exc, outage)
         stalled = False
     if stalled:
         print(

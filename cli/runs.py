@@ -66,6 +66,7 @@ from billing.runs import (
     started_across_outages,
     status_from_ledger,
     summary_progress,
+    tell_if_away,
 )
 from billing.temporal_client import connect, described
 from cli import arguments
@@ -395,9 +396,7 @@ async def cmd_watch(args: argparse.Namespace) -> int:
             except NoWorkerError:
                 waiting = " (no worker answered: waiting for one)"
             except RPCError as exc:
-                if exc.status not in TEMPORAL_AWAY:
-                    raise
-                outage(exc)
+                tell_if_away(exc, outage)
                 continue
             outage.back()
     print(describe(progress))
