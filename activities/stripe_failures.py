@@ -23,11 +23,16 @@ from billing.models import (
 from billing.redact import redact
 from billing.stripe_client import error_code
 
+# What the worker records when Stripe (or the vault) does not know the URL it called: a base
+# URL set wrong, not anything of the customer's.
+UNRECOGNIZED_URL_CODE = "unrecognized_request_url"
+
 # ApplicationError types the workflow tells apart.
 DECLINED = "ChargeDeclined"
 REFUSED = "ChargeRefused"
-# The period's key itself is refused (cap reached, revoked, expired, not allowed): no charge
-# of the period can pass, so the period pauses for an operator instead of failing customers.
+# The period's key itself is refused (cap reached, revoked, expired, not allowed), or the
+# URL the worker calls is: no charge of the period can pass, so the period pauses for an
+# operator instead of failing customers.
 SPEND_CAP_EXCEEDED = "SpendCapExceeded"
 KEY_REFUSED = "KeyRefused"
 PERIOD_BLOCKERS = frozenset({SPEND_CAP_EXCEEDED, KEY_REFUSED})
@@ -115,6 +120,16 @@ def _key_refused(exc: stripe.StripeError, key: str, then: str) -> ChargeFailure:
     )
 
 
+def _unrecognized_url(exc: stripe.StripeError) -> ChargeFailure:
+    return ChargeFailure(
+        code=UNRECOGNIZED_URL_CODE,
+        message=f"Stripe does not know the URL called ({redact(str(exc.user_message))}): check"
+        " the workers' STRIPE_API_BASE or BILLING_VAULT_URL, or the vault's"
+        " VAULT_UPSTREAM_STRIPE_BASE, then resume;"
+        " nothing was charged",
+    )
+
+
 def lookup_key_refused(exc: stripe.StripeError) -> ApplicationError:
     """The vault refused a lookup key (billing.period_keys.issue_lookup_key), which only
     reads: a retry issues another, so nothing is for the period's operator."""
@@ -152,6 +167,10 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
         # hold the claim past a pause, cancel or skip for a day, then charge afresh: final.
         return _non_retryable(REFUSED, failure_from(exc, "idempotency_error"))
     if isinstance(exc, stripe.InvalidRequestError):
+        if exc.http_status == 404 and error_code(exc) is None:
+            # A missing object comes with resource_missing; no code is Stripe's "Unrecognized
+            # request URL", which executed nothing and says nothing of this customer.
+            return _non_retryable(KEY_REFUSED, _unrecognized_url(exc))
         return _non_retryable(REFUSED, failure_from(exc, "invalid_request"))
     if error_code(exc) == SUPERSEDED_CODE:
         return ApplicationError(

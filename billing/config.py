@@ -37,6 +37,28 @@ def http_url(value: str) -> str:
     return value
 
 
+def stripe_api_base(value: str) -> str:
+    """Stripe's base URL as its client takes it: the SDK adds `/v1/...` to it, so a base
+    written as Stripe's reference writes the API's (`https://api.stripe.com/v1`) sends every
+    request to `/v1/v1/...`, which Stripe answers 404."""
+    base = http_url(value).rstrip("/")
+    if base.endswith("/v1"):
+        raise ValueError(
+            "ends in /v1, which the client adds itself: give the base without it, such as"
+            " https://api.stripe.com"
+        )
+    return base
+
+
+def stripe_secret_key(value: SecretStr) -> SecretStr:
+    """A Stripe secret or restricted key: a publishable key, or one read with a line break
+    (a secret made with `echo`), is refused on every request, or fails it before sending."""
+    if not value.get_secret_value().startswith(("sk_", "rk_")):
+        raise ValueError("must be a Stripe secret or restricted key (sk_... or rk_...)")
+    refuse_untrimmed(value)
+    return value
+
+
 def namespace_name(value: str) -> str:
     if not _NAMESPACE.fullmatch(value):
         raise ValueError("must be a namespace's name: letters, digits, '.', '-' and '_'")
@@ -267,10 +289,20 @@ class BillingSettings(CapSettings):
         refuse_untrimmed(value)
         return value
 
-    @field_validator("billing_vault_url", "stripe_api_base")
+    @field_validator("billing_vault_url")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
         return None if value is None else http_url(value)
+
+    @field_validator("stripe_api_base")
+    @classmethod
+    def _stripe_api_base(cls, value: str) -> str:
+        return stripe_api_base(value)
+
+    @field_validator("stripe_api_key")
+    @classmethod
+    def _stripe_api_key(cls, value: SecretStr) -> SecretStr:
+        return stripe_secret_key(value)
 
     @model_validator(mode="after")
     def _vault_needs_its_secrets(self) -> BillingSettings:

@@ -86,7 +86,7 @@ async def check(state: VaultState, grant: KeyGrant, intent_id: str, record: Audi
 
 
 async def _read(state: VaultState, intent_id: str) -> _Intent:
-    url = URL(f"{state.settings.upstream_base}/v1/payment_intents/{intent_id}", encoded=True)
+    url = URL(f"{state.settings.upstream_stripe_base}/v1/payment_intents/{intent_id}", encoded=True)
     headers = {"Authorization": state.upstream_authorization}
     try:
         async with state.upstream.get(url, headers=headers, allow_redirects=False) as response:

@@ -647,7 +647,9 @@ async def _forward(
         if value is not None:
             headers[name] = value
     query = request.rel_url.raw_query_string
-    url = URL(state.settings.upstream_base + path + (f"?{query}" if query else ""), encoded=True)
+    url = URL(
+        state.settings.upstream_stripe_base + path + (f"?{query}" if query else ""), encoded=True
+    )
     with sending(send_by):
         async with state.upstream.request(
             request.method, url, data=body or None, headers=headers, allow_redirects=False

@@ -346,6 +346,10 @@ def test_a_key_pasted_into_the_wrong_place_is_not_echoed(
         ),
         # Blank, asyncpg tried local defaults and the worker migrated whatever answered.
         ({"DATABASE_URL": " "}, "DATABASE_URL: is set but blank"),
+        # As Stripe's reference writes it: every charge went to /v1/v1/... and failed for good.
+        ({"STRIPE_API_BASE": "https://api.stripe.com/v1"}, "STRIPE_API_BASE: ends in /v1"),
+        # A secret made with `echo`: every charge failed before it was sent, retried for ever.
+        ({"STRIPE_API_KEY": "sk_test_" + "Q7" * 12 + "\n"}, "STRIPE_API_KEY: has spaces"),
     ],
 )
 async def test_a_worker_with_a_bad_setting_names_it_and_shows_no_value(

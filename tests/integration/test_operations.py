@@ -98,6 +98,7 @@ from billing.periods import Billing, Period, period_for
 from billing.preview import preview_period
 from billing.reporting import describe_preview
 from billing.runs import period_status, start_period, start_reconcile
+from billing.stripe_client import stripe_client
 from billing.temporal_client import workflow_status
 from cli import commands, runs
 from tests.integration.harness import Harness, at_least, eventually, single_batch_activations
@@ -517,6 +518,36 @@ async def test_a_blocked_report_with_a_long_message_pauses_the_run_with_it_cut(
     assert not [
         e for e in history.events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED
     ]
+
+
+async def test_a_stripe_base_stripe_does_not_know_pauses_the_run_for_an_operator(
+    harness: Harness,
+) -> None:
+    """A STRIPE_API_BASE written as Stripe's reference writes the API's (`.../v1`) sent every
+    charge to /v1/v1/..., and Stripe's 404 for it was recorded as each customer's failure,
+    for good: no run billed them again (helper-188). The settings refuse that base now; a
+    URL Stripe does not know, however it comes about, pauses the run instead, and a worker
+    set right bills everyone once the operator resumes."""
+    customers = await harness.seed(5)
+    base = harness.emulator_url + "/v1"
+    settings = harness.settings.model_copy(update={"stripe_api_base": base})
+    secret = settings.stripe_api_key.get_secret_value()
+    misrouted = dataclasses.replace(
+        harness, settings=settings, stripe=stripe_client(secret, base, harness.http)
+    )
+    async with misrouted.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        await eventually(partial(harness.in_state, PERIOD, "paused"))
+        progress = await period_status(harness.client, PERIOD)
+    assert progress.reason is not None and progress.operator == "billing (automatic)"
+    assert progress.reason.startswith("unrecognized_request_url: Stripe does not know the URL")
+    assert "STRIPE_API_BASE" in progress.reason and progress.failed == 0
+    assert await harness.charges() == []
+    async with harness.running_worker():
+        await operations.control(harness.client, PERIOD, "resume", ALICE)
+        summary = await handle.result()
+    assert (summary.charged, summary.failed) == (len(customers), 0)
+    await assert_billed_once(harness, str(PERIOD), customers)
 
 
 async def test_a_blocked_charge_reported_after_the_last_outcome_pauses_nothing(

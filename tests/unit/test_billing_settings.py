@@ -37,6 +37,33 @@ def test_a_token_read_with_its_newline_is_refused_naming_it() -> None:
     )
 
 
+@pytest.mark.parametrize("base", ["https://api.stripe.com/v1", "https://proxy.internal/stripe/v1/"])
+def test_a_stripe_base_with_the_clients_v1_in_it_is_refused(base: str) -> None:
+    """As Stripe's reference writes the API's base: the client adds /v1 itself, so every
+    charge went to /v1/v1/..., which Stripe answers 404 (helper-188)."""
+    with pytest.raises(ValidationError, match="ends in /v1, which the client adds itself"):
+        BillingSettings(stripe_api_base=base)
+
+
+def test_a_stripe_base_keeps_its_path_without_a_trailing_slash() -> None:
+    # A proxy's prefix is the client's to build on; "/" then "/v1/..." would be "//v1/...".
+    settings = BillingSettings(stripe_api_base="https://proxy.internal/stripe/")
+    assert settings.stripe_api_base == "https://proxy.internal/stripe"
+
+
+@pytest.mark.parametrize(
+    "key",
+    # Made with `echo`; pasted with a space; blank; the publishable key, not the secret.
+    ["sk_test_abc\n", " sk_test_abc", "", "pk_" + "live_abcdefabcdefabcdef"],
+)
+def test_a_stripe_key_not_shaped_as_a_secret_key_is_refused_unechoed(key: str) -> None:
+    """Taken as it was, every charge of a worker without a vault failed before it was sent
+    (a header with a line break) or was refused, with no word of STRIPE_API_KEY."""
+    with pytest.raises(ValidationError, match="stripe_api_key\n  Value error") as refused:
+        BillingSettings(stripe_api_key=SecretStr(key))
+    assert "abcdef" not in str(refused.value)
+
+
 def test_an_at_sign_after_the_host_is_no_password() -> None:
     settings = BillingSettings(stripe_api_base="https://stripe.internal/v1@edge")
     assert settings.stripe_api_base == "https://stripe.internal/v1@edge"

@@ -14,6 +14,7 @@ from activities.stripe_failures import (
     RETRYABLE,
     SLOW_RETRY,
     SPEND_CAP_EXCEEDED,
+    UNRECOGNIZED_URL_CODE,
     WAITING_ON_CUSTOMER,
     replays_saved_error,
     to_temporal_failure,
@@ -164,6 +165,27 @@ def test_a_request_stripe_refuses_is_final_and_keeps_its_code() -> None:
     )
     assert (failure.type, failure.non_retryable) == (REFUSED, True)
     assert failure.details[0].code == "resource_missing"
+
+
+def test_a_url_stripe_does_not_know_stops_the_period_not_the_customer() -> None:
+    """Stripe's 404 with no code is its "Unrecognized request URL" (a base URL set wrong):
+    recorded as each customer's failure, it failed the whole period for good."""
+    message = "Unrecognized request URL (POST: /v1/v1/payment_intents)."
+    body = {"error": {"message": message, "type": "invalid_request_error"}}
+    failure = to_temporal_failure(
+        stripe.InvalidRequestError(  # type: ignore[no-untyped-call]
+            message, None, http_status=404, json_body=body
+        )
+    )
+    assert (failure.type, failure.non_retryable) == (KEY_REFUSED, True)
+    assert failure.details[0].code == UNRECOGNIZED_URL_CODE
+    assert "STRIPE_API_BASE" in failure.details[0].message
+    # An object that is not there is the request's matter, as before.
+    body = {"error": {"code": "resource_missing", "message": "No such payment_intent"}}
+    missing = stripe.InvalidRequestError(  # type: ignore[no-untyped-call]
+        "No such payment_intent", "intent", "resource_missing", http_status=404, json_body=body
+    )
+    assert to_temporal_failure(missing).type == REFUSED
 
 
 def test_the_vault_cap_refusal_is_its_own_failure_not_a_decline() -> None:

@@ -338,6 +338,11 @@ async def test_concurrent_worker_keys_never_pass_the_budget(
             "upstream_stripe_secret\n  Value error, has spaces or a line break around it",
         ),
         ({"admin_token": ADMIN_TOKEN + "\n"}, "admin_token\n  Value error, has spaces"),
+        # Stripe's client path added to it: every request forwarded to /v1/v1/... (helper-188).
+        (
+            {"upstream_stripe_base": "https://api.stripe.com/v1/"},
+            "upstream_stripe_base\n  Value error, ends in /v1, which the client adds itself",
+        ),
     ],
 )
 def test_vault_settings_that_cannot_work_are_refused(
