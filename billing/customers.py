@@ -253,17 +253,20 @@ def _reason(exc: Exception) -> str:
 
 
 async def import_customers(
-    pool: asyncpg.Pool, rows: Sequence[CustomerRow], *, while_running: bool
+    pool: asyncpg.Pool, rows: Sequence[CustomerRow], *, while_running: bool, reactivate: bool
 ) -> list[RunningChange]:
     """Write the rows, unless they change what an open run has yet to charge (see
     changes_to_open_runs) and not `while_running`: those changes are returned either way,
-    and then nothing is written. Checked and written as one step to a run's opening
-    (ledger.open_period), which waits for it, or which it waits for (ledger.lock_for_change:
-    at most CHANGE_WAIT_SECONDS)."""
+    and then nothing is written. Deactivated customers among them are refused unless
+    `reactivate`. Checked and written as one step to a run's opening (ledger.open_period),
+    which waits for it, or which it waits for (ledger.lock_for_change: at most
+    CHANGE_WAIT_SECONDS)."""
     async with pool.acquire() as conn, conn.transaction():
         await lock_for_change(conn, "the import")
         await _refuse_respelt(conn, rows)
         await _refuse_renames_undone(conn, rows)
+        if not reactivate:
+            await _refuse_reactivated(conn, rows)
         changes = await changes_to_open_runs(conn, rows)
         if while_running or not changes:
             await _write(conn, rows)
@@ -358,6 +361,23 @@ async def _refuse_renames_undone(conn: asyncpg.Connection, rows: Sequence[Custom
             " since: made active, a Stripe customer would be charged under both ids, twice in"
             " a period. Leave them out of the file, or make sure the other id is not that"
             " customer; nothing was imported"
+        )
+
+
+async def _refuse_reactivated(conn: asyncpg.Connection, rows: Sequence[CustomerRow]) -> None:
+    """Refuse to make deactivated customers active again unasked: a file exported before they
+    left (or a master file imported whole) would bill customers who have gone."""
+    found = await conn.fetch(
+        "SELECT customer_id FROM customers WHERE customer_id = ANY($1::text[]) AND NOT active"
+        " ORDER BY customer_id",
+        [r.customer_id for r in rows],
+    )
+    if found:
+        raise CustomerImportError(
+            f"{_ids(len(found))} would be made active again and billed from the next run on:"
+            f" {listed([r['customer_id'] for r in found])}. If they are back, import with"
+            " --reactivate; if the file predates their deactivation, leave them out of it;"
+            " nothing was imported"
         )
 
 

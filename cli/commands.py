@@ -272,6 +272,11 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="change prices a running period has not billed yet anyway",
     )
+    imp.add_argument(
+        "--reactivate",
+        action="store_true",
+        help="make customers deactivated before active again (billed from the next run on)",
+    )
     imp.set_defaults(handler=cmd_import)
     deactivate = customer_commands.add_parser(
         "deactivate",

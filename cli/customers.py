@@ -26,7 +26,9 @@ async def cmd_import(args: argparse.Namespace) -> int:
     rows = read_customers_csv(args.file)
     pool = await create_pool(load_settings(DatabaseSettings).database_url)
     try:
-        changes = await import_customers(pool, rows, while_running=args.while_running)
+        changes = await import_customers(
+            pool, rows, while_running=args.while_running, reactivate=args.reactivate
+        )
         periods = ", ".join(sorted({c.period for c in changes}))
         named = listed([f"{c.customer_id} ({c.was} -> {c.becomes})" for c in changes])
         if changes and not args.while_running:

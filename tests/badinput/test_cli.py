@@ -456,7 +456,7 @@ async def test_an_import_repricing_customers_a_running_period_has_not_billed_is_
             "c-4,cus_D,pm_4,300,usd\nc-5,cus_E,pm_5,100,eur\nc-6,cus_F,pm_6,100,usd\n"
         )
     )
-    argv = ["starter.py", "customers", "import", str(path)]
+    argv = ["starter.py", "customers", "import", str(path), "--reactivate"]
     env = {"DATABASE_URL": database_url}
     refused = await run_cli(*argv, env=env)
     assert (refused.code, refused.stdout) == (2, ""), refused
@@ -476,6 +476,45 @@ async def test_an_import_repricing_customers_a_running_period_has_not_billed_is_
     # Imported all the same, the changes are on record in the output.
     assert "note: the open run of 2026-12 may bill these as now imported:" in forced.stdout
     assert "c-4 (usd 1.00 -> usd 3.00)" in forced.stdout
+
+
+async def test_an_import_makes_a_deactivated_customer_active_only_when_asked(
+    db: asyncpg.Pool, database_url: str, tmp_path: Path
+) -> None:
+    """c-2 left and was deactivated; a file exported before that (or a master file imported
+    whole) made it active again without a word, and the next run billed it (helper-188)."""
+    await db.execute(
+        "INSERT INTO customers (customer_id, stripe_customer_id, payment_method, amount_cents,"
+        " currency, active) VALUES ('c-1', 'cus_A', 'pm_1', 100, 'usd', true),"
+        " ('c-2', 'cus_B', 'pm_2', 100, 'usd', false), ('c-3', 'cus_C', 'pm_3', 100, 'usd', false)"
+    )
+    path = tmp_path / "master.csv"
+    path.write_text(
+        _csv("c-1,cus_A,pm_1,200,usd\nc-2,cus_B,pm_2,100,usd\nc-4,cus_D,pm_4,100,usd\n")
+    )
+    argv = ["starter.py", "customers", "import", str(path)]
+    env = {"DATABASE_URL": database_url}
+    refused = await run_cli(*argv, env=env)
+    assert (refused.code, refused.stdout) == (2, ""), refused
+    assert (
+        "1 inactive customer id would be made active again and billed from the next run on: c-2."
+        " If they are back, import with --reactivate"
+    ) in refused.stderr
+    assert "nothing was imported" in refused.stderr
+    written = "SELECT customer_id, amount_cents, active FROM customers ORDER BY customer_id"
+    assert [tuple(r) for r in await db.fetch(written)] == [
+        ("c-1", 100, True),
+        ("c-2", 100, False),
+        ("c-3", 100, False),
+    ]
+    asked = await run_cli(*argv, "--reactivate", env=env)
+    assert (asked.code, asked.stdout.strip()) == (0, f"imported 3 customers from {path}"), asked
+    assert [tuple(r) for r in await db.fetch(written)] == [
+        ("c-1", 200, True),
+        ("c-2", 100, True),
+        ("c-3", 100, False),
+        ("c-4", 100, True),
+    ]
 
 
 async def test_an_import_warns_of_a_stripe_customer_charged_under_two_ids(

@@ -68,7 +68,9 @@ async def test_an_import_waits_for_a_run_being_opened_then_sees_it_open(
         # A run's opening half done: planned, not yet recorded.
         await conn.execute(ledger.OPENING_LOCK)
         plan = await ledger.plan_period(conn, PERIOD)
-        importing = asyncio.create_task(import_customers(db, [NEW], while_running=False))
+        importing = asyncio.create_task(
+            import_customers(db, [NEW], while_running=False, reactivate=True)
+        )
         assert await _is_waiting(importing)
         await ledger.start_period(conn, plan, WORKFLOW_ID)
     changes = await importing
@@ -110,10 +112,10 @@ async def test_an_import_kept_waiting_gives_up_saying_why(
     async with db.acquire() as conn, conn.transaction():
         await conn.execute(ledger.OPENING_LOCK)  # a run being opened, waiting for the vault
         with pytest.raises(LedgerBusyError, match=r"the import waited 0\.5 s for a run being"):
-            await import_customers(db, [NEW], while_running=False)
+            await import_customers(db, [NEW], while_running=False, reactivate=True)
     assert await db.fetchval("SELECT count(*) FROM customers") == 0
     # Once the opening is done, the same import goes through.
-    await import_customers(db, [NEW], while_running=False)
+    await import_customers(db, [NEW], while_running=False, reactivate=True)
     assert await db.fetchval("SELECT count(*) FROM customers") == 1
 
 
@@ -143,12 +145,12 @@ async def test_an_active_customers_id_spelt_another_way_is_refused(db: asyncpg.P
         match=r"1 customer ids are those of active customers spelt another way, with the same"
         r" Stripe customer: 'C-1' for 'c-1' \(cus_A\)\. .* nothing was imported",
     ):
-        await import_customers(db, [NEW, respelt], while_running=False)
+        await import_customers(db, [NEW, respelt], while_running=False, reactivate=True)
     assert await db.fetchval("SELECT count(*) FROM customers") == 1
     other = respelt.model_copy(update={"stripe_customer_id": "cus_C"})
-    assert await import_customers(db, [other], while_running=False) == []
+    assert await import_customers(db, [other], while_running=False, reactivate=True) == []
     await db.execute("UPDATE customers SET active = false WHERE customer_id = 'c-1'")
-    assert await import_customers(db, [respelt], while_running=False) == []
+    assert await import_customers(db, [respelt], while_running=False, reactivate=True) == []
     active = await db.fetch("SELECT customer_id, stripe_customer_id FROM customers WHERE active")
     assert [tuple(r) for r in active] == [("C-1", "cus_A")]
 
@@ -336,7 +338,7 @@ async def test_a_rename_undone_by_an_import_is_refused(db: asyncpg.Pool, charged
             "UPDATE billing_runs SET customer_id = 'c-2', idempotency_key = $1", _key("c-2")
         )
     with pytest.raises(CustomerImportError) as refused:
-        await import_customers(db, [OLD_ID], while_running=True)
+        await import_customers(db, [OLD_ID], while_running=True, reactivate=True)
     assert str(refused.value).startswith("1 inactive customer id would be made active")
     assert "'c-1' (cus_A, also c-2's)" in str(refused.value)
     assert "nothing was imported" in str(refused.value)
@@ -344,7 +346,10 @@ async def test_a_rename_undone_by_an_import_is_refused(db: asyncpg.Pool, charged
     # Stripe customer as it is now (helper-144's F4).
     with pytest.raises(CustomerImportError, match="'c-1' \\(cus_A, also c-2's\\)"):
         await import_customers(
-            db, [OLD_ID.model_copy(update={"stripe_customer_id": "cus_B"})], while_running=True
+            db,
+            [OLD_ID.model_copy(update={"stripe_customer_id": "cus_B"})],
+            while_running=True,
+            reactivate=True,
         )
     assert not await db.fetchval("SELECT active FROM customers WHERE customer_id = 'c-1'")
     # With c-2 deactivated, a file making c-1 active beside another id for cus_A is refused
@@ -352,14 +357,14 @@ async def test_a_rename_undone_by_an_import_is_refused(db: asyncpg.Pool, charged
     await db.execute("UPDATE customers SET active = false WHERE customer_id = 'c-2'")
     other = OLD_ID.model_copy(update={"customer_id": "c-3"})
     with pytest.raises(CustomerImportError, match=r"'c-1' \(cus_A, also (c-2, )?c-3's\)"):
-        await import_customers(db, [OLD_ID, other], while_running=True)
+        await import_customers(db, [OLD_ID, other], while_running=True, reactivate=True)
     if charged_as == "new-id-run-completed":
         # c-2 charged cus_A in a period c-1 has no row of: c-1 would be due there, and
         # charge cus_A again, whatever c-2 is now.
         with pytest.raises(CustomerImportError, match="'c-1' \\(cus_A, also c-2's\\)"):
-            await import_customers(db, [OLD_ID], while_running=True)
+            await import_customers(db, [OLD_ID], while_running=True, reactivate=True)
         return
-    await import_customers(db, [OLD_ID], while_running=True)
+    await import_customers(db, [OLD_ID], while_running=True, reactivate=True)
     assert await db.fetchval("SELECT active FROM customers WHERE customer_id = 'c-1'")
 
 
@@ -372,7 +377,7 @@ async def test_a_price_changed_under_an_open_unsent_claim_is_named(db: asyncpg.P
     async with db.acquire() as conn:
         await ledger.claim(conn, "c-1", PERIOD, _key("c-1"), "run-1", charge_api="payment_intents")
     repriced = OLD_ID.model_copy(update={"amount_cents": 1000})
-    [change] = await import_customers(db, [repriced], while_running=False)
+    [change] = await import_customers(db, [repriced], while_running=False, reactivate=True)
     assert (change.customer_id, change.was, change.becomes) == (
         "c-1",
         "claimed at usd 1.00, which the run charges unless skipped",
@@ -381,12 +386,12 @@ async def test_a_price_changed_under_an_open_unsent_claim_is_named(db: asyncpg.P
     assert await db.fetchval("SELECT amount_cents FROM customers") == 100
     # Imported all the same, the same file again changes nothing more to name (helper-144's
     # F5: it was refused as a change for as long as the claim waited).
-    await import_customers(db, [repriced], while_running=True)
-    assert await import_customers(db, [repriced], while_running=False) == []
+    await import_customers(db, [repriced], while_running=True, reactivate=True)
+    assert await import_customers(db, [repriced], while_running=False, reactivate=True) == []
     await db.execute("UPDATE customers SET amount_cents = 100")
     # Sent already, it is charged as it was sent: nothing for the operator to decide.
     await db.execute("UPDATE billing_runs SET charge_started_at = now()")
-    assert await import_customers(db, [repriced], while_running=False) == []
+    assert await import_customers(db, [repriced], while_running=False, reactivate=True) == []
     assert await db.fetchval("SELECT amount_cents FROM customers") == 1000
 
 
@@ -421,7 +426,7 @@ async def test_a_new_id_on_a_stripe_customer_the_run_billed_names_the_id_it_bill
     async with db.acquire() as conn:
         await ledger.open_period(conn, PERIOD, WORKFLOW_ID)
     renamed = OLD_ID.model_copy(update={"customer_id": "c-2"})
-    [change] = await import_customers(db, [renamed], while_running=False)
+    [change] = await import_customers(db, [renamed], while_running=False, reactivate=True)
     assert change.was == (
         "new, on cus_A, which this run billed as c-1 (if renamed, deactivate c-1 first)"
     )
@@ -446,11 +451,11 @@ async def test_a_rename_undone_after_the_new_id_moved_is_refused(
     if other == "moved-in-the-same-file":
         file = [OLD_ID, moved]
     else:
-        await import_customers(db, [moved], while_running=True)
+        await import_customers(db, [moved], while_running=True, reactivate=True)
         await db.execute("UPDATE customers SET active = false WHERE customer_id = 'c-2'")
         file = [OLD_ID]
     with pytest.raises(CustomerImportError, match="'c-1' \\(cus_A, also c-2's\\)"):
-        await import_customers(db, file, while_running=True)
+        await import_customers(db, file, while_running=True, reactivate=True)
     assert "c-1" not in await _due(db)
 
 
@@ -465,7 +470,7 @@ async def test_an_old_failed_row_does_not_refuse_bringing_an_id_back(db: asyncpg
         " currency) VALUES ('c-5', 'cus_A', 'pm_1', 100, 'usd')"
     )
     back = OLD_ID.model_copy(update={"stripe_customer_id": "cus_C"})
-    await import_customers(db, [back], while_running=True)
+    await import_customers(db, [back], while_running=True, reactivate=True)
     assert await db.fetchval("SELECT active FROM customers WHERE customer_id = 'c-1'")
 
 
@@ -477,7 +482,7 @@ async def test_an_import_is_written_a_chunk_at_a_time_the_last_row_of_an_id_winn
     monkeypatch.setattr(customers, "WRITE_CHUNK", 2)
     rows = [NEW.model_copy(update={"customer_id": f"c-{i}"}) for i in range(2, 7)]
     repriced = rows[0].model_copy(update={"amount_cents": 300})
-    await import_customers(db, [*rows, repriced], while_running=False)
+    await import_customers(db, [*rows, repriced], while_running=False, reactivate=True)
     written = await db.fetch("SELECT customer_id, amount_cents FROM customers ORDER BY 1")
     assert [tuple(r) for r in written] == [
         ("c-2", 300),

@@ -820,7 +820,7 @@ async def test_a_reset_runs_stale_listing_does_not_hide_a_customer_from_its_clos
         await asyncio.wait_for(stale.close_reached.wait(), 60)
         assert await harness.succeeded() == len(customers)
         late = await create_demo_customers(harness.stripe, 1, prefix="a-late")
-        await import_customers(harness.pool, late, while_running=True)
+        await import_customers(harness.pool, late, while_running=True, reactivate=True)
         stale.go.set()
         await asyncio.wait_for(stale.done.wait(), 60)
         stale.close_go.set()

@@ -69,7 +69,7 @@ async def _late(harness: Harness) -> list[CustomerRow]:
     """A customer whose id sorts before every seeded one ("cust-..."), imported while the run
     is open."""
     rows = await create_demo_customers(harness.stripe, 1, prefix="a-late")
-    await import_customers(harness.pool, rows, while_running=True)
+    await import_customers(harness.pool, rows, while_running=True, reactivate=True)
     return rows
 
 
@@ -262,7 +262,7 @@ async def _ended_without_a_row(harness: Harness, customers: list[CustomerRow]) -
             task_queue=harness.task_queue,
         )
         assert outcome.failure_code == "unknown_customer"
-    await import_customers(harness.pool, customers, while_running=False)
+    await import_customers(harness.pool, customers, while_running=False, reactivate=True)
 
 
 async def test_a_customer_active_again_since_its_child_found_it_gone_is_billed(
@@ -312,7 +312,9 @@ class GoneOnceListed(ImportAtTheClose):
         return Deactivating(super().intercept_activity(next))
 
     async def imported(self) -> None:
-        await import_customers(self.harness.pool, self.returned, while_running=True)
+        await import_customers(
+            self.harness.pool, self.returned, while_running=True, reactivate=True
+        )
 
 
 class GoneOnceListedThenPastRetention(GoneOnceListed):
@@ -456,7 +458,7 @@ async def test_a_customer_active_again_behind_the_listing_is_billed_by_the_run(
     customers = await harness.seed(3)
     # Sorts before every seeded customer: behind the listing once it has begun.
     returned = await create_demo_customers(harness.stripe, 1, prefix="a-ret")
-    await import_customers(harness.pool, returned, while_running=False)
+    await import_customers(harness.pool, returned, while_running=False, reactivate=True)
     ids = [c.customer_id for c in returned]
     await harness.pool.execute(
         "UPDATE customers SET active = false WHERE customer_id = ANY($1::text[])", ids
@@ -473,7 +475,7 @@ async def test_a_customer_active_again_behind_the_listing_is_billed_by_the_run(
 
     class ReturnAtTheClose(ImportAtTheClose):
         async def imported(self) -> None:
-            await import_customers(self.harness.pool, returned, while_running=True)
+            await import_customers(self.harness.pool, returned, while_running=True, reactivate=True)
 
     importing = ReturnAtTheClose(harness)
     async with harness.running_worker(interceptors=[importing]):
@@ -502,7 +504,7 @@ async def test_a_customer_due_again_behind_the_listing_whose_earlier_child_still
 
     class ReturnAtTheClose(ImportAtTheClose):
         async def imported(self) -> None:
-            await import_customers(self.harness.pool, returned, while_running=True)
+            await import_customers(self.harness.pool, returned, while_running=True, reactivate=True)
             closing.set()
 
     closing = asyncio.Event()
@@ -541,7 +543,7 @@ async def test_a_customer_due_again_behind_the_listing_charged_by_an_earlier_chi
 
     class ChargedAtTheClose(ImportAtTheClose):
         async def imported(self) -> None:
-            await import_customers(self.harness.pool, returned, while_running=True)
+            await import_customers(self.harness.pool, returned, while_running=True, reactivate=True)
             # The earlier child's worker comes back and charges it, before the close looks.
             other = _earlier_worker(self.harness)
             async with other:
@@ -571,7 +573,7 @@ async def _inactive_with_an_earlier_child(
     """A customer, sorting before every seeded one, inactive, with a child of the period an
     earlier run started: not yet claimed, as its worker (_earlier_worker) is not polling."""
     returned = await create_demo_customers(harness.stripe, 1, prefix="a-ret")
-    await import_customers(harness.pool, returned, while_running=False)
+    await import_customers(harness.pool, returned, while_running=False, reactivate=True)
     await harness.pool.execute(
         "UPDATE customers SET active = false WHERE customer_id = $1", returned[0].customer_id
     )
@@ -709,7 +711,7 @@ async def test_a_run_continued_from_one_before_the_patch_counts_a_returned_custo
     monkeypatch.setattr(wf, "patched", patched)
     customers = await harness.seed(40)
     returned = await create_demo_customers(harness.stripe, 1, prefix="a-ret")
-    await import_customers(harness.pool, returned, while_running=False)
+    await import_customers(harness.pool, returned, while_running=False, reactivate=True)
     # Two at a time and a short history: the run continues as new midway.
     options = RunOptions(max_in_flight=2, max_starting=2, history_event_limit=200)
     await harness.set_faults(latency_ms=200)
