@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from billing.db_roles import ROLE_NAME, DatabaseRoles
 from billing.errors import BillingError, validation_reason
 from billing.models import ChargeApi
+from billing.redact import one_line
 from billing.sealing import SETTING, SecretBox
 
 S = TypeVar("S", bound=BaseSettings)
@@ -163,7 +164,7 @@ class OperatorSettings(BaseSettings):
     @field_validator("billing_operator")
     @classmethod
     def _named(cls, value: str | None) -> str | None:
-        if value is not None and not value.strip():
+        if value is not None and not one_line(value).strip():
             # As compose passes it on when the shell has none: the login there is the
             # image's, no person's.
             raise ValueError(

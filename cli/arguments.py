@@ -15,7 +15,7 @@ from billing.config import OperatorSettings, load_settings
 from billing.errors import BillingError, InvalidInputError, shown
 from billing.periods import LATE_MONTHS, parse_period
 from billing.reconciliation import CHARGE_ID_PATTERN
-from billing.redact import redact, shown_line
+from billing.redact import one_line, redact, shown_line
 from billing.seeding import MAX_DEMO_CUSTOMERS
 
 T = TypeVar("T")
@@ -47,10 +47,24 @@ schedule_id = argument(schedules.validate_schedule_id)
 
 
 def reason(text: str) -> str:
-    """An argparse type: why an operator acts, kept with the run; blank says nothing."""
-    if not text.strip():
+    """An argparse type: why an operator acts, kept with the run; blank says nothing (a
+    zero-width space included, which is kept as a space)."""
+    if not one_line(text).strip():
         raise argparse.ArgumentTypeError("expected words saying why, got a blank reason")
     return text
+
+
+def operator_name(text: str) -> str:
+    """An argparse type: who acts, kept with what they did; blank names no one."""
+    if not one_line(text).strip():
+        raise argparse.ArgumentTypeError("expected the name of whoever acts, got a blank one")
+    return text
+
+
+def add_operator_flag(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--operator", type=operator_name, help="default: $BILLING_OPERATOR or your login"
+    )
 
 
 def charge_id(text: str) -> str:
@@ -101,7 +115,7 @@ def number(high: float, *, least: float | None = None) -> Callable[[str], float]
 
 
 def operator(args: argparse.Namespace) -> str:
-    # A --operator given empty is refused with the request, never replaced by a default.
+    # A --operator given blank is refused by its type, never replaced by a default.
     if args.operator is not None:
         given: str = args.operator
         return given
@@ -148,4 +162,4 @@ def add_far_months(command: argparse.ArgumentParser) -> None:
 def add_operator_flags(command: argparse.ArgumentParser) -> None:
     """What a command that steers a run records with it: why, and who."""
     command.add_argument("--reason", required=True, type=reason, help="recorded with your name")
-    command.add_argument("--operator", help="default: $BILLING_OPERATOR or your login")
+    add_operator_flag(command)

@@ -147,7 +147,7 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="mark a finding no reconciliation here reported (say, before this release)",
     )
-    handled.add_argument("--operator", help="default: $BILLING_OPERATOR or your login")
+    arguments.add_operator_flag(handled)
     handled.add_argument("--json", action="store_true")
     handled.set_defaults(handler=cmd_handled)
 
@@ -180,7 +180,7 @@ def parser() -> argparse.ArgumentParser:
         sub.set_defaults(handler=cmd_schedule)
         if name in ("pause", "unpause"):
             sub.add_argument("--note", default=None, help="why; `describe` shows it")
-            sub.add_argument("--operator", help="default: $BILLING_OPERATOR or your login")
+            arguments.add_operator_flag(sub)
         if name in ("trigger", "backfill"):
             sub.add_argument(
                 "--while-paused",

@@ -90,7 +90,30 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "cancel empty operator": (
         ["starter.py", "cancel", "2026-12", "--reason", "r", "--operator", ""],
-        "operator: String should have at least 1 character",
+        "--operator: expected the name of whoever acts, got a blank one",
+    ),
+    # Both were kept, as a blank in the audit trail (helper-188).
+    "handled blank operator": (
+        [
+            "starter.py",
+            "handled",
+            "2026-12",
+            "duplicate",
+            "ch_3Nx",
+            "--reason",
+            "r",
+            "--operator",
+            " ",
+        ],
+        "--operator: expected the name of whoever acts, got a blank one",
+    ),
+    "pause zero-width reason": (
+        ["starter.py", "pause", "2026-12", "--reason", "\u200b", "--operator", "alice"],
+        "--reason: expected words saying why, got a blank reason",
+    ),
+    "schedule pause blank operator": (
+        ["starter.py", "schedule", "pause", "--note", "n", "--operator", "\u200b"],
+        "--operator: expected the name of whoever acts, got a blank one",
     ),
     "resume long operator": (
         ["starter.py", "resume", "2026-12", "--reason", "ok", "--operator", "o" * 101],
