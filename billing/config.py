@@ -60,6 +60,14 @@ def stripe_secret_key(value: SecretStr) -> SecretStr:
     return value
 
 
+def words(value: str) -> str:
+    """A name set by hand: not blank, with no spaces or line break around it."""
+    if not value.strip():
+        raise ValueError("is set but blank: give it a value, or unset it")
+    refuse_untrimmed(value)
+    return value
+
+
 def namespace_name(value: str) -> str:
     if not _NAMESPACE.fullmatch(value):
         raise ValueError("must be a namespace's name: letters, digits, '.', '-' and '_'")
@@ -132,6 +140,12 @@ class TemporalSettings(BaseSettings):
     @classmethod
     def _namespace(cls, value: str) -> str:
         return namespace_name(value)
+
+    @field_validator("task_queue")
+    @classmethod
+    def _task_queue(cls, value: str) -> str:
+        # "billing\n" is another queue, which no worker or starter of the others polls.
+        return words(value)
 
 
 class DatabaseSettings(BaseSettings):
@@ -236,7 +250,8 @@ class BillingSettings(CapSettings):
     stripe_api_key: SecretStr = SecretStr("sk_test_local_emulator")
     billing_charge_api: ChargeApi = "payment_intents"
     billing_key_namespace: str = Field(default="billing", min_length=1)
-    billing_stripe_timeout_seconds: float = Field(default=30.0, gt=0, allow_inf_nan=False)
+    # Under a second, every charge would time out and be retried for ever.
+    billing_stripe_timeout_seconds: float = Field(default=30.0, ge=1, allow_inf_nan=False)
     # Claims older than this are looked up on Stripe before a new request: Stripe keeps
     # idempotency keys for 24 hours, so a later replay would execute as a new charge. At most
     # 23 hours, an hour for clocks that disagree (the vault refuses replays from then on too).
@@ -271,6 +286,12 @@ class BillingSettings(CapSettings):
                 " charged a second time"
             )
         return value
+
+    @field_validator("billing_key_namespace")
+    @classmethod
+    def _key_namespace(cls, value: str) -> str:
+        # Part of every idempotency key: "billing " would key a period's charges afresh.
+        return words(value)
 
     @field_validator("billing_key_encryption_keys")
     @classmethod
@@ -362,3 +383,9 @@ class ObservabilitySettings(BaseSettings):
     metrics_host: str = "127.0.0.1"
     billing_metrics_port: int | None = Field(default=None, ge=1, le=65535)
     temporal_metrics_port: int | None = Field(default=None, ge=1, le=65535)
+
+    @field_validator("metrics_host")
+    @classmethod
+    def _metrics_host(cls, value: str) -> str:
+        # Blank, the metrics would be served on every interface: 0.0.0.0 says so.
+        return words(value)

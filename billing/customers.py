@@ -184,6 +184,14 @@ def _parse_rows(reader: csv.DictReader[str], source: str) -> list[CustomerRow]:
         line = reader.line_num
         if fields.get("_extra"):
             raise CustomerImportError(f"{source}, line {line}: more fields than the header names")
+        if not any(value and value.strip() for value in fields.values()):
+            # Spaces only: blank to whoever reads the file, as the blank lines it skips.
+            continue
+        given = sum(value is not None for value in fields.values())
+        if given < len(header):
+            raise CustomerImportError(
+                f"{source}, line {line}: {given} fields where the header names {len(header)}"
+            )
         try:
             row = _row_from_csv(fields)
         except (InvalidInputError, ValueError) as exc:

@@ -369,6 +369,14 @@ def test_a_key_pasted_into_the_wrong_place_is_not_echoed(
         ),
         # Blank, asyncpg tried local defaults and the worker migrated whatever answered.
         ({"DATABASE_URL": " "}, "DATABASE_URL: is set but blank"),
+        # Another queue, which no starter polled; every charge timing out, retried for ever.
+        ({"TEMPORAL_TASK_QUEUE": "billing\n"}, "TEMPORAL_TASK_QUEUE: has spaces"),
+        (
+            {"BILLING_STRIPE_TIMEOUT_SECONDS": "1e-9"},
+            "BILLING_STRIPE_TIMEOUT_SECONDS: Input should",
+        ),
+        ({"BILLING_KEY_NAMESPACE": " "}, "BILLING_KEY_NAMESPACE: is set but blank"),
+        ({"METRICS_HOST": ""}, "METRICS_HOST: is set but blank"),
         # As Stripe's reference writes it: every charge went to /v1/v1/... and failed for good.
         ({"STRIPE_API_BASE": "https://api.stripe.com/v1"}, "STRIPE_API_BASE: ends in /v1"),
         # A secret made with `echo`: every charge failed before it was sent, retried for ever.

@@ -50,6 +50,9 @@ def test_valid_file() -> None:
             " Stripe customer",
         ),
         ("c-1,cus_A,pm_1,1500,usd,extra\n", "line 2: more fields"),
+        # Was "currency is empty": the row lacks a field, wherever it is (helper-188).
+        ("c-1,cus_A,pm_1,1500\n", "line 2: 4 fields where the header names 5"),
+        ("c-1,cus_A,pm_1,1500,usd\nc-2,cus_B,pm_2\n", "line 3: 3 fields where the header"),
         (",cus_A,pm_1,1500,usd\n", "line 2: customer_id is empty"),
         ("c-1,cus_A,pm_1,100000000,usd\n", "line 2: amount 100000000 exceeds"),
         ("", "no customer rows"),
@@ -58,6 +61,13 @@ def test_valid_file() -> None:
 def test_bad_row_rejects_the_file_with_its_line(body: str, message: str) -> None:
     with pytest.raises(CustomerImportError, match=message):
         parse_customers_csv((HEADER + body).splitlines(True), source="in.csv")
+
+
+def test_a_line_of_spaces_is_skipped_as_a_blank_one_is() -> None:
+    """It read as a row with an empty customer_id, rejecting the file (helper-188)."""
+    body = "c-1,cus_A,pm_1,1500,usd\n   \n\nc-2,cus_B,pm_2,99,eur\n  \t\n"
+    rows = parse_customers_csv((HEADER + body).splitlines(True), source="in.csv")
+    assert [r.customer_id for r in rows] == ["c-1", "c-2"]
 
 
 def test_ids_differing_in_case_are_two_customers_with_two_stripe_customers() -> None:
