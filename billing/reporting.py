@@ -135,6 +135,19 @@ def next_step(progress: PeriodProgress) -> str | None:
     return f"to bill the rest (or cancel the run): {renewal}, then {resume}"
 
 
+def resumed_unrenewed(period: str, reason: str) -> str | None:
+    """What to say of a resume of a run paused itself for `reason` whose keys nothing renewed
+    since: None when new keys would not mend it, or a day's room will (the daily cap)."""
+    renewal = _renewal(period, reason)
+    if renewal is None or DAILY_CAP in reason:
+        return None
+    return (
+        f"the run had paused itself ({reason}) and no key of the period was issued since: its"
+        f" charges are likely refused again, which pauses it again. To bill the rest:"
+        f" {renewal}, then resume"
+    )
+
+
 def _code(reason: str | None) -> str:
     """The code a run's refusal reason starts with ("code: message")."""
     return (reason or "").split(":", 1)[0]

@@ -10,7 +10,9 @@ import stripe
 from billing.config import BillingSettings, DatabaseSettings, load_settings
 from billing.customers import CustomerRow, upsert_customers
 from billing.db import create_pool
+from billing.errors import BillingError, ConfigurationError, ServiceUnavailableError
 from billing.models import Record
+from billing.redact import redact
 from billing.stripe_client import stripe_session
 
 # One customer in this many gets a card that Stripe declines, so the demo shows failures.
@@ -77,6 +79,21 @@ async def create_demo_customers(
     return rows
 
 
+def _stripe_failed(exc: stripe.StripeError, base: str) -> BillingError:
+    nothing = (
+        "; nothing was written to the ledger (a seeding run again within a day reuses the"
+        " customers Stripe created)"
+    )
+    if isinstance(exc, stripe.APIConnectionError):
+        return ServiceUnavailableError(f"cannot reach Stripe at {base} (STRIPE_API_BASE){nothing}")
+    if isinstance(exc, stripe.AuthenticationError | stripe.PermissionError):
+        return ConfigurationError(f"Stripe at {base} refused STRIPE_API_KEY{nothing}")
+    return ServiceUnavailableError(
+        f"Stripe at {base} refused a demo customer ({exc.http_status}:"
+        f" {redact(str(exc.user_message))}){nothing}"
+    )
+
+
 class DemoSeed(Record):
     """What seeding left in the ledger: a period's run bills every active customer, not
     only the demo's."""
@@ -88,11 +105,16 @@ class DemoSeed(Record):
 
 
 async def seed_demo(count: int, prefix: str = "demo") -> DemoSeed:
-    """Create demo customers in the configured Stripe and upsert them into the ledger."""
-    async with stripe_session(load_settings(BillingSettings)) as client:
-        rows = await create_demo_customers(client, count, prefix)
+    """Create demo customers in the configured Stripe and upsert them into the ledger (reached
+    first: customers created on Stripe for a ledger that cannot be written are wasted)."""
+    settings = load_settings(BillingSettings)
     pool = await create_pool(load_settings(DatabaseSettings).database_url)
     try:
+        async with stripe_session(settings) as client:
+            try:
+                rows = await create_demo_customers(client, count, prefix)
+            except stripe.StripeError as exc:
+                raise _stripe_failed(exc, settings.stripe_api_base) from None
         written = await upsert_customers(pool, rows)
         counts = await pool.fetchrow(
             "SELECT count(*) AS active, count(*) FILTER (WHERE customer_id NOT LIKE $1)"

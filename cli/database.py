@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import asyncpg
 
@@ -23,6 +24,7 @@ LEDGER_UNREADABLE: tuple[type[Exception], ...] = (
     ConfigurationError,
     SettingsError,
 )
+T = TypeVar("T")
 # How long a command waits for the ledger's totals of a period before it says without them.
 LEDGER_TOTALS_SECONDS = 5.0
 
@@ -38,19 +40,26 @@ async def ledger_connection() -> AsyncIterator[asyncpg.Connection]:
         await pool.close()
 
 
-async def ledger_totals(period: str) -> PeriodTotals | None:
-    """The ledger's totals of the period's runs (`empty` when it holds no row of it); None,
-    said in a note, if it cannot be read: they only say more than what the command asked
-    Temporal (a rerun's summary counts what the runs before it charged as already billed).
-    Bounded: such a command must not hang on a database that takes connections but does not
-    answer."""
+async def read_for_a_note(
+    unread: str, read: Callable[[asyncpg.Connection], Awaitable[T]]
+) -> T | None:
+    """`read` of the ledger, for a command that reads it only to say more than what it asked
+    Temporal; None, with a note saying what goes `unread`, if it cannot be read. Bounded:
+    such a command must not hang on a database that takes connections but does not answer."""
     try:
         async with asyncio.timeout(LEDGER_TOTALS_SECONDS), ledger_connection() as conn:
-            return await ledger.period_totals(conn, period)
+            return await read(conn)
     except (*LEDGER_UNREADABLE, TimeoutError, asyncpg.PostgresError) as exc:
         print(
-            f"note: the ledger could not be read ({type(exc).__name__}): the totals of"
-            f" {period}'s runs are not shown",
-            file=sys.stderr,
+            f"note: the ledger could not be read ({type(exc).__name__}): {unread}", file=sys.stderr
         )
         return None
+
+
+async def ledger_totals(period: str) -> PeriodTotals | None:
+    """The ledger's totals of the period's runs (`empty` when it holds no row of it): a
+    rerun's summary counts what the runs before it charged as already billed."""
+    return await read_for_a_note(
+        f"the totals of {period}'s runs are not shown",
+        lambda conn: ledger.period_totals(conn, period),
+    )

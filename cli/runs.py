@@ -54,6 +54,7 @@ from billing.reporting import (
     describe_renewal,
     describe_totals,
     next_step,
+    resumed_unrenewed,
     ui_link,
 )
 from billing.runs import (
@@ -70,7 +71,7 @@ from billing.runs import (
 )
 from billing.temporal_client import connect, described
 from cli import arguments
-from cli.database import ledger_connection, ledger_totals
+from cli.database import ledger_connection, ledger_totals, read_for_a_note
 from cli.output import OutageNotice, emit
 
 # How often `run --wait` asks whether the run it waits for has paused.
@@ -283,6 +284,16 @@ async def cmd_control(args: argparse.Namespace) -> int:
     # Bad input is refused before anything is contacted.
     request = OperatorRequest(reason=args.reason, operator=arguments.operator(args))
     client = await connect(load_settings(TemporalSettings))
+    # Read before the resume lifts the pause it is about; a resume with the same keys would
+    # only be refused again (cap, expiry, revoke), claiming more customers first.
+    unrenewed = (
+        await read_for_a_note(
+            "whether the run's keys were renewed since it paused itself is not checked",
+            lambda conn: ledger.self_pause_unrenewed(conn, str(args.period)),
+        )
+        if args.command == "resume"
+        else None
+    )
     try:
         progress = await operations.control(client, args.period, args.command, request)
     except operations.NotRunningError as exc:
@@ -305,6 +316,9 @@ async def cmd_control(args: argparse.Namespace) -> int:
         emit(cancelled, args.json, _describe_ended_cancel(cancelled))
         return 0
     emit(progress, args.json, describe(progress))
+    warning = None if unrenewed is None else resumed_unrenewed(str(args.period), unrenewed)
+    if warning is not None:
+        print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 

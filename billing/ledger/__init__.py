@@ -60,6 +60,7 @@ from billing.ledger.runs import (
     period_totals,
     periods_run,
     run_opened_at,
+    self_pause_unrenewed,
     set_control,
     start_period,
 )
@@ -121,6 +122,7 @@ __all__ = [
     "reported_kinds",
     "request_skip",
     "run_opened_at",
+    "self_pause_unrenewed",
     "set_control",
     "start_period",
     "stop_behind_saved_error",

@@ -11,6 +11,7 @@ import asyncpg
 from billing.errors import LedgerBusyError
 from billing.ledger.due import plan_period, unsent_totals
 from billing.models import (
+    AUTOMATIC,
     Control,
     PeriodPlan,
     PeriodRecord,
@@ -167,6 +168,24 @@ async def period_totals(conn: asyncpg.Connection, period: str) -> PeriodTotals:
         if row["status"] == "charged":
             charged[row["currency"]] = row["cents"]
     return PeriodTotals(**counts, charged_by_currency=charged)
+
+
+async def self_pause_unrenewed(conn: asyncpg.Connection, period: str) -> str | None:
+    """The reason the period's run paused itself for, while it is so paused and no key of the
+    period was issued since (`renew-keys` issues them); None otherwise."""
+    reason: str | None = await conn.fetchval(
+        """
+        SELECT p.control_reason FROM billing_periods p
+        WHERE p.billing_period = $1 AND p.state = 'running' AND p.control = 'paused'
+            AND p.control_by = $2
+            AND NOT EXISTS (SELECT 1 FROM period_vault_keys k
+                            WHERE k.billing_period = p.billing_period
+                                AND k.created_at >= p.control_at)
+        """,
+        period,
+        AUTOMATIC,
+    )
+    return reason
 
 
 async def period_record(conn: asyncpg.Connection, period: str) -> PeriodRecord | None:

@@ -548,6 +548,29 @@ async def test_an_import_makes_a_deactivated_customer_active_only_when_asked(
     ]
 
 
+async def test_seeding_with_stripe_unreachable_is_one_line_and_writes_nothing(
+    db: asyncpg.Pool, database_url: str
+) -> None:
+    """It printed the Stripe SDK's traceback and exited 1, the code of a reconciliation's
+    findings (helper-187)."""
+    closed = free_port()
+    result = await run_cli(
+        "starter.py",
+        "customers",
+        "seed-demo",
+        "--count",
+        "3",
+        env={"DATABASE_URL": database_url, "STRIPE_API_BASE": f"http://127.0.0.1:{closed}"},
+    )
+    assert (result.code, result.stdout) == (2, ""), result
+    assert result.stderr.startswith(
+        f"error: cannot reach Stripe at http://127.0.0.1:{closed} (STRIPE_API_BASE); nothing was"
+        " written to the ledger"
+    )
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
+    assert await db.fetchval("SELECT count(*) FROM customers") == 0
+
+
 async def test_an_import_warns_of_a_stripe_customer_charged_under_two_ids(
     db: asyncpg.Pool, database_url: str, tmp_path: Path
 ) -> None:

@@ -862,6 +862,37 @@ async def test_revoked_key_stops_charging(vaulted: Harness) -> None:
     assert len([c for c in await vaulted.charges() if c["status"] == "succeeded"]) == charged
 
 
+async def test_a_resume_with_the_revoked_key_still_in_place_says_it_pauses_again(
+    vaulted: Harness,
+) -> None:
+    """`resume` of a run that paused itself on its key exited 0 with nothing said, and the
+    run took more claims and paused again (helper-187); with the keys renewed it says
+    nothing more, and the run bills the rest, each customer once."""
+    customers = await vaulted.seed(8)
+    assert vaulted.vault is not None
+    async with vaulted.running_worker():
+        handle = await charging_one_at_a_time(vaulted)
+        revoked = await period_key(vaulted)
+        await vaulted.vault.admin.revoke(revoked)
+        await eventually(lambda: vaulted.in_state(PERIOD, "paused"), timeout=30)
+        code, _, err = await vaulted.starter("resume", str(PERIOD), "--reason", "try")
+        assert code == 0, err
+        assert (
+            "warning: the run had paused itself (vault_key_revoked: the period's vault key was"
+            " revoked, the kill switch"
+        ) in err
+        assert "delete its row in period_vault_keys, then python starter.py renew-keys" in err
+        await eventually(lambda: vaulted.in_state(PERIOD, "paused"), timeout=30)
+        async with vaulted.pool.acquire() as conn:
+            await conn.execute("DELETE FROM period_vault_keys WHERE vault_key_id = $1", revoked)
+        await operations.renew_keys(vaulted.client, PERIOD, ALICE)
+        code, _, err = await vaulted.starter("resume", str(PERIOD), "--reason", "new key")
+        assert (code, err) == (0, ""), err
+        summary = await handle.result()
+    assert (summary.charged, summary.failed) == (len(customers), 0)
+    await assert_billed_once(vaulted, str(PERIOD), customers)
+
+
 async def test_a_period_past_the_worker_budget_charges_nothing_and_says_why(
     vaulted: Harness,
 ) -> None:
