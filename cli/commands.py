@@ -117,6 +117,11 @@ def parser() -> argparse.ArgumentParser:
     )
     reconcile.add_argument("period", type=arguments.period, help="YYYY-MM")
     reconcile.add_argument("--json", action="store_true", help="print the report as JSON")
+    reconcile.add_argument(
+        "--unbilled",
+        action="store_true",
+        help="reconcile a period the ledger holds no row of (no run has billed it)",
+    )
     reconcile.set_defaults(handler=cmd_reconcile)
 
     handled = commands.add_parser(

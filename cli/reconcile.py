@@ -39,6 +39,15 @@ NO_WORKER_SECONDS = 15.0
 async def cmd_reconcile(args: argparse.Namespace) -> int:
     temporal = load_settings(TemporalSettings)
     client = await connect(temporal)
+    totals = await ledger_totals(str(args.period))
+    if totals is not None and totals.empty and not args.unbilled:
+        # A mistyped month, most likely: its report would read as a period billed clean.
+        raise InvalidInputError(
+            f"the ledger holds no row of {args.period}: no run has billed it, so a"
+            " reconciliation would look up every active customer's charges on Stripe (at the"
+            " cluster's Stripe rate) and expect none. Check the month; --unbilled reconciles it"
+            " all the same. Nothing was started"
+        )
     outage = OutageNotice(f"the reconciliation of {args.period}")
     handle = await started_across_outages(
         client,
@@ -66,13 +75,6 @@ async def cmd_reconcile(args: argparse.Namespace) -> int:
         )
     report = await result
     emit(report, args.json, describe_reconciliation(report) + f"\n  {ui_link(temporal, handle.id)}")
-    totals = await ledger_totals(str(args.period))
-    if totals is not None and totals.empty:
-        print(
-            f"note: the ledger holds no row of {args.period}: no run has billed it, so every"
-            " charge Stripe has for it would be reported, and none is expected",
-            file=sys.stderr,
-        )
     return 1 if report.needs_a_person else 0
 
 

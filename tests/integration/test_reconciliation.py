@@ -922,15 +922,24 @@ async def test_a_duplicate_charge_is_reported_with_its_id_and_amount(harness: Ha
     assert "orphan" not in report.finding_counts and report.claims == []
 
 
-async def test_a_period_no_run_billed_is_said_to_be_unbilled(harness: Harness) -> None:
-    """Its report reads as zeros for every customer checked, as for a period billed clean:
-    it says no run has billed it (helper-169 F9)."""
+async def test_a_period_no_run_billed_is_reconciled_only_when_asked(harness: Harness) -> None:
+    """Its report reads as zeros for every customer checked, as for a period billed clean
+    (helper-169 F9), after looking up every customer's charges on Stripe: a mistyped month,
+    most likely, which ran in full with a note (helper-187)."""
     await harness.seed(2)
     async with harness.running_worker():
         code, out, err = await harness.starter("reconcile", str(PERIOD))
+        assert (code, out) == (2, ""), err
+        assert err.startswith(
+            f"error: the ledger holds no row of {PERIOD}: no run has billed it, so a"
+            " reconciliation would look up every active customer's charges on Stripe"
+        )
+        assert "--unbilled reconciles it all the same. Nothing was started" in err
+        with pytest.raises(RPCError, match="not found"):
+            await harness.client.get_workflow_handle(reconcile_workflow_id(PERIOD)).describe()
+        code, out, err = await harness.starter("reconcile", str(PERIOD), "--unbilled")
     assert code == 0, err
     assert "2 customers checked" in out, out
-    assert f"note: the ledger holds no row of {PERIOD}: no run has billed it" in err, err
 
 
 async def test_a_customer_stripe_will_not_list_is_left_unchecked_and_the_rest_compared(

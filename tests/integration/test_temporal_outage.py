@@ -170,7 +170,7 @@ async def test_reconcile_outlasts_temporal_going_away(harness: Harness) -> None:
     async with cuttable_front(harness.client.service_client.config.target_host) as front:
         started = time.monotonic()
         reconciling = await harness.starter_process(
-            "reconcile", str(PERIOD), TEMPORAL_ADDRESS=front.address
+            "reconcile", str(PERIOD), "--unbilled", TEMPORAL_ADDRESS=front.address
         )
         assert reconciling.stdout is not None
         stderr = Stderr(reconciling)
