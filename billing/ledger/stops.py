@@ -68,7 +68,8 @@ async def request_skip(
                    AND NOT $7)
                OR (billing_runs.status = 'claimed' AND billing_runs.saved_error_at IS NOT NULL
                    AND billing_runs.claimed_at > now() - $6::interval)
-        RETURNING status, charge_started_at IS NOT NULL AS sent
+        RETURNING status, charge_started_at IS NOT NULL AS sent,
+            (SELECT active FROM customers WHERE customer_id = $1) AS active
         """,
         customer_id,
         period,
@@ -86,6 +87,14 @@ async def request_skip(
             " and ends skipped at its next try (within 4 minutes) unless Stripe shows a charge"
             " then; if no worker tries it within the hour, it is charged once Stripe forgets"
             " the key",
+        )
+    if row is not None and not row["active"]:
+        # Said, since the period's runs then count it as due and skipped.
+        return SkipResult(
+            customer_id=customer_id,
+            skipped=True,
+            detail="skip recorded, for a customer deactivated since: no run lists it, but the"
+            " period's runs count it as due and skipped",
         )
     if row is not None:
         return SkipResult(customer_id=customer_id, skipped=True, detail="skip recorded")

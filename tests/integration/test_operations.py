@@ -668,10 +668,27 @@ async def test_skip_before_and_during_a_run(harness: Harness) -> None:
     result = await operations.skip(
         harness.client, harness.settings, harness.database_url, PERIOD, skip
     )
-    assert result.skipped
+    assert (result.skipped, result.detail) == (True, "skip recorded")
+    # One deactivated since is skipped too, and said so: it was counted due and skipped
+    # without a word (helper-187).
+    gone = customers[9]
+    await harness.pool.execute(
+        "UPDATE customers SET active = false WHERE customer_id = $1", gone.customer_id
+    )
+    inactive = await operations.skip(
+        harness.client,
+        harness.settings,
+        harness.database_url,
+        PERIOD,
+        skip.model_copy(update={"customer_id": gone.customer_id}),
+    )
+    assert inactive.skipped and inactive.detail.startswith(
+        "skip recorded, for a customer deactivated since: no run lists it, but the period's"
+        " runs count it as due and skipped"
+    )
     async with harness.running_worker():
         summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
-    assert (summary.charged, summary.skipped) == (9, 1)
+    assert (summary.due, summary.charged, summary.skipped) == (10, 8, 2)
     rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
     assert (rows[first.customer_id]["status"], rows[first.customer_id]["reason"]) == (
         "skipped",
