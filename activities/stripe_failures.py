@@ -26,6 +26,9 @@ from billing.stripe_client import error_code
 # What the worker records when Stripe (or the vault) does not know the URL it called: a base
 # URL set wrong, not anything of the customer's.
 UNRECOGNIZED_URL_CODE = "unrecognized_request_url"
+# The vault's own answer to a path it does not forward (vault/proxy.py): the worker's paths are
+# fixed, so only a BILLING_VAULT_URL set wrong (say, ending in /stripe) brings it.
+VAULT_URL_INVALID_CODE = "url_invalid"
 
 # ApplicationError types the workflow tells apart.
 DECLINED = "ChargeDeclined"
@@ -167,9 +170,11 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
         # hold the claim past a pause, cancel or skip for a day, then charge afresh: final.
         return _non_retryable(REFUSED, failure_from(exc, "idempotency_error"))
     if isinstance(exc, stripe.InvalidRequestError):
-        if exc.http_status == 404 and error_code(exc) is None:
+        if exc.http_status == 404 and error_code(exc) in (None, VAULT_URL_INVALID_CODE):
             # A missing object comes with resource_missing; no code is Stripe's "Unrecognized
-            # request URL", which executed nothing and says nothing of this customer.
+            # request URL" (or the vault's for a route it has not), url_invalid the vault's for
+            # a path it does not forward: each executed nothing and says nothing of this
+            # customer.
             return _non_retryable(KEY_REFUSED, _unrecognized_url(exc))
         return _non_retryable(REFUSED, failure_from(exc, "invalid_request"))
     if error_code(exc) == SUPERSEDED_CODE:

@@ -324,7 +324,8 @@ class BillingSettings(CapSettings):
     @field_validator("stripe_api_key")
     @classmethod
     def _stripe_api_key(cls, value: SecretStr) -> SecretStr:
-        return stripe_secret_key(value)
+        refuse_untrimmed(value)
+        return value
 
     @model_validator(mode="after")
     def _vault_needs_its_secrets(self) -> BillingSettings:
@@ -340,6 +341,13 @@ class BillingSettings(CapSettings):
                 "a vault token is set but BILLING_VAULT_URL is not: set it too, or a worker"
                 " would charge Stripe directly, with no spend cap"
             )
+        else:
+            # The workers charge with it. Behind a vault they leave it unused, and it may be
+            # blank or a placeholder there, as a deployment withholding the real key sets it.
+            try:
+                stripe_secret_key(self.stripe_api_key)
+            except ValueError as exc:
+                raise ValueError(f"STRIPE_API_KEY {exc}") from None
         # Unused by a worker behind the vault, but the tools that seed customers send it.
         if self.stripe_api_key.get_secret_value().startswith(
             ("sk_live_", "rk_live_")

@@ -52,16 +52,37 @@ def test_a_stripe_base_keeps_its_path_without_a_trailing_slash() -> None:
 
 
 @pytest.mark.parametrize(
-    "key",
-    # Made with `echo`; pasted with a space; blank; the publishable key, not the secret.
-    ["sk_test_abc\n", " sk_test_abc", "", "pk_" + "live_abcdefabcdefabcdef"],
+    ("key", "message"),
+    [
+        # Made with `echo`; pasted with a space: refused with a vault too.
+        ("sk_test_abc\n", "stripe_api_key\n  Value error, has spaces or a line break"),
+        (" sk_test_abc", "stripe_api_key\n  Value error, has spaces or a line break"),
+        # Blank; the publishable key, not the secret.
+        ("", "STRIPE_API_KEY must be a Stripe secret or restricted key"),
+        ("pk_" + "live_abcdefabcdefabcdef", "STRIPE_API_KEY must be a Stripe secret"),
+    ],
 )
-def test_a_stripe_key_not_shaped_as_a_secret_key_is_refused_unechoed(key: str) -> None:
+def test_a_stripe_key_not_shaped_as_a_secret_key_is_refused_unechoed(
+    key: str, message: str
+) -> None:
     """Taken as it was, every charge of a worker without a vault failed before it was sent
     (a header with a line break) or was refused, with no word of STRIPE_API_KEY."""
-    with pytest.raises(ValidationError, match="stripe_api_key\n  Value error") as refused:
+    with pytest.raises(ValidationError, match=message) as refused:
         BillingSettings(stripe_api_key=SecretStr(key))
     assert "abcdef" not in str(refused.value)
+
+
+@pytest.mark.parametrize("placeholder", ["", "unused"])
+def test_a_stripe_key_workers_leave_unused_behind_a_vault_may_be_withheld(
+    placeholder: str,
+) -> None:
+    settings = BillingSettings(
+        stripe_api_key=SecretStr(placeholder),
+        billing_vault_url="http://vault.internal:8180",
+        billing_vault_worker_token=SecretStr("worker-token"),
+        billing_key_encryption_keys=SecretStr(new_key()),
+    )
+    assert settings.stripe_api_key.get_secret_value() == placeholder
 
 
 def test_an_at_sign_after_the_host_is_no_password() -> None:

@@ -18,6 +18,7 @@ import pytest
 import stripe
 from yarl import URL
 
+from activities.stripe_failures import KEY_REFUSED, UNRECOGNIZED_URL_CODE, to_temporal_failure
 from stripe_emulator import RunningEmulator
 from vault import RunningVault, VaultSettings, serve
 from vault.client import VaultAdmin
@@ -78,6 +79,33 @@ async def test_unknown_key_is_an_authentication_error(
     assert refused.value.http_status == 401
     assert refused.value.error is not None
     assert refused.value.error.code == "vault_key_invalid"
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    ["/x", "/stripe"],
+    ids=["route-it-has-not", "path-it-does-not-forward"],
+)
+async def test_a_vault_url_set_wrong_pauses_the_period_not_each_customer(
+    issue: Issue,
+    vault: RunningVault,
+    http: aiohttp.ClientSession,
+    emulator: RunningEmulator,
+    wrong: str,
+) -> None:
+    """A BILLING_VAULT_URL with a path too (`.../stripe`, which the worker adds itself) got the
+    vault's 404 url_invalid, mapped as the customer's own refusal: every customer a worker so
+    set took was recorded failed for good (helper-189). A route the vault has not answers a
+    404 with no code, as Stripe's "Unrecognized request URL" does."""
+    key = await issue()
+    # As activities.stripe_access.VaultAccess builds it: BILLING_VAULT_URL + "/stripe".
+    client = via_vault(key.secret.get_secret_value(), vault.url + wrong, http)
+    with pytest.raises(stripe.InvalidRequestError) as refused:
+        await charge(client, "cus_any", 100, "billing:misrouted:2026-12")
+    assert refused.value.http_status == 404
+    failure = to_temporal_failure(refused.value)
+    assert (failure.type, failure.details[0].code) == (KEY_REFUSED, UNRECOGNIZED_URL_CODE)
+    assert await emulator_ledger(emulator) == []
 
 
 async def test_endpoint_allowlist(
