@@ -60,7 +60,14 @@ from billing.schedules import (
     run_by_hand,
     validate_time_zone,
 )
-from billing.stripe_currencies import MINIMUM_CHARGE, STRIPE_CURRENCIES, decimal_places
+from billing.stripe_currencies import (
+    MINIMUM_CHARGE,
+    STRIPE_CURRENCIES,
+    THREE_DECIMAL,
+    WHOLE_UNITS_ONLY,
+    ZERO_DECIMAL,
+    decimal_places,
+)
 from workflows.scheduled_billing import ScheduledBillingWorkflow
 
 
@@ -734,3 +741,25 @@ def test_currency_tables_hold_stripes_published_figures(
     assert currency in STRIPE_CURRENCIES
     assert decimal_places(currency) == places
     assert MINIMUM_CHARGE.get(currency) == minimum
+
+
+def test_currency_tables_are_stripes_whole_lists() -> None:
+    """Every entry, not a sample: one dropped or edited passes an amount Stripe refuses
+    (amount_too_small, a three-decimal amount not ending in 0) at import and fails the
+    customer at charge time, refuses one it takes, or shows an amount 10 or 100 times off."""
+    zero = ["bif", "clp", "djf", "gnf", "jpy", "kmf", "krw", "mga", "pyg", "rwf", "ugx", "vnd"]
+    minimum = {
+        "usd": 50, "aed": 200, "aud": 50, "bgn": 100, "brl": 50, "cad": 50, "chf": 50,
+        "czk": 1500, "dkk": 250, "eur": 50, "gbp": 30, "hkd": 400, "huf": 17500, "inr": 50,
+        "jpy": 50, "mxn": 1000, "myr": 200, "nok": 300, "nzd": 50, "pln": 200, "ron": 200,
+        "sek": 300, "sgd": 50, "thb": 1000,
+    }  # fmt: skip
+    tables = (ZERO_DECIMAL, THREE_DECIMAL, WHOLE_UNITS_ONLY, MINIMUM_CHARGE)
+    assert tables == (
+        frozenset({*zero, "vuv", "xaf", "xof", "xpf"}),
+        frozenset({"bhd", "jod", "kwd", "omr", "tnd"}),
+        frozenset({"isk"}),
+        minimum,
+    )
+    assert (len(STRIPE_CURRENCIES), "zmw" in STRIPE_CURRENCIES) == (139, True)
+    assert ZERO_DECIMAL | THREE_DECIMAL | set(minimum) <= STRIPE_CURRENCIES

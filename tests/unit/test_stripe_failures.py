@@ -16,9 +16,15 @@ from activities.stripe_failures import (
     SPEND_CAP_EXCEEDED,
     UNRECOGNIZED_URL_CODE,
     WAITING_ON_CUSTOMER,
+    fence_of,
+    lookup_failure,
+    lookup_key_refused,
     replays_saved_error,
+    said_replayed,
     to_temporal_failure,
+    vault_key_unusable,
 )
+from billing.ledger.sql import LOOKUP_REFUSED
 from billing.models import SPEND_CAP_EXCEEDED_CODE
 from workflows.customer_charge import BILL_ROUND
 
@@ -232,3 +238,109 @@ def test_only_stripes_true_says_a_response_was_replayed(header: str, replayed: b
         headers={"Idempotent-Replayed": header},
     )
     assert replays_saved_error(error) is replayed
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Idempotent-Replayed": "true"},
+        {"idempotent-replayed": "true"},
+        {"IDEMPOTENT-REPLAYED": "True"},
+    ],
+)
+def test_a_replay_is_told_whatever_the_case_of_its_header(headers: dict[str, str]) -> None:
+    """HTTP/2, and proxies such as the vault, may send header names in lowercase."""
+    assert said_replayed(headers)
+    assert not said_replayed({"Idempotent-Replayed": "false"})
+    assert not said_replayed(None)
+
+
+def test_only_a_replayed_5xx_is_an_error_stripe_saved() -> None:
+    """A replayed decline or refusal is that answer again: looked up as a saved 500 it would
+    let a cancel or skip meanwhile pass for a decline Stripe already gave."""
+    replayed = {"Idempotent-Replayed": "true"}
+    body = {"error": {"code": "card_declined"}}
+    decline = stripe.CardError(  # type: ignore[no-untyped-call]
+        "declined", None, "card_declined", http_status=402, json_body=body, headers=replayed
+    )
+    refusal = stripe.InvalidRequestError(  # type: ignore[no-untyped-call]
+        "No such customer", "customer", http_status=400, json_body=body, headers=replayed
+    )
+    assert not replays_saved_error(decline)
+    assert not replays_saved_error(refusal)
+
+
+@pytest.mark.parametrize(
+    ("cls", "status", "code", "unusable"),
+    [
+        (stripe.AuthenticationError, 401, "vault_key_expired", True),
+        (stripe.AuthenticationError, 401, "vault_key_revoked", True),
+        # Stripe's own refusal of a key, and a key refused an endpoint: not the vault's expiry.
+        (stripe.AuthenticationError, 401, None, False),
+        (stripe.PermissionError, 403, "endpoint_not_allowed", False),
+    ],
+)
+def test_a_vault_key_is_unusable_only_when_the_vault_says_it_expired_or_was_revoked(
+    cls: type[stripe.StripeError], status: int, code: str | None, unusable: bool
+) -> None:
+    error = _error(cls, status, **({"code": code} if code else {}))
+    assert vault_key_unusable(error) is unusable
+
+
+def test_the_fence_a_cap_refusal_left_is_read_only_as_a_number() -> None:
+    def refusal(**extra: object) -> stripe.StripeError:
+        body = {"error": {"code": SPEND_CAP_EXCEEDED_CODE, **extra}}
+        return stripe.CardError(  # type: ignore[no-untyped-call]
+            "cap", None, SPEND_CAP_EXCEEDED_CODE, http_status=402, json_body=body
+        )
+
+    assert fence_of(refusal(fenced_below=7)) == 7
+    assert fence_of(refusal()) is None
+    assert fence_of(refusal(fenced_below="7")) is None
+
+
+@pytest.mark.parametrize(
+    "refused",
+    [
+        stripe.InvalidRequestError(  # type: ignore[no-untyped-call]
+            "No such customer",
+            "customer",
+            "resource_missing",
+            http_status=400,
+            json_body={"error": {"code": "resource_missing", "message": "No such customer"}},
+        ),
+        stripe.CardError(  # type: ignore[no-untyped-call]
+            "declined",
+            None,
+            "card_declined",
+            http_status=402,
+            json_body={"error": {"code": "card_declined"}},
+        ),
+    ],
+    ids=["refused", "declined"],
+)
+def test_a_refused_lookup_is_final_and_says_a_charge_may_exist(
+    refused: stripe.StripeError,
+) -> None:
+    """Recorded failed, the customer may be billed again by hand: the record must say that the
+    charge the lookup was for may have been made."""
+    failure = lookup_failure(refused)
+    assert (failure.type, failure.non_retryable) == (REFUSED, True)
+    assert failure.details[0].code == LOOKUP_REFUSED
+    assert "the charge may exist" in failure.details[0].message
+
+
+def test_a_lookup_stripe_could_not_answer_is_retried_as_any_other() -> None:
+    failure = lookup_failure(_error(stripe.RateLimitError, 429, code="rate_limit"))
+    assert (failure.type, failure.non_retryable) == (RETRYABLE, False)
+
+
+@pytest.mark.parametrize("code", ["vault_key_expired", "vault_key_revoked", None])
+def test_a_refused_lookup_key_is_retried_with_another(code: str | None) -> None:
+    """A lookup key only reads: the retry issues a new one, so nothing is for an operator."""
+    failure = lookup_key_refused(
+        _error(stripe.AuthenticationError, 401, **({"code": code} if code else {}))
+    )
+    assert (failure.type, failure.non_retryable) == (KEY_REFUSED, False)
+    if code:
+        assert "a retry issues another" in failure.message

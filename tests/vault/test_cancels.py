@@ -3,6 +3,7 @@ confirmed, of a charge its period's keys sent and have no answer to (vault.cance
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import aiohttp
@@ -12,7 +13,7 @@ import stripe
 from pydantic import SecretStr
 
 from stripe_emulator import RunningEmulator
-from vault import VaultSettings, serve
+from vault import VaultSettings, reservations, serve
 from vault.client import VaultAdmin
 from vault.endpoints import CANCEL, CHARGE_IN_FLIGHT, KEY_METADATA, NOT_IN_DOUBT
 from vault.models import IssuedKey
@@ -255,3 +256,47 @@ async def test_a_charge_sent_again_now_is_waited_for_and_one_settled_since_is_no
         ("refused_request", NOT_IN_DOUBT),
         ("refused_in_flight", CHARGE_IN_FLIGHT),
     ]
+
+
+@pytest.mark.parametrize(
+    ("states", "found"),
+    [
+        (("committed", "unknown"), "unknown"),
+        (("unknown", "pending"), "unknown"),
+        (("released", "pending"), "pending"),
+        (("pending", "committed"), "pending"),
+    ],
+)
+async def test_a_charge_reserved_under_two_keys_of_the_period_stands_where_the_least_settled_is(
+    issue: Issue, db: asyncpg.Pool, states: tuple[str, str], found: str
+) -> None:
+    """A renewal leaves one charge reserved under the old key and the new: in doubt under
+    either, its intent may be cancelled; else on its way under either, the cancel waits for
+    its answer. Which row the database reads first must not decide."""
+    keys = [await issue(**cancelling()), await issue(**cancelling())]
+    charge = reservations.Charge("POST /v1/payment_intents", AMOUNT, "usd", "cus_two_keys")
+    for key, state in zip(keys, states, strict=True):
+        await db.execute(
+            "INSERT INTO vault_reservations (vault_key_id, idempotency_key, endpoint,"
+            " amount_cents, currency, customer, day, state, committed_cents)"
+            " VALUES ($1, 'stalled', $2, $3, 'usd', $4, current_date, $5, $6)",
+            key.id,
+            charge.endpoint,
+            AMOUNT,
+            charge.customer,
+            state,
+            AMOUNT if state == "committed" else None,
+        )
+    other_label = await issue(**cancelling(label="another-integration"))
+    async with db.acquire() as conn:
+        for key in keys:
+            assert await reservations.charge_state_for(conn, key.id, "stalled", charge) == found
+        # Not the charge (another customer, currency or endpoint), or not the key's label:
+        # none of the key's to cancel.
+        for other in (
+            dataclasses.replace(charge, customer="cus_someone_else"),
+            dataclasses.replace(charge, currency="eur"),
+            dataclasses.replace(charge, endpoint="POST /v1/charges"),
+        ):
+            assert await reservations.charge_state_for(conn, keys[0].id, "stalled", other) is None
+        assert await reservations.charge_state_for(conn, other_label.id, "stalled", charge) is None

@@ -209,10 +209,14 @@ async def test_reconciliation_resolves_an_unknown_reservation(
         await admin.resolve(key.id, "charged-then-500", "succeeded", attempt=1)
     resolved = await admin.resolve(key.id, "charged-then-500", "succeeded", attempt=2)
     assert (resolved.state, resolved.committed_cents) == ("committed", 2_000)
-    # Repeating the same resolution is harmless; contradicting it is refused.
+    # Repeating the same resolution is harmless; contradicting it is refused, another amount
+    # too (taken for a repeat, a correction would be answered done and change nothing).
     await admin.resolve(key.id, "charged-then-500", "succeeded")
+    await admin.resolve(key.id, "charged-then-500", "succeeded", amount_cents=2_000)
     with pytest.raises(VaultConflict):
         await admin.resolve(key.id, "charged-then-500", "failed")
+    with pytest.raises(VaultConflict, match="already committed"):
+        await admin.resolve(key.id, "charged-then-500", "succeeded", amount_cents=1_500)
     # Unknown only a moment ago, by the vault's clock: Stripe may still commit it.
     with pytest.raises(VaultConflict, match="Stripe may still commit it"):
         await admin.resolve(key.id, "never-charged", "failed", min_idle_seconds=600)
@@ -536,6 +540,39 @@ async def test_a_reservation_left_pending_by_a_stopped_vault_is_taken_over_once_
     assert len(await emulator_ledger(emulator)) == 1
 
 
+@pytest.mark.parametrize("late_answer", ["unknown", "failed"])
+async def test_a_taken_over_attempts_late_answer_leaves_the_newer_attempt_in_flight(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+    late_answer: reservations.Outcome,
+) -> None:
+    """An older attempt's answer arriving after a newer one took the reservation over is not
+    that attempt's: marked unknown by it, the newer one, still on its way to Stripe, would be
+    released by a resolve or cancelled under it (helper-186's surviving mutant)."""
+    key = await issue()
+    await charge_in_doubt(emulator, stripe_via_vault(key), customer, 800, "twice-sent")
+    row = await db.fetchrow(
+        "UPDATE vault_reservations SET state = 'pending', attempt = attempt + 1,"
+        " updated_at = now() WHERE vault_key_id = $1 RETURNING id, attempt",
+        key.id,
+    )
+    older = reservations.Reservation(
+        id=row["id"],
+        attempt=row["attempt"] - 1,
+        state="pending",
+        owned=True,
+        counted=True,
+        in_doubt=False,
+    )
+    async with db.acquire() as conn:
+        assert await reservations.settle(conn, older, late_answer, 500) == "pending"
+    assert await _states(db, key.id) == {"twice-sent": "pending"}
+    assert (await assert_consistent(db, key.id))["reserved_cents"] == 800
+
+
 async def test_a_wait_for_a_database_connection_does_not_count_against_the_send_deadline(
     vault_settings: VaultSettings,
     issue: Issue,
@@ -702,6 +739,42 @@ async def test_a_reservation_found_stale_is_idle_since_its_attempt_was_sent(
     # But Stripe has had an hour to commit it: a release need not wait another ten minutes
     # (a chaos run left one unknown so, right after its period).
     released = await admin.resolve(key.id, "cut-off", "failed", min_idle_seconds=600)
+    assert released.state == "released"
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 0)
+
+
+async def test_a_pending_reservation_is_found_stale_only_past_the_vaults_wait_on_stripe(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+    admin: VaultAdmin,
+) -> None:
+    """Within the vault's longest wait on Stripe (its 5 s upstream timeout and a 10 s margin)
+    the request may still be on its way: released then, by a person or reconciliation, its
+    room would be charged again while Stripe makes it. Past it, it is unknown, and a resolve
+    finds it so without a listing first."""
+    key = await issue()
+    await charge_in_doubt(
+        emulator, stripe_via_vault(key), customer, 700, "on-its-way", "error_before_commit"
+    )
+
+    async def sent_ago(seconds: int) -> None:
+        await db.execute(
+            "UPDATE vault_reservations SET state = 'pending', upstream_status = NULL,"
+            " updated_at = now() - make_interval(secs => $2) WHERE vault_key_id = $1",
+            key.id,
+            seconds,
+        )
+
+    await sent_ago(10)
+    assert await admin.unknown_reservations(key.id) == []
+    with pytest.raises(VaultConflict, match="in flight"):
+        await admin.resolve(key.id, "on-its-way", "failed")
+    await sent_ago(20)
+    released = await admin.resolve(key.id, "on-its-way", "failed")
     assert released.state == "released"
     totals = await assert_consistent(db, key.id)
     assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 0)

@@ -24,6 +24,7 @@ from .support import (
     WORKER_BUDGET_CENTS,
     WORKER_TOKEN,
     charge,
+    charge_in_doubt,
     key_request,
     refusals_counted,
     set_faults,
@@ -63,6 +64,8 @@ async def test_a_worker_issues_reads_resolves_and_revokes_its_own_but_cannot_rea
 async def test_worker_keys_stop_at_the_budget_and_other_keys_do_not_count(
     worker: VaultAdmin, admin: VaultAdmin, secrets_seen: Secrets, issue: Issue
 ) -> None:
+    # A lookup key's cap (it needs one) takes no room from the keys that move money.
+    await _issue(worker, secrets_seen, cap_cents=1, allowed_endpoints=LOOKUP_ONLY)
     for _ in range(3):
         await _issue(worker, secrets_seen, cap_cents=WORKER_BUDGET_CENTS // 3)
     with pytest.raises(VaultForbidden, match="VAULT_WORKER_BUDGET_CENTS=300000") as refused:
@@ -74,7 +77,7 @@ async def test_worker_keys_stop_at_the_budget_and_other_keys_do_not_count(
     await _issue(worker, secrets_seen, currency="eur")
     await _issue(worker, secrets_seen, cap_cents=1, allowed_endpoints=LOOKUP_ONLY)
     await issue(cap_cents=WORKER_BUDGET_CENTS)
-    assert len(await admin.find_keys(period="2026-12")) == 6
+    assert len(await admin.find_keys(period="2026-12")) == 7
 
 
 @pytest.mark.parametrize(
@@ -122,8 +125,12 @@ async def test_a_dead_worker_key_counts_what_it_took_within_the_window(
     await _issue(worker, secrets_seen, cap_cents=WORKER_BUDGET_CENTS - 40_000)
     with pytest.raises(VaultForbidden, match=r"usd 0\.01 past"):
         await _issue(worker, secrets_seen, cap_cents=1)
-    # A key dead for longer than the window no longer counts; a live one always does,
-    # however old (the window may have been shortened since it was issued).
+    # Dead for most of the window (45 days), it still counts; for longer than the window it
+    # no longer does, and a live one always does, however old (the window may have been
+    # shortened since it was issued).
+    await _age(db, spent.id, revoked_days_ago=44)
+    with pytest.raises(VaultForbidden, match=r"usd 0\.01 past"):
+        await _issue(worker, secrets_seen, cap_cents=1)
     await _age(db, spent.id, revoked_days_ago=46)
     await _issue(worker, secrets_seen, cap_cents=40_000)
     async with db.acquire() as conn:
@@ -247,9 +254,48 @@ async def test_cents_a_worker_frees_count_against_the_budget(
     # key the worker token revoked: one the admin revoked would count its whole cap.)
     await worker.revoke(other.id)
     await _issue(worker, secrets_seen, cap_cents=15_000 + 50_000 - 30_000)
+    # Dead, the key still counts what it holds in doubt: had that charge gone through, the
+    # room handed back would be spent twice.
+    with pytest.raises(VaultForbidden, match=r"usd 0\.01 past"):
+        await _issue(worker, secrets_seen, cap_cents=1)
     await worker.resolve(other.id, "in-doubt-c", "failed")
     with pytest.raises(VaultForbidden, match=r"usd 0\.01 past"):
         await _issue(worker, secrets_seen, cap_cents=1)
+
+
+async def test_a_worker_frees_the_room_left_to_the_cent_and_not_a_cent_more(
+    worker: VaultAdmin,
+    secrets_seen: Secrets,
+    customer: str,
+    emulator: RunningEmulator,
+    stripe_via_vault: Callable[[IssuedKey], stripe.StripeClient],
+) -> None:
+    mine = await _issue(worker, secrets_seen, cap_cents=WORKER_BUDGET_CENTS - 20_000)
+    await charge_in_doubt(emulator, stripe_via_vault(mine), customer, 30_000, "in-doubt")
+    # 20,000 left: settled as charged 9,999 of 30,000 would free 20,001.
+    with pytest.raises(VaultForbidden, match=r"usd 0\.01 past"):
+        await worker.resolve(mine.id, "in-doubt", "succeeded", amount_cents=9_999)
+    resolved = await worker.resolve(mine.id, "in-doubt", "succeeded", amount_cents=10_000)
+    assert (resolved.state, resolved.committed_cents) == ("committed", 10_000)
+    with pytest.raises(VaultForbidden, match=r"usd 0\.01 past"):
+        await _issue(worker, secrets_seen, cap_cents=1)
+
+
+async def test_an_expired_worker_key_counts_what_it_spent_for_the_window_only(
+    worker: VaultAdmin,
+    secrets_seen: Secrets,
+    db: asyncpg.Pool,
+    customer: str,
+    stripe_via_vault: Callable[[IssuedKey], stripe.StripeClient],
+) -> None:
+    spent = await _issue(worker, secrets_seen, cap_cents=WORKER_BUDGET_CENTS)
+    await charge(stripe_via_vault(spent), customer, 40_000, "expiring-spent")
+    await _age(db, spent.id, expires_days_ago=44)
+    await _issue(worker, secrets_seen, cap_cents=WORKER_BUDGET_CENTS - 40_000)
+    with pytest.raises(VaultForbidden, match=r"usd 0\.01 past"):
+        await _issue(worker, secrets_seen, cap_cents=1)
+    await _age(db, spent.id, expires_days_ago=46)
+    await _issue(worker, secrets_seen, cap_cents=40_000)
 
 
 async def test_what_the_admin_api_does_to_a_key_is_in_its_audit_with_the_token(
