@@ -25,8 +25,8 @@ LEDGER_UNREADABLE: tuple[type[Exception], ...] = (
     SettingsError,
 )
 T = TypeVar("T")
-# How long a command waits for the ledger's totals of a period before it says without them.
-LEDGER_TOTALS_SECONDS = 5.0
+# How long a command waits for the ledger when it reads it only to say more (read_for_a_note).
+LEDGER_NOTE_SECONDS = 5.0
 
 
 @contextlib.asynccontextmanager
@@ -47,7 +47,7 @@ async def read_for_a_note(
     Temporal; None, with a note saying what goes `unread`, if it cannot be read. Bounded:
     such a command must not hang on a database that takes connections but does not answer."""
     try:
-        async with asyncio.timeout(LEDGER_TOTALS_SECONDS), ledger_connection() as conn:
+        async with asyncio.timeout(LEDGER_NOTE_SECONDS), ledger_connection() as conn:
             return await read(conn)
     except (*LEDGER_UNREADABLE, TimeoutError, asyncpg.PostgresError) as exc:
         print(
