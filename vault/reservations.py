@@ -51,8 +51,6 @@ class Reservation:
     state: ReservationState
     # This request holds the reservation pending: it forwards, then settles it.
     owned: bool
-    # This request added the amount to the key's reserved_cents (a replay does not).
-    counted: bool
     # An earlier attempt's outcome is unknown, so only a success, a decline or a replayed
     # answer settles it; any other refusal proves only that this attempt did not execute.
     in_doubt: bool
@@ -140,12 +138,12 @@ async def reserve(
     )
     decision, detail = row["decision"], row["detail"]
     if decision == "reserved":
-        return Reservation(row["reservation_id"], row["attempt"], "pending", True, True, False)
+        return Reservation(row["reservation_id"], row["attempt"], "pending", True, False)
     if decision == "taken_over":
-        return Reservation(row["reservation_id"], row["attempt"], "pending", True, False, True)
+        return Reservation(row["reservation_id"], row["attempt"], "pending", True, True)
     if decision == "replay":
         # Stripe replays the saved result; nothing to count or settle.
-        return Reservation(row["reservation_id"], row["attempt"], "committed", False, False, False)
+        return Reservation(row["reservation_id"], row["attempt"], "committed", False, False)
     if decision == "in_flight":
         raise InFlight(
             "a request with this Idempotency-Key is in flight; retry when it has finished"

@@ -564,7 +564,6 @@ async def test_a_taken_over_attempts_late_answer_leaves_the_newer_attempt_in_fli
         attempt=row["attempt"] - 1,
         state="pending",
         owned=True,
-        counted=True,
         in_doubt=False,
     )
     async with db.acquire() as conn:
