@@ -1911,7 +1911,9 @@ async def test_a_second_backfill_and_describe_say_what_the_launches_joined_and_b
                 assert f" (bills {month}): monthly-twice-run-" in out, out
             assert out.count(", launched 2 times") == 2, out
             for month in months:
-                await operations.control(harness.client, month, "cancel", ALICE)
+                # What was to be seen is seen; on a slow machine a run may have ended since.
+                with contextlib.suppress(operations.NotRunningError):
+                    await operations.control(harness.client, month, "cancel", ALICE)
             for month in months:
                 await harness.client.get_workflow_handle(period_workflow_id(month)).result()
     finally:
