@@ -15,6 +15,7 @@ from billing.redact import one_line
 from billing.sealing import SETTING, SecretBox
 
 S = TypeVar("S", bound=BaseSettings)
+T = TypeVar("T", bound=str | SecretStr)
 
 # The oldest a claim may be before it is looked up on Stripe first (billing_lookup_after_seconds).
 LOOKUP_AFTER_MAX_SECONDS = 23 * 3600
@@ -60,9 +61,10 @@ def stripe_secret_key(value: SecretStr) -> SecretStr:
     return value
 
 
-def words(value: str) -> str:
-    """A name set by hand: not blank, with no spaces or line break around it."""
-    if not value.strip():
+def words(value: T) -> T:
+    """A value set by hand: not blank, with no spaces or line break around it."""
+    text = value.get_secret_value() if isinstance(value, SecretStr) else value
+    if not text.strip():
         raise ValueError("is set but blank: give it a value, or unset it")
     refuse_untrimmed(value)
     return value
@@ -305,11 +307,7 @@ class BillingSettings(CapSettings):
     def _not_blank(cls, value: str | SecretStr | None) -> str | SecretStr | None:
         # A blank value (`NAME=` in an env file) would read as unset: the worker would charge
         # Stripe directly, with no spend cap, and say nothing.
-        text = value.get_secret_value() if isinstance(value, SecretStr) else value
-        if text is not None and not text.strip():
-            raise ValueError("is set but blank: give it a value, or unset it")
-        refuse_untrimmed(value)
-        return value
+        return None if value is None else words(value)
 
     @field_validator("billing_vault_url")
     @classmethod
