@@ -127,9 +127,10 @@ async def result_across_outages(
 ) -> ResultT:
     """The workflow's result, waiting out Temporal being away. The run goes on on the server
     whatever its waiter sees (its workers reconnect), so an outage ends only the wait:
-    `on_away` hears each time Temporal could not be reached, `on_back` once it can again, and
-    the wait resumes from the latest run it had reached: a run continued as new many times
-    need not be walked again, and its first run may have passed the namespace's retention."""
+    `on_away` hears each time Temporal could not be reached, `on_back` once it can again (and
+    with the result, so it must be a no-op when nothing was away), and the wait resumes from
+    the latest run it had reached: a run continued as new many times need not be walked
+    again, and its first run may have passed the namespace's retention."""
     run = handle
     away = False
     while True:
@@ -140,7 +141,12 @@ async def result_across_outages(
                 await run.describe()
                 on_back()
             away = False
-            return await run.result(follow_runs=False)
+            result = await run.result(follow_runs=False)
+            if on_back is not None:
+                # Another call sharing `on_away` may have met the outage while the long poll,
+                # retried inside the SDK, outlasted it without a word.
+                on_back()
+            return result
         except WorkflowContinuedAsNewError as exc:
             run = client.get_workflow_handle(
                 handle.id, run_id=exc.new_execution_run_id, result_type=result_type

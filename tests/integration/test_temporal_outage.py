@@ -26,6 +26,7 @@ from billing.models import OperatorRequest, PeriodSummary, RunOptions
 from billing.periods import period_for
 from billing.runs import result_across_outages, start_period
 from cli import commands, runs
+from cli.output import OutageNotice
 from cli.reconcile import NO_WORKER_SECONDS
 from tests.integration.cuttable_front import CuttableFront, cuttable_front
 from tests.integration.harness import Harness, eventually
@@ -353,3 +354,21 @@ async def test_a_wait_resumes_from_the_latest_run_it_reached(harness: Harness) -
 
 async def _any(items: list[RPCError]) -> bool:
     return bool(items)
+
+
+async def test_a_notice_told_of_an_outage_elsewhere_hears_it_end_with_the_result(
+    harness: Harness, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`reconcile` shares its notice with its look for a worker: when that look met the outage
+    and the result's long poll, retried inside the SDK, outlasted it, the result says so."""
+    queue = f"chain-{uuid.uuid4()}"
+    async with Worker(harness.client, task_queue=queue, workflows=[ContinuesOnce]):
+        handle = await harness.client.start_workflow(
+            ContinuesOnce.run, 0, id=f"chain-{uuid.uuid4()}", task_queue=queue
+        )
+        await handle.signal(ContinuesOnce.finish)
+        notice = OutageNotice("the chain")
+        notice(RPCError("tcp connect error", RPCStatusCode.UNAVAILABLE, b""))
+        result = result_across_outages(harness.client, handle, int, notice, notice.back)
+        assert await asyncio.wait_for(result, 60) == 7
+    assert "note: Temporal is reachable again" in capsys.readouterr().err
