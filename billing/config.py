@@ -44,7 +44,7 @@ def stripe_api_base(value: str) -> str:
     written as Stripe's reference writes the API's (`https://api.stripe.com/v1`) sends every
     request to `/v1/v1/...`, which Stripe answers 404."""
     base = http_url(value).rstrip("/")
-    if base.endswith("/v1"):
+    if base.lower().endswith("/v1"):  # a hand-typed /V1 fails the same way
         raise ValueError(
             "ends in /v1, which the client adds itself: give the base without it, such as"
             " https://api.stripe.com"

@@ -33,6 +33,8 @@ from billing.redact import SECRET_RE
 from billing.reporting import listed
 
 CSV_COLUMNS = ("customer_id", "stripe_customer_id", "payment_method", "amount_cents", "currency")
+# How many bad rows an import's refusal lists: the rest are counted.
+BAD_ROWS_SHOWN = 20
 _STRIPE_CUSTOMER_RE = re.compile(r"cus_[A-Za-z0-9]{1,250}")
 _PAYMENT_METHOD_RE = re.compile(r"pm_[A-Za-z0-9_]{1,250}")
 
@@ -114,7 +116,7 @@ def _row_from_csv(fields: dict[str, str | None]) -> CustomerRow:
 
 
 def parse_customers_csv(lines: Iterable[str], source: str = "input") -> list[CustomerRow]:
-    """Validate every row; the first bad one rejects the whole file with its line number."""
+    """Validate every row; a bad one rejects the whole file, which names each by its line."""
     blank: set[int] = set()
 
     def numbered() -> Iterator[str]:
@@ -178,41 +180,59 @@ def _parse_rows(reader: csv.DictReader[str], source: str) -> list[CustomerRow]:
             " the other columns"
         )
     rows: list[CustomerRow] = []
+    bad: list[str] = []
     seen: dict[str, int] = {}
     spellings: dict[tuple[str, str], tuple[str, int]] = {}
     for fields in reader:
         line = reader.line_num
-        if fields.get("_extra"):
-            raise CustomerImportError(f"{source}, line {line}: more fields than the header names")
-        if not any(value and value.strip() for value in fields.values()):
-            # Spaces only: blank to whoever reads the file, as the blank lines it skips.
-            continue
-        given = sum(value is not None for value in fields.values())
-        if given < len(header):
-            raise CustomerImportError(
-                f"{source}, line {line}: {given} fields where the header names {len(header)}"
-            )
         try:
-            row = _row_from_csv(fields)
+            row = _checked_row(fields, len(header))
+            if row is None:
+                continue
+            if row.customer_id in seen:
+                raise InvalidInputError(
+                    f"customer {row.customer_id!r} already appears on line {seen[row.customer_id]}"
+                )
+            spelt = spellings.get(_spelling(row))
+            if spelt is not None:
+                raise InvalidInputError(
+                    f"customer {row.customer_id!r} is {spelt[0]!r} (line {spelt[1]}) spelt"
+                    " another way, with the same Stripe customer: both would be charged each"
+                    " period; keep one of them"
+                )
         except (InvalidInputError, ValueError) as exc:
-            raise CustomerImportError(f"{source}, line {line}: {_reason(exc)}") from None
-        if row.customer_id in seen:
-            raise CustomerImportError(
-                f"{source}, line {line}: customer {row.customer_id!r} already appears on line"
-                f" {seen[row.customer_id]}"
-            )
+            bad.append(f"{source}, line {line}: {_reason(exc)}")
+            continue
         seen[row.customer_id] = line
-        spelt = spellings.setdefault(_spelling(row), (row.customer_id, line))
-        if spelt[0] != row.customer_id:
-            raise CustomerImportError(
-                f"{source}, line {line}: customer {row.customer_id!r} is {spelt[0]!r} (line"
-                f" {spelt[1]}) spelt another way, with the same Stripe customer: both would be"
-                " charged each period; keep one of them"
-            )
+        spellings[_spelling(row)] = (row.customer_id, line)
         rows.append(row)
+    if bad:
+        # Every bad row at once: a file of many is mended in one round, not one per row.
+        shown_rows = bad[:BAD_ROWS_SHOWN]
+        if len(bad) > BAD_ROWS_SHOWN:
+            shown_rows.append(f"and {len(bad) - BAD_ROWS_SHOWN} more bad rows")
+        if len(bad) == 1:
+            raise CustomerImportError(bad[0])
+        raise CustomerImportError(
+            f"{source} has {len(bad)} rows the import cannot take; nothing was imported:\n  "
+            + "\n  ".join(shown_rows)
+        )
     if not rows:
         raise CustomerImportError(f"{source}: no customer rows after the header")
     return rows
+
+
+def _checked_row(fields: dict[str, str | None], columns: int) -> CustomerRow | None:
+    """The row's customer; None for a row of spaces only."""
+    if fields.get("_extra"):
+        raise InvalidInputError("more fields than the header names")
+    if not any(value and value.strip() for value in fields.values()):
+        # Spaces only: blank to whoever reads the file, as the blank lines it skips.
+        return None
+    given = sum(value is not None for value in fields.values())
+    if given < columns:
+        raise InvalidInputError(f"{given} fields where the header names {columns}")
+    return _row_from_csv(fields)
 
 
 def _spelling(row: CustomerRow) -> tuple[str, str]:

@@ -14,7 +14,7 @@ from billing.customers import (
     read_customers_csv,
     sharing_a_stripe_customer,
 )
-from billing.db import create_pool
+from billing.db import create_pool, where
 from billing.errors import InvalidInputError
 from billing.keys import validate_customer_id
 from billing.reporting import counted, describe_customer, listed
@@ -24,7 +24,8 @@ from cli.output import emit
 
 async def cmd_import(args: argparse.Namespace) -> int:
     rows = read_customers_csv(args.file)
-    pool = await create_pool(load_settings(DatabaseSettings).database_url)
+    database_url = load_settings(DatabaseSettings).database_url
+    pool = await create_pool(database_url)
     try:
         changes = await import_customers(
             pool, rows, while_running=args.while_running, reactivate=args.reactivate
@@ -45,7 +46,11 @@ async def cmd_import(args: argparse.Namespace) -> int:
         shared = await sharing_a_stripe_customer(pool, [r.customer_id for r in rows])
     finally:
         await pool.close()
-    print(f"imported {counted(len(rows), 'customer')} from {args.file}")
+    # Which ledger: a shell left with another deployment's DATABASE_URL imports there.
+    print(
+        f"imported {counted(len(rows), 'customer')} from {args.file} into the ledger at"
+        f" {where(database_url)}"
+    )
     if shared:
         # Refused only for ids spelt alike (_refuse_respelt): two ids may be two accounts.
         print(

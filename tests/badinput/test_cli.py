@@ -539,7 +539,10 @@ async def test_an_import_makes_a_deactivated_customer_active_only_when_asked(
         ("c-3", 100, False),
     ]
     asked = await run_cli(*argv, "--reactivate", env=env)
-    assert (asked.code, asked.stdout.strip()) == (0, f"imported 3 customers from {path}"), asked
+    assert (asked.code, asked.stdout.strip()) == (
+        0,
+        f"imported 3 customers from {path} into the ledger at {where(database_url)}",
+    ), asked
     assert [tuple(r) for r in await db.fetch(written)] == [
         ("c-1", 200, True),
         ("c-2", 100, True),
@@ -583,7 +586,10 @@ async def test_an_import_warns_of_a_stripe_customer_charged_under_two_ids(
     result = await run_cli(
         "starter.py", "customers", "import", str(path), env={"DATABASE_URL": database_url}
     )
-    assert (result.code, result.stdout.strip()) == (0, f"imported 3 customers from {path}")
+    assert (result.code, result.stdout.strip()) == (
+        0,
+        f"imported 3 customers from {path} into the ledger at {where(database_url)}",
+    )
     assert (
         "warning: 1 Stripe customers are charged under more than one active customer id, once"
         " per id every period: cus_A (acme-1, acme_1)"

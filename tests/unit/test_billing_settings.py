@@ -37,7 +37,10 @@ def test_a_token_read_with_its_newline_is_refused_naming_it() -> None:
     )
 
 
-@pytest.mark.parametrize("base", ["https://api.stripe.com/v1", "https://proxy.internal/stripe/v1/"])
+@pytest.mark.parametrize(
+    "base",
+    ["https://api.stripe.com/v1", "https://proxy.internal/stripe/v1/", "https://api.stripe.com/V1"],
+)
 def test_a_stripe_base_with_the_clients_v1_in_it_is_refused(base: str) -> None:
     """As Stripe's reference writes the API's base: the client adds /v1 itself, so every
     charge went to /v1/v1/..., which Stripe answers 404 (helper-188)."""

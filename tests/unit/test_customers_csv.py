@@ -1,4 +1,4 @@
-"""CSV import: every row is validated first; one bad row rejects the file with its line."""
+"""CSV import: every row is validated first; a bad row rejects the file, naming its line."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from billing.customers import parse_customers_csv, read_customers_csv
+from billing.customers import BAD_ROWS_SHOWN, parse_customers_csv, read_customers_csv
 from billing.errors import CustomerImportError
 
 HEADER = "customer_id,stripe_customer_id,payment_method,amount_cents,currency\n"
@@ -254,3 +254,42 @@ def test_stripe_ids_of_any_length_stripe_gives_are_taken() -> None:
         [HEADER, f"c-1,cus_{long_id},pm_{long_id},1500,usd\n"], source="in.csv"
     )
     assert (row.stripe_customer_id, row.payment_method) == (f"cus_{long_id}", f"pm_{long_id}")
+
+
+def test_every_bad_row_is_named_at_once() -> None:
+    """The import stopped at the first bad row: a file of many took one round per row
+    (helper-188). A duplicate of a bad row is not reported as a duplicate."""
+    body = (
+        "c-1,cus_A,pm_1,1500,usd\n"
+        "c-2,cus_B,pm_2,0,usd\n"
+        "c-3,cus_C,pm_3,1500\n"
+        "c-1,cus_D,pm_4,1500,usd\n"
+        "c-2,cus_E,pm_5,1500,usd\n"
+        "C-1,cus_A,pm_6,1500,usd\n"
+    )
+    with pytest.raises(CustomerImportError) as refused:
+        parse_customers_csv((HEADER + body).splitlines(True), source="in.csv")
+    assert str(refused.value).splitlines() == [
+        "in.csv has 4 rows the import cannot take; nothing was imported:",
+        "  in.csv, line 3: amount must be positive, got 0",
+        "  in.csv, line 4: 4 fields where the header names 5",
+        "  in.csv, line 5: customer 'c-1' already appears on line 2",
+        "  in.csv, line 7: customer 'C-1' is 'c-1' (line 2) spelt another way, with the same"
+        " Stripe customer: both would be charged each period; keep one of them",
+    ]
+
+
+def test_a_file_of_many_bad_rows_lists_the_first_and_counts_the_rest() -> None:
+    body = "".join(f"c-{i},cus_{i}A,pm_{i},0,usd\n" for i in range(BAD_ROWS_SHOWN + 5))
+    with pytest.raises(CustomerImportError) as refused:
+        parse_customers_csv((HEADER + body).splitlines(True), source="in.csv")
+    lines = str(refused.value).splitlines()
+    assert lines[0] == f"in.csv has {BAD_ROWS_SHOWN + 5} rows the import cannot take;" + (
+        " nothing was imported:"
+    )
+    assert lines[1] == "  in.csv, line 2: amount must be positive, got 0"
+    assert lines[BAD_ROWS_SHOWN] == f"  in.csv, line {BAD_ROWS_SHOWN + 1}:" + (
+        " amount must be positive, got 0"
+    )
+    assert lines[-1] == "  and 5 more bad rows"
+    assert len(lines) == BAD_ROWS_SHOWN + 2
