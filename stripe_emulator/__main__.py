@@ -28,6 +28,7 @@ def _parse(argv: list[str] | None) -> tuple[str, int, EmulatorConfig]:
         "error_before_commit": float,
         "error_saved_before_commit": float,
         "error_after_commit": float,
+        "rate_limited": float,
         "latency_ms": int,
         "rate_limit_rps": float,
         "endpoint_rate_limit_rps": float,

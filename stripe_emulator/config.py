@@ -30,6 +30,10 @@ class EmulatorConfig(BaseModel):
     error_after_commit: float = _probability(
         "probability of a 500 after committing (saved and replayed for the key)"
     )
+    rate_limited: float = _probability(
+        "probability of a 429 before executing, as Stripe answers past its rate limit, whatever"
+        " the rate (nothing saved: a retry executes afresh)"
+    )
     latency_ms: int = Field(
         default=0, ge=0, le=600_000, description="delay added to every /v1 request"
     )

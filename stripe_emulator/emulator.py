@@ -1,8 +1,8 @@
 """The emulator's state and the pipeline every /v1 request goes through.
 
-Pipeline: auth -> rate limit -> decode params -> idempotency (replay, 400 mismatch, 409 in
-flight) -> latency -> fault before commit -> execute (or a saved fault in its place) -> faults
-after commit -> save -> answer.
+Pipeline: auth -> decode params -> rate limit (or a drawn 429) -> idempotency (replay, 400
+mismatch, 409 in flight) -> latency -> fault before commit -> execute (or a saved fault in its
+place) -> faults after commit -> save -> answer.
 """
 
 from __future__ import annotations
@@ -111,6 +111,9 @@ class Emulator:
         # Stripe counts a call against its endpoint's limit and its account's.
         if not (self.endpoint_limiter.allow(endpoint, now) and self.limiter.allow(api_key, now)):
             self.faults.counts[RATE_LIMITED] += 1
+            raise _rate_limited()
+        # A 429 drawn, however fast requests come: a slow machine may never pass the rate.
+        if self.faults.draw(RATE_LIMITED, self.config.rate_limited):
             raise _rate_limited()
         paths = expand_paths(params)
         key: str | None = log["idempotency_key"]

@@ -214,3 +214,21 @@ async def test_faults_also_hit_requests_without_a_key(emulator: RunningEmulator,
     )
     assert reply.status == 500
     assert [c["idempotency_key"] for c in (await raw.ledger())["charges"]] == [None]
+
+
+async def test_a_drawn_429_comes_at_any_rate_and_saves_nothing(
+    emulator: RunningEmulator, sdk: stripe.StripeClient, raw: Raw
+) -> None:
+    """With no rate limit passed, as a slow client never passes it: a chaos run's 429s did
+    not come on a loaded machine."""
+    customer = await raw.customer()
+    emulator.configure(rate_limited=1)
+    with pytest.raises(stripe.RateLimitError):
+        await _create(sdk, customer, "drawn")
+    assert (await raw.get("/v1/customers")).status == 429
+    emulator.configure(rate_limited=0)
+    retried = await _create(sdk, customer, "drawn")
+    assert "Idempotent-Replayed" not in response_headers(retried)
+    ledger = await raw.ledger()
+    assert len(ledger["charges"]) == 1
+    assert ledger["faults_injected"]["rate_limited"] == 2
