@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -107,3 +108,31 @@ def response_headers(resource: stripe.StripeObject) -> Mapping[str, str]:
     """The HTTP headers of the response the SDK built `resource` from."""
     assert resource.last_response is not None
     return resource.last_response.headers
+
+
+class Clock:
+    """The emulator's clock, moved only by the test (in place of its module's `time`): its
+    rate buckets refill, and its saved keys age, as the test says, not by however long a
+    loaded machine takes between two requests."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class HeldLatency:
+    """The emulator's latency (in place of its module's `asyncio`), lasting until the test
+    lets the requests go: a request is in flight for as long as the test needs it to be."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def sleep(self, _seconds: float) -> None:
+        self.entered.set()
+        await self.go.wait()

@@ -8,8 +8,9 @@ import pytest
 import stripe
 
 from stripe_emulator import RunningEmulator
+from stripe_emulator import emulator as emulator_module
 
-from .support import Raw, method_of, response_headers
+from .support import Clock, HeldLatency, Raw, method_of, response_headers
 
 
 async def test_same_key_and_params_replay_the_first_response(raw: Raw) -> None:
@@ -78,12 +79,18 @@ async def test_another_endpoint_with_the_same_key_is_an_idempotency_error(raw: R
 
 
 async def test_concurrent_same_key_one_executes_the_other_gets_409(
-    emulator: RunningEmulator, sdk: stripe.StripeClient, raw: Raw
+    emulator: RunningEmulator,
+    sdk: stripe.StripeClient,
+    raw: Raw,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     customer = await raw.customer()
+    # The first request stays in flight until the others have been refused.
+    latency = HeldLatency()
+    monkeypatch.setattr(emulator_module, "asyncio", latency)
     emulator.configure(latency_ms=300)
     first = asyncio.create_task(raw.charge(customer, "in-flight"))
-    await asyncio.sleep(0.1)
+    await latency.entered.wait()
     second = await raw.charge(customer, "in-flight")
     assert second.status == 409
     assert second.body["error"]["code"] == "idempotency_key_in_use"
@@ -104,6 +111,7 @@ async def test_concurrent_same_key_one_executes_the_other_gets_409(
     assert caught.value.http_status == 409
     assert caught.value.error is not None
     assert caught.value.error.code == "idempotency_key_in_use"
+    latency.go.set()
     assert (await first).status == 200
     emulator.configure(latency_ms=0)
     after = await raw.charge(customer, "in-flight")
@@ -141,17 +149,22 @@ async def test_validation_failures_are_not_saved(raw: Raw) -> None:
     assert "Idempotent-Replayed" not in fixed.headers
 
 
-async def test_keys_expire_after_the_ttl(emulator: RunningEmulator, raw: Raw) -> None:
+async def test_keys_expire_after_the_ttl(
+    emulator: RunningEmulator, raw: Raw, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = Clock()
+    monkeypatch.setattr(emulator_module, "time", clock)
     emulator.configure(idempotency_ttl_seconds=0.2)
     customer = await raw.customer()
     first = await raw.charge(customer, "short-lived")
+    clock.advance(0.1)
     assert (await raw.charge(customer, "short-lived")).headers["Idempotent-Replayed"] == "true"
-    await asyncio.sleep(0.3)
+    clock.advance(0.2)
     fresh = await raw.charge(customer, "short-lived")
     assert "Idempotent-Replayed" not in fresh.headers
     assert fresh.body["id"] != first.body["id"]
     # After expiry the key may even carry other parameters: it starts a new request.
-    await asyncio.sleep(0.3)
+    clock.advance(0.3)
     other = await raw.charge(customer, "short-lived", amount="500")
     assert other.status == 200
     assert len((await raw.ledger())["charges"]) == 3

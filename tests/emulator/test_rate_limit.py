@@ -3,17 +3,25 @@ RateLimitError."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import stripe
 
 from stripe_emulator import RunningEmulator
+from stripe_emulator import emulator as emulator_module
 
-from .support import Raw
+from .support import Clock, Raw
 
 
-async def test_over_the_rate_is_429_per_api_key(emulator: RunningEmulator, raw: Raw) -> None:
+@pytest.fixture(autouse=True)
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(emulator_module, "time", clock)
+    return clock
+
+
+async def test_over_the_rate_is_429_per_api_key(
+    emulator: RunningEmulator, raw: Raw, clock: Clock
+) -> None:
     emulator.configure(rate_limit_rps=5)
     replies = [await raw.get("/v1/customers") for _ in range(8)]
     statuses = [r.status for r in replies]
@@ -25,7 +33,7 @@ async def test_over_the_rate_is_429_per_api_key(emulator: RunningEmulator, raw: 
     assert limited.headers["Stripe-Should-Retry"] == "true"
     assert (await raw.get("/v1/customers", key="sk_test_another_account")).status == 200
     assert (await raw.ledger())["faults_injected"]["rate_limited"] == statuses.count(429)
-    await asyncio.sleep(0.25)  # a token per 0.2 s
+    clock.advance(0.25)  # a token per 0.2 s
     assert (await raw.get("/v1/customers")).status == 200
 
 
@@ -39,13 +47,15 @@ async def test_sdk_raises_rate_limit_error(
     assert caught.value.http_status == 429
 
 
-async def test_a_rate_limited_request_is_not_saved(emulator: RunningEmulator, raw: Raw) -> None:
+async def test_a_rate_limited_request_is_not_saved(
+    emulator: RunningEmulator, raw: Raw, clock: Clock
+) -> None:
     customer = await raw.customer()
     emulator.configure(rate_limit_rps=4)
     for _ in range(4):
         await raw.get("/v1/customers")
     assert (await raw.charge(customer, "limited")).status == 429
-    await asyncio.sleep(0.3)
+    clock.advance(0.3)
     retried = await raw.charge(customer, "limited")
     assert retried.status == 200
     assert "Idempotent-Replayed" not in retried.headers

@@ -76,6 +76,41 @@ async def at_least(count: Awaitable[int], n: int) -> bool:
     return await count >= n
 
 
+async def accepted_updates(handle: WorkflowHandle[Any, Any]) -> int:
+    """How many updates the workflow's run has accepted."""
+    history = await handle.fetch_history()
+    accepted = EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED
+    return sum(e.event_type == accepted for e in history.events)
+
+
+async def update_taken(
+    handle: WorkflowHandle[Any, Any], call: asyncio.Future[Any], accepted_before: int
+) -> None:
+    """Until the run has taken an update sent by `call` (an operator's word, started as a
+    task): accepted (past the `accepted_before` updates it had), or answered. A test that
+    then lets the run go on must not guess how long a loaded machine takes to deliver it."""
+
+    async def taken() -> bool:
+        return call.done() or await accepted_updates(handle) > accepted_before
+
+    await eventually(taken)
+
+
+async def cancel_taken(handle: WorkflowHandle[Any, Any]) -> None:
+    """Until the run has seen Temporal's cancel request: a workflow task completed after it."""
+
+    async def taken() -> bool:
+        requested = False
+        for event in (await handle.fetch_history()).events:
+            if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED:
+                requested = True
+            elif requested and event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
+                return True
+        return False
+
+    await eventually(taken)
+
+
 async def open_period_by_hand(pool: asyncpg.Pool, period: Period | str) -> None:
     """Record a run of the period as open, as its run's opening does, with no workflow:
     a customer's claim needs one (ledger.claim)."""
@@ -165,6 +200,22 @@ class Harness:
             r["method"] == "POST" and r["path"] == "/v1/payment_intents"
             for r in await self.requests()
         )
+
+    async def started_charges_sent(self, period: Period | str) -> bool:
+        """Whether every charge that passed the ledger's gate has reached Stripe (the
+        emulator): after a pause, those that passed before it still go out, however long a
+        loaded machine takes to send them; none may after."""
+        started = {
+            r["idempotency_key"]
+            for r in await self.ledger_rows(str(period))
+            if r["charge_started_at"] is not None
+        }
+        sent = {
+            r["idempotency_key"]
+            for r in await self.requests()
+            if r["method"] == "POST" and r["path"] == "/v1/payment_intents"
+        }
+        return started <= sent
 
     async def in_state(self, period: Period, state: str) -> bool:
         return (await period_status(self.client, period)).state == state

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from functools import partial
 from typing import Any
 
 import pytest
@@ -564,6 +565,20 @@ async def _paused_with_a_claim_waiting(
     return handle
 
 
+async def _waiting_for_the_periods_word(
+    handle: WorkflowHandle[CustomerChargeWorkflow, CustomerOutcome],
+) -> None:
+    """Until the child's workflow task that claimed has completed, its wait for the period's
+    word begun (its timer started): a worker stopped before that leaves the task to time
+    out, however long a loaded machine took to get there."""
+
+    async def timer_started() -> bool:
+        history = await handle.fetch_history()
+        return any(e.event_type == EventType.EVENT_TYPE_TIMER_STARTED for e in history.events)
+
+    await eventually(timer_started)
+
+
 async def _resume_and_reconcile(harness: Harness) -> None:
     async with harness.pool.acquire() as conn:
         await ledger.set_control(conn, str(PERIOD), "running", "checked", "bob")
@@ -627,7 +642,7 @@ async def test_a_cancel_with_the_continue_as_new_it_arrives_with_is_carried_on(
         handle = await _paused_with_a_claim_waiting(
             harness, customer.customer_id, history_event_limit=10
         )
-        await asyncio.sleep(0.5)  # its workflow task done: it waits for the period's word
+        await _waiting_for_the_periods_word(handle)
     # No worker: its wait's first timer fires, and the cancel comes, in one workflow task.
     await asyncio.sleep(PERIOD_WAIT_FIRST.total_seconds() + 1)
     await handle.cancel()
@@ -650,7 +665,7 @@ async def test_a_cancel_sent_with_the_periods_signal_stops_the_charge_it_wakes(
     options = {"history_event_limit": 10} if long else {}
     async with harness.running_worker():
         handle = await _paused_with_a_claim_waiting(harness, customer.customer_id, **options)
-        await asyncio.sleep(0.5)  # its workflow task done: it waits for the period's word
+        await _waiting_for_the_periods_word(handle)
     if not long:
         async with harness.pool.acquire() as conn:
             await ledger.set_control(conn, str(PERIOD), "running", "checked", "bob")
@@ -912,7 +927,8 @@ async def test_a_long_pause_continues_as_new_and_the_next_run_resumes(harness: H
         )
         await eventually(lambda: at_least(harness.succeeded(), 4))
         await operations.control(harness.client, PERIOD, "pause", bob)
-        await asyncio.sleep(1.0)  # charges past the gate when it paused reach Stripe
+        # Charges past the gate when it paused reach Stripe, however long that takes.
+        await eventually(partial(harness.started_charges_sent, PERIOD))
         settled = await harness.money_requests()
 
         async def runs() -> int:

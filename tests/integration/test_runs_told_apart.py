@@ -753,7 +753,16 @@ async def test_a_writer_frozen_holding_the_periods_row_lets_it_go(
     async with harness.pool.acquire() as frozen:
         await frozen.transaction().start()
         await ledger.lock_period(frozen, str(PERIOD))
-        await asyncio.sleep(2)
+        pid = frozen.get_server_pid()
+
+        async def ended() -> bool:
+            # Postgres ends the session idle past ROW_HELD_IDLE; how soon after is its own.
+            found = await harness.pool.fetchval(
+                "SELECT 1 FROM pg_stat_activity WHERE pid = $1", pid
+            )
+            return found is None
+
+        await eventually(ended)
         with pytest.raises((asyncpg.PostgresError, asyncpg.InterfaceError)):
             await ledger.set_control(frozen, str(PERIOD), "paused", "frozen", "nobody")
     async with harness.pool.acquire() as conn, conn.transaction():

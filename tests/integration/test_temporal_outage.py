@@ -302,7 +302,9 @@ class ContinuesOnce:
         return 7
 
 
-async def test_a_wait_resumes_from_the_latest_run_it_reached(harness: Harness) -> None:
+async def test_a_wait_resumes_from_the_latest_run_it_reached(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """After an outage the wait goes on from the run it had followed to, not from the first
     run of the chain, which may have passed the namespace's retention meanwhile."""
     queue = f"chain-{uuid.uuid4()}"
@@ -312,6 +314,15 @@ async def test_a_wait_resumes_from_the_latest_run_it_reached(harness: Harness) -
         cuttable_front(harness.client.service_client.config.target_host) as front,
     ):
         through_front = await Client.connect(front.address, namespace=harness.client.namespace)
+        # The runs the wait goes on to, as it takes their handles.
+        followed_to: list[str | None] = []
+        real_handle = through_front.get_workflow_handle
+
+        def following(*args: Any, **kwargs: Any) -> WorkflowHandle[Any, Any]:
+            followed_to.append(kwargs.get("run_id"))
+            return real_handle(*args, **kwargs)
+
+        monkeypatch.setattr(through_front, "get_workflow_handle", following)
         handle = await through_front.start_workflow(
             ContinuesOnce.run, 1, id=f"chain-{uuid.uuid4()}", task_queue=queue
         )
@@ -326,8 +337,12 @@ async def test_a_wait_resumes_from_the_latest_run_it_reached(harness: Harness) -
             return (await first.describe()).status == WorkflowExecutionStatus.CONTINUED_AS_NEW
 
         await eventually(continued)
-        # The wait follows the chain as its long poll sees the first run close.
-        await asyncio.sleep(2)
+
+        async def followed() -> bool:
+            # Its long poll saw the first run close: it waits on the run continued to.
+            return any(run not in (None, first_run) for run in followed_to)
+
+        await eventually(followed)
         await front.cut()
         await eventually(lambda: _any(heard))
         # Retention drops the first run while Temporal is away from the waiter.

@@ -38,7 +38,14 @@ from billing.periods import Period
 from billing.runs import start_period
 from billing.seeding import create_demo_customers
 from billing.temporal_client import described
-from tests.integration.harness import Harness, at_least, eventually
+from tests.integration.harness import (
+    Harness,
+    accepted_updates,
+    at_least,
+    cancel_taken,
+    eventually,
+    update_taken,
+)
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
 from worker import create_worker, direct_access
@@ -227,12 +234,14 @@ async def test_a_cancel_given_as_the_run_closes_applies_if_it_goes_back_to_billi
         await asyncio.wait_for(hold.closing.wait(), 60)
         if by == "temporal":
             await handle.cancel()
+            await cancel_taken(handle)
             cancelling = None
         else:
+            accepted = await accepted_updates(handle)
             cancelling = asyncio.create_task(
                 operations.control(harness.client, PERIOD, "cancel", ALICE)
             )
-        await asyncio.sleep(1.0)
+            await update_taken(handle, cancelling, accepted)
         hold.go_on.set()
         summary = await asyncio.wait_for(handle.result(), 60)
         if cancelling is not None:

@@ -16,7 +16,13 @@ from billing import operations
 from billing.models import OperatorRequest, SkipRequest
 from billing.periods import Period
 from billing.runs import start_period
-from tests.integration.harness import Harness, eventually
+from tests.integration.harness import (
+    Harness,
+    accepted_updates,
+    cancel_taken,
+    eventually,
+    update_taken,
+)
 from tests.integration.invariants import assert_billed_once
 from tests.integration.test_operations import HoldClose
 from tests.integration.test_unlisted_customers import ALICE, ImportAndHoldAtTheClose, _counted
@@ -61,10 +67,11 @@ async def test_a_cancel_given_while_the_close_waits_for_a_skip_applies(harness: 
             return (await handle.query(BillingPeriodWorkflow.progress)).state == "closing"
 
         await eventually(closing)
+        accepted = await accepted_updates(handle)
         cancelling = asyncio.create_task(
             operations.control(harness.client, PERIOD, "cancel", ALICE)
         )
-        await asyncio.sleep(1.0)
+        await update_taken(handle, cancelling, accepted)
         hold.go_on.set()
         await asyncio.wait_for(skipping, 30)
         summary = await asyncio.wait_for(handle.result(), 30)
@@ -89,13 +96,16 @@ async def test_a_pause_after_a_cancel_as_the_run_closes_does_not_undo_it(
         cancelling = None
         if by == "temporal":
             await handle.cancel()
+            await cancel_taken(handle)
         else:
+            accepted = await accepted_updates(handle)
             cancelling = asyncio.create_task(
                 operations.control(harness.client, PERIOD, "cancel", ALICE)
             )
-        await asyncio.sleep(1.0)
+            await update_taken(handle, cancelling, accepted)
+        accepted = await accepted_updates(handle)
         pausing = asyncio.create_task(operations.control(harness.client, PERIOD, "pause", BOB))
-        await asyncio.sleep(1.0)
+        await update_taken(handle, pausing, accepted)
         hold.go_on.set()
         with pytest.raises(operations.OperatorRefusedError) as refused:
             await asyncio.wait_for(pausing, 30)
@@ -119,8 +129,9 @@ async def test_a_pause_as_the_run_closes_holds_the_customers_it_goes_back_to(
     async with harness.running_worker(interceptors=[hold]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
         await asyncio.wait_for(hold.closing.wait(), 60)
+        accepted = await accepted_updates(handle)
         pausing = asyncio.create_task(operations.control(harness.client, PERIOD, "pause", BOB))
-        await asyncio.sleep(1.0)
+        await update_taken(handle, pausing, accepted)
         hold.go_on.set()
         assert (await asyncio.wait_for(pausing, 30)).state == "paused"
         assert not {c["customer"] for c in await harness.charges()} & {
@@ -142,10 +153,11 @@ async def test_a_cancel_as_the_run_closes_for_good_says_it_changed_nothing(
     async with harness.running_worker(interceptors=[hold]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
         await asyncio.wait_for(hold.closing.wait(), 60)
+        accepted = await accepted_updates(handle)
         cancelling = asyncio.create_task(
             operations.control(harness.client, PERIOD, "cancel", ALICE)
         )
-        await asyncio.sleep(1.0)
+        await update_taken(handle, cancelling, accepted)
         hold.go_on.set()
         with pytest.raises(operations.OperatorRefusedError) as refused:
             await asyncio.wait_for(cancelling, 30)
@@ -180,13 +192,16 @@ async def test_a_word_after_the_close_is_not_written_over_the_completed_run(
 
         await eventually(completed)
         word = None
+        accepted = await accepted_updates(handle)
         if by == "temporal":
             await handle.cancel()
+            await cancel_taken(handle)
         elif by == "pause":
             word = asyncio.create_task(operations.control(harness.client, PERIOD, "pause", BOB))
         else:
             word = asyncio.create_task(operations.control(harness.client, PERIOD, "cancel", BOB))
-        await asyncio.sleep(1.0)
+        if word is not None:
+            await update_taken(handle, word, accepted)
         skip_hold.go_on.set()
         await asyncio.wait_for(skipping, 30)
         summary = await asyncio.wait_for(handle.result(), 30)
