@@ -30,7 +30,7 @@ from billing.money import (
     validate_currency,
 )
 from billing.redact import SECRET_RE
-from billing.reporting import listed
+from billing.reporting import counted, listed
 
 CSV_COLUMNS = ("customer_id", "stripe_customer_id", "payment_method", "amount_cents", "currency")
 # How many bad rows an import's refusal lists: the rest are counted.
@@ -128,23 +128,59 @@ def parse_customers_csv(lines: Iterable[str], source: str = "input") -> list[Cus
     # Strict: a quote left open would otherwise take the rest of the file into one field.
     reader = csv.DictReader(numbered(), restkey="_extra", strict=True)
     try:
-        return _parse_rows(reader, source)
-    except csv.Error as exc:  # a line the csv module cannot split, e.g. a field over its limit
-        if str(exc) == "unexpected end of data":
-            # The row began on the first line after the last one read whole that is not
-            # blank (the reader skips blank lines between rows).
-            began = reader.line_num + 1
-            while began in blank:
-                began += 1
+        return _parse_rows(reader, source, blank)
+    except csv.Error as exc:  # in the header
+        raise CustomerImportError(f"{source}, {_unsplit(reader, exc, blank)}") from None
+
+
+def _unsplit(reader: csv.DictReader[str], exc: csv.Error, blank: set[int]) -> str:
+    """Where and why the csv module cannot split a line (e.g. a field over its limit)."""
+    if _runs_to_the_end(exc):
+        # The row began on the first line after the last one read whole that is not
+        # blank (the reader skips blank lines between rows).
+        began = reader.line_num + 1
+        while began in blank:
+            began += 1
+        return (
+            f'line {began}: a quote (") opened on this line or the next ones is never closed:'
+            " the field runs to the end of the file"
+        )
+    # The inner reader's count: DictReader updates its own only after a row parses.
+    return f"line {reader.reader.line_num}: {exc}"
+
+
+def _runs_to_the_end(exc: csv.Error) -> bool:
+    return str(exc) == "unexpected end of data"
+
+
+class _BadRows:
+    """The file's bad rows: every one counted, the first BAD_ROWS_SHOWN kept to be shown."""
+
+    def __init__(self, source: str) -> None:
+        self._source = source
+        self._shown: list[str] = []
+        self._count = 0
+
+    def add(self, problem: str) -> None:
+        self._count += 1
+        if len(self._shown) < BAD_ROWS_SHOWN:
+            self._shown.append(f"{self._source}, {problem}")
+
+    def refuse(self) -> None:
+        """Refuse the file if it has a bad row: every one at once, so that a file of many is
+        mended in one round, not one per row."""
+        if self._count == 1:
+            raise CustomerImportError(self._shown[0])
+        if self._count:
+            more = self._count - len(self._shown)
+            listed_rows = self._shown + ([f"and {counted(more, 'more bad row')}"] if more else [])
             raise CustomerImportError(
-                f'{source}, line {began}: a quote (") opened on this line or the next ones is'
-                " never closed: the field runs to the end of the file"
-            ) from None
-        # The inner reader's count: DictReader updates its own only after a row parses.
-        raise CustomerImportError(f"{source}, line {reader.reader.line_num}: {exc}") from None
+                f"{self._source} has {self._count} rows the import cannot take; nothing was"
+                " imported:\n  " + "\n  ".join(listed_rows)
+            )
 
 
-def _parse_rows(reader: csv.DictReader[str], source: str) -> list[CustomerRow]:
+def _parse_rows(reader: csv.DictReader[str], source: str, blank: set[int]) -> list[CustomerRow]:
     # Values are read stripped, so are the names: "customer_id, amount_cents" is no typo.
     fieldnames = reader.fieldnames
     if not fieldnames:
@@ -180,10 +216,20 @@ def _parse_rows(reader: csv.DictReader[str], source: str) -> list[CustomerRow]:
             " the other columns"
         )
     rows: list[CustomerRow] = []
-    bad: list[str] = []
+    bad = _BadRows(source)
     seen: dict[str, int] = {}
     spellings: dict[tuple[str, str], tuple[str, int]] = {}
-    for fields in reader:
+    while True:
+        try:
+            fields = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as exc:
+            # The strict reader goes on at the next line; a quote left open ends the file.
+            bad.add(_unsplit(reader, exc, blank))
+            if _runs_to_the_end(exc):
+                break
+            continue
         line = reader.line_num
         try:
             row = _checked_row(fields, len(header))
@@ -201,22 +247,16 @@ def _parse_rows(reader: csv.DictReader[str], source: str) -> list[CustomerRow]:
                     " period; keep one of them"
                 )
         except (InvalidInputError, ValueError) as exc:
-            bad.append(f"{source}, line {line}: {_reason(exc)}")
+            bad.add(f"line {line}: {_reason(exc)}")
+            # Its id taken all the same: a second row of it is told now, not once this is mended.
+            given = (fields.get("customer_id") or "").strip()
+            if given:
+                seen.setdefault(given, line)
             continue
         seen[row.customer_id] = line
         spellings[_spelling(row)] = (row.customer_id, line)
         rows.append(row)
-    if bad:
-        # Every bad row at once: a file of many is mended in one round, not one per row.
-        shown_rows = bad[:BAD_ROWS_SHOWN]
-        if len(bad) > BAD_ROWS_SHOWN:
-            shown_rows.append(f"and {len(bad) - BAD_ROWS_SHOWN} more bad rows")
-        if len(bad) == 1:
-            raise CustomerImportError(bad[0])
-        raise CustomerImportError(
-            f"{source} has {len(bad)} rows the import cannot take; nothing was imported:\n  "
-            + "\n  ".join(shown_rows)
-        )
+    bad.refuse()
     if not rows:
         raise CustomerImportError(f"{source}: no customer rows after the header")
     return rows

@@ -50,5 +50,5 @@ class OutageNotice:
 
     def back(self) -> None:
         if self._away_since is not None:
-            print("note: Temporal is reachable again; waiting as before", file=sys.stderr)
+            print("note: Temporal is reachable again", file=sys.stderr)
         self._away_since = None

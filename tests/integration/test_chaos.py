@@ -33,7 +33,7 @@ async def test_a_period_under_chaos_charges_every_customer_once(
         # The session's server: no other test runs meanwhile, and each reconnects anyway.
         restart_postgres=postgres.restart,
     )
-    # Seed 4 injects every kind of fault within the first 50 charges; a hundred customers
+    # Seed 4 draws every kind of fault over a hundred customers (shortfalls() checks); they
     # pass Stripe's 25/s only now and then, 15/s on a quiet machine (80-120 429s), and lower
     # limits make the retries' backoff the test's length. A loaded one may pass neither: the
     # emulator's drawn 429s (scenario.FAULTS) come all the same.

@@ -258,7 +258,8 @@ def test_stripe_ids_of_any_length_stripe_gives_are_taken() -> None:
 
 def test_every_bad_row_is_named_at_once() -> None:
     """The import stopped at the first bad row: a file of many took one round per row
-    (helper-188). A duplicate of a bad row is not reported as a duplicate."""
+    (helper-188). A second row of a bad row's id is told too, not once the first is mended;
+    a line the csv module cannot split is one more bad row (helper-192)."""
     body = (
         "c-1,cus_A,pm_1,1500,usd\n"
         "c-2,cus_B,pm_2,0,usd\n"
@@ -266,16 +267,33 @@ def test_every_bad_row_is_named_at_once() -> None:
         "c-1,cus_D,pm_4,1500,usd\n"
         "c-2,cus_E,pm_5,1500,usd\n"
         "C-1,cus_A,pm_6,1500,usd\n"
+        'c-7,cus_G,"pm_7" ,1500,usd\n'
+        "c-8,cus_H,pm_8,-5,usd\n"
     )
     with pytest.raises(CustomerImportError) as refused:
         parse_customers_csv((HEADER + body).splitlines(True), source="in.csv")
     assert str(refused.value).splitlines() == [
-        "in.csv has 4 rows the import cannot take; nothing was imported:",
+        "in.csv has 7 rows the import cannot take; nothing was imported:",
         "  in.csv, line 3: amount must be positive, got 0",
         "  in.csv, line 4: 4 fields where the header names 5",
         "  in.csv, line 5: customer 'c-1' already appears on line 2",
+        "  in.csv, line 6: customer 'c-2' already appears on line 3",
         "  in.csv, line 7: customer 'C-1' is 'c-1' (line 2) spelt another way, with the same"
         " Stripe customer: both would be charged each period; keep one of them",
+        "  in.csv, line 8: ',' expected after '\"'",
+        "  in.csv, line 9: amount must be positive, got '-5'",
+    ]
+
+
+def test_a_quote_left_open_after_bad_rows_is_named_with_them() -> None:
+    body = 'c-1,cus_A,pm_1,0,usd\nc-2,cus_B,"pm_2,1500,usd\nc-3,cus_C,pm_3,1500,usd\n'
+    with pytest.raises(CustomerImportError) as refused:
+        parse_customers_csv((HEADER + body).splitlines(True), source="in.csv")
+    assert str(refused.value).splitlines() == [
+        "in.csv has 2 rows the import cannot take; nothing was imported:",
+        "  in.csv, line 2: amount must be positive, got 0",
+        '  in.csv, line 3: a quote (") opened on this line or the next ones is never closed:'
+        " the field runs to the end of the file",
     ]
 
 
@@ -293,3 +311,10 @@ def test_a_file_of_many_bad_rows_lists_the_first_and_counts_the_rest() -> None:
     )
     assert lines[-1] == "  and 5 more bad rows"
     assert len(lines) == BAD_ROWS_SHOWN + 2
+
+
+def test_one_more_bad_row_past_those_listed_is_counted_as_one() -> None:
+    body = "".join(f"c-{i},cus_{i}A,pm_{i},0,usd\n" for i in range(BAD_ROWS_SHOWN + 1))
+    with pytest.raises(CustomerImportError) as refused:
+        parse_customers_csv((HEADER + body).splitlines(True), source="in.csv")
+    assert str(refused.value).splitlines()[-1] == "  and 1 more bad row"
