@@ -111,6 +111,7 @@ from tests.integration.harness import (
 )
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
+from tests.integration.test_unlisted_customers import HoldTheBillsEnd
 from tests.prometheus import metric_value
 from workflows.billing_period import BillingPeriodWorkflow
 from workflows.identity import WRONG_WORKFLOW_ID
@@ -600,32 +601,10 @@ async def test_a_blocked_charge_reported_after_the_last_outcome_pauses_nothing(
     assert summary.charged == 2
 
 
-class HoldBills(Interceptor):
-    """Holds each customer's bill, once it has charged, until told to go on: the run's
-    charges sent stay unreported (as a slow Stripe keeps them) for as long as a test needs,
-    however slow the machine, rather than for a latency guessed long enough."""
-
-    def __init__(self) -> None:
-        self.go_on = asyncio.Event()
-
-    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
-        hold = self
-
-        class Held(ActivityInboundInterceptor):
-            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
-                result = await super().execute_activity(input)
-                if activity.info().activity_type == "bill":
-                    # Within the bill's own timeout (BILL_TIMEOUT, 60 s).
-                    await asyncio.wait_for(hold.go_on.wait(), 50)
-                return result
-
-        return Held(next)
-
-
 async def test_run_refuses_to_join_a_cancelled_run_still_finishing(harness: Harness) -> None:
     await harness.seed(6)
     # The sent charges are held until the CLI has answered, however long it takes to start.
-    hold = HoldBills()
+    hold = HoldTheBillsEnd()
     async with harness.running_worker(interceptors=[hold]):
         handle = await start_period(
             harness.client, PERIOD, harness.task_queue, RunOptions(max_in_flight=2)
@@ -650,7 +629,7 @@ async def test_run_joining_a_cancelled_run_as_it_ends_says_nothing_was_started(
     status: it said "running" (and, waiting, printed that run's summary as its own)."""
     await harness.seed(6)
     # The sent charges are held until the join, however long it takes on a loaded machine.
-    hold = HoldBills()
+    hold = HoldTheBillsEnd()
     config = harness.client.service_client.config
     monkeypatch.setenv("TEMPORAL_ADDRESS", config.target_host)
     monkeypatch.setenv("TEMPORAL_NAMESPACE", harness.client.namespace)
