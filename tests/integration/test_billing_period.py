@@ -11,7 +11,12 @@ import pytest
 import stripe
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
-from temporalio.client import WorkflowFailureError, WorkflowHandle, WorkflowHistory
+from temporalio.client import (
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
+    WorkflowHistory,
+)
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
@@ -384,13 +389,13 @@ async def test_the_worker_caches_the_widest_window_and_its_period(harness: Harne
 async def test_children_in_flight_at_continue_as_new_are_handed_to_the_next_run(
     harness: Harness,
 ) -> None:
-    # Charges wait for Stripe slots at 4/s, so when the run reaches its history limit its
-    # window is full of children that take seconds to finish; after a second it continues
-    # as new, and the next run learns of their outcomes from the ledger.
+    # The bills of children in flight when their run reaches its history limit are held
+    # until it has continued as new, however fast the machine: the run waits a second for
+    # them, hands them over, and the next run learns of their outcomes from the ledger.
     customers = await harness.seed(60)
-    harness.settings = harness.settings.model_copy(update={"billing_stripe_rps": 4.0})
     options = RunOptions(max_in_flight=20, history_event_limit=200, hand_over_after_seconds=1)
-    async with harness.running_worker():
+    held = HoldBillsAtTheHandOver(harness, options.history_event_limit)
+    async with harness.running_worker(interceptors=[held]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
         summary = await handle.result()
     assert (summary.due, summary.charged) == (60, 60)
@@ -399,6 +404,7 @@ async def test_children_in_flight_at_continue_as_new_are_handed_to_the_next_run(
     assert any(state.started_elsewhere for state in states), (
         "every child finished before its run continued as new"
     )
+    assert held.held, "no bill ended after its run reached its history limit"
     waited = [e for e in runs[0].events if e.event_type == EventType.EVENT_TYPE_TIMER_FIRED]
     assert waited, "the first run did not wait for its children before handing them over"
     await replay(runs)
@@ -458,6 +464,41 @@ async def test_a_cancel_continues_as_new_while_it_marks_the_rest_cancelled(
     runs = await harness.chain_of_runs(handle.id, bound=limit + 15 * options.max_in_flight)
     await replay(runs)
     keep(runs[-2:])
+
+
+class HoldBillsAtTheHandOver(Interceptor):
+    """Holds the end of a customer's bill while the period run that started it is past
+    `limit` events and still running: the child is in flight when that run continues as new."""
+
+    def __init__(self, harness: Harness, limit: int) -> None:
+        self.client = harness.client
+        self.limit = limit
+        self.held = 0
+
+    async def hold_while_parent_hands_over(self) -> None:
+        child = await self.client.get_workflow_handle(activity.info().workflow_id).describe()
+        assert child.parent_id is not None
+        parent = self.client.get_workflow_handle(child.parent_id, run_id=child.parent_run_id)
+        counted = False
+        while True:
+            run = await parent.describe()
+            if run.status != WorkflowExecutionStatus.RUNNING or run.history_length < self.limit:
+                return
+            if not counted:
+                counted, self.held = True, self.held + 1
+            await asyncio.sleep(0.1)
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        hold = self
+
+        class Held(ActivityInboundInterceptor):
+            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                outcome = await super().execute_activity(input)
+                if activity.info().activity_type == "bill":
+                    await asyncio.wait_for(hold.hold_while_parent_hands_over(), 60)
+                return outcome
+
+        return Held(next)
 
 
 class SlowPreparation(Interceptor):
