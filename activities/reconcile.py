@@ -25,6 +25,7 @@ from activities.stripe_failures import (
     KEY_REFUSED,
     REFUSED,
     lookup_key_refused,
+    misdirected,
     to_temporal_failure,
     vault_key_unusable,
 )
@@ -478,9 +479,12 @@ class ReconcileActivities:
             # away, a retry that took it over (409). The message (ours, Stripe's or the
             # vault's) says which. What no later run changes is for a person: no key to read
             # with, a token or an amount the vault refuses.
-            # (A key refused here is a lookup key, which the next read replaces.)
+            # (A key refused here is a lookup key, which the next read replaces; a URL Stripe
+            # does not know is refused the same way, and stays so.)
             lasting = isinstance(exc, (VaultAuthError, VaultForbidden, VaultInvalidRequest)) or (
-                isinstance(exc, ApplicationError) and exc.non_retryable and exc.type != KEY_REFUSED
+                isinstance(exc, ApplicationError)
+                and exc.non_retryable
+                and (exc.type != KEY_REFUSED or misdirected(exc))
             )
             return unknown.model_copy(update={"detail": exc.message, "needs_person": lasting})
         state = "committed" if info.state == "committed" else "released"

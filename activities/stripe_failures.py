@@ -133,6 +133,14 @@ def _unrecognized_url(exc: stripe.StripeError) -> ChargeFailure:
     )
 
 
+def misdirected(exc: ApplicationError) -> bool:
+    """Whether `exc` says Stripe (or the vault) does not know the URL called: a base set
+    wrong, which no retry and no later run gets past until a person sets it."""
+    return any(
+        isinstance(d, ChargeFailure) and d.code == UNRECOGNIZED_URL_CODE for d in exc.details
+    )
+
+
 def lookup_key_refused(exc: stripe.StripeError) -> ApplicationError:
     """The vault refused a lookup key (billing.period_keys.issue_lookup_key), which only
     reads: a retry issues another, so nothing is for the period's operator."""

@@ -19,6 +19,7 @@ from activities.stripe_failures import (
     fence_of,
     lookup_failure,
     lookup_key_refused,
+    misdirected,
     replays_saved_error,
     said_replayed,
     to_temporal_failure,
@@ -186,6 +187,7 @@ def test_a_url_stripe_does_not_know_stops_the_period_not_the_customer() -> None:
     assert (failure.type, failure.non_retryable) == (KEY_REFUSED, True)
     assert failure.details[0].code == UNRECOGNIZED_URL_CODE
     assert "STRIPE_API_BASE" in failure.details[0].message
+    assert misdirected(failure)
     # An object that is not there is the request's matter, as before.
     body = {"error": {"code": "resource_missing", "message": "No such payment_intent"}}
     missing = stripe.InvalidRequestError(  # type: ignore[no-untyped-call]
@@ -342,5 +344,6 @@ def test_a_refused_lookup_key_is_retried_with_another(code: str | None) -> None:
         _error(stripe.AuthenticationError, 401, **({"code": code} if code else {}))
     )
     assert (failure.type, failure.non_retryable) == (KEY_REFUSED, False)
+    assert not misdirected(failure)
     if code:
         assert "a retry issues another" in failure.message
