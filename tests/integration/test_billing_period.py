@@ -476,7 +476,9 @@ class HoldBillsAtTheHandOver(Interceptor):
         self.held = 0
 
     async def hold_while_parent_hands_over(self) -> None:
-        child = await self.client.get_workflow_handle(activity.info().workflow_id).describe()
+        child_id = activity.info().workflow_id
+        assert child_id is not None
+        child = await self.client.get_workflow_handle(child_id).describe()
         assert child.parent_id is not None
         parent = self.client.get_workflow_handle(child.parent_id, run_id=child.parent_run_id)
         counted = False
