@@ -19,6 +19,8 @@ T = TypeVar("T", bound=str | SecretStr)
 
 # The oldest a claim may be before it is looked up on Stripe first (billing_lookup_after_seconds).
 LOOKUP_AFTER_MAX_SECONDS = 23 * 3600
+# The local emulator's address (the devstack's and the tests'), Stripe's stand-in here.
+DEFAULT_STRIPE_API_BASE = "http://127.0.0.1:12111"
 # A scheme, a host (with its port), and any path. No user or password before the host, and
 # no query or fragment: the vault and Stripe take their tokens in headers, the workers log
 # these URLs, and the CLI prints the Web UI's with every run's link.
@@ -248,7 +250,7 @@ class CapSettings(BaseSettings):
 class BillingSettings(CapSettings):
     """What the worker needs to charge: where Stripe is and how keys are derived."""
 
-    stripe_api_base: str = "http://127.0.0.1:12111"
+    stripe_api_base: str = DEFAULT_STRIPE_API_BASE
     stripe_api_key: SecretStr = SecretStr("sk_test_local_emulator")
     billing_charge_api: ChargeApi = "payment_intents"
     billing_key_namespace: str = Field(default="billing", min_length=1)
@@ -346,6 +348,14 @@ class BillingSettings(CapSettings):
                 stripe_secret_key(self.stripe_api_key)
             except ValueError as exc:
                 raise ValueError(f"STRIPE_API_KEY {exc}") from None
+            # The default base is the local emulator's: a key of one's own charged nowhere,
+            # each charge retried for ever, and sent over plain http besides.
+            if {"stripe_api_key", "stripe_api_base"} & self.model_fields_set == {"stripe_api_key"}:
+                raise ValueError(
+                    "STRIPE_API_KEY is set but STRIPE_API_BASE is not, which defaults to the"
+                    f" local emulator ({DEFAULT_STRIPE_API_BASE}): set STRIPE_API_BASE to"
+                    " Stripe's (https://api.stripe.com) or the emulator's URL"
+                )
         # Unused by a worker behind the vault, but the tools that seed customers send it.
         if self.stripe_api_key.get_secret_value().startswith(
             ("sk_live_", "rk_live_")

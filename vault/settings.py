@@ -48,10 +48,11 @@ class VaultSettings(BaseSettings):
         default=frozenset(), description="comma-separated currencies worker keys may be in"
     )
     # No user or password before the host (billing.config.stripe_api_base): the secret goes
-    # in a header, and an error may name the URL.
+    # in a header, and an error may name the URL. No default: a default address (the local
+    # emulator's) would take the real secret to whatever listens there.
     upstream_stripe_base: str = Field(
-        default="http://127.0.0.1:12111",
-        description="Stripe's API base URL (the local emulator by default), with no password",
+        description="Stripe's API base URL (https://api.stripe.com, or the local emulator's),"
+        " with no password"
     )
     upstream_stripe_secret: SecretStr = Field(description="the real Stripe secret key")
     # No default: the ceiling on any key's cap is a policy each deployment chooses.

@@ -381,6 +381,8 @@ def test_a_key_pasted_into_the_wrong_place_is_not_echoed(
         ({"STRIPE_API_BASE": "https://api.stripe.com/v1"}, "STRIPE_API_BASE: ends in /v1"),
         # A secret made with `echo`: every charge failed before it was sent, retried for ever.
         ({"STRIPE_API_KEY": "sk_test_" + "Q7" * 12 + "\n"}, "STRIPE_API_KEY: has spaces"),
+        # A key of one's own and no base: sent to the local emulator's address, retried for ever.
+        ({}, "STRIPE_API_KEY is set but STRIPE_API_BASE is not"),
     ],
 )
 async def test_a_worker_with_a_bad_setting_names_it_and_shows_no_value(
@@ -410,6 +412,7 @@ async def test_a_malformed_database_url_is_named_and_its_password_not_shown(
     env = {
         variable: url,
         "VAULT_ADMIN_TOKEN": "adm_test_token_4f9c2e7a1b",
+        "VAULT_UPSTREAM_STRIPE_BASE": "https://api.stripe.com",
         "VAULT_UPSTREAM_STRIPE_SECRET": "sk_test_cli_unused",
         "VAULT_MAX_CAP_CENTS": "100",
     }

@@ -288,6 +288,7 @@ async def test_the_vault_refuses_to_start_without_its_tables_or_their_grants(
     settings = VaultSettings(
         database_url=postgres.dsn(fresh.rsplit("/", 1)[1], roles.vault),
         admin_token=SecretStr(VAULT_ADMIN_TOKEN),
+        upstream_stripe_base="https://api.stripe.com",
         upstream_stripe_secret=SecretStr("sk_test_unused"),
         max_cap_cents=100,
     )

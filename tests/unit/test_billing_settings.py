@@ -75,6 +75,17 @@ def test_a_stripe_key_not_shaped_as_a_secret_key_is_refused_unechoed(
     assert "abcdef" not in str(refused.value)
 
 
+def test_a_stripe_key_of_ones_own_needs_its_base_set_too() -> None:
+    """The base defaults to the local emulator's address: a worker given a key and no base
+    sent it there over plain http, and retried every charge for ever."""
+    key = SecretStr("sk_test_" + "Q7" * 12)
+    with pytest.raises(ValidationError, match="STRIPE_API_KEY is set but STRIPE_API_BASE is not"):
+        BillingSettings(stripe_api_key=key)
+    assert BillingSettings(stripe_api_key=key, stripe_api_base="https://api.stripe.com")
+    # Neither set is the local stack's pair, the emulator's own key at its address.
+    assert BillingSettings().stripe_api_base == "http://127.0.0.1:12111"
+
+
 @pytest.mark.parametrize("placeholder", ["", "unused"])
 def test_a_stripe_key_workers_leave_unused_behind_a_vault_may_be_withheld(
     placeholder: str,

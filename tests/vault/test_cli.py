@@ -117,6 +117,8 @@ async def test_missing_settings_are_named_and_no_secret_is_printed() -> None:
     message = stderr.decode()
     assert "VAULT_ADMIN_TOKEN: must be at least 16 characters" in message
     assert "VAULT_MAX_CAP_CENTS: is required but not set" in message
+    # No default: the local emulator's address would take the real secret.
+    assert "VAULT_UPSTREAM_STRIPE_BASE: is required but not set" in message
     assert UPSTREAM_SECRET not in message and "short" not in message
 
 
@@ -128,6 +130,7 @@ async def test_unreachable_database_is_a_clear_start_up_error() -> None:
         _env(
             VAULT_DATABASE_URL=f"postgresql://postgres:pw-not-shown@127.0.0.1:{closed_port}/x",
             VAULT_ADMIN_TOKEN=ADMIN_TOKEN,
+            VAULT_UPSTREAM_STRIPE_BASE="https://api.stripe.com",
             VAULT_UPSTREAM_STRIPE_SECRET=UPSTREAM_SECRET,
             VAULT_MAX_CAP_CENTS="100",
         )

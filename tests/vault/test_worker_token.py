@@ -398,6 +398,7 @@ def test_vault_settings_that_cannot_work_are_refused(
         VaultSettings(
             **{
                 "admin_token": ADMIN_TOKEN,
+                "upstream_stripe_base": "https://api.stripe.com",
                 "upstream_stripe_secret": UPSTREAM_SECRET,
                 "max_cap_cents": 100,
                 **worker_settings,
