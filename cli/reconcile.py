@@ -7,6 +7,7 @@ import asyncio
 import sys
 from datetime import timedelta
 
+import asyncpg
 from temporalio.service import RPCError
 
 from billing import ledger
@@ -29,7 +30,7 @@ from billing.runs import (
 )
 from billing.temporal_client import connect
 from cli import arguments
-from cli.database import ledger_connection, ledger_totals
+from cli.database import ledger_connection, read_for_a_note
 from cli.output import OutageNotice, emit
 
 # How long `reconcile` waits before it says that no worker has taken its workflow up.
@@ -39,8 +40,7 @@ NO_WORKER_SECONDS = 15.0
 async def cmd_reconcile(args: argparse.Namespace) -> int:
     temporal = load_settings(TemporalSettings)
     client = await connect(temporal)
-    totals = await ledger_totals(str(args.period))
-    if totals is not None and totals.empty and not args.unbilled:
+    if not args.unbilled and await _never_run(str(args.period)):
         # A mistyped month, most likely: its report would read as a period billed clean.
         raise InvalidInputError(
             f"the ledger holds no row of {args.period}: no run has billed it, so a"
@@ -76,6 +76,19 @@ async def cmd_reconcile(args: argparse.Namespace) -> int:
     report = await result
     emit(report, args.json, describe_reconciliation(report) + f"\n  {ui_link(temporal, handle.id)}")
     return 1 if report.needs_a_person else 0
+
+
+async def _never_run(period: str) -> bool:
+    """Whether the ledger holds nothing of the period: no customer's row, and no run opened
+    it (one stuck before its first claim is no mistyped month). False if it cannot say."""
+
+    async def read(conn: asyncpg.Connection) -> bool:
+        totals = await ledger.period_totals(conn, period)
+        return totals.empty and await ledger.period_record(conn, period) is None
+
+    return bool(
+        await read_for_a_note(f"whether a run of {period} billed anyone is unchecked", read)
+    )
 
 
 async def cmd_handled(args: argparse.Namespace) -> int:

@@ -954,6 +954,20 @@ async def test_a_period_no_run_billed_is_reconciled_only_when_asked(harness: Har
     assert "2 customers checked" in out, out
 
 
+async def test_a_period_a_run_opened_is_reconciled_though_it_billed_nobody(
+    harness: Harness,
+) -> None:
+    """The ledger holds a run of it and no customer's row (here, nobody was due; a run stuck
+    before its first claim alike): no mistyped month, so no --unbilled (helper-189)."""
+    async with harness.running_worker():
+        summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+        assert summary.due == 0
+        await harness.seed(2)
+        code, out, err = await harness.starter("reconcile", str(PERIOD))
+    assert code == 0, err
+    assert "2 customers checked" in out, out
+
+
 async def test_a_customer_stripe_will_not_list_is_left_unchecked_and_the_rest_compared(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
