@@ -12,7 +12,6 @@ import stripe
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
 from temporalio.client import (
-    WorkflowExecutionStatus,
     WorkflowFailureError,
     WorkflowHandle,
     WorkflowHistory,
@@ -42,6 +41,7 @@ from billing.periods import Period
 from billing.reporting import describe
 from billing.runs import period_status, start_period, start_reconcile
 from tests.integration.harness import Harness, at_least, eventually, single_batch_activations
+from tests.integration.holds import HoldBillsAtTheHandOver
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
 from workflows.billing_period import BillingPeriodWorkflow
@@ -394,7 +394,7 @@ async def test_children_in_flight_at_continue_as_new_are_handed_to_the_next_run(
     # them, hands them over, and the next run learns of their outcomes from the ledger.
     customers = await harness.seed(60)
     options = RunOptions(max_in_flight=20, history_event_limit=200, hand_over_after_seconds=1)
-    held = HoldBillsAtTheHandOver(harness, options.history_event_limit)
+    held = HoldBillsAtTheHandOver(harness.client, options.history_event_limit)
     async with harness.running_worker(interceptors=[held]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
         summary = await handle.result()
@@ -464,43 +464,6 @@ async def test_a_cancel_continues_as_new_while_it_marks_the_rest_cancelled(
     runs = await harness.chain_of_runs(handle.id, bound=limit + 15 * options.max_in_flight)
     await replay(runs)
     keep(runs[-2:])
-
-
-class HoldBillsAtTheHandOver(Interceptor):
-    """Holds the end of a customer's bill while the period run that started it is past
-    `limit` events and still running: the child is in flight when that run continues as new."""
-
-    def __init__(self, harness: Harness, limit: int) -> None:
-        self.client = harness.client
-        self.limit = limit
-        self.held = 0
-
-    async def hold_while_parent_hands_over(self) -> None:
-        child_id = activity.info().workflow_id
-        assert child_id is not None
-        child = await self.client.get_workflow_handle(child_id).describe()
-        assert child.parent_id is not None
-        parent = self.client.get_workflow_handle(child.parent_id, run_id=child.parent_run_id)
-        counted = False
-        while True:
-            run = await parent.describe()
-            if run.status != WorkflowExecutionStatus.RUNNING or run.history_length < self.limit:
-                return
-            if not counted:
-                counted, self.held = True, self.held + 1
-            await asyncio.sleep(0.1)
-
-    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
-        hold = self
-
-        class Held(ActivityInboundInterceptor):
-            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
-                outcome = await super().execute_activity(input)
-                if activity.info().activity_type == "bill":
-                    await asyncio.wait_for(hold.hold_while_parent_hands_over(), 60)
-                return outcome
-
-        return Held(next)
 
 
 class SlowPreparation(Interceptor):

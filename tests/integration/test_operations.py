@@ -109,9 +109,9 @@ from tests.integration.harness import (
     single_batch_activations,
     update_taken,
 )
+from tests.integration.holds import HoldTheBillsEnd
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
-from tests.integration.test_unlisted_customers import HoldTheBillsEnd
 from tests.prometheus import metric_value
 from workflows.billing_period import BillingPeriodWorkflow
 from workflows.identity import WRONG_WORKFLOW_ID

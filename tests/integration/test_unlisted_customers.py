@@ -46,6 +46,7 @@ from tests.integration.harness import (
     eventually,
     update_taken,
 )
+from tests.integration.holds import HoldTheBillsEnd
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
 from worker import create_worker, direct_access
@@ -607,28 +608,6 @@ def _earlier_worker(harness: Harness, interceptors: Sequence[Interceptor] = ()) 
         sandbox_all=True,
         interceptors=interceptors,
     )
-
-
-class HoldTheBillsEnd(Interceptor):
-    """Holds a customer's bill once it has run (its claim made, its outcome not yet in the
-    workflow's history) until let go."""
-
-    def __init__(self) -> None:
-        self.billed = asyncio.Event()
-        self.go_on = asyncio.Event()
-
-    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
-        hold = self
-
-        class Held(ActivityInboundInterceptor):
-            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
-                outcome = await super().execute_activity(input)
-                if activity.info().activity_type == "bill":
-                    hold.billed.set()
-                    await asyncio.wait_for(hold.go_on.wait(), 60)
-                return outcome
-
-        return Held(next)
 
 
 @pytest.mark.parametrize("cancelled", [False, True], ids=["billing", "cancelled-meanwhile"])

@@ -1,0 +1,71 @@
+"""Worker interceptors that hold a customer's bill once it has run (its claim made, its
+outcome not yet in the workflow's history), so that a test waits for what it checks rather
+than betting on how fast the machine is."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from temporalio import activity
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
+
+# Past this, a hold gives up: the test is stuck, not slow.
+HOLD_SECONDS = 60
+
+
+class BillHold(Interceptor):
+    """Runs `hold` after each bill, before its outcome goes back to the workflow."""
+
+    async def hold(self) -> None:
+        raise NotImplementedError
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        holder = self
+
+        class Held(ActivityInboundInterceptor):
+            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                outcome = await super().execute_activity(input)
+                if activity.info().activity_type == "bill":
+                    await asyncio.wait_for(holder.hold(), HOLD_SECONDS)
+                return outcome
+
+        return Held(next)
+
+
+class HoldTheBillsEnd(BillHold):
+    """Holds every bill until let go (`go_on`); `billed` is set once one has run."""
+
+    def __init__(self) -> None:
+        self.billed = asyncio.Event()
+        self.go_on = asyncio.Event()
+
+    async def hold(self) -> None:
+        self.billed.set()
+        await self.go_on.wait()
+
+
+class HoldBillsAtTheHandOver(BillHold):
+    """Holds a bill while the period run that started it is past `limit` events and still
+    running: the child is in flight when that run continues as new. `held` counts them."""
+
+    def __init__(self, client: Client, limit: int) -> None:
+        self.client = client
+        self.limit = limit
+        self.held = 0
+
+    async def hold(self) -> None:
+        child_id = activity.info().workflow_id
+        assert child_id is not None
+        child = await self.client.get_workflow_handle(child_id).describe()
+        assert child.parent_id is not None
+        parent = self.client.get_workflow_handle(child.parent_id, run_id=child.parent_run_id)
+        counted = False
+        while True:
+            run = await parent.describe()
+            if run.status != WorkflowExecutionStatus.RUNNING or run.history_length < self.limit:
+                return
+            if not counted:
+                counted, self.held = True, self.held + 1
+            await asyncio.sleep(0.1)
