@@ -40,15 +40,19 @@ async def test_health_fails_while_the_event_loop_is_blocked(
         await asyncio.sleep(0.8)  # running, the loop keeps its heartbeat young
         assert await asyncio.to_thread(_get, base + "/health") == (200, "ok\n")
         seen: dict[str, tuple[int, str]] = {}
+        probed = threading.Event()
 
         def probe() -> None:
             time.sleep(0.8)
             seen["health"] = _get(base + "/health")
             seen["metrics"] = _get(base + "/metrics")
+            probed.set()
 
         prober = threading.Thread(target=probe)
         prober.start()
-        time.sleep(1.2)  # noqa: ASYNC251 - a synchronous call blocks the loop
+        # A synchronous wait blocks the loop until the probe is done, however late a loaded
+        # machine runs it.
+        assert probed.wait(timeout=30)
         prober.join()
         status, text = seen["health"]
         assert status == 503
