@@ -49,12 +49,8 @@ def _running(harness: Harness, workflow_id: str) -> Callable[[], Awaitable[bool]
     return check
 
 
-async def _connected(front: CuttableFront) -> bool:
-    return front.connections > 0
-
-
-async def _called(front: CuttableFront, method: str) -> bool:
-    return method in front.calls
+async def _called(front: CuttableFront, method: str, times: int = 1) -> bool:
+    return front.calls.count(method) >= times
 
 
 class Stderr:
@@ -147,9 +143,8 @@ async def test_watch_outlasts_temporal_going_away(harness: Harness) -> None:
         )
         assert watching.stdout is not None
         stderr = Stderr(watching)
-        await eventually(lambda: _connected(front))
-        # Its first counts in, a dozen further looks at 0.2 s.
-        await asyncio.sleep(3)
+        # Its first counts in (a failed first look ends the watch) and two looks after them.
+        await eventually(lambda: _called(front, "QueryWorkflow", times=3))
         await front.cut()
         await eventually(lambda: stderr.says("warning: Temporal cannot be reached"))
         # The run ends while the watch cannot see it; the watch goes on, and reports it.
