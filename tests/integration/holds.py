@@ -1,15 +1,21 @@
-"""Worker interceptors that hold a customer's bill once it has run (its claim made, its
-outcome not yet in the workflow's history), so that a test waits for what it checks rather
-than betting on how fast the machine is."""
+"""Holds on a customer's bill, so that a test waits for what it checks rather than betting
+on how fast the machine is: worker interceptors that hold a bill once it has run (its claim
+made, its outcome not yet in the workflow's history), and a hold before its Stripe slot."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from datetime import datetime
 from typing import Any
 
+import pytest
 from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
+
+from activities.charging import ChargingActivities
+from billing.models import Claim
 
 # Past this, a hold gives up: the test is stuck, not slow.
 HOLD_SECONDS = 60
@@ -69,3 +75,17 @@ class HoldBillsAtTheHandOver(BillHold):
             if not counted:
                 counted, self.held = True, self.held + 1
             await asyncio.sleep(0.1)
+
+
+def hold_the_slots(
+    monkeypatch: pytest.MonkeyPatch, until: Callable[[Claim], Awaitable[None]]
+) -> None:
+    """Each bill, its claim made, waits for `until(claim)` before it takes its Stripe slot
+    and meets the ledger's gate: as long a wait as a slot far off, made explicit."""
+    wait_for_slot = ChargingActivities._wait_for_slot
+
+    async def held(charging: ChargingActivities, claim: Claim, reserved: datetime | None) -> None:
+        await until(claim)
+        await wait_for_slot(charging, claim, reserved)
+
+    monkeypatch.setattr(ChargingActivities, "_wait_for_slot", held)

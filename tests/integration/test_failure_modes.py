@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import dataclasses
 import json
 import signal
 from datetime import UTC, datetime, timedelta, tzinfo
+from typing import Any
 
 import pytest
 import stripe
+from aiohttp import web
+from temporalio import activity
+from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
-from temporalio.service import RPCError
 from temporalio.testing import ActivityEnvironment
 
 from activities import charging as charging_module
@@ -34,7 +37,10 @@ from billing.models import (
 from billing.periods import Period
 from billing.reconciliation import INCOMPLETE_INTENT
 from billing.runs import start_period, start_reconcile
-from tests.integration.harness import Harness, at_least, eventually
+from stripe_emulator.emulator import Emulator
+from stripe_emulator.routing import Route
+from tests.integration.harness import Harness, eventually
+from tests.integration.holds import BillHold, hold_the_slots
 from tests.integration.invariants import assert_billed_once
 from vault.client import VaultAdmin
 from vault.endpoints import CANCEL, DATABASE_UNAVAILABLE, HELD_UP, KEY_METADATA
@@ -596,10 +602,32 @@ async def test_worker_killed_between_claim_and_charge(harness: Harness) -> None:
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
-async def test_worker_killed_between_charge_and_record(harness: Harness) -> None:
+class HoldStripesReplays:
+    """Stripe (the emulator, which runs in the test's process) holds its answer to every
+    request it replays for an idempotency key, until `go_on` is set."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.go_on = asyncio.Event()
+        handle = Emulator.handle
+
+        async def held(emulator: Emulator, request: web.Request, route: Route) -> Any:
+            response = await handle(emulator, request, route)
+            if response.headers.get("Idempotent-Replayed") == "true":
+                await asyncio.wait_for(self.go_on.wait(), 60)
+            return response
+
+        monkeypatch.setattr(Emulator, "handle", held)
+
+
+async def test_worker_killed_between_charge_and_record(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
     customers = await harness.seed(10)
     # Stripe commits every charge but the answers are lost: charged in Stripe, not recorded.
-    # A retry with the same key replays the charge; the kill lands before any retry.
+    # A retry with the same key replays the charge, a second later; Stripe holds those
+    # replays until the worker is dead, so however slow the machine, not one charge is
+    # recorded before the kill.
+    replays = HoldStripesReplays(monkeypatch)
     await harness.set_faults(drop_after_commit=1.0, latency_ms=0)
     worker = harness.worker_process()
     await start_period(harness.client, PERIOD, harness.task_queue)
@@ -610,8 +638,9 @@ async def test_worker_killed_between_charge_and_record(harness: Harness) -> None
     await eventually(all_committed)
     worker.send_signal(signal.SIGKILL)
     worker.wait()
+    replays.go_on.set()
     rows = await harness.ledger_rows(str(PERIOD))
-    assert sum(r["status"] == "claimed" for r in rows) > 0, "nothing was left unrecorded"
+    assert [r["status"] for r in rows] == ["claimed"] * 10, "a charge was recorded before the kill"
     async with harness.running_worker():
         await harness.client.get_workflow_handle("billing-period-2026-12").result()
     await assert_billed_once(harness, str(PERIOD), customers)
@@ -623,39 +652,66 @@ async def test_worker_killed_between_charge_and_record(harness: Harness) -> None
         # One task: the retried task bills again, and its claim finds the row charged by
         # this very run.
         (1, None),
-        # The second customer's Stripe slot is 4 s off: its first attempt, which claimed,
-        # is replayed from an earlier task, and the next attempt's claim finds the charge.
+        # The second customer's Stripe slot is 4 s off (both take theirs once both have
+        # claimed, however slow the machine): its first attempt, which claimed, is replayed
+        # from an earlier task, and the next attempt's claim finds the charge.
         (2, 0.25),
     ],
     ids=["claim-in-the-same-task", "claim-in-an-earlier-task"],
 )
 async def test_a_retried_workflow_task_reports_its_own_charge(
-    harness: Harness, customers: int, stripe_rps: float | None
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, customers: int, stripe_rps: float | None
 ) -> None:
     # A signal arriving while a child charges makes the server refuse that workflow task's
     # completion, and the task runs again after the record: the charge is still "charged",
-    # not "already billed".
+    # not "already billed". Each bill that has run waits until its child has taken the
+    # signal, so the signal lands inside the charging task however slow the machine.
     seeded = await harness.seed(customers)
     harness.settings = harness.settings.model_copy(update={"billing_stripe_rps": stripe_rps})
-    await harness.set_faults(latency_ms=1500)
-    async with harness.running_worker():
+    claimed: set[str] = set()
+    all_claimed = asyncio.Event()
+
+    async def once_all_claimed(claim: Claim) -> None:
+        claimed.add(claim.customer_id)
+        if len(claimed) == customers:
+            all_claimed.set()
+        await asyncio.wait_for(all_claimed.wait(), 60)
+
+    hold_the_slots(monkeypatch, once_all_claimed)
+    signalled = SignalledAsItsBillEnds(harness.client)
+    async with harness.running_worker(interceptors=[signalled]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
-        await eventually(lambda: at_least(harness.money_requests(), customers), timeout=60)
-        # The last request is in flight now; earlier customers may be done.
-        children = [customer_workflow_id(PERIOD, c.customer_id) for c in seeded]
-        for child in children:
-            with contextlib.suppress(RPCError):
-                await harness.client.get_workflow_handle(child).signal(PERIOD_CONTROL)
         summary = await handle.result()
     assert (summary.charged, summary.already_billed) == (customers, 0)
-    failed_tasks = [
-        e
-        for child in children
-        for e in (await harness.client.get_workflow_handle(child).fetch_history()).events
-        if e.HasField("workflow_task_failed_event_attributes")
-    ]
-    assert failed_tasks, "the signal did not land inside a charging task"
+    children = [customer_workflow_id(PERIOD, c.customer_id) for c in seeded]
+    assert signalled.children == set(children)
+    waited_for_a_slot = 0
+    for child in children:
+        events = (await harness.client.get_workflow_handle(child).fetch_history()).events
+        assert any(e.HasField("workflow_task_failed_event_attributes") for e in events), (
+            f"{child}: the signal did not land inside its charging task"
+        )
+        waited_for_a_slot += any(e.HasField("timer_started_event_attributes") for e in events)
+    # Every customer after the first claimed in a task before the one that charged it.
+    assert waited_for_a_slot == customers - 1
     await assert_billed_once(harness, str(PERIOD), seeded)
+
+
+class SignalledAsItsBillEnds(BillHold):
+    """Holds each child's first bill that has run until the child has taken a period signal
+    (Temporal has it, the charging task still open); not the bill of the task run again,
+    whose completion the signal would refuse in turn."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.children: set[str] = set()
+
+    async def hold(self) -> None:
+        child = activity.info().workflow_id
+        assert child is not None
+        if child not in self.children:
+            self.children.add(child)
+            await self.client.get_workflow_handle(child).signal(PERIOD_CONTROL)
 
 
 async def test_stripe_rate_is_held_by_the_shared_limit(harness: Harness) -> None:

@@ -64,6 +64,7 @@ from billing.sealing import SecretBox, new_key
 from cli import commands
 from cli import reconcile as reconcile_command
 from tests.integration.harness import Harness, at_least, eventually
+from tests.integration.holds import hold_the_slots
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
 from tests.prometheus import metric_value
@@ -493,14 +494,24 @@ async def test_status_names_the_customer_a_run_waits_for_in_the_ledger(harness: 
 
 
 async def test_claims_a_run_left_paused_when_terminated_are_left_for_a_person(
-    harness: Harness,
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its children wait at the gate for a resume that no run is left to send: reconcile
     leaves their claims for a person, saying that a new run resumes them (exit 1 daily
     rather than "all clear"); that new run then bills each once."""
     customers = await harness.seed(4)
-    # One Stripe slot every 5 s: the children claim at once, then wait for their slot.
-    harness.settings = harness.settings.model_copy(update={"billing_stripe_rps": 0.2})
+    # The first charge goes out; the other children claim, then wait for their Stripe slot
+    # until the pause has landed, however slow the machine (a slot far off, made explicit).
+    first: list[str] = []
+    paused = asyncio.Event()
+
+    async def after_the_pause(claim: Claim) -> None:
+        if not first:
+            first.append(claim.customer_id)
+        elif claim.customer_id not in first:
+            await asyncio.wait_for(paused.wait(), 60)
+
+    hold_the_slots(monkeypatch, after_the_pause)
     async with harness.running_worker():
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
         await eventually(lambda: at_least(harness.money_requests(), 1))
@@ -510,13 +521,16 @@ async def test_claims_a_run_left_paused_when_terminated_are_left_for_a_person(
 
         # On a loaded machine some children claim later than the first charge goes out.
         await eventually(all_claimed)
+        # The run has written the pause to the ledger once it answers: the gate stops the
+        # three let go now.
         await operations.control(
             harness.client, PERIOD, "pause", OperatorRequest(reason="check", operator="alice")
         )
+        paused.set()
         await handle.terminate(reason="lost while paused")
         rows = await harness.ledger_rows(str(PERIOD))
         unsent = sorted(r["customer_id"] for r in rows if r["charge_started_at"] is None)
-        assert len(rows) == 4 and len(unsent) >= 2
+        assert len(rows) == 4 and len(unsent) == 3 and first[0] not in unsent
         report = await (await start_reconcile(harness.client, PERIOD, harness.task_queue)).result()
         assert report.needs_a_person
         assert sorted(c.customer_id for c in report.claims if c.needs_person) == unsent
