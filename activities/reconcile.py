@@ -26,7 +26,7 @@ from activities.stripe_failures import (
     REFUSED,
     lookup_key_refused,
     misdirected,
-    to_temporal_failure,
+    reconciliation_failure,
     vault_key_unusable,
 )
 from activities.stripe_gateway import StripeGateway
@@ -239,7 +239,7 @@ class ReconcileActivities:
         except period_keys.NoPeriodKeyError as exc:
             raise ApplicationError(str(exc), type=NO_PERIOD_KEY, non_retryable=True) from None
         except stripe.StripeError as exc:
-            raise to_temporal_failure(exc) from None
+            raise reconciliation_failure(exc) from None
 
     @activity.defn(name="reconcile_record_verdict")
     async def record_verdict(self, verdict: ReconcileVerdict) -> None:
@@ -537,7 +537,7 @@ class ReconcileActivities:
                 # have charged it and a daily "unchecked" would only cry wolf.
                 return None if customer.in_ledger else []
             except stripe.StripeError as exc:
-                failure = to_temporal_failure(exc)
+                failure = reconciliation_failure(exc)
                 if failure.type != REFUSED:
                     # Retried (rate limit, outage), or a refused key, which no customer's
                     # listing would pass: the page fails, as before.
@@ -557,7 +557,7 @@ class ReconcileActivities:
             async with heartbeating():
                 found = await _bounded([partial(listed, c) for c in customers])
         except stripe.StripeError as exc:
-            raise to_temporal_failure(exc) from None
+            raise reconciliation_failure(exc) from None
         charges = [charge for listing in found if listing for charge in listing]
         async with self._pool.acquire() as conn:
             entries = await ledger.ledger_entries(

@@ -123,22 +123,46 @@ def _key_refused(exc: stripe.StripeError, key: str, then: str) -> ChargeFailure:
     )
 
 
-def _unrecognized_url(exc: stripe.StripeError) -> ChargeFailure:
+def _unrecognized_url(exc: stripe.StripeError, then: str) -> ChargeFailure:
     return ChargeFailure(
         code=UNRECOGNIZED_URL_CODE,
         message=f"Stripe does not know the URL called ({redact(str(exc.user_message))}): check"
         " the workers' STRIPE_API_BASE or BILLING_VAULT_URL, or the vault's"
-        " VAULT_UPSTREAM_STRIPE_BASE, then resume;"
-        " nothing was charged",
+        f" VAULT_UPSTREAM_STRIPE_BASE, {then}",
+    )
+
+
+def _is_unrecognized_url(exc: stripe.StripeError) -> bool:
+    # A missing object comes with resource_missing; no code is Stripe's "Unrecognized request
+    # URL" (or the vault's for a route it has not), url_invalid the vault's for a path it
+    # does not forward: each executed nothing and says nothing of this customer.
+    return (
+        isinstance(exc, stripe.InvalidRequestError)
+        and exc.http_status == 404
+        and error_code(exc) in (None, VAULT_URL_INVALID_CODE)
     )
 
 
 def misdirected(exc: ApplicationError) -> bool:
-    """Whether `exc` says Stripe (or the vault) does not know the URL called: a base set
-    wrong, which no retry and no later run gets past until a person sets it."""
+    """Whether `exc`, raised in this process (its detail a ChargeFailure, not yet the
+    mapping Temporal makes of it), says Stripe (or the vault) does not know the URL called:
+    a base set wrong, which no retry and no later run gets past until a person sets it."""
     return any(
         isinstance(d, ChargeFailure) and d.code == UNRECOGNIZED_URL_CODE for d in exc.details
     )
+
+
+def reconciliation_failure(exc: stripe.StripeError) -> ApplicationError:
+    """As to_temporal_failure, for a reconciliation's read of Stripe: there is no run to
+    resume at a URL Stripe does not know, and what it read for (a charge, a vault
+    reservation's) is still unknown."""
+    if _is_unrecognized_url(exc):
+        then = (
+            "then reconcile again. Whether the charge it looked for was made is unknown:"
+            " settle nothing by hand as failed before it is known"
+        )
+        return _non_retryable(KEY_REFUSED, _unrecognized_url(exc, then))
+    return to_temporal_failure(exc)
 
 
 def lookup_key_refused(exc: stripe.StripeError) -> ApplicationError:
@@ -177,13 +201,11 @@ def to_temporal_failure(exc: stripe.StripeError) -> ApplicationError:
         # The lookup before this found no charge. Waiting for Stripe to forget the key would
         # hold the claim past a pause, cancel or skip for a day, then charge afresh: final.
         return _non_retryable(REFUSED, failure_from(exc, "idempotency_error"))
+    if _is_unrecognized_url(exc):
+        return _non_retryable(
+            KEY_REFUSED, _unrecognized_url(exc, "then resume; nothing was charged")
+        )
     if isinstance(exc, stripe.InvalidRequestError):
-        if exc.http_status == 404 and error_code(exc) in (None, VAULT_URL_INVALID_CODE):
-            # A missing object comes with resource_missing; no code is Stripe's "Unrecognized
-            # request URL" (or the vault's for a route it has not), url_invalid the vault's for
-            # a path it does not forward: each executed nothing and says nothing of this
-            # customer.
-            return _non_retryable(KEY_REFUSED, _unrecognized_url(exc))
         return _non_retryable(REFUSED, failure_from(exc, "invalid_request"))
     if error_code(exc) == SUPERSEDED_CODE:
         return ApplicationError(

@@ -23,7 +23,7 @@ from temporalio.service import RPCError
 from activities import reconcile as reconcile_activities
 from activities import stripe_gateway
 from activities.reconcile import ReconcileActivities
-from activities.stripe_failures import to_temporal_failure
+from activities.stripe_failures import reconciliation_failure
 from activities.stripe_gateway import StripeGateway, charge_params
 from billing import ledger, operations, period_keys, reconciliation
 from billing.customers import CustomerRow, upsert_customers
@@ -684,7 +684,7 @@ async def test_unknown_reservations_past_the_time_given_wait_for_the_next_run(
         (ApplicationError("lookup key revoked", type="KeyRefused", non_retryable=True), False),
         # A URL Stripe does not know, refused as a key is: no later read gets past it.
         (
-            to_temporal_failure(
+            reconciliation_failure(
                 stripe.InvalidRequestError(  # type: ignore[no-untyped-call]
                     "Unrecognized request URL (GET: /v1/v1/payment_intents/search).",
                     None,

@@ -20,6 +20,7 @@ from activities.stripe_failures import (
     lookup_failure,
     lookup_key_refused,
     misdirected,
+    reconciliation_failure,
     replays_saved_error,
     said_replayed,
     to_temporal_failure,
@@ -188,12 +189,23 @@ def test_a_url_stripe_does_not_know_stops_the_period_not_the_customer() -> None:
     assert failure.details[0].code == UNRECOGNIZED_URL_CODE
     assert "STRIPE_API_BASE" in failure.details[0].message
     assert misdirected(failure)
+    # Met by a reconciliation's read, it has no run to resume, and what it looked for
+    # (a vault reservation's charge, say) is still unknown: not "nothing was charged".
+    read = reconciliation_failure(
+        stripe.InvalidRequestError(  # type: ignore[no-untyped-call]
+            message, None, http_status=404, json_body=body
+        )
+    )
+    assert (read.type, read.non_retryable, misdirected(read)) == (KEY_REFUSED, True, True)
+    assert "then reconcile again" in read.message and "settle nothing by hand" in read.message
+    assert "resume" not in read.message and "nothing was charged" not in read.message
     # An object that is not there is the request's matter, as before.
     body = {"error": {"code": "resource_missing", "message": "No such payment_intent"}}
     missing = stripe.InvalidRequestError(  # type: ignore[no-untyped-call]
         "No such payment_intent", "intent", "resource_missing", http_status=404, json_body=body
     )
     assert to_temporal_failure(missing).type == REFUSED
+    assert reconciliation_failure(missing).type == REFUSED
 
 
 def test_the_vault_cap_refusal_is_its_own_failure_not_a_decline() -> None:
