@@ -348,14 +348,17 @@ class BillingSettings(CapSettings):
                 stripe_secret_key(self.stripe_api_key)
             except ValueError as exc:
                 raise ValueError(f"STRIPE_API_KEY {exc}") from None
-            # The default base is the local emulator's: a key of one's own charged nowhere,
-            # each charge retried for ever, and sent over plain http besides.
-            if {"stripe_api_key", "stripe_api_base"} & self.model_fields_set == {"stripe_api_key"}:
-                raise ValueError(
-                    "STRIPE_API_KEY is set but STRIPE_API_BASE is not, which defaults to the"
-                    f" local emulator ({DEFAULT_STRIPE_API_BASE}): set STRIPE_API_BASE to"
-                    " Stripe's (https://api.stripe.com) or the emulator's URL"
-                )
+        # The default base is the local emulator's: a key of one's own went there over plain
+        # http, each charge retried for ever. Behind a vault the tools that seed customers
+        # still send it; a placeholder there is not a key.
+        if {"stripe_api_key", "stripe_api_base"} & self.model_fields_set == {
+            "stripe_api_key"
+        } and self.stripe_api_key.get_secret_value().startswith(("sk_", "rk_")):
+            raise ValueError(
+                "STRIPE_API_KEY is set but STRIPE_API_BASE is not, which defaults to the"
+                f" local emulator ({DEFAULT_STRIPE_API_BASE}): set STRIPE_API_BASE to"
+                " Stripe's (https://api.stripe.com) or the emulator's URL"
+            )
         # Unused by a worker behind the vault, but the tools that seed customers send it.
         if self.stripe_api_key.get_secret_value().startswith(
             ("sk_live_", "rk_live_")

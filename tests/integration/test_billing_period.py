@@ -405,6 +405,7 @@ async def test_children_in_flight_at_continue_as_new_are_handed_to_the_next_run(
         "every child finished before its run continued as new"
     )
     assert held.held, "no bill ended after its run reached its history limit"
+    assert not held.gave_up, "a bill was held past its hold's limit"
     waited = [e for e in runs[0].events if e.event_type == EventType.EVENT_TYPE_TIMER_FIRED]
     assert waited, "the first run did not wait for its children before handing them over"
     await replay(runs)

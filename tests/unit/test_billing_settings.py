@@ -81,6 +81,14 @@ def test_a_stripe_key_of_ones_own_needs_its_base_set_too() -> None:
     key = SecretStr("sk_test_" + "Q7" * 12)
     with pytest.raises(ValidationError, match="STRIPE_API_KEY is set but STRIPE_API_BASE is not"):
         BillingSettings(stripe_api_key=key)
+    # Behind a vault too: the tools that seed customers send it (a placeholder is no key).
+    vault = {
+        "billing_vault_url": "http://vault.internal:8180",
+        "billing_vault_worker_token": SecretStr("worker-token"),
+        "billing_key_encryption_keys": SecretStr(new_key()),
+    }
+    with pytest.raises(ValidationError, match="STRIPE_API_KEY is set but STRIPE_API_BASE is not"):
+        BillingSettings(stripe_api_key=key, **vault)  # type: ignore[arg-type]
     assert BillingSettings(stripe_api_key=key, stripe_api_base="https://api.stripe.com")
     # Neither set is the local stack's pair, the emulator's own key at its address.
     assert BillingSettings().stripe_api_base == "http://127.0.0.1:12111"

@@ -43,10 +43,12 @@ async def test_health_fails_while_the_event_loop_is_blocked(
         probed = threading.Event()
 
         def probe() -> None:
-            time.sleep(0.8)
-            seen["health"] = _get(base + "/health")
-            seen["metrics"] = _get(base + "/metrics")
-            probed.set()
+            try:
+                time.sleep(0.8)
+                seen["health"] = _get(base + "/health")
+                seen["metrics"] = _get(base + "/metrics")
+            finally:  # a probe that raised lets the loop go too, its error in the thread's
+                probed.set()
 
         prober = threading.Thread(target=probe)
         prober.start()
