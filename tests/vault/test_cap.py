@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable
+from datetime import timedelta
 
 import aiohttp
 import asyncpg
@@ -13,8 +14,10 @@ import pytest
 import stripe
 
 from stripe_emulator import RunningEmulator
-from vault import VaultSettings, serve
+from tests.integration.harness import eventually
+from vault import VaultSettings, reservations, serve
 from vault.models import IssuedKey
+from vault.reservations import Charge
 
 from .conftest import Issue
 from .support import (
@@ -106,6 +109,46 @@ async def test_mixed_amounts_through_two_vaults_never_pass_the_cap(
     assert sum(c["amount"] for c in await emulator_ledger(emulator)) == accepted
 
 
+@pytest.mark.parametrize("daily", [False, True])
+async def test_a_reservation_waits_for_one_in_progress_and_counts_it(
+    issue: Issue, customer: str, db: asyncpg.Pool, daily: bool
+) -> None:
+    """Two reservations of one key are decided one after the other, under the key row's
+    lock: one begun while another's transaction has not committed yet waits for it, and is
+    judged with its amount counted. The daily cap has no table constraint behind it, so that
+    lock alone holds it."""
+    caps = {"cap_cents": 10_000, "daily_cap_cents": 1_000} if daily else {"cap_cents": 1_000}
+    key = await issue(**caps)
+    sent = Charge("POST /v1/payment_intents", 600, "usd", customer)
+    async with db.acquire() as first:
+        held = first.transaction()
+        await held.start()
+        await reservations.reserve(first, key.id, "first", sent, timedelta(minutes=5))
+
+        async def second() -> reservations.Reservation:
+            async with db.acquire() as conn:
+                return await reservations.reserve(
+                    conn, key.id, "second", sent, timedelta(minutes=5)
+                )
+
+        racing = asyncio.create_task(second())
+
+        async def blocked() -> bool:
+            waiters: int = await db.fetchval(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE wait_event_type = 'Lock' AND query LIKE '%vault_reserve%'"
+            )
+            return waiters == 1
+
+        await eventually(blocked, timeout=10)
+        await held.commit()
+    with pytest.raises(reservations.CapExceeded) as refused:
+        await racing
+    assert refused.value.daily == daily
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (600, 0)
+
+
 async def test_replays_are_not_counted_twice(
     issue: Issue,
     stripe_via_vault: StripeFor,
@@ -188,6 +231,27 @@ async def test_replay_with_another_amount_is_refused_not_forwarded(
     assert refused.value.error is not None
     assert refused.value.error.code == "idempotency_key_reused"
     assert len(await emulator_ledger(emulator)) == 1
+    assert (await assert_consistent(db, key.id))["spent_cents"] == 1_000
+
+
+async def test_replay_for_another_customer_is_refused_not_forwarded(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    declining_customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+) -> None:
+    key = await issue()
+    client = stripe_via_vault(key)
+    await charge(client, customer, 1_000, "reused")
+    with pytest.raises(stripe.IdempotencyError) as refused:
+        await charge(client, declining_customer, 1_000, "reused")
+    assert refused.value.error is not None
+    assert refused.value.error.code == "idempotency_key_reused"
+    assert f"customer {customer})" in str(refused.value.user_message)
+    sent = [r for r in await emulator_requests(emulator) if r["path"] == "/v1/payment_intents"]
+    assert len(sent) == 1
     assert (await assert_consistent(db, key.id))["spent_cents"] == 1_000
 
 

@@ -90,6 +90,36 @@ async def test_an_earlier_attempt_is_refused_after_a_later_one_met_the_cap(
     ]
 
 
+async def test_a_refusal_on_the_daily_cap_fences_the_earlier_attempts_too(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    admin: VaultAdmin,
+    emulator: RunningEmulator,
+    customer: str,
+    db: asyncpg.Pool,
+) -> None:
+    """The worker reopens a claim on a refusal on either cap, so the daily cap's refusal is
+    as much a proof: it fences the earlier attempts off once the day's room is freed."""
+    key = await issue(cap_cents=100_000, daily_cap_cents=1_500)
+    client = stripe_via_vault(key)
+    await charge_in_doubt(emulator, client, customer, 1_000, "filler", "error_before_commit")
+    with pytest.raises(stripe.CardError) as refused:
+        await charge(client, customer, 1_000, "claim", fence="2")
+    assert refused.value.code == "spend_cap_exceeded"
+    assert "daily cap" in str(refused.value.user_message)
+    assert fence_of(refused.value) == 2
+    assert (await admin.resolve(key.id, "filler", "failed")).state == "released"
+    with pytest.raises(stripe.APIError) as superseded:
+        await charge(client, customer, 1_000, "claim", fence="1")
+    assert superseded.value.http_status == 409
+    assert fence_of(superseded.value) == 2
+    assert await emulator_ledger(emulator) == []
+    assert (await charge(client, customer, 1_000, "claim", fence="3")).status == "succeeded"
+    assert [c["amount"] for c in await emulator_ledger(emulator)] == [1_000]
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 1_000)
+
+
 async def test_a_refusal_without_a_token_fences_nothing(
     issue: Issue,
     stripe_via_vault: StripeFor,

@@ -396,6 +396,33 @@ async def test_an_answer_settled_late_still_settles_its_attempt_found_stale(
     assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 900)
 
 
+async def test_an_answer_settled_late_after_a_resolve_settled_its_attempt_counts_nothing(
+    issue: Issue, db: asyncpg.Pool
+) -> None:
+    """Reconciliation resolved the attempt from Stripe while its own answer waited for the
+    database: that answer, settled late, finds the attempt settled and counts its money
+    neither a second time nor back out of another charge's reservation."""
+    key = await issue()
+    stale_after = timedelta(seconds=15)
+    async with db.acquire() as conn:
+        other = Charge("POST /v1/payment_intents", 2_000, "usd", None)
+        await reservations.reserve(conn, key.id, "other", other, stale_after)
+        late = Charge("POST /v1/payment_intents", 900, "usd", None)
+        reservation = await reservations.reserve(conn, key.id, "late", late, stale_after)
+        await conn.execute(
+            "UPDATE vault_reservations SET state = 'unknown' WHERE id = $1", reservation.id
+        )
+        resolved = await reservations.resolve(
+            conn, key.id, "late", "succeeded", None, None, None, stale_after
+        )
+        assert resolved.state == "committed"
+        answers: tuple[reservations.Outcome, ...] = ("succeeded", "failed")
+        for outcome in answers:
+            assert await reservations.settle(conn, reservation, outcome, 200) == "committed"
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (2_000, 900)
+
+
 async def test_an_audit_row_whose_connection_dropped_after_the_commit_is_written_once(
     db: asyncpg.Pool,
 ) -> None:
@@ -570,6 +597,65 @@ async def test_a_taken_over_attempts_late_answer_leaves_the_newer_attempt_in_fli
         assert await reservations.settle(conn, older, late_answer, 500) == "pending"
     assert await _states(db, key.id) == {"twice-sent": "pending"}
     assert (await assert_consistent(db, key.id))["reserved_cents"] == 800
+
+
+async def test_a_retry_arriving_while_a_resolve_holds_the_reservation_waits_and_replays(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+) -> None:
+    """Reconciliation settles a charge in doubt as succeeded while a retry of it arrives:
+    the retry waits on the reservation row's lock and is then a replay, never a takeover
+    that would send it again and count its money as reserved and spent at once."""
+    key = await issue()
+    await charge_in_doubt(emulator, stripe_via_vault(key), customer, 1_200, "resolving")
+    async with db.acquire() as settler:
+        resolving = settler.transaction()
+        await resolving.start()
+        # As resolve() takes them: the commit lock, then the reservation row.
+        await settler.execute("SELECT vault_lock_commits($1)", "resolving")
+        row = await settler.fetchrow(
+            "SELECT id, attempt FROM vault_reservations"
+            " WHERE vault_key_id = $1 AND idempotency_key = $2 FOR UPDATE",
+            key.id,
+            "resolving",
+        )
+
+        async def retry() -> reservations.Reservation:
+            async with db.acquire() as conn:
+                again = Charge("POST /v1/payment_intents", 1_200, "usd", customer)
+                return await reservations.reserve(
+                    conn, key.id, "resolving", again, timedelta(minutes=5)
+                )
+
+        racing = asyncio.create_task(retry())
+
+        async def blocked() -> bool:
+            waiters: int = await db.fetchval(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE wait_event_type = 'Lock' AND query LIKE '%vault_reserve%'"
+            )
+            return waiters == 1
+
+        await eventually(blocked, timeout=10)
+        finished = await settler.fetchval(
+            "SELECT finished FROM vault_finish($1, $2, $3, $4, $5, $6)",
+            row["id"],
+            row["attempt"],
+            ["unknown"],
+            "committed",
+            None,
+            None,
+        )
+        assert finished == "committed"
+        await resolving.commit()
+    replayed = await racing
+    assert (replayed.state, replayed.owned) == ("committed", False)
+    assert await _states(db, key.id) == {"resolving": "committed"}
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 1_200)
 
 
 async def test_a_wait_for_a_database_connection_does_not_count_against_the_send_deadline(
@@ -814,6 +900,22 @@ async def test_a_revoke_between_the_key_check_and_the_reservation_stops_a_retry(
     assert (await assert_consistent(db, key.id))[counted] == 1_200
 
 
+async def test_a_revoke_between_the_key_check_and_the_reservation_stops_a_new_charge(
+    issue: Issue, customer: str, db: asyncpg.Pool
+) -> None:
+    """The kill switch holds for a new charge too: one that passed the vault's key check
+    before the revoke committed is refused when its reservation reads the key under its lock,
+    and leaves nothing reserved."""
+    key = await issue()
+    await db.execute("UPDATE vault_keys SET revoked_at = now() WHERE id = $1", key.id)
+    fresh = Charge("POST /v1/payment_intents", 1_200, "usd", customer)
+    async with db.acquire() as conn:
+        with pytest.raises(reservations.KeyUnusable, match="revoked"):
+            await reservations.reserve(conn, key.id, "fresh", fresh, timedelta(minutes=5))
+    assert await _states(db, key.id) == {}
+    assert (await assert_consistent(db, key.id))["reserved_cents"] == 0
+
+
 async def test_an_intent_created_without_confirming_frees_its_room(
     issue: Issue, stripe_via_vault: StripeFor, direct_stripe: stripe.StripeClient, db: asyncpg.Pool
 ) -> None:
@@ -931,6 +1033,61 @@ async def test_a_key_that_expires_while_a_reservation_waits_for_its_lock_is_refu
         await waiting
     assert await _states(db, key.id) == {}
     assert (await assert_consistent(db, key.id))["reserved_cents"] == 0
+
+
+@pytest.mark.parametrize(
+    ("first_answer", "state", "counted"),
+    [("lost", "unknown", "reserved_cents"), ("charged", "committed", "spent_cents")],
+)
+async def test_a_key_that_expires_while_a_retry_waits_for_its_lock_stops_the_retry(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+    first_answer: str,
+    state: str,
+    counted: str,
+) -> None:
+    """A takeover of a charge in doubt and a replay of a charged one are forwarded, so an
+    expired key stops them as it stops a new charge: judged when the key row's lock is
+    granted, and leaving the reservation as it was."""
+    key = await issue()
+    if first_answer == "lost":
+        await charge_in_doubt(emulator, stripe_via_vault(key), customer, 1_200, "retried")
+    else:
+        await charge(stripe_via_vault(key), customer, 1_200, "retried")
+    await db.execute(
+        "UPDATE vault_keys SET expires_at = now() + interval '2 seconds' WHERE id = $1", key.id
+    )
+    async with db.acquire() as holder:
+        holding = holder.transaction()
+        await holding.start()
+        await holder.execute("SELECT 1 FROM vault_keys WHERE id = $1 FOR UPDATE", key.id)
+
+        async def retry() -> reservations.Reservation:
+            async with db.acquire() as conn:
+                again = Charge("POST /v1/payment_intents", 1_200, "usd", customer)
+                return await reservations.reserve(
+                    conn, key.id, "retried", again, timedelta(minutes=5)
+                )
+
+        waiting = asyncio.create_task(retry())
+
+        async def blocked() -> bool:
+            waiters: int = await db.fetchval(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE wait_event_type = 'Lock' AND query LIKE '%vault_reserve%'"
+            )
+            return waiters == 1
+
+        await eventually(blocked, timeout=10)
+        await asyncio.sleep(2.5)  # the key expires meanwhile
+        await holding.commit()
+    with pytest.raises(reservations.KeyUnusable, match="expired"):
+        await waiting
+    assert await _states(db, key.id) == {"retried": state}
+    assert (await assert_consistent(db, key.id))[counted] == 1_200
 
 
 async def test_an_in_doubt_retry_refused_before_stripe_reads_its_key_stays_unknown(
@@ -1051,6 +1208,34 @@ async def test_a_charge_first_sent_23_hours_ago_through_another_key_is_not_sent_
     assert len(await emulator_ledger(emulator)) == 3
 
 
+async def test_a_charge_sent_through_two_keys_a_day_ago_is_refused_as_charged_if_one_was(
+    issue: Issue, db: asyncpg.Pool
+) -> None:
+    """In doubt under the period's first key, then charged through the key a renewal issued:
+    a retry a day later through a third key is refused as charged (look it up on Stripe),
+    not as in doubt, which would have the caller wait on a release that never lets it
+    through, since the charged one stays."""
+    first, second, third = [await issue(cap_cents=10_000) for _ in range(3)]
+    sent = Charge("POST /v1/payment_intents", 3_000, "usd", None)
+    async with db.acquire() as conn:
+        lost = await reservations.reserve(conn, first.id, "renewed", sent, timedelta(minutes=5))
+        assert await reservations.settle(conn, lost, "unknown", None) == "unknown"
+        made = await reservations.reserve(conn, second.id, "renewed", sent, timedelta(minutes=5))
+        assert await reservations.settle(conn, made, "succeeded", 200) == "committed"
+        for key, age in ((first, timedelta(hours=24)), (second, timedelta(hours=23, minutes=30))):
+            await conn.execute(
+                "UPDATE vault_reservations SET created_at = now() - $2::interval"
+                " WHERE vault_key_id = $1",
+                key.id,
+                age,
+            )
+        with pytest.raises(reservations.ReplayExpired) as refused:
+            await reservations.reserve(conn, third.id, "renewed", sent, timedelta(minutes=5))
+    assert refused.value.committed
+    assert f"(through vault key {second.id})" in str(refused.value)
+    assert await _states(db, third.id) == {}
+
+
 async def _counted(db: asyncpg.Pool, key_id: str) -> dict[str, tuple[str, str | None]]:
     rows = await db.fetch(
         "SELECT idempotency_key, state, counted_under FROM vault_reservations"
@@ -1146,6 +1331,46 @@ async def test_another_request_under_the_same_key_is_counted_where_it_is_committ
             assert await reservations.settle(conn, taken, "succeeded", 200) == "committed"
     assert await _counted(db, new.id) == {"reused": ("committed", None)}
     assert (await assert_consistent(db, new.id))["spent_cents"] == 5_000
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "customer"),
+    [("POST /v1/payment_intents", "cus_other"), ("POST /v1/charges", "cus_one")],
+)
+async def test_another_customer_or_endpoint_under_the_same_key_is_counted_where_committed(
+    issue: Issue, db: asyncpg.Pool, endpoint: str, customer: str
+) -> None:
+    """As for another amount: a success under one vault key for the same idempotency key but
+    another customer or endpoint is no replay of this request, whose spend stays counted
+    under its own key."""
+    old, new = await issue(cap_cents=10_000), await issue(cap_cents=10_000)
+    first = Charge("POST /v1/payment_intents", 5_000, "usd", "cus_one")
+    second = Charge(endpoint, 5_000, "usd", customer)
+    async with db.acquire() as conn:
+        for key, sent in ((old, first), (new, second)):
+            taken = await reservations.reserve(conn, key.id, "reused", sent, timedelta(minutes=5))
+            assert await reservations.settle(conn, taken, "succeeded", 200) == "committed"
+    assert await _counted(db, new.id) == {"reused": ("committed", None)}
+    assert (await assert_consistent(db, new.id))["spent_cents"] == 5_000
+
+
+async def test_a_request_refused_under_one_key_is_released_though_another_committed_it(
+    issue: Issue, db: asyncpg.Pool
+) -> None:
+    """Only a commit is counted under another key: a definite refusal of the same request
+    through a second key (a 429, say) releases that key's reservation, names no key, and
+    frees its room."""
+    old, new = await issue(cap_cents=10_000), await issue(cap_cents=10_000)
+    sent = Charge("POST /v1/payment_intents", 3_000, "usd", None)
+    async with db.acquire() as conn:
+        charged = await reservations.reserve(conn, old.id, "both", sent, timedelta(minutes=5))
+        assert await reservations.settle(conn, charged, "succeeded", 200) == "committed"
+        refused = await reservations.reserve(conn, new.id, "both", sent, timedelta(minutes=5))
+        assert await reservations.settle(conn, refused, "failed", 429) == "released"
+    assert await _counted(db, new.id) == {"both": ("released", None)}
+    totals = await assert_consistent(db, new.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 0)
+    assert (await assert_consistent(db, old.id))["spent_cents"] == 3_000
 
 
 async def test_unknown_reservations_are_read_page_by_page_to_the_last(
