@@ -17,7 +17,9 @@ from stripe.params import PaymentIntentCreateParams
 from yarl import URL
 
 from stripe_emulator import RunningEmulator
+from tests.integration.harness import eventually
 from tests.prometheus import metric_value
+from vault import reservations
 from vault.client import VaultAdmin
 from vault.endpoints import FENCE_HEADER
 from vault.models import AuditEntry, IssueKeyRequest
@@ -213,3 +215,28 @@ async def assert_a_slow_body_is_refused(
 def refusals_counted(code: str) -> float:
     """The vault's `vault_refusals_total` for `code`, in this process."""
     return metric_value("vault_refusals_total", code=code)
+
+
+async def reserve_behind_a_lock(
+    db: asyncpg.Pool, key_id: str, idempotency_key: str, sent: reservations.Charge
+) -> asyncio.Task[reservations.Reservation]:
+    """A reservation on a connection of its own, made while the caller holds a lock it
+    needs: returned once it waits for that lock, for the caller to let go when it chooses."""
+
+    async def reserve() -> reservations.Reservation:
+        async with db.acquire() as conn:
+            return await reservations.reserve(
+                conn, key_id, idempotency_key, sent, timedelta(minutes=5)
+            )
+
+    waiting = asyncio.create_task(reserve())
+
+    async def blocked() -> bool:
+        waiters: int = await db.fetchval(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE wait_event_type = 'Lock' AND query LIKE '%vault_reserve%'"
+        )
+        return waiters == 1
+
+    await eventually(blocked, timeout=10)
+    return waiting

@@ -38,15 +38,18 @@ async def _cap_refused_then_freed(
     emulator: RunningEmulator,
     customer: str,
     refused_fence: str | None,
+    daily: bool = False,
 ) -> tuple[IssuedKey, stripe.StripeClient]:
-    """A key whose room is held by a charge in doubt refuses an attempt of "claim" on its
-    cap; then that charge is found failed, which frees the room."""
-    key = await issue(cap_cents=1_500)
+    """A key whose room (or, `daily`, the day's) is held by a charge in doubt refuses an
+    attempt of "claim" on its cap; then that charge is found failed, which frees the room."""
+    caps = {"cap_cents": 100_000, "daily_cap_cents": 1_500} if daily else {"cap_cents": 1_500}
+    key = await issue(**caps)
     client = client_for(key)
     await charge_in_doubt(emulator, client, customer, 1_000, "filler", "error_before_commit")
     with pytest.raises(stripe.CardError) as refused:
         await charge(client, customer, 1_000, "claim", fence=refused_fence)
     assert refused.value.code == "spend_cap_exceeded"
+    assert ("daily cap" in str(refused.value.user_message)) == daily
     # The refusal says the fence it left, which is the worker's proof (charging._charge).
     assert fence_of(refused.value) == (None if refused_fence is None else int(refused_fence))
     released = await admin.resolve(key.id, "filler", "failed")
@@ -54,6 +57,7 @@ async def _cap_refused_then_freed(
     return key, client
 
 
+@pytest.mark.parametrize("daily", [False, True], ids=["cap", "daily-cap"])
 async def test_an_earlier_attempt_is_refused_after_a_later_one_met_the_cap(
     issue: Issue,
     stripe_via_vault: StripeFor,
@@ -61,12 +65,14 @@ async def test_an_earlier_attempt_is_refused_after_a_later_one_met_the_cap(
     emulator: RunningEmulator,
     customer: str,
     db: asyncpg.Pool,
+    daily: bool,
 ) -> None:
     """Attempt 1 of a claim is still on its way when attempt 2 is refused on the cap, and the
     claim is reopened on that proof. With the room freed, attempt 1 must not charge: a cancel
-    may already have recorded that nothing was."""
+    may already have recorded that nothing was. The worker reopens a claim on a refusal on
+    either cap, so the daily cap's is as much a proof (helper-193)."""
     key, client = await _cap_refused_then_freed(
-        issue, stripe_via_vault, admin, emulator, customer, refused_fence="2"
+        issue, stripe_via_vault, admin, emulator, customer, refused_fence="2", daily=daily
     )
     for earlier in ("1", None):
         with pytest.raises(stripe.APIError) as superseded:
@@ -88,36 +94,6 @@ async def test_an_earlier_attempt_is_refused_after_a_later_one_met_the_cap(
         ("refused_request", "attempt_superseded"),
         ("refused_request", "attempt_superseded"),
     ]
-
-
-async def test_a_refusal_on_the_daily_cap_fences_the_earlier_attempts_too(
-    issue: Issue,
-    stripe_via_vault: StripeFor,
-    admin: VaultAdmin,
-    emulator: RunningEmulator,
-    customer: str,
-    db: asyncpg.Pool,
-) -> None:
-    """The worker reopens a claim on a refusal on either cap, so the daily cap's refusal is
-    as much a proof: it fences the earlier attempts off once the day's room is freed."""
-    key = await issue(cap_cents=100_000, daily_cap_cents=1_500)
-    client = stripe_via_vault(key)
-    await charge_in_doubt(emulator, client, customer, 1_000, "filler", "error_before_commit")
-    with pytest.raises(stripe.CardError) as refused:
-        await charge(client, customer, 1_000, "claim", fence="2")
-    assert refused.value.code == "spend_cap_exceeded"
-    assert "daily cap" in str(refused.value.user_message)
-    assert fence_of(refused.value) == 2
-    assert (await admin.resolve(key.id, "filler", "failed")).state == "released"
-    with pytest.raises(stripe.APIError) as superseded:
-        await charge(client, customer, 1_000, "claim", fence="1")
-    assert superseded.value.http_status == 409
-    assert fence_of(superseded.value) == 2
-    assert await emulator_ledger(emulator) == []
-    assert (await charge(client, customer, 1_000, "claim", fence="3")).status == "succeeded"
-    assert [c["amount"] for c in await emulator_ledger(emulator)] == [1_000]
-    totals = await assert_consistent(db, key.id)
-    assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 1_000)
 
 
 async def test_a_refusal_without_a_token_fences_nothing(

@@ -43,6 +43,7 @@ from .support import (
     emulator_ledger,
     key_request,
     proxied_calls,
+    reserve_behind_a_lock,
     set_faults,
     via_vault,
 )
@@ -622,24 +623,8 @@ async def test_a_retry_arriving_while_a_resolve_holds_the_reservation_waits_and_
             key.id,
             "resolving",
         )
-
-        async def retry() -> reservations.Reservation:
-            async with db.acquire() as conn:
-                again = Charge("POST /v1/payment_intents", 1_200, "usd", customer)
-                return await reservations.reserve(
-                    conn, key.id, "resolving", again, timedelta(minutes=5)
-                )
-
-        racing = asyncio.create_task(retry())
-
-        async def blocked() -> bool:
-            waiters: int = await db.fetchval(
-                "SELECT count(*) FROM pg_stat_activity"
-                " WHERE wait_event_type = 'Lock' AND query LIKE '%vault_reserve%'"
-            )
-            return waiters == 1
-
-        await eventually(blocked, timeout=10)
+        again = Charge("POST /v1/payment_intents", 1_200, "usd", customer)
+        racing = await reserve_behind_a_lock(db, key.id, "resolving", again)
         finished = await settler.fetchval(
             "SELECT finished FROM vault_finish($1, $2, $3, $4, $5, $6)",
             row["id"],
@@ -865,10 +850,15 @@ async def test_a_pending_reservation_is_found_stale_only_past_the_vaults_wait_on
     assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 0)
 
 
-@pytest.mark.parametrize(
+# A retry after its first attempt's answer was lost (in doubt, counted as reserved) or
+# came back charged (a replay, counted as spent), and the state it leaves the reservation in.
+RETRIED_AFTER = pytest.mark.parametrize(
     ("first_answer", "state", "counted"),
     [("lost", "unknown", "reserved_cents"), ("charged", "committed", "spent_cents")],
 )
+
+
+@RETRIED_AFTER
 async def test_a_revoke_between_the_key_check_and_the_reservation_stops_a_retry(
     issue: Issue,
     stripe_via_vault: StripeFor,
@@ -1001,44 +991,35 @@ def test_what_a_2xx_intent_says_of_its_money(status: str, confirms: bool, outcom
     assert _outcome(answer, in_doubt=False, confirms=confirms) == outcome
 
 
+async def _expires_while_it_waits(
+    db: asyncpg.Pool, key_id: str, idempotency_key: str, sent: Charge
+) -> None:
+    """A reservation kept waiting for the key row's lock while the key (expiring within 2 s)
+    expires is refused as expired."""
+    async with db.acquire() as holder:
+        holding = holder.transaction()
+        await holding.start()
+        await holder.execute("SELECT 1 FROM vault_keys WHERE id = $1 FOR UPDATE", key_id)
+        waiting = await reserve_behind_a_lock(db, key_id, idempotency_key, sent)
+        await asyncio.sleep(2.5)  # the key expires meanwhile
+        await holding.commit()
+    with pytest.raises(reservations.KeyUnusable, match="expired"):
+        await waiting
+
+
 async def test_a_key_that_expires_while_a_reservation_waits_for_its_lock_is_refused(
     issue: Issue, customer: str, db: asyncpg.Pool
 ) -> None:
     """Expiry is judged when the key row's lock is granted, not when the transaction began:
     a reservation begun just before the key expired, and kept waiting past it, is refused."""
     key = await issue(expires_at=datetime.now(UTC) + timedelta(seconds=2))
-    async with db.acquire() as holder:
-        holding = holder.transaction()
-        await holding.start()
-        await holder.execute("SELECT 1 FROM vault_keys WHERE id = $1 FOR UPDATE", key.id)
-
-        async def reserve() -> reservations.Reservation:
-            async with db.acquire() as conn:
-                late = Charge("POST /v1/payment_intents", 500, "usd", customer)
-                return await reservations.reserve(conn, key.id, "late", late, timedelta(minutes=5))
-
-        waiting = asyncio.create_task(reserve())
-
-        async def blocked() -> bool:
-            waiters: int = await db.fetchval(
-                "SELECT count(*) FROM pg_stat_activity"
-                " WHERE wait_event_type = 'Lock' AND query LIKE '%vault_reserve%'"
-            )
-            return waiters == 1
-
-        await eventually(blocked, timeout=10)
-        await asyncio.sleep(2.5)  # the key expires meanwhile
-        await holding.commit()
-    with pytest.raises(reservations.KeyUnusable, match="expired"):
-        await waiting
+    late = Charge("POST /v1/payment_intents", 500, "usd", customer)
+    await _expires_while_it_waits(db, key.id, "late", late)
     assert await _states(db, key.id) == {}
     assert (await assert_consistent(db, key.id))["reserved_cents"] == 0
 
 
-@pytest.mark.parametrize(
-    ("first_answer", "state", "counted"),
-    [("lost", "unknown", "reserved_cents"), ("charged", "committed", "spent_cents")],
-)
+@RETRIED_AFTER
 async def test_a_key_that_expires_while_a_retry_waits_for_its_lock_stops_the_retry(
     issue: Issue,
     stripe_via_vault: StripeFor,
@@ -1060,32 +1041,8 @@ async def test_a_key_that_expires_while_a_retry_waits_for_its_lock_stops_the_ret
     await db.execute(
         "UPDATE vault_keys SET expires_at = now() + interval '2 seconds' WHERE id = $1", key.id
     )
-    async with db.acquire() as holder:
-        holding = holder.transaction()
-        await holding.start()
-        await holder.execute("SELECT 1 FROM vault_keys WHERE id = $1 FOR UPDATE", key.id)
-
-        async def retry() -> reservations.Reservation:
-            async with db.acquire() as conn:
-                again = Charge("POST /v1/payment_intents", 1_200, "usd", customer)
-                return await reservations.reserve(
-                    conn, key.id, "retried", again, timedelta(minutes=5)
-                )
-
-        waiting = asyncio.create_task(retry())
-
-        async def blocked() -> bool:
-            waiters: int = await db.fetchval(
-                "SELECT count(*) FROM pg_stat_activity"
-                " WHERE wait_event_type = 'Lock' AND query LIKE '%vault_reserve%'"
-            )
-            return waiters == 1
-
-        await eventually(blocked, timeout=10)
-        await asyncio.sleep(2.5)  # the key expires meanwhile
-        await holding.commit()
-    with pytest.raises(reservations.KeyUnusable, match="expired"):
-        await waiting
+    again = Charge("POST /v1/payment_intents", 1_200, "usd", customer)
+    await _expires_while_it_waits(db, key.id, "retried", again)
     assert await _states(db, key.id) == {"retried": state}
     assert (await assert_consistent(db, key.id))[counted] == 1_200
 
