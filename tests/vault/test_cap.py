@@ -294,6 +294,41 @@ async def test_a_retry_in_doubt_from_an_earlier_utc_day_counts_against_today(
     assert used_today == 1_000
 
 
+async def test_a_retry_of_a_charge_declined_on_an_earlier_utc_day_counts_on_today(
+    issue: Issue, customer: str, db: asyncpg.Pool
+) -> None:
+    """Declined at 23:59 (released), retried after midnight: the retry may move money
+    today, so it is counted on today, and its commit moves it from today's reserved to
+    today's spent; the day before keeps nothing of it."""
+    key = await issue(cap_cents=10_000, daily_cap_cents=1_000)
+    sent = Charge("POST /v1/payment_intents", 600, "usd", customer)
+    async with db.acquire() as conn:
+        declined = await reservations.reserve(conn, key.id, "declined", sent, timedelta(minutes=5))
+        assert await reservations.settle(conn, declined, "failed", 402) == "released"
+        await _a_utc_day_passes(db, key.id)  # midnight passes
+        retry = await reservations.reserve(conn, key.id, "declined", sent, timedelta(minutes=5))
+        assert (retry.attempt, retry.owned) == (2, True)
+        await assert_consistent(db, key.id)
+        assert await reservations.settle(conn, retry, "succeeded", 200) == "committed"
+        await assert_consistent(db, key.id)
+        days = await conn.fetch(
+            "SELECT day = (now() AT TIME ZONE 'UTC')::date AS today, reserved_cents,"
+            " spent_cents FROM vault_key_days WHERE vault_key_id = $1 ORDER BY day",
+            key.id,
+        )
+        assert [tuple(day) for day in days] == [(False, 0, 0), (True, 0, 600)]
+        # Today's cap holds it once: 400 cents of the day remain.
+        with pytest.raises(reservations.CapExceeded) as refused:
+            await reservations.reserve(
+                conn,
+                key.id,
+                "next",
+                Charge(sent.endpoint, 500, "usd", customer),
+                timedelta(minutes=5),
+            )
+    assert refused.value.daily
+
+
 async def test_currency_other_than_the_keys_is_refused(
     issue: Issue,
     stripe_via_vault: StripeFor,

@@ -243,6 +243,29 @@ async def test_reconciliation_resolves_an_unknown_reservation(
     assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 2_000)
 
 
+@pytest.mark.parametrize("daily", [False, True], ids=["cap", "daily-cap"])
+async def test_a_charge_in_doubt_found_for_less_frees_the_rest_of_its_room(
+    issue: Issue, admin: VaultAdmin, customer: str, db: asyncpg.Pool, daily: bool
+) -> None:
+    """Reconciliation finds a charge in doubt made for less than was reserved: its whole
+    reservation leaves reserved, only what Stripe took is spent, and the rest of the room
+    (the key's, or the day's) takes another charge."""
+    caps = {"cap_cents": 10_000, "daily_cap_cents": 2_000} if daily else {"cap_cents": 2_000}
+    key = await issue(**caps)
+    sent = Charge("POST /v1/payment_intents", 2_000, "usd", customer)
+    async with db.acquire() as conn:
+        lost = await reservations.reserve(conn, key.id, "in-doubt", sent, timedelta(minutes=5))
+        assert await reservations.settle(conn, lost, "unknown", None) == "unknown"
+    resolved = await admin.resolve(key.id, "in-doubt", "succeeded", amount_cents=1_500)
+    assert (resolved.state, resolved.committed_cents) == ("committed", 1_500)
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 1_500)
+    rest = Charge("POST /v1/payment_intents", 500, "usd", customer)
+    async with db.acquire() as conn:
+        assert (await reservations.reserve(conn, key.id, "rest", rest, timedelta(minutes=5))).owned
+    await assert_consistent(db, key.id)
+
+
 async def postgres_stopped_mid_charge(
     client: stripe.StripeClient,
     customer: str,
@@ -566,6 +589,29 @@ async def test_a_reservation_left_pending_by_a_stopped_vault_is_taken_over_once_
     totals = await assert_consistent(db, key.id)
     assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 1_200)
     assert len(await emulator_ledger(emulator)) == 1
+
+
+async def test_a_charge_in_doubt_taken_over_is_in_flight_until_its_retry_is_answered(
+    issue: Issue, admin: VaultAdmin, customer: str, db: asyncpg.Pool
+) -> None:
+    """A retry takes over a charge in doubt and is sent: until Stripe answers it the
+    reservation is pending, so another retry is refused as in flight, not sent beside it,
+    and reconciliation cannot release it while Stripe may still commit it."""
+    key = await issue()
+    sent = Charge("POST /v1/payment_intents", 700, "usd", customer)
+    async with db.acquire() as conn:
+        lost = await reservations.reserve(conn, key.id, "in-doubt", sent, timedelta(minutes=5))
+        assert await reservations.settle(conn, lost, "unknown", None) == "unknown"
+        retry = await reservations.reserve(conn, key.id, "in-doubt", sent, timedelta(minutes=5))
+        assert (retry.attempt, retry.owned, retry.in_doubt) == (2, True, True)
+        assert await _states(db, key.id) == {"in-doubt": "pending"}
+        with pytest.raises(reservations.InFlight):
+            await reservations.reserve(conn, key.id, "in-doubt", sent, timedelta(minutes=5))
+        with pytest.raises(VaultConflict, match="in flight"):
+            await admin.resolve(key.id, "in-doubt", "failed")
+        assert await reservations.settle(conn, retry, "succeeded", 200) == "committed"
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 700)
 
 
 @pytest.mark.parametrize("late_answer", ["unknown", "failed"])
