@@ -904,6 +904,23 @@ RETRIED_AFTER = pytest.mark.parametrize(
 )
 
 
+async def _first_sent(
+    issue: Issue,
+    client_for: StripeFor,
+    emulator: RunningEmulator,
+    customer: str,
+    first_answer: str,
+) -> IssuedKey:
+    """A key through which "retried" was sent for 1,200 cents, its answer `first_answer`
+    (RETRIED_AFTER)."""
+    key = await issue()
+    if first_answer == "lost":
+        await charge_in_doubt(emulator, client_for(key), customer, 1_200, "retried")
+    else:
+        await charge(client_for(key), customer, 1_200, "retried")
+    return key
+
+
 @RETRIED_AFTER
 async def test_a_revoke_between_the_key_check_and_the_reservation_stops_a_retry(
     issue: Issue,
@@ -919,11 +936,7 @@ async def test_a_revoke_between_the_key_check_and_the_reservation_stops_a_retry(
     commit may be a resolve's, for a charge Stripe never made): a key revoked since the
     vault's own key check stops both, and leaves the reservation as it was (one in doubt
     still counted, for reconciliation to settle from Stripe)."""
-    key = await issue()
-    if first_answer == "lost":
-        await charge_in_doubt(emulator, stripe_via_vault(key), customer, 1_200, "retried")
-    else:
-        await charge(stripe_via_vault(key), customer, 1_200, "retried")
+    key = await _first_sent(issue, stripe_via_vault, emulator, customer, first_answer)
     assert await _states(db, key.id) == {"retried": state}
 
     # The retry passed the vault's key check; the revoke commits before its reservation.
@@ -1079,11 +1092,7 @@ async def test_a_key_that_expires_while_a_retry_waits_for_its_lock_stops_the_ret
     """A takeover of a charge in doubt and a replay of a charged one are forwarded, so an
     expired key stops them as it stops a new charge: judged when the key row's lock is
     granted, and leaving the reservation as it was."""
-    key = await issue()
-    if first_answer == "lost":
-        await charge_in_doubt(emulator, stripe_via_vault(key), customer, 1_200, "retried")
-    else:
-        await charge(stripe_via_vault(key), customer, 1_200, "retried")
+    key = await _first_sent(issue, stripe_via_vault, emulator, customer, first_answer)
     await db.execute(
         "UPDATE vault_keys SET expires_at = now() + interval '2 seconds' WHERE id = $1", key.id
     )
