@@ -17,10 +17,12 @@ from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, 
 
 from activities.charging import ChargingActivities
 from billing.models import Claim
+from workflows.customer_charge import BILL_TIMEOUT
 
 # Past this, a hold lets the bill go and says so (`gave_up`): the test is stuck, not slow.
 # Raising instead would fail the bill, whose retry is held again, until pytest's timeout.
-HOLD_SECONDS = 60
+# Within the bill's own timeout, which would otherwise cancel the hold first, unsaid.
+HOLD_SECONDS = BILL_TIMEOUT.total_seconds() - 10
 
 
 class BillHold(Interceptor):
