@@ -119,9 +119,10 @@ async def reserve(
     fencing_token: int | None = None,
 ) -> Reservation:
     """Count `charge` against the key's caps, or find the reservation this key already has.
-    The decision is the SQL function vault_reserve (migrations/030_replay_checks_key.sql): one
-    round trip. A key revoked or expired since the proxy checked it refuses any request it
-    would forward (KeyUnusable), a replay included. A cap refusal of a request
+    The decision is the SQL function vault_reserve
+    (migrations/034_replay_window_own_commit.sql): one round trip. A key revoked or expired
+    since the proxy checked it refuses any request it would forward (KeyUnusable), a replay
+    included. A cap refusal of a request
     with a `fencing_token` fences the idempotency key under this vault key: any later request
     below that token, or without one, is refused (Superseded). A request whose idempotency key
     any vault key first sent 23 hours ago or more is refused (ReplayExpired)."""

@@ -1220,14 +1220,16 @@ async def test_a_charge_first_sent_23_hours_ago_through_another_key_is_not_sent_
     assert len(await emulator_ledger(emulator)) == 3
 
 
+@pytest.mark.parametrize("retried_through", ["a third key", "the key that charged it"])
 async def test_a_charge_sent_through_two_keys_a_day_ago_is_refused_as_charged_if_one_was(
-    issue: Issue, db: asyncpg.Pool
+    issue: Issue, db: asyncpg.Pool, retried_through: str
 ) -> None:
     """In doubt under the period's first key, then charged through the key a renewal issued:
-    a retry a day later through a third key is refused as charged (look it up on Stripe),
-    not as in doubt, which would have the caller wait on a release that never lets it
-    through, since the charged one stays."""
+    a retry a day later, through a third key or the one that charged it, is refused as
+    charged (look it up on Stripe), not as in doubt, which would have the caller wait on a
+    release that never lets it through, since the charged one stays."""
     first, second, third = [await issue(cap_cents=10_000) for _ in range(3)]
+    retry = third if retried_through == "a third key" else second
     sent = Charge("POST /v1/payment_intents", 3_000, "usd", None)
     async with db.acquire() as conn:
         lost = await reservations.reserve(conn, first.id, "renewed", sent, timedelta(minutes=5))
@@ -1242,10 +1244,13 @@ async def test_a_charge_sent_through_two_keys_a_day_ago_is_refused_as_charged_if
                 age,
             )
         with pytest.raises(reservations.ReplayExpired) as refused:
-            await reservations.reserve(conn, third.id, "renewed", sent, timedelta(minutes=5))
+            await reservations.reserve(conn, retry.id, "renewed", sent, timedelta(minutes=5))
     assert refused.value.committed
-    assert f"(through vault key {second.id})" in str(refused.value)
+    assert "it was charged: look the charge up on Stripe" in str(refused.value)
+    # It names another key that first sent it: the charging one, if the retry is not its.
+    assert f"(through vault key {(second if retry is third else first).id})" in str(refused.value)
     assert await _states(db, third.id) == {}
+    assert await _states(db, second.id) == {"renewed": "committed"}
 
 
 async def _counted(db: asyncpg.Pool, key_id: str) -> dict[str, tuple[str, str | None]]:
