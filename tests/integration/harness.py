@@ -6,7 +6,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from billing.runs import period_status
 from billing.seeding import create_demo_customers
 from chaos.invariants import ledger_rows
 from stripe_emulator.client import EmulatorClient
+from tests.waiting import eventually
 from vault.client import VaultAdmin
 from worker import create_worker, direct_access
 from workflows.customer_charge import CustomerChargeWorkflow
@@ -62,14 +62,6 @@ class VaultHandle:
 
 # Seconds a `starter.py` call may take in a test.
 STARTER_TIMEOUT = 120
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 60) -> None:
-    """Wait until `check()` is true; fail the test after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not await check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.1)
 
 
 async def at_least(count: Awaitable[int], n: int) -> bool:

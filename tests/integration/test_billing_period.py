@@ -40,10 +40,11 @@ from billing.models import (
 from billing.periods import Period
 from billing.reporting import describe
 from billing.runs import period_status, start_period, start_reconcile
-from tests.integration.harness import Harness, at_least, eventually, single_batch_activations
+from tests.integration.harness import Harness, at_least, single_batch_activations
 from tests.integration.holds import HoldBillsAtTheHandOver
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
+from tests.waiting import eventually
 from workflows.billing_period import BillingPeriodWorkflow
 from workflows.customer_charge import PERIOD_WAIT_FIRST, TEMPORAL_CANCEL, CustomerChargeWorkflow
 from workflows.identity import WRONG_WORKFLOW_ID

@@ -39,9 +39,10 @@ from billing.reconciliation import INCOMPLETE_INTENT
 from billing.runs import start_period, start_reconcile
 from stripe_emulator.emulator import Emulator
 from stripe_emulator.routing import Route
-from tests.integration.harness import Harness, eventually
+from tests.integration.harness import Harness
 from tests.integration.holds import BillHold, hold_the_slots
 from tests.integration.invariants import assert_billed_once
+from tests.waiting import eventually
 from vault.client import VaultAdmin
 from vault.endpoints import CANCEL, DATABASE_UNAVAILABLE, HELD_UP, KEY_METADATA
 from workflows.signals import PERIOD_CONTROL

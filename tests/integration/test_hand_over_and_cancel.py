@@ -29,9 +29,10 @@ from billing.keys import customer_workflow_id
 from billing.models import ChargeFailure, OperatorRequest, PeriodSummary, RunOptions, SkipRequest
 from billing.periods import Period
 from billing.runs import start_period
-from tests.integration.harness import Harness, at_least, eventually, single_batch_activations
+from tests.integration.harness import Harness, at_least, single_batch_activations
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
+from tests.waiting import eventually
 from workflows.billing_period import HAND_OVER_SETTLE, BillingPeriodWorkflow
 
 PERIOD = Period(2026, 12)

@@ -14,7 +14,8 @@ from billing.keys import idempotency_key
 from billing.ledger import claims
 from billing.models import ChargeResult, Claim, SkipResult
 from billing.periods import Period
-from tests.integration.harness import Harness, eventually
+from tests.integration.harness import Harness
+from tests.waiting import eventually
 
 PERIOD = "2026-12"
 

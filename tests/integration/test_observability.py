@@ -29,7 +29,8 @@ from billing.runs import start_period
 from billing.stripe_client import stripe_session
 from billing.temporal_client import connect
 from tests.conftest import free_port
-from tests.integration.harness import Harness, eventually
+from tests.integration.harness import Harness
+from tests.waiting import eventually
 from worker import create_worker, direct_access
 
 PERIOD = Period(2026, 11)

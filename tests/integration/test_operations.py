@@ -105,7 +105,6 @@ from tests.integration.harness import (
     Harness,
     accepted_updates,
     at_least,
-    eventually,
     single_batch_activations,
     update_taken,
 )
@@ -113,6 +112,7 @@ from tests.integration.holds import HoldTheBillsEnd
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
 from tests.prometheus import metric_value
+from tests.waiting import eventually
 from workflows.billing_period import BillingPeriodWorkflow
 from workflows.identity import WRONG_WORKFLOW_ID
 from workflows.signals import PERIOD_BLOCKED

@@ -10,7 +10,8 @@ from pydantic import SecretStr
 
 from billing.period_keys import read_key, reseal_secrets
 from billing.sealing import SecretBox, UnsealError, new_key
-from tests.integration.harness import Harness, eventually
+from tests.integration.harness import Harness
+from tests.waiting import eventually
 
 SECRET = SecretStr("vk_" + "plain0" * 8)
 

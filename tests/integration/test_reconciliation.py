@@ -63,11 +63,12 @@ from billing.schedules import RECONCILE_SCHEDULE_ID
 from billing.sealing import SecretBox, new_key
 from cli import commands
 from cli import reconcile as reconcile_command
-from tests.integration.harness import Harness, at_least, eventually
+from tests.integration.harness import Harness, at_least
 from tests.integration.holds import hold_the_slots
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
 from tests.prometheus import metric_value
+from tests.waiting import eventually
 from vault.client import VaultAdmin
 from vault.endpoints import KEY_METADATA
 from workflows.customer_charge import CustomerChargeWorkflow

@@ -32,13 +32,14 @@ from billing.models import OperatorRequest, PeriodPlan, PeriodSummary, RunIdenti
 from billing.periods import Period
 from billing.runs import start_period
 from billing.seeding import create_demo_customers
-from tests.integration.harness import Harness, eventually
+from tests.integration.harness import Harness
 from tests.integration.invariants import assert_billed_once
 from tests.integration.test_vault_integration import (
     charging_one_at_a_time,
     period_key,
     priced_past_the_cap,
 )
+from tests.waiting import eventually
 from workflows.billing_period import LISTINGS_MARKED
 
 PERIOD = Period(2026, 12)

@@ -29,9 +29,10 @@ from cli import commands, runs
 from cli.output import OutageNotice
 from cli.reconcile import NO_WORKER_SECONDS
 from tests.integration.cuttable_front import CuttableFront, cuttable_front
-from tests.integration.harness import Harness, eventually
+from tests.integration.harness import Harness
 from tests.integration.invariants import assert_billed_once
 from tests.integration.test_runs_told_apart import PREPARE, HoldEachRun
+from tests.waiting import eventually
 
 PERIOD = period_for(datetime.now(UTC), "advance")
 

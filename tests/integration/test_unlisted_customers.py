@@ -43,12 +43,12 @@ from tests.integration.harness import (
     accepted_updates,
     at_least,
     cancel_taken,
-    eventually,
     update_taken,
 )
 from tests.integration.holds import HoldTheBillsEnd
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
+from tests.waiting import eventually
 from worker import create_worker, direct_access
 from workflows.billing_period import (
     LISTINGS_MARKED,

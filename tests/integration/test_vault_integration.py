@@ -42,10 +42,10 @@ from tests.integration.harness import (
     VAULT_WORKER_TOKEN,
     Harness,
     at_least,
-    eventually,
 )
 from tests.integration.invariants import assert_billed_once
 from tests.integration.test_operations import replays
+from tests.waiting import eventually
 from vault.client import VaultAdmin, VaultUnavailable
 from vault.models import IssuedKey, IssueKeyRequest, KeyInfo, new_key_id
 

@@ -20,12 +20,12 @@ from tests.integration.harness import (
     Harness,
     accepted_updates,
     cancel_taken,
-    eventually,
     update_taken,
 )
 from tests.integration.invariants import assert_billed_once
 from tests.integration.test_operations import HoldClose
 from tests.integration.test_unlisted_customers import ALICE, ImportAndHoldAtTheClose, _counted
+from tests.waiting import eventually
 from workflows.billing_period import BillingPeriodWorkflow
 
 PERIOD = Period(2026, 12)

@@ -17,8 +17,8 @@ from stripe.params import PaymentIntentCreateParams
 from yarl import URL
 
 from stripe_emulator import RunningEmulator
-from tests.integration.harness import eventually
 from tests.prometheus import metric_value
+from tests.waiting import eventually
 from vault import reservations
 from vault.client import VaultAdmin
 from vault.endpoints import FENCE_HEADER

@@ -24,8 +24,8 @@ from yarl import URL
 from devstack.postgres import LocalPostgres
 from stripe_emulator import RunningEmulator
 from stripe_emulator.client import EmulatorClient
-from tests.integration.harness import eventually
 from tests.prometheus import metric_value
+from tests.waiting import eventually
 from vault import RunningVault, VaultSettings, reservations, serve, store
 from vault import state as vault_state
 from vault.client import VaultAdmin, VaultConflict, VaultInvalidRequest, VaultNotFound
