@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 import signal
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, tzinfo
 from typing import Any
 
@@ -19,9 +20,15 @@ from temporalio.testing import ActivityEnvironment
 
 from activities import charging as charging_module
 from activities import stripe_gateway
-from activities.charging import CLAIM_MISSING, PAUSED, BillRequest, ChargingActivities
+from activities.charging import (
+    CLAIM_MISSING,
+    PAUSED,
+    SLOT_AHEAD,
+    BillRequest,
+    ChargingActivities,
+)
 from activities.stripe_access import DirectAccess, StripeAccess, VaultAccess
-from activities.stripe_failures import SLOW_RETRY, fence_of
+from activities.stripe_failures import CANCELED_INTENT, SLOW_RETRY, fence_of
 from activities.stripe_gateway import StripeGateway, charge_params
 from billing import ledger, period_keys
 from billing.customers import CustomerRow
@@ -35,11 +42,12 @@ from billing.models import (
     SkipResult,
 )
 from billing.periods import Period
+from billing.rate_limit import stripe_rate
 from billing.reconciliation import INCOMPLETE_INTENT
 from billing.runs import start_period, start_reconcile
 from stripe_emulator.emulator import Emulator
 from stripe_emulator.routing import Route
-from tests.integration.harness import Harness
+from tests.integration.harness import Harness, always_visa
 from tests.integration.holds import BillHold, hold_the_slots
 from tests.integration.invariants import assert_billed_once
 from tests.waiting import eventually
@@ -102,12 +110,17 @@ def _vault_503(code: str) -> stripe.APIError:
 
 
 async def _billing_one(
-    harness: Harness, gateway: type[StripeGateway], *, key_by_admin: bool = False
+    harness: Harness,
+    gateway: type[StripeGateway],
+    *,
+    key_by_admin: bool = False,
+    card_for: Callable[[int], str] = always_visa,
 ) -> tuple[CustomerRow, ChargingActivities, BillRequest]:
-    """One customer due in an open period, billed by hand through `gateway` (or through the
-    harness's vault, if it has one, with a key the worker token issued or, if
-    `key_by_admin`, the admin token), attempt by attempt (_attempt)."""
-    (customer,) = await harness.seed(1)
+    """One customer due in an open period (paying with the card `card_for` gives it), billed
+    by hand through `gateway` (or through the harness's vault, if it has one, with a key the
+    worker token issued or, if `key_by_admin`, the admin token), attempt by attempt
+    (_attempt)."""
+    (customer,) = await harness.seed(1, card_for=card_for)
     async with harness.pool.acquire() as conn:
         plan = PeriodPlan(period=str(PERIOD), due=1, to_charge=1, expected_total_cents=0)
         await ledger.start_period(conn, plan, "billing-period-2026-12")
@@ -198,6 +211,37 @@ async def test_a_lookup_refused_after_a_saved_500_never_sends_the_claim_back_to_
     await harness.pool.execute("UPDATE billing_runs SET attempts = 0")
     with pytest.raises(ApplicationError, match="rate limit"):
         await _attempt(2).run(charging.bill, request)
+    [row] = await harness.ledger_rows(str(PERIOD))
+    assert (row["status"], row["attempts"]) == ("claimed", 1)
+    assert row["charge_started_at"] is not None
+
+
+class LookupKeyRevokedOnce(StripeGateway):
+    """The vault refuses the first lookup: the period's key was revoked (the kill switch)."""
+
+    refused = False
+
+    async def find(self, claim: Claim) -> ChargeResult | ChargeFailure | None:
+        if not self.refused:
+            self.refused = True
+            body = {"error": {"type": "invalid_request_error", "code": "vault_key_revoked"}}
+            raise stripe.AuthenticationError("vault_key_revoked", http_status=401, json_body=body)
+        return await super().find(claim)
+
+
+async def test_a_lookup_key_refused_after_a_saved_500_never_sends_the_claim_back_to_the_gate(
+    harness: Harness,
+) -> None:
+    """As above, for a refusal that pauses the period (the key revoked as the lookup went
+    out): only the create's own refusal shows that nothing was sent, so the claim, which
+    Stripe began, still counts as sent, and no pause or cancel meanwhile can stop the
+    retry that finds out how it ended."""
+    _, charging, request = await _behind_a_saved_500(harness, LookupKeyRevokedOnce)
+    # The next attempt's gate pass makes it 1.
+    await harness.pool.execute("UPDATE billing_runs SET attempts = 0")
+    with pytest.raises(ApplicationError) as refused:
+        await _attempt(2).run(charging.bill, request)
+    assert refused.value.type == "KeyRefused"
     [row] = await harness.ledger_rows(str(PERIOD))
     assert (row["status"], row["attempts"]) == ("claimed", 1)
     assert row["charge_started_at"] is not None
@@ -413,6 +457,36 @@ async def test_a_cancel_behind_a_saved_500_waits_for_the_fence(vaulted: Harness,
     assert await vaulted.succeeded() == 0
 
 
+async def test_a_cap_refusal_that_fenced_nothing_leaves_the_claim_sent(
+    vaulted: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attempt 1 went out through the vault and got no answer (a 500: it may yet be at
+    Stripe, as far as the worker knows); attempt 2 is refused on the key's cap by a vault
+    that says it fenced nothing (no `fenced_below`, as from a vault of before fencing).
+    Only the vault's fence proves attempt 1 can no longer charge: without it the claim
+    stays sent, so a cancel now cannot record it uncharged while attempt 1 may charge."""
+    _, charging, request = await _billing_one(vaulted, StripeGateway)
+    await vaulted.set_faults(error_before_commit=1.0)
+    with pytest.raises(ApplicationError, match="did not answer definitively"):
+        await _attempt(1).run(charging.bill, request)
+
+    async def capped_unfenced(
+        _: StripeGateway, claim: Claim, fencing_token: int | None = None
+    ) -> ChargeResult | ChargeFailure:
+        body = {"error": {"type": "card_error", "code": "spend_cap_exceeded", "message": "cap"}}
+        raise stripe.CardError(  # type: ignore[no-untyped-call]
+            "cap", None, "spend_cap_exceeded", http_status=402, json_body=body
+        )
+
+    monkeypatch.setattr(StripeGateway, "charge", capped_unfenced)
+    with pytest.raises(ApplicationError) as refused:
+        await _attempt(2).run(charging.bill, request)
+    assert refused.value.type == "SpendCapExceeded"
+    [row] = await vaulted.ledger_rows(str(PERIOD))
+    assert (row["status"], row["attempts"]) == ("claimed", 2)
+    assert row["charge_started_at"] is not None
+
+
 async def test_a_charge_an_earlier_run_of_the_childs_chain_recorded_counts_as_charged(
     harness: Harness,
 ) -> None:
@@ -497,6 +571,37 @@ async def test_a_claim_whose_row_was_deleted_by_hand_fails_saying_so(
     assert await harness.charges() == []
 
 
+async def test_a_claim_cancelled_by_another_hand_before_its_gate_reports_the_cancel(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its run records the claim cancelled between the bill's claim and its gate: the bill
+    reports how the ledger ended it (cancelled), read again from the row, not as a claim
+    whose row is gone (failed); nothing is charged."""
+    _, charging, request = await _billing_one(harness, StripeGateway)
+
+    async def cancelled(_: ChargingActivities, claim: Claim, reserved: object) -> None:
+        await _cancelled(harness)
+        async with harness.pool.acquire() as conn:
+            stop = ChargeFailure(code="cancelled", message="an operator cancelled the period")
+            await ledger.record_unbilled(conn, claim.idempotency_key, "cancelled", stop)
+
+    monkeypatch.setattr(ChargingActivities, "_wait_for_slot", cancelled)
+    outcome = await _attempt(1).run(charging.bill, request)
+    assert outcome.outcome == "cancelled"
+    assert await harness.charges() == []
+
+
+async def test_a_charge_found_recorded_is_reported_with_its_charge_id(harness: Harness) -> None:
+    """A bill that finds its customer's charge recorded already (a re-drive's, here) reports
+    that charge's id from the ledger, as reconciliation's report of the re-drive names it."""
+    _, charging, request = await _billing_one(harness, StripeGateway)
+    charged = await _attempt(1, "run-1").run(charging.bill, request)
+    redrive = request.model_copy(update={"claimant": "run-9"})
+    again = await _attempt(1, "run-9").run(charging.bill, redrive)
+    assert (again.outcome, again.charge_id) == ("already_billed", charged.charge_id)
+    assert again.charge_id is not None
+
+
 async def test_legacy_charges_api(harness: Harness) -> None:
     customers = await harness.seed(8)
     harness.settings = harness.settings.model_copy(update={"billing_charge_api": "charges"})
@@ -551,6 +656,131 @@ async def test_old_claim_is_looked_up_before_a_new_request(harness: Harness) -> 
     # One create per customer (its response dropped); the retry found it by listing.
     assert len([r for r in creates if r["path"] == "/v1/payment_intents"]) == 6
     await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def _claimed_by_hand(harness: Harness, customer: CustomerRow) -> Claim:
+    """The customer's claim, made as the bill's first attempt makes it (run "test-run")."""
+    key = idempotency_key(harness.settings.billing_key_namespace, customer.customer_id, PERIOD)
+    async with harness.pool.acquire() as conn:
+        return await ledger.claim(
+            conn,
+            customer.customer_id,
+            str(PERIOD),
+            key,
+            "test-run",
+            charge_api=harness.settings.billing_charge_api,
+        )
+
+
+async def test_a_charge_made_with_the_key_under_other_parameters_is_found_not_failed(
+    harness: Harness,
+) -> None:
+    """A worker of an earlier release charged the claim with other parameters (here its
+    description), and its answer was lost: Stripe refuses the retry's request as an
+    idempotency error. A charge with the key may exist, so it is looked up, and the customer
+    who paid is recorded charged, not failed (and so billed again by a re-drive)."""
+    customer, charging, request = await _billing_one(harness, StripeGateway)
+    claim = await _claimed_by_hand(harness, customer)
+    earlier = charge_params(claim, "payment_intents") | {"description": "an earlier release's"}
+    made = await harness.stripe.v1.payment_intents.create_async(
+        earlier,  # type: ignore[arg-type]
+        {"idempotency_key": claim.idempotency_key},
+    )
+    outcome = await _attempt(1).run(charging.bill, request)
+    assert (outcome.outcome, outcome.charge_id) == ("charged", made.latest_charge)
+    creates = [
+        r["status"]
+        for r in await harness.requests()
+        if (r["method"], r["path"]) == ("POST", "/v1/payment_intents")
+    ]
+    assert creates == [200, 400], "the bill's request met no idempotency error"
+    # (assert_billed_once would flag the earlier release's parameters, as it should.)
+    [row] = await harness.ledger_rows(str(PERIOD))
+    assert (row["status"], row["charge_id"]) == ("charged", made.latest_charge)
+    assert await harness.succeeded() == 1
+
+
+async def test_an_old_claim_declined_after_its_lookup_keeps_the_decline(harness: Harness) -> None:
+    """An old claim is looked up first and nothing is found; the create that follows is
+    declined. That decline is Stripe's answer to the charge itself, recorded under its own
+    code, not as a refused lookup (whose message says the charge may exist)."""
+    customer, charging, request = await _billing_one(
+        harness, StripeGateway, card_for=lambda _: "pm_card_chargeCustomerFail"
+    )
+    await _claimed_by_hand(harness, customer)
+    await harness.pool.execute("UPDATE billing_runs SET claimed_at = now() - interval '1 day'")
+    outcome = await _attempt(1).run(charging.bill, request)
+    assert (outcome.outcome, outcome.failure_code) == ("failed", "card_declined")
+    [row] = await harness.ledger_rows(str(PERIOD))
+    assert (row["status"], row["failure_code"]) == ("failed", "card_declined")
+    sent = [r["method"] for r in await harness.requests() if r["path"] == "/v1/payment_intents"]
+    assert sent == ["GET", "POST"], "not looked up before the create"
+
+
+async def test_an_old_claim_whose_intent_was_cancelled_on_stripe_is_failed_not_sent_again(
+    harness: Harness,
+) -> None:
+    """An intent waits on its customer for days (a bank account's microdeposits) and an
+    operator cancels it on Stripe, as the wait's message says to. The claim is then old, so
+    its next attempt looks it up first: it finds the cancelled intent and records the
+    customer failed (payment_intent_canceled), sending no new charge behind the cancel."""
+    customer, charging, request = await _billing_one(harness, StripeGateway)
+    claim = await _claimed_by_hand(harness, customer)
+    waiting = await harness.stripe.v1.payment_intents.create_async(
+        {
+            "amount": customer.amount_cents,
+            "currency": customer.currency,
+            "customer": customer.stripe_customer_id,
+            "payment_method": customer.payment_method,
+            "metadata": {KEY_METADATA: claim.idempotency_key},
+        }
+    )
+    await harness.stripe.v1.payment_intents.cancel_async(
+        waiting.id, {"cancellation_reason": "requested_by_customer"}
+    )
+    await harness.pool.execute("UPDATE billing_runs SET claimed_at = now() - interval '1 day'")
+    outcome = await _attempt(1).run(charging.bill, request)
+    assert (outcome.outcome, outcome.failure_code) == ("failed", CANCELED_INTENT)
+    [row] = await harness.ledger_rows(str(PERIOD))
+    assert (row["status"], row["failure_code"]) == ("failed", CANCELED_INTENT)
+    assert await harness.succeeded() == 0
+    creates = [
+        r
+        for r in await harness.requests()
+        if (r["method"], r["path"]) == ("POST", "/v1/payment_intents")
+    ]
+    # The intent planted above only.
+    assert len(creates) == 1, "a new charge was sent behind the cancel"
+
+
+async def test_a_retry_takes_a_stripe_slot_of_its_own(harness: Harness) -> None:
+    """The Stripe slot the workflow waited for serves the bill's first attempt only: a retry
+    comes after that attempt's requests, so it takes a slot of its own (here 100 s off, so
+    it hands the wait back to the workflow) rather than sending at once."""
+    harness.settings = harness.settings.model_copy(update={"billing_stripe_rps": 0.01})
+    _, charging, request = await _billing_one(harness, StripeGateway)
+    rate = stripe_rate(harness.pool, harness.settings)
+    assert rate is not None
+    waited = await rate.reserve()
+    with pytest.raises(ApplicationError) as ahead:
+        await _attempt(2).run(charging.bill, request.model_copy(update={"slot": waited.at}))
+    assert ahead.value.type == SLOT_AHEAD
+    assert await harness.charges() == []
+
+
+async def test_an_old_claims_lookup_takes_a_stripe_slot_of_its_own(harness: Harness) -> None:
+    """An old claim sends two requests up front, its lookup and its create: its attempt
+    reserves a slot for each, so the cluster's next request waits for both (200 s at one
+    request per 100 s), and together they keep to the rate shared with the account's
+    other traffic."""
+    harness.settings = harness.settings.model_copy(update={"billing_stripe_rps": 0.01})
+    customer, charging, request = await _billing_one(harness, StripeGateway)
+    await _claimed_by_hand(harness, customer)
+    await harness.pool.execute("UPDATE billing_runs SET claimed_at = now() - interval '1 day'")
+    assert (await _attempt(1).run(charging.bill, request)).outcome == "charged"
+    rate = stripe_rate(harness.pool, harness.settings)
+    assert rate is not None
+    assert (await rate.reserve()).wait_seconds > 150
 
 
 class _TwoHoursSlow(datetime):
