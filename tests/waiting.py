@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
+
+import asyncpg
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 60) -> None:
@@ -13,3 +16,15 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 60) 
     while not await check():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.1)
+
+
+async def waits_on_a_lock(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, statement: asyncio.Future[Any]
+) -> bool:
+    """Whether `statement`, a task running on `conn`, waits for a lock (one the test's other
+    transaction holds), or has ended without waiting: a test then lets that transaction go
+    knowing the statement met it, rather than betting on how fast the machine is."""
+    if statement.done():
+        return True
+    waiting = "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1"
+    return bool(await pool.fetchval(waiting, conn.get_server_pid()))

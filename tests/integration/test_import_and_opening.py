@@ -21,6 +21,7 @@ from billing.customers import (
 )
 from billing.errors import CustomerImportError, HeldCustomerError, LedgerBusyError
 from billing.keys import idempotency_key
+from billing.ledger import claims
 from billing.ledger.sql import LOOKUP_REFUSED
 from billing.models import AUTOMATIC, ChargeFailure, ChargeResult, Claim, PeriodPlan
 from billing.periods import parse_period
@@ -299,6 +300,29 @@ async def test_a_claim_the_old_id_fails_releases_the_new_one_unless_in_doubt(
     assert claim.status == ("claimed" if released else "skipped")
     if not released:
         assert "may have charged its Stripe customer as 'c-1'" in reason
+
+
+async def test_a_customer_released_as_its_claim_looks_again_is_claimed(
+    db: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claim's insert finds c-2 held (c-1's claim open); before it looks again
+    (_refuse_held), c-1's charge fails, releasing it. It is claimed then: reported unknown,
+    its bill ended failed and no run of the period billed it."""
+    await _billed_then_renamed(db, "claimed", sent=True)
+    refuse_held = claims._refuse_held
+
+    async def old_claim_fails_first(
+        conn: asyncpg.Connection, customer_id: str, period: str, key: str
+    ) -> bool:
+        async with db.acquire() as other:
+            failure = ChargeFailure(code="card_declined", message="declined")
+            await ledger.record_unbilled(other, _key("c-1"), "failed", failure)
+        return await refuse_held(conn, customer_id, period, key)
+
+    monkeypatch.setattr(claims, "_refuse_held", old_claim_fails_first)
+    async with db.acquire() as conn:
+        claim = await ledger.claim(conn, "c-2", PERIOD, _key("c-2"), "run-1", charge_api="charges")
+    assert (claim.status, claim.claimed_by_run) == ("claimed", "run-1")
 
 
 async def test_an_open_claim_of_a_customer_inactive_since_is_taken_over_by_the_run(

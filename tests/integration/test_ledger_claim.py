@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from datetime import timedelta
 
 import asyncpg
 import pytest
 
 from billing import ledger
-from billing.errors import PeriodNotOpenError, UnknownCustomerError
+from billing.errors import LedgerConflictError, PeriodNotOpenError, UnknownCustomerError
 from billing.keys import idempotency_key
 from billing.ledger import claims
-from billing.models import ChargeResult, Claim, SkipResult
+from billing.ledger.sql import LOOKUP_REFUSED
+from billing.models import ChargeFailure, ChargeResult, Claim, SkipResult
 from billing.periods import Period
 from tests.integration.harness import Harness
-from tests.waiting import eventually
+from tests.waiting import eventually, waits_on_a_lock
 
 PERIOD = "2026-12"
 
@@ -225,11 +227,16 @@ async def test_a_customer_a_cancelled_run_never_started_is_claimed_afresh_once_a
         # Inactive at the next run's start: not due, and its row stays cancelled.
         await ledger.start_period(conn, await ledger.plan_period(conn, PERIOD), "wf")
         assert (await ledger.plan_period(conn, PERIOD)).due == 0
-        # Active again during that run, at a new price: listed as if it had no row...
+        # Active again during that run, at a new price, in another currency, with another
+        # card (on a Stripe customer made anew), a day after the cancel: listed as if it
+        # had no row...
         await conn.execute(
-            "UPDATE customers SET active = true, amount_cents = 4321 WHERE customer_id = $1",
+            """UPDATE customers SET active = true, amount_cents = 4321, currency = 'eur',
+               stripe_customer_id = 'cus_new', payment_method = 'pm_new'
+               WHERE customer_id = $1""",
             customer_id,
         )
+        await conn.execute("UPDATE billing_runs SET claimed_at = claimed_at - interval '1 day'")
         page = await ledger.due_page(conn, PERIOD, None, 10)
         assert [(c.customer_id, c.status) for c in page.customers] == [(customer_id, None)]
         # ...and its child's claim takes the row over, as the customer is now.
@@ -241,6 +248,14 @@ async def test_a_customer_a_cancelled_run_never_started_is_claimed_afresh_once_a
             4321,
             "run-2",
         )
+        # Charged as the customer is now, on its card of now; its key's age (what the bill
+        # reckons Stripe's memory of it by) runs from this claim, not from the cancel.
+        assert (claim.currency, claim.stripe_customer_id, claim.payment_method) == (
+            "eur",
+            "cus_new",
+            "pm_new",
+        )
+        assert claim.claimed_ago is not None and claim.claimed_ago < timedelta(hours=1)
         assert claim.charge_api == "charges"
         assert (await ledger.begin_charge(conn, claim, None)).gate == "go"
     [row] = await harness.ledger_rows(PERIOD)
@@ -273,7 +288,11 @@ async def test_a_run_awaiting_a_child_does_not_take_a_never_started_row_for_its_
             ),
         )
         [charged] = await ledger.outcomes(conn, PERIOD, [customer_id], awaited=True)
+        # A run that did not await the child counts the charge as billed already, not its
+        # own: its summary would count one charge twice.
+        [seen] = await ledger.outcomes(conn, PERIOD, [customer_id])
     assert charged.outcome == "charged"
+    assert seen.outcome == "already_billed"
 
 
 async def test_a_claim_waits_for_an_ended_runs_cancel_and_leaves_its_row_to_the_next_run(
@@ -293,12 +312,6 @@ async def test_a_claim_waits_for_an_ended_runs_cancel_and_leaves_its_row_to_the_
         )
 
     async with harness.pool.acquire() as cancelling, harness.pool.acquire() as claiming:
-        pid = claiming.get_server_pid()
-
-        async def claim_waits() -> bool:
-            waiting = "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1"
-            return bool(await harness.pool.fetchval(waiting, pid))
-
         async with cancelling.transaction():
             await ledger.lock_period(cancelling, PERIOD)
             await ledger.set_control(cancelling, PERIOD, "cancelled", "ended", "alice")
@@ -307,7 +320,7 @@ async def test_a_claim_waits_for_an_ended_runs_cancel_and_leaves_its_row_to_the_
             )
             await ledger.finish_period(cancelling, PERIOD, "{}")
             claimed = asyncio.create_task(claim(claiming, "run-1"))
-            await eventually(claim_waits, timeout=15)
+            await eventually(lambda: waits_on_a_lock(harness.pool, claiming, claimed))
         stopped = await claimed
         [row] = await harness.ledger_rows(PERIOD)
         assert (stopped.status, row["cancelled_before_start"]) == ("cancelled", True)
@@ -401,3 +414,166 @@ async def test_pages_of_due_customers_carry_each_row_past_the_cursor(harness: Ha
         [(customers[2], claimed), (customers[3], None)],
         [(customers[4], None)],
     ]
+
+
+async def test_a_different_charge_is_never_recorded_over_a_claims_charge(
+    harness: Harness,
+) -> None:
+    """The same charge recorded twice (a retry, reconciliation) is a no-op; another charge
+    for the same claim (one Stripe made after it forgot the key) is refused loudly, not
+    taken for a repeat: the customer was charged twice, and someone must refund one."""
+    (customer,) = await harness.seed(1)
+    claim_key = key(customer.customer_id)
+
+    def charge(charge_id: str) -> ChargeResult:
+        return ChargeResult(
+            charge_id=charge_id,
+            payment_intent_id=f"pi_{charge_id}",
+            amount_cents=customer.amount_cents,
+            currency=customer.currency,
+        )
+
+    async with harness.pool.acquire() as conn:
+        await ledger.claim(
+            conn, customer.customer_id, PERIOD, claim_key, "run-1", charge_api="payment_intents"
+        )
+        assert await ledger.record_charge(conn, claim_key, charge("ch_1"))
+        assert not await ledger.record_charge(conn, claim_key, charge("ch_1"))
+        with pytest.raises(LedgerConflictError, match="already charged"):
+            await ledger.record_charge(conn, claim_key, charge("ch_2"))
+        declined = ChargeFailure(code="card_declined", message="declined")
+        with pytest.raises(LedgerConflictError, match="already charged"):
+            await ledger.record_unbilled(conn, claim_key, "failed", declined)
+    [row] = await harness.ledger_rows(PERIOD)
+    assert (row["status"], row["charge_id"]) == ("charged", "ch_1")
+
+
+@pytest.mark.parametrize("code", ["card_declined", LOOKUP_REFUSED])
+async def test_a_failed_claim_is_returned_failed_not_claimed_again(
+    harness: Harness, code: str
+) -> None:
+    """A later run's claim of a customer whose charge failed this period finds it failed and
+    charges nothing: one recorded failed for a refused lookup may have charged, and a
+    declined card is not retried by a rerun of the same period."""
+    (customer,) = await harness.seed(1)
+    claim_key = key(customer.customer_id)
+    async with harness.pool.acquire() as conn:
+        await ledger.claim(
+            conn, customer.customer_id, PERIOD, claim_key, "run-1", charge_api="payment_intents"
+        )
+        failure = ChargeFailure(code=code, message="refused")
+        await ledger.record_unbilled(conn, claim_key, "failed", failure)
+        again = await ledger.claim(
+            conn, customer.customer_id, PERIOD, claim_key, "run-2", charge_api="payment_intents"
+        )
+    assert (again.status, again.failure_code, again.claimed_by_run) == ("failed", code, "run-1")
+
+
+async def test_a_customer_a_cancelled_run_never_started_is_not_claimed_while_inactive(
+    harness: Harness,
+) -> None:
+    """Only an open claim is taken over whatever its customer is now: a row a cancelled run
+    never started is left as it is while its customer is inactive (a stale child's claim),
+    for a run that finds the customer active again."""
+    customer_id = await never_started(harness)
+    async with harness.pool.acquire() as conn:
+        await conn.execute(
+            "UPDATE customers SET active = false WHERE customer_id = $1", customer_id
+        )
+        found = await ledger.claim(
+            conn, customer_id, PERIOD, key(customer_id), "run-2", charge_api="charges"
+        )
+    assert found.status == "cancelled"
+    [row] = await harness.ledger_rows(PERIOD)
+    assert (row["status"], row["cancelled_before_start"]) == ("cancelled", True)
+
+
+async def test_an_inactive_customer_is_unknown_to_a_claim_once_its_run_has_closed(
+    harness: Harness,
+) -> None:
+    """A stale child of a closed run, for a customer deactivated since, ends 'not billed'
+    (UnknownCustomerError, an outcome), as while its run was open: PeriodNotOpenError, for
+    a workflow started outside any run, would fail its workflow."""
+    (customer,) = await harness.seed(1)
+    customer_id = customer.customer_id
+    async with harness.pool.acquire() as conn:
+        await ledger.finish_period(conn, PERIOD, "{}")
+        await conn.execute(
+            "UPDATE customers SET active = false WHERE customer_id = $1", customer_id
+        )
+        with pytest.raises(UnknownCustomerError, match="inactive; nothing was charged"):
+            await ledger.claim(
+                conn, customer_id, PERIOD, key(customer_id), "run-1", charge_api="charges"
+            )
+
+
+async def test_a_claim_of_another_period_is_no_row_of_this_one(harness: Harness) -> None:
+    """A run starts again the child of a customer without a row of its period
+    (ledger.without_rows): last period's claim does not count, or no run bills it."""
+    (customer,) = await harness.seed(1)
+    customer_id = customer.customer_id
+    await harness.open_period_by_hand("2026-11")
+    async with harness.pool.acquire() as conn:
+        last_key = idempotency_key("test", customer_id, Period(2026, 11))
+        await ledger.claim(conn, customer_id, "2026-11", last_key, "run-0", charge_api="charges")
+        assert await ledger.without_rows(conn, PERIOD, [customer_id]) == [customer_id]
+
+
+async def test_a_claim_waiting_on_a_cancels_page_leaves_the_row_it_writes_to_the_next_run(
+    harness: Harness,
+) -> None:
+    """The run is cancelled; its page is writing an open claim no run owned never started
+    (uncommitted) as a child claims it. The claim waits for that row, and reads it as it is
+    now: never started, in a cancelled run, so left to the next run. Taken over, it stopped
+    cancelled at the gate for good, and no later run billed the customer."""
+    (customer,) = await harness.seed(1)
+    customer_id = customer.customer_id
+    async with harness.pool.acquire() as cancelling, harness.pool.acquire() as claiming:
+        # Claimed by no run (a script's claim, one from before runs were recorded).
+        await ledger.claim(
+            claiming, customer_id, PERIOD, key(customer_id), charge_api="payment_intents"
+        )
+        await ledger.set_control(claiming, PERIOD, "cancelled", "wrong prices", "alice")
+        async with cancelling.transaction():
+            await ledger.cancel_customers(
+                cancelling, PERIOD, {customer_id: key(customer_id)}, "wrong prices", "alice"
+            )
+            claimed = asyncio.create_task(
+                ledger.claim(
+                    claiming,
+                    customer_id,
+                    PERIOD,
+                    key(customer_id),
+                    "run-1",
+                    charge_api="payment_intents",
+                )
+            )
+            await eventually(lambda: waits_on_a_lock(harness.pool, claiming, claimed))
+        stopped = await claimed
+    [row] = await harness.ledger_rows(PERIOD)
+    assert (stopped.status, row["cancelled_before_start"]) == ("cancelled", True)
+    assert row["claimed_by_run"] is None
+
+
+async def test_a_failed_charge_keeps_its_payment_intent(harness: Harness) -> None:
+    """A PaymentIntent Stripe left unconfirmed may yet complete until someone cancels it:
+    its failed row must name it, for reconciliation and support to find."""
+    (customer,) = await harness.seed(1)
+    claim_key = key(customer.customer_id)
+    async with harness.pool.acquire() as conn:
+        await ledger.claim(
+            conn, customer.customer_id, PERIOD, claim_key, "run-1", charge_api="payment_intents"
+        )
+        failure = ChargeFailure(
+            code="authentication_required",
+            decline_code="authentication_required",
+            message="needs 3DS",
+            payment_intent_id="pi_open",
+        )
+        await ledger.record_unbilled(conn, claim_key, "failed", failure)
+    [row] = await harness.ledger_rows(PERIOD)
+    assert (row["status"], row["failure_code"], row["payment_intent_id"]) == (
+        "failed",
+        "authentication_required",
+        "pi_open",
+    )

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from billing import ledger
-from billing.models import Control, Gate, PeriodPlan, PeriodSummary
+from billing.models import ChargeFailure, Control, Gate, PeriodPlan, PeriodSummary
 from tests.integration.harness import Harness
-from tests.integration.test_ledger_reopen import PERIOD, claimed
+from tests.integration.test_ledger_reopen import PERIOD, claimed, passed
+from tests.waiting import eventually, waits_on_a_lock
 
 
 @pytest.mark.parametrize(("left", "gate"), [("paused", "go"), ("cancelled", "cancelled")])
@@ -45,3 +48,78 @@ async def test_a_run_bills_since_its_opening_until_its_cancel_or_close(harness: 
         await ledger.finish_period(conn, str(PERIOD), summary.model_dump_json())
         assert await ledger.run_opened_at(conn, str(PERIOD), billing=True) is None
         assert await ledger.run_opened_at(conn, str(PERIOD)) == opened
+
+
+async def test_a_pause_stops_a_claim_not_yet_sent_but_not_a_retry_of_one_sent(
+    harness: Harness,
+) -> None:
+    """A pause holds at the gate every claim whose charge has not gone out, until a resume;
+    a retry of one already sent passes, since only a retry with its key learns whether it
+    charged."""
+    unsent, sent = await claimed(harness, 2)
+    async with harness.pool.acquire() as conn:
+        await passed(conn, sent, None)
+        await ledger.set_control(conn, str(PERIOD), "paused", "wrong prices", "ops")
+        assert (await ledger.begin_charge(conn, unsent, None)).gate == "paused"
+        assert (await ledger.begin_charge(conn, sent, None)).gate == "go"
+        await ledger.set_control(conn, str(PERIOD), "running", "resumed", "ops")
+        assert (await ledger.begin_charge(conn, unsent, None)).gate == "go"
+
+
+async def test_the_gate_waits_for_a_pause_being_written_and_stops_at_it(
+    harness: Harness,
+) -> None:
+    """A pause's write holds the period's row (activities.period set_control) until it
+    commits. An attempt reaching the gate meanwhile waits for it and stops; read from its
+    snapshot, the period was still running, and the charge went out after the operator
+    was told the run was paused."""
+    [claim] = await claimed(harness)
+    async with harness.pool.acquire() as pausing, harness.pool.acquire() as charging:
+        async with pausing.transaction():
+            await ledger.lock_period(pausing, str(PERIOD))
+            await ledger.set_control(pausing, str(PERIOD), "paused", "wrong prices", "ops")
+            gate = asyncio.create_task(ledger.begin_charge(charging, claim, None))
+            await eventually(lambda: waits_on_a_lock(harness.pool, charging, gate))
+        assert (await gate).gate == "paused"
+
+
+async def test_the_gate_waits_for_a_skip_being_written_and_stops_at_it(
+    harness: Harness,
+) -> None:
+    """A skip accepted for a claim not yet sent is kept at its gate: an attempt reaching the
+    gate while the skip's write is uncommitted waits for it, then stops skipped. Read without
+    the claim's row lock, the skip was not there yet, and the charge passed the gate after
+    the operator was told it was skipped."""
+    [claim] = await claimed(harness)
+    async with harness.pool.acquire() as skipping, harness.pool.acquire() as charging:
+        async with skipping.transaction():
+            skip = await ledger.request_skip(
+                skipping,
+                claim.customer_id,
+                claim.period,
+                claim.idempotency_key,
+                "disputed",
+                "ops",
+            )
+            assert skip.skipped
+            gate = asyncio.create_task(ledger.begin_charge(charging, claim, None))
+            await eventually(lambda: waits_on_a_lock(harness.pool, charging, gate))
+        assert (await gate).gate == "skipped"
+
+
+async def test_a_claim_skipped_before_its_runs_cancel_ends_skipped_for_the_skips_reason(
+    harness: Harness,
+) -> None:
+    """Skipped by one operator, then the run cancelled by another: the gate stops the claim
+    skipped, and its record keeps who skipped it and why, not the cancel's words."""
+    [claim] = await claimed(harness)
+    async with harness.pool.acquire() as conn:
+        await ledger.request_skip(
+            conn, claim.customer_id, claim.period, claim.idempotency_key, "disputed", "alice"
+        )
+        await ledger.set_control(conn, str(PERIOD), "cancelled", "wrong prices", "bob")
+        assert (await ledger.begin_charge(conn, claim, None)).gate == "skipped"
+        stopped = ChargeFailure(code="skipped", message="skipped by an operator")
+        await ledger.record_unbilled(conn, claim.idempotency_key, "skipped", stopped)
+        [row] = await harness.ledger_rows(str(PERIOD))
+    assert (row["status"], row["reason"], row["decided_by"]) == ("skipped", "disputed", "alice")

@@ -5,10 +5,12 @@ Stripe or still be sent, and a run's opening counts what its key has yet to send
 from __future__ import annotations
 
 import asyncpg
+import pytest
 
 from billing import ledger
+from billing.errors import ClaimClosedError
 from billing.keys import idempotency_key
-from billing.models import ChargeResult, Claim
+from billing.models import ChargeFailure, ChargeResult, Claim
 from billing.periods import Period
 from tests.integration.harness import Harness
 
@@ -180,6 +182,8 @@ async def test_an_attempt_without_the_vault_is_never_proven_by_a_key(harness: Ha
         # A period switched to the vault since: the direct attempt may have charged.
         retry = await passed(conn, claim, K1)
         assert await sent_through(conn, claim) == [ledger.SENT_DIRECT, K1]
+        # Only vault keys are named to the vault, to fence off the attempts through them.
+        assert await ledger.vault_keys_sent_through(conn, claim.idempotency_key) == [K1]
         assert not await ledger.reopen_refused_charge(
             conn, claim.idempotency_key, retry, fenced_by=K1
         )
@@ -234,3 +238,30 @@ async def test_a_run_counts_as_unsent_what_went_only_through_a_replaced_key(
         await ledger.reopen_refused_charge(conn, refused.idempotency_key, retry, fenced_by=K2)
         unsent = await ledger.unsent_totals(conn, str(PERIOD))
     assert unsent == {"usd": stale.amount_cents + refused.amount_cents + unclaimed.amount_cents}
+
+
+async def test_a_finished_claim_is_closed_at_the_gate_though_an_attempt_passed(
+    harness: Harness,
+) -> None:
+    """A retry passes the gate once a first attempt has (it may be at Stripe), but only while
+    the claim is open: a stale attempt of a claim charged or failed since (a terminated
+    run's child, a re-drive) stops there, or it charges the customer again, under a key
+    Stripe may have forgotten."""
+    charged, failed = await claimed(harness, 2)
+    async with harness.pool.acquire() as conn:
+        for claim in (charged, failed):
+            await passed(conn, claim, K1)
+        result = ChargeResult(
+            charge_id="ch_1",
+            payment_intent_id="pi_1",
+            amount_cents=charged.amount_cents,
+            currency=charged.currency,
+        )
+        await ledger.record_charge(conn, charged.idempotency_key, result)
+        declined = ChargeFailure(code="card_declined", message="declined")
+        await ledger.record_unbilled(conn, failed.idempotency_key, "failed", declined)
+        for claim, status in ((charged, "charged"), (failed, "failed")):
+            with pytest.raises(ClaimClosedError) as closed:
+                await ledger.begin_charge(conn, claim, K1)
+            assert closed.value.status == status
+            assert await attempts(conn, claim) == (True, 1)

@@ -6,6 +6,7 @@ key can still be on its way when Stripe forgets it; and the skip that may reach 
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 
 import asyncpg
@@ -15,6 +16,7 @@ from billing import ledger
 from billing.models import Claim, Control, PeriodPlan, SkipResult
 from tests.integration.harness import Harness
 from tests.integration.test_ledger_reopen import PERIOD, claimed, passed
+from tests.waiting import eventually, waits_on_a_lock
 
 
 async def sent_in(conn: asyncpg.Connection, harness: Harness, control: Control) -> Claim:
@@ -164,3 +166,45 @@ async def test_a_skip_is_refused_once_the_held_charge_is_too_old(harness: Harnes
         )
         refused = await skip(conn, claim)
         assert not refused.skipped and "already been sent" in refused.detail
+
+
+async def test_a_stop_waits_for_an_attempt_passing_the_gate_and_leaves_the_claim_to_it(
+    harness: Harness,
+) -> None:
+    """Attempt 1 met a saved 500 in a cancelled run while attempt 2 was passing the gate
+    (uncommitted). Its stop waits for that pass and, attempt 1 no longer the latest, records
+    nothing: read from before the pass, it recorded the claim cancelled while attempt 2,
+    sent, may charge."""
+    async with harness.pool.acquire() as conn, harness.pool.acquire() as retrying:
+        claim = await sent_in(conn, harness, "cancelled")
+        async with retrying.transaction():
+            assert await passed(retrying, claim, None) == 2
+            stop = asyncio.create_task(
+                ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1, record=True)
+            )
+            await eventually(lambda: waits_on_a_lock(harness.pool, conn, stop))
+        assert await stop is None
+        assert await status(conn, claim) == "claimed"
+
+
+async def test_a_skip_before_the_runs_cancel_ends_the_held_charge_skipped_for_its_reason(
+    harness: Harness,
+) -> None:
+    """Skipped while held behind a saved 500, then its run cancelled: it ends skipped, for
+    the skip's reason and by its operator, as the gate stops a claim skipped before a
+    cancel. The ledger keeps the decision taken first, not the cancel's words."""
+    async with harness.pool.acquire() as conn:
+        claim = await sent_in(conn, harness, "running")
+        assert (
+            await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1, record=True)
+            is None
+        )
+        assert (await skip(conn, claim)).skipped
+        await ledger.set_control(conn, str(PERIOD), "cancelled", "wrong prices", "bob")
+        assert await passed(conn, claim, None) == 2
+        assert (
+            await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 2, record=True)
+            == "skipped"
+        )
+        [row] = await harness.ledger_rows(str(PERIOD))
+        assert (row["status"], row["reason"], row["decided_by"]) == ("skipped", "disputed", "ops")
