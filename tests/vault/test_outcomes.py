@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -26,7 +27,7 @@ from stripe_emulator import RunningEmulator
 from stripe_emulator.client import EmulatorClient
 from tests.prometheus import metric_value
 from tests.waiting import eventually
-from vault import RunningVault, VaultSettings, reservations, serve, store
+from vault import RunningVault, VaultSettings, reservations, send_deadline, serve, store
 from vault import state as vault_state
 from vault.client import VaultAdmin, VaultConflict, VaultInvalidRequest, VaultNotFound
 from vault.models import IssuedKey
@@ -699,11 +700,11 @@ async def test_a_wait_for_a_database_connection_does_not_count_against_the_send_
     # A busy pool delays the reservation, whose clock (its updated_at) starts only once it
     # runs: the deadline starts there too, or load alone would refuse charges.
     key = await issue(cap_cents=10_000)
-    monkeypatch.setattr(vault_state, "_STALE_MARGIN", timedelta(seconds=0.2))
+    clock = VaultClock(monkeypatch)
     enter = asyncpg.pool.PoolAcquireContext.__aenter__
 
     async def busy_pool(context: asyncpg.pool.PoolAcquireContext) -> Any:
-        await asyncio.sleep(0.5)
+        clock.pass_send_limit()  # the wait outlasts the time a charge has to be sent
         return await enter(context)
 
     monkeypatch.setattr(asyncpg.pool.PoolAcquireContext, "__aenter__", busy_pool)
@@ -739,17 +740,39 @@ async def test_a_debit_replayed_as_processing_is_left_for_reconciliation(
     assert (totals["reserved_cents"], totals["spent_cents"]) == (1_200, 1_300)
 
 
+class VaultClock:
+    """The clocks the vault's send deadline reads (vault/send_deadline.py), both moved on by
+    the test at will: time passes while the vault is held up without the test waiting it
+    out, so whether a charge is past its limit does not depend on how loaded the machine is.
+    A charge not held up has the vault's whole limit (vault.state._STALE_MARGIN) to be sent;
+    one held up is past it, however fast the machine."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.skipped = 0.0
+        monkeypatch.setattr(send_deadline, "time", self)
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.skipped
+
+    def time(self) -> float:
+        return time.time() + self.skipped
+
+    def pass_send_limit(self) -> None:
+        """Time enough passes for a charge reserved before to be past its send limit."""
+        self.skipped += (vault_state._STALE_MARGIN + timedelta(seconds=1)).total_seconds()
+
+
 class HeldUp:
     """Holds the vault up between a charge's reservation and its sending, as a frozen process
     (a paused container, a suspended machine) would, while `on`: right after reserving, or
     while aiohttp gets the upstream connection (every connection busy, a slow connect). The
-    vault may take 0.2 s there."""
+    hold moves the vault's clock past the charge's send limit (VaultClock)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, where: str, upstream_port: int) -> None:
         self.on = True
         # The vault's connections to Stripe made while held up.
         self.upstream: list[ResponseHandler] = []
-        monkeypatch.setattr(vault_state, "_STALE_MARGIN", timedelta(seconds=0.2))
+        self.clock = VaultClock(monkeypatch)
         if where == "reserving":
             reserve = reservations.reserve
 
@@ -776,7 +799,8 @@ class HeldUp:
 
     async def _hold(self) -> None:
         if self.on:
-            await asyncio.sleep(0.5)
+            self.clock.pass_send_limit()
+            await asyncio.sleep(0)  # as a wait would, lets the vault's other tasks run
 
 
 @pytest.mark.parametrize("where", ["reserving", "connecting"])
