@@ -749,17 +749,33 @@ class VaultClock:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.skipped = 0.0
+        # Time only the wall clock saw pass: a machine suspended, whose monotonic clock stops.
+        self.suspended = 0.0
         monkeypatch.setattr(send_deadline, "time", self)
 
     def monotonic(self) -> float:
         return time.monotonic() + self.skipped
 
     def time(self) -> float:
-        return time.time() + self.skipped
+        return time.time() + self.skipped + self.suspended
 
     def pass_send_limit(self) -> None:
         """Time enough passes for a charge reserved before to be past its send limit."""
         self.skipped += (vault_state._STALE_MARGIN + timedelta(seconds=1)).total_seconds()
+
+
+def test_a_machine_suspended_past_the_send_limit_holds_a_charge_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A machine suspended between a charge's reservation and its sending may stop the
+    monotonic clock; the wall clock saw the time pass, and the charge is not sent."""
+    clock = VaultClock(monkeypatch)
+    send_by = send_deadline.SendBy(send_deadline.Stamp.now(), within_seconds=10)
+    clock.suspended = 9.0
+    send_by.check()
+    clock.suspended = 11.0
+    with pytest.raises(send_deadline.HeldUpError):
+        send_by.check()
 
 
 class HeldUp:
