@@ -180,6 +180,26 @@ async def test_a_claim_stripe_already_charged_otherwise_is_not_charged_again(
     assert left.detail and "charging again would bill it twice" in left.detail
 
 
+async def test_a_declined_attempt_under_another_key_does_not_hold_a_claim(
+    harness: Harness,
+) -> None:
+    # Only a charge made holds a claim for a person: a decline under another key (a
+    # script's try) charged nothing, so the claim is re-driven with its own key as usual.
+    [customer] = await harness.seed(1, card_for=lambda _: "pm_card_chargeCustomerFail")
+    claim = await stranded(harness, customer, at_stripe=False)
+    other = idempotency_key("old-namespace", customer.customer_id, PERIOD)
+    script = claim.model_copy(update={"idempotency_key": other})
+    with pytest.raises(stripe.CardError):
+        await harness.stripe.v1.payment_intents.create_async(
+            charge_params(script, "payment_intents"),  # type: ignore[arg-type]
+            {"idempotency_key": other},
+        )
+    report = await reconcile(harness)
+    assert [(c.action, c.outcome, c.needs_person) for c in report.claims] == [
+        ("redriven", "failed", False)
+    ]
+
+
 @pytest.mark.parametrize("active", [False, True], ids=["renamed", "another-account"])
 async def test_a_charge_of_its_stripe_customer_under_another_id_holds_a_claim_unless_active(
     harness: Harness, active: bool
@@ -765,6 +785,58 @@ async def test_an_unknown_reservation_with_no_charge_is_released_and_its_claim_c
         0,
     )
     await assert_billed_once(vaulted, str(PERIOD), customers)
+
+
+async def test_an_unknown_reservation_of_an_intent_left_unconfirmed_stays_counted(
+    vaulted: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stripe may still complete an intent it left unconfirmed that the lookup's key could
+    not cancel: its reservation stays unknown, its cap room counted, for a person, however
+    long it was left alone. Released, it would free the room and invite a charge again."""
+    [customer] = await vaulted.seed(1)
+    admin = await lost_in_doubt(vaulted, [customer])
+    stalled = ChargeFailure(
+        code=INCOMPLETE_INTENT, message="cancel pi_1 on Stripe", payment_intent_id="pi_1"
+    )
+
+    async def unconfirmed(
+        self: ReconcileActivities, claim: Claim, *, recheck: bool = False
+    ) -> tuple[ChargeResult | ChargeFailure | None, bool]:
+        return stalled, True
+
+    monkeypatch.setattr(ReconcileActivities, "_find", unconfirmed)
+    report = await reconcile(vaulted)
+    [left] = report.reservations
+    assert (left.state, left.detail, left.needs_person) == (
+        "unknown",
+        "cancel pi_1 on Stripe",
+        True,
+    )
+    assert report.needs_a_person
+    [key] = await admin.find_keys(period=str(PERIOD), label=period_keys.LABEL)
+    assert len(await admin.unknown_reservations(key.id)) == 1
+
+
+async def test_an_unknown_reservation_no_ledger_row_has_the_key_of_is_for_a_person(
+    vaulted: Harness,
+) -> None:
+    # Nothing of ours looks it up: no later run settles it, so the report must need a
+    # person (with the admin token), not read all clear while its cap room stays counted.
+    [customer] = await vaulted.seed(1)
+    await lost_in_doubt(vaulted, [customer])
+    await vaulted.pool.execute(
+        "UPDATE vault_reservations SET idempotency_key = 'by-a-script-0123456789abcdef'"
+    )
+    # Its room still counted, the claim's re-drive meets the cap: stopped soon, left.
+    request = ReconcileInput(period=str(PERIOD), redrive_timeout_seconds=1)
+    report, _ = await reconciled_with(vaulted, request)
+    [left] = [r for r in report.reservations if r.customer_id is None]
+    assert (left.state, left.detail, left.needs_person) == (
+        "unknown",
+        "no ledger row has this key",
+        True,
+    )
+    assert report.needs_a_person
 
 
 async def test_a_500_stripe_saved_for_a_lost_run_is_charged_once_stripe_forgets_the_key(
@@ -1820,6 +1892,25 @@ async def test_claims_left_alone_do_not_hide_one_stranded_behind_them(
         (behind.customer_id, "recorded"),
     ]
     assert not report.more_claims
+
+
+async def test_a_claim_left_for_a_person_is_listed_past_those_left_alone(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More claims left alone than the report lists: the one stranded for a person (never
+    sent, its run ended while paused) is listed first, or the report would read all clear."""
+    monkeypatch.setattr(reconcile_activities, "MAX_CLAIMS", 1)
+    owned, paused = await harness.seed(2)
+    await stranded(harness, owned, at_stripe=False, terminate=False)
+    key = idempotency_key(harness.settings.billing_key_namespace, paused.customer_id, PERIOD)
+    async with harness.pool.acquire() as conn:
+        await ledger.claim(conn, paused.customer_id, str(PERIOD), key, charge_api="payment_intents")
+        await conn.execute(
+            "UPDATE billing_periods SET control = 'paused' WHERE billing_period = $1", str(PERIOD)
+        )
+    report = await reconcile(harness)
+    assert [(c.customer_id, c.needs_person) for c in report.claims] == [(paused.customer_id, True)]
+    assert report.needs_a_person
 
 
 async def test_a_reconcile_history_replays(harness: Harness) -> None:

@@ -586,3 +586,39 @@ def test_a_shared_stripe_customers_findings_are_counted_once_whatever_the_room(
 def test_a_page_counts_a_charge_listed_twice_on_it_once() -> None:
     in_full, counts = for_listing([finding("ch_1"), finding("ch_1"), finding("ch_2")], 0, {"ch_1"})
     assert (in_full, counts) == ([], {"duplicate": 1})
+
+
+def test_a_run_that_ended_before_its_close_needs_a_person_and_a_recheck() -> None:
+    # Due customers no run claimed have no claim or charge to find: only this count says
+    # they went unbilled, and no later reconciliation bills them.
+    recorded = ClaimResolution(customer_id="c-1", action="recorded", outcome="charged")
+    ended = quiet_report(claims=[recorded], reservations=[], unclaimed_by_ended_run=2)
+    assert ended.needs_a_person
+    assert ended.open_reason == "something for a person"
+
+
+def test_a_period_is_rechecked_for_whatever_needs_a_person_not_only_findings() -> None:
+    # The daily reconciliation goes back to a period only while its open_reason says
+    # something: customers nobody could list, or an intent a person must cancel (recorded
+    # failed, so no claim is left open), must keep it coming back, as a finding does.
+    recorded = ClaimResolution(customer_id="c-1", action="recorded", outcome="charged")
+    done = quiet_report(claims=[recorded], reservations=[])
+    assert done.open_reason is None
+    stalled = recorded_failure(
+        "c-1",
+        ChargeFailure(
+            code=INCOMPLETE_INTENT, message="cancel pi_1 on Stripe", payment_intent_id="pi_1"
+        ),
+    )
+    for report in (
+        done.model_copy(update={"unchecked_count": 1}),
+        done.model_copy(update={"claims": [stalled]}),
+    ):
+        assert report.open_reason == "something for a person"
+
+
+def test_a_finding_is_reported_in_its_charges_own_currency() -> None:
+    # 150,000 in yen is not $1,500: a person refunds what the finding says.
+    yen = charge("ch_2", amount=150_000).model_copy(update={"currency": "jpy"})
+    [finding] = classify([charge("ch_1"), yen], {"cust-1": entry("ch_1")})
+    assert (finding.charge_id, finding.amount_cents, finding.currency) == ("ch_2", 150_000, "jpy")
