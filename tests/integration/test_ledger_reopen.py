@@ -69,6 +69,17 @@ async def attempts(conn: asyncpg.Connection, claim: Claim) -> tuple[bool, int]:
     return row["started"], row["attempts"]
 
 
+async def record_charged(conn: asyncpg.Connection, claim: Claim) -> None:
+    """The claim's charge (ch_1) recorded: the claim is finished."""
+    result = ChargeResult(
+        charge_id="ch_1",
+        payment_intent_id="pi_1",
+        amount_cents=claim.amount_cents,
+        currency=claim.currency,
+    )
+    await ledger.record_charge(conn, claim.idempotency_key, result)
+
+
 async def sent_through(conn: asyncpg.Connection, claim: Claim) -> list[str] | None:
     keys: list[str] | None = await conn.fetchval(
         "SELECT sent_through FROM billing_runs WHERE idempotency_key = $1", claim.idempotency_key
@@ -204,13 +215,7 @@ async def test_a_finished_claim_is_never_reopened(harness: Harness) -> None:
     (claim,) = await claimed(harness)
     async with harness.pool.acquire() as conn:
         token = await passed(conn, claim, K1)
-        result = ChargeResult(
-            charge_id="ch_1",
-            payment_intent_id="pi_1",
-            amount_cents=claim.amount_cents,
-            currency=claim.currency,
-        )
-        await ledger.record_charge(conn, claim.idempotency_key, result)
+        await record_charged(conn, claim)
         assert not await ledger.reopen_refused_charge(
             conn, claim.idempotency_key, token, fenced_by=K1
         )
@@ -251,13 +256,7 @@ async def test_a_finished_claim_is_closed_at_the_gate_though_an_attempt_passed(
     async with harness.pool.acquire() as conn:
         for claim in (charged, failed):
             await passed(conn, claim, K1)
-        result = ChargeResult(
-            charge_id="ch_1",
-            payment_intent_id="pi_1",
-            amount_cents=charged.amount_cents,
-            currency=charged.currency,
-        )
-        await ledger.record_charge(conn, charged.idempotency_key, result)
+        await record_charged(conn, charged)
         declined = ChargeFailure(code="card_declined", message="declined")
         await ledger.record_unbilled(conn, failed.idempotency_key, "failed", declined)
         for claim, status in ((charged, "charged"), (failed, "failed")):
