@@ -1139,8 +1139,8 @@ async def test_firings_waiting_for_an_open_launch_are_not_called_missed(harness:
     handle = await firing_every(harness, "held-and-named", 1)
     try:
         await eventually(partial(_waiting, handle), timeout=60)
-        await handle.update(_no_more_firings)
-        await asyncio.sleep(2)
+        end = await _stop_firing(handle)
+        await eventually(partial(_all_taken, harness, handle, end), timeout=60)
         missed = await schedules.missed_launches(harness.client, "held-and-named")
         code, out, err = await harness.starter("schedule", "describe", "--id", "held-and-named")
         waiting = (await handle.describe()).raw_description.info.buffer_size
@@ -1175,8 +1175,7 @@ async def test_firings_skipped_while_paused_are_named_beside_firings_held(
         await handle.unpause(note="again")
         await asyncio.sleep(4)
 
-        await handle.update(_no_more_firings)
-        await asyncio.sleep(3)
+        await _stop_firing(handle)
         held = (await handle.describe()).raw_description.info.buffer_size
         missed = await schedules.missed_launches(harness.client, "paused-between-held")
         code, _out, err = await harness.starter(
@@ -1197,10 +1196,37 @@ async def test_firings_skipped_while_paused_are_named_beside_firings_held(
     assert code == 0 and "may be firings Temporal holds for the launch still open" in err, err
 
 
-def _no_more_firings(update: ScheduleUpdateInput) -> ScheduleUpdate:
-    schedule = update.description.schedule
-    schedule.spec.end_at = datetime.now(UTC)
-    return ScheduleUpdate(schedule=schedule)
+async def _stop_firing(handle: ScheduleHandle) -> datetime:
+    """End the schedule's firings, wait past the end, and return it.
+
+    The end is set a few seconds ahead: an end of "now" reaches the scheduler after it may
+    have taken the next firing, which the schedule's times then no longer list (a loaded
+    machine saw one more held than listed)."""
+    end = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=3)
+
+    def ending(update: ScheduleUpdateInput) -> ScheduleUpdate:
+        schedule = update.description.schedule
+        schedule.spec.end_at = end
+        return ScheduleUpdate(schedule=schedule)
+
+    await handle.update(ending)
+    await asyncio.sleep((end - datetime.now(UTC)).total_seconds() + 1)
+    return end
+
+
+async def _all_taken(harness: Harness, handle: ScheduleHandle, end: datetime) -> bool:
+    """Whether Temporal has taken each of an unpaused schedule's firings up to `end`
+    (launched, held or dropped): a loaded scheduler may lag behind the clock."""
+    info = (await handle.describe()).raw_description.info
+    taken = (
+        info.action_count
+        + info.buffer_size
+        + info.buffer_dropped
+        + info.overlap_skipped
+        + info.missed_catchup_window
+    )
+    created = info.create_time.ToDatetime(tzinfo=UTC)
+    return taken >= len(await schedules.matching_times(harness.client, handle.id, created, end))
 
 
 async def _waiting(handle: ScheduleHandle) -> bool:
