@@ -10,11 +10,20 @@ from typing import Any
 import asyncpg
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 60) -> None:
-    """Wait until `check()` is true; fail the test after `timeout` seconds."""
+async def eventually(
+    check: Callable[[], Awaitable[bool]],
+    timeout: float = 60,
+    *,
+    explain: Callable[[], Awaitable[str]] | None = None,
+) -> None:
+    """Wait until `check()` is true; fail the test after `timeout` seconds, with what
+    `explain()` then says (where the time went: a flake seen once in CI is read from its
+    log, as it may not come back)."""
     deadline = time.monotonic() + timeout
     while not await check():
-        assert time.monotonic() < deadline, "condition not reached in time"
+        if time.monotonic() >= deadline:
+            said = f"\n{await explain()}" if explain is not None else ""
+            raise AssertionError(f"condition not reached in {timeout:g} s{said}")
         await asyncio.sleep(0.1)
 
 

@@ -13,6 +13,7 @@ import contextlib
 import json
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import pytest
@@ -32,6 +33,7 @@ from billing.runs import start_period
 from tests.integration.harness import Harness, at_least, single_batch_activations
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
+from tests.integration.timeline import timeline
 from tests.waiting import eventually
 from workflows.billing_period import HAND_OVER_SETTLE, BillingPeriodWorkflow
 
@@ -117,13 +119,14 @@ async def _cancelled_while_paused_past_the_limit(
     the run, its first run, and the pause."""
     handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
     first = harness.client.get_workflow_handle(handle.id, run_id=(await handle.describe()).run_id)
-    await eventually(lambda: _all_billing(hold), timeout=30)
+    told = partial(timeline, first)
+    await eventually(lambda: _all_billing(hold), timeout=30, explain=told)
     pausing = asyncio.create_task(operations.control(harness.client, PERIOD, "pause", BOB))
     await asyncio.wait_for(hold.reached["paused"].wait(), 30)
     hold.bills_go.set()
-    await eventually(lambda: _paused_past_the_limit(first), timeout=60)
+    await eventually(lambda: _paused_past_the_limit(first), timeout=60, explain=told)
     await handle.cancel()
-    await eventually(lambda: _cancel_taken(first), timeout=30)
+    await eventually(lambda: _cancel_taken(first), timeout=30, explain=told)
     return handle, first, pausing
 
 

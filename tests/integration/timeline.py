@@ -1,0 +1,45 @@
+"""A workflow run's history in a few lines, for a failing test's message: where its time
+went, when a wait that usually takes seconds ran out in CI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import WorkflowHandle
+
+
+@dataclass
+class _Entry:
+    name: str
+    first: float  # seconds from the run's first event
+    last: float
+    count: int = 1
+
+    def __str__(self) -> str:
+        folded = f" x{self.count} over {self.last - self.first:.1f}s" if self.count > 1 else ""
+        return f"+{self.first:.1f}s {self.name}{folded}"
+
+
+async def timeline(handle: WorkflowHandle[Any, Any]) -> str:
+    """`ID RUN: +0.0s WORKFLOW_EXECUTION_STARTED, +0.0s WORKFLOW_TASK x3 over 0.2s, ...`:
+    consecutive events of one type fold into one entry, a workflow task's three events
+    count as one type."""
+    entries: list[_Entry] = []
+    begun: float | None = None
+    async for event in handle.fetch_history_events():
+        at = event.event_time.ToDatetime().timestamp()
+        begun = at if begun is None else begun
+        name = _name(event.event_type)
+        if entries and entries[-1].name == name:
+            entries[-1].last = at - begun
+            entries[-1].count += 1
+        else:
+            entries.append(_Entry(name, at - begun, at - begun))
+    return f"{handle.id} {handle.run_id or 'latest'}: " + ", ".join(map(str, entries))
+
+
+def _name(event_type: EventType.ValueType) -> str:
+    name = EventType.Name(event_type).removeprefix("EVENT_TYPE_")
+    return "WORKFLOW_TASK" if name.startswith("WORKFLOW_TASK_") else name
