@@ -1199,10 +1199,10 @@ async def test_firings_skipped_while_paused_are_named_beside_firings_held(
 async def _stop_firing(handle: ScheduleHandle) -> datetime:
     """End the schedule's firings, wait past the end, and return it.
 
-    The end is set a few seconds ahead: an end of "now" reaches the scheduler after it may
-    have taken the next firing, which the schedule's times then no longer list (a loaded
-    machine saw one more held than listed)."""
-    end = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=3)
+    The end is set seconds ahead: an end of "now" reaches the scheduler after it may have
+    taken the next firing, which the schedule's times then no longer list (a loaded machine
+    saw one more held than listed), and a loaded machine takes a while to update."""
+    end = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=5)
 
     def ending(update: ScheduleUpdateInput) -> ScheduleUpdate:
         schedule = update.description.schedule
