@@ -93,6 +93,28 @@ async def test_declined_card_fails_once_and_the_rest_are_charged(harness: Harnes
     assert len(sent) == 1
 
 
+def asks_for_authentication_first(index: int) -> str:
+    return "pm_card_authenticationRequired" if index == 1 else "pm_card_visa"
+
+
+async def test_a_card_that_asks_for_authentication_fails_off_session_at_once(
+    harness: Harness,
+) -> None:
+    """Nobody is at hand to authenticate a renewal: sent off session, Stripe declines it at
+    once (authentication_required). Sent on session, it would wait for the customer to act,
+    holding the period open for days."""
+    customers = await harness.seed(2, card_for=asks_for_authentication_first)
+    async with harness.running_worker(), asyncio.timeout(120):
+        summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    assert (summary.charged, summary.failed) == (1, 1)
+    row = next(
+        r
+        for r in await harness.ledger_rows(str(PERIOD))
+        if r["customer_id"] == customers[0].customer_id
+    )
+    assert (row["status"], row["failure_code"]) == ("failed", "authentication_required")
+
+
 # What Stripe answers a charge naming no payment method when the customer has no legacy
 # default source, as the customers imported with PaymentMethods have none (docs/operations.md).
 NO_METHOD_REFUSALS = {

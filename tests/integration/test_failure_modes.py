@@ -301,6 +301,22 @@ async def test_a_500_stripe_saved_before_charging_is_retried_until_stripe_forget
     assert creates[-3:] == [(500, False), (500, True), (200, False)]
 
 
+async def _left_unconfirmed(
+    harness: Harness, customer: CustomerRow, key: str
+) -> stripe.PaymentIntent:
+    """An intent with the claim's key that Stripe left unconfirmed after answering its
+    request with an error (planted: the emulator makes none)."""
+    return await harness.stripe.v1.payment_intents.create_async(
+        {
+            "amount": customer.amount_cents,
+            "currency": customer.currency,
+            "customer": customer.stripe_customer_id,
+            "payment_method": customer.payment_method,
+            "metadata": {KEY_METADATA: key},
+        }
+    )
+
+
 @pytest.mark.parametrize("may_cancel", [True, False], ids=["cancelled", "key-from-before"])
 async def test_an_intent_stripe_left_unconfirmed_behind_a_saved_500_is_cancelled(
     vaulted: Harness, monkeypatch: pytest.MonkeyPatch, may_cancel: bool
@@ -316,15 +332,7 @@ async def test_an_intent_stripe_left_unconfirmed_behind_a_saved_500_is_cancelled
     monkeypatch.setattr(stripe_gateway, "STALLED_AFTER_SECONDS", 0)
     customer, charging, request = await _behind_a_saved_500(vaulted)
     [row] = await vaulted.ledger_rows(str(PERIOD))
-    stalled = await vaulted.stripe.v1.payment_intents.create_async(
-        {
-            "amount": customer.amount_cents,
-            "currency": customer.currency,
-            "customer": customer.stripe_customer_id,
-            "payment_method": customer.payment_method,
-            "metadata": {KEY_METADATA: row["idempotency_key"]},
-        }
-    )
+    stalled = await _left_unconfirmed(vaulted, customer, row["idempotency_key"])
     if not may_cancel:
         await vaulted.pool.execute(
             "UPDATE vault_keys SET allowed_endpoints = array_remove(allowed_endpoints, $1)",
@@ -350,6 +358,27 @@ async def test_an_intent_stripe_left_unconfirmed_behind_a_saved_500_is_cancelled
     assert [r.state for r in report.reservations] == ["released"]
     assert [(c.action, c.outcome) for c in report.claims] == [("redriven", "charged")]
     await assert_billed_once(vaulted, str(PERIOD), [customer])
+
+
+async def test_a_lookup_key_leaves_an_intent_stripe_left_unconfirmed_to_a_person(
+    vaulted: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lookup key (reconciliation's, once the period's key can no longer be used) only
+    reads: it does not try to cancel, which the vault would refuse and audit as a key
+    reaching past its allowlist. The claim's failure says to cancel the intent by hand."""
+    monkeypatch.setattr(stripe_gateway, "STALLED_AFTER_SECONDS", 0)
+    customer, _, _ = await _behind_a_saved_500(vaulted)
+    [row] = await vaulted.ledger_rows(str(PERIOD))
+    stalled = await _left_unconfirmed(vaulted, customer, row["idempotency_key"])
+    async with vaulted.pool.acquire() as conn:
+        claim = await ledger.claim_by_key(conn, row["idempotency_key"])
+    assert claim is not None
+    lookup = await vaulted.vault_access().lookup_gateway(str(PERIOD), customer.currency)
+    found = await lookup.find(claim)
+    assert isinstance(found, ChargeFailure)
+    assert (found.code, found.payment_intent_id) == (INCOMPLETE_INTENT, stalled.id)
+    refused = "SELECT count(*) FROM vault_audit WHERE decision LIKE 'refused%'"
+    assert await vaulted.pool.fetchval(refused) == 0
 
 
 @pytest.mark.parametrize(
@@ -454,6 +483,36 @@ async def test_a_cancel_behind_a_saved_500_waits_for_the_fence(vaulted: Harness,
         # The vault back: the next retry fences, then records the cancel.
         outcome = await _attempt(3).run(charging.bill, request)
         assert outcome.outcome == "cancelled"
+    assert await vaulted.succeeded() == 0
+
+
+async def test_a_cancel_behind_a_saved_500_needs_no_fence_on_a_key_expired_since(
+    vaulted: Harness,
+) -> None:
+    """Attempt 1 went out through a key the worker token may not fence (issued with the
+    admin token) that has expired since, and the claim goes on through the key that
+    replaced it. An expired key sends nothing more, so the cancel is recorded: waiting for a
+    fence nobody can raise would hold the claim, and its period, for good."""
+    assert vaulted.vault is not None
+    customer, charging, request = await _behind_a_saved_500(vaulted, key_by_admin=True)
+    [row] = await vaulted.ledger_rows(str(PERIOD))
+    [first_key] = row["sent_through"]
+    await period_keys.issue_key(
+        vaulted.pool,
+        vaulted.vault.worker,
+        vaulted.settings.secret_box(),
+        PERIOD,
+        customer.currency,
+        10 * customer.amount_cents,
+        timedelta(days=1),
+        known_in=vaulted.pool,
+    )
+    await vaulted.pool.execute("UPDATE vault_keys SET expires_at = now() WHERE id = $1", first_key)
+    await _cancelled(vaulted)
+    with pytest.raises(ApplicationError, match="retrying with the new key"):
+        await _attempt(2).run(charging.bill, request)
+    outcome = await _attempt(3).run(charging.bill, request)
+    assert outcome.outcome == "cancelled"
     assert await vaulted.succeeded() == 0
 
 

@@ -359,3 +359,90 @@ def test_a_refused_lookup_key_is_retried_with_another(code: str | None) -> None:
     assert not misdirected(failure)
     if code:
         assert "a retry issues another" in failure.message
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "kind"),
+    [(404, "url_invalid", KEY_REFUSED), (400, None, REFUSED)],
+    ids=["vault-path-not-forwarded", "stripe-400-without-code"],
+)
+def test_only_a_404_naming_no_object_says_the_url_called_is_set_wrong(
+    status: int, code: str | None, kind: str
+) -> None:
+    """The vault's url_invalid comes only from a BILLING_VAULT_URL set wrong: recorded as each
+    customer's failure, it failed the whole period for good. A 400, code or none, is Stripe
+    refusing this customer's request: pausing the period would only hold it for an operator."""
+    body = {"error": {"message": "refused", "type": "invalid_request_error"}}
+    if code:
+        body["error"]["code"] = code
+    failure = to_temporal_failure(
+        stripe.InvalidRequestError(  # type: ignore[no-untyped-call]
+            "refused", None, code, http_status=status, json_body=body
+        )
+    )
+    assert (failure.type, failure.non_retryable) == (kind, True)
+    assert misdirected(failure) == (kind == KEY_REFUSED)
+
+
+@pytest.mark.parametrize(
+    ("cls", "status", "code"),
+    [
+        (stripe.AuthenticationError, 401, "vault_key_revoked"),
+        (stripe.PermissionError, 403, "endpoint_not_allowed"),
+    ],
+)
+def test_a_lookup_the_periods_key_may_not_make_stops_the_period_not_the_customer(
+    cls: type[stripe.StripeError], status: int, code: str
+) -> None:
+    """A refused key is the period's matter, as on a create: recorded as the customer's
+    failure (a charge may exist), a revoked key would fail every customer left to look up for
+    good, where the period should pause for an operator to renew the key."""
+    failure = lookup_failure(_error(cls, status, code=code))
+    assert (failure.type, failure.non_retryable) == (KEY_REFUSED, True)
+    assert failure.details[0].code == code
+
+
+# Shaped as a live secret key, as Stripe may quote one back in an error's message.
+QUOTED_KEY = "sk_" + "live_" + "51HxQz2eZvKYlo2C0aB1cD2eF3gH4iJ5"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        stripe.CardError(  # type: ignore[no-untyped-call]
+            f"declined for {QUOTED_KEY}", None, "card_declined", http_status=402
+        ),
+        stripe.APIError(f"no answer for {QUOTED_KEY}", http_status=500),
+        _error(stripe.APIError, 409, code="idempotency_key_expired", message=QUOTED_KEY),
+        stripe.InvalidRequestError(  # type: ignore[no-untyped-call]
+            f"Unrecognized request URL (POST: /v1/{QUOTED_KEY})", None, http_status=404
+        ),
+        _error(stripe.AuthenticationError, 401, message=f"Invalid API Key provided: {QUOTED_KEY}"),
+    ],
+    ids=["decline", "5xx", "key-expired", "unknown-url", "key-refused"],
+)
+def test_no_failure_repeats_a_key_stripe_quoted(error: stripe.StripeError) -> None:
+    """I5: the failure is kept in workflow history, the ledger and the logs, which people
+    read; Stripe's own message can quote the key the request carried."""
+    failure = to_temporal_failure(error)
+    said = [failure.message, *(str(detail) for detail in failure.details)]
+    assert not [text for text in said if QUOTED_KEY in text]
+
+
+@pytest.mark.parametrize("replayed", [True, False], ids=["replayed", "first"])
+def test_a_decline_stripe_replays_is_as_final_as_the_first(replayed: bool) -> None:
+    """A retry after a lost answer meets the decline Stripe saved for the key: retried, it
+    would hold the claim a day, past a cancel or skip, then send the card again once Stripe
+    forgets the key."""
+    body = {"error": {"code": "card_declined", "decline_code": "generic_decline"}}
+    decline = stripe.CardError(  # type: ignore[no-untyped-call]
+        "declined",
+        None,
+        "card_declined",
+        http_status=402,
+        json_body=body,
+        headers={"Idempotent-Replayed": "true"} if replayed else {},
+    )
+    failure = to_temporal_failure(decline)
+    assert (failure.type, failure.non_retryable) == (DECLINED, True)
+    assert failure.details[0].decline_code == "generic_decline"

@@ -18,7 +18,7 @@ from activities.stripe_gateway import STALLED_AFTER_SECONDS, NoAnswerYet, Stripe
 from billing.models import ChargeFailure, ChargeResult
 from billing.reconciliation import INCOMPLETE_INTENT, left_unknown_because
 from tests.unit.claims import CLAIM as LEDGER_CLAIM
-from vault.endpoints import CHARGE_IN_FLIGHT, NOT_IN_DOUBT, UPSTREAM_REFUSED
+from vault.endpoints import CHARGE_IN_FLIGHT, FENCE_HEADER, NOT_IN_DOUBT, UPSTREAM_REFUSED
 
 CLAIM = LEDGER_CLAIM.model_copy(update={"charge_api": "charges"})
 
@@ -80,7 +80,23 @@ class Listing:
         return SimpleNamespace(data=self.charges, has_more=False)
 
 
-def gateway(listing: Listing) -> StripeGateway:
+@dataclass
+class Pages:
+    """Stands in for `v1.charges.list_async` over many pages, as Stripe pages a customer's
+    charges: newest first, `limit` of them after `starting_after`."""
+
+    charges: list[stripe.Charge]
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    async def __call__(self, params: dict[str, Any]) -> SimpleNamespace:
+        self.calls.append(dict(params))
+        ids = [listed.id for listed in self.charges]
+        start = ids.index(params["starting_after"]) + 1 if "starting_after" in params else 0
+        end = start + params["limit"]
+        return SimpleNamespace(data=self.charges[start:end], has_more=end < len(self.charges))
+
+
+def gateway(listing: Listing | Pages) -> StripeGateway:
     client = SimpleNamespace(v1=SimpleNamespace(charges=SimpleNamespace(list_async=listing)))
     return StripeGateway(client, "charges")  # type: ignore[arg-type]
 
@@ -118,14 +134,32 @@ async def test_a_periods_charges_are_listed_with_their_state(
 
 
 async def test_a_failed_charge_is_found_as_failed_with_stripes_code() -> None:
-    failed = charge("failed", failure_code="card_declined", failure_message="declined")
+    failed = charge("failed", failure_code="expired_card", failure_message="expired")
     found = await gateway(Listing([failed])).find(CLAIM)
     assert isinstance(found, ChargeFailure)
-    assert (found.code, found.charge_id) == ("card_declined", "ch_failed")
+    assert (found.code, found.charge_id) == ("expired_card", "ch_failed")
+
+
+async def test_of_failed_charges_with_the_claims_key_the_latest_is_its_answer() -> None:
+    """Sent again once Stripe had forgotten the key, the claim failed twice: Stripe lists the
+    latest first, and its reason (the card since replaced, now short of funds) is what a
+    person acts on."""
+    latest = charge("failed", id="ch_latest", failure_code="insufficient_funds", failure_message="")
+    first = charge("failed", id="ch_first", failure_code="expired_card", failure_message="")
+    found = await gateway(Listing([latest, first])).find(CLAIM)
+    assert isinstance(found, ChargeFailure)
+    assert (found.code, found.charge_id) == ("insufficient_funds", "ch_latest")
 
 
 async def test_nothing_with_the_claims_key_is_none() -> None:
     assert await gateway(Listing([])).find(CLAIM) is None
+
+
+async def test_a_charge_of_the_customer_under_another_key_is_not_the_claims() -> None:
+    """Last period's charge carries a billing key too, its own: taken for this claim's, the
+    claim would be recorded charged and this period never billed."""
+    last_period = charge("succeeded", id="ch_last_period", metadata={"billing_key": "1" * 32})
+    assert await gateway(Listing([last_period])).find(CLAIM) is None
 
 
 async def test_a_claim_of_unrecorded_api_charged_through_the_other_is_found_charged() -> None:
@@ -516,3 +550,123 @@ async def test_an_intent_with_no_final_state_after_a_create_is_said_so() -> None
     young = intent("requires_confirmation", now)
     with pytest.raises(NoAnswerYet, match="is requires_confirmation, with no final state yet"):
         await intents_gateway(young, created=answered).charge(INTENT_CLAIM)
+
+
+async def test_a_charge_made_just_before_its_claim_by_stripes_clock_is_found_pages_back() -> None:
+    """Behind a page of the customer's newer charges, and made before the claim by Stripe's
+    clock (the worker's may run an hour ahead): a lookup that stops short of it takes the
+    claim for never sent, and charges it again once Stripe has forgotten the key."""
+    claimed = int(CLAIM.claimed_at.timestamp())
+    newer = [
+        charge("succeeded", id=f"ch_newer_{i}", created=claimed + 100 - i, metadata={})
+        for i in range(100)
+    ]
+    listing = Pages([*newer, charge("succeeded", id="ch_ours", created=claimed - 1800)])
+    found = await gateway(listing).find(CLAIM)
+    assert isinstance(found, ChargeResult) and found.charge_id == "ch_ours"
+    assert [call.get("starting_after") for call in listing.calls] == [None, "ch_newer_99"]
+
+
+async def test_a_replayed_answer_whose_charge_is_not_listed_yet_is_retried_not_declined() -> None:
+    """Stripe saved a `processing` answer for the key and lists no intent with it: the debit
+    may still go through, so it is no answer yet. Recorded declined, the customer would be
+    failed (and billed again by hand) while the first debit settles."""
+    answered = intent("processing", int(time.time()), replayed=True)
+    with pytest.raises(stripe.APIError, match="expected succeeded or processing") as raised:
+        await intents_gateway(created=answered).charge(INTENT_CLAIM)
+    assert type(raised.value) is stripe.APIError and raised.value.http_status == 502
+
+
+async def test_a_claim_of_unrecorded_api_declined_through_the_other_is_found_failed() -> None:
+    """Claimed before claims recorded their API, and declined through the API of an earlier
+    setting: that decline is the claim's answer. Found as nothing, the claim would be sent
+    again through the setting's API, and charged after Stripe had declined it."""
+    failed = Listing([charge("failed", failure_code="card_declined", failure_message="no")])
+    client = SimpleNamespace(
+        v1=SimpleNamespace(
+            charges=SimpleNamespace(list_async=failed),
+            payment_intents=SimpleNamespace(list_async=Listing([])),
+        )
+    )
+    legacy = CLAIM.model_copy(update={"charge_api": None})
+    found = await StripeGateway(client, "payment_intents").find(legacy)  # type: ignore[arg-type]
+    assert isinstance(found, ChargeFailure) and found.charge_id == "ch_failed"
+
+
+async def test_only_charges_naming_the_period_and_a_customer_are_the_periods() -> None:
+    """Reconciliation charges no claim of a customer Stripe holds a charge made for: a charge
+    of another period taken for this one would leave the customer unbilled, and one naming
+    no customer of ours is nobody's to compare."""
+    ours = {"billing_period": CLAIM.period, "customer_id": CLAIM.customer_id}
+    last_period = ours | {"billing_period": "2026-11"}
+    listed = [
+        charge("succeeded", id=charge_id, customer="cus_1", refunded=False, metadata=metadata)
+        for charge_id, metadata in [
+            ("ch_this", ours),
+            ("ch_last", last_period),
+            ("ch_nobodys", {"billing_period": CLAIM.period}),
+        ]
+    ]
+    found = await gateway(Listing(listed)).period_charges("cus_1", CLAIM.period)
+    assert [charge.charge_id for charge in found] == ["ch_this"]
+
+
+async def test_an_intent_left_unconfirmed_under_two_hours_is_not_cancelled() -> None:
+    """An hour for Stripe to roll its request forward, and an hour more for a worker clock
+    ahead of Stripe's: cancelled sooner, a charge Stripe was completing is stopped."""
+    ninety_minutes_ago = int(time.time()) - 90 * 60
+    with pytest.raises(NoAnswerYet, match="is requires_confirmation, with no final state yet"):
+        await intents_gateway(intent("requires_confirmation", ninety_minutes_ago)).find(
+            INTENT_CLAIM
+        )
+
+
+async def test_an_intent_declined_then_cancelled_as_abandoned_keeps_the_decline() -> None:
+    """Only an intent nothing was attempted on is as if never sent: one Stripe declined, then
+    someone cancelled with the lookup's reason, was answered, and is not charged again."""
+    error = {"code": "card_declined", "decline_code": "generic_decline", "message": "no"}
+    cancelled = intent(
+        "canceled",
+        LONG_AGO,
+        last_payment_error=error,
+        cancellation_reason="abandoned",
+        canceled_at=NOW,
+    )
+    found = await intents_gateway(cancelled).find(INTENT_CLAIM)
+    assert isinstance(found, ChargeFailure)
+    assert (found.code, found.decline_code) == ("card_declined", "generic_decline")
+
+
+async def test_a_create_carries_the_claims_key_and_through_the_vault_its_fencing_token() -> None:
+    """The key makes every attempt of the claim one charge at Stripe (I3). The vault takes a
+    request without a token for one below every fence: a cap refusal then fences off no
+    attempt held up on its way, and a retry after a fence is refused for good."""
+    sent: list[dict[str, Any]] = []
+
+    async def create(params: dict[str, Any], options: dict[str, Any]) -> Any:
+        sent.append(options)
+        return charge("succeeded")
+
+    charges = SimpleNamespace(create_async=create, list_async=unlisted)
+    client = SimpleNamespace(v1=SimpleNamespace(charges=charges))
+    through_vault = StripeGateway(client, "charges", vault_key_id="period-key")  # type: ignore[arg-type]
+    await through_vault.charge(CLAIM, fencing_token=7)
+    await StripeGateway(client, "charges").charge(CLAIM, fencing_token=8)  # type: ignore[arg-type]
+    assert sent == [
+        {"idempotency_key": CLAIM.idempotency_key, "headers": {FENCE_HEADER: "7"}},
+        {"idempotency_key": CLAIM.idempotency_key},
+    ]
+
+
+async def test_a_failure_found_by_a_lookup_repeats_no_key_stripe_quoted() -> None:
+    """I5, as for the create's own errors: the failure is kept in the ledger and workflow
+    history, which people read, and its message is Stripe's."""
+    quoted = "sk_" + "live_" + "51HxQz2eZvKYlo2C0aB1cD2eF3gH4iJ5"
+    failed = charge("failed", failure_code="card_declined", failure_message=f"no: {quoted}")
+    error = {"code": "card_declined", "message": f"no: {quoted}"}
+    declined = intent("requires_payment_method", NOW, last_payment_error=error)
+    for found in (
+        await gateway(Listing([failed])).find(CLAIM),
+        await intents_gateway(declined).find(INTENT_CLAIM),
+    ):
+        assert isinstance(found, ChargeFailure) and quoted not in found.message
