@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
@@ -13,6 +15,7 @@ import aiohttp
 import asyncpg
 import pytest
 import stripe
+from aiohttp import web
 from stripe.params import PaymentIntentCreateParams
 from yarl import URL
 
@@ -230,6 +233,12 @@ async def reserve_behind_a_lock(
             )
 
     waiting = asyncio.create_task(reserve())
+    await a_reservation_waits_for_a_lock(db)
+    return waiting
+
+
+async def a_reservation_waits_for_a_lock(db: asyncpg.Pool) -> None:
+    """Returns once one reservation (the vault's, or a test's own) waits for a lock."""
 
     async def blocked() -> bool:
         waiters: int = await db.fetchval(
@@ -239,4 +248,20 @@ async def reserve_behind_a_lock(
         return waiters == 1
 
     await eventually(blocked, timeout=10)
-    return waiting
+
+
+@asynccontextmanager
+async def stand_in_upstream(
+    answer: Callable[[web.Request], Awaitable[web.Response]],
+) -> AsyncIterator[str]:
+    """An upstream answering every request with `answer`, for what the emulator never says
+    (a broken upstream, an answer Stripe gives rarely): its URL."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()

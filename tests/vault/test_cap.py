@@ -12,6 +12,7 @@ import aiohttp
 import asyncpg
 import pytest
 import stripe
+from stripe.params import ChargeCreateParams
 
 from stripe_emulator import RunningEmulator
 from vault import VaultSettings, reservations, serve
@@ -249,6 +250,9 @@ async def test_daily_cap_per_utc_day(
         "usd 25.00 would pass this key's daily cap (UTC day): usd 20.00 of usd 50.00 remain"
         in str(refused.value.user_message)
     )
+    # The audit tells a refusal by the daily cap from one by the whole cap.
+    audited = "SELECT decision FROM vault_audit WHERE idempotency_key = 'day-2'"
+    assert await db.fetchval(audited) == "refused_daily_cap"
     await charge(client, customer, 2_000, "day-3")  # exactly fills the day
     await assert_consistent(db, key.id)
 
@@ -343,3 +347,24 @@ async def test_currency_other_than_the_keys_is_refused(
     assert refused.value.param == "currency"
     assert await emulator_ledger(emulator) == []
     assert (await assert_consistent(db, key.id))["reserved_cents"] == 0
+
+
+async def test_a_legacy_charge_is_capped_as_a_payment_intent_is(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+) -> None:
+    """`POST /v1/charges` (what many billing systems still call) moves money too: reserved
+    before it is sent, counted once it charged, and refused past the cap."""
+    key = await issue(cap_cents=1_000, allowed_endpoints=["POST /v1/charges"])
+    charges = stripe_via_vault(key).v1.charges
+    params: ChargeCreateParams = {"amount": 800, "currency": "usd", "customer": customer}
+    await charges.create_async(params, {"idempotency_key": "first"})
+    with pytest.raises(stripe.CardError) as refused:
+        await charges.create_async(params, {"idempotency_key": "second"})
+    assert refused.value.code == "spend_cap_exceeded"
+    assert len(await emulator_ledger(emulator)) == 1
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 800)

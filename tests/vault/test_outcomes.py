@@ -17,6 +17,7 @@ import aiohttp
 import asyncpg
 import pytest
 import stripe
+from aiohttp import web
 from aiohttp.client_proto import ResponseHandler
 from pydantic import SecretStr
 from stripe.params import PaymentIntentCreateParams
@@ -38,6 +39,7 @@ from .conftest import Issue, Secrets
 from .support import (
     ADMIN_TOKEN,
     UPSTREAM_SECRET,
+    a_reservation_waits_for_a_lock,
     assert_consistent,
     charge,
     charge_in_doubt,
@@ -46,6 +48,7 @@ from .support import (
     proxied_calls,
     reserve_behind_a_lock,
     set_faults,
+    stand_in_upstream,
     via_vault,
 )
 
@@ -73,6 +76,9 @@ async def test_dropped_response_keeps_the_reservation_until_a_replay_settles_it(
     with pytest.raises(stripe.APIError) as failed:
         await charge(client, customer, 6_000, "dropped")
     assert failed.value.http_status == 502
+    # A retry with the key gets the answer (a replay) or makes the charge: the SDK, with
+    # retries on, may send it.
+    assert (failed.value.headers or {}).get("Stripe-Should-Retry") == "true"
 
     assert await _states(db, key.id) == {"dropped": "unknown"}
     totals = await assert_consistent(db, key.id)
@@ -165,6 +171,30 @@ async def test_decline_releases_the_reservation(
     await assert_consistent(db, key.id)
 
 
+async def test_a_retry_in_doubt_that_stripe_declines_afresh_frees_the_room(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    declining_customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+) -> None:
+    """The first attempt met a 500 Stripe did not save: in doubt. Its retry executes now and
+    is declined, which only a request Stripe had saved nothing for can be: no charge was
+    made, and the room is freed rather than held until reconciliation."""
+    key = await issue(cap_cents=10_000)
+    client = stripe_via_vault(key)
+    await charge_in_doubt(
+        emulator, client, declining_customer, 10_000, "declined", "error_before_commit"
+    )
+    assert await _states(db, key.id) == {"declined": "unknown"}
+    with pytest.raises(stripe.CardError) as declined:
+        await charge(client, declining_customer, 10_000, "declined")
+    assert declined.value.code == "card_declined"
+    assert await _states(db, key.id) == {"declined": "released"}
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 0)
+
+
 async def test_error_before_commit_is_unknown_then_settled_by_the_replay(
     issue: Issue,
     stripe_via_vault: StripeFor,
@@ -182,6 +212,20 @@ async def test_error_before_commit_is_unknown_then_settled_by_the_replay(
     await charge(client, customer, 1_500, "flaky")
     assert await _states(db, key.id) == {"flaky": "committed"}
     assert (await assert_consistent(db, key.id))["spent_cents"] == 1_500
+
+
+async def test_stripes_retry_advice_and_request_id_come_back_through_the_vault(
+    issue: Issue, stripe_via_vault: StripeFor, customer: str, emulator: RunningEmulator
+) -> None:
+    """A 500 Stripe saved for the key is replayed on every retry, and Stripe says so
+    (`Stripe-Should-Retry: false`): the SDK, with retries on, follows that, and its
+    `Request-Id` is what Stripe's support asks for."""
+    client = stripe_via_vault(await issue())
+    await set_faults(emulator, error_saved_before_commit=1.0)
+    with pytest.raises(stripe.APIError) as failed:
+        await charge(client, customer, 1_500, "saved-500")
+    assert (failed.value.headers or {}).get("Stripe-Should-Retry") == "false"
+    assert (failed.value.request_id or "").startswith("req_")
 
 
 async def test_reconciliation_resolves_an_unknown_reservation(
@@ -577,6 +621,8 @@ async def test_a_reservation_left_pending_by_a_stopped_vault_is_taken_over_once_
     with pytest.raises(stripe.APIError) as busy:
         await charge(client, customer, 1_200, "orphan")
     assert busy.value.http_status == 409
+    # As Stripe answers a request whose key is in flight: retry once it has its answer.
+    assert (busy.value.headers or {}).get("Stripe-Should-Retry") == "true"
     assert await _states(db, key.id) == {"orphan": "pending"}
 
     # Older than any request could take: taken over by the next replay.
@@ -740,6 +786,35 @@ async def test_a_debit_replayed_as_processing_is_left_for_reconciliation(
     assert (totals["reserved_cents"], totals["spent_cents"]) == (1_200, 1_300)
 
 
+async def test_a_legacy_charge_replayed_as_pending_is_left_for_reconciliation(
+    vault_settings: VaultSettings, issue: Issue, db: asyncpg.Pool
+) -> None:
+    """A bank debit through `/v1/charges` (ACH, say) is `pending` until its bank answers,
+    and Stripe replays the charge as it saved it, up to a day before: the bank may have
+    returned it since. The emulator takes debits through PaymentIntents only; a stand-in
+    for Stripe replays one."""
+
+    async def replays_pending(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"id": "ch_debit", "object": "charge", "status": "pending"},
+            headers={"Idempotent-Replayed": "true"},
+        )
+
+    key = await issue(cap_cents=1_000)
+    async with stand_in_upstream(replays_pending) as upstream:
+        odd = vault_settings.model_copy(update={"upstream_stripe_base": upstream})
+        async with serve(odd) as vault, aiohttp.ClientSession() as session:
+            client = via_vault(key.secret.get_secret_value(), vault.url, session)
+            replayed = await client.v1.charges.create_async(
+                {"amount": 700, "currency": "usd", "customer": "cus_debit"},
+                {"idempotency_key": "debit"},
+            )
+    assert replayed.status == "pending"
+    assert await _states(db, key.id) == {"debit": "unknown"}
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (700, 0)
+
+
 class VaultClock:
     """The clocks the vault's send deadline reads (vault/send_deadline.py), both moved on by
     the test at will: time passes while the vault is held up without the test waiting it
@@ -847,6 +922,7 @@ async def test_a_charge_held_up_after_its_reservation_is_not_sent(
         assert refused.value.http_status == 503
         assert refused.value.error is not None and refused.value.error.code == "vault_held_up"
         assert "retry with the same Idempotency-Key" in str(refused.value.user_message)
+        assert (refused.value.headers or {}).get("Stripe-Should-Retry") == "true"
         # The vault's connection made too late is closed, not left open for nothing to track
         # (looked at before the ledger's own connection to the emulator).
         assert len(held.upstream) == (1 if where == "connecting" else 0)
@@ -1073,6 +1149,27 @@ async def test_an_intent_waiting_on_the_customer_stays_spent(
     assert (await assert_consistent(db, key.id))["spent_cents"] == 1_000
 
 
+@pytest.mark.parametrize("status", ["requires_payment_method", "requires_confirmation"])
+async def test_an_intent_asked_to_confirm_that_stripe_left_unconfirmed_stays_spent(
+    vault_settings: VaultSettings, issue: Issue, db: asyncpg.Pool, status: str
+) -> None:
+    """Asked to confirm, an intent Stripe left unconfirmed may yet be rolled forward
+    (activities/stripe_gateway.py), and charge: unlike one created without `confirm`, its
+    room stays spent. The emulator never answers so; a stand-in for Stripe does."""
+
+    async def left_unconfirmed(request: web.Request) -> web.Response:
+        return web.json_response({"id": "pi_left", "object": "payment_intent", "status": status})
+
+    key = await issue(cap_cents=1_000)
+    async with stand_in_upstream(left_unconfirmed) as upstream:
+        odd = vault_settings.model_copy(update={"upstream_stripe_base": upstream})
+        async with serve(odd) as vault, aiohttp.ClientSession() as session:
+            client = via_vault(key.secret.get_secret_value(), vault.url, session)
+            assert (await charge(client, "cus_left", 1_000, "left")).status == status
+    assert await _states(db, key.id) == {"left": "committed"}
+    assert (await assert_consistent(db, key.id))["spent_cents"] == 1_000
+
+
 @pytest.mark.parametrize(
     ("status", "confirms", "outcome"),
     [
@@ -1116,6 +1213,36 @@ async def test_a_key_that_expires_while_a_reservation_waits_for_its_lock_is_refu
     await _expires_while_it_waits(db, key.id, "late", late)
     assert await _states(db, key.id) == {}
     assert (await assert_consistent(db, key.id))["reserved_cents"] == 0
+
+
+@pytest.mark.parametrize("stopped", ["revoked", "expired"])
+async def test_a_charge_whose_key_stops_while_it_waits_for_the_key_says_why(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+    stopped: str,
+) -> None:
+    """A charge past the vault's key check whose reservation then finds the key revoked or
+    expired answers as the key check would: the worker pauses the period for good on a
+    revoke (the kill switch), and renews its key on an expiry."""
+    key = await issue()
+    async with db.acquire() as holder:
+        holding = holder.transaction()
+        await holding.start()
+        await holder.execute("SELECT 1 FROM vault_keys WHERE id = $1 FOR UPDATE", key.id)
+        charging = asyncio.create_task(charge(stripe_via_vault(key), customer, 500, "waits"))
+        await a_reservation_waits_for_a_lock(db)
+        column = "revoked_at" if stopped == "revoked" else "expires_at"
+        await holder.execute(f"UPDATE vault_keys SET {column} = now() WHERE id = $1", key.id)
+        await holding.commit()
+    with pytest.raises(stripe.AuthenticationError) as refused:
+        await charging
+    assert refused.value.error is not None
+    assert refused.value.error.code == f"vault_key_{stopped}"
+    assert await emulator_ledger(emulator) == []
+    assert await _states(db, key.id) == {}
 
 
 @RETRIED_AFTER

@@ -4,6 +4,7 @@ recognises; and the audit log's one row per request."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -16,6 +17,7 @@ import aiohttp
 import asyncpg
 import pytest
 import stripe
+from stripe.params import ChargeCreateParams
 from yarl import URL
 
 from activities.stripe_failures import KEY_REFUSED, UNRECOGNIZED_URL_CODE, to_temporal_failure
@@ -32,6 +34,7 @@ from .support import (
     assert_consistent,
     charge,
     emulator_ledger,
+    emulator_requests,
     key_request,
     proxied_calls,
     via_vault,
@@ -130,6 +133,30 @@ async def test_endpoint_allowlist(
         await client.v1.customers.retrieve_async(customer)
 
 
+async def test_a_read_reaches_stripe_with_its_query(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    declining_customer: str,
+    emulator: RunningEmulator,
+) -> None:
+    """A lookup by customer (how the worker finds a charge after the fact) must be asked of
+    Stripe as sent: without its query it would list the account's charges, another
+    customer's first."""
+    key = await issue(allowed_endpoints=["POST /v1/charges", "GET /v1/charges"])
+    client = stripe_via_vault(key)
+    for who, idempotency_key in ((customer, "mine"), (declining_customer, "theirs")):
+        params: ChargeCreateParams = {
+            "amount": 500,
+            "currency": "usd",
+            "customer": who,
+        }
+        with contextlib.suppress(stripe.CardError):
+            await client.v1.charges.create_async(params, {"idempotency_key": idempotency_key})
+    listed = await client.v1.charges.list_async({"customer": customer})
+    assert [found.customer for found in listed.data] == [customer]
+
+
 async def test_expired_key_is_refused(
     issue: Issue, stripe_via_vault: StripeFor, customer: str, db: asyncpg.Pool
 ) -> None:
@@ -141,6 +168,32 @@ async def test_expired_key_is_refused(
         await charge(stripe_via_vault(key), customer, 100, "late")
     assert refused.value.error is not None
     assert refused.value.error.code == "vault_key_expired"
+
+
+async def test_an_expired_key_may_not_read_either(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+) -> None:
+    """The reservation refuses an expired key's charge under the key's lock, but nothing
+    else: a read (or a cancel) is stopped by the vault's own key check alone, and past its
+    expiry a key must reach nothing of the account."""
+    key = await issue()
+    client = stripe_via_vault(key)
+    intent = await charge(client, customer, 100, "before")
+    await db.execute(
+        "UPDATE vault_keys SET expires_at = now() - interval '1 second' WHERE id = $1", key.id
+    )
+    with pytest.raises(stripe.AuthenticationError) as refused:
+        await client.v1.payment_intents.retrieve_async(intent.id)
+    assert refused.value.error is not None
+    assert refused.value.error.code == "vault_key_expired"
+    sent = [r["path"] for r in await emulator_requests(emulator)]
+    assert [path for path in sent if path.startswith("/v1/payment_intents")] == [
+        "/v1/payment_intents"
+    ]
 
 
 async def test_revoke_is_a_kill_switch(
@@ -317,6 +370,14 @@ async def test_parameters_in_the_query_string_and_odd_paths_are_refused(
         ) as response:
             assert response.status == 404, path
             assert (await response.json())["error"]["code"] == "url_invalid"
+    # Dot segments, which the upstream would resolve to a path the allowlist never saw.
+    for path in ("/v1/payment_intents/..", "/v1/payment_intents/../../v1/customers"):
+        answer = await _raw(
+            vault,
+            f"GET /stripe{path} HTTP/1.1\r\nHost: vault\r\nConnection: close\r\n"
+            f"Authorization: Bearer {key.secret.get_secret_value()}\r\n\r\n".encode(),
+        )
+        assert answer.startswith(b"HTTP/1.1 404") and b'"url_invalid"' in answer, path
     assert await db.fetchval("SELECT count(*) FROM vault_reservations") == 0
 
 
@@ -428,6 +489,8 @@ async def test_the_audit_log_has_one_row_per_request(
     assert first.latency_ms > 0
     assert entries[2].path == f"/v1/payment_intents/{intent.id}"
     assert entries[2].reservation_state is None
+    # A replay of a charge counted already says so: what it found, and left, committed.
+    assert entries[4].reservation_state == "committed"
 
     # Pages of two, newest first, following `before`.
     pages, before = [], None

@@ -19,7 +19,7 @@ from yarl import URL
 from stripe_emulator import RunningEmulator
 from vault import RunningVault, VaultSettings, serve
 from vault.client import VaultAdmin
-from vault.endpoints import UPSTREAM_UNREACHABLE
+from vault.endpoints import FENCE_HEADER, UPSTREAM_UNREACHABLE
 from vault.models import IssuedKey
 from vault.proxy import _without_client_secrets
 
@@ -31,6 +31,7 @@ from .support import (
     charge,
     charge_in_doubt,
     proxied_calls,
+    stand_in_upstream,
     via_vault,
 )
 
@@ -132,21 +133,16 @@ async def test_words_holding_sk_are_not_taken_for_keys(
 
 @pytest.fixture
 async def echoing_upstream() -> AsyncIterator[str]:
-    """A broken upstream that echoes the request's Authorization header in its body."""
+    """A broken upstream that echoes the request's headers, as JSON, in its error message."""
 
     async def echo(request: web.Request) -> web.Response:
         return web.json_response(
-            {"error": {"type": "api_error", "message": request.headers["Authorization"]}},
+            {"error": {"type": "api_error", "message": json.dumps(dict(request.headers))}},
             status=500,
         )
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", echo)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    await runner.cleanup()
+    async with stand_in_upstream(echo) as url:
+        yield url
 
 
 async def test_the_upstream_secret_is_scrubbed_from_what_the_upstream_echoes(
@@ -168,6 +164,61 @@ async def test_the_upstream_secret_is_scrubbed_from_what_the_upstream_echoes(
     assert response.status == 500
     assert UPSTREAM_SECRET not in body
     assert "Bearer [redacted]" in body
+
+
+async def test_only_the_headers_stripe_reads_reach_the_upstream(
+    vault_settings: VaultSettings,
+    echoing_upstream: str,
+    issue: Issue,
+    http: aiohttp.ClientSession,
+) -> None:
+    """The vault forwards its own secret and the headers a Stripe request needs, nothing else
+    the caller sends: `Stripe-Account` or `Stripe-Context` would make a key's requests on a
+    connected account (Connect), past what the key was issued for, and a cookie or the
+    vault's own fencing token is no business of Stripe's."""
+    key = await issue()
+    echoing = vault_settings.model_copy(update={"upstream_stripe_base": echoing_upstream})
+    sent = {
+        "Authorization": f"Bearer {key.secret.get_secret_value()}",
+        "Stripe-Version": "2026-01-28",
+        "Stripe-Account": "acct_other",
+        "Stripe-Context": "acct_other",
+        "Cookie": "session=abc",
+        FENCE_HEADER: "3",
+    }
+    async with (
+        serve(echoing) as vault,
+        http.get(f"{vault.url}/stripe/v1/payment_intents/pi_1", headers=sent) as response,
+    ):
+        seen = json.loads((await response.json())["error"]["message"])
+    assert (seen["Authorization"], seen["Stripe-Version"]) == ("Bearer [redacted]", "2026-01-28")
+    assert [name for name in sent if name in seen] == ["Authorization", "Stripe-Version"]
+
+
+async def test_a_redirect_from_the_upstream_is_answered_not_followed(
+    vault_settings: VaultSettings, issue: Issue, http: aiohttp.ClientSession
+) -> None:
+    """Followed, a redirect would carry the vault's own secret to a path the key's allowlist
+    never checked (a 307 would send a charge's body there too): the caller gets it as is."""
+    asked: list[str] = []
+
+    async def redirecting(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.Response(status=307, headers={"Location": "/v1/customers"})
+
+    key = await issue()
+    async with stand_in_upstream(redirecting) as upstream:
+        odd = vault_settings.model_copy(update={"upstream_stripe_base": upstream})
+        async with (
+            serve(odd) as vault,
+            http.get(
+                f"{vault.url}/stripe/v1/payment_intents/pi_1",
+                headers={"Authorization": f"Bearer {key.secret.get_secret_value()}"},
+                allow_redirects=False,
+            ) as response,
+        ):
+            assert response.status == 307
+    assert asked == ["/v1/payment_intents/pi_1"]
 
 
 @pytest.mark.parametrize("token", [ADMIN_TOKEN, WORKER_TOKEN])
@@ -258,6 +309,28 @@ async def test_an_unreachable_upstream_frees_the_room_and_logs_no_secret(
         # 900 held unknown would leave no room for it.
         client = via_vault(secret, vault.url, session)
         assert (await charge(client, customer, 200, "elsewhere")).status == "succeeded"
+
+
+async def test_a_read_that_could_not_connect_is_not_said_to_have_sent_nothing(
+    vault_settings: VaultSettings, issue: Issue, http: aiohttp.ClientSession
+) -> None:
+    """aiohttp sends a GET again on a new connection when a reused one was dropped, so a
+    failed connect may follow a read that went out: only a POST's is sure to have sent
+    nothing (503 vault_upstream_unreachable); a read's is Stripe's silence (502)."""
+    key = await issue()
+    with closed_port() as port:
+        nowhere = vault_settings.model_copy(
+            update={"upstream_stripe_base": f"http://127.0.0.1:{port}"}
+        )
+        async with (
+            serve(nowhere) as vault,
+            http.get(
+                f"{vault.url}/stripe/v1/payment_intents/pi_1",
+                headers={"Authorization": f"Bearer {key.secret.get_secret_value()}"},
+            ) as response,
+        ):
+            reply = await response.json()
+    assert (response.status, reply["error"]["code"]) == (502, "upstream_unavailable")
 
 
 async def test_proxied_answers_carry_no_payment_intent_client_secret(
