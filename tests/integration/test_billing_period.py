@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -22,7 +23,7 @@ from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, 
 from activities.period import OutcomesRequest, PeriodActivities
 from activities.stripe_gateway import StripeGateway
 from billing import ledger, operations
-from billing.customers import upsert_customers
+from billing.customers import CustomerRow, upsert_customers
 from billing.keys import customer_workflow_id, idempotency_key
 from billing.models import (
     MAX_IN_FLIGHT,
@@ -46,7 +47,12 @@ from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
 from tests.waiting import eventually
 from workflows.billing_period import BillingPeriodWorkflow
-from workflows.customer_charge import PERIOD_WAIT_FIRST, TEMPORAL_CANCEL, CustomerChargeWorkflow
+from workflows.customer_charge import (
+    PERIOD_WAIT_FIRST,
+    SETTLE,
+    TEMPORAL_CANCEL,
+    CustomerChargeWorkflow,
+)
 from workflows.identity import WRONG_WORKFLOW_ID
 
 PERIOD = Period(2026, 12)
@@ -564,6 +570,64 @@ async def test_a_child_waiting_long_continues_as_new_and_charges_once(harness: H
     await assert_billed_once(harness, period, [customer])
 
 
+class RecordedByTheFirstRun(Interceptor):
+    """Records the customer's charge in the ledger just before the first bill of a run after
+    the child's first, as an attempt of that first run, in flight as it continued as new,
+    would."""
+
+    def __init__(self, harness: Harness, customer: CustomerRow) -> None:
+        self.harness = harness
+        self.customer = customer
+        self.first_run: str | None = None
+        self.recorded = False
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        holder = self
+
+        class Recording(ActivityInboundInterceptor):
+            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                info = activity.info()
+                if info.activity_type == "bill":
+                    if holder.first_run is None:
+                        holder.first_run = info.workflow_run_id
+                    elif info.workflow_run_id != holder.first_run and not holder.recorded:
+                        holder.recorded = True
+                        await holder.record()
+                return await super().execute_activity(input)
+
+        return Recording(next)
+
+    async def record(self) -> None:
+        namespace = self.harness.settings.billing_key_namespace
+        key = idempotency_key(namespace, self.customer.customer_id, PERIOD)
+        result = ChargeResult(
+            charge_id="ch_first_run",
+            payment_intent_id="pi_first_run",
+            amount_cents=self.customer.amount_cents,
+            currency=self.customer.currency,
+        )
+        async with self.harness.pool.acquire() as conn:
+            await ledger.record_charge(conn, key, result)
+
+
+async def test_a_charge_an_earlier_run_of_the_child_recorded_is_reported_charged(
+    harness: Harness,
+) -> None:
+    """Every run of the child's chain claims as its first run: a charge the first run's
+    attempt recorded after the child continued as new is the chain's own, reported to the
+    period as charged with its charge id, not as already billed by someone else."""
+    [customer] = await harness.seed(1)
+    recorded = RecordedByTheFirstRun(harness, customer)
+    async with harness.running_worker(interceptors=[recorded]):
+        handle = await _paused_with_a_claim_waiting(
+            harness, customer.customer_id, history_event_limit=10
+        )
+        outcome = await asyncio.wait_for(handle.result(), 60)
+    assert recorded.recorded
+    assert (outcome.outcome, outcome.charge_id) == ("charged", "ch_first_run")
+    assert await harness.money_requests() == 0
+
+
 async def _start_child(
     harness: Harness, customer_id: str, **options: Any
 ) -> WorkflowHandle[CustomerChargeWorkflow, CustomerOutcome]:
@@ -793,6 +857,83 @@ async def test_a_child_cancelled_before_its_first_task_is_skipped(harness: Harne
     await _assert_skipped_by_temporal(harness, outcome)
 
 
+async def test_a_run_continued_as_new_with_a_stop_in_its_input_skips_the_customer(
+    harness: Harness,
+) -> None:
+    """A run that continued as new in its cancel's own turn, before `run` wrote the stop to
+    the ledger, hands the stop on in the next run's input, the one place it is then kept:
+    that run skips the customer, in a running period with no stop in the ledger, rather
+    than charge it."""
+    [customer] = await harness.seed(1)
+    await harness.open_period_by_hand(PERIOD)
+    async with harness.running_worker():
+        handle = await _start_child(harness, customer.customer_id, stop=TEMPORAL_CANCEL)
+        outcome = await asyncio.wait_for(handle.result(), 60)
+    await _assert_skipped_by_temporal(harness, outcome)
+
+
+def _timer_waits(history: WorkflowHistory) -> dict[int, timedelta]:
+    """How long each timer in the history set out to wait, by its started event's id."""
+    return {
+        e.event_id: e.timer_started_event_attributes.start_to_fire_timeout.ToTimedelta()
+        for e in history.events
+        if e.event_type == EventType.EVENT_TYPE_TIMER_STARTED
+    }
+
+
+async def _timers_fired_after(
+    handle: WorkflowHandle[CustomerChargeWorkflow, CustomerOutcome], event_type: EventType.ValueType
+) -> list[timedelta]:
+    """How long each timer the child's history shows fired after its first `event_type`
+    event had set out to wait."""
+    history = await handle.fetch_history()
+    events = list(history.events)
+    since = [e.event_type for e in events].index(event_type)
+    waits = _timer_waits(history)
+    return [
+        waits[e.timer_fired_event_attributes.started_event_id]
+        for e in events[since:]
+        if e.event_type == EventType.EVENT_TYPE_TIMER_FIRED
+    ]
+
+
+async def test_a_temporal_cancel_ends_the_wait_at_the_paused_gate_at_once(
+    harness: Harness,
+) -> None:
+    """A Temporal cancel wakes a child waiting at a paused period's gate: its next bill
+    carries the stop at once, rather than once its wait's timer fires, which is minutes
+    away (PERIOD_WAIT_MAX) for a child that has waited long."""
+    [customer] = await harness.seed(1)
+    async with harness.running_worker():
+        handle = await _paused_with_a_claim_waiting(harness, customer.customer_id)
+        await _waiting_for_the_periods_word(handle)
+        await handle.cancel()
+        outcome = await asyncio.wait_for(handle.result(), 60)
+    await _assert_skipped_by_temporal(harness, outcome)
+    cancelled = EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED
+    assert await _timers_fired_after(handle, cancelled) == [], "the cancel waited for a timer"
+
+
+async def test_the_periods_resume_signal_ends_the_wait_at_the_gate_at_once(
+    harness: Harness,
+) -> None:
+    """The period's signal on its resume wakes a child waiting at the gate: it charges after
+    the short settle only, not once its wait's timer fires, which is minutes away
+    (PERIOD_WAIT_MAX) for a child that has waited long, for every child of the period."""
+    [customer] = await harness.seed(1)
+    async with harness.running_worker():
+        handle = await _paused_with_a_claim_waiting(harness, customer.customer_id)
+        await _waiting_for_the_periods_word(handle)
+        async with harness.pool.acquire() as conn:
+            await ledger.set_control(conn, str(PERIOD), "running", "checked", "bob")
+        await handle.signal(CustomerChargeWorkflow.period_control)
+        outcome = await asyncio.wait_for(handle.result(), 60)
+    assert outcome.outcome == "charged"
+    signalled = EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
+    assert await _timers_fired_after(handle, signalled) == [SETTLE], "it waited for its timer"
+    await assert_billed_once(harness, str(PERIOD), [customer])
+
+
 @pytest.mark.parametrize("customer_id", ["cust-999999", "cust-000001"], ids=["unknown", "inactive"])
 async def test_a_cancelled_child_of_a_customer_not_billed_agrees_with_the_ledger(
     harness: Harness, customer_id: str
@@ -1006,6 +1147,28 @@ async def handed_over(harness: Harness, runs: list[WorkflowHistory]) -> list[Per
     return states
 
 
+async def test_a_charged_customers_child_reports_the_charge_the_ledger_recorded(
+    harness: Harness,
+) -> None:
+    """The child's result is the outcome its period counts (the amount into the total
+    charged) and the charge a reconciliation's re-drive reports: the charge id, amount and
+    currency are the ones the ledger recorded."""
+    [customer] = await harness.seed(1)
+    await harness.open_period_by_hand(PERIOD)
+    async with harness.running_worker():
+        handle = await _start_child(harness, customer.customer_id)
+        outcome = await asyncio.wait_for(handle.result(), 60)
+    [row] = await harness.ledger_rows(str(PERIOD))
+    assert row["charge_id"] is not None
+    assert outcome == CustomerOutcome(
+        customer_id=customer.customer_id,
+        outcome="charged",
+        amount_cents=customer.amount_cents,
+        currency=customer.currency,
+        charge_id=row["charge_id"],
+    )
+
+
 async def test_a_customer_gone_before_its_claim_is_reported_not_stuck(harness: Harness) -> None:
     async with harness.running_worker():
         outcome = await harness.client.execute_workflow(
@@ -1022,8 +1185,10 @@ async def test_a_customer_held_behind_its_old_ids_open_claim_waits_then_is_skipp
     harness: Harness,
 ) -> None:
     """The new id's child started before the old id was deactivated: it waits while the old
-    id's claim is open (a charge of it may still go out), and once that claim charged, it
-    ends skipped with a row saying why, so that Stripe customer is charged once."""
+    id's claim is open (a charge of it may still go out), each wait twice the one before
+    (a hold that lasts days adds a few events an hour to its history, not one every few
+    seconds), and once that claim charged, it ends skipped with a row saying why, so that
+    Stripe customer is charged once."""
     old = (await harness.seed(1))[0]
     renamed = old.model_copy(update={"customer_id": "renamed-1"})
     await upsert_customers(harness.pool, [renamed])
@@ -1044,6 +1209,13 @@ async def test_a_customer_held_behind_its_old_ids_open_claim_waits_then_is_skipp
             task_queue=harness.task_queue,
         )
         await eventually(lambda: _held_once(child))
+
+        async def waited_twice() -> bool:
+            return len(_timer_waits(await child.fetch_history())) >= 2
+
+        await eventually(waited_twice)
+        waits = list(_timer_waits(await child.fetch_history()).values())
+        assert waits[:2] == [PERIOD_WAIT_FIRST, PERIOD_WAIT_FIRST * 2]
         async with harness.pool.acquire() as conn:
             result = ChargeResult(
                 charge_id="ch_old",

@@ -12,6 +12,7 @@ import aiohttp
 import asyncpg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.exceptions import ActivityError, ApplicationError
 
@@ -19,9 +20,10 @@ import worker
 from activities.period import PeriodActivities, _needs_operator
 from billing import ledger, operations, period_keys
 from billing.customers import CustomerRow, upsert_customers
-from billing.keys import customer_workflow_id
+from billing.keys import customer_workflow_id, period_workflow_id
 from billing.models import (
     AUTOMATIC,
+    CustomerChargeInput,
     OperatorRequest,
     PeriodSummary,
     Preview,
@@ -48,6 +50,7 @@ from tests.integration.test_operations import replays
 from tests.waiting import eventually
 from vault.client import VaultAdmin, VaultUnavailable
 from vault.models import IssuedKey, IssueKeyRequest, KeyInfo, new_key_id
+from workflows.customer_charge import CustomerChargeWorkflow
 
 # The current month: `run` refuses a period long past, so a fixed one would expire.
 PERIOD = period_for(datetime.now(UTC), "advance")
@@ -998,3 +1001,38 @@ async def test_a_customer_without_a_period_key_waits_at_the_gate(vaulted: Harnes
         summary = await handle.result()
     assert (summary.charged, summary.skipped) == (3, 1)
     assert not [c for c in await vaulted.charges() if c["currency"] == "eur"]
+
+
+async def test_a_child_refused_its_key_with_its_period_run_gone_waits_at_the_gate(
+    vaulted: Harness,
+) -> None:
+    """A child refused its period key tells its period run, to pause it. With that run gone
+    (terminated by hand) the signal fails, and the child still waits at the gate, where a
+    cancel reaches it, rather than fail with its claim left open, or ask the vault again
+    and again without waiting."""
+    [customer] = await vaulted.seed(1)
+    await vaulted.open_period_by_hand(PERIOD)
+    async with vaulted.running_worker():
+        handle = await vaulted.client.start_workflow(
+            CustomerChargeWorkflow.run,
+            CustomerChargeInput(
+                period=str(PERIOD),
+                customer_id=customer.customer_id,
+                parent_workflow_id=period_workflow_id(PERIOD),
+            ),
+            id=customer_workflow_id(PERIOD, customer.customer_id),
+            task_queue=vaulted.task_queue,
+        )
+
+        async def told_no_one() -> bool:
+            failed = EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_FAILED
+            return any(e.event_type == failed for e in (await handle.fetch_history()).events)
+
+        await eventually(told_no_one)
+        await handle.cancel()
+        outcome = await asyncio.wait_for(handle.result(), 60)
+    [row] = await vaulted.ledger_rows(str(PERIOD))
+    assert (outcome.outcome, row["status"]) == ("skipped", "skipped")
+    assert await vaulted.money_requests() == 0
+    told = EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
+    assert [e.event_type for e in (await handle.fetch_history()).events].count(told) == 1
