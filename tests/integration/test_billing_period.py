@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -18,9 +19,10 @@ from temporalio.client import (
     WorkflowHistory,
 )
 from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
-from activities.period import OutcomesRequest, PeriodActivities
+from activities.period import ENDED_WITHOUT_CLAIM, OutcomesRequest, PeriodActivities
 from activities.stripe_gateway import StripeGateway
 from billing import ledger, operations
 from billing.customers import CustomerRow, upsert_customers
@@ -1240,3 +1242,89 @@ async def _held_once(handle: WorkflowHandle[Any, Any]) -> bool:
         ):
             return True
     return False
+
+
+async def test_an_awaited_child_that_ended_counts_failed_only_if_it_never_claimed(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Awaited through the ledger, a child another run started that ended uncompleted is
+    counted failed (ended_without_claim) only if it left no row: one that claimed just after
+    the first read, then ended, holds an open claim whose charge may have gone out, and is
+    not counted failed while it is open (I2). A child gone from Temporal (past the
+    namespace's retention) counts as ended; one still running is awaited, not counted. One
+    that completed with no row (its customer gone) reports its own outcome."""
+    never, claimed, running, gone, found_gone = await harness.seed(5)
+    await harness.pool.execute(
+        "UPDATE customers SET active = false WHERE customer_id = $1", found_gone.customer_id
+    )
+    async with harness.running_worker():
+        await harness.client.execute_workflow(
+            CustomerChargeWorkflow.run,
+            CustomerChargeInput(period=str(PERIOD), customer_id=found_gone.customer_id),
+            id=customer_workflow_id(PERIOD, found_gone.customer_id),
+            task_queue=harness.task_queue,
+        )
+    await harness.open_period_by_hand(PERIOD)
+    for customer in (never, claimed):
+        await (await harness.idle_child(PERIOD, customer.customer_id)).terminate("lost")
+    await harness.idle_child(PERIOD, running.customer_id)
+    read = ledger.without_rows
+
+    async def claimed_after_the_first_read(
+        conn: Any, period: str, customer_ids: Sequence[str]
+    ) -> list[str]:
+        missing = await read(conn, period, customer_ids)
+        if claimed.customer_id in missing:
+            key = idempotency_key(
+                harness.settings.billing_key_namespace, claimed.customer_id, PERIOD
+            )
+            async with harness.pool.acquire() as other:
+                await ledger.claim(
+                    other, claimed.customer_id, str(PERIOD), key, "run-0", charge_api="charges"
+                )
+        return missing
+
+    monkeypatch.setattr(ledger, "without_rows", claimed_after_the_first_read)
+    request = OutcomesRequest(
+        period=str(PERIOD),
+        customer_ids=[c.customer_id for c in (never, claimed, running, gone, found_gone)],
+        enough=5,
+        wait_seconds=0,
+    )
+    awaiting = PeriodActivities(harness.pool, harness.settings).await_outcomes
+    outcomes = await ActivityEnvironment(client=harness.client).run(awaiting, request)
+    assert [(o.customer_id, o.outcome, o.failure_code) for o in outcomes] == [
+        (found_gone.customer_id, "failed", "unknown_customer"),
+        (never.customer_id, "failed", ENDED_WITHOUT_CLAIM),
+        (gone.customer_id, "failed", ENDED_WITHOUT_CLAIM),
+    ]
+
+
+async def test_awaiting_outcomes_answers_once_enough_are_found_not_at_the_end_of_its_wait(
+    harness: Harness,
+) -> None:
+    """The run waits on children another run started by reading the ledger for up to its
+    wait: it answers as soon as enough have an outcome, or the run sits idle for the whole
+    wait with its customers long finished."""
+    [customer] = await harness.seed(1)
+    await harness.open_period_by_hand(PERIOD)
+    key = idempotency_key(harness.settings.billing_key_namespace, customer.customer_id, PERIOD)
+    async with harness.pool.acquire() as conn:
+        await ledger.claim(
+            conn, customer.customer_id, str(PERIOD), key, "run-0", charge_api="charges"
+        )
+        charge = ChargeResult(
+            charge_id="ch_1",
+            payment_intent_id="pi_1",
+            amount_cents=customer.amount_cents,
+            currency=customer.currency,
+        )
+        await ledger.record_charge(conn, key, charge)
+    request = OutcomesRequest(
+        period=str(PERIOD), customer_ids=[customer.customer_id], enough=1, wait_seconds=600
+    )
+    awaiting = PeriodActivities(harness.pool, harness.settings).await_outcomes
+    outcomes = await asyncio.wait_for(
+        ActivityEnvironment(client=harness.client).run(awaiting, request), 30
+    )
+    assert [(o.customer_id, o.outcome) for o in outcomes] == [(customer.customer_id, "charged")]

@@ -66,7 +66,7 @@ from temporalio.worker import (
 )
 from temporalio.workflow import ChildWorkflowHandle
 
-from activities.period import PeriodActivities
+from activities.period import ControlRequest, PeriodActivities, SkipCustomerRequest
 from billing import ledger, operations, schedules, search_attributes
 from billing.config import TemporalSettings
 from billing.customers import upsert_customers
@@ -720,6 +720,37 @@ async def test_skip_before_and_during_a_run(harness: Harness) -> None:
     )
     assert (again.skipped, again.detail) == (True, "already skipped")
     assert not [c for c in await harness.charges() if c["customer"] == first.stripe_customer_id]
+
+
+async def test_a_control_is_recorded_with_the_operators_reason_and_name(harness: Harness) -> None:
+    """The ledger keeps why a run was paused or cancelled and by whom: a cancelled customer's
+    row takes its reason and decider from there (ledger.claims), for an auditor to read."""
+    await harness.open_period_by_hand(PERIOD)
+    control = PeriodActivities(harness.pool, harness.settings).set_control
+    await control(ControlRequest(period=str(PERIOD), control="paused", request=ALICE))
+    row = await harness.pool.fetchrow(
+        "SELECT control, control_reason, control_by FROM billing_periods WHERE billing_period = $1",
+        str(PERIOD),
+    )
+    assert row is not None
+    assert tuple(row) == ("paused", ALICE.reason, ALICE.operator)
+
+
+async def test_a_skip_during_a_run_writes_the_row_under_the_customers_stable_key(
+    harness: Harness,
+) -> None:
+    """The row a skip writes holds the one idempotency key of the customer's period (I3):
+    a charge held behind its key, and a reconciliation matching Stripe's charges to rows,
+    find the row by it (another period's key would even collide with that period's row)."""
+    [customer] = await harness.seed(1)
+    await harness.open_period_by_hand(PERIOD)
+    skip = SkipRequest(customer_id=customer.customer_id, reason="disputed", operator="carol")
+    skipping = PeriodActivities(harness.pool, harness.settings).skip_customer
+    assert (await skipping(SkipCustomerRequest(period=str(PERIOD), request=skip))).skipped
+    [row] = await harness.ledger_rows(str(PERIOD))
+    assert row["idempotency_key"] == idempotency_key(
+        harness.settings.billing_key_namespace, customer.customer_id, PERIOD
+    )
 
 
 async def test_a_skip_after_a_cancelled_run_holds_for_the_next_run(harness: Harness) -> None:
@@ -2521,6 +2552,21 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
     # I6 for the patched path: RECORD_HISTORIES=1 keeps both in tests/histories.
     await replay([flagged, quiet])
     keep([flagged, quiet])
+
+
+async def test_the_daily_reconciliation_checks_the_month_before_until_this_ones_run_starts(
+    harness: Harness,
+) -> None:
+    """Early in a month whose run has yet to start, a daily reconciliation checks the month
+    billed last (its charges in doubt, its claims left open); once the new month's run has
+    started, that month. Checking only the month not yet billed, it would find nothing
+    while the last month's doubts stayed unresolved."""
+    latest = PeriodActivities(harness.pool, harness.settings).latest_billed
+    assert await latest(str(PERIOD)) is None
+    await harness.open_period_by_hand(PERIOD.previous())
+    assert await latest(str(PERIOD)) == str(PERIOD.previous())
+    await harness.open_period_by_hand(PERIOD)
+    assert await latest(str(PERIOD)) == str(PERIOD)
 
 
 @pytest.mark.parametrize("control", ["running", "paused", "cancelled"])

@@ -15,6 +15,7 @@ from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.workflowservice.v1 import DeleteWorkflowExecutionRequest
 from temporalio.client import WorkflowHandle
 from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
 from temporalio.worker import (
     ActivityInboundInterceptor,
     ExecuteActivityInput,
@@ -22,6 +23,8 @@ from temporalio.worker import (
     Worker,
 )
 
+import activities.period as period_activities
+from activities.period import DuePageRequest, PeriodActivities
 from activities.stripe_access import StripeAccess
 from billing import ledger, operations
 from billing.customers import CustomerRow, import_customers
@@ -713,3 +716,115 @@ async def test_a_run_continued_from_one_before_the_patch_counts_a_returned_custo
     assert set(rows) <= {c.customer_id for c in [*customers, *returned]}
     # 41 customers; each counted once.
     assert (summary.due, _counted(summary)) == (41, 41), summary
+
+
+async def _unlisted_of(harness: Harness, *, restarts_completed: bool) -> set[str]:
+    """The ids of the due customers a listing of the unlisted takes, for a run from before
+    LISTINGS_MARKED (those PeriodActivities._unreached leaves, which the close looks for)."""
+    listing = DuePageRequest(
+        period=str(PERIOD),
+        after=None,
+        limit=10,
+        unlisted=True,
+        restarts_completed=restarts_completed,
+    )
+    due_customers = PeriodActivities(harness.pool, harness.settings).due_customers
+    page = await ActivityEnvironment(client=harness.client).run(due_customers, listing)
+    return {c.customer_id for c in page.customers}
+
+
+async def test_a_customer_with_no_row_is_unreached_unless_a_child_may_have_ended_for_this_run(
+    harness: Harness,
+) -> None:
+    """A due customer with no row is left to bill (unreached) when no child of this run can
+    have ended before its claim: none ran, one still runs (an earlier run's), or one ended
+    uncompleted before the run opened (completed too, for a run that restarts completed
+    children). One whose child ended since the run opened was this run's, counted already.
+    Taken for reached, a customer is never billed; taken for unreached, it is billed and
+    counted twice (I2)."""
+    none, running, ended_before, ended_after = await harness.seed(4)
+    [completed] = await create_demo_customers(harness.stripe, 1, prefix="gone")
+    await import_customers(harness.pool, [completed], while_running=False, reactivate=True)
+    await harness.pool.execute(
+        "UPDATE customers SET active = false WHERE customer_id = $1", completed.customer_id
+    )
+    async with harness.running_worker():
+        # Found gone before the run opened: completed, with no row.
+        outcome = await harness.client.execute_workflow(
+            CustomerChargeWorkflow.run,
+            CustomerChargeInput(period=str(PERIOD), customer_id=completed.customer_id),
+            id=customer_workflow_id(PERIOD, completed.customer_id),
+            task_queue=harness.task_queue,
+        )
+    assert outcome.failure_code == "unknown_customer"
+    await import_customers(harness.pool, [completed], while_running=False, reactivate=True)
+    await harness.idle_child(PERIOD, running.customer_id)
+    await (await harness.idle_child(PERIOD, ended_before.customer_id)).terminate("before")
+    await harness.open_period_by_hand(PERIOD)
+    await (await harness.idle_child(PERIOD, ended_after.customer_id)).terminate("after")
+    left = {none.customer_id, running.customer_id, ended_before.customer_id}
+    assert await _unlisted_of(harness, restarts_completed=False) == left
+    assert await _unlisted_of(harness, restarts_completed=True) == {*left, completed.customer_id}
+
+
+async def test_the_close_finds_an_unreached_customer_on_any_page(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The close of a run from before LISTINGS_MARKED reads the due customers with no row a
+    page at a time: one unreached on a later page than the first keeps the run open to bill
+    it, not only one on the first page."""
+    monkeypatch.setattr(period_activities, "UNLISTED_PAGE", 1)
+    reached, unreached = await harness.seed(2)
+    await harness.open_period_by_hand(PERIOD)
+    # This run's child, ended before its claim: reached.
+    await (await harness.idle_child(PERIOD, reached.customer_id)).terminate("ended")
+    activities = PeriodActivities(harness.pool, harness.settings)
+
+    async def reached_without_row() -> frozenset[str] | None:
+        async with harness.pool.acquire() as conn:
+            return await activities._reached_without_row(conn, str(PERIOD), frozenset(), False)
+
+    environment = ActivityEnvironment(client=harness.client)
+    assert await environment.run(reached_without_row) is None
+    # Gone from the ledger's due customers: every one left was reached.
+    await harness.pool.execute(
+        "UPDATE customers SET active = false WHERE customer_id = $1", unreached.customer_id
+    )
+    assert await environment.run(reached_without_row) == frozenset({reached.customer_id})
+
+
+async def test_a_customer_imported_as_the_close_waits_for_the_lock_keeps_the_run_open(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The close of a run from before LISTINGS_MARKED looks for unreached customers first
+    without the import's lock, then again under it for those imported since: one imported
+    in between would be left unbilled by a run closed over it."""
+    await harness.open_period_by_hand(PERIOD)
+    lock_for_change = ledger.lock_for_change
+    late: list[CustomerRow] = []
+
+    async def imported_first(conn: Any, doing: str) -> None:
+        late.extend(await harness.seed(1, prefix="a-late"))
+        await lock_for_change(conn, doing)
+
+    monkeypatch.setattr(ledger, "lock_for_change", imported_first)
+    closing = PeriodActivities(harness.pool, harness.settings).close_if_all_listed
+    summary = PeriodSummary.empty(str(PERIOD), "by-hand")
+    assert not await ActivityEnvironment(client=harness.client).run(closing, summary)
+    assert late
+    async with harness.pool.acquire() as conn:
+        record = await ledger.period_record(conn, str(PERIOD))
+    assert record is not None and record.state == "running"
+
+
+async def test_a_page_of_the_unlisted_hands_on_its_cursor(harness: Harness) -> None:
+    """A listing of the unlisted (a run from before LISTINGS_MARKED) walks the due customers
+    with no row a page at a time: a page with no cursor would end it there, and those after
+    it would be left to the close to find."""
+    customers = await harness.seed(2)
+    await harness.open_period_by_hand(PERIOD)
+    listing = DuePageRequest(period=str(PERIOD), after=None, limit=1, unlisted=True)
+    due_customers = PeriodActivities(harness.pool, harness.settings).due_customers
+    page = await ActivityEnvironment(client=harness.client).run(due_customers, listing)
+    assert [c.customer_id for c in page.customers] == [customers[0].customer_id]
+    assert page.next_cursor is not None

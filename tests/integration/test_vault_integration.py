@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -16,8 +17,9 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.exceptions import ActivityError, ApplicationError
 
+import billing.ledger.runs as ledger_runs
 import worker
-from activities.period import PeriodActivities, _needs_operator
+from activities.period import PeriodActivities, PrepareRequest, _needs_operator
 from billing import ledger, operations, period_keys
 from billing.customers import CustomerRow, upsert_customers
 from billing.keys import customer_workflow_id, period_workflow_id
@@ -469,6 +471,61 @@ async def test_a_rerun_expecting_more_than_its_key_has_left_replaces_it(
     await assert_billed_once(vaulted, str(PERIOD), [*first, *added])
 
 
+@pytest.mark.parametrize("meanwhile", [False, True], ids=["live", "revoked-by-a-worker"])
+async def test_a_reruns_opening_revokes_the_key_it_replaces_at_once_and_keeps_its_own(
+    vaulted: Harness, monkeypatch: pytest.MonkeyPatch, meanwhile: bool
+) -> None:
+    """The key an opening replaces is revoked as the opening ends, not at the close: a
+    worker that cached it would charge through its room as well as the new key's cap. One a
+    worker revoked meanwhile (another opening's or a close's sweep of keys no run stores,
+    once this opening stored the new one) is no operator's kill switch: the new key stays
+    live, or the run would pause at its first charge for nothing."""
+    assert vaulted.vault is not None
+    vault = vaulted.vault
+    _, old, _ = await _billed_then_more_imported(vaulted)
+    if meanwhile:
+        held_customers = ledger.held_customers
+
+        async def swept_first(conn: asyncpg.Connection, period: str) -> Any:
+            await vault.worker.revoke(old)
+            return await held_customers(conn, period)
+
+        monkeypatch.setattr(ledger, "held_customers", swept_first)
+    opening = PeriodActivities(vaulted.pool, vaulted.settings, vault.worker)
+    await opening.prepare(PrepareRequest(period=str(PERIOD), workflow_id="by-hand"))
+    new = await vault.admin.get_key(await period_key(vaulted))
+    replaced = await vault.admin.get_key(old)
+    assert new.id != old and not new.revoked
+    assert replaced.revoked and replaced.revoked_by == "worker"
+
+
+async def test_a_replaced_key_the_vault_could_not_revoke_fails_the_opening_till_revoked(
+    vaulted: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A revoke of the replaced key that the vault could not make (down, restarting) fails
+    the opening, whose retry revokes the key: taken for done, it would stay live, its room
+    open to a worker that cached it, until the close."""
+    assert vaulted.vault is not None
+    worker = vaulted.vault.worker
+    _, old, _ = await _billed_then_more_imported(vaulted)
+    revoke = worker.revoke
+
+    async def unavailable(key_id: str) -> Any:
+        raise VaultUnavailable(503, None, f"the vault restarts, {key_id} left as it was")
+
+    monkeypatch.setattr(worker, "revoke", unavailable)
+    opening = PeriodActivities(vaulted.pool, vaulted.settings, worker)
+    request = PrepareRequest(period=str(PERIOD), workflow_id="by-hand")
+    with pytest.raises(VaultUnavailable):
+        await opening.prepare(request)
+    assert not (await vaulted.vault.admin.get_key(old)).revoked
+    monkeypatch.setattr(worker, "revoke", revoke)
+    await opening.prepare(request)
+    replaced = await vaulted.vault.admin.get_key(old)
+    assert replaced.revoked and replaced.revoked_by == "worker"
+    assert await period_key(vaulted) != old
+
+
 async def test_a_kill_switch_pulled_while_an_opening_replaces_the_key_stays_pulled(
     vaulted: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -707,6 +764,80 @@ async def test_a_close_revokes_a_key_the_vault_issued_after_the_opening_looked(
     await assert_billed_once(vaulted, str(PERIOD), customers)
 
 
+async def test_an_opening_issues_its_key_to_live_the_grace_past_the_later_of_period_and_now(
+    vaulted: Harness,
+) -> None:
+    """The key outlives the period by the configured grace, so that retries, a pause and its
+    resume still have it; a period already over (a backfill) gets that grace from now, or
+    its key would expire as it is issued and refuse every charge."""
+    assert vaulted.vault is not None
+    await vaulted.seed(1)
+    grace = timedelta(days=vaulted.settings.billing_vault_key_grace_days)
+    opening = PeriodActivities(vaulted.pool, vaulted.settings, vaulted.vault.worker)
+    past = PERIOD.previous().previous()
+    for period, lives_past in ((PERIOD, PERIOD.ends_at), (past, datetime.now(UTC))):
+        await opening.prepare(PrepareRequest(period=str(period), workflow_id="by-hand"))
+        [key] = await vaulted.vault.admin.find_keys(period=str(period))
+        assert abs(key.expires_at - (lives_past + grace)) < timedelta(minutes=1)
+
+
+async def test_a_renewal_replaces_an_operators_key_too_small_for_what_is_left(
+    vaulted: Harness,
+) -> None:
+    """An opening refuses an operator's key (issued with the admin token) too small for the
+    run, as its cap is theirs to set; a renewal is an operator's word to replace it, capped
+    for what the run has left. Refused too, the paused run could not go on."""
+    assert vaulted.vault is not None
+    customers = await vaulted.seed(3)
+    theirs = await vaulted.vault.admin.issue_key(_period_key(100))
+    await _stored_as_the_periods(vaulted, theirs)
+    await vaulted.open_period_by_hand(PERIOD)
+    renewing = PeriodActivities(vaulted.pool, vaulted.settings, vaulted.vault.worker)
+    [renewed] = (await renewing.renew_keys(str(PERIOD))).keys
+    assert renewed.replaced == theirs.id
+    assert renewed.cap_cents == spend_cap(
+        sum(c.amount_cents for c in customers), vaulted.settings.billing_cap_multiplier
+    )
+    assert await period_key(vaulted) == renewed.vault_key_id
+
+
+@pytest.mark.parametrize("close", ["close", "close_if_all_listed", "close_if_all_reached"])
+async def test_a_close_and_its_retry_once_written_revoke_the_keys_no_run_stores(
+    vaulted: Harness, close: str
+) -> None:
+    """Each close a run may end with (the plain one of a cancelled run, those of a run from
+    before LISTINGS_MARKED), and its retry once the period is completed (its answer lost),
+    revokes the period's keys that no run stores (a vault slow to answer issued them after
+    the opening looked), which would otherwise hold their caps against the worker budget
+    until they expired."""
+    assert vaulted.vault is not None
+    await vaulted.open_period_by_hand(PERIOD)
+    activities = PeriodActivities(vaulted.pool, vaulted.settings, vaulted.vault.worker)
+    closing: Callable[[PeriodSummary], Awaitable[object]] = getattr(activities, close)
+    summary = PeriodSummary.empty(str(PERIOD), "by-hand")
+
+    async def left_unstored() -> str:
+        assert vaulted.vault is not None
+        async with vaulted.pool.acquire() as conn:
+            opening = conn.transaction()
+            await opening.start()
+            key = await _issue_as_an_opening(vaulted, conn, vaulted.vault.worker)
+            await opening.rollback()
+        return key.vault_key_id
+
+    async def revoked(key_id: str) -> bool:
+        assert vaulted.vault is not None
+        keys = {k.id: k for k in await vaulted.vault.admin.find_keys(period=str(PERIOD))}
+        return keys[key_id].revoked and keys[key_id].revoked_by == "worker"
+
+    before_the_close = await left_unstored()
+    await closing(summary)
+    assert await revoked(before_the_close)
+    after_the_close = await left_unstored()
+    await closing(summary)
+    assert await revoked(after_the_close)
+
+
 async def test_a_close_with_the_vault_down_completes_the_period(
     harness: Harness, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -727,6 +858,29 @@ async def test_a_close_with_the_vault_down_completes_the_period(
         record = await ledger.period_record(conn, str(PERIOD))
     assert record is not None and record.state == "completed"
     assert "unused keys not revoked (a later opening or close revokes them" in caplog.text
+
+
+async def test_a_close_while_the_opening_lock_is_held_completes_the_period(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Revoking unused keys at the close waits for the opening's lock, which an import or
+    an opening waiting on the vault may hold past the wait: the close gives up on the
+    revoke, not on the period it has written, and says so."""
+    monkeypatch.setattr(ledger_runs, "CHANGE_WAIT_SECONDS", 0.5)
+    await harness.open_period_by_hand(PERIOD)
+    async with (
+        harness.pool.acquire() as importing,
+        importing.transaction(),
+        VaultAdmin("http://127.0.0.1:9", VAULT_WORKER_TOKEN, timeout=1) as unreachable,
+    ):
+        await importing.execute(ledger_runs.OPENING_LOCK)
+        closing = PeriodActivities(harness.pool, harness.settings, unreachable)
+        await closing.close(PeriodSummary.empty(str(PERIOD), "by-hand"))
+    async with harness.pool.acquire() as conn:
+        record = await ledger.period_record(conn, str(PERIOD))
+    assert record is not None and record.state == "completed"
+    assert "unused keys not revoked (a later opening or close revokes them" in caplog.text
+    assert "waited 0.5 s for a run being opened" in caplog.text
 
 
 async def test_a_stored_key_near_its_expiry_is_replaced_not_reused(vaulted: Harness) -> None:

@@ -43,6 +43,7 @@ from billing.money import (
 )
 from billing.periods import (
     LATE_MONTHS,
+    Billing,
     Period,
     check_far_flags,
     check_run_by_hand,
@@ -635,6 +636,20 @@ async def test_a_firing_whose_zone_the_worker_lacks_fails_for_good(zone: str) ->
     with pytest.raises(ApplicationError, match=f"'{zone}' is not in this worker's") as raised:
         await ActivityEnvironment().run(scheduled_period, request)
     assert raised.value.non_retryable and raised.value.type == "UnknownTimeZone"
+
+
+@pytest.mark.parametrize(("billing", "period"), [("advance", "2027-01"), ("arrears", "2026-12")])
+async def test_a_firing_bills_the_month_it_is_in_the_schedules_zone(
+    billing: Billing, period: str
+) -> None:
+    """A schedule firing at 02:00 on the 1st in Auckland fires on the 31st in UTC: read in
+    UTC, the firing would bill the month before its own (billed already by the last one)."""
+    request = ScheduledPeriodRequest(
+        nominal_time=datetime(2026, 12, 31, 13, tzinfo=UTC),
+        time_zone="Pacific/Auckland",
+        billing=billing,
+    )
+    assert await ActivityEnvironment().run(scheduled_period, request) == period
 
 
 @pytest.mark.parametrize(
