@@ -152,11 +152,25 @@ async def test_a_committed_charge_stripe_executes_anew_is_audited_as_forwarded_a
     await assert_consistent(db, key.id)
 
 
+@pytest.mark.parametrize("in_doubt", [False, True], ids=["first", "after-a-500-in-doubt"])
 async def test_decline_releases_the_reservation(
-    issue: Issue, stripe_via_vault: StripeFor, declining_customer: str, db: asyncpg.Pool
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    declining_customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+    in_doubt: bool,
 ) -> None:
+    """A decline frees the room. After a first attempt met a 500 Stripe did not save (in
+    doubt), its retry declined is one Stripe had saved nothing for: no charge was made, and
+    the room is freed rather than held until reconciliation."""
     key = await issue(cap_cents=10_000)
     client = stripe_via_vault(key)
+    if in_doubt:
+        await charge_in_doubt(
+            emulator, client, declining_customer, 10_000, "declined", "error_before_commit"
+        )
+        assert await _states(db, key.id) == {"declined": "unknown"}
     with pytest.raises(stripe.CardError) as declined:
         await charge(client, declining_customer, 10_000, "declined")
     assert declined.value.code == "card_declined"
@@ -169,30 +183,6 @@ async def test_decline_releases_the_reservation(
         await charge(client, declining_customer, 10_000, "declined")
     assert await _states(db, key.id) == {"declined": "released"}
     await assert_consistent(db, key.id)
-
-
-async def test_a_retry_in_doubt_that_stripe_declines_afresh_frees_the_room(
-    issue: Issue,
-    stripe_via_vault: StripeFor,
-    declining_customer: str,
-    db: asyncpg.Pool,
-    emulator: RunningEmulator,
-) -> None:
-    """The first attempt met a 500 Stripe did not save: in doubt. Its retry executes now and
-    is declined, which only a request Stripe had saved nothing for can be: no charge was
-    made, and the room is freed rather than held until reconciliation."""
-    key = await issue(cap_cents=10_000)
-    client = stripe_via_vault(key)
-    await charge_in_doubt(
-        emulator, client, declining_customer, 10_000, "declined", "error_before_commit"
-    )
-    assert await _states(db, key.id) == {"declined": "unknown"}
-    with pytest.raises(stripe.CardError) as declined:
-        await charge(client, declining_customer, 10_000, "declined")
-    assert declined.value.code == "card_declined"
-    assert await _states(db, key.id) == {"declined": "released"}
-    totals = await assert_consistent(db, key.id)
-    assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 0)
 
 
 async def test_error_before_commit_is_unknown_then_settled_by_the_replay(
