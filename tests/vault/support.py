@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
@@ -212,6 +213,8 @@ async def assert_a_slow_body_is_refused(
     assert time.monotonic() - started < 3
     assert answer.startswith(b"HTTP/1.1 408 ")
     assert b"\r\nConnection: close\r\n" in answer
+    # Nothing was reserved: the client sends it again, whole.
+    assert b"\r\nStripe-Should-Retry: true\r\n" in answer
     assert b'"code":"body_timeout"' in answer
 
 
@@ -248,6 +251,14 @@ async def a_reservation_waits_for_a_lock(db: asyncpg.Pool) -> None:
         return waiters == 1
 
     await eventually(blocked, timeout=10)
+
+
+@contextmanager
+def closed_port() -> Iterator[int]:
+    """A port nothing listens on: a connect is refused at once."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
 
 
 @asynccontextmanager

@@ -3,6 +3,7 @@ confirmed, of a charge its period's keys sent and have no answer to (vault.cance
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -10,7 +11,9 @@ import aiohttp
 import asyncpg
 import pytest
 import stripe
+from aiohttp import web
 from pydantic import SecretStr
+from stripe.params import PaymentIntentCreateParams
 
 from stripe_emulator import RunningEmulator
 from vault import VaultSettings, reservations, serve
@@ -19,7 +22,15 @@ from vault.endpoints import CANCEL, CHARGE_IN_FLIGHT, KEY_METADATA, NOT_IN_DOUBT
 from vault.models import IssuedKey
 
 from .conftest import Issue
-from .support import DEFAULT_ENDPOINTS, charge, charge_in_doubt, proxied_calls, via_vault
+from .support import (
+    DEFAULT_ENDPOINTS,
+    charge,
+    charge_in_doubt,
+    closed_port,
+    proxied_calls,
+    stand_in_upstream,
+    via_vault,
+)
 
 StripeFor = Callable[[IssuedKey], stripe.StripeClient]
 AMOUNT = 2_500
@@ -30,23 +41,25 @@ async def unconfirmed(
     customer: str,
     sent_with: str | None = "stalled",
     amount: int = AMOUNT,
+    with_method: bool = True,
 ) -> str:
     """An intent left as Stripe leaves one after answering its create-and-confirm with an
     error: made, not confirmed; its metadata names the request's Idempotency-Key, as the
-    billing workers' charges do."""
+    billing workers' charges do. Without its payment method, it is left
+    `requires_payment_method` instead."""
     method = (await direct.v1.customers.retrieve_async(customer)).default_source
     assert isinstance(method, str)
-    made = await direct.v1.payment_intents.create_async(
-        params={
-            "amount": amount,
-            "currency": "usd",
-            "customer": customer,
-            "payment_method": method,
-            "automatic_payment_methods": {"enabled": True, "allow_redirects": "never"},
-            "metadata": {KEY_METADATA: sent_with} if sent_with else {},
-        }
-    )
-    assert made.status == "requires_confirmation"
+    params: PaymentIntentCreateParams = {
+        "amount": amount,
+        "currency": "usd",
+        "customer": customer,
+        "automatic_payment_methods": {"enabled": True, "allow_redirects": "never"},
+        "metadata": {KEY_METADATA: sent_with} if sent_with else {},
+    }
+    if with_method:
+        params["payment_method"] = method
+    made = await direct.v1.payment_intents.create_async(params=params)
+    assert made.status == ("requires_confirmation" if with_method else "requires_payment_method")
     return made.id
 
 
@@ -136,13 +149,19 @@ async def test_an_intent_of_no_charge_in_doubt_of_the_keys_period_is_not_cancell
         "another amount's": await unconfirmed(direct_stripe, customer, amount=AMOUNT + 1),
         "an answered charge's": await unconfirmed(direct_stripe, customer, "answered"),
         "another period's": await unconfirmed(direct_stripe, customer, "next-period"),
+        "another integration's paid": await unconfirmed(direct_stripe, customer, None),
     }
+    # Nor is the state of an intent not the key's told it (a 400 would say it).
+    await direct_stripe.v1.payment_intents.confirm_async(
+        others["another integration's paid"], {"off_session": True}
+    )
     for what, intent_id in others.items():
+        left = await status_of(direct_stripe, intent_id)
         with pytest.raises(stripe.PermissionError) as refused:
             await cancel(client, intent_id)
         assert refused.value.error, what
         assert refused.value.error.code == "payment_intent_not_this_keys", what
-        assert await status_of(direct_stripe, intent_id) == "requires_confirmation", what
+        assert await status_of(direct_stripe, intent_id) == left, what
     row = (await proxied_calls(admin, cancelling_key.id))[0]
     assert (row.decision, row.refusal_code, row.upstream_status) == (
         "refused_request",
@@ -153,23 +172,30 @@ async def test_an_intent_of_no_charge_in_doubt_of_the_keys_period_is_not_cancell
     assert (row.customer, row.amount_cents) == (None, None)
 
 
-async def test_an_intent_of_a_charge_in_doubt_that_was_confirmed_is_not_cancelled(
+@pytest.mark.parametrize("left", ["succeeded", "requires_payment_method"])
+async def test_an_intent_of_a_charge_in_doubt_not_awaiting_confirmation_is_not_cancelled(
     cancelling_key: IssuedKey,
     stripe_via_vault: StripeFor,
     direct_stripe: stripe.StripeClient,
     customer: str,
     emulator: RunningEmulator,
+    left: str,
 ) -> None:
-    # Stripe rolled it forward: the caller is told so in Stripe's own code, and looks again.
+    """Only `requires_confirmation` may be cancelled, though Stripe cancels others too: an
+    intent Stripe rolled forward, or one in any other state (asking for a payment method, say),
+    is not the vault's to judge harmless. The caller is told so in Stripe's own code, and looks
+    again."""
     client = stripe_via_vault(cancelling_key)
     await in_doubt(emulator, client, customer)
-    intent_id = await unconfirmed(direct_stripe, customer)
-    await direct_stripe.v1.payment_intents.confirm_async(intent_id, {"off_session": True})
+    confirmed = left == "succeeded"
+    intent_id = await unconfirmed(direct_stripe, customer, with_method=confirmed)
+    if confirmed:
+        await direct_stripe.v1.payment_intents.confirm_async(intent_id, {"off_session": True})
     with pytest.raises(stripe.InvalidRequestError) as refused:
         await cancel(client, intent_id)
     assert refused.value.code == "payment_intent_unexpected_state"
-    assert f"{intent_id} is succeeded" in str(refused.value)
-    assert await status_of(direct_stripe, intent_id) == "succeeded"
+    assert f"{intent_id} is {left}" in str(refused.value)
+    assert await status_of(direct_stripe, intent_id) == left
 
 
 async def test_a_key_without_the_cancel_entry_or_an_unknown_intent_is_refused(
@@ -192,30 +218,61 @@ async def test_a_key_without_the_cancel_entry_or_an_unknown_intent_is_refused(
     assert await status_of(direct_stripe, intent_id) == "requires_confirmation"
 
 
-async def test_a_vault_whose_own_key_may_not_read_the_intent_says_so_once(
+@pytest.mark.parametrize(
+    ("read", "status", "code", "retry"),
+    [
+        (401, 502, "upstream_refused", "false"),
+        (403, 502, "upstream_refused", "false"),
+        (500, 503, "upstream_unavailable", "true"),
+        (None, 502, "upstream_unavailable", "true"),
+    ],
+    ids=["restricted-key", "forbidden", "stripe-failing", "stripe-unreachable"],
+)
+async def test_a_vault_that_cannot_read_the_intent_cancels_nothing_and_says_whether_to_retry(
     cancelling_key: IssuedKey,
     stripe_via_vault: StripeFor,
     direct_stripe: stripe.StripeClient,
     customer: str,
     emulator: RunningEmulator,
     vault_settings: VaultSettings,
+    read: int | None,
+    status: int,
+    code: str,
+    retry: str,
 ) -> None:
     """Its read before the cancel refused (401, 403: a restricted key without the right) was
-    answered 503 "retry", which no retry mends (helper-183)."""
+    answered 503 "retry", which no retry mends (helper-183); a read Stripe failed, or that
+    reached no Stripe, is one to retry, or the worker leaves an intent it could cancel."""
     await in_doubt(emulator, stripe_via_vault(cancelling_key), customer)
     intent_id = await unconfirmed(direct_stripe, customer)
-    # The emulator takes test secret keys only, as Stripe refuses a key without the right.
-    restricted = vault_settings.model_copy(
-        update={"upstream_stripe_secret": SecretStr("rk_test_" + "cannot_read_intents")}
-    )
-    async with serve(restricted) as vault, aiohttp.ClientSession() as session:
+
+    async def answer(request: web.Request) -> web.Response:
+        assert read is not None
+        return web.json_response({"error": {"type": "api_error"}}, status=read)
+
+    update: dict[str, object]
+    async with contextlib.AsyncExitStack() as stack:
+        if read == 401:
+            # The emulator takes test secret keys only, as Stripe refuses a key without the right.
+            update = {"upstream_stripe_secret": SecretStr("rk_test_" + "cannot_read_intents")}
+        elif read is None:
+            update = {
+                "upstream_stripe_base": f"http://127.0.0.1:{stack.enter_context(closed_port())}"
+            }
+        else:
+            update = {
+                "upstream_stripe_base": await stack.enter_async_context(stand_in_upstream(answer))
+            }
+        vault = await stack.enter_async_context(serve(vault_settings.model_copy(update=update)))
+        session = await stack.enter_async_context(aiohttp.ClientSession())
         client = via_vault(cancelling_key.secret.get_secret_value(), vault.url, session)
         with pytest.raises(stripe.APIError) as refused:
             await cancel(client, intent_id)
-    assert refused.value.http_status == 502 and refused.value.error is not None
-    assert refused.value.error.code == "upstream_refused"
-    assert (refused.value.headers or {}).get("Stripe-Should-Retry") == "false"
-    assert "VAULT_UPSTREAM_STRIPE_SECRET" in str(refused.value.user_message)
+    assert refused.value.http_status == status and refused.value.error is not None
+    assert refused.value.error.code == code
+    assert (refused.value.headers or {}).get("Stripe-Should-Retry") == retry
+    if code == "upstream_refused":
+        assert "VAULT_UPSTREAM_STRIPE_SECRET" in str(refused.value.user_message)
     assert await status_of(direct_stripe, intent_id) == "requires_confirmation"
 
 

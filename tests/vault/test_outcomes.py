@@ -829,16 +829,25 @@ class VaultClock:
         self.skipped += (vault_state._STALE_MARGIN + timedelta(seconds=1)).total_seconds()
 
 
+@pytest.mark.parametrize("wall_seen", [True, False], ids=["suspended", "wall-clock-stepped-back"])
 def test_a_machine_suspended_past_the_send_limit_holds_a_charge_up(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, wall_seen: bool
 ) -> None:
     """A machine suspended between a charge's reservation and its sending may stop the
-    monotonic clock; the wall clock saw the time pass, and the charge is not sent."""
+    monotonic clock; the wall clock saw the time pass, and the charge is not sent. Nor is it
+    when the monotonic clock saw the time pass and the wall clock, stepped back (NTP), did not."""
     clock = VaultClock(monkeypatch)
     send_by = send_deadline.SendBy(send_deadline.Stamp.now(), within_seconds=10)
-    clock.suspended = 9.0
+
+    def passes(seconds: float) -> None:
+        if wall_seen:
+            clock.suspended = seconds
+        else:
+            clock.skipped, clock.suspended = seconds, -seconds
+
+    passes(9.0)
     send_by.check()
-    clock.suspended = 11.0
+    passes(11.0)
     with pytest.raises(send_deadline.HeldUpError):
         send_by.check()
 
@@ -894,6 +903,7 @@ async def test_a_charge_held_up_after_its_reservation_is_not_sent(
     emulator: RunningEmulator,
     admin: VaultAdmin,
     monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
     in_doubt: bool,
     where: str,
 ) -> None:
@@ -917,6 +927,8 @@ async def test_a_charge_held_up_after_its_reservation_is_not_sent(
         # (looked at before the ledger's own connection to the emulator).
         assert len(held.upstream) == (1 if where == "connecting" else 0)
         assert all(not made.is_connected() for made in held.upstream)
+        # Closed by the vault, not left for the garbage collector to find unclosed.
+        assert [r for r in caplog.records if "Unclosed connection" in r.getMessage()] == []
         assert len(await emulator_ledger(emulator)) == (1 if in_doubt else 0)
         # Nothing of the attempt was sent: its room is freed, or stays in doubt.
         left = "unknown" if in_doubt else "released"

@@ -30,6 +30,7 @@ from .support import (
     WORKER_TOKEN,
     charge,
     charge_in_doubt,
+    closed_port,
     proxied_calls,
     stand_in_upstream,
     via_vault,
@@ -257,14 +258,6 @@ def unanswered_port() -> Iterator[int]:
             filler.setblocking(False)
             filler.connect_ex(("127.0.0.1", port))
         yield port
-
-
-@contextmanager
-def closed_port() -> Iterator[int]:
-    """A port nothing listens on: a connect is refused at once."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        yield sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("upstream", [closed_port, unanswered_port], ids=["refused", "hangs"])

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from datetime import UTC, datetime, timedelta
 
+import aiohttp
+import asyncpg
 import pytest
 
-from vault import unauthenticated
+from devstack.postgres import LocalPostgres
+from tests.waiting import eventually
+from vault import RunningVault, unauthenticated
 from vault.unauthenticated import OVERFLOW_PEER, Tally, peer_of
 
 
@@ -55,3 +61,44 @@ def test_a_clock_stepped_back_keeps_a_rows_last_after_its_first(
     tally.count("192.0.2.7")
     [row] = tally.drain()
     assert (row.first_at, row.last_at, row.requests) == (start, start, 2)
+
+
+@pytest.mark.vault_settings(unauthenticated_window_seconds=1)
+async def test_each_window_is_written_while_the_vault_runs_and_an_outage_stops_none_after_it(
+    vault: RunningVault,
+    http: aiohttp.ClientSession,
+    db: asyncpg.Pool,
+    postgres: LocalPostgres,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Written only when the vault stops, a window's counts would be lost to a vault that
+    dies; a write raising past a database outage would end the task that writes them, and
+    no later window would be written while the vault runs."""
+
+    async def send_keyless(requests: int) -> None:
+        for _ in range(requests):
+            async with http.get(f"{vault.url}/stripe/v1/payment_intents/pi_1") as response:
+                assert response.status == 401
+
+    async def written(requests: int) -> bool:
+        # Summed: where a window ends among the requests is the clock's to say.
+        total = "SELECT coalesce(sum(requests), 0) FROM vault_unauthenticated"
+        return bool(await db.fetchval(total) == requests)
+
+    async def given_up() -> bool:
+        # Logged as an error: the window's counts are lost.
+        return any(
+            r.name == "vault.unauthenticated" and r.levelno >= logging.ERROR for r in caplog.records
+        )
+
+    await send_keyless(3)
+    await eventually(lambda: written(3), timeout=10)
+    await asyncio.to_thread(postgres.stop)
+    try:
+        await send_keyless(1)
+        await eventually(given_up, timeout=30)
+    finally:
+        await asyncio.to_thread(postgres.start)
+    await send_keyless(2)
+    # The outage's window is lost (logged), not the ones after it.
+    await eventually(lambda: written(3 + 2), timeout=30)
