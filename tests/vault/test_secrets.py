@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 
 import aiohttp
@@ -146,6 +146,26 @@ async def echoing_upstream() -> AsyncIterator[str]:
         yield url
 
 
+async def _read_intent_through(
+    vault_settings: VaultSettings,
+    upstream: str,
+    http: aiohttp.ClientSession,
+    key: IssuedKey,
+    extra_headers: Mapping[str, str] | None = None,
+) -> tuple[int, str]:
+    """A read of an intent with `key` through a vault in front of `upstream`, a redirect
+    not followed: the status and body its caller gets."""
+    headers = {"Authorization": f"Bearer {key.secret.get_secret_value()}", **(extra_headers or {})}
+    in_front = vault_settings.model_copy(update={"upstream_stripe_base": upstream})
+    async with (
+        serve(in_front) as vault,
+        http.get(
+            f"{vault.url}/stripe/v1/payment_intents/pi_1", headers=headers, allow_redirects=False
+        ) as response,
+    ):
+        return response.status, await response.text()
+
+
 async def test_the_upstream_secret_is_scrubbed_from_what_the_upstream_echoes(
     vault_settings: VaultSettings,
     echoing_upstream: str,
@@ -153,16 +173,8 @@ async def test_the_upstream_secret_is_scrubbed_from_what_the_upstream_echoes(
     http: aiohttp.ClientSession,
 ) -> None:
     key = await issue()
-    echoing = vault_settings.model_copy(update={"upstream_stripe_base": echoing_upstream})
-    async with (
-        serve(echoing) as vault,
-        http.get(
-            f"{vault.url}/stripe/v1/payment_intents/pi_1",
-            headers={"Authorization": f"Bearer {key.secret.get_secret_value()}"},
-        ) as response,
-    ):
-        body = await response.text()
-    assert response.status == 500
+    status, body = await _read_intent_through(vault_settings, echoing_upstream, http, key)
+    assert status == 500
     assert UPSTREAM_SECRET not in body
     assert "Bearer [redacted]" in body
 
@@ -178,21 +190,17 @@ async def test_only_the_headers_stripe_reads_reach_the_upstream(
     connected account (Connect), past what the key was issued for, and a cookie or the
     vault's own fencing token is no business of Stripe's."""
     key = await issue()
-    echoing = vault_settings.model_copy(update={"upstream_stripe_base": echoing_upstream})
-    sent = {
-        "Authorization": f"Bearer {key.secret.get_secret_value()}",
+    extra = {
         "Stripe-Version": "2026-01-28",
         "Stripe-Account": "acct_other",
         "Stripe-Context": "acct_other",
         "Cookie": "session=abc",
         FENCE_HEADER: "3",
     }
-    async with (
-        serve(echoing) as vault,
-        http.get(f"{vault.url}/stripe/v1/payment_intents/pi_1", headers=sent) as response,
-    ):
-        seen = json.loads((await response.json())["error"]["message"])
+    _, body = await _read_intent_through(vault_settings, echoing_upstream, http, key, extra)
+    seen = json.loads(json.loads(body)["error"]["message"])
     assert (seen["Authorization"], seen["Stripe-Version"]) == ("Bearer [redacted]", "2026-01-28")
+    sent = ["Authorization", *extra]
     assert [name for name in sent if name in seen] == ["Authorization", "Stripe-Version"]
 
 
@@ -209,16 +217,8 @@ async def test_a_redirect_from_the_upstream_is_answered_not_followed(
 
     key = await issue()
     async with stand_in_upstream(redirecting) as upstream:
-        odd = vault_settings.model_copy(update={"upstream_stripe_base": upstream})
-        async with (
-            serve(odd) as vault,
-            http.get(
-                f"{vault.url}/stripe/v1/payment_intents/pi_1",
-                headers={"Authorization": f"Bearer {key.secret.get_secret_value()}"},
-                allow_redirects=False,
-            ) as response,
-        ):
-            assert response.status == 307
+        status, _ = await _read_intent_through(vault_settings, upstream, http, key)
+    assert status == 307
     assert asked == ["/v1/payment_intents/pi_1"]
 
 
@@ -312,18 +312,9 @@ async def test_a_read_that_could_not_connect_is_not_said_to_have_sent_nothing(
     nothing (503 vault_upstream_unreachable); a read's is Stripe's silence (502)."""
     key = await issue()
     with closed_port() as port:
-        nowhere = vault_settings.model_copy(
-            update={"upstream_stripe_base": f"http://127.0.0.1:{port}"}
-        )
-        async with (
-            serve(nowhere) as vault,
-            http.get(
-                f"{vault.url}/stripe/v1/payment_intents/pi_1",
-                headers={"Authorization": f"Bearer {key.secret.get_secret_value()}"},
-            ) as response,
-        ):
-            reply = await response.json()
-    assert (response.status, reply["error"]["code"]) == (502, "upstream_unavailable")
+        nowhere = f"http://127.0.0.1:{port}"
+        status, body = await _read_intent_through(vault_settings, nowhere, http, key)
+    assert (status, json.loads(body)["error"]["code"]) == (502, "upstream_unavailable")
 
 
 async def test_proxied_answers_carry_no_payment_intent_client_secret(
