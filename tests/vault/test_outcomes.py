@@ -9,7 +9,8 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -776,6 +777,20 @@ async def test_a_debit_replayed_as_processing_is_left_for_reconciliation(
     assert (totals["reserved_cents"], totals["spent_cents"]) == (1_200, 1_300)
 
 
+@asynccontextmanager
+async def _through_a_stand_in(
+    vault_settings: VaultSettings,
+    key: IssuedKey,
+    answer: Callable[[web.Request], Awaitable[web.Response]],
+) -> AsyncIterator[stripe.StripeClient]:
+    """A Stripe client on `key` through a vault in front of a stand-in for Stripe answering
+    with `answer`, for what the emulator never says."""
+    async with stand_in_upstream(answer) as upstream:
+        in_front = vault_settings.model_copy(update={"upstream_stripe_base": upstream})
+        async with serve(in_front) as vault, aiohttp.ClientSession() as session:
+            yield via_vault(key.secret.get_secret_value(), vault.url, session)
+
+
 async def test_a_legacy_charge_replayed_as_pending_is_left_for_reconciliation(
     vault_settings: VaultSettings, issue: Issue, db: asyncpg.Pool
 ) -> None:
@@ -791,14 +806,11 @@ async def test_a_legacy_charge_replayed_as_pending_is_left_for_reconciliation(
         )
 
     key = await issue(cap_cents=1_000)
-    async with stand_in_upstream(replays_pending) as upstream:
-        odd = vault_settings.model_copy(update={"upstream_stripe_base": upstream})
-        async with serve(odd) as vault, aiohttp.ClientSession() as session:
-            client = via_vault(key.secret.get_secret_value(), vault.url, session)
-            replayed = await client.v1.charges.create_async(
-                {"amount": 700, "currency": "usd", "customer": "cus_debit"},
-                {"idempotency_key": "debit"},
-            )
+    async with _through_a_stand_in(vault_settings, key, replays_pending) as client:
+        replayed = await client.v1.charges.create_async(
+            {"amount": 700, "currency": "usd", "customer": "cus_debit"},
+            {"idempotency_key": "debit"},
+        )
     assert replayed.status == "pending"
     assert await _states(db, key.id) == {"debit": "unknown"}
     totals = await assert_consistent(db, key.id)
@@ -1163,11 +1175,8 @@ async def test_an_intent_asked_to_confirm_that_stripe_left_unconfirmed_stays_spe
         return web.json_response({"id": "pi_left", "object": "payment_intent", "status": status})
 
     key = await issue(cap_cents=1_000)
-    async with stand_in_upstream(left_unconfirmed) as upstream:
-        odd = vault_settings.model_copy(update={"upstream_stripe_base": upstream})
-        async with serve(odd) as vault, aiohttp.ClientSession() as session:
-            client = via_vault(key.secret.get_secret_value(), vault.url, session)
-            assert (await charge(client, "cus_left", 1_000, "left")).status == status
+    async with _through_a_stand_in(vault_settings, key, left_unconfirmed) as client:
+        assert (await charge(client, "cus_left", 1_000, "left")).status == status
     assert await _states(db, key.id) == {"left": "committed"}
     assert (await assert_consistent(db, key.id))["spent_cents"] == 1_000
 
