@@ -594,22 +594,24 @@ class RecordedByTheFirstRun(Interceptor):
                         holder.first_run = info.workflow_run_id
                     elif info.workflow_run_id != holder.first_run and not holder.recorded:
                         holder.recorded = True
-                        await holder.record()
+                        await charged_by_hand(holder.harness, holder.customer, "ch_first_run")
                 return await super().execute_activity(input)
 
         return Recording(next)
 
-    async def record(self) -> None:
-        namespace = self.harness.settings.billing_key_namespace
-        key = idempotency_key(namespace, self.customer.customer_id, PERIOD)
-        result = ChargeResult(
-            charge_id="ch_first_run",
-            payment_intent_id="pi_first_run",
-            amount_cents=self.customer.amount_cents,
-            currency=self.customer.currency,
-        )
-        async with self.harness.pool.acquire() as conn:
-            await ledger.record_charge(conn, key, result)
+
+async def charged_by_hand(harness: Harness, customer: CustomerRow, charge_id: str) -> None:
+    """The customer's charge of PERIOD (`charge_id`, its intent `pi_...`) recorded on its
+    claim, as a worker records one."""
+    key = idempotency_key(harness.settings.billing_key_namespace, customer.customer_id, PERIOD)
+    result = ChargeResult(
+        charge_id=charge_id,
+        payment_intent_id=charge_id.replace("ch_", "pi_", 1),
+        amount_cents=customer.amount_cents,
+        currency=customer.currency,
+    )
+    async with harness.pool.acquire() as conn:
+        await ledger.record_charge(conn, key, result)
 
 
 async def test_a_charge_an_earlier_run_of_the_child_recorded_is_reported_charged(
@@ -1218,14 +1220,7 @@ async def test_a_customer_held_behind_its_old_ids_open_claim_waits_then_is_skipp
         await eventually(waited_twice)
         waits = list(_timer_waits(await child.fetch_history()).values())
         assert waits[:2] == [PERIOD_WAIT_FIRST, PERIOD_WAIT_FIRST * 2]
-        async with harness.pool.acquire() as conn:
-            result = ChargeResult(
-                charge_id="ch_old",
-                payment_intent_id="pi_old",
-                amount_cents=old.amount_cents,
-                currency=old.currency,
-            )
-            await ledger.record_charge(conn, old_key, result)
+        await charged_by_hand(harness, old, "ch_old")
         outcome = await child.result()
     assert outcome.outcome == "skipped"
     rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
@@ -1313,13 +1308,7 @@ async def test_awaiting_outcomes_answers_once_enough_are_found_not_at_the_end_of
         await ledger.claim(
             conn, customer.customer_id, str(PERIOD), key, "run-0", charge_api="charges"
         )
-        charge = ChargeResult(
-            charge_id="ch_1",
-            payment_intent_id="pi_1",
-            amount_cents=customer.amount_cents,
-            currency=customer.currency,
-        )
-        await ledger.record_charge(conn, key, charge)
+    await charged_by_hand(harness, customer, "ch_1")
     request = OutcomesRequest(
         period=str(PERIOD), customer_ids=[customer.customer_id], enough=1, wait_seconds=600
     )
