@@ -14,7 +14,7 @@ import asyncio
 import getpass
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -23,10 +23,11 @@ import asyncpg
 import pytest
 from temporalio.client import Client
 
+import worker
 from billing import ledger, operations
 from billing.config import BillingSettings, SettingsError
 from billing.db import where
-from billing.errors import InvalidInputError, NoWorkerError
+from billing.errors import BillingError, InvalidInputError, NoWorkerError
 from billing.keys import idempotency_key
 from billing.models import OperatorRequest, SkipRequest
 from billing.periods import Period, period_for
@@ -37,12 +38,11 @@ from devstack import demo
 from devstack.postgres import LocalPostgres
 from devstack.stack import StackConfig
 from tests.conftest import free_port
+from vault.__main__ import main as vault_main
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = "customer_id,stripe_customer_id,payment_method,amount_cents,currency\n"
 HOSTILE_ID = "x'; DROP TABLE customers;--"
-# Subprocesses at once: each is ~0.8 s of CPU, and the machine has 2 cores.
-_CONCURRENCY = 3
 
 
 @dataclass(frozen=True)
@@ -250,32 +250,39 @@ CASES: dict[str, tuple[list[str], str]] = {
 }
 
 
-@pytest.fixture(scope="module")
-async def refused(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Exit]:
-    """Every case, run concurrently with every service unreachable."""
-    files = tmp_path_factory.mktemp("cli")
-    bad_csv = files / "customers.csv"
-    bad_csv.write_text(_csv("c-1,cus_A,pm_1,1500,usd\nc-2,cus_B,pm_2,0,usd\n"))
-    closed = free_port()
-    unreachable = {
-        "TEMPORAL_ADDRESS": f"127.0.0.1:{closed}",
-        "DATABASE_URL": f"postgresql://postgres@127.0.0.1:{closed}/billing",
-        "STRIPE_API_BASE": f"http://127.0.0.1:{closed}",
+def unreachable(port: int) -> dict[str, str]:
+    """Every service's address, at a port nothing listens on."""
+    return {
+        "TEMPORAL_ADDRESS": f"127.0.0.1:{port}",
+        "DATABASE_URL": f"postgresql://postgres@127.0.0.1:{port}/billing",
+        "STRIPE_API_BASE": f"http://127.0.0.1:{port}",
         # The vault starts only when its settings are complete, and they are not bad here.
-        "VAULT_DATABASE_URL": f"postgresql://postgres@127.0.0.1:{closed}/billing",
+        "VAULT_DATABASE_URL": f"postgresql://postgres@127.0.0.1:{port}/billing",
         "VAULT_ADMIN_TOKEN": "adm_test_token_4f9c2e7a1b",
         "VAULT_UPSTREAM_STRIPE_SECRET": "sk_test_cli_unused",
         "VAULT_MAX_CAP_CENTS": "100",
     }
-    gate = asyncio.Semaphore(_CONCURRENCY)
 
-    async def one(argv: list[str]) -> Exit:
-        filled = [a.format(bad_csv=bad_csv) for a in argv]
-        async with gate:
-            return await run_cli(*filled, env=unreachable)
 
-    results = await asyncio.gather(*(one(argv) for argv, _ in CASES.values()))
-    return dict(zip(CASES, results, strict=True))
+# The programs the cases name, called in this process: a Python start-up for each case was
+# most of this file's time. test_a_malformed_database_url_is_named_... runs each for real.
+PROGRAMS: dict[tuple[str, ...], Callable[[list[str]], int]] = {
+    ("starter.py",): main,
+    ("-m", "vault"): vault_main,
+}
+
+
+def call(argv: list[str], capsys: pytest.CaptureFixture[str]) -> Exit:
+    """`python *argv`, in this process: its exit status and what it printed."""
+    for prefix, program in PROGRAMS.items():
+        if tuple(argv[: len(prefix)]) == prefix:
+            try:
+                code = program(argv[len(prefix) :])
+            except SystemExit as exited:  # argparse's own refusals
+                code = exited.code if isinstance(exited.code, int) else 1
+            printed = capsys.readouterr()
+            return Exit(code, printed.out, printed.err)
+    raise AssertionError(f"no program for {argv}")
 
 
 def test_a_watch_interval_below_its_floor_is_refused() -> None:
@@ -302,10 +309,14 @@ def test_a_connection_lost_midway_is_one_line_not_a_traceback(
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_arguments_are_refused_before_anything_is_contacted(
-    refused: dict[str, Exit], case: str
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    result = refused[case]
-    expected = CASES[case][1]
+    bad_csv = tmp_path / "customers.csv"
+    bad_csv.write_text(_csv("c-1,cus_A,pm_1,1500,usd\nc-2,cus_B,pm_2,0,usd\n"))
+    for name, value in unreachable(free_port()).items():
+        monkeypatch.setenv(name, value)
+    argv, expected = CASES[case]
+    result = call([a.format(bad_csv=bad_csv) for a in argv], capsys)
     assert result.code == 2, result
     assert expected in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
@@ -386,14 +397,23 @@ def test_a_key_pasted_into_the_wrong_place_is_not_echoed(
     ],
 )
 async def test_a_worker_with_a_bad_setting_names_it_and_shows_no_value(
-    env: dict[str, str], expected: str
+    env: dict[str, str],
+    expected: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
+    """Refused before the worker contacts anything. In this process: worker.py prints the
+    error and exits 2 (test_a_malformed_database_url_is_named_... runs it for real)."""
     secret = "sk_test_" + "Q7" * 12  # the whole environment is the input pydantic would show
-    result = await run_cli("worker.py", env={"STRIPE_API_KEY": secret, **env})
-    assert (result.code, result.stdout) == (2, ""), result
-    assert expected in result.stderr
-    assert "Traceback" not in result.stderr and "input_value" not in result.stderr
-    assert "Q7Q7" not in result.stderr
+    for name, value in {"STRIPE_API_KEY": secret, **env}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(BillingError) as refused:
+        await worker.main()
+    message = str(refused.value)
+    assert expected in message
+    assert "input_value" not in message
+    printed = capsys.readouterr()
+    assert "Q7Q7" not in message + printed.out + printed.err
 
 
 @pytest.mark.parametrize(
