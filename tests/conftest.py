@@ -100,6 +100,10 @@ async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
         data_converter=DATA_CONVERTER,
         dev_server_extra_args=[
             *stack.DEV_SERVER_TUNING,
+            # A deletion (the tests' stand-in for retention) waits until the server has saved
+            # that the run's close was handled, which it does every 30 s by default.
+            "--dynamic-config-value",
+            'history.transferProcessorUpdateAckInterval="1s"',
             *(arg for ns in NAMESPACES for arg in ("--namespace", ns)),
         ],
     )
