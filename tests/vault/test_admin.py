@@ -12,10 +12,11 @@ import asyncpg
 import pytest
 from jsonschema import Draft202012Validator
 
-from vault import RunningVault
+from vault import RunningVault, reservations
 from vault import admin as admin_module
 from vault.client import VaultAdmin, VaultAuthError, VaultInvalidRequest, VaultNotFound
 from vault.models import new_key_id
+from vault.reservations import Charge
 
 from .conftest import Issue
 from .support import (
@@ -192,6 +193,8 @@ async def test_keys_are_inspected_and_found_without_their_secret(
         False,
     )
     assert info.allowed_endpoints == DEFAULT_ENDPOINTS
+    # A key without a daily cap has no day's use to show.
+    assert (await admin.get_key(other.id)).daily_used_cents is None
     status, raw = await _admin_call(http, vault, "GET", f"/vault/keys/{issued.id}")
     assert status == 200 and "secret" not in raw and secret not in str(raw)
 
@@ -203,6 +206,76 @@ async def test_keys_are_inspected_and_found_without_their_secret(
     assert [(k.id, k.revoked) for k in found] == [(issued.id, True)]
     status, reply = await _admin_call(http, vault, "GET", "/vault/keys?period=11-2026")
     assert (status, reply["error"]["fields"][0]["field"]) == (422, "period")
+
+
+async def test_a_keys_room_leaves_out_charges_in_doubt_and_its_daily_use_is_todays(
+    issue: Issue, admin: VaultAdmin, db: asyncpg.Pool
+) -> None:
+    """What an operator reads before renewing a key or pulling it: a charge in doubt takes
+    room as a committed one does, and the day's use is the current UTC day's alone."""
+    key = await issue(cap_cents=10_000, daily_cap_cents=5_000)
+    stale_after = timedelta(minutes=5)
+
+    async def reserved(
+        conn: asyncpg.Connection, idempotency_key: str, amount: int
+    ) -> reservations.Reservation:
+        sent = Charge("POST /v1/payment_intents", amount, "usd", "cus_room")
+        return await reservations.reserve(conn, key.id, idempotency_key, sent, stale_after)
+
+    async with db.acquire() as conn:
+        await reservations.settle(conn, await reserved(conn, "yesterday", 1_000), "succeeded", 200)
+        for table in ("vault_key_days", "vault_reservations"):
+            await conn.execute(f"UPDATE {table} SET day = day - 1 WHERE vault_key_id = $1", key.id)
+        await reservations.settle(conn, await reserved(conn, "today", 2_000), "succeeded", 200)
+        await reservations.settle(conn, await reserved(conn, "in-doubt", 700), "unknown", None)
+    info = await admin.get_key(key.id)
+    assert (info.reserved_cents, info.spent_cents, info.remaining_cents) == (700, 3_000, 6_300)
+    assert info.daily_used_cents == 2_700
+    # One row per key, whatever days it was used on.
+    assert [k.id for k in await admin.find_keys(period=info.period)] == [key.id]
+
+
+async def test_a_full_audit_page_says_where_the_next_one_begins(
+    issue: Issue, admin: VaultAdmin, vault: RunningVault, http: aiohttp.ClientSession
+) -> None:
+    key = await issue()
+    other = await issue()
+    for _ in range(2):  # revoking again is audited too: three entries with the issue
+        await admin.revoke(key.id)
+    await admin.revoke(other.id)
+    entries = await admin.audit(key.id)
+    assert {entry.vault_key_id for entry in entries} == {key.id}  # the key's own only
+    ids = [entry.id for entry in entries]
+    assert len(ids) == 3
+    path = f"/vault/keys/{key.id}/audit?limit=2"
+    status, first = await _admin_call(http, vault, "GET", path)
+    assert status == 200
+    assert ([e["id"] for e in first["entries"]], first["next_before"]) == (ids[:2], ids[1])
+    status, last = await _admin_call(http, vault, "GET", f"{path}&before={ids[1]}")
+    assert ([e["id"] for e in last["entries"]], last["next_before"]) == (ids[2:], None)
+
+
+@pytest.mark.parametrize("operation", ["audit", "reservations"])
+async def test_an_unknown_keys_audit_or_reservations_are_a_404_not_an_empty_page(
+    vault: RunningVault, http: aiohttp.ClientSession, operation: str
+) -> None:
+    # An operator or a reconciliation with a mistyped id must not read "nothing there".
+    path = f"/vault/keys/vkey_0000000000000000/{operation}"
+    status, reply = await _admin_call(http, vault, "GET", path)
+    assert (status, reply["error"]["code"]) == (404, "resource_missing")
+
+
+async def test_a_query_parameter_given_twice_is_refused(
+    vault: RunningVault, http: aiohttp.ClientSession
+) -> None:
+    # Else one of the two would be answered, silently.
+    path = "/vault/keys?period=2026-11&period=2026-12"
+    status, reply = await _admin_call(http, vault, "GET", path)
+    assert (status, reply["error"]["code"], reply["error"]["param"]) == (
+        422,
+        "parameter_repeated",
+        "period",
+    )
 
 
 async def test_issued_key_masks_its_secret_outside_the_issue_response(issue: Issue) -> None:

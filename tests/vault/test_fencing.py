@@ -142,7 +142,8 @@ async def test_a_fence_raised_through_the_admin_api_refuses_the_earlier_attempts
     forgotten it, after an operator's cancel was recorded."""
     key = await issue()
     client = stripe_via_vault(key)
-    fence = await admin.fence(key.id, "claim", 4)
+    assert (await admin.fence(key.id, "claim", 2)).fenced_below == 2
+    fence = await admin.fence(key.id, "claim", 4)  # a later attempt raises it
     assert (fence.idempotency_key, fence.fenced_below) == ("claim", 4)
     # Never lowered: a late fence of an older attempt keeps the higher one.
     assert (await admin.fence(key.id, "claim", 2)).fenced_below == 4
@@ -157,7 +158,7 @@ async def test_a_fence_raised_through_the_admin_api_refuses_the_earlier_attempts
     assert (await charge(client, customer, 1_000, "claim", fence="4")).status == "succeeded"
     assert sorted(c["amount"] for c in await emulator_ledger(emulator)) == [500, 1_000]
     fenced = [e for e in await admin.audit(key.id) if e.decision == "fenced"]
-    assert [(e.idempotency_key, e.actor) for e in fenced] == [("claim", "admin")] * 2
+    assert [(e.idempotency_key, e.actor) for e in fenced] == [("claim", "admin")] * 3
 
 
 async def test_the_worker_token_fences_only_the_keys_it_issued(

@@ -294,6 +294,9 @@ async def test_a_charge_in_doubt_found_for_less_frees_the_rest_of_its_room(
         assert await reservations.settle(conn, lost, "unknown", None) == "unknown"
     resolved = await admin.resolve(key.id, "in-doubt", "succeeded", amount_cents=1_500)
     assert (resolved.state, resolved.committed_cents) == ("committed", 1_500)
+    # The audit says what the settlement committed, not what was reserved.
+    [audited] = [e for e in await admin.audit(key.id) if e.decision == "resolved"]
+    assert (audited.reservation_state, audited.amount_cents) == ("committed", 1_500)
     totals = await assert_consistent(db, key.id)
     assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 1_500)
     rest = Charge("POST /v1/payment_intents", 500, "usd", customer)

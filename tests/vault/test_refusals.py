@@ -196,17 +196,24 @@ async def test_an_expired_key_may_not_read_either(
     ]
 
 
+# The worker token revokes the keys it issued that no run stores any more: as dead.
+@pytest.mark.parametrize("by", ["admin", "worker"])
 async def test_revoke_is_a_kill_switch(
-    issue: Issue,
     stripe_via_vault: StripeFor,
     customer: str,
     admin: VaultAdmin,
+    worker: VaultAdmin,
+    secrets_seen: Secrets,
     emulator: RunningEmulator,
+    by: str,
 ) -> None:
-    key = await issue()
+    token = {"admin": admin, "worker": worker}[by]
+    key = await token.issue_key(key_request())
+    secrets_seen.values.append(key.secret.get_secret_value())
     client = stripe_via_vault(key)
     intent = await charge(client, customer, 100, "before")
-    revoked = await admin.revoke(key.id)
+    revoked = await token.revoke(key.id)
+    assert revoked.revoked_by == by
     assert revoked.revoked and revoked.revoked_at is not None
     with pytest.raises(stripe.AuthenticationError) as refused:
         await charge(client, customer, 100, "after")
@@ -219,7 +226,7 @@ async def test_revoke_is_a_kill_switch(
         await charge(client, customer, 100, "before")
     assert len(await emulator_ledger(emulator)) == 1
     # Revoking again keeps the first revocation time.
-    assert (await admin.revoke(key.id)).revoked_at == revoked.revoked_at
+    assert (await token.revoke(key.id)).revoked_at == revoked.revoked_at
 
 
 async def test_money_moving_request_without_idempotency_key_is_refused(

@@ -439,3 +439,18 @@ async def test_a_secret_given_as_a_paths_idempotency_key_is_refused_not_stored(
     ]
     stored = "\n".join(rows)
     assert secrets_seen.found_in(stored) == []
+
+
+async def test_a_secret_given_as_a_paths_key_id_is_not_repeated_in_the_404(
+    issue: Issue, vault: RunningVault, http: aiohttp.ClientSession
+) -> None:
+    """A key pasted where its id goes: the error names no key rather than echo the secret
+    to the caller, whose exception and logs would keep it."""
+    key = await issue()
+    vk = key.secret.get_secret_value()
+    async with http.get(
+        f"{vault.url}/vault/keys/{vk}", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    ) as response:
+        assert response.status == 404
+        answer = await response.text()
+    assert "resource_missing" in answer and vk not in answer
