@@ -25,7 +25,14 @@ from activities import stripe_gateway
 from activities.reconcile import ReconcileActivities
 from activities.stripe_failures import reconciliation_failure
 from activities.stripe_gateway import StripeGateway, charge_params
-from billing import ledger, operations, period_keys, reconciliation
+from billing import (
+    ledger,
+    operations,
+    period_keys,
+    reconciliation,
+    schedules,
+    search_attributes,
+)
 from billing.customers import CustomerRow, upsert_customers
 from billing.keys import (
     customer_workflow_id,
@@ -1676,6 +1683,11 @@ async def test_the_daily_schedule_reconciles_the_latest_period_billed(harness: H
         latest = await fire(harness, handle, 3)
         report = await reconciled(harness, period)
         assert report is not None and report.period == str(period) and report.findings == []
+        # Listed in the Web UI under its period, as a reconciliation run by hand is.
+        launched = await harness.client.get_workflow_handle(
+            reconcile_workflow_id(period)
+        ).describe()
+        assert launched.typed_search_attributes.get(search_attributes.BILLING_PERIOD) == str(period)
         # The month before, reconciled since its run and left with nothing, is not again.
         assert started(latest) == [reconcile_workflow_id(period)]
     await handle.delete()
@@ -1711,9 +1723,46 @@ async def test_the_daily_schedule_goes_back_to_earlier_periods_until_nothing_is_
             assert await left_to_look_at(harness, checked) == (True, None)
         second = await fire(harness, handle, 2)
         assert started(second) == [reconcile_workflow_id(period)]
+        # Started again, not refused as run before: each firing finds what changed since.
+        assert not any(
+            e.HasField("start_child_workflow_execution_failed_event_attributes")
+            for e in second.events
+        )
     await handle.delete()
     await replay([first, second])
     keep([first])
+
+
+async def test_a_firing_with_no_recent_period_billed_still_reconciles_earlier_ones_left_open(
+    harness: Harness,
+) -> None:
+    """A pause in billing (neither this month nor the one before run) leaves nothing recent
+    to reconcile, but an earlier period whose reconciliation left something (a bank debit
+    pending) is still reconciled again: its doubts would otherwise wait for the next run."""
+    handle = await daily_reconciliation(harness)
+    pending = period_for(datetime.now(UTC)).previous().previous()
+    await run_started(harness, pending)
+    async with harness.pool.acquire() as conn:
+        await ledger.record_reconciliation(conn, str(pending), "1 bank debits pending")
+    async with harness.running_worker():
+        launch = await fire(harness, handle, 1)
+        assert started(launch) == [reconcile_workflow_id(pending)]
+        report = await reconciled(harness, pending)
+        assert report is not None and report.open_reason is None, report
+    await handle.delete()
+
+
+async def test_the_daily_schedule_fires_on_every_day_of_the_longest_month(
+    harness: Harness,
+) -> None:
+    """Every day, the 29th to the 31st too: a month's last days are when its doubts pile up."""
+    handle = await daily_reconciliation(harness)
+    january = datetime(2027, 1, 1, tzinfo=UTC)
+    fires = await schedules.matching_times(
+        harness.client, handle.id, january, january + timedelta(days=31) - timedelta(seconds=1)
+    )
+    await handle.delete()
+    assert [t.day for t in fires] == list(range(1, 32))
 
 
 async def test_periods_left_open_for_good_take_turns_being_reconciled_again(
