@@ -21,6 +21,7 @@ from temporalio.common import (
     WorkflowIDReusePolicy,
 )
 from temporalio.exceptions import ActivityError, ApplicationError, WorkflowAlreadyStartedError
+from temporalio.exceptions import TimeoutError as TemporalTimeoutError
 from temporalio.types import MethodAsyncSingleParam
 
 with workflow.unsafe.imports_passed_through():
@@ -47,6 +48,8 @@ RECONCILE_LAST_BILLED = "reconcile-last-billed"
 FOLLOW_BILLING_SCHEDULE = "follow-billing-schedule"
 # Reconciliations recorded before this patch went back to no earlier period.
 RECHECK_EARLIER = "recheck-earlier"
+# Reconciliations recorded before this patch failed when the billing schedule could not be read.
+UNREAD_SCHEDULE_WARNS = "unread-schedule-warns"
 ArgT = TypeVar("ArgT")
 ResultT = TypeVar("ResultT")
 
@@ -173,7 +176,10 @@ class ScheduledBillingWorkflow:
                 retry_policy=RetryPolicy(maximum_attempts=5),
                 summary=f"has the billing schedule {schedule_id} billed the months it fired for?",
             )
-        except ActivityError as err:
+        except (ActivityError, ApplicationError, TemporalTimeoutError) as err:
+            # A local activity's last failure comes as itself, not in an ActivityError.
+            if not isinstance(err, ActivityError) and not workflow.patched(UNREAD_SCHEDULE_WARNS):
+                raise
             workflow.logger.warning(
                 "could not read the billing schedule %s (%s): reconciling with this"
                 " schedule's own billing mode and zone",

@@ -2624,17 +2624,13 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
     keep([flagged, quiet])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: a local activity's failure reaches the workflow as ApplicationError,"
-    " which ScheduledBillingWorkflow._billing_firings (except ActivityError) lets through",
-)
 async def test_a_daily_reconciliation_whose_billing_schedule_cannot_be_read_still_runs(
     harness: Harness,
 ) -> None:
     """The schedule it follows rewritten by a release whose arguments this one cannot read:
-    each firing says so and reconciles all the same, in its own mode and zone. A launch
-    failing there would leave every month unreconciled until someone read the Web UI."""
+    each firing says so and reconciles all the same, in its own mode and zone. The launch
+    failed there (helper-207: a local activity's last failure reaches the workflow as itself,
+    not in the ActivityError it caught), leaving every month unreconciled unsaid."""
     await firing_every(harness, "billing-monthly", 3600, paused=True)
     code, _, err = await harness.starter("schedule", "create", "--reconcile", "--paused")
     assert code == 0, err
@@ -2649,11 +2645,15 @@ async def test_a_daily_reconciliation_whose_billing_schedule_cannot_be_read_stil
             metadata = await launch.query(
                 "__temporal_workflow_metadata", result_type=WorkflowMetadata
             )
+            history = await launch.fetch_history()
     finally:
         for made in (handle.id, "billing-monthly"):
             await harness.client.get_schedule_handle(made).delete()
     warning = "WARNING: the billing schedule billing-monthly is gone or could not be read"
     assert warning in metadata.current_details, metadata.current_details
+    # I6 for the patched path: RECORD_HISTORIES=1 keeps it in tests/histories.
+    await replay([history])
+    keep([history])
 
 
 async def test_a_billing_firing_within_the_hour_is_not_called_unbilled(harness: Harness) -> None:
