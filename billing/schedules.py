@@ -836,7 +836,11 @@ def describe(description: ScheduleDescription, request: ScheduledBillingInput) -
         f"  {'PAUSED' if schedule.state.paused else 'active'}"
         + (f" ({shown_note(schedule.state.note)})" if schedule.state.note else ""),
         "  fires: "
-        + "; ".join(c.comment or str(c) for c in spec.calendars)
+        # Intervals too: a schedule edited with Temporal's own tools may have them.
+        + "; ".join(
+            [c.comment or str(c) for c in spec.calendars]
+            + [f"every {interval.every}" for interval in spec.intervals]
+        )
         + f" ({spec.time_zone_name or 'UTC'})",
         f"  overlap {schedule.policy.overlap.name.lower()},"
         f" catch-up window {_hours(schedule.policy.catchup_window)}",

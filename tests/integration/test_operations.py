@@ -1361,6 +1361,7 @@ async def test_describe_lists_the_latest_launches_not_the_oldest(harness: Harnes
     finally:
         await handle.delete()
     shown = schedules.describe(description, request)
+    assert "  fires: every 0:00:01 (UTC)" in shown, shown
     launched = [
         a.action.workflow_id
         for a in description.info.recent_actions
