@@ -1,7 +1,5 @@
 """The vault proxy: Stripe behind per-period keys with a hard spend cap, an endpoint
-allowlist, an expiry, a kill switch and an audit log."""
+allowlist, an expiry, a kill switch and an audit log.
 
-from vault.app import RunningVault, create_app, serve
-from vault.settings import VaultSettings
-
-__all__ = ["RunningVault", "VaultSettings", "create_app", "serve"]
+It imports nothing itself: the workers and the command line use `vault.client` alone, and
+the server (`vault.app`) would cost each of them a fifth of its start-up."""

@@ -27,8 +27,8 @@ from billing.config import (
 from billing.redact import redact
 from cli import commands
 from tests.deploy.compose import COMPOSE_FILE, ROOT, is_project_service, load
-from vault import VaultSettings
 from vault.app import shutdown_seconds
+from vault.settings import VaultSettings
 
 DOCKERFILE = ROOT / "Dockerfile"
 BILLING_SETTINGS: tuple[type[BaseSettings], ...] = (

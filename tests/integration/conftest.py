@@ -19,9 +19,9 @@ from tests.integration.harness import (
     Harness,
     VaultHandle,
 )
-from vault import VaultSettings
-from vault import serve as serve_vault
+from vault.app import serve as serve_vault
 from vault.client import VaultAdmin
+from vault.settings import VaultSettings
 
 _keys = itertools.count()
 

@@ -29,7 +29,8 @@ from devstack.postgres import LocalPostgres
 from tests.conftest import new_database
 from tests.integration.harness import PROJECT_ROOT, VAULT_ADMIN_TOKEN, Harness
 from tests.integration.invariants import assert_billed_once
-from vault import VaultSettings, serve
+from vault.app import serve
+from vault.settings import VaultSettings
 
 PERIOD = period_for(datetime.now(UTC), "advance")
 

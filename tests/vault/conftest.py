@@ -16,9 +16,10 @@ import stripe
 
 from stripe_emulator import EmulatorConfig, RunningEmulator
 from stripe_emulator import serve as serve_emulator
-from vault import RunningVault, VaultSettings, serve
+from vault.app import RunningVault, serve
 from vault.client import VaultAdmin
 from vault.models import IssuedKey
+from vault.settings import VaultSettings
 
 from .support import (
     ADMIN_TOKEN,

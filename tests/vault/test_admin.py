@@ -12,8 +12,9 @@ import asyncpg
 import pytest
 from jsonschema import Draft202012Validator
 
-from vault import RunningVault, reservations
 from vault import admin as admin_module
+from vault import reservations
+from vault.app import RunningVault
 from vault.client import VaultAdmin, VaultAuthError, VaultInvalidRequest, VaultNotFound
 from vault.models import new_key_id
 from vault.reservations import Charge

@@ -16,10 +16,12 @@ from pydantic import SecretStr
 from stripe.params import PaymentIntentCreateParams
 
 from stripe_emulator import RunningEmulator
-from vault import VaultSettings, reservations, serve
+from vault import reservations
+from vault.app import serve
 from vault.client import VaultAdmin
 from vault.endpoints import CANCEL, CHARGE_IN_FLIGHT, KEY_METADATA, NOT_IN_DOUBT
 from vault.models import IssuedKey
+from vault.settings import VaultSettings
 
 from .conftest import Issue
 from .support import (

@@ -15,9 +15,11 @@ import stripe
 from stripe.params import ChargeCreateParams
 
 from stripe_emulator import RunningEmulator
-from vault import VaultSettings, reservations, serve
+from vault import reservations
+from vault.app import serve
 from vault.models import IssuedKey
 from vault.reservations import Charge
+from vault.settings import VaultSettings
 
 from .conftest import Issue
 from .support import (

@@ -14,7 +14,7 @@ import stripe
 
 from activities.stripe_failures import fence_of
 from stripe_emulator import RunningEmulator
-from vault import RunningVault
+from vault.app import RunningVault
 from vault.client import VaultAdmin, VaultForbidden
 from vault.models import IssuedKey
 

@@ -21,10 +21,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 from schemathesis import GenerationMode
 
-from vault import VaultSettings, admin, serve
-from vault.app import VERSION
+from vault import admin
+from vault.app import VERSION, serve
 from vault.models import new_key_id
 from vault.openapi import openapi_document
+from vault.settings import VaultSettings
 
 from .support import ADMIN_TOKEN, MAX_CAP_CENTS
 

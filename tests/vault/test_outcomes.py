@@ -29,12 +29,14 @@ from stripe_emulator import RunningEmulator
 from stripe_emulator.client import EmulatorClient
 from tests.prometheus import metric_value
 from tests.waiting import eventually
-from vault import RunningVault, VaultSettings, reservations, send_deadline, serve, store
+from vault import reservations, send_deadline, store
 from vault import state as vault_state
+from vault.app import RunningVault, serve
 from vault.client import VaultAdmin, VaultConflict, VaultInvalidRequest, VaultNotFound
 from vault.models import IssuedKey
 from vault.proxy import _Answer, _outcome
 from vault.reservations import Charge
+from vault.settings import VaultSettings
 
 from .conftest import Issue, Secrets
 from .support import (

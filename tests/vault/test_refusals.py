@@ -22,9 +22,10 @@ from yarl import URL
 
 from activities.stripe_failures import KEY_REFUSED, UNRECOGNIZED_URL_CODE, to_temporal_failure
 from stripe_emulator import RunningEmulator
-from vault import RunningVault, VaultSettings, serve
+from vault.app import RunningVault, serve
 from vault.client import VaultAdmin
 from vault.models import IssuedKey
+from vault.settings import VaultSettings
 
 from .conftest import Issue, Secrets
 from .support import (

@@ -17,11 +17,12 @@ from aiohttp import web
 from yarl import URL
 
 from stripe_emulator import RunningEmulator
-from vault import RunningVault, VaultSettings, serve
+from vault.app import RunningVault, serve
 from vault.client import VaultAdmin
 from vault.endpoints import FENCE_HEADER, UPSTREAM_UNREACHABLE
 from vault.models import IssuedKey
 from vault.proxy import _without_client_secrets
+from vault.settings import VaultSettings
 
 from .conftest import Issue, Secrets
 from .support import (

@@ -12,7 +12,8 @@ import pytest
 
 from devstack.postgres import LocalPostgres
 from tests.waiting import eventually
-from vault import RunningVault, unauthenticated
+from vault import unauthenticated
+from vault.app import RunningVault
 from vault.unauthenticated import OVERFLOW_PEER, Tally, peer_of
 
 

@@ -13,9 +13,10 @@ import stripe
 from pydantic import ValidationError
 
 from stripe_emulator import RunningEmulator
-from vault import VaultSettings, serve
+from vault.app import serve
 from vault.client import VaultAdmin, VaultAuthError, VaultForbidden
 from vault.models import IssuedKey
+from vault.settings import VaultSettings
 
 from .conftest import Issue, Secrets
 from .support import (
