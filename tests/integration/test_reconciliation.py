@@ -11,6 +11,7 @@ import pytest
 import stripe
 from pydantic import SecretStr
 from temporalio import activity
+from temporalio.api.sdk.v1 import WorkflowMetadata
 from temporalio.client import (
     ScheduleHandle,
     WorkflowFailureError,
@@ -61,6 +62,7 @@ from billing.reconciliation import (
     HandledMarks,
     ReconcileInput,
     ReconcileReport,
+    ReconcileVerdict,
     StripeCharge,
     for_listing,
 )
@@ -202,8 +204,8 @@ async def test_a_declined_attempt_under_another_key_does_not_hold_a_claim(
             {"idempotency_key": other},
         )
     report = await reconcile(harness)
-    assert [(c.action, c.outcome, c.needs_person) for c in report.claims] == [
-        ("redriven", "failed", False)
+    assert [(c.action, c.outcome, c.needs_person, c.detail) for c in report.claims] == [
+        ("redriven", "failed", False, "card_declined")
     ]
 
 
@@ -384,6 +386,19 @@ async def test_findings_past_the_reports_room_are_each_counted_once(
         keep(runs)
 
 
+async def test_a_reconciliation_of_a_malformed_period_fails_at_once_saying_why(
+    harness: Harness,
+) -> None:
+    """Started by hand (Temporal's CLI, the Web UI) for no period there is (I7): not a lookup
+    retried to its limit, then an activity's failure."""
+    request = ReconcileInput(period="2026-13")
+    with pytest.raises(WorkflowFailureError) as failed:
+        await asyncio.wait_for(reconciled_with(harness, request), timeout=30)
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError) and cause.non_retryable, cause
+    assert "billing period month 13 is not 01-12" in cause.message
+
+
 async def test_reconcile_exits_1_when_it_leaves_a_claim_for_a_person(vaulted: Harness) -> None:
     # No finding and every customer checked, but a claim only a person can settle: the
     # daily schedule and the operator must not read it as all clear.
@@ -451,10 +466,61 @@ async def test_a_claim_that_never_reached_stripe_is_charged_once_with_its_key(
     assert await harness.succeeded() == 0
     report = await reconcile(harness)
     assert {(c.action, c.outcome) for c in report.claims} == {("redriven", "charged")}
+    rows = await harness.ledger_rows(str(PERIOD))
+    assert sorted(str(c.charge_id) for c in report.claims) == sorted(r["charge_id"] for r in rows)
     assert len(report.claims) == 3
     assert report.findings == []
     # Charged once each, every request with the claim's key and parameters (I1-I3).
     await assert_billed_once(harness, str(PERIOD), customers)
+
+
+async def test_a_claim_stripe_could_not_be_asked_about_is_left_for_a_person_uncharged(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lookup that fails says nothing of what Stripe holds: charging again unseen could bill
+    twice (past Stripe's idempotency window), so the claim is left for a person, with the
+    cause, anything shaped like a key redacted (I5)."""
+    [customer] = await harness.seed(1)
+    await stranded(harness, customer, at_stripe=False)
+    secret = "sk_test_" + "51HqLyjWDarjtT1zdp7dc0123"
+
+    async def refused(
+        self: ReconcileActivities, claim: Claim, *, recheck: bool = False
+    ) -> tuple[ChargeResult | ChargeFailure | None, bool]:
+        raise ApplicationError(f"refused {secret}", type="KeyRefused", non_retryable=True)
+
+    monkeypatch.setattr(ReconcileActivities, "_find", refused)
+    report = await reconcile(harness)
+    [left] = report.claims
+    assert (left.action, left.needs_person) == ("left", True)
+    assert left.detail == "lookup failed: KeyRefused: refused [redacted key]"
+    assert report.needs_a_person
+    assert await harness.money_requests() == 0
+
+
+async def test_a_claim_whose_workflow_started_between_lookup_and_redrive_is_left_to_it(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Temporal refuses the re-drive: that run owns the claim and records it, so no person is
+    called for (the daily run would exit 1 for nothing)."""
+    [customer] = await harness.seed(1)
+    await stranded(harness, customer, at_stripe=False)
+    find = ReconcileActivities._find
+
+    async def a_run_starts_meanwhile(
+        self: ReconcileActivities, claim: Claim, *, recheck: bool = False
+    ) -> tuple[ChargeResult | ChargeFailure | None, bool]:
+        found = await find(self, claim, recheck=recheck)
+        await harness.idle_child(PERIOD, claim.customer_id)
+        return found
+
+    monkeypatch.setattr(ReconcileActivities, "_find", a_run_starts_meanwhile)
+    report = await reconcile(harness)
+    assert [(c.action, c.needs_person, c.detail) for c in report.claims] == [
+        ("left", False, "a run of its workflow started meanwhile")
+    ]
+    assert not report.needs_a_person
+    assert await harness.money_requests() == 0
 
 
 async def test_a_claim_its_workflow_still_works_on_is_left_alone(harness: Harness) -> None:
@@ -889,6 +955,24 @@ async def test_a_redrive_still_retried_is_stopped_and_left_saying_why(vaulted: H
     assert row["status"] == "claimed"
 
 
+async def test_a_redrive_cut_short_is_left_for_a_person(harness: Harness) -> None:
+    """Its run terminated (an operator, say) before it had an outcome: the claim is still
+    open, and the report must not read all clear."""
+    [customer] = await harness.seed(1)
+    await stranded(harness, customer, at_stripe=False)
+    await harness.set_faults(error_before_commit=1.0)
+    async with harness.running_worker():
+        handle = await start_reconcile(harness.client, PERIOD, harness.task_queue)
+        await eventually(lambda: at_least(harness.money_requests(), 1))
+        redrive = customer_workflow_id(PERIOD, customer.customer_id)
+        await harness.client.get_workflow_handle(redrive).terminate(reason="by hand")
+        report = await handle.result()
+    [left] = report.claims
+    assert (left.action, left.needs_person) == ("left", True)
+    assert (left.detail or "").startswith("re-drive ended without an outcome")
+    assert report.needs_a_person
+
+
 async def test_a_redrive_still_retried_holds_one_place_and_the_claims_after_go_on(
     vaulted: Harness,
 ) -> None:
@@ -1014,6 +1098,11 @@ async def test_a_duplicate_charge_is_reported_with_its_id_and_amount(harness: Ha
     duplicate = await plant(harness, claim, claim.idempotency_key + "-retry")
     async with harness.running_worker():
         code, out, err = await harness.starter("reconcile", str(PERIOD), "--json")
+        # What the Web UI shows of the run.
+        shown = await harness.client.get_workflow_handle(reconcile_workflow_id(PERIOD)).query(
+            "__temporal_workflow_metadata", result_type=WorkflowMetadata
+        )
+    assert shown.current_details == "0 open claims, 1 duplicates, 0 orphans, 1 findings in all"
     assert code == 1, out
     assert "holds no row" not in err, err
     report = ReconcileReport.model_validate_json(out)
@@ -1924,6 +2013,26 @@ async def test_a_reconciliation_keeps_what_it_left_to_look_at_again(harness: Har
     assert await left_to_look_at(harness, PERIOD) == (True, None)
 
 
+async def test_a_verdict_the_ledger_cannot_take_costs_the_report_nothing(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next daily run records it: the report of what was found stands meanwhile."""
+    claim = await billed(harness, 1)
+    duplicate = await plant(harness, claim, claim.idempotency_key + "-retry")
+
+    async def read_only(self: ReconcileActivities, verdict: ReconcileVerdict) -> None:
+        raise ApplicationError("the ledger is read-only", non_retryable=True)
+
+    monkeypatch.setattr(
+        ReconcileActivities,
+        "record_verdict",
+        activity.defn(name="reconcile_record_verdict")(read_only),
+    )
+    report = await reconcile(harness)
+    assert [f.charge_id for f in report.findings] == [duplicate]
+    assert await left_to_look_at(harness, PERIOD) == (False, None)
+
+
 async def test_claims_left_alone_do_not_hide_one_stranded_behind_them(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1941,6 +2050,25 @@ async def test_claims_left_alone_do_not_hide_one_stranded_behind_them(
         (behind.customer_id, "recorded"),
     ]
     assert not report.more_claims
+
+
+async def test_claims_past_what_one_run_takes_are_kept_for_the_next_run(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The report says more are open, and the ledger keeps the period to look at again:
+    read as all clear, the daily reconciliation would never come back to the rest."""
+    monkeypatch.setattr(reconcile_activities, "MAX_CLAIMS", 1)
+    customers = await harness.seed(2)
+    for customer in customers:
+        await stranded(harness, customer, at_stripe=False)
+    await closed_by_hand(harness, PERIOD)
+    first = await reconcile(harness)
+    assert first.more_claims and [c.action for c in first.claims] == ["redriven"]
+    assert await left_to_look_at(harness, PERIOD) == (True, "0 open claims and more")
+    second = await reconcile(harness)
+    assert not second.more_claims and [c.action for c in second.claims] == ["redriven"]
+    assert await left_to_look_at(harness, PERIOD) == (True, None)
+    await assert_billed_once(harness, str(PERIOD), customers)
 
 
 async def test_a_claim_left_for_a_person_is_listed_past_those_left_alone(
