@@ -141,6 +141,17 @@ async def _workflow_state(client: Client, workflow_id: str) -> ChildState:
     return "running" if status == WorkflowExecutionStatus.RUNNING else "closed"
 
 
+def _unexamined(key_id: str, reservation: ReservationInfo) -> ReservationResolution:
+    return ReservationResolution(
+        vault_key_id=key_id,
+        key_prefix=logs.key_prefix(reservation.idempotency_key),
+        customer_id=None,
+        state="unknown",
+        currency=reservation.currency,
+        detail="not examined in the time given: the next reconciliation of the period does",
+    )
+
+
 def _log(event: str, period: str, key: str, **fields: Any) -> None:
     logs.log_event(
         log,
@@ -426,14 +437,20 @@ class ReconcileActivities:
             # settles takes no fixed place ahead of the rest, and the run goes on to its claims.
             random.shuffle(todo)
             settled = await _bounded([partial(settle, key_id, found) for key_id, found in todo])
+        # Those the budget left are reported unknown too: the period's verdict then keeps it to
+        # look at again (ReconcileReport.open_reason), where it read as nothing left.
+        resolutions = [
+            _unexamined(key_id, found) if resolution is None else resolution
+            for (key_id, found), resolution in zip(todo, settled, strict=True)
+        ]
+        examined = sum(resolution is not None for resolution in settled)
         # Each settlement is logged; the report lists what a person must act on first.
-        resolutions = [r for r in settled if r is not None]
-        if len(resolutions) < len(todo) or len(resolutions) > MAX_SHOWN:
+        if examined < len(todo) or len(resolutions) > MAX_SHOWN:
             log.warning(
                 "%s: %d vault reservations unknown, %d examined in the time given, %d reported",
                 request.period,
                 len(todo),
-                len(resolutions),
+                examined,
                 min(len(resolutions), MAX_SHOWN),
             )
         return reservations_to_report(resolutions, MAX_SHOWN)

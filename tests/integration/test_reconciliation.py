@@ -757,10 +757,15 @@ async def test_unknown_reservations_past_the_time_given_wait_for_the_next_run(
     customers = await charged_in_doubt_at_the_vault(vaulted)
     assert vaulted.vault is not None
     [key] = await vaulted.vault.admin.find_keys(period=str(PERIOD), label=period_keys.LABEL)
-    # No time at all: none is examined, and the rest of reconciliation still runs.
+    # No time at all: none is examined, and the rest of reconciliation still runs. Each is
+    # reported unknown, so the period is kept to look at again (it read as nothing left).
     monkeypatch.setattr(reconcile_activities, "SETTLE_BUDGET_SECONDS", -1.0)
     first = await reconcile(vaulted)
-    assert (first.vault_checked, first.reservations, first.findings) == (True, [], [])
+    assert (first.vault_checked, first.findings, first.needs_a_person) == (True, [], False)
+    assert [(r.state, r.detail) for r in first.reservations] == [
+        ("unknown", "not examined in the time given: the next reconciliation of the period does")
+    ] * 3
+    assert await left_to_look_at(vaulted, PERIOD) == (True, "3 vault reservations unknown")
     assert len(await vaulted.vault.admin.unknown_reservations(key.id)) == 3
     monkeypatch.undo()
     second = await reconcile(vaulted)
