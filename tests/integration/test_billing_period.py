@@ -44,7 +44,7 @@ from billing.periods import Period
 from billing.reporting import describe
 from billing.runs import period_status, start_period, start_reconcile
 from tests.integration.harness import Harness, at_least, single_batch_activations
-from tests.integration.holds import HoldBillsAtTheHandOver
+from tests.integration.holds import HoldBillsAtTheHandOver, HoldTheBillsEnd
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
 from tests.waiting import eventually
@@ -535,6 +535,36 @@ async def test_a_key_refusal_reported_while_the_run_opens_does_not_pause_it(
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
+async def test_a_pause_given_while_the_run_opens_is_in_the_ledger_once_it_has(
+    harness: Harness,
+) -> None:
+    """The opening resets the ledger's word to running: a pause given meanwhile is written
+    again after it, or a child an earlier run left would pass the ledger's gate and charge."""
+    customers = await harness.seed(3)
+    async with harness.running_worker(interceptors=[SlowPreparation(3.0)]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        await operations.control(
+            harness.client, PERIOD, "pause", OperatorRequest(reason="prices", operator="ann")
+        )
+
+        async def opened_and_paused_in_the_ledger() -> bool:
+            if (await period_status(harness.client, PERIOD)).expected_due is None:
+                return False
+            control = await harness.pool.fetchval(
+                "SELECT control FROM billing_periods WHERE billing_period = $1", str(PERIOD)
+            )
+            return bool(control == "paused")
+
+        await eventually(opened_and_paused_in_the_ledger, timeout=30)
+        assert await harness.succeeded() == 0
+        await operations.control(
+            harness.client, PERIOD, "resume", OperatorRequest(reason="checked", operator="ann")
+        )
+        summary = await asyncio.wait_for(handle.result(), 60)
+    assert summary.charged == 3
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
 async def test_a_child_waiting_long_continues_as_new_and_charges_once(harness: Harness) -> None:
     # A child's history grows while it waits at a paused period's gate; past its own limit
     # it continues as new with the same claim, and charges once when the period resumes.
@@ -995,6 +1025,66 @@ async def test_a_child_closed_before_its_claim_does_not_hold_the_period(harness:
         summary = await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
     assert (summary.due, summary.charged, summary.failed) == (4, 4, 0)
     await assert_billed_once(harness, str(PERIOD), [imported, *others])
+
+
+async def test_a_child_the_run_awaits_terminated_after_its_charge_is_counted_charged(
+    harness: Harness,
+) -> None:
+    """A child terminated by hand ends without an outcome: the run learns the customer's
+    from the ledger, rather than wait for it for ever (and never close the period)."""
+    [customer] = await harness.seed(1)
+    hold = HoldTheBillsEnd()
+    async with harness.running_worker(interceptors=[hold]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        await asyncio.wait_for(hold.billed.wait(), 60)
+        child = harness.client.get_workflow_handle(
+            customer_workflow_id(PERIOD, customer.customer_id)
+        )
+        await child.terminate(reason="stuck, by hand")
+        hold.go_on.set()
+        summary = await asyncio.wait_for(handle.result(), 60)
+    assert (summary.due, summary.charged, summary.failed) == (1, 1, 0)
+    await assert_billed_once(harness, str(PERIOD), [customer])
+
+
+async def test_a_customer_claimed_by_a_child_that_ended_gets_no_new_child(
+    harness: Harness,
+) -> None:
+    """A child that ended after its claim leaves that claim to reconciliation, which may
+    send its charge again under the same workflow ID: the run starts no second child for the
+    customer, and learns its outcome from the ledger."""
+    claimed = (await harness.seed(2))[-1]
+    await (await harness.idle_child(PERIOD, claimed.customer_id)).terminate("lost")
+    await harness.open_period_by_hand(PERIOD)
+    key = idempotency_key(harness.settings.billing_key_namespace, claimed.customer_id, PERIOD)
+    async with harness.pool.acquire() as conn:
+        await ledger.claim(
+            conn, claimed.customer_id, str(PERIOD), key, "run-0", charge_api="payment_intents"
+        )
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+
+        async def waiting_on_the_claim() -> bool:
+            status = await period_status(harness.client, PERIOD)
+            return (status.charged, status.in_flight) == (1, 1)
+
+        await eventually(waiting_on_the_claim)
+        # As reconciliation would settle it.
+        async with harness.pool.acquire() as conn:
+            await ledger.record_charge(
+                conn,
+                key,
+                ChargeResult(
+                    charge_id="ch_late", payment_intent_id="pi_late", amount_cents=1, currency="usd"
+                ),
+            )
+        summary = await asyncio.wait_for(handle.result(), 60)
+    assert (summary.due, summary.charged) == (2, 2)
+    children = harness.client.list_workflows(
+        f'WorkflowId = "{customer_workflow_id(PERIOD, claimed.customer_id)}"'
+    )
+    assert len([run async for run in children]) == 1
+    assert not [r for r in await harness.requests() if r["idempotency_key"] == key]
 
 
 async def blocked_elsewhere(

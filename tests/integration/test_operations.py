@@ -159,6 +159,8 @@ async def test_pause_stops_new_charges_and_resume_completes(harness: Harness) ->
         )
         summary = await handle.result()
     assert summary.charged == 40
+    # Paused and resumed, not cancelled: the summary names no cancel.
+    assert (summary.cancelled_by, summary.cancel_reason) == (None, None)
     # While paused, no charge passed the ledger's gate.
     for row in await harness.ledger_rows(str(PERIOD)):
         assert not paused_at < row["charge_started_at"] < resumed_at

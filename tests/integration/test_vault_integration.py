@@ -7,6 +7,7 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -392,24 +393,25 @@ async def test_a_cancelled_run_held_up_by_a_refused_key_ends_once_its_keys_are_r
     await assert_charged_once_woken_twice(vaulted, customer, summary, key)
 
 
+async def renewal_waits(vaulted: Harness) -> bool:
+    """Whether a renewal waits for the ledger's opening lock, which the test holds."""
+    waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+    return bool(await vaulted.pool.fetchval(waiting))
+
+
 async def test_a_cancel_accepted_while_keys_are_renewed_is_woken_by_the_renewal(
     vaulted: Harness,
 ) -> None:
     """The cancel wakes the children before the new keys exist: the one in doubt is refused
     again and waits. The renewal, once its keys are stored, wakes it and drops the advice to
     renew, as for a run cancelled before it."""
-
-    async def renewal_waits() -> bool:
-        waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-        return bool(await vaulted.pool.fetchval(waiting))
-
     async with vaulted.running_worker():
         customer, handle = await paused_with_a_charge_in_doubt(vaulted)
         # The renewal waits for the ledger's opening lock, held here, while the cancel lands.
         async with vaulted.pool.acquire() as conn, conn.transaction():
             await conn.execute(ledger.OPENING_LOCK)
             renewing = asyncio.create_task(operations.renew_keys(vaulted.client, PERIOD, ALICE))
-            await eventually(renewal_waits, timeout=15)
+            await eventually(partial(renewal_waits, vaulted), timeout=15)
             await operations.control(vaulted.client, PERIOD, "cancel", ALICE)
             await eventually(lambda: held_up_after_cancel(vaulted), timeout=15)
         [key] = (await renewing).keys
@@ -417,6 +419,25 @@ async def test_a_cancel_accepted_while_keys_are_renewed_is_woken_by_the_renewal(
         summary = await asyncio.wait_for(handle.result(), timeout=60)
         await replays(handle)
     await assert_charged_once_woken_twice(vaulted, customer, summary, key)
+
+
+async def test_a_resume_while_the_keys_are_renewed_is_refused(vaulted: Harness) -> None:
+    """Resumed before its new keys exist, the run's children would take the old key and
+    pause it again: the resume waits for the renewal."""
+    customers = await vaulted.seed(4)
+    async with vaulted.running_worker():
+        handle = await charging_one_at_a_time(vaulted)
+        await operations.control(vaulted.client, PERIOD, "pause", ALICE)
+        async with vaulted.pool.acquire() as conn, conn.transaction():
+            await conn.execute(ledger.OPENING_LOCK)
+            renewing = asyncio.create_task(operations.renew_keys(vaulted.client, PERIOD, ALICE))
+            await eventually(partial(renewal_waits, vaulted), timeout=15)
+            with pytest.raises(operations.OperatorRefusedError, match="keys are being renewed"):
+                await operations.control(vaulted.client, PERIOD, "resume", ALICE)
+        await renewing
+        await operations.control(vaulted.client, PERIOD, "resume", ALICE)
+        summary = await asyncio.wait_for(handle.result(), timeout=60)
+    assert summary.charged == len(customers)
 
 
 async def test_renewing_keys_leaves_the_kill_switch_pulled(vaulted: Harness) -> None:

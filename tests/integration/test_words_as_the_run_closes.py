@@ -6,7 +6,7 @@ a cancel undone."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from temporalio import activity
@@ -52,9 +52,13 @@ class HoldTheSkip(Interceptor):
         return Holding(next)
 
 
-async def test_a_cancel_given_while_the_close_waits_for_a_skip_applies(harness: Harness) -> None:
+@pytest.mark.parametrize("word", ["cancel", "pause"])
+async def test_a_word_given_while_the_close_waits_for_a_skip_applies(
+    harness: Harness, word: Literal["cancel", "pause"]
+) -> None:
     """Every outcome in, the run waits for a skip still running before its close: a cancel
-    then applies at once. It waited for the close's verdict, which waited for it."""
+    then applies at once (it waited for the close's verdict, which waited for it); a pause
+    holds the close until a resume, not a run completed under a pause it took."""
     customers = await harness.seed(3)
     hold = HoldTheSkip()
     async with harness.running_worker(interceptors=[hold]):
@@ -68,15 +72,16 @@ async def test_a_cancel_given_while_the_close_waits_for_a_skip_applies(harness: 
 
         await eventually(closing)
         accepted = await accepted_updates(handle)
-        cancelling = asyncio.create_task(
-            operations.control(harness.client, PERIOD, "cancel", ALICE)
-        )
-        await update_taken(handle, cancelling, accepted)
+        speaking = asyncio.create_task(operations.control(harness.client, PERIOD, word, ALICE))
+        await update_taken(handle, speaking, accepted)
         hold.go_on.set()
         await asyncio.wait_for(skipping, 30)
+        await asyncio.wait_for(speaking, 30)
+        if word == "pause":
+            await eventually(lambda: harness.in_state(PERIOD, "paused"), timeout=30)
+            await operations.control(harness.client, PERIOD, "resume", BOB)
         summary = await asyncio.wait_for(handle.result(), 30)
-        await asyncio.wait_for(cancelling, 30)
-    assert summary.cancelled_by == "alice"
+    assert summary.cancelled_by == ("alice" if word == "cancel" else None)
     assert (summary.due, _counted(summary)) == (3, 3)
     await assert_billed_once(harness, str(PERIOD), customers)
 
