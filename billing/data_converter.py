@@ -6,6 +6,11 @@ long as the workflow lives: right for a result a new deploy will read, wrong for
 started by hand (Temporal's CLI or Web UI) with a field its model forbids, which would hold
 its ID (a period's, a customer's) doing nothing. A FailureError from decoding fails the
 workflow instead, so that is what a refused `WorkflowInput` raises.
+
+Its failure converter redacts anything shaped like a key from every failure's message and
+stack trace (I5): Temporal keeps them in the run's history, for as long as the namespace
+keeps the run, and shows them in the Web UI, and an exception no code of ours wrote (a
+library's, quoting what it was given) could carry one.
 """
 
 from __future__ import annotations
@@ -16,12 +21,13 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import ValidationError
 from temporalio.api.common.v1 import Payload
+from temporalio.api.failure.v1 import Failure
 from temporalio.contrib.pydantic import PydanticPayloadConverter
-from temporalio.converter import DataConverter
+from temporalio.converter import DataConverter, DefaultFailureConverter, PayloadConverter
 from temporalio.exceptions import ApplicationError
 
 from billing.models import WorkflowInput
-from billing.redact import shown_cut
+from billing.redact import redact, shown_cut
 
 INVALID_WORKFLOW_INPUT = "InvalidWorkflowInput"
 # Problems named in the failure; the rest are counted.
@@ -114,4 +120,17 @@ def problems(exc: ValidationError) -> str:
     return shown_cut("; ".join(shown), PART_SHOWN * 25)
 
 
-DATA_CONVERTER = DataConverter(payload_converter_class=BillingPayloadConverter)
+class RedactingFailureConverter(DefaultFailureConverter):
+    def to_failure(
+        self, exception: BaseException, payload_converter: PayloadConverter, failure: Failure
+    ) -> None:
+        # The SDK converts each cause through this method too.
+        super().to_failure(exception, payload_converter, failure)
+        failure.message = redact(failure.message)
+        failure.stack_trace = redact(failure.stack_trace)
+
+
+DATA_CONVERTER = DataConverter(
+    payload_converter_class=BillingPayloadConverter,
+    failure_converter_class=RedactingFailureConverter,
+)

@@ -479,7 +479,8 @@ async def test_a_claim_stripe_could_not_be_asked_about_is_left_for_a_person_unch
 ) -> None:
     """A lookup that fails says nothing of what Stripe holds: charging again unseen could bill
     twice (past Stripe's idempotency window), so the claim is left for a person, with the
-    cause, anything shaped like a key redacted (I5)."""
+    cause, anything shaped like a key redacted (I5): in the report, and in the run's history,
+    where the activity's failure is kept."""
     [customer] = await harness.seed(1)
     await stranded(harness, customer, at_stripe=False)
     secret = "sk_test_" + "51HqLyjWDarjtT1zdp7dc0123"
@@ -496,6 +497,9 @@ async def test_a_claim_stripe_could_not_be_asked_about_is_left_for_a_person_unch
     assert left.detail == "lookup failed: KeyRefused: refused [redacted key]"
     assert report.needs_a_person
     assert await harness.money_requests() == 0
+    run = harness.client.get_workflow_handle(reconcile_workflow_id(PERIOD))
+    kept = (await run.fetch_history()).to_json()
+    assert "refused [redacted key]" in kept and secret not in kept
 
 
 async def test_a_claim_whose_workflow_started_between_lookup_and_redrive_is_left_to_it(

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
+from temporalio.api.failure.v1 import Failure
 
-from billing.data_converter import RefusedWorkflowInputError
+from billing.data_converter import DATA_CONVERTER, RefusedWorkflowInputError
 from billing.models import BillingPeriodInput, CustomerChargeInput, WorkflowInput
 
 KEY = "sk_live_" + "A1b2C3d4E5f6G7h8I9j0K1l2"
@@ -52,3 +53,21 @@ def test_the_message_is_bounded_whatever_the_names() -> None:
     message = _refusal(BillingPeriodInput, payload)
     assert len(message) < 1_200, len(message)
     assert message.startswith("the workflow's input is not a valid BillingPeriodInput: f0_xxx")
+
+
+def test_a_failure_and_its_causes_keep_no_key() -> None:
+    """What Temporal keeps of an exception no code of ours wrote: its message and stack
+    trace, and each cause's, in the run's history (I5)."""
+    try:
+        try:
+            raise ConnectionError(f"upstream refused {KEY}")
+        except ConnectionError as cause:
+            raise RuntimeError(f"charge failed with {KEY}") from cause
+    except RuntimeError as error:
+        failure = Failure()
+        DATA_CONVERTER.failure_converter.to_failure(
+            error, DATA_CONVERTER.payload_converter, failure
+        )
+    assert failure.message == "charge failed with [redacted key]"
+    assert failure.cause.message == "upstream refused [redacted key]"
+    assert KEY not in str(failure) and failure.stack_trace
