@@ -1434,6 +1434,13 @@ async def _nth_launch(
     return client.get_workflow_handle(action.workflow_id)
 
 
+async def _ended_with(launch: WorkflowHandle[Any, Any]) -> tuple[str, WorkflowHistory]:
+    """Once the launch has completed: its details, as the Web UI shows them, and its history."""
+    await launch.result()
+    metadata = await launch.query("__temporal_workflow_metadata", result_type=WorkflowMetadata)
+    return metadata.current_details, await launch.fetch_history()
+
+
 async def _reached(launch: WorkflowHandle[Any, Any], kind: EventType.ValueType) -> int:
     """The id of the first event of `kind` in the launch's history, once there is one."""
     found: list[int] = []
@@ -1996,17 +2003,11 @@ async def test_a_launch_that_finds_its_periods_run_open_joins_it_and_completes(
     try:
         async with harness.running_worker():
             await handle.trigger()
-            launch = await _nth_launch(harness.client, handle, 1)
-            await launch.result()
-            metadata = await launch.query(
-                "__temporal_workflow_metadata", result_type=WorkflowMetadata
-            )
+            details, _ = await _ended_with(await _nth_launch(harness.client, handle, 1))
     finally:
         await handle.delete()
         await run.terminate("the test is over")
-    assert metadata.current_details == (
-        f"{period_workflow_id(billed)} runs or has run: nothing more started"
-    )
+    assert details == f"{period_workflow_id(billed)} runs or has run: nothing more started"
 
 
 async def test_a_second_backfill_and_describe_say_what_the_launches_joined_and_billed(
@@ -2553,12 +2554,7 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
 
         await eventually(lambda: _nonempty(launched()))
         [launcher_id] = await launched()
-        launcher = harness.client.get_workflow_handle(launcher_id)
-        await launcher.result()
-        metadata = await launcher.query(
-            "__temporal_workflow_metadata", result_type=WorkflowMetadata
-        )
-        return metadata.current_details, await launcher.fetch_history()
+        return await _ended_with(harness.client.get_workflow_handle(launcher_id))
 
     def checked_since(moment: datetime) -> bool:
         """Whether a daily check ran since: the gauge a watchdog's alert reads."""
@@ -2643,17 +2639,12 @@ async def test_a_daily_reconciliation_whose_billing_schedule_cannot_be_read_stil
     try:
         async with harness.running_worker():
             await handle.trigger()
-            launch = await _nth_launch(harness.client, handle, 1)
-            await launch.result()
-            metadata = await launch.query(
-                "__temporal_workflow_metadata", result_type=WorkflowMetadata
-            )
-            history = await launch.fetch_history()
+            details, history = await _ended_with(await _nth_launch(harness.client, handle, 1))
     finally:
         for made in (handle.id, "billing-monthly"):
             await harness.client.get_schedule_handle(made).delete()
     warning = "WARNING: the billing schedule billing-monthly is gone or could not be read"
-    assert warning in metadata.current_details, metadata.current_details
+    assert warning in details, details
     # I6 for the patched path: RECORD_HISTORIES=1 keeps it in tests/histories.
     await replay([history])
     keep([history])
