@@ -27,8 +27,8 @@ from activities.stripe_access import StripeAccess, VaultAccess
 from billing import ledger
 from billing.config import BillingSettings
 from billing.customers import CustomerRow, upsert_customers
-from billing.keys import customer_workflow_id
-from billing.models import CustomerChargeInput, CustomerOutcome
+from billing.keys import customer_workflow_id, idempotency_key
+from billing.models import Claim, CustomerChargeInput, CustomerOutcome
 from billing.periods import Period
 from billing.runs import period_status
 from billing.seeding import create_demo_customers
@@ -164,6 +164,20 @@ class Harness:
 
     async def open_period_by_hand(self, period: Period | str) -> None:
         await open_period_by_hand(self.pool, period)
+
+    async def claim_by_hand(self, period: Period, customer_id: str) -> Claim:
+        """The customer's claim of the period, made as a bill's first attempt makes it (run
+        "test-run"), with nothing sent."""
+        key = idempotency_key(self.settings.billing_key_namespace, customer_id, period)
+        async with self.pool.acquire() as conn:
+            return await ledger.claim(
+                conn,
+                customer_id,
+                str(period),
+                key,
+                "test-run",
+                charge_api=self.settings.billing_charge_api,
+            )
 
     async def seed(
         self, count: int, card_for: Callable[[int], str] = always_visa, prefix: str = "cust"

@@ -1056,11 +1056,7 @@ async def test_a_customer_claimed_by_a_child_that_ended_gets_no_new_child(
     claimed = (await harness.seed(2))[-1]
     await (await harness.idle_child(PERIOD, claimed.customer_id)).terminate("lost")
     await harness.open_period_by_hand(PERIOD)
-    key = idempotency_key(harness.settings.billing_key_namespace, claimed.customer_id, PERIOD)
-    async with harness.pool.acquire() as conn:
-        await ledger.claim(
-            conn, claimed.customer_id, str(PERIOD), key, "run-0", charge_api="payment_intents"
-        )
+    key = (await harness.claim_by_hand(PERIOD, claimed.customer_id)).idempotency_key
     async with harness.running_worker():
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
 
@@ -1069,15 +1065,7 @@ async def test_a_customer_claimed_by_a_child_that_ended_gets_no_new_child(
             return (status.charged, status.in_flight) == (1, 1)
 
         await eventually(waiting_on_the_claim)
-        # As reconciliation would settle it.
-        async with harness.pool.acquire() as conn:
-            await ledger.record_charge(
-                conn,
-                key,
-                ChargeResult(
-                    charge_id="ch_late", payment_intent_id="pi_late", amount_cents=1, currency="usd"
-                ),
-            )
+        await charged_by_hand(harness, claimed, "ch_late")  # as reconciliation would
         summary = await asyncio.wait_for(handle.result(), 60)
     assert (summary.due, summary.charged) == (2, 2)
     children = harness.client.list_workflows(
@@ -1360,13 +1348,7 @@ async def test_an_awaited_child_that_ended_counts_failed_only_if_it_never_claime
     ) -> list[str]:
         missing = await read(conn, period, customer_ids)
         if claimed.customer_id in missing:
-            key = idempotency_key(
-                harness.settings.billing_key_namespace, claimed.customer_id, PERIOD
-            )
-            async with harness.pool.acquire() as other:
-                await ledger.claim(
-                    other, claimed.customer_id, str(PERIOD), key, "run-0", charge_api="charges"
-                )
+            await harness.claim_by_hand(PERIOD, claimed.customer_id)
         return missing
 
     monkeypatch.setattr(ledger, "without_rows", claimed_after_the_first_read)
@@ -1393,11 +1375,7 @@ async def test_awaiting_outcomes_answers_once_enough_are_found_not_at_the_end_of
     wait with its customers long finished."""
     [customer] = await harness.seed(1)
     await harness.open_period_by_hand(PERIOD)
-    key = idempotency_key(harness.settings.billing_key_namespace, customer.customer_id, PERIOD)
-    async with harness.pool.acquire() as conn:
-        await ledger.claim(
-            conn, customer.customer_id, str(PERIOD), key, "run-0", charge_api="charges"
-        )
+    await harness.claim_by_hand(PERIOD, customer.customer_id)
     await charged_by_hand(harness, customer, "ch_1")
     request = OutcomesRequest(
         period=str(PERIOD), customer_ids=[customer.customer_id], enough=1, wait_seconds=600

@@ -717,20 +717,6 @@ async def test_old_claim_is_looked_up_before_a_new_request(harness: Harness) -> 
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
-async def _claimed_by_hand(harness: Harness, customer: CustomerRow) -> Claim:
-    """The customer's claim, made as the bill's first attempt makes it (run "test-run")."""
-    key = idempotency_key(harness.settings.billing_key_namespace, customer.customer_id, PERIOD)
-    async with harness.pool.acquire() as conn:
-        return await ledger.claim(
-            conn,
-            customer.customer_id,
-            str(PERIOD),
-            key,
-            "test-run",
-            charge_api=harness.settings.billing_charge_api,
-        )
-
-
 async def test_a_charge_made_with_the_key_under_other_parameters_is_found_not_failed(
     harness: Harness,
 ) -> None:
@@ -739,7 +725,7 @@ async def test_a_charge_made_with_the_key_under_other_parameters_is_found_not_fa
     idempotency error. A charge with the key may exist, so it is looked up, and the customer
     who paid is recorded charged, not failed (and so billed again by a re-drive)."""
     customer, charging, request = await _billing_one(harness, StripeGateway)
-    claim = await _claimed_by_hand(harness, customer)
+    claim = await harness.claim_by_hand(PERIOD, customer.customer_id)
     earlier = charge_params(claim, "payment_intents") | {"description": "an earlier release's"}
     made = await harness.stripe.v1.payment_intents.create_async(
         earlier,  # type: ignore[arg-type]
@@ -766,7 +752,7 @@ async def test_an_old_claim_declined_after_its_lookup_keeps_the_decline(harness:
     customer, charging, request = await _billing_one(
         harness, StripeGateway, card_for=lambda _: "pm_card_chargeCustomerFail"
     )
-    await _claimed_by_hand(harness, customer)
+    await harness.claim_by_hand(PERIOD, customer.customer_id)
     await harness.pool.execute("UPDATE billing_runs SET claimed_at = now() - interval '1 day'")
     outcome = await _attempt(1).run(charging.bill, request)
     assert (outcome.outcome, outcome.failure_code) == ("failed", "card_declined")
@@ -784,7 +770,7 @@ async def test_an_old_claim_whose_intent_was_cancelled_on_stripe_is_failed_not_s
     its next attempt looks it up first: it finds the cancelled intent and records the
     customer failed (payment_intent_canceled), sending no new charge behind the cancel."""
     customer, charging, request = await _billing_one(harness, StripeGateway)
-    claim = await _claimed_by_hand(harness, customer)
+    claim = await harness.claim_by_hand(PERIOD, customer.customer_id)
     waiting = await harness.stripe.v1.payment_intents.create_async(
         {
             "amount": customer.amount_cents,
@@ -834,7 +820,7 @@ async def test_an_old_claims_lookup_takes_a_stripe_slot_of_its_own(harness: Harn
     other traffic."""
     harness.settings = harness.settings.model_copy(update={"billing_stripe_rps": 0.01})
     customer, charging, request = await _billing_one(harness, StripeGateway)
-    await _claimed_by_hand(harness, customer)
+    await harness.claim_by_hand(PERIOD, customer.customer_id)
     await harness.pool.execute("UPDATE billing_runs SET claimed_at = now() - interval '1 day'")
     assert (await _attempt(1).run(charging.bill, request)).outcome == "charged"
     rate = stripe_rate(harness.pool, harness.settings)

@@ -1296,11 +1296,7 @@ async def test_a_launch_ended_before_starting_its_run_is_missed(harness: Harness
     it; `--overlap terminate_other` does the same) billed nothing: it is named as missed."""
     handle = await firing_every(harness, "cut-short", 2)
     try:
-
-        async def fired() -> bool:
-            return bool((await handle.describe()).info.recent_actions)
-
-        await eventually(fired, timeout=30)
+        await eventually(partial(_launched, handle, 1), timeout=30)
         await handle.pause()
         [first, *_] = (await handle.describe()).info.recent_actions
         assert first.scheduled_at not in {
@@ -1328,11 +1324,7 @@ async def test_the_oldest_listed_launch_ended_early_is_missed(harness: Harness) 
     # No worker: each launch stays open, so each firing starts one.
     handle = await firing_every(harness, "crowded", 1, overlap_all=True)
     try:
-
-        async def listed_full() -> bool:
-            return len((await handle.describe()).info.recent_actions) >= 10
-
-        await eventually(listed_full, timeout=30)
+        await eventually(partial(_launched, handle, 10), timeout=30)
         await handle.pause()
         oldest = min((await handle.describe()).info.recent_actions, key=lambda a: a.started_at)
         # Paused, its times from now on are missed too: only the oldest's is looked at.
@@ -1353,11 +1345,7 @@ async def test_describe_lists_the_latest_launches_not_the_oldest(harness: Harnes
     # No worker: each launch stays open, so each firing starts one.
     handle = await firing_every(harness, "many", 1, overlap_all=True)
     try:
-
-        async def listed(count: int) -> bool:
-            return len((await handle.describe()).info.recent_actions) >= count
-
-        await eventually(partial(listed, 7), timeout=30)
+        await eventually(partial(_launched, handle, 7), timeout=30)
         await handle.pause()
         description, request = await schedules.launcher_of(harness.client, "many")
     finally:
@@ -1424,11 +1412,7 @@ async def _nth_launch(
     client: Client, schedule: ScheduleHandle, count: int
 ) -> WorkflowHandle[Any, Any]:
     """The schedule's `count`th launch, once it is listed."""
-
-    async def listed() -> bool:
-        return len((await schedule.describe()).info.recent_actions) >= count
-
-    await eventually(listed, timeout=30)
+    await eventually(partial(_launched, schedule, count), timeout=30)
     action = (await schedule.describe()).info.recent_actions[count - 1].action
     assert isinstance(action, ScheduleActionExecutionStartWorkflow)
     return client.get_workflow_handle(action.workflow_id)
@@ -1556,11 +1540,7 @@ async def test_launches_pushed_out_of_the_recent_list_by_a_backfill_are_not_miss
     # Every 3 s: firings to push out, and seconds before the next pushes a backfilled one out.
     handle = await firing_every(harness, "backfilled", 3, overlap_all=True)
     try:
-
-        async def fired(times: int) -> bool:
-            return len((await handle.describe()).info.recent_actions) >= times
-
-        await eventually(lambda: fired(2), timeout=30)
+        await eventually(partial(_launched, handle, 2), timeout=30)
         backfilled_at = datetime.now(UTC)
         long_ago = backfilled_at - timedelta(hours=1)
         await handle.backfill(
@@ -2060,6 +2040,7 @@ async def test_a_second_backfill_and_describe_say_what_the_launches_joined_and_b
 
 
 async def _launched(handle: ScheduleHandle, count: int) -> bool:
+    """Whether Temporal lists `count` of the schedule's actions (it lists the latest 10)."""
     return len((await handle.describe()).info.recent_actions) >= count
 
 
