@@ -80,6 +80,8 @@ MAX_SHOWN = 1000
 # How long one run settles reservations, well inside the activity's start-to-close timeout
 # (PAGE_TIMEOUT in workflows/reconcile.py); the next run takes the rest.
 SETTLE_BUDGET_SECONDS = 240.0
+# What the report says of a reservation the budget left.
+NOT_EXAMINED = "not examined in the time given: the next reconciliation of the period does"
 # Well inside the page activity's heartbeat timeout (workflows/reconcile.py).
 HEARTBEAT_EVERY = 2.0
 # Calls to Temporal or Stripe at once from one activity: well under Stripe's rate limit
@@ -141,14 +143,20 @@ async def _workflow_state(client: Client, workflow_id: str) -> ChildState:
     return "running" if status == WorkflowExecutionStatus.RUNNING else "closed"
 
 
-def _unexamined(key_id: str, reservation: ReservationInfo) -> ReservationResolution:
+def _unknown(
+    key_id: str,
+    reservation: ReservationInfo,
+    customer_id: str | None = None,
+    detail: str | None = None,
+) -> ReservationResolution:
+    """The reservation, left unknown for `detail`."""
     return ReservationResolution(
         vault_key_id=key_id,
         key_prefix=logs.key_prefix(reservation.idempotency_key),
-        customer_id=None,
+        customer_id=customer_id,
         state="unknown",
         currency=reservation.currency,
-        detail="not examined in the time given: the next reconciliation of the period does",
+        detail=detail,
     )
 
 
@@ -440,7 +448,7 @@ class ReconcileActivities:
         # Those the budget left are reported unknown too: the period's verdict then keeps it to
         # look at again (ReconcileReport.open_reason), where it read as nothing left.
         resolutions = [
-            _unexamined(key_id, found) if resolution is None else resolution
+            _unknown(key_id, found, detail=NOT_EXAMINED) if resolution is None else resolution
             for (key_id, found), resolution in zip(todo, settled, strict=True)
         ]
         examined = sum(resolution is not None for resolution in settled)
@@ -461,13 +469,7 @@ class ReconcileActivities:
         key = reservation.idempotency_key
         async with self._pool.acquire() as conn:
             claim = await ledger.claim_by_key(conn, key)
-        unknown = ReservationResolution(
-            vault_key_id=key_id,
-            key_prefix=logs.key_prefix(key),
-            customer_id=claim.customer_id if claim else None,
-            state="unknown",
-            currency=reservation.currency,
-        )
+        unknown = _unknown(key_id, reservation, claim.customer_id if claim else None)
         if claim is None:
             # Nothing of ours to look it up by: settle it with the admin token, by hand.
             detail = "no ledger row has this key"
