@@ -710,8 +710,9 @@ class BillingPeriodWorkflow:
             return "cancelled" if self._closed else "cancelling"
         if self._closed:
             return "completed"
-        if self._finished:
-            # Every outcome is in; the ledger is yet to have the run closed.
+        if self._finished and control != "paused":
+            # Every outcome is in; the ledger is yet to have the run closed. A pause taken
+            # as the close waits for updates sends the run back to wait (_bill).
             return "closing"
         return control
 

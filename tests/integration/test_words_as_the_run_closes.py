@@ -23,6 +23,7 @@ from tests.integration.harness import (
     update_taken,
 )
 from tests.integration.invariants import assert_billed_once
+from tests.integration.replay import keep, replay
 from tests.integration.test_operations import HoldClose
 from tests.integration.test_unlisted_customers import ALICE, ImportAndHoldAtTheClose, _counted
 from tests.waiting import eventually
@@ -76,11 +77,18 @@ async def test_a_word_given_while_the_close_waits_for_a_skip_applies(
         await update_taken(handle, speaking, accepted)
         hold.go_on.set()
         await asyncio.wait_for(skipping, 30)
-        await asyncio.wait_for(speaking, 30)
+        answer = await asyncio.wait_for(speaking, 30)
         if word == "pause":
             await eventually(lambda: harness.in_state(PERIOD, "paused"), timeout=30)
             await operations.control(harness.client, PERIOD, "resume", BOB)
         summary = await asyncio.wait_for(handle.result(), 30)
+        taken = await handle.fetch_history()
+    # I6 for the patched path: RECORD_HISTORIES=1 keeps the run that took the word.
+    await replay([taken])
+    keep([taken])
+    # The pause sends the run back to wait: its answer (and the Web UI's status) said
+    # "closing" (helper-209).
+    assert answer.state == ("cancelling" if word == "cancel" else "paused")
     assert summary.cancelled_by == ("alice" if word == "cancel" else None)
     assert (summary.due, _counted(summary)) == (3, 3)
     await assert_billed_once(harness, str(PERIOD), customers)
