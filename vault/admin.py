@@ -236,8 +236,8 @@ async def issue_key(request: web.Request) -> web.Response:
 async def find_keys(request: web.Request) -> web.Response:
     query = _query(request, FindKeysQuery)
     async with request.app[STATE].pool.acquire() as conn:
-        keys = await store.find_keys(conn, query.period, query.label)
-    return _reply(KeyList(keys=keys))
+        found = await store.find_keys(conn, query)
+    return _reply(found)
 
 
 async def get_key(request: web.Request) -> web.Response:

@@ -119,7 +119,16 @@ class VaultAdmin:
     ) -> list[KeyInfo]:
         """Every key of the period and label, newest first, revoked and expired included."""
         query = {name: value for name, value in (("period", period), ("label", label)) if value}
-        return (await self._call("GET", "/keys", KeyList, query=query)).keys
+        keys: list[KeyInfo] = []
+        before: str | None = None
+        while True:
+            page = await self._call(
+                "GET", "/keys", KeyList, query=query | ({"before": before} if before else {})
+            )
+            keys += page.keys
+            if page.next_before is None:
+                return keys
+            before = page.next_before
 
     async def get_key(self, key_id: str) -> KeyInfo:
         return await self._call("GET", f"/keys/{_segment(key_id)}", KeyInfo)

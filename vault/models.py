@@ -243,12 +243,17 @@ class IssuedKey(KeyInfo):
 
 
 class KeyList(View):
-    keys: list[KeyInfo]
+    keys: list[KeyInfo] = Field(description="newest first")
+    next_before: KeyId | None = Field(
+        default=None, description="more keys match: pass as `before` for the next page"
+    )
 
 
 class FindKeysQuery(Query):
     period: Period | None = None
     label: Label | None = None
+    limit: int = Field(default=1000, ge=1, le=1000)
+    before: KeyId | None = Field(default=None, description="a page's `next_before`")
 
 
 class AuditEntry(View):

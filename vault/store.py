@@ -24,8 +24,10 @@ from billing.db import CONNECTION_ERRORS, keep_session, malformed_url
 from billing.errors import ConfigurationError
 from vault.models import (
     AuditEntry,
+    FindKeysQuery,
     IssueKeyRequest,
     KeyInfo,
+    KeyList,
     ReservationInfo,
     ReservationList,
     ReservationState,
@@ -169,20 +171,24 @@ async def get_key(conn: asyncpg.Connection, key_id: str) -> KeyInfo | None:
     return None if row is None else KeyInfo.model_validate(dict(row))
 
 
-async def find_keys(
-    conn: asyncpg.Connection, period: str | None, label: str | None
-) -> list[KeyInfo]:
-    """Newest first, revoked and expired included: a caller looking for "the key of a period"
-    must see a revoked one, or it would issue a fresh key and undo the kill switch."""
+async def find_keys(conn: asyncpg.Connection, query: FindKeysQuery) -> KeyList:
+    """Newest first, revoked and expired included, a page at a time: a caller looking for
+    "the key of a period" must see a revoked one, or it would issue a fresh key and undo the
+    kill switch."""
     rows = await conn.fetch(
         f"""{_KEY_VIEW}
         WHERE ($1::text IS NULL OR k.period = $1) AND ($2::text IS NULL OR k.label = $2)
-        ORDER BY k.created_at DESC, k.id LIMIT 1000
+          AND ($4::text IS NULL OR (k.created_at, k.id) <
+               (SELECT created_at, id FROM vault_keys WHERE id = $4))
+        ORDER BY k.created_at DESC, k.id DESC LIMIT $3
         """,
-        period,
-        label,
+        query.period,
+        query.label,
+        query.limit + 1,
+        query.before,
     )
-    return [KeyInfo.model_validate(dict(row)) for row in rows]
+    keys = [KeyInfo.model_validate(dict(row)) for row in rows[: query.limit]]
+    return KeyList(keys=keys, next_before=keys[-1].id if len(rows) > query.limit else None)
 
 
 async def revoke_key(conn: asyncpg.Connection, key_id: str, by: Role) -> KeyInfo | None:

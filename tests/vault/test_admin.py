@@ -209,6 +209,46 @@ async def test_keys_are_inspected_and_found_without_their_secret(
     assert (status, reply["error"]["fields"][0]["field"]) == (422, "period")
 
 
+async def test_a_search_past_a_page_reads_every_key(
+    issue: Issue,
+    admin: VaultAdmin,
+    vault: RunningVault,
+    http: aiohttp.ClientSession,
+    db: asyncpg.Pool,
+) -> None:
+    """A vault in use for years holds more keys than one answer lists (a lookup key for each
+    reconciliation): a search answers a page at a time and the client reads every page. It
+    stopped at the newest 1,000, saying nothing, and a revoked key left out could be issued
+    again behind (helper-206)."""
+    newest = await issue(period="2026-10")
+    async with db.acquire() as conn:
+        # 1,000 older copies of it: issuing as many through the API would take a minute.
+        await conn.execute(
+            """
+            INSERT INTO vault_keys
+            SELECT (jsonb_populate_record(k, to_jsonb(k) || jsonb_build_object(
+                'id', 'vkey_' || lpad(to_hex(g), 16, '0'),
+                'secret_sha256', '\\x' || encode(sha256(int8send(g)), 'hex'),
+                'created_at', k.created_at - g * interval '1 second'))).*
+            FROM vault_keys k, generate_series(1, 1000) g WHERE k.id = $1
+            """,
+            newest.id,
+        )
+    found = [k.id for k in await admin.find_keys(period="2026-10")]
+    older = [f"vkey_{n:016x}" for n in range(1, 1001)]
+    assert found == [newest.id, *older]
+    pages: list[list[str]] = []
+    before = ""
+    while before is not None:
+        query = f"?period=2026-10&limit=400{before and f'&before={before}'}"
+        status, reply = await _admin_call(http, vault, "GET", "/vault/keys" + query)
+        assert status == 200, reply
+        pages.append([k["id"] for k in reply["keys"]])
+        before = reply["next_before"]
+    assert [len(page) for page in pages] == [400, 400, 201]
+    assert [key for page in pages for key in page] == found
+
+
 async def test_a_keys_room_leaves_out_charges_in_doubt_and_its_daily_use_is_todays(
     issue: Issue, admin: VaultAdmin, db: asyncpg.Pool
 ) -> None:
