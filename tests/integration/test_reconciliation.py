@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from temporalio.client import (
     WorkflowHandle,
     WorkflowHistory,
 )
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, RetryState
 from temporalio.service import RPCError
 
 from activities import reconcile as reconcile_activities
@@ -72,13 +73,19 @@ from billing.schedules import RECONCILE_SCHEDULE_ID
 from billing.sealing import SecretBox, new_key
 from cli import commands
 from cli import reconcile as reconcile_command
-from tests.integration.harness import Harness, at_least
+from tests.integration.harness import IDLE_QUEUE, Harness, at_least
 from tests.integration.holds import hold_the_slots
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
 from tests.prometheus import metric_value
 from tests.waiting import eventually
-from vault.client import VaultAdmin
+from vault.client import (
+    VaultAdmin,
+    VaultAdminError,
+    VaultForbidden,
+    VaultInvalidRequest,
+    VaultUnavailable,
+)
 from vault.endpoints import KEY_METADATA
 from workflows.customer_charge import CustomerChargeWorkflow
 from workflows.reconcile import ReconcileWorkflow
@@ -448,9 +455,12 @@ async def test_a_charge_stripe_took_but_the_ledger_never_recorded_is_recorded(
     # Their money is counted now, when the ledger first records it.
     assert charged_cents() - money_before == sum(c.amount_cents for c in customers)
     by_customer = {c.customer_id: c for c in report.claims}
+    recorded = {r["customer_id"]: r["charge_id"] for r in await harness.ledger_rows(str(PERIOD))}
     for claim in claims:
         resolution = by_customer[claim.customer_id]
         assert (resolution.action, resolution.outcome) == ("recorded", "charged")
+        # The report names the charge Stripe took, as the ledger now records it.
+        assert resolution.charge_id == recorded[claim.customer_id] is not None
     # Found by listing the customer's payments: not one request more to charge.
     assert await harness.money_requests() == sent
     assert report.findings == []
@@ -502,6 +512,33 @@ async def test_a_claim_stripe_could_not_be_asked_about_is_left_for_a_person_unch
     assert "refused [redacted key]" in kept and secret not in kept
 
 
+async def test_a_lookup_stripe_turned_away_for_a_moment_is_tried_again_not_blamed_on_the_key(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 429 says nothing of the period's key: the lookup is tried again and the claim
+    charged, not left for a person told to replace a key that works."""
+    [customer] = await harness.seed(1)
+    await stranded(harness, customer, at_stripe=False)
+    find = StripeGateway.find
+    turned_away: list[str] = []
+
+    async def once_too_many(
+        self: StripeGateway, claim: Claim
+    ) -> ChargeResult | ChargeFailure | None:
+        if not turned_away:
+            turned_away.append(claim.customer_id)
+            raise stripe.RateLimitError("Too many requests", http_status=429)
+        return await find(self, claim)
+
+    monkeypatch.setattr(StripeGateway, "find", once_too_many)
+    report = await reconcile(harness)
+    assert turned_away == [customer.customer_id]
+    assert [(c.action, c.outcome, c.needs_person) for c in report.claims] == [
+        ("redriven", "charged", False)
+    ]
+    await assert_billed_once(harness, str(PERIOD), [customer])
+
+
 async def test_a_claim_whose_workflow_started_between_lookup_and_redrive_is_left_to_it(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -543,6 +580,29 @@ async def test_a_claim_its_workflow_still_works_on_is_left_alone(harness: Harnes
     report = await reconcile(harness)
     assert [(c.action, c.outcome) for c in report.claims] == [("recorded", "charged")]
     await assert_billed_once(harness, str(PERIOD), [customer])
+
+
+async def test_a_running_period_run_keeps_its_claims_and_the_customers_it_has_yet_to_claim(
+    harness: Harness,
+) -> None:
+    """Its run is running (on a task queue nobody polls here) and has claimed one customer
+    without starting its workflow yet, and not claimed the other: both are that run's to
+    bill. Charged beside it, the claim would be worked on twice at once; the other, reported
+    as missed by a run that ended, would have an operator run the period again."""
+    claimed, _ = await harness.seed(2)
+    await harness.open_period_by_hand(PERIOD)
+    await harness.claim_by_hand(PERIOD, claimed.customer_id)
+    await start_period(harness.client, PERIOD, IDLE_QUEUE)
+    report = await reconcile(harness)
+    [left] = report.claims
+    assert (left.customer_id, left.action, left.needs_person) == (
+        claimed.customer_id,
+        "left",
+        False,
+    )
+    assert "may still start its workflow" in (left.detail or "")
+    assert report.unclaimed_by_ended_run == 0 and not report.needs_a_person
+    assert await harness.money_requests() == 0
 
 
 async def test_a_period_whose_child_was_terminated_finishes_once_reconciled(
@@ -780,9 +840,11 @@ async def test_unknown_reservations_past_the_time_given_wait_for_the_next_run(
 @pytest.mark.parametrize(
     ("trouble", "lasting"),
     [
-        (ApplicationError("Stripe answered 429 rate_limit", type="RateLimited"), False),
-        # No later run reads it either: a person must.
-        (ApplicationError("no key to read with", type="NoPeriodKey", non_retryable=True), True),
+        # Stripe's rate, met by the lookup: the next run reads again.
+        (stripe.RateLimitError("Too many requests", http_status=429), False),
+        # No key to read with (nor a lookup key the vault would issue): no later run reads
+        # it either, a person must.
+        (period_keys.NoPeriodKeyError("no key can read 2026-12 (usd)"), True),
         # A lookup key refused: the next read issues another.
         (ApplicationError("lookup key revoked", type="KeyRefused", non_retryable=True), False),
         # A URL Stripe does not know, refused as a key is: no later read gets past it.
@@ -796,14 +858,30 @@ async def test_unknown_reservations_past_the_time_given_wait_for_the_next_run(
             ),
             True,
         ),
+        # The vault refusing the settlement: no later run's token or amount is other.
+        (VaultForbidden(403, "forbidden", "the worker token may not resolve this"), True),
+        (VaultInvalidRequest(422, "invalid", "amount_cents is past the reservation"), True),
+        # The vault away a moment: the next run settles it.
+        (VaultUnavailable(503, None, "the vault is restarting"), False),
+    ],
+    ids=[
+        "rate-limited",
+        "no-key",
+        "lookup-key-refused",
+        "unknown-url",
+        "vault-forbidden",
+        "vault-invalid",
+        "vault-away",
     ],
 )
 async def test_one_reservation_stripe_cannot_answer_for_is_left_and_the_rest_settled(
-    vaulted: Harness, monkeypatch: pytest.MonkeyPatch, trouble: ApplicationError, lasting: bool
+    vaulted: Harness, monkeypatch: pytest.MonkeyPatch, trouble: Exception, lasting: bool
 ) -> None:
+    """A reservation whose lookup on Stripe or settlement at the vault fails is left unknown,
+    for a person only where no later run settles it; the rest are settled all the same."""
     customers = await charged_in_doubt_at_the_vault(vaulted)
     unlucky = customers[0].customer_id
-    find = ReconcileActivities._find
+    find, lookup, resolve = ReconcileActivities._find, StripeGateway.find, VaultAdmin.resolve
 
     async def unanswered(
         self: ReconcileActivities, claim: Claim, *, recheck: bool = False
@@ -812,14 +890,69 @@ async def test_one_reservation_stripe_cannot_answer_for_is_left_and_the_rest_set
             raise trouble
         return await find(self, claim, recheck=recheck)
 
-    monkeypatch.setattr(ReconcileActivities, "_find", unanswered)
+    async def stripe_unanswered(
+        self: StripeGateway, claim: Claim
+    ) -> ChargeResult | ChargeFailure | None:
+        if claim.customer_id == unlucky:
+            raise trouble
+        return await lookup(self, claim)
+
+    unlucky_key = idempotency_key(vaulted.settings.billing_key_namespace, unlucky, PERIOD)
+
+    async def refused(self: VaultAdmin, key_id: str, key: str, *args: Any, **kwargs: Any) -> Any:
+        if key == unlucky_key:
+            raise trouble
+        return await resolve(self, key_id, key, *args, **kwargs)
+
+    if isinstance(trouble, VaultAdminError):
+        monkeypatch.setattr(VaultAdmin, "resolve", refused)
+        said = trouble.message
+    elif isinstance(trouble, ApplicationError):
+        monkeypatch.setattr(ReconcileActivities, "_find", unanswered)
+        said = trouble.message
+    else:
+        # Met where the lookup reads Stripe.
+        monkeypatch.setattr(StripeGateway, "find", stripe_unanswered)
+        said = (
+            reconciliation_failure(trouble).message
+            if isinstance(trouble, stripe.StripeError)
+            else str(trouble)
+        )
     report = await reconcile(vaulted)
     by_customer = {r.customer_id: r for r in report.reservations}
     left = by_customer[unlucky]
-    assert (left.state, left.detail, left.needs_person) == ("unknown", trouble.message, lasting)
+    assert (left.state, left.detail, left.needs_person) == ("unknown", said, lasting)
     assert report.needs_a_person == lasting
     assert sorted(r.state for r in report.reservations) == ["committed", "committed", "unknown"]
     assert report.findings == []
+
+
+async def test_a_reservation_left_for_a_person_is_listed_past_the_reports_room(
+    vaulted: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More reservations than the report lists: the one for a person is listed, though
+    settled last, or the report reads all clear while its cap room stays counted."""
+    customers = await charged_in_doubt_at_the_vault(vaulted)
+    unlucky = customers[0].customer_id
+    unlucky_key = idempotency_key(vaulted.settings.billing_key_namespace, unlucky, PERIOD)
+    find = ReconcileActivities._find
+
+    async def no_key_for_one(
+        self: ReconcileActivities, claim: Claim, *, recheck: bool = False
+    ) -> tuple[ChargeResult | ChargeFailure | None, bool]:
+        if claim.customer_id == unlucky:
+            raise ApplicationError("no key to read with", type="NoPeriodKey", non_retryable=True)
+        return await find(self, claim, recheck=recheck)
+
+    def unlucky_last(todo: list[tuple[str, Any]]) -> None:
+        todo.sort(key=lambda item: item[1].idempotency_key == unlucky_key)
+
+    monkeypatch.setattr(ReconcileActivities, "_find", no_key_for_one)
+    monkeypatch.setattr(reconcile_activities, "random", SimpleNamespace(shuffle=unlucky_last))
+    monkeypatch.setattr(reconcile_activities, "MAX_SHOWN", 1)
+    report = await reconcile(vaulted)
+    assert [(r.customer_id, r.needs_person) for r in report.reservations] == [(unlucky, True)]
+    assert report.needs_a_person
 
 
 async def lost_in_doubt(
@@ -1160,11 +1293,13 @@ async def test_a_period_a_run_opened_is_reconciled_though_it_billed_nobody(
     assert "2 customers checked" in out, out
 
 
+@pytest.mark.parametrize("for_good", [True, False], ids=["deleted", "rate-limited"])
 async def test_a_customer_stripe_will_not_list_is_left_unchecked_and_the_rest_compared(
-    harness: Harness, monkeypatch: pytest.MonkeyPatch
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, for_good: bool
 ) -> None:
     # Stripe answers 400 resource_missing for the charges of a customer deleted since; that
-    # refusal used to fail the whole page, and each daily run after it.
+    # refusal used to fail the whole page, and each daily run after it. A 429 is no refusal:
+    # the page is listed again, and its customer checked.
     claim = await billed(harness, 3)
     duplicate = await plant(harness, claim, claim.idempotency_key + "-retry")
     async with harness.pool.acquire() as conn:
@@ -1174,11 +1309,15 @@ async def test_a_customer_stripe_will_not_list_is_left_unchecked_and_the_rest_co
             claim.customer_id,
         )
     listing = StripeGateway.period_charges
+    refusals: list[str] = []
 
     async def refused_for_one(
         self: StripeGateway, stripe_customer_id: str, period: str
     ) -> list[StripeCharge]:
-        if stripe_customer_id == gone["stripe_customer_id"]:
+        if stripe_customer_id == gone["stripe_customer_id"] and (for_good or not refusals):
+            refusals.append(stripe_customer_id)
+            if not for_good:
+                raise stripe.RateLimitError("Too many requests", http_status=429)
             raise stripe.InvalidRequestError(  # type: ignore[no-untyped-call]
                 f"No such customer: '{stripe_customer_id}'",
                 "customer",
@@ -1191,7 +1330,8 @@ async def test_a_customer_stripe_will_not_list_is_left_unchecked_and_the_rest_co
     async with harness.running_worker():
         code, out, _ = await harness.starter("reconcile", str(PERIOD), "--json")
     report = ReconcileReport.model_validate_json(out)
-    assert report.unchecked_customers == [gone["customer_id"]]
+    assert refusals
+    assert report.unchecked_customers == ([gone["customer_id"]] if for_good else [])
     assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", duplicate)]
     assert code == 1
 
@@ -1354,6 +1494,29 @@ async def test_a_claim_is_charged_through_the_key_that_replaced_the_one_a_worker
     await assert_billed_once(vaulted, str(PERIOD), [*customers, late])
 
 
+async def test_a_claim_left_for_a_revoked_key_is_charged_once_the_key_is_replaced(
+    vaulted: Harness,
+) -> None:
+    """The report said the period's key was revoked; an operator replaced it and reconciles
+    again, with a worker that saw the old key refused a moment ago (and reads through a
+    lookup key for a while): the claim's lookup tries the period's key all the same, and the
+    claim is charged, not left again for a key already replaced."""
+    [paid] = await vaulted.seed(1)
+    await bill(vaulted)
+    [late] = await vaulted.seed(1, prefix="late")
+    claim = await stranded(vaulted, late, at_stripe=False)
+    await unusable(vaulted, "revoked")
+    async with vaulted.running_worker():
+        first = await (await start_reconcile(vaulted.client, PERIOD, vaulted.task_queue)).result()
+        assert [(c.action, c.needs_person) for c in first.claims] == [("left", True)]
+        await _renewed(vaulted, claim.currency)
+        again = await (await start_reconcile(vaulted.client, PERIOD, vaulted.task_queue)).result()
+    assert [(c.customer_id, c.action, c.outcome) for c in again.claims] == [
+        (late.customer_id, "redriven", "charged")
+    ]
+    await assert_billed_once(vaulted, str(PERIOD), [paid, late])
+
+
 async def test_a_lookup_key_revoked_is_replaced_on_the_next_read(vaulted: Harness) -> None:
     """Every key of the period revoked (an incident), the one reconciliation reads with too:
     the refused read drops it, and the next read issues another, rather than every read
@@ -1396,6 +1559,8 @@ async def test_a_period_key_the_worker_cannot_decrypt_fails_reconciliation(
     activity_failure = failed.value.cause
     assert isinstance(activity_failure, ActivityError)
     assert "cannot be decrypted with BILLING_KEY_ENCRYPTION_KEYS" in str(activity_failure.cause)
+    # A setting to fix: failed at once, not retried for minutes first.
+    assert activity_failure.retry_state == RetryState.NON_RETRYABLE_FAILURE
 
 
 async def test_a_duplicate_is_found_through_its_claims_api_after_the_setting_changed(
@@ -1636,10 +1801,13 @@ async def test_an_orphan_charge_with_our_metadata_is_reported(harness: Harness) 
     assert "0 duplicates, 1 orphan," in out
 
 
-async def test_a_clean_period_reports_nothing(harness: Harness) -> None:
+@pytest.mark.parametrize("page_size", [200, 3], ids=["one-page", "pages"])
+async def test_a_clean_period_reports_nothing(harness: Harness, page_size: int) -> None:
+    # Compared a page at a time, each customer is checked once.
     customers = await harness.seed(4)
     await bill(harness)
-    report = await reconcile(harness)
+    request = ReconcileInput(period=str(PERIOD), page_size=page_size)
+    report, _ = await reconciled_with(harness, request)
     assert report.claims == [] and report.findings == [] and report.reservations == []
     assert not report.vault_checked and not report.more_claims
     assert (report.customers_checked, report.charges_checked) == (4, 4)
