@@ -28,12 +28,19 @@ async def eventually(
 
 
 async def waits_on_a_lock(
-    pool: asyncpg.Pool, conn: asyncpg.Connection, statement: asyncio.Future[Any]
+    pool: asyncpg.Pool, conn: asyncpg.Connection | None, statement: asyncio.Future[Any]
 ) -> bool:
-    """Whether `statement`, a task running on `conn`, waits for a lock (one the test's other
+    """Whether `statement`, a task running on `conn` (None: on a connection of its own from
+    a pool, so any session of the database), waits for a lock (one the test's other
     transaction holds), or has ended without waiting: a test then lets that transaction go
     knowing the statement met it, rather than betting on how fast the machine is."""
     if statement.done():
         return True
+    if conn is None:
+        waiting = (
+            "SELECT count(*) > 0 FROM pg_stat_activity"
+            " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        return bool(await pool.fetchval(waiting))
     waiting = "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1"
     return bool(await pool.fetchval(waiting, conn.get_server_pid()))

@@ -4,14 +4,18 @@ first reads it in plain text."""
 
 from __future__ import annotations
 
+import asyncio
+from datetime import timedelta
+
 import asyncpg
 import pytest
 from pydantic import SecretStr
 
-from billing.period_keys import read_key, reseal_secrets
+from billing.period_keys import issue_key, read_key, reseal_secrets
+from billing.periods import parse_period
 from billing.sealing import SecretBox, UnsealError, new_key
 from tests.integration.harness import Harness
-from tests.waiting import eventually
+from tests.waiting import eventually, waits_on_a_lock
 
 SECRET = SecretStr("vk_" + "plain0" * 8)
 
@@ -120,3 +124,67 @@ async def test_a_rolling_rotation_keeps_every_worker_able_to_read_the_keys(
     # Put first at once, that worker would have locked out those holding the old key only.
     with pytest.raises(UnsealError, match="cannot be decrypted"):
         await read_key(db, SecretBox(SecretStr(old)), "2026-12", "usd")
+
+
+async def test_a_key_replaced_keeps_only_the_new_keys_id_cap_and_sealed_secret(
+    vaulted: Harness,
+) -> None:
+    """An opening replacing a stored key (a rerun, a renewal) leaves nothing of the old one
+    in its row: the preview reads the row's cap as the key's, and a plain secret left beside
+    the new sealed one would be sealed over it when a worker starts."""
+    assert vaulted.vault is not None
+    # As migrations before 013 left it.
+    await vaulted.pool.execute(
+        "INSERT INTO period_vault_keys (billing_period, currency, vault_key_id, secret, cap_cents)"
+        " VALUES ('2026-12', 'usd', 'vkey_00000000000000e0', $1, 100)",
+        SECRET.get_secret_value(),
+    )
+    box = vaulted.settings.secret_box()
+    new = await issue_key(
+        vaulted.pool,
+        vaulted.vault.worker,
+        box,
+        parse_period("2026-12"),
+        "usd",
+        5_000,
+        timedelta(days=1),
+        known_in=vaulted.pool,
+    )
+    row = await vaulted.pool.fetchrow(
+        "SELECT vault_key_id, secret, cap_cents FROM period_vault_keys"
+    )
+    assert tuple(row) == (new.vault_key_id, None, 5_000)
+    assert await reseal_secrets(vaulted.pool, box) == (0, 0)
+    stored = await read_key(vaulted.pool, box, "2026-12", "usd")
+    assert stored.vault_key_id == new.vault_key_id and stored.secret != SECRET
+
+
+@pytest.mark.parametrize("kept", ["plain", "sealed-with-the-old-key"])
+async def test_a_key_replaced_while_a_worker_seals_the_keys_keeps_the_new_secret(
+    db: asyncpg.Pool, kept: str
+) -> None:
+    """A worker starting seals every stored secret while an opening may be replacing one:
+    a row replaced between the worker's read and its write keeps the new key's secret, or
+    the period would charge with the old key (and be refused, or charge past the new cap)."""
+    old, new = new_key(), new_key()
+    box = SecretBox(SecretStr(f"{new},{old}"))
+    plain = kept == "plain"
+    await db.execute(
+        "INSERT INTO period_vault_keys"
+        " (billing_period, currency, vault_key_id, secret, sealed_secret, cap_cents)"
+        " VALUES ('2026-12', 'usd', 'vkey_00000000000000d0', $1, $2, 100)",
+        SECRET.get_secret_value() if plain else None,
+        None if plain else SecretBox(SecretStr(old)).seal(SECRET),
+    )
+    replacement = SecretStr("vk_" + "newkey" * 8)
+    async with db.acquire() as opening, opening.transaction():
+        await opening.execute(
+            "UPDATE period_vault_keys SET vault_key_id = 'vkey_00000000000000d1', secret = NULL,"
+            " sealed_secret = $1",
+            box.seal(replacement),
+        )
+        sealing = asyncio.create_task(reseal_secrets(db, box))
+        await eventually(lambda: waits_on_a_lock(db, None, sealing), timeout=15)
+    assert await sealing == (0, 0)
+    stored = await read_key(db, box, "2026-12", "usd")
+    assert (stored.vault_key_id, stored.secret) == ("vkey_00000000000000d1", replacement)

@@ -727,6 +727,28 @@ async def test_an_opening_revokes_the_unused_keys_a_failed_one_left_unstored(
     await assert_billed_once(vaulted, str(PERIOD), customers)
 
 
+async def test_an_opening_revokes_every_key_failed_openings_left_not_only_one(
+    vaulted: Harness,
+) -> None:
+    """Each opening that failed after the vault issued its key left one no run stores: the
+    next opening revokes them all, not leaving some for the close, as each holds its whole
+    cap against the worker budget meanwhile (a new key may need it)."""
+    assert vaulted.vault is not None
+    await vaulted.seed(1)
+    left = []
+    for _ in range(3):
+        async with vaulted.pool.acquire() as conn:
+            failed = conn.transaction()
+            await failed.start()
+            left.append(await _issue_as_an_opening(vaulted, conn, vaulted.vault.worker))
+            await failed.rollback()
+    opening = PeriodActivities(vaulted.pool, vaulted.settings, vaulted.vault.worker)
+    await opening.prepare(PrepareRequest(period=str(PERIOD), workflow_id="by-hand"))
+    keys = {k.id: k for k in await vaulted.vault.admin.find_keys(period=str(PERIOD))}
+    assert [keys[key.vault_key_id].revoked for key in left] == [True] * 3
+    assert not keys[await period_key(vaulted)].revoked
+
+
 async def test_an_opening_revokes_a_key_whose_issue_answer_was_lost(vaulted: Harness) -> None:
     """The vault, slow to answer, issued a key after the worker had given up on the answer:
     nobody has its secret, and its whole cap counted against the worker budget until it
@@ -1200,3 +1222,52 @@ async def test_a_child_refused_its_key_with_its_period_run_gone_waits_at_the_gat
     assert await vaulted.money_requests() == 0
     told = EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
     assert [e.event_type for e in (await handle.fetch_history()).events].count(told) == 1
+
+
+@pytest.mark.parametrize(
+    ("issued_by", "short_by", "then"),
+    [
+        ("worker", 0, "kept"),
+        ("worker", 1, "replaced"),
+        ("admin", 0, "kept"),
+        ("admin", 1, "refused"),
+    ],
+)
+async def test_a_stored_key_is_kept_only_while_its_room_less_charges_in_doubt_holds_what_is_left(
+    vaulted: Harness, issued_by: str, short_by: int, then: str
+) -> None:
+    """A key's room is its cap less what it spent and what it holds for charges in doubt: a
+    run keeping a key with less room than it has yet to send stops part-billed at the cap.
+    A key of the workers' is then replaced; an operator's refuses the run, though the
+    workers issued other keys (an earlier period's), as its cap is theirs to change."""
+    assert vaulted.vault is not None
+    box = vaulted.settings.secret_box()
+    await period_keys.issue_key(
+        vaulted.pool,
+        vaulted.vault.worker,
+        box,
+        PERIOD.previous(),
+        "usd",
+        1_000,
+        timedelta(days=1),
+        known_in=vaulted.pool,
+    )
+    if issued_by == "worker":
+        ours = await _issue_as_an_opening(vaulted, vaulted.pool, vaulted.vault.worker)
+        key_id = ours.vault_key_id
+    else:
+        theirs = await vaulted.vault.admin.issue_key(_period_key(100_000))
+        await _stored_as_the_periods(vaulted, theirs)
+        key_id = theirs.id
+    await vaulted.pool.execute(
+        "UPDATE vault_keys SET spent_cents = 30000, reserved_cents = 20000 WHERE id = $1", key_id
+    )
+    keeping = partial(
+        period_keys.kept_key, vaulted.pool, vaulted.vault.worker, PERIOD, "usd", 50_000 + short_by
+    )
+    if then == "refused":
+        with pytest.raises(period_keys.KeyTooSmallError, match=r"has usd 500\.00 left"):
+            await keeping()
+        return
+    kept = await keeping()
+    assert (kept.vault_key_id if kept else None) == (key_id if then == "kept" else None)
