@@ -26,6 +26,7 @@ from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, 
 
 from activities.stripe_gateway import StripeGateway
 from billing import operations
+from billing.customers import CustomerRow
 from billing.keys import customer_workflow_id
 from billing.models import ChargeFailure, OperatorRequest, PeriodSummary, RunOptions, SkipRequest
 from billing.periods import Period
@@ -430,6 +431,68 @@ def _stretch_hand_over_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(temporalio.workflow, "wait_condition", wait_condition)
 
 
+async def _settling(first: WorkflowHandle[Any, Any]) -> bool:
+    """The run has handed over and waits its stretched timer (_stretch_hand_over_wait)."""
+    return any(
+        e.event_type == E.EVENT_TYPE_TIMER_STARTED
+        and e.timer_started_event_attributes.start_to_fire_timeout.ToTimedelta() == STRETCHED
+        for e in await _events(first)
+    )
+
+
+async def _skipped_into_the_hand_over(
+    harness: Harness, first: WorkflowHandle[Any, Any], customers: list[CustomerRow]
+) -> None:
+    """Skips of customers not yet listed, from the last, take the run past its limit: it
+    hands over, its children in flight, and waits for a later workflow task."""
+    for customer in reversed(customers):
+        if await _settling(first):
+            break
+        skip = SkipRequest(customer_id=customer.customer_id, reason="r", operator="o")
+        await operations.skip(harness.client, harness.settings, harness.database_url, PERIOD, skip)
+    assert await _settling(first), "the run never handed over"
+
+
+async def _accepted(first: WorkflowHandle[Any, Any], update: str) -> int:
+    """How many of `update` the run accepted."""
+    return sum(
+        e.event_type == E.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED
+        and e.workflow_execution_update_accepted_event_attributes.accepted_request.input.name
+        == update
+        for e in await _events(first)
+    )
+
+
+async def test_a_pause_given_as_the_run_hands_over_is_taken_by_its_next_run(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that has handed over refuses an update (HANDING_OVER) until its next run takes
+    over: the operator's pause is tried again on that run, not refused with a "try again"."""
+    _stretch_hand_over_wait(monkeypatch)
+    customers = await harness.seed(60)
+    hold = HoldWritesAndBills(set())  # every bill held: nothing else brings a workflow task
+    for released in (hold.late_go, *hold.go.values()):
+        released.set()
+    options = RunOptions(
+        max_in_flight=5, max_starting=5, history_event_limit=LIMIT, hand_over_after_seconds=0
+    )
+    async with harness.running_worker(interceptors=[hold]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
+        first = harness.client.get_workflow_handle(
+            handle.id, run_id=(await handle.describe()).run_id
+        )
+        try:
+            await eventually(lambda: _billing(hold, 5), timeout=30)
+            await _skipped_into_the_hand_over(harness, first, customers)
+            progress = await operations.control(harness.client, PERIOD, "pause", BOB)
+            assert progress.state == "paused"
+            assert await _accepted(first, "pause") == 0, "the run handing over took it"
+        finally:
+            hold.release_all()
+            with contextlib.suppress(Exception):
+                await handle.terminate("test over")
+
+
 async def test_a_temporal_cancel_while_the_hand_over_awaits_a_handler_is_kept(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -453,25 +516,7 @@ async def test_a_temporal_cancel_while_the_hand_over_awaits_a_handler_is_kept(
         )
         try:
             await eventually(lambda: _billing(hold, 5), timeout=30)
-
-            async def settling() -> bool:
-                return any(
-                    e.event_type == E.EVENT_TYPE_TIMER_STARTED
-                    and e.timer_started_event_attributes.start_to_fire_timeout.ToTimedelta()
-                    == STRETCHED
-                    for e in await _events(first)
-                )
-
-            # Skips of customers not yet listed take the run past its limit: it hands over,
-            # its children in flight, and waits for a later workflow task.
-            for customer in reversed(customers):
-                if await settling():
-                    break
-                skip = SkipRequest(customer_id=customer.customer_id, reason="r", operator="o")
-                await operations.skip(
-                    harness.client, harness.settings, harness.database_url, PERIOD, skip
-                )
-            assert await settling(), "the run never handed over"
+            await _skipped_into_the_hand_over(harness, first, customers)
             # A child's key refusal arrives: the run pauses, its write held, and `_settled`
             # waits for that handler.
             await first.signal(

@@ -48,6 +48,7 @@ from temporalio.client import (
     WorkflowFailureError,
     WorkflowHandle,
     WorkflowHistory,
+    WorkflowQueryFailedError,
 )
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import ApplicationError
@@ -67,7 +68,7 @@ from temporalio.worker import (
 from temporalio.workflow import ChildWorkflowHandle
 
 from activities.period import ControlRequest, PeriodActivities, SkipCustomerRequest
-from billing import ledger, operations, schedules, search_attributes
+from billing import ledger, operations, run_states, schedules, search_attributes
 from billing.config import TemporalSettings
 from billing.customers import upsert_customers
 from billing.errors import BillingError, InvalidInputError, NoWorkerError, RunEndedError
@@ -102,6 +103,7 @@ from billing.stripe_client import stripe_client
 from billing.temporal_client import workflow_status
 from cli import commands, runs
 from tests.integration.harness import (
+    IDLE_QUEUE,
     Harness,
     accepted_updates,
     at_least,
@@ -112,7 +114,7 @@ from tests.integration.holds import HoldTheBillsEnd
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
 from tests.prometheus import metric_value
-from tests.waiting import eventually
+from tests.waiting import eventually, waits_on_a_lock
 from workflows.billing_period import BillingPeriodWorkflow
 from workflows.identity import WRONG_WORKFLOW_ID
 from workflows.signals import PERIOD_BLOCKED
@@ -500,6 +502,102 @@ async def _cancel_written_before_customers_cancelled(
     return False
 
 
+async def test_a_cancel_of_a_run_ended_before_its_close_closes_it_with_the_ledgers_counts(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cancel` of a run gone from Temporal with its period open (operations.cancel_ended_run)
+    marks every customer it had not started cancelled, page after page, under the customer's
+    one key (I3), closes the period with what the ledger holds, and names the claims whose
+    charge was sent as left to reconciliation; a second cancel finds nothing to close."""
+    monkeypatch.setattr(operations, "_CANCEL_PAGE", 2)
+    charged, sent, claimed, *never = (c.customer_id for c in await harness.seed(6))
+    # Opened with no workflow: its run is gone from Temporal, the period never closed.
+    bill = await _claim_as_another_run(harness, charged, send=True)
+    await _claim_as_another_run(harness, sent, send=True)
+    await _claim_as_another_run(harness, claimed, send=False)
+    namespace = harness.settings.billing_key_namespace
+    async with harness.pool.acquire() as conn:
+        result = ChargeResult(
+            charge_id="ch_1", payment_intent_id="pi_1", amount_cents=1, currency=bill.currency
+        )
+        assert await ledger.record_charge(conn, bill.idempotency_key, result)
+        cancel = await operations.cancel_ended_run(harness.client, conn, namespace, PERIOD, ALICE)
+        assert cancel is not None
+        record = await ledger.period_record(conn, str(PERIOD))
+        again = await operations.cancel_ended_run(harness.client, conn, namespace, PERIOD, ALICE)
+    summary = cancel.summary
+    assert (summary.due, summary.charged, summary.failed, summary.cancelled) == (6, 1, 0, 4)
+    assert summary.charged_by_currency == {bill.currency: bill.amount_cents}
+    assert summary.total_charged_cents == bill.amount_cents
+    assert (summary.cancelled_by, summary.cancel_reason) == (ALICE.operator, ALICE.reason)
+    assert cancel.in_doubt == 1
+    assert record is not None and record.summary == summary
+    assert again is None
+    rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
+    assert {c: r["status"] for c, r in rows.items()} == {
+        charged: "charged",
+        sent: "claimed",
+        **dict.fromkeys([claimed, *never], "cancelled"),
+    }
+    for customer_id in [claimed, *never]:
+        row = rows[customer_id]
+        assert (row["reason"], row["decided_by"]) == (ALICE.reason, ALICE.operator)
+        assert row["idempotency_key"] == idempotency_key(namespace, customer_id, PERIOD)
+    control = await harness.pool.fetchrow(
+        "SELECT control, control_reason, control_by FROM billing_periods WHERE billing_period = $1",
+        str(PERIOD),
+    )
+    assert control is not None
+    assert tuple(control) == ("cancelled", ALICE.reason, ALICE.operator)
+
+
+async def test_a_runs_opening_as_an_ended_run_is_cancelled_lands_after_the_cancel(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new run opening the period just as `cancel` finds its last run ended waits for the
+    cancel: it then opens the period afresh, rather than have the cancel close the new run
+    and mark its customers cancelled."""
+    await harness.seed(2)
+    await harness.open_period_by_hand(PERIOD)
+    ended_open = run_states.ended_open
+
+    async def then_a_run_opens(*args: Any) -> Any:
+        ended = await ended_open(*args)
+        opening = asyncio.create_task(ledger.open_period(other, str(PERIOD), "wf-new"))
+        await eventually(lambda: waits_on_a_lock(harness.pool, other, opening), timeout=30)
+        openings.append(opening)
+        return ended
+
+    openings: list[asyncio.Task[Any]] = []
+    monkeypatch.setattr(run_states, "ended_open", then_a_run_opens)
+    namespace = harness.settings.billing_key_namespace
+    async with harness.pool.acquire() as conn, harness.pool.acquire() as other:
+        assert await operations.cancel_ended_run(harness.client, conn, namespace, PERIOD, ALICE)
+        await openings[0]
+        record = await ledger.period_record(conn, str(PERIOD))
+    assert record is not None
+    assert (record.workflow_id, record.state, record.summary) == ("wf-new", "running", None)
+
+
+async def test_a_word_a_worker_took_up_is_awaited_past_the_time_to_take_it_up(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ACCEPT_TIMEOUT bounds only the wait for a worker to take the word up: a pause whose
+    ledger write is slow is awaited to its end, not called one no worker took up."""
+    monkeypatch.setattr(operations, "ACCEPT_TIMEOUT", timedelta(seconds=1))
+    await harness.seed(3)
+    hold = HoldTheBillsEnd()
+    slow_write = HoldListingAndControl(seconds=3)
+    async with harness.running_worker(interceptors=[hold, slow_write]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        await asyncio.wait_for(hold.billed.wait(), 30)
+        progress = await operations.control(harness.client, PERIOD, "pause", ALICE)
+        assert (progress.state, progress.operator) == ("paused", ALICE.operator)
+        hold.go_on.set()
+        await operations.control(harness.client, PERIOD, "resume", ALICE)
+        assert (await handle.result()).charged == 3
+
+
 async def test_a_blocked_report_with_a_long_message_pauses_the_run_with_it_cut(
     harness: Harness,
 ) -> None:
@@ -706,6 +804,10 @@ async def test_skip_before_and_during_a_run(harness: Harness) -> None:
         "skipped",
         "disputed",
     )
+    # Recorded with no run, under the customer's one key all the same (I3).
+    assert rows[first.customer_id]["idempotency_key"] == idempotency_key(
+        harness.settings.billing_key_namespace, first.customer_id, PERIOD
+    )
     late = SkipRequest(customer_id=second.customer_id, reason="too late", operator="carol")
     refused = await operations.skip(
         harness.client, harness.settings, harness.database_url, PERIOD, late
@@ -722,6 +824,21 @@ async def test_skip_before_and_during_a_run(harness: Harness) -> None:
     )
     assert (again.skipped, again.detail) == (True, "already skipped")
     assert not [c for c in await harness.charges() if c["customer"] == first.stripe_customer_id]
+
+
+async def test_a_skip_for_a_far_month_the_ledger_has_a_run_of_needs_no_flag(
+    harness: Harness,
+) -> None:
+    """--ahead and --late guard a skip for a month with no run, most likely mistyped; a
+    month the ledger has a run of is meant, however far back."""
+    [customer] = await harness.seed(1)
+    far = Period(PERIOD.year - 2, PERIOD.month)
+    await harness.open_period_by_hand(far)
+    skip = SkipRequest(customer_id=customer.customer_id, reason="disputed", operator="carol")
+    result = await operations.skip(
+        harness.client, harness.settings, harness.database_url, far, skip
+    )
+    assert result.skipped, result.detail
 
 
 async def test_a_control_is_recorded_with_the_operators_reason_and_name(harness: Harness) -> None:
@@ -897,6 +1014,32 @@ async def test_search_attributes_answer_what_the_web_ui_filters(harness: Harness
     assert await period_run.static_summary() == f"Billing period {PERIOD}"
     child = await harness.client.get_workflow_handle(declined.id).describe()
     assert await child.static_summary() == f"Charge customer cust-000002 for {PERIOD}"
+
+
+async def test_a_run_no_worker_has_taken_up_is_listed_under_its_period(harness: Harness) -> None:
+    """The Web UI's filter by period finds the run from its start: one no worker has taken up
+    yet (none polls, or all are down) is the one an operator looks for."""
+    handle = await start_period(harness.client, PERIOD, IDLE_QUEUE)
+    query = f'BillingPeriod="{PERIOD}"'
+
+    async def listed() -> bool:
+        return [w.id async for w in harness.client.list_workflows(query)] == [handle.id]
+
+    await eventually(listed, timeout=60)
+    await handle.terminate("test over")
+
+
+async def test_an_operator_starting_a_running_period_again_joins_its_run(
+    harness: Harness,
+) -> None:
+    customers = await harness.seed(3)
+    async with harness.running_worker():
+        first = await start_period(harness.client, PERIOD, harness.task_queue)
+        again = await start_period(harness.client, PERIOD, harness.task_queue)
+        assert again.first_execution_run_id == first.first_execution_run_id
+        summary = await again.result()
+    assert (summary.due, summary.charged) == (3, 3)
+    await assert_billed_once(harness, str(PERIOD), customers)
 
 
 async def test_schedule_trigger_and_manual_run_bill_each_customer_once(harness: Harness) -> None:
@@ -2980,19 +3123,58 @@ async def test_a_status_asked_as_the_run_closes_says_how_it_ended(
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
-async def test_run_in_a_namespace_without_the_search_attributes_says_to_run_setup(
+class _ProgressQueriesFail(WorkflowInboundInterceptor):
+    def handle_query(self, input: HandleQueryInput) -> Any:
+        if input.query == "progress":
+            raise RuntimeError("query handler broken")
+        return super().handle_query(input)
+
+
+class ProgressQueriesFail(Interceptor):
+    """A run's `progress` query fails, whoever answers it."""
+
+    def workflow_interceptor_class(
+        self, input: WorkflowInterceptorClassInput
+    ) -> type[WorkflowInboundInterceptor]:
+        return _ProgressQueriesFail
+
+
+async def test_a_status_of_an_open_run_whose_query_fails_says_so_and_does_not_wait(
     harness: Harness,
 ) -> None:
+    """A failed query of a run still open is the answer: `status` does not wait for the run
+    to end (as it does for one that closed meanwhile) without a word."""
+    await harness.seed(2)
+    hold = HoldTheBillsEnd()
+    async with harness.running_worker(interceptors=[ProgressQueriesFail(), hold]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        await asyncio.wait_for(hold.billed.wait(), 30)
+        with pytest.raises(WorkflowQueryFailedError, match="query handler broken"):
+            await asyncio.wait_for(period_status(harness.client, PERIOD), 30)
+        hold.go_on.set()
+        assert (await handle.result()).charged == 2
+
+
+@pytest.mark.parametrize("wait", [False, True], ids=["once", "wait"])
+async def test_run_in_a_namespace_without_the_search_attributes_says_to_run_setup(
+    harness: Harness, wait: bool
+) -> None:
     """Temporal refuses a start naming a search attribute its namespace lacks: the command
-    says what to run, not only Temporal's words (helper-163 F5). Nothing starts."""
+    says what to run, not only Temporal's words (helper-163 F5). Nothing starts. With
+    --wait, a refusal is an answer, not Temporal away: it is not tried again for ever."""
     bare = f"bare-{uuid.uuid4().hex[:8]}"
     await harness.client.workflow_service.register_namespace(
         RegisterNamespaceRequest(
             namespace=bare, workflow_execution_retention_period=Duration(seconds=86400)
         )
     )
-    process = await harness.starter_process("run", str(PERIOD), TEMPORAL_NAMESPACE=bare)
-    _, err = await asyncio.wait_for(process.communicate(), 60)
+    flags = ["--wait"] if wait else []
+    process = await harness.starter_process("run", str(PERIOD), *flags, TEMPORAL_NAMESPACE=bare)
+    try:
+        _, err = await asyncio.wait_for(process.communicate(), 60)
+    finally:
+        if process.returncode is None:
+            process.kill()
     stderr = err.decode()
     assert process.returncode == 2, stderr
     assert "search attribute" in stderr and "`python starter.py setup` registers them" in stderr
