@@ -393,7 +393,16 @@ async def test_a_claim_left_to_the_next_run_leaves_that_runs_own_claim_alone(
     assert stale.status == "claimed"
 
 
-async def test_pages_of_due_customers_carry_each_row_past_the_cursor(harness: Harness) -> None:
+@pytest.mark.parametrize(
+    ("without_row", "listed"),
+    [(False, [[0, 1], [2, 3], [4]]), (True, [[0, 3], [4]])],
+    ids=["every-due", "without-row"],
+)
+async def test_pages_of_due_customers_carry_each_row_past_the_cursor(
+    harness: Harness, without_row: bool, listed: list[list[int]]
+) -> None:
+    """`without_row`: what a run's close lists (customers no run has claimed), whose
+    children it starts; one with a row is its child's already."""
     customers = sorted(c.customer_id for c in await harness.seed(5))
     async with harness.pool.acquire() as conn:
         for customer_id in customers[1:3]:
@@ -403,17 +412,15 @@ async def test_pages_of_due_customers_carry_each_row_past_the_cursor(harness: Ha
         pages = []
         after = None
         while True:
-            page = await ledger.due_page(conn, PERIOD, after, 2)
+            page = await ledger.due_page(conn, PERIOD, after, 2, without_row=without_row)
             pages.append([(c.customer_id, c.status) for c in page.customers])
             if page.next_cursor is None:
                 break
             after = page.next_cursor
-    claimed = "claimed"
-    assert pages == [
-        [(customers[0], None), (customers[1], claimed)],
-        [(customers[2], claimed), (customers[3], None)],
-        [(customers[4], None)],
-    ]
+        # What a run ended before its close left to no run (activities.reconcile).
+        assert await ledger.unclaimed_due(conn, PERIOD) == 3
+    status = {c: "claimed" for c in customers[1:3]}
+    assert pages == [[(customers[i], status.get(customers[i])) for i in ids] for ids in listed]
 
 
 async def test_a_different_charge_is_never_recorded_over_a_claims_charge(
@@ -577,3 +584,204 @@ async def test_a_failed_charge_keeps_its_payment_intent(harness: Harness) -> Non
         "authentication_required",
         "pi_open",
     )
+
+
+async def test_the_periods_totals_count_rows_across_currencies_and_sum_only_charges(
+    harness: Harness,
+) -> None:
+    """What the close of an ended run (operations.cancel_ended_run) writes as its summary:
+    every row counted whatever its currency, and only charged rows in the money charged."""
+    customers = [c.customer_id for c in await harness.seed(3)]
+    async with harness.pool.acquire() as conn:
+        for customer_id, currency in zip(customers, ["usd", "eur", "jpy"], strict=True):
+            await conn.execute(
+                "UPDATE customers SET currency = $2 WHERE customer_id = $1", customer_id, currency
+            )
+        usd, eur, declined = [
+            await ledger.claim(
+                conn, customer_id, PERIOD, key(customer_id), "run-1", charge_api="payment_intents"
+            )
+            for customer_id in customers
+        ]
+        for n, charged in enumerate([usd, eur]):
+            result = ChargeResult(
+                charge_id=f"ch_{n}",
+                payment_intent_id=f"pi_{n}",
+                amount_cents=charged.amount_cents,
+                currency=charged.currency,
+            )
+            await ledger.record_charge(conn, charged.idempotency_key, result)
+        failure = ChargeFailure(code="card_declined", message="declined")
+        await ledger.record_unbilled(conn, declined.idempotency_key, "failed", failure)
+        totals = await ledger.period_totals(conn, PERIOD)
+    assert (totals.charged, totals.failed, totals.claimed) == (2, 1, 0)
+    assert totals.charged_by_currency == {"usd": usd.amount_cents, "eur": eur.amount_cents}
+
+
+async def test_a_temporal_stop_after_the_runs_close_writes_no_row(harness: Harness) -> None:
+    """A stray customer workflow cancelled once its period's run has closed must not write
+    the customer skipped: the next run of the period would then leave it unbilled."""
+    (customer,) = await harness.seed(1)
+    async with harness.pool.acquire() as conn:
+        await ledger.finish_period(conn, PERIOD, "{}")
+        with pytest.raises(UnknownCustomerError, match="not in the ledger"):
+            await ledger.request_skip(
+                conn,
+                customer.customer_id,
+                PERIOD,
+                key(customer.customer_id),
+                "cancelled",
+                "temporal",
+                stop=True,
+            )
+    assert await harness.ledger_rows(PERIOD) == []
+
+
+async def test_a_stop_keeps_an_operators_skip_and_a_later_operators_skip_replaces_it(
+    harness: Harness,
+) -> None:
+    """Who skipped a claim and why is the operator's: a Temporal stop landing after it keeps
+    it, and another operator's skip since is the one recorded."""
+    (customer,) = await harness.seed(1)
+    customer_id = customer.customer_id
+    async with harness.pool.acquire() as conn:
+        await ledger.claim(
+            conn, customer_id, PERIOD, key(customer_id), "run-1", charge_api="payment_intents"
+        )
+
+        async def skip(reason: str, operator: str, *, stop: bool = False) -> tuple[str, str]:
+            result = await ledger.request_skip(
+                conn, customer_id, PERIOD, key(customer_id), reason, operator, stop=stop
+            )
+            assert result.skipped, result.detail
+            row = await conn.fetchrow(
+                "SELECT skip_reason, skip_by FROM billing_runs WHERE customer_id = $1",
+                customer_id,
+            )
+            return row["skip_reason"], row["skip_by"]
+
+        assert await skip("disputed", "alice") == ("disputed", "alice")
+        assert await skip("cancelled", "temporal", stop=True) == ("disputed", "alice")
+        assert await skip("duplicate account", "bob") == ("duplicate account", "bob")
+
+
+@pytest.mark.parametrize(
+    ("stop", "row"),
+    [(False, ("skipped", "disputed", "carol", False)), (True, ("cancelled", "r", "alice", True))],
+    ids=["operators-skip", "temporal-stop"],
+)
+async def test_a_customer_a_cancelled_run_never_started_is_skipped_by_an_operator_not_a_stop(
+    harness: Harness, stop: bool, row: tuple[str, str, str, bool]
+) -> None:
+    """An operator's skip ends the row the cancel wrote skipped, for the skip's reason and
+    operator, not the cancel's (an auditor reads them as why the customer was not billed). A
+    Temporal stop (a stray workflow cancelled) leaves it to the next run, which claims it
+    afresh: skipped, the customer would go unbilled."""
+    customer_id = await never_started(harness)
+    async with harness.pool.acquire() as conn:
+        result = await ledger.request_skip(
+            conn, customer_id, PERIOD, key(customer_id), "disputed", "carol", stop=stop
+        )
+    assert result.skipped is not stop, result.detail
+    [written] = await harness.ledger_rows(PERIOD)
+    columns = ("status", "reason", "decided_by", "cancelled_before_start")
+    assert tuple(written[c] for c in columns) == row
+
+
+async def test_a_cancel_of_a_claim_a_runs_child_made_leaves_it_to_that_child_not_the_next_run(
+    harness: Harness,
+) -> None:
+    """The claim of a terminated run's child, still running, keeps that child's workflow ID,
+    which a later run cannot start again: cancelled, its row is not one the next run bills
+    afresh."""
+    (customer,) = await harness.seed(1)
+    customer_id = customer.customer_id
+    async with harness.pool.acquire() as conn:
+        await ledger.claim(
+            conn, customer_id, PERIOD, key(customer_id), "run-1", charge_api="payment_intents"
+        )
+        await ledger.cancel_customers(conn, PERIOD, {customer_id: key(customer_id)}, "r", "alice")
+        page = await ledger.due_page(conn, PERIOD, None, 10)
+    assert [(c.customer_id, c.status) for c in page.customers] == [(customer_id, "cancelled")]
+
+
+@pytest.mark.parametrize("since", ["sent", "skipped"])
+async def test_a_cancel_leaves_alone_a_row_that_is_no_longer_unstarted(
+    harness: Harness, since: str
+) -> None:
+    """A cancel's page lists the customers not started; one whose charge went out since (it
+    may be in Stripe) or that an operator skipped since (a cancel reopening it for the next
+    run would bill it) keeps its row as it is."""
+    (customer,) = await harness.seed(1)
+    customer_id = customer.customer_id
+    async with harness.pool.acquire() as conn:
+        if since == "sent":
+            claim = await ledger.claim(
+                conn, customer_id, PERIOD, key(customer_id), "run-1", charge_api="payment_intents"
+            )
+            assert (await ledger.begin_charge(conn, claim, ledger.SENT_DIRECT)).gate == "go"
+        else:
+            await ledger.request_skip(conn, customer_id, PERIOD, key(customer_id), "no", "carol")
+        [before] = await harness.ledger_rows(PERIOD)
+        await ledger.cancel_customers(conn, PERIOD, {customer_id: key(customer_id)}, "r", "alice")
+    [after] = await harness.ledger_rows(PERIOD)
+    assert dict(after) == dict(before)
+
+
+async def test_a_cancels_page_cancels_every_customer_not_started_under_its_stable_key(
+    harness: Harness,
+) -> None:
+    """The cancel of an ended run (operations.cancel_ended_run) leaves no claim open (I2), and
+    the rows it writes carry each customer's one key of the period (I3), which the next run's
+    claim keeps."""
+    claimed_id, unrowed_id = sorted(c.customer_id for c in await harness.seed(2))
+    async with harness.pool.acquire() as conn:
+        await ledger.claim(
+            conn, claimed_id, PERIOD, key(claimed_id), "run-1", charge_api="payment_intents"
+        )
+        _, unstarted = await ledger.cancel_unstarted_page(
+            conn, PERIOD, None, 10, "test", "wrong prices", "alice"
+        )
+    assert unstarted == [claimed_id, unrowed_id]
+    rows = {
+        r["customer_id"]: (r["status"], r["idempotency_key"])
+        for r in await harness.ledger_rows(PERIOD)
+    }
+    assert rows == {c: ("cancelled", key(c)) for c in unstarted}
+
+
+async def test_a_plan_counts_an_open_claim_at_what_it_claimed_not_the_price_of_now(
+    harness: Harness,
+) -> None:
+    """A claim fixes the amount and currency its attempts send: a rerun's plan, and the caps
+    of the keys it issues from it, and the preview, show those, whatever the customer's price
+    is now. A currency whose customers are all charged needs no key."""
+    customer_id, charged_id = (c.customer_id for c in await harness.seed(2))
+    async with harness.pool.acquire() as conn:
+        await conn.execute(
+            "UPDATE customers SET currency = 'jpy' WHERE customer_id = $1", charged_id
+        )
+        claim, charged = [
+            await ledger.claim(conn, c, PERIOD, key(c), "run-1", charge_api="payment_intents")
+            for c in (customer_id, charged_id)
+        ]
+        result = ChargeResult(
+            charge_id="ch_1",
+            payment_intent_id="pi_1",
+            amount_cents=charged.amount_cents,
+            currency=charged.currency,
+        )
+        await ledger.record_charge(conn, charged.idempotency_key, result)
+        await conn.execute(
+            "UPDATE customers SET amount_cents = amount_cents + 500, currency = 'eur'"
+            " WHERE customer_id = $1",
+            customer_id,
+        )
+        plan = await ledger.plan_period(conn, PERIOD)
+        unsent = await ledger.unsent_totals(conn, PERIOD)
+        preview = await ledger.preview_lines(conn, PERIOD)
+    claimed = {claim.currency: claim.amount_cents}
+    assert (plan.due, plan.to_charge, plan.totals_by_currency, unsent) == (2, 1, claimed, claimed)
+    assert {
+        line.customer_id: (line.amount_cents, line.currency, line.open) for line in preview
+    } == {c.customer_id: (c.amount_cents, c.currency, c is claim) for c in (claim, charged)}

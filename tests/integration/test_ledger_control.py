@@ -123,3 +123,36 @@ async def test_a_claim_skipped_before_its_runs_cancel_ends_skipped_for_the_skips
         await ledger.record_unbilled(conn, claim.idempotency_key, "skipped", stopped)
         [row] = await harness.ledger_rows(str(PERIOD))
     assert (row["status"], row["reason"], row["decided_by"]) == ("skipped", "disputed", "alice")
+
+
+async def test_a_periods_pause_and_close_leave_another_periods_run_alone(
+    harness: Harness,
+) -> None:
+    """Two months' runs open at once (a late month's rerun beside this one's): a pause, a
+    cancel or a close is written to its own month's row only, and each is read as it is."""
+    [claim] = await claimed(harness)
+    other = str(PERIOD.next())
+    await harness.open_period_by_hand(other)
+    async with harness.pool.acquire() as conn:
+        await ledger.set_control(conn, other, "paused", "wrong prices", "ops")
+        assert (await ledger.begin_charge(conn, claim, None)).gate == "go"
+        summary = PeriodSummary.empty(other, f"billing-period-{other}")
+        await ledger.finish_period(conn, other, summary.model_dump_json())
+        assert await ledger.open_runs(conn, [str(PERIOD), other]) == {str(PERIOD): "running"}
+        # A launch leaves a completed month as it is, and joins (or restarts) an open one.
+        assert await ledger.completed_runs(conn, [str(PERIOD), other]) == {other: False}
+
+
+async def test_a_rerun_forgets_the_summary_of_the_run_before(harness: Harness) -> None:
+    """A rerun's row carries no summary until its own close: `status` of a rerun Temporal no
+    longer holds (terminated) would read the earlier run's summary as this one's outcome,
+    not a run that never finished (billing.runs.status_from_ledger)."""
+    async with harness.pool.acquire() as conn:
+        plan = PeriodPlan(period=str(PERIOD), due=0, to_charge=0, expected_total_cents=0)
+        await ledger.start_period(conn, plan, "billing-period-2026-12")
+        summary = PeriodSummary.empty(str(PERIOD), "billing-period-2026-12")
+        await ledger.finish_period(conn, str(PERIOD), summary.model_dump_json())
+        await ledger.start_period(conn, plan, "billing-period-2026-12")
+        record = await ledger.period_record(conn, str(PERIOD))
+    assert record is not None
+    assert (record.state, record.summary) == ("running", None)

@@ -245,6 +245,37 @@ async def test_a_run_counts_as_unsent_what_went_only_through_a_replaced_key(
     assert unsent == {"usd": stale.amount_cents + refused.amount_cents + unclaimed.amount_cents}
 
 
+async def test_a_stored_key_counts_as_charged_only_the_charges_that_went_through_it_alone(
+    harness: Harness,
+) -> None:
+    """What the preview reads a key's room from (a key too small for a rerun is named): a
+    charge through it counts, a failure through it does not, nor does a charge that went
+    through another key too. A key no worker of this ledger issued is said so."""
+    charged, failed, both = await claimed(harness, 3)
+    async with harness.pool.acquire() as conn:
+        await stored(conn, charged, K1)
+        for claim in (charged, failed, both):
+            await passed(conn, claim, K1)
+        await passed(conn, both, K2)
+        await record_charged(conn, charged)
+        await ledger.record_unbilled(
+            conn, failed.idempotency_key, "failed", ChargeFailure(code="card_declined", message="")
+        )
+        result = ChargeResult(
+            charge_id="ch_2",
+            payment_intent_id="pi_2",
+            amount_cents=both.amount_cents,
+            currency=both.currency,
+        )
+        await ledger.record_charge(conn, both.idempotency_key, result)
+        [key] = await ledger.stored_keys(conn, str(PERIOD))
+    assert (key.vault_key_id, key.issued_here, key.charged_cents) == (
+        K1,
+        False,
+        charged.amount_cents,
+    )
+
+
 async def test_a_finished_claim_is_closed_at_the_gate_though_an_attempt_passed(
     harness: Harness,
 ) -> None:

@@ -2602,6 +2602,22 @@ async def test_a_billing_schedule_that_would_leave_months_unbilled_is_refused(
     assert (await harness.starter(*create))[0] == 0
 
 
+async def test_a_month_billed_ahead_by_hand_does_not_hide_the_months_unbilled_before_it(
+    harness: Harness,
+) -> None:
+    """The gap runs from the latest run before the schedule's first month: a run of that
+    month itself (started by hand ahead of the schedule) leaves the months before unbilled."""
+    config = schedules.MonthlySchedule()
+    now = datetime.now(UTC)
+    first = period_for(schedules.first_firing(config, now), config.billing)
+    gap = [first.previous().previous(), first.previous()]
+    await _billed_in_the_ledger_only(harness, gap[0].previous(), charged=0)
+    await _billed_in_the_ledger_only(harness, first, charged=0)
+    async with harness.pool.acquire() as conn:
+        unbilled = await schedules.unbilled_before(conn, config, now)
+    assert unbilled is not None and unbilled.periods == gap
+
+
 async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a_month_unbilled(
     harness: Harness, caplog: pytest.LogCaptureFixture
 ) -> None:
