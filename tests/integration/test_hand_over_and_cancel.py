@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -463,16 +463,13 @@ async def _accepted(first: WorkflowHandle[Any, Any], update: str) -> int:
     )
 
 
-async def test_a_pause_given_as_the_run_hands_over_is_taken_by_its_next_run(
-    harness: Harness, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A run that has handed over refuses an update (HANDING_OVER) until its next run takes
-    over: the operator's pause is tried again on that run, not refused with a "try again"."""
-    _stretch_hand_over_wait(monkeypatch)
-    customers = await harness.seed(60)
-    hold = HoldWritesAndBills(set())  # every bill held: nothing else brings a workflow task
-    for released in (hold.late_go, *hold.go.values()):
-        released.set()
+@contextlib.asynccontextmanager
+async def _handed_over(
+    harness: Harness, hold: HoldWritesAndBills, customers: list[CustomerRow]
+) -> AsyncIterator[tuple[WorkflowHandle[Any, Any], WorkflowHandle[Any, Any]]]:
+    """A run whose bills `hold` keeps (no child reports: nothing brings it a workflow task),
+    skipped past its limit: it has handed over and waits its stretched timer. Yields its
+    handle and its first run's; terminated after."""
     options = RunOptions(
         max_in_flight=5, max_starting=5, history_event_limit=LIMIT, hand_over_after_seconds=0
     )
@@ -484,13 +481,27 @@ async def test_a_pause_given_as_the_run_hands_over_is_taken_by_its_next_run(
         try:
             await eventually(lambda: _billing(hold, 5), timeout=30)
             await _skipped_into_the_hand_over(harness, first, customers)
-            progress = await operations.control(harness.client, PERIOD, "pause", BOB)
-            assert progress.state == "paused"
-            assert await _accepted(first, "pause") == 0, "the run handing over took it"
+            yield handle, first
         finally:
             hold.release_all()
             with contextlib.suppress(Exception):
                 await handle.terminate("test over")
+
+
+async def test_a_pause_given_as_the_run_hands_over_is_taken_by_its_next_run(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that has handed over refuses an update (HANDING_OVER) until its next run takes
+    over: the operator's pause is tried again on that run, not refused with a "try again"."""
+    _stretch_hand_over_wait(monkeypatch)
+    customers = await harness.seed(60)
+    hold = HoldWritesAndBills(set())  # every bill held: nothing else brings a workflow task
+    for released in (hold.late_go, *hold.go.values()):
+        released.set()
+    async with _handed_over(harness, hold, customers) as (_, first):
+        progress = await operations.control(harness.client, PERIOD, "pause", BOB)
+        assert progress.state == "paused"
+        assert await _accepted(first, "pause") == 0, "the run handing over took it"
 
 
 async def test_a_temporal_cancel_while_the_hand_over_awaits_a_handler_is_kept(
@@ -506,40 +517,26 @@ async def test_a_temporal_cancel_while_the_hand_over_awaits_a_handler_is_kept(
     hold = HoldWritesAndBills(set())
     for released in (hold.late_go, hold.go["cancelled"]):
         released.set()
-    options = RunOptions(
-        max_in_flight=5, max_starting=5, history_event_limit=LIMIT, hand_over_after_seconds=0
-    )
-    async with harness.running_worker(interceptors=[hold]):
-        handle = await start_period(harness.client, PERIOD, harness.task_queue, options)
-        first = harness.client.get_workflow_handle(
-            handle.id, run_id=(await handle.describe()).run_id
+    async with _handed_over(harness, hold, customers) as (handle, first):
+        # A child's key refusal arrives: the run pauses, its write held, and `_settled`
+        # waits for that handler.
+        await first.signal(
+            BillingPeriodWorkflow.period_blocked,
+            ChargeFailure(code="spend_cap_exceeded", message="cap reached"),
         )
-        try:
-            await eventually(lambda: _billing(hold, 5), timeout=30)
-            await _skipped_into_the_hand_over(harness, first, customers)
-            # A child's key refusal arrives: the run pauses, its write held, and `_settled`
-            # waits for that handler.
-            await first.signal(
-                BillingPeriodWorkflow.period_blocked,
-                ChargeFailure(code="spend_cap_exceeded", message="cap reached"),
+        await asyncio.wait_for(hold.reached["paused"].wait(), 30)
+        await first.cancel()
+        await eventually(lambda: _cancel_taken(first), timeout=30)
+        hold.go["paused"].set()
+        hold.bills_go.set()
+
+        async def ledger_cancelled() -> bool:
+            control: str | None = await harness.pool.fetchval(
+                "SELECT control FROM billing_periods WHERE billing_period = $1", str(PERIOD)
             )
-            await asyncio.wait_for(hold.reached["paused"].wait(), 30)
-            await first.cancel()
-            await eventually(lambda: _cancel_taken(first), timeout=30)
-            hold.go["paused"].set()
-            hold.bills_go.set()
+            return control == "cancelled"
 
-            async def ledger_cancelled() -> bool:
-                control: str | None = await harness.pool.fetchval(
-                    "SELECT control FROM billing_periods WHERE billing_period = $1", str(PERIOD)
-                )
-                return control == "cancelled"
-
-            # The cancel is written and carried on: the chain ends cancelled.
-            await eventually(ledger_cancelled, timeout=30)
-            summary: PeriodSummary = await asyncio.wait_for(handle.result(), 60)
-            assert summary.cancelled_by == "temporal"
-        finally:
-            hold.release_all()
-            with contextlib.suppress(Exception):
-                await handle.terminate("test over")
+        # The cancel is written and carried on: the chain ends cancelled.
+        await eventually(ledger_cancelled, timeout=30)
+        summary: PeriodSummary = await asyncio.wait_for(handle.result(), 60)
+        assert summary.cancelled_by == "temporal"
