@@ -32,6 +32,17 @@ def key(customer_id: str, namespace: str = "test") -> str:
     return idempotency_key(namespace, customer_id, Period(2026, 12))
 
 
+async def record_charged(conn: asyncpg.Connection, claim: Claim, number: int = 1) -> None:
+    """The claim's charge (ch_1, or ch_`number`) recorded: the claim is finished."""
+    result = ChargeResult(
+        charge_id=f"ch_{number}",
+        payment_intent_id=f"pi_{number}",
+        amount_cents=claim.amount_cents,
+        currency=claim.currency,
+    )
+    await ledger.record_charge(conn, claim.idempotency_key, result)
+
+
 async def test_a_claim_is_inserted_once_and_the_last_run_owns_it_while_open(
     harness: Harness,
 ) -> None:
@@ -603,14 +614,8 @@ async def test_the_periods_totals_count_rows_across_currencies_and_sum_only_char
             )
             for customer_id in customers
         ]
-        for n, charged in enumerate([usd, eur]):
-            result = ChargeResult(
-                charge_id=f"ch_{n}",
-                payment_intent_id=f"pi_{n}",
-                amount_cents=charged.amount_cents,
-                currency=charged.currency,
-            )
-            await ledger.record_charge(conn, charged.idempotency_key, result)
+        for n, charged in enumerate([usd, eur], start=1):
+            await record_charged(conn, charged, n)
         failure = ChargeFailure(code="card_declined", message="declined")
         await ledger.record_unbilled(conn, declined.idempotency_key, "failed", failure)
         totals = await ledger.period_totals(conn, PERIOD)
@@ -765,13 +770,7 @@ async def test_a_plan_counts_an_open_claim_at_what_it_claimed_not_the_price_of_n
             await ledger.claim(conn, c, PERIOD, key(c), "run-1", charge_api="payment_intents")
             for c in (customer_id, charged_id)
         ]
-        result = ChargeResult(
-            charge_id="ch_1",
-            payment_intent_id="pi_1",
-            amount_cents=charged.amount_cents,
-            currency=charged.currency,
-        )
-        await ledger.record_charge(conn, charged.idempotency_key, result)
+        await record_charged(conn, charged)
         await conn.execute(
             "UPDATE customers SET amount_cents = amount_cents + 500, currency = 'eur'"
             " WHERE customer_id = $1",

@@ -10,9 +10,10 @@ import pytest
 from billing import ledger
 from billing.errors import ClaimClosedError
 from billing.keys import idempotency_key
-from billing.models import ChargeFailure, ChargeResult, Claim
+from billing.models import ChargeFailure, Claim
 from billing.periods import Period
 from tests.integration.harness import Harness
+from tests.integration.test_ledger_claim import record_charged
 
 PERIOD = Period(2026, 12)
 K1 = "vkey_0000000000000001"
@@ -67,17 +68,6 @@ async def attempts(conn: asyncpg.Connection, claim: Claim) -> tuple[bool, int]:
         claim.idempotency_key,
     )
     return row["started"], row["attempts"]
-
-
-async def record_charged(conn: asyncpg.Connection, claim: Claim) -> None:
-    """The claim's charge (ch_1) recorded: the claim is finished."""
-    result = ChargeResult(
-        charge_id="ch_1",
-        payment_intent_id="pi_1",
-        amount_cents=claim.amount_cents,
-        currency=claim.currency,
-    )
-    await ledger.record_charge(conn, claim.idempotency_key, result)
 
 
 async def sent_through(conn: asyncpg.Connection, claim: Claim) -> list[str] | None:
@@ -261,13 +251,7 @@ async def test_a_stored_key_counts_as_charged_only_the_charges_that_went_through
         await ledger.record_unbilled(
             conn, failed.idempotency_key, "failed", ChargeFailure(code="card_declined", message="")
         )
-        result = ChargeResult(
-            charge_id="ch_2",
-            payment_intent_id="pi_2",
-            amount_cents=both.amount_cents,
-            currency=both.currency,
-        )
-        await ledger.record_charge(conn, both.idempotency_key, result)
+        await record_charged(conn, both, number=2)
         [key] = await ledger.stored_keys(conn, str(PERIOD))
     assert (key.vault_key_id, key.issued_here, key.charged_cents) == (
         K1,
