@@ -24,6 +24,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from billing.periods import parse_period
     from billing.rate_limit import Slot
+    from workflows.failures import LOCAL_ACTIVITY_FAILURES
     from workflows.identity import checked, given, one_input, require_id
     from workflows.signals import PERIOD_BLOCKED, PERIOD_CONTROL
 
@@ -166,7 +167,7 @@ class CustomerChargeWorkflow:
                     local_retry_threshold=LOCAL_RETRY_THRESHOLD,
                     summary=f"bill {request.customer_id} for {request.period}",
                 )
-            except (ActivityError, ApplicationError, TemporalTimeoutError) as err:
+            except LOCAL_ACTIVITY_FAILURES as err:
                 if _timed_out(err):
                     # A round of retries ran out; the key is the same on the next one.
                     slot = None

@@ -21,7 +21,6 @@ from temporalio.common import (
     WorkflowIDReusePolicy,
 )
 from temporalio.exceptions import ActivityError, ApplicationError, WorkflowAlreadyStartedError
-from temporalio.exceptions import TimeoutError as TemporalTimeoutError
 from temporalio.types import MethodAsyncSingleParam
 
 with workflow.unsafe.imports_passed_through():
@@ -33,6 +32,7 @@ with workflow.unsafe.imports_passed_through():
     from billing.periods import parse_period
     from billing.reconciliation import ReconcileInput, ReconcileReport
     from workflows.billing_period import BillingPeriodWorkflow
+    from workflows.failures import LOCAL_ACTIVITY_FAILURES
     from workflows.identity import given, one_input
     from workflows.reconcile import ReconcileWorkflow
 
@@ -176,8 +176,7 @@ class ScheduledBillingWorkflow:
                 retry_policy=RetryPolicy(maximum_attempts=5),
                 summary=f"has the billing schedule {schedule_id} billed the months it fired for?",
             )
-        except (ActivityError, ApplicationError, TemporalTimeoutError) as err:
-            # A local activity's last failure comes as itself, not in an ActivityError.
+        except LOCAL_ACTIVITY_FAILURES as err:
             if not isinstance(err, ActivityError) and not workflow.patched(UNREAD_SCHEDULE_WARNS):
                 raise
             workflow.logger.warning(
