@@ -376,6 +376,17 @@ class Harness:
     async def ledger_rows(self, period: str) -> list[asyncpg.Record]:
         return await ledger_rows(self.pool, period)
 
+    async def period_control(self, period: Period) -> tuple[str, str | None, str | None]:
+        """The period's word in the ledger, which charges already scheduled read: the
+        control, why, and by whom."""
+        row = await self.pool.fetchrow(
+            "SELECT control, control_reason, control_by FROM billing_periods"
+            " WHERE billing_period = $1",
+            str(period),
+        )
+        assert row is not None, f"the ledger has no run of {period}"
+        return row["control"], row["control_reason"], row["control_by"]
+
     def stop_processes(self) -> None:
         for process in self.processes:
             if process.poll() is None:

@@ -550,10 +550,8 @@ async def test_a_pause_given_while_the_run_opens_is_in_the_ledger_once_it_has(
         async def opened_and_paused_in_the_ledger() -> bool:
             if (await period_status(harness.client, PERIOD)).expected_due is None:
                 return False
-            control = await harness.pool.fetchval(
-                "SELECT control FROM billing_periods WHERE billing_period = $1", str(PERIOD)
-            )
-            return bool(control == "paused")
+            control, _, _ = await harness.period_control(PERIOD)
+            return control == "paused"
 
         await eventually(opened_and_paused_in_the_ledger, timeout=30)
         assert await harness.succeeded() == 0

@@ -287,9 +287,7 @@ async def test_a_temporal_cancel_of_a_paused_run_handing_over_lands_before_it_co
 
     assert (summary.cancelled_by, summary.due) == ("temporal", DUE)
     assert (summary.charged, summary.cancelled) == (IN_FLIGHT - HELD, DUE - IN_FLIGHT + HELD)
-    control = await harness.pool.fetchval(
-        "SELECT control FROM billing_periods WHERE billing_period = $1", str(PERIOD)
-    )
+    control, _, _ = await harness.period_control(PERIOD)
     assert control == "cancelled"
     charged = {c["metadata"]["customer_id"] for c in await harness.charges()}
     cancelled = frozenset(c.customer_id for c in customers if c.customer_id not in charged)
@@ -334,9 +332,7 @@ async def test_a_temporal_cancel_with_signals_taking_a_paused_run_past_its_limit
     async with harness.running_worker():
         summary: PeriodSummary = await asyncio.wait_for(handle.result(), 60)
     assert summary.cancelled_by == "temporal"
-    control = await harness.pool.fetchval(
-        "SELECT control FROM billing_periods WHERE billing_period = $1", str(PERIOD)
-    )
+    control, _, _ = await harness.period_control(PERIOD)
     assert control == "cancelled"
     events = await _events(first)
     assert events[-1].event_type == E.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW
@@ -531,9 +527,7 @@ async def test_a_temporal_cancel_while_the_hand_over_awaits_a_handler_is_kept(
         hold.bills_go.set()
 
         async def ledger_cancelled() -> bool:
-            control: str | None = await harness.pool.fetchval(
-                "SELECT control FROM billing_periods WHERE billing_period = $1", str(PERIOD)
-            )
+            control, _, _ = await harness.period_control(PERIOD)
             return control == "cancelled"
 
         # The cancel is written and carried on: the chain ends cancelled.

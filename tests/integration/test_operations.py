@@ -543,12 +543,7 @@ async def test_a_cancel_of_a_run_ended_before_its_close_closes_it_with_the_ledge
         row = rows[customer_id]
         assert (row["reason"], row["decided_by"]) == (ALICE.reason, ALICE.operator)
         assert row["idempotency_key"] == idempotency_key(namespace, customer_id, PERIOD)
-    control = await harness.pool.fetchrow(
-        "SELECT control, control_reason, control_by FROM billing_periods WHERE billing_period = $1",
-        str(PERIOD),
-    )
-    assert control is not None
-    assert tuple(control) == ("cancelled", ALICE.reason, ALICE.operator)
+    assert await harness.period_control(PERIOD) == ("cancelled", ALICE.reason, ALICE.operator)
 
 
 async def test_a_runs_opening_as_an_ended_run_is_cancelled_lands_after_the_cancel(
@@ -689,10 +684,7 @@ async def test_a_blocked_charge_reported_after_the_last_outcome_pauses_nothing(
         progress = await handle.query(BillingPeriodWorkflow.progress)
         assert (progress.state, progress.reason) == ("closing", None), progress
         await asyncio.sleep(1)
-        async with harness.pool.acquire() as reader:
-            control = await reader.fetchval(
-                "SELECT control FROM billing_periods WHERE billing_period = $1", str(PERIOD)
-            )
+        control, _, _ = await harness.period_control(PERIOD)
         assert control == "running"
         await conn.execute("ROLLBACK; BEGIN")
         await skipping
@@ -847,12 +839,7 @@ async def test_a_control_is_recorded_with_the_operators_reason_and_name(harness:
     await harness.open_period_by_hand(PERIOD)
     control = PeriodActivities(harness.pool, harness.settings).set_control
     await control(ControlRequest(period=str(PERIOD), control="paused", request=ALICE))
-    row = await harness.pool.fetchrow(
-        "SELECT control, control_reason, control_by FROM billing_periods WHERE billing_period = $1",
-        str(PERIOD),
-    )
-    assert row is not None
-    assert tuple(row) == ("paused", ALICE.reason, ALICE.operator)
+    assert await harness.period_control(PERIOD) == ("paused", ALICE.reason, ALICE.operator)
 
 
 async def test_a_skip_during_a_run_writes_the_row_under_the_customers_stable_key(

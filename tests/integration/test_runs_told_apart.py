@@ -299,10 +299,7 @@ async def test_a_terminated_runs_late_control_leaves_a_reruns_alone(harness: Har
         hold.release_all(BILL)
         hold.release(PREPARE, stuck)
         summary = await asyncio.wait_for(rerun.result(), 60)
-        async with harness.pool.acquire() as conn:
-            control = await conn.fetchval(
-                "SELECT control FROM billing_periods WHERE billing_period = $1", str(PERIOD)
-            )
+        control, _, _ = await harness.period_control(PERIOD)
     assert (summary.charged, summary.cancelled, control) == (2, 0, "running")
     await assert_billed_once(harness, str(PERIOD), customers)
 
@@ -559,9 +556,7 @@ class Gate(Interceptor):
 async def _row(harness: Harness) -> tuple[str, str | None, PeriodSummary | None, str | None]:
     async with harness.pool.acquire() as conn:
         record = await ledger.period_record(conn, str(PERIOD))
-        control = await conn.fetchval(
-            "SELECT control FROM billing_periods WHERE billing_period = $1", str(PERIOD)
-        )
+    control, _, _ = await harness.period_control(PERIOD)
     assert record is not None
     return record.state, record.run_id, record.summary, control
 
