@@ -68,11 +68,16 @@ async def at_least(count: Awaitable[int], n: int) -> bool:
     return await count >= n
 
 
-async def accepted_updates(handle: WorkflowHandle[Any, Any]) -> int:
-    """How many updates the workflow's run has accepted."""
+async def accepted_updates(handle: WorkflowHandle[Any, Any], name: str | None = None) -> int:
+    """How many updates (of `name`, if given) the workflow's run has accepted."""
     history = await handle.fetch_history()
     accepted = EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED
-    return sum(e.event_type == accepted for e in history.events)
+    return sum(
+        e.event_type == accepted
+        and name
+        in (None, e.workflow_execution_update_accepted_event_attributes.accepted_request.input.name)
+        for e in history.events
+    )
 
 
 async def update_taken(

@@ -31,7 +31,12 @@ from billing.keys import customer_workflow_id
 from billing.models import ChargeFailure, OperatorRequest, PeriodSummary, RunOptions, SkipRequest
 from billing.periods import Period
 from billing.runs import start_period
-from tests.integration.harness import Harness, at_least, single_batch_activations
+from tests.integration.harness import (
+    Harness,
+    accepted_updates,
+    at_least,
+    single_batch_activations,
+)
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
 from tests.integration.timeline import timeline
@@ -449,16 +454,6 @@ async def _skipped_into_the_hand_over(
     assert await _settling(first), "the run never handed over"
 
 
-async def _accepted(first: WorkflowHandle[Any, Any], update: str) -> int:
-    """How many of `update` the run accepted."""
-    return sum(
-        e.event_type == E.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED
-        and e.workflow_execution_update_accepted_event_attributes.accepted_request.input.name
-        == update
-        for e in await _events(first)
-    )
-
-
 @contextlib.asynccontextmanager
 async def _handed_over(
     harness: Harness, hold: HoldWritesAndBills, customers: list[CustomerRow]
@@ -497,7 +492,7 @@ async def test_a_pause_given_as_the_run_hands_over_is_taken_by_its_next_run(
     async with _handed_over(harness, hold, customers) as (_, first):
         progress = await operations.control(harness.client, PERIOD, "pause", BOB)
         assert progress.state == "paused"
-        assert await _accepted(first, "pause") == 0, "the run handing over took it"
+        assert await accepted_updates(first, "pause") == 0, "the run handing over took it"
 
 
 async def test_a_temporal_cancel_while_the_hand_over_awaits_a_handler_is_kept(

@@ -3086,21 +3086,28 @@ async def test_a_skip_sent_as_the_run_closes_is_written_before_it_ends(harness: 
     assert rows == {customers[0].customer_id: "charged", added.customer_id: "skipped"}
 
 
-class _QueriesFailOnceClosed(WorkflowInboundInterceptor):
-    def handle_query(self, input: HandleQueryInput) -> Any:
-        if workflow.unsafe.is_replaying() and input.query == "progress":
-            raise RuntimeError("replay failed")
-        return super().handle_query(input)
+class ProgressQueriesFail(Interceptor):
+    """A run's `progress` query fails: always, or with `replaying` only when answered by
+    replaying the run's history, as one once did right after its run closed (a
+    nondeterminism error from the SDK's core)."""
 
-
-class QueriesFailOnceClosed(Interceptor):
-    """A run's queries fail when answered by replaying its history, as a run's query once
-    did right after it closed (a nondeterminism error from the SDK's core)."""
+    def __init__(self, *, replaying: bool = False) -> None:
+        self._replaying = replaying
 
     def workflow_interceptor_class(
         self, input: WorkflowInterceptorClassInput
     ) -> type[WorkflowInboundInterceptor]:
-        return _QueriesFailOnceClosed
+        replaying_only = self._replaying
+
+        class Failing(WorkflowInboundInterceptor):
+            def handle_query(self, input: HandleQueryInput) -> Any:
+                if input.query == "progress" and (
+                    workflow.unsafe.is_replaying() or not replaying_only
+                ):
+                    raise RuntimeError("query handler broken")
+                return super().handle_query(input)
+
+        return Failing
 
 
 async def test_a_status_asked_as_the_run_closes_says_how_it_ended(
@@ -3109,7 +3116,7 @@ async def test_a_status_asked_as_the_run_closes_says_how_it_ended(
     """Open when `status` (or `watch`) looked, closed when it queried: the query is answered
     by replaying the run's history, and when that fails, the run's summary answers."""
     customers = await harness.seed(2)
-    async with harness.running_worker(interceptors=[QueriesFailOnceClosed()]):
+    async with harness.running_worker(interceptors=[ProgressQueriesFail(replaying=True)]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
         summary = await handle.result()
         describe = WorkflowHandle.describe
@@ -3124,22 +3131,6 @@ async def test_a_status_asked_as_the_run_closes_says_how_it_ended(
     assert summary.charged == 2
     assert (progress.state, progress.charged) == ("completed", 2)
     await assert_billed_once(harness, str(PERIOD), customers)
-
-
-class _ProgressQueriesFail(WorkflowInboundInterceptor):
-    def handle_query(self, input: HandleQueryInput) -> Any:
-        if input.query == "progress":
-            raise RuntimeError("query handler broken")
-        return super().handle_query(input)
-
-
-class ProgressQueriesFail(Interceptor):
-    """A run's `progress` query fails, whoever answers it."""
-
-    def workflow_interceptor_class(
-        self, input: WorkflowInterceptorClassInput
-    ) -> type[WorkflowInboundInterceptor]:
-        return _ProgressQueriesFail
 
 
 async def test_a_status_of_an_open_run_whose_query_fails_says_so_and_does_not_wait(
