@@ -287,6 +287,11 @@ async def period_status(client: Client, period: Period) -> PeriodProgress:
             # refusal: either way no worker is there to say how the run stands.
             if exc.status not in _NO_WORKER:
                 raise
+            if exc.status != _REFUSED:
+                # A query cut off by Temporal going away (a partition: no refusal, only
+                # silence) times out as one no worker answered: a second look tells them
+                # apart, raising what Temporal's absence raises.
+                await described(handle, rpc_timeout=QUERY_TIMEOUT)
             # Temporal's refusal says why; a timeout's words are its transport's.
             said = f" (Temporal: {exc.message})" if exc.status == _REFUSED else ""
             raise NoWorkerError(

@@ -146,11 +146,13 @@ async def _check_namespace(client: Client, address: str) -> None:
         # A key scoped to its namespace may not describe it; its own calls say what is wrong.
 
 
-async def described(handle: WorkflowHandle[Any, Any]) -> WorkflowExecutionDescription | None:
+async def described(
+    handle: WorkflowHandle[Any, Any], rpc_timeout: timedelta | None = None
+) -> WorkflowExecutionDescription | None:
     """The workflow's latest run (or the handle's run), described; None if Temporal holds no
     run of it (never started, or gone past the namespace's retention)."""
     try:
-        return await handle.describe()
+        return await handle.describe(rpc_timeout=rpc_timeout)
     except RPCError as err:
         if err.status == RPCStatusCode.NOT_FOUND:
             return None

@@ -23,6 +23,7 @@ from billing.errors import BillingError, RunEndedError, validation_reason
 from billing.models import EndedRun
 from billing.redact import redact
 from billing.reporting import failure_chain
+from billing.runs import TEMPORAL_AWAY
 from cli.commands import parser
 
 # The flag, or argument, each field of the CLI's models comes from.
@@ -87,7 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except RPCError as exc:
-        # Temporal refused a call: its own words carry no secret of ours.
+        # Temporal refused a call, or was not there to: its own words carry no secret of ours.
+        if exc.status in TEMPORAL_AWAY:
+            print(
+                f"error: Temporal cannot be reached ({exc.status.name}: {exc.message}): what"
+                " runs there goes on; try again once it is back",
+                file=sys.stderr,
+            )
+            return 2
         hint = (
             ": the namespace lacks the project's search attributes; `python starter.py setup`"
             " registers them"

@@ -1,6 +1,7 @@
 """A plain TCP front for the dev server that can be cut (its port closed, its connections
 dropped) and restored on the same port: Temporal going away and coming back as a client sees
-it (a restart, a deploy, a network cut), without restarting the test session's server."""
+it (a restart, a deploy, a network cut), without restarting the test session's server. It can
+also be frozen: connections stay open and nothing passes, as in a network partition."""
 
 from __future__ import annotations
 
@@ -79,6 +80,8 @@ class CuttableFront:
         # Connections taken so far, and the gRPC methods called through them, in order.
         self.connections = 0
         self.calls: list[str] = []
+        self._flowing = asyncio.Event()
+        self._flowing.set()
 
     @property
     def address(self) -> str:
@@ -97,8 +100,8 @@ class CuttableFront:
         self.connections += 1
         try:
             await asyncio.gather(
-                pipe(reader, upstream_writer, _CallReader(self.calls)),
-                pipe(upstream_reader, writer),
+                pipe(reader, upstream_writer, _CallReader(self.calls), self._flowing),
+                pipe(upstream_reader, writer, flowing=self._flowing),
             )
         finally:
             self._open -= {writer, upstream_writer}
@@ -108,12 +111,21 @@ class CuttableFront:
         self._server = await asyncio.start_server(self._forward, "127.0.0.1", self.port)
         self.port = self._server.sockets[0].getsockname()[1]
 
+    def freeze(self) -> None:
+        """Pass nothing either way, connections kept open: a partition, not a refusal."""
+        self._flowing.clear()
+
+    def thaw(self) -> None:
+        self._flowing.set()
+
     async def cut(self) -> None:
         """Close the port and drop every connection through it, as a dead server would."""
         assert self._server is not None
         self._server.close()
         for writer in list(self._open):
             writer.transport.abort()
+        # What a freeze held goes nowhere now; its pipes see their connections closed.
+        self._flowing.set()
         await self._server.wait_closed()
         self._server = None
 

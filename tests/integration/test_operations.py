@@ -3121,9 +3121,9 @@ async def test_a_status_asked_as_the_run_closes_says_how_it_ended(
         summary = await handle.result()
         describe = WorkflowHandle.describe
 
-        async def seen_open_once(self: WorkflowHandle[Any, Any]) -> Any:
+        async def seen_open_once(self: WorkflowHandle[Any, Any], **kwargs: Any) -> Any:
             monkeypatch.setattr(WorkflowHandle, "describe", describe)
-            seen = await describe(self)
+            seen = await describe(self, **kwargs)
             return dataclasses.replace(seen, status=WorkflowExecutionStatus.RUNNING)
 
         monkeypatch.setattr(WorkflowHandle, "describe", seen_open_once)

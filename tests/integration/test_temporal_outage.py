@@ -8,7 +8,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -19,6 +19,7 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 
+import billing.runs
 from billing import operations
 from billing.errors import ServiceUnavailableError
 from billing.keys import period_workflow_id, reconcile_workflow_id
@@ -26,6 +27,7 @@ from billing.models import OperatorRequest, PeriodSummary, RunOptions
 from billing.periods import period_for
 from billing.runs import result_across_outages, start_period
 from cli import commands, runs
+from cli.main import main
 from cli.output import OutageNotice
 from cli.reconcile import NO_WORKER_SECONDS
 from tests.integration.cuttable_front import CuttableFront, cuttable_front
@@ -383,3 +385,33 @@ async def test_a_notice_told_of_an_outage_elsewhere_hears_it_end_with_the_result
         result = result_across_outages(harness.client, handle, int, notice, notice.back)
         assert await asyncio.wait_for(result, 60) == 7
     assert "note: Temporal is reachable again" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("partition", [False, True], ids=["no-worker", "partition"])
+async def test_a_status_query_temporal_stopped_answering_is_not_blamed_on_the_workers(
+    harness: Harness,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    partition: bool,
+) -> None:
+    """With no worker a run's status query times out; one Temporal stopped answering midway
+    (a partition: no refusal, only silence) times out alike, and is an outage: `status`
+    said "is a worker polling?" of both (helper-212)."""
+    await harness.seed(1)
+    await start_period(harness.client, PERIOD, harness.task_queue)
+    monkeypatch.setattr(billing.runs, "QUERY_TIMEOUT", timedelta(seconds=2))
+    async with cuttable_front(harness.client.service_client.config.target_host) as front:
+        monkeypatch.setenv("TEMPORAL_ADDRESS", front.address)
+        monkeypatch.setenv("TEMPORAL_NAMESPACE", harness.client.namespace)
+        monkeypatch.setenv("DATABASE_URL", harness.database_url)
+        status = asyncio.ensure_future(asyncio.to_thread(main, ["status", str(PERIOD)]))
+        await eventually(lambda: _called(front, "QueryWorkflow"))
+        if partition:
+            front.freeze()
+        code = await asyncio.wait_for(status, 60)
+    err = capsys.readouterr().err
+    said = {
+        "Temporal cannot be reached (CANCELLED: Timeout expired)": partition,
+        "no worker answered its query within 2 s": not partition,
+    }
+    assert (code, {words: words in err for words in said}) == (2, said), err

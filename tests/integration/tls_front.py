@@ -18,13 +18,16 @@ async def pipe(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     seen: Callable[[bytes], None] | None = None,
+    flowing: asyncio.Event | None = None,
 ) -> None:
     """Copy one direction of a connection until it closes (the cuttable front's too),
-    showing each piece to `seen` first."""
+    showing each piece to `seen` first, and holding it while `flowing` is clear."""
     try:
         while data := await reader.read(65536):
             if seen is not None:
                 seen(data)
+            if flowing is not None:
+                await flowing.wait()
             writer.write(data)
             await writer.drain()
     except (ConnectionError, ssl.SSLError):
