@@ -68,7 +68,7 @@ from billing.reconciliation import (
     for_listing,
 )
 from billing.reporting import describe_reconciliation
-from billing.runs import period_status, start_period, start_reconcile
+from billing.runs import awaits_a_worker, period_status, start_period, start_reconcile
 from billing.schedules import RECONCILE_SCHEDULE_ID
 from billing.sealing import SecretBox, new_key
 from cli import commands
@@ -76,6 +76,7 @@ from cli import reconcile as reconcile_command
 from tests.integration.harness import IDLE_QUEUE, Harness, at_least
 from tests.integration.holds import hold_the_slots
 from tests.integration.invariants import assert_billed_once
+from tests.integration.test_operations import FailWorkflowTasks
 from tests.integration.replay import keep, replay
 from tests.prometheus import metric_value
 from tests.waiting import eventually
@@ -442,6 +443,21 @@ async def test_reconcile_with_no_worker_says_so_and_runs_once_one_polls(
     async with harness.running_worker():
         assert await waiting == 0
     assert "reconciliation of" in capsys.readouterr().out
+
+
+async def test_a_workflow_task_failing_on_its_workers_is_told_as_one_waiting_for_a_worker(
+    harness: Harness,
+) -> None:
+    """`reconcile` warns of a workflow task that waits for a worker, or keeps failing on the
+    workers there are (a release with a bug): that one is retried at once, never waits long,
+    and is told by its attempt."""
+    failing = FailWorkflowTasks(ReconcileWorkflow.__name__)
+    async with harness.running_worker(interceptors=[failing]):
+        handle = await start_reconcile(harness.client, PERIOD, harness.task_queue)
+        try:
+            await eventually(lambda: awaits_a_worker(handle, timedelta(hours=1)))
+        finally:
+            await handle.terminate(reason="test over")
 
 
 async def test_a_charge_stripe_took_but_the_ledger_never_recorded_is_recorded(
