@@ -364,8 +364,10 @@ def test_a_key_pasted_into_the_wrong_place_is_not_echoed(
         ({"BILLING_CAP_MULTIPLIER": "0.5"}, "BILLING_CAP_MULTIPLIER: Input should be greater"),
         # Not "less than or equal to 10", which sent the operator to the wrong fix.
         ({"BILLING_CAP_MULTIPLIER": "nan"}, "BILLING_CAP_MULTIPLIER: Input should be a finite"),
+        # The vault's cap is the backstop for a charge sent twice: ten times the total is no cap.
+        ({"BILLING_CAP_MULTIPLIER": "11"}, "BILLING_CAP_MULTIPLIER: Input should be less than"),
         # Past Stripe's key window a retry without a lookup first would charge again.
-        ({"BILLING_LOOKUP_AFTER_SECONDS": "90000"}, "could be charged a second time"),
+        ({"BILLING_LOOKUP_AFTER_SECONDS": "86400"}, "could be charged a second time"),
         ({"BILLING_LOOKUP_AFTER_SECONDS": "inf"}, "should be a finite number"),
         ({"BILLING_STRIPE_TIMEOUT_SECONDS": "inf"}, "should be a finite number"),
         # A rate so low its first slot overflowed the rate limiter's arithmetic.
@@ -373,10 +375,19 @@ def test_a_key_pasted_into_the_wrong_place_is_not_echoed(
         ({"LOG_LEVEL": "LOUD"}, "LOG_LEVEL: Input should be"),
         # No scheme: every call failed as unreachable, and runs waited at their opening.
         ({"BILLING_VAULT_URL": "vault:8080"}, "BILLING_VAULT_URL: must be an http"),
-        # A live key, in clear text over the network.
+        # A live key, secret or restricted, in clear text over the network.
         (
             {"STRIPE_API_KEY": "sk_live_" + "Q7" * 12, "STRIPE_API_BASE": "http://api.stripe.com"},
             "STRIPE_API_BASE must be an https:// URL for a live Stripe key",
+        ),
+        (
+            {"STRIPE_API_KEY": "rk_live_" + "Q7" * 12, "STRIPE_API_BASE": "http://api.stripe.com"},
+            "STRIPE_API_BASE must be an https:// URL for a live Stripe key",
+        ),
+        # Keys expiring as they are issued: every charge of a run refused, the run paused.
+        (
+            {"BILLING_VAULT_KEY_GRACE_DAYS": "0"},
+            "BILLING_VAULT_KEY_GRACE_DAYS: Input should be greater than or equal to 1",
         ),
         # Blank, asyncpg tried local defaults and the worker migrated whatever answered.
         ({"DATABASE_URL": " "}, "DATABASE_URL: is set but blank"),
@@ -818,11 +829,13 @@ def test_output_nobody_reads_is_no_database_error(
         assert code == 2 and "it may or may not have taken effect" in err
 
 
+# As compose passes it on when the shell has none: the login there is the image's. A
+# zero-width space reads as nobody in the audit trail too.
+@pytest.mark.parametrize("nobody", [" ", "\u200b"])
 def test_an_operator_set_to_nothing_is_refused_not_taken_from_the_login(
-    monkeypatch: pytest.MonkeyPatch,
+    nobody: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # As compose passes it on when the shell has none: the login there is the image's.
-    monkeypatch.setenv("BILLING_OPERATOR", " ")
+    monkeypatch.setenv("BILLING_OPERATOR", nobody)
     with pytest.raises(SettingsError, match="BILLING_OPERATOR: is set but empty"):
         arguments.operator(argparse.Namespace(operator=None))
     monkeypatch.setenv("BILLING_OPERATOR", "alice")

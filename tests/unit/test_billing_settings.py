@@ -142,7 +142,13 @@ def test_the_web_uis_url_with_a_token_after_it_is_refused(tail: str) -> None:
 
 @pytest.mark.parametrize(
     ("setting", "value"),
-    [("address", f"ops:{TOKEN}@127.0.0.1:7233"), ("address", JWT), ("namespace", f"ns {TOKEN}")],
+    [
+        ("address", f"ops:{TOKEN}@127.0.0.1:7233"),
+        ("address", JWT),
+        # A host and port with a key after it: refused whole, not taken for its start.
+        ("address", f"127.0.0.1:7233/?api_key={TOKEN}"),
+        ("namespace", f"ns {TOKEN}"),
+    ],
 )
 def test_a_temporal_address_or_namespace_not_shaped_as_one_is_refused_unechoed(
     setting: str, value: str, monkeypatch: pytest.MonkeyPatch
@@ -170,3 +176,26 @@ def test_a_settings_error_reads_without_pydantics_prefix(monkeypatch: pytest.Mon
     with pytest.raises(SettingsError) as refused:
         load_settings(BillingSettings)
     assert "Value error, " not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "used"),
+    [
+        ({"billing_vault_worker_token"}, "BILLING_VAULT_WORKER_TOKEN"),
+        ({"billing_vault_admin_token"}, "BILLING_VAULT_ADMIN_TOKEN"),
+        # Both, as a deployment moving to the worker token leaves them: the admin token
+        # would let a worker taken over mint keys past the vault's worker budget.
+        ({"billing_vault_worker_token", "billing_vault_admin_token"}, "BILLING_VAULT_WORKER_TOKEN"),
+    ],
+)
+def test_workers_call_the_vault_with_the_worker_token_whenever_it_is_set(
+    tokens: set[str], used: str
+) -> None:
+    settings = BillingSettings(
+        billing_vault_url="http://vault.internal:8180",
+        billing_key_encryption_keys=SecretStr(new_key()),
+        **{name: SecretStr(name.upper()) for name in tokens},  # type: ignore[arg-type]
+    )
+    token = settings.vault_token()
+    assert token is not None and token.get_secret_value() == used
+    assert settings.vault_token_setting() == used

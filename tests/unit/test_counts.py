@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -19,9 +20,18 @@ from billing.models import (
     PeriodTotals,
     Preview,
     PreviewLine,
+    ShortKey,
 )
 from billing.money import describe_amount, describe_amounts, spend_cap, spend_caps
-from billing.reporting import describe, describe_preview, listed
+from billing.period_keys import KeyRenewal, RenewedKey
+from billing.reporting import (
+    describe,
+    describe_preview,
+    describe_renewal,
+    describe_totals,
+    listed,
+    resumed_unrenewed,
+)
 from vault.models import DAILY_CAP
 
 OUTCOMES = st.builds(
@@ -150,6 +160,24 @@ def test_a_preview_shows_the_caps_of_the_keys_issued() -> None:
         update={"issued_caps_by_currency": {"usd": 4_000}}
     )
     assert "the period's keys issued so far are capped at usd 40.00" in describe_preview(issued)
+
+
+def test_a_preview_warns_of_a_key_too_small_with_each_amount_in_its_place() -> None:
+    short = ShortKey(
+        currency="usd",
+        vault_key_id="vk_1",
+        cap_cents=10_000,
+        charged_cents=9_000,
+        unsent_cents=2_500,
+    )
+    text = describe_preview(
+        preview_of(line("a", 2_500, "usd")).model_copy(update={"short_keys": [short]})
+    )
+    assert (
+        "the period's usd key vk_1, not issued by this ledger's workers, has at most usd 10.00"
+        " left of its cap of usd 100.00 (usd 90.00 charged through it), less than the usd 25.00"
+        " a run has yet to charge" in text
+    )
 
 
 def test_a_preview_warns_of_customers_with_no_payment_method() -> None:
@@ -281,6 +309,7 @@ def test_a_cancelled_run_says_who_cancelled_it_and_what_holds_it_up() -> None:
     )
     assert "cancelling by alice: wrong prices" in describe(cancelling)
     assert "renew-keys" not in describe(cancelling)
+    assert "waits for the vault" not in describe(cancelling)
     held = cancelling.model_copy(update={"refused_after_cancel": "vault_key_expired"})
     assert (
         "a charge sent before the cancel waits for the vault to take its key"
@@ -326,6 +355,9 @@ def test_a_runs_progress_says_what_it_has_listed_and_what_a_pause_holds() -> Non
     assert "state running, in flight 7" in describe(running)
     listed_all = running.model_copy(update={"due": 1000})
     assert "  due 1000: charged 0" in describe(listed_all)
+    # Still opening: it has listed nobody and knows no count to expect yet.
+    opening = running.model_copy(update={"due": 0, "expected_due": None})
+    assert "  due 0: charged 0" in describe(opening)
     paused = running.model_copy(update={"state": "paused", "operator": "alice", "reason": "x"})
     assert (
         "state paused, 7 started, held at the gate until the resume but for charges sent before"
@@ -341,6 +373,94 @@ def test_claims_open_with_no_run_open_point_to_reconciliation() -> None:
         " workflow has ended, and names any it must leave)"
     )
     assert settle in describe(ended)
-    for state in ("running", "closing"):
+    # A paused or cancelling run still owns its claims: reconcile would leave them.
+    for state in ("running", "paused", "closing", "cancelling"):
         still_open = ended.model_copy(update={"state": state})
         assert describe(still_open).endswith("claims open 1"), state
+
+
+def test_the_ledgers_totals_read_each_count_in_its_place() -> None:
+    """No claim open, no word of reconciliation: a run that ended with none has nothing
+    for it to settle."""
+    totals = PeriodTotals(
+        charged=1, failed=2, skipped=3, cancelled=4, charged_by_currency={"usd": 1_999}
+    )
+    assert describe_totals("2026-12", totals, run_open=False) == (
+        "the period in the ledger, every run: charged 1 (usd 19.99), failed 2, skipped 3,"
+        " cancelled 4, claims open 0"
+    )
+
+
+@pytest.mark.parametrize(
+    ("reason", "warned"),
+    [
+        ("spend_cap_exceeded: 500 cents would pass this key's cap", True),
+        ("vault_key_revoked: the key was revoked", True),
+        # The key's room frees itself at midnight; new keys would not mend the rest.
+        (f"spend_cap_exceeded: 500 cents would pass this key's {DAILY_CAP}: 20 remain", False),
+        ("permission_denied: not allowed", False),
+    ],
+)
+def test_a_resume_without_new_keys_warns_only_where_new_keys_would_mend_the_pause(
+    reason: str, warned: bool
+) -> None:
+    warning = resumed_unrenewed("2026-12", reason)
+    assert (warning is not None) == warned
+    if warning is not None:
+        assert "python starter.py renew-keys 2026-12 --reason ..." in warning
+
+
+def test_a_renewal_names_the_keys_it_issued_and_what_each_replaced() -> None:
+    renewed = KeyRenewal(
+        period="2026-12",
+        keys=[
+            RenewedKey(
+                period="2026-12",
+                currency="usd",
+                vault_key_id="vk_new",
+                cap_cents=5_000,
+                replaced="vk_old",
+            ),
+            RenewedKey(
+                period="2026-12",
+                currency="eur",
+                vault_key_id="vk_eur",
+                cap_cents=700,
+                replaced=None,
+            ),
+        ],
+    )
+    lines = describe_renewal(renewed).splitlines()
+    assert lines[0] == "new vault keys for 2026-12:"
+    assert lines[1].startswith("  vk_new, capped at usd 50.00, in place of vk_old (revoked:")
+    assert lines[2] == "  vk_eur, capped at eur 7.00"
+    assert "none was renewed" in describe_renewal(renewed.model_copy(update={"keys": []}))
+
+
+def test_a_preview_lists_the_first_customers_and_counts_those_it_leaves_out() -> None:
+    preview = preview_of(*(line(f"c{i}", 100, "usd") for i in range(4))).model_copy(
+        update={
+            "already_billed": [line("b1", 100, "usd", status="charged")],
+            "not_billable": [
+                line("f1", 100, "usd", status="failed"),
+                line("h1", 100, "usd").model_copy(update={"held_as": "h0"}),
+            ],
+        }
+    )
+    text = describe_preview(preview, shown=3)
+    assert "    c2: usd 1.00\n    ... and 1 more (--json lists all)\n" in text
+    assert "c3:" not in text
+    assert "\n  held: 1 customers a run would not bill" in text
+    assert "\n  already billed: 1\n" in text
+    assert text.endswith("(failed, skipped, cancelled or held): 2")
+    assert "more (--json lists all)" not in describe_preview(preview, shown=4)
+
+
+@pytest.mark.parametrize("state", ["running", "cancelling"])
+def test_a_run_names_the_customers_it_awaits_in_the_ledger(state: str) -> None:
+    progress = PeriodProgress(
+        **_nothing_counted(
+            state=state, in_flight=0, operator="alice", reason="r", awaited_in_ledger=["c-1"]
+        )
+    )
+    assert "  awaited in the ledger: c-1 (started by an earlier run" in describe(progress)

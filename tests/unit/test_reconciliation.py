@@ -410,6 +410,18 @@ def test_a_report_needs_a_person_only_for_what_no_later_run_settles() -> None:
     assert quiet_report(unchecked_count=1).needs_a_person
 
 
+def test_a_report_counts_its_open_claims_by_what_it_did_and_says_when_more_remain() -> None:
+    """A claim left for a person is counted with the rest, and a run that took only some
+    of the period's claims says so: read as done, the rest would stay open."""
+    claims = [
+        ClaimResolution(customer_id="c-1", action="recorded", outcome="charged", charge_id="ch_1"),
+        *(ClaimResolution(customer_id=f"c-{i}", action="left", detail="key") for i in (2, 3)),
+    ]
+    text = describe_reconciliation(quiet_report(claims=claims, more_claims=True))
+    assert "  open claims: 3, recorded 1, left 2 (more remain: run it again)\n" in text
+    assert "more remain" not in describe_reconciliation(quiet_report(claims=claims))
+
+
 def test_a_reservation_settled_is_shown_in_its_own_currency() -> None:
     # 150,000 in yen is not $1,500: the line names the key's currency, never "cents".
     committed = ReservationResolution(

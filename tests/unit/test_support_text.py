@@ -44,6 +44,18 @@ def test_a_group_whose_messages_differ_says_whose_message_it_shows() -> None:
     )
 
 
+ACCOUNT = CustomerAccount(
+    customer_id="acme",
+    active=False,
+    stripe_customer_id="cus_1",
+    payment_method=None,
+    amount_cents=2_500,
+    currency="eur",
+    created_at=AT,
+    updated_at=AT,
+)
+
+
 def _claimed(**fields: object) -> BilledPeriod:
     row = dict(
         period="2026-12",
@@ -70,18 +82,8 @@ def _claimed(**fields: object) -> BilledPeriod:
 
 
 def test_an_open_claim_says_a_skip_asked_of_it_and_where_it_is_settled() -> None:
-    account = CustomerAccount(
-        customer_id="acme",
-        active=False,
-        stripe_customer_id="cus_1",
-        payment_method=None,
-        amount_cents=2_500,
-        currency="eur",
-        created_at=AT,
-        updated_at=AT,
-    )
     history = CustomerHistory(
-        account=account,
+        account=ACCOUNT,
         periods=[_claimed(skip_reason="disputed", skip_by="ann")],
         older=0,
     )
@@ -92,6 +94,22 @@ def test_an_open_claim_says_a_skip_asked_of_it_and_where_it_is_settled() -> None
         "  2026-12 claimed eur 19.99 2026-12-01 02:00 UTC, not finished after 2 attempt(s); a"
         " skip is asked by ann (disputed): its run's workflow ends it; if none runs,"
         " `reconcile 2026-12` settles it",
+    ]
+
+
+def test_a_failed_periods_message_from_stripe_is_one_line_with_no_key() -> None:
+    failed = _claimed(
+        status="failed",
+        completed_at=AT,
+        failure_code="card_declined",
+        decline_code="do_not_honor",
+        # Split: no key-shaped text in the repository.
+        failure_message="Declined\n  2026-11 charged for sk_" + "live_A1b2C3d4E5f6G7h8I9j0K1l2",
+    )
+    history = CustomerHistory(account=ACCOUNT, periods=[failed], older=0)
+    assert describe_customer(history).splitlines()[2:] == [
+        "  2026-12 failed eur 19.99 2026-12-01 02:00 UTC after 2 attempt(s): card_declined"
+        " (do_not_honor): Declined   2026-11 charged for [redacted key]"
     ]
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from billing.config import TemporalSettings
 from billing.errors import ConfigurationError
+from billing.reporting import ui_link
 from billing.temporal_client import connect_config, unreachable_because
 
 API_KEY = "tmprl-api-key-do-not-print"
@@ -34,6 +35,13 @@ def test_nothing_set_is_the_local_dev_server() -> None:
         "target_host": "127.0.0.1:7233",
         "namespace": "default",
     }
+
+
+def test_a_runs_web_ui_link_is_in_the_namespace_it_runs_in() -> None:
+    temporal = TemporalSettings(namespace="billing.a1b2c", ui_url="https://cloud.temporal.io")
+    assert ui_link(temporal, "billing-period-2026-12") == (
+        "https://cloud.temporal.io/namespaces/billing.a1b2c/workflows/billing-period-2026-12"
+    )
 
 
 def test_a_profile_in_the_home_directory_is_read_only_when_asked_for(
