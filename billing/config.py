@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from typing import Literal, TypeVar
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -33,12 +34,23 @@ _NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 
 
 def http_url(value: str) -> str:
-    if not _HTTP_URL.fullmatch(value):
+    if not _HTTP_URL.fullmatch(value) or not _names_a_host(value):
         raise ValueError(
-            "must be an http:// or https:// URL with a host and no user, password, query or"
-            " fragment, such as http://host:8080"
+            "must be an http:// or https:// URL with a host (and a port from 1 to 65535, if"
+            " any) and no user, password, query or fragment, such as http://host:8080"
         )
     return value
+
+
+def _names_a_host(url: str) -> bool:
+    """Whether the URL has a host, and a port a connection can be made to if it gives one:
+    `http://:8080` or port 99999 would fail only at the first call."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port  # ValueError past 65535
+    except ValueError:
+        return False
+    return bool(parts.hostname) and port != 0
 
 
 def stripe_api_base(value: str) -> str:
@@ -79,10 +91,10 @@ def namespace_name(value: str) -> str:
 
 
 def host_port(value: str) -> str:
-    if not _HOST_PORT.fullmatch(value):
+    if not _HOST_PORT.fullmatch(value) or not 1 <= int(value.rsplit(":", 1)[1]) <= 65535:
         raise ValueError(
-            "must be host:port, such as 127.0.0.1:7233, with no scheme, user or password"
-            " (a Temporal Cloud API key goes in TEMPORAL_API_KEY)"
+            "must be host:port, such as 127.0.0.1:7233, with a port from 1 to 65535 and no"
+            " scheme, user or password (a Temporal Cloud API key goes in TEMPORAL_API_KEY)"
         )
     return value
 

@@ -106,7 +106,7 @@ async def connect(settings: TemporalSettings, runtime: Runtime | None = None) ->
             f"cannot reach Temporal at {address} (TEMPORAL_ADDRESS): {unreachable_because(exc)};"
             " for the local stack run `python -m devstack up`"
         ) from None
-    except ValueError as exc:  # e.g. a port past 65535
+    except ValueError as exc:  # e.g. `[1::2::3]:7233`, shaped as host:port
         raise ConfigurationError(f"TEMPORAL_ADDRESS {address!r}: {exc}") from None
     await _check_namespace(client, address)
     return client

@@ -670,8 +670,9 @@ async def test_a_database_or_address_refused_is_one_line_not_a_traceback(
         ),
         (
             ["status", "2026-12"],
-            {"TEMPORAL_ADDRESS": "127.0.0.1:99999"},
-            "TEMPORAL_ADDRESS '127.0.0.1:99999': ",
+            # Shaped as host:port, but no IPv6 address: the SDK's refusal.
+            {"TEMPORAL_ADDRESS": "[1::2::3]:7233"},
+            "TEMPORAL_ADDRESS '[1::2::3]:7233': invalid target URL",
         ),
     ]
     for argv, env, expected in cases:

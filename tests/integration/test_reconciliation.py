@@ -76,8 +76,8 @@ from cli import reconcile as reconcile_command
 from tests.integration.harness import IDLE_QUEUE, Harness, at_least
 from tests.integration.holds import hold_the_slots
 from tests.integration.invariants import assert_billed_once
-from tests.integration.test_operations import FailWorkflowTasks
 from tests.integration.replay import keep, replay
+from tests.integration.test_operations import FailWorkflowTasks
 from tests.prometheus import metric_value
 from tests.waiting import eventually
 from vault.client import (

@@ -162,8 +162,25 @@ def test_a_temporal_address_or_namespace_not_shaped_as_one_is_refused_unechoed(
     assert TOKEN not in str(refused.value) and JWT[:24] not in str(refused.value)
 
 
+@pytest.mark.parametrize("address", ["127.0.0.1:99999", "127.0.0.1:0", "[::1]:65536"])
+def test_a_temporal_address_with_no_port_to_connect_to_is_refused(address: str) -> None:
+    """Taken, it failed only at the first connection, as if the server were down."""
+    with pytest.raises(ValidationError, match="with a port from 1 to 65535"):
+        TemporalSettings(address=address)
+
+
 @pytest.mark.parametrize(
-    "address", ["127.0.0.1:7233", "temporal:7233", "ns.acct.tmprl.cloud:7233", "[::1]:7233"]
+    "url", ["http://:8180", "http://vault:99999", "http://vault:0", "https://[::1]:65536/"]
+)
+@pytest.mark.parametrize("setting", ["stripe_api_base", "billing_vault_url"])
+def test_a_url_with_no_host_or_port_to_connect_to_is_refused(setting: str, url: str) -> None:
+    with pytest.raises(ValidationError, match="URL with a host \\(and a port from 1 to 65535"):
+        BillingSettings(**{setting: url})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["127.0.0.1:7233", "temporal:7233", "ns.acct.tmprl.cloud:7233", "[::1]:7233", "h:65535"],
 )
 def test_a_temporal_address_as_host_and_port_is_taken(address: str) -> None:
     assert TemporalSettings(address=address).address == address
