@@ -613,6 +613,11 @@ async def test_an_import_warns_of_a_stripe_customer_charged_under_two_ids(
 ) -> None:
     # acme_1 is not acme-1 spelt another way (that is refused): it may be a second account
     # of the same Stripe customer, or the same one imported twice. Imported, and said so.
+    # b-0, inactive, is charged under no id: cus_B is not named.
+    await db.execute(
+        "INSERT INTO customers (customer_id, stripe_customer_id, payment_method, amount_cents,"
+        " currency, active) VALUES ('b-0', 'cus_B', 'pm_2', 100, 'usd', false)"
+    )
     path = tmp_path / "customers.csv"
     path.write_text(
         _csv("acme-1,cus_A,pm_1,100,usd\nacme_1,cus_A,pm_1,100,usd\nb-1,cus_B,pm_2,100,usd\n")
@@ -919,3 +924,37 @@ async def test_deactivating_customers_says_what_it_did_and_refuses_what_it_canno
     done = await run_cli(*deactivate, "c-2", env=env)
     assert (done.code, done.stdout) == (0, "deactivated 1 customer: c-2\n"), done
     assert await active() == []
+
+
+async def test_a_deactivation_the_open_run_would_take_for_a_rename_is_refused_saying_so(
+    db: asyncpg.Pool, database_url: str
+) -> None:
+    """c-1 and c-2, two accounts on cus_A; the open run charged c-1. Deactivated, c-1 makes
+    the run take c-2 for it renamed and never bill it. The refusal is the only word of it: a
+    command that exits 0 saying nothing reads as c-1 deactivated."""
+    await db.execute(
+        "INSERT INTO customers (customer_id, stripe_customer_id, payment_method, amount_cents,"
+        " currency) VALUES ('c-1', 'cus_A', 'pm_1', 100, 'usd'), ('c-2', 'cus_A', 'pm_2', 100,"
+        " 'usd')"
+    )
+    async with db.acquire() as conn:
+        plan = await ledger.plan_period(conn, "2026-12")
+        await ledger.start_period(conn, plan, "billing-period-2026-12")
+    await db.execute(
+        "INSERT INTO billing_runs (customer_id, billing_period, idempotency_key, amount_cents,"
+        " currency, stripe_customer_id, status, charge_started_at, charge_id, completed_at)"
+        " VALUES ('c-1', '2026-12', $1, 100, 'usd', 'cus_A', 'charged', now(), 'ch_1', now())",
+        idempotency_key("billing", "c-1", Period(2026, 12)),
+    )
+    argv = ["starter.py", "customers", "deactivate", "c-1"]
+    env = {"DATABASE_URL": database_url}
+    held = "1 active customers share a Stripe customer an open run billed under these ids"
+    refused = await run_cli(*argv, env=env)
+    assert (refused.code, refused.stdout) == (2, ""), refused
+    assert held in refused.stderr and "not bill them: c-2 in 2026-12 (as c-1)" in refused.stderr
+    assert "Nothing was deactivated" in refused.stderr
+    assert await db.fetchval("SELECT count(*) FROM customers WHERE active") == 2
+    forced = await run_cli(*argv, "--while-running", env=env)
+    assert forced.code == 0, forced
+    assert forced.stdout.startswith("deactivated 1 customer: c-1\nnote: " + held)
+    assert await db.fetchval("SELECT customer_id FROM customers WHERE active") == "c-2"

@@ -28,6 +28,7 @@ from billing.periods import parse_period
 from billing.preview import preview_period
 from billing.reconciliation import INCOMPLETE_INTENT
 from tests.integration.harness import open_period_by_hand
+from tests.waiting import eventually, waits_on_a_lock
 
 PERIOD = "2026-12"
 WORKFLOW_ID = "billing-period-2026-12"
@@ -439,13 +440,14 @@ async def test_deactivating_an_account_says_which_other_the_open_run_would_then_
     assert await _due(db) == ["c-1"]
 
 
+@pytest.mark.parametrize("old_status", ["charged", "claimed"])
 async def test_a_new_id_on_a_stripe_customer_the_run_billed_names_the_id_it_billed(
-    db: asyncpg.Pool,
+    db: asyncpg.Pool, old_status: str
 ) -> None:
     """A rename done in the wrong order (the new id imported while the old one, charged this
     period, is still active): the refusal named the new id as "new" only, and the warning
     that its Stripe customer has two ids came after the write (helper-143's F5)."""
-    await _billed_then_renamed(db, "charged", old_active=True)
+    await _billed_then_renamed(db, old_status, old_active=True)
     await db.execute("DELETE FROM customers WHERE customer_id = 'c-2'")
     async with db.acquire() as conn:
         await ledger.open_period(conn, PERIOD, WORKFLOW_ID)
@@ -512,3 +514,81 @@ async def test_an_import_is_written_a_chunk_at_a_time_the_last_row_of_an_id_winn
         ("c-2", 300),
         *((f"c-{i}", 250) for i in range(3, 7)),
     ]
+
+
+async def test_an_import_writes_every_column_of_a_customer_already_there(db: asyncpg.Pool) -> None:
+    """The run charges the Stripe customer, card, amount and currency the ledger holds: a
+    column the update left as it was would charge the old card or in the old currency."""
+    await _a_customer(db)
+    moved = OLD_ID.model_copy(
+        update={
+            "stripe_customer_id": "cus_Z",
+            "payment_method": "pm_9",
+            "amount_cents": 300,
+            "currency": "eur",
+        }
+    )
+    assert await import_customers(db, [moved], while_running=False, reactivate=False) == []
+    written = await db.fetchrow(
+        "SELECT customer_id, stripe_customer_id, payment_method, amount_cents, currency, active"
+        " FROM customers"
+    )
+    assert tuple(written) == ("c-1", "cus_Z", "pm_9", 300, "eur", True)
+
+
+async def test_a_new_currency_at_the_same_amount_is_named_as_a_change_to_the_open_run(
+    db: asyncpg.Pool,
+) -> None:
+    """A currency the run's plan did not count (no vault key for it) pauses the run: the
+    same number of cents in another currency is a change, not the same price."""
+    await _a_customer(db)
+    await open_period_by_hand(db, PERIOD)
+    in_eur = OLD_ID.model_copy(update={"currency": "eur"})
+    [change] = await import_customers(db, [in_eur], while_running=False, reactivate=True)
+    assert (change.customer_id, change.was, change.becomes) == ("c-1", "usd 1.00", "eur 1.00")
+    assert await db.fetchval("SELECT currency FROM customers") == "usd"
+
+
+@pytest.mark.parametrize(("started_days_ago", "refused"), [(1, True), (63, False)])
+async def test_a_rename_undone_is_refused_while_the_period_the_new_id_billed_may_run_again(
+    db: asyncpg.Pool, started_days_ago: int, refused: bool
+) -> None:
+    """c-2 (c-1 renamed) charged cus_A in a period whose run has ended: a rerun within
+    RERUN_WINDOW would find c-1, brought back, due there with no row, and charge cus_A again."""
+    await _billed_then_renamed(db, "charged")
+    await db.execute(
+        "UPDATE billing_runs SET customer_id = 'c-2', idempotency_key = $1", _key("c-2")
+    )
+    await db.execute("UPDATE customers SET active = false WHERE customer_id = 'c-2'")
+    async with db.acquire() as conn:
+        await ledger.finish_period(conn, PERIOD, "{}")
+    await db.execute(
+        "UPDATE billing_periods SET started_at = now() - make_interval(days => $1)",
+        started_days_ago,
+    )
+    if refused:
+        with pytest.raises(CustomerImportError, match="'c-1' \\(cus_A, also c-2's\\)"):
+            await import_customers(db, [OLD_ID], while_running=False, reactivate=True)
+    else:
+        await import_customers(db, [OLD_ID], while_running=False, reactivate=True)
+    assert (
+        await db.fetchval("SELECT active FROM customers WHERE customer_id = 'c-1'") is not refused
+    )
+
+
+async def test_a_deactivation_waits_for_a_run_being_opened_then_sees_it_open(
+    db: asyncpg.Pool,
+) -> None:
+    """One step to a run's opening, as an import is: checked apart, a deactivation would take
+    a customer the run's plan (and its key's cap) had just counted, without a word, and the
+    run would report it failed."""
+    await _a_customer(db)
+    async with db.acquire() as conn, conn.transaction():
+        await conn.execute(ledger.OPENING_LOCK)
+        plan = await ledger.plan_period(conn, PERIOD)
+        deactivating = asyncio.create_task(deactivate_customers(db, ["c-1"], while_running=False))
+        await eventually(lambda: waits_on_a_lock(db, None, deactivating))
+        await ledger.start_period(conn, plan, WORKFLOW_ID)
+    done = await deactivating
+    assert (done.deactivated, [b.customer_id for b in done.still_billable]) == ([], ["c-1"])
+    assert await db.fetchval("SELECT active FROM customers")

@@ -43,6 +43,7 @@ def test_valid_file() -> None:
         ("c-1,cus_A_b,pm_1,1500,usd\n", "line 2: stripe_customer_id"),
         ("c-1,cus_A,pm_,1500,usd\n", "line 2: payment_method"),
         ("c-1,cus_A,pi_1,1500,usd\n", "line 2: payment_method"),
+        ("c-1,cus_A,pm_1 x,1500,usd\n", "line 2: payment_method"),
         ("c-1,cus_A,pm_1,1500,usd\nc-1,cus_B,pm_2,1000,usd\n", "line 3: customer 'c-1' already"),
         (
             "acme-1,cus_A,pm_1,1500,usd\nACME-1,cus_A,pm_2,1500,usd\n",
@@ -232,7 +233,7 @@ def test_a_blank_first_line_is_named_not_called_empty() -> None:
         parse_customers_csv(["\n", HEADER, "c-1,cus_A,pm_1,1500,usd\n"], source="in.csv")
 
 
-@pytest.mark.parametrize(("before", "blank"), [(0, 0), (2, 0), (2, 2)])
+@pytest.mark.parametrize(("before", "blank"), [(0, 0), (2, 0), (2, 2), (2, 3)])
 def test_a_quote_left_open_is_named_not_taken_for_an_empty_column(before: int, blank: int) -> None:
     """Read leniently, the rest of the file became one customer id, and the import said
     that row's Stripe customer was empty (helper-177 F9). Blank lines before it are not
