@@ -30,7 +30,7 @@ from billing.money import (
     validate_currency,
 )
 from billing.redact import SECRET_RE
-from billing.reporting import counted, listed
+from billing.wording import counted, listed
 
 CSV_COLUMNS = ("customer_id", "stripe_customer_id", "payment_method", "amount_cents", "currency")
 # How many bad rows an import's refusal lists: the rest are counted.

@@ -11,6 +11,7 @@ from billing.errors import InvalidAmountError
 from billing.keys import validate_customer_id
 from billing.money import validate_amount_in
 from billing.redact import shown_line
+from billing.wording import counted
 
 # Who decides what billing decides by itself: a run that paused itself, a customer held.
 AUTOMATIC = "billing (automatic)"
@@ -618,9 +619,9 @@ class Preview(Record):
             found.append(
                 PreviewWarning(
                     kind="stripe_customer_charged_twice",
-                    message=f"{len(shared)} Stripe customers would be charged more than once"
-                    " this period, under different customer ids (one customer imported twice"
-                    " under another spelling?); skip the extra ids if so",
+                    message=f"{counted(len(shared), 'Stripe customer')} would be charged more"
+                    " than once this period, under different customer ids (one customer imported"
+                    " twice under another spelling?); skip the extra ids if so",
                     customer_ids=sorted({c for ids in shared.values() for c in ids}),
                     entries=[
                         f"{stripe_id} ({', '.join(ids)})" for stripe_id, ids in shared.items()

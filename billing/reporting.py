@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from temporalio.client import WorkflowFailureError
@@ -30,6 +29,7 @@ from billing.period_keys import KeyRenewal
 from billing.periods import parse_period, run_command
 from billing.reconciliation import HandledMarks, HandledResult, ReconcileReport
 from billing.redact import shown_line
+from billing.wording import counted, listed
 from vault.models import DAILY_CAP
 
 
@@ -227,17 +227,6 @@ def describe_preview(preview: Preview, shown: int = 20) -> str:
         f" {len(preview.not_billable)}"
     )
     return "\n".join(lines)
-
-
-def counted(count: int, noun: str) -> str:
-    """ "1 customer", "2 customers": an English plural in s, which every noun here takes."""
-    return f"{count} {noun}" + ("" if count == 1 else "s")
-
-
-def listed(items: Sequence[str], shown: int = 5) -> str:
-    """The first `shown` items, and how many more: a message names a few, not thousands."""
-    more = len(items) - shown
-    return ", ".join(items[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 def describe_renewal(renewal: KeyRenewal) -> str:

@@ -17,7 +17,8 @@ from billing.customers import (
 from billing.db import create_pool, where
 from billing.errors import InvalidInputError
 from billing.keys import validate_customer_id
-from billing.reporting import counted, describe_customer, listed
+from billing.reporting import describe_customer
+from billing.wording import counted, listed
 from cli.database import ledger_connection
 from cli.output import emit
 
@@ -54,8 +55,8 @@ async def cmd_import(args: argparse.Namespace) -> int:
     if shared:
         # Refused only for ids spelt alike (_refuse_respelt): two ids may be two accounts.
         print(
-            f"warning: {len(shared)} Stripe customers are charged under more than one active"
-            " customer id, once per id every period: "
+            f"warning: {counted(len(shared), 'Stripe customer')} charged under more than one"
+            " active customer id, once per id every period: "
             + listed([f"{stripe_id} ({', '.join(ids)})" for stripe_id, ids in shared.items()])
             + ". If one customer was imported twice under another id, deactivate the extra"
             " one: python starter.py customers deactivate ID",
@@ -96,9 +97,9 @@ async def cmd_deactivate(args: argparse.Namespace) -> int:
         )
     if done.would_hold:
         notes.append(
-            f"{len(done.would_hold)} active customers share a Stripe customer an open run"
-            " billed under these ids, and that run would take them for these renamed, and"
-            " not bill them: "
+            f"{counted(len(done.would_hold), 'active customer')} sharing a Stripe customer an"
+            " open run billed under these ids, which that run would take for these renamed,"
+            " and not bill: "
             + listed([f"{h.customer_id} in {h.period} (as {h.held_as})" for h in done.would_hold])
             + ". If they are other accounts, deactivate once the run has ended"
         )

@@ -47,7 +47,6 @@ from billing.periods import (
 )
 from billing.preview import preview_period
 from billing.reporting import (
-    counted,
     describe,
     describe_failures,
     describe_preview,
@@ -70,6 +69,7 @@ from billing.runs import (
     tell_if_away,
 )
 from billing.temporal_client import connect, described
+from billing.wording import counted
 from cli import arguments
 from cli.database import ledger_connection, ledger_totals, read_for_a_note
 from cli.output import OutageNotice, emit

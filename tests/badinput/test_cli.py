@@ -630,7 +630,7 @@ async def test_an_import_warns_of_a_stripe_customer_charged_under_two_ids(
         f"imported 3 customers from {path} into the ledger at {where(database_url)}",
     )
     assert (
-        "warning: 1 Stripe customers are charged under more than one active customer id, once"
+        "warning: 1 Stripe customer charged under more than one active customer id, once"
         " per id every period: cus_A (acme-1, acme_1)"
     ) in result.stderr
     assert "customers deactivate ID" in result.stderr
@@ -948,10 +948,10 @@ async def test_a_deactivation_the_open_run_would_take_for_a_rename_is_refused_sa
     )
     argv = ["starter.py", "customers", "deactivate", "c-1"]
     env = {"DATABASE_URL": database_url}
-    held = "1 active customers share a Stripe customer an open run billed under these ids"
+    held = "1 active customer sharing a Stripe customer an open run billed under these ids"
     refused = await run_cli(*argv, env=env)
     assert (refused.code, refused.stdout) == (2, ""), refused
-    assert held in refused.stderr and "not bill them: c-2 in 2026-12 (as c-1)" in refused.stderr
+    assert held in refused.stderr and "and not bill: c-2 in 2026-12 (as c-1)" in refused.stderr
     assert "Nothing was deactivated" in refused.stderr
     assert await db.fetchval("SELECT count(*) FROM customers WHERE active") == 2
     forced = await run_cli(*argv, "--while-running", env=env)

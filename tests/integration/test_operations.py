@@ -975,7 +975,7 @@ async def test_preview_warns_of_a_stripe_customer_charged_under_two_ids(harness:
         first.stripe_customer_id: [respelt, first.customer_id]
     }
     text = describe_preview(preview)
-    assert "1 Stripe customers would be charged more than once this period" in text
+    assert "1 Stripe customer would be charged more than once this period" in text
     assert f"{first.stripe_customer_id} ({respelt}, {first.customer_id})" in text
     assert other.stripe_customer_id not in text
 

@@ -29,9 +29,9 @@ from billing.reporting import (
     describe_preview,
     describe_renewal,
     describe_totals,
-    listed,
     resumed_unrenewed,
 )
+from billing.wording import listed
 from vault.models import DAILY_CAP
 
 OUTCOMES = st.builds(
