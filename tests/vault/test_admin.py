@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from datetime import UTC, datetime, timedelta
@@ -10,12 +11,21 @@ from typing import Any
 import aiohttp
 import asyncpg
 import pytest
+from aiohttp import web
 from jsonschema import Draft202012Validator
 
 from vault import admin as admin_module
 from vault import reservations
 from vault.app import RunningVault
-from vault.client import VaultAdmin, VaultAuthError, VaultInvalidRequest, VaultNotFound
+from vault.client import (
+    VaultAdmin,
+    VaultAdminError,
+    VaultAuthError,
+    VaultConflict,
+    VaultInvalidRequest,
+    VaultNotFound,
+    VaultUnavailable,
+)
 from vault.models import new_key_id
 from vault.reservations import Charge
 
@@ -25,8 +35,10 @@ from .support import (
     DEFAULT_ENDPOINTS,
     MAX_CAP_CENTS,
     assert_a_slow_body_is_refused,
+    closed_port,
     key_request,
     refusals_counted,
+    stand_in_upstream,
 )
 
 
@@ -164,6 +176,70 @@ async def test_the_client_raises_the_vaults_message(admin: VaultAdmin) -> None:
         await admin.get_key("../../etc")
 
 
+@pytest.mark.parametrize(
+    ("status", "kind"),
+    [
+        (400, VaultInvalidRequest),
+        (409, VaultConflict),
+        (422, VaultInvalidRequest),
+        (500, VaultUnavailable),
+        (503, VaultUnavailable),
+        (418, VaultAdminError),
+    ],
+)
+async def test_the_client_raises_each_refusal_as_its_kind_with_the_vaults_words(
+    status: int, kind: type[VaultAdminError]
+) -> None:
+    """Callers decide by the kind (a 409 is retried on the next run, a 400 needs a person, a
+    5xx may be retried), and show the vault's message: a refusal read as a malformed answer
+    would lose both."""
+
+    async def refuse(request: web.Request) -> web.Response:
+        error = {"type": "invalid_request_error", "code": "a_code", "message": "the words"}
+        return web.json_response({"error": error}, status=status)
+
+    async with stand_in_upstream(refuse) as url, VaultAdmin(url, ADMIN_TOKEN) as client:
+        with pytest.raises(VaultAdminError) as refused:
+            await client.get_key("vkey_0000000000000000")
+    assert type(refused.value) is kind
+    assert (refused.value.status, refused.value.code, refused.value.message) == (
+        status,
+        "a_code",
+        "the words",
+    )
+
+
+async def test_a_vault_the_client_cannot_reach_is_unavailable() -> None:
+    with closed_port() as port:
+        async with VaultAdmin(f"http://127.0.0.1:{port}", ADMIN_TOKEN) as client:
+            with pytest.raises(VaultUnavailable, match="ClientConnectorError"):
+                await client.ready()
+
+
+async def test_a_vault_that_does_not_answer_in_the_clients_time_is_unavailable() -> None:
+    """A worker's call waits the client's timeout, not aiohttp's five minutes."""
+    answered = asyncio.Event()
+
+    async def hang(request: web.Request) -> web.Response:
+        await answered.wait()
+        return web.json_response({"status": "ok"})
+
+    async with stand_in_upstream(hang) as url, VaultAdmin(url, ADMIN_TOKEN, timeout=0.2) as client:
+        try:
+            with pytest.raises(VaultUnavailable) as unavailable:
+                async with asyncio.timeout(5):
+                    await client.ready()
+        finally:
+            answered.set()
+    assert unavailable.value.status == 0
+
+
+async def test_a_client_closed_then_called_again_opens_a_new_session(admin: VaultAdmin) -> None:
+    await admin.ready()
+    await admin.close()
+    await admin.ready()
+
+
 async def test_keys_are_inspected_and_found_without_their_secret(
     issue: Issue,
     admin: VaultAdmin,
@@ -294,6 +370,9 @@ async def test_a_full_audit_page_says_where_the_next_one_begins(
     assert ([e["id"] for e in first["entries"]], first["next_before"]) == (ids[:2], ids[1])
     status, last = await _admin_call(http, vault, "GET", f"{path}&before={ids[1]}")
     assert ([e["id"] for e in last["entries"]], last["next_before"]) == (ids[2:], None)
+    # The client reads the same pages.
+    assert [e.id for e in await admin.audit(key.id, limit=2)] == ids[:2]
+    assert [e.id for e in await admin.audit(key.id, limit=2, before=ids[1])] == ids[2:]
 
 
 @pytest.mark.parametrize("operation", ["audit", "reservations"])

@@ -28,7 +28,7 @@ from devstack.postgres import LocalPostgres
 from stripe_emulator import RunningEmulator
 from stripe_emulator.client import EmulatorClient
 from tests.prometheus import metric_value
-from tests.waiting import eventually
+from tests.waiting import eventually, waits_on_a_lock
 from vault import reservations, send_deadline, store
 from vault import state as vault_state
 from vault.app import RunningVault, serve
@@ -728,6 +728,44 @@ async def test_a_retry_arriving_while_a_resolve_holds_the_reservation_waits_and_
     replayed = await racing
     assert (replayed.state, replayed.owned) == ("committed", False)
     assert await _states(db, key.id) == {"resolving": "committed"}
+    totals = await assert_consistent(db, key.id)
+    assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 1_200)
+
+
+async def test_a_resolve_arriving_while_a_late_answer_commits_the_reservation_waits_for_it(
+    issue: Issue,
+    stripe_via_vault: StripeFor,
+    customer: str,
+    db: asyncpg.Pool,
+    emulator: RunningEmulator,
+    admin: VaultAdmin,
+) -> None:
+    """Reconciliation resolves a charge in doubt as succeeded while its attempt's late answer
+    commits it: the resolve takes the commit lock before the reservation row, as the
+    answer's settle (vault_finish) does, so it waits and repeats the commit, rather than
+    holding the row the settle waits on (a deadlock Postgres breaks by failing one)."""
+    key = await issue()
+    await charge_in_doubt(emulator, stripe_via_vault(key), customer, 1_200, "answered-late")
+    row = await db.fetchrow(
+        "SELECT id, attempt FROM vault_reservations WHERE vault_key_id = $1", key.id
+    )
+    async with db.acquire() as settler, settler.transaction():
+        # As vault_finish takes them for a commit: the commit lock, then the row.
+        await settler.execute("SELECT vault_lock_commits($1)", "answered-late")
+        resolving = asyncio.create_task(admin.resolve(key.id, "answered-late", "succeeded"))
+        await eventually(lambda: waits_on_a_lock(db, None, resolving), timeout=10)
+        finished = await settler.fetchval(
+            "SELECT finished FROM vault_finish($1, $2, $3, $4, $5, $6)",
+            row["id"],
+            row["attempt"],
+            ["unknown"],
+            "committed",
+            None,
+            200,
+        )
+        assert finished == "committed"
+    resolved = await resolving
+    assert (resolved.state, resolved.committed_cents) == ("committed", 1_200)
     totals = await assert_consistent(db, key.id)
     assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 1_200)
 

@@ -18,7 +18,7 @@ from yarl import URL
 
 from stripe_emulator import RunningEmulator
 from vault.app import RunningVault, serve
-from vault.client import VaultAdmin
+from vault.client import VaultAdmin, VaultUnavailable
 from vault.endpoints import FENCE_HEADER, UPSTREAM_UNREACHABLE
 from vault.models import IssuedKey
 from vault.proxy import _without_client_secrets
@@ -32,6 +32,7 @@ from .support import (
     charge,
     charge_in_doubt,
     closed_port,
+    key_request,
     proxied_calls,
     stand_in_upstream,
     via_vault,
@@ -455,3 +456,29 @@ async def test_a_secret_given_as_a_paths_key_id_is_not_repeated_in_the_404(
         assert response.status == 404
         answer = await response.text()
     assert "resource_missing" in answer and vk not in answer
+
+
+async def test_a_malformed_answer_to_an_issue_names_the_fields_not_the_secret_it_held(
+    secrets_seen: Secrets,
+) -> None:
+    """An answer to an issue the client cannot read (a vault of another version, a proxy in
+    front of it): its error, which callers log and Temporal records, names what was wrong,
+    never the values, one of which is the new key's secret (not even the part of it that a
+    validation error's shortened repr would show)."""
+    secret = "vk_" + "Q7mZ2xK9pL4wR8tY1vB6nC3hJ5gF0dSaEuIoPkWqXrZ"
+    secrets_seen.values.append(secret)
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response({"id": "vkey_0000000000000001", "secret": secret})
+
+    async with stand_in_upstream(answer) as url, VaultAdmin(url, ADMIN_TOKEN) as client:
+        with pytest.raises(VaultUnavailable, match="unexpected response") as refused:
+            await client.issue_key(key_request())
+    said = str(refused.value)
+    assert "cap_cents" in said
+    assert [i for i in range(len(secret) - 8) if secret[i : i + 8] in said] == []
+
+
+async def test_the_admin_client_shows_no_token(admin: VaultAdmin, worker: VaultAdmin) -> None:
+    # A client in a log line or a traceback's locals.
+    assert [token for token in (ADMIN_TOKEN, WORKER_TOKEN) if token in repr((admin, worker))] == []

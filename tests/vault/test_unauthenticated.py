@@ -13,7 +13,8 @@ import pytest
 from devstack.postgres import LocalPostgres
 from tests.waiting import eventually
 from vault import unauthenticated
-from vault.app import RunningVault
+from vault.app import RunningVault, serve
+from vault.settings import VaultSettings
 from vault.unauthenticated import OVERFLOW_PEER, Tally, peer_of
 
 
@@ -103,3 +104,17 @@ async def test_each_window_is_written_while_the_vault_runs_and_an_outage_stops_n
     await send_keyless(2)
     # The outage's window is lost (logged), not the ones after it.
     await eventually(lambda: written(3 + 2), timeout=30)
+
+
+@pytest.mark.vault_settings(unauthenticated_window_seconds=3600)
+async def test_a_vault_that_stops_mid_window_writes_that_windows_counts(
+    vault_settings: VaultSettings, http: aiohttp.ClientSession, db: asyncpg.Pool
+) -> None:
+    """A window cut short by a stop (a deploy, a scale-in) is written as the vault stops:
+    probing with guessed keys just before a restart must not vanish from the counts."""
+    async with serve(vault_settings) as vault:
+        for _ in range(3):
+            async with http.get(f"{vault.url}/stripe/v1/payment_intents/pi_1") as response:
+                assert response.status == 401
+        assert await db.fetchval("SELECT count(*) FROM vault_unauthenticated") == 0
+    assert await db.fetchval("SELECT sum(requests) FROM vault_unauthenticated") == 3
