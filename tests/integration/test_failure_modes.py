@@ -51,7 +51,7 @@ from tests.integration.harness import Harness, always_visa
 from tests.integration.holds import BillHold, hold_the_slots
 from tests.integration.invariants import assert_billed_once
 from tests.waiting import eventually
-from vault.client import VaultAdmin
+from vault.client import VaultAdmin, VaultUnavailable
 from vault.endpoints import CANCEL, DATABASE_UNAVAILABLE, HELD_UP, KEY_METADATA
 from workflows.signals import PERIOD_CONTROL
 
@@ -451,15 +451,32 @@ async def test_a_cancel_behind_a_saved_500_fences_off_the_attempts_before(
     assert await vaulted.succeeded() == 0
 
 
-@pytest.mark.parametrize("why", ["the vault away", "a key issued with the admin token"])
-async def test_a_cancel_behind_a_saved_500_waits_for_the_fence(vaulted: Harness, why: str) -> None:
+@pytest.mark.parametrize(
+    "why",
+    [
+        "the vault away",
+        "no worker token",
+        "a key issued with the admin token",
+        "an admin's key the vault cannot describe",
+    ],
+)
+async def test_a_cancel_behind_a_saved_500_waits_for_the_fence(
+    vaulted: Harness, monkeypatch: pytest.MonkeyPatch, why: str
+) -> None:
     """No stop is recorded while the attempts before cannot be fenced off (the vault's admin
-    API away, or a live key the worker token may not fence): the retry comes in 4 minutes,
-    as any behind a saved 500, and a skip may still be accepted meanwhile."""
+    API away, a worker without the token to fence, or a key the worker token may not fence,
+    live or not known to be dead): the retry comes in 4 minutes, as any behind a saved 500,
+    and a skip may still be accepted meanwhile."""
     assert vaulted.vault is not None
-    admin_key = why == "a key issued with the admin token"
+    admin_key = "admin" in why
     _, charging, request = await _behind_a_saved_500(vaulted, key_by_admin=admin_key)
     await _cancelled(vaulted)
+    if why == "an admin's key the vault cannot describe":
+
+        async def unanswered(self: VaultAdmin, key_id: str) -> Any:
+            raise VaultUnavailable(503, None, "the vault did not answer")
+
+        monkeypatch.setattr(VaultAdmin, "get_key", unanswered)
     # Port 9 (discard): nothing answers there.
     async with VaultAdmin("http://127.0.0.1:9", "a-worker-token-0123") as away:
         blocked = charging
@@ -470,7 +487,7 @@ async def test_a_cancel_behind_a_saved_500_waits_for_the_fence(vaulted: Harness,
                 vaulted.vault.url,
                 vaulted.settings.billing_charge_api,
                 vaulted.http,
-                away,
+                None if why == "no worker token" else away,
             )
             blocked = ChargingActivities(vaulted.pool, access, vaulted.settings)
         with pytest.raises(ApplicationError, match="replays the 500 it saved") as replayed:
@@ -486,13 +503,15 @@ async def test_a_cancel_behind_a_saved_500_waits_for_the_fence(vaulted: Harness,
     assert await vaulted.succeeded() == 0
 
 
-async def test_a_cancel_behind_a_saved_500_needs_no_fence_on_a_key_expired_since(
-    vaulted: Harness,
+@pytest.mark.parametrize("dead", ["expired", "revoked"])
+async def test_a_cancel_behind_a_saved_500_needs_no_fence_on_a_key_dead_since(
+    vaulted: Harness, dead: str
 ) -> None:
     """Attempt 1 went out through a key the worker token may not fence (issued with the
-    admin token) that has expired since, and the claim goes on through the key that
-    replaced it. An expired key sends nothing more, so the cancel is recorded: waiting for a
-    fence nobody can raise would hold the claim, and its period, for good."""
+    admin token) that has expired or was revoked since, and the claim goes on through the
+    key that replaced it. A dead key sends nothing more, so the cancel is recorded once the
+    live key is fenced: waiting for a fence nobody can raise would hold the claim, and its
+    period, for good."""
     assert vaulted.vault is not None
     customer, charging, request = await _behind_a_saved_500(vaulted, key_by_admin=True)
     [row] = await vaulted.ledger_rows(str(PERIOD))
@@ -507,12 +526,21 @@ async def test_a_cancel_behind_a_saved_500_needs_no_fence_on_a_key_expired_since
         timedelta(days=1),
         known_in=vaulted.pool,
     )
-    await vaulted.pool.execute("UPDATE vault_keys SET expires_at = now() WHERE id = $1", first_key)
+    if dead == "revoked":
+        await vaulted.vault.admin.revoke(first_key)
+    else:
+        await vaulted.pool.execute(
+            "UPDATE vault_keys SET expires_at = now() WHERE id = $1", first_key
+        )
     await _cancelled(vaulted)
     with pytest.raises(ApplicationError, match="retrying with the new key"):
         await _attempt(2).run(charging.bill, request)
     outcome = await _attempt(3).run(charging.bill, request)
     assert outcome.outcome == "cancelled"
+    [row] = await vaulted.ledger_rows(str(PERIOD))
+    [live] = [key_id for key_id in row["sent_through"] if key_id != first_key]
+    fenced = await vaulted.pool.fetch("SELECT vault_key_id FROM vault_fences")
+    assert [f["vault_key_id"] for f in fenced] == [live]
     assert await vaulted.succeeded() == 0
 
 

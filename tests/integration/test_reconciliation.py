@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
 
+import asyncpg
 import pytest
 import stripe
 from pydantic import SecretStr
@@ -60,7 +61,9 @@ from billing.reconciliation import (
     ChargesPage,
     ChargesPageRequest,
     Finding,
+    FindingKind,
     HandledMarks,
+    HandledRequest,
     ReconcileInput,
     ReconcileReport,
     ReconcileVerdict,
@@ -1561,6 +1564,30 @@ async def test_a_lookup_key_revoked_is_replaced_on_the_next_read(vaulted: Harnes
     assert isinstance(found, ChargeResult) and found.charge_id == claim.charge_id
 
 
+async def test_a_vault_away_when_a_lookup_key_is_asked_for_is_waited_out(
+    vaulted: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The vault not answering for a moment is not its refusal: the page is retried, rather
+    than its customers reported unchecked and the charges of those never claimed skipped."""
+    claim = await billed(vaulted, 2)
+    duplicate = await plant(vaulted, claim, claim.idempotency_key + "-retry")
+    await unusable(vaulted, "revoked")
+    issue = VaultAdmin.issue_key
+    unanswered: list[str] = []
+
+    async def away_once(self: VaultAdmin, request: Any) -> Any:
+        if request.label == period_keys.LOOKUP_LABEL and not unanswered:
+            unanswered.append(request.currency)
+            raise VaultUnavailable(0, None, "ClientConnectorError: the vault did not answer")
+        return await issue(self, request)
+
+    monkeypatch.setattr(VaultAdmin, "issue_key", away_once)
+    report = await reconcile(vaulted)
+    assert unanswered == [claim.currency]
+    assert (report.customers_checked, report.unchecked_customers) == (2, [])
+    assert [(f.kind, f.charge_id) for f in report.findings] == [("duplicate", duplicate)]
+
+
 async def test_a_period_key_the_worker_cannot_decrypt_fails_reconciliation(
     vaulted: Harness,
 ) -> None:
@@ -1749,6 +1776,111 @@ async def test_a_mark_for_a_finding_no_reconciliation_reported_is_refused(
     async with harness.pool.acquire() as conn:
         marks = await ledger.handled_marks(conn, str(PERIOD))
     assert sorted(m.charge_id for m in marks) == sorted(["ch_nonexistent", duplicate])
+
+
+def finding(kind: FindingKind, charge_id: str, customer_id: str = "cust-1") -> Finding:
+    return Finding(
+        kind=kind,
+        charge_id=charge_id,
+        payment_intent_id=None,
+        customer_id=customer_id,
+        stripe_customer_id="cus_1",
+        amount_cents=1000,
+        currency="usd",
+        key_prefix=None,
+        ledger_status="charged",
+        ledger_charge_id=None,
+    )
+
+
+async def test_a_mark_taken_back_and_made_again_stands_for_the_kind_it_names(
+    db: asyncpg.Pool,
+) -> None:
+    """A person's last word counts: marked again after an undo, the finding is handled
+    (not reported daily with "handled before" shown); and only the kind marked is, so the
+    same charge failing later is still reported."""
+    mark = HandledRequest(
+        period=str(PERIOD), kind="duplicate", charge_id="ch_marked", reason="agreed", operator="ann"
+    )
+    found = [finding("duplicate", mark.charge_id), finding("failed_later", mark.charge_id)]
+    async with db.acquire() as conn:
+        assert (await ledger.mark_handled(conn, mark)).change == "recorded"
+        undo = mark.model_copy(update={"undo": True, "reason": "mistake"})
+        assert (await ledger.mark_handled(conn, undo)).change == "undone"
+        assert await ledger.handled_among(conn, found) == {}
+        again = mark.model_copy(update={"operator": "bob", "reason": "agreed after all"})
+        result = await ledger.mark_handled(conn, again)
+        assert (result.change, result.handled_by) == ("recorded", "bob")
+        assert await ledger.handled_among(conn, found) == {(mark.charge_id, "duplicate"): "bob"}
+        [standing] = await ledger.handled_marks(conn, str(PERIOD))
+        assert (standing.handled_by, standing.undone_at) == ("bob", None)
+
+
+async def test_a_finding_is_kept_reported_once_under_the_period_last_reporting_it(
+    db: asyncpg.Pool,
+) -> None:
+    """What `handled` checks a charge id against. One page may find a charge twice (listed
+    under two customers of ours sharing its Stripe customer): written twice in one
+    statement, the page would fail on every retry."""
+    async with db.acquire() as conn:
+        await ledger.record_reported(conn, str(PERIOD.previous()), [finding("orphan", "ch_1")])
+        twice = [finding("orphan", "ch_1", "cust-old"), finding("orphan", "ch_1", "cust-new")]
+        await ledger.record_reported(conn, str(PERIOD), twice)
+        assert await ledger.reported_kinds(conn, "ch_1") == {"orphan": str(PERIOD)}
+        # A mistyped charge id: nothing reported, so `handled` refuses it.
+        assert await ledger.reported_kinds(conn, "ch_2") == {}
+
+
+async def test_a_period_is_compared_as_its_own_rows_fixed_it(db: asyncpg.Pool) -> None:
+    """What reconciliation reads of a customer comes from its row of the period: listed once,
+    under the Stripe customer and in the currency its claim fixed, whatever changed since or
+    other periods hold, its charges counted under the customer listed under their Stripe
+    customer, compared with this period's row, and its claim open only until it has an
+    outcome."""
+    moved = CustomerRow(
+        customer_id="cust-1",
+        stripe_customer_id="cus_billed",
+        payment_method="pm_card_visa",
+        amount_cents=1000,
+        currency="usd",
+    )
+    unclaimed = moved.model_copy(update={"customer_id": "cust-2", "stripe_customer_id": "cus_2"})
+    await upsert_customers(db, [moved, unclaimed])
+    keys = {}
+    async with db.acquire() as conn:
+        # The month before claimed both; this one, `moved` alone.
+        for period in (PERIOD.previous(), PERIOD):
+            await ledger.open_period(conn, str(period), f"by-hand-{period}")
+            for customer in (moved, unclaimed)[: 1 if period == PERIOD else 2]:
+                keys[customer.customer_id, period] = key = idempotency_key(
+                    "test", customer.customer_id, period
+                )
+                await ledger.claim(
+                    conn, customer.customer_id, str(period), key, charge_api="payment_intents"
+                )
+        # Given the other's Stripe customer since it was claimed, and another currency.
+        await conn.execute(
+            "UPDATE customers SET stripe_customer_id = 'cus_2', currency = 'eur'"
+            " WHERE customer_id = $1",
+            moved.customer_id,
+        )
+        page = await ledger.customers_page(conn, str(PERIOD), None, 10)
+        assert [(c.customer_id, c.stripe_customer_id, c.currency, c.in_ledger) for c in page] == [
+            (moved.customer_id, "cus_billed", "usd", True),
+            (unclaimed.customer_id, "cus_2", "usd", False),
+        ]
+        first = await ledger.first_listers(conn, str(PERIOD), {"cus_billed", "cus_2"})
+        assert first == {"cus_billed": moved.customer_id, "cus_2": unclaimed.customer_id}
+        entries = await ledger.ledger_entries(conn, str(PERIOD), ["cust-1", "cust-2"])
+        assert {c: e.idempotency_key for c, e in entries.items()} == {
+            moved.customer_id: keys[moved.customer_id, PERIOD]
+        }
+        failure = ChargeFailure(code="card_declined", message="declined")
+        await ledger.record_unbilled(
+            conn, keys[moved.customer_id, PERIOD.previous()], "failed", failure
+        )
+        still_open = await ledger.open_claims(conn, str(PERIOD.previous()), 10)
+        assert [c.claim.customer_id for c in still_open] == [unclaimed.customer_id]
 
 
 async def test_a_duplicate_made_through_the_other_api_is_reported(harness: Harness) -> None:
@@ -2226,16 +2358,21 @@ async def test_a_verdict_the_ledger_cannot_take_costs_the_report_nothing(
     assert await left_to_look_at(harness, PERIOD) == (False, None)
 
 
+@pytest.mark.parametrize("order", ["claimed last", "claimed first"])
 async def test_claims_left_alone_do_not_hide_one_stranded_behind_them(
-    harness: Harness, monkeypatch: pytest.MonkeyPatch
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, order: str
 ) -> None:
     """A page of claims whose workflows still run (a paused period's window) is read past, so
-    a claim stranded behind it is recorded in the same run rather than never reached."""
+    a claim stranded behind it is recorded in the same run rather than never reached; the
+    pages follow the claims' age, which the ids' order need not (`behind` is listed last)."""
     monkeypatch.setattr(reconcile_activities, "MAX_CLAIMS", 2)
     first, second, behind = await harness.seed(3)
+    if order == "claimed first":
+        await stranded(harness, behind, at_stripe=True)
     for running in (first, second):
         await stranded(harness, running, at_stripe=False, terminate=False)
-    await stranded(harness, behind, at_stripe=True)
+    if order == "claimed last":
+        await stranded(harness, behind, at_stripe=True)
     report = await reconcile(harness)
     assert sorted((c.customer_id, c.action) for c in report.claims) == [
         (first.customer_id, "left"),

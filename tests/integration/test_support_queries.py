@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from billing import ledger
-from billing.customer_history import CustomerHistory
-from billing.customers import upsert_customers
+from billing.customer_history import CustomerHistory, PeriodWithoutRow
+from billing.customers import CustomerRow, upsert_customers
 from billing.failures import PeriodFailures
 from billing.keys import customer_workflow_id, idempotency_key
 from billing.models import ChargeFailure
@@ -113,6 +113,77 @@ async def test_a_period_without_the_customers_row_says_where_its_run_is(harness:
         " UTC, not finished after 0 attempt(s): its run's workflow ends it; if none runs,"
         f" `reconcile {later}` settles it"
     )
+
+
+async def test_a_period_shows_what_its_claim_fixed_not_what_the_customer_is_billed_now(
+    harness: Harness,
+) -> None:
+    """Support asks what a period charged (or will): the row's amount, currency, Stripe
+    customer and payment method, fixed when claimed, not the customer's as changed since;
+    each row with its own workflow; a skip asked for with who asked and why."""
+    claimed = CustomerRow(
+        customer_id="cust-a",
+        stripe_customer_id="cus_then",
+        payment_method="pm_then",
+        amount_cents=1000,
+        currency="usd",
+    )
+    unclaimed = claimed.model_copy(update={"customer_id": "cust-b"})
+    await upsert_customers(harness.pool, [claimed, unclaimed])
+    for period in (PERIOD, PERIOD.next()):
+        await harness.open_period_by_hand(period)
+        await harness.claim_by_hand(period, claimed.customer_id)
+    namespace = harness.settings.billing_key_namespace
+    async with harness.pool.acquire() as conn:
+        key = idempotency_key(namespace, claimed.customer_id, PERIOD)
+        await ledger.request_skip(conn, claimed.customer_id, str(PERIOD), key, "moved", "ann")
+        key = idempotency_key(namespace, claimed.customer_id, PERIOD.next())
+        stopped = ChargeFailure(code="cancelled", message="cancelled")
+        await ledger.record_unbilled(conn, key, "cancelled", stopped)
+        await conn.execute(
+            "UPDATE customers SET active = false WHERE customer_id = $1", unclaimed.customer_id
+        )
+    now = claimed.model_copy(
+        update={
+            "stripe_customer_id": "cus_now",
+            "payment_method": "pm_now",
+            "amount_cents": 2500,
+            "currency": "eur",
+        }
+    )
+    await upsert_customers(harness.pool, [now])
+
+    code, out, err = await harness.starter("customers", "show", claimed.customer_id, "--json")
+    assert code == 0, err
+    history = CustomerHistory.model_validate_json(out)
+    assert (history.account.amount_cents, history.account.currency) == (2500, "eur")
+    fixed = {
+        (p.amount_cents, p.currency, p.stripe_customer_id, p.payment_method)
+        for p in history.periods
+    }
+    assert fixed == {(1000, "usd", "cus_then", "pm_then")}
+    assert [(p.period, p.status, p.skip_reason, p.skip_by) for p in history.periods] == [
+        (str(PERIOD.next()), "cancelled", None, None),
+        (str(PERIOD), "claimed", "moved", "ann"),
+    ]
+    assert [p.workflow_id for p in history.periods] == [
+        customer_workflow_id(period, claimed.customer_id) for period in (PERIOD.next(), PERIOD)
+    ]
+    # One period asked about: its row, and nothing older than it.
+    code, out, _ = await harness.starter(
+        "customers", "show", claimed.customer_id, "--period", str(PERIOD), "--json"
+    )
+    history = CustomerHistory.model_validate_json(out)
+    assert ([p.period for p in history.periods], history.older) == ([str(PERIOD)], 0)
+    assert history.without_row is None
+    # Inactive, and a run open that has not claimed it yet: not "completed without it".
+    code, out, err = await harness.starter(
+        "customers", "show", unclaimed.customer_id, "--period", str(PERIOD), "--json"
+    )
+    assert code == 0, err
+    history = CustomerHistory.model_validate_json(out)
+    assert not history.account.active
+    assert history.without_row == PeriodWithoutRow(period=str(PERIOD), run_state="running")
 
 
 async def test_an_unknown_customer_is_a_clear_error(harness: Harness) -> None:
