@@ -714,16 +714,7 @@ async def test_a_retry_arriving_while_a_resolve_holds_the_reservation_waits_and_
         )
         again = Charge("POST /v1/payment_intents", 1_200, "usd", customer)
         racing = await reserve_behind_a_lock(db, key.id, "resolving", again)
-        finished = await settler.fetchval(
-            "SELECT finished FROM vault_finish($1, $2, $3, $4, $5, $6)",
-            row["id"],
-            row["attempt"],
-            ["unknown"],
-            "committed",
-            None,
-            None,
-        )
-        assert finished == "committed"
+        await _commit_unknown(settler, row, None)
         await resolving.commit()
     replayed = await racing
     assert (replayed.state, replayed.owned) == ("committed", False)
@@ -754,20 +745,28 @@ async def test_a_resolve_arriving_while_a_late_answer_commits_the_reservation_wa
         await settler.execute("SELECT vault_lock_commits($1)", "answered-late")
         resolving = asyncio.create_task(admin.resolve(key.id, "answered-late", "succeeded"))
         await eventually(lambda: waits_on_a_lock(db, None, resolving), timeout=10)
-        finished = await settler.fetchval(
-            "SELECT finished FROM vault_finish($1, $2, $3, $4, $5, $6)",
-            row["id"],
-            row["attempt"],
-            ["unknown"],
-            "committed",
-            None,
-            200,
-        )
-        assert finished == "committed"
+        await _commit_unknown(settler, row, 200)
     resolved = await resolving
     assert (resolved.state, resolved.committed_cents) == ("committed", 1_200)
     totals = await assert_consistent(db, key.id)
     assert (totals["reserved_cents"], totals["spent_cents"]) == (0, 1_200)
+
+
+async def _commit_unknown(
+    conn: asyncpg.Connection, row: asyncpg.Record, upstream_status: int | None
+) -> None:
+    """Commit the reservation in doubt as its settle or a resolve does (vault_finish), in the
+    caller's transaction."""
+    finished = await conn.fetchval(
+        "SELECT finished FROM vault_finish($1, $2, $3, $4, $5, $6)",
+        row["id"],
+        row["attempt"],
+        ["unknown"],
+        "committed",
+        None,
+        upstream_status,
+    )
+    assert finished == "committed"
 
 
 async def test_a_wait_for_a_database_connection_does_not_count_against_the_send_deadline(
