@@ -123,7 +123,7 @@ def next_step(progress: PeriodProgress) -> str | None:
     resume = f"python starter.py resume {period} --reason ..."
     if progress.operator != AUTOMATIC:
         return f"to go on: {resume}"
-    if _code(progress.reason) == SPEND_CAP_EXCEEDED_CODE and DAILY_CAP in (progress.reason or ""):
+    if _waits_for_a_day(progress.reason):
         return (
             f"to go on (or cancel the run): the key's {DAILY_CAP} frees a day's room at 00:00"
             f" UTC, then {resume}; the run pauses again each day its room is spent, and a"
@@ -139,13 +139,19 @@ def resumed_unrenewed(period: str, reason: str) -> str | None:
     """What to say of a resume of a run paused itself for `reason` whose keys nothing renewed
     since: None when new keys would not mend it, or a day's room will (the daily cap)."""
     renewal = _renewal(period, reason)
-    if renewal is None or DAILY_CAP in reason:
+    if renewal is None or _waits_for_a_day(reason):
         return None
     return (
         f"the run had paused itself ({reason}) and no key of the period was issued since: its"
         f" charges are likely refused again, which pauses it again. To bill the rest:"
         f" {renewal}, then resume"
     )
+
+
+def _waits_for_a_day(reason: str | None) -> bool:
+    """Whether a run's vault refusal is its key's daily cap: room comes back at midnight UTC,
+    not with new keys."""
+    return _code(reason) == SPEND_CAP_EXCEEDED_CODE and DAILY_CAP in (reason or "")
 
 
 def _code(reason: str | None) -> str:
