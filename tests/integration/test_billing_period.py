@@ -177,6 +177,20 @@ async def test_running_the_same_period_again_charges_nothing_new(harness: Harnes
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
+async def test_ids_differing_only_in_case_are_two_customers_each_charged_once(
+    harness: Harness,
+) -> None:
+    """The import takes acme-1 and ACME-1 as two customers with two Stripe customers: a key
+    or a child workflow ID that folded the case would give the second the first's key (a
+    refused or replayed charge) or the first's child (no charge at all)."""
+    customers = [*await harness.seed(1, prefix="acme"), *await harness.seed(1, prefix="ACME")]
+    async with harness.running_worker():
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        summary = await asyncio.wait_for(handle.result(), 30)
+    assert (summary.due, summary.charged, summary.failed) == (2, 2, 0)
+    await assert_billed_once(harness, str(PERIOD), customers)
+
+
 async def test_a_renamed_customer_is_held_not_charged_again_by_a_rerun(harness: Harness) -> None:
     """A customer billed, then renamed: its id deactivated and its Stripe customer imported
     under a new id, which has a key of its own. A rerun of the period (for a customer added

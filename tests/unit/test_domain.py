@@ -88,6 +88,7 @@ def test_valid_periods_round_trip(text: str) -> None:
         (" 2026-12", "YYYY-MM"),
         ("2026-12\n", "YYYY-MM"),
         ("1999-12", "outside"),
+        ("3000-01", "outside"),
         ("2026-12'; DROP TABLE customers;--", "YYYY-MM"),
         ("", "YYYY-MM"),
         ("٢٠٢٦-١٢", "YYYY-MM"),
@@ -188,14 +189,25 @@ def test_period_range() -> None:
         period_range(Period(2027, 2), Period(2026, 11))
 
 
-def test_key_is_stable_and_documented() -> None:
-    period = Period(2026, 12)
-    key = idempotency_key("billing", "cust-1", period)
-    assert key == idempotency_key("billing", "cust-1", period)
-    # sha256("billing:cust-1:2026-12")[:32], independent of anything but the intent.
+@pytest.mark.parametrize(
+    ("namespace", "customer_id", "period", "intent"),
+    [
+        ("billing", "cust-1", Period(2026, 12), b"billing:cust-1:2026-12"),
+        # As given: ACME-1 and acme-1 may be two customers (billing.customers), each with its
+        # own key; a month zero-padded as it is typed.
+        ("billing", "ACME-1", Period(2027, 1), b"billing:ACME-1:2027-01"),
+        ("Billing-EU", "acme-1", Period(2027, 1), b"Billing-EU:acme-1:2027-01"),
+    ],
+)
+def test_key_is_stable_and_documented(
+    namespace: str, customer_id: str, period: Period, intent: bytes
+) -> None:
+    key = idempotency_key(namespace, customer_id, period)
+    assert key == idempotency_key(namespace, customer_id, period)
+    # sha256("{namespace}:{customer_id}:{period}")[:32], independent of anything but the intent.
     import hashlib
 
-    assert key == hashlib.sha256(b"billing:cust-1:2026-12").hexdigest()[:32]
+    assert key == hashlib.sha256(intent).hexdigest()[:32]
     assert len(key) == 32
 
 
@@ -213,10 +225,18 @@ def test_keys_differ_when_the_intent_differs(a: str, b: str, year: int, month: i
     assert idempotency_key("ns", a, period) != idempotency_key("ns", a, period.next())
 
 
-def test_workflow_ids() -> None:
-    period = Period(2026, 12)
-    assert period_workflow_id(period) == "billing-period-2026-12"
-    assert customer_workflow_id(period, "cust-1") == "billing-2026-12-cust-1"
+@pytest.mark.parametrize(
+    ("period", "customer_id", "period_id", "child_id"),
+    [
+        (Period(2026, 12), "cust-1", "billing-period-2026-12", "billing-2026-12-cust-1"),
+        # The month zero-padded, as typed and as the runs already started hold it; the id's
+        # case kept, as ACME-1 and acme-1 may be two customers, each with its own child.
+        (Period(2027, 1), "ACME-1", "billing-period-2027-01", "billing-2027-01-ACME-1"),
+    ],
+)
+def test_workflow_ids(period: Period, customer_id: str, period_id: str, child_id: str) -> None:
+    assert period_workflow_id(period) == period_id
+    assert customer_workflow_id(period, customer_id) == child_id
 
 
 @pytest.mark.parametrize(
@@ -228,7 +248,11 @@ def test_hostile_customer_ids_are_refused(bad: str) -> None:
         validate_customer_id(bad)
 
 
-@pytest.mark.parametrize("looks_like_a_key", ["vk_1", "Novk_enterprise_customer1", "sk_test_42"])
+@pytest.mark.parametrize(
+    # Anywhere in the id: a key past its first characters is still sent with every charge.
+    "looks_like_a_key",
+    ["vk_1", "Novk_enterprise_customer1", "sk_test_42", "c" * 40 + "-vk_1"],
+)
 def test_a_customer_id_shaped_like_a_key_is_refused_unshown(looks_like_a_key: str) -> None:
     with pytest.raises(InvalidCustomerIdError, match="looks like a Stripe or vault key") as refused:
         validate_customer_id(looks_like_a_key)
