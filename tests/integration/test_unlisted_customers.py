@@ -13,7 +13,7 @@ from temporalio import activity
 from temporalio import workflow as wf
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.workflowservice.v1 import DeleteWorkflowExecutionRequest
-from temporalio.client import WorkflowHandle
+from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 from temporalio.worker import (
@@ -738,11 +738,12 @@ async def test_a_customer_with_no_row_is_unreached_unless_a_child_may_have_ended
 ) -> None:
     """A due customer with no row is left to bill (unreached) when no child of this run can
     have ended before its claim: none ran, one still runs (an earlier run's), or one ended
-    uncompleted before the run opened (completed too, for a run that restarts completed
-    children). One whose child ended since the run opened was this run's, counted already.
+    uncompleted (terminated, or failed: started by hand with an input its model refuses)
+    before the run opened (completed too, for a run that restarts completed children). One
+    whose child ended since the run opened was this run's, counted already.
     Taken for reached, a customer is never billed; taken for unreached, it is billed and
     counted twice (I2)."""
-    none, running, ended_before, ended_after = await harness.seed(4)
+    none, running, ended_before, failed_before, ended_after = await harness.seed(5)
     [completed] = await create_demo_customers(harness.stripe, 1, prefix="gone")
     await import_customers(harness.pool, [completed], while_running=False, reactivate=True)
     await harness.pool.execute(
@@ -756,13 +757,21 @@ async def test_a_customer_with_no_row_is_unreached_unless_a_child_may_have_ended
             id=customer_workflow_id(PERIOD, completed.customer_id),
             task_queue=harness.task_queue,
         )
+        refused = await harness.client.start_workflow(
+            "CustomerChargeWorkflow",
+            {"period": str(PERIOD), "customer_id": failed_before.customer_id, "amount_cents": 1},
+            id=customer_workflow_id(PERIOD, failed_before.customer_id),
+            task_queue=harness.task_queue,
+        )
+        with pytest.raises(WorkflowFailureError):
+            await refused.result()
     assert outcome.failure_code == "unknown_customer"
     await import_customers(harness.pool, [completed], while_running=False, reactivate=True)
     await harness.idle_child(PERIOD, running.customer_id)
     await (await harness.idle_child(PERIOD, ended_before.customer_id)).terminate("before")
     await harness.open_period_by_hand(PERIOD)
     await (await harness.idle_child(PERIOD, ended_after.customer_id)).terminate("after")
-    left = {none.customer_id, running.customer_id, ended_before.customer_id}
+    left = {c.customer_id for c in (none, running, ended_before, failed_before)}
     assert await _unlisted_of(harness, restarts_completed=False) == left
     assert await _unlisted_of(harness, restarts_completed=True) == {*left, completed.customer_id}
 

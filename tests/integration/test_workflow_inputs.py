@@ -107,6 +107,17 @@ async def test_a_workflow_started_with_an_input_its_model_refuses_fails_saying_w
     assert await harness.money_requests() == 0
 
 
+async def test_worker_py_fails_a_refused_input_at_once_too(harness: Harness) -> None:
+    """worker.py takes its data converter from its client (billing.temporal_client.connect):
+    the SDK's own would fail the workflow's task for as long as it lived, holding its ID."""
+    harness.worker_process()
+    cause = await _refused(
+        harness, "BillingPeriodWorkflow", period_workflow_id(PERIOD), {"period": 202612}
+    )
+    assert "period: Input should be a valid string" in cause.message
+    assert await harness.money_requests() == 0
+
+
 @pytest.mark.parametrize(
     ("workflow_type", "workflow_id", "model", "payload"),
     [

@@ -5,14 +5,19 @@ caller's own text, which pydantic's `include_input=False` does not hide."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 from pydantic import ValidationError
 from temporalio.api.failure.v1 import Failure
 
 from billing.data_converter import DATA_CONVERTER, RefusedWorkflowInputError
-from billing.models import BillingPeriodInput, CustomerChargeInput, WorkflowInput
+from billing.models import (
+    BillingPeriodInput,
+    CustomerChargeInput,
+    CustomerOutcome,
+    WorkflowInput,
+)
 
 KEY = "sk_live_" + "A1b2C3d4E5f6G7h8I9j0K1l2"
 
@@ -71,3 +76,41 @@ def test_a_failure_and_its_causes_keep_no_key() -> None:
     assert failure.message == "charge failed with [redacted key]"
     assert failure.cause.message == "upstream refused [redacted key]"
     assert KEY not in str(failure) and failure.stack_trace
+
+
+# A value that is no key, so that only leaving it out keeps it from the run's history.
+CARD = "4242424242424242"
+
+
+def _decoded(value: dict[str, Any], hint: Any) -> Any:
+    converter = DATA_CONVERTER.payload_converter
+    return converter.from_payloads(converter.to_payloads([value]), [hint])[0]
+
+
+@pytest.mark.parametrize(
+    "hint",
+    [CustomerChargeInput, CustomerChargeInput | None, Optional[CustomerChargeInput]],  # noqa: UP045
+    ids=["the-model", "x-or-none", "optional"],
+)
+def test_a_workflow_input_its_model_refuses_is_a_failure_showing_no_value(hint: Any) -> None:
+    """A failure fails the workflow (its ID freed at once); pydantic's error, kept as its
+    cause, would quote each value given in the run's history."""
+    with pytest.raises(RefusedWorkflowInputError) as refused:
+        _decoded({"period": "2026-12", "customer_id": int(CARD)}, hint)
+    assert "customer_id: Input should be a valid string" in refused.value.message
+    failure = Failure()
+    DATA_CONVERTER.failure_converter.to_failure(
+        refused.value, DATA_CONVERTER.payload_converter, failure
+    )
+    assert CARD not in str(failure), failure
+
+
+@pytest.mark.parametrize(
+    "hint", [CustomerOutcome, CustomerOutcome | None], ids=["the-model", "x-or-none"]
+)
+def test_any_other_value_its_model_refuses_stays_pydantics_error(hint: Any) -> None:
+    """An activity's or a child's result an older worker cannot read fails the workflow
+    task, retried until a worker that reads it takes it: failing the workflow would end a
+    period's run half done."""
+    with pytest.raises(ValidationError):
+        _decoded({"customer_id": "cust-1", "outcome": "refunded"}, hint)

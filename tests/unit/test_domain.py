@@ -370,6 +370,7 @@ def test_spend_cap_refuses_a_cap_below_the_total() -> None:
         "pi_1Xvk_abc123" + "a" * 10,
         # Stripe's masked form, as its 403 quotes a key: the last characters are the key's.
         "The provided key 'rk_live_" + "*" * 20 + "abc123' does not have the permissions",
+        "Invalid API Key provided: sk_test_" + "*" * 20 + "abc123",
     ],
 )
 def test_redact_finds_keys_glued_to_other_text(text: str) -> None:
@@ -383,6 +384,25 @@ def test_redact_takes_a_whole_key_with_underscores() -> None:
     from billing.redact import redact
 
     assert redact("key sk_test_local_emulator, vk_a_b-c") == "key [redacted key], [redacted key]"
+
+
+@pytest.mark.parametrize(
+    "glued",
+    ["token=key_", "pi_1X", "/v1/charges/X"],
+)
+@pytest.mark.parametrize(
+    "key",
+    [
+        "sk_" + "live_abc123XYZ0123456789tail",  # split: no key in the file
+        "rk_" + "test_abc123XYZ0123456789tail",
+        "vk_abc123_XYZ-0123456789tail",
+    ],
+)
+def test_a_glued_key_is_redacted_to_its_last_character(glued: str, key: str) -> None:
+    """Past its first 16 characters a key is still the key: no tail of it is left."""
+    from billing.redact import redact
+
+    assert redact(f"{glued}{key} done") == f"{glued}[redacted key] done"
 
 
 def test_a_cut_text_is_redacted_first_and_marked() -> None:

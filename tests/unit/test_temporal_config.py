@@ -108,6 +108,26 @@ def test_a_broken_profile_file_is_refused_without_quoting_its_key(
 
 
 @pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("address", f"https://billing:{API_KEY}@billing.a1b2c.tmprl.cloud:7233"),
+        ("namespace", "billing a1b2c"),
+    ],
+)
+def test_a_profiles_bad_address_or_namespace_is_refused_by_name_unquoted(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, setting: str, value: str
+) -> None:
+    """Checked as the settings' are: unchecked, the SDK's own error quoted the address,
+    a password in it too."""
+    profiles = tmp_path / "temporal.toml"
+    profiles.write_text(f'[profile.default]\n{setting} = "{value}"\n')
+    monkeypatch.setenv("TEMPORAL_CONFIG_FILE", str(profiles))
+    with pytest.raises(ConfigurationError, match=f"^the Temporal {setting} must be ") as caught:
+        connect_config(TemporalSettings())
+    assert value not in str(caught.value) and API_KEY not in str(caught.value)
+
+
+@pytest.mark.parametrize(
     ("core_error", "because"),
     [
         (
@@ -121,6 +141,13 @@ def test_a_broken_profile_file_is_refused_without_quoting_its_key(
             ' ConnectError(ConnectError("dns error", Custom { kind: Uncategorized, error:'
             ' "failed to lookup address information: Name or service not known" })))',
             "failed to lookup address information: Name or service not known",
+        ),
+        pytest.param(
+            "Failed client connect: Server connection error: tonic::transport::Error(Transport,"
+            ' Custom { kind: Other, error: "tls handshake eof" }, Os { code: 104, kind:'
+            ' ConnectionReset, message: "Connection reset by peer" })',
+            "Connection reset by peer",
+            id="the-innermost-of-two-causes",
         ),
         (
             "Failed client connect: Server connection error: tonic::transport::Error(Transport)",
