@@ -7,8 +7,8 @@ started by hand (Temporal's CLI or Web UI) with a field its model forbids, which
 its ID (a period's, a customer's) doing nothing. A FailureError from decoding fails the
 workflow instead, so that is what a refused `WorkflowInput` raises.
 
-Its failure converter redacts anything shaped like a key from every failure's message and
-stack trace (I5): Temporal keeps them in the run's history, for as long as the namespace
+Its failure converter redacts anything shaped like a key from every failure's message,
+stack trace and details (I5): Temporal keeps them in the run's history, for as long as the namespace
 keeps the run, and shows them in the Web UI, and an exception no code of ours wrote (a
 library's, quoting what it was given) could carry one.
 """
@@ -128,6 +128,21 @@ class RedactingFailureConverter(DefaultFailureConverter):
         super().to_failure(exception, payload_converter, failure)
         failure.message = redact(failure.message)
         failure.stack_trace = redact(failure.stack_trace)
+        for payload in _details(failure):
+            # JSON text: a key is a run of [A-Za-z0-9_-] inside a string, and its stand-in
+            # keeps the string, and the document, valid.
+            if payload.metadata.get("encoding") == b"json/plain":
+                payload.data = redact(payload.data.decode()).encode()
+
+
+def _details(failure: Failure) -> Sequence[Payload]:
+    """The payloads an error carries along with its message (ApplicationError's details,
+    a cancel's)."""
+    if failure.HasField("application_failure_info"):
+        return failure.application_failure_info.details.payloads
+    if failure.HasField("canceled_failure_info"):
+        return failure.canceled_failure_info.details.payloads
+    return []
 
 
 DATA_CONVERTER = DataConverter(

@@ -10,6 +10,7 @@ from typing import Any, Optional
 import pytest
 from pydantic import ValidationError
 from temporalio.api.failure.v1 import Failure
+from temporalio.exceptions import ApplicationError
 
 from billing.data_converter import DATA_CONVERTER, RefusedWorkflowInputError
 from billing.models import (
@@ -76,6 +77,21 @@ def test_a_failure_and_its_causes_keep_no_key() -> None:
     assert failure.message == "charge failed with [redacted key]"
     assert failure.cause.message == "upstream refused [redacted key]"
     assert KEY not in str(failure) and failure.stack_trace
+
+
+def test_an_errors_details_keep_no_key() -> None:
+    """Details go to the run's history beside the message: one producer that forgot to
+    redact what it put there (a Stripe error's text, say) would keep a key there."""
+    error = ApplicationError(
+        "declined", {"message": f"upstream refused {KEY}"}, [KEY], type="CardDeclined"
+    )
+    failure = Failure()
+    DATA_CONVERTER.failure_converter.to_failure(error, DATA_CONVERTER.payload_converter, failure)
+    assert KEY not in str(failure)
+    details = DATA_CONVERTER.payload_converter.from_payloads(
+        failure.application_failure_info.details.payloads
+    )
+    assert details == [{"message": "upstream refused [redacted key]"}, ["[redacted key]"]]
 
 
 # A value that is no key, so that only leaving it out keeps it from the run's history.
