@@ -103,11 +103,14 @@ async def connect(settings: TemporalSettings, runtime: Runtime | None = None) ->
         )
     except RuntimeError as exc:
         raise ServiceUnavailableError(
-            f"cannot reach Temporal at {address} (TEMPORAL_ADDRESS): {unreachable_because(exc)};"
+            f"cannot reach Temporal at {address} (TEMPORAL_ADDRESS, or the profile's address):"
+            f" {unreachable_because(exc)};"
             " for the local stack run `python -m devstack up`"
         ) from None
     except ValueError as exc:  # e.g. `[1::2::3]:7233`, shaped as host:port
-        raise ConfigurationError(f"TEMPORAL_ADDRESS {address!r}: {exc}") from None
+        raise ConfigurationError(
+            f"the Temporal address {address!r} (TEMPORAL_ADDRESS, or the profile's address): {exc}"
+        ) from None
     await _check_namespace(client, address)
     return client
 

@@ -677,7 +677,8 @@ async def test_a_database_or_address_refused_is_one_line_not_a_traceback(
             ["status", "2026-12"],
             # Shaped as host:port, but no IPv6 address: the SDK's refusal.
             {"TEMPORAL_ADDRESS": "[1::2::3]:7233"},
-            "TEMPORAL_ADDRESS '[1::2::3]:7233': invalid target URL",
+            "the Temporal address '[1::2::3]:7233' (TEMPORAL_ADDRESS, or the profile's address):"
+            " invalid target URL",
         ),
     ]
     for argv, env, expected in cases:
