@@ -762,6 +762,19 @@ async def test_resume_is_refused_on_a_cancelled_run(harness: Harness) -> None:
         await operations.control(harness.client, PERIOD, "resume", ALICE)
 
 
+async def test_a_cancel_of_a_period_billed_in_full_names_no_cancel(harness: Harness) -> None:
+    """The ledger's summary of a run that completed has no canceller: `cancel` says that
+    nothing runs, not that someone cancelled a period its customers have paid."""
+    await harness.seed(1)
+    async with harness.running_worker():
+        await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    code, out, err = await harness.starter(
+        "cancel", str(PERIOD), "--reason", "wrong prices", "--operator", "alice"
+    )
+    assert (code, out) == (2, ""), err
+    assert f"no run of {PERIOD} is running to cancel" in err and "cancelled by" not in err, err
+
+
 async def test_skip_before_and_during_a_run(harness: Harness) -> None:
     customers = await harness.seed(10)
     first, second = customers[0], customers[1]
@@ -811,10 +824,11 @@ async def test_skip_before_and_during_a_run(harness: Harness) -> None:
     )
     assert (code, out) == (2, ""), out
     assert err.startswith(f"error: {second.customer_id} in {PERIOD}: cannot skip"), err
-    again = await operations.skip(
-        harness.client, harness.settings, harness.database_url, PERIOD, skip
+    # One that stands is said on stdout, exit 0: not as an error, as a refusal is.
+    code, out, err = await harness.starter(
+        "skip", str(PERIOD), first.customer_id, "--reason", "disputed", "--operator", "carol"
     )
-    assert (again.skipped, again.detail) == (True, "already skipped")
+    assert (code, out, err) == (0, f"{first.customer_id} in {PERIOD}: already skipped\n", "")
     assert not [c for c in await harness.charges() if c["customer"] == first.stripe_customer_id]
 
 
@@ -1895,6 +1909,25 @@ async def test_status_of_a_run_that_ended_early_says_why_and_exits_3(harness: Ha
     code, _, err = await harness.starter("status", str(later))
     assert code == 3, err
     assert f"the run of {later} ended failed (billing period month 13 is not 01-12)" in err
+
+
+async def test_status_json_of_a_rerun_ended_early_names_how_it_ended_beside_the_ledger_totals(
+    harness: Harness,
+) -> None:
+    """The period billed, then run again and terminated: `status` adds what every run
+    billed to its words, and its JSON must still say the run was terminated, as a script
+    tells a run stopped by hand from one that failed."""
+    await harness.seed(2)
+    async with harness.running_worker():
+        await (await start_period(harness.client, PERIOD, harness.task_queue)).result()
+    rerun = await start_period(harness.client, PERIOD, harness.task_queue)
+    await rerun.terminate(reason="by hand")
+    code, out, err = await harness.starter("status", str(PERIOD), "--json")
+    assert code == 3 and f"the run of {PERIOD} ended terminated (by hand)" in err, err
+    assert "; the period in the ledger, every run: charged 2 (usd " in err, err
+    assert EndedRun.model_validate_json(out) == EndedRun(
+        period=str(PERIOD), workflow_id=period_workflow_id(PERIOD), state="terminated"
+    )
 
 
 async def test_a_period_run_started_under_another_id_fails_before_it_opens_anything(

@@ -2322,6 +2322,30 @@ async def test_a_run_ended_before_its_close_is_reported(harness: Harness, cancel
     assert await harness.succeeded() == 4
 
 
+@pytest.mark.parametrize("in_doubt", [0, 1])
+async def test_a_cancel_of_an_ended_run_names_the_charges_it_left_in_doubt(
+    harness: Harness, in_doubt: int
+) -> None:
+    """A charge sent before the run ended may have been made: `cancel` closes the period,
+    and must say reconciliation has that claim still to settle, or the operator takes the
+    period for settled and the charge stays unrecorded (or is made again by hand)."""
+    customer, _ = await harness.seed(2)
+    if in_doubt:
+        await stranded(harness, customer, at_stripe=True)
+    else:
+        await harness.open_period_by_hand(PERIOD)
+    code, out, err = await harness.starter(
+        "cancel", str(PERIOD), "--reason", "wrong prices", "--operator", "alice"
+    )
+    assert code == 0 and "had ended before its close; the ledger records the" in out, (out, err)
+    said = (
+        "; 1 claim whose charge was sent before it ended is left to reconciliation"
+        f" (`python starter.py reconcile {PERIOD}`)"
+    )
+    assert (said in out) == bool(in_doubt), out
+    assert ("left to reconciliation" in out) == bool(in_doubt), out
+
+
 async def test_a_reconciliation_keeps_what_it_left_to_look_at_again(harness: Harness) -> None:
     """A claim its running workflow owns is left, and kept as left, until a later
     reconciliation finishes it."""

@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from temporalio import workflow
@@ -31,8 +31,10 @@ from cli.main import main
 from cli.output import OutageNotice
 from cli.reconcile import NO_WORKER_SECONDS
 from tests.integration.cuttable_front import CuttableFront, cuttable_front
-from tests.integration.harness import Harness
+from tests.integration.harness import Harness, at_least
+from tests.integration.holds import HoldTheBillsEnd
 from tests.integration.invariants import assert_billed_once
+from tests.integration.test_operations import HoldClose
 from tests.integration.test_runs_told_apart import PREPARE, HoldEachRun
 from tests.waiting import eventually
 
@@ -162,6 +164,73 @@ async def test_watch_outlasts_temporal_going_away(harness: Harness) -> None:
     assert await stderr.says("note: Temporal is reachable again"), stderr.lines
     assert summary.charged == 4 and "charged 4," in out, out
     await assert_billed_once(harness, str(PERIOD), customers)
+
+
+@pytest.mark.parametrize("meets", ["its-close", "a-cancel-finishing", "no-worker"])
+async def test_watch_goes_on_until_the_run_has_ended(
+    harness: Harness,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    meets: str,
+) -> None:
+    """A run writing its close, one cancelled while charges it sent are still out, or one
+    whose worker is gone for a while (a deploy) has not ended: a watch that stopped there
+    left the operator reading "closing", "cancelling" or an error as the run's last word."""
+    customers = await harness.seed(4)
+    monkeypatch.setattr(billing.runs, "QUERY_TIMEOUT", timedelta(seconds=1))
+    hold = HoldClose() if meets == "its-close" else HoldTheBillsEnd()
+    operator = OperatorRequest(reason="watch test", operator="alice")
+    async with cuttable_front(harness.client.service_client.config.target_host) as front:
+        monkeypatch.setenv("TEMPORAL_ADDRESS", front.address)
+        monkeypatch.setenv("TEMPORAL_NAMESPACE", harness.client.namespace)
+        monkeypatch.setenv("DATABASE_URL", harness.database_url)
+        watch = None
+
+        async def looked(times: int) -> bool:
+            assert watch is not None
+            return watch.done() or await _called(front, "QueryWorkflow", times)
+
+        async with harness.running_worker(interceptors=[hold]):
+            handle = await start_period(
+                harness.client, PERIOD, harness.task_queue, RunOptions(max_in_flight=2)
+            )
+            if isinstance(hold, HoldClose):
+                await asyncio.wait_for(hold.closing.wait(), 60)
+            else:
+                # Two charges sent and held: a cancel waits for them, a pause lets them end.
+                await eventually(lambda: at_least(harness.money_requests(), 2))
+                word: Literal["cancel", "pause"] = (
+                    "cancel" if meets == "a-cancel-finishing" else "pause"
+                )
+                await operations.control(harness.client, PERIOD, word, operator)
+            watch = asyncio.ensure_future(
+                asyncio.to_thread(main, ["watch", str(PERIOD), "--interval", "0.2"])
+            )
+            # Its first look, and two more at a run that has not ended.
+            await eventually(lambda: looked(3))
+            ended_early = watch.done()
+            hold.go_on.set()  # before the check, or a failed one waits on the hold
+            assert not ended_early, capsys.readouterr()
+            if meets != "no-worker":
+                summary = await handle.result()
+        if meets == "no-worker":
+            # Its worker gone: two looks more, each waiting out its query.
+            seen = front.calls.count("QueryWorkflow")
+            await eventually(lambda: looked(seen + 2))
+            assert not watch.done(), capsys.readouterr()
+            async with harness.running_worker():
+                await operations.control(harness.client, PERIOD, "resume", operator)
+                summary = await handle.result()
+        code = await asyncio.wait_for(watch, 60)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    if meets == "a-cancel-finishing":
+        assert (summary.charged, summary.cancelled) == (2, 2)
+        assert "state cancelled" in out and "cancelled by alice: watch test" in out, out
+    else:
+        assert summary.charged == 4 and "state completed" in out, out
+        await assert_billed_once(harness, str(PERIOD), customers)
+    assert f"due 4: charged {summary.charged}, already billed" in out, out
 
 
 async def test_reconcile_outlasts_temporal_going_away(harness: Harness) -> None:
