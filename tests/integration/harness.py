@@ -10,13 +10,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 import pytest
 from stripe import HTTPClient, StripeClient
 from temporalio.api.enums.v1 import EventType, TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.update.v1 import Request as UpdateRequest
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client, WorkflowHandle, WorkflowHistory
 from temporalio.worker import Interceptor, Worker
@@ -27,6 +28,7 @@ from activities.stripe_access import StripeAccess, VaultAccess
 from billing import ledger
 from billing.config import BillingSettings
 from billing.customers import CustomerRow, upsert_customers
+from billing.data_converter import DATA_CONVERTER
 from billing.keys import customer_workflow_id, idempotency_key
 from billing.models import Claim, CustomerChargeInput, CustomerOutcome
 from billing.periods import Period
@@ -38,6 +40,8 @@ from tests.waiting import eventually
 from vault.client import VaultAdmin
 from worker import create_worker, direct_access
 from workflows.customer_charge import CustomerChargeWorkflow
+
+ModelT = TypeVar("ModelT")
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 VAULT_ADMIN_TOKEN = "admin-token-for-tests-only"  # noqa: S105
@@ -68,16 +72,34 @@ async def at_least(count: Awaitable[int], n: int) -> bool:
     return await count >= n
 
 
-async def accepted_updates(handle: WorkflowHandle[Any, Any], name: str | None = None) -> int:
-    """How many updates (of `name`, if given) the workflow's run has accepted."""
+async def _accepted_requests(
+    handle: WorkflowHandle[Any, Any], name: str | None = None
+) -> list[UpdateRequest]:
+    """The updates (of `name`, if given) the workflow's run has accepted, in order."""
     history = await handle.fetch_history()
     accepted = EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED
-    return sum(
-        e.event_type == accepted
-        and name
-        in (None, e.workflow_execution_update_accepted_event_attributes.accepted_request.input.name)
+    requests = [
+        e.workflow_execution_update_accepted_event_attributes.accepted_request
         for e in history.events
-    )
+        if e.event_type == accepted
+    ]
+    return [r for r in requests if name in (None, r.input.name)]
+
+
+async def accepted_updates(handle: WorkflowHandle[Any, Any], name: str | None = None) -> int:
+    """How many updates (of `name`, if given) the workflow's run has accepted."""
+    return len(await _accepted_requests(handle, name))
+
+
+async def accepted_update_inputs(
+    handle: WorkflowHandle[Any, Any], name: str, model: type[ModelT]
+) -> list[ModelT]:
+    """What each update of `name` the run accepted was given: who asked, and why."""
+    converter = DATA_CONVERTER.payload_converter
+    return [
+        converter.from_payloads(r.input.args.payloads, [model])[0]
+        for r in await _accepted_requests(handle, name)
+    ]
 
 
 async def update_taken(

@@ -35,6 +35,7 @@ from billing.models import (
     SkipRequest,
 )
 from billing.money import describe_amount, describe_amounts, spend_cap
+from billing.period_keys import KeyRenewal
 from billing.periods import period_for
 from billing.preview import preview_period
 from billing.reporting import describe
@@ -46,6 +47,7 @@ from tests.integration.harness import (
     VAULT_WORKER_BUDGET,
     VAULT_WORKER_TOKEN,
     Harness,
+    accepted_update_inputs,
     at_least,
 )
 from tests.integration.invariants import assert_billed_once
@@ -280,9 +282,15 @@ async def test_a_run_paused_at_its_cap_bills_the_rest_once_its_keys_are_renewed(
             await operations.renew_keys(vaulted.client, PERIOD, ALICE)
         await priced_past_the_cap(vaulted)
         old = await period_key(vaulted)
-        renewal = await operations.renew_keys(vaulted.client, PERIOD, ALICE)
-        [key] = renewal.keys
+        code, out, err = await vaulted.starter(
+            "renew-keys", str(PERIOD), "--reason", "cap reached", "--operator", "bob", "--json"
+        )
+        assert code == 0, err
+        [key] = KeyRenewal.model_validate_json(out).keys
         assert (key.replaced, key.vault_key_id) == (old, await period_key(vaulted))
+        # Who renewed them and why, as the run's history keeps it.
+        [asked] = await accepted_update_inputs(handle, "renew_keys", OperatorRequest)
+        assert asked == OperatorRequest(reason="cap reached", operator="bob")
         assert (await vaulted.vault.worker.get_key(old)).revoked
         # The new key has room for all that is left: a second renewal issues nothing.
         assert (await operations.renew_keys(vaulted.client, PERIOD, ALICE)).keys == []
