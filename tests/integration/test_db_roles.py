@@ -8,6 +8,7 @@ running side by side never share one, and they are dropped at teardown.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -36,8 +37,9 @@ PERIOD = period_for(datetime.now(UTC), "advance")
 
 # Each table with a plain column an UPDATE may name.
 VAULT_TABLES = {"vault_keys": "label", "vault_reservations": "state", "vault_audit": "method"}
+APPEND_ONLY_TABLES = {"vault_unauthenticated": "peer"}
 LEDGER_TABLES = {"billing_runs": "status", "customers": "customer_id"}
-COLUMNS = VAULT_TABLES | LEDGER_TABLES
+COLUMNS = VAULT_TABLES | LEDGER_TABLES | APPEND_ONLY_TABLES
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,16 @@ async def _drop_roles(owner_url: str, roles: DatabaseRoles) -> None:
         await conn.close()
 
 
+def _migrations_and(directory: Path, later: dict[str, str]) -> Path:
+    """The project's migrations copied to `directory`, with `later` (version to SQL) added or
+    put in place of the copies."""
+    for path in MIGRATIONS_DIR.glob("*.sql"):
+        (directory / path.name).write_text(path.read_text())
+    for version, sql in later.items():
+        (directory / f"{version}.sql").write_text(sql)
+    return directory
+
+
 @pytest.fixture
 async def role_urls(postgres: LocalPostgres, database_url: str) -> AsyncIterator[RoleUrls]:
     """The test's database migrated by its owner and granted to a ledger and a vault role."""
@@ -100,6 +112,19 @@ async def db(role_urls: RoleUrls) -> AsyncIterator[asyncpg.Pool]:
 @pytest.fixture
 def vault_database_url(role_urls: RoleUrls) -> str:
     return role_urls.vault
+
+
+@pytest.fixture
+async def other_role(database_url: str, role_urls: RoleUrls) -> AsyncIterator[str]:
+    """A third role, neither the ledger's nor the vault's, dropped at teardown."""
+    name = f"{role_urls.roles.ledger}_other"
+    owner = await asyncpg.connect(database_url)
+    try:
+        await owner.execute(f"CREATE ROLE {name}")
+        yield name
+        await owner.execute(f"DROP OWNED BY {name}; DROP ROLE {name}")
+    finally:
+        await owner.close()
 
 
 @pytest.fixture
@@ -182,11 +207,12 @@ async def test_the_ledger_role_cannot_forge_a_key_nor_change_the_schema(
     )
 
 
+@pytest.mark.parametrize("table", ["vault_audit", "vault_unauthenticated"])
 async def test_the_vault_role_adds_audit_rows_but_never_changes_or_deletes_them(
-    as_vault: asyncpg.Connection,
+    as_vault: asyncpg.Connection, table: str
 ) -> None:
-    assert await as_vault.fetchval("SELECT count(*) FROM vault_audit") == 0
-    for statement in _statements("vault_audit")[2:]:
+    assert await as_vault.fetchval(f"SELECT count(*) FROM {table}") == 0
+    for statement in _statements(table)[2:]:
         with pytest.raises(asyncpg.InsufficientPrivilegeError):
             await as_vault.execute(statement)
 
@@ -197,14 +223,49 @@ async def test_granting_again_is_idempotent_and_covers_a_new_table(
     """A table a later migration adds is granted by its name, with no list to update."""
     owner = await asyncpg.connect(database_url)
     try:
-        await owner.execute("CREATE TABLE vault_later (n int); CREATE TABLE ledger_later (n int)")
+        # serial: the ledger's inserts need its sequence granted too.
+        await owner.execute(
+            "CREATE TABLE vault_later (id serial, n int);"
+            " CREATE TABLE ledger_later (id serial, n int)"
+        )
     finally:
         await owner.close()
     assert await migrate(database_url, roles=role_urls.roles) == []
     assert await migrate(database_url, roles=role_urls.roles) == []
-    await as_ledger.execute("INSERT INTO ledger_later VALUES (1)")
+    await as_ledger.execute("INSERT INTO ledger_later (n) VALUES (1)")
     with pytest.raises(asyncpg.InsufficientPrivilegeError):
         await as_ledger.execute("SELECT * FROM vault_later")
+
+
+# A grant made before this migrate (by hand, or by an older release): what it gave beyond
+# the end result is taken back.
+STALE_GRANTS = [
+    ("ledger", "GRANT ALL ON vault_keys TO {role}", "SELECT * FROM vault_keys"),
+    ("vault", "GRANT UPDATE, DELETE ON vault_audit TO {role}", "DELETE FROM vault_audit"),
+    ("ledger", "GRANT ALL ON vault_keys TO PUBLIC", "SELECT * FROM vault_keys"),
+    # PostgreSQL's default before 15, kept by an upgrade: a table or function created by a
+    # worker's role could shadow one the vault uses.
+    ("ledger", "GRANT CREATE ON SCHEMA public TO PUBLIC", "CREATE TABLE vault_shadow (n int)"),
+]
+
+
+@pytest.mark.parametrize(("role", "grant", "statement"), STALE_GRANTS, ids=str)
+async def test_a_grant_made_before_migrating_is_taken_back(
+    database_url: str, role_urls: RoleUrls, role: str, grant: str, statement: str
+) -> None:
+    roles = role_urls.roles
+    owner = await asyncpg.connect(database_url)
+    try:
+        await owner.execute(grant.format(role=roles.ledger if role == "ledger" else roles.vault))
+    finally:
+        await owner.close()
+    assert await migrate(database_url, roles=roles) == []
+    conn = await asyncpg.connect(role_urls.ledger if role == "ledger" else role_urls.vault)
+    try:
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute(statement)
+    finally:
+        await conn.close()
 
 
 async def test_a_worker_on_the_ledger_role_starts_on_a_current_database(
@@ -217,11 +278,9 @@ async def test_a_worker_on_the_ledger_role_starts_on_a_current_database(
 async def test_a_pending_migration_the_ledger_role_cannot_apply_is_refused_clearly(
     role_urls: RoleUrls, tmp_path: Path
 ) -> None:
-    for path in MIGRATIONS_DIR.glob("*.sql"):
-        (tmp_path / path.name).write_text(path.read_text())
-    (tmp_path / "999_later.sql").write_text("CREATE TABLE later (n int);")
+    directory = _migrations_and(tmp_path, {"999_later": "CREATE TABLE later (n int);"})
     with pytest.raises(MigrationError) as refused:
-        await migrate(role_urls.ledger, tmp_path)
+        await migrate(role_urls.ledger, directory)
     message = str(refused.value)
     assert "999_later" in message and "python starter.py migrate" in message
     assert "owner's DATABASE_URL" in message
@@ -232,15 +291,19 @@ async def test_the_owner_migrating_without_the_roles_once_they_are_granted_is_re
 ) -> None:
     """A new table applied without the two settings would be out of the roles' reach, and
     the workers would meet `permission denied` only inside their activities."""
-    for path in MIGRATIONS_DIR.glob("*.sql"):
-        (tmp_path / path.name).write_text(path.read_text())
-    (tmp_path / "999_later.sql").write_text("CREATE TABLE later (n int);")
+    directory = _migrations_and(tmp_path, {"999_later": "CREATE TABLE later (n int);"})
     with pytest.raises(MigrationError) as refused:
-        await migrate(database_url, tmp_path)
+        await migrate(database_url, directory)
     message = str(refused.value)
     assert f"granted to {role_urls.roles.ledger}, {role_urls.roles.vault}" in message
     assert "BILLING_DB_LEDGER_ROLE and BILLING_DB_VAULT_ROLE set" in message
-    assert await migrate(database_url, tmp_path, roles=role_urls.roles) == ["999_later"]
+    assert await migrate(database_url, directory, roles=role_urls.roles) == ["999_later"]
+    # Granted in the migrate that created it, not at the next one.
+    ledger = await asyncpg.connect(role_urls.ledger)
+    try:
+        await ledger.execute("INSERT INTO later VALUES (1)")
+    finally:
+        await ledger.close()
 
 
 async def test_worker_py_on_the_ledger_role_with_a_pending_migration_exits_with_what_to_run(
@@ -316,3 +379,81 @@ async def test_a_period_bills_with_the_workers_and_the_vault_on_their_own_roles(
     assert vaulted.vault is not None
     keys = await vaulted.vault.admin.find_keys(period=str(PERIOD))
     assert [k.spent_cents for k in keys] == [sum(c.amount_cents for c in customers)]
+
+
+@pytest.mark.parametrize(
+    ("superuser", "said"),
+    [(False, "does not exist"), (True, "is a superuser")],
+    ids=["missing", "superuser"],
+)
+async def test_a_ledger_role_the_grants_cannot_bind_is_refused_clearly(
+    database_url: str, role_urls: RoleUrls, other_role: str, superuser: bool, said: str
+) -> None:
+    """A superuser passes every check the grants set up: a worker on it could write the
+    vault's keys."""
+    if superuser:
+        owner = await asyncpg.connect(database_url)
+        try:
+            await owner.execute(f"ALTER ROLE {other_role} SUPERUSER")
+        finally:
+            await owner.close()
+    ledger = other_role if superuser else f"{other_role}_missing"
+    with pytest.raises(MigrationError) as refused:
+        await migrate(database_url, roles=DatabaseRoles(ledger=ledger, vault=role_urls.roles.vault))
+    assert f"BILLING_DB_LEDGER_ROLE: role {ledger} {said}" in str(refused.value)
+
+
+async def test_runners_migrating_at_once_apply_each_migration_once(
+    postgres: LocalPostgres,
+) -> None:
+    """Every worker migrates at start-up: the lock lets one apply, the others find it done."""
+    fresh = await new_database(postgres)
+    applied = await asyncio.gather(*(migrate(fresh) for _ in range(3)))
+    assert sorted(applied, key=len) == [[], [], [m.version for m in load_migrations()]]
+
+
+async def test_an_applied_migration_edited_afterwards_is_refused(
+    database_url: str, tmp_path: Path
+) -> None:
+    last = load_migrations()[-1]
+    directory = _migrations_and(tmp_path, {last.version: last.sql + "\n-- edited\n"})
+    with pytest.raises(MigrationError, match=f"migration {last.version} changed after it"):
+        await migrate(database_url, directory)
+
+
+async def test_a_failing_migration_leaves_none_of_the_pending_ones_applied(
+    database_url: str, tmp_path: Path
+) -> None:
+    directory = _migrations_and(
+        tmp_path,
+        {
+            "998_first": "CREATE TABLE first_later (n int);",
+            "999_broken": "CREATE TABLE x (n int, n int);",
+        },
+    )
+    with pytest.raises(asyncpg.DuplicateColumnError):
+        await migrate(database_url, directory)
+    conn = await asyncpg.connect(database_url)
+    try:
+        assert await conn.fetchval("SELECT to_regclass('first_later')") is None
+        assert not await conn.fetchval(
+            "SELECT count(*) FROM schema_migrations WHERE version = '998_first'"
+        )
+    finally:
+        await conn.close()
+
+
+async def test_a_directory_with_no_migrations_is_refused(database_url: str, tmp_path: Path) -> None:
+    """A deployment that lost its migrations/ would otherwise start as if current."""
+    with pytest.raises(MigrationError, match="no migration files found"):
+        await migrate(database_url, tmp_path)
+
+
+async def test_a_role_not_owning_the_schema_asked_to_grant_is_refused_clearly(
+    role_urls: RoleUrls, other_role: str
+) -> None:
+    """Not a silent success: the grants the operator asked for were not made."""
+    with pytest.raises(MigrationError, match="may not grant on the schema"):
+        await migrate(
+            role_urls.ledger, roles=DatabaseRoles(ledger=other_role, vault=role_urls.roles.vault)
+        )
