@@ -8,9 +8,9 @@ its ID (a period's, a customer's) doing nothing. A FailureError from decoding fa
 workflow instead, so that is what a refused `WorkflowInput` raises.
 
 Its failure converter redacts anything shaped like a key from every failure's message,
-stack trace and details (I5): Temporal keeps them in the run's history, for as long as the namespace
-keeps the run, and shows them in the Web UI, and an exception no code of ours wrote (a
-library's, quoting what it was given) could carry one.
+stack trace and details (I5): Temporal keeps them in the run's history, for as long as the
+namespace keeps the run, and shows them in the Web UI, and an exception no code of ours
+wrote (a library's, quoting what it was given) could carry one.
 """
 
 from __future__ import annotations
