@@ -317,22 +317,30 @@ class Harness:
         async with self.worker(interceptors) as worker:
             yield worker
 
+    def cli_env(self, **extra_env: str) -> dict[str, str]:
+        """What the CLI reads to reach the test's Temporal namespace, task queue and ledger;
+        `extra_env` comes last."""
+        return {
+            "TEMPORAL_ADDRESS": self.client.service_client.config.target_host,
+            "TEMPORAL_NAMESPACE": self.client.namespace,
+            "TEMPORAL_TASK_QUEUE": self.task_queue,
+            "DATABASE_URL": self.database_url,
+            **extra_env,
+        }
+
+    def use_cli_env(self, monkeypatch: pytest.MonkeyPatch, **extra_env: str) -> None:
+        """cli_env set in this process, for a command run in it (to patch what it calls)."""
+        for name, value in self.cli_env(**extra_env).items():
+            monkeypatch.setenv(name, value)
+
     async def starter_process(self, *args: str, **extra_env: str) -> asyncio.subprocess.Process:
         """`starter.py` started in its own process against the test's namespace and task
         queue, its output piped; `extra_env` comes last."""
-        config = self.client.service_client.config
         return await asyncio.create_subprocess_exec(
             sys.executable,
             str(PROJECT_ROOT / "starter.py"),
             *args,
-            env={
-                **os.environ,
-                "TEMPORAL_ADDRESS": config.target_host,
-                "TEMPORAL_NAMESPACE": self.client.namespace,
-                "TEMPORAL_TASK_QUEUE": self.task_queue,
-                "DATABASE_URL": self.database_url,
-                **extra_env,
-            },
+            env={**os.environ, **self.cli_env(**extra_env)},
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )

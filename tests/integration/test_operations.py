@@ -722,10 +722,7 @@ async def test_run_joining_a_cancelled_run_as_it_ends_says_nothing_was_started(
     await harness.seed(6)
     # The sent charges are held until the join, however long it takes on a loaded machine.
     hold = HoldTheBillsEnd()
-    config = harness.client.service_client.config
-    monkeypatch.setenv("TEMPORAL_ADDRESS", config.target_host)
-    monkeypatch.setenv("TEMPORAL_NAMESPACE", harness.client.namespace)
-    monkeypatch.setenv("TEMPORAL_TASK_QUEUE", harness.task_queue)
+    harness.use_cli_env(monkeypatch)
     async with harness.running_worker(interceptors=[hold]):
         handle = await start_period(
             harness.client, PERIOD, harness.task_queue, RunOptions(max_in_flight=2)

@@ -427,10 +427,7 @@ async def test_reconcile_with_no_worker_says_so_and_runs_once_one_polls(
     harness: Harness, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     await billed(harness, 2)
-    config = harness.client.service_client.config
-    monkeypatch.setenv("TEMPORAL_ADDRESS", config.target_host)
-    monkeypatch.setenv("TEMPORAL_NAMESPACE", harness.client.namespace)
-    monkeypatch.setenv("TEMPORAL_TASK_QUEUE", harness.task_queue)
+    harness.use_cli_env(monkeypatch)
     monkeypatch.setattr(reconcile_command, "NO_WORKER_SECONDS", 1.0)
     args = commands.parser().parse_args(["reconcile", str(PERIOD)])
     waiting = asyncio.create_task(reconcile_command.cmd_reconcile(args))

@@ -181,9 +181,7 @@ async def test_watch_goes_on_until_the_run_has_ended(
     hold = HoldClose() if meets == "its-close" else HoldTheBillsEnd()
     operator = OperatorRequest(reason="watch test", operator="alice")
     async with cuttable_front(harness.client.service_client.config.target_host) as front:
-        monkeypatch.setenv("TEMPORAL_ADDRESS", front.address)
-        monkeypatch.setenv("TEMPORAL_NAMESPACE", harness.client.namespace)
-        monkeypatch.setenv("DATABASE_URL", harness.database_url)
+        harness.use_cli_env(monkeypatch, TEMPORAL_ADDRESS=front.address)
         watch = None
 
         async def looked(times: int) -> bool:
@@ -271,10 +269,7 @@ async def test_run_whose_start_answer_was_lost_joins_the_run_it_started(
     does; without, it says the run may have started, and what to do, not only Temporal's
     words."""
     customers = await harness.seed(2)
-    config = harness.client.service_client.config
-    monkeypatch.setenv("TEMPORAL_ADDRESS", config.target_host)
-    monkeypatch.setenv("TEMPORAL_NAMESPACE", harness.client.namespace)
-    monkeypatch.setenv("TEMPORAL_TASK_QUEUE", harness.task_queue)
+    harness.use_cli_env(monkeypatch)
     started: list[str | None] = []
 
     async def answer_lost_once(*args: Any) -> WorkflowHandle[Any, PeriodSummary]:
@@ -316,10 +311,7 @@ async def test_run_wait_that_joined_an_open_run_which_ended_during_the_outage_st
     had joined: a run open at the first look and ended since is the one it joined
     (helper-162 F1)."""
     await harness.seed(2)
-    config = harness.client.service_client.config
-    monkeypatch.setenv("TEMPORAL_ADDRESS", config.target_host)
-    monkeypatch.setenv("TEMPORAL_NAMESPACE", harness.client.namespace)
-    monkeypatch.setenv("TEMPORAL_TASK_QUEUE", harness.task_queue)
+    harness.use_cli_env(monkeypatch)
     hold = HoldEachRun(PREPARE)
     started: list[str | None] = []
 
@@ -470,9 +462,7 @@ async def test_a_status_query_temporal_stopped_answering_is_not_blamed_on_the_wo
     await start_period(harness.client, PERIOD, harness.task_queue)
     monkeypatch.setattr(billing.runs, "QUERY_TIMEOUT", timedelta(seconds=2))
     async with cuttable_front(harness.client.service_client.config.target_host) as front:
-        monkeypatch.setenv("TEMPORAL_ADDRESS", front.address)
-        monkeypatch.setenv("TEMPORAL_NAMESPACE", harness.client.namespace)
-        monkeypatch.setenv("DATABASE_URL", harness.database_url)
+        harness.use_cli_env(monkeypatch, TEMPORAL_ADDRESS=front.address)
         status = asyncio.ensure_future(asyncio.to_thread(main, ["status", str(PERIOD)]))
         await eventually(lambda: _called(front, "QueryWorkflow"))
         if partition:

@@ -315,10 +315,7 @@ async def test_run_wait_says_when_the_run_pauses_itself(
     """`run --wait` on a run that pauses itself at its key's cap says so, and what to do,
     rather than wait for an operator without a word."""
     await vaulted.seed(10)
-    config = vaulted.client.service_client.config
-    monkeypatch.setenv("TEMPORAL_ADDRESS", config.target_host)
-    monkeypatch.setenv("TEMPORAL_NAMESPACE", vaulted.client.namespace)
-    monkeypatch.setenv("TEMPORAL_TASK_QUEUE", vaulted.task_queue)
+    vaulted.use_cli_env(monkeypatch)
     monkeypatch.setattr(runs, "PAUSE_CHECK_SECONDS", 0.2)
     async with vaulted.running_worker():
         await charging_one_at_a_time(vaulted)
