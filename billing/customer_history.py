@@ -105,15 +105,14 @@ async def customer_history(
         )
     wanted = None if period is None else str(period)
     which = "customer_id = $1 AND ($2::text IS NULL OR billing_period = $2)"
+    # The count beside the rows, in one statement: read apart, a row written between the two
+    # would misstate how many are older.
     rows = await conn.fetch(
-        f"SELECT {_ROW_COLUMNS} FROM billing_runs WHERE {which}"
+        f"SELECT {_ROW_COLUMNS}, count(*) OVER () AS matching FROM billing_runs WHERE {which}"
         " ORDER BY billing_period DESC LIMIT $3",
         customer_id,
         wanted,
         limit,
-    )
-    total = await conn.fetchval(
-        f"SELECT count(*) FROM billing_runs WHERE {which}", customer_id, wanted
     )
     without_row = None
     if wanted is not None and not rows:
@@ -126,10 +125,10 @@ async def customer_history(
         periods=[
             BilledPeriod(
                 workflow_id=customer_workflow_id(parse_period(row["period"]), customer_id),
-                **dict(row),
+                **{name: value for name, value in row.items() if name != "matching"},
             )
             for row in rows
         ],
-        older=total - len(rows),
+        older=rows[0]["matching"] - len(rows) if rows else 0,
         without_row=without_row,
     )

@@ -123,7 +123,7 @@ async def granted_to(conn: asyncpg.Connection) -> list[str]:
 
 async def _check_roles(conn: asyncpg.Connection, roles: DatabaseRoles) -> None:
     rows = await conn.fetch(
-        "SELECT rolname, rolsuper, rolbypassrls FROM pg_roles WHERE rolname = ANY($1::text[])",
+        "SELECT rolname, rolsuper FROM pg_roles WHERE rolname = ANY($1::text[])",
         [roles.ledger, roles.vault],
     )
     found = {row["rolname"]: row for row in rows}
