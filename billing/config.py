@@ -9,8 +9,8 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from billing.db_roles import ROLE_NAME, DatabaseRoles
-from billing.errors import BillingError, validation_reason
+from billing.db_roles import DatabaseRoles
+from billing.errors import BillingError, MigrationError, validation_reason
 from billing.models import ChargeApi
 from billing.redact import one_line
 from billing.sealing import SETTING, SecretBox
@@ -218,15 +218,6 @@ class DatabaseRolesSettings(BaseSettings):
         default=None, description="role of the vault's VAULT_DATABASE_URL"
     )
 
-    @field_validator("billing_db_ledger_role", "billing_db_vault_role")
-    @classmethod
-    def _role_name(cls, value: str | None) -> str | None:
-        if value is not None and not ROLE_NAME.fullmatch(value):
-            raise ValueError(
-                "must be a lower-case role name (letters, digits, '_'; at most 63 characters)"
-            )
-        return value
-
     @model_validator(mode="after")
     def _both_or_neither(self) -> DatabaseRolesSettings:
         if (self.billing_db_ledger_role is None) != (self.billing_db_vault_role is None):
@@ -234,13 +225,10 @@ class DatabaseRolesSettings(BaseSettings):
                 "set both BILLING_DB_LEDGER_ROLE and BILLING_DB_VAULT_ROLE, or neither: granting"
                 " one role alone would leave the other without its tables"
             )
-        if self.billing_db_ledger_role is not None and (
-            self.billing_db_ledger_role == self.billing_db_vault_role
-        ):
-            raise ValueError(
-                "BILLING_DB_LEDGER_ROLE and BILLING_DB_VAULT_ROLE must differ: with one role, a"
-                " worker taken over could write the vault's keys"
-            )
+        try:
+            self.roles()
+        except MigrationError as exc:
+            raise ValueError(str(exc)) from None
         return self
 
     def roles(self) -> DatabaseRoles | None:

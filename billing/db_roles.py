@@ -36,17 +36,23 @@ class DatabaseRoles:
     vault: str
 
     def __post_init__(self) -> None:
-        for name in (self.ledger, self.vault):
+        # The names go into GRANT statements unquoted and are not echoed: a bad one could be
+        # anything pasted into the setting.
+        for setting, name in self.settings():
             if not ROLE_NAME.fullmatch(name):
                 raise MigrationError(
-                    f"{name!r} is not a role name this project grants to: use lower-case"
-                    " letters, digits and '_' (at most 63), not starting with a digit"
+                    f"{setting}: must be a lower-case role name (letters, digits, '_'; at most"
+                    " 63 characters, not starting with a digit)"
                 )
         if self.ledger == self.vault:
             raise MigrationError(
-                "the ledger and the vault need two different roles: with one, a worker taken"
-                " over could write the vault's keys"
+                "BILLING_DB_LEDGER_ROLE and BILLING_DB_VAULT_ROLE must differ: with one role, a"
+                " worker taken over could write the vault's keys"
             )
+
+    def settings(self) -> tuple[tuple[str, str], tuple[str, str]]:
+        """Each role with the setting that names it, for messages."""
+        return ("BILLING_DB_LEDGER_ROLE", self.ledger), ("BILLING_DB_VAULT_ROLE", self.vault)
 
 
 def owner_of(name: str) -> Owner:
@@ -128,10 +134,7 @@ async def _check_roles(conn: asyncpg.Connection, roles: DatabaseRoles) -> None:
     )
     found = {row["rolname"]: row for row in rows}
     me: str = await conn.fetchval("SELECT current_user")
-    for setting, name in (
-        ("BILLING_DB_LEDGER_ROLE", roles.ledger),
-        ("BILLING_DB_VAULT_ROLE", roles.vault),
-    ):
+    for setting, name in roles.settings():
         row = found.get(name)
         if row is None:
             raise MigrationError(

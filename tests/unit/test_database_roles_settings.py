@@ -25,7 +25,7 @@ def test_both_set_name_the_two_roles(monkeypatch: pytest.MonkeyPatch) -> None:
     ("ledger", "vault", "said"),
     [
         ("billing_ledger", None, "or neither"),
-        ("billing", "billing", "must differ"),
+        ("billing", "billing", "BILLING_DB_VAULT_ROLE must differ"),
         (
             'x"; DROP TABLE customers; --',
             "billing_vault",
