@@ -232,3 +232,19 @@ async def test_a_drawn_429_comes_at_any_rate_and_saves_nothing(
     ledger = await raw.ledger()
     assert len(ledger["charges"]) == 1
     assert ledger["faults_injected"]["rate_limited"] == 2
+
+
+async def test_faults_injected_counts_the_faults_that_hit_and_no_miss(
+    emulator: RunningEmulator, raw: Raw
+) -> None:
+    """A chaos run reports, and requires, the faults it injected from these counts: a miss
+    counted would show faults that never happened."""
+    customer = await raw.customer()
+    emulator.configure(error_before_commit=0.5, rate_limited=0.3, seed=11)
+    statuses = [(await raw.charge(customer, f"counted-{i}")).status for i in range(20)]
+    counts = (await raw.ledger())["faults_injected"]
+    assert (counts["rate_limited"], counts["error_before_commit"]) == (
+        statuses.count(429),
+        statuses.count(500),
+    )
+    assert {200, 429, 500} <= set(statuses)

@@ -215,3 +215,47 @@ async def test_get_requests_ignore_the_key(raw: Raw) -> None:
     await raw.post("/v1/customers", {})
     second = await raw.get("/v1/customers", idempotency_key="read")
     assert len(second.body["data"]) == len(first.body["data"]) + 1
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [{"amount": "2000"}, {"metadata[customer_id]": "cust-000002"}],
+    ids=["amount", "metadata"],
+)
+@pytest.mark.parametrize(
+    ("card", "answered"), [("pm_card_visa", 200), ("pm_card_chargeCustomerFail", 402)]
+)
+async def test_a_key_sent_again_with_one_parameter_changed_is_an_idempotency_error(
+    raw: Raw, changed: dict[str, str], card: str, answered: int
+) -> None:
+    """The same parameter names with one value changed, a nested one too, after a charge or
+    a decline: replaying the first answer would hide a retry that changed what it charges
+    (I3)."""
+    customer = await raw.customer(card)
+    sent = {"metadata[customer_id]": "cust-000001"}
+    assert (await raw.charge(customer, "one-changed", **sent)).status == answered
+    again = await raw.charge(customer, "one-changed", **{**sent, **changed})
+    assert (again.status, again.body["error"]["type"]) == (400, "idempotency_error")
+    assert len((await raw.ledger())["charges"]) == 1
+
+
+async def test_every_key_past_the_ttl_is_forgotten_and_no_younger_one(
+    emulator: RunningEmulator, raw: Raw, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two keys saved together expire together, whichever comes back first, and a key saved
+    after them is still replayed: forgetting it would let its retry charge again."""
+    clock = Clock()
+    monkeypatch.setattr(emulator_module, "time", clock)
+    emulator.configure(idempotency_ttl_seconds=0.2)
+    customer = await raw.customer()
+    await raw.charge(customer, "older-1")
+    await raw.charge(customer, "older-2")
+    clock.advance(0.15)
+    younger = await raw.charge(customer, "younger")
+    clock.advance(0.1)
+    for key in ("older-2", "older-1"):
+        assert "Idempotent-Replayed" not in (await raw.charge(customer, key)).headers, key
+    again = await raw.charge(customer, "younger")
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert again.body["id"] == younger.body["id"]
+    assert len((await raw.ledger())["charges"]) == 5

@@ -82,3 +82,21 @@ async def test_each_endpoint_has_a_limit_of_its_own(emulator: RunningEmulator, r
     assert (await raw.ledger())["faults_injected"]["rate_limited"] == 1
     emulator.configure(endpoint_rate_limit_rps=None, rate_limit_rps=2)
     assert [(await raw.get(f"/v1/customers/{first}")).status for _ in range(3)] == [200, 200, 429]
+
+
+async def test_no_more_than_the_rate_passes_after_an_idle_spell_or_under_steady_pressure(
+    emulator: RunningEmulator, raw: Raw, clock: Clock
+) -> None:
+    """Idle time fills the bucket to one second's worth, no more; a client calling twice as
+    fast as the rate gets the rate through, every other call. An emulator letting more through
+    would hide a worker that goes past Stripe's limit."""
+    emulator.configure(rate_limit_rps=4)
+    await raw.get("/v1/customers")
+    clock.advance(10)
+    burst = [(await raw.get("/v1/customers")).status for _ in range(6)]
+    assert burst == [200] * 4 + [429] * 2
+    steady = []
+    for _ in range(6):
+        clock.advance(0.125)  # half a token at 4 per second
+        steady.append((await raw.get("/v1/customers")).status)
+    assert steady == [429, 200] * 3

@@ -138,11 +138,23 @@ async def test_payment_intent_succeeds_with_a_new_charge(sdk: Client, raw: Raw) 
     assert isinstance(intent.latest_charge, str) and intent.latest_charge.startswith("ch_")
     assert intent.payment_method == _default_method(customer)
     charge = await sdk.v1.charges.retrieve_async(intent.latest_charge)
-    assert (charge.status, charge.payment_intent, charge.amount) == ("succeeded", intent.id, 2500)
+    assert (charge.status, charge.payment_intent, charge.amount, charge.currency) == (
+        "succeeded",
+        intent.id,
+        2500,
+        "eur",
+    )
     fetched = await sdk.v1.payment_intents.retrieve_async(intent.id)
     assert fetched.status == "succeeded"
     [entry] = (await raw.ledger())["charges"]
-    assert entry["id"] == charge.id
+    # What the invariant checks compare with the billing ledger: a charge in the wrong
+    # currency must show as one.
+    assert (entry["id"], entry["amount"], entry["currency"], entry["customer"]) == (
+        charge.id,
+        2500,
+        "eur",
+        customer.id,
+    )
     assert entry["idempotency_key"] == "pi-ok"
     assert entry["metadata"] == {"billing_key": "k"}
 

@@ -97,6 +97,23 @@ async def test_a_method_the_customer_does_not_have_stores_nothing(
     assert (await raw.ledger())["charges"] == []
 
 
+@pytest.mark.parametrize(
+    ("path", "param"), [("/v1/payment_intents", "payment_method"), ("/v1/charges", "source")]
+)
+async def test_a_customers_method_named_without_its_customer_is_refused_and_charges_nothing(
+    raw: Raw, path: str, param: str
+) -> None:
+    """As Stripe refuses it: a charge of a customer's card that names no customer would be
+    one the billing ledger cannot tie to anyone."""
+    customer = await raw.customer()
+    params = {"amount": "100", "currency": "usd", param: method_of(customer)}
+    if path == "/v1/payment_intents":
+        params |= {"confirm": "true", "allowed_payment_method_types[0]": "card"}
+    reply = await raw.post(path, params, idempotency_key=f"no-customer-{param}")
+    assert (reply.status, reply.body["error"]["param"]) == (400, "customer"), reply.body
+    assert (await raw.ledger())["charges"] == []
+
+
 async def test_naming_no_method_is_refused_without_a_default_source(raw: Raw) -> None:
     # Stripe takes `customer.default_source` for a request naming no method, never the invoice
     # default (stripe-python 16, params/_payment_intent_create_params.py); this customer has
