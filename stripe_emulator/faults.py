@@ -29,7 +29,8 @@ class Faults:
         self._rng = random.Random(seed)
 
     def draw(self, kind: str, probability: float) -> bool:
-        # No draw at 0: switching one fault off leaves the sequence of the others unchanged.
+        # No draw at 0: a fault left off takes nothing from the sequence, so a seed draws the
+        # same faults whatever kinds are added later at 0.
         if probability <= 0:
             return False
         hit = self._rng.random() < probability
