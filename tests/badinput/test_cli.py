@@ -242,6 +242,14 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["starter.py", "run", str(period_for(datetime.now(UTC), "advance").previous()), "--late"],
         "--late is for a period more than 3 months before the current month",
     ),
+    "backfill late of a recent month": (
+        [
+            *("starter.py", "schedule", "backfill", "--late"),
+            *("--start", str(period_for(datetime.now(UTC), "advance").previous())),
+            *("--end", str(period_for(datetime.now(UTC), "advance").previous())),
+        ],
+        "--late is for a period more than 3 months before the current month",
+    ),
     "demo ahead without a period": (
         ["starter.py", "demo", "--ahead"],
         "--ahead lets --period name a month far from this one: without --period",

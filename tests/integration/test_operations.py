@@ -1257,6 +1257,16 @@ async def test_a_backfill_includes_a_launch_at_the_first_instant_of_its_window(
     assert [t.isoformat() for t in launches] == ["2026-02-01T00:00:00+00:00"]
 
 
+def _fired_every(seconds: int) -> ScheduleIntervalSpec:
+    """An interval whose next firing is half an interval away: aligned to the clock, an
+    hourly one paused would skip a firing at the top of the hour a test crossed, a warning
+    more in what `describe` says."""
+    now = int(datetime.now(UTC).timestamp())
+    return ScheduleIntervalSpec(
+        every=timedelta(seconds=seconds), offset=timedelta(seconds=(now + seconds // 2) % seconds)
+    )
+
+
 async def firing_every(
     harness: Harness,
     schedule_id: str,
@@ -1275,9 +1285,7 @@ async def firing_every(
         schedule_id=schedule_id, paused=paused, time_zone=time_zone, billing=billing
     )
     schedule = schedules.build_schedule(config, harness.task_queue, RunOptions())
-    schedule.spec = ScheduleSpec(
-        intervals=[ScheduleIntervalSpec(every=timedelta(seconds=seconds))], start_at=start_at
-    )
+    schedule.spec = ScheduleSpec(intervals=[_fired_every(seconds)], start_at=start_at)
     if overlap_all:
         schedule.policy.overlap = ScheduleOverlapPolicy.ALLOW_ALL
     return await harness.client.create_schedule(schedule_id, schedule)
@@ -1987,6 +1995,11 @@ async def test_a_trigger_or_backfill_that_would_start_nothing_is_refused(harness
     assert (code, out) == (2, "") and f"{billed}'s run completed. Nothing was backfilled" in err, (
         err
     )
+    # A month long past is refused without --late, as `run` refuses it: a mistyped year.
+    old = Period(*billed.later(-12))
+    span = ("--start", str(old), "--end", str(old))
+    code, out, err = await harness.starter("schedule", "backfill", *paused, *span)
+    assert (code, out) == (2, "") and f"{old} is more than 3 months before" in err, err
     handle = harness.client.get_schedule_handle("monthly-done")
     assert (await handle.describe()).info.num_actions == 0
     # With a month still to bill in the range, the backfill goes on and names the other.
@@ -2008,6 +2021,62 @@ async def test_an_overlap_policy_that_can_lose_a_firing_is_warned_of(
     await harness.client.get_schedule_handle(f"policy-{overlap}").delete()
     assert code == 0 and out.startswith("created schedule"), err
     assert (f"warning: --overlap {overlap}:" in err) is (overlap != "buffer_all"), err
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (
+            (
+                *("--day", "5", "--hour", "7", "--minute", "30", "--time-zone", "Europe/Berlin"),
+                *("--billing", "advance", "--overlap", "skip", "--catchup-hours", "12"),
+                "--paused",
+            ),
+            schedules.MonthlySchedule(
+                schedule_id="made",
+                day_of_month=5,
+                hour=7,
+                minute=30,
+                time_zone="Europe/Berlin",
+                billing="advance",
+                overlap="skip",
+                catchup_window=timedelta(hours=12),
+                paused=True,
+            ),
+        ),
+        ((), schedules.MonthlySchedule(schedule_id="made")),
+    ],
+    ids=["flags", "defaults"],
+)
+async def test_a_schedule_is_created_as_its_flags_say(
+    harness: Harness, flags: tuple[str, ...], expected: schedules.MonthlySchedule
+) -> None:
+    """What Temporal keeps is what was asked: a flag lost on the way fires on another day,
+    hour or zone, bills another month, or fires a schedule meant to be created paused."""
+    code, _, err = await harness.starter(
+        "schedule", "create", "--id", "made", "--leave-unbilled", *flags
+    )
+    assert code == 0, err
+    description, request = await schedules.launcher_of(harness.client, "made")
+    await harness.client.get_schedule_handle("made").delete()
+    made, wanted = (
+        description.schedule,
+        schedules.build_schedule(expected, harness.task_queue, RunOptions()),
+    )
+    assert [(list(c.day_of_month), list(c.hour), list(c.minute)) for c in made.spec.calendars] == [
+        (list(c.day_of_month), list(c.hour), list(c.minute)) for c in wanted.spec.calendars
+    ]
+    assert made.spec.time_zone_name == expected.time_zone
+    assert (made.policy.overlap, made.policy.catchup_window) == (
+        wanted.policy.overlap,
+        expected.catchup_window,
+    )
+    assert (made.state.paused, made.state.note) == (expected.paused, wanted.state.note)
+    assert (request.action, request.options.billing, request.time_zone) == (
+        "bill",
+        expected.billing,
+        expected.time_zone,
+    )
 
 
 async def test_the_longest_schedule_id_taken_is_one_temporal_takes(harness: Harness) -> None:
@@ -2080,29 +2149,32 @@ async def test_a_trigger_of_a_month_whose_cancelled_run_still_finishes_is_refuse
     assert await harness.succeeded() == 2 + 6
 
 
-@pytest.mark.parametrize("run", ["open", "ended"])
+@pytest.mark.parametrize("run", ["open", "running", "ended"])
 async def test_a_trigger_or_backfill_says_it_joins_a_paused_run_only_while_it_runs(
     harness: Harness, run: str
 ) -> None:
     """The launch joins the month's open run, which bills nothing while paused: "it bills"
     would have an operator wait for charges that do not come. A run that ended paused
     (terminated), which the ledger still holds open, is not joined but started again,
-    billing at once: "joins" was false then (helper-156 G2)."""
+    billing at once: "joins" was false then (helper-156 G2). An open run that is running
+    bills on: "paused" would have an operator resume a run nobody paused."""
     config = schedules.MonthlySchedule(schedule_id="monthly-held", hour=0, paused=True)
     await schedules.create_schedule(harness.client, config, harness.task_queue)
     billed = period_for(datetime.now(UTC))
     await harness.seed(1)
-    if run == "open":
+    if run in ("open", "running"):
         await harness.set_faults(latency_ms=10_000)
+        control = "paused" if run == "open" else "running"
 
-        async def paused() -> bool:
+        async def opened() -> bool:
             async with harness.pool.acquire() as conn:
-                return await ledger.open_runs(conn, [str(billed)]) == {str(billed): "paused"}
+                return await ledger.open_runs(conn, [str(billed)]) == {str(billed): control}
 
         async with harness.running_worker():
             await start_period(harness.client, billed, harness.task_queue, SLOW)
-            await operations.control(harness.client, billed, "pause", ALICE)
-            await eventually(paused)
+            if run == "open":
+                await operations.control(harness.client, billed, "pause", ALICE)
+            await eventually(opened)
         await harness.set_faults(latency_ms=0)
     else:
         plan = PeriodPlan(period=str(billed), due=1, to_charge=1, expected_total_cents=0)
@@ -2124,6 +2196,7 @@ async def test_a_trigger_or_backfill_says_it_joins_a_paused_run_only_while_it_ru
     assert (f"it bills {billed}" in out) is not joins, out
     # A backfill over it says so too (helper-152 N1).
     assert (f"joining the open, paused runs of {billed}" in backfill[1]) is joins, backfill
+    assert (f"joining the open runs of {billed}:" in backfill[1]) is (run == "running"), backfill
 
 
 async def test_a_launch_that_finds_its_periods_run_open_joins_it_and_completes(
@@ -2420,6 +2493,25 @@ async def test_a_key_in_a_pause_note_is_never_shown(harness: Harness) -> None:
         await handle.delete()
 
 
+@pytest.mark.parametrize("command", ["pause", "unpause"])
+async def test_a_schedule_pause_or_unpause_keeps_who_did_it_and_why(
+    harness: Harness, command: str
+) -> None:
+    """Temporal keeps the note, and `describe` shows it: without it, nobody can tell who
+    stopped the monthly billing, or why, nor whether to start it again."""
+    config = schedules.MonthlySchedule(schedule_id="noted-by", paused=command == "unpause")
+    handle = await schedules.create_schedule(harness.client, config, harness.task_queue)
+    given = ("--note", "amounts look wrong", "--operator", "alice")
+    code, _, err = await harness.starter("schedule", command, "--id", "noted-by", *given)
+    state = (await handle.describe()).schedule.state
+    await handle.delete()
+    assert code == 0, err
+    assert (state.paused, state.note) == (
+        command == "pause",
+        f"{'unpaused ' if command == 'unpause' else ''}by alice: amounts look wrong",
+    )
+
+
 async def test_a_reconciliation_keeps_the_id_it_is_given(harness: Harness) -> None:
     """`--id billing-monthly` with `--reconcile` was taken for the default and renamed."""
     create = ("schedule", "create", "--reconcile", "--paused")
@@ -2458,6 +2550,12 @@ async def test_a_schedule_not_ours_is_named_so(harness: Harness) -> None:
         assert (code, out) == (2, ""), (command, out)
         assert "starts 'NightlyExport', not this project's ScheduledBillingWorkflow" in err
         assert "Traceback" not in err
+    # Nor followed: "no billing schedule ... create it first" would send the operator to a
+    # create that fails on the id.
+    code, out, err = await harness.starter(
+        *("schedule", "create", "--reconcile", "--paused", "--billing-schedule", "someone-elses")
+    )
+    assert (code, out) == (2, "") and "not this project's ScheduledBillingWorkflow" in err, err
     handle = harness.client.get_schedule_handle("someone-elses")
     assert (await handle.describe()).schedule.state.paused
     await handle.delete()
@@ -2578,6 +2676,12 @@ async def test_a_reconciliation_is_told_what_it_cannot_follow(harness: Harness) 
     code, out, err = await harness.starter("schedule", "delete", "--id", "billing-monthly")
     assert code == 0 and f"warning: {gone}" in err, (out, err)
     code, out, err = await harness.starter("schedule", "describe", "--id", "utc")
+    assert code == 0 and f"warning: {gone}" in err, (out, err)
+    # Its id taken by a reconciliation: no firing of that bills a month either.
+    code, out, err = await harness.starter(*reconcile, "billing-monthly", "--billed-by-hand")
+    assert code == 0, err
+    code, out, err = await harness.starter("schedule", "describe", "--id", "utc")
+    await harness.client.get_schedule_handle("billing-monthly").delete()
     assert code == 0 and f"warning: {gone}" in err, (out, err)
     code, out, err = await harness.starter("schedule", "describe", "--id", "alone")
     assert code == 0 and "warning" not in err, (out, err)
@@ -2865,7 +2969,7 @@ async def test_a_launched_run_terminated_midway_is_flagged_until_it_is_started_a
     # One charge at a time, so that the terminate finds customers unclaimed; hourly, so that
     # the daily check two hours on has a firing for the month behind it.
     schedule = schedules.build_schedule(config, harness.task_queue, RunOptions(max_in_flight=1))
-    schedule.spec = ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(hours=1))])
+    schedule.spec = ScheduleSpec(intervals=[_fired_every(3600)])
     handle = await harness.client.create_schedule("cut-short", schedule)
     run = harness.client.get_workflow_handle(period_workflow_id(period))
     # A cancelled run finishes its charge in flight, then closes: held there, it is
@@ -2915,7 +3019,9 @@ async def test_a_launched_run_terminated_midway_is_flagged_until_it_is_started_a
                 in unbilled.describe()
             )
             assert f"WARNING: the runs cut-short launched for {period} ended" in err
-            assert f"schedule backfill --id cut-short --start {period} --end {period}" in err
+            # The schedule is paused: a backfill without --while-paused would be refused.
+            backfill = f"schedule backfill --id cut-short --start {period} --end {period}"
+            assert backfill + schedules.while_paused(True) in err, err
             # A launch starts the run again (the hourly spec leaves a backfill none to make).
             hold.go_on.set()
             await handle.trigger()
@@ -2938,8 +3044,11 @@ async def test_describe_says_what_it_could_not_read_and_succeeds(
     harness: Harness, ledger_url: str
 ) -> None:
     """The ledger is read only to say more: with it away, or its URL malformed, `describe`
-    printed the schedule, then exited 2 with the connection's error."""
-    handle = await firing_every(harness, "no-ledger", 3600, paused=True)
+    printed the schedule, then exited 2 with the connection's error. Firings it skipped
+    are named all the same, as if no month were billed since."""
+    handle = await firing_every(harness, "no-ledger", 1, paused=True)
+    missed = partial(schedules.missed_launches, harness.client, "no-ledger")
+    await eventually(lambda: _nonempty(missed()), timeout=30)
     try:
         process = await harness.starter_process(
             "schedule", "describe", "--id", "no-ledger", DATABASE_URL=ledger_url
@@ -2950,6 +3059,8 @@ async def test_describe_says_what_it_could_not_read_and_succeeds(
     assert process.returncode == 0, err
     assert out.startswith("schedule no-ledger"), out
     assert "note: the ledger could not be read" in err and "Traceback" not in err, err
+    assert "WARNING: no-ledger launched nothing at" in err, err
+    assert "months billed since by hand are listed too" in err, err
     assert "pa/ss" not in err
 
 
