@@ -24,7 +24,7 @@ import pytest
 from temporalio.client import Client
 
 import worker
-from billing import ledger, operations
+from billing import ledger, operations, seeding
 from billing.config import BillingSettings, SettingsError
 from billing.db import where
 from billing.errors import BillingError, InvalidInputError, NoWorkerError
@@ -37,6 +37,8 @@ from cli.main import main
 from devstack import demo
 from devstack.postgres import LocalPostgres
 from devstack.stack import StackConfig
+from stripe_emulator import EmulatorConfig
+from stripe_emulator import serve as serve_emulator
 from tests.conftest import free_port
 from vault.__main__ import main as vault_main
 
@@ -614,6 +616,36 @@ async def test_seeding_with_stripe_unreachable_is_one_line_and_writes_nothing(
     )
     assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
     assert await db.fetchval("SELECT count(*) FROM customers") == 0
+
+
+async def test_seeding_again_reuses_the_stripe_customers_and_counts_the_ledgers_others(
+    db: asyncpg.Pool, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeding run again (interrupted, or `demo` after `customers seed-demo`) gets Stripe's
+    replay of each customer, a batch at a time; and as a run bills every active customer,
+    those the demo did not create are counted apart."""
+    await db.execute(
+        "INSERT INTO customers (customer_id, stripe_customer_id, payment_method, amount_cents,"
+        " currency, active) VALUES ('c-1', 'cus_A', 'pm_1', 100, 'usd', true),"
+        " ('c-2', 'cus_B', 'pm_2', 100, 'usd', false)"
+    )
+    monkeypatch.setattr(seeding, "_BATCH", 2)  # three customers in two batches
+    monkeypatch.setenv("DATABASE_URL", database_url)
+    demo_rows = (
+        "SELECT customer_id, stripe_customer_id, amount_cents FROM customers"
+        " WHERE customer_id LIKE 'demo-%' ORDER BY customer_id"
+    )
+    async with serve_emulator(EmulatorConfig()) as emulator:
+        monkeypatch.setenv("STRIPE_API_BASE", emulator.url)
+        first = await seeding.seed_demo(3)
+        rows = await db.fetch(demo_rows)
+        again = await seeding.seed_demo(3)
+        assert await db.fetch(demo_rows) == rows
+    assert first == again == seeding.DemoSeed(written=3, active=4, not_demo=1)
+    assert [(r["customer_id"], r["amount_cents"]) for r in rows] == [
+        (f"demo-{i:06d}", seeding.demo_amount(i)) for i in (1, 2, 3)
+    ]
+    assert len({r["stripe_customer_id"] for r in rows}) == 3
 
 
 async def test_an_import_warns_of_a_stripe_customer_charged_under_two_ids(

@@ -129,6 +129,7 @@ async def test_metrics_endpoints_move_with_a_run(harness: Harness) -> None:
     assert any(name.startswith("temporal_") and name.endswith("_total") for name, _ in temporal)
     assert f'task_queue="{harness.task_queue}"' in temporal_text
     assert "temporal_activity_execution_latency_seconds_bucket" in temporal_text
+    assert "\ntemporal_workflow_completed_total{" in temporal_text
 
 
 async def test_a_charge_retried_after_its_record_failed_counts_its_money_once(

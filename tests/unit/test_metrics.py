@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 import urllib.request
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -54,6 +55,7 @@ def charge_samples() -> list[float]:
         metric_value("billing_charged_amount_cents_total", currency="eur"),
         metric_value("billing_claim_to_charge_seconds_count"),
         metric_value("billing_claim_to_charge_seconds_bucket", le="5.0"),
+        metric_value("billing_claim_to_charge_seconds_bucket", le="2.5"),
     ]
 
 
@@ -64,13 +66,14 @@ def moved(before: list[float]) -> list[float]:
 def test_an_attempt_counts_no_money() -> None:
     before = charge_samples()
     metrics.charge_attempted("charged")
-    assert moved(before) == [1, 0, 0, 0]
+    assert moved(before) == [1, 0, 0, 0, 0]
 
 
 def test_a_recorded_charge_counts_its_money_once() -> None:
     before = charge_samples()
     metrics.charge_recorded(1250, "EUR", datetime.now(UTC) - timedelta(seconds=3))
-    assert moved(before) == [0, 1250, 1, 1]
+    # Observed as the 3 s it took: not 0 (in every bucket), as a reversed difference would be.
+    assert moved(before) == [0, 1250, 1, 1, 0]
 
 
 def refusal(kind: type[stripe.StripeError], status: int, code: str | None) -> stripe.StripeError:
@@ -95,6 +98,8 @@ def refusal(kind: type[stripe.StripeError], status: int, code: str | None) -> st
         (refusal(stripe.CardError, 402, "card_declined"), "card_declined", False),
         (refusal(stripe.InvalidRequestError, 400, "parameter_invalid"), "parameter_invalid", False),
         (refusal(stripe.APIError, 500, None), "http_500", False),
+        # A label value is bounded, whatever code an answer carries.
+        (refusal(stripe.AuthenticationError, 401, "long" * 40), ("long" * 40)[:64], True),
     ],
 )
 def test_vault_refusals_count_401_403_and_the_spend_cap(
@@ -123,6 +128,31 @@ def test_the_endpoint_serves_the_exposition_format(served: str) -> None:
     assert "# TYPE billing_claim_to_charge_seconds histogram" in text
 
 
+def test_both_endpoints_listen_on_metrics_host_only() -> None:
+    """Bound to every interface, they would show the worker's metrics to its whole network
+    whatever METRICS_HOST says. 127.0.0.2 is loopback too, but not 127.0.0.1."""
+    billing_port, temporal_port = free_port(), free_port()
+    settings = ObservabilitySettings(
+        metrics_host="127.0.0.2",
+        billing_metrics_port=billing_port,
+        temporal_metrics_port=temporal_port,
+    )
+    server = metrics.serve(settings)
+    assert server is not None
+    try:
+        runtime = metrics.temporal_runtime(settings)  # serves while it is referenced
+        for port in (billing_port, temporal_port):
+            url = f"http://127.0.0.2:{port}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as response:
+                assert response.status == 200
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        assert runtime is not None
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_ports_left_unset_serve_nothing() -> None:
     fields = ObservabilitySettings.model_fields
     assert fields["billing_metrics_port"].default is None
@@ -146,9 +176,12 @@ def test_a_schedule_id_made_by_hand_is_labelled_redacted_and_cut() -> None:
     """A reconciliation made with Temporal's own tools may follow any text: a key-shaped id
     reached the label as it was (helper-139's F1)."""
     key = "sk_live_" + "A1b2C3d4E5f6G7h8J9k0"
-    metrics.count_followed_schedule_gone(f"made-by-hand-{key}")
+    metrics.watch_schedule(f"made-by-hand-{key}")
     labels = {"schedule": "made-by-hand-[redacted key]"}
+    assert REGISTRY.get_sample_value("billing_unbilled_firings_total", labels) == 0.0
+    metrics.count_followed_schedule_gone(f"made-by-hand-{key}")
     assert REGISTRY.get_sample_value("billing_followed_schedule_gone_total", labels) == 1.0
+    assert not [s for m in billing_metrics() for s in m.samples if key in str(s.labels)]
     metrics.schedule_checked("x" * 5_000)
     cut = {"schedule": "x" * metrics.SCHEDULE_LABEL_MAX + "..."}
     assert REGISTRY.get_sample_value("billing_schedule_checked_timestamp_seconds", cut)

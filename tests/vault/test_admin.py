@@ -451,6 +451,21 @@ async def test_openapi_document_matches_the_routes(
     assert "403" in revoke_op["responses"]
     request_schema = schemas["IssueKeyRequest"]
     assert request_schema["properties"]["cap_cents"]["maximum"] == MAX_CAP_CENTS
+    # The daily cap has the same ceiling: past it the vault answers 422.
+    assert request_schema["properties"]["daily_cap_cents"]["anyOf"][0]["maximum"] == MAX_CAP_CENTS
+    # Every scheme named is defined; path parameters are required, query ones are not (the
+    # vault answers without them); an issued key's id feeds the operations on a key.
+    schemes = document["components"]["securitySchemes"]
+    for item in document["paths"].values():
+        for operation in item.values():
+            assert all(set(scheme) <= set(schemes) for scheme in operation["security"])
+            for parameter in operation.get("parameters", []):
+                assert parameter["required"] is (parameter["in"] == "path"), parameter
+    links = issue_op["responses"]["201"]["links"]
+    on_a_key = {op.operation_id for op in admin_module.OPERATIONS if "{key_id}" in op.path}
+    assert set(links) == on_a_key
+    assert {link["parameters"]["key_id"] for link in links.values()} == {"$response.body#/id"}
+    assert "id" in schemas["IssuedKey"]["properties"]
     resolve_body = document["paths"]["/vault/keys/{key_id}/reservations/{idempotency_key}/resolve"]
     resolve_schema = schemas[
         resolve_body["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"].split(
@@ -479,6 +494,7 @@ async def test_openapi_document_matches_the_routes(
         "type": "integer",
     }
     assert audit_params["before"]["schema"]["type"] == "integer"
+    assert "default" not in audit_params["before"]["schema"]  # omitted, never sent as null
 
 
 async def test_health_and_readiness(

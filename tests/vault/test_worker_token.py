@@ -198,12 +198,16 @@ async def _age(
             )
 
 
+@pytest.mark.parametrize(
+    "window_days",
+    [45, pytest.param(10, marks=pytest.mark.vault_settings(worker_budget_days=10))],
+)
 async def test_a_worker_key_lives_no_longer_than_the_budget_window(
-    worker: VaultAdmin, secrets_seen: Secrets, issue: Issue
+    worker: VaultAdmin, secrets_seen: Secrets, issue: Issue, window_days: int
 ) -> None:
     far = datetime.now(UTC) + timedelta(days=90)
     shortened = await _issue(worker, secrets_seen, expires_at=far)
-    window_end = datetime.now(UTC) + timedelta(days=45)
+    window_end = datetime.now(UTC) + timedelta(days=window_days)
     assert abs(shortened.expires_at - window_end) < timedelta(minutes=1)
     near = datetime.now(UTC) + timedelta(days=2)
     assert (await _issue(worker, secrets_seen, expires_at=near)).expires_at == near
@@ -368,16 +372,23 @@ async def test_concurrent_worker_keys_never_pass_the_budget(
             "VAULT_WORKER_TOKEN must differ from VAULT_ADMIN_TOKEN",
         ),
         ({"worker_token": "short", "worker_budget_cents": 1}, "at least 16 characters"),
+        ({"admin_token": "a" * 15}, "at least 16 characters"),
+        # Past it, sums of caps and amounts would overflow Postgres' bigint.
+        ({"max_cap_cents": 2**62 + 1}, "max_cap_cents"),
         # A live key in clear text, and a blank database URL asyncpg would fill in with
         # local defaults.
-        (
-            {
-                "upstream_stripe_secret": "rk_live_" + "Q7" * 12,
-                "upstream_stripe_base": "http://api.stripe.com",
-            },
-            "must be an https:// URL for a live Stripe key",
+        *(
+            (
+                {
+                    "upstream_stripe_secret": live + "Q7" * 12,
+                    "upstream_stripe_base": "http://api.stripe.com",
+                },
+                "must be an https:// URL for a live Stripe key",
+            )
+            for live in ("sk_live_", "rk_live_")
         ),
         ({"database_url": ""}, "is set but blank"),
+        ({"database_url": " "}, "is set but blank"),
         ({"upstream_stripe_base": "https://ops:hunter2@stripe.internal"}, "upstream_stripe_base"),
         # Read from a file with its newline: sent in a header, every request would fail 500.
         (
@@ -395,7 +406,7 @@ async def test_concurrent_worker_keys_never_pass_the_budget(
 def test_vault_settings_that_cannot_work_are_refused(
     worker_settings: dict[str, object], message: str
 ) -> None:
-    with pytest.raises(ValidationError, match=message):
+    with pytest.raises(ValidationError, match=message) as refused:
         VaultSettings(
             **{
                 "admin_token": ADMIN_TOKEN,
@@ -405,6 +416,9 @@ def test_vault_settings_that_cannot_work_are_refused(
                 **worker_settings,
             }  # type: ignore[arg-type]
         )
+    # Whoever prints the error prints no secret, the refused ones included.
+    secrets = (ADMIN_TOKEN, WORKER_TOKEN, UPSTREAM_SECRET, "Q7" * 12, "hunter2")
+    assert [s for s in secrets if s in str(refused.value)] == []
 
 
 async def test_without_a_worker_token_only_the_admin_token_opens(
