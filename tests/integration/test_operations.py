@@ -991,6 +991,67 @@ async def test_preview_warns_of_a_stripe_customer_charged_under_two_ids(harness:
     assert other.stripe_customer_id not in text
 
 
+async def test_a_preview_of_a_period_partly_billed_caps_what_is_left_at_the_multiplier_asked(
+    harness: Harness,
+) -> None:
+    """A rerun's preview: its total and caps are for what the run has left to charge (an open
+    claim included, a charge or a failure not), at the multiplier asked; a key with just the
+    room left, or one this ledger's workers issued (a run replaces it), is no warning."""
+    charged, failed, open_claim, unclaimed, euro = await harness.seed(5)
+    euro = euro.model_copy(update={"currency": "eur"})
+    await upsert_customers(harness.pool, [euro])
+    await harness.open_period_by_hand(PERIOD)
+    for row in (charged, failed, open_claim):
+        await harness.claim_by_hand(PERIOD, row.customer_id)
+    namespace = harness.settings.billing_key_namespace
+    async with harness.pool.acquire() as conn:
+        paid = ChargeResult(
+            charge_id="ch_1",
+            payment_intent_id="pi_1",
+            amount_cents=charged.amount_cents,
+            currency="usd",
+        )
+        await ledger.record_charge(
+            conn, idempotency_key(namespace, charged.customer_id, PERIOD), paid
+        )
+        declined = ChargeFailure(code="card_declined", message="Your card was declined.")
+        await ledger.record_unbilled(
+            conn, idempotency_key(namespace, failed.customer_id, PERIOD), "failed", declined
+        )
+    left = {"usd": open_claim.amount_cents + unclaimed.amount_cents, "eur": euro.amount_cents}
+    for currency, key_id, cap in (("usd", "vk_theirs", left["usd"]), ("eur", "vk_ours", 1)):
+        await harness.pool.execute(
+            "INSERT INTO period_vault_keys"
+            " (billing_period, currency, vault_key_id, secret, cap_cents)"
+            " VALUES ($1, $2, $3, $4, $5)",
+            str(PERIOD),
+            currency,
+            key_id,
+            f"{key_id}_secret",
+            cap,
+        )
+    await harness.pool.execute(
+        "INSERT INTO issued_vault_keys (vault_key_id, billing_period, currency)"
+        " VALUES ('vk_ours', $1, 'eur')",
+        str(PERIOD),
+    )
+
+    preview = await preview_period(harness.pool, str(PERIOD), 1.5)
+    assert sorted(x.customer_id for x in preview.to_charge) == sorted(
+        [open_claim.customer_id, unclaimed.customer_id, euro.customer_id]
+    )
+    assert [x.customer_id for x in preview.already_billed] == [charged.customer_id]
+    assert [x.customer_id for x in preview.not_billable] == [failed.customer_id]
+    assert (preview.totals_by_currency, preview.expected_total_cents) == (
+        left,
+        sum(left.values()),
+    )
+    assert preview.caps_by_currency == {c: -(-total * 3 // 2) for c, total in left.items()}
+    assert (preview.cap_cents, preview.cap_multiplier) == (-(-sum(left.values()) * 3 // 2), 1.5)
+    assert preview.issued_caps_by_currency == {"usd": left["usd"], "eur": 1}
+    assert preview.short_keys == []
+
+
 async def test_search_attributes_answer_what_the_web_ui_filters(harness: Harness) -> None:
     await harness.seed(
         6, card_for=lambda i: "pm_card_chargeCustomerFail" if i == 2 else "pm_card_visa"
@@ -2044,7 +2105,17 @@ async def test_an_overlap_policy_that_can_lose_a_firing_is_warned_of(
                 paused=True,
             ),
         ),
-        ((), schedules.MonthlySchedule(schedule_id="made")),
+        # As the help says: created paused, or with a policy or window that drops a late
+        # firing, a month would go unbilled without a word.
+        (
+            (),
+            schedules.MonthlySchedule(
+                schedule_id="made",
+                overlap="buffer_all",
+                catchup_window=timedelta(days=7),
+                paused=False,
+            ),
+        ),
     ],
     ids=["flags", "defaults"],
 )
@@ -2489,6 +2560,12 @@ async def test_a_key_in_a_pause_note_is_never_shown(harness: Harness) -> None:
             code, out, err = await harness.starter("schedule", command, "--id", "noted")
             assert code == (2 if command == "trigger" else 0), err
             assert key not in out + err and "[redacted key]" in out + err, (command, out, err)
+        # Nor kept by Temporal, whose Web UI shows a note as it is, when given to `--note`.
+        given = ("--note", f"rotate {key} first", "--operator", "ann")
+        code, _, err = await harness.starter("schedule", "unpause", "--id", "noted", *given)
+        assert code == 0, err
+        kept = (await handle.describe()).schedule.state.note
+        assert kept == "unpaused by ann: rotate [redacted key] first", kept
     finally:
         await handle.delete()
 

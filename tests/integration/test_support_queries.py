@@ -5,9 +5,9 @@ from __future__ import annotations
 from billing import ledger
 from billing.customer_history import CustomerHistory, PeriodWithoutRow
 from billing.customers import CustomerRow, upsert_customers
-from billing.failures import PeriodFailures
+from billing.failures import CUSTOMERS_NAMED, PeriodFailures, period_failures
 from billing.keys import customer_workflow_id, idempotency_key
-from billing.models import ChargeFailure
+from billing.models import ChargeFailure, ChargeResult
 from billing.money import describe_amount
 from billing.periods import Period
 from billing.runs import start_period
@@ -237,3 +237,66 @@ async def test_a_periods_failures_are_grouped_by_stripes_code(harness: Harness) 
     assert failures.groups[0].customer_ids == sorted(failed)[:2]
     code, out, _ = await harness.starter("failures", str(later.next()))
     assert out.splitlines()[0] == f"no customer failed in the ledger for {later.next()}"
+
+
+async def test_a_periods_failures_count_only_its_failed_rows_and_name_the_first_of_each_group(
+    harness: Harness,
+) -> None:
+    """Read from the ledger alone: the period's failed rows, not its charged or cancelled ones;
+    a group names its first CUSTOMERS_NAMED by id and counts its messages; groups of one size
+    in code order, a decline without an issuer's reason first."""
+    rows = [
+        CustomerRow(
+            customer_id=f"cust-{i:02}",
+            stripe_customer_id=f"cus_{i:02}",
+            payment_method="pm_card_visa",
+            amount_cents=1000,
+            currency="usd",
+        )
+        for i in range(CUSTOMERS_NAMED + 8)
+    ]
+    await upsert_customers(harness.pool, rows)
+    await harness.open_period_by_hand(PERIOD)
+    missing = [r.customer_id for r in rows[: CUSTOMERS_NAMED + 2]]
+    failed = {
+        # Claimed last id first: the names are by id, not as the rows were written.
+        **{
+            r.customer_id: ChargeFailure(
+                code="resource_missing", message=f"No such customer: '{r.stripe_customer_id}'"
+            )
+            for r in reversed(rows[: len(missing)])
+        },
+        rows[-5].customer_id: ChargeFailure(code="expired_card", message="Your card has expired."),
+        rows[-4].customer_id: ChargeFailure(code="expired_card", message="Your card has expired."),
+        rows[-3].customer_id: ChargeFailure(
+            code="card_declined", decline_code="insufficient_funds", message="No funds."
+        ),
+        rows[-2].customer_id: ChargeFailure(code="card_declined", message="Declined."),
+    }
+    charged, cancelled = rows[-1], rows[-6]
+    namespace = harness.settings.billing_key_namespace
+    for customer_id in [*failed, charged.customer_id, cancelled.customer_id]:
+        await harness.claim_by_hand(PERIOD, customer_id)
+    async with harness.pool.acquire() as conn:
+        for customer_id, failure in failed.items():
+            key = idempotency_key(namespace, customer_id, PERIOD)
+            await ledger.record_unbilled(conn, key, "failed", failure)
+        stopped = ChargeFailure(code="cancelled", message="cancelled")
+        key = idempotency_key(namespace, cancelled.customer_id, PERIOD)
+        await ledger.record_unbilled(conn, key, "cancelled", stopped)
+        result = ChargeResult(
+            charge_id="ch_1", payment_intent_id="pi_1", amount_cents=1000, currency="usd"
+        )
+        await ledger.record_charge(
+            conn, idempotency_key(namespace, charged.customer_id, PERIOD), result
+        )
+        failures = await period_failures(conn, str(PERIOD))
+    assert failures.failed == len(failed)
+    assert [(g.failure_code, g.decline_code, g.count, g.messages) for g in failures.groups] == [
+        ("resource_missing", None, len(missing), len(missing)),
+        ("expired_card", None, 2, 1),
+        ("card_declined", None, 1, 1),
+        ("card_declined", "insufficient_funds", 1, 1),
+    ]
+    assert failures.groups[0].customer_ids == missing[:CUSTOMERS_NAMED]
+    assert failures.groups[0].message == f"No such customer: '{rows[0].stripe_customer_id}'"
