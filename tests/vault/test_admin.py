@@ -108,6 +108,12 @@ async def test_admin_token_is_required_and_compared_in_constant_time(
         ({"period": "2026-13"}, "period"),
         ({"period": "1999-12"}, "period"),
         ({"label": ""}, "label"),
+        # A line break would forge lines in whatever prints the label.
+        ({"label": "billing\nforged"}, "label"),
+        (
+            {"allowed_endpoints": [f"GET /v1/charges/ch_{i}" for i in range(51)]},
+            "allowed_endpoints",
+        ),
         ({"expires_at": "2020-01-01T00:00:00Z"}, "expires_at"),
         ({"expires_at": "2999-01-01T00:00:00"}, "expires_at"),
         ({"allowed_endpoints": []}, "allowed_endpoints"),
@@ -164,7 +170,58 @@ async def test_malformed_json_is_a_400(vault: RunningVault, http: aiohttp.Client
 
 
 async def test_cap_up_to_the_ceiling_is_accepted(issue: Issue) -> None:
-    assert (await issue(cap_cents=MAX_CAP_CENTS)).cap_cents == MAX_CAP_CENTS
+    # And a daily cap up to the cap.
+    issued = await issue(cap_cents=MAX_CAP_CENTS, daily_cap_cents=MAX_CAP_CENTS)
+    assert (issued.cap_cents, issued.daily_cap_cents) == (MAX_CAP_CENTS, MAX_CAP_CENTS)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        # A misspelt filter ignored would list every key as if they matched.
+        ("GET", "/vault/keys?perod=2026-12", None),
+        ("GET", "/vault/keys?limit=1001", None),
+        # Past Postgres' bigint.
+        ("GET", "/vault/keys/{key}/audit?before=9223372036854775808", None),
+        ("GET", "/vault/keys/{key}/reservations?after=9223372036854775808", None),
+        # Committed, a negative amount would hand room back to the cap.
+        (
+            "POST",
+            "/vault/keys/{key}/reservations/in-doubt/resolve",
+            {"outcome": "succeeded", "amount_cents": -5},
+        ),
+        (
+            "POST",
+            "/vault/keys/{key}/reservations/in-doubt/resolve",
+            {"outcome": "succeeded", "attempt": 0},
+        ),
+        (
+            "POST",
+            "/vault/keys/{key}/reservations/in-doubt/resolve",
+            {"outcome": "failed", "min_idle_seconds": 30 * 86400 + 1},
+        ),
+    ],
+    ids=[
+        "unknown-filter",
+        "limit",
+        "audit-before",
+        "reservations-after",
+        "negative-amount",
+        "attempt-0",
+        "idle-past-30-days",
+    ],
+)
+async def test_an_admin_call_out_of_range_is_refused_before_anything_is_looked_up(
+    vault: RunningVault,
+    http: aiohttp.ClientSession,
+    issue: Issue,
+    method: str,
+    path: str,
+    body: Any,
+) -> None:
+    key = await issue()
+    status, reply = await _admin_call(http, vault, method, path.format(key=key.id), body)
+    assert (status, reply["error"]["code"]) == (422, "parameter_invalid"), reply
 
 
 async def test_the_client_raises_the_vaults_message(admin: VaultAdmin) -> None:

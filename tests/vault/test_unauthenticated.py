@@ -66,16 +66,19 @@ def test_a_clock_stepped_back_keeps_a_rows_last_after_its_first(
 
 
 @pytest.mark.vault_settings(unauthenticated_window_seconds=1)
+# Refused: the database up but rejecting the rows, an error no retry is made for.
+@pytest.mark.parametrize("failure", ["outage", "refused"])
 async def test_each_window_is_written_while_the_vault_runs_and_an_outage_stops_none_after_it(
     vault: RunningVault,
     http: aiohttp.ClientSession,
     db: asyncpg.Pool,
     postgres: LocalPostgres,
     caplog: pytest.LogCaptureFixture,
+    failure: str,
 ) -> None:
     """Written only when the vault stops, a window's counts would be lost to a vault that
-    dies; a write raising past a database outage would end the task that writes them, and
-    no later window would be written while the vault runs."""
+    dies; a write raising past a database outage (or a database error) would end the task
+    that writes them, and no later window would be written while the vault runs."""
 
     async def send_keyless(requests: int) -> None:
         for _ in range(requests):
@@ -95,12 +98,19 @@ async def test_each_window_is_written_while_the_vault_runs_and_an_outage_stops_n
 
     await send_keyless(3)
     await eventually(lambda: written(3), timeout=10)
-    await asyncio.to_thread(postgres.stop)
+    refuse = "ALTER TABLE vault_unauthenticated ADD CONSTRAINT refuse CHECK (requests < 0)"
+    if failure == "outage":
+        await asyncio.to_thread(postgres.stop)
+    else:
+        await db.execute(refuse + " NOT VALID")
     try:
         await send_keyless(1)
         await eventually(given_up, timeout=30)
     finally:
-        await asyncio.to_thread(postgres.start)
+        if failure == "outage":
+            await asyncio.to_thread(postgres.start)
+        else:
+            await db.execute("ALTER TABLE vault_unauthenticated DROP CONSTRAINT refuse")
     await send_keyless(2)
     # The outage's window is lost (logged), not the ones after it.
     await eventually(lambda: written(3 + 2), timeout=30)

@@ -268,22 +268,29 @@ async def test_cents_a_worker_frees_count_against_the_budget(
         await _issue(worker, secrets_seen, cap_cents=1)
 
 
+# In eur, the usd budget untouched: what a worker frees is weighed against its key's currency.
+@pytest.mark.parametrize("currency", ["usd", "eur"])
 async def test_a_worker_frees_the_room_left_to_the_cent_and_not_a_cent_more(
     worker: VaultAdmin,
     secrets_seen: Secrets,
     customer: str,
     emulator: RunningEmulator,
     stripe_via_vault: Callable[[IssuedKey], stripe.StripeClient],
+    currency: str,
 ) -> None:
-    mine = await _issue(worker, secrets_seen, cap_cents=WORKER_BUDGET_CENTS - 20_000)
-    await charge_in_doubt(emulator, stripe_via_vault(mine), customer, 30_000, "in-doubt")
+    mine = await _issue(
+        worker, secrets_seen, cap_cents=WORKER_BUDGET_CENTS - 20_000, currency=currency
+    )
+    await charge_in_doubt(
+        emulator, stripe_via_vault(mine), customer, 30_000, "in-doubt", currency=currency
+    )
     # 20,000 left: settled as charged 9,999 of 30,000 would free 20,001.
-    with pytest.raises(VaultForbidden, match=r"usd 0\.01 past"):
+    with pytest.raises(VaultForbidden, match=rf"{currency} 0\.01 past"):
         await worker.resolve(mine.id, "in-doubt", "succeeded", amount_cents=9_999)
     resolved = await worker.resolve(mine.id, "in-doubt", "succeeded", amount_cents=10_000)
     assert (resolved.state, resolved.committed_cents) == ("committed", 10_000)
-    with pytest.raises(VaultForbidden, match=r"usd 0\.01 past"):
-        await _issue(worker, secrets_seen, cap_cents=1)
+    with pytest.raises(VaultForbidden, match=rf"{currency} 0\.01 past"):
+        await _issue(worker, secrets_seen, cap_cents=1, currency=currency)
 
 
 async def test_an_expired_worker_key_counts_what_it_spent_for_the_window_only(
@@ -301,6 +308,27 @@ async def test_an_expired_worker_key_counts_what_it_spent_for_the_window_only(
         await _issue(worker, secrets_seen, cap_cents=1)
     await _age(db, spent.id, expires_days_ago=46)
     await _issue(worker, secrets_seen, cap_cents=40_000)
+
+
+async def test_a_worker_frees_what_an_expired_key_holds_in_doubt_with_no_room_left(
+    worker: VaultAdmin,
+    secrets_seen: Secrets,
+    db: asyncpg.Pool,
+    customer: str,
+    emulator: RunningEmulator,
+    stripe_via_vault: Callable[[IssuedKey], stripe.StripeClient],
+) -> None:
+    """Reconciliation settles charges in doubt after their key expired: on a dead key the
+    freed cents only change name (the budget counts them either way), so no room is needed
+    and the worker need not call for the admin token."""
+    expired = await _issue(worker, secrets_seen, cap_cents=WORKER_BUDGET_CENTS)
+    await charge_in_doubt(emulator, stripe_via_vault(expired), customer, 30_000, "in-doubt")
+    await _age(db, expired.id, expires_days_ago=0)
+    await _issue(worker, secrets_seen, cap_cents=WORKER_BUDGET_CENTS - 30_000 - 10_000)
+    assert (await worker.resolve(expired.id, "in-doubt", "failed")).state == "released"
+    await _issue(worker, secrets_seen, cap_cents=10_000)
+    with pytest.raises(VaultForbidden, match=r"usd 0\.01 past"):
+        await _issue(worker, secrets_seen, cap_cents=1)
 
 
 async def test_what_the_admin_api_does_to_a_key_is_in_its_audit_with_the_token(
