@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
-from billing import ledger
+from billing import ledger, run_states
 from billing.models import ChargeFailure, Control, Gate, PeriodPlan, PeriodSummary
+from billing.periods import Period
 from tests.integration.harness import Harness
 from tests.integration.test_ledger_reopen import PERIOD, claimed, passed
 from tests.waiting import eventually, waits_on_a_lock
@@ -141,6 +142,23 @@ async def test_a_periods_pause_and_close_leave_another_periods_run_alone(
         assert await ledger.open_runs(conn, [str(PERIOD), other]) == {str(PERIOD): "running"}
         # A launch leaves a completed month as it is, and joins (or restarts) an open one.
         assert await ledger.completed_runs(conn, [str(PERIOD), other]) == {other: False}
+
+
+async def test_a_launch_is_told_how_each_month_it_leaves_alone_ended(harness: Harness) -> None:
+    """A month billed, one cancelled and closed, one cancelled still closing: "completed" for
+    the cancelled one would have an operator believe its customers were billed (helper-227's
+    S08). A month still running is not left alone: a launch joins it."""
+    billed, cancelled, closing, running = (str(Period(*PERIOD.later(n))) for n in range(4))
+    async with harness.pool.acquire() as conn:
+        for period in (billed, cancelled, closing, running):
+            await ledger.open_period(conn, period, f"by-hand-{period}")
+        for period in (cancelled, closing):
+            await ledger.set_control(conn, period, "cancelled", "wrong prices", "ops")
+        for period in (billed, cancelled):
+            summary = PeriodSummary.empty(period, f"billing-period-{period}")
+            await ledger.finish_period(conn, period, summary.model_dump_json())
+        finished = await run_states.finished_runs(conn, [running, closing, cancelled, billed])
+    assert finished == {billed: "completed", cancelled: "cancelled", closing: "cancelling"}
 
 
 async def test_a_rerun_forgets_the_summary_of_the_run_before(harness: Harness) -> None:

@@ -68,6 +68,8 @@ async def test_a_stop_not_to_be_recorded_yet_is_only_noted(harness: Harness) -> 
         assert due == "cancelled"
         [row] = await harness.ledger_rows(str(PERIOD))
         assert (row["status"], row["completed_at"]) == ("claimed", None)
+        # Nor the cancel's words: the claim is still open, no decision was taken on it.
+        assert (row["reason"], row["decided_by"]) == (None, None)
         assert row["saved_error_at"] is not None
 
 
@@ -107,8 +109,11 @@ async def test_an_attempt_that_is_not_the_latest_proves_nothing(harness: Harness
     [
         (ledger.SAVED_ERROR_HOLDS_FOR - timedelta(minutes=1), True),
         (ledger.SAVED_ERROR_HOLDS_FOR + timedelta(minutes=1), False),
+        # Stripe forgets the key 24 hours after its first request: a request still on its
+        # way then could charge behind a recorded cancel, so the window closes well before.
+        (timedelta(hours=23), False),
     ],
-    ids=["just-within", "just-past"],
+    ids=["just-within", "just-past", "an-hour-before-stripe-forgets"],
 )
 async def test_only_a_claim_young_enough_is_cancelled(
     harness: Harness, age: timedelta, cancelled: bool
@@ -153,17 +158,26 @@ async def test_a_skip_reaches_a_charge_held_behind_a_saved_500(harness: Harness)
         assert (row["status"], row["reason"], row["decided_by"]) == ("skipped", "disputed", "ops")
 
 
-async def test_a_skip_is_refused_once_the_held_charge_is_too_old(harness: Harness) -> None:
+@pytest.mark.parametrize(
+    "age",
+    [
+        ledger.SKIP_BEHIND_SAVED_ERROR_FOR + timedelta(minutes=1),
+        # Still within the stop's window, but too near its end for the next try, minutes
+        # away, to record the skip: accepted, it would be said skipped and then charged.
+        ledger.SAVED_ERROR_HOLDS_FOR - timedelta(minutes=30),
+    ],
+    ids=["just-past", "near-the-stops-end"],
+)
+async def test_a_skip_is_refused_once_the_held_charge_is_too_old(
+    harness: Harness, age: timedelta
+) -> None:
     async with harness.pool.acquire() as conn:
         claim = await sent_in(conn, harness, "running")
         assert (
             await ledger.stop_behind_saved_error(conn, claim.idempotency_key, 1, record=True)
             is None
         )
-        await conn.execute(
-            "UPDATE billing_runs SET claimed_at = now() - $1::interval",
-            ledger.SKIP_BEHIND_SAVED_ERROR_FOR + timedelta(minutes=1),
-        )
+        await conn.execute("UPDATE billing_runs SET claimed_at = now() - $1::interval", age)
         refused = await skip(conn, claim)
         assert not refused.skipped and "already been sent" in refused.detail
 

@@ -63,6 +63,18 @@ async def test_concurrent_reservations_get_evenly_spaced_slots(db: asyncpg.Pool)
     assert max(s.wait_seconds for s in slots) > 4.5 - took - 1e-3
 
 
+async def test_a_wait_for_a_turn_lasts_until_the_slot_after_the_ones_held(
+    db: asyncpg.Pool,
+) -> None:
+    """What reconciliation's Stripe lookups wait with: the first turn on an idle limit is
+    now, and holds two slots; the next is two intervals later, on the database's clock."""
+    limit = RateLimit(db, "test", per_second=4)
+    began = await db_clock(db)
+    await limit.wait_turn(2)
+    await limit.wait_turn()
+    assert (await db_clock(db) - began).total_seconds() >= 0.5 - 0.01
+
+
 async def test_limits_in_separate_pools_share_one_row(db: asyncpg.Pool, database_url: str) -> None:
     # Two worker processes each have their own pool: the row, not the object, is the limit.
     other = await asyncpg.create_pool(database_url, min_size=1, max_size=2)
