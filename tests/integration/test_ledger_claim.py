@@ -179,6 +179,28 @@ async def test_a_temporal_stop_writes_a_row_only_where_a_claim_could_be_made(
     assert gated == "cancelled"
 
 
+async def test_a_temporal_stop_of_an_inactive_customer_billed_last_period_writes_no_row(
+    harness: Harness,
+) -> None:
+    """Only a row of this period lets a stop write an inactive customer skipped: last
+    period's claim does not. Written, the row would count the customer due and skipped, and
+    keep it skipped, unbilled, once it is active again."""
+    (customer,) = await harness.seed(1)
+    customer_id = customer.customer_id
+    await harness.open_period_by_hand("2026-11")
+    async with harness.pool.acquire() as conn:
+        last_key = idempotency_key("test", customer_id, Period(2026, 11))
+        await ledger.claim(conn, customer_id, "2026-11", last_key, "run-0", charge_api="charges")
+        await conn.execute(
+            "UPDATE customers SET active = false WHERE customer_id = $1", customer_id
+        )
+        with pytest.raises(UnknownCustomerError, match="not in the ledger"):
+            await ledger.request_skip(
+                conn, customer_id, PERIOD, key(customer_id), "cancelled", "temporal", stop=True
+            )
+    assert await harness.ledger_rows(PERIOD) == []
+
+
 async def test_a_row_without_an_api_takes_the_claims_unless_it_was_sent(harness: Harness) -> None:
     unsent, sent = await harness.seed(2)
     async with harness.pool.acquire() as conn:
@@ -772,8 +794,8 @@ async def test_a_plan_counts_an_open_claim_at_what_it_claimed_not_the_price_of_n
         ]
         await record_charged(conn, charged)
         await conn.execute(
-            "UPDATE customers SET amount_cents = amount_cents + 500, currency = 'eur'"
-            " WHERE customer_id = $1",
+            "UPDATE customers SET amount_cents = amount_cents + 500, currency = 'eur',"
+            " stripe_customer_id = 'cus_new' WHERE customer_id = $1",
             customer_id,
         )
         plan = await ledger.plan_period(conn, PERIOD)
@@ -781,6 +803,12 @@ async def test_a_plan_counts_an_open_claim_at_what_it_claimed_not_the_price_of_n
         preview = await ledger.preview_lines(conn, PERIOD)
     claimed = {claim.currency: claim.amount_cents}
     assert (plan.due, plan.to_charge, plan.totals_by_currency, unsent) == (2, 1, claimed, claimed)
+    # The Stripe customer too: a preview naming the customer's new one, which its claim does
+    # not charge, would hide a charge from whoever checks it.
     assert {
-        line.customer_id: (line.amount_cents, line.currency, line.open) for line in preview
-    } == {c.customer_id: (c.amount_cents, c.currency, c is claim) for c in (claim, charged)}
+        line.customer_id: (line.amount_cents, line.currency, line.stripe_customer_id, line.open)
+        for line in preview
+    } == {
+        c.customer_id: (c.amount_cents, c.currency, c.stripe_customer_id, c is claim)
+        for c in (claim, charged)
+    }
