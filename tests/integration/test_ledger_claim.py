@@ -179,28 +179,6 @@ async def test_a_temporal_stop_writes_a_row_only_where_a_claim_could_be_made(
     assert gated == "cancelled"
 
 
-async def test_a_temporal_stop_of_an_inactive_customer_billed_last_period_writes_no_row(
-    harness: Harness,
-) -> None:
-    """Only a row of this period lets a stop write an inactive customer skipped: last
-    period's claim does not. Written, the row would count the customer due and skipped, and
-    keep it skipped, unbilled, once it is active again."""
-    (customer,) = await harness.seed(1)
-    customer_id = customer.customer_id
-    await harness.open_period_by_hand("2026-11")
-    async with harness.pool.acquire() as conn:
-        last_key = idempotency_key("test", customer_id, Period(2026, 11))
-        await ledger.claim(conn, customer_id, "2026-11", last_key, "run-0", charge_api="charges")
-        await conn.execute(
-            "UPDATE customers SET active = false WHERE customer_id = $1", customer_id
-        )
-        with pytest.raises(UnknownCustomerError, match="not in the ledger"):
-            await ledger.request_skip(
-                conn, customer_id, PERIOD, key(customer_id), "cancelled", "temporal", stop=True
-            )
-    assert await harness.ledger_rows(PERIOD) == []
-
-
 async def test_a_row_without_an_api_takes_the_claims_unless_it_was_sent(harness: Harness) -> None:
     unsent, sent = await harness.seed(2)
     async with harness.pool.acquire() as conn:
@@ -549,7 +527,9 @@ async def test_an_inactive_customer_is_unknown_to_a_claim_once_its_run_has_close
 
 async def test_a_claim_of_another_period_is_no_row_of_this_one(harness: Harness) -> None:
     """A run starts again the child of a customer without a row of its period
-    (ledger.without_rows): last period's claim does not count, or no run bills it."""
+    (ledger.without_rows): last period's claim does not count, or no run bills it. Nor does
+    it let a Temporal stop write the customer, deactivated since, skipped (helper-226's B06):
+    the row would keep it unbilled once active again."""
     (customer,) = await harness.seed(1)
     customer_id = customer.customer_id
     await harness.open_period_by_hand("2026-11")
@@ -557,6 +537,14 @@ async def test_a_claim_of_another_period_is_no_row_of_this_one(harness: Harness)
         last_key = idempotency_key("test", customer_id, Period(2026, 11))
         await ledger.claim(conn, customer_id, "2026-11", last_key, "run-0", charge_api="charges")
         assert await ledger.without_rows(conn, PERIOD, [customer_id]) == [customer_id]
+        await conn.execute(
+            "UPDATE customers SET active = false WHERE customer_id = $1", customer_id
+        )
+        with pytest.raises(UnknownCustomerError, match="not in the ledger"):
+            await ledger.request_skip(
+                conn, customer_id, PERIOD, key(customer_id), "cancelled", "temporal", stop=True
+            )
+    assert await harness.ledger_rows(PERIOD) == []
 
 
 async def test_a_claim_waiting_on_a_cancels_page_leaves_the_row_it_writes_to_the_next_run(
