@@ -149,9 +149,9 @@ async def test_a_launch_is_told_how_each_month_it_leaves_alone_ended(harness: Ha
     the cancelled one would have an operator believe its customers were billed (helper-227's
     S08). A month still running is not left alone: a launch joins it."""
     billed, cancelled, closing, running = (str(Period(*PERIOD.later(n))) for n in range(4))
+    for period in (billed, cancelled, closing, running):
+        await harness.open_period_by_hand(period)
     async with harness.pool.acquire() as conn:
-        for period in (billed, cancelled, closing, running):
-            await ledger.open_period(conn, period, f"by-hand-{period}")
         for period in (cancelled, closing):
             await ledger.set_control(conn, period, "cancelled", "wrong prices", "ops")
         for period in (billed, cancelled):
