@@ -11,6 +11,7 @@ import asyncio
 import base64
 import binascii
 import json
+import logging
 import random
 import time
 from collections import deque
@@ -36,7 +37,9 @@ from .routing import Call, Route
 from .store import Store
 
 REQUEST_LOG_SIZE = 200_000
+_log = logging.getLogger(__name__)
 _TEST_KEY_PREFIX = "sk_test_"
+_INJECTED = "An unknown error occurred (injected by the Stripe emulator)."
 _request_ids = random.Random()
 
 
@@ -165,7 +168,7 @@ class Emulator:
         faults = self.faults if route.moves_money else None
         if faults and faults.draw(ERROR_BEFORE_COMMIT, config.error_before_commit):
             log["fault"] = ERROR_BEFORE_COMMIT
-            raise _fault_error(should_retry=True)
+            raise _fault_error(_INJECTED, should_retry=True)
         dropped = False
         if faults and faults.draw(ERROR_SAVED_BEFORE_COMMIT, config.error_saved_before_commit):
             # Stripe saves the result of every request that began executing, a 500 included,
@@ -206,11 +209,16 @@ def _executed(route: Route, call: Call, paths: list[list[str]]) -> tuple[int, JS
         if error.status != 402:
             raise
         return 402, error.body(), {}
+    except Exception:
+        # A fault of the emulator's own, perhaps after a charge was stored: Stripe saves the 500
+        # of a request that began executing, so a retry with the key replays it, never charges.
+        _log.exception("the emulator failed executing %s", call.url)
+        return _saved_fault("An unknown error occurred.")
     return 200, body, {}
 
 
-def _saved_fault() -> tuple[int, JSON, dict[str, str]]:
-    fault = _fault_error(should_retry=False)
+def _saved_fault(message: str = _INJECTED) -> tuple[int, JSON, dict[str, str]]:
+    fault = _fault_error(message, should_retry=False)
     return fault.status, fault.body(), fault.headers
 
 
@@ -267,8 +275,8 @@ def _rate_limited() -> StripeError:
     return error
 
 
-def _fault_error(*, should_retry: bool) -> StripeError:
-    error = api_error("An unknown error occurred (injected by the Stripe emulator).")
+def _fault_error(message: str, *, should_retry: bool) -> StripeError:
+    error = api_error(message)
     # Stripe asks not to retry a 500 it saved for the key: a retry would only replay it.
     error.headers["Stripe-Should-Retry"] = "true" if should_retry else "false"
     return error

@@ -140,6 +140,26 @@ async def test_a_402_is_saved_and_replayed(raw: Raw) -> None:
     assert len((await raw.ledger())["charges"]) == 1
 
 
+async def test_an_emulator_fault_after_a_charge_is_stored_is_saved_and_replayed(
+    raw: Raw, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    customer = await raw.customer()
+
+    def broken_expand(*_args: object) -> None:
+        raise RuntimeError("a bug after the charge was stored")
+
+    # Forgetting the key here would let the retry charge a second time.
+    monkeypatch.setattr(emulator_module, "expand", broken_expand)
+    failed = await raw.charge(customer, "stored-then-failed")
+    monkeypatch.undo()
+    again = await raw.charge(customer, "stored-then-failed")
+    assert failed.status == again.status == 500
+    assert failed.headers["Stripe-Should-Retry"] == "false"
+    assert "injected" not in failed.body["error"]["message"]
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert len((await raw.ledger())["charges"]) == 1
+
+
 async def test_validation_failures_are_not_saved(raw: Raw) -> None:
     customer = await raw.customer()
     refused = await raw.charge(customer, "fix-and-retry", currency="usdx")
