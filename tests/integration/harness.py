@@ -36,6 +36,7 @@ from billing.runs import period_status
 from billing.seeding import create_demo_customers
 from chaos.invariants import ledger_rows
 from stripe_emulator.client import EmulatorClient
+from tests import forked_cli
 from tests.waiting import eventually
 from vault.client import VaultAdmin
 from worker import create_worker, direct_access
@@ -347,18 +348,15 @@ class Harness:
 
     async def starter(self, *args: str) -> tuple[int, str, str]:
         """`starter.py` run to its end: exit code, stdout and stderr."""
-        process = await self.starter_process(*args)
-        try:
-            stdout, stderr = await asyncio.wait_for(process.communicate(), STARTER_TIMEOUT)
-        except TimeoutError:
+        done = await forked_cli.run(
+            PROJECT_ROOT / "starter.py", args, {**os.environ, **self.cli_env()}, STARTER_TIMEOUT
+        )
+        if done is None:
             # e.g. `run --wait` on a run that paused: fail the test rather than hang the suite.
-            process.kill()
-            await process.wait()
             raise AssertionError(
                 f"starter.py {' '.join(args)} did not exit within {STARTER_TIMEOUT} s"
-            ) from None
-        assert process.returncode is not None
-        return process.returncode, stdout.decode(), stderr.decode()
+            )
+        return done
 
     def worker_process(self, **extra_env: str) -> subprocess.Popen[bytes]:
         """worker.py in its own process, so a test can SIGKILL it; `extra_env` comes last."""
