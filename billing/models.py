@@ -25,7 +25,6 @@ VAULT_KEY_REVOKED_CODE = "vault_key_revoked"
 RENEWABLE_PAUSES = frozenset({SPEND_CAP_EXCEEDED_CODE, VAULT_KEY_EXPIRED_CODE, NO_PERIOD_KEY_CODE})
 
 LedgerStatus = Literal["claimed", "charged", "failed", "skipped", "cancelled"]
-TERMINAL_STATUSES: frozenset[str] = frozenset({"charged", "failed", "skipped", "cancelled"})
 Outcome = Literal["charged", "already_billed", "failed", "skipped", "cancelled"]
 # A customer's charge workflow's history grows only while it waits (a Stripe outage of hours,
 # a pause of days); past this many events it continues as new with the same claim.

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+import re
+from pathlib import Path
+from typing import Any, get_args
 
 import pytest
 from hypothesis import given
@@ -21,6 +23,7 @@ from billing.models import (
     Preview,
     PreviewLine,
     ShortKey,
+    finished_outcome,
 )
 from billing.money import describe_amount, describe_amounts, spend_cap, spend_caps
 from billing.period_keys import KeyRenewal, RenewedKey
@@ -70,6 +73,22 @@ def test_merged_pages_count_as_one(
     assert merged == _counted(first + second)
 
 
+def test_a_finished_row_seen_again_counts_as_it_ended_and_a_charge_as_already_billed() -> None:
+    # The model reads every status the ledger's rows can hold (migrations/001_ledger.sql).
+    sql = (Path(__file__).resolve().parents[2] / "migrations" / "001_ledger.sql").read_text()
+    [held] = re.findall(r"CHECK \(status IN \(([^)]*)\)\)", sql)
+    assert get_args(LedgerStatus) == tuple(re.findall(r"'(\w+)'", held))
+    finished = [status for status in get_args(LedgerStatus) if status != "claimed"]
+    assert [finished_outcome(status) for status in finished] == [
+        "already_billed",
+        "failed",
+        "skipped",
+        "cancelled",
+    ]
+    with pytest.raises(ValueError, match="no outcome yet"):
+        finished_outcome("claimed")
+
+
 def test_amounts_are_shown_per_currency_in_its_unit_as_stripe_counts_it() -> None:
     """Not "usd 9,719" for $97.19, which reads as whole dollars (helper-169 F7)."""
     assert describe_amounts({}) == "nothing"
@@ -81,6 +100,7 @@ def test_amounts_are_shown_per_currency_in_its_unit_as_stripe_counts_it() -> Non
     assert describe_amount("krw", 1_234_567) == "krw 1,234,567"
     assert describe_amount("usd", 5) == "usd 0.05"
     assert describe_amount("usd", -1_999) == "usd -19.99"
+    assert describe_amount("usd", 0) == "usd 0.00"
 
 
 def test_a_summary_never_adds_currencies_together() -> None:
@@ -233,6 +253,45 @@ def test_a_preview_tells_claimed_customers_with_no_payment_method_apart() -> Non
     assert "import them again" not in text
 
 
+def test_a_preview_warns_of_a_stripe_customer_charged_twice_and_names_those_held() -> None:
+    def of(customer_id: str, stripe_id: str, **fields: Any) -> PreviewLine:
+        return line(customer_id, 5_000, "usd", **fields).model_copy(
+            update={"stripe_customer_id": stripe_id}
+        )
+
+    preview = preview_of(
+        of("acme-1", "cus_acme"), of("ACME-1", "cus_acme"), of("z-2", "cus_z"), of("x-1", "cus_x")
+    )
+    preview = preview.model_copy(
+        update={
+            # Billed under one id, charged now under another; and one billed twice before,
+            # which a run would not charge again.
+            "already_billed": [
+                of("z-1", "cus_z", status="charged"),
+                of("y-1", "cus_y", status="charged"),
+                of("y-2", "cus_y", status="charged"),
+            ],
+            "not_billable": [
+                of("new-1", "cus_new").model_copy(update={"held_as": "old-1"}),
+                of("gone-1", "cus_gone"),
+            ],
+        }
+    )
+    assert preview.sharing_a_stripe_customer == {
+        "cus_acme": ["ACME-1", "acme-1"],
+        "cus_z": ["z-1", "z-2"],
+    }
+    assert [x.customer_id for x in preview.held] == ["new-1"]
+    twice, held = preview.warnings
+    assert (twice.kind, twice.customer_ids, twice.entries) == (
+        "stripe_customer_charged_twice",
+        ["ACME-1", "acme-1", "z-1", "z-2"],
+        ["cus_acme (ACME-1, acme-1)", "cus_z (z-1, z-2)"],
+    )
+    assert twice.message.startswith("2 Stripe customers would be charged more than once")
+    assert (held.kind, held.customer_ids, held.entries) == ("held", ["new-1"], ["new-1 (as old-1)"])
+
+
 def test_a_previews_json_carries_its_warnings_so_no_consumer_redoes_the_rules() -> None:
     preview = preview_of(
         line("a", 49, "usd"),
@@ -275,6 +334,13 @@ def _nothing_counted(**fields: Any) -> dict[str, Any]:
         **counts,
         **fields,
     }
+
+
+def test_a_run_that_has_done_nothing_counts_nothing() -> None:
+    empty = PeriodSummary.empty("2026-12", "billing-period-2026-12")
+    assert empty == PeriodSummary(**_nothing_counted(held=0, charged_by_currency={}))
+    # A run's counts start from Counts(): the same noughts.
+    assert empty == PeriodSummary(**_nothing_counted(**Counts().model_dump()))
 
 
 def test_a_run_that_paused_itself_says_how_to_bill_the_rest() -> None:
@@ -389,6 +455,13 @@ def test_the_ledgers_totals_read_each_count_in_its_place() -> None:
         "the period in the ledger, every run: charged 1 (usd 19.99), failed 2, skipped 3,"
         " cancelled 4, claims open 0"
     )
+    # As the ledger reads a period holding only open claims: the counts of no row are nought.
+    only_claims = PeriodTotals(claimed=2, charged_by_currency={})
+    assert describe_totals("2026-12", only_claims, run_open=True) == (
+        "the period in the ledger, every run: charged 0 (nothing), failed 0, skipped 0,"
+        " cancelled 0, claims open 2"
+    )
+    assert not only_claims.empty and PeriodTotals(charged_by_currency={}).empty
 
 
 @pytest.mark.parametrize(
@@ -396,6 +469,8 @@ def test_the_ledgers_totals_read_each_count_in_its_place() -> None:
     [
         ("spend_cap_exceeded: 500 cents would pass this key's cap", True),
         ("vault_key_revoked: the key was revoked", True),
+        ("vault_key_expired: the key expired", True),
+        ("no_period_key: the period has no key in usd", True),
         # The key's room frees itself at midnight; new keys would not mend the rest.
         (f"spend_cap_exceeded: 500 cents would pass this key's {DAILY_CAP}: 20 remain", False),
         ("permission_denied: not allowed", False),

@@ -5,6 +5,7 @@ caller's own text, which pydantic's `include_input=False` does not hide."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Optional
 
 import pytest
@@ -15,10 +16,13 @@ from temporalio.exceptions import ApplicationError
 from billing.data_converter import DATA_CONVERTER, RefusedWorkflowInputError
 from billing.models import (
     BillingPeriodInput,
+    Claim,
     CustomerChargeInput,
     CustomerOutcome,
+    RunOptions,
     WorkflowInput,
 )
+from tests.unit.claims import CLAIM
 
 KEY = "sk_live_" + "A1b2C3d4E5f6G7h8I9j0K1l2"
 
@@ -121,6 +125,14 @@ def test_a_workflow_input_its_model_refuses_is_a_failure_showing_no_value(hint: 
     assert CARD not in str(failure), failure
 
 
+def test_a_claims_age_by_the_ledgers_clock_stays_out_of_a_workflows_payloads() -> None:
+    """A workflow passing a claim on (to the charge, to its next run) passes no age that
+    grows stale in its history: the charge reads the claim's age from the ledger again."""
+    aged = CLAIM.model_copy(update={"claimed_ago": timedelta(hours=30)})
+    converter = DATA_CONVERTER.payload_converter
+    assert converter.from_payloads(converter.to_payloads([aged]), [Claim]) == [CLAIM]
+
+
 @pytest.mark.parametrize(
     "hint", [CustomerOutcome, CustomerOutcome | None], ids=["the-model", "x-or-none"]
 )
@@ -130,3 +142,25 @@ def test_any_other_value_its_model_refuses_stays_pydantics_error(hint: Any) -> N
     period's run half done."""
     with pytest.raises(ValidationError):
         _decoded({"customer_id": "cust-1", "outcome": "refunded"}, hint)
+
+
+@pytest.mark.parametrize(
+    ("option", "least", "most"),
+    [
+        # Within Temporal's own limits: 2,000 pending children a run, 51,200 events a history.
+        ("max_in_flight", 1, 1500),
+        ("max_starting", 1, 1500),
+        ("page_size", 1, 5000),
+        ("history_event_limit", 200, 40000),
+        ("child_history_event_limit", 10, 40000),
+        ("hand_over_after_seconds", 0, 600),
+    ],
+)
+def test_a_runs_options_are_taken_up_to_their_limits_and_refused_past_them(
+    option: str, least: int, most: int
+) -> None:
+    for value in (least, most):
+        assert getattr(RunOptions.model_validate({option: value}), option) == value
+    for value in (least - 1, most + 1):
+        with pytest.raises(ValidationError, match=option):
+            RunOptions.model_validate({option: value})

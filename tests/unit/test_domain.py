@@ -290,6 +290,8 @@ def test_invalid_amounts(bad: object, reason: str) -> None:
         ("", "whole number"),
         (" ", "whole number"),
         ("١٢", "whole number"),
+        # A sign before digits that are not all ASCII is not a negative amount.
+        ("-\u06612", "whole number"),
     ],
 )
 def test_parse_amount_wants_plain_cents(bad: str, reason: str) -> None:
@@ -310,6 +312,12 @@ def test_valid_currencies(good: str) -> None:
 def test_invalid_currencies(bad: object) -> None:
     with pytest.raises(InvalidCurrencyError):
         validate_currency(bad)
+
+
+def test_a_code_in_letters_that_are_not_ascii_is_not_told_to_be_written_in_lowercase() -> None:
+    # The Kelvin sign lowercases to an ASCII "k": "\u212aes" is not "kes" in capitals.
+    with pytest.raises(InvalidCurrencyError, match="three-letter ISO code, got"):
+        validate_currency("\u212aes")
 
 
 def test_a_three_decimal_currency_is_charged_to_the_hundredth() -> None:
@@ -542,6 +550,11 @@ def test_parse_amount_refuses_more_digits_than_int_converts() -> None:
     with pytest.raises(InvalidAmountError, match="5000 digits exceeds"):
         parse_amount("9" * 5000)
     assert parse_amount("0" * 5000 + "100") == 100
+    # Up to 40 digits the amount is shown; past them, only how many digits it has.
+    with pytest.raises(InvalidAmountError, match=f"amount {'9' * 40} exceeds"):
+        parse_amount("9" * 40)
+    with pytest.raises(InvalidAmountError, match="amount of 41 digits exceeds"):
+        parse_amount("9" * 41)
 
 
 @given(st.integers(1, MAX_AMOUNT_CENTS), st.integers(0, 5))
@@ -589,7 +602,8 @@ def test_a_key_given_as_a_period_or_an_amount_is_not_echoed() -> None:
 def test_an_operators_reason_and_name_keep_no_key() -> None:
     key = "rk_test_" + "Zx9Zx9Zx9Zx9Zx9Zx9Zx9"
     request = SkipRequest(customer_id="c-1", reason=f"pasted {key} by mistake", operator=key)
-    assert (request.reason, request.operator) == (
+    assert (request.customer_id, request.reason, request.operator) == (
+        "c-1",
         "pasted [redacted key] by mistake",
         "[redacted key]",
     )
@@ -606,6 +620,14 @@ def test_an_operators_reason_and_name_are_one_line_each() -> None:
     assert OperatorRequest(reason="Prüfung der Beträge", operator="李").operator == "李"
     # One for one: a text within the limit before the rule (a run's state) still is.
     assert len(OperatorRequest(reason="x" * 499 + "\n", operator="alice").reason) == 500
+
+
+def test_an_operators_reason_and_name_are_taken_from_one_character_to_their_limits() -> None:
+    for operator in ("a", "a" * 100):
+        assert OperatorRequest(reason="x", operator=operator).operator == operator
+    for reason, operator in (("", "alice"), ("x", ""), ("x", "a" * 101)):
+        with pytest.raises(ValidationError):
+            OperatorRequest(reason=reason, operator=operator)
 
 
 def test_a_redacted_reason_still_fits_its_limit() -> None:
