@@ -21,7 +21,9 @@ from pathlib import Path
 
 import asyncpg
 import pytest
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowFailureError, WorkflowQueryFailedError
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
 
 import worker
 from billing import ledger, operations, seeding
@@ -127,7 +129,10 @@ CASES: dict[str, tuple[list[str], str]] = {
         "operator: String should have at most 100 characters",
     ),
     "skip sql id": (["starter.py", "skip", "2026-12", HOSTILE_ID, "--reason", "r"], "1-64"),
-    "skip url id": (["starter.py", "skip", "2026-12", "../c%2F1?x=1", "--reason", "r"], "1-64"),
+    "skip url id": (
+        ["starter.py", "skip", "2026-12", "../c%2F1?x=1", "--reason", "r"],
+        "error: the customer id: customer id '../c%2F1?x=1' must be 1-64",
+    ),
     "deactivate sql id": (["starter.py", "customers", "deactivate", "c-1", HOSTILE_ID], "1-64"),
     "handled not a charge": (
         ["starter.py", "handled", "2026-12", "duplicate", "pi_3Nx", "--reason", "refunded"],
@@ -152,6 +157,10 @@ CASES: dict[str, tuple[list[str], str]] = {
     "handled list undo": (
         ["starter.py", "handled", "2026-12", "--undo"],
         "without them, handled only lists the marks",
+    ),
+    "handled list reason": (
+        ["starter.py", "handled", "2026-12", "--reason", "refunded"],
+        "--reason, --undo and --force go with a finding's kind and charge id",
     ),
     "handled list force": (
         ["starter.py", "handled", "2026-12", "--force"],
@@ -191,6 +200,10 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["starter.py", "schedule", "create", "--hour", "25"],
         "error: --hour: Input should be less than or equal to 23",
     ),
+    "schedule minute": (
+        ["starter.py", "schedule", "create", "--minute", "60"],
+        "error: --minute: Input should be less than or equal to 59",
+    ),
     "pause long reason": (
         ["starter.py", "pause", "2026-12", "--reason", "x" * 600],
         "error: --reason: String should have at most 500 characters (got 600)",
@@ -217,7 +230,9 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "schedule zone": (
         ["starter.py", "schedule", "create", "--time-zone", "Mars/Olympus"],
-        "error: --time-zone: time zone 'Mars/Olympus' is not an IANA name",
+        # The reason alone: only a string too long is told its length.
+        "error: --time-zone: time zone 'Mars/Olympus' is not an IANA name such as 'UTC' or"
+        " 'Europe/Berlin'\n",
     ),
     "schedule catchup huge": (
         ["starter.py", "schedule", "create", "--catchup-hours", "1e300"],
@@ -889,9 +904,11 @@ def test_output_nobody_reads_is_no_database_error(
     """`pause ... | head`: the pause was done, and only its output found no reader; a pipe
     the database's connection broke still says it may or may not have taken effect."""
     read, write = os.pipe()
-    os.close(read)
+    if broken == "stdout":
+        os.close(read)
+    # Read by nobody; or, when the database's connection broke, by a reader still there.
     stdout = os.fdopen(write, "w")
-    monkeypatch.setattr(sys, "stdout", stdout if broken == "stdout" else sys.stdout)
+    monkeypatch.setattr(sys, "stdout", stdout)
 
     async def done_then_printed(_: argparse.Namespace) -> int:
         if broken == "database":
@@ -902,10 +919,11 @@ def test_output_nobody_reads_is_no_database_error(
     monkeypatch.setattr(commands, "cmd_control", done_then_printed)
     code = main(["pause", "2026-12", "--reason", "audit"])
     err = capsys.readouterr().err
+    stdout.close()
     if broken == "stdout":
         assert (code, err) == (141, "")
-        stdout.close()
     else:
+        os.close(read)
         assert code == 2 and "it may or may not have taken effect" in err
 
 
@@ -930,13 +948,93 @@ def test_a_database_an_older_release_migrated_is_told_to_migrate(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     async def older_schema(_: argparse.Namespace) -> int:
-        raise error("column r.cancelled_before_start does not exist")
+        raise error(
+            "column r.cancelled_before_start does not exist\n"
+            'HINT:  Perhaps you meant to reference the column "r.cancelled".'
+        )
 
     monkeypatch.setattr(commands, "cmd_preview", older_schema)
     assert main(["preview", "2026-12"]) == 2
     stderr = capsys.readouterr().err
     assert "cancelled_before_start does not exist" in stderr
+    assert "HINT" not in stderr and stderr.count("\n") == 1, stderr
     assert "apply the migrations with 'python starter.py migrate'" in stderr
+
+
+SEARCH_ATTRIBUTE_HINT = "the namespace lacks the project's search attributes"
+
+
+@pytest.mark.parametrize(
+    ("raised", "code", "said"),
+    [
+        (
+            RPCError("connection refused", RPCStatusCode.UNAVAILABLE, b""),
+            2,
+            "error: Temporal cannot be reached (UNAVAILABLE: connection refused): what runs"
+            " there goes on",
+        ),
+        (
+            RPCError(
+                "BillingPeriod is not a valid search attribute", RPCStatusCode.INVALID_ARGUMENT, b""
+            ),
+            2,
+            "error: Temporal answered INVALID_ARGUMENT: BillingPeriod is not a valid search"
+            f" attribute: {SEARCH_ATTRIBUTE_HINT}; `python starter.py setup` registers them",
+        ),
+        # Only a refusal about search attributes is sent to `setup`.
+        (
+            RPCError("search attribute BillingPeriod", RPCStatusCode.PERMISSION_DENIED, b""),
+            2,
+            "error: Temporal answered PERMISSION_DENIED: search attribute BillingPeriod\n",
+        ),
+        (
+            RPCError("workflow id too long", RPCStatusCode.INVALID_ARGUMENT, b""),
+            2,
+            "error: Temporal answered INVALID_ARGUMENT: workflow id too long\n",
+        ),
+        (
+            WorkflowQueryFailedError("query handler broken"),
+            2,
+            "error: the run did not answer its status query: query handler broken (see its"
+            " workflow task's failure in the Web UI)",
+        ),
+        (
+            WorkflowFailureError(cause=ApplicationError("no open claim")),
+            3,
+            "error: the workflow failed: no open claim\n",
+        ),
+        (KeyboardInterrupt(), 130, ""),
+    ],
+    ids=[
+        "temporal away",
+        "no search attributes",
+        "refused otherwise",
+        "invalid otherwise",
+        "query failed",
+        "workflow failed",
+        "interrupted",
+    ],
+)
+def test_what_temporal_answers_is_one_line_and_its_exit_status(
+    raised: BaseException,
+    code: int,
+    said: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Exit 3 is a run that failed, as `run --wait` tells one; 1 is left to reconciliation's
+    findings, 130 to Ctrl-C."""
+
+    async def answered(_: argparse.Namespace) -> int:
+        raise raised
+
+    monkeypatch.setattr(commands, "cmd_preview", answered)
+    assert main(["preview", "2026-12"]) == code
+    printed = capsys.readouterr()
+    assert printed.out == ""
+    assert said in printed.err and printed.err.count("\n") == (1 if said else 0), printed.err
+    if "INVALID_ARGUMENT" not in said:
+        assert SEARCH_ATTRIBUTE_HINT not in printed.err
 
 
 async def test_deactivating_customers_says_what_it_did_and_refuses_what_it_cannot(

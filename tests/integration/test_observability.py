@@ -258,9 +258,12 @@ async def test_a_signal_is_logged_once_not_on_replay(
         )
         await handle.signal(SignalLogProbe.stop, "operator asked")
         assert await handle.result() == "operator asked"
+    # Logged as it was received, not when its history is replayed.
+    received = [line for line in json_lines(json_log) if line.get("event") == "signal"]
     history = await handle.fetch_history()
     await Replayer(workflows=[SignalLogProbe], workflow_runner=runner).replay_workflow(history)
     signals = [line for line in json_lines(json_log) if line.get("event") == "signal"]
-    assert len(signals) == 1
+    assert len(signals) == 1 and signals == received
     assert signals[0]["signal"] == "stop" and signals[0]["workflow_id"] == "signal-probe"
+    assert signals[0]["logger"] == "billing.signals"
     assert (signals[0]["period"], signals[0]["reason"]) == (str(PERIOD), "operator asked")

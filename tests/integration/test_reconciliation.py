@@ -1773,6 +1773,10 @@ async def test_a_mark_for_a_finding_no_reconciliation_reported_is_refused(
     async with harness.pool.acquire() as conn:
         marks = await ledger.handled_marks(conn, str(PERIOD))
     assert sorted(m.charge_id for m in marks) == sorted(["ch_nonexistent", duplicate])
+    # A mark made with --force is taken back without it: an undo marks nothing.
+    undo = ("handled", str(PERIOD), "duplicate", "ch_nonexistent", "--undo", "--reason", "typo")
+    code, out, err = await harness.starter(*undo)
+    assert code == 0 and "DUPLICATE ch_nonexistent: taken back (it was marked by" in out, err
 
 
 def finding(kind: FindingKind, charge_id: str, customer_id: str = "cust-1") -> Finding:

@@ -72,3 +72,19 @@ async def test_health_fails_while_the_event_loop_is_blocked(
         beating.cancel()
         server.shutdown()
         server.server_close()
+
+
+def test_a_worker_just_started_is_healthy_and_metrics_pass_through() -> None:
+    # With the limits the worker runs with, not the test's: a probe right after start-up
+    # must not have the worker restarted.
+    heartbeat = liveness.Heartbeat()
+    app = liveness.with_health(lambda environ, start_response: [b"metrics\n"], heartbeat)
+    started: list[tuple[str, list[tuple[str, str]]]] = []
+
+    def start_response(status: str, headers: list[tuple[str, str]]) -> None:
+        started.append((status, headers))
+
+    assert app({"PATH_INFO": liveness.HEALTH_PATH}, start_response) == [b"ok\n"]
+    assert started == [("200 OK", [("Content-Type", "text/plain; charset=utf-8")])]
+    assert app({"PATH_INFO": "/metrics"}, start_response) == [b"metrics\n"]
+    assert len(started) == 1

@@ -144,6 +144,8 @@ def test_configure_writes_json_when_asked() -> None:
         "logs.log_event(logging.getLogger('billing.test'), 'record', period='2026-12',"
         f" note='{SECRETS[0]}')\n"
         "logging.getLogger('billing.test').debug('hidden at INFO')\n"
+        # stripe-python's line for each request: the worker's log is about billing.
+        "logging.getLogger('stripe').info('message=Request to Stripe api')\n"
     )
     env = {**os.environ, "LOG_FORMAT": "json", "LOG_LEVEL": "INFO"}
     done = subprocess.run(
@@ -175,3 +177,16 @@ def test_configure_writes_text_by_default() -> None:
         check=True,
     )
     assert done.stderr.rstrip().endswith("INFO x: hi")
+    # The level asked for (the CLI's WARNING) over LOG_LEVEL.
+    quiet = program.replace("configure()", "configure('WARNING')") + (
+        "logging.getLogger('x').warning('shown')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", quiet],
+        cwd=ROOT,
+        env={**env, "LOG_LEVEL": "DEBUG"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stderr.rstrip().endswith("WARNING x: shown") and "hi" not in done.stderr

@@ -905,9 +905,16 @@ def test_a_machine_suspended_past_the_send_limit_holds_a_charge_up(
 
     passes(9.0)
     send_by.check()
+    with send_deadline.sending(send_by):
+        assert send_deadline._SENDING.get() is send_by
+    # Held to its deadline only within: the next request this task sends has its own.
+    assert send_deadline._SENDING.get() is None
     passes(11.0)
     with pytest.raises(send_deadline.HeldUpError):
         send_by.check()
+    # Refused before the forward, before a connection to Stripe is asked for.
+    with pytest.raises(send_deadline.HeldUpError), send_deadline.sending(send_by):
+        pytest.fail("a charge past its send limit was let through to be sent")
 
 
 class HeldUp:
