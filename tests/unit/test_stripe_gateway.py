@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 import stripe
 
-from activities.stripe_failures import WAITING_ON_CUSTOMER
+from activities import stripe_gateway
+from activities.stripe_failures import CANCELED_INTENT, WAITING_ON_CUSTOMER
 from activities.stripe_gateway import STALLED_AFTER_SECONDS, NoAnswerYet, StripeGateway
+from billing.ledger import SENT_DIRECT
 from billing.models import ChargeFailure, ChargeResult
 from billing.reconciliation import INCOMPLETE_INTENT, left_unknown_because
 from tests.unit.claims import CLAIM as LEDGER_CLAIM
@@ -108,6 +110,8 @@ async def test_a_charge_made_is_found_as_charged_while_pending_too(status: str) 
     assert isinstance(found, ChargeResult) and found.charge_id == f"ch_{status}"
     # The worker's `charge` event says which are still to be answered by their bank.
     assert found.pending == (status == "pending")
+    # Found, not made by the request at hand: no fresh charge in the worker's event.
+    assert found.replayed
     assert listing.calls == [{"customer": "cus_1", "limit": 100}]
 
 
@@ -131,6 +135,7 @@ async def test_a_periods_charges_are_listed_with_their_state(
     [found] = await gateway(Listing([listed])).period_charges("cus_1", CLAIM.period)
     assert (found.charge_id, found.state) == (f"ch_{status}", state)
     assert found.failure_code == ("card_declined" if state == "failed" else None)
+    assert found.pending == (status == "pending")
 
 
 async def test_a_failed_charge_is_found_as_failed_with_stripes_code() -> None:
@@ -144,11 +149,34 @@ async def test_of_failed_charges_with_the_claims_key_the_latest_is_its_answer() 
     """Sent again once Stripe had forgotten the key, the claim failed twice: Stripe lists the
     latest first, and its reason (the card since replaced, now short of funds) is what a
     person acts on."""
-    latest = charge("failed", id="ch_latest", failure_code="insufficient_funds", failure_message="")
-    first = charge("failed", id="ch_first", failure_code="expired_card", failure_message="")
+    short = "Your card has insufficient funds."
+    latest = charge(
+        "failed", id="ch_latest", failure_code="insufficient_funds", failure_message=short
+    )
+    first = charge("failed", id="ch_first", failure_code="expired_card", failure_message="expired")
     found = await gateway(Listing([latest, first])).find(CLAIM)
     assert isinstance(found, ChargeFailure)
-    assert (found.code, found.charge_id) == ("insufficient_funds", "ch_latest")
+    assert (found.code, found.charge_id, found.message) == (
+        "insufficient_funds",
+        "ch_latest",
+        short,
+    )
+    # So for PaymentIntents.
+    declined = {"code": "card_declined", "decline_code": "insufficient_funds", "message": short}
+    expired = {"code": "expired_card", "message": "expired"}
+    latest_intent = intent(
+        "requires_payment_method", NOW, id="pi_latest", last_payment_error=declined
+    )
+    first_intent = intent(
+        "requires_payment_method", LONG_AGO, id="pi_first", last_payment_error=expired
+    )
+    found = await intents_gateway(latest_intent, first_intent).find(INTENT_CLAIM)
+    assert isinstance(found, ChargeFailure)
+    assert (found.decline_code, found.payment_intent_id, found.message) == (
+        "insufficient_funds",
+        "pi_latest",
+        short,
+    )
 
 
 async def test_nothing_with_the_claims_key_is_none() -> None:
@@ -176,6 +204,10 @@ async def test_a_claim_of_unrecorded_api_charged_through_the_other_is_found_char
     legacy = CLAIM.model_copy(update={"charge_api": None})
     found = await StripeGateway(client, "charges").find(legacy)  # type: ignore[arg-type]
     assert isinstance(found, ChargeResult) and found.charge_id == "ch_by_intent"
+    # Charged through the setting's API, the claim is answered: the other is not listed.
+    client.v1.charges.list_async = unlisted
+    found = await StripeGateway(client, "payment_intents").find(legacy)  # type: ignore[arg-type]
+    assert isinstance(found, ChargeResult) and found.charge_id == "ch_by_intent"
 
 
 def intents_gateway(
@@ -183,7 +215,7 @@ def intents_gateway(
     created: stripe.PaymentIntent | None = None,
     lister: Callable[[dict[str, Any]], Awaitable[Any]] | None = None,
     canceller: Callable[[str, dict[str, Any]], Awaitable[Any]] | None = None,
-    may_cancel: bool = True,
+    may_cancel: bool | None = None,
 ) -> StripeGateway:
     """A gateway whose listing holds `listed` (or is `lister`), whose create answers
     `created`, as Stripe replays the answer it saved with the key, and whose cancel is
@@ -201,6 +233,9 @@ def intents_gateway(
         cancel_async=canceller or not_cancelled,
     )
     client = SimpleNamespace(v1=SimpleNamespace(payment_intents=intents))
+    if may_cancel is None:
+        # As the worker's gateway to Stripe directly is built: it cancels.
+        return StripeGateway(client, "payment_intents")  # type: ignore[arg-type]
     return StripeGateway(client, "payment_intents", may_cancel=may_cancel)  # type: ignore[arg-type]
 
 
@@ -243,7 +278,7 @@ class Account:
                     changes.pop("status"), listed.created, id=intent_id, **changes
                 )
 
-    def gateway(self, may_cancel: bool = True) -> StripeGateway:
+    def gateway(self, may_cancel: bool | None = None) -> StripeGateway:
         return intents_gateway(lister=self.listing, canceller=self.cancel, may_cancel=may_cancel)
 
 
@@ -305,18 +340,19 @@ async def test_a_cancel_the_vault_refuses_while_its_charge_is_sent_again_is_trie
         "in flight", http_status=409, json_body=_vault_error(CHARGE_IN_FLIGHT)
     )
     account = Account([stalled()], refusal=refused)
-    with pytest.raises(stripe.APIError, match="would not cancel payment intent pi_stalled yet"):
+    with pytest.raises(
+        NoAnswerYet, match="would not cancel payment intent pi_stalled yet"
+    ) as raised:
         await account.gateway().find(INTENT_CLAIM)
+    assert raised.value.http_status == 503
 
 
 async def test_an_intent_cancelled_at_two_hours_by_a_worker_clock_ahead_is_abandoned() -> None:
     # The worker's clock ran up to an hour ahead of Stripe's: by Stripe's two times the
-    # intent was cancelled before two hours, and it is the lookup's cancel all the same.
+    # intent was cancelled before two hours (an hour after it was made, at the earliest),
+    # and it is the lookup's cancel all the same.
     early = intent(
-        "canceled",
-        LONG_AGO,
-        cancellation_reason="abandoned",
-        canceled_at=LONG_AGO + STALLED_AFTER_SECONDS - 3599,
+        "canceled", LONG_AGO, cancellation_reason="abandoned", canceled_at=LONG_AGO + 3600
     )
     assert await intents_gateway(early).find(INTENT_CLAIM) is None
 
@@ -397,6 +433,9 @@ async def test_an_intent_waiting_on_the_customer_is_no_answer_and_says_so(create
             "payment intent pi_requires_action waits for the customer to act on Stripe"
             " (verify_with_microdeposits): they may still pay it"
         )
+    # Stripe names no step: the wait is said all the same.
+    with pytest.raises(NoAnswerYet, match=r"to act on Stripe \(an action\): they may"):
+        await intents_gateway(intent("requires_action", created)).find(INTENT_CLAIM)
 
 
 async def test_a_charge_made_outweighs_an_intent_left_unconfirmed() -> None:
@@ -437,6 +476,7 @@ async def test_a_bank_debit_processing_is_charged_while_its_charge_is_pending(lo
     found = await (gateway.find(INTENT_CLAIM) if lookup == "find" else gateway.charge(INTENT_CLAIM))
     assert isinstance(found, ChargeResult) and found.pending
     assert (found.charge_id, found.payment_intent_id) == ("py_pending", "pi_processing")
+    assert found.replayed == (lookup == "find")
 
 
 async def unlisted(params: dict[str, Any]) -> Any:
@@ -460,6 +500,11 @@ async def test_a_replayed_pending_charge_is_looked_up_and_a_fresh_one_is_not(
     found = await StripeGateway(client, "charges").charge(CLAIM)  # type: ignore[arg-type]
     if replayed:
         assert isinstance(found, ChargeFailure)
+        # Listed nowhere yet: no answer to record, and tried again (as for an intent, below).
+        charges.list_async = Listing([])
+        with pytest.raises(stripe.APIError, match="no charge is listed with its key") as raised:
+            await StripeGateway(client, "charges").charge(CLAIM)  # type: ignore[arg-type]
+        assert type(raised.value) is stripe.APIError and raised.value.http_status == 502
     else:
         assert isinstance(found, ChargeResult) and found.pending
 
@@ -479,6 +524,13 @@ async def test_a_success_says_whether_stripe_replayed_it(replayed: bool) -> None
     assert isinstance(found, ChargeResult) and found.replayed == replayed
 
 
+async def test_a_charge_expanded_in_its_intent_is_recorded_by_its_id() -> None:
+    # Expanded, Stripe answers `latest_charge` as the charge itself, not its id.
+    made = intent("succeeded", NOW, latest_charge={"id": "ch_expanded", "object": "charge"})
+    found = await intents_gateway(made).find(INTENT_CLAIM)
+    assert isinstance(found, ChargeResult) and found.charge_id == "ch_expanded"
+
+
 async def test_an_intent_processing_without_a_charge_is_not_taken_for_charged() -> None:
     odd = intent("processing", int(time.time()))
     with pytest.raises(stripe.APIError, match="expected succeeded or processing with a charge"):
@@ -487,11 +539,11 @@ async def test_an_intent_processing_without_a_charge_is_not_taken_for_charged() 
 
 @pytest.mark.parametrize(
     ("reason", "canceled_at"),
-    [("requested_by_customer", NOW), ("abandoned", LONG_AGO + 60)],
-    ids=["another-reason", "before-it-stalled"],
+    [("requested_by_customer", NOW), ("abandoned", LONG_AGO + 60), (None, NOW)],
+    ids=["another-reason", "before-it-stalled", "no-reason"],
 )
 async def test_an_intent_cancelled_before_any_attempt_failed_is_not_a_decline(
-    reason: str, canceled_at: int
+    reason: str | None, canceled_at: int
 ) -> None:
     # A person cancelled an intent, not as a lookup cancels one Stripe left unconfirmed: the
     # lookup says so, and nothing of it is still to come, nor is the claim sent again.
@@ -499,7 +551,8 @@ async def test_an_intent_cancelled_before_any_attempt_failed_is_not_a_decline(
     found = await intents_gateway(cancelled).find(INTENT_CLAIM)
     assert isinstance(found, ChargeFailure)
     assert (found.code, found.payment_intent_id) == ("payment_intent_canceled", "pi_canceled")
-    assert f"cancelled on Stripe ({reason}): nothing was charged" in found.message
+    said = reason or "no reason given"
+    assert f"cancelled on Stripe ({said}): nothing was charged" in found.message
     assert left_unknown_because(found) is None
     # Declined first, then cancelled: the decline is what happened.
     error = {"code": "card_declined", "decline_code": "generic_decline", "message": "no"}
@@ -516,6 +569,12 @@ async def test_a_failed_intent_whose_error_has_no_decline_code_is_found_failed()
     found = await intents_gateway(failed).find(INTENT_CLAIM)
     assert isinstance(found, ChargeFailure)
     assert (found.code, found.decline_code) == ("expired_card", None)
+    # No error at all (Stripe refused to confirm it without a payment method): a failure of
+    # the payment, not an intent someone cancelled.
+    unconfirmable = intent("requires_payment_method", int(time.time()) - 60)
+    found = await intents_gateway(unconfirmable).find(INTENT_CLAIM)
+    assert isinstance(found, ChargeFailure) and found.code != CANCELED_INTENT
+    assert "cancelled" not in found.message
 
 
 @pytest.mark.parametrize(
@@ -557,14 +616,24 @@ async def test_a_charge_made_just_before_its_claim_by_stripes_clock_is_found_pag
     clock (the worker's may run an hour ahead): a lookup that stops short of it takes the
     claim for never sent, and charges it again once Stripe has forgotten the key."""
     claimed = int(CLAIM.claimed_at.timestamp())
+    # The page's last made an hour before the claim to the second: the next may hold ours.
     newer = [
-        charge("succeeded", id=f"ch_newer_{i}", created=claimed + 100 - i, metadata={})
+        charge("succeeded", id=f"ch_newer_{i}", created=claimed - 3600 + 99 - i, metadata={})
         for i in range(100)
     ]
-    listing = Pages([*newer, charge("succeeded", id="ch_ours", created=claimed - 1800)])
+    listing = Pages([*newer, charge("succeeded", id="ch_ours", created=claimed - 3600)])
     found = await gateway(listing).find(CLAIM)
     assert isinstance(found, ChargeResult) and found.charge_id == "ch_ours"
     assert [call.get("starting_after") for call in listing.calls] == [None, "ch_newer_99"]
+    # A page reaching past that hour is the last read, and what it held is the answer.
+    older = [
+        charge("succeeded", id=f"ch_older_{i}", created=claimed - 3601 + 98 - i, metadata={})
+        for i in range(100)
+    ]
+    listing = Pages([charge("succeeded", id="ch_ours", created=claimed), *older])
+    found = await gateway(listing).find(CLAIM)
+    assert isinstance(found, ChargeResult) and found.charge_id == "ch_ours"
+    assert [call.get("starting_after") for call in listing.calls] == [None]
 
 
 async def test_a_replayed_answer_whose_charge_is_not_listed_yet_is_retried_not_declined() -> None:
@@ -609,16 +678,28 @@ async def test_only_charges_naming_the_period_and_a_customer_are_the_periods() -
     ]
     found = await gateway(Listing(listed)).period_charges("cus_1", CLAIM.period)
     assert [charge.charge_id for charge in found] == ["ch_this"]
+    # Behind a page of the customer's other charges: every page is read, however old.
+    others = [
+        charge("succeeded", id=f"ch_other_{i}", customer="cus_1", refunded=False, metadata={})
+        for i in range(100)
+    ]
+    found = await gateway(Pages([*others, *listed])).period_charges("cus_1", CLAIM.period)
+    assert [charge.charge_id for charge in found] == ["ch_this"]
 
 
-async def test_an_intent_left_unconfirmed_under_two_hours_is_not_cancelled() -> None:
+async def test_an_intent_left_unconfirmed_under_two_hours_is_not_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """An hour for Stripe to roll its request forward, and an hour more for a worker clock
-    ahead of Stripe's: cancelled sooner, a charge Stripe was completing is stopped."""
-    ninety_minutes_ago = int(time.time()) - 90 * 60
+    ahead of Stripe's: cancelled sooner, a charge Stripe was completing is stopped. At two
+    hours to the second, it is cancelled (the worker's clock held still to say so)."""
+    monkeypatch.setattr(stripe_gateway, "time", SimpleNamespace(time=lambda: NOW))
+    a_second_short = NOW - 2 * 3600 + 1
     with pytest.raises(NoAnswerYet, match="is requires_confirmation, with no final state yet"):
-        await intents_gateway(intent("requires_confirmation", ninety_minutes_ago)).find(
-            INTENT_CLAIM
-        )
+        await intents_gateway(intent("requires_confirmation", a_second_short)).find(INTENT_CLAIM)
+    account = Account([stalled(created=NOW - 2 * 3600)])
+    assert await account.gateway().find(INTENT_CLAIM) is None
+    assert account.cancelled == ["pi_stalled"]
 
 
 async def test_an_intent_declined_then_cancelled_as_abandoned_keeps_the_decline() -> None:
@@ -650,11 +731,68 @@ async def test_a_create_carries_the_claims_key_and_through_the_vault_its_fencing
     charges = SimpleNamespace(create_async=create, list_async=unlisted)
     client = SimpleNamespace(v1=SimpleNamespace(charges=charges))
     through_vault = StripeGateway(client, "charges", vault_key_id="period-key")  # type: ignore[arg-type]
+    direct = StripeGateway(client, "charges")  # type: ignore[arg-type]
     await through_vault.charge(CLAIM, fencing_token=7)
-    await StripeGateway(client, "charges").charge(CLAIM, fencing_token=8)  # type: ignore[arg-type]
+    await direct.charge(CLAIM, fencing_token=8)
+    # An attempt with no token (none passed the gate for it) sends none, not "None".
+    await through_vault.charge(CLAIM)
     assert sent == [
         {"idempotency_key": CLAIM.idempotency_key, "headers": {FENCE_HEADER: "7"}},
         {"idempotency_key": CLAIM.idempotency_key},
+        {"idempotency_key": CLAIM.idempotency_key},
+    ]
+    # What the ledger's gate records as the attempt's route.
+    assert (through_vault.route, direct.route) == ("period-key", SENT_DIRECT)
+
+
+@pytest.mark.parametrize("payment_method", ["pm_1", None], ids=["saved-method", "default-method"])
+async def test_a_create_carries_the_claims_parameters_through_the_api_it_recorded(
+    payment_method: str | None,
+) -> None:
+    """I3: every request of a claim sends its amount, currency, Stripe customer and method,
+    and its key in the metadata a lookup finds it by; through the API the claim recorded,
+    whatever the setting is now (another endpoint for the key is an idempotency error)."""
+    sent: list[tuple[str, dict[str, Any]]] = []
+
+    def creating(api: str, made: Any) -> Callable[..., Awaitable[Any]]:
+        async def create(params: dict[str, Any], options: dict[str, Any]) -> Any:
+            sent.append((api, params))
+            return made
+
+        return create
+
+    made = intent("succeeded", NOW, latest_charge="ch_made")
+    client = SimpleNamespace(
+        v1=SimpleNamespace(
+            charges=SimpleNamespace(create_async=creating("charges", charge("succeeded"))),
+            payment_intents=SimpleNamespace(create_async=creating("payment_intents", made)),
+        )
+    )
+    claim = CLAIM.model_copy(update={"payment_method": payment_method})
+    await StripeGateway(client, "payment_intents").charge(claim)  # type: ignore[arg-type]
+    intent_claim = claim.model_copy(update={"charge_api": "payment_intents"})
+    await StripeGateway(client, "charges").charge(intent_claim)  # type: ignore[arg-type]
+    common = {
+        "amount": 1000,
+        "currency": "usd",
+        "customer": "cus_1",
+        "description": "Billing period 2026-12",
+        "metadata": {"billing_key": "0" * 32, "billing_period": "2026-12", "customer_id": "cust-1"},
+    }
+    method = {} if payment_method is None else {"payment_method": payment_method}
+    source = {} if payment_method is None else {"source": payment_method}
+    assert sent == [
+        ("charges", common | source),
+        (
+            "payment_intents",
+            common
+            | method
+            | {
+                "confirm": True,
+                "off_session": True,
+                "automatic_payment_methods": {"enabled": True, "allow_redirects": "never"},
+            },
+        ),
     ]
 
 

@@ -132,6 +132,8 @@ async def test_invalid_keys_are_refused_naming_the_field(
     status, reply = await _admin_call(http, vault, "POST", "/vault/keys", _issue_body(**overrides))
     assert status == 422, reply
     assert field in [problem["field"] for problem in reply["error"]["fields"]]
+    # As Stripe's errors do, `param` names the (first) field at fault.
+    assert reply["error"]["param"] == reply["error"]["fields"][0]["field"]
 
 
 async def test_an_integral_number_is_an_integer(
@@ -167,6 +169,21 @@ async def test_a_key_id_the_caller_chose_is_issued_once(
 async def test_malformed_json_is_a_400(vault: RunningVault, http: aiohttp.ClientSession) -> None:
     status, reply = await _admin_call(http, vault, "POST", "/vault/keys", "{not json")
     assert (status, reply["error"]["code"]) == (400, "body_invalid")
+
+
+async def test_a_method_a_route_does_not_answer_is_a_405_naming_those_it_does(
+    vault: RunningVault, http: aiohttp.ClientSession
+) -> None:
+    # aiohttp's own refusal, answered in the vault's error shape, keeps its Allow header, and
+    # says, as every refusal does, that sending it again changes nothing.
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    async with http.request("PATCH", vault.url + "/vault/keys", headers=headers) as response:
+        reply = await response.json()
+        assert (response.status, response.headers["Allow"]) == (405, "GET,POST")
+        assert response.headers["Stripe-Should-Retry"] == "false"
+        # A refusal is no reason to drop the connection: the caller's next request reuses it.
+        assert "close" not in response.headers.get("Connection", "").lower()
+    assert reply["error"]["type"] == "invalid_request_error"
 
 
 async def test_cap_up_to_the_ceiling_is_accepted(issue: Issue) -> None:

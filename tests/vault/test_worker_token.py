@@ -32,6 +32,17 @@ from .support import (
 )
 
 LOOKUP_ONLY = ["GET /v1/charges", "GET /v1/payment_intents/*"]
+# Every call of the billing workers: their charges, the lookups of them, and the cancel of an
+# intent Stripe left unconfirmed (activities/stripe_gateway.py).
+BILLING_CALLS = [
+    "POST /v1/payment_intents",
+    "GET /v1/payment_intents",
+    "GET /v1/payment_intents/*",
+    "POST /v1/payment_intents/*/cancel",
+    "POST /v1/charges",
+    "GET /v1/charges",
+    "GET /v1/charges/*",
+]
 
 
 async def _issue(worker: VaultAdmin, secrets_seen: Secrets, **overrides: object) -> IssuedKey:
@@ -43,9 +54,10 @@ async def _issue(worker: VaultAdmin, secrets_seen: Secrets, **overrides: object)
 async def test_a_worker_issues_reads_resolves_and_revokes_its_own_but_cannot_read_the_audit(
     worker: VaultAdmin, admin: VaultAdmin, secrets_seen: Secrets, issue: Issue
 ) -> None:
-    mine = await _issue(worker, secrets_seen)
+    mine = await _issue(worker, secrets_seen, allowed_endpoints=BILLING_CALLS)
     theirs = await issue()
     assert (mine.issued_by, theirs.issued_by) == ("worker", "admin")
+    assert mine.allowed_endpoints == BILLING_CALLS
     assert (await worker.get_key(mine.id)).id == mine.id
     assert {k.id for k in await worker.find_keys(period="2026-12")} == {mine.id, theirs.id}
     assert await worker.unknown_reservations(mine.id) == []
