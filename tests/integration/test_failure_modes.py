@@ -52,7 +52,13 @@ from tests.integration.holds import BillHold, hold_the_slots
 from tests.integration.invariants import assert_billed_once
 from tests.waiting import eventually
 from vault.client import VaultAdmin, VaultUnavailable
-from vault.endpoints import CANCEL, DATABASE_UNAVAILABLE, HELD_UP, KEY_METADATA
+from vault.endpoints import (
+    CANCEL,
+    DATABASE_UNAVAILABLE,
+    HELD_UP,
+    KEY_METADATA,
+    UPSTREAM_UNREACHABLE,
+)
 from workflows.signals import PERIOD_CONTROL
 
 PERIOD = Period(2026, 12)
@@ -100,6 +106,13 @@ class VaultDatabaseAwayOnce(RateLimitedOnce):
 
     def refusal(self) -> stripe.StripeError:
         return _vault_503(DATABASE_UNAVAILABLE)
+
+
+class VaultUpstreamUnreachableOnce(RateLimitedOnce):
+    """The vault sends nothing of the first create: no connection to Stripe was made."""
+
+    def refusal(self) -> stripe.StripeError:
+        return _vault_503(UPSTREAM_UNREACHABLE)
 
 
 def _vault_503(code: str) -> stripe.APIError:
@@ -616,8 +629,8 @@ async def test_a_skip_reaches_a_charge_behind_a_500_stripe_saved(harness: Harnes
 
 @pytest.mark.parametrize(
     "refused_once",
-    [RateLimitedOnce, VaultHeldUpOnce, VaultDatabaseAwayOnce],
-    ids=["stripe-429", "vault-held-up", "vault-database-away"],
+    [RateLimitedOnce, VaultHeldUpOnce, VaultDatabaseAwayOnce, VaultUpstreamUnreachableOnce],
+    ids=["stripe-429", "vault-held-up", "vault-database-away", "vault-upstream-unreachable"],
 )
 @pytest.mark.parametrize("control", ["cancelled", "paused"])
 async def test_a_stop_reaches_a_charge_whose_only_request_was_not_sent(
