@@ -1196,6 +1196,13 @@ async def test_a_scheduled_launch_returns_once_its_period_has_started(harness: H
         )
         summary = await run.result()
         await schedule.delete()
+    # The run bills with the schedule's options (one charge at a time), not the defaults.
+    opened = (await run.fetch_history()).events[0].workflow_execution_started_event_attributes
+    [given] = await harness.client.data_converter.decode(
+        opened.input.payloads, [BillingPeriodInput]
+    )
+    assert isinstance(given, BillingPeriodInput), given
+    assert (given.options.max_in_flight, given.options.billing) == (1, "advance"), given
     # The launch closed once its period had started and while it still ran (six charges of
     # half a second, one at a time), by Temporal's times: the run's state, read once the test
     # got round to it, may be past its end on a loaded machine.
@@ -1285,6 +1292,17 @@ async def test_a_backfill_over_a_billed_period_starts_nothing_in_it(harness: Har
         assert done.finished == {str(august): "completed", str(september): "completed"}
         await eventually(lambda: launched(4), timeout=60)
         await eventually(partial(_completed, harness, october), timeout=60)
+        # Each launch over a billed month says why it started nothing, and what bills it.
+        query = 'WorkflowType="ScheduledBillingWorkflow" AND ExecutionStatus="Completed"'
+        shown = [
+            (await _ended_with(harness.client.get_workflow_handle(w.id)))[0]
+            async for w in harness.client.list_workflows(query)
+        ]
+        for kept in (august, september):
+            assert (
+                f"a run of {kept} has completed or was cancelled: nothing started (bill it again"
+                f" by hand once it has ended: `python starter.py run {kept}`)"
+            ) in shown, shown
     again = await harness.client.get_workflow_handle(period_workflow_id(september)).describe()
     assert again.run_id == billed.run_id
     await assert_billed_once(harness, str(september), customers)
@@ -2294,6 +2312,56 @@ async def test_a_launch_that_finds_its_periods_run_open_joins_it_and_completes(
     assert details == f"{period_workflow_id(billed)} runs or has run: nothing more started"
 
 
+class HoldCompletedAnswer(Interceptor):
+    """Holds a launch's answer to "has a run of the period completed?", once read, until let
+    go (within the local activity's timeout)."""
+
+    def __init__(self) -> None:
+        self.read = asyncio.Event()
+        self.go_on = asyncio.Event()
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        hold = self
+
+        class Held(ActivityInboundInterceptor):
+            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                answer = await super().execute_activity(input)
+                if activity.info().activity_type == "period_completed":
+                    hold.read.set()
+                    await asyncio.wait_for(hold.go_on.wait(), 8)
+                return answer
+
+        return Held(next)
+
+
+async def test_a_run_completing_as_a_launch_checks_it_is_not_started_again(
+    harness: Harness,
+) -> None:
+    """The ledger says no run of the period has completed, and the run completes before the
+    launch starts it: the launch's reuse policy refuses a completed run's ID, so it starts
+    nothing rather than bill the period again."""
+    customers = await harness.seed(2)
+    billed = period_for(datetime.now(UTC))
+    if period_for(datetime.now(UTC) + timedelta(minutes=2)) != billed:
+        pytest.skip("the month turns during the test")
+    config = schedules.MonthlySchedule(schedule_id="monthly-closing", hour=0, paused=True)
+    await schedules.create_schedule(harness.client, config, harness.task_queue)
+    handle = harness.client.get_schedule_handle(config.schedule_id)
+    hold = HoldCompletedAnswer()
+    try:
+        async with harness.running_worker(interceptors=[hold]):
+            await handle.trigger()
+            await asyncio.wait_for(hold.read.wait(), 30)
+            await (await start_period(harness.client, billed, harness.task_queue)).result()
+            hold.go_on.set()
+            details, _ = await _ended_with(await _nth_launch(harness.client, handle, 1))
+    finally:
+        hold.go_on.set()
+        await handle.delete()
+    assert details == f"{period_workflow_id(billed)} runs or has run: nothing more started"
+    await assert_billed_once(harness, str(billed), customers)
+
+
 async def test_a_second_backfill_and_describe_say_what_the_launches_joined_and_billed(
     harness: Harness,
 ) -> None:
@@ -2928,7 +2996,15 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
         assert counted("billing_followed_schedule_gone_total") == gone + 1
         assert any(getattr(r, "event", "") == "followed_schedule_gone" for r in caplog.records)
         await firing_every(harness, "billing-monthly", 24 * 3600, paused=True)
-        nominal = await ahead(days=40)
+        # The launch on the 1st (in Auckland, where it fires) 40 days or more ahead: still the
+        # month before in UTC, whose clock the billing schedule now follows.
+        local = (datetime.now(UTC) + timedelta(days=40)).astimezone(zone)
+        first = Period(local.year, local.month).next()
+        start = datetime(first.year, first.month, 1, tzinfo=zone)
+        [nominal] = await schedules.matching_times(
+            harness.client, handle.id, start, start + timedelta(days=1)
+        )
+        assert period_for(nominal.astimezone(UTC), "advance") != first, nominal
         period = billed_before(nominal, ZoneInfo("UTC"), "arrears")
         months = await fired_for(nominal, ZoneInfo("UTC"), "arrears")
         assert len(months) >= 2, months
@@ -2947,7 +3023,9 @@ async def test_the_daily_reconciliation_follows_its_billing_schedule_and_flags_a
         assert counted() == before + 2
         # Once those are billed, nothing is flagged.
         await harness.client.get_workflow_handle(reconcile_workflow_id(period)).result()
-        nominal = await ahead(days=41)
+        [nominal] = await schedules.matching_times(
+            harness.client, handle.id, nominal + timedelta(hours=1), nominal + timedelta(days=1)
+        )
         period = billed_before(nominal, ZoneInfo("UTC"), "arrears")
         months = await fired_for(nominal, ZoneInfo("UTC"), "arrears")
         for month in {period, period.next(), *months} - billed:
@@ -2986,6 +3064,45 @@ async def test_a_daily_reconciliation_whose_billing_schedule_cannot_be_read_stil
     # I6 for the patched path: RECORD_HISTORIES=1 keeps it in tests/histories.
     await replay([history])
     keep([history])
+
+
+class FailFirstScheduleRead(Interceptor):
+    """Fails the first reading of a followed billing schedule, as a moment's outage does."""
+
+    failed = 0
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        failing = self
+
+        class Failing(ActivityInboundInterceptor):
+            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                if activity.info().activity_type == "billing_firings" and not failing.failed:
+                    failing.failed += 1
+                    raise RuntimeError("the schedule could not be read for a moment")
+                return await super().execute_activity(input)
+
+        return Failing(next)
+
+
+async def test_a_billing_schedule_unread_for_a_moment_is_read_again_not_called_gone(
+    harness: Harness,
+) -> None:
+    """A moment's failure to read the followed billing schedule is tried again: given up at
+    once, the firing would warn of a schedule gone and check no month it bills."""
+    await firing_every(harness, "billing-monthly", 3600, paused=True)
+    code, _, err = await harness.starter("schedule", "create", "--reconcile", "--paused")
+    assert code == 0, err
+    handle = harness.client.get_schedule_handle(schedules.RECONCILE_SCHEDULE_ID)
+    moment = FailFirstScheduleRead()
+    try:
+        async with harness.running_worker(interceptors=[moment]):
+            await handle.trigger()
+            details, _ = await _ended_with(await _nth_launch(harness.client, handle, 1))
+    finally:
+        for made in (handle.id, "billing-monthly"):
+            await harness.client.get_schedule_handle(made).delete()
+    assert moment.failed == 1
+    assert "gone or could not be read" not in details, details
 
 
 async def test_a_billing_firing_within_the_hour_is_not_called_unbilled(harness: Harness) -> None:

@@ -2030,6 +2030,16 @@ def started(launch: WorkflowHistory) -> list[str]:
     ]
 
 
+async def launch_details(harness: Harness, handle: ScheduleHandle) -> str:
+    """The last launch's details, as the Web UI shows them (a worker answers the query)."""
+    action = (await handle.describe()).info.recent_actions[-1].action
+    launcher = harness.client.get_workflow_handle(action.workflow_id)  # type: ignore[attr-defined]
+    metadata: WorkflowMetadata = await launcher.query(
+        "__temporal_workflow_metadata", result_type=WorkflowMetadata
+    )
+    return metadata.current_details
+
+
 async def reconciled(harness: Harness, checked: Period) -> ReconcileReport | None:
     reconciling: WorkflowHandle[ReconcileWorkflow, ReconcileReport]
     reconciling = harness.client.get_workflow_handle_for(
@@ -2132,6 +2142,10 @@ async def test_the_daily_schedule_goes_back_to_earlier_periods_until_nothing_is_
             reconcile_workflow_id(pending),
             reconcile_workflow_id(period),
         ]
+        assert await launch_details(harness, handle) == (
+            f"started {reconcile_workflow_id(period)}; also reconciling again"
+            f" {backfilled} (never reconciled), {pending} (1 bank debits pending)"
+        )
         for checked in (backfilled, pending, period):
             report = await reconciled(harness, checked)
             assert report is not None and report.open_reason is None, report
@@ -2162,6 +2176,11 @@ async def test_a_firing_with_no_recent_period_billed_still_reconciles_earlier_on
     async with harness.running_worker():
         launch = await fire(harness, handle, 1)
         assert started(launch) == [reconcile_workflow_id(pending)]
+        recent = pending.next().next()
+        assert await launch_details(harness, handle) == (
+            f"neither {recent} nor the month before has been billed: nothing to reconcile;"
+            f" also reconciling again {pending} (1 bank debits pending)"
+        )
         report = await reconciled(harness, pending)
         assert report is not None and report.open_reason is None, report
     await handle.delete()

@@ -222,3 +222,31 @@ async def test_a_workflow_started_with_no_input_fails_saying_so(
         await assert_billed_once(harness, str(PERIOD), customers)
     else:
         assert await harness.money_requests() == 0
+
+
+async def test_a_scheduled_launch_started_by_hand_fails_at_once_starting_nothing(
+    harness: Harness,
+) -> None:
+    """ScheduledBillingWorkflow takes its month from its schedule's nominal time: started by
+    hand (Temporal's CLI or Web UI) with a valid input it has none, and fails at once saying
+    what to run instead, starting no run. Past that check, its local activity would fail on
+    the missing time and be retried for as long as the launch lived."""
+    await harness.seed(2)
+    async with harness.running_worker():
+        handle = await harness.client.start_workflow(
+            "ScheduledBillingWorkflow",
+            {"action": "bill"},
+            id="scheduled-by-hand",
+            task_queue=harness.task_queue,
+        )
+        with pytest.raises(WorkflowFailureError) as failed:
+            await asyncio.wait_for(handle.result(), timeout=30)
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError), cause
+    assert (cause.type, cause.non_retryable) == ("NotScheduled", True)
+    assert "use `starter.py run PERIOD`" in cause.message
+    history = await handle.fetch_history()
+    kinds = {e.event_type for e in history.events}
+    assert EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED not in kinds
+    assert EventType.EVENT_TYPE_MARKER_RECORDED not in kinds  # no local activity either
+    assert await harness.money_requests() == 0
