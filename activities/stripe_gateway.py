@@ -196,7 +196,7 @@ class StripeGateway:
         stalled = [intent for intent in intents if _stalled(intent)]
         if stalled:
             if not cancel_stalled:
-                return _incomplete(stalled[0])
+                return _incomplete(stalled)
             try:
                 for intent in stalled:
                     await self._cancel(intent)
@@ -334,15 +334,21 @@ def _no_answer_yet(intent: stripe.PaymentIntent) -> NoAnswerYet:
     )
 
 
-def _incomplete(intent: stripe.PaymentIntent) -> ChargeFailure:
-    """An intent left unconfirmed that the worker could not cancel: a person must."""
+def _incomplete(stalled: list[stripe.PaymentIntent]) -> ChargeFailure:
+    """Intents left unconfirmed that the worker could not cancel, newest first: a person
+    must cancel every one, or one left out may still charge."""
+    newest = stalled[0]
+    ids = ", ".join(intent.id for intent in stalled)
+    if len(stalled) == 1:
+        what, their, it = f"payment intent {ids}", "its request", "it"
+    else:
+        what, their, it = f"payment intents {ids}", "their requests", "them"
     return ChargeFailure(
         code=INCOMPLETE_INTENT,
-        message=f"Stripe left payment intent {intent.id} in {intent.status} after answering"
-        " its request with an error, and may still complete it: cancel it on Stripe (a"
-        " cancelled intent charges nothing), then bill the customer there if this period is"
-        " still due",
-        payment_intent_id=intent.id,
+        message=f"Stripe left {what} in {newest.status} after answering {their} with an"
+        f" error, and may still complete {it}: cancel {it} on Stripe (a cancelled intent"
+        " charges nothing), then bill the customer there if this period is still due",
+        payment_intent_id=newest.id,
     )
 
 

@@ -364,6 +364,13 @@ async def test_a_lookup_key_does_not_try_to_cancel() -> None:
     found = await account.gateway(may_cancel=False).find(INTENT_CLAIM)
     assert account.cancelled == []
     assert isinstance(found, ChargeFailure) and found.code == INCOMPLETE_INTENT
+    # Two left so (the key forgotten in between): the person is told to cancel both, as
+    # either may still charge.
+    account = Account([stalled("later"), stalled("first")])
+    found = await account.gateway(may_cancel=False).find(INTENT_CLAIM)
+    assert isinstance(found, ChargeFailure) and found.payment_intent_id == "pi_later"
+    assert "payment intents pi_later, pi_first in requires_confirmation" in found.message
+    assert "cancel them on Stripe" in found.message
 
 
 @pytest.mark.parametrize("since", ["succeeded", "requires_confirmation"])
