@@ -39,10 +39,11 @@ async def run(
     env: Mapping[str, str],
     timeout: float,
     cwd: Path | None = None,
-) -> tuple[int, str, str] | None:
+) -> tuple[int, str, str]:
     """Exit code, stdout and stderr of `script` with `args` and `env` (the whole
-    environment), in `cwd` (this process's working directory if None); None if it did not
-    exit within `timeout` seconds (it is killed)."""
+    environment), in `cwd` (this process's working directory if None). One that does not exit
+    within `timeout` seconds (`run --wait` on a run that paused, say) is killed, and fails the
+    test rather than hang the suite."""
     with tempfile.TemporaryDirectory(prefix="starter-") as directory:
         out, err = Path(directory, "stdout"), Path(directory, "stderr")
         process = _SERVER.Process(
@@ -58,6 +59,8 @@ async def run(
                 process.join()
             process.close()
         if code is None:
-            return None
+            raise AssertionError(
+                f"{script.name} {' '.join(args)} did not exit within {timeout:g} s"
+            )
         stdout, stderr = await asyncio.to_thread(lambda: (out.read_text(), err.read_text()))
         return code, stdout, stderr

@@ -59,9 +59,9 @@ class Exit:
 
 async def run_cli(*argv: str, env: Mapping[str, str]) -> Exit:
     if argv[0] == "starter.py":
-        done = await forked_cli.run(ROOT / argv[0], argv[1:], {**os.environ, **env}, 60, ROOT)
-        assert done is not None, f"{' '.join(argv)} did not exit within 60 s"
-        return Exit(*done)
+        return Exit(
+            *await forked_cli.run(ROOT / argv[0], argv[1:], {**os.environ, **env}, 60, ROOT)
+        )
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         *argv,

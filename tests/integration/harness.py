@@ -348,15 +348,9 @@ class Harness:
 
     async def starter(self, *args: str) -> tuple[int, str, str]:
         """`starter.py` run to its end: exit code, stdout and stderr."""
-        done = await forked_cli.run(
+        return await forked_cli.run(
             PROJECT_ROOT / "starter.py", args, {**os.environ, **self.cli_env()}, STARTER_TIMEOUT
         )
-        if done is None:
-            # e.g. `run --wait` on a run that paused: fail the test rather than hang the suite.
-            raise AssertionError(
-                f"starter.py {' '.join(args)} did not exit within {STARTER_TIMEOUT} s"
-            )
-        return done
 
     def worker_process(self, **extra_env: str) -> subprocess.Popen[bytes]:
         """worker.py in its own process, so a test can SIGKILL it; `extra_env` comes last."""
