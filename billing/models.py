@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validat
 
 from billing.errors import InvalidAmountError
 from billing.keys import validate_customer_id
-from billing.money import validate_amount_in
+from billing.money import spend_caps, validate_amount_in
 from billing.redact import shown_line
 from billing.wording import counted
 
@@ -501,6 +501,12 @@ class PreviewWarning(Record):
     entries: list[str]
 
 
+def _only(by_currency: dict[str, int]) -> int | None:
+    """The figure of the one currency there is (0 for none); None for several: a sum of
+    amounts in different currencies is no amount."""
+    return None if len(by_currency) > 1 else sum(by_currency.values())
+
+
 class Preview(Record):
     """What a run of the period would do now, without doing it."""
 
@@ -511,14 +517,8 @@ class Preview(Record):
     to_charge: list[PreviewLine]
     already_billed: list[PreviewLine]
     not_billable: list[PreviewLine]
-    # Sums over every currency, figures only for a period in one currency; the run issues a
-    # key per currency, capped as caps_by_currency says.
-    expected_total_cents: int
-    cap_cents: int
-    totals_by_currency: dict[str, int] = Field(default_factory=dict)
-    # At `cap_multiplier`, the BILLING_CAP_MULTIPLIER of whoever asked: the workers' own
-    # decides the caps of keys they issue.
-    caps_by_currency: dict[str, int] = Field(default_factory=dict)
+    # The BILLING_CAP_MULTIPLIER of whoever asked: the workers' own decides the caps of keys
+    # they issue.
     cap_multiplier: float = 1.10
     # The caps of the keys the period's runs have issued, which a run keeps while they have
     # room for what it charges.
@@ -526,6 +526,34 @@ class Preview(Record):
     # Read from the ledger alone: a key with a cap above what is left may still lack room
     # (its spend is the vault's to know), which the run itself says.
     short_keys: list[ShortKey] = Field(default_factory=list)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def totals_by_currency(self) -> dict[str, int]:
+        """What a run would charge, per currency: the run issues a key per currency."""
+        totals: dict[str, int] = {}
+        for line in self.to_charge:
+            totals[line.currency] = totals.get(line.currency, 0) + line.amount_cents
+        return dict(sorted(totals.items()))
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def caps_by_currency(self) -> dict[str, int]:
+        """The cap each currency's new key would get, at `cap_multiplier`."""
+        return spend_caps(self.totals_by_currency, self.cap_multiplier)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def expected_total_cents(self) -> int | None:
+        """What a run would charge, where that is one currency's (or nothing): a sum over
+        currencies is no amount, so a period in several has none (`totals_by_currency`)."""
+        return _only(self.totals_by_currency)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def cap_cents(self) -> int | None:
+        """The new key's cap, where the run would charge in one currency (or none)."""
+        return _only(self.caps_by_currency)
 
     @property
     def without_payment_method(self) -> list[PreviewLine]:

@@ -6,7 +6,6 @@ import asyncpg
 
 from billing import ledger
 from billing.models import Preview, ShortKey
-from billing.money import spend_cap, spend_caps
 
 
 async def preview_period(pool: asyncpg.Pool, period: str, cap_multiplier: float) -> Preview:
@@ -17,19 +16,11 @@ async def preview_period(pool: asyncpg.Pool, period: str, cap_multiplier: float)
     to_charge = [line for line in lines if line.open]
     billed = [line for line in lines if line.status == "charged"]
     other = [line for line in lines if not line.open and line.status != "charged"]
-    totals: dict[str, int] = {}
-    for line in to_charge:
-        totals[line.currency] = totals.get(line.currency, 0) + line.amount_cents
-    total = sum(totals.values())
     return Preview(
         period=period,
         to_charge=to_charge,
         already_billed=billed,
         not_billable=other,
-        expected_total_cents=total,
-        cap_cents=spend_cap(total, cap_multiplier),
-        totals_by_currency=totals,
-        caps_by_currency=spend_caps(totals, cap_multiplier),
         cap_multiplier=cap_multiplier,
         issued_caps_by_currency={k.currency: k.cap_cents for k in keys},
         short_keys=[

@@ -130,20 +130,7 @@ def test_each_currency_has_its_own_cap() -> None:
 
 
 def preview_of(*lines: PreviewLine) -> Preview:
-    totals: dict[str, int] = {}
-    for line in lines:
-        totals[line.currency] = totals.get(line.currency, 0) + line.amount_cents
-    total = sum(totals.values())
-    return Preview(
-        period="2026-12",
-        to_charge=list(lines),
-        already_billed=[],
-        not_billable=[],
-        expected_total_cents=total,
-        cap_cents=spend_cap(total, 1.10),
-        totals_by_currency=totals,
-        caps_by_currency=spend_caps(totals, 1.10),
-    )
+    return Preview(period="2026-12", to_charge=list(lines), already_billed=[], not_billable=[])
 
 
 def line(
@@ -172,6 +159,25 @@ def test_a_preview_shows_each_currencys_total_and_cap() -> None:
     assert "    a: usd 19.99\n    b: jpy 1,700\n" in text
     assert "3,699" not in text and "3699" not in text
     assert "warning" not in text and "issued so far" not in text
+
+
+def test_a_previews_json_gives_one_total_only_for_one_currency() -> None:
+    """A sum of amounts in different currencies is no amount: such a period's JSON gives
+    its totals and caps per currency, and none overall."""
+    mixed = preview_of(line("a", 1_999, "usd"), line("b", 1_700, "jpy"), line("c", 1, "usd"))
+    read = json.loads(mixed.model_dump_json())
+    assert (read["totals_by_currency"], read["caps_by_currency"]) == (
+        {"jpy": 1_700, "usd": 2_000},
+        {"jpy": 1_870, "usd": 2_200},
+    )
+    assert (read["expected_total_cents"], read["cap_cents"]) == (None, None)
+    one = json.loads(preview_of(line("a", 1_999, "usd"), line("c", 1, "usd")).model_dump_json())
+    assert (one["expected_total_cents"], one["cap_cents"]) == (2_000, 2_200)
+    nothing = json.loads(preview_of().model_dump_json())
+    assert (nothing["totals_by_currency"], nothing["expected_total_cents"]) == ({}, 0)
+    assert (nothing["caps_by_currency"], nothing["cap_cents"]) == ({}, 0)
+    # Read back, the figures are computed again from the lines.
+    assert Preview.model_validate_json(mixed.model_dump_json()) == mixed
 
 
 def test_a_preview_shows_the_caps_of_the_keys_issued() -> None:
