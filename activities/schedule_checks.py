@@ -9,12 +9,16 @@ from datetime import datetime
 
 import asyncpg
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
 from billing import logs, metrics, schedules
-from billing.errors import UnknownScheduleError
+from billing.errors import InvalidInputError, UnknownScheduleError
 from billing.models import Record
 
 log = logging.getLogger("billing.schedules")
+
+# The followed schedule holds arguments this release cannot read: no retry reads them.
+SCHEDULE_UNREADABLE = "ScheduleUnreadable"
 
 
 class FiringsRequest(Record):
@@ -48,6 +52,10 @@ class ScheduleCheckActivities:
             )
             metrics.schedule_checked(request.schedule_id)
             return None
+        except InvalidInputError as exc:
+            # Written by another release: the launch warns and reconciles at once, where five
+            # tries would hold it about 15 s for the same answer.
+            raise ApplicationError(str(exc), type=SCHEDULE_UNREADABLE, non_retryable=True) from None
         if found.unbilled is not None:
             _alert(
                 "unbilled_firing",

@@ -3040,17 +3040,19 @@ async def test_a_daily_reconciliation_whose_billing_schedule_cannot_be_read_stil
     harness: Harness,
 ) -> None:
     """The schedule it follows rewritten by a release whose arguments this one cannot read:
-    each firing says so and reconciles all the same, in its own mode and zone. The launch
-    failed there (helper-207: a local activity's last failure reaches the workflow as itself,
-    not in the ActivityError it caught), leaving every month unreconciled unsaid."""
+    each firing says so and reconciles all the same, in its own mode and zone, reading it
+    once (no retry reads it). The launch failed there (helper-207: a local activity's last
+    failure reaches the workflow as itself, not in the ActivityError it caught), leaving every
+    month unreconciled unsaid."""
     await firing_every(harness, "billing-monthly", 3600, paused=True)
     code, _, err = await harness.starter("schedule", "create", "--reconcile", "--paused")
     assert code == 0, err
     await harness.client.get_schedule_handle("billing-monthly").delete()
     await written_by_another_release(harness, "billing-monthly", paused=True)
     handle = harness.client.get_schedule_handle(schedules.RECONCILE_SCHEDULE_ID)
+    reads = ScheduleReads()
     try:
-        async with harness.running_worker():
+        async with harness.running_worker(interceptors=[reads]):
             await handle.trigger()
             details, history = await _ended_with(await _nth_launch(harness.client, handle, 1))
     finally:
@@ -3058,27 +3060,34 @@ async def test_a_daily_reconciliation_whose_billing_schedule_cannot_be_read_stil
             await harness.client.get_schedule_handle(made).delete()
     warning = "WARNING: the billing schedule billing-monthly is gone or could not be read"
     assert warning in details, details
+    assert reads.reads == 1
     # I6 for the patched path: RECORD_HISTORIES=1 keeps it in tests/histories.
     await replay([history])
     keep([history])
 
 
-class FailFirstScheduleRead(Interceptor):
-    """Fails the first reading of a followed billing schedule, as a moment's outage does."""
+class ScheduleReads(Interceptor):
+    """Counts the readings of a followed billing schedule (`reads`); with `fail_first`, fails
+    the first, as a moment's outage does (`failed`)."""
 
-    failed = 0
+    def __init__(self, *, fail_first: bool = False) -> None:
+        self.fail_first = fail_first
+        self.reads = 0
+        self.failed = 0
 
     def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
-        failing = self
+        counted = self
 
-        class Failing(ActivityInboundInterceptor):
+        class Counting(ActivityInboundInterceptor):
             async def execute_activity(self, input: ExecuteActivityInput) -> Any:
-                if activity.info().activity_type == "billing_firings" and not failing.failed:
-                    failing.failed += 1
-                    raise RuntimeError("the schedule could not be read for a moment")
+                if activity.info().activity_type == "billing_firings":
+                    counted.reads += 1
+                    if counted.fail_first and not counted.failed:
+                        counted.failed += 1
+                        raise RuntimeError("the schedule could not be read for a moment")
                 return await super().execute_activity(input)
 
-        return Failing(next)
+        return Counting(next)
 
 
 async def test_a_billing_schedule_unread_for_a_moment_is_read_again_not_called_gone(
@@ -3090,7 +3099,7 @@ async def test_a_billing_schedule_unread_for_a_moment_is_read_again_not_called_g
     code, _, err = await harness.starter("schedule", "create", "--reconcile", "--paused")
     assert code == 0, err
     handle = harness.client.get_schedule_handle(schedules.RECONCILE_SCHEDULE_ID)
-    moment = FailFirstScheduleRead()
+    moment = ScheduleReads(fail_first=True)
     try:
         async with harness.running_worker(interceptors=[moment]):
             await handle.trigger()
