@@ -225,7 +225,7 @@ class VaultAdmin:
             return response_model.model_validate_json(payload)
         except ValidationError as error:
             # Field names only: the input may be an issued key with its secret.
-            fields = ", ".join(".".join(map(str, e["loc"])) for e in error.errors())
+            fields = ", ".join(".".join(map(str, e["loc"])) or "the body" for e in error.errors())
             raise VaultUnavailable(status, None, f"unexpected response; bad: {fields}") from None
 
 

@@ -479,6 +479,17 @@ async def test_a_malformed_answer_to_an_issue_names_the_fields_not_the_secret_it
     assert [i for i in range(len(secret) - 8) if secret[i : i + 8] in said] == []
 
 
+async def test_an_answer_that_is_no_object_is_named_as_the_body() -> None:
+    """A JSON array where an object was due fails the whole body, which has no field name."""
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response([])
+
+    async with stand_in_upstream(answer) as url, VaultAdmin(url, ADMIN_TOKEN) as client:
+        with pytest.raises(VaultUnavailable, match=r"unexpected response; bad: the body$"):
+            await client.issue_key(key_request())
+
+
 async def test_the_admin_client_shows_no_token(admin: VaultAdmin, worker: VaultAdmin) -> None:
     # A client in a log line or a traceback's locals.
     assert [token for token in (ADMIN_TOKEN, WORKER_TOKEN) if token in repr((admin, worker))] == []
