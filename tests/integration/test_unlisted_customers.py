@@ -27,7 +27,7 @@ import activities.period as period_activities
 from activities.period import DuePageRequest, PeriodActivities
 from activities.stripe_access import StripeAccess
 from billing import ledger, operations
-from billing.customers import CustomerRow, import_customers
+from billing.customers import CustomerRow, deactivate_customers, import_customers
 from billing.keys import customer_workflow_id
 from billing.models import (
     CustomerChargeInput,
@@ -129,25 +129,40 @@ async def test_a_customer_imported_behind_the_listing_and_skipped_is_counted_ski
     keep([history])
 
 
-class ImportAtTheClose(Interceptor):
-    """Imports a customer behind the listing as the run's first close begins: after the
-    listing has ended, before the ledger has the run closed."""
+class AtTheClose(Interceptor):
+    """Runs `before_close` as the run's first close begins: after the listing has ended, before
+    the ledger has the run closed."""
 
-    def __init__(self, harness: Harness) -> None:
-        self.harness = harness
-        self.late: list[CustomerRow] = []
+    def __init__(self) -> None:
+        self.began = False
 
     def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
         outer = self
 
-        class Importing(ActivityInboundInterceptor):
+        class Closing(ActivityInboundInterceptor):
             async def execute_activity(self, input: ExecuteActivityInput) -> Any:
-                if activity.info().activity_type.startswith("close_period") and not outer.late:
-                    outer.late = await _late(outer.harness)
-                    await outer.imported()
+                if activity.info().activity_type.startswith("close_period") and not outer.began:
+                    outer.began = True
+                    await outer.before_close()
                 return await super().execute_activity(input)
 
-        return Importing(next)
+        return Closing(next)
+
+    async def before_close(self) -> None:
+        """What happens in the first close, before it begins."""
+
+
+class ImportAtTheClose(AtTheClose):
+    """Imports a customer behind the listing as the run's first close begins."""
+
+    def __init__(self, harness: Harness) -> None:
+        super().__init__()
+        self.harness = harness
+        self.late: list[CustomerRow] = []
+
+    async def before_close(self) -> None:
+        self.late = await _late(self.harness)
+        await self.imported()
 
     async def imported(self) -> None:
         """What happens next, in the close, before it begins."""
@@ -576,6 +591,79 @@ async def test_a_customer_due_again_behind_the_listing_charged_by_an_earlier_chi
     keep([history])
 
 
+class RowGivenAtTheClose(AtTheClose):
+    """Gives the inactive customer `gone` a row of the period as the run's first close begins:
+    an operator's skip, or, with `earlier` (its child an earlier run left), a charge: the
+    customer made active for it and inactive again once charged (it left after paying)."""
+
+    def __init__(
+        self,
+        harness: Harness,
+        gone: CustomerRow,
+        earlier: WorkflowHandle[CustomerChargeWorkflow, CustomerOutcome] | None,
+    ) -> None:
+        super().__init__()
+        self.harness, self.gone, self.earlier = harness, gone, earlier
+
+    async def before_close(self) -> None:
+        harness, customer_id = self.harness, self.gone.customer_id
+        if self.earlier is None:
+            skip = SkipRequest(customer_id=customer_id, reason="left", operator="carol")
+            result = await operations.skip(
+                harness.client, harness.settings, harness.database_url, PERIOD, skip
+            )
+            assert result.skipped, result
+            return
+        await import_customers(harness.pool, [self.gone], while_running=True, reactivate=True)
+        async with _earlier_worker(harness):
+            outcome = await asyncio.wait_for(self.earlier.result(), 60)
+        assert outcome.outcome == "charged", outcome
+        deactivation = await deactivate_customers(harness.pool, [customer_id], while_running=False)
+        assert deactivation.deactivated == [customer_id], deactivation
+
+
+@pytest.mark.parametrize("given", ["skipped", "charged"])
+async def test_an_inactive_customer_given_a_row_behind_the_listing_is_counted_once(
+    harness: Harness, given: str
+) -> None:
+    """An inactive customer with no row is not due: no listing takes it. Given a row as the
+    run closes (skipped by an operator, which the ledger writes for an inactive customer too;
+    or charged by a child an earlier run left, and deactivated since), it is due by its row
+    alone, and no listing of the run took it: the close leaves the run open, which lists it
+    and counts it from its row. A close that looked only at active customers closed the run
+    with it in no count, one short of the ledger's due customers (I2)."""
+    customers = await harness.seed(3)
+    if given == "skipped":
+        [gone], earlier = await _inactive(harness), None
+    else:
+        [gone], earlier = await _inactive_with_an_earlier_child(harness)
+    giving = RowGivenAtTheClose(harness, gone, earlier)
+    async with harness.running_worker(interceptors=[giving]):
+        handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        summary = await asyncio.wait_for(handle.result(), 90)
+        history = await handle.fetch_history()
+    assert giving.began
+    rows = {r["customer_id"]: r for r in await harness.ledger_rows(str(PERIOD))}
+    assert rows[gone.customer_id]["status"] == given
+    counted = summary.skipped if given == "skipped" else summary.already_billed
+    assert (summary.due, summary.charged, counted, _counted(summary)) == (4, 3, 1, 4), summary
+    charged = customers if given == "skipped" else [*customers, gone]
+    made = [c["customer"] for c in await harness.charges() if c["status"] == "succeeded"]
+    assert sorted(made) == sorted(c.stripe_customer_id for c in charged)
+    await replay([history])
+    keep([history])
+
+
+async def _inactive(harness: Harness) -> list[CustomerRow]:
+    """A customer, sorting before every seeded one, imported and then deactivated."""
+    returned = await create_demo_customers(harness.stripe, 1, prefix="a-ret")
+    await import_customers(harness.pool, returned, while_running=False, reactivate=True)
+    await harness.pool.execute(
+        "UPDATE customers SET active = false WHERE customer_id = $1", returned[0].customer_id
+    )
+    return returned
+
+
 def _earlier_tasks(harness: Harness) -> str:
     return f"{harness.task_queue}-earlier"
 
@@ -585,11 +673,7 @@ async def _inactive_with_an_earlier_child(
 ) -> tuple[list[CustomerRow], WorkflowHandle[CustomerChargeWorkflow, CustomerOutcome]]:
     """A customer, sorting before every seeded one, inactive, with a child of the period an
     earlier run started: not yet claimed, as its worker (_earlier_worker) is not polling."""
-    returned = await create_demo_customers(harness.stripe, 1, prefix="a-ret")
-    await import_customers(harness.pool, returned, while_running=False, reactivate=True)
-    await harness.pool.execute(
-        "UPDATE customers SET active = false WHERE customer_id = $1", returned[0].customer_id
-    )
+    returned = await _inactive(harness)
     earlier = await harness.client.start_workflow(
         CustomerChargeWorkflow.run,
         CustomerChargeInput(period=str(PERIOD), customer_id=returned[0].customer_id),
