@@ -4,6 +4,7 @@ clean period; Stripe is the emulator, Temporal and PostgreSQL are real."""
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import asyncpg
 import pytest
 import stripe
+from aiohttp import web
 from pydantic import SecretStr
 from temporalio import activity
 from temporalio.api.sdk.v1 import WorkflowMetadata
@@ -76,6 +78,8 @@ from billing.schedules import RECONCILE_SCHEDULE_ID
 from billing.sealing import SecretBox, new_key
 from cli import commands
 from cli import reconcile as reconcile_command
+from stripe_emulator.emulator import Emulator
+from stripe_emulator.routing import Route
 from tests.integration.harness import IDLE_QUEUE, Harness, at_least
 from tests.integration.holds import hold_the_slots
 from tests.integration.invariants import assert_billed_once
@@ -481,6 +485,48 @@ async def test_a_charge_stripe_took_but_the_ledger_never_recorded_is_recorded(
     assert await harness.money_requests() == sent
     assert report.findings == []
     await assert_billed_once(harness, str(PERIOD), customers)
+
+
+class ArrivalTimes:
+    """When each request reached Stripe (the emulator, which runs in the test's process), on
+    the clock the database's rate slots are read on: the machine's."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.times: list[float] = []
+        handle = Emulator.handle
+
+        async def timed(emulator: Emulator, request: web.Request, route: Route) -> Any:
+            self.times.append(time.time())
+            return await handle(emulator, request, route)
+
+        monkeypatch.setattr(Emulator, "handle", timed)
+
+
+async def test_reconciliations_stripe_reads_keep_to_the_clusters_stripe_rate(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its lookups of claims and its listings of charges take turns of BILLING_STRIPE_RPS,
+    the rate the charges share. None goes before its slot, and the first slot is no earlier
+    than the reconciliation's start: the k-th request Stripe sees comes at least k slots
+    after it. A slow machine only sends them later."""
+    customers = await harness.seed(3)
+    for customer in customers:
+        await stranded(harness, customer, at_stripe=True)
+    rps = 2.0
+    harness.settings = harness.settings.model_copy(update={"billing_stripe_rps": rps})
+    arrivals = ArrivalTimes(monkeypatch)
+    async with harness.running_worker():
+        began = time.time()
+        report = await (await start_reconcile(harness.client, PERIOD, harness.task_queue)).result()
+    assert {(c.action, c.outcome) for c in report.claims} == {("recorded", "charged")}
+    assert report.customers_checked == 3
+    # A lookup and a listing per customer, at the least.
+    times = sorted(t for t in arrivals.times if t >= began)
+    assert len(times) >= 2 * len(customers), times
+    # Clock readings (the database's, the worker's sleep, the test's) agree to well within this.
+    slack = 0.05
+    early = [k for k, t in enumerate(times) if t - began < k / rps - slack]
+    assert not early, [round(t - began, 3) for t in times]
 
 
 async def test_a_claim_that_never_reached_stripe_is_charged_once_with_its_key(
