@@ -1,6 +1,7 @@
-"""Holds on a customer's bill, so that a test waits for what it checks rather than betting
-on how fast the machine is: worker interceptors that hold a bill once it has run (its claim
-made, its outcome not yet in the workflow's history), and a hold before its Stripe slot."""
+"""Holds on activities, so that a test waits for what it checks rather than betting on how
+fast the machine is: a worker interceptor that holds an activity, before it runs or once it
+has run, until the test lets it go; holds on a customer's bill; and a hold before a bill's
+Stripe slot."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
+from fnmatch import fnmatchcase
 from typing import Any
 
 import pytest
@@ -19,46 +21,73 @@ from activities.charging import ChargingActivities
 from billing.models import Claim
 from workflows.customer_charge import BILL_TIMEOUT
 
-# Past this, a hold lets the bill go and says so (`gave_up`): the test is stuck, not slow.
-# Raising instead would fail the bill, whose retry is held again, until pytest's timeout.
-# Within the bill's own timeout, which would otherwise cancel the hold first, unsaid.
-HOLD_SECONDS = BILL_TIMEOUT.total_seconds() - 10
 
+class ActivityHold(Interceptor):
+    """Holds each activity (local ones too) that `match` accepts, a pattern of its type
+    ("bill", "close_period*") or a test of its info: before it runs, or with `after` once it
+    has run, its outcome not yet back in the workflow (one that failed is not held). A held
+    activity waits for `hold`, by default until the test lets it go (`go`), `reached` set;
+    past `timeout` seconds it fails (TimeoutError): the test is stuck, not slow."""
 
-class BillHold(Interceptor):
-    """Runs `hold` after each bill, before its outcome goes back to the workflow."""
-
-    gave_up = False
+    def __init__(
+        self,
+        match: str | Callable[[activity.Info], bool],
+        *,
+        after: bool = False,
+        timeout: float = 60,
+    ) -> None:
+        self.match = match
+        self.after = after
+        self.timeout = timeout
+        self.reached = asyncio.Event()
+        self.go = asyncio.Event()
 
     async def hold(self) -> None:
-        raise NotImplementedError
+        self.reached.set()
+        await self.go.wait()
+
+    def _matches(self, info: activity.Info) -> bool:
+        if isinstance(self.match, str):
+            return fnmatchcase(info.activity_type, self.match)
+        return self.match(info)
+
+    async def _held(self) -> None:
+        await asyncio.wait_for(self.hold(), self.timeout)
 
     def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
         holder = self
 
         class Held(ActivityInboundInterceptor):
             async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                held = holder._matches(activity.info())
+                if held and not holder.after:
+                    await holder._held()
                 outcome = await super().execute_activity(input)
-                if activity.info().activity_type == "bill":
-                    try:
-                        await asyncio.wait_for(holder.hold(), HOLD_SECONDS)
-                    except TimeoutError:
-                        holder.gave_up = True
+                if held and holder.after:
+                    await holder._held()
                 return outcome
 
         return Held(next)
 
 
-class HoldTheBillsEnd(BillHold):
-    """Holds every bill until let go (`go_on`); `billed` is set once one has run."""
+class BillHold(ActivityHold):
+    """Holds each bill once it has run (its claim made, its outcome not yet in the workflow's
+    history): until let go, or as long as a subclass's `hold` says.
+
+    Past its limit it lets the bill go and says so (`gave_up`): raising instead would fail
+    the bill, whose retry is held again, until pytest's timeout. The limit is within the
+    bill's own timeout, which would otherwise cancel the hold first, unsaid."""
+
+    gave_up = False
 
     def __init__(self) -> None:
-        self.billed = asyncio.Event()
-        self.go_on = asyncio.Event()
+        super().__init__("bill", after=True, timeout=BILL_TIMEOUT.total_seconds() - 10)
 
-    async def hold(self) -> None:
-        self.billed.set()
-        await self.go_on.wait()
+    async def _held(self) -> None:
+        try:
+            await super()._held()
+        except TimeoutError:
+            self.gave_up = True
 
 
 class HoldBillsAtTheHandOver(BillHold):
@@ -70,6 +99,7 @@ class HoldBillsAtTheHandOver(BillHold):
     very children. A run whose history has not grown for `idle_seconds` lets them go."""
 
     def __init__(self, client: Client, limit: int, idle_seconds: float = 10) -> None:
+        super().__init__()
         self.client = client
         self.limit = limit
         self.idle_seconds = idle_seconds

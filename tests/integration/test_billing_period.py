@@ -44,7 +44,7 @@ from billing.periods import Period
 from billing.reporting import describe
 from billing.runs import period_status, start_period, start_reconcile
 from tests.integration.harness import Harness, at_least, single_batch_activations
-from tests.integration.holds import HoldBillsAtTheHandOver, HoldTheBillsEnd
+from tests.integration.holds import ActivityHold, BillHold, HoldBillsAtTheHandOver
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
 from tests.waiting import eventually
@@ -512,36 +512,22 @@ async def test_a_cancel_continues_as_new_while_it_marks_the_rest_cancelled(
     keep(runs[-2:])
 
 
-class SlowPreparation(Interceptor):
-    """Holds each period's opening (`prepare`) for `seconds`, as a slow vault would."""
-
-    def __init__(self, seconds: float) -> None:
-        self._seconds = seconds
-
-    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
-        seconds = self._seconds
-
-        class Slow(ActivityInboundInterceptor):
-            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
-                if activity.info().activity_type == "prepare":
-                    await asyncio.sleep(seconds)
-                return await super().execute_activity(input)
-
-        return Slow(next)
-
-
 async def test_a_key_refusal_reported_while_the_run_opens_does_not_pause_it(
     harness: Harness,
 ) -> None:
     # A child an earlier run left, refused its old key while this run issues the new one:
     # it tries again with the new key, and the run goes on rather than wait for an operator.
     customers = await harness.seed(3)
-    async with harness.running_worker(interceptors=[SlowPreparation(3.0)]):
+    # The opening held, as a slow vault would, until the refusal is in the run's history.
+    opening = ActivityHold("prepare_period")
+    async with harness.running_worker(interceptors=[opening]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        await asyncio.wait_for(opening.reached.wait(), 60)
         await handle.signal(
             BillingPeriodWorkflow.period_blocked,
             ChargeFailure(code="vault_key_revoked", message="the key of the run before"),
         )
+        opening.go.set()
         summary = await asyncio.wait_for(handle.result(), 60)
     assert (summary.charged, summary.cancelled) == (3, 0)
     await replay([await handle.fetch_history()])
@@ -555,11 +541,15 @@ async def test_a_pause_given_while_the_run_opens_is_in_the_ledger_once_it_has(
     """The opening resets the ledger's word to running: a pause given meanwhile is written
     again after it, or a child an earlier run left would pass the ledger's gate and charge."""
     customers = await harness.seed(3)
-    async with harness.running_worker(interceptors=[SlowPreparation(3.0)]):
+    # The opening held, as a slow vault would, until the pause is taken.
+    opening = ActivityHold("prepare_period")
+    async with harness.running_worker(interceptors=[opening]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
+        await asyncio.wait_for(opening.reached.wait(), 60)
         await operations.control(
             harness.client, PERIOD, "pause", OperatorRequest(reason="prices", operator="ann")
         )
+        opening.go.set()
 
         async def opened_and_paused_in_the_ledger() -> bool:
             if (await period_status(harness.client, PERIOD)).expected_due is None:
@@ -1045,15 +1035,15 @@ async def test_a_child_the_run_awaits_terminated_after_its_charge_is_counted_cha
     """A child terminated by hand ends without an outcome: the run learns the customer's
     from the ledger, rather than wait for it for ever (and never close the period)."""
     [customer] = await harness.seed(1)
-    hold = HoldTheBillsEnd()
+    hold = BillHold()
     async with harness.running_worker(interceptors=[hold]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
-        await asyncio.wait_for(hold.billed.wait(), 60)
+        await asyncio.wait_for(hold.reached.wait(), 60)
         child = harness.client.get_workflow_handle(
             customer_workflow_id(PERIOD, customer.customer_id)
         )
         await child.terminate(reason="stuck, by hand")
-        hold.go_on.set()
+        hold.go.set()
         summary = await asyncio.wait_for(handle.result(), 60)
     assert (summary.due, summary.charged, summary.failed) == (1, 1, 0)
     await assert_billed_once(harness, str(PERIOD), [customer])

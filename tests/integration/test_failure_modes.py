@@ -1020,6 +1020,7 @@ class SignalledAsItsBillEnds(BillHold):
     whose completion the signal would refuse in turn."""
 
     def __init__(self, client: Client) -> None:
+        super().__init__()
         self.client = client
         self.children: set[str] = set()
 

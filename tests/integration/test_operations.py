@@ -110,7 +110,7 @@ from tests.integration.harness import (
     single_batch_activations,
     update_taken,
 )
-from tests.integration.holds import HoldTheBillsEnd
+from tests.integration.holds import ActivityHold, BillHold
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
 from tests.prometheus import metric_value
@@ -581,14 +581,14 @@ async def test_a_word_a_worker_took_up_is_awaited_past_the_time_to_take_it_up(
     ledger write is slow is awaited to its end, not called one no worker took up."""
     monkeypatch.setattr(operations, "ACCEPT_TIMEOUT", timedelta(seconds=1))
     await harness.seed(3)
-    hold = HoldTheBillsEnd()
+    hold = BillHold()
     slow_write = HoldListingAndControl(seconds=3)
     async with harness.running_worker(interceptors=[hold, slow_write]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
-        await asyncio.wait_for(hold.billed.wait(), 30)
+        await asyncio.wait_for(hold.reached.wait(), 30)
         progress = await operations.control(harness.client, PERIOD, "pause", ALICE)
         assert (progress.state, progress.operator) == ("paused", ALICE.operator)
-        hold.go_on.set()
+        hold.go.set()
         await operations.control(harness.client, PERIOD, "resume", ALICE)
         assert (await handle.result()).charged == 3
 
@@ -696,7 +696,7 @@ async def test_a_blocked_charge_reported_after_the_last_outcome_pauses_nothing(
 async def test_run_refuses_to_join_a_cancelled_run_still_finishing(harness: Harness) -> None:
     await harness.seed(6)
     # The sent charges are held until the CLI has answered, however long it takes to start.
-    hold = HoldTheBillsEnd()
+    hold = BillHold()
     async with harness.running_worker(interceptors=[hold]):
         handle = await start_period(
             harness.client, PERIOD, harness.task_queue, RunOptions(max_in_flight=2)
@@ -706,7 +706,7 @@ async def test_run_refuses_to_join_a_cancelled_run_still_finishing(harness: Harn
         code, out, err = await harness.starter("run", str(PERIOD), "--wait")
         assert (code, out) == (2, ""), err
         assert "was cancelled by alice and is still finishing" in err
-        hold.go_on.set()
+        hold.go.set()
         await handle.result()
         # Once it has ended, a run starts afresh and bills the rest.
         code, out, err = await harness.starter("run", str(PERIOD), "--wait")
@@ -721,7 +721,7 @@ async def test_run_joining_a_cancelled_run_as_it_ends_says_nothing_was_started(
     status: it said "running" (and, waiting, printed that run's summary as its own)."""
     await harness.seed(6)
     # The sent charges are held until the join, however long it takes on a loaded machine.
-    hold = HoldTheBillsEnd()
+    hold = BillHold()
     harness.use_cli_env(monkeypatch)
     async with harness.running_worker(interceptors=[hold]):
         handle = await start_period(
@@ -731,7 +731,7 @@ async def test_run_joining_a_cancelled_run_as_it_ends_says_nothing_was_started(
         await operations.control(harness.client, PERIOD, "cancel", ALICE)
 
         async def status_once_ended(client: Client, period: Period) -> PeriodProgress:
-            hold.go_on.set()
+            hold.go.set()
             await handle.result()  # the joined run ends between the join and the status
             return await period_status(client, period)
 
@@ -2309,28 +2309,6 @@ async def test_a_launch_that_finds_its_periods_run_open_joins_it_and_completes(
     assert details == f"{period_workflow_id(billed)} runs or has run: nothing more started"
 
 
-class HoldCompletedAnswer(Interceptor):
-    """Holds a launch's answer to "has a run of the period completed?", once read, until let
-    go (within the local activity's timeout)."""
-
-    def __init__(self) -> None:
-        self.read = asyncio.Event()
-        self.go_on = asyncio.Event()
-
-    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
-        hold = self
-
-        class Held(ActivityInboundInterceptor):
-            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
-                answer = await super().execute_activity(input)
-                if activity.info().activity_type == "period_completed":
-                    hold.read.set()
-                    await asyncio.wait_for(hold.go_on.wait(), 8)
-                return answer
-
-        return Held(next)
-
-
 async def test_a_run_completing_as_a_launch_checks_it_is_not_started_again(
     harness: Harness,
 ) -> None:
@@ -2344,16 +2322,18 @@ async def test_a_run_completing_as_a_launch_checks_it_is_not_started_again(
     config = schedules.MonthlySchedule(schedule_id="monthly-closing", hour=0, paused=True)
     await schedules.create_schedule(harness.client, config, harness.task_queue)
     handle = harness.client.get_schedule_handle(config.schedule_id)
-    hold = HoldCompletedAnswer()
+    # A launch's answer to "has a run of the period completed?", held once read (within the
+    # local activity's timeout).
+    hold = ActivityHold("period_completed", after=True, timeout=8)
     try:
         async with harness.running_worker(interceptors=[hold]):
             await handle.trigger()
-            await asyncio.wait_for(hold.read.wait(), 30)
+            await asyncio.wait_for(hold.reached.wait(), 30)
             await (await start_period(harness.client, billed, harness.task_queue)).result()
-            hold.go_on.set()
+            hold.go.set()
             details, _ = await _ended_with(await _nth_launch(harness.client, handle, 1))
     finally:
-        hold.go_on.set()
+        hold.go.set()
         await handle.delete()
     assert details == f"{period_workflow_id(billed)} runs or has run: nothing more started"
     await assert_billed_once(harness, str(billed), customers)
@@ -2374,7 +2354,7 @@ async def test_a_second_backfill_and_describe_say_what_the_launches_joined_and_b
     backfill = ("schedule", "backfill", "--id", "monthly-twice", "--while-paused", *span)
     await harness.seed(2)
     # Both runs stay open through four commands, however long a loaded machine takes.
-    hold = HoldTheBillsEnd()
+    hold = BillHold()
 
     async def both_open() -> bool:
         async with harness.pool.acquire() as conn:
@@ -2401,7 +2381,7 @@ async def test_a_second_backfill_and_describe_say_what_the_launches_joined_and_b
             assert out.count(", launched 2 times") == 2, out
             for month in months:
                 await operations.control(harness.client, month, "cancel", ALICE)
-            hold.go_on.set()
+            hold.go.set()
             for month in months:
                 await harness.client.get_workflow_handle(period_workflow_id(month)).result()
     finally:
@@ -3174,7 +3154,7 @@ async def test_a_launched_run_terminated_midway_is_flagged_until_it_is_started_a
     run = harness.client.get_workflow_handle(period_workflow_id(period))
     # A cancelled run finishes its charge in flight, then closes: held there, it is
     # terminated before the ledger has it closed.
-    hold = HoldClose()
+    hold = ActivityHold("close_period*")
 
     async def daily_check() -> schedules.UnbilledFiring | None:
         later = datetime.now(UTC) + timedelta(hours=2)
@@ -3190,7 +3170,7 @@ async def test_a_launched_run_terminated_midway_is_flagged_until_it_is_started_a
                 await operations.control(harness.client, period, "pause", ALICE)
             elif control == "cancelled":
                 await operations.control(harness.client, period, "cancel", ALICE)
-                await asyncio.wait_for(hold.closing.wait(), 60)
+                await asyncio.wait_for(hold.reached.wait(), 60)
             await run.terminate("looked stuck")
             rows = await harness.ledger_rows(str(period))
             charged = [r for r in rows if r["status"] == "charged"]
@@ -3223,14 +3203,14 @@ async def test_a_launched_run_terminated_midway_is_flagged_until_it_is_started_a
             backfill = f"schedule backfill --id cut-short --start {period} --end {period}"
             assert backfill + schedules.while_paused(True) in err, err
             # A launch starts the run again (the hourly spec leaves a backfill none to make).
-            hold.go_on.set()
+            hold.go.set()
             await handle.trigger()
             await eventually(lambda: _completed(harness, period), timeout=60)
             assert await daily_check() is None
             code, _, err = await harness.starter("schedule", "describe", "--id", "cut-short")
             assert "WARNING" not in err, err
     finally:
-        hold.go_on.set()
+        hold.go.set()
         await handle.delete()
     await assert_billed_once(harness, str(period), customers)
 
@@ -3348,27 +3328,6 @@ async def test_skipping_an_unknown_customer_during_a_run_says_so(harness: Harnes
     assert "nobody" not in {r["customer_id"] for r in await harness.ledger_rows(str(PERIOD))}
 
 
-class HoldClose(Interceptor):
-    """Holds the period's close activity (its write of the finished run to the ledger) until
-    told to go on."""
-
-    def __init__(self) -> None:
-        self.closing = asyncio.Event()
-        self.go_on = asyncio.Event()
-
-    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
-        hold = self
-
-        class Held(ActivityInboundInterceptor):
-            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
-                if activity.info().activity_type.startswith("close_period"):
-                    hold.closing.set()
-                    await asyncio.wait_for(hold.go_on.wait(), 60)
-                return await super().execute_activity(input)
-
-        return Held(next)
-
-
 @pytest.mark.parametrize("cancelled", [False, True], ids=["completed", "cancelled"])
 async def test_a_run_is_said_over_only_once_the_ledger_has_it_closed(
     harness: Harness, cancelled: bool
@@ -3377,7 +3336,7 @@ async def test_a_run_is_said_over_only_once_the_ledger_has_it_closed(
     The query said completed while the close was still to be written, and a backfill started
     then found the period not yet billed."""
     customers = await harness.seed(2)
-    hold = HoldClose()
+    hold = ActivityHold("close_period*")
     async with harness.running_worker(interceptors=[hold]):
         if cancelled:
             await harness.set_faults(latency_ms=1500)
@@ -3386,13 +3345,13 @@ async def test_a_run_is_said_over_only_once_the_ledger_has_it_closed(
             # Cancelled while both charges are out: it finishes them, then closes.
             await eventually(lambda: at_least(harness.money_requests(), 2))
             await operations.control(harness.client, PERIOD, "cancel", ALICE)
-        await asyncio.wait_for(hold.closing.wait(), 60)
+        await asyncio.wait_for(hold.reached.wait(), 60)
         progress = await period_status(harness.client, PERIOD)
         assert progress.state == ("cancelling" if cancelled else "closing"), progress
         assert progress.in_flight == 0
         async with harness.pool.acquire() as conn:
             assert await ledger.completed_runs(conn, [str(PERIOD)]) == {}
-        hold.go_on.set()
+        hold.go.set()
         summary = await asyncio.wait_for(handle.result(), 60)
         progress = await period_status(harness.client, PERIOD)
     assert progress.state == ("cancelled" if cancelled else "completed")
@@ -3408,10 +3367,10 @@ async def test_a_skip_sent_as_the_run_closes_is_written_before_it_ends(harness: 
     The skip is taken, and the run waits for it: a customer imported as the run closed and
     skipped then is not billed by it, and is counted skipped."""
     customers = await harness.seed(1)
-    hold = HoldClose()
+    hold = ActivityHold("close_period*")
     async with harness.running_worker(interceptors=[hold]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
-        await asyncio.wait_for(hold.closing.wait(), 60)
+        await asyncio.wait_for(hold.reached.wait(), 60)
         (added,) = await harness.seed(1, prefix="late")
         late = SkipRequest(customer_id=added.customer_id, reason="disputed", operator="carol")
         accepted = await accepted_updates(handle)
@@ -3419,7 +3378,7 @@ async def test_a_skip_sent_as_the_run_closes_is_written_before_it_ends(harness: 
             operations.skip(harness.client, harness.settings, harness.database_url, PERIOD, late)
         )
         await update_taken(handle, skipping, accepted)
-        hold.go_on.set()
+        hold.go.set()
         summary = await asyncio.wait_for(handle.result(), 60)
         assert (await skipping).skipped
     assert (summary.due, summary.charged, summary.skipped) == (2, 1, 1)
@@ -3480,13 +3439,13 @@ async def test_a_status_of_an_open_run_whose_query_fails_says_so_and_does_not_wa
     """A failed query of a run still open is the answer: `status` does not wait for the run
     to end (as it does for one that closed meanwhile) without a word."""
     await harness.seed(2)
-    hold = HoldTheBillsEnd()
+    hold = BillHold()
     async with harness.running_worker(interceptors=[ProgressQueriesFail(), hold]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
-        await asyncio.wait_for(hold.billed.wait(), 30)
+        await asyncio.wait_for(hold.reached.wait(), 30)
         with pytest.raises(WorkflowQueryFailedError, match="query handler broken"):
             await asyncio.wait_for(period_status(harness.client, PERIOD), 30)
-        hold.go_on.set()
+        hold.go.set()
         assert (await handle.result()).charged == 2
 
 

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import dataclasses
 from collections import defaultdict
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -33,6 +32,7 @@ from billing.periods import Period
 from billing.runs import start_period
 from billing.seeding import create_demo_customers
 from tests.integration.harness import Harness
+from tests.integration.holds import ActivityHold
 from tests.integration.invariants import assert_billed_once
 from tests.integration.test_vault_integration import (
     charging_one_at_a_time,
@@ -532,27 +532,6 @@ class FreezeAfterCheck:
         self._go[activity_type, run].set()
 
 
-class Gate(Interceptor):
-    """Holds activities (local ones too) that `match` until let go."""
-
-    def __init__(self, match: Callable[[activity.Info], bool]) -> None:
-        self.match = match
-        self.reached = asyncio.Event()
-        self.go = asyncio.Event()
-
-    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
-        gate = self
-
-        class Held(ActivityInboundInterceptor):
-            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
-                if not gate.go.is_set() and gate.match(activity.info()):
-                    gate.reached.set()
-                    await asyncio.wait_for(gate.go.wait(), 90)
-                return await super().execute_activity(input)
-
-        return Held(next)
-
-
 async def _row(harness: Harness) -> tuple[str, str | None, PeriodSummary | None, str | None]:
     async with harness.pool.acquire() as conn:
         record = await ledger.period_record(conn, str(PERIOD))
@@ -600,7 +579,9 @@ async def test_a_close_that_checked_then_froze_lands_before_the_reset_runs_close
     handle = None
     a = ""
     # The reset run's listing is held (a slow ledger), so that the cancel reaches it first.
-    gate = Gate(lambda info: bool(a) and info.activity_type == DUE and info.workflow_run_id != a)
+    gate = ActivityHold(
+        lambda info: bool(a) and info.activity_type == DUE and info.workflow_run_id != a, timeout=90
+    )
     async with harness.running_worker(interceptors=[gate]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
         a = (await handle.describe()).run_id
@@ -637,7 +618,9 @@ async def test_an_opening_that_checked_then_waited_on_the_vault_opens_nothing(
     freeze = FreezeAfterCheck(monkeypatch)
     hold = HoldEachRun(PREPARE, CLOSE)
     # The late customer's charge is held, so that the reset run has one in flight.
-    bill = Gate(lambda info: info.activity_type == "bill" and "late" in (info.workflow_id or ""))
+    bill = ActivityHold(
+        lambda info: info.activity_type == "bill" and "late" in (info.workflow_id or ""), timeout=90
+    )
     async with harness.running_worker(interceptors=[hold, bill]):
         handle, a = await _terminated_at_its_close(harness, hold)
         customers += await harness.seed(1, prefix="late")
@@ -773,15 +756,13 @@ async def test_a_writer_frozen_holding_the_periods_row_lets_it_go(
 class StaleListing(Interceptor):
     """Holds the first listing (`due_customers`, local) of the first run to list, as a worker
     waiting for a pool connection would, then lets it run to its end though its run's
-    eviction cancels it (a query Postgres had already run). Holds every other run's close."""
+    eviction cancels it (a query Postgres had already run)."""
 
     def __init__(self) -> None:
         self.stale_run: str | None = None
         self.reached = asyncio.Event()
         self.go = asyncio.Event()
         self.done = asyncio.Event()
-        self.close_reached = asyncio.Event()
-        self.close_go = asyncio.Event()
 
     def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
         outer = self
@@ -798,9 +779,6 @@ class StaleListing(Interceptor):
                             await asyncio.shield(stale)
                     outer.done.set()
                     return stale.result()
-                if info.activity_type.startswith(CLOSE) and info.workflow_run_id != outer.stale_run:
-                    outer.close_reached.set()
-                    await asyncio.wait_for(outer.close_go.wait(), 120)
                 return await super().execute_activity(input)
 
             async def _stale(self, input: ExecuteActivityInput) -> Any:
@@ -821,18 +799,25 @@ async def test_a_reset_runs_stale_listing_does_not_hide_a_customer_from_its_clos
     with no row is reached only if the run's workflow for it says so."""
     customers = await harness.seed(3)
     stale = StaleListing()
-    async with harness.running_worker(interceptors=[stale]):
+    # The close of every run but the stale listing's, until that listing has run.
+    close = ActivityHold(
+        lambda info: (
+            info.activity_type.startswith(CLOSE) and info.workflow_run_id != stale.stale_run
+        ),
+        timeout=120,
+    )
+    async with harness.running_worker(interceptors=[stale, close]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
         await asyncio.wait_for(stale.reached.wait(), 60)
         assert stale.stale_run is not None
         reset = await _reset_to(harness, handle.id, stale.stale_run, after_opening=False)
-        await asyncio.wait_for(stale.close_reached.wait(), 60)
+        await asyncio.wait_for(close.reached.wait(), 60)
         assert await harness.succeeded() == len(customers)
         late = await create_demo_customers(harness.stripe, 1, prefix="a-late")
         await import_customers(harness.pool, late, while_running=True, reactivate=True)
         stale.go.set()
         await asyncio.wait_for(stale.done.wait(), 60)
-        stale.close_go.set()
+        close.go.set()
         summary = await _result_of(harness, handle.id, reset)
     assert (summary.due, summary.charged) == (4, 4), summary
     await assert_billed_once(harness, str(PERIOD), [*customers, *late])

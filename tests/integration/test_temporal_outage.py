@@ -32,9 +32,8 @@ from cli.output import OutageNotice
 from cli.reconcile import NO_WORKER_SECONDS
 from tests.integration.cuttable_front import CuttableFront, cuttable_front
 from tests.integration.harness import Harness, at_least
-from tests.integration.holds import HoldTheBillsEnd
+from tests.integration.holds import ActivityHold, BillHold
 from tests.integration.invariants import assert_billed_once
-from tests.integration.test_operations import HoldClose
 from tests.integration.test_runs_told_apart import PREPARE, HoldEachRun
 from tests.waiting import eventually
 
@@ -178,7 +177,7 @@ async def test_watch_goes_on_until_the_run_has_ended(
     left the operator reading "closing", "cancelling" or an error as the run's last word."""
     customers = await harness.seed(4)
     monkeypatch.setattr(billing.runs, "QUERY_TIMEOUT", timedelta(seconds=1))
-    hold = HoldClose() if meets == "its-close" else HoldTheBillsEnd()
+    hold = ActivityHold("close_period*") if meets == "its-close" else BillHold()
     operator = OperatorRequest(reason="watch test", operator="alice")
     async with cuttable_front(harness.client.service_client.config.target_host) as front:
         harness.use_cli_env(monkeypatch, TEMPORAL_ADDRESS=front.address)
@@ -192,8 +191,8 @@ async def test_watch_goes_on_until_the_run_has_ended(
             handle = await start_period(
                 harness.client, PERIOD, harness.task_queue, RunOptions(max_in_flight=2)
             )
-            if isinstance(hold, HoldClose):
-                await asyncio.wait_for(hold.closing.wait(), 60)
+            if meets == "its-close":
+                await asyncio.wait_for(hold.reached.wait(), 60)
             else:
                 # Two charges sent and held: a cancel waits for them, a pause lets them end.
                 await eventually(lambda: at_least(harness.money_requests(), 2))
@@ -207,7 +206,7 @@ async def test_watch_goes_on_until_the_run_has_ended(
             # Its first look, and two more at a run that has not ended.
             await eventually(lambda: looked(3))
             ended_early = watch.done()
-            hold.go_on.set()  # before the check, or a failed one waits on the hold
+            hold.go.set()  # before the check, or a failed one waits on the hold
             assert not ended_early, capsys.readouterr()
             if meets != "no-worker":
                 summary = await handle.result()

@@ -48,7 +48,7 @@ from tests.integration.harness import (
     cancel_taken,
     update_taken,
 )
-from tests.integration.holds import HoldTheBillsEnd
+from tests.integration.holds import ActivityHold, BillHold
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
 from tests.waiting import eventually
@@ -227,19 +227,6 @@ async def test_a_rerun_cancelled_counts_what_an_earlier_cancel_marked_once(
     await assert_billed_once(harness, str(PERIOD), customers, cancelled=cancelled)
 
 
-class ImportAndHoldAtTheClose(ImportAtTheClose):
-    """As ImportAtTheClose, then holds that close until told to go on."""
-
-    def __init__(self, harness: Harness) -> None:
-        super().__init__(harness)
-        self.closing = asyncio.Event()
-        self.go_on = asyncio.Event()
-
-    async def imported(self) -> None:
-        self.closing.set()
-        await asyncio.wait_for(self.go_on.wait(), 60)
-
-
 @pytest.mark.parametrize("by", ["operator", "temporal"])
 async def test_a_cancel_given_as_the_run_closes_applies_if_it_goes_back_to_billing(
     harness: Harness, by: str
@@ -247,10 +234,10 @@ async def test_a_cancel_given_as_the_run_closes_applies_if_it_goes_back_to_billi
     """Refused as the run closed ("closing"), or dropped (Temporal's cancel), the cancel
     left the run to bill, after it, the customers its close then found unreached."""
     customers = await harness.seed(3)
-    hold = ImportAndHoldAtTheClose(harness)
-    async with harness.running_worker(interceptors=[hold]):
+    importing, hold = ImportAtTheClose(harness), ActivityHold("close_period*")
+    async with harness.running_worker(interceptors=[importing, hold]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
-        await asyncio.wait_for(hold.closing.wait(), 60)
+        await asyncio.wait_for(hold.reached.wait(), 60)
         if by == "temporal":
             await handle.cancel()
             await cancel_taken(handle)
@@ -261,7 +248,7 @@ async def test_a_cancel_given_as_the_run_closes_applies_if_it_goes_back_to_billi
                 operations.control(harness.client, PERIOD, "cancel", ALICE)
             )
             await update_taken(handle, cancelling, accepted)
-        hold.go_on.set()
+        hold.go.set()
         summary = await asyncio.wait_for(handle.result(), 60)
         if cancelling is not None:
             assert (await cancelling).state == "cancelling"
@@ -269,7 +256,7 @@ async def test_a_cancel_given_as_the_run_closes_applies_if_it_goes_back_to_billi
     assert summary.cancelled_by == ("alice" if by == "operator" else "temporal")
     assert (summary.due, summary.charged, _counted(summary)) == (3, 3, 3)
     charged = {c["customer"] for c in await harness.charges()}
-    assert hold.late[0].stripe_customer_id not in charged
+    assert importing.late[0].stripe_customer_id not in charged
     await assert_billed_once(harness, str(PERIOD), customers)
     await replay([history])
     keep([history])
@@ -730,7 +717,7 @@ async def test_a_rerun_bills_a_customer_whose_earlier_child_stopped_at_an_ended_
         pending = (await handle.describe()).raw_description.pending_activities
         return any(p.activity_type.name == "await_outcomes" for p in pending)
 
-    hold = HoldTheBillsEnd()
+    hold = BillHold()
     async with harness.running_worker():
         ended = await start_period(harness.client, PERIOD, harness.task_queue)
         await eventually(lambda: awaits(ended), timeout=30)
@@ -741,10 +728,10 @@ async def test_a_rerun_bills_a_customer_whose_earlier_child_stopped_at_an_ended_
             )
         assert cancel is not None
         async with _earlier_worker(harness, [hold]):
-            await asyncio.wait_for(hold.billed.wait(), 30)
+            await asyncio.wait_for(hold.reached.wait(), 30)
             rerun = await start_period(harness.client, PERIOD, harness.task_queue)
             await eventually(lambda: awaits(rerun), timeout=30)
-            hold.go_on.set()
+            hold.go.set()
             assert (await earlier.result()).outcome == "cancelled"
             summary = await asyncio.wait_for(rerun.result(), 60)
     if cancelled:

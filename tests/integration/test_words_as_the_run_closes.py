@@ -6,11 +6,9 @@ a cancel undone."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Literal
+from typing import Literal
 
 import pytest
-from temporalio import activity
-from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
 from billing import operations
 from billing.models import OperatorRequest, SkipRequest
@@ -22,35 +20,15 @@ from tests.integration.harness import (
     cancel_taken,
     update_taken,
 )
+from tests.integration.holds import ActivityHold
 from tests.integration.invariants import assert_billed_once
 from tests.integration.replay import keep, replay
-from tests.integration.test_operations import HoldClose
-from tests.integration.test_unlisted_customers import ALICE, ImportAndHoldAtTheClose, _counted
+from tests.integration.test_unlisted_customers import ALICE, ImportAtTheClose, _counted
 from tests.waiting import eventually
 from workflows.billing_period import BillingPeriodWorkflow
 
 PERIOD = Period(2026, 12)
 BOB = OperatorRequest(reason="looking into it", operator="bob")
-
-
-class HoldTheSkip(Interceptor):
-    """Holds the skip_customer activity until told to go on."""
-
-    def __init__(self) -> None:
-        self.skipping = asyncio.Event()
-        self.go_on = asyncio.Event()
-
-    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
-        outer = self
-
-        class Holding(ActivityInboundInterceptor):
-            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
-                if activity.info().activity_type == "skip_customer":
-                    outer.skipping.set()
-                    await asyncio.wait_for(outer.go_on.wait(), 60)
-                return await super().execute_activity(input)
-
-        return Holding(next)
 
 
 @pytest.mark.parametrize("word", ["cancel", "pause"])
@@ -61,12 +39,12 @@ async def test_a_word_given_while_the_close_waits_for_a_skip_applies(
     then applies at once (it waited for the close's verdict, which waited for it); a pause
     holds the close until a resume, not a run completed under a pause it took."""
     customers = await harness.seed(3)
-    hold = HoldTheSkip()
+    hold = ActivityHold("skip_customer")
     async with harness.running_worker(interceptors=[hold]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
         skip = SkipRequest(customer_id=customers[0].customer_id, reason="x", operator="bob")
         skipping = asyncio.create_task(handle.execute_update(BillingPeriodWorkflow.skip, skip))
-        await asyncio.wait_for(hold.skipping.wait(), 60)
+        await asyncio.wait_for(hold.reached.wait(), 60)
 
         async def closing() -> bool:
             return (await handle.query(BillingPeriodWorkflow.progress)).state == "closing"
@@ -75,7 +53,7 @@ async def test_a_word_given_while_the_close_waits_for_a_skip_applies(
         accepted = await accepted_updates(handle)
         speaking = asyncio.create_task(operations.control(harness.client, PERIOD, word, ALICE))
         await update_taken(handle, speaking, accepted)
-        hold.go_on.set()
+        hold.go.set()
         await asyncio.wait_for(skipping, 30)
         answer = await asyncio.wait_for(speaking, 30)
         if word == "pause":
@@ -102,10 +80,10 @@ async def test_a_pause_after_a_cancel_as_the_run_closes_does_not_undo_it(
     the cancel applies, and the pause after it changes nothing (it overwrote the cancel, and
     a resume billed the customer the cancel was to stop)."""
     customers = await harness.seed(3)
-    hold = ImportAndHoldAtTheClose(harness)
-    async with harness.running_worker(interceptors=[hold]):
+    importing, hold = ImportAtTheClose(harness), ActivityHold("close_period*")
+    async with harness.running_worker(interceptors=[importing, hold]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
-        await asyncio.wait_for(hold.closing.wait(), 60)
+        await asyncio.wait_for(hold.reached.wait(), 60)
         cancelling = None
         if by == "temporal":
             await handle.cancel()
@@ -119,7 +97,7 @@ async def test_a_pause_after_a_cancel_as_the_run_closes_does_not_undo_it(
         accepted = await accepted_updates(handle)
         pausing = asyncio.create_task(operations.control(harness.client, PERIOD, "pause", BOB))
         await update_taken(handle, pausing, accepted)
-        hold.go_on.set()
+        hold.go.set()
         with pytest.raises(operations.OperatorRefusedError) as refused:
             await asyncio.wait_for(pausing, 30)
         summary = await asyncio.wait_for(handle.result(), 30)
@@ -128,7 +106,7 @@ async def test_a_pause_after_a_cancel_as_the_run_closes_does_not_undo_it(
     assert "as the pause arrived, so the pause changed nothing" in str(refused.value)
     assert summary.cancelled_by == ("alice" if by == "operator" else "temporal")
     charged = {c["customer"] for c in await harness.charges()}
-    assert hold.late[0].stripe_customer_id not in charged
+    assert importing.late[0].stripe_customer_id not in charged
     await assert_billed_once(harness, str(PERIOD), customers)
 
 
@@ -138,22 +116,22 @@ async def test_a_pause_as_the_run_closes_holds_the_customers_it_goes_back_to(
     """The pause applies once the close goes back; the run waits (continuing as new with
     the listing of the unlisted), and a resume bills the customer, counted once."""
     customers = await harness.seed(3)
-    hold = ImportAndHoldAtTheClose(harness)
-    async with harness.running_worker(interceptors=[hold]):
+    importing, hold = ImportAtTheClose(harness), ActivityHold("close_period*")
+    async with harness.running_worker(interceptors=[importing, hold]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
-        await asyncio.wait_for(hold.closing.wait(), 60)
+        await asyncio.wait_for(hold.reached.wait(), 60)
         accepted = await accepted_updates(handle)
         pausing = asyncio.create_task(operations.control(harness.client, PERIOD, "pause", BOB))
         await update_taken(handle, pausing, accepted)
-        hold.go_on.set()
+        hold.go.set()
         assert (await asyncio.wait_for(pausing, 30)).state == "paused"
         assert not {c["customer"] for c in await harness.charges()} & {
-            hold.late[0].stripe_customer_id
+            importing.late[0].stripe_customer_id
         }
         await operations.control(harness.client, PERIOD, "resume", BOB)
         summary = await asyncio.wait_for(handle.result(), 60)
     assert (summary.due, summary.charged, _counted(summary)) == (4, 4, 4), summary
-    await assert_billed_once(harness, str(PERIOD), [*customers, *hold.late])
+    await assert_billed_once(harness, str(PERIOD), [*customers, *importing.late])
 
 
 async def test_a_cancel_as_the_run_closes_for_good_says_it_changed_nothing(
@@ -162,16 +140,16 @@ async def test_a_cancel_as_the_run_closes_for_good_says_it_changed_nothing(
     """The close finds every customer reached and closes: the cancel it took is refused,
     saying why, not answered as though it had applied."""
     customers = await harness.seed(2)
-    hold = HoldClose()
+    hold = ActivityHold("close_period*")
     async with harness.running_worker(interceptors=[hold]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
-        await asyncio.wait_for(hold.closing.wait(), 60)
+        await asyncio.wait_for(hold.reached.wait(), 60)
         accepted = await accepted_updates(handle)
         cancelling = asyncio.create_task(
             operations.control(harness.client, PERIOD, "cancel", ALICE)
         )
         await update_taken(handle, cancelling, accepted)
-        hold.go_on.set()
+        hold.go.set()
         with pytest.raises(operations.OperatorRefusedError) as refused:
             await asyncio.wait_for(cancelling, 30)
         summary = await asyncio.wait_for(handle.result(), 30)
@@ -190,15 +168,15 @@ async def test_a_word_after_the_close_is_not_written_over_the_completed_run(
     applied, its control written over the completed period (a pause there holds a later
     re-drive at the gate for good; a cancel makes launches read the period as cancelled)."""
     customers = await harness.seed(2)
-    close = HoldClose()
-    skip_hold = HoldTheSkip()
+    close = ActivityHold("close_period*")
+    skip_hold = ActivityHold("skip_customer")
     async with harness.running_worker(interceptors=[close, skip_hold]):
         handle = await start_period(harness.client, PERIOD, harness.task_queue)
-        await asyncio.wait_for(close.closing.wait(), 60)
+        await asyncio.wait_for(close.reached.wait(), 60)
         skip = SkipRequest(customer_id=customers[0].customer_id, reason="x", operator="bob")
         skipping = asyncio.create_task(handle.execute_update(BillingPeriodWorkflow.skip, skip))
-        await asyncio.wait_for(skip_hold.skipping.wait(), 60)
-        close.go_on.set()
+        await asyncio.wait_for(skip_hold.reached.wait(), 60)
+        close.go.set()
 
         async def completed() -> bool:
             return (await handle.query(BillingPeriodWorkflow.progress)).state == "completed"
@@ -215,7 +193,7 @@ async def test_a_word_after_the_close_is_not_written_over_the_completed_run(
             word = asyncio.create_task(operations.control(harness.client, PERIOD, "cancel", BOB))
         if word is not None:
             await update_taken(handle, word, accepted)
-        skip_hold.go_on.set()
+        skip_hold.go.set()
         await asyncio.wait_for(skipping, 30)
         summary = await asyncio.wait_for(handle.result(), 30)
         if word is not None:
