@@ -380,10 +380,14 @@ class ChargingActivities:
     async def _wait_for_slot(self, claim: Claim, reserved: datetime | None) -> None:
         """Take this attempt's place in the cluster's Stripe rate, before the gate so that a
         pause still stops a charge that waited. The slots cover the requests an attempt
-        makes up front: the create, and an old claim's lookup before it. Lookups after an
-        error (a replayed 500, an idempotency error) are rare and take none: a 429 there is
-        retried with the same key. A retry takes a slot of its own; the slot the workflow
-        waited for serves the first attempt, unless it is long past (rate_limit.LATE_LIMIT)."""
+        makes up front: the create, and an old claim's lookup before it, as one listing.
+        What a lookup sends past that (a page past 100 objects, the other API for a claim
+        that recorded none, cancels of stalled intents and the listing after them) and
+        lookups after an error (a replayed 500, an idempotency error) are rare and take no
+        slot: a 429 there is retried with the same key, where waiting mid-charge for turns
+        would hold the workflow task (reconciliation's reads, not run in one, take a turn
+        per request). A retry takes a slot of its own; the slot the workflow waited for
+        serves the first attempt, unless it is long past (rate_limit.LATE_LIMIT)."""
         if self._stripe_rate is None:
             return
         slot: Slot | None = None

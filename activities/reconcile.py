@@ -188,9 +188,11 @@ class ReconcileActivities:
         # Lookups share the cluster's Stripe rate with the charges.
         self._stripe_rate = stripe_rate(pool, settings)
 
-    async def _stripe_turn(self) -> None:
-        if self._stripe_rate is not None:
-            await self._stripe_rate.wait_turn()
+    def _paced(self, gateway: StripeGateway) -> StripeGateway:
+        """`gateway`, each request it sends taking its turn of the cluster's Stripe rate."""
+        if self._stripe_rate is None:
+            return gateway
+        return gateway.taking_turns(self._stripe_rate.wait_turn)
 
     async def _reading(
         self,
@@ -214,8 +216,7 @@ class ReconcileActivities:
                 for _ in range(2):
                     try:
                         gateway = await self._access.gateway(period, currency)
-                        await self._stripe_turn()
-                        result = await read(gateway)
+                        result = await read(self._paced(gateway))
                     except period_keys.NoPeriodKeyError:
                         break
                     except stripe.StripeError as exc:
@@ -232,9 +233,8 @@ class ReconcileActivities:
         except UnsealError as exc:
             # A setting to fix, not a customer to skip.
             raise ApplicationError(str(exc), type=KEY_UNREADABLE, non_retryable=True) from None
-        await self._stripe_turn()
         try:
-            return await read(gateway), False
+            return await read(self._paced(gateway)), False
         except stripe.StripeError as exc:
             if not vault_key_unusable(exc):
                 raise
@@ -544,7 +544,6 @@ class ReconcileActivities:
 
         async def listed(customer: CustomerToCheck) -> list[StripeCharge] | None:
             try:
-                # One turn per customer: a listing rarely needs a second page.
                 charges, _ = await self._reading(
                     request.period,
                     customer.currency,

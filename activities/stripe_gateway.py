@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import stripe
 
@@ -37,6 +37,11 @@ MADE_INTENT_STATUSES = frozenset({"succeeded", "processing"})
 STALLED_INTENT_STATUS = "requires_confirmation"
 STALLED_AFTER_SECONDS = 3600 + _CLOCK_SKEW_SECONDS
 ABANDONED = "abandoned"
+
+P = ParamSpec("P")
+R = TypeVar("R")
+# Awaited before each request a gateway sends (StripeGateway.taking_turns).
+Turn = Callable[[], Awaitable[None]]
 
 
 def charge_params(claim: Claim, api: ChargeApi) -> dict[str, Any]:
@@ -76,14 +81,33 @@ class StripeGateway:
         api: ChargeApi,
         vault_key_id: str | None = None,
         may_cancel: bool = True,
+        turn: Turn | None = None,
     ) -> None:
         self._client = client
         self._api = api
+        self._turn = turn
         # Whether lookups cancel an intent Stripe left unconfirmed (STALLED_INTENT_STATUS):
         # not with a key that only reads, which the vault would refuse and audit.
         self._may_cancel = may_cancel
         # The period's vault key this gateway charges with; None for Stripe directly.
         self.vault_key_id = vault_key_id
+
+    def taking_turns(self, turn: Turn) -> StripeGateway:
+        """This gateway, awaiting `turn` before each request it sends: one read may send
+        several (pages of a listing, both APIs, cancels and the listing after them)."""
+        return StripeGateway(self._client, self._api, self.vault_key_id, self._may_cancel, turn)
+
+    def _sent(self, request: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+        """`request` (a method of the client), after its turn where the gateway takes turns."""
+        turn = self._turn
+        if turn is None:
+            return request
+
+        async def in_turn(*args: P.args, **kwargs: P.kwargs) -> R:
+            await turn()
+            return await request(*args, **kwargs)
+
+        return in_turn
 
     @property
     def route(self) -> str:
@@ -107,10 +131,10 @@ class StripeGateway:
         params = charge_params(claim, api)
         made: stripe.PaymentIntent | stripe.Charge
         if api == "payment_intents":
-            made = await self._client.v1.payment_intents.create_async(params, options)  # type: ignore[arg-type]
+            made = await self._sent(self._client.v1.payment_intents.create_async)(params, options)  # type: ignore[arg-type]
             settling = made.status in MADE_INTENT_STATUSES
         else:
-            made = await self._client.v1.charges.create_async(params, options)  # type: ignore[arg-type]
+            made = await self._sent(self._client.v1.charges.create_async)(params, options)  # type: ignore[arg-type]
             settling = made.status in MADE_STATUSES
         # A bank debit's answer, processing or pending, is where it stands only if Stripe
         # executed this request; one it replays, it saved up to a day ago, and the bank may
@@ -164,7 +188,7 @@ class StripeGateway:
     ) -> ChargeResult | ChargeFailure | None:
         if api == "payment_intents":
             return await self._find_intent(claim, cancel_stalled=self._may_cancel)
-        charges = await self._ours(self._client.v1.charges.list_async, claim)
+        charges = await self._ours(self._sent(self._client.v1.charges.list_async), claim)
         for charge in charges:
             # Pending (a bank debit) is what charge() records too: the charge was made.
             if charge.status in MADE_STATUSES:
@@ -187,7 +211,7 @@ class StripeGateway:
     async def _find_intent(
         self, claim: Claim, cancel_stalled: bool
     ) -> ChargeResult | ChargeFailure | None:
-        intents = await self._ours(self._client.v1.payment_intents.list_async, claim)
+        intents = await self._ours(self._sent(self._client.v1.payment_intents.list_async), claim)
         for intent in intents:
             if intent.status in MADE_INTENT_STATUSES:
                 return self._from_intent(intent, replayed=True)
@@ -261,7 +285,7 @@ class StripeGateway:
         whichever API made them: Stripe copies a PaymentIntent's metadata to its charge when
         it confirms it, so a duplicate made through the other API is seen too."""
         found = await _listed(
-            self._client.v1.charges.list_async,
+            self._sent(self._client.v1.charges.list_async),
             stripe_customer_id,
             None,
             lambda o: _metadata(o, "billing_period") == period,
@@ -271,7 +295,7 @@ class StripeGateway:
     async def _cancel(self, intent: stripe.PaymentIntent) -> None:
         """Cancels `intent` as abandoned (_abandoned); raises stripe.PermissionError where the
         key may not."""
-        await self._client.v1.payment_intents.cancel_async(
+        await self._sent(self._client.v1.payment_intents.cancel_async)(
             intent.id, {"cancellation_reason": ABANDONED}
         )
 

@@ -46,6 +46,7 @@ from billing.keys import (
     reconcile_workflow_id,
 )
 from billing.models import (
+    ChargeApi,
     ChargeFailure,
     ChargeResult,
     Claim,
@@ -106,20 +107,29 @@ def gateway(harness: Harness) -> StripeGateway:
 
 
 async def stranded(
-    harness: Harness, customer: CustomerRow, *, at_stripe: bool, terminate: bool = True
+    harness: Harness,
+    customer: CustomerRow,
+    *,
+    at_stripe: bool,
+    terminate: bool = True,
+    api: ChargeApi | None = "payment_intents",
 ) -> Claim:
     """What a worker lost mid-charge leaves: the claim taken and its charge begun (and, if
     `at_stripe`, committed by Stripe, its answer lost), under the customer's workflow, which
-    an operator then terminated (or which still runs, owning the claim)."""
+    an operator then terminated (or which still runs, owning the claim). With `api` None,
+    claimed before claims recorded their API (migrations/012) and sent through Charges,
+    while the workers now run with PaymentIntents: a lookup lists both."""
     key = idempotency_key(harness.settings.billing_key_namespace, customer.customer_id, PERIOD)
     await harness.open_period_by_hand(PERIOD)
     async with harness.pool.acquire() as conn:
         claim = await ledger.claim(
-            conn, customer.customer_id, str(PERIOD), key, charge_api="payment_intents"
+            conn, customer.customer_id, str(PERIOD), key, charge_api=api or "charges"
         )
         assert (await ledger.begin_charge(conn, claim, None)).gate == "go"
+        if api is None:
+            await conn.execute("UPDATE billing_runs SET charge_api = NULL")
     if at_stripe:
-        await gateway(harness).charge(claim)
+        await StripeGateway(harness.stripe, api or "charges").charge(claim)
     handle = await harness.idle_child(PERIOD, customer.customer_id)
     if terminate:
         await handle.terminate(reason="its worker was lost")
@@ -506,12 +516,13 @@ async def test_reconciliations_stripe_reads_keep_to_the_clusters_stripe_rate(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its lookups of claims and its listings of charges take turns of BILLING_STRIPE_RPS,
-    the rate the charges share. None goes before its slot, and the first slot is no earlier
-    than the reconciliation's start: the k-th request Stripe sees comes at least k slots
-    after it. A slow machine only sends them later."""
+    the rate the charges share, a turn for each request: these lookups list both APIs (the
+    claims recorded none). None goes before its slot, and the first slot is no earlier than
+    the reconciliation's start: the k-th request Stripe sees comes at least k slots after
+    it. A slow machine only sends them later."""
     customers = await harness.seed(3)
     for customer in customers:
-        await stranded(harness, customer, at_stripe=True)
+        await stranded(harness, customer, at_stripe=True, api=None)
     rps = 2.0
     harness.settings = harness.settings.model_copy(update={"billing_stripe_rps": rps})
     arrivals = ArrivalTimes(monkeypatch)
@@ -520,9 +531,9 @@ async def test_reconciliations_stripe_reads_keep_to_the_clusters_stripe_rate(
         report = await (await start_reconcile(harness.client, PERIOD, harness.task_queue)).result()
     assert {(c.action, c.outcome) for c in report.claims} == {("recorded", "charged")}
     assert report.customers_checked == 3
-    # A lookup and a listing per customer, at the least.
+    # A lookup of two listings and a listing of its charges per customer, at the least.
     times = sorted(t for t in arrivals.times if t >= began)
-    assert len(times) >= 2 * len(customers), times
+    assert len(times) >= 3 * len(customers), times
     # Clock readings (the database's, the worker's sleep, the test's) agree to well within this.
     slack = 0.05
     early = [k for k, t in enumerate(times) if t - began < k / rps - slack]
@@ -1949,21 +1960,14 @@ async def test_a_claim_from_before_its_api_was_recorded_is_found_through_either(
     # Claimed before migration 012 (no API recorded) and charged through Charges, its answer
     # lost; the workers now run with PaymentIntents, which refuse the same key.
     [customer] = await harness.seed(1)
-    key = idempotency_key(harness.settings.billing_key_namespace, customer.customer_id, PERIOD)
-    await harness.open_period_by_hand(PERIOD)
-    async with harness.pool.acquire() as conn:
-        claim = await ledger.claim(
-            conn, customer.customer_id, str(PERIOD), key, charge_api="charges"
-        )
-        assert (await ledger.begin_charge(conn, claim, None)).gate == "go"
-        await conn.execute("UPDATE billing_runs SET charge_api = NULL")
-    charged = await StripeGateway(harness.stripe, "charges").charge(claim)
-    handle = await harness.idle_child(PERIOD, customer.customer_id)
-    await handle.terminate(reason="its worker was lost")
+    await stranded(harness, customer, at_stripe=True, api=None)
     assert harness.settings.billing_charge_api == "payment_intents"
+    [charged] = await harness.stripe.v1.charges.list_async(
+        {"customer": customer.stripe_customer_id}
+    )
     report = await reconcile(harness)
     [row] = await harness.ledger_rows(str(PERIOD))
-    assert (row["status"], row["charge_id"]) == ("charged", charged.charge_id), report.claims
+    assert (row["status"], row["charge_id"]) == ("charged", charged.id), report.claims
     assert await harness.succeeded() == 1  # charged once, never again
 
 

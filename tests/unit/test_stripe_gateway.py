@@ -815,3 +815,59 @@ async def test_a_failure_found_by_a_lookup_repeats_no_key_stripe_quoted() -> Non
         await intents_gateway(declined).find(INTENT_CLAIM),
     ):
         assert isinstance(found, ChargeFailure) and quoted not in found.message
+
+
+@dataclass
+class Turns:
+    """Stands in for the cluster's Stripe rate (StripeGateway.taking_turns), and records in
+    order the turns taken and the requests sent through stand-ins wrapped by `counted`."""
+
+    log: list[str] = field(default_factory=list)
+
+    async def take(self) -> None:
+        self.log.append("turn")
+
+    def counted(self, request: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        async def sent(*args: Any) -> Any:
+            self.log.append("request")
+            return await request(*args)
+
+        return sent
+
+
+async def test_a_gateway_taking_turns_takes_one_before_each_request_it_sends() -> None:
+    """Reconciliation's reads take a turn of the cluster's Stripe rate for each request, and
+    one read may send several: the pages of a listing, both APIs for a claim that recorded
+    none, cancels of intents Stripe left unconfirmed and the listing after them. The gateway
+    it was made from takes none (the charge's slot is reserved ahead)."""
+    turns = Turns()
+    listed = [charge("succeeded", id=f"ch_{i}", refunded=False, metadata={}) for i in range(250)]
+    pages = turns.counted(Pages(listed))
+    client = SimpleNamespace(v1=SimpleNamespace(charges=SimpleNamespace(list_async=pages)))
+    plain = StripeGateway(client, "charges")  # type: ignore[arg-type]
+    await plain.taking_turns(turns.take).period_charges("cus_1", CLAIM.period)
+    assert turns.log == ["turn", "request"] * 3
+    await plain.period_charges("cus_1", CLAIM.period)
+    assert turns.log == ["turn", "request"] * 3 + ["request"] * 3
+
+    turns = Turns()
+    both = SimpleNamespace(
+        v1=SimpleNamespace(
+            charges=SimpleNamespace(list_async=turns.counted(Listing([charge("succeeded")]))),
+            payment_intents=SimpleNamespace(list_async=turns.counted(Listing([]))),
+        )
+    )
+    legacy = CLAIM.model_copy(update={"charge_api": None})
+    gateway = StripeGateway(both, "payment_intents").taking_turns(turns.take)  # type: ignore[arg-type]
+    assert isinstance(await gateway.find(legacy), ChargeResult)
+    assert turns.log == ["turn", "request"] * 2
+
+    turns = Turns()
+    account = Account([stalled("later"), stalled("first")])
+    gateway = intents_gateway(
+        lister=turns.counted(account.listing), canceller=turns.counted(account.cancel)
+    ).taking_turns(turns.take)
+    assert await gateway.find(INTENT_CLAIM) is None
+    assert account.cancelled == ["pi_later", "pi_first"]
+    # The listing, two cancels, and the listing after them.
+    assert turns.log == ["turn", "request"] * 4
