@@ -14,6 +14,9 @@ from billing.data_converter import DATA_CONVERTER
 from worker import WORKFLOWS
 
 HISTORIES = Path(__file__).resolve().parent.parent / "histories"
+# The SDK's code for a workflow that did not yield within its deadlock timeout.
+DEADLOCK = "[TMPRL1101]"
+DEADLOCK_TRIES = 3
 
 
 async def replay(histories: Iterable[WorkflowHistory]) -> None:
@@ -32,7 +35,16 @@ async def replay(histories: Iterable[WorkflowHistory]) -> None:
             data_converter=DATA_CONVERTER,
             unsandboxed_workflow_runner=unsandboxed_runner,
         )
-        await replayer.replay_workflows(each(), raise_on_replay_failure=True)
+        for tries_left in reversed(range(DEADLOCK_TRIES)):
+            try:
+                await replayer.replay_workflows(each(), raise_on_replay_failure=True)
+                break
+            except RuntimeError as failure:
+                # An activation past the SDK's 2 s deadlock check on a loaded machine (one
+                # starting 60 children in the sandbox): slowness, not a replay that differs,
+                # which fails as NondeterminismError, and a real deadlock fails every try.
+                if DEADLOCK not in str(failure) or not tries_left:
+                    raise
 
 
 def keep(histories: Iterable[WorkflowHistory]) -> None:
