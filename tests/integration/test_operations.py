@@ -2285,18 +2285,24 @@ async def test_a_trigger_or_backfill_says_it_joins_a_paused_run_only_while_it_ru
     assert (f"joining the open runs of {billed}:" in backfill[1]) is (run == "running"), backfill
 
 
+async def _billing_this_month(harness: Harness, schedule_id: str) -> tuple[Period, ScheduleHandle]:
+    """A paused monthly billing schedule, and the month a launch of it bills now (the test
+    skipped if that month turns within two minutes)."""
+    billed = period_for(datetime.now(UTC))
+    if period_for(datetime.now(UTC) + timedelta(minutes=2)) != billed:
+        pytest.skip("the month turns during the test")
+    config = schedules.MonthlySchedule(schedule_id=schedule_id, hour=0, paused=True)
+    await schedules.create_schedule(harness.client, config, harness.task_queue)
+    return billed, harness.client.get_schedule_handle(schedule_id)
+
+
 async def test_a_launch_that_finds_its_periods_run_open_joins_it_and_completes(
     harness: Harness,
 ) -> None:
     """A firing, a trigger and a run by hand share the period's one workflow: a launch that
     finds it running starts nothing more, says so, and completes. A failed launch would tell
     an operator the month went unbilled, and ask for a backfill of a month being billed."""
-    billed = period_for(datetime.now(UTC))
-    if period_for(datetime.now(UTC) + timedelta(minutes=2)) != billed:
-        pytest.skip("the month turns during the test")
-    config = schedules.MonthlySchedule(schedule_id="monthly-join", hour=0, paused=True)
-    await schedules.create_schedule(harness.client, config, harness.task_queue)
-    handle = harness.client.get_schedule_handle(config.schedule_id)
+    billed, handle = await _billing_this_month(harness, "monthly-join")
     # Open on a queue no worker polls, as a run behind a busy worker is.
     run = await start_period(harness.client, billed, "nobody-polls")
     try:
@@ -2316,12 +2322,7 @@ async def test_a_run_completing_as_a_launch_checks_it_is_not_started_again(
     launch starts it: the launch's reuse policy refuses a completed run's ID, so it starts
     nothing rather than bill the period again."""
     customers = await harness.seed(2)
-    billed = period_for(datetime.now(UTC))
-    if period_for(datetime.now(UTC) + timedelta(minutes=2)) != billed:
-        pytest.skip("the month turns during the test")
-    config = schedules.MonthlySchedule(schedule_id="monthly-closing", hour=0, paused=True)
-    await schedules.create_schedule(harness.client, config, harness.task_queue)
-    handle = harness.client.get_schedule_handle(config.schedule_id)
+    billed, handle = await _billing_this_month(harness, "monthly-closing")
     # A launch's answer to "has a run of the period completed?", held once read (within the
     # local activity's timeout).
     hold = ActivityHold("period_completed", after=True, timeout=8)
@@ -3029,15 +3030,8 @@ async def test_a_daily_reconciliation_whose_billing_schedule_cannot_be_read_stil
     assert code == 0, err
     await harness.client.get_schedule_handle("billing-monthly").delete()
     await written_by_another_release(harness, "billing-monthly", paused=True)
-    handle = harness.client.get_schedule_handle(schedules.RECONCILE_SCHEDULE_ID)
     reads = ScheduleReads()
-    try:
-        async with harness.running_worker(interceptors=[reads]):
-            await handle.trigger()
-            details, history = await _ended_with(await _nth_launch(harness.client, handle, 1))
-    finally:
-        for made in (handle.id, "billing-monthly"):
-            await harness.client.get_schedule_handle(made).delete()
+    details, history = await _checked_once(harness, reads)
     warning = "WARNING: the billing schedule billing-monthly is gone or could not be read"
     assert warning in details, details
     assert reads.reads == 1
@@ -3070,6 +3064,19 @@ class ScheduleReads(Interceptor):
         return Counting(next)
 
 
+async def _checked_once(harness: Harness, reads: ScheduleReads) -> tuple[str, WorkflowHistory]:
+    """The daily reconciliation triggered once, `reads` counting its readings of the billing
+    schedule it follows: its launch's details and history. Both schedules are deleted."""
+    handle = harness.client.get_schedule_handle(schedules.RECONCILE_SCHEDULE_ID)
+    try:
+        async with harness.running_worker(interceptors=[reads]):
+            await handle.trigger()
+            return await _ended_with(await _nth_launch(harness.client, handle, 1))
+    finally:
+        for made in (handle.id, "billing-monthly"):
+            await harness.client.get_schedule_handle(made).delete()
+
+
 async def test_a_billing_schedule_unread_for_a_moment_is_read_again_not_called_gone(
     harness: Harness,
 ) -> None:
@@ -3078,15 +3085,8 @@ async def test_a_billing_schedule_unread_for_a_moment_is_read_again_not_called_g
     await firing_every(harness, "billing-monthly", 3600, paused=True)
     code, _, err = await harness.starter("schedule", "create", "--reconcile", "--paused")
     assert code == 0, err
-    handle = harness.client.get_schedule_handle(schedules.RECONCILE_SCHEDULE_ID)
     moment = ScheduleReads(fail_first=True)
-    try:
-        async with harness.running_worker(interceptors=[moment]):
-            await handle.trigger()
-            details, _ = await _ended_with(await _nth_launch(harness.client, handle, 1))
-    finally:
-        for made in (handle.id, "billing-monthly"):
-            await harness.client.get_schedule_handle(made).delete()
+    details, _ = await _checked_once(harness, moment)
     assert moment.failed == 1
     assert "gone or could not be read" not in details, details
 
