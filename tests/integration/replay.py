@@ -6,14 +6,13 @@ import os
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
-from temporalio.api.enums.v1 import EventType
-from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer, UnsandboxedWorkflowRunner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 from temporalio.workflow import NondeterminismError
 
 from billing.data_converter import DATA_CONVERTER
+from tests.integration.timeline import events
 from worker import WORKFLOWS
 
 HISTORIES = Path(__file__).resolve().parent.parent / "histories"
@@ -55,33 +54,6 @@ async def replay(histories: Iterable[WorkflowHistory]) -> None:
                 # which fails as NondeterminismError, and a real deadlock fails every try.
                 if DEADLOCK not in str(failure) or not tries_left:
                     raise
-
-
-def events(history: WorkflowHistory) -> str:
-    """The history an event a line, with what each event names (a patch, an activity, a
-    child, an update): where a replay parted from it."""
-    lines = [f"{history.workflow_id} {history.run_id}:"]
-    for event in history.events:
-        name = EventType.Name(event.event_type).removeprefix("EVENT_TYPE_")
-        lines.append(f"  {event.event_id} {name} {_named(event)}".rstrip())
-    return "\n".join(lines)
-
-
-def _named(event: HistoryEvent) -> str:
-    if event.HasField("marker_recorded_event_attributes"):
-        details = event.marker_recorded_event_attributes.details
-        for key in ("patch-data", "data"):
-            if key in details and details[key].payloads:
-                return details[key].payloads[0].data.decode(errors="replace")[:120]
-        return event.marker_recorded_event_attributes.marker_name
-    if event.HasField("activity_task_scheduled_event_attributes"):
-        return event.activity_task_scheduled_event_attributes.activity_type.name
-    if event.HasField("start_child_workflow_execution_initiated_event_attributes"):
-        return event.start_child_workflow_execution_initiated_event_attributes.workflow_id
-    if event.HasField("workflow_execution_update_accepted_event_attributes"):
-        attributes = event.workflow_execution_update_accepted_event_attributes
-        return attributes.accepted_request.input.name
-    return ""
 
 
 def keep(histories: Iterable[WorkflowHistory]) -> None:
